@@ -1,0 +1,1 @@
+"""The idem_middleware example app (see PROTOCOL §7 and the README)."""

@@ -1,0 +1,102 @@
+"""What a handler sees of the idempotent operation it runs in."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+from .errors import ConfigurationError
+from .policy import Mode
+
+#: The ASGI scope entry holding the IdempotencyContext of a claimed request.
+SCOPE_KEY = "idem_middleware.context"
+
+
+class Outcome(StrEnum):
+    """How a claimed request ends; the handler may declare one instead of its status deciding."""
+
+    #: Stored and replayed (2xx and 3xx by default).
+    SUCCEEDED = "succeeded"
+    #: Definitely did not happen and will not be retried: stored and replayed (402, ...).
+    FAILED_FINAL = "failed_final"
+    #: Nothing happened, fix and retry: not stored, the key is free again (400, 409, 422, ...).
+    RELEASE = "release"
+    #: Lease mode only: the effect may or may not have happened elsewhere.
+    UNKNOWN = "unknown"
+
+
+#: Responses meaning "nothing happened, fix the request and retry" (PROTOCOL §4).
+RELEASE_STATUSES = frozenset({400, 401, 403, 404, 405, 408, 409, 413, 415, 422, 425, 429})
+
+
+def outcome_for_status(status: int, mode: Mode) -> Outcome:
+    if status < 400:
+        return Outcome.SUCCEEDED
+    if status in RELEASE_STATUSES:
+        return Outcome.RELEASE
+    if status < 500:
+        return Outcome.FAILED_FINAL
+    # A 5xx after a rolled-back transaction left nothing behind; elsewhere it proves nothing.
+    return Outcome.RELEASE if mode is Mode.TRANSACTIONAL else Outcome.UNKNOWN
+
+
+def _length_prefixed(*parts: str) -> bytes:
+    out = bytearray()
+    for part in parts:
+        raw = part.encode()
+        out += len(raw).to_bytes(8, "big") + raw
+    return bytes(out)
+
+
+def derive_downstream_key(tenant: str, operation: str, key: str) -> str:
+    """A stable idempotency key for a third party, the same on every retry of one request.
+
+    Derived from the key space only (never from the generation), so a takeover or a reconciliation
+    re-sends the same key and the downstream system deduplicates it.
+    """
+    digest = hashlib.sha256(b"idem-downstream-1" + _length_prefixed(tenant, operation, key))
+    return digest.hexdigest()
+
+
+def key_digest(key: str) -> str:
+    """A short digest of a raw key for logs: raw keys are never logged above debug level."""
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+@dataclass(slots=True, eq=False, kw_only=True)
+class IdempotencyContext:
+    tenant: str
+    operation: str
+    key: str
+    #: The fencing token of this execution.
+    generation: int
+    mode: Mode
+    #: Transactional mode: the connection whose transaction commits with the outcome.
+    connection: Any
+    downstream_key: str
+    declared: Outcome | None = None
+
+    def declare(self, outcome: Outcome) -> None:
+        """Decide the outcome explicitly, whatever the response status turns out to be."""
+        if outcome is Outcome.UNKNOWN and self.mode is Mode.TRANSACTIONAL:
+            raise ConfigurationError(
+                "a transactional route cannot end unknown: its effects roll back with it"
+            )
+        self.declared = outcome
+
+
+def get_context(scope_or_request: Mapping[str, Any] | Any) -> IdempotencyContext:
+    """The context of the current request (pass the ASGI scope or a Starlette Request).
+
+    Raises LookupError when the request is not running under a claim (an unguarded route, or a
+    route whose key is optional and was not sent).
+    """
+    scope = getattr(scope_or_request, "scope", scope_or_request)
+    context = scope.get(SCOPE_KEY)
+    if context is None:
+        raise LookupError("this request is not running under an idempotency claim")
+    assert isinstance(context, IdempotencyContext)
+    return context

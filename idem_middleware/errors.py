@@ -1,0 +1,44 @@
+"""The library's exceptions, and the kinds of problem a client can be told about."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class ProblemKind(StrEnum):
+    """Each kind of refusal a client can see; the value is the stable suffix of its `type` URI."""
+
+    MISSING_KEY = "missing-key"
+    INVALID_KEY = "invalid-key"
+    KEY_REUSED = "key-reused"
+    IN_FLIGHT = "request-in-flight"
+    OUTCOME_UNKNOWN = "outcome-unknown"
+    BODY_INVALID = "body-invalid"
+    BODY_TOO_LARGE = "body-too-large"
+    UNAUTHENTICATED = "unauthenticated"
+    STORE_UNAVAILABLE = "store-unavailable"
+
+
+class IdempotencyError(Exception):
+    """Base class of every exception this library raises."""
+
+
+class RequestRejected(IdempotencyError):
+    """A request refused before anything was claimed; the middleware turns it into problem+json."""
+
+    def __init__(self, kind: ProblemKind, detail: str) -> None:
+        super().__init__(detail)
+        self.kind = kind
+        self.detail = detail
+
+
+class StoreError(IdempotencyError):
+    """The store could not do what was asked (connection lost, server gone)."""
+
+
+class StaleGeneration(IdempotencyError):
+    """A completion, heartbeat or fenced write under a generation that is no longer current."""
+
+
+class ConfigurationError(IdempotencyError):
+    """The middleware or a policy was configured inconsistently."""

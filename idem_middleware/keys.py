@@ -1,0 +1,59 @@
+"""Parsing of the Idempotency-Key request header (an RFC 8941 sf-string, or a bare token)."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+from .errors import ProblemKind, RequestRejected
+
+__all__ = ["MAX_KEY_LENGTH", "parse_idempotency_key"]
+
+MAX_KEY_LENGTH = 255
+
+_HEADER_NAME = b"idempotency-key"
+_HEADER_NAME_LEN = len(_HEADER_NAME)
+_OWS = b" \t"
+
+# The whole header value once OWS is stripped: a quote, then printable ASCII other than `"`
+# and `\`, or one of the two escapes sf-string allows, then the closing quote and nothing else.
+_SF_STRING = re.compile(rb'"((?:[\x20\x21\x23-\x5b\x5d-\x7e]|\\["\\])*)"')
+_SF_ESCAPE = re.compile(rb"\\(.)")
+# Bare tokens are kept for clients that never quoted the key; `"` is excluded so a broken
+# quoted value can never be read as a token.
+_BARE_TOKEN = re.compile(rb"[\x21\x23-\x7e]{1,%d}" % MAX_KEY_LENGTH)
+
+_DUPLICATE = "The Idempotency-Key header must be sent only once."
+_MALFORMED = "The Idempotency-Key header is not a valid structured-field string."
+_BAD_KEY = f"The Idempotency-Key must be 1 to {MAX_KEY_LENGTH} printable ASCII characters."
+
+
+def parse_idempotency_key(headers: Sequence[tuple[bytes, bytes]]) -> str | None:
+    """Return the key from raw ASGI headers, None when absent; RequestRejected when invalid."""
+    raw: bytes | None = None
+    for name, value in headers:
+        # ASGI servers lower-case names, but a hand-built scope may not; the length test
+        # keeps the lower() off almost every other header.
+        if len(name) == _HEADER_NAME_LEN and (name == _HEADER_NAME or name.lower() == _HEADER_NAME):
+            if raw is not None:
+                raise RequestRejected(ProblemKind.INVALID_KEY, _DUPLICATE)
+            raw = value
+    if raw is None:
+        return None
+
+    value = raw.strip(_OWS)
+    if value[:1] == b'"':
+        match = _SF_STRING.fullmatch(value)
+        if match is None:
+            raise RequestRejected(ProblemKind.INVALID_KEY, _MALFORMED)
+        key = match.group(1)
+        if b"\\" in key:
+            key = _SF_ESCAPE.sub(rb"\1", key)
+        if not 0 < len(key) <= MAX_KEY_LENGTH:
+            raise RequestRejected(ProblemKind.INVALID_KEY, _BAD_KEY)
+    elif _BARE_TOKEN.fullmatch(value) is not None:
+        key = value
+    else:
+        raise RequestRejected(ProblemKind.INVALID_KEY, _BAD_KEY)
+    # Both branches admit only 0x20-0x7e, so ASCII decoding cannot fail.
+    return key.decode("ascii")

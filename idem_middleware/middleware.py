@@ -1,0 +1,511 @@
+"""The pure-ASGI Idempotency-Key middleware: request buffering, response capture, settling.
+
+No SQL here and no FastAPI: the store does the former, `fastapi.py` the latter.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import logging
+import os
+from collections.abc import Awaitable, Callable, Collection, Mapping
+from typing import Any
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from .context import (
+    SCOPE_KEY,
+    IdempotencyContext,
+    Outcome,
+    derive_downstream_key,
+    key_digest,
+    outcome_for_status,
+)
+from .errors import ConfigurationError, ProblemKind, RequestRejected, StoreError
+from .fingerprint import compute_fingerprint
+from .keys import parse_idempotency_key
+from .policy import Mode, Policy, RouteMatch, endpoint_policy, match_route, operation_name
+from .responses import DEFAULT_PROBLEM_BASE, send_problem, send_replay, storable_headers
+from .store.base import (
+    ClaimTimeout,
+    Record,
+    RecordKey,
+    RetryableConflict,
+    State,
+    Store,
+    StoredResponse,
+)
+
+logger = logging.getLogger("idem_middleware")
+
+TenantResolver = Callable[[Scope], "Awaitable[str | None] | str | None"]
+
+#: Setting this environment variable to 1/true/yes turns the middleware into a pass-through.
+KILL_SWITCH_ENV = "IDEM_MIDDLEWARE_DISABLED"
+
+_DEFAULT_METHODS = frozenset({"POST", "PATCH"})
+# Methods a route may opt into with an explicit policy; safe methods are never guarded.
+_OPT_IN_METHODS = frozenset({"PUT", "DELETE"})
+_RETRYABLE_SQLSTATES = frozenset({"40001", "40P01"})
+_STORED = {Outcome.SUCCEEDED: State.SUCCEEDED, Outcome.FAILED_FINAL: State.FAILED_FINAL}
+
+
+def authenticated_user_tenant(scope: Scope) -> str | None:
+    """The default tenant: the identity of the user Starlette's AuthenticationMiddleware set."""
+    user = scope.get("user")
+    if user is None or not getattr(user, "is_authenticated", False):
+        return None
+    try:
+        identity = user.identity
+    except NotImplementedError:
+        identity = user.display_name
+    return str(identity) or None
+
+
+def _kill_switch_on() -> bool:
+    return os.environ.get(KILL_SWITCH_ENV, "").strip().lower() in {"1", "true", "yes", "on"}
+
+
+class _ClientGone(Exception):
+    """The client disconnected while a transactional handler ran; its work was rolled back."""
+
+
+class IdempotencyMiddleware:
+    """Guards POST and PATCH (and PUT/DELETE routes with an explicit policy) with Idempotency-Key.
+
+    Add it *inside* authentication, so the tenant resolver sees the authenticated user.
+    """
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        store: Store,
+        default_policy: Policy | None = None,
+        policies: Mapping[str, Policy] | None = None,
+        methods: Collection[str] = _DEFAULT_METHODS,
+        tenant_resolver: TenantResolver = authenticated_user_tenant,
+        problem_base: str = DEFAULT_PROBLEM_BASE,
+        acquire_timeout: float = 10.0,
+        enabled: bool | None = None,
+    ) -> None:
+        self.app = app
+        self.store = store
+        self.default_policy = default_policy or Policy()
+        self.methods = frozenset(m.upper() for m in methods)
+        if self.methods & {"GET", "HEAD", "OPTIONS", "TRACE"}:
+            raise ConfigurationError("safe methods are never guarded")
+        self.policies: dict[str, Policy] = {}
+        for name, policy in (policies or {}).items():
+            method, _, template = name.partition(" ")
+            if not template.startswith("/") or method.upper() != method:
+                raise ConfigurationError(f"policy key {name!r} is not 'METHOD /template'")
+            self.policies[name] = policy
+        self._candidate_methods = self.methods | _OPT_IN_METHODS
+        self.tenant_resolver = tenant_resolver
+        self.problem_base = problem_base
+        self.acquire_timeout = acquire_timeout
+        self.enabled = (not _kill_switch_on()) if enabled is None else enabled
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if (
+            scope["type"] != "http"
+            or scope["method"] not in self._candidate_methods
+            or not self.enabled
+        ):
+            await self.app(scope, receive, send)
+            return
+        router = getattr(scope.get("app"), "router", None)
+        match = match_route(router.routes, scope) if router is not None else None
+        policy = self._policy_for(scope["method"], match) if match is not None else None
+        if match is None or policy is None:
+            await self.app(scope, receive, send)
+            return
+        await _Exchange(self, scope, receive, send, match, policy).run()
+
+    def _policy_for(self, method: str, match: RouteMatch) -> Policy | None:
+        policy = endpoint_policy(match.endpoint) or self.policies.get(
+            operation_name(method, match.template)
+        )
+        if policy is None and method in self.methods:
+            policy = self.default_policy
+        return policy if policy is not None and policy.guard else None
+
+
+class _Exchange:
+    """One guarded request: everything per-request lives here, never on the middleware."""
+
+    def __init__(
+        self,
+        mw: IdempotencyMiddleware,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        match: RouteMatch,
+        policy: Policy,
+    ) -> None:
+        self.mw = mw
+        self.scope = scope
+        self.receive = receive
+        self.send = send
+        self.match = match
+        self.policy = policy
+        self.operation = operation_name(scope["method"], match.template)
+        self.body = b""
+        self.started = False  # whether anything reached the client
+        self.disconnected: asyncio.Event | None = None
+        self.body_delivered = False
+
+    async def problem(self, kind: ProblemKind, detail: str, retry_after: int | None = None) -> None:
+        self.started = True
+        await send_problem(
+            self.send, kind, detail, base=self.mw.problem_base, retry_after=retry_after
+        )
+
+    async def run(self) -> None:
+        policy = self.policy
+        try:
+            key = parse_idempotency_key(self.scope["headers"])
+            key_error = None
+        except RequestRejected as exc:
+            key, key_error = None, exc
+        if key is None and key_error is None and not policy.key_required:
+            await self.mw.app(self.scope, self.receive, self.send)
+            return
+        tenant = await self._tenant()
+        if tenant is None:
+            await self.problem(
+                ProblemKind.UNAUTHENTICATED, "This operation needs an authenticated caller."
+            )
+            return
+        if key_error is not None:
+            await self.problem(key_error.kind, key_error.detail)
+            return
+        if key is None:
+            await self.problem(
+                ProblemKind.MISSING_KEY, "Send an Idempotency-Key header with this request."
+            )
+            return
+        try:
+            body = await self._read_body()
+            if body is None:
+                return  # the client left before sending its body: nothing was claimed
+            self.body = body
+            fingerprint = compute_fingerprint(
+                operation=self.operation,
+                path_params=self.match.path_params,
+                query_string=self.scope.get("query_string", b""),
+                headers=self.scope["headers"],
+                include_headers=policy.include_headers,
+                content_type=self._header(b"content-type"),
+                body=body,
+                exclude_fields=policy.exclude_fields,
+            )
+        except RequestRejected as exc:
+            await self.problem(exc.kind, exc.detail)
+            return
+        record_key = RecordKey(tenant, self.operation, key)
+        try:
+            if policy.mode is Mode.TRANSACTIONAL:
+                await self._run_transactional(record_key, fingerprint)
+            else:
+                raise ConfigurationError("lease mode is not available yet")
+        except StoreError:
+            logger.warning(
+                "idempotency store unavailable",
+                extra={
+                    "tenant": tenant,
+                    "operation": self.operation,
+                    "key_digest": key_digest(key),
+                },
+                exc_info=True,
+            )
+            if not self.started:
+                await self.problem(
+                    ProblemKind.STORE_UNAVAILABLE,
+                    "The request was not processed, or its outcome is not yet known; retry it "
+                    "with the same Idempotency-Key.",
+                    retry_after=1,
+                )
+        except _ClientGone:
+            logger.debug("client disconnected; the claim was rolled back")
+
+    async def _tenant(self) -> str | None:
+        resolved = self.mw.tenant_resolver(self.scope)
+        if inspect.isawaitable(resolved):
+            resolved = await resolved
+        if resolved:
+            return resolved
+        return "" if self.policy.allow_anonymous else None
+
+    def _header(self, name: bytes) -> bytes | None:
+        for key, value in self.scope["headers"]:
+            if key == name:
+                return value  # type: ignore[no-any-return]
+        return None
+
+    async def _read_body(self) -> bytes | None:
+        cap = self.policy.max_body_bytes
+        declared = self._header(b"content-length")
+        if declared is not None:
+            try:
+                length = int(declared)
+            except ValueError:
+                raise RequestRejected(
+                    ProblemKind.BODY_INVALID, "Content-Length is not a number."
+                ) from None
+            if length > cap:
+                raise RequestRejected(
+                    ProblemKind.BODY_TOO_LARGE, f"The body may be at most {cap} bytes."
+                )
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await self.receive()
+            if message["type"] == "http.disconnect":
+                return None
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > cap:
+                raise RequestRejected(
+                    ProblemKind.BODY_TOO_LARGE, f"The body may be at most {cap} bytes."
+                )
+            if chunk:
+                chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+    async def _app_receive(self) -> Message:
+        if not self.body_delivered:
+            self.body_delivered = True
+            return {"type": "http.request", "body": self.body, "more_body": False}
+        if self.disconnected is not None:
+            await self.disconnected.wait()
+            return {"type": "http.disconnect"}
+        return await self.receive()
+
+    async def _answer(self, record: Record, fingerprint: bytes) -> None:
+        """What a duplicate gets (PROTOCOL §3); the fingerprint is compared first, in any state."""
+        if record.fingerprint != fingerprint:
+            await self.problem(
+                ProblemKind.KEY_REUSED,
+                "This Idempotency-Key was used for a different request; use a new key for a new "
+                "request.",
+            )
+        elif record.state in (State.SUCCEEDED, State.FAILED_FINAL) and record.response is not None:
+            self.started = True
+            await send_replay(self.send, record.response)
+        elif record.state is State.UNKNOWN:
+            await self.problem(
+                ProblemKind.OUTCOME_UNKNOWN,
+                "The original request's outcome is not known yet; it will not be run again "
+                "until it is resolved.",
+            )
+        else:
+            await self.problem(
+                ProblemKind.IN_FLIGHT,
+                "The original request is still being processed; retry later.",
+                retry_after=self.policy.retry_after_seconds,
+            )
+
+    # -- transactional mode --------------------------------------------------------------------
+
+    async def _run_transactional(self, record_key: RecordKey, fingerprint: bytes) -> None:
+        retries = self.policy.max_serialization_retries
+        for attempt in range(retries + 1):
+            try:
+                await _TransactionalAttempt(self, record_key, fingerprint).run()
+                return
+            except RetryableConflict:
+                if attempt == retries or self.started:
+                    await self.problem(
+                        ProblemKind.IN_FLIGHT,
+                        "A concurrent request conflicted with this one; retry it.",
+                        retry_after=self.policy.retry_after_seconds,
+                    )
+                    return
+            except BaseException as exc:
+                if getattr(exc, "sqlstate", None) not in _RETRYABLE_SQLSTATES:
+                    raise
+                if attempt == retries or self.started:
+                    raise
+            logger.debug("serialization failure; running the transaction again")
+            self.body_delivered = False
+
+
+class _TransactionalAttempt:
+    """One run of claim, handler and outcome inside one database transaction."""
+
+    def __init__(self, ex: _Exchange, record_key: RecordKey, fingerprint: bytes) -> None:
+        self.ex = ex
+        self.record_key = record_key
+        self.fingerprint = fingerprint
+        self.tx: Any = None
+        self.generation = 0
+        self.context: IdempotencyContext | None = None
+        self.start: Message | None = None
+        self.chunks: list[bytes] = []
+        self.size = 0
+        self.complete = False
+        self.passthrough = False  # settled early: messages now go straight to the client
+
+    async def run(self) -> None:
+        ex = self.ex
+        policy = ex.policy
+        async with ex.mw.store.transaction(acquire_timeout=ex.mw.acquire_timeout) as tx:
+            self.tx = tx
+            try:
+                claim = await tx.claim(
+                    self.record_key,
+                    self.fingerprint,
+                    retention_seconds=policy.retention_seconds,
+                    wait_seconds=policy.wait_seconds,
+                )
+            except ClaimTimeout:
+                await tx.rollback()
+                await ex.problem(
+                    ProblemKind.IN_FLIGHT,
+                    "The original request is still being processed; retry later.",
+                    retry_after=policy.retry_after_seconds,
+                )
+                return
+            if not claim.claimed:
+                await tx.rollback()  # give the connection back before writing to the client
+                assert claim.record is not None
+                await ex._answer(claim.record, self.fingerprint)
+                return
+            self.generation = claim.generation
+            self.context = IdempotencyContext(
+                tenant=self.record_key.tenant,
+                operation=self.record_key.operation,
+                key=self.record_key.key,
+                generation=claim.generation,
+                mode=Mode.TRANSACTIONAL,
+                connection=tx.connection,
+                downstream_key=derive_downstream_key(
+                    self.record_key.tenant, self.record_key.operation, self.record_key.key
+                ),
+            )
+            ex.scope[SCOPE_KEY] = self.context
+            try:
+                await self._run_handler()
+            except BaseException:
+                # Clean up, then re-raise: the rollback releases the key.
+                await tx.rollback()
+                raise
+            finally:
+                ex.scope.pop(SCOPE_KEY, None)
+            if self.passthrough:
+                return
+            if self.start is None or not self.complete:
+                await tx.rollback()
+                raise RuntimeError("the application returned without a complete response")
+            await self._settle(final=True)
+            await self._flush()
+
+    async def _run_handler(self) -> None:
+        """Run the app; a client disconnect cancels it (its writes roll back with the claim)."""
+        ex = self.ex
+        ex.disconnected = asyncio.Event()
+        app_task = asyncio.ensure_future(ex.mw.app(ex.scope, ex._app_receive, self._capture))
+        watch = asyncio.ensure_future(ex.receive())
+        try:
+            await asyncio.wait((app_task, watch), return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            # We are being cancelled (server shutdown): stop the handler before settling.
+            watch.cancel()
+            app_task.cancel()
+            await asyncio.gather(app_task, return_exceptions=True)
+            raise
+        if app_task.done():
+            watch.cancel()
+            ex.disconnected = None
+            app_task.result()  # re-raises the handler's exception
+            return
+        message = watch.result()
+        if message["type"] == "http.disconnect":
+            ex.disconnected.set()
+        app_task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await app_task
+        if self.passthrough:
+            return  # it was already streaming: the outcome is settled
+        raise _ClientGone
+
+    async def _capture(self, message: Message) -> None:
+        if self.passthrough:
+            await self.ex.send(message)
+            return
+        kind = message["type"]
+        if kind == "http.response.start":
+            self.start = message
+            content_type = dict(message.get("headers", ())).get(b"content-type", b"")
+            if content_type.startswith(b"text/event-stream"):
+                await self._go_passthrough("streaming")
+            return
+        if kind != "http.response.body":
+            # Trailers, pathsend and the like cannot be buffered faithfully.
+            await self._go_passthrough("streaming")
+            await self.ex.send(message)
+            return
+        chunk = message.get("body", b"")
+        self.size += len(chunk)
+        if chunk:
+            self.chunks.append(chunk)
+        if self.size > self.ex.policy.max_response_bytes:
+            await self._go_passthrough("too-large", last=not message.get("more_body", False))
+            return
+        if not message.get("more_body", False):
+            self.complete = True
+
+    async def _go_passthrough(self, reason: str, last: bool = False) -> None:
+        """Settle the record now, before any byte leaves, then stream the rest unbuffered."""
+        assert self.start is not None
+        await self._settle(final=False, omitted=reason)
+        self.passthrough = True
+        await self._flush(more_body=not last)
+
+    async def _settle(self, *, final: bool, omitted: str | None = None) -> None:
+        assert self.start is not None
+        assert self.context is not None
+        status: int = self.start["status"]
+        outcome = self.context.declared or outcome_for_status(status, Mode.TRANSACTIONAL)
+        state = _STORED.get(outcome)
+        tx = self.tx
+        if state is None:
+            await tx.rollback()
+        else:
+            body = b"" if omitted else b"".join(self.chunks)
+            response = StoredResponse(
+                status=status,
+                headers=storable_headers(self.start.get("headers", ())),
+                body=body,
+                body_omitted=omitted,
+            )
+            await tx.complete(self.record_key, self.generation, state, response)
+            await tx.commit()
+        logger.debug(
+            "settled",
+            extra={
+                "tenant": self.record_key.tenant,
+                "operation": self.record_key.operation,
+                "key_digest": key_digest(self.record_key.key),
+                "outcome": outcome.value,
+                "generation": self.generation,
+            },
+        )
+        if not final:
+            # Writes the handler makes while streaming must not commit outside the claim: they
+            # run in a transaction that is rolled back when the request ends.
+            await tx.begin()
+
+    async def _flush(self, more_body: bool = False) -> None:
+        assert self.start is not None
+        self.ex.started = True
+        await self.ex.send(self.start)
+        body = self.chunks[0] if len(self.chunks) == 1 else b"".join(self.chunks)
+        self.chunks = []
+        await self.ex.send({"type": "http.response.body", "body": body, "more_body": more_body})

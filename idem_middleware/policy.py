@@ -1,0 +1,151 @@
+"""Per-route idempotency policy, and finding the route (and its template) a request matches."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any, TypeVar
+
+from starlette.routing import BaseRoute, Match, Mount, Route
+from starlette.types import Scope
+
+from .errors import ConfigurationError
+
+POLICY_ATTRIBUTE = "__idempotency_policy__"
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class Mode(StrEnum):
+    """Where a route's effects live, and so how its record is settled."""
+
+    #: Effects are in the same PostgreSQL database: one transaction for claim, writes and outcome.
+    TRANSACTIONAL = "transactional"
+    #: Effects may live elsewhere: the claim commits first, under a lease and a generation.
+    LEASE = "lease"
+
+
+class LeaseExpiry(StrEnum):
+    """What a lapsed lease turns into."""
+
+    UNKNOWN = "unknown"
+    TAKEOVER = "takeover"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Policy:
+    """How one route is guarded. Immutable; build variants with `dataclasses.replace`."""
+
+    #: False turns the route into a plain pass-through.
+    guard: bool = True
+    #: A missing `Idempotency-Key` is a 400; when False the request runs unprotected.
+    key_required: bool = True
+    #: Accept requests with no authenticated tenant; they share one anonymous key space.
+    allow_anonymous: bool = False
+    #: JSON members left out of the fingerprint: top-level names, or JSON Pointers ("/a/b").
+    exclude_fields: tuple[str, ...] = ()
+    #: Request headers that are part of the fingerprint (an API version, say).
+    include_headers: tuple[str, ...] = ()
+    #: Largest request body accepted, in bytes (inclusive); larger is a 413 before any claim.
+    max_body_bytes: int = 1024 * 1024
+    #: Largest response stored for replay, in bytes (inclusive). See the README on larger ones.
+    max_response_bytes: int = 1024 * 1024
+    #: How long a duplicate waits for the original to finish before it gets a 409.
+    wait_seconds: float = 5.0
+    #: The `Retry-After` sent with a 409 for a request still in flight.
+    retry_after_seconds: int = 1
+    #: How long a finished outcome is kept and replayed.
+    retention_seconds: float = 24 * 3600.0
+    mode: Mode = Mode.TRANSACTIONAL
+    #: Lease mode: how long a claim is held without a heartbeat.
+    lease_seconds: float = 30.0
+    #: Lease mode: what a lapsed lease becomes.
+    on_lease_expiry: LeaseExpiry = LeaseExpiry.UNKNOWN
+    #: Transactional mode: how many times a serialization failure or deadlock is retried.
+    max_serialization_retries: int = 3
+
+    def __post_init__(self) -> None:
+        if self.max_body_bytes < 0 or self.max_response_bytes < 0:
+            raise ConfigurationError("body caps must not be negative")
+        if self.wait_seconds < 0:
+            raise ConfigurationError("wait_seconds must not be negative")
+        if self.retention_seconds <= 0:
+            raise ConfigurationError("retention_seconds must be positive")
+        if self.lease_seconds <= 0:
+            raise ConfigurationError("lease_seconds must be positive")
+        if self.retry_after_seconds < 0:
+            raise ConfigurationError("retry_after_seconds must not be negative")
+        if self.max_serialization_retries < 0:
+            raise ConfigurationError("max_serialization_retries must not be negative")
+        # Header names are compared in lower case, as ASGI delivers them.
+        object.__setattr__(self, "include_headers", tuple(h.lower() for h in self.include_headers))
+
+    def replace(self, **changes: Any) -> Policy:
+        return dataclasses.replace(self, **changes)
+
+
+def idempotent(policy: Policy | None = None, /, **options: Any) -> Callable[[F], F]:
+    """Attach a policy to an endpoint: `@idempotent(mode=Mode.LEASE)` or `@idempotent(policy)`.
+
+    The function is returned unchanged (its signature matters to FastAPI); only an attribute is set.
+    """
+    if policy is not None and options:
+        raise ConfigurationError("pass a Policy or keyword options, not both")
+    chosen = policy if policy is not None else Policy(**options)
+
+    def decorate(endpoint: F) -> F:
+        setattr(endpoint, POLICY_ATTRIBUTE, chosen)
+        return endpoint
+
+    return decorate
+
+
+def not_idempotent(endpoint: F) -> F:
+    """Exempt one endpoint from guarding (a POST that is a query, say)."""
+    setattr(endpoint, POLICY_ATTRIBUTE, Policy(guard=False))
+    return endpoint
+
+
+@dataclass(frozen=True, slots=True)
+class RouteMatch:
+    """The route a request matched: its template (with mount prefixes) and path parameters."""
+
+    template: str
+    path_params: Mapping[str, Any]
+    endpoint: Any
+
+
+def match_route(routes: list[BaseRoute], scope: Scope, prefix: str = "") -> RouteMatch | None:
+    """Find the route the router will dispatch to, the same way Starlette's router does.
+
+    Only a FULL match counts: a path whose route rejects the method is the app's 405, not ours.
+    """
+    for route in routes:
+        match, child = route.matches(scope)
+        if match is not Match.FULL:
+            continue
+        if isinstance(route, Route):
+            return RouteMatch(prefix + route.path, child["path_params"], child["endpoint"])
+        if isinstance(route, Mount):
+            sub_routes = getattr(route.app, "routes", None)
+            if sub_routes is None:
+                return None
+            sub_scope = {**scope, **child}
+            return match_route(list(sub_routes), sub_scope, prefix + route.path)
+        # Another kind of route (a Host, a custom one) that reports FULL: take its path if any.
+        path = getattr(route, "path", None)
+        if isinstance(path, str):
+            return RouteMatch(prefix + path, child.get("path_params", {}), child.get("endpoint"))
+        return None
+    return None
+
+
+def endpoint_policy(endpoint: Any) -> Policy | None:
+    policy = getattr(endpoint, POLICY_ATTRIBUTE, None)
+    return policy if isinstance(policy, Policy) else None
+
+
+def operation_name(method: str, template: str) -> str:
+    return f"{method} {template}"

@@ -1,0 +1,106 @@
+"""Responses the middleware writes itself: problem+json refusals and stored-response replays."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import orjson
+from starlette.types import Send
+
+from .errors import ProblemKind
+from .store.base import StoredResponse
+
+#: The `type` URIs are this prefix plus the kind (see ProblemKind); they never change.
+DEFAULT_PROBLEM_BASE = "urn:idem-middleware:problem:"
+
+_TITLES: dict[ProblemKind, tuple[int, str]] = {
+    ProblemKind.MISSING_KEY: (400, "Idempotency-Key is missing"),
+    ProblemKind.INVALID_KEY: (400, "Idempotency-Key is invalid"),
+    ProblemKind.KEY_REUSED: (422, "Idempotency-Key is already used for a different request"),
+    ProblemKind.IN_FLIGHT: (409, "A request is outstanding for this Idempotency-Key"),
+    ProblemKind.OUTCOME_UNKNOWN: (409, "The outcome of the original request is unknown"),
+    ProblemKind.BODY_INVALID: (400, "The request body is invalid"),
+    ProblemKind.BODY_TOO_LARGE: (413, "The request body is too large"),
+    ProblemKind.UNAUTHENTICATED: (401, "Authentication is required"),
+    ProblemKind.STORE_UNAVAILABLE: (503, "The idempotency store is unavailable"),
+}
+
+# Never stored or replayed: per-connection (hop-by-hop), per-response (Date, Server), framing
+# that is recomputed (Content-Length), and credentials (Set-Cookie).
+_DROPPED_HEADERS = frozenset(
+    {
+        b"connection",
+        b"keep-alive",
+        b"proxy-authenticate",
+        b"proxy-authorization",
+        b"te",
+        b"trailer",
+        b"transfer-encoding",
+        b"upgrade",
+        b"set-cookie",
+        b"date",
+        b"server",
+        b"content-length",
+        b"idempotent-replayed",
+    }
+)
+
+REPLAYED_HEADER = (b"idempotent-replayed", b"true")
+
+
+def problem_status(kind: ProblemKind) -> int:
+    return _TITLES[kind][0]
+
+
+def problem_title(kind: ProblemKind) -> str:
+    return _TITLES[kind][1]
+
+
+async def send_problem(
+    send: Send,
+    kind: ProblemKind,
+    detail: str,
+    *,
+    base: str = DEFAULT_PROBLEM_BASE,
+    retry_after: int | None = None,
+    instance: str | None = None,
+) -> None:
+    """Send an RFC 9457 problem+json response. The one place refusals are built."""
+    status, title = _TITLES[kind]
+    problem: dict[str, object] = {
+        "type": base + kind.value,
+        "title": title,
+        "status": status,
+        "detail": detail,
+    }
+    if instance is not None:
+        problem["instance"] = instance
+    body = orjson.dumps(problem)
+    headers = [
+        (b"content-type", b"application/problem+json"),
+        (b"content-length", str(len(body)).encode()),
+    ]
+    if retry_after is not None:
+        headers.append((b"retry-after", str(retry_after).encode()))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+def storable_headers(headers: Sequence[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    return [(n, v) for n, v in headers if n.lower() not in _DROPPED_HEADERS]
+
+
+async def send_replay(send: Send, response: StoredResponse) -> None:
+    """Replay a stored response, marked `Idempotent-Replayed: true`."""
+    headers = list(response.headers)
+    body = response.body
+    if response.body_omitted is not None:
+        # The original body was never kept (see the README, "Large and streaming responses"):
+        # the status and headers say what happened; the empty body must not claim a type.
+        headers = [(n, v) for n, v in headers if n != b"content-type"]
+        headers.append((b"idempotency-body-omitted", response.body_omitted.encode()))
+        body = b""
+    headers.append((b"content-length", str(len(body)).encode()))
+    headers.append(REPLAYED_HEADER)
+    await send({"type": "http.response.start", "status": response.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})

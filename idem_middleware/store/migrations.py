@@ -1,0 +1,41 @@
+"""Applying the numbered migrations. Run by `idem-middleware migrate`, never at request time."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import asyncpg
+
+from .. import sql
+
+# Concurrent migrators (several app hosts starting at once) queue on this transaction lock.
+_LOCK_ID = 0x1DE4_0001
+
+
+async def applied_versions(conn: asyncpg.Connection[Any]) -> set[int]:
+    exists = await conn.fetchval("SELECT to_regclass('idem_schema_migrations') IS NOT NULL")
+    if not exists:
+        return set()
+    return {r["version"] for r in await conn.fetch("SELECT version FROM idem_schema_migrations")}
+
+
+async def migrate(conn: asyncpg.Connection[Any]) -> list[int]:
+    """Apply the migrations this database lacks, in one transaction; return those applied."""
+    applied: list[int] = []
+    async with conn.transaction():
+        await conn.execute("SELECT pg_advisory_xact_lock($1)", _LOCK_ID)
+        done = await applied_versions(conn)
+        for version, name, text in sql.migrations():
+            if version in done:
+                continue
+            await conn.execute(text)
+            await conn.execute(
+                "INSERT INTO idem_schema_migrations (version, name) VALUES ($1, $2)", version, name
+            )
+            applied.append(version)
+    return applied
+
+
+async def pending_versions(conn: asyncpg.Connection[Any]) -> list[int]:
+    done = await applied_versions(conn)
+    return [v for v, _, _ in sql.migrations() if v not in done]
