@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
@@ -78,6 +79,26 @@ class IdempotencyContext:
     connection: Any
     downstream_key: str
     declared: Outcome | None = None
+    #: Lease mode: opens (once) the fenced transaction; set by the middleware.
+    _fence: Callable[[], Awaitable[Any]] | None = field(default=None, repr=False)
+    #: Lease mode: set when a heartbeat found this generation no longer holds the claim.
+    lease_lost: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
+
+    async def fenced_connection(self) -> Any:
+        """A connection whose transaction commits together with this request's outcome.
+
+        Transactional mode: the claim's own connection. Lease mode: a transaction that locks the
+        record under this generation; if the generation is no longer current (the lease was taken
+        over), StaleGeneration is raised and nothing written here can commit.
+        """
+        if self._fence is None:
+            return self.connection
+        return await self._fence()
+
+    @property
+    def fencing_token(self) -> int:
+        """The generation, for downstream systems that can reject a stale writer."""
+        return self.generation
 
     def declare(self, outcome: Outcome) -> None:
         """Decide the outcome explicitly, whatever the response status turns out to be."""

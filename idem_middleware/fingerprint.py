@@ -188,55 +188,69 @@ def _dump_str(value: str) -> bytes:
         raise ValueError("JSON strings must not contain unpaired surrogates") from None
 
 
-def _utf16_order(item: tuple[str, object]) -> bytes:
+def _utf16_order(key: str) -> bytes:
     # Big-endian UTF-16 bytes compare exactly as the code units RFC 8785 sorts by.
-    return item[0].encode("utf-16-be", "surrogatepass")
+    return key.encode("utf-16-be", "surrogatepass")
 
 
 def _write(value: object, out: Callable[[bytes], object]) -> None:
-    if isinstance(value, str):
-        out(_dump_str(value))
-    elif isinstance(value, dict):
-        members: dict[Any, object] = value
+    # Exact type tests first: they are what the parser produces and the cheapest to check.
+    kind = type(value)
+    if kind is str:
+        out(_dump_str(value))  # type: ignore[arg-type]
+    elif kind is dict:
+        members: dict[Any, object] = value  # type: ignore[assignment]
         try:
-            ascii_keys = all(map(str.isascii, members))
-        except TypeError:
+            # For ASCII keys code-point order is UTF-16 order, and plain sorting is much cheaper.
+            if all(map(str.isascii, members)):
+                keys = sorted(members)
+            else:
+                keys = sorted(members, key=_utf16_order)
+        except (TypeError, AttributeError):
+            # str.isascii and str.encode both refuse a key that is not a str.
             raise TypeError("JSON object keys must be str") from None
-        # For ASCII keys code-point order is UTF-16 order, and plain sorting is much cheaper.
-        items = sorted(members.items(), key=itemgetter(0) if ascii_keys else _utf16_order)
+        separator = b""
         out(b"{")
-        first = True
-        for key, member in items:
-            if first:
-                first = False
-            else:
-                out(b",")
-            out(_dump_str(key))
-            out(b":")
-            _write(member, out)
+        for key in keys:
+            out(separator + _dump_str(key) + b":")
+            separator = b","
+            _write(members[key], out)
         out(b"}")
-    elif isinstance(value, list):
+    elif kind is list:
+        elements: list[object] = value  # type: ignore[assignment]
+        separator = b""
         out(b"[")
-        first = True
-        for element in value:
-            if first:
-                first = False
-            else:
-                out(b",")
+        for element in elements:
+            if separator:
+                out(separator)
+            separator = b","
             _write(element, out)
         out(b"]")
+    elif kind is int:
+        # Exact digits at any size: equal to JCS within ±2**53, the documented deviation beyond.
+        out(b"%d" % value)  # type: ignore[str-format]
+    elif kind is float:
+        out(_format_float(value))  # type: ignore[arg-type]
     elif value is None:
         out(b"null")
-    elif isinstance(value, bool):
-        # Before int: bool is an int subclass, and True must not become 1.
-        out(b"true" if value else b"false")
+    elif value is True:
+        out(b"true")
+    elif value is False:
+        out(b"false")
+    # Subclasses (StrEnum, IntEnum, OrderedDict, ...) are written as their base type.
+    elif isinstance(value, str):
+        out(_dump_str(value))
+    elif isinstance(value, dict):
+        _write(dict(value), out)
+    elif isinstance(value, list):
+        _write(list(value), out)
     elif isinstance(value, int):
-        # Exact digits at any size: equal to JCS within ±2**53, the documented deviation beyond.
+        # bool cannot be subclassed, so True and False were handled above.
         out(b"%d" % value)
     elif isinstance(value, float):
-        out(_format_float(value))
+        out(_format_float(float(value)))
     else:
-        raise TypeError(f"cannot canonicalise a {type(value).__name__} as JSON")
+        raise TypeError(f"cannot canonicalise a {kind.__name__} as JSON")
 
 
 def canonical_json(value: object) -> bytes:

@@ -12,9 +12,11 @@ import logging
 import os
 from collections.abc import Awaitable, Callable, Collection, Mapping
 from typing import Any
+from urllib.parse import urlencode
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from .capture import ResponseCapture
 from .context import (
     SCOPE_KEY,
     IdempotencyContext,
@@ -26,8 +28,14 @@ from .context import (
 from .errors import ConfigurationError, ProblemKind, RequestRejected, StoreError
 from .fingerprint import compute_fingerprint
 from .keys import parse_idempotency_key
+from .lease import LeaseRun
 from .policy import Mode, Policy, RouteMatch, endpoint_policy, match_route, operation_name
-from .responses import DEFAULT_PROBLEM_BASE, send_problem, send_replay, storable_headers
+from .responses import (
+    DEFAULT_PROBLEM_BASE,
+    send_accepted,
+    send_problem,
+    send_replay,
+)
 from .store.base import (
     ClaimTimeout,
     Record,
@@ -35,7 +43,6 @@ from .store.base import (
     RetryableConflict,
     State,
     Store,
-    StoredResponse,
 )
 
 logger = logging.getLogger("idem_middleware")
@@ -90,6 +97,7 @@ class IdempotencyMiddleware:
         problem_base: str = DEFAULT_PROBLEM_BASE,
         acquire_timeout: float = 10.0,
         enabled: bool | None = None,
+        status_path: str = "/idempotency/status",
     ) -> None:
         self.app = app
         self.store = store
@@ -107,6 +115,7 @@ class IdempotencyMiddleware:
         self.tenant_resolver = tenant_resolver
         self.problem_base = problem_base
         self.acquire_timeout = acquire_timeout
+        self.status_path = status_path
         self.enabled = (not _kill_switch_on()) if enabled is None else enabled
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -157,6 +166,32 @@ class _Exchange:
         self.started = False  # whether anything reached the client
         self.disconnected: asyncio.Event | None = None
         self.body_delivered = False
+
+    @property
+    def app(self) -> ASGIApp:
+        return self.mw.app
+
+    @property
+    def store(self) -> Store:
+        return self.mw.store
+
+    @property
+    def app_receive(self) -> Receive:
+        return self._app_receive
+
+    async def answer_in_flight(self, record_key: RecordKey) -> None:
+        """The wait ran out: 409 + Retry-After, or 202 + Location if the policy says so."""
+        if self.policy.accept_while_in_flight:
+            query = urlencode({"operation": record_key.operation, "key": record_key.key})
+            location = f"{self.mw.status_path}?{query}"
+            self.started = True
+            await send_accepted(self.send, location, self.policy.retry_after_seconds)
+            return
+        await self.problem(
+            ProblemKind.IN_FLIGHT,
+            "The original request is still being processed; retry later.",
+            retry_after=self.policy.retry_after_seconds,
+        )
 
     async def problem(self, kind: ProblemKind, detail: str, retry_after: int | None = None) -> None:
         self.started = True
@@ -211,7 +246,7 @@ class _Exchange:
             if policy.mode is Mode.TRANSACTIONAL:
                 await self._run_transactional(record_key, fingerprint)
             else:
-                raise ConfigurationError("lease mode is not available yet")
+                await LeaseRun(self, record_key, fingerprint).run()
         except StoreError:
             logger.warning(
                 "idempotency store unavailable",
@@ -344,13 +379,8 @@ class _TransactionalAttempt:
         self.record_key = record_key
         self.fingerprint = fingerprint
         self.tx: Any = None
-        self.generation = 0
         self.context: IdempotencyContext | None = None
-        self.start: Message | None = None
-        self.chunks: list[bytes] = []
-        self.size = 0
-        self.complete = False
-        self.passthrough = False  # settled early: messages now go straight to the client
+        self.capture = ResponseCapture(ex.send, ex.policy.max_response_bytes, self._settle_early)
 
     async def run(self) -> None:
         ex = self.ex
@@ -366,18 +396,13 @@ class _TransactionalAttempt:
                 )
             except ClaimTimeout:
                 await tx.rollback()
-                await ex.problem(
-                    ProblemKind.IN_FLIGHT,
-                    "The original request is still being processed; retry later.",
-                    retry_after=policy.retry_after_seconds,
-                )
+                await ex.answer_in_flight(self.record_key)
                 return
             if not claim.claimed:
                 await tx.rollback()  # give the connection back before writing to the client
                 assert claim.record is not None
                 await ex._answer(claim.record, self.fingerprint)
                 return
-            self.generation = claim.generation
             self.context = IdempotencyContext(
                 tenant=self.record_key.tenant,
                 operation=self.record_key.operation,
@@ -398,19 +423,21 @@ class _TransactionalAttempt:
                 raise
             finally:
                 ex.scope.pop(SCOPE_KEY, None)
-            if self.passthrough:
+            capture = self.capture
+            if capture.passthrough:
                 return
-            if self.start is None or not self.complete:
+            if capture.start is None or not capture.complete:
                 await tx.rollback()
                 raise RuntimeError("the application returned without a complete response")
-            await self._settle(final=True)
-            await self._flush()
+            await self._settle()
+            ex.started = True
+            await capture.flush()
 
     async def _run_handler(self) -> None:
         """Run the app; a client disconnect cancels it (its writes roll back with the claim)."""
         ex = self.ex
         ex.disconnected = asyncio.Event()
-        app_task = asyncio.ensure_future(ex.mw.app(ex.scope, ex._app_receive, self._capture))
+        app_task = asyncio.ensure_future(ex.mw.app(ex.scope, ex._app_receive, self.capture))
         watch = asyncio.ensure_future(ex.receive())
         try:
             await asyncio.wait((app_task, watch), return_when=asyncio.FIRST_COMPLETED)
@@ -431,62 +458,28 @@ class _TransactionalAttempt:
         app_task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await app_task
-        if self.passthrough:
+        if self.capture.passthrough:
             return  # it was already streaming: the outcome is settled
         raise _ClientGone
 
-    async def _capture(self, message: Message) -> None:
-        if self.passthrough:
-            await self.ex.send(message)
-            return
-        kind = message["type"]
-        if kind == "http.response.start":
-            self.start = message
-            content_type = dict(message.get("headers", ())).get(b"content-type", b"")
-            if content_type.startswith(b"text/event-stream"):
-                await self._go_passthrough("streaming")
-            return
-        if kind != "http.response.body":
-            # Trailers, pathsend and the like cannot be buffered faithfully.
-            await self._go_passthrough("streaming")
-            await self.ex.send(message)
-            return
-        chunk = message.get("body", b"")
-        self.size += len(chunk)
-        if chunk:
-            self.chunks.append(chunk)
-        if self.size > self.ex.policy.max_response_bytes:
-            await self._go_passthrough("too-large", last=not message.get("more_body", False))
-            return
-        if not message.get("more_body", False):
-            self.complete = True
+    async def _settle_early(self, reason: str) -> None:
+        await self._settle(omitted=reason)
+        # Writes the handler makes while streaming must not commit outside the claim: they run
+        # in a transaction that is rolled back when the request ends.
+        await self.tx.begin()
 
-    async def _go_passthrough(self, reason: str, last: bool = False) -> None:
-        """Settle the record now, before any byte leaves, then stream the rest unbuffered."""
-        assert self.start is not None
-        await self._settle(final=False, omitted=reason)
-        self.passthrough = True
-        await self._flush(more_body=not last)
-
-    async def _settle(self, *, final: bool, omitted: str | None = None) -> None:
-        assert self.start is not None
+    async def _settle(self, omitted: str | None = None) -> None:
         assert self.context is not None
-        status: int = self.start["status"]
-        outcome = self.context.declared or outcome_for_status(status, Mode.TRANSACTIONAL)
+        capture = self.capture
+        outcome = self.context.declared or outcome_for_status(capture.status, Mode.TRANSACTIONAL)
         state = _STORED.get(outcome)
-        tx = self.tx
         if state is None:
-            await tx.rollback()
+            await self.tx.rollback()
         else:
-            body = b"" if omitted else b"".join(self.chunks)
-            response = StoredResponse(
-                status=status,
-                headers=storable_headers(self.start.get("headers", ())),
-                body=body,
-                body_omitted=omitted,
+            await self.tx.complete(
+                self.record_key, self.context.generation, state, capture.stored(omitted)
             )
-            await tx.complete(self.record_key, self.generation, state, response)
-            await tx.commit()
+            await self.tx.commit()
         logger.debug(
             "settled",
             extra={
@@ -494,18 +487,6 @@ class _TransactionalAttempt:
                 "operation": self.record_key.operation,
                 "key_digest": key_digest(self.record_key.key),
                 "outcome": outcome.value,
-                "generation": self.generation,
+                "generation": self.context.generation,
             },
         )
-        if not final:
-            # Writes the handler makes while streaming must not commit outside the claim: they
-            # run in a transaction that is rolled back when the request ends.
-            await tx.begin()
-
-    async def _flush(self, more_body: bool = False) -> None:
-        assert self.start is not None
-        self.ex.started = True
-        await self.ex.send(self.start)
-        body = self.chunks[0] if len(self.chunks) == 1 else b"".join(self.chunks)
-        self.chunks = []
-        await self.ex.send({"type": "http.response.body", "body": body, "more_body": more_body})

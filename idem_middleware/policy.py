@@ -12,6 +12,7 @@ from starlette.routing import BaseRoute, Match, Mount, Route
 from starlette.types import Scope
 
 from .errors import ConfigurationError
+from .reconcile import Reconciler
 
 POLICY_ATTRIBUTE = "__idempotency_policy__"
 
@@ -65,6 +66,13 @@ class Policy:
     on_lease_expiry: LeaseExpiry = LeaseExpiry.UNKNOWN
     #: Transactional mode: how many times a serialization failure or deadlock is retried.
     max_serialization_retries: int = 3
+    #: Lease mode: asks the downstream system about an unknown outcome (see reconcile.py).
+    reconciler: Reconciler | None = None
+    #: Lease mode: the bound on one reconciler call made for a waiting retry.
+    reconcile_timeout_seconds: float = 5.0
+    #: Lease mode: when the wait runs out, answer 202 + Location of the status resource
+    #: instead of 409 + Retry-After.
+    accept_while_in_flight: bool = False
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 0 or self.max_response_bytes < 0:
@@ -77,6 +85,8 @@ class Policy:
             raise ConfigurationError("lease_seconds must be positive")
         if self.retry_after_seconds < 0:
             raise ConfigurationError("retry_after_seconds must not be negative")
+        if self.reconcile_timeout_seconds <= 0:
+            raise ConfigurationError("reconcile_timeout_seconds must be positive")
         if self.max_serialization_retries < 0:
             raise ConfigurationError("max_serialization_retries must not be negative")
         # Header names are compared in lower case, as ASGI delivers them.

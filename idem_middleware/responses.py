@@ -86,6 +86,19 @@ async def send_problem(
     await send({"type": "http.response.body", "body": body})
 
 
+async def send_accepted(send: Send, location: str, retry_after: int) -> None:
+    """202: the original request is still running; its status is at `location`."""
+    body = orjson.dumps({"status": "processing", "location": location})
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+        (b"location", location.encode("latin-1")),
+        (b"retry-after", str(retry_after).encode()),
+    ]
+    await send({"type": "http.response.start", "status": 202, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
 def storable_headers(headers: Sequence[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
     return [(n, v) for n, v in headers if n.lower() not in _DROPPED_HEADERS]
 
@@ -100,7 +113,9 @@ async def send_replay(send: Send, response: StoredResponse) -> None:
         headers = [(n, v) for n, v in headers if n != b"content-type"]
         headers.append((b"idempotency-body-omitted", response.body_omitted.encode()))
         body = b""
-    headers.append((b"content-length", str(len(body)).encode()))
+    if not (response.status < 200 or response.status in (204, 304)):
+        # RFC 9110 §8.6: never on a 1xx or 204; on a 304 it would describe the 200's body.
+        headers.append((b"content-length", str(len(body)).encode()))
     headers.append(REPLAYED_HEADER)
     await send({"type": "http.response.start", "status": response.status, "headers": headers})
     await send({"type": "http.response.body", "body": body})

@@ -19,12 +19,13 @@ WITH ins AS (
 SELECT true AS claimed, ins.generation, NULL::bytea AS fingerprint, NULL::text AS state,
        NULL::integer AS response_status, NULL::bytea AS response_headers,
        NULL::bytea AS response_body, NULL::text AS body_omitted,
-       false AS expired, false AS lease_expired
+       false AS expired, false AS lease_expired, false AS retry_allowed
 FROM ins
 UNION ALL
 SELECT false, r.generation, r.fingerprint, r.state,
        r.response_status, r.response_headers, r.response_body, r.body_omitted,
-       r.expires_at <= now(), r.lease_expires_at <= now()
+       r.expires_at <= now(), r.lease_expires_at <= now(),
+       r.state = 'pending' AND r.mode = 'lease' AND r.lease_expires_at IS NULL
 FROM idem_requests r
 WHERE r.tenant = $1 AND r.operation = $2 AND r.idem_key = $3
   AND NOT EXISTS (SELECT FROM ins);
@@ -49,7 +50,8 @@ RETURNING generation;
 -- $1 tenant, $2 operation, $3 key
 SELECT true AS found, generation, fingerprint, state,
        response_status, response_headers, response_body, body_omitted,
-       expires_at <= now() AS expired, lease_expires_at <= now() AS lease_expired
+       expires_at <= now() AS expired, lease_expires_at <= now() AS lease_expired,
+       state = 'pending' AND mode = 'lease' AND lease_expires_at IS NULL AS retry_allowed
 FROM idem_requests
 WHERE tenant = $1 AND operation = $2 AND idem_key = $3;
 
@@ -84,3 +86,100 @@ SELECT state, count(*) AS count,
        EXTRACT(EPOCH FROM now() - min(updated_at))::float8 AS oldest_age_seconds
 FROM idem_requests
 GROUP BY state;
+
+-- name: heartbeat
+-- Renew the lease of the claim held under a generation. Matches nothing once the generation is
+-- stale or the record is settled, so a renewal can never land after a completion or a takeover.
+-- $1 tenant, $2 operation, $3 key, $4 generation, $5 lease (seconds)
+UPDATE idem_requests
+SET lease_expires_at = now() + make_interval(secs => $5::float8)
+WHERE tenant = $1 AND operation = $2 AND idem_key = $3
+  AND generation = $4 AND state = 'pending';
+
+-- name: expire_lease
+-- A pending record whose lease lapsed becomes unknown: a lost lease does not prove the effect
+-- did not happen. $1 tenant, $2 operation, $3 key, $4 generation
+WITH moved AS (
+    UPDATE idem_requests
+    SET state = 'unknown', updated_at = now(), lease_expires_at = NULL, note = 'lease expired'
+    WHERE tenant = $1 AND operation = $2 AND idem_key = $3
+      AND generation = $4 AND state = 'pending' AND lease_expires_at <= now()
+    RETURNING 1
+)
+SELECT count(*) AS moved FROM moved;
+
+-- name: takeover
+-- Become the executor of a record under a new generation: a pending record whose lease lapsed
+-- (or was released for a retry: no lease), or an unknown one reconciled as "did not happen".
+-- $1 tenant, $2 operation, $3 key, $4 expected generation, $5 expected state, $6 lease (seconds)
+UPDATE idem_requests
+SET generation = nextval('idem_generation_seq'), state = 'pending', updated_at = now(),
+    lease_expires_at = now() + make_interval(secs => $6::float8)
+WHERE tenant = $1 AND operation = $2 AND idem_key = $3 AND generation = $4 AND state = $5
+  AND (state <> 'pending' OR lease_expires_at IS NULL OR lease_expires_at <= now())
+RETURNING generation;
+
+-- name: fence
+-- Lock the record for a fenced transaction, if the generation is still the current executor.
+-- Held until that transaction ends, so no takeover can slip between the check and the commit.
+-- $1 tenant, $2 operation, $3 key, $4 generation, $5 expected state
+SELECT 1 FROM idem_requests
+WHERE tenant = $1 AND operation = $2 AND idem_key = $3 AND generation = $4 AND state = $5
+FOR UPDATE;
+
+-- name: settle
+-- Lease mode and operators: move a record from an expected state under a generation to its
+-- outcome, and wake the waiters (NOTIFY is delivered at commit). A final state gets its response
+-- and its retention clock; unknown gets neither.
+-- $1 tenant, $2 operation, $3 key, $4 generation, $5 expected state, $6 new state, $7 status,
+-- $8 headers, $9 body, $10 body_omitted, $11 note, $12 notification payload
+WITH settled AS (
+    UPDATE idem_requests
+    SET state = $6, updated_at = now(), lease_expires_at = NULL,
+        expires_at = CASE WHEN $6 IN ('succeeded', 'failed_final') THEN now() + retention END,
+        response_status = $7, response_headers = $8, response_body = $9, body_omitted = $10,
+        note = coalesce($11, note)
+    WHERE tenant = $1 AND operation = $2 AND idem_key = $3 AND generation = $4 AND state = $5
+    RETURNING 1
+)
+SELECT count(*) AS settled, pg_notify('idem_middleware', $12) AS notified FROM settled;
+
+-- name: release
+-- Forget a claim whose request did nothing (a 4xx meaning "fix and retry"), and wake waiters.
+-- $1 tenant, $2 operation, $3 key, $4 generation, $5 notification payload
+WITH released AS (
+    DELETE FROM idem_requests
+    WHERE tenant = $1 AND operation = $2 AND idem_key = $3
+      AND generation = $4 AND state = 'pending'
+    RETURNING 1
+)
+SELECT count(*) AS released, pg_notify('idem_middleware', $5) AS notified FROM released;
+
+-- name: allow_retry
+-- An operator (or a reconciler run by the CLI) decided an unknown request did not happen: it
+-- becomes claimable by the client's next retry, under a new generation and with no lease.
+-- $1 tenant, $2 operation, $3 key, $4 generation, $5 note, $6 notification payload
+WITH moved AS (
+    UPDATE idem_requests
+    SET state = 'pending', generation = nextval('idem_generation_seq'), updated_at = now(),
+        lease_expires_at = NULL, note = $5
+    WHERE tenant = $1 AND operation = $2 AND idem_key = $3 AND generation = $4
+      AND state = 'unknown'
+    RETURNING 1
+)
+SELECT count(*) AS moved, pg_notify('idem_middleware', $6) AS notified FROM moved;
+
+-- name: list_records
+-- Operators: records by state, optionally one tenant and/or operation, oldest first.
+-- $1 states (text[]), $2 tenant or NULL, $3 operation or NULL, $4 limit, $5 stale pending
+-- only: lease lapsed (bool)
+SELECT tenant, operation, idem_key, state, generation, mode, created_at, updated_at,
+       lease_expires_at, expires_at, response_status, note,
+       lease_expires_at <= now() AS lease_expired
+FROM idem_requests
+WHERE state = ANY($1::text[])
+  AND ($2::text IS NULL OR tenant = $2)
+  AND ($3::text IS NULL OR operation = $3)
+  AND (NOT $5 OR state <> 'pending' OR lease_expires_at IS NULL OR lease_expires_at <= now())
+ORDER BY updated_at
+LIMIT $4;

@@ -52,6 +52,8 @@ class Record:
     expired: bool = False
     #: A pending record whose lease has lapsed (lease mode).
     lease_expired: bool = False
+    #: A pending record with no executor, released for the client's next retry (lease mode).
+    retry_allowed: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,6 +125,51 @@ class TransactionSession(Protocol):
         """Start a new transaction on the same connection (after an early commit)."""
 
 
+@dataclass(frozen=True, slots=True)
+class Settlement:
+    """An outcome to record: a final state with its response, unknown, or a release."""
+
+    state: State
+    response: StoredResponse | None = None
+    note: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RecordSummary:
+    """A record as an operator lists it (no stored body)."""
+
+    key: RecordKey
+    state: State
+    generation: int
+    mode: str
+    created_at: Any
+    updated_at: Any
+    lease_expires_at: Any
+    expires_at: Any
+    response_status: int | None
+    note: str | None
+    lease_expired: bool
+
+
+class Watch(Protocol):
+    async def wait(self, seconds: float) -> bool:
+        """Wait for a change notification; False after `seconds` (or if nothing can notify)."""
+
+
+class FencedSession(Protocol):
+    """A transaction that holds the record's row lock under the executor's generation.
+
+    The handler's business writes go on `connection`; the settlement commits with them, or
+    neither does. Opening it fails with StaleGeneration if the generation is no longer current.
+    """
+
+    @property
+    def connection(self) -> Any: ...
+
+    async def settle(self, key: RecordKey, generation: int, expected: State, s: Settlement) -> bool:
+        """Record the outcome in this transaction; False if the generation is no longer current."""
+
+
 class Store(Protocol):
     """What the middleware needs of a store. The PostgreSQL store is the real one."""
 
@@ -133,3 +180,48 @@ class Store(Protocol):
 
     async def get(self, key: RecordKey) -> Record | None:
         """The committed record, if any."""
+
+    # -- lease mode: every call commits on its own -----------------------------------------------
+
+    async def claim_lease(
+        self, key: RecordKey, fingerprint: bytes, *, retention_seconds: float, lease_seconds: float
+    ) -> Claim:
+        """Commit a pending claim with a lease, or return the record that holds the key."""
+
+    async def heartbeat(self, key: RecordKey, generation: int, lease_seconds: float) -> bool:
+        """Renew the lease; False if this generation no longer holds a pending claim."""
+
+    async def expire_lease(self, key: RecordKey, generation: int) -> bool:
+        """pending with a lapsed lease -> unknown; False if that is not the record's state."""
+
+    async def takeover(
+        self, key: RecordKey, generation: int, expected: State, lease_seconds: float
+    ) -> int | None:
+        """Become the executor under a new generation (see queries.sql `takeover`)."""
+
+    async def settle(self, key: RecordKey, generation: int, expected: State, s: Settlement) -> bool:
+        """Move the record from `expected` under `generation` to the settlement; wake waiters."""
+
+    async def release(self, key: RecordKey, generation: int) -> bool:
+        """Delete a pending claim whose request did nothing; wake waiters."""
+
+    async def allow_retry(self, key: RecordKey, generation: int, note: str) -> bool:
+        """unknown -> pending without a lease: the client's next retry takes it over."""
+
+    def fenced(
+        self, key: RecordKey, generation: int, expected: State = State.PENDING
+    ) -> AbstractAsyncContextManager[FencedSession]:
+        """A fenced transaction (see FencedSession); commits on a clean exit."""
+
+    def watch(self, key: RecordKey) -> AbstractAsyncContextManager[Watch]:
+        """Listen for changes of one record; enter it *before* reading the record."""
+
+    async def list_records(
+        self,
+        *,
+        states: Sequence[State],
+        tenant: str | None = None,
+        operation: str | None = None,
+        limit: int = 100,
+        stale_only: bool = False,
+    ) -> list[RecordSummary]: ...

@@ -12,12 +12,21 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
 
-from ..errors import StoreError
-from .base import Claim, ClaimTimeout, Record, RecordKey, State, StoredResponse
+from ..errors import StaleGeneration, StoreError
+from .base import (
+    Claim,
+    ClaimTimeout,
+    Record,
+    RecordKey,
+    RecordSummary,
+    Settlement,
+    State,
+    StoredResponse,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +37,11 @@ class _Row:
     retention: float
     expires_at: float | None = None
     response: StoredResponse | None = None
+    mode: str = "transactional"
+    lease_expires_at: float | None = None
+    created_at: float = 0.0
+    updated_at: float = 0.0
+    note: str | None = None
 
     def record(self, key: RecordKey, now: float) -> Record:
         return Record(
@@ -37,6 +51,12 @@ class _Row:
             generation=self.generation,
             response=self.response,
             expired=self.expires_at is not None and self.expires_at <= now,
+            lease_expired=self.lease_expires_at is not None and self.lease_expires_at <= now,
+            retry_allowed=(
+                self.state is State.PENDING
+                and self.mode == "lease"
+                and self.lease_expires_at is None
+            ),
         )
 
 
@@ -100,7 +120,15 @@ class _MemoryTransaction:
                 await asyncio.wait_for(owner.wait(), remaining)
             except TimeoutError:
                 raise ClaimTimeout("waited too long for a concurrent claim") from None
-        fresh = _Row(fingerprint, State.PENDING, next(store._generations), retention_seconds)
+        now = store.clock()
+        fresh = _Row(
+            fingerprint,
+            State.PENDING,
+            next(store._generations),
+            retention_seconds,
+            created_at=now,
+            updated_at=now,
+        )
         current = self._staged.get(key) or store._rows.get(key)
         if current is None:
             return self._own(key, fresh)
@@ -115,12 +143,41 @@ class _MemoryTransaction:
         row = self._staged.get(key)
         if row is None or row.generation != generation or row.state is not State.PENDING:
             raise StoreError("completion matched no pending record")
+        now = self._store.clock()
         self._staged[key] = replace(
-            row,
-            state=state,
-            response=response,
-            expires_at=self._store.clock() + row.retention,
+            row, state=state, response=response, expires_at=now + row.retention, updated_at=now
         )
+
+
+class _MemoryFenced:
+    """Settlements made in a fenced session apply when it ends cleanly, as a commit would."""
+
+    def __init__(self, store: MemoryStore) -> None:
+        self._store = store
+        self.pending: list[tuple[RecordKey, int, State, Settlement]] = []
+
+    @property
+    def connection(self) -> None:
+        return None
+
+    async def settle(self, key: RecordKey, generation: int, expected: State, s: Settlement) -> bool:
+        if self._store._current(key, generation, expected) is None:
+            return False
+        self.pending.append((key, generation, expected, s))
+        return True
+
+
+class _MemoryWatch:
+    def __init__(self, event: asyncio.Event) -> None:
+        self._event = event
+
+    async def wait(self, seconds: float) -> bool:
+        try:
+            await asyncio.wait_for(self._event.wait(), max(seconds, 0.0))
+        except TimeoutError:
+            return False
+        self._event.clear()
+        return True
 
 
 class MemoryStore:
@@ -131,6 +188,8 @@ class MemoryStore:
         self._rows: dict[RecordKey, _Row] = {}
         self._owners: dict[RecordKey, asyncio.Event] = {}
         self._generations = itertools.count(1)
+        self._watchers: dict[RecordKey, set[asyncio.Event]] = {}
+        self._fence_locks: dict[RecordKey, asyncio.Lock] = {}
 
     @asynccontextmanager
     async def transaction(self, *, acquire_timeout: float) -> AsyncIterator[_MemoryTransaction]:
@@ -148,6 +207,203 @@ class MemoryStore:
 
     async def open(self) -> MemoryStore:
         return self
+
+    # -- lease mode ------------------------------------------------------------------------------
+
+    def _current(self, key: RecordKey, generation: int, state: State) -> _Row | None:
+        """The committed row, if it is in `state` under `generation`."""
+        row = self._rows.get(key)
+        if row is None or row.generation != generation or row.state is not state:
+            return None
+        return row
+
+    def _changed(self, key: RecordKey) -> None:
+        for event in self._watchers.get(key, ()):
+            event.set()
+
+    async def claim_lease(
+        self, key: RecordKey, fingerprint: bytes, *, retention_seconds: float, lease_seconds: float
+    ) -> Claim:
+        # A transaction still holding the key (a transactional claim) is waited for, as the
+        # INSERT would wait on PostgreSQL; lease claims themselves commit at once.
+        owner = self._owners.get(key)
+        if owner is not None:
+            await owner.wait()
+        now = self.clock()
+        row = self._rows.get(key)
+        if row is not None:
+            record = row.record(key, now)
+            if not record.expired:
+                return Claim(False, row.generation, record)
+        fresh = _Row(
+            fingerprint,
+            State.PENDING,
+            next(self._generations),
+            retention_seconds,
+            mode="lease",
+            lease_expires_at=now + lease_seconds,
+            created_at=now,
+            updated_at=now,
+        )
+        self._rows[key] = fresh
+        return Claim(True, fresh.generation, None)
+
+    async def heartbeat(self, key: RecordKey, generation: int, lease_seconds: float) -> bool:
+        row = self._current(key, generation, State.PENDING)
+        if row is None:
+            return False
+        self._rows[key] = replace(row, lease_expires_at=self.clock() + lease_seconds)
+        return True
+
+    async def expire_lease(self, key: RecordKey, generation: int) -> bool:
+        row = self._current(key, generation, State.PENDING)
+        now = self.clock()
+        if row is None or row.lease_expires_at is None or row.lease_expires_at > now:
+            return False
+        self._rows[key] = replace(
+            row, state=State.UNKNOWN, lease_expires_at=None, updated_at=now, note="lease expired"
+        )
+        self._changed(key)
+        return True
+
+    async def takeover(
+        self, key: RecordKey, generation: int, expected: State, lease_seconds: float
+    ) -> int | None:
+        row = self._current(key, generation, expected)
+        now = self.clock()
+        if row is None:
+            return None
+        if expected is State.PENDING and (
+            row.lease_expires_at is not None and row.lease_expires_at > now
+        ):
+            return None
+        new = next(self._generations)
+        self._rows[key] = replace(
+            row,
+            state=State.PENDING,
+            generation=new,
+            lease_expires_at=now + lease_seconds,
+            updated_at=now,
+        )
+        return new
+
+    def _settle_now(self, key: RecordKey, generation: int, expected: State, s: Settlement) -> bool:
+        row = self._current(key, generation, expected)
+        if row is None:
+            return False
+        now = self.clock()
+        final = s.state in (State.SUCCEEDED, State.FAILED_FINAL)
+        self._rows[key] = replace(
+            row,
+            state=s.state,
+            response=s.response,
+            expires_at=now + row.retention if final else None,
+            lease_expires_at=None,
+            updated_at=now,
+            note=s.note if s.note is not None else row.note,
+        )
+        self._changed(key)
+        return True
+
+    async def settle(self, key: RecordKey, generation: int, expected: State, s: Settlement) -> bool:
+        return self._settle_now(key, generation, expected, s)
+
+    async def release(self, key: RecordKey, generation: int) -> bool:
+        if self._current(key, generation, State.PENDING) is None:
+            return False
+        del self._rows[key]
+        self._changed(key)
+        return True
+
+    async def allow_retry(self, key: RecordKey, generation: int, note: str) -> bool:
+        row = self._current(key, generation, State.UNKNOWN)
+        if row is None:
+            return False
+        self._rows[key] = replace(
+            row,
+            state=State.PENDING,
+            generation=next(self._generations),
+            lease_expires_at=None,
+            updated_at=self.clock(),
+            note=note,
+        )
+        self._changed(key)
+        return True
+
+    @asynccontextmanager
+    async def fenced(
+        self, key: RecordKey, generation: int, expected: State = State.PENDING
+    ) -> AsyncIterator[_MemoryFenced]:
+        # The row lock of the fenced transaction: one fenced session per key at a time.
+        lock = self._fence_locks.setdefault(key, asyncio.Lock())
+        async with lock:
+            if self._current(key, generation, expected) is None:
+                raise StaleGeneration(
+                    f"generation {generation} no longer holds the record; its writes are refused"
+                )
+            session = _MemoryFenced(self)
+            yield session
+            for args in session.pending:
+                self._settle_now(*args)
+
+    @asynccontextmanager
+    async def watch(self, key: RecordKey) -> AsyncIterator[_MemoryWatch]:
+        event = asyncio.Event()
+        self._watchers.setdefault(key, set()).add(event)
+        try:
+            yield _MemoryWatch(event)
+        finally:
+            self._watchers[key].discard(event)
+            if not self._watchers[key]:
+                del self._watchers[key]
+
+    async def list_records(
+        self,
+        *,
+        states: Sequence[State],
+        tenant: str | None = None,
+        operation: str | None = None,
+        limit: int = 100,
+        stale_only: bool = False,
+    ) -> list[RecordSummary]:
+        now = self.clock()
+        found = []
+        for key, row in self._rows.items():
+            if row.state not in states or tenant not in (None, key.tenant):
+                continue
+            if operation not in (None, key.operation):
+                continue
+            lapsed = row.lease_expires_at is None or row.lease_expires_at <= now
+            if stale_only and row.state is State.PENDING and not lapsed:
+                continue
+            found.append(
+                RecordSummary(
+                    key=key,
+                    state=row.state,
+                    generation=row.generation,
+                    mode=row.mode,
+                    created_at=row.created_at,
+                    updated_at=row.updated_at,
+                    lease_expires_at=row.lease_expires_at,
+                    expires_at=row.expires_at,
+                    response_status=None if row.response is None else row.response.status,
+                    note=row.note,
+                    lease_expired=row.lease_expires_at is not None and lapsed,
+                )
+            )
+        found.sort(key=lambda r: r.updated_at)
+        return found[:limit]
+
+    async def purge(self, *, batch_size: int = 1000, max_batches: int = 1000) -> int:
+        now = self.clock()
+        doomed = [
+            key
+            for key, row in self._rows.items()
+            if row.expires_at is not None and row.expires_at <= now and key not in self._owners
+        ][: batch_size * max_batches]
+        for key in doomed:
+            del self._rows[key]
+        return len(doomed)
 
     async def close(self) -> None:
         return None

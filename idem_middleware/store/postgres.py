@@ -3,6 +3,8 @@ protocol's decisions live in the middleware."""
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
 import logging
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
@@ -12,13 +14,15 @@ import asyncpg
 import orjson
 
 from .. import sql
-from ..errors import StoreError
+from ..errors import StaleGeneration, StoreError
 from .base import (
     Claim,
     ClaimTimeout,
     Record,
     RecordKey,
+    RecordSummary,
     RetryableConflict,
+    Settlement,
     State,
     StoredResponse,
     StoreStats,
@@ -45,6 +49,11 @@ _ACQUIRE_ERRORS: tuple[type[BaseException], ...] = (TimeoutError, *_CONNECTION_E
 _RETRYABLE: tuple[type[BaseException], ...] = (
     asyncpg.exceptions.SerializationError,
     asyncpg.exceptions.DeadlockDetectedError,
+)
+_LISTEN_ERRORS: tuple[type[BaseException], ...] = (
+    *_CONNECTION_ERRORS,
+    asyncpg.PostgresError,
+    StoreError,
 )
 _WAIT_EXCEEDED: tuple[type[BaseException], ...] = (
     TimeoutError,
@@ -82,6 +91,7 @@ def _record(key: RecordKey, row: asyncpg.Record) -> Record:
         response=response,
         expired=bool(row["expired"]),
         lease_expired=bool(row["lease_expired"]),
+        retry_allowed=bool(row["retry_allowed"]),
     )
 
 
@@ -91,6 +101,146 @@ def _translate(exc: BaseException) -> BaseException:
     if isinstance(exc, _CONNECTION_ERRORS):
         return StoreError(f"{type(exc).__name__}: {exc}")
     return exc
+
+
+#: The one channel lease-mode settlements notify on; the payload says which record.
+NOTIFY_CHANNEL = "idem_middleware"
+
+
+def notify_token(key: RecordKey) -> str:
+    """The NOTIFY payload for a record: short, fixed-length, and no raw key on the wire."""
+    raw = "\x00".join((key.tenant, key.operation, key.key)).encode()
+    return hashlib.sha256(raw).hexdigest()[:32]
+
+
+def _settle_args(
+    key: RecordKey, generation: int, expected: State, s: Settlement
+) -> tuple[Any, ...]:
+    r = s.response
+    return (
+        key.tenant,
+        key.operation,
+        key.key,
+        generation,
+        expected.value,
+        s.state.value,
+        None if r is None else r.status,
+        None if r is None else encode_headers(r.headers),
+        None if r is None else r.body,
+        None if r is None else r.body_omitted,
+        s.note,
+        notify_token(key),
+    )
+
+
+class _Listener:
+    """One LISTEN connection per store, fanning notifications out to the waiters in-process.
+
+    Notifications are hints: a waiter always re-reads the record, and polls when none come (a
+    lost notification, or PgBouncer in transaction mode, where LISTEN cannot work).
+    """
+
+    def __init__(self, store: PostgresStore) -> None:
+        self._store = store
+        self._conn: Any = None
+        self._pooled = False
+        self._lock = asyncio.Lock()
+        self._waiters: dict[str, set[asyncio.Event]] = {}
+        self._retry_at = 0.0
+
+    async def ensure(self) -> bool:
+        if not self._store._listen:
+            return False
+        if self._conn is not None and not self._conn.is_closed():
+            return True
+        loop = asyncio.get_running_loop()
+        if loop.time() < self._retry_at:
+            return False
+        async with self._lock:
+            if self._conn is not None and not self._conn.is_closed():
+                return True
+            try:
+                conn, self._pooled = await self._store._listen_connection()
+                await conn.add_listener(NOTIFY_CHANNEL, self._notified)
+                conn.add_termination_listener(self._lost)
+            except _LISTEN_ERRORS as exc:
+                logger.warning("LISTEN unavailable, polling instead: %s", exc)
+                self._retry_at = loop.time() + 5.0
+                return False
+            self._conn = conn
+            return True
+
+    def _notified(self, conn: object, pid: int, channel: str, payload: object) -> None:
+        for event in self._waiters.get(str(payload), ()):
+            event.set()
+
+    def _lost(self, conn: object) -> None:
+        self._conn = None
+        # Wake everyone: they re-read the record, then poll until a new listener is up.
+        for events in self._waiters.values():
+            for event in events:
+                event.set()
+
+    @asynccontextmanager
+    async def watch(self, key: RecordKey) -> AsyncIterator[_Watch]:
+        token = notify_token(key)
+        event = asyncio.Event()
+        listening = await self.ensure()
+        self._waiters.setdefault(token, set()).add(event)
+        try:
+            yield _Watch(event, listening)
+        finally:
+            waiters = self._waiters.get(token)
+            if waiters is not None:
+                waiters.discard(event)
+                if not waiters:
+                    del self._waiters[token]
+
+    async def close(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is None or conn.is_closed():
+            return
+        conn.remove_termination_listener(self._lost)
+        if self._pooled:
+            await self._store.pool.release(conn)
+        else:
+            await conn.close()
+
+
+class _Watch:
+    __slots__ = ("_event", "listening")
+
+    def __init__(self, event: asyncio.Event, listening: bool) -> None:
+        self._event = event
+        self.listening = listening
+
+    async def wait(self, seconds: float) -> bool:
+        try:
+            await asyncio.wait_for(self._event.wait(), max(seconds, 0.0))
+        except TimeoutError:
+            return False
+        self._event.clear()
+        return True
+
+
+class _PgFenced:
+    __slots__ = ("_conn",)
+
+    def __init__(self, conn: Any) -> None:
+        self._conn = conn
+
+    @property
+    def connection(self) -> Any:
+        return self._conn
+
+    async def settle(self, key: RecordKey, generation: int, expected: State, s: Settlement) -> bool:
+        try:
+            row = await self._conn.fetchrow(
+                _Q["settle"], *_settle_args(key, generation, expected, s)
+            )
+        except (*_CONNECTION_ERRORS, *_RETRYABLE) as exc:
+            raise _translate(exc) from exc
+        return bool(row["settled"])
 
 
 class _PgTransaction:
@@ -216,12 +366,17 @@ class PostgresStore:
         statement_cache_size: int = 100,
         application_name: str = "idem_middleware",
         connect_kwargs: dict[str, Any] | None = None,
+        listen: bool = True,
+        listen_dsn: str | None = None,
     ) -> None:
         if (pool is None) == (dsn is None):
             raise ValueError("pass exactly one of pool= or dsn=")
         self._pool = pool
         self._owns_pool = pool is None
         self._dsn = dsn
+        self._listen = listen
+        self._listen_dsn = listen_dsn or dsn
+        self._listener = _Listener(self)
         self._pool_kwargs: dict[str, Any] = {
             "min_size": min_size,
             "max_size": max_size,
@@ -245,6 +400,7 @@ class PostgresStore:
         return self
 
     async def close(self) -> None:
+        await self._listener.close()
         if self._owns_pool and self._pool is not None:
             pool, self._pool = self._pool, None
             await pool.close()
@@ -278,6 +434,192 @@ class PostgresStore:
         except _CONNECTION_ERRORS as exc:
             raise StoreError(str(exc)) from exc
         return None if row is None else _record(key, row)
+
+    # -- lease mode ------------------------------------------------------------------------------
+
+    async def claim_lease(
+        self, key: RecordKey, fingerprint: bytes, *, retention_seconds: float, lease_seconds: float
+    ) -> Claim:
+        args = (
+            key.tenant,
+            key.operation,
+            key.key,
+            fingerprint,
+            "lease",
+            retention_seconds,
+            lease_seconds,
+        )
+        try:
+            for _ in range(_CLAIM_ATTEMPTS):
+                rows = await self.pool.fetch(_Q["claim"], *args)
+                if rows:
+                    row = rows[0]
+                    if row["claimed"]:
+                        return Claim(True, row["generation"], None)
+                else:
+                    row = await self.pool.fetchrow(_Q["get"], *args[:3])
+                    if row is None:
+                        continue
+                record = _record(key, row)
+                if not record.expired:
+                    return Claim(False, record.generation, record)
+                generation = await self.pool.fetchval(_Q["reclaim_expired"], *args)
+                if generation is not None:
+                    return Claim(True, generation, None)
+        except _CONNECTION_ERRORS as exc:
+            raise StoreError(str(exc)) from exc
+        raise StoreError("the record kept changing under the claim")
+
+    async def _run(self, method: str, query: str, *args: Any) -> Any:
+        try:
+            return await getattr(self.pool, method)(query, *args)
+        except (*_CONNECTION_ERRORS, *_RETRYABLE) as exc:
+            raise _translate(exc) from exc
+
+    async def heartbeat(self, key: RecordKey, generation: int, lease_seconds: float) -> bool:
+        status = await self._run(
+            "execute",
+            _Q["heartbeat"],
+            key.tenant,
+            key.operation,
+            key.key,
+            generation,
+            lease_seconds,
+        )
+        return bool(status == "UPDATE 1")
+
+    async def expire_lease(self, key: RecordKey, generation: int) -> bool:
+        moved = await self._run(
+            "fetchval", _Q["expire_lease"], key.tenant, key.operation, key.key, generation
+        )
+        return bool(moved)
+
+    async def takeover(
+        self, key: RecordKey, generation: int, expected: State, lease_seconds: float
+    ) -> int | None:
+        new: int | None = await self._run(
+            "fetchval",
+            _Q["takeover"],
+            key.tenant,
+            key.operation,
+            key.key,
+            generation,
+            expected.value,
+            lease_seconds,
+        )
+        return new
+
+    async def settle(self, key: RecordKey, generation: int, expected: State, s: Settlement) -> bool:
+        row = await self._run("fetchrow", _Q["settle"], *_settle_args(key, generation, expected, s))
+        return bool(row["settled"])
+
+    async def release(self, key: RecordKey, generation: int) -> bool:
+        row = await self._run(
+            "fetchrow",
+            _Q["release"],
+            key.tenant,
+            key.operation,
+            key.key,
+            generation,
+            notify_token(key),
+        )
+        return bool(row["released"])
+
+    async def allow_retry(self, key: RecordKey, generation: int, note: str) -> bool:
+        row = await self._run(
+            "fetchrow",
+            _Q["allow_retry"],
+            key.tenant,
+            key.operation,
+            key.key,
+            generation,
+            note,
+            notify_token(key),
+        )
+        return bool(row["moved"])
+
+    @asynccontextmanager
+    async def fenced(
+        self, key: RecordKey, generation: int, expected: State = State.PENDING
+    ) -> AsyncIterator[_PgFenced]:
+        try:
+            conn = await self.pool.acquire()
+        except _ACQUIRE_ERRORS as exc:
+            raise StoreError(f"no database connection: {type(exc).__name__}") from exc
+        try:
+            tx = conn.transaction()
+            try:
+                await tx.start()
+                held = await conn.fetchval(
+                    _Q["fence"], key.tenant, key.operation, key.key, generation, expected.value
+                )
+            except _CONNECTION_ERRORS as exc:
+                raise StoreError(str(exc)) from exc
+            if held is None:
+                await tx.rollback()
+                raise StaleGeneration(
+                    f"generation {generation} no longer holds the record; its writes are refused"
+                )
+            try:
+                yield _PgFenced(conn)
+            except BaseException:
+                await tx.rollback()
+                raise
+            try:
+                await tx.commit()
+            except (*_CONNECTION_ERRORS, *_RETRYABLE) as exc:
+                raise _translate(exc) from exc
+        finally:
+            await self.pool.release(conn)
+
+    async def _listen_connection(self) -> tuple[Any, bool]:
+        """A connection for LISTEN: a dedicated one when we know the DSN, else one from the pool."""
+        if not self._listen:
+            raise StoreError("LISTEN is disabled for this store")
+        if self._listen_dsn is not None:
+            conn = await asyncpg.connect(
+                self._listen_dsn, server_settings={"application_name": "idem_middleware.listen"}
+            )
+            return conn, False
+        return await self.pool.acquire(), True
+
+    def watch(self, key: RecordKey) -> Any:
+        return self._listener.watch(key)
+
+    async def list_records(
+        self,
+        *,
+        states: Sequence[State],
+        tenant: str | None = None,
+        operation: str | None = None,
+        limit: int = 100,
+        stale_only: bool = False,
+    ) -> list[RecordSummary]:
+        rows = await self._run(
+            "fetch",
+            _Q["list_records"],
+            [s.value for s in states],
+            tenant,
+            operation,
+            limit,
+            stale_only,
+        )
+        return [
+            RecordSummary(
+                key=RecordKey(r["tenant"], r["operation"], r["idem_key"]),
+                state=State(r["state"]),
+                generation=r["generation"],
+                mode=r["mode"],
+                created_at=r["created_at"],
+                updated_at=r["updated_at"],
+                lease_expires_at=r["lease_expires_at"],
+                expires_at=r["expires_at"],
+                response_status=r["response_status"],
+                note=r["note"],
+                lease_expired=bool(r["lease_expired"]),
+            )
+            for r in rows
+        ]
 
     async def purge(self, *, batch_size: int = 1000, max_batches: int = 1000) -> int:
         """Delete finished records past their retention, one short transaction per batch.

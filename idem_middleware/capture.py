@@ -1,0 +1,100 @@
+"""Holding a handler's response until its outcome is recorded, or streaming it past a cap."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+
+from starlette.types import Message, Send
+
+from .responses import storable_headers
+from .store.base import StoredResponse
+
+
+class ResponseCapture:
+    """The `send` a claimed handler gets.
+
+    The response is held (a client must never see an outcome that was not recorded). A response
+    over `cap` bytes, a `text/event-stream` one, or an ASGI extension message cannot be held: then
+    `settle_early(reason)` records the outcome before the first byte leaves, and the rest streams
+    straight through.
+    """
+
+    __slots__ = (
+        "_cap",
+        "_send",
+        "_settle_early",
+        "chunks",
+        "complete",
+        "passthrough",
+        "size",
+        "start",
+    )
+
+    def __init__(
+        self, send: Send, cap: int, settle_early: Callable[[str], Awaitable[None]]
+    ) -> None:
+        self._send = send
+        self._cap = cap
+        self._settle_early = settle_early
+        self.start: Message | None = None
+        self.chunks: list[bytes] = []
+        self.size = 0
+        self.complete = False
+        self.passthrough = False
+
+    @property
+    def status(self) -> int:
+        assert self.start is not None
+        status: int = self.start["status"]
+        return status
+
+    async def __call__(self, message: Message) -> None:
+        if self.passthrough:
+            await self._send(message)
+            return
+        kind = message["type"]
+        if kind == "http.response.start":
+            self.start = message
+            content_type = dict(message.get("headers", ())).get(b"content-type", b"")
+            if content_type.startswith(b"text/event-stream"):
+                await self._go_passthrough("streaming", more_body=True)
+            return
+        if kind != "http.response.body":
+            # Trailers, pathsend and the like cannot be held faithfully.
+            await self._go_passthrough("streaming", more_body=True)
+            await self._send(message)
+            return
+        chunk = message.get("body", b"")
+        more = message.get("more_body", False)
+        self.size += len(chunk)
+        if chunk:
+            self.chunks.append(chunk)
+        if self.size > self._cap:
+            await self._go_passthrough("too-large", more_body=more)
+            return
+        if not more:
+            self.complete = True
+
+    async def _go_passthrough(self, reason: str, *, more_body: bool) -> None:
+        if self.start is None:
+            raise RuntimeError("response body sent before http.response.start")
+        await self._settle_early(reason)
+        self.passthrough = True
+        await self.flush(more_body=more_body)
+
+    def stored(self, omitted: str | None = None) -> StoredResponse:
+        assert self.start is not None
+        return StoredResponse(
+            status=self.status,
+            headers=storable_headers(self.start.get("headers", ())),
+            body=b"" if omitted else b"".join(self.chunks),
+            body_omitted=omitted,
+        )
+
+    async def flush(self, *, more_body: bool = False) -> None:
+        """Send the held response (start and the body so far)."""
+        assert self.start is not None
+        await self._send(self.start)
+        body = self.chunks[0] if len(self.chunks) == 1 else b"".join(self.chunks)
+        self.chunks = []
+        await self._send({"type": "http.response.body", "body": body, "more_body": more_body})

@@ -1,0 +1,393 @@
+"""Lease mode: the claim commits first, a heartbeat keeps it, and completion is a compare-and-set.
+
+For routes whose effects live outside the database (a bank, a broker), where a crash or timeout
+leaves the outcome unknown. See PROTOCOL §5 and the README's "Lease mode".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from contextlib import AsyncExitStack
+from typing import Any, Protocol
+
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from .capture import ResponseCapture
+from .context import (
+    SCOPE_KEY,
+    IdempotencyContext,
+    Outcome,
+    derive_downstream_key,
+    key_digest,
+    outcome_for_status,
+)
+from .errors import ProblemKind, StaleGeneration
+from .policy import LeaseExpiry, Mode, Policy
+from .reconcile import Happened, NotHappened, ReconcileContext, StillUnknown
+from .responses import send_replay
+from .store.base import Record, RecordKey, Settlement, State, Store, StoredResponse
+
+logger = logging.getLogger("idem_middleware")
+
+_FINAL = {Outcome.SUCCEEDED: State.SUCCEEDED, Outcome.FAILED_FINAL: State.FAILED_FINAL}
+# Polling between notifications: quick at first, then backing off. A notification cuts it short.
+_FIRST_POLL = 0.05
+_MAX_POLL = 1.0
+# Every loop is bounded: a record changing this often under one request is a bug, not load.
+_MAX_ROUNDS = 10_000
+
+
+class _Exchange(Protocol):
+    scope: Scope
+    send: Send
+    policy: Policy
+    started: bool
+
+    @property
+    def app(self) -> ASGIApp: ...
+
+    @property
+    def store(self) -> Store: ...
+
+    async def problem(
+        self, kind: ProblemKind, detail: str, retry_after: int | None = None
+    ) -> None: ...
+
+    async def answer_in_flight(self, record_key: RecordKey) -> None: ...
+
+    @property
+    def app_receive(self) -> Receive: ...
+
+
+class _Rollback(Exception):
+    """Thrown into a fenced transaction to end it without committing."""
+
+
+class Fence:
+    """The fenced transaction of one execution or reconciliation, opened on first use."""
+
+    def __init__(self, store: Store, key: RecordKey, generation: int, expected: State) -> None:
+        self.store = store
+        self.key = key
+        self.generation = generation
+        self.expected = expected
+        self._stack = AsyncExitStack()
+        self._session: Any = None
+
+    async def connection(self) -> Any:
+        if self._session is None:
+            self._session = await self._stack.enter_async_context(
+                self.store.fenced(self.key, self.generation, self.expected)
+            )
+        return self._session.connection
+
+    async def settle(self, settlement: Settlement) -> bool:
+        """Record the outcome: inside the fenced transaction if one is open, then commit."""
+        if self._session is None:
+            return await self.store.settle(self.key, self.generation, self.expected, settlement)
+        settled: bool = await self._session.settle(
+            self.key, self.generation, self.expected, settlement
+        )
+        await self.close(commit=settled)
+        return settled
+
+    async def close(self, *, commit: bool = False) -> None:
+        """Commit (or roll back) the fenced transaction, if one was opened."""
+        if self._session is None:
+            return
+        self._session = None
+        if commit:
+            await self._stack.aclose()
+        else:
+            rollback = _Rollback()
+            with contextlib.suppress(_Rollback):
+                await self._stack.__aexit__(_Rollback, rollback, None)
+
+
+class LeaseRun:
+    def __init__(self, ex: _Exchange, key: RecordKey, fingerprint: bytes) -> None:
+        self.ex = ex
+        self.key = key
+        self.fingerprint = fingerprint
+        self.policy = ex.policy
+        self.store = ex.store
+
+    async def run(self) -> None:
+        policy = self.policy
+        claim = await self.store.claim_lease(
+            self.key,
+            self.fingerprint,
+            retention_seconds=policy.retention_seconds,
+            lease_seconds=policy.lease_seconds,
+        )
+        if claim.claimed:
+            await self.execute(claim.generation)
+            return
+        assert claim.record is not None
+        await self.duplicate(claim.record)
+
+    # -- a duplicate: replay, wait, take over, or reconcile ------------------------------------
+
+    async def duplicate(self, record: Record | None) -> None:
+        policy = self.policy
+        store = self.store
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + policy.wait_seconds
+        poll = _FIRST_POLL
+        async with store.watch(self.key) as watch:
+            for _ in range(_MAX_ROUNDS):
+                if record is None or record.expired:
+                    claim = await store.claim_lease(
+                        self.key,
+                        self.fingerprint,
+                        retention_seconds=policy.retention_seconds,
+                        lease_seconds=policy.lease_seconds,
+                    )
+                    if claim.claimed:
+                        await self.execute(claim.generation)
+                        return
+                    record = claim.record
+                    assert record is not None
+                if record.fingerprint != self.fingerprint:
+                    await self.ex.problem(
+                        ProblemKind.KEY_REUSED,
+                        "This Idempotency-Key was used for a different request; use a new key "
+                        "for a new request.",
+                    )
+                    return
+                if record.state in (State.SUCCEEDED, State.FAILED_FINAL):
+                    assert record.response is not None
+                    self.ex.started = True
+                    await send_replay(self.ex.send, record.response)
+                    return
+                if record.state is State.UNKNOWN:
+                    if not await self.reconcile(record):
+                        return
+                elif record.retry_allowed or (
+                    record.lease_expired and policy.on_lease_expiry is LeaseExpiry.TAKEOVER
+                ):
+                    generation = await store.takeover(
+                        self.key, record.generation, State.PENDING, policy.lease_seconds
+                    )
+                    if generation is not None:
+                        logger.info(
+                            "took over a lapsed claim",
+                            extra=self._log_extra(generation, "takeover"),
+                        )
+                        await self.execute(generation)
+                        return
+                elif record.lease_expired:
+                    await store.expire_lease(self.key, record.generation)
+                else:
+                    remaining = deadline - loop.time()
+                    if remaining <= 0:
+                        await self.ex.answer_in_flight(self.key)
+                        return
+                    await watch.wait(min(remaining, poll))
+                    poll = min(poll * 2, _MAX_POLL)
+                record = await store.get(self.key)
+        raise RuntimeError("the record kept changing; giving up")  # pragma: no cover
+
+    async def reconcile(self, record: Record) -> bool:
+        """Ask the route's reconciler about an unknown record.
+
+        Returns True when the record changed and the caller should read it again; False when
+        this request has been answered.
+        """
+        policy = self.policy
+        reconciler = policy.reconciler
+        if reconciler is None:
+            await self._unknown("No reconciler can tell what happened.")
+            return False
+        fence = Fence(self.store, self.key, record.generation, State.UNKNOWN)
+        context = ReconcileContext(
+            tenant=self.key.tenant,
+            operation=self.key.operation,
+            key=self.key.key,
+            downstream_key=derive_downstream_key(self.key.tenant, self.key.operation, self.key.key),
+            generation=record.generation,
+            _fence=fence.connection,
+        )
+        try:
+            async with asyncio.timeout(policy.reconcile_timeout_seconds):
+                result = await reconciler(context)
+        except StaleGeneration:
+            await fence.close()
+            return True  # someone else resolved it meanwhile
+        except Exception:
+            await fence.close()
+            logger.warning(
+                "reconciler failed",
+                extra=self._log_extra(record.generation, "unknown"),
+                exc_info=True,
+            )
+            await self._unknown("Asking the downstream system failed; retry later.")
+            return False
+        except BaseException:
+            await fence.close()
+            raise
+        if isinstance(result, StillUnknown):
+            await fence.close()
+            await self._unknown(result.reason or "The downstream system cannot tell yet.")
+            return False
+        if isinstance(result, NotHappened):
+            await fence.close()
+            generation = await self.store.takeover(
+                self.key, record.generation, State.UNKNOWN, policy.lease_seconds
+            )
+            if generation is not None:
+                logger.info(
+                    "reconciled as not happened; running again",
+                    extra=self._log_extra(generation, "reconciled-retry"),
+                )
+                await self.execute(generation)
+                return False
+            return True
+        assert isinstance(result, Happened)
+        outcome = outcome_for_status(result.status, Mode.LEASE)
+        state = _FINAL.get(outcome)
+        if state is None:
+            await fence.close()
+            raise ValueError(f"a reconciler cannot answer Happened({result.status})")
+        stored = StoredResponse(result.status, list(result.headers), result.body)
+        if await fence.settle(Settlement(state, stored, note="reconciled")):
+            logger.info(
+                "reconciled as happened", extra=self._log_extra(record.generation, state.value)
+            )
+        return True
+
+    async def _unknown(self, detail: str) -> None:
+        await self.ex.problem(
+            ProblemKind.OUTCOME_UNKNOWN,
+            "The original request's outcome is not known yet, and it will not be run again "
+            f"until it is resolved. {detail}",
+            retry_after=self.policy.retry_after_seconds,
+        )
+
+    # -- the executor --------------------------------------------------------------------------
+
+    async def execute(self, generation: int) -> None:
+        ex = self.ex
+        policy = self.policy
+        fence = Fence(self.store, self.key, generation, State.PENDING)
+        context = IdempotencyContext(
+            tenant=self.key.tenant,
+            operation=self.key.operation,
+            key=self.key.key,
+            generation=generation,
+            mode=Mode.LEASE,
+            connection=None,
+            downstream_key=derive_downstream_key(self.key.tenant, self.key.operation, self.key.key),
+            _fence=fence.connection,
+        )
+        settled_early: list[bool] = []
+
+        async def settle_early(reason: str) -> None:
+            ok = await self._settle(context, fence, capture, omitted=reason)
+            settled_early.append(ok)
+
+        capture = ResponseCapture(ex.send, policy.max_response_bytes, settle_early)
+        stop = asyncio.Event()
+        heartbeat = asyncio.ensure_future(self._heartbeat(context, stop))
+        ex.scope[SCOPE_KEY] = context
+        try:
+            try:
+                await ex.app(ex.scope, ex.app_receive, capture)
+            except BaseException:
+                # Clean up, then re-raise. Whatever the handler did outside the database may
+                # have happened: unknown, unless it declared the request did nothing.
+                if not capture.passthrough:
+                    await fence.close()
+                    if context.declared is Outcome.RELEASE:
+                        await self.store.release(self.key, generation)
+                    else:
+                        await self.store.settle(
+                            self.key, generation, State.PENDING, Settlement(State.UNKNOWN)
+                        )
+                raise
+            if capture.passthrough:
+                return
+            if capture.start is None or not capture.complete:
+                await fence.close()
+                await self.store.settle(
+                    self.key, generation, State.PENDING, Settlement(State.UNKNOWN)
+                )
+                raise RuntimeError("the application returned without a complete response")
+            settled = await self._settle(context, fence, capture)
+        finally:
+            ex.scope.pop(SCOPE_KEY, None)
+            # Stopped by awaiting, never cancelled mid-write: a renewal in flight finishes, and
+            # it cannot land after the settlement (it only renews a pending record).
+            stop.set()
+            await heartbeat
+        if settled:
+            ex.started = True
+            await capture.flush()
+        else:
+            await ex.problem(
+                ProblemKind.IN_FLIGHT,
+                "This execution lost its claim (its lease was taken over); its result was not "
+                "recorded. Retry to get the outcome.",
+                retry_after=policy.retry_after_seconds,
+            )
+
+    async def _settle(
+        self,
+        context: IdempotencyContext,
+        fence: Fence,
+        capture: ResponseCapture,
+        omitted: str | None = None,
+    ) -> bool:
+        outcome = context.declared or outcome_for_status(capture.status, Mode.LEASE)
+        state = _FINAL.get(outcome)
+        generation = context.generation
+        if state is not None:
+            settled = await fence.settle(Settlement(state, capture.stored(omitted)))
+        else:
+            await fence.close()
+            if outcome is Outcome.RELEASE:
+                settled = await self.store.release(self.key, generation)
+            else:
+                settled = await self.store.settle(
+                    self.key, generation, State.PENDING, Settlement(State.UNKNOWN)
+                )
+        logger.debug("settled", extra=self._log_extra(generation, outcome.value))
+        if not settled:
+            logger.warning(
+                "a stale executor's completion was refused",
+                extra=self._log_extra(generation, "stale"),
+            )
+        return settled
+
+    async def _heartbeat(self, context: IdempotencyContext, stop: asyncio.Event) -> None:
+        interval = self.policy.lease_seconds / 3
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), interval)
+            if stop.is_set():
+                return
+            try:
+                alive = await self.store.heartbeat(
+                    self.key, context.generation, self.policy.lease_seconds
+                )
+            except Exception:
+                logger.warning("heartbeat failed", exc_info=True)
+                continue
+            if not alive:
+                context.lease_lost.set()
+                logger.warning(
+                    "lease lost: this execution can no longer complete",
+                    extra=self._log_extra(context.generation, "lease-lost"),
+                )
+                return
+
+    def _log_extra(self, generation: int, outcome: str) -> dict[str, object]:
+        return {
+            "tenant": self.key.tenant,
+            "operation": self.key.operation,
+            "key_digest": key_digest(self.key.key),
+            "generation": generation,
+            "outcome": outcome,
+        }

@@ -1,0 +1,243 @@
+"""The numbered migrations, schema.sql and the named queries agree with each other and the code."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+import pytest
+
+from idem_middleware import sql
+from idem_middleware.store.migrations import _LOCK_ID, migrate, pending_versions
+from tests.conftest import dsn_for
+
+PACKAGE = Path(sql.__file__).resolve().parent.parent
+QUERIES_FILE = Path(sql.__file__).resolve().parent / "queries.sql"
+ALL_VERSIONS = [version for version, _, _ in sql.migrations()]
+
+NewDatabase = Callable[[], Awaitable[str]]
+
+
+@pytest.fixture
+async def new_database(pg_dsn: str) -> AsyncIterator[NewDatabase]:
+    """Creates empty databases on the test server; drops them all afterwards."""
+    created: list[str] = []
+
+    async def create() -> str:
+        name = f"idem_mig_{uuid.uuid4().hex[:12]}"
+        admin = await asyncpg.connect(pg_dsn)
+        try:
+            await admin.execute(f'CREATE DATABASE "{name}"')
+        finally:
+            await admin.close()
+        created.append(name)
+        return dsn_for(pg_dsn, name)
+
+    try:
+        yield create
+    finally:
+        admin = await asyncpg.connect(pg_dsn)
+        try:
+            for name in created:
+                await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        finally:
+            await admin.close()
+
+
+async def _snapshot(conn: asyncpg.Connection[Any]) -> dict[str, list[tuple[Any, ...]]]:
+    """Everything in the public schema a migration could create, as comparable rows."""
+    queries = {
+        "relations": """
+            SELECT c.relname, c.relkind::text, c.relpersistence::text
+            FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+            WHERE n.nspname = 'public' ORDER BY 1""",
+        "columns": """
+            SELECT table_name, column_name, ordinal_position, data_type, udt_name,
+                   column_default, is_nullable, character_maximum_length, numeric_precision,
+                   datetime_precision, interval_type, is_identity, is_generated,
+                   generation_expression, collation_name
+            FROM information_schema.columns
+            WHERE table_schema = 'public' ORDER BY table_name, ordinal_position""",
+        "constraints": """
+            SELECT c.relname, co.conname, co.contype::text, pg_get_constraintdef(co.oid),
+                   co.condeferrable, co.condeferred
+            FROM pg_constraint co
+            JOIN pg_class c ON c.oid = co.conrelid
+            JOIN pg_namespace n ON n.oid = c.relnamespace
+            WHERE n.nspname = 'public' ORDER BY 1, 2""",
+        "indexes": """
+            SELECT tablename, indexname, indexdef FROM pg_indexes
+            WHERE schemaname = 'public' ORDER BY 1, 2""",
+        "sequences": """
+            SELECT sequencename, data_type::text, start_value, min_value, max_value,
+                   increment_by, cycle, cache_size
+            FROM pg_sequences WHERE schemaname = 'public' ORDER BY 1""",
+        "triggers": """
+            SELECT t.tgname, pg_get_triggerdef(t.oid)
+            FROM pg_trigger t JOIN pg_class c ON c.oid = t.tgrelid
+            JOIN pg_namespace n ON n.oid = c.relnamespace
+            WHERE n.nspname = 'public' AND NOT t.tgisinternal ORDER BY 1""",
+        "functions": """
+            SELECT p.proname, pg_get_function_identity_arguments(p.oid), p.prokind::text,
+                   CASE WHEN p.prokind IN ('f', 'p') THEN pg_get_functiondef(p.oid) END
+            FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace
+            WHERE n.nspname = 'public' ORDER BY 1, 2""",
+        "types": """
+            SELECT t.typname, t.typtype::text FROM pg_type t
+            JOIN pg_namespace n ON n.oid = t.typnamespace
+            WHERE n.nspname = 'public' AND t.typtype IN ('e', 'd', 'c')
+              AND NOT EXISTS (SELECT FROM pg_class c WHERE c.reltype = t.oid)
+            ORDER BY 1""",
+    }
+    return {name: [tuple(r) for r in await conn.fetch(q)] for name, q in queries.items()}
+
+
+async def test_migrations_build_exactly_schema_sql(new_database: NewDatabase) -> None:
+    migrated_dsn, declared_dsn = await new_database(), await new_database()
+    migrated = await asyncpg.connect(migrated_dsn)
+    declared = await asyncpg.connect(declared_dsn)
+    try:
+        assert await migrate(migrated) == ALL_VERSIONS
+        await declared.execute(sql.schema_sql())
+
+        got, want = await _snapshot(migrated), await _snapshot(declared)
+        relations = {row[0] for row in want["relations"]}
+        assert {"idem_requests", "idem_generation_seq", "idem_schema_migrations"} <= relations
+        for part in ("columns", "constraints", "indexes", "sequences"):
+            assert want[part], f"the schema.sql snapshot has no {part}"
+        for part in want:
+            assert got[part] == want[part], f"migrations and schema.sql differ in {part}"
+
+        # The migrations table is in both; only the migrated database records versions.
+        migrated_versions = await migrated.fetch(
+            "SELECT version FROM idem_schema_migrations ORDER BY version"
+        )
+        assert [r["version"] for r in migrated_versions] == ALL_VERSIONS
+        assert await declared.fetchval("SELECT count(*) FROM idem_schema_migrations") == 0
+    finally:
+        await migrated.close()
+        await declared.close()
+
+
+async def test_migrate_is_idempotent_and_safe_to_run_concurrently(
+    new_database: NewDatabase,
+) -> None:
+    dsn = await new_database()
+    blocker = await asyncpg.connect(dsn)
+    first = await asyncpg.connect(dsn)
+    second = await asyncpg.connect(dsn)
+    try:
+        assert await pending_versions(first) == ALL_VERSIONS
+        # Hold the migrators' lock so both are provably inside migrate() at the same time.
+        await blocker.execute("SELECT pg_advisory_lock($1)", _LOCK_ID)
+        both = asyncio.ensure_future(asyncio.gather(migrate(first), migrate(second)))
+        try:
+            for _ in range(500):
+                waiting = await blocker.fetchval(
+                    "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+                    " AND wait_event_type = 'Lock' AND wait_event = 'advisory'"
+                )
+                if waiting == 2:
+                    break
+                assert not both.done(), "a migrator did not wait for the lock"
+                await asyncio.sleep(0.01)
+            else:
+                pytest.fail("the two migrators never both waited on the lock")
+        finally:
+            await blocker.execute("SELECT pg_advisory_unlock($1)", _LOCK_ID)
+        results = await asyncio.wait_for(both, 30)
+        assert sorted(results, key=len) == [[], ALL_VERSIONS]
+
+        counts = await blocker.fetch(
+            "SELECT version, count(*) AS n FROM idem_schema_migrations GROUP BY version"
+            " ORDER BY version"
+        )
+        assert [(r["version"], r["n"]) for r in counts] == [(v, 1) for v in ALL_VERSIONS]
+
+        # A third run applies nothing and changes nothing.
+        before = await _snapshot(blocker)
+        assert await migrate(first) == []
+        assert await pending_versions(first) == []
+        assert await _snapshot(blocker) == before
+        assert await blocker.fetchval("SELECT count(*) FROM idem_schema_migrations") == len(
+            ALL_VERSIONS
+        )
+    finally:
+        for conn in (blocker, first, second):
+            await conn.close()
+
+
+# --- the named queries --------------------------------------------------------------------------
+
+_USE = re.compile(r"""(?:\b_Q|\bqueries\(\))\[\s*["'](\w+)["']\s*\]""")
+_DYNAMIC_USE = re.compile(r"""(?:\b_Q|\bqueries\(\))(?:\[\s*[^"'\s]|\.get\()""")
+
+
+def _code_files() -> list[Path]:
+    files = sorted(p for p in PACKAGE.rglob("*.py") if p.parent.name != "__pycache__")
+    assert files
+    return files
+
+
+def test_every_query_the_code_uses_exists_and_none_is_dead() -> None:
+    used: dict[str, list[str]] = {}
+    for path in _code_files():
+        text = path.read_text()
+        dynamic = _DYNAMIC_USE.search(text)
+        assert dynamic is None, (
+            f"{path.name} looks a query up by a computed name ({dynamic.group(0)!r}); "
+            "use a literal name so this test can see it"
+        )
+        for name in _USE.findall(text):
+            used.setdefault(name, []).append(path.name)
+    defined = set(sql.queries())
+    assert used, "no query use found: the pattern is out of date"
+    missing = {name: where for name, where in used.items() if name not in defined}
+    assert not missing, f"the code uses queries queries.sql does not define: {missing}"
+    dead = defined - set(used)
+    assert not dead, f"queries.sql defines queries no code uses: {sorted(dead)}"
+
+
+def _query_blocks() -> dict[str, tuple[list[str], list[str]]]:
+    """{name: (header comment lines, sql lines)} straight from queries.sql."""
+    parts = re.split(r"^-- name: (\w+)\s*$", QUERIES_FILE.read_text(), flags=re.MULTILINE)
+    blocks: dict[str, tuple[list[str], list[str]]] = {}
+    for name, body in zip(parts[1::2], parts[2::2], strict=True):
+        lines = [line for line in body.strip().splitlines() if line.strip()]
+        header: list[str] = []
+        for line in lines:
+            if not line.lstrip().startswith("--"):
+                break
+            header.append(line)
+        code = [line for line in lines if not line.lstrip().startswith("--")]
+        blocks[name] = (header, code)
+    assert set(blocks) == set(sql.queries())
+    return blocks
+
+
+def _params(lines: list[str]) -> set[int]:
+    return {int(n) for line in lines for n in re.findall(r"\$(\d+)", line)}
+
+
+def test_every_query_documents_its_parameters() -> None:
+    for name, (header, code) in _query_blocks().items():
+        used, documented = _params(code), _params(header)
+        assert used == documented, (
+            f"query {name!r}: the SQL uses ${sorted(used)}, the header names ${sorted(documented)}"
+        )
+        assert used == set(range(1, len(used) + 1)), f"query {name!r} skips a parameter: {used}"
+
+
+async def test_every_query_prepares_with_its_documented_parameters(db_dsn: str) -> None:
+    conn = await asyncpg.connect(db_dsn)
+    try:
+        for name, (_, code) in _query_blocks().items():
+            statement = await conn.prepare(sql.queries()[name])
+            assert len(statement.get_parameters()) == max(_params(code), default=0), name
+    finally:
+        await conn.close()
