@@ -7,14 +7,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
 import json
 import os
 import sys
 from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
 
 import asyncpg
 
-from .errors import StoreError
+from .errors import IdempotencyError
+from .ops import Resolution, collect_reconcilers, reconcile_unknown, resolve
+from .store.base import RecordKey, State, StoredResponse
 from .store.migrations import migrate, pending_versions
 from .store.postgres import PostgresStore
 
@@ -74,7 +78,55 @@ def _parser() -> argparse.ArgumentParser:
         default=_env_default("IDEM_STATS_JSON", "") in {"1", "true", "yes"},
         help="machine-readable output for monitoring (env IDEM_STATS_JSON=1)",
     )
+    ls = commands.add_parser("list", help="list records, unresolved ones by default")
+    ls.add_argument(
+        "--state",
+        action="append",
+        choices=[state.value for state in State],
+        help="repeatable (default: pending and unknown)",
+    )
+    ls.add_argument("--tenant", default=_env_default("IDEM_TENANT"), help="env IDEM_TENANT")
+    ls.add_argument(
+        "--operation", default=_env_default("IDEM_OPERATION"), help="env IDEM_OPERATION"
+    )
+    ls.add_argument(
+        "--stale", action="store_true", help="pending records only if their lease lapsed"
+    )
+    ls.add_argument("--limit", type=_positive_int, default=100)
+    ls.add_argument("--json", action="store_true", help="one JSON object per line")
+
+    r = commands.add_parser("resolve", help="move an unknown record by hand, with an audit note")
+    r.add_argument("--tenant", required=True)
+    r.add_argument("--operation", required=True, help='for example "POST /payouts"')
+    r.add_argument("--key", required=True, help="the Idempotency-Key as the client sent it")
+    r.add_argument("--to", required=True, choices=[res.value for res in Resolution])
+    r.add_argument("--note", required=True, help="why: kept on the record for the audit")
+    r.add_argument("--status", type=int, help="succeeded/failed_final: the status to replay")
+    r.add_argument("--body", default="", help="succeeded/failed_final: the body to replay")
+    r.add_argument("--content-type", default="application/json")
+
+    c = commands.add_parser(
+        "reconcile", help="run the reconcilers on unknown and lapsed records nobody retries"
+    )
+    c.add_argument(
+        "--app",
+        default=_env_default("IDEM_APP"),
+        help="module:attribute of the Starlette/FastAPI app (or a factory) whose route "
+        "policies name the reconcilers (env IDEM_APP)",
+    )
+    c.add_argument("--tenant", default=None)
+    c.add_argument("--operation", default=None)
+    c.add_argument("--limit", type=_positive_int, default=100)
+    c.add_argument("--seconds", type=float, default=10.0, help="bound on each reconciler call")
     return parser
+
+
+def _load_app(spec: str) -> Any:
+    module_name, sep, attribute = spec.partition(":")
+    if not sep or not attribute:
+        raise ValueError(f"--app {spec!r} is not module:attribute")
+    target = getattr(importlib.import_module(module_name), attribute)
+    return target() if callable(target) and not hasattr(target, "router") else target
 
 
 async def _with_store(dsn: str, action: Callable[[PostgresStore], Awaitable[int]]) -> int:
@@ -123,6 +175,75 @@ async def _stats(store: PostgresStore, args: argparse.Namespace) -> int:
     return 0
 
 
+async def _list(store: PostgresStore, args: argparse.Namespace) -> int:
+    states = [State(v) for v in (args.state or ["pending", "unknown"])]
+    records = await store.list_records(
+        states=states,
+        tenant=args.tenant,
+        operation=args.operation,
+        limit=args.limit,
+        stale_only=args.stale,
+    )
+    for rec in records:
+        row = {
+            "tenant": rec.key.tenant,
+            "operation": rec.key.operation,
+            "key": rec.key.key,
+            "state": rec.state.value,
+            "generation": rec.generation,
+            "mode": rec.mode,
+            "updated_at": str(rec.updated_at),
+            "lease_expired": rec.lease_expired,
+            "response_status": rec.response_status,
+            "note": rec.note,
+        }
+        if args.json:
+            print(json.dumps(row, sort_keys=True))
+        else:
+            print("  ".join(f"{k}={v}" for k, v in row.items() if v is not None))
+    return 0
+
+
+async def _resolve(store: PostgresStore, args: argparse.Namespace) -> int:
+    to = Resolution(args.to)
+    response = None
+    if to is not Resolution.RETRY:
+        if args.status is None:
+            raise ValueError("--status is required to resolve to succeeded or failed_final")
+        headers = [(b"content-type", args.content_type.encode())] if args.body else []
+        response = StoredResponse(args.status, headers, args.body.encode())
+    key = RecordKey(args.tenant, args.operation, args.key)
+    await resolve(store, key, to, note=args.note, response=response)
+    print(f"resolved to {to.value}")
+    return 0
+
+
+async def _reconcile(store: PostgresStore, args: argparse.Namespace) -> int:
+    if not args.app:
+        raise ValueError("reconcile needs --app (or IDEM_APP) to find the reconcilers")
+    reconcilers = collect_reconcilers(_load_app(args.app))
+    report = await reconcile_unknown(
+        store,
+        reconcilers,
+        tenant=args.tenant,
+        operation=args.operation,
+        limit=args.limit,
+        seconds=args.seconds,
+    )
+    print(
+        json.dumps(
+            {
+                "examined": report.examined,
+                "expired_leases": report.expired_leases,
+                "verdicts": report.verdicts,
+                "unreconcilable": report.unreconcilable,
+            },
+            sort_keys=True,
+        )
+    )
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
@@ -131,9 +252,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "migrate":
             return asyncio.run(_migrate(args.dsn, args.check))
-        handler = {"purge": _purge, "stats": _stats}[args.command]
+        handler = {
+            "purge": _purge,
+            "stats": _stats,
+            "list": _list,
+            "resolve": _resolve,
+            "reconcile": _reconcile,
+        }[args.command]
         return asyncio.run(_with_store(args.dsn, lambda store: handler(store, args)))
-    except (StoreError, OSError, asyncpg.PostgresError) as exc:
+    except ValueError as exc:
+        parser.error(str(exc))  # exits 2, like any other bad argument
+    except (IdempotencyError, OSError, asyncpg.PostgresError, ImportError) as exc:
         print(f"idem-middleware: {exc}", file=sys.stderr)
         return 1
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, MutableMapping
+from contextvars import ContextVar, Token
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -107,6 +108,29 @@ class IdempotencyContext:
                 "a transactional route cannot end unknown: its effects roll back with it"
             )
         self.declared = outcome
+
+
+_current: ContextVar[IdempotencyContext | None] = ContextVar(
+    "idem_middleware_context", default=None
+)
+
+
+def current_context() -> IdempotencyContext | None:
+    """The context of the idempotent operation running in this task, if any.
+
+    Lets code far from the request (an HTTP client hook, say) find the downstream key.
+    """
+    return _current.get()
+
+
+def enter_context(scope: MutableMapping[str, Any], context: IdempotencyContext) -> Token[Any]:
+    scope[SCOPE_KEY] = context
+    return _current.set(context)
+
+
+def leave_context(scope: MutableMapping[str, Any], token: Token[Any]) -> None:
+    scope.pop(SCOPE_KEY, None)
+    _current.reset(token)
 
 
 def get_context(scope_or_request: Mapping[str, Any] | Any) -> IdempotencyContext:

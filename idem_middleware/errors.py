@@ -17,6 +17,7 @@ class ProblemKind(StrEnum):
     BODY_TOO_LARGE = "body-too-large"
     UNAUTHENTICATED = "unauthenticated"
     STORE_UNAVAILABLE = "store-unavailable"
+    RECORD_NOT_FOUND = "record-not-found"
 
 
 class IdempotencyError(Exception):

@@ -9,25 +9,25 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from contextlib import AsyncExitStack
-from typing import Any, Protocol
+from typing import Protocol
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .capture import ResponseCapture
 from .context import (
-    SCOPE_KEY,
     IdempotencyContext,
     Outcome,
     derive_downstream_key,
+    enter_context,
     key_digest,
+    leave_context,
     outcome_for_status,
 )
-from .errors import ProblemKind, StaleGeneration
+from .errors import ProblemKind
+from .fence import Fence, Verdict, run_reconciler
 from .policy import LeaseExpiry, Mode, Policy
-from .reconcile import Happened, NotHappened, ReconcileContext, StillUnknown
 from .responses import send_replay
-from .store.base import Record, RecordKey, Settlement, State, Store, StoredResponse
+from .store.base import Record, RecordKey, Settlement, State, Store
 
 logger = logging.getLogger("idem_middleware")
 
@@ -59,51 +59,6 @@ class _Exchange(Protocol):
 
     @property
     def app_receive(self) -> Receive: ...
-
-
-class _Rollback(Exception):
-    """Thrown into a fenced transaction to end it without committing."""
-
-
-class Fence:
-    """The fenced transaction of one execution or reconciliation, opened on first use."""
-
-    def __init__(self, store: Store, key: RecordKey, generation: int, expected: State) -> None:
-        self.store = store
-        self.key = key
-        self.generation = generation
-        self.expected = expected
-        self._stack = AsyncExitStack()
-        self._session: Any = None
-
-    async def connection(self) -> Any:
-        if self._session is None:
-            self._session = await self._stack.enter_async_context(
-                self.store.fenced(self.key, self.generation, self.expected)
-            )
-        return self._session.connection
-
-    async def settle(self, settlement: Settlement) -> bool:
-        """Record the outcome: inside the fenced transaction if one is open, then commit."""
-        if self._session is None:
-            return await self.store.settle(self.key, self.generation, self.expected, settlement)
-        settled: bool = await self._session.settle(
-            self.key, self.generation, self.expected, settlement
-        )
-        await self.close(commit=settled)
-        return settled
-
-    async def close(self, *, commit: bool = False) -> None:
-        """Commit (or roll back) the fenced transaction, if one was opened."""
-        if self._session is None:
-            return
-        self._session = None
-        if commit:
-            await self._stack.aclose()
-        else:
-            rollback = _Rollback()
-            with contextlib.suppress(_Rollback):
-                await self._stack.__aexit__(_Rollback, rollback, None)
 
 
 class LeaseRun:
@@ -197,66 +152,32 @@ class LeaseRun:
         this request has been answered.
         """
         policy = self.policy
-        reconciler = policy.reconciler
-        if reconciler is None:
+        if policy.reconciler is None:
             await self._unknown("No reconciler can tell what happened.")
             return False
-        fence = Fence(self.store, self.key, record.generation, State.UNKNOWN)
-        context = ReconcileContext(
-            tenant=self.key.tenant,
-            operation=self.key.operation,
-            key=self.key.key,
-            downstream_key=derive_downstream_key(self.key.tenant, self.key.operation, self.key.key),
-            generation=record.generation,
-            _fence=fence.connection,
+        result = await run_reconciler(
+            self.store,
+            self.key,
+            record.generation,
+            policy.reconciler,
+            seconds=policy.reconcile_timeout_seconds,
         )
-        try:
-            async with asyncio.timeout(policy.reconcile_timeout_seconds):
-                result = await reconciler(context)
-        except StaleGeneration:
-            await fence.close()
-            return True  # someone else resolved it meanwhile
-        except Exception:
-            await fence.close()
-            logger.warning(
-                "reconciler failed",
-                extra=self._log_extra(record.generation, "unknown"),
-                exc_info=True,
-            )
-            await self._unknown("Asking the downstream system failed; retry later.")
-            return False
-        except BaseException:
-            await fence.close()
-            raise
-        if isinstance(result, StillUnknown):
-            await fence.close()
-            await self._unknown(result.reason or "The downstream system cannot tell yet.")
-            return False
-        if isinstance(result, NotHappened):
-            await fence.close()
+        if result.verdict is Verdict.NOT_HAPPENED:
             generation = await self.store.takeover(
                 self.key, record.generation, State.UNKNOWN, policy.lease_seconds
             )
-            if generation is not None:
-                logger.info(
-                    "reconciled as not happened; running again",
-                    extra=self._log_extra(generation, "reconciled-retry"),
-                )
-                await self.execute(generation)
-                return False
-            return True
-        assert isinstance(result, Happened)
-        outcome = outcome_for_status(result.status, Mode.LEASE)
-        state = _FINAL.get(outcome)
-        if state is None:
-            await fence.close()
-            raise ValueError(f"a reconciler cannot answer Happened({result.status})")
-        stored = StoredResponse(result.status, list(result.headers), result.body)
-        if await fence.settle(Settlement(state, stored, note="reconciled")):
+            if generation is None:
+                return True
             logger.info(
-                "reconciled as happened", extra=self._log_extra(record.generation, state.value)
+                "reconciled as not happened; running again",
+                extra=self._log_extra(generation, "reconciled-retry"),
             )
-        return True
+            await self.execute(generation)
+            return False
+        if result.verdict in (Verdict.STILL_UNKNOWN, Verdict.FAILED):
+            await self._unknown(result.reason)
+            return False
+        return True  # settled (by us or by someone else): read it again and replay
 
     async def _unknown(self, detail: str) -> None:
         await self.ex.problem(
@@ -291,7 +212,7 @@ class LeaseRun:
         capture = ResponseCapture(ex.send, policy.max_response_bytes, settle_early)
         stop = asyncio.Event()
         heartbeat = asyncio.ensure_future(self._heartbeat(context, stop))
-        ex.scope[SCOPE_KEY] = context
+        token = enter_context(ex.scope, context)
         try:
             try:
                 await ex.app(ex.scope, ex.app_receive, capture)
@@ -317,7 +238,7 @@ class LeaseRun:
                 raise RuntimeError("the application returned without a complete response")
             settled = await self._settle(context, fence, capture)
         finally:
-            ex.scope.pop(SCOPE_KEY, None)
+            leave_context(ex.scope, token)
             # Stopped by awaiting, never cancelled mid-write: a renewal in flight finishes, and
             # it cannot land after the settlement (it only renews a pending record).
             stop.set()

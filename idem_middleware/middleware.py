@@ -18,11 +18,12 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .capture import ResponseCapture
 from .context import (
-    SCOPE_KEY,
     IdempotencyContext,
     Outcome,
     derive_downstream_key,
+    enter_context,
     key_digest,
+    leave_context,
     outcome_for_status,
 )
 from .errors import ConfigurationError, ProblemKind, RequestRejected, StoreError
@@ -414,7 +415,7 @@ class _TransactionalAttempt:
                     self.record_key.tenant, self.record_key.operation, self.record_key.key
                 ),
             )
-            ex.scope[SCOPE_KEY] = self.context
+            token = enter_context(ex.scope, self.context)
             try:
                 await self._run_handler()
             except BaseException:
@@ -422,7 +423,7 @@ class _TransactionalAttempt:
                 await tx.rollback()
                 raise
             finally:
-                ex.scope.pop(SCOPE_KEY, None)
+                leave_context(ex.scope, token)
             capture = self.capture
             if capture.passthrough:
                 return

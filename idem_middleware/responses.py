@@ -23,6 +23,7 @@ _TITLES: dict[ProblemKind, tuple[int, str]] = {
     ProblemKind.BODY_TOO_LARGE: (413, "The request body is too large"),
     ProblemKind.UNAUTHENTICATED: (401, "Authentication is required"),
     ProblemKind.STORE_UNAVAILABLE: (503, "The idempotency store is unavailable"),
+    ProblemKind.RECORD_NOT_FOUND: (404, "No request with this Idempotency-Key is known"),
 }
 
 # Never stored or replayed: per-connection (hop-by-hop), per-response (Date, Server), framing
