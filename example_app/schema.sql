@@ -15,3 +15,12 @@ CREATE TABLE IF NOT EXISTS ex_credits (
     memo        text,
     created_at  timestamptz NOT NULL DEFAULT now()
 );
+
+CREATE TABLE IF NOT EXISTS ex_payouts (
+    payout_id         uuid        PRIMARY KEY DEFAULT gen_random_uuid(),
+    tenant            text        NOT NULL,
+    account_id        text        NOT NULL,
+    amount            bigint      NOT NULL CHECK (amount > 0),
+    bank_transfer_id  text        NOT NULL UNIQUE,
+    created_at        timestamptz NOT NULL DEFAULT now()
+);

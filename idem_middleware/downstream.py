@@ -7,6 +7,9 @@ retry, a takeover or a reconciliation that calls the third party again is dedupl
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import httpx
 
 from .context import current_context
@@ -20,6 +23,6 @@ async def add_downstream_key(request: httpx.Request) -> None:
         request.headers["Idempotency-Key"] = context.downstream_key
 
 
-def downstream_hooks() -> dict[str, list[object]]:
+def downstream_hooks() -> dict[str, list[Callable[..., Any]]]:
     """`httpx.AsyncClient(event_hooks=downstream_hooks())`."""
     return {"request": [add_downstream_key]}

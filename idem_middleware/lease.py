@@ -236,11 +236,13 @@ class LeaseRun:
                     self.key, generation, State.PENDING, Settlement(State.UNKNOWN)
                 )
                 raise RuntimeError("the application returned without a complete response")
+            stop.set()  # no new renewals once settling starts
             settled = await self._settle(context, fence, capture)
         finally:
             leave_context(ex.scope, token)
-            # Stopped by awaiting, never cancelled mid-write: a renewal in flight finishes, and
-            # it cannot land after the settlement (it only renews a pending record).
+            # Stopped by awaiting, never cancelled mid-write: a renewal in flight finishes (after
+            # the settlement, if it waited on the fenced transaction's row lock), and it cannot
+            # change a settled record (it only renews a pending one).
             stop.set()
             await heartbeat
         if settled:
@@ -297,11 +299,12 @@ class LeaseRun:
                 logger.warning("heartbeat failed", exc_info=True)
                 continue
             if not alive:
-                context.lease_lost.set()
-                logger.warning(
-                    "lease lost: this execution can no longer complete",
-                    extra=self._log_extra(context.generation, "lease-lost"),
-                )
+                if not stop.is_set():
+                    context.lease_lost.set()
+                    logger.warning(
+                        "lease lost: this execution can no longer complete",
+                        extra=self._log_extra(context.generation, "lease-lost"),
+                    )
                 return
 
     def _log_extra(self, generation: int, outcome: str) -> dict[str, object]:

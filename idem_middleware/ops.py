@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from starlette.routing import BaseRoute, Mount, Route
+from starlette.routing import BaseRoute, Mount, Route, Router
 
 from .errors import IdempotencyError
 from .fence import Verdict, run_reconciler
@@ -143,6 +143,7 @@ def _find_middleware(app: Any) -> dict[str, Any] | None:
 def _walk(routes: Iterable[BaseRoute], prefix: str) -> Iterable[tuple[str, Route]]:
     for route in routes:
         if isinstance(route, Mount):
-            yield from _walk(getattr(route.app, "routes", ()), prefix + route.path)
+            if isinstance(route.app, Router):  # a mounted application is not guarded
+                yield from _walk(route.app.routes, prefix + route.path)
         elif isinstance(route, Route):
             yield prefix + route.path, route

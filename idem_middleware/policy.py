@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, TypeVar
 
-from starlette.routing import BaseRoute, Match, Mount, Route
+from starlette.routing import BaseRoute, Match, Mount, Route, Router
 from starlette.types import Scope
 
 from .errors import ConfigurationError
@@ -139,11 +139,12 @@ def match_route(routes: list[BaseRoute], scope: Scope, prefix: str = "") -> Rout
         if isinstance(route, Route):
             return RouteMatch(prefix + route.path, child["path_params"], child["endpoint"])
         if isinstance(route, Mount):
-            sub_routes = getattr(route.app, "routes", None)
-            if sub_routes is None:
+            # Routes grouped with Mount(routes=...) are this app's; a mounted application (a
+            # Starlette or FastAPI app, a static files app) is its own, and passes through.
+            if not isinstance(route.app, Router):
                 return None
             sub_scope = {**scope, **child}
-            return match_route(list(sub_routes), sub_scope, prefix + route.path)
+            return match_route(list(route.app.routes), sub_scope, prefix + route.path)
         # Another kind of route (a Host, a custom one) that reports FULL: take its path if any.
         path = getattr(route, "path", None)
         if isinstance(path, str):

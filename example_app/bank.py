@@ -1,0 +1,126 @@
+"""A bank simulator with fault controls (PROTOCOL §7). Transfers live in memory.
+
+Run it alone with `python -m example_app.bank [--host H] [--port P]`; without BANK_URL the
+example app mounts the same app in-process under `/bank`.
+
+Faults apply to `POST /transfers` only:
+- `delay_ms`: wait after recording the transfer, before answering (the caller times out; the
+  money has moved);
+- `fail_after_record`: record the transfer, then answer this status (the response is lost);
+- `fail_status`: answer this status without recording anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+
+@dataclass
+class Faults:
+    delay_ms: int = 0
+    fail_after_record: int | None = None
+    fail_status: int | None = None
+
+
+@dataclass
+class Bank:
+    """The bank's state: transfers by the caller's idempotency key, and the active faults."""
+
+    transfers: dict[str, dict[str, Any]] = field(default_factory=dict)
+    faults: Faults = field(default_factory=Faults)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
+def _error(status: int, detail: str) -> JSONResponse:
+    return JSONResponse({"error": detail}, status_code=status)
+
+
+def create_bank_app() -> Starlette:
+    bank = Bank()
+
+    async def create_transfer(request: Request) -> Response:
+        key = request.headers.get("idempotency-key")
+        if not key:
+            return _error(400, "Idempotency-Key is required")
+        try:
+            body = await request.json()
+            account, amount = str(body["account"]), int(body["amount"])
+        except (ValueError, KeyError, TypeError):
+            return _error(400, 'expected {"account": str, "amount": int}')
+        faults = bank.faults
+        if faults.fail_status is not None:
+            return _error(faults.fail_status, "injected failure; nothing was recorded")
+        async with bank.lock:
+            transfer = bank.transfers.get(key)
+            replayed = transfer is not None
+            if transfer is None:
+                transfer = {
+                    "transfer_id": f"tr_{uuid.uuid4().hex[:16]}",
+                    "account": account,
+                    "amount": amount,
+                    "idempotency_key": key,
+                }
+                bank.transfers[key] = transfer
+        if (transfer["account"], transfer["amount"]) != (account, amount):
+            return _error(422, "this Idempotency-Key was used for another transfer")
+        if faults.delay_ms:
+            await asyncio.sleep(faults.delay_ms / 1000)
+        if faults.fail_after_record is not None:
+            return _error(faults.fail_after_record, "injected failure after recording")
+        headers = {"idempotent-replayed": "true"} if replayed else {}
+        return JSONResponse(transfer, status_code=201, headers=headers)
+
+    async def get_transfer(request: Request) -> Response:
+        transfer = bank.transfers.get(request.path_params["key"])
+        if transfer is None:
+            return _error(404, "no transfer with this idempotency key")
+        return JSONResponse(transfer)
+
+    async def list_transfers(request: Request) -> Response:
+        return JSONResponse(list(bank.transfers.values()))
+
+    async def set_faults(request: Request) -> Response:
+        body = await request.json() if await request.body() else {}
+        try:
+            bank.faults = Faults(
+                delay_ms=int(body.get("delay_ms") or 0),
+                fail_after_record=body.get("fail_after_record"),
+                fail_status=body.get("fail_status"),
+            )
+        except (TypeError, ValueError, AttributeError):
+            return _error(400, "expected {delay_ms, fail_after_record, fail_status}")
+        return JSONResponse(vars(bank.faults))
+
+    app = Starlette(
+        routes=[
+            Route("/transfers", create_transfer, methods=["POST"]),
+            Route("/transfers", list_transfers, methods=["GET"]),
+            Route("/transfers/{key:path}", get_transfer, methods=["GET"]),
+            Route("/_faults", set_faults, methods=["POST"]),
+        ]
+    )
+    app.state.bank = bank
+    return app
+
+
+def main(argv: list[str] | None = None) -> None:
+    import uvicorn
+
+    parser = argparse.ArgumentParser(prog="python -m example_app.bank", description=__doc__)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8001)
+    args = parser.parse_args(argv)
+    uvicorn.run(create_bank_app(), host=args.host, port=args.port, log_level="warning")
+
+
+if __name__ == "__main__":
+    main()
