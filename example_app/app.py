@@ -19,9 +19,9 @@ from starlette.authentication import AuthCredentials, AuthenticationBackend, Sim
 from starlette.middleware.authentication import AuthenticationMiddleware
 from starlette.requests import HTTPConnection
 
-from idem_middleware import IdempotencyMiddleware, Mode, Policy, PostgresStore, idempotent
+from idem_middleware import Mode, Policy, PostgresStore, idempotent
 from idem_middleware.downstream import downstream_hooks
-from idem_middleware.fastapi import Idempotency, IdempotencyConnection
+from idem_middleware.fastapi import Idempotency, IdempotencyConnection, install
 from idem_middleware.reconcile import (
     Happened,
     NotHappened,
@@ -189,9 +189,7 @@ def create_app(database_url: str | None = None) -> FastAPI:
         app.mount("/bank", bank_app)
     # Starlette runs middleware outside-in in this order: authentication first, so the
     # idempotency middleware scopes every key by the authenticated tenant.
-    app.add_middleware(
-        IdempotencyMiddleware, store=store, default_policy=Policy(wait_seconds=wait_seconds)
-    )
+    install(app, store=store, default_policy=Policy(wait_seconds=wait_seconds))
     app.add_middleware(AuthenticationMiddleware, backend=BearerTokens(tokens))
 
     @app.exception_handler(HTTPException)

@@ -5,10 +5,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Annotated, Any, TypeAlias
 
 import asyncpg
-from fastapi import Depends, Request
+from fastapi import Depends, FastAPI, Request
 
 from .context import IdempotencyContext, get_context
+from .middleware import IdempotencyMiddleware
+from .openapi import document_openapi
 from .policy import idempotent, not_idempotent
+from .store.base import Store
 
 if TYPE_CHECKING:
     Connection: TypeAlias = asyncpg.Connection[Any]
@@ -18,8 +21,10 @@ else:  # asyncpg's Connection is generic only in its type stubs
 __all__ = [
     "Idempotency",
     "IdempotencyConnection",
+    "document",
     "idempotency_context",
     "idempotent",
+    "install",
     "not_idempotent",
     "transaction_connection",
 ]
@@ -48,3 +53,26 @@ def transaction_connection(
 Idempotency = Annotated[IdempotencyContext, Depends(idempotency_context)]
 #: The connection whose transaction commits together with the request's idempotency outcome.
 IdempotencyConnection = Annotated[Connection, Depends(transaction_connection)]
+
+
+def document(app: FastAPI) -> None:
+    """Document every guarded operation in `app.openapi()`: the Idempotency-Key header, the
+    problem responses (RFC 9457) and the replay header. Idempotent; `install` calls it."""
+    if getattr(app.openapi, "__idem_documented__", False):
+        return
+    original = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            app.openapi_schema = document_openapi(original(), app)
+        return app.openapi_schema
+
+    openapi.__idem_documented__ = True  # type: ignore[attr-defined]
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
+def install(app: FastAPI, *, store: Store, **options: Any) -> None:
+    """Add IdempotencyMiddleware to `app` (inside any authentication middleware added after it)
+    and document it in OpenAPI. `options` are the middleware's keyword arguments."""
+    app.add_middleware(IdempotencyMiddleware, store=store, **options)
+    document(app)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import Protocol
+from typing import Any, Protocol
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -25,9 +25,9 @@ from .context import (
 )
 from .errors import ProblemKind
 from .fence import Fence, Verdict, run_reconciler
+from .observe import SETTLED_EVENTS, Event
 from .policy import LeaseExpiry, Mode, Policy
-from .responses import send_replay
-from .store.base import Record, RecordKey, Settlement, State, Store
+from .store.base import Record, RecordKey, Settlement, State, Store, StoredResponse
 
 logger = logging.getLogger("idem_middleware")
 
@@ -56,6 +56,12 @@ class _Exchange(Protocol):
     ) -> None: ...
 
     async def answer_in_flight(self, record_key: RecordKey) -> None: ...
+
+    async def replay(self, response: StoredResponse) -> None: ...
+
+    def emit(self, event: Event, generation: int | None = None) -> None: ...
+
+    def timed(self, name: str) -> Any: ...
 
     @property
     def app_receive(self) -> Receive: ...
@@ -91,7 +97,8 @@ class LeaseRun:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + policy.wait_seconds
         poll = _FIRST_POLL
-        async with store.watch(self.key) as watch:
+        # The wait is timed from the first time this request waits until it is answered.
+        async with store.watch(self.key) as watch, contextlib.AsyncExitStack() as waiting:
             for _ in range(_MAX_ROUNDS):
                 if record is None or record.expired:
                     claim = await store.claim_lease(
@@ -114,8 +121,7 @@ class LeaseRun:
                     return
                 if record.state in (State.SUCCEEDED, State.FAILED_FINAL):
                     assert record.response is not None
-                    self.ex.started = True
-                    await send_replay(self.ex.send, record.response)
+                    await self.ex.replay(record.response)
                     return
                 if record.state is State.UNKNOWN:
                     if not await self.reconcile(record):
@@ -140,6 +146,8 @@ class LeaseRun:
                     if remaining <= 0:
                         await self.ex.answer_in_flight(self.key)
                         return
+                    if poll == _FIRST_POLL:
+                        waiting.enter_context(self.ex.timed("wait"))
                     await watch.wait(min(remaining, poll))
                     poll = min(poll * 2, _MAX_POLL)
                 record = await store.get(self.key)
@@ -210,6 +218,7 @@ class LeaseRun:
             settled_early.append(ok)
 
         capture = ResponseCapture(ex.send, policy.max_response_bytes, settle_early)
+        ex.emit(Event.CLAIMED, generation)
         stop = asyncio.Event()
         heartbeat = asyncio.ensure_future(self._heartbeat(context, stop))
         token = enter_context(ex.scope, context)
@@ -223,10 +232,12 @@ class LeaseRun:
                     await fence.close()
                     if context.declared is Outcome.RELEASE:
                         await self.store.release(self.key, generation)
+                        ex.emit(Event.RELEASED, generation)
                     else:
                         await self.store.settle(
                             self.key, generation, State.PENDING, Settlement(State.UNKNOWN)
                         )
+                        ex.emit(Event.UNRESOLVED, generation)
                 raise
             if capture.passthrough:
                 return
@@ -266,18 +277,20 @@ class LeaseRun:
         outcome = context.declared or outcome_for_status(capture.status, Mode.LEASE)
         state = _FINAL.get(outcome)
         generation = context.generation
-        if state is not None:
-            settled = await fence.settle(Settlement(state, capture.stored(omitted)))
-        else:
-            await fence.close()
-            if outcome is Outcome.RELEASE:
-                settled = await self.store.release(self.key, generation)
+        with self.ex.timed("complete"):
+            if state is not None:
+                settled = await fence.settle(Settlement(state, capture.stored(omitted)))
             else:
-                settled = await self.store.settle(
-                    self.key, generation, State.PENDING, Settlement(State.UNKNOWN)
-                )
-        logger.debug("settled", extra=self._log_extra(generation, outcome.value))
-        if not settled:
+                await fence.close()
+                if outcome is Outcome.RELEASE:
+                    settled = await self.store.release(self.key, generation)
+                else:
+                    settled = await self.store.settle(
+                        self.key, generation, State.PENDING, Settlement(State.UNKNOWN)
+                    )
+        if settled:
+            self.ex.emit(SETTLED_EVENTS[outcome], generation)
+        else:
             logger.warning(
                 "a stale executor's completion was refused",
                 extra=self._log_extra(generation, "stale"),

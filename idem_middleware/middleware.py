@@ -10,7 +10,7 @@ import contextlib
 import inspect
 import logging
 import os
-from collections.abc import Awaitable, Callable, Collection, Mapping
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from typing import Any
 from urllib.parse import urlencode
 
@@ -30,6 +30,7 @@ from .errors import ConfigurationError, ProblemKind, RequestRejected, StoreError
 from .fingerprint import compute_fingerprint
 from .keys import parse_idempotency_key
 from .lease import LeaseRun
+from .observe import SETTLED_EVENTS, Event, Observer, combine, timed
 from .policy import Mode, Policy, RouteMatch, endpoint_policy, match_route, operation_name
 from .responses import (
     DEFAULT_PROBLEM_BASE,
@@ -44,6 +45,7 @@ from .store.base import (
     RetryableConflict,
     State,
     Store,
+    StoredResponse,
 )
 
 logger = logging.getLogger("idem_middleware")
@@ -58,6 +60,12 @@ _DEFAULT_METHODS = frozenset({"POST", "PATCH"})
 _OPT_IN_METHODS = frozenset({"PUT", "DELETE"})
 _RETRYABLE_SQLSTATES = frozenset({"40001", "40P01"})
 _STORED = {Outcome.SUCCEEDED: State.SUCCEEDED, Outcome.FAILED_FINAL: State.FAILED_FINAL}
+_PROBLEM_EVENTS = {
+    ProblemKind.KEY_REUSED: Event.MISMATCH,
+    ProblemKind.IN_FLIGHT: Event.IN_FLIGHT,
+    ProblemKind.OUTCOME_UNKNOWN: Event.UNKNOWN,
+    ProblemKind.STORE_UNAVAILABLE: Event.ERROR,
+}
 
 
 def authenticated_user_tenant(scope: Scope) -> str | None:
@@ -99,6 +107,7 @@ class IdempotencyMiddleware:
         acquire_timeout: float = 10.0,
         enabled: bool | None = None,
         status_path: str = "/idempotency/status",
+        observers: Observer | Sequence[Observer] | None = None,
     ) -> None:
         self.app = app
         self.store = store
@@ -117,6 +126,7 @@ class IdempotencyMiddleware:
         self.problem_base = problem_base
         self.acquire_timeout = acquire_timeout
         self.status_path = status_path
+        self.observer = combine(observers)
         self.enabled = (not _kill_switch_on()) if enabled is None else enabled
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -167,6 +177,7 @@ class _Exchange:
         self.started = False  # whether anything reached the client
         self.disconnected: asyncio.Event | None = None
         self.body_delivered = False
+        self.record_key: RecordKey | None = None
 
     @property
     def app(self) -> ASGIApp:
@@ -186,6 +197,7 @@ class _Exchange:
             query = urlencode({"operation": record_key.operation, "key": record_key.key})
             location = f"{self.mw.status_path}?{query}"
             self.started = True
+            self.emit(Event.IN_FLIGHT)
             await send_accepted(self.send, location, self.policy.retry_after_seconds)
             return
         await self.problem(
@@ -194,8 +206,30 @@ class _Exchange:
             retry_after=self.policy.retry_after_seconds,
         )
 
+    def emit(self, event: Event, generation: int | None = None) -> None:
+        observer = self.mw.observer
+        if observer is None:
+            return
+        attributes: dict[str, Any] = {"operation": self.operation}
+        if self.record_key is not None:
+            attributes["tenant"] = self.record_key.tenant
+            attributes["key_digest"] = key_digest(self.record_key.key)
+        if generation is not None:
+            attributes["generation"] = generation
+        observer.event(event, attributes)
+
+    def timed(self, name: str) -> Any:
+        return timed(self.mw.observer, name, {"operation": self.operation})
+
+    async def replay(self, response: StoredResponse) -> None:
+        self.started = True
+        self.emit(Event.REPLAYED)
+        with self.timed("replay"):
+            await send_replay(self.send, response)
+
     async def problem(self, kind: ProblemKind, detail: str, retry_after: int | None = None) -> None:
         self.started = True
+        self.emit(_PROBLEM_EVENTS.get(kind, Event.REJECTED))
         await send_problem(
             self.send, kind, detail, base=self.mw.problem_base, retry_after=retry_after
         )
@@ -242,7 +276,7 @@ class _Exchange:
         except RequestRejected as exc:
             await self.problem(exc.kind, exc.detail)
             return
-        record_key = RecordKey(tenant, self.operation, key)
+        record_key = self.record_key = RecordKey(tenant, self.operation, key)
         try:
             if policy.mode is Mode.TRANSACTIONAL:
                 await self._run_transactional(record_key, fingerprint)
@@ -332,8 +366,7 @@ class _Exchange:
                 "request.",
             )
         elif record.state in (State.SUCCEEDED, State.FAILED_FINAL) and record.response is not None:
-            self.started = True
-            await send_replay(self.send, record.response)
+            await self.replay(record.response)
         elif record.state is State.UNKNOWN:
             await self.problem(
                 ProblemKind.OUTCOME_UNKNOWN,
@@ -389,12 +422,13 @@ class _TransactionalAttempt:
         async with ex.mw.store.transaction(acquire_timeout=ex.mw.acquire_timeout) as tx:
             self.tx = tx
             try:
-                claim = await tx.claim(
-                    self.record_key,
-                    self.fingerprint,
-                    retention_seconds=policy.retention_seconds,
-                    wait_seconds=policy.wait_seconds,
-                )
+                with ex.timed("claim"):
+                    claim = await tx.claim(
+                        self.record_key,
+                        self.fingerprint,
+                        retention_seconds=policy.retention_seconds,
+                        wait_seconds=policy.wait_seconds,
+                    )
             except ClaimTimeout:
                 await tx.rollback()
                 await ex.answer_in_flight(self.record_key)
@@ -415,12 +449,14 @@ class _TransactionalAttempt:
                     self.record_key.tenant, self.record_key.operation, self.record_key.key
                 ),
             )
+            ex.emit(Event.CLAIMED, claim.generation)
             token = enter_context(ex.scope, self.context)
             try:
                 await self._run_handler()
             except BaseException:
                 # Clean up, then re-raise: the rollback releases the key.
                 await tx.rollback()
+                ex.emit(Event.RELEASED, claim.generation)
                 raise
             finally:
                 leave_context(ex.scope, token)
@@ -474,20 +510,13 @@ class _TransactionalAttempt:
         capture = self.capture
         outcome = self.context.declared or outcome_for_status(capture.status, Mode.TRANSACTIONAL)
         state = _STORED.get(outcome)
-        if state is None:
-            await self.tx.rollback()
-        else:
-            await self.tx.complete(
-                self.record_key, self.context.generation, state, capture.stored(omitted)
-            )
-            await self.tx.commit()
-        logger.debug(
-            "settled",
-            extra={
-                "tenant": self.record_key.tenant,
-                "operation": self.record_key.operation,
-                "key_digest": key_digest(self.record_key.key),
-                "outcome": outcome.value,
-                "generation": self.context.generation,
-            },
-        )
+        with self.ex.timed("complete"):
+            if state is None:
+                await self.tx.rollback()
+                outcome = Outcome.RELEASE
+            else:
+                await self.tx.complete(
+                    self.record_key, self.context.generation, state, capture.stored(omitted)
+                )
+                await self.tx.commit()
+        self.ex.emit(SETTLED_EVENTS[outcome], self.context.generation)

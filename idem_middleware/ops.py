@@ -106,12 +106,26 @@ async def reconcile_unknown(
     return report
 
 
-def collect_policies(app: Any) -> dict[str, Policy]:
+@dataclass(frozen=True, slots=True)
+class GuardedOperation:
+    method: str
+    #: The route template, as the operation name uses it (`/items/{item_id:int}`).
+    template: str
+    #: The same path as OpenAPI writes it (`/items/{item_id}`).
+    path_format: str
+    policy: Policy
+
+    @property
+    def name(self) -> str:
+        return operation_name(self.method, self.template)
+
+
+def guarded_operations(app: Any) -> list[GuardedOperation]:
     """Every guarded operation of a Starlette/FastAPI app and its policy, as the middleware
     would resolve them (endpoint decorator, then the `policies` mapping, then the default)."""
     middleware = _find_middleware(app)
-    found: dict[str, Policy] = {}
-    for template, route in _walk(app.router.routes, ""):
+    found: list[GuardedOperation] = []
+    for template, path_format, route in _walk(app.router.routes, ""):
         for method in sorted(getattr(route, "methods", None) or ()):
             name = operation_name(method, template)
             policy = endpoint_policy(route.endpoint)
@@ -120,8 +134,12 @@ def collect_policies(app: Any) -> dict[str, Policy]:
                 if policy is None and method in set(middleware.get("methods", ("POST", "PATCH"))):
                     policy = middleware.get("default_policy") or Policy()
             if policy is not None and policy.guard:
-                found[name] = policy
+                found.append(GuardedOperation(method, template, path_format, policy))
     return found
+
+
+def collect_policies(app: Any) -> dict[str, Policy]:
+    return {op.name: op.policy for op in guarded_operations(app)}
 
 
 def collect_reconcilers(app: Any) -> dict[str, Reconciler]:
@@ -140,10 +158,10 @@ def _find_middleware(app: Any) -> dict[str, Any] | None:
     return None
 
 
-def _walk(routes: Iterable[BaseRoute], prefix: str) -> Iterable[tuple[str, Route]]:
+def _walk(routes: Iterable[BaseRoute], prefix: str) -> Iterable[tuple[str, str, Route]]:
     for route in routes:
         if isinstance(route, Mount):
             if isinstance(route.app, Router):  # a mounted application is not guarded
                 yield from _walk(route.app.routes, prefix + route.path)
         elif isinstance(route, Route):
-            yield prefix + route.path, route
+            yield prefix + route.path, prefix + route.path_format, route

@@ -1,0 +1,85 @@
+"""Prometheus metrics (extra `metrics`: prometheus-client).
+
+    observer = PrometheusObserver()
+    app.add_middleware(IdempotencyMiddleware, store=store, observers=[observer])
+    ...
+    observer.update_from_stats(await store.stats())   # e.g. every 30 s, for the gauges
+
+Labels are the operation and the outcome only: tenants and keys never become label values.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+
+from .observe import Event
+from .store.base import StoreStats
+
+_LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
+
+
+class PrometheusObserver:
+    def __init__(self, registry: CollectorRegistry = REGISTRY, namespace: str = "idem") -> None:
+        self.requests = Counter(
+            "requests",
+            "Guarded requests by operation and outcome",
+            ["operation", "outcome"],
+            namespace=namespace,
+            registry=registry,
+        )
+        self.wait_seconds = Histogram(
+            "wait_seconds",
+            "Time a duplicate spent waiting for the original request",
+            ["operation"],
+            namespace=namespace,
+            registry=registry,
+            buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30),
+        )
+        self.store_seconds = Histogram(
+            "store_seconds",
+            "Latency of idempotency store steps (claim, complete, replay)",
+            ["step"],
+            namespace=namespace,
+            registry=registry,
+            buckets=_LATENCY_BUCKETS,
+        )
+        self.records = Gauge(
+            "records",
+            "Records by state, from the last store stats",
+            ["state"],
+            namespace=namespace,
+            registry=registry,
+        )
+        self.oldest_unresolved = Gauge(
+            "oldest_unresolved_age_seconds",
+            "Age of the oldest pending or unknown record (alert on this)",
+            namespace=namespace,
+            registry=registry,
+        )
+
+    def event(self, event: Event, attributes: Mapping[str, Any]) -> None:
+        self.requests.labels(attributes.get("operation", ""), event.value).inc()
+
+    @contextlib.contextmanager
+    def timed(self, name: str, attributes: Mapping[str, Any]) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            elapsed = time.perf_counter() - start
+            if name == "wait":
+                self.wait_seconds.labels(attributes.get("operation", "")).observe(elapsed)
+            else:
+                self.store_seconds.labels(name).observe(elapsed)
+
+    def update_from_stats(self, stats: StoreStats) -> None:
+        """Feed the gauges from `store.stats()` (the same numbers the CLI's `stats` prints)."""
+        for state, count in stats.counts.items():
+            self.records.labels(state).set(count)
+        oldest = stats.oldest_unresolved_age_seconds
+        self.oldest_unresolved.set(0.0 if oldest is None else oldest)
