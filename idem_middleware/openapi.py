@@ -86,6 +86,11 @@ def document_openapi(
     components = schema.setdefault("components", {}).setdefault("schemas", {})
     components[PROBLEM_SCHEMA] = copy.deepcopy(_PROBLEM_DETAILS)
     paths = schema.get("paths", {})
+    for item in paths.values():
+        for operation in item.values():
+            if isinstance(operation, dict) and "responses" in operation:
+                # YAML docstrings (Starlette's SchemaGenerator) give integer status keys.
+                operation["responses"] = {str(k): v for k, v in operation["responses"].items()}
     for op in operations:
         operation = paths.get(op.path_format, {}).get(op.method.lower())
         if operation is None:

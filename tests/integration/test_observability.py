@@ -1,0 +1,123 @@
+"""Metrics, traces and logs after a scripted sequence: one claim, one replay, one mismatch and one
+request in flight."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import pytest
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from prometheus_client import CollectorRegistry
+
+from idem_middleware import Policy
+from idem_middleware.observe import LoggingObserver
+from idem_middleware.otel import OpenTelemetryObserver
+from idem_middleware.prometheus import PrometheusObserver
+from tests.apps import build_app, client
+
+OP = "POST /accounts/{account_id}/credits"
+SECRET_KEY = "raw-key-that-must-not-be-logged"
+
+
+async def scripted(app: Any) -> list[int]:
+    """claim; replay; mismatch; and a duplicate that finds the original still in flight."""
+    probe = app.state.probe
+    statuses = []
+    async with client(app) as c:
+        url = "/accounts/obs/credits"
+        headers = {"idempotency-key": SECRET_KEY}
+        statuses.append((await c.post(url, json={"amount": 1}, headers=headers)).status_code)
+        statuses.append((await c.post(url, json={"amount": 1}, headers=headers)).status_code)
+        statuses.append((await c.post(url, json={"amount": 2}, headers=headers)).status_code)
+        probe.gate = asyncio.Event()
+        held = asyncio.ensure_future(
+            c.post(url, json={"amount": 3}, headers={"idempotency-key": "second"})
+        )
+        await asyncio.wait_for(probe.entered.wait(), 5)
+        probe.entered.clear()
+        duplicate = await c.post(url, json={"amount": 3}, headers={"idempotency-key": "second"})
+        statuses.append(duplicate.status_code)
+        probe.gate.set()
+        await asyncio.wait_for(held, 5)
+    return statuses
+
+
+def counter(registry: CollectorRegistry, outcome: str) -> float:
+    value = registry.get_sample_value("idem_requests_total", {"operation": OP, "outcome": outcome})
+    return value or 0.0
+
+
+async def test_prometheus_counts_each_outcome(pg_store: Any) -> None:
+    registry = CollectorRegistry()
+    observer = PrometheusObserver(registry=registry)
+    app = build_app(pg_store, default_policy=Policy(wait_seconds=0.2), observers=[observer])
+    assert await scripted(app) == [201, 201, 422, 409]
+    counts = {
+        outcome: counter(registry, outcome)
+        for outcome in ("claimed", "replayed", "mismatch", "in_flight", "succeeded", "released")
+    }
+    # Two claims (the first request and the held one), each settled as succeeded.
+    assert counts == {
+        "claimed": 2,
+        "replayed": 1,
+        "mismatch": 1,
+        "in_flight": 1,
+        "succeeded": 2,
+        "released": 0,
+    }
+    claims = registry.get_sample_value("idem_store_seconds_count", {"step": "claim"})
+    assert claims == 5  # every request that reached the store timed its claim
+    observer.update_from_stats(await pg_store.stats())
+    assert registry.get_sample_value("idem_records", {"state": "succeeded"}) == 2
+    assert registry.get_sample_value("idem_oldest_unresolved_age_seconds") == 0
+
+
+async def test_rejections_are_counted(pg_store: Any) -> None:
+    registry = CollectorRegistry()
+    app = build_app(pg_store, observers=[PrometheusObserver(registry=registry)])
+    async with client(app) as c:
+        missing = await c.post("/accounts/a/credits", json={"amount": 1})
+    assert missing.status_code == 400
+    assert counter(registry, "rejected") == 1
+
+
+async def test_spans_for_claim_replay_and_complete(pg_store: Any) -> None:
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    observer = OpenTelemetryObserver(tracer_provider=provider)
+    app = build_app(pg_store, default_policy=Policy(wait_seconds=0.2), observers=[observer])
+    await scripted(app)
+    names = [span.name for span in exporter.get_finished_spans()]
+    assert names.count("idem.claim") == 5
+    assert names.count("idem.complete") == 2
+    assert names.count("idem.replay") == 1
+    for span in exporter.get_finished_spans():
+        assert SECRET_KEY not in str(dict(span.attributes or {}))
+
+
+async def test_logs_are_structured_and_never_carry_raw_keys_or_bodies(
+    pg_store: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    app = build_app(
+        pg_store, default_policy=Policy(wait_seconds=0.2), observers=[LoggingObserver()]
+    )
+    with caplog.at_level(logging.DEBUG, logger="idem_middleware"):
+        await scripted(app)
+    decisions = [r for r in caplog.records if r.getMessage().startswith("idempotency ")]
+    outcomes = [getattr(r, "outcome", None) for r in decisions]
+    for expected in ("claimed", "replayed", "mismatch", "in_flight", "succeeded"):
+        assert expected in outcomes
+    for record in decisions:
+        assert record.operation == OP  # type: ignore[attr-defined]
+        assert record.tenant == "tenant-a"  # type: ignore[attr-defined]
+        assert len(record.key_digest) == 16  # type: ignore[attr-defined]
+    for record in caplog.records:
+        if record.levelno >= logging.INFO:
+            text = record.getMessage() + str(record.__dict__)
+            assert SECRET_KEY not in text
+            assert '"amount"' not in text

@@ -1,0 +1,120 @@
+"""OpenAPI: guarded operations document the header and the problem responses; others do not."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from openapi_spec_validator import validate
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+from starlette.schemas import SchemaGenerator
+
+from example_app.app import create_app
+from idem_middleware import IdempotencyMiddleware, MemoryStore, Policy, idempotent
+from idem_middleware.openapi import PROBLEM_SCHEMA, document_openapi
+
+GUARDED = [("/accounts/{account_id}/credits", "post"), ("/payouts", "post")]
+
+
+@pytest.fixture(scope="module")
+def schema() -> dict[str, Any]:
+    app = create_app("postgresql://unused@/unused")  # building the schema opens no connection
+    spec: dict[str, Any] = app.openapi()
+    return spec
+
+
+def _header(operation: dict[str, Any]) -> dict[str, Any] | None:
+    for p in operation.get("parameters", []):
+        if p["in"] == "header" and p["name"] == "Idempotency-Key":
+            return p
+    return None
+
+
+def test_the_example_schema_is_valid_openapi(schema: dict[str, Any]) -> None:
+    validate(schema)
+
+
+@pytest.mark.parametrize(("path", "method"), GUARDED)
+def test_guarded_operations_document_header_and_problems(
+    schema: dict[str, Any], path: str, method: str
+) -> None:
+    operation = schema["paths"][path][method]
+    header = _header(operation)
+    assert header is not None
+    assert header["required"] is True
+    assert "1 day" in header["description"]  # the retention window
+    responses = operation["responses"]
+    ref = {"$ref": f"#/components/schemas/{PROBLEM_SCHEMA}"}
+    for status in ("400", "409", "422"):
+        assert responses[status]["content"]["application/problem+json"]["schema"] == ref
+    assert "Retry-After" in responses["409"]["headers"]
+    assert "Idempotent-Replayed" in responses["201"]["headers"]
+    assert "202" not in responses  # the example's routes answer 409, not 202
+    problem = schema["components"]["schemas"][PROBLEM_SCHEMA]
+    assert set(problem["required"]) == {"type", "title", "status"}
+
+
+def test_unguarded_operations_are_left_alone(schema: dict[str, Any]) -> None:
+    operation = schema["paths"]["/accounts/{account_id}"]["get"]
+    assert _header(operation) is None
+    assert "409" not in operation["responses"]
+
+
+def test_optional_key_and_202_are_documented() -> None:
+    from fastapi import FastAPI
+
+    from idem_middleware.fastapi import install
+
+    app = FastAPI()
+    install(app, store=MemoryStore())
+
+    @app.post("/maybe")
+    @idempotent(key_required=False, accept_while_in_flight=True, retention_seconds=3600 * 6)
+    async def maybe() -> dict[str, str]:
+        return {}
+
+    operation = app.openapi()["paths"]["/maybe"]["post"]
+    header = _header(operation)
+    assert header is not None
+    assert header["required"] is False
+    assert "6 hours" in header["description"]
+    assert "Location" in operation["responses"]["202"]["headers"]
+    validate(app.openapi())
+
+
+def test_starlette_schema_generator_helper() -> None:
+    async def create(request: Request) -> JSONResponse:
+        """
+        responses:
+          201:
+            description: Created.
+        """
+        return JSONResponse({}, status_code=201)
+
+    async def read(request: Request) -> JSONResponse:
+        """
+        responses:
+          200:
+            description: The thing.
+        """
+        return JSONResponse({})
+
+    app = Starlette(
+        routes=[
+            Route("/things", create, methods=["POST"]),
+            Route("/things", read, methods=["GET"]),
+        ],
+        middleware=[
+            Middleware(IdempotencyMiddleware, store=MemoryStore(), default_policy=Policy())
+        ],
+    )
+    generator = SchemaGenerator({"openapi": "3.0.0", "info": {"title": "things", "version": "1"}})
+    schema = document_openapi(generator.get_schema(routes=app.routes), app)
+    assert _header(schema["paths"]["/things"]["post"]) is not None
+    assert _header(schema["paths"]["/things"]["get"]) is None
+    assert "422" in schema["paths"]["/things"]["post"]["responses"]
+    validate(schema)
