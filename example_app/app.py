@@ -95,6 +95,22 @@ class PayoutOut(BaseModel):
     bank_transfer_id: str
 
 
+class Problem(BaseModel):
+    """The RFC 9457 shape of the app's own errors."""
+
+    type: str
+    title: str
+    status: int
+
+
+def problems(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """Document the app's own error responses, so the OpenAPI schema matches what it sends."""
+    return {
+        status: {"model": Problem, "content": {"application/problem+json": {}}}
+        for status in statuses
+    }
+
+
 class AccountOut(BaseModel):
     account_id: str
     balance: int
@@ -231,7 +247,9 @@ def create_app(database_url: str | None = None) -> FastAPI:
             credit_id=credit_id, account_id=account_id, amount=body.amount, balance=balance
         )
 
-    @app.post("/payouts", status_code=201, response_model=PayoutOut)
+    @app.post(
+        "/payouts", status_code=201, response_model=PayoutOut, responses=problems(402, 404, 502)
+    )
     @idempotent(
         mode=Mode.LEASE,
         lease_seconds=lease_seconds,
@@ -267,7 +285,7 @@ def create_app(database_url: str | None = None) -> FastAPI:
             )
         return await debit(conn, tenant, body.account_id, body.amount, transfer)
 
-    @app.get("/accounts/{account_id}")
+    @app.get("/accounts/{account_id}", responses=problems(401, 404))
     async def account(account_id: str, tenant: Tenant) -> AccountOut:
         row: Any = await store.pool.fetchrow(
             "SELECT balance, credits FROM ex_accounts WHERE tenant = $1 AND account_id = $2",
