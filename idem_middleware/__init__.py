@@ -11,6 +11,7 @@ from .errors import (
 )
 from .middleware import KILL_SWITCH_ENV, IdempotencyMiddleware, authenticated_user_tenant
 from .policy import LeaseExpiry, Mode, Policy, idempotent, not_idempotent
+from .store import store_lifespan
 from .store.base import Record, RecordKey, State, StoredResponse
 from .store.memory import MemoryStore
 from .store.postgres import PostgresStore
@@ -40,4 +41,5 @@ __all__ = [
     "get_context",
     "idempotent",
     "not_idempotent",
+    "store_lifespan",
 ]

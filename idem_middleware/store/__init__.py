@@ -1,5 +1,9 @@
 """Stores: the protocol, the PostgreSQL store and its in-memory twin."""
 
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
+from typing import Any
+
 from .base import (
     Claim,
     ClaimTimeout,
@@ -13,6 +17,21 @@ from .base import (
 )
 from .memory import MemoryStore
 
+
+def store_lifespan(*stores: Any) -> Callable[[Any], AbstractAsyncContextManager[None]]:
+    """A Starlette/FastAPI `lifespan` that opens the stores at startup and closes them at
+    shutdown: `Starlette(..., lifespan=store_lifespan(store))`."""
+
+    @asynccontextmanager
+    async def lifespan(app: Any) -> AsyncIterator[None]:
+        async with AsyncExitStack() as stack:
+            for store in stores:
+                await stack.enter_async_context(store)
+            yield
+
+    return lifespan
+
+
 __all__ = [
     "Claim",
     "ClaimTimeout",
@@ -24,4 +43,5 @@ __all__ = [
     "Store",
     "StoredResponse",
     "TransactionSession",
+    "store_lifespan",
 ]

@@ -407,3 +407,9 @@ class MemoryStore:
 
     async def close(self) -> None:
         return None
+
+    async def __aenter__(self) -> MemoryStore:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        return None

@@ -99,3 +99,27 @@ async def test_examples_run_and_replay(
     assert anonymous.status_code == 401
     rows = await pool.fetch("SELECT tenant, item FROM orders")
     assert [tuple(r) for r in rows] == [("tenant-a", "book")]
+
+
+def test_starlette_example_runs_without_fastapi(
+    example_files: dict[str, Path], tmp_path: Path
+) -> None:
+    """The core and the Starlette example import nothing of FastAPI (it may not be installed)."""
+    script = tmp_path / "no_fastapi.py"
+    script.write_text(
+        "import sys, importlib.abc\n"
+        "class Block(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'fastapi' or name.startswith('fastapi.'):\n"
+        "            raise ImportError('fastapi is not installed')\n"
+        "sys.meta_path.insert(0, Block())\n"
+        f"sys.path.insert(0, {str(example_files['starlette'].parent)!r})\n"
+        "import readme_starlette\n"
+        "assert 'fastapi' not in sys.modules\n"
+        "print('ok', type(readme_starlette.app).__name__)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "ok Starlette"
