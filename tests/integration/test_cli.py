@@ -1,0 +1,262 @@
+"""`idem-middleware` against a real database, as an operator runs it (a subprocess)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from datetime import UTC
+from typing import Any
+
+import pytest
+
+from tests.conftest import _fresh_database
+
+
+def cli(*args: str, dsn: str | None = None, env: dict[str, str] | None = None) -> Any:
+    command = [sys.executable, "-m", "idem_middleware.cli"]
+    if dsn is not None:
+        command += ["--dsn", dsn]
+    import os
+
+    full_env = {
+        k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "IDEM_DATABASE_URL")
+    }
+    full_env.update(env or {})
+    return subprocess.run(
+        [*command, *args], capture_output=True, text=True, timeout=60, env=full_env
+    )
+
+
+async def insert(pool: Any, key: str, state: str, **columns: Any) -> None:
+    final = state in ("succeeded", "failed_final")
+    await pool.execute(
+        "INSERT INTO idem_requests (tenant, operation, idem_key, fingerprint, state, mode, "
+        "retention, expires_at, response_status, lease_expires_at, updated_at) "
+        "VALUES ('t', 'POST /payouts', $1, '\\x00', $2, 'lease', interval '1 day', $3, $4, $5, "
+        "now() - make_interval(secs => $6))",
+        key,
+        state,
+        columns.get("expires_at") if final else None,
+        201 if final else None,
+        columns.get("lease_expires_at"),
+        float(columns.get("age", 0)),
+    )
+
+
+async def test_migrate_check_then_apply(admin_dsn: str) -> None:
+    dsn = await _fresh_database(admin_dsn, "idem_cli_migrate")
+    pending = cli("migrate", "--check", dsn=dsn)
+    assert pending.returncode == 1
+    assert "pending migrations: [1]" in pending.stdout
+    applied = cli("migrate", env={"IDEM_DATABASE_URL": dsn})  # the DSN from the environment
+    assert applied.returncode == 0, applied.stderr
+    assert "applied migrations: [1]" in applied.stdout
+    again = cli("migrate", "--check", dsn=dsn)
+    assert again.returncode == 0
+    assert "up to date" in again.stdout
+
+
+async def test_purge_deletes_only_expired_finished_records(db_dsn: str, pool: Any) -> None:
+    from datetime import datetime, timedelta
+
+    past = datetime.now(UTC) - timedelta(hours=1)
+    future = datetime.now(UTC) + timedelta(hours=1)
+    await insert(pool, "old-ok", "succeeded", expires_at=past)
+    await insert(pool, "old-failed", "failed_final", expires_at=past)
+    await insert(pool, "fresh-ok", "succeeded", expires_at=future)
+    await insert(pool, "ancient-pending", "pending", lease_expires_at=past, age=3650 * 86400)
+    await insert(pool, "ancient-unknown", "unknown", age=3650 * 86400)
+    result = cli("purge", "--batch-size", "1", dsn=db_dsn)
+    assert result.returncode == 0, result.stderr
+    assert "purged 2 expired records" in result.stdout
+    left = {r["idem_key"] for r in await pool.fetch("SELECT idem_key FROM idem_requests")}
+    assert left == {"fresh-ok", "ancient-pending", "ancient-unknown"}
+
+
+async def test_stats_and_list(db_dsn: str, pool: Any) -> None:
+    from datetime import datetime, timedelta
+
+    past = datetime.now(UTC) - timedelta(seconds=5)
+    await insert(pool, "u1", "unknown", age=120)
+    await insert(pool, "p1", "pending", lease_expires_at=past, age=60)
+    await insert(pool, "p2", "pending", lease_expires_at=datetime.now(UTC) + timedelta(hours=1))
+    stats = cli("stats", "--json", dsn=db_dsn)
+    assert stats.returncode == 0, stats.stderr
+    data = json.loads(stats.stdout)
+    assert data["counts"] == {"pending": 2, "succeeded": 0, "failed_final": 0, "unknown": 1}
+    assert 119 <= data["oldest_unresolved_age_seconds"] < 200
+    listed = cli("list", "--json", dsn=db_dsn)
+    rows = [json.loads(line) for line in listed.stdout.splitlines()]
+    assert [r["key"] for r in rows] == ["u1", "p1", "p2"]  # oldest first
+    stale = cli("list", "--json", "--stale", dsn=db_dsn)
+    assert {json.loads(line)["key"] for line in stale.stdout.splitlines()} == {"u1", "p1"}
+    only_unknown = cli("list", "--state", "unknown", dsn=db_dsn)
+    assert "key=u1" in only_unknown.stdout
+    assert "key=p1" not in only_unknown.stdout
+
+
+async def test_resolve_unknown_with_an_audit_note(db_dsn: str, pool: Any) -> None:
+    await insert(pool, "u1", "unknown")
+    await insert(pool, "u2", "unknown")
+    ok = cli(
+        "resolve",
+        "--tenant",
+        "t",
+        "--operation",
+        "POST /payouts",
+        "--key",
+        "u1",
+        "--to",
+        "succeeded",
+        "--status",
+        "201",
+        "--body",
+        '{"ok": true}',
+        "--note",
+        "bank statement 2026-11-30 shows the transfer",
+        dsn=db_dsn,
+    )
+    assert ok.returncode == 0, ok.stderr
+    row = await pool.fetchrow(
+        "SELECT state, response_status, response_body, note, expires_at FROM idem_requests "
+        "WHERE idem_key = 'u1'"
+    )
+    assert (row["state"], row["response_status"], bytes(row["response_body"])) == (
+        "succeeded",
+        201,
+        b'{"ok": true}',
+    )
+    assert row["note"] == "bank statement 2026-11-30 shows the transfer"
+    assert row["expires_at"] is not None
+    retry = cli(
+        "resolve",
+        "--tenant",
+        "t",
+        "--operation",
+        "POST /payouts",
+        "--key",
+        "u2",
+        "--to",
+        "retry",
+        "--note",
+        "bank has no such transfer",
+        dsn=db_dsn,
+    )
+    assert retry.returncode == 0, retry.stderr
+    row = await pool.fetchrow(
+        "SELECT state, lease_expires_at, note FROM idem_requests WHERE idem_key = 'u2'"
+    )
+    assert (row["state"], row["lease_expires_at"], row["note"]) == (
+        "pending",
+        None,
+        "bank has no such transfer",
+    )
+    # Only unknown records can be resolved: u1 is settled now.
+    again = cli(
+        "resolve",
+        "--tenant",
+        "t",
+        "--operation",
+        "POST /payouts",
+        "--key",
+        "u1",
+        "--to",
+        "retry",
+        "--note",
+        "x",
+        dsn=db_dsn,
+    )
+    assert again.returncode == 1
+    assert "only unknown records" in again.stderr
+
+
+async def test_reconcile_runs_the_apps_reconcilers(db_dsn: str, pool: Any) -> None:
+    from datetime import datetime, timedelta
+
+    await insert(pool, "happened", "unknown")
+    await insert(pool, "not-happened", "unknown")
+    await insert(
+        pool,
+        "lapsed",
+        "pending",
+        lease_expires_at=datetime.now(UTC) - timedelta(seconds=1),
+    )
+    result = cli("reconcile", "--app", "tests.cli_app:app", dsn=db_dsn)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["expired_leases"] == 1
+    assert report["examined"] == 3
+    assert report["verdicts"] == {"settled": 1, "not-happened": 1, "still-unknown": 1}
+    states = {
+        r["idem_key"]: (r["state"], r["response_status"])
+        for r in await pool.fetch("SELECT idem_key, state, response_status FROM idem_requests")
+    }
+    assert states == {
+        "happened": ("succeeded", 201),
+        "not-happened": ("pending", None),
+        "lapsed": ("unknown", None),
+    }
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("purge", "--batch-size", "0"),
+        ("purge", "--batch-size", "many"),
+        ("resolve", "--tenant", "t", "--operation", "o", "--key", "k", "--to", "retry"),
+        (
+            "resolve",
+            "--tenant",
+            "t",
+            "--operation",
+            "o",
+            "--key",
+            "k",
+            "--to",
+            "maybe",
+            "--note",
+            "n",
+        ),
+        (
+            "resolve",
+            "--tenant",
+            "t",
+            "--operation",
+            "o",
+            "--key",
+            "k",
+            "--to",
+            "succeeded",
+            "--note",
+            "n",
+        ),
+        ("list", "--state", "lost"),
+        ("reconcile",),
+        ("reconcile", "--app", "no-colon"),
+        ("frobnicate",),
+    ],
+)
+def test_bad_arguments_exit_2_with_a_message(args: tuple[str, ...], db_dsn: str) -> None:
+    result = cli(*args, dsn=db_dsn)
+    assert result.returncode == 2, (result.stdout, result.stderr)
+    assert "error:" in result.stderr
+
+
+def test_no_database_is_a_usage_error() -> None:
+    result = cli("stats")
+    assert result.returncode == 2
+    assert "no database" in result.stderr
+
+
+def test_unreachable_database_exits_1() -> None:
+    result = cli("stats", dsn="postgresql://nobody@127.0.0.1:9/none")
+    assert result.returncode == 1
+    assert result.stderr.startswith("idem-middleware:")
+
+
+def test_help_names_the_environment_variables() -> None:
+    top = cli("--help")
+    assert "IDEM_DATABASE_URL" in top.stdout
+    purge = cli("purge", "--help")
+    assert "IDEM_PURGE_BATCH_SIZE" in purge.stdout
