@@ -10,12 +10,14 @@ import asyncio
 import importlib
 import json
 import os
+import signal
 import sys
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import asyncpg
 
+from . import outbox
 from .errors import IdempotencyError
 from .ops import Resolution, collect_reconcilers, reconcile_unknown, resolve
 from .store.base import RecordKey, State, StoredResponse
@@ -105,6 +107,30 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--body", default="", help="succeeded/failed_final: the body to replay")
     r.add_argument("--content-type", default="application/json")
 
+    o = commands.add_parser("outbox", help="publish, list and requeue outbox events")
+    outbox_commands = o.add_subparsers(dest="outbox_command", required=True, metavar="ACTION")
+    pub = outbox_commands.add_parser(
+        "publish", help="send due events to a webhook until stopped (SIGTERM/SIGINT)"
+    )
+    pub.add_argument(
+        "--url", default=_env_default("IDEM_OUTBOX_URL"), help="webhook URL (env IDEM_OUTBOX_URL)"
+    )
+    pub.add_argument("--batch-size", type=_positive_int, default=50)
+    pub.add_argument(
+        "--max-attempts",
+        type=_positive_int,
+        default=int(_env_default("IDEM_OUTBOX_MAX_ATTEMPTS", "8") or 8),
+        help="park an event after this many failed sends (env IDEM_OUTBOX_MAX_ATTEMPTS)",
+    )
+    pub.add_argument("--send-timeout", type=float, default=10.0)
+    pub.add_argument("--idle-seconds", type=float, default=1.0)
+    pub.add_argument("--once", action="store_true", help="publish one batch and exit")
+    ol = outbox_commands.add_parser("list", help="unsent events, oldest first")
+    ol.add_argument("--parked", action="store_true", help="parked events only")
+    ol.add_argument("--limit", type=_positive_int, default=100)
+    rq = outbox_commands.add_parser("requeue", help="send parked events again")
+    rq.add_argument("event_ids", nargs="+")
+
     c = commands.add_parser(
         "reconcile", help="run the reconcilers on unknown and lapsed records nobody retries"
     )
@@ -156,6 +182,7 @@ async def _purge(store: PostgresStore, args: argparse.Namespace) -> int:
 
 async def _stats(store: PostgresStore, args: argparse.Namespace) -> int:
     stats = await store.stats()
+    events = await outbox.outbox_stats(store.pool)
     if args.json:
         print(
             json.dumps(
@@ -163,6 +190,7 @@ async def _stats(store: PostgresStore, args: argparse.Namespace) -> int:
                     "counts": stats.counts,
                     "oldest_age_seconds": stats.oldest_age_seconds,
                     "oldest_unresolved_age_seconds": stats.oldest_unresolved_age_seconds,
+                    "outbox": events,
                 },
                 sort_keys=True,
             )
@@ -172,6 +200,42 @@ async def _stats(store: PostgresStore, args: argparse.Namespace) -> int:
         age = stats.oldest_age_seconds[state]
         shown = "-" if age is None else f"{age:.0f}s"
         print(f"{state:<14}{count:>10}   oldest {shown}")
+    print(
+        f"outbox        unsent {events['unsent']}  parked {events['parked']}  sent {events['sent']}"
+    )
+    return 0
+
+
+async def _outbox(store: PostgresStore, args: argparse.Namespace) -> int:
+    if args.outbox_command == "list":
+        for event in await outbox.list_events(
+            store.pool, parked_only=args.parked, limit=args.limit
+        ):
+            print(json.dumps(event, default=str, sort_keys=True))
+        return 0
+    if args.outbox_command == "requeue":
+        print(f"requeued {await outbox.requeue(store.pool, args.event_ids)} parked events")
+        return 0
+    if not args.url:
+        raise ValueError("outbox publish needs --url (or IDEM_OUTBOX_URL)")
+    import httpx  # the extra `httpx`; only the webhook publisher needs it
+
+    async with httpx.AsyncClient(timeout=args.send_timeout) as client:
+        publisher = outbox.Publisher(
+            store.pool,
+            outbox.webhook_sender(client, args.url),
+            batch_size=args.batch_size,
+            max_attempts=args.max_attempts,
+            send_timeout_seconds=args.send_timeout,
+        )
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, stop.set)
+        report = await publisher.run(
+            stop=stop, batches=1 if args.once else None, idle_seconds=args.idle_seconds
+        )
+    print(json.dumps({"sent": report.sent, "failed": report.failed, "parked": report.parked}))
     return 0
 
 
@@ -258,6 +322,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "list": _list,
             "resolve": _resolve,
             "reconcile": _reconcile,
+            "outbox": _outbox,
         }[args.command]
         return asyncio.run(_with_store(args.dsn, lambda store: handler(store, args)))
     except ValueError as exc:

@@ -63,6 +63,11 @@ def derive_downstream_key(tenant: str, operation: str, key: str) -> str:
     return digest.hexdigest()
 
 
+def token_hash(token: str) -> bytes:
+    """One-time tokens are stored, and looked up, only as this hash."""
+    return hashlib.sha256(token.encode()).digest()
+
+
 def key_digest(key: str) -> str:
     """A short digest of a raw key for logs: raw keys are never logged above debug level."""
     return hashlib.sha256(key.encode()).hexdigest()[:16]

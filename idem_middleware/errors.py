@@ -18,6 +18,7 @@ class ProblemKind(StrEnum):
     UNAUTHENTICATED = "unauthenticated"
     STORE_UNAVAILABLE = "store-unavailable"
     RECORD_NOT_FOUND = "record-not-found"
+    TOKEN_INVALID = "token-invalid"
 
 
 class IdempotencyError(Exception):

@@ -27,7 +27,16 @@ from .errors import ProblemKind
 from .fence import Fence, Verdict, run_reconciler
 from .observe import SETTLED_EVENTS, Event
 from .policy import LeaseExpiry, Mode, Policy
-from .store.base import Record, RecordKey, Settlement, State, Store, StoredResponse
+from .store.base import (
+    Claim,
+    ClaimTimeout,
+    Record,
+    RecordKey,
+    Settlement,
+    State,
+    Store,
+    StoredResponse,
+)
 
 logger = logging.getLogger("idem_middleware")
 
@@ -64,6 +73,11 @@ class _Exchange(Protocol):
     def timed(self, name: str) -> Any: ...
 
     @property
+    def token_hash(self) -> bytes | None: ...
+
+    async def refuse_token(self, record_key: RecordKey) -> None: ...
+
+    @property
     def app_receive(self) -> Receive: ...
 
 
@@ -75,19 +89,28 @@ class LeaseRun:
         self.policy = ex.policy
         self.store = ex.store
 
-    async def run(self) -> None:
-        policy = self.policy
-        claim = await self.store.claim_lease(
+    async def _claim(self) -> Claim:
+        return await self.store.claim_lease(
             self.key,
             self.fingerprint,
-            retention_seconds=policy.retention_seconds,
-            lease_seconds=policy.lease_seconds,
+            retention_seconds=self.policy.retention_seconds,
+            lease_seconds=self.policy.lease_seconds,
+            token_hash=self.ex.token_hash,
         )
+
+    async def run(self) -> None:
+        try:
+            with self.ex.timed("claim"):
+                claim = await self._claim()
+        except ClaimTimeout:
+            await self.ex.answer_in_flight(self.key)
+            return
         if claim.claimed:
             await self.execute(claim.generation)
-            return
-        assert claim.record is not None
-        await self.duplicate(claim.record)
+        elif claim.record is None:
+            await self.ex.refuse_token(self.key)
+        else:
+            await self.duplicate(claim.record)
 
     # -- a duplicate: replay, wait, take over, or reconcile ------------------------------------
 
@@ -101,17 +124,14 @@ class LeaseRun:
         async with store.watch(self.key) as watch, contextlib.AsyncExitStack() as waiting:
             for _ in range(_MAX_ROUNDS):
                 if record is None or record.expired:
-                    claim = await store.claim_lease(
-                        self.key,
-                        self.fingerprint,
-                        retention_seconds=policy.retention_seconds,
-                        lease_seconds=policy.lease_seconds,
-                    )
+                    claim = await self._claim()
                     if claim.claimed:
                         await self.execute(claim.generation)
                         return
+                    if claim.record is None:
+                        await self.ex.refuse_token(self.key)
+                        return
                     record = claim.record
-                    assert record is not None
                 if record.fingerprint != self.fingerprint:
                     await self.ex.problem(
                         ProblemKind.KEY_REUSED,

@@ -25,6 +25,7 @@ from .context import (
     key_digest,
     leave_context,
     outcome_for_status,
+    token_hash,
 )
 from .errors import ConfigurationError, ProblemKind, RequestRejected, StoreError
 from .fingerprint import compute_fingerprint
@@ -178,6 +179,8 @@ class _Exchange:
         self.disconnected: asyncio.Event | None = None
         self.body_delivered = False
         self.record_key: RecordKey | None = None
+        self.fingerprint = b""
+        self.token_hash: bytes | None = None
 
     @property
     def app(self) -> ASGIApp:
@@ -226,6 +229,12 @@ class _Exchange:
         self.emit(Event.REPLAYED)
         with self.timed("replay"):
             await send_replay(self.send, response)
+
+    async def refuse_token(self, record_key: RecordKey) -> None:
+        """The key is not a live token of this tenant, operation and request: nothing claimed."""
+        assert self.token_hash is not None
+        detail = await self.mw.store.token_problem(record_key, self.token_hash, self.fingerprint)
+        await self.problem(ProblemKind.TOKEN_INVALID, detail or "This token cannot be used.")
 
     async def problem(self, kind: ProblemKind, detail: str, retry_after: int | None = None) -> None:
         self.started = True
@@ -277,6 +286,8 @@ class _Exchange:
             await self.problem(exc.kind, exc.detail)
             return
         record_key = self.record_key = RecordKey(tenant, self.operation, key)
+        self.fingerprint = fingerprint
+        self.token_hash = token_hash(key) if policy.require_token else None
         try:
             if policy.mode is Mode.TRANSACTIONAL:
                 await self._run_transactional(record_key, fingerprint)
@@ -428,6 +439,7 @@ class _TransactionalAttempt:
                         self.fingerprint,
                         retention_seconds=policy.retention_seconds,
                         wait_seconds=policy.wait_seconds,
+                        token_hash=ex.token_hash,
                     )
             except ClaimTimeout:
                 await tx.rollback()
@@ -435,8 +447,10 @@ class _TransactionalAttempt:
                 return
             if not claim.claimed:
                 await tx.rollback()  # give the connection back before writing to the client
-                assert claim.record is not None
-                await ex._answer(claim.record, self.fingerprint)
+                if claim.record is None:
+                    await ex.refuse_token(self.record_key)
+                else:
+                    await ex._answer(claim.record, self.fingerprint)
                 return
             self.context = IdempotencyContext(
                 tenant=self.record_key.tenant,

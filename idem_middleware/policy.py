@@ -73,6 +73,8 @@ class Policy:
     #: Lease mode: when the wait runs out, answer 202 + Location of the status resource
     #: instead of 409 + Retry-After.
     accept_while_in_flight: bool = False
+    #: Accept only one-time tokens issued by a TokenIssuer as this route's Idempotency-Key.
+    require_token: bool = False
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 0 or self.max_response_bytes < 0:

@@ -183,3 +183,135 @@ WHERE state = ANY($1::text[])
   AND (NOT $5 OR state <> 'pending' OR lease_expires_at IS NULL OR lease_expires_at <= now())
 ORDER BY updated_at
 LIMIT $4;
+
+-- name: claim_token
+-- The claim for a route that accepts only issued tokens as keys: like `claim`, but a new record
+-- is inserted only if the key is a live token of this tenant and operation (and request, if the
+-- token is bound to one). Consuming the token IS this claim. When neither branch returns a row,
+-- read the record with `get`: none means the token was refused.
+-- $1 tenant, $2 operation, $3 key, $4 fingerprint, $5 mode, $6 retention (seconds),
+-- $7 lease (seconds, or NULL), $8 token hash
+WITH ins AS (
+    INSERT INTO idem_requests AS r
+        (tenant, operation, idem_key, fingerprint, state, mode, retention, lease_expires_at)
+    SELECT $1, $2, $3, $4, 'pending', $5, make_interval(secs => $6::float8),
+           now() + make_interval(secs => $7::float8)
+    WHERE EXISTS (
+        SELECT FROM idem_tokens t
+        WHERE t.tenant = $1 AND t.token_hash = $8 AND t.operation = $2 AND t.expires_at > now()
+          AND (t.request_digest IS NULL OR t.request_digest = $4)
+    )
+    ON CONFLICT DO NOTHING
+    RETURNING r.generation
+)
+SELECT true AS claimed, ins.generation, NULL::bytea AS fingerprint, NULL::text AS state,
+       NULL::integer AS response_status, NULL::bytea AS response_headers,
+       NULL::bytea AS response_body, NULL::text AS body_omitted,
+       false AS expired, false AS lease_expired, false AS retry_allowed
+FROM ins
+UNION ALL
+SELECT false, r.generation, r.fingerprint, r.state,
+       r.response_status, r.response_headers, r.response_body, r.body_omitted,
+       r.expires_at <= now(), r.lease_expires_at <= now(),
+       r.state = 'pending' AND r.mode = 'lease' AND r.lease_expires_at IS NULL
+FROM idem_requests r
+WHERE r.tenant = $1 AND r.operation = $2 AND r.idem_key = $3
+  AND NOT EXISTS (SELECT FROM ins);
+
+-- name: token_status
+-- Why a token was refused (another tenant's token is simply not found).
+-- $1 tenant, $2 token hash, $3 operation, $4 fingerprint
+SELECT operation = $3 AS same_operation, expires_at > now() AS live,
+       (request_digest IS NULL OR request_digest = $4) AS same_request
+FROM idem_tokens
+WHERE tenant = $1 AND token_hash = $2;
+
+-- name: issue_token
+-- Issue a token, or return the one already issued for this intent (renewing it if it expired).
+-- $1 tenant, $2 token hash, $3 operation, $4 request digest or NULL, $5 intent id or NULL,
+-- $6 time to live (seconds)
+INSERT INTO idem_tokens AS t (tenant, token_hash, operation, request_digest, intent_id, expires_at)
+VALUES ($1, $2, $3, $4, $5, now() + make_interval(secs => $6::float8))
+ON CONFLICT (tenant, operation, intent_id) DO UPDATE
+SET expires_at = CASE WHEN t.expires_at <= now() THEN EXCLUDED.expires_at ELSE t.expires_at END
+RETURNING t.token_hash, t.expires_at, t.request_digest;
+
+-- name: purge_tokens
+-- Delete one batch of expired tokens. $1 batch size
+DELETE FROM idem_tokens t
+USING (
+    SELECT tenant, token_hash FROM idem_tokens
+    WHERE expires_at <= now()
+    ORDER BY expires_at
+    LIMIT $1
+    FOR UPDATE SKIP LOCKED
+) doomed
+WHERE t.tenant = doomed.tenant AND t.token_hash = doomed.token_hash;
+
+-- name: outbox_add
+-- $1 event id, $2 tenant, $3 topic, $4 payload (JSON text)
+INSERT INTO idem_outbox (event_id, tenant, topic, payload) VALUES ($1, $2, $3, $4::jsonb);
+
+-- name: outbox_claim
+-- A publisher's batch: due events, locked until its transaction ends; other publishers skip
+-- them. $1 batch size
+SELECT event_id, tenant, topic, payload::text AS payload, attempts
+FROM idem_outbox
+WHERE sent_at IS NULL AND parked_at IS NULL AND next_attempt_at <= now()
+ORDER BY next_attempt_at, created_at
+LIMIT $1
+FOR UPDATE SKIP LOCKED;
+
+-- name: outbox_sent
+-- $1 event ids (text[])
+UPDATE idem_outbox SET sent_at = now(), attempts = attempts + 1, last_error = NULL
+WHERE event_id = ANY($1::text[]);
+
+-- name: outbox_failed
+-- A failed send: back off, or park the event for an operator after `max attempts` tries.
+-- $1 event id, $2 error, $3 backoff (seconds), $4 max attempts
+UPDATE idem_outbox
+SET attempts = attempts + 1, last_error = $2,
+    next_attempt_at = now() + make_interval(secs => $3::float8),
+    parked_at = CASE WHEN attempts + 1 >= $4 THEN now() END
+WHERE event_id = $1;
+
+-- name: outbox_requeue
+-- An operator sends parked events again. $1 event ids (text[])
+UPDATE idem_outbox SET parked_at = NULL, attempts = 0, next_attempt_at = now()
+WHERE event_id = ANY($1::text[]) AND parked_at IS NOT NULL;
+
+-- name: outbox_stats
+SELECT count(*) FILTER (WHERE sent_at IS NULL AND parked_at IS NULL) AS unsent,
+       count(*) FILTER (WHERE parked_at IS NOT NULL) AS parked,
+       count(*) FILTER (WHERE sent_at IS NOT NULL) AS sent,
+       EXTRACT(EPOCH FROM now() - min(created_at) FILTER (WHERE sent_at IS NULL))::float8
+           AS oldest_unsent_age_seconds
+FROM idem_outbox;
+
+-- name: outbox_list
+-- $1 parked only (bool), $2 limit
+SELECT event_id, tenant, topic, attempts, created_at, next_attempt_at, sent_at, parked_at,
+       last_error
+FROM idem_outbox
+WHERE sent_at IS NULL AND (NOT $1 OR parked_at IS NOT NULL)
+ORDER BY created_at
+LIMIT $2;
+
+-- name: outbox_purge
+-- Delete one batch of events sent more than $2 seconds ago. $1 batch size, $2 age (seconds)
+DELETE FROM idem_outbox o
+USING (
+    SELECT event_id FROM idem_outbox
+    WHERE sent_at <= now() - make_interval(secs => $2::float8)
+    LIMIT $1
+    FOR UPDATE SKIP LOCKED
+) doomed
+WHERE o.event_id = doomed.event_id;
+
+-- name: inbox_record
+-- A consumer notes an event in its own transaction; no row back means it was applied before.
+-- $1 consumer, $2 event id
+INSERT INTO idem_inbox (consumer, event_id) VALUES ($1, $2)
+ON CONFLICT DO NOTHING
+RETURNING 1;

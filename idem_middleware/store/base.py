@@ -105,11 +105,13 @@ class TransactionSession(Protocol):
         *,
         retention_seconds: float,
         wait_seconds: float,
+        token_hash: bytes | None = None,
     ) -> Claim:
         """Insert a pending record, waiting at most `wait_seconds` on a concurrent claim.
 
         Raises ClaimTimeout when the wait runs out and RetryableConflict on 40001/40P01; either
-        way the transaction is finished and must be rolled back.
+        way the transaction is finished and must be rolled back. With `token_hash`, only a live
+        issued token can be claimed: `Claim(False, 0, None)` means it was refused.
         """
 
     async def complete(
@@ -184,9 +186,18 @@ class Store(Protocol):
     # -- lease mode: every call commits on its own -----------------------------------------------
 
     async def claim_lease(
-        self, key: RecordKey, fingerprint: bytes, *, retention_seconds: float, lease_seconds: float
+        self,
+        key: RecordKey,
+        fingerprint: bytes,
+        *,
+        retention_seconds: float,
+        lease_seconds: float,
+        token_hash: bytes | None = None,
     ) -> Claim:
         """Commit a pending claim with a lease, or return the record that holds the key."""
+
+    async def token_problem(self, key: RecordKey, token_hash: bytes, fingerprint: bytes) -> str:
+        """Why a token cannot be claimed for this request ("" if it can)."""
 
     async def heartbeat(self, key: RecordKey, generation: int, lease_seconds: float) -> bool:
         """Renew the lease; False if this generation no longer holds a pending claim."""

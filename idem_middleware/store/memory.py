@@ -103,6 +103,7 @@ class _MemoryTransaction:
         *,
         retention_seconds: float,
         wait_seconds: float,
+        token_hash: bytes | None = None,
     ) -> Claim:
         if not self.active:
             raise StoreError("no transaction")
@@ -130,10 +131,10 @@ class _MemoryTransaction:
             updated_at=now,
         )
         current = self._staged.get(key) or store._rows.get(key)
-        if current is None:
-            return self._own(key, fresh)
-        record = current.record(key, store.clock())
-        if record.expired:
+        record = None if current is None else current.record(key, store.clock())
+        if record is None or record.expired:
+            if token_hash is not None and store._token_problem(key, token_hash, fingerprint):
+                return Claim(False, 0, None)
             return self._own(key, fresh)
         return Claim(False, record.generation, record)
 
@@ -190,6 +191,7 @@ class MemoryStore:
         self._generations = itertools.count(1)
         self._watchers: dict[RecordKey, set[asyncio.Event]] = {}
         self._fence_locks: dict[RecordKey, asyncio.Lock] = {}
+        self._tokens: dict[tuple[str, bytes], tuple[str, bytes | None, float]] = {}
 
     @asynccontextmanager
     async def transaction(self, *, acquire_timeout: float) -> AsyncIterator[_MemoryTransaction]:
@@ -208,6 +210,37 @@ class MemoryStore:
     async def open(self) -> MemoryStore:
         return self
 
+    # -- one-time tokens -------------------------------------------------------------------------
+
+    def add_token(
+        self,
+        tenant: str,
+        token_hash: bytes,
+        operation: str,
+        *,
+        ttl_seconds: float,
+        request_digest: bytes | None = None,
+    ) -> None:
+        """Record an issued token (the PostgreSQL store's TokenIssuer does this in SQL)."""
+        expires_at = self.clock() + ttl_seconds
+        self._tokens[(tenant, token_hash)] = (operation, request_digest, expires_at)
+
+    def _token_problem(self, key: RecordKey, token_hash: bytes, fingerprint: bytes) -> str:
+        token = self._tokens.get((key.tenant, token_hash))
+        if token is None:
+            return "This key is not a token issued to you for this operation."
+        operation, digest, expires_at = token
+        if operation != key.operation:
+            return "This token was issued for another operation."
+        if expires_at <= self.clock():
+            return "This token has expired; ask for a new one."
+        if digest is not None and digest != fingerprint:
+            return "This token was issued for a different request."
+        return ""
+
+    async def token_problem(self, key: RecordKey, token_hash: bytes, fingerprint: bytes) -> str:
+        return self._token_problem(key, token_hash, fingerprint)
+
     # -- lease mode ------------------------------------------------------------------------------
 
     def _current(self, key: RecordKey, generation: int, state: State) -> _Row | None:
@@ -222,7 +255,13 @@ class MemoryStore:
             event.set()
 
     async def claim_lease(
-        self, key: RecordKey, fingerprint: bytes, *, retention_seconds: float, lease_seconds: float
+        self,
+        key: RecordKey,
+        fingerprint: bytes,
+        *,
+        retention_seconds: float,
+        lease_seconds: float,
+        token_hash: bytes | None = None,
     ) -> Claim:
         # A transaction still holding the key (a transactional claim) is waited for, as the
         # INSERT would wait on PostgreSQL; lease claims themselves commit at once.
@@ -235,6 +274,8 @@ class MemoryStore:
             record = row.record(key, now)
             if not record.expired:
                 return Claim(False, row.generation, record)
+        if token_hash is not None and self._token_problem(key, token_hash, fingerprint):
+            return Claim(False, 0, None)
         fresh = _Row(
             fingerprint,
             State.PENDING,
@@ -403,6 +444,9 @@ class MemoryStore:
         ][: batch_size * max_batches]
         for key in doomed:
             del self._rows[key]
+        for token, (_, _, expires_at) in list(self._tokens.items()):
+            if expires_at <= now:
+                del self._tokens[token]
         return len(doomed)
 
     async def close(self) -> None:

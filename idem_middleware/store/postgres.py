@@ -133,6 +133,62 @@ def _settle_args(
     )
 
 
+async def _claim(
+    executor: Any,
+    key: RecordKey,
+    args: tuple[Any, ...],
+    token_hash: bytes | None,
+    timeout: float | None,  # noqa: ASYNC109 - asyncpg's own per-statement timeout
+) -> Claim:
+    """Claim, or return the record holding the key (see queries.sql `claim`).
+
+    `executor` is the claim's connection (transactional mode) or the pool (lease mode: each
+    statement commits on its own). With `token_hash`, only a live issued token may be claimed;
+    `Claim(False, 0, None)` means the token was refused.
+    """
+    query = _Q["claim"] if token_hash is None else _Q["claim_token"]
+    params = args if token_hash is None else (*args, token_hash)
+    for _ in range(_CLAIM_ATTEMPTS):
+        rows = await executor.fetch(query, *params, timeout=timeout)
+        if rows:
+            row = rows[0]
+            if row["claimed"]:
+                return Claim(True, row["generation"], None)
+        else:
+            # The conflicting claim committed after our snapshot: read it afresh.
+            row = await executor.fetchrow(_Q["get"], *args[:3], timeout=timeout)
+            if row is None:
+                if token_hash is not None:
+                    return Claim(False, 0, None)
+                continue
+        record = _record(key, row)
+        if not record.expired:
+            return Claim(False, record.generation, record)
+        if token_hash is not None:
+            status = await executor.fetchrow(
+                _Q["token_status"], key.tenant, token_hash, key.operation, args[3], timeout=timeout
+            )
+            if _token_problem(status):
+                return Claim(False, 0, None)
+        generation = await executor.fetchval(_Q["reclaim_expired"], *args, timeout=timeout)
+        if generation is not None:
+            return Claim(True, generation, None)
+    raise ClaimTimeout("the record kept changing under the claim")
+
+
+def _token_problem(row: Any) -> str:
+    """Why a token cannot be claimed, or "" if it can."""
+    if row is None:
+        return "This key is not a token issued to you for this operation."
+    if not row["same_operation"]:
+        return "This token was issued for another operation."
+    if not row["live"]:
+        return "This token has expired; ask for a new one."
+    if not row["same_request"]:
+        return "This token was issued for a different request."
+    return ""
+
+
 class _Listener:
     """One LISTEN connection per store, fanning notifications out to the waiters in-process.
 
@@ -291,6 +347,7 @@ class _PgTransaction:
         *,
         retention_seconds: float,
         wait_seconds: float,
+        token_hash: bytes | None = None,
     ) -> Claim:
         args = (
             key.tenant,
@@ -302,30 +359,12 @@ class _PgTransaction:
             None,
         )
         timeout = max(wait_seconds, _MIN_STATEMENT_TIMEOUT)
-        conn = self._conn
         try:
-            for _ in range(_CLAIM_ATTEMPTS):
-                rows = await conn.fetch(_Q["claim"], *args, timeout=timeout)
-                if rows:
-                    row = rows[0]
-                    if row["claimed"]:
-                        return Claim(True, row["generation"], None)
-                else:
-                    # The conflicting claim committed after our snapshot: read it afresh.
-                    row = await conn.fetchrow(_Q["get"], *args[:3], timeout=timeout)
-                    if row is None:
-                        continue
-                record = _record(key, row)
-                if not record.expired:
-                    return Claim(False, record.generation, record)
-                generation = await conn.fetchval(_Q["reclaim_expired"], *args, timeout=timeout)
-                if generation is not None:
-                    return Claim(True, generation, None)
+            return await _claim(self._conn, key, args, token_hash, timeout)
         except _WAIT_EXCEEDED as exc:
             raise ClaimTimeout("waited too long for a concurrent claim") from exc
         except (*_CONNECTION_ERRORS, *_RETRYABLE) as exc:
             raise _translate(exc) from exc
-        raise ClaimTimeout("the record kept changing under the claim")
 
     async def complete(
         self, key: RecordKey, generation: int, state: State, response: StoredResponse
@@ -438,7 +477,13 @@ class PostgresStore:
     # -- lease mode ------------------------------------------------------------------------------
 
     async def claim_lease(
-        self, key: RecordKey, fingerprint: bytes, *, retention_seconds: float, lease_seconds: float
+        self,
+        key: RecordKey,
+        fingerprint: bytes,
+        *,
+        retention_seconds: float,
+        lease_seconds: float,
+        token_hash: bytes | None = None,
     ) -> Claim:
         args = (
             key.tenant,
@@ -450,25 +495,15 @@ class PostgresStore:
             lease_seconds,
         )
         try:
-            for _ in range(_CLAIM_ATTEMPTS):
-                rows = await self.pool.fetch(_Q["claim"], *args)
-                if rows:
-                    row = rows[0]
-                    if row["claimed"]:
-                        return Claim(True, row["generation"], None)
-                else:
-                    row = await self.pool.fetchrow(_Q["get"], *args[:3])
-                    if row is None:
-                        continue
-                record = _record(key, row)
-                if not record.expired:
-                    return Claim(False, record.generation, record)
-                generation = await self.pool.fetchval(_Q["reclaim_expired"], *args)
-                if generation is not None:
-                    return Claim(True, generation, None)
-        except _CONNECTION_ERRORS as exc:
-            raise StoreError(str(exc)) from exc
-        raise StoreError("the record kept changing under the claim")
+            return await _claim(self.pool, key, args, token_hash, None)
+        except (*_CONNECTION_ERRORS, *_RETRYABLE) as exc:
+            raise _translate(exc) from exc
+
+    async def token_problem(self, key: RecordKey, token_hash: bytes, fingerprint: bytes) -> str:
+        row = await self._run(
+            "fetchrow", _Q["token_status"], key.tenant, token_hash, key.operation, fingerprint
+        )
+        return _token_problem(row)
 
     async def _run(self, method: str, query: str, *args: Any) -> Any:
         try:
@@ -622,18 +657,21 @@ class PostgresStore:
         ]
 
     async def purge(self, *, batch_size: int = 1000, max_batches: int = 1000) -> int:
-        """Delete finished records past their retention, one short transaction per batch.
+        """Delete finished records past their retention, one short transaction per batch, and
+        then expired one-time tokens the same way.
 
-        Never touches pending or unknown records. Returns how many were deleted.
+        Never touches pending or unknown records. Returns how many records were deleted.
         """
         if batch_size < 1 or max_batches < 1:
             raise ValueError("batch_size and max_batches must be positive")
+        deleted = await self._purge_batches(_Q["purge_batch"], batch_size, max_batches)
+        await self._purge_batches(_Q["purge_tokens"], batch_size, max_batches)
+        return deleted
+
+    async def _purge_batches(self, query: str, batch_size: int, max_batches: int) -> int:
         deleted = 0
         for _ in range(max_batches):
-            try:
-                status = await self.pool.execute(_Q["purge_batch"], batch_size)
-            except _CONNECTION_ERRORS as exc:
-                raise StoreError(str(exc)) from exc
+            status = await self._run("execute", query, batch_size)
             count = int(status.rsplit(" ", 1)[-1])
             deleted += count
             if count < batch_size:

@@ -1,0 +1,220 @@
+"""The transactional outbox: events committed with the business write, published afterwards.
+
+- `add(conn, topic, payload)` writes an event on the handler's connection, inside the same
+  transaction as the business write and the idempotency outcome (transactional mode: the claim's
+  connection; lease mode: `await idem.fenced_connection()`). A rolled-back request leaves no event.
+- `Publisher` claims due events with `FOR UPDATE SKIP LOCKED` (so several publishers never send
+  one event at the same time), sends them through your async sender, marks them sent, retries
+  with exponential backoff, and parks an event after `max_attempts` failures.
+- Delivery is at least once: a publisher that dies after sending and before marking sends the
+  event again. Consumers deduplicate by the event id with `consume_once(conn, consumer, event_id)`
+  in their own transaction.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from .sql import queries
+
+logger = logging.getLogger("idem_middleware.outbox")
+_Q = queries()
+
+
+@dataclass(frozen=True, slots=True)
+class OutboxEvent:
+    event_id: str
+    tenant: str | None
+    topic: str
+    payload: Any
+    attempts: int
+
+
+#: Sends one event; raises (or returns False) when the receiver did not take it.
+Sender = Callable[[OutboxEvent], Awaitable[bool | None]]
+
+
+async def add(
+    conn: Any,
+    topic: str,
+    payload: Any,
+    *,
+    event_id: str | None = None,
+    tenant: str | None = None,
+) -> str:
+    """Write an event in the caller's transaction; returns its id (a UUID unless given).
+
+    Pass a deterministic `event_id` (derived from the idempotency key, say) if the same logical
+    event could be added twice by different requests.
+    """
+    event_id = event_id or str(uuid.uuid4())
+    await conn.execute(_Q["outbox_add"], event_id, tenant, topic, orjson.dumps(payload).decode())
+    return event_id
+
+
+async def consume_once(conn: Any, consumer: str, event_id: str) -> bool:
+    """In the consumer's transaction: True the first time this consumer sees the event, False
+    for a redelivery (apply nothing then). Commits or rolls back with the consumer's own writes."""
+    return await conn.fetchval(_Q["inbox_record"], consumer, event_id) is not None
+
+
+@dataclass
+class PublishReport:
+    sent: int = 0
+    failed: int = 0
+    parked: int = 0
+
+
+class Publisher:
+    def __init__(
+        self,
+        pool: Any,
+        sender: Sender,
+        *,
+        batch_size: int = 50,
+        max_attempts: int = 8,
+        base_backoff_seconds: float = 1.0,
+        max_backoff_seconds: float = 300.0,
+        send_timeout_seconds: float = 10.0,
+    ) -> None:
+        if batch_size < 1 or max_attempts < 1:
+            raise ValueError("batch_size and max_attempts must be at least 1")
+        self.pool = pool
+        self.sender = sender
+        self.batch_size = batch_size
+        self.max_attempts = max_attempts
+        self.base_backoff_seconds = base_backoff_seconds
+        self.max_backoff_seconds = max_backoff_seconds
+        self.send_timeout_seconds = send_timeout_seconds
+
+    def backoff(self, attempts: int) -> float:
+        return float(min(self.base_backoff_seconds * 2**attempts, self.max_backoff_seconds))
+
+    async def publish_batch(self) -> PublishReport:
+        """Claim one batch, send it, record the results; all in one transaction.
+
+        The row locks keep other publishers off these events until the results are recorded;
+        if this process dies first, the transaction rolls back and the events are sent again.
+        """
+        report = PublishReport()
+        async with self.pool.acquire() as conn, conn.transaction():
+            rows = await conn.fetch(_Q["outbox_claim"], self.batch_size)
+            sent: list[str] = []
+            for row in rows:
+                event = OutboxEvent(
+                    row["event_id"],
+                    row["tenant"],
+                    row["topic"],
+                    orjson.loads(row["payload"]),
+                    row["attempts"],
+                )
+                error = await self._send(event)
+                if error is None:
+                    sent.append(event.event_id)
+                    continue
+                report.failed += 1
+                if event.attempts + 1 >= self.max_attempts:
+                    report.parked += 1
+                    logger.warning(
+                        "outbox event parked after %d attempts",
+                        event.attempts + 1,
+                        extra={"event_id": event.event_id, "topic": event.topic},
+                    )
+                await conn.execute(
+                    _Q["outbox_failed"],
+                    event.event_id,
+                    error[:500],
+                    self.backoff(event.attempts),
+                    self.max_attempts,
+                )
+            if sent:
+                await conn.execute(_Q["outbox_sent"], sent)
+            report.sent = len(sent)
+        return report
+
+    async def _send(self, event: OutboxEvent) -> str | None:
+        try:
+            async with asyncio.timeout(self.send_timeout_seconds):
+                accepted = await self.sender(event)
+        except Exception as exc:  # the receiver's failure is data here, not our crash
+            return f"{type(exc).__name__}: {exc}"
+        return None if accepted is not False else "the sender reported failure"
+
+    async def run(
+        self,
+        *,
+        idle_seconds: float = 1.0,
+        stop: asyncio.Event | None = None,
+        batches: int | None = None,
+    ) -> PublishReport:
+        """Publish until `stop` is set or `batches` batches ran; idle: sleep `idle_seconds`."""
+        total = PublishReport()
+        stop = stop or asyncio.Event()
+        done = 0
+        while not stop.is_set() and (batches is None or done < batches):
+            report = await self.publish_batch()
+            done += 1
+            total.sent += report.sent
+            total.failed += report.failed
+            total.parked += report.parked
+            if report.sent + report.failed == 0:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), idle_seconds)
+        return total
+
+
+async def outbox_stats(pool: Any) -> dict[str, Any]:
+    row = await pool.fetchrow(_Q["outbox_stats"])
+    return dict(row)
+
+
+async def list_events(
+    pool: Any, *, parked_only: bool = False, limit: int = 100
+) -> list[dict[str, Any]]:
+    return [dict(r) for r in await pool.fetch(_Q["outbox_list"], parked_only, limit)]
+
+
+async def requeue(pool: Any, event_ids: Sequence[str]) -> int:
+    status = await pool.execute(_Q["outbox_requeue"], list(event_ids))
+    return int(status.rsplit(" ", 1)[-1])
+
+
+async def purge_sent(
+    pool: Any, *, older_than_seconds: float = 7 * 86400, batch_size: int = 1000
+) -> int:
+    deleted = 0
+    for _ in range(10_000):
+        status = await pool.execute(_Q["outbox_purge"], batch_size, older_than_seconds)
+        count = int(status.rsplit(" ", 1)[-1])
+        deleted += count
+        if count < batch_size:
+            break
+    return deleted
+
+
+def webhook_sender(client: Any, url: str) -> Sender:
+    """A Sender that POSTs `{"event_id", "topic", "payload"}` to `url` with an httpx AsyncClient.
+
+    The event id travels as the body's `event_id` and as the `Idempotency-Key` header, so the
+    receiver can deduplicate. Any 2xx is delivered; anything else is retried.
+    """
+
+    async def send(event: OutboxEvent) -> bool:
+        response = await client.post(
+            url,
+            json={"event_id": event.event_id, "topic": event.topic, "payload": event.payload},
+            headers={"Idempotency-Key": event.event_id},
+        )
+        if not 200 <= response.status_code < 300:
+            raise RuntimeError(f"the receiver answered {response.status_code}")
+        return True
+
+    return send

@@ -1,0 +1,142 @@
+"""One-time submission tokens: issued by the server, sent back as the request's Idempotency-Key.
+
+A route with `Policy(require_token=True)` accepts only keys that are live tokens issued to the
+caller's tenant for that operation (and, if bound, for that request). Consuming a token IS the
+claim of its idempotency record, so a token used just before a crash is answered by the state
+machine (in flight, unknown, replay), never by a bare "token already used".
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import inspect
+import secrets
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from .context import token_hash
+from .errors import IdempotencyError, StoreError
+from .middleware import TenantResolver, authenticated_user_tenant
+from .sql import queries
+
+_Q = queries()
+_PREFIX = "it_"
+
+
+class TokenConflict(IdempotencyError):
+    """The intent was already issued a token for another request, or under another secret."""
+
+
+@dataclass(frozen=True, slots=True)
+class IssuedToken:
+    token: str
+    expires_at: datetime
+
+
+class TokenIssuer:
+    """Issues tokens on the PostgreSQL store's pool.
+
+    `secret` (at least 32 bytes; keep it like any signing key) makes issuance idempotent: a
+    token for an `intent_id` is an HMAC of the tenant, operation and intent, so asking again for
+    the same intent returns the same token without the token ever being stored. Tokens without an
+    intent are 256 random bits from `secrets`.
+    """
+
+    def __init__(self, store: Any, *, secret: bytes, ttl_seconds: float = 3600.0) -> None:
+        if len(secret) < 32:
+            raise ValueError("the token secret must be at least 32 bytes")
+        if ttl_seconds <= 0:
+            raise ValueError("ttl_seconds must be positive")
+        self.store = store
+        self._secret = secret
+        self.ttl_seconds = ttl_seconds
+
+    def _token_for(self, tenant: str, operation: str, intent_id: str | None) -> str:
+        if intent_id is None:
+            raw = secrets.token_bytes(32)
+        else:
+            parts = ("idem-token-1", tenant, operation, intent_id)
+            message = b"\x00".join(p.encode() for p in parts)
+            raw = hmac.new(self._secret, message, hashlib.sha256).digest()
+        return _PREFIX + base64.urlsafe_b64encode(raw).rstrip(b"=").decode()
+
+    async def issue(
+        self,
+        tenant: str,
+        operation: str,
+        *,
+        intent_id: str | None = None,
+        request_digest: bytes | None = None,
+        ttl_seconds: float | None = None,
+    ) -> IssuedToken:
+        """A token for `operation` (e.g. "POST /payouts"), bound to `request_digest` if given."""
+        token = self._token_for(tenant, operation, intent_id)
+        try:
+            row = await self.store.pool.fetchrow(
+                _Q["issue_token"],
+                tenant,
+                token_hash(token),
+                operation,
+                request_digest,
+                intent_id,
+                ttl_seconds or self.ttl_seconds,
+            )
+        except OSError as exc:
+            raise StoreError(str(exc)) from exc
+        if bytes(row["token_hash"]) != token_hash(token):
+            raise TokenConflict("this intent was issued a token under another secret")
+        if row["request_digest"] is not None and bytes(row["request_digest"]) != request_digest:
+            raise TokenConflict("this intent was issued a token for a different request")
+        return IssuedToken(token, row["expires_at"])
+
+
+def token_route(
+    issuer: TokenIssuer,
+    *,
+    path: str = "/idempotency/tokens",
+    tenant_resolver: TenantResolver = authenticated_user_tenant,
+) -> Route:
+    """`POST path` with `{"operation": "POST /payouts", "intent_id": "..."?}` issues a token to
+    the authenticated tenant: 201 `{"token", "expires_at"}` (the same token for the same intent).
+    """
+
+    async def issue(request: Request) -> Response:
+        tenant = tenant_resolver(request.scope)
+        if inspect.isawaitable(tenant):
+            tenant = await tenant
+        if not tenant:
+            return _json({"title": "Authentication is required", "status": 401}, 401)
+        try:
+            body = orjson.loads(await request.body())
+            operation = body["operation"]
+            intent_id = body.get("intent_id")
+            if not isinstance(operation, str) or not (
+                intent_id is None or isinstance(intent_id, str)
+            ):
+                raise TypeError
+        except (orjson.JSONDecodeError, KeyError, TypeError, AttributeError):
+            return _json(
+                {"title": 'Expected {"operation": str, "intent_id": str?}', "status": 400}, 400
+            )
+        try:
+            issued = await issuer.issue(tenant, operation, intent_id=intent_id)
+        except TokenConflict as exc:
+            return _json({"title": str(exc), "status": 409}, 409)
+        return _json({"token": issued.token, "expires_at": issued.expires_at.isoformat()}, 201)
+
+    return Route(path, issue, methods=["POST"], name="idempotency_tokens")
+
+
+def _json(content: dict[str, Any], status: int) -> Response:
+    media = "application/json" if status < 400 else "application/problem+json"
+    if status >= 400:
+        content = {"type": "about:blank", **content}
+    return Response(orjson.dumps(content), status, media_type=media)
