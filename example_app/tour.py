@@ -1,0 +1,430 @@
+"""A guided tour of the example app: `python -m example_app.tour [--url URL [--bank-url URL]]`.
+
+Without `--url` the tour starts everything itself, on free loopback ports under a temporary
+working directory: the bank simulator as its own process (so it outlives an app crash, as a real
+bank would), and the app with its embedded PostgreSQL, a 2 s lease and a 1 s bounded wait. It stops
+all of it (by PID) when it ends, fails or is interrupted.
+
+With `--url` it talks to an app you are running; `--bank-url` defaults to the in-process bank
+mounted under `/bank`. The crash step needs to own the app process, so it is skipped then.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections import Counter
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NoReturn
+
+import httpx
+
+LEASE_SECONDS = 2.0
+WAIT_SECONDS = 1.0
+BANK_TIMEOUT = 2.0
+TENANT_A = {"authorization": "Bearer demo-a"}
+#: Headers worth showing on a response; the rest is noise for this tour.
+INTERESTING = ("idempotent-replayed", "retry-after", "location")
+STARTING_BALANCE = 100
+UUID = re.compile(r'"([0-9a-f]{8})-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"')
+
+
+class TourError(Exception):
+    """The app did not behave as the tour expects: stop and say what happened."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+@dataclass
+class Server:
+    """`python -m <module>` on a loopback port, in its own process group (killed as a unit)."""
+
+    module: str
+    workdir: Path
+    env: Mapping[str, str]
+    ready_path: str
+    port: int = field(default_factory=_free_port)
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def log_path(self) -> Path:
+        return self.workdir / f"{self.module}.log"
+
+    def start(self, timeout: float = 45.0) -> None:
+        with self.log_path.open("ab") as log:
+            argv = ["-m", self.module, "--host", "127.0.0.1", "--port", str(self.port)]
+            self.proc = subprocess.Popen(
+                [sys.executable, *argv],
+                cwd=self.workdir,
+                env=dict(self.env),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise TourError(f"{self.module} exited early; see {self.log_path}")
+            with contextlib.suppress(httpx.TransportError):
+                httpx.get(self.url + self.ready_path, timeout=1.0)
+                return
+            time.sleep(0.1)
+        raise TourError(f"{self.module} did not start within {timeout:.0f}s")
+
+    def kill(self) -> None:
+        """SIGKILL the process group: a crash, no shutdown code runs."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+    def stop(self) -> None:
+        """SIGTERM (the app then stops its embedded PostgreSQL), SIGKILL if it hangs."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(15)
+        except subprocess.TimeoutExpired:
+            self.kill()
+
+
+def _stop_embedded_postgres(pgdata: Path) -> None:
+    """Stop a PostgreSQL the app left running (a SIGKILLed app runs no exit hooks).
+
+    The postmaster runs in its own session, so killing the app's process group spares it.
+    SIGINT is PostgreSQL's "fast shutdown"; SIGQUIT (immediate) if it is still up after 10 s.
+    """
+    pid_file = pgdata / "postmaster.pid"
+    try:
+        pid = int(pid_file.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return
+    for signum in (signal.SIGINT, signal.SIGQUIT):
+        try:
+            os.kill(pid, signum)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and pid_file.exists():
+            time.sleep(0.1)
+        if not pid_file.exists():
+            return
+
+
+@contextlib.contextmanager
+def local_stack() -> Iterator[tuple[Server, Server]]:
+    """Start the bank and the app (embedded PostgreSQL) in a temp dir; stop all of it after."""
+    with tempfile.TemporaryDirectory(prefix="idem-tour-", ignore_cleanup_errors=True) as tmp:
+        workdir = Path(tmp)
+        env = {k: v for k, v in os.environ.items() if k not in {"DATABASE_URL", "BANK_URL"}}
+        bank = Server("example_app.bank", workdir, env, ready_path="/transfers")
+        app_env = {
+            **env,
+            "BANK_URL": bank.url,
+            "EXAMPLE_LEASE_SECONDS": str(LEASE_SECONDS),
+            "EXAMPLE_WAIT_SECONDS": str(WAIT_SECONDS),
+            "EXAMPLE_BANK_TIMEOUT": str(BANK_TIMEOUT),
+        }
+        app = Server("example_app", workdir, app_env, ready_path="/accounts/-")
+        try:
+            print(f"Starting the bank simulator and the app (embedded PostgreSQL in {workdir}) ...")
+            bank.start()
+            app.start(timeout=90)  # the first start runs initdb
+            yield app, bank
+        finally:
+            app.stop()
+            bank.stop()
+            _stop_embedded_postgres(workdir / ".example_app" / "pgdata")
+
+
+# --- printing -------------------------------------------------------------------------------
+
+
+def step(title: str, text: str) -> None:
+    print(f"\n=== {title} " + "=" * max(3, 74 - len(title)))
+    print(text)
+
+
+def compact(body: Any, limit: int = 150) -> str:
+    # UUIDs shortened to their first 8 digits: enough to tell two responses apart.
+    text = UUID.sub(r'"\1…"', json.dumps(body, separators=(", ", ": "), ensure_ascii=False))
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def show_request(method: str, path: str, key: str | None, body: Any = None) -> None:
+    key_part = f"  Idempotency-Key: {key}" if key else ""
+    print(f"  -> {method} {path}{key_part}" + (f"  {compact(body)}" if body is not None else ""))
+
+
+def show_response(r: httpx.Response) -> None:
+    headers = "".join(
+        f"  {name.title()}: {r.headers[name]}" for name in INTERESTING if name in r.headers
+    )
+    try:
+        body = compact(r.json())
+    except ValueError:
+        body = r.text[:150]
+    print(f"  <- {r.status_code} {r.reason_phrase}{headers}\n       {body}")
+
+
+def fail(message: str) -> NoReturn:
+    raise TourError(message)
+
+
+# --- the tour -------------------------------------------------------------------------------
+
+
+class Tour:
+    def __init__(self, app: httpx.AsyncClient, bank: httpx.AsyncClient) -> None:
+        self.app = app
+        self.bank = bank
+        # Fresh keys and accounts on every run, so the tour also works against a long-lived app.
+        self.run = uuid.uuid4().hex[:6]
+        self.payouts: list[tuple[str, str, int]] = []  # (step, account, amount)
+
+    def key(self, name: str) -> str:
+        return f'"tour-{self.run}-{name}"'
+
+    async def post(
+        self, path: str, body: Any, key: str | None, *, quiet: bool = False
+    ) -> httpx.Response:
+        headers = {**TENANT_A, **({"idempotency-key": key} if key else {})}
+        if not quiet:
+            show_request("POST", path, key, body)
+        r = await self.app.post(path, json=body, headers=headers)
+        if not quiet:
+            show_response(r)
+        return r
+
+    async def account(self, account_id: str) -> dict[str, Any]:
+        r = await self.app.get(f"/accounts/{account_id}", headers=TENANT_A)
+        if r.status_code != 200:
+            fail(f"GET /accounts/{account_id} answered {r.status_code}")
+        body: dict[str, Any] = r.json()
+        return body
+
+    async def transfers_for(self, account_id: str) -> list[dict[str, Any]]:
+        r = await self.bank.get("/transfers")
+        # The app names the bank account "<tenant>:<account>".
+        return [t for t in r.json() if t["account"] == f"tenant-a:{account_id}"]
+
+    async def faults(self, **faults: int) -> None:
+        print(f"  (bank faults: {faults or 'cleared'})")
+        r = await self.bank.post("/_faults", json=faults)
+        if r.status_code != 200:
+            fail(f"the bank refused the faults {faults}: {r.status_code}")
+
+    async def funded_account(self, name: str) -> str:
+        account = f"acc-{self.run}-{name}"
+        r = await self.post(
+            f"/accounts/{account}/credits", {"amount": STARTING_BALANCE}, self.key(f"fund-{name}")
+        )
+        if r.status_code != 201:
+            fail(f"funding {account} answered {r.status_code}")
+        return account
+
+    async def credit_and_replay(self) -> None:
+        step(
+            "(a) A credit, then the same request again",
+            "A credit runs in transactional mode: the claim, the ledger write and the stored\n"
+            "response commit in one transaction. Sending it again replays the stored answer.",
+        )
+        account, key, body = f"acc-{self.run}-a", self.key("credit"), {"amount": 25}
+        first = await self.post(f"/accounts/{account}/credits", body, key)
+        again = await self.post(f"/accounts/{account}/credits", body, key)
+        if again.headers.get("idempotent-replayed") != "true" or again.json() != first.json():
+            fail("the second request was not a replay of the first")
+        print("  Same status, same body, and Idempotent-Replayed: true: the credit ran once.")
+
+        step(
+            "(b) The same key with another body",
+            "The key names one intent; its request fingerprint is stored with it. Reusing the\n"
+            "key for a different request is a client bug, refused with 422.",
+        )
+        reused = await self.post(f"/accounts/{account}/credits", {"amount": 26}, key)
+        if reused.status_code != 422:
+            fail(f"expected 422, got {reused.status_code}")
+
+    async def burst(self) -> None:
+        step(
+            "(c) 20 concurrent duplicates",
+            "A double-clicking client or an eager retry policy: 20 identical requests at once.\n"
+            "One claims the key; the others wait on it and replay its response.",
+        )
+        account, key = f"acc-{self.run}-c", self.key("burst")
+        show_request("POST", f"/accounts/{account}/credits", key, {"amount": 5})
+        print("     ... x20, concurrently")
+        responses = await asyncio.gather(
+            *(
+                self.post(f"/accounts/{account}/credits", {"amount": 5}, key, quiet=True)
+                for _ in range(20)
+            )
+        )
+        replayed = sum(r.headers.get("idempotent-replayed") == "true" for r in responses)
+        tally = dict(sorted(Counter(r.status_code for r in responses).items()))
+        print(f"  <- statuses {tally}; {replayed} of them with Idempotent-Replayed: true")
+        state = await self.account(account)
+        print(f"  GET /accounts/{account} -> {compact(state)}")
+        if state["credits"] != 1:
+            fail(f"expected one execution, the account has {state['credits']} credits")
+        print(f"  credits = {state['credits']}: one execution for 20 requests.")
+
+    async def lost_bank_answer(self) -> None:
+        step(
+            "(d) A payout whose bank response is lost",
+            "Payouts run in lease mode: the money leaves through the bank, outside our database.\n"
+            "The bank records the transfer, then its answer is lost (fail_after_record: 500).",
+        )
+        account = await self.funded_account("d")
+        payout, key = {"account_id": account, "amount": 30}, self.key("payout-d")
+        await self.faults(fail_after_record=500)
+        lost = await self.post("/payouts", payout, key)
+        if lost.status_code != 502:
+            fail(f"expected 502, got {lost.status_code}")
+        print(
+            "  The app cannot know whether the money moved: the record is now `unknown`, and\n"
+            "  the debit was rolled back. A blind retry could pay twice; this one reconciles."
+        )
+        await self.faults()
+        retry = await self.post("/payouts", payout, key)
+        if retry.status_code != 201:
+            fail(f"expected the reconciled 201, got {retry.status_code}")
+        transfers = await self.transfers_for(account)
+        print(
+            "  reconciled: the retry asked the bank GET /transfers/{downstream key}, found the\n"
+            "  transfer, recorded the debit and stored this 201, which every later retry replays.\n"
+            f"  The bank holds {len(transfers)} transfer for {account}."
+        )
+        self.payouts.append(("(d) bank answer lost", account, 30))
+
+    async def crash(self, app: Server, bank: Server) -> None:
+        step(
+            "(e) The app crashes in the middle of a payout",
+            "The bank is slowed down (delay_ms) so the handler is waiting on it when the app is\n"
+            "SIGKILLed: no exception handler, no rollback code, no goodbye.",
+        )
+        account = await self.funded_account("e")
+        payout, key = {"account_id": account, "amount": 40}, self.key("payout-e")
+        # Shorter than the app's bank timeout (2 s), so the handler is still waiting when we kill.
+        await self.faults(delay_ms=int(BANK_TIMEOUT * 750))
+        in_flight = asyncio.create_task(self.post("/payouts", payout, key))
+        # The bank records the transfer before its delay: once it shows up, the handler is
+        # inside the bank call. Poll for it (bounded) rather than guess with a sleep.
+        deadline = time.monotonic() + 5
+        while not await self.transfers_for(account):
+            if time.monotonic() > deadline:
+                fail("the payout never reached the bank")
+            await asyncio.sleep(0.05)
+        pid = app.proc.pid if app.proc else "?"
+        app.kill()
+        killed_at = time.monotonic()
+        print(f"  ** the bank has the transfer: SIGKILL to the app's process group (pid {pid})")
+        try:
+            await in_flight
+            fail("the request survived the crash")
+        except httpx.TransportError as exc:
+            print(f"  <- no response: {type(exc).__name__} (the client cannot know what happened)")
+        await self.faults()
+        await asyncio.to_thread(app.start)
+        print(
+            "  App restarted on the same database. The dead process's lease still runs; once\n"
+            f"  it lapses ({LEASE_SECONDS:.0f} s) the record is `unknown` and a retry reconciles."
+        )
+        await asyncio.sleep(max(0.0, LEASE_SECONDS - (time.monotonic() - killed_at)) + 0.2)
+        for _ in range(5):  # bounded: a 409 here means the lease had not lapsed yet
+            retry = await self.post("/payouts", payout, key)
+            if retry.status_code != 409:
+                break
+            await asyncio.sleep(min(float(retry.headers.get("retry-after", "1")), 2.0))
+        if retry.status_code != 201:
+            fail(f"expected the reconciled 201, got {retry.status_code}")
+        print("  reconciled: the bank had the transfer, so the debit was recorded exactly once.")
+        self.payouts.append(("(e) app crashed mid-payout", account, 40))
+
+    async def summary(self) -> bool:
+        step("Summary", "Per payout: transfers the bank holds, and debits in the account.")
+        print(f"  {'payout':<28} {'bank transfers':>14} {'debits':>7}")
+        ok = True
+        for name, account, amount in self.payouts:
+            transfers = len(await self.transfers_for(account))
+            # One payout per account: whatever left the account left it in debits of `amount`.
+            debits = (STARTING_BALANCE - (await self.account(account))["balance"]) // amount
+            print(f"  {name:<28} {transfers:>14} {debits:>7}")
+            ok = ok and transfers == debits == 1
+        print(
+            "  One transfer and one debit per payout: no money lost, none sent twice."
+            if ok
+            else "  MISMATCH: a payout did not move money exactly once."
+        )
+        return ok
+
+
+async def tour(app_url: str, bank_url: str, servers: tuple[Server, Server] | None) -> bool:
+    async with (
+        httpx.AsyncClient(base_url=app_url, timeout=15) as app,
+        httpx.AsyncClient(base_url=bank_url, timeout=15) as bank,
+    ):
+        t = Tour(app, bank)
+        print(f"App {app_url}, bank {bank_url}; every request as tenant-a (Bearer demo-a).")
+        await t.credit_and_replay()
+        await t.burst()
+        await t.lost_bank_answer()
+        if servers is not None:
+            await t.crash(*servers)
+        else:
+            step("(e) skipped", "The crash step kills and restarts the app: run without --url.")
+        return await t.summary()
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)  # so the `finally` blocks stop what the tour started
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m example_app.tour", description=__doc__)
+    parser.add_argument("--url", help="a running example app (default: start one)")
+    parser.add_argument("--bank-url", help="its bank (default: URL/bank, the in-process bank)")
+    args = parser.parse_args(argv)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    started = time.monotonic()
+    try:
+        if args.url:
+            url = args.url.rstrip("/")
+            ok = asyncio.run(tour(url, args.bank_url or url + "/bank", None))
+        else:
+            with local_stack() as (app, bank):
+                ok = asyncio.run(tour(app.url, bank.url, (app, bank)))
+    except (TourError, httpx.HTTPError) as exc:
+        print(f"\nThe tour stopped: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    print(f"\nDone in {time.monotonic() - started:.1f} s.")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
