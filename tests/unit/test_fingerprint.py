@@ -1,0 +1,656 @@
+"""Unit tests for JSON canonicalisation (RFC 8785) and request fingerprints."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import struct
+from collections import OrderedDict
+from enum import IntEnum, StrEnum
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+import rfc8785
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from idem_middleware.errors import ProblemKind, RequestRejected
+from idem_middleware.fingerprint import (
+    FINGERPRINT_VERSION,
+    canonical_body,
+    canonical_json,
+    compute_fingerprint,
+    parse_json_strict,
+)
+
+VECTORS = Path(__file__).parent / "jcs_vectors"
+CYBERPHONE_VECTORS = ["arrays", "french", "structures", "unicode", "values", "weird"]
+JSON = b"application/json"
+FORM = b"application/x-www-form-urlencoded"
+
+# No example database: the tests must not write files into the working tree.
+PROPERTY = settings(database=None, max_examples=300)
+
+
+def fingerprint(**overrides: Any) -> bytes:
+    request: dict[str, Any] = {
+        "operation": "POST /orders",
+        "path_params": {},
+        "query_string": b"",
+        "headers": [],
+        "include_headers": [],
+        "content_type": JSON,
+        "body": b'{"a":1}',
+    }
+    request.update(overrides)
+    return compute_fingerprint(**request)
+
+
+def assert_rejected(body: bytes, content_type: bytes = JSON) -> None:
+    with pytest.raises(RequestRejected) as caught:
+        canonical_body(content_type, body)
+    assert caught.value.kind is ProblemKind.BODY_INVALID
+    assert caught.value.detail
+
+
+# RFC 8785 vectors
+
+
+@pytest.mark.parametrize("name", CYBERPHONE_VECTORS)
+def test_cyberphone_testdata(name: str) -> None:
+    source = (VECTORS / "input" / f"{name}.json").read_bytes()
+    expected = (VECTORS / "output" / f"{name}.json").read_bytes()
+    assert canonical_json(parse_json_strict(source)) == expected
+    assert canonical_body(JSON, source) == (b"json", expected)
+
+
+def test_rfc8785_section_3_2_2_sample() -> None:
+    source = (VECTORS / "rfc8785_section_3_2_2_input.json").read_bytes()
+    expected = (VECTORS / "rfc8785_section_3_2_3_output.json").read_bytes()
+    utf8 = bytes.fromhex((VECTORS / "rfc8785_section_3_2_4_utf8.hex").read_text())
+    assert canonical_json(parse_json_strict(source)) == expected == utf8
+
+
+def test_rfc8785_section_3_2_3_utf16_property_order() -> None:
+    source = (VECTORS / "rfc8785_section_3_2_3_sorting_input.json").read_bytes()
+    expected = (VECTORS / "rfc8785_section_3_2_3_sorting_order.txt").read_text().splitlines()
+    canonical = canonical_json(parse_json_strict(source))
+    assert list(json.loads(canonical).values()) == expected
+
+
+def appendix_b_rows() -> list[Any]:
+    rows = []
+    for line in (VECTORS / "rfc8785_appendix_b.txt").read_text().splitlines():
+        if line and not line.startswith("#"):
+            bits, expected = line.split()
+            rows.append(pytest.param(bits, expected, id=bits))
+    return rows
+
+
+@pytest.mark.parametrize(("bits", "expected"), appendix_b_rows())
+def test_rfc8785_appendix_b_numbers(bits: str, expected: str) -> None:
+    (value,) = struct.unpack(">d", bytes.fromhex(bits))
+    if expected == "error":
+        with pytest.raises(ValueError, match="NaN and Infinity"):
+            canonical_json(value)
+    else:
+        assert canonical_json(value) == expected.encode()
+        assert canonical_json([value]) == b"[" + expected.encode() + b"]"
+
+
+def test_appendix_b_has_every_row() -> None:
+    assert len(appendix_b_rows()) == 26
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        (1.0, b"1"),
+        (-0.0, b"0"),
+        (0.0, b"0"),
+        (1e21, b"1e+21"),
+        (1e20, b"100000000000000000000"),
+        (1e-7, b"1e-7"),
+        (0.000001, b"0.000001"),
+        (1.5e-7, b"1.5e-7"),
+        (123.456, b"123.456"),
+        (-0.5, b"-0.5"),
+        (1e16, b"10000000000000000"),
+        (2.0**53, b"9007199254740992"),
+        (5e-324, b"5e-324"),
+        (1.7976931348623157e308, b"1.7976931348623157e+308"),
+        (True, b"true"),
+        (False, b"false"),
+        (None, b"null"),
+        (0, b"0"),
+        (-12, b"-12"),
+        (
+            '\u2028\x7f\x00\x1f\b\t\n\f\r"\\/',
+            b'"\xe2\x80\xa8\x7f\\u0000\\u001f\\b\\t\\n\\f\\r\\"\\\\/"',
+        ),
+        ([], b"[]"),
+        ({}, b"{}"),
+    ],
+)
+def test_canonical_json_scalars(value: object, expected: bytes) -> None:
+    assert canonical_json(value) == expected
+
+
+def test_keys_sort_by_utf16_code_units_not_code_points() -> None:
+    # U+1F600 is D83D DE00 in UTF-16, so it sorts before U+FB33 though its code point is larger.
+    assert canonical_json({"\ufb33": 1, "\U0001f600": 2}) == (
+        b'{"\xf0\x9f\x98\x80":2,"\xef\xac\xb3":1}'
+    )
+    assert canonical_json({"b": 1, "a": {"d": 2, "c": 3}}) == b'{"a":{"c":3,"d":2},"b":1}'
+
+
+class Colour(StrEnum):
+    RED = "red"
+
+
+class Size(IntEnum):
+    BIG = 2
+
+
+def test_subclasses_are_written_as_their_base_type() -> None:
+    value = {"c": Colour.RED, "s": Size.BIG, "o": OrderedDict(b=1, a=2)}
+    assert canonical_json(value) == b'{"c":"red","o":{"a":2,"b":1},"s":2}'
+
+
+def test_big_ints_keep_exact_digits() -> None:
+    assert canonical_json(2**53 + 1) == b"9007199254740993"
+    assert canonical_json(-(2**64)) == b"-18446744073709551616"
+    assert canonical_json(2**53 + 1) != canonical_json(2**53 + 2)
+
+
+@pytest.mark.parametrize(
+    "value",
+    [(1, 2), {1, 2}, b"x", object(), {1: "a"}, {"\u00e9": 1, 2: "a"}, [1, None, b""], 1 + 2j],
+)
+def test_canonical_json_rejects_non_json_types(value: object) -> None:
+    with pytest.raises(TypeError):
+        canonical_json(value)
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf, "\ud800", {"\udc00": 1}])
+def test_canonical_json_rejects_non_json_values(value: object) -> None:
+    with pytest.raises(ValueError):  # noqa: PT011 - the message differs by case
+        canonical_json(value)
+
+
+# Strict parsing
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        pytest.param(b'{"a":1,"a":2}', id="duplicate-key"),
+        pytest.param(b'{"a":1,"a":1}', id="duplicate-key-same-value"),
+        pytest.param(b'{"x":{"b":1,"b":2}}', id="nested-duplicate"),
+        pytest.param(b'[1,{"b":1,"c":2,"b":3}]', id="duplicate-inside-array"),
+        pytest.param(b"NaN", id="nan"),
+        pytest.param(b'{"a":Infinity}', id="infinity"),
+        pytest.param(b"[-Infinity]", id="minus-infinity"),
+        pytest.param(b"[1e400]", id="overflowing-number"),
+        pytest.param(b'{"a":"\xff"}', id="invalid-utf8"),
+        pytest.param(b'"\xed\xa0\x80"', id="utf8-encoded-surrogate"),
+        pytest.param(b'\xef\xbb\xbf{"a":1}', id="bom"),
+        pytest.param(b'"\\ud800"', id="lone-high-surrogate"),
+        pytest.param(b'["\\udc00"]', id="lone-low-surrogate"),
+        pytest.param(b'{"\\uDBFF":1}', id="lone-surrogate-key"),
+        pytest.param(b'{"a":["x\\ud83d y"]}', id="nested-lone-surrogate"),
+        pytest.param(b'{"a":1,}', id="trailing-comma"),
+        pytest.param(b"{'a':1}", id="single-quotes"),
+        pytest.param(b'{"a":1} x', id="trailing-junk"),
+        pytest.param(b'"a\x01"', id="raw-control-char"),
+        pytest.param(b"1" * 5000, id="int-past-digit-limit"),
+        pytest.param(b"[" * 100_000, id="very-deep-unterminated"),
+        pytest.param(b'["\\', id="unterminated-string-with-backslash"),
+    ],
+)
+def test_invalid_json_is_rejected(body: bytes) -> None:
+    with pytest.raises(RequestRejected) as caught:
+        parse_json_strict(body)
+    assert caught.value.kind is ProblemKind.BODY_INVALID
+    assert_rejected(body)
+
+
+@pytest.mark.parametrize(
+    ("body", "expected"),
+    [
+        (b'"\\ud83d\\ude00"', "\U0001f600"),
+        (b'"\\\\ud800"', "\\ud800"),
+        (b' {"a" : [ 1 , 2 ] } ', {"a": [1, 2]}),
+        (b"12", 12),
+        (b'"\xc3\xa9"', "\u00e9"),
+    ],
+)
+def test_valid_json_is_accepted(body: bytes, expected: object) -> None:
+    assert parse_json_strict(body) == expected
+
+
+def test_bom_is_named_in_the_detail() -> None:
+    with pytest.raises(RequestRejected, match="byte order mark"):
+        parse_json_strict(b'\xef\xbb\xbf{"a":1}')
+
+
+def nested(depth: int) -> bytes:
+    # Alternate arrays and objects: both count towards the depth.
+    opening = b"".join(b"[" if level % 2 else b'{"k":' for level in range(depth))
+    closing = b"".join(b"]" if level % 2 else b"}" for level in reversed(range(depth)))
+    return opening + b"0" + closing
+
+
+def test_depth_at_the_limit_is_accepted_and_beyond_rejected() -> None:
+    assert parse_json_strict(nested(128)) is not None
+    assert canonical_body(JSON, nested(128))[0] == b"json"
+    assert_rejected(nested(129))
+    assert parse_json_strict(b"[[[1]]]", max_depth=3) == [[[1]]]
+    with pytest.raises(RequestRejected):
+        parse_json_strict(b"[[[[1]]]]", max_depth=3)
+
+
+def test_brackets_inside_strings_do_not_count_towards_depth() -> None:
+    body = b'["' + b"[{" * 300 + b'\\"[[[", "' + b"]" * 300 + b'"]'
+    assert parse_json_strict(body, max_depth=2) == ["[{" * 300 + '"[[[', "]" * 300]
+
+
+# Body canonicalisation
+
+
+def test_json_member_order_whitespace_and_number_spelling_do_not_matter() -> None:
+    assert fingerprint(body=b'{"a":1,"b":2}') == fingerprint(body=b'{ "b": 2, "a": 1.0 }')
+    assert fingerprint(body=b'{"x":{"p":[1,2],"q":"s"}}') == fingerprint(
+        body=b'\n{"x" :\t{ "q":"s" , "p":[ 1, 2e0 ] } }\n'
+    )
+    assert fingerprint(body=b'{"a":1}') != fingerprint(body=b'{"a":2}')
+    assert fingerprint(body=b'{"a":[1,2]}') != fingerprint(body=b'{"a":[2,1]}')
+
+
+def test_ints_beyond_2_pow_53_give_different_digests() -> None:
+    first = fingerprint(body=b'{"n":9007199254740993}')
+    second = fingerprint(body=b'{"n":9007199254740994}')
+    assert first != second
+
+
+def test_excluded_fields_do_not_change_the_digest() -> None:
+    excluded = [
+        "request_id",
+        "/meta/trace~1id",
+        "/meta/a~0b",
+        "/meta/c~01",
+        "/missing/deep",
+        "/meta/x/y",
+    ]
+
+    def digest(body: bytes) -> bytes:
+        return fingerprint(body=body, exclude_fields=excluded)
+
+    base = digest(b'{"amount":5,"meta":{"kind":"x"}}')
+    assert base == digest(b'{"amount":5,"request_id":"r-1","meta":{"kind":"x"}}')
+    assert base == digest(b'{"amount":5,"request_id":"r-2","meta":{"kind":"x","trace/id":7}}')
+    assert base == digest(b'{"amount":5,"meta":{"kind":"x","a~b":[1]}}')
+    assert base == digest(b'{"amount":5,"meta":{"kind":"x","c~1":null}}')
+    assert base != digest(b'{"amount":5,"meta":{"kind":"x","c/":null}}')
+    assert base != digest(b'{"amount":6,"meta":{"kind":"x"}}')
+    assert base != digest(b'{"amount":5,"meta":{"kind":"y"}}')
+    # Only the named member goes: "trace" alone and "~1" spelt differently are data.
+    assert base != digest(b'{"amount":5,"meta":{"kind":"x","trace":1}}')
+    assert base != digest(b'{"amount":5,"meta":{"kind":"x","a~0b":1}}')
+    # A pointer names a nested member, not the same name at the top level.
+    assert base != digest(b'{"amount":5,"trace/id":1,"meta":{"kind":"x"}}')
+
+
+def test_excluded_fields_on_non_object_bodies_are_ignored() -> None:
+    assert canonical_body(JSON, b"[1,2]", ["a", "/a"]) == (b"json", b"[1,2]")
+    assert canonical_body(JSON, b'"a"', ["a"]) == (b"json", b'"a"')
+
+
+def test_form_bodies() -> None:
+    def digest(body: bytes, excluded: list[str] | None = None) -> bytes:
+        return fingerprint(content_type=FORM, body=body, exclude_fields=excluded or [])
+
+    assert digest(b"a=1&b=2") == digest(b"b=2&a=1")
+    assert digest(b"a=1&a=2") != digest(b"a=2&a=1")
+    assert digest(b"a=1&b=x&a=2") == digest(b"b=x&a=1&a=2")
+    assert digest(b"a=1") != digest(b"a=2")
+    assert digest(b"a=") == digest(b"a")
+    assert digest(b"a=") != digest(b"")
+    assert digest(b"a=%20") == digest(b"a=+")
+    assert digest(b"a=%FF") != digest(b"a=%FE")
+    assert digest(b"a=1&token=x", ["token"]) == digest(b"a=1&token=y", ["token"])
+    assert digest(b"a=1&token=x", ["/token"]) == digest(b"a=1", ["/token"])
+    assert digest(b"a=1&token=x", ["token"]) != digest(b"a=2&token=x", ["token"])
+    assert_rejected(b"a=\xff", FORM)
+
+
+def test_form_parts_are_length_prefixed() -> None:
+    tag, first = canonical_body(FORM, b"ab=c")
+    assert tag == b"form"
+    assert first != canonical_body(FORM, b"a=bc")[1]
+
+
+def test_multipart_boundary_does_not_matter() -> None:
+    def body(boundary: bytes, value: bytes) -> bytes:
+        return (
+            b"--" + boundary + b'\r\nContent-Disposition: form-data; name="f"\r\n\r\n'
+            b"" + value + b"\r\n--" + boundary + b"--\r\n"
+        )
+
+    def digest(boundary: bytes, value: bytes, quoted: bool = False) -> bytes:
+        param = b'"' + boundary + b'"' if quoted else boundary
+        return fingerprint(
+            content_type=b"multipart/form-data; boundary=" + param, body=body(boundary, value)
+        )
+
+    assert digest(b"XyZ123", b"v") == digest(b"----abcDEF", b"v")
+    assert digest(b"XyZ123", b"v") == digest(b"a b;c", b"v", quoted=True)
+    assert digest(b"XyZ123", b"v") != digest(b"XyZ123", b"w")
+    assert canonical_body(b"multipart/form-data; boundary=B", b"--B\r\n--B--")[0] == b"multipart"
+    assert canonical_body(b"multipart/form-data", b"--B--") == (
+        b"raw:multipart/form-data",
+        b"--B--",
+    )
+
+
+def test_raw_bodies() -> None:
+    assert fingerprint(content_type=b"text/plain", body=b"abc") != fingerprint(
+        content_type=b"text/plain", body=b"abd"
+    )
+    assert fingerprint(content_type=b"text/plain", body=b"a b") == fingerprint(
+        content_type=b"TEXT/Plain; charset=x", body=b"a b"
+    )
+    assert canonical_body(b"Text/Plain ; q=1", b"x") == (b"raw:text/plain", b"x")
+    assert canonical_body(None, b"x") == (b"raw:", b"x")
+    assert canonical_body(b"application/octet-stream", b"\x00\xff") == (
+        b"raw:application/octet-stream",
+        b"\x00\xff",
+    )
+
+
+def test_media_tag_separates_json_from_raw_with_the_same_bytes() -> None:
+    body = b'{"a":1}'
+    assert fingerprint(content_type=JSON, body=body) != fingerprint(
+        content_type=b"text/plain", body=body
+    )
+    assert fingerprint(content_type=b"text/plain", body=body) != fingerprint(
+        content_type=None, body=body
+    )
+
+
+def test_empty_body_ignores_the_content_type() -> None:
+    assert canonical_body(JSON, b"") == (b"empty", b"")
+    assert canonical_body(None, b"") == (b"empty", b"")
+    assert fingerprint(content_type=JSON, body=b"") == fingerprint(content_type=None, body=b"")
+
+
+@pytest.mark.parametrize(
+    "content_type",
+    [
+        b"application/json",
+        b"Application/JSON",
+        b"application/json; charset=utf-8",
+        b'application/json;charset="UTF-8"',
+        b"application/problem+json",
+        b"application/vnd.api+json; ext=x",
+    ],
+)
+def test_json_media_types(content_type: bytes) -> None:
+    assert canonical_body(content_type, b'{ "b":1,"a":2 }') == (b"json", b'{"a":2,"b":1}')
+
+
+@pytest.mark.parametrize(
+    "content_type",
+    [
+        b"application/json; charset=iso-8859-1",
+        b'application/json; charset="utf-16"',
+        b"application/merge-patch+json; charset=latin1",
+    ],
+)
+def test_non_utf8_charset_is_rejected(content_type: bytes) -> None:
+    assert_rejected(b'{"a":1}', content_type)
+
+
+# Fingerprint inputs
+
+
+def test_fingerprint_is_a_sha256_digest() -> None:
+    assert len(fingerprint()) == 32
+    assert fingerprint() == fingerprint()
+    assert FINGERPRINT_VERSION == b"idem-fp-1"
+
+
+def test_layout_is_pinned() -> None:
+    # Stored fingerprints must stay comparable across releases: any change to this layout
+    # needs a new FINGERPRINT_VERSION.
+    def part(data: bytes) -> bytes:
+        return struct.pack(">Q", len(data)) + data
+
+    def count(number: int) -> bytes:
+        return part(struct.pack(">Q", number))
+
+    expected = hashlib.sha256(
+        b"".join(
+            [
+                part(b"idem-fp-1"),
+                part(b"POST /orders/{id}"),
+                count(2),
+                *(part(b"a"), part(b"1"), part(b"id"), part(b"7")),
+                count(3),
+                *(part(b"x"), part(b"2"), part(b"y"), part(b"1"), part(b"y"), part(b"")),
+                count(2),
+                *(part(b"x-tenant"), count(1), part(b"t1")),
+                *(part(b"x-absent"), count(0)),
+                part(b"json"),
+                part(b'{"a":1,"b":[true]}'),
+            ]
+        )
+    ).digest()
+    actual = compute_fingerprint(
+        operation="POST /orders/{id}",
+        path_params={"id": 7, "a": "1"},
+        query_string=b"y=1&x=2&y=",
+        headers=[(b"host", b"h"), (b"x-tenant", b"t1")],
+        include_headers=["X-Tenant", "x-absent"],
+        content_type=b"application/json",
+        body=b'{"b":[true],"a":1.0}',
+    )
+    assert actual == expected
+
+
+def test_operation_changes_the_digest() -> None:
+    assert fingerprint(operation="POST /orders") != fingerprint(operation="PUT /orders")
+
+
+def test_path_params() -> None:
+    assert fingerprint(path_params={"id": 1}) == fingerprint(path_params={"id": "1"})
+    assert fingerprint(path_params={"a": 1, "b": 2}) == fingerprint(path_params={"b": 2, "a": 1})
+    assert fingerprint(path_params={"id": 1}) != fingerprint(path_params={"id": 2})
+    assert fingerprint(path_params={"id": 1}) != fingerprint(path_params={"key": 1})
+    assert fingerprint(path_params={}) != fingerprint(path_params={"": ""})
+
+
+def test_parts_are_length_prefixed() -> None:
+    assert fingerprint(path_params={"ab": "c"}) != fingerprint(path_params={"a": "bc"})
+    assert fingerprint(operation="ab", path_params={"c": ""}) != fingerprint(
+        operation="a", path_params={"bc": ""}
+    )
+    assert fingerprint(query_string=b"ab=c") != fingerprint(query_string=b"a=bc")
+
+
+def test_query_string() -> None:
+    assert fingerprint(query_string=b"a=1&b=2") == fingerprint(query_string=b"b=2&a=1")
+    assert fingerprint(query_string=b"a=1&a=2") != fingerprint(query_string=b"a=2&a=1")
+    assert fingerprint(query_string=b"a=1") != fingerprint(query_string=b"a=2")
+    assert fingerprint(query_string=b"a=1") != fingerprint(query_string=b"")
+    assert fingerprint(query_string=b"a=%41") == fingerprint(query_string=b"a=A")
+    assert fingerprint(query_string=b"a=%FF") != fingerprint(query_string=b"a=%FE")
+    assert fingerprint(query_string=b"a=\xff") == fingerprint(query_string=b"a=%FF")
+
+
+def test_included_headers() -> None:
+    include = ["X-Tenant", "accept-language"]
+
+    def digest(headers: list[tuple[bytes, bytes]]) -> bytes:
+        return fingerprint(headers=headers, include_headers=include)
+
+    base = digest([(b"x-tenant", b"t1"), (b"accept-language", b"en")])
+    assert base == digest([(b"accept-language", b"en"), (b"x-tenant", b"t1"), (b"x-other", b"z")])
+    assert base == digest([(b"X-Tenant", b"t1"), (b"accept-language", b"en")])
+    assert base != digest([(b"x-tenant", b"t2"), (b"accept-language", b"en")])
+    assert digest([(b"x-tenant", b"")]) != digest([])
+    assert digest([(b"x-tenant", b"a"), (b"x-tenant", b"b")]) != digest(
+        [(b"x-tenant", b"b"), (b"x-tenant", b"a")]
+    )
+    assert digest([(b"x-tenant", b"a"), (b"x-tenant", b"b")]) != digest([(b"x-tenant", b"ab")])
+    # A header not named in include_headers never counts.
+    assert fingerprint(headers=[(b"x-tenant", b"t1")]) == fingerprint(headers=[])
+
+
+def test_header_values_do_not_leak_between_included_headers() -> None:
+    # Without a value count per header, "a: b" with b absent and "b: b" with a absent would
+    # both hash the parts a, b, b.
+    include = ["a", "b"]
+    assert fingerprint(headers=[(b"a", b"b")], include_headers=include) != fingerprint(
+        headers=[(b"b", b"b")], include_headers=include
+    )
+
+
+def test_body_changes_the_digest() -> None:
+    assert fingerprint(body=b'{"a":1}') != fingerprint(body=b'{"a":"1"}')
+
+
+def test_invalid_body_is_rejected_by_compute_fingerprint() -> None:
+    with pytest.raises(RequestRejected) as caught:
+        fingerprint(body=b'{"a":1,"a":2}')
+    assert caught.value.kind is ProblemKind.BODY_INVALID
+
+
+# Properties
+
+json_values = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(),
+    lambda children: st.lists(children) | st.dictionaries(st.text(), children),
+    max_leaves=30,
+)
+
+rfc8785_domain = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**53) + 1, max_value=2**53 - 1)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(),
+    lambda children: st.lists(children) | st.dictionaries(st.text(), children),
+    max_leaves=30,
+)
+
+
+@PROPERTY
+@given(rfc8785_domain)
+def test_canonical_json_matches_the_rfc8785_package(value: object) -> None:
+    assert canonical_json(value) == rfc8785.dumps(value)  # type: ignore[arg-type]
+
+
+@PROPERTY
+@given(st.floats(allow_nan=False, allow_infinity=False))
+def test_numbers_match_the_rfc8785_package(value: float) -> None:
+    assert canonical_json(value) == rfc8785.dumps(value)
+
+
+@PROPERTY
+@given(st.text())
+def test_strings_are_escaped_exactly_as_orjson_does(text: str) -> None:
+    assert canonical_json(text) == orjson.dumps(text)
+    assert canonical_json({text: 0}) == b"{" + orjson.dumps(text) + b":0}"
+
+
+@PROPERTY
+@given(json_values)
+def test_canonical_json_is_idempotent(value: object) -> None:
+    once = canonical_json(value)
+    assert canonical_json(parse_json_strict(once)) == once
+
+
+json_ish_bytes = st.one_of(
+    st.binary(max_size=200),
+    st.lists(
+        st.sampled_from(
+            [
+                b"{",
+                b"}",
+                b"[",
+                b"]",
+                b'"',
+                b"\\",
+                b"\\u",
+                b"d800",
+                b"dc00",
+                b":",
+                b",",
+                b"1",
+                b"-",
+                b"e",
+                b"9" * 30,
+                b".5",
+                b"NaN",
+                b"true",
+                b"null",
+                b" ",
+                b"\xff",
+                b"\xc3\xa9",
+                b"\xef\xbb\xbf",
+                b'"k"',
+                b'"k":1',
+            ]
+        ),
+        max_size=60,
+    ).map(b"".join),
+)
+
+
+def refusal(call: Any) -> ProblemKind | None:
+    """Run call; return the kind it was refused with, or None when it succeeded."""
+    try:
+        call()
+    except RequestRejected as exc:
+        return exc.kind
+    return None
+
+
+@PROPERTY
+@given(json_ish_bytes)
+def test_json_bodies_only_ever_raise_request_rejected(body: bytes) -> None:
+    assert refusal(lambda: parse_json_strict(body)) in (None, ProblemKind.BODY_INVALID)
+    assert refusal(lambda: canonical_body(JSON, body)) in (None, ProblemKind.BODY_INVALID)
+
+
+@PROPERTY
+@given(
+    st.binary(max_size=100),
+    st.binary(max_size=100),
+    st.binary(max_size=100),
+    st.sampled_from([FORM, b"multipart/x; boundary=--", b"text/plain", None, b';;=="\\']),
+)
+def test_other_inputs_never_raise_unexpectedly(
+    query: bytes, header: bytes, body: bytes, content_type: bytes | None
+) -> None:
+    def call() -> None:
+        digest = fingerprint(
+            query_string=query,
+            headers=[(b"x-h", header)],
+            include_headers=["x-h"],
+            content_type=content_type,
+            body=body,
+        )
+        assert len(digest) == 32
+
+    # Only a form body can be refused here, and only for not being UTF-8.
+    expected = ProblemKind.BODY_INVALID if content_type == FORM else None
+    assert refusal(call) in (None, expected)
