@@ -82,7 +82,9 @@ async def admin_dsn(pg_dsn: str) -> str:
 @pytest.fixture
 async def pool(db_dsn: str) -> AsyncIterator[asyncpg.Pool[Any]]:
     pool = await asyncpg.create_pool(db_dsn, min_size=1, max_size=20)
-    await pool.execute("TRUNCATE idem_requests, test_accounts, test_ledger")
+    await pool.execute(
+        "TRUNCATE idem_requests, idem_tokens, idem_outbox, idem_inbox, test_accounts, test_ledger"
+    )
     try:
         yield pool
     finally:

@@ -1,0 +1,229 @@
+"""The transactional outbox on real PostgreSQL: written with the business transaction, published
+at least once, applied once by a deduplicating consumer."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from idem_middleware import Policy, PostgresStore, get_context
+from idem_middleware.outbox import OutboxEvent, Publisher, add, consume_once, list_events
+from tests.evidence import record
+
+CONSUMER_TABLE = (
+    "CREATE TABLE IF NOT EXISTS test_consumer_effects (event_id text, applied_at timestamptz "
+    "DEFAULT now())"
+)
+
+
+@pytest.fixture
+async def consumer_table(pool: Any) -> None:
+    await pool.execute(CONSUMER_TABLE)
+    await pool.execute("TRUNCATE test_consumer_effects")
+
+
+def consumer(pool: Any, name: str = "ledger") -> Any:
+    """A deduplicating consumer: applies each event once, in its own transaction."""
+
+    async def apply(event: OutboxEvent) -> bool:
+        async with pool.acquire() as conn, conn.transaction():
+            if await consume_once(conn, name, event.event_id):
+                await conn.execute(
+                    "INSERT INTO test_consumer_effects (event_id) VALUES ($1)", event.event_id
+                )
+        return True
+
+    return apply
+
+
+async def test_an_event_exists_iff_its_transaction_committed(pool: Any) -> None:
+    async def failing_business_write(conn: Any) -> None:
+        async with conn.transaction():
+            await add(conn, "credit", {"amount": 6})
+            raise RuntimeError("the business write failed")
+
+    async with pool.acquire() as conn:
+        async with conn.transaction():
+            committed = await add(conn, "credit", {"amount": 5})
+        with pytest.raises(RuntimeError):
+            await failing_business_write(conn)
+    ids = [r["event_id"] for r in await pool.fetch("SELECT event_id FROM idem_outbox")]
+    assert ids == [committed]
+
+
+async def test_events_commit_with_the_idempotent_handler_or_not_at_all(
+    pg_store: PostgresStore, pool: Any
+) -> None:
+    """The handler adds its event on the claim's connection: a replay adds nothing, a
+    rolled-back request (5xx) leaves no event."""
+    from starlette.applications import Starlette
+    from starlette.middleware import Middleware
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    from idem_middleware import IdempotencyMiddleware
+    from tests.apps import client
+
+    async def pay(request: Request) -> JSONResponse:
+        ctx = get_context(request)
+        body = await request.json()
+        await add(ctx.connection, "paid", body, tenant=ctx.tenant)
+        return JSONResponse(body, status_code=int(request.query_params.get("status", "201")))
+
+    app = Starlette(
+        routes=[Route("/pay", pay, methods=["POST"])],
+        middleware=[
+            Middleware(
+                IdempotencyMiddleware,
+                store=pg_store,
+                default_policy=Policy(allow_anonymous=True),
+            )
+        ],
+    )
+    async with client(app, token=None) as c:
+        await c.post("/pay", json={"n": 1}, headers={"idempotency-key": "a"})
+        await c.post("/pay", json={"n": 1}, headers={"idempotency-key": "a"})  # replay
+        failed = await c.post("/pay?status=503", json={"n": 2}, headers={"idempotency-key": "b"})
+    assert failed.status_code == 503
+    payloads = [r["payload"] for r in await pool.fetch("SELECT payload::text FROM idem_outbox")]
+    assert payloads == ['{"n": 1}']
+
+
+async def test_two_publishers_never_send_one_event_at_the_same_time(
+    pool: Any, consumer_table: None
+) -> None:
+    async with pool.acquire() as conn:
+        for i in range(40):
+            await add(conn, "t", {"i": i})
+    in_flight: set[str] = set()
+    overlaps: list[str] = []
+    sends: list[str] = []
+
+    async def slow_sender(event: OutboxEvent) -> bool:
+        if event.event_id in in_flight:
+            overlaps.append(event.event_id)
+        in_flight.add(event.event_id)
+        await asyncio.sleep(0.005)
+        sends.append(event.event_id)
+        in_flight.discard(event.event_id)
+        return True
+
+    publishers = [Publisher(pool, slow_sender, batch_size=5) for _ in range(3)]
+    await asyncio.gather(*(p.run(batches=12, idle_seconds=0.01) for p in publishers))
+    assert overlaps == []
+    assert len(sends) == len(set(sends)) == 40
+    assert await pool.fetchval("SELECT count(*) FROM idem_outbox WHERE sent_at IS NULL") == 0
+
+
+async def test_a_failing_sender_backs_off_then_parks_the_event(pool: Any) -> None:
+    async with pool.acquire() as conn:
+        event_id = await add(conn, "t", {"x": 1})
+    attempts = 0
+
+    async def broken(event: OutboxEvent) -> bool:
+        nonlocal attempts
+        attempts += 1
+        raise ConnectionError("receiver down")
+
+    publisher = Publisher(pool, broken, max_attempts=3, base_backoff_seconds=0.0)
+    for _ in range(5):
+        await publisher.publish_batch()
+    assert attempts == 3  # parked after 3: no fourth try
+    row = await pool.fetchrow("SELECT attempts, parked_at, last_error FROM idem_outbox")
+    assert row["attempts"] == 3
+    assert row["parked_at"] is not None
+    assert "receiver down" in row["last_error"]
+    parked = await list_events(pool, parked_only=True)
+    assert [e["event_id"] for e in parked] == [event_id]
+    # Backoff: a failure schedules the next attempt later, growing per attempt.
+    await pool.execute("TRUNCATE idem_outbox")
+    async with pool.acquire() as conn:
+        await add(conn, "t", {"x": 2})
+    patient = Publisher(pool, broken, max_attempts=3, base_backoff_seconds=30.0)
+    await patient.publish_batch()
+    await patient.publish_batch()  # not due yet: not sent again
+    assert attempts == 4
+    delay = await pool.fetchval(
+        "SELECT EXTRACT(EPOCH FROM next_attempt_at - now()) FROM idem_outbox"
+    )
+    assert 25 < delay <= 30
+    assert patient.backoff(0) < patient.backoff(1) < patient.backoff(2)
+
+
+async def test_publisher_killed_between_sending_and_marking(
+    db_dsn: str, pool: Any, consumer_table: None, tmp_path: Path
+) -> None:
+    """A publisher process sends an event (the consumer applies it), then dies before marking it
+    sent. The next publisher sends it again; the consumer applies it once."""
+    async with pool.acquire() as conn:
+        event_id = await add(conn, "payout", {"amount": 7})
+    sent_flag = tmp_path / "sent"
+    script = tmp_path / "publisher.py"
+    script.write_text(
+        textwrap.dedent(
+            f"""
+            import asyncio, pathlib, asyncpg
+            from idem_middleware.outbox import Publisher, consume_once
+
+            async def main():
+                pool = await asyncpg.create_pool({db_dsn!r}, min_size=1, max_size=2)
+                async def send(event):
+                    async with pool.acquire() as conn, conn.transaction():
+                        if await consume_once(conn, "ledger", event.event_id):
+                            await conn.execute(
+                                "INSERT INTO test_consumer_effects (event_id) VALUES ($1)",
+                                event.event_id,
+                            )
+                    pathlib.Path({str(sent_flag)!r}).write_text("sent")
+                    await asyncio.sleep(60)  # killed here: sent, never marked
+                    return True
+                await Publisher(pool, send, send_timeout_seconds=120).publish_batch()
+
+            asyncio.run(main())
+            """
+        )
+    )
+    proc = subprocess.Popen(  # noqa: ASYNC220 - a process to SIGKILL, not to await
+        [sys.executable, str(script)], start_new_session=True
+    )
+    try:
+        for _ in range(300):
+            if sent_flag.exists():
+                break
+            await asyncio.sleep(0.05)
+        assert sent_flag.exists(), "the first publisher never sent"
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    deliveries = 1
+    redelivered = 0
+
+    async def counting(event: OutboxEvent) -> bool:
+        nonlocal deliveries, redelivered
+        deliveries += 1
+        redelivered += 1
+        return await consumer(pool)(event)
+
+    report = await Publisher(pool, counting).publish_batch()
+    applied = await pool.fetchval("SELECT count(*) FROM test_consumer_effects")
+    assert (report.sent, deliveries, redelivered, applied) == (1, 2, 1, 1)
+    assert await pool.fetchval("SELECT sent_at IS NOT NULL FROM idem_outbox") is True
+    assert await pool.fetchval("SELECT count(*) FROM idem_inbox WHERE event_id = $1", event_id) == 1
+    record(
+        "outbox: publisher killed between send and mark",
+        requests=deliveries,
+        duplicate_effects=applied - 1,
+        lost_outcomes=0,
+        stuck_keys=0,
+    )
