@@ -47,8 +47,17 @@ def status_route(
         key = request.query_params.get("key")
         if not operation or not key:
             return _problem(ProblemKind.INVALID_KEY, "Pass the operation and the key.")
-        record = await store.get(RecordKey(tenant, operation, key))
+        record_key = RecordKey(tenant, operation, key)
+        record = await store.get(record_key)
         if record is None or record.expired:
+            # A transactional claim is invisible until it commits; ask whether one is running.
+            if record is None and await store.in_flight(record_key):
+                body: dict[str, object] = {
+                    "operation": operation,
+                    "state": "pending",
+                    "response_status": None,
+                }
+                return Response(orjson.dumps(body), 200, media_type="application/json")
             return _problem(ProblemKind.RECORD_NOT_FOUND, "No such request for this caller.")
         body = {
             "operation": operation,

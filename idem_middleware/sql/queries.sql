@@ -315,3 +315,12 @@ WHERE o.event_id = doomed.event_id;
 INSERT INTO idem_inbox (consumer, event_id) VALUES ($1, $2)
 ON CONFLICT DO NOTHING
 RETURNING 1;
+
+-- name: probe_claim
+-- Is another transaction claiming this key right now? Run in a throwaway transaction with a
+-- short lock_timeout: an uncommitted claim makes this INSERT wait (and time out); no claim lets
+-- it insert (the caller rolls back); a committed record makes it do nothing.
+-- $1 tenant, $2 operation, $3 key
+INSERT INTO idem_requests (tenant, operation, idem_key, fingerprint, state, mode, retention)
+VALUES ($1, $2, $3, '\x'::bytea, 'pending', 'transactional', interval '1 second')
+ON CONFLICT DO NOTHING;

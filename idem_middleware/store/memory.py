@@ -207,6 +207,9 @@ class MemoryStore:
         row = self._rows.get(key)
         return None if row is None else row.record(key, self.clock())
 
+    async def in_flight(self, key: RecordKey) -> bool:
+        return key in self._owners
+
     async def open(self) -> MemoryStore:
         return self
 
@@ -250,6 +253,11 @@ class MemoryStore:
             return None
         return row
 
+    def _row_lock(self, key: RecordKey) -> asyncio.Lock:
+        """The record's row lock: a fenced session holds it, and every write to the record waits
+        for it, as an UPDATE or DELETE waits on PostgreSQL's `SELECT ... FOR UPDATE`."""
+        return self._fence_locks.setdefault(key, asyncio.Lock())
+
     def _changed(self, key: RecordKey) -> None:
         for event in self._watchers.get(key, ()):
             event.set()
@@ -290,43 +298,53 @@ class MemoryStore:
         return Claim(True, fresh.generation, None)
 
     async def heartbeat(self, key: RecordKey, generation: int, lease_seconds: float) -> bool:
-        row = self._current(key, generation, State.PENDING)
-        if row is None:
-            return False
-        self._rows[key] = replace(row, lease_expires_at=self.clock() + lease_seconds)
-        return True
+        async with self._row_lock(key):
+            row = self._current(key, generation, State.PENDING)
+            if row is None:
+                return False
+            self._rows[key] = replace(row, lease_expires_at=self.clock() + lease_seconds)
+            return True
 
     async def expire_lease(self, key: RecordKey, generation: int) -> bool:
-        row = self._current(key, generation, State.PENDING)
-        now = self.clock()
-        if row is None or row.lease_expires_at is None or row.lease_expires_at > now:
-            return False
-        self._rows[key] = replace(
-            row, state=State.UNKNOWN, lease_expires_at=None, updated_at=now, note="lease expired"
-        )
-        self._changed(key)
-        return True
+        async with self._row_lock(key):
+            row = self._current(key, generation, State.PENDING)
+            now = self.clock()
+            if row is None or row.lease_expires_at is None or row.lease_expires_at > now:
+                return False
+            self._rows[key] = replace(
+                row,
+                state=State.UNKNOWN,
+                lease_expires_at=None,
+                updated_at=now,
+                note="lease expired",
+            )
+            self._changed(key)
+            return True
 
     async def takeover(
         self, key: RecordKey, generation: int, expected: State, lease_seconds: float
     ) -> int | None:
-        row = self._current(key, generation, expected)
-        now = self.clock()
-        if row is None:
-            return None
-        if expected is State.PENDING and (
-            row.lease_expires_at is not None and row.lease_expires_at > now
-        ):
-            return None
-        new = next(self._generations)
-        self._rows[key] = replace(
-            row,
-            state=State.PENDING,
-            generation=new,
-            lease_expires_at=now + lease_seconds,
-            updated_at=now,
-        )
-        return new
+        if expected not in (State.PENDING, State.UNKNOWN):
+            # A finished outcome is replayed, never run again (PROTOCOL §2).
+            raise ValueError(f"only a pending or unknown record can be taken over, not {expected}")
+        async with self._row_lock(key):
+            row = self._current(key, generation, expected)
+            now = self.clock()
+            if row is None:
+                return None
+            if expected is State.PENDING and (
+                row.lease_expires_at is not None and row.lease_expires_at > now
+            ):
+                return None
+            new = next(self._generations)
+            self._rows[key] = replace(
+                row,
+                state=State.PENDING,
+                generation=new,
+                lease_expires_at=now + lease_seconds,
+                updated_at=now,
+            )
+            return new
 
     def _settle_now(self, key: RecordKey, generation: int, expected: State, s: Settlement) -> bool:
         row = self._current(key, generation, expected)
@@ -347,37 +365,39 @@ class MemoryStore:
         return True
 
     async def settle(self, key: RecordKey, generation: int, expected: State, s: Settlement) -> bool:
-        return self._settle_now(key, generation, expected, s)
+        async with self._row_lock(key):
+            return self._settle_now(key, generation, expected, s)
 
     async def release(self, key: RecordKey, generation: int) -> bool:
-        if self._current(key, generation, State.PENDING) is None:
-            return False
-        del self._rows[key]
-        self._changed(key)
-        return True
+        async with self._row_lock(key):
+            if self._current(key, generation, State.PENDING) is None:
+                return False
+            del self._rows[key]
+            self._changed(key)
+            return True
 
     async def allow_retry(self, key: RecordKey, generation: int, note: str) -> bool:
-        row = self._current(key, generation, State.UNKNOWN)
-        if row is None:
-            return False
-        self._rows[key] = replace(
-            row,
-            state=State.PENDING,
-            generation=next(self._generations),
-            lease_expires_at=None,
-            updated_at=self.clock(),
-            note=note,
-        )
-        self._changed(key)
-        return True
+        async with self._row_lock(key):
+            row = self._current(key, generation, State.UNKNOWN)
+            if row is None:
+                return False
+            self._rows[key] = replace(
+                row,
+                state=State.PENDING,
+                generation=next(self._generations),
+                lease_expires_at=None,
+                updated_at=self.clock(),
+                note=note,
+            )
+            self._changed(key)
+            return True
 
     @asynccontextmanager
     async def fenced(
         self, key: RecordKey, generation: int, expected: State = State.PENDING
     ) -> AsyncIterator[_MemoryFenced]:
         # The row lock of the fenced transaction: one fenced session per key at a time.
-        lock = self._fence_locks.setdefault(key, asyncio.Lock())
-        async with lock:
+        async with self._row_lock(key):
             if self._current(key, generation, expected) is None:
                 raise StaleGeneration(
                     f"generation {generation} no longer holds the record; its writes are refused"

@@ -258,6 +258,13 @@ class _Listener:
             return
         conn.remove_termination_listener(self._lost)
         if self._pooled:
+            # Back to the pool without our callback. asyncpg warns about a listener left on a
+            # released connection; where warnings are errors that aborts the release, and the
+            # connection stays acquired forever (`pool.close()` then never returns).
+            try:
+                await conn.remove_listener(NOTIFY_CHANNEL, self._notified)
+            except _LISTEN_ERRORS:
+                logger.debug("UNLISTEN failed; the pool's reset will drop it", exc_info=True)
             await self._store.pool.release(conn)
         else:
             await conn.close()
@@ -532,6 +539,9 @@ class PostgresStore:
     async def takeover(
         self, key: RecordKey, generation: int, expected: State, lease_seconds: float
     ) -> int | None:
+        if expected not in (State.PENDING, State.UNKNOWN):
+            # A finished outcome is replayed, never run again (PROTOCOL §2).
+            raise ValueError(f"only a pending or unknown record can be taken over, not {expected}")
         new: int | None = await self._run(
             "fetchval",
             _Q["takeover"],
@@ -655,6 +665,23 @@ class PostgresStore:
             )
             for r in rows
         ]
+
+    async def in_flight(self, key: RecordKey) -> bool:
+        """Whether an uncommitted (transactional-mode) claim holds the key at this moment."""
+        try:
+            async with self.pool.acquire() as conn:
+                tx = conn.transaction()
+                await tx.start()
+                try:
+                    await conn.execute("SET LOCAL lock_timeout = '100ms'")
+                    await conn.execute(_Q["probe_claim"], key.tenant, key.operation, key.key)
+                except asyncpg.exceptions.LockNotAvailableError:
+                    return True
+                finally:
+                    await tx.rollback()
+        except _CONNECTION_ERRORS as exc:
+            raise StoreError(str(exc)) from exc
+        return False
 
     async def purge(self, *, batch_size: int = 1000, max_batches: int = 1000) -> int:
         """Delete finished records past their retention, one short transaction per batch, and
