@@ -16,6 +16,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Mount, Route
 
 from idem_middleware import IdempotencyMiddleware, Outcome, Policy, get_context, not_idempotent
+from idem_middleware.status import status_route
 from idem_middleware.store.base import Store
 
 TOKENS = {"demo-a": "tenant-a", "demo-b": "tenant-b"}
@@ -39,6 +40,8 @@ class Probe:
         self.gate: asyncio.Event | None = None
         self.entered = asyncio.Event()
         self.delay = 0.0
+        #: The claim's connection the credit handler last wrote on.
+        self.connection: Any = None
 
 
 _LEDGER_INSERT = "INSERT INTO test_ledger (tenant, account_id, amount) VALUES ($1, $2, $3)"
@@ -78,6 +81,7 @@ async def credit(request: Request) -> Response:
             balance = await _write_credit(conn, tenant, account, payload["amount"])
     else:
         if ctx.connection is not None:
+            probe.connection = ctx.connection
             balance = await _write_credit(ctx.connection, ctx.tenant, account, payload["amount"])
         else:
             balance = payload["amount"]
@@ -131,6 +135,22 @@ async def stream(request: Request) -> Response:
     return StreamingResponse(events(), media_type="text/event-stream")
 
 
+async def stream_write(request: Request) -> Response:
+    """SSE that writes a ledger row (amount 1) before answering and another (amount 2) while
+    streaming: only the first is inside the settled claim."""
+    probe: Probe = request.app.state.probe
+    probe.calls += 1
+    ctx = get_context(request)
+    await ctx.connection.execute(_LEDGER_INSERT, ctx.tenant, "stream", 1)
+
+    async def events() -> AsyncIterator[bytes]:
+        yield b"data: before\n\n"
+        await ctx.connection.execute(_LEDGER_INSERT, ctx.tenant, "stream", 2)
+        yield b"data: after\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
 async def big(request: Request) -> Response:
     probe: Probe = request.app.state.probe
     probe.calls += 1
@@ -177,6 +197,12 @@ async def binary(request: Request) -> Response:
     return Response(BINARY_BODY, status_code=201, media_type="application/octet-stream")
 
 
+async def no_content(request: Request) -> Response:
+    probe: Probe = request.app.state.probe
+    probe.calls += 1
+    return Response(status_code=204, headers={"x-done": "yes"})
+
+
 @not_idempotent
 async def search(request: Request) -> Response:
     """A POST that is a query, exempted with the decorator."""
@@ -206,11 +232,14 @@ def build_app(
             Route("/accounts/{account_id}/credits", credit, methods=["POST"]),
             Route("/accounts/{account_id}", read_account, methods=["GET", "PUT"]),
             Route("/stream", stream, methods=["POST"]),
+            Route("/stream-write", stream_write, methods=["POST"]),
             Route("/big", big, methods=["POST"]),
             Route("/items", items, methods=["POST"]),
             Route("/stream-json", stream_json, methods=["POST"]),
             Route("/binary", binary, methods=["POST"]),
             Route("/search", search, methods=["POST"]),
+            Route("/no-content", no_content, methods=["POST"]),
+            status_route(store),
             Mount("/v2", routes=[Route("/items/{item_id}", items, methods=["POST"])]),
         ],
         middleware=[
@@ -305,3 +334,280 @@ async def wait_for_lock_waiters(pool: Any, n: int = 1) -> None:
 
 async def wait_entered(probe: Probe) -> None:
     await asyncio.wait_for(probe.entered.wait(), BOUND)
+
+
+class CountingStore:
+    """Wraps a store and counts what the middleware asks of it (to prove a pass-through)."""
+
+    def __init__(self, inner: Store) -> None:
+        self.inner = inner
+        self.calls = 0
+
+    def transaction(self, *, acquire_timeout: float) -> Any:
+        self.calls += 1
+        return self.inner.transaction(acquire_timeout=acquire_timeout)
+
+    async def get(self, key: Any) -> Any:
+        self.calls += 1
+        return await self.inner.get(key)
+
+
+async def cancel_while_held(c: httpx.AsyncClient, probe: Probe, url: str, **kwargs: Any) -> None:
+    """Start a request, hold its handler inside the claim, and cancel the request from outside.
+
+    Returns once the cancelled task has finished, having checked it ended in CancelledError and
+    nothing else; the probe is left ready for a retry (no gate).
+    """
+    async with Held(probe) as held:
+        task = held.start(c.post(url, **kwargs))
+        await wait_entered(probe)
+        task.cancel()
+        done, _ = await asyncio.wait({task}, timeout=BOUND)
+        assert task in done, "the cancelled request did not finish"
+        assert task.cancelled(), f"expected only CancelledError, got {task.exception()!r}"
+    probe.entered.clear()
+
+
+def asgi_request(path: str, idem_key: str, content_length: int) -> dict[str, Any]:
+    """A scope for driving an app directly: an authenticated (tenant-a) JSON POST."""
+    return {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": [
+            (b"host", b"test"),
+            (b"authorization", b"Bearer demo-a"),
+            (b"idempotency-key", idem_key.encode()),
+            (b"content-type", b"application/json"),
+            (b"content-length", str(content_length).encode()),
+        ],
+        "client": ("127.0.0.1", 50000),
+        "server": ("test", 80),
+    }
+
+
+class Held:
+    """Requests run in the background while `probe.gate` holds the handler.
+
+    `async with Held(probe) as held:` closes the gate; `held.start(coro)` runs a request as a
+    task; `await held.release()` opens the gate. On exit the gate is opened whatever happened and
+    every task is finished (cancelled after BOUND), so a failing test never leaves a claim open
+    and a pool that cannot close.
+    """
+
+    def __init__(self, probe: Probe) -> None:
+        self.probe = probe
+        self.tasks: list[asyncio.Task[Any]] = []
+
+    async def __aenter__(self) -> Held:
+        self.probe.gate = asyncio.Event()
+        return self
+
+    def start(self, request: Any) -> asyncio.Task[Any]:
+        task = asyncio.ensure_future(request)
+        self.tasks.append(task)
+        return task
+
+    def release(self) -> None:
+        assert self.probe.gate is not None
+        self.probe.gate.set()
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self.probe.gate is not None:
+            self.probe.gate.set()
+        pending = {t for t in self.tasks if not t.done()}
+        if pending:
+            _, stuck = await asyncio.wait(pending, timeout=BOUND)
+            for task in stuck:
+                task.cancel()
+            if stuck:
+                await asyncio.wait(stuck, timeout=BOUND)
+        for task in self.tasks:
+            if task.done() and not task.cancelled():
+                task.exception()  # retrieved: a failure is the test's to report, not asyncio's
+        self.probe.gate = None
+
+
+async def idle_in_transaction(pool: Any) -> int:
+    """Backends of this database left inside an open transaction (a leaked claim would be one)."""
+    n: int = await pool.fetchval(
+        "SELECT count(*) FROM pg_stat_activity "
+        "WHERE datname = current_database() AND state LIKE 'idle in transaction%'"
+    )
+    return n
+
+
+# ==============================================================================================
+# Lease mode (tests/integration/test_lease_mode.py, tests/lease_app.py). Nothing above uses this.
+#
+# The "downstream system" is a table written in autocommit on its own connection: a bank outside
+# our transaction that deduplicates by the downstream key (`ON CONFLICT (dkey) DO NOTHING`).
+# ==============================================================================================
+
+# Imports of this section live here (not at the top) so it stays self-contained.
+from dataclasses import dataclass  # noqa: E402
+
+from idem_middleware import IdempotencyContext, Mode, StaleGeneration  # noqa: E402
+from idem_middleware.reconcile import (  # noqa: E402
+    Happened,
+    NotHappened,
+    ReconcileContext,
+    Reconciler,
+    Reconciliation,
+)
+
+DOWNSTREAM_SCHEMA = """
+CREATE TABLE IF NOT EXISTS test_downstream (
+    dkey text PRIMARY KEY, amount bigint NOT NULL, created_at timestamptz NOT NULL DEFAULT now()
+);
+CREATE TABLE IF NOT EXISTS test_lease_calls (
+    id bigserial PRIMARY KEY, dkey text NOT NULL, generation bigint NOT NULL, pid integer NOT NULL
+);
+"""
+
+
+async def reset_downstream(pool: Any) -> None:
+    """Create (once) and empty the downstream tables; the caller's `pool` fixture empties ours."""
+    await pool.execute(DOWNSTREAM_SCHEMA)
+    await pool.execute("TRUNCATE test_downstream, test_lease_calls")
+
+
+async def send_downstream(pool: Any, dkey: str, amount: int) -> None:
+    """The downstream effect: the bank records a transfer once per downstream key (autocommit)."""
+    await pool.execute(
+        "INSERT INTO test_downstream (dkey, amount) VALUES ($1, $2) ON CONFLICT (dkey) DO NOTHING",
+        dkey,
+        amount,
+    )
+
+
+async def downstream_rows(pool: Any, dkey: str | None = None) -> int:
+    if dkey is None:
+        n: int = await pool.fetchval("SELECT count(*) FROM test_downstream")
+    else:
+        n = await pool.fetchval("SELECT count(*) FROM test_downstream WHERE dkey = $1", dkey)
+    return n
+
+
+def downstream_reconciler(pool: Any) -> Reconciler:
+    """Asks the bank about the downstream key: found -> Happened (201), absent -> NotHappened."""
+
+    async def reconcile(rc: ReconcileContext) -> Reconciliation:
+        amount = await pool.fetchval(
+            "SELECT amount FROM test_downstream WHERE dkey = $1", rc.downstream_key
+        )
+        if amount is None:
+            return NotHappened()
+        return Happened.json(201, {"dkey": rc.downstream_key, "amount": amount, "reconciled": True})
+
+    return reconcile
+
+
+class DownstreamError(Exception):
+    """The bank call failed: before sending ("before") or with the answer lost ("after")."""
+
+
+@dataclass
+class Step:
+    """What one execution of the lease handler does; the default runs clean and answers 201."""
+
+    status: int = 201
+    downstream: bool = True
+    #: Raise DownstreamError "before" or "after" the downstream effect.
+    fail: str | None = None
+    #: Write a test_ledger row on the fenced connection "before" the downstream call or "after"
+    #: the hold (a StaleGeneration there is caught and recorded in `LeaseProbe.stale`).
+    fence: str | None = None
+    gate: asyncio.Event | None = None
+    delay: float = 0.0
+    declare: Outcome | None = None
+
+
+class LeaseProbe:
+    """Scripts the lease handler per execution (`steps`, consumed in order) and records its runs."""
+
+    def __init__(self) -> None:
+        self.steps: list[Step] = []
+        self.calls = 0
+        self.contexts: list[IdempotencyContext] = []
+        self.entered = asyncio.Event()
+        self.stale: list[int] = []
+
+    def next_step(self) -> Step:
+        return self.steps.pop(0) if self.steps else Step()
+
+
+async def fenced_ledger(ctx: IdempotencyContext, account: str, amount: int) -> None:
+    """A business write that must commit with the outcome (the debit of a payout, say)."""
+    conn = await ctx.fenced_connection()
+    await conn.execute(_LEDGER_INSERT, ctx.tenant, account, amount)
+
+
+async def payout(request: Request) -> Response:
+    probe: LeaseProbe = request.app.state.probe
+    step = probe.next_step()
+    probe.calls += 1
+    ctx = get_context(request)
+    probe.contexts.append(ctx)
+    if step.declare is not None:
+        ctx.declare(step.declare)  # declared up front: it holds however the handler ends
+    payload = await request.json()
+    account, amount = payload["account"], payload["amount"]
+    if step.fence == "before":
+        await fenced_ledger(ctx, account, amount)
+    if step.fail == "before":
+        raise DownstreamError("connection refused: nothing was sent")
+    if step.downstream:
+        await send_downstream(request.app.state.pool, ctx.downstream_key, amount)
+    if step.fail == "after":
+        raise DownstreamError("timed out: the transfer may have happened")
+    probe.entered.set()
+    if step.gate is not None:
+        await step.gate.wait()
+    if step.delay:
+        await asyncio.sleep(step.delay)
+    if step.fence == "after":
+        try:
+            await fenced_ledger(ctx, account, amount)
+        except StaleGeneration:
+            probe.stale.append(ctx.generation)
+    return JSONResponse(
+        {
+            "dkey": ctx.downstream_key,
+            "amount": amount,
+            "generation": ctx.generation,
+            "call": probe.calls,
+        },
+        status_code=step.status,
+    )
+
+
+PAYOUTS = "/payouts"
+LEASE_POLICY = Policy(mode=Mode.LEASE, lease_seconds=5.0, wait_seconds=0.3)
+
+
+def build_lease_app(
+    store: Store, pool: Any, policy: Policy = LEASE_POLICY, **middleware_options: Any
+) -> Starlette:
+    """`POST /payouts` under `policy`; `pool` is the bank's (the downstream table's) connection."""
+    app = Starlette(
+        routes=[Route(PAYOUTS, payout, methods=["POST"])],
+        middleware=[
+            Middleware(AuthenticationMiddleware, backend=BearerBackend()),
+            Middleware(
+                IdempotencyMiddleware,
+                store=store,
+                policies={f"POST {PAYOUTS}": policy},
+                **middleware_options,
+            ),
+        ],
+    )
+    app.state.probe = LeaseProbe()
+    app.state.pool = pool
+    return app

@@ -44,6 +44,9 @@ _CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
     asyncpg.exceptions.ConnectionDoesNotExistError,
     asyncpg.exceptions.CannotConnectNowError,
     asyncpg.exceptions.AdminShutdownError,
+    # A connection killed mid-operation can leave asyncpg's protocol in a state it reports this
+    # way ("cannot switch to state ..."): the connection is gone all the same.
+    asyncpg.exceptions.InternalClientError,
 )
 _ACQUIRE_ERRORS: tuple[type[BaseException], ...] = (TimeoutError, *_CONNECTION_ERRORS)
 _RETRYABLE: tuple[type[BaseException], ...] = (

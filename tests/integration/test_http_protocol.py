@@ -208,6 +208,8 @@ async def test_in_flight_duplicate_gets_202_with_location_when_the_policy_says_s
 
 
 async def test_status_resource_of_a_202_knows_the_request_while_it_runs(pg_store, pool):
+    """The transactional claim is uncommitted, yet the resource the 202 points at must not
+    answer 404 'no such request' while the original runs (a client would resubmit)."""
     app = build_app(pg_store, default_policy=Policy(wait_seconds=0.2, accept_while_in_flight=True))
     probe = app.state.probe
     async with client(app) as c, Held(probe) as held:
