@@ -30,7 +30,9 @@ __all__ = [
 ]
 
 
-def idempotency_context(request: Request) -> IdempotencyContext:
+# Dependencies are `async def` on purpose: FastAPI runs a plain `def` dependency in a worker
+# thread, a hop that costs more than everything these do.
+async def idempotency_context(request: Request) -> IdempotencyContext:
     try:
         return get_context(request)
     except LookupError:
@@ -40,7 +42,7 @@ def idempotency_context(request: Request) -> IdempotencyContext:
         ) from None
 
 
-def transaction_connection(
+async def transaction_connection(
     context: Annotated[IdempotencyContext, Depends(idempotency_context)],
 ) -> Connection:
     if context.connection is None:
