@@ -1,0 +1,5 @@
+"""`python -m bench`: see bench/README.md."""
+
+from bench.runner import main
+
+raise SystemExit(main())
