@@ -45,9 +45,15 @@ class Fence:
         """Record the outcome: inside the fenced transaction if one is open, then commit."""
         if self._session is None:
             return await self.store.settle(self.key, self.generation, self.expected, settlement)
-        settled: bool = await self._session.settle(
-            self.key, self.generation, self.expected, settlement
-        )
+        try:
+            settled: bool = await self._session.settle(
+                self.key, self.generation, self.expected, settlement
+            )
+        except BaseException:
+            # Never leave the transaction open: it holds the record's row lock (every later
+            # request on the key would wait on it) and a pooled connection.
+            await self.close()
+            raise
         await self.close(commit=settled)
         return settled
 
