@@ -1,4 +1,9 @@
-"""`python -m example_app [--host H] [--port P] [--workers N]`."""
+"""`python -m example_app [--host H] [--port P] [--workers N]`.
+
+Every worker also runs an outbox publisher, sending the credits' and payouts' events to the
+bank's `POST /webhooks` (SKIP LOCKED keeps the workers' publishers apart); `EXAMPLE_PUBLISH=0`
+turns them off, for running `idem-middleware outbox publish` instead.
+"""
 
 from __future__ import annotations
 
@@ -44,7 +49,12 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m example_app", description=__doc__)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--workers", type=int, default=1, help="app processes on one database")
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="app processes on one database, each with its outbox publisher",
+    )
     args = parser.parse_args(argv)
     if args.workers < 1:
         parser.error("--workers must be at least 1")

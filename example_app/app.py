@@ -6,6 +6,8 @@ Run it with `python -m example_app`. The HTTP contract is fixed in PROTOCOL §7.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -19,7 +21,7 @@ from starlette.authentication import AuthCredentials, AuthenticationBackend, Sim
 from starlette.middleware.authentication import AuthenticationMiddleware
 from starlette.requests import HTTPConnection
 
-from idem_middleware import Mode, Policy, PostgresStore, idempotent
+from idem_middleware import Mode, Policy, PostgresStore, idempotent, outbox
 from idem_middleware.downstream import downstream_hooks
 from idem_middleware.fastapi import Idempotency, IdempotencyConnection, install
 from idem_middleware.reconcile import (
@@ -33,6 +35,10 @@ from idem_middleware.reconcile import (
 from .bank import create_bank_app
 
 DEFAULT_TOKENS = "demo-a:tenant-a,demo-b:tenant-b"
+#: How long shutdown waits for the publisher's batch in flight before cancelling it.
+PUBLISHER_STOP_SECONDS = 5.0
+
+logger = logging.getLogger("example_app")
 
 
 def parse_tokens(spec: str) -> dict[str, str]:
@@ -60,7 +66,8 @@ class BearerTokens(AuthenticationBackend):
         return AuthCredentials(["authenticated"]), SimpleUser(tenant)
 
 
-def tenant_of(request: Request) -> str:
+async def tenant_of(request: Request) -> str:
+    # async: FastAPI runs a plain `def` dependency in a worker thread, which costs far more.
     if not request.user.is_authenticated:
         raise HTTPException(401, "a valid bearer token is required")
     tenant: str = request.user.display_name
@@ -117,6 +124,19 @@ class AccountOut(BaseModel):
     credits: int
 
 
+async def publish(publisher: outbox.Publisher, stop: asyncio.Event) -> None:
+    """Run the outbox publisher until `stop`; a failure (the database restarting, say) is logged
+    and the publisher starts over a second later. Events are sent at least once: the consumer
+    (the bank's POST /webhooks) deduplicates them by event id."""
+    while not stop.is_set():
+        try:
+            await publisher.run(stop=stop)
+        except Exception:
+            logger.exception("the outbox publisher failed; restarting it in 1 s")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), 1.0)
+
+
 async def debit(
     conn: Any, tenant: str, account_id: str, amount: int, transfer: dict[str, Any]
 ) -> PayoutOut:
@@ -135,13 +155,19 @@ async def debit(
         amount,
         transfer["transfer_id"],
     )
-    return PayoutOut(
+    payout = PayoutOut(
         payout_id=payout_id,
         account_id=account_id,
         amount=amount,
         balance=balance,
         bank_transfer_id=transfer["transfer_id"],
     )
+    # The event commits with the debit, in the fenced transaction, or not at all. Both the
+    # handler and the reconciler's Happened path debit through here: one event per payout.
+    await outbox.add(
+        conn, "payout.created", payout.model_dump(), event_id=f"payout:{payout_id}", tenant=tenant
+    )
+    return payout
 
 
 def create_app(database_url: str | None = None) -> FastAPI:
@@ -151,6 +177,7 @@ def create_app(database_url: str | None = None) -> FastAPI:
     lease_seconds = float(os.environ.get("EXAMPLE_LEASE_SECONDS", "30"))
     bank_timeout = float(os.environ.get("EXAMPLE_BANK_TIMEOUT", "2"))
     bank_url = os.environ.get("BANK_URL")
+    run_publisher = os.environ.get("EXAMPLE_PUBLISH", "1") != "0"
     tokens = parse_tokens(os.environ.get("EXAMPLE_TOKENS") or DEFAULT_TOKENS)
     store = PostgresStore(dsn=dsn, min_size=2, max_size=20)
 
@@ -169,7 +196,21 @@ def create_app(database_url: str | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         async with store, bank:
-            yield
+            if not run_publisher:
+                yield
+                return
+            # The outbox publisher: one per worker process; SKIP LOCKED keeps them apart.
+            stop = asyncio.Event()
+            publisher = outbox.Publisher(store.pool, outbox.webhook_sender(bank, "/webhooks"))
+            task = asyncio.create_task(publish(publisher, stop))
+            try:
+                yield
+            finally:
+                stop.set()
+                # A batch in flight gets a few seconds; cancelled, its transaction rolls back
+                # and its events are sent again later.
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(task, PUBLISHER_STOP_SECONDS)
 
     async def send_money(account: str, amount: int) -> dict[str, Any] | None:
         """POST the transfer; None when the bank's answer is lost (timeout or error)."""
@@ -224,8 +265,8 @@ def create_app(database_url: str | None = None) -> FastAPI:
         tenant: Tenant,
         conn: IdempotencyConnection,
     ) -> CreditOut:
-        # Both writes run in the claim's transaction: they commit with the stored response,
-        # or roll back with it, so a retry can never credit twice.
+        # Every write runs in the claim's transaction: they commit with the stored response,
+        # or roll back with it, so a retry can never credit twice nor emit a second event.
         credit_id = await conn.fetchval(
             "INSERT INTO ex_credits (tenant, account_id, amount, memo) VALUES ($1, $2, $3, $4) "
             "RETURNING credit_id::text",
@@ -233,6 +274,15 @@ def create_app(database_url: str | None = None) -> FastAPI:
             account_id,
             body.amount,
             body.memo,
+        )
+        event = {
+            "credit_id": credit_id,
+            "account_id": account_id,
+            "amount": body.amount,
+            "memo": body.memo,
+        }
+        await outbox.add(
+            conn, "credit.created", event, event_id=f"credit:{credit_id}", tenant=tenant
         )
         balance = await conn.fetchval(
             "INSERT INTO ex_accounts AS a (tenant, account_id, balance, credits) "

@@ -8,6 +8,12 @@ Faults apply to `POST /transfers` only:
   money has moved);
 - `fail_after_record`: record the transfer, then answer this status (the response is lost);
 - `fail_status`: answer this status without recording anything.
+
+The bank is also the consumer of the app's outbox events: `POST /webhooks` (JSON `{event_id,
+topic, payload}`, `Idempotency-Key` = the event id) counts every delivery and applies each event
+id once; `GET /webhooks` shows `{"deliveries": n, "applied": [event ids]}`. The fault
+`webhook_delay_ms` applies the event, then waits before answering (until the caller hangs up at
+the latest), so a publisher can be killed after sending and before marking the event sent.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ class Faults:
     delay_ms: int = 0
     fail_after_record: int | None = None
     fail_status: int | None = None
+    webhook_delay_ms: int = 0
 
 
 @dataclass
@@ -37,11 +44,25 @@ class Bank:
 
     transfers: dict[str, dict[str, Any]] = field(default_factory=dict)
     faults: Faults = field(default_factory=Faults)
+    #: Webhook deliveries received, and the event ids applied (each once, in arrival order).
+    deliveries: int = 0
+    applied: list[str] = field(default_factory=list)
+    seen: set[str] = field(default_factory=set)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
 
 def _error(status: int, detail: str) -> JSONResponse:
     return JSONResponse({"error": detail}, status_code=status)
+
+
+async def _linger(request: Request, seconds: float) -> None:
+    """Wait `seconds`, or until the caller hangs up (nobody would read the answer)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + seconds
+    while (left := deadline - loop.time()) > 0:
+        if await request.is_disconnected():
+            return
+        await asyncio.sleep(min(left, 0.05))
 
 
 def create_bank_app() -> Starlette:
@@ -88,6 +109,28 @@ def create_bank_app() -> Starlette:
     async def list_transfers(request: Request) -> Response:
         return JSONResponse(list(bank.transfers.values()))
 
+    async def receive_webhook(request: Request) -> Response:
+        key = request.headers.get("idempotency-key")
+        try:
+            body = await request.json()
+            event_id, _, _ = str(body["event_id"]), str(body["topic"]), body["payload"]
+        except (ValueError, KeyError, TypeError):
+            return _error(400, 'expected {"event_id": str, "topic": str, "payload": ...}')
+        if key != event_id:
+            return _error(400, "the Idempotency-Key must be the event id")
+        async with bank.lock:
+            bank.deliveries += 1
+            applied = event_id not in bank.seen
+            if applied:  # a redelivery changes nothing
+                bank.seen.add(event_id)
+                bank.applied.append(event_id)
+        if bank.faults.webhook_delay_ms:
+            await _linger(request, bank.faults.webhook_delay_ms / 1000)
+        return JSONResponse({"applied": applied})
+
+    async def list_webhooks(request: Request) -> Response:
+        return JSONResponse({"deliveries": bank.deliveries, "applied": bank.applied})
+
     async def set_faults(request: Request) -> Response:
         body = await request.json() if await request.body() else {}
         try:
@@ -95,9 +138,12 @@ def create_bank_app() -> Starlette:
                 delay_ms=int(body.get("delay_ms") or 0),
                 fail_after_record=body.get("fail_after_record"),
                 fail_status=body.get("fail_status"),
+                webhook_delay_ms=int(body.get("webhook_delay_ms") or 0),
             )
         except (TypeError, ValueError, AttributeError):
-            return _error(400, "expected {delay_ms, fail_after_record, fail_status}")
+            return _error(
+                400, "expected {delay_ms, fail_after_record, fail_status, webhook_delay_ms}"
+            )
         return JSONResponse(vars(bank.faults))
 
     app = Starlette(
@@ -105,6 +151,8 @@ def create_bank_app() -> Starlette:
             Route("/transfers", create_transfer, methods=["POST"]),
             Route("/transfers", list_transfers, methods=["GET"]),
             Route("/transfers/{key:path}", get_transfer, methods=["GET"]),
+            Route("/webhooks", receive_webhook, methods=["POST"]),
+            Route("/webhooks", list_webhooks, methods=["GET"]),
             Route("/_faults", set_faults, methods=["POST"]),
         ]
     )

