@@ -451,6 +451,7 @@ async def idle_in_transaction(pool: Any) -> int:
 # ==============================================================================================
 
 # Imports of this section live here (not at the top) so it stays self-contained.
+import contextlib  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 
 from idem_middleware import IdempotencyContext, Mode, StaleGeneration  # noqa: E402
@@ -527,6 +528,9 @@ class Step:
     gate: asyncio.Event | None = None
     delay: float = 0.0
     declare: Outcome | None = None
+    #: After the fenced write, a statement fails on the fenced connection and the handler
+    #: swallows the error and answers anyway (its transaction is now aborted).
+    poison: bool = False
 
 
 class LeaseProbe:
@@ -577,6 +581,10 @@ async def payout(request: Request) -> Response:
             await fenced_ledger(ctx, account, amount)
         except StaleGeneration:
             probe.stale.append(ctx.generation)
+    if step.poison:
+        conn = await ctx.fenced_connection()
+        with contextlib.suppress(Exception):
+            await conn.execute("SELECT 1 / 0")
     return JSONResponse(
         {
             "dkey": ctx.downstream_key,

@@ -98,7 +98,8 @@ WHERE tenant = $1 AND operation = $2 AND idem_key = $3
 
 -- name: expire_lease
 -- A pending record whose lease lapsed becomes unknown: a lost lease does not prove the effect
--- did not happen. $1 tenant, $2 operation, $3 key, $4 generation
+-- did not happen; waiters are woken. $1 tenant, $2 operation, $3 key, $4 generation,
+-- $5 notification payload
 WITH moved AS (
     UPDATE idem_requests
     SET state = 'unknown', updated_at = now(), lease_expires_at = NULL, note = 'lease expired'
@@ -106,7 +107,7 @@ WITH moved AS (
       AND generation = $4 AND state = 'pending' AND lease_expires_at <= now()
     RETURNING 1
 )
-SELECT count(*) AS moved FROM moved;
+SELECT count(*) AS moved, pg_notify('idem_middleware', $5) AS notified FROM moved;
 
 -- name: takeover
 -- Become the executor of a record under a new generation: a pending record whose lease lapsed

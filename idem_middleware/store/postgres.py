@@ -233,8 +233,12 @@ class _Listener:
         for event in self._waiters.get(str(payload), ()):
             event.set()
 
-    def _lost(self, conn: object) -> None:
+    def _lost(self, conn: Any) -> None:
         self._conn = None
+        if self._pooled:
+            # A pooled connection that died still holds its pool slot until it is released.
+            task = asyncio.get_running_loop().create_task(self._store.pool.release(conn))
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())
         # Wake everyone: they re-read the record, then poll until a new listener is up.
         for events in self._waiters.values():
             for event in events:
@@ -535,7 +539,13 @@ class PostgresStore:
 
     async def expire_lease(self, key: RecordKey, generation: int) -> bool:
         moved = await self._run(
-            "fetchval", _Q["expire_lease"], key.tenant, key.operation, key.key, generation
+            "fetchval",
+            _Q["expire_lease"],
+            key.tenant,
+            key.operation,
+            key.key,
+            generation,
+            notify_token(key),
         )
         return bool(moved)
 
