@@ -87,8 +87,7 @@ class IdempotencyContext:
     declared: Outcome | None = None
     #: Lease mode: opens (once) the fenced transaction; set by the middleware.
     _fence: Callable[[], Awaitable[Any]] | None = field(default=None, repr=False)
-    #: Lease mode: set when a heartbeat found this generation no longer holds the claim.
-    lease_lost: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
+    _lease_lost: asyncio.Event | None = field(default=None, repr=False)
 
     async def fenced_connection(self) -> Any:
         """A connection whose transaction commits together with this request's outcome.
@@ -100,6 +99,13 @@ class IdempotencyContext:
         if self._fence is None:
             return self.connection
         return await self._fence()
+
+    @property
+    def lease_lost(self) -> asyncio.Event:
+        """Lease mode: set when a heartbeat found this generation no longer holds the claim."""
+        if self._lease_lost is None:  # made on demand: most requests never look at it
+            self._lease_lost = asyncio.Event()
+        return self._lease_lost
 
     @property
     def fencing_token(self) -> int:

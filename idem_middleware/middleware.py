@@ -486,7 +486,7 @@ class _TransactionalAttempt:
         ex = self.ex
         ex.disconnected = asyncio.Event()
         app_task = asyncio.ensure_future(ex.mw.app(ex.scope, ex._app_receive, self.capture))
-        watch = asyncio.ensure_future(ex.receive())
+        watch = asyncio.ensure_future(self._until_disconnect())
         try:
             await asyncio.wait((app_task, watch), return_when=asyncio.FIRST_COMPLETED)
         except BaseException:
@@ -500,15 +500,21 @@ class _TransactionalAttempt:
             ex.disconnected = None
             app_task.result()  # re-raises the handler's exception
             return
-        message = watch.result()
-        if message["type"] == "http.disconnect":
-            ex.disconnected.set()
+        ex.disconnected.set()
         app_task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await app_task
         if self.capture.passthrough:
             return  # it was already streaming: the outcome is settled
         raise _ClientGone
+
+    async def _until_disconnect(self) -> None:
+        # After the body, an ASGI server's receive() yields only http.disconnect; anything else
+        # is skipped (boundedly), never taken for a departed client.
+        for _ in range(100):
+            if (await self.ex.receive())["type"] == "http.disconnect":
+                return
+        await asyncio.Event().wait()  # a server that keeps talking: never a disconnect
 
     async def _settle_early(self, reason: str) -> None:
         await self._settle(omitted=reason)
