@@ -42,9 +42,10 @@ async def idempotency_context(request: Request) -> IdempotencyContext:
         ) from None
 
 
-async def transaction_connection(
-    context: Annotated[IdempotencyContext, Depends(idempotency_context)],
-) -> Connection:
+async def transaction_connection(request: Request) -> Connection:
+    # Reads the request itself rather than depending on `idempotency_context`: one dependency
+    # to solve instead of two, on every request.
+    context = await idempotency_context(request)
     if context.connection is None:
         raise RuntimeError("this claim has no database connection (an in-memory store?)")
     connection: Connection = context.connection
