@@ -1,4 +1,5 @@
-"""The integration suites again, through PgBouncer in transaction pooling mode.
+"""The integration suites again, through PgBouncer in transaction pooling mode: the protocol,
+failure, peer-regression, seed-model, store-contract, lease-mode, token and outbox suites.
 
 The `pool` and `pg_store` fixtures are overridden here: the same tests run with every statement
 going through PgBouncer 1.18 (no protocol-level prepared statements, so `statement_cache_size=0`),
@@ -23,10 +24,22 @@ if binary() is None:  # pragma: no cover - .ci/run installs it
 
 # The suites re-run here, with this module's fixtures. (Names imported into a test module are
 # collected again as its own tests.)
+from tests.integration.test_http_failures import *  # noqa: F403
 from tests.integration.test_http_protocol import *  # noqa: F403
+from tests.integration.test_lease_mode import *  # noqa: F403
+from tests.integration.test_outbox import *  # noqa: F403
 from tests.integration.test_peer_regressions import *  # noqa: F403
 from tests.integration.test_seed_model import *  # noqa: F403
 from tests.integration.test_store_contract import *  # noqa: F403
+from tests.integration.test_tokens import *  # noqa: F403
+
+# These two assert that NOTIFY wakes a waiter: LISTEN cannot work through transaction pooling,
+# which is why the store here runs with listen=False (polling covers it: see the last test).
+for _notify_only in (
+    "test_waiter_is_woken_by_notify_well_before_its_poll",
+    "test_contract_watch_is_woken_by_settle_release_and_allow_retry",
+):
+    globals().pop(_notify_only)
 
 
 @pytest.fixture(scope="module")
