@@ -4,15 +4,24 @@
 -- name: claim
 -- Claim a key, or return the record that holds it, in one round trip.
 -- $1 tenant, $2 operation, $3 key, $4 fingerprint, $5 mode, $6 retention (seconds),
--- $7 lease (seconds, or NULL in transactional mode)
+-- $7 lease (seconds, or NULL in transactional mode), $8 token hash (or NULL)
 -- If another transaction holds an uncommitted claim, the INSERT waits for it. When that claim
 -- committed after this statement's snapshot, neither branch returns a row and the caller reads
 -- the record again with `get` (a new statement sees it under READ COMMITTED).
+-- With a token hash (a route that accepts only issued tokens as keys), a new record is inserted
+-- only if the key is a live token of this tenant and operation (and request, if the token is
+-- bound to one): consuming the token IS this claim. No row, and none from `get`, then means the
+-- token was refused.
 WITH ins AS (
     INSERT INTO idem_requests AS r
         (tenant, operation, idem_key, fingerprint, state, mode, retention, lease_expires_at)
-    VALUES ($1, $2, $3, $4, 'pending', $5, make_interval(secs => $6::float8),
-            now() + make_interval(secs => $7::float8))
+    SELECT $1, $2, $3, $4, 'pending', $5, make_interval(secs => $6::float8),
+           now() + make_interval(secs => $7::float8)
+    WHERE $8::bytea IS NULL OR EXISTS (
+        SELECT FROM idem_tokens t
+        WHERE t.tenant = $1 AND t.token_hash = $8 AND t.operation = $2 AND t.expires_at > now()
+          AND (t.request_digest IS NULL OR t.request_digest = $4)
+    )
     ON CONFLICT DO NOTHING
     RETURNING r.generation
 )
@@ -184,40 +193,6 @@ WHERE state = ANY($1::text[])
   AND (NOT $5 OR state <> 'pending' OR lease_expires_at IS NULL OR lease_expires_at <= now())
 ORDER BY updated_at
 LIMIT $4;
-
--- name: claim_token
--- The claim for a route that accepts only issued tokens as keys: like `claim`, but a new record
--- is inserted only if the key is a live token of this tenant and operation (and request, if the
--- token is bound to one). Consuming the token IS this claim. When neither branch returns a row,
--- read the record with `get`: none means the token was refused.
--- $1 tenant, $2 operation, $3 key, $4 fingerprint, $5 mode, $6 retention (seconds),
--- $7 lease (seconds, or NULL), $8 token hash
-WITH ins AS (
-    INSERT INTO idem_requests AS r
-        (tenant, operation, idem_key, fingerprint, state, mode, retention, lease_expires_at)
-    SELECT $1, $2, $3, $4, 'pending', $5, make_interval(secs => $6::float8),
-           now() + make_interval(secs => $7::float8)
-    WHERE EXISTS (
-        SELECT FROM idem_tokens t
-        WHERE t.tenant = $1 AND t.token_hash = $8 AND t.operation = $2 AND t.expires_at > now()
-          AND (t.request_digest IS NULL OR t.request_digest = $4)
-    )
-    ON CONFLICT DO NOTHING
-    RETURNING r.generation
-)
-SELECT true AS claimed, ins.generation, NULL::bytea AS fingerprint, NULL::text AS state,
-       NULL::integer AS response_status, NULL::bytea AS response_headers,
-       NULL::bytea AS response_body, NULL::text AS body_omitted,
-       false AS expired, false AS lease_expired, false AS retry_allowed
-FROM ins
-UNION ALL
-SELECT false, r.generation, r.fingerprint, r.state,
-       r.response_status, r.response_headers, r.response_body, r.body_omitted,
-       r.expires_at <= now(), r.lease_expires_at <= now(),
-       r.state = 'pending' AND r.mode = 'lease' AND r.lease_expires_at IS NULL
-FROM idem_requests r
-WHERE r.tenant = $1 AND r.operation = $2 AND r.idem_key = $3
-  AND NOT EXISTS (SELECT FROM ins);
 
 -- name: token_status
 -- Why a token was refused (another tenant's token is simply not found).

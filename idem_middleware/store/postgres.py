@@ -149,10 +149,8 @@ async def _claim(
     statement commits on its own). With `token_hash`, only a live issued token may be claimed;
     `Claim(False, 0, None)` means the token was refused.
     """
-    query = _Q["claim"] if token_hash is None else _Q["claim_token"]
-    params = args if token_hash is None else (*args, token_hash)
     for _ in range(_CLAIM_ATTEMPTS):
-        rows = await executor.fetch(query, *params, timeout=timeout)
+        rows = await executor.fetch(_Q["claim"], *args, token_hash, timeout=timeout)
         if rows:
             row = rows[0]
             if row["claimed"]:
