@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
@@ -156,6 +157,28 @@ class RecordSummary:
 class Watch(Protocol):
     async def wait(self, seconds: float) -> bool:
         """Wait for a change notification; False after `seconds` (or if nothing can notify)."""
+
+
+class EventWatch:
+    """A Watch over an asyncio.Event that the store sets when the record may have changed.
+
+    `listening` says whether anything can set it (False: PostgreSQL's LISTEN is unavailable, and
+    the waiter polls).
+    """
+
+    __slots__ = ("_event", "listening")
+
+    def __init__(self, event: asyncio.Event, listening: bool = True) -> None:
+        self._event = event
+        self.listening = listening
+
+    async def wait(self, seconds: float) -> bool:
+        try:
+            await asyncio.wait_for(self._event.wait(), max(seconds, 0.0))
+        except TimeoutError:
+            return False
+        self._event.clear()
+        return True
 
 
 class FencedSession(Protocol):

@@ -20,6 +20,7 @@ from ..errors import StaleGeneration, StoreError
 from .base import (
     Claim,
     ClaimTimeout,
+    EventWatch,
     Record,
     RecordKey,
     RecordSummary,
@@ -165,19 +166,6 @@ class _MemoryFenced:
         if self._store._current(key, generation, expected) is None:
             return False
         self.pending.append((key, generation, expected, s))
-        return True
-
-
-class _MemoryWatch:
-    def __init__(self, event: asyncio.Event) -> None:
-        self._event = event
-
-    async def wait(self, seconds: float) -> bool:
-        try:
-            await asyncio.wait_for(self._event.wait(), max(seconds, 0.0))
-        except TimeoutError:
-            return False
-        self._event.clear()
         return True
 
 
@@ -408,11 +396,11 @@ class MemoryStore:
                 self._settle_now(*args)
 
     @asynccontextmanager
-    async def watch(self, key: RecordKey) -> AsyncIterator[_MemoryWatch]:
+    async def watch(self, key: RecordKey) -> AsyncIterator[EventWatch]:
         event = asyncio.Event()
         self._watchers.setdefault(key, set()).add(event)
         try:
-            yield _MemoryWatch(event)
+            yield EventWatch(event)
         finally:
             self._watchers[key].discard(event)
             if not self._watchers[key]:

@@ -18,6 +18,7 @@ from ..errors import StaleGeneration, StoreError
 from .base import (
     Claim,
     ClaimTimeout,
+    EventWatch,
     Record,
     RecordKey,
     RecordSummary,
@@ -243,13 +244,13 @@ class _Listener:
                 event.set()
 
     @asynccontextmanager
-    async def watch(self, key: RecordKey) -> AsyncIterator[_Watch]:
+    async def watch(self, key: RecordKey) -> AsyncIterator[EventWatch]:
         token = notify_token(key)
         event = asyncio.Event()
         listening = await self.ensure()
         self._waiters.setdefault(token, set()).add(event)
         try:
-            yield _Watch(event, listening)
+            yield EventWatch(event, listening)
         finally:
             waiters = self._waiters.get(token)
             if waiters is not None:
@@ -273,22 +274,6 @@ class _Listener:
             await self._store.pool.release(conn)
         else:
             await conn.close()
-
-
-class _Watch:
-    __slots__ = ("_event", "listening")
-
-    def __init__(self, event: asyncio.Event, listening: bool) -> None:
-        self._event = event
-        self.listening = listening
-
-    async def wait(self, seconds: float) -> bool:
-        try:
-            await asyncio.wait_for(self._event.wait(), max(seconds, 0.0))
-        except TimeoutError:
-            return False
-        self._event.clear()
-        return True
 
 
 class _PgFenced:
