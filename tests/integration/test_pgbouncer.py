@@ -71,14 +71,16 @@ async def pg_store(pool: asyncpg.Pool[Any]) -> AsyncIterator[PostgresStore]:
         yield store
 
 
-async def test_statements_really_go_through_pgbouncer(pool: asyncpg.Pool[Any]) -> None:
-    # PgBouncer answers SHOW commands on its admin console only; a server connection reports its
-    # own address: the upstream is the Unix socket, the client address is PgBouncer's.
-    backend_client = await pool.fetchval(
-        "SELECT client_addr IS NULL FROM pg_stat_activity WHERE pid = pg_backend_pid()"
-    )
-    assert backend_client is True  # PgBouncer reaches PostgreSQL over its Unix socket
-    assert pool._connect_kwargs.get("statement_cache_size", None) in (0, None)  # type: ignore[attr-defined]
+async def test_statements_really_go_through_pgbouncer(
+    pool: asyncpg.Pool[Any], bouncer: PgBouncer
+) -> None:
+    async with pool.acquire() as conn:
+        # The client side of this connection is PgBouncer's listening port, not PostgreSQL's.
+        peer_port = conn._transport.get_extra_info("peername")[1]  # type: ignore[attr-defined]
+        assert await conn.fetchval("SELECT 1") == 1
+    assert peer_port == bouncer.port
+    assert "login attempt: db=idem_test" in bouncer.log()
+    assert pool._connect_kwargs["statement_cache_size"] == 0  # type: ignore[attr-defined]
 
 
 async def test_lease_waiter_completes_by_polling_behind_pgbouncer(
