@@ -212,7 +212,8 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
                 "≤ 2 statements added inside it",
                 "measured": fresh["added_statements"],
                 "met": met,
-                "text": f"+{fresh['added_statements']} statements, "
+                "text": f"{fresh.get('added_round_trips', 0):+d} round trips, "
+                f"+{fresh['added_statements']} statements, "
                 f"{fresh['added_commits']:+d} write transactions, "
                 f"{fresh['autocommit']} outside the transaction",
             }

@@ -238,6 +238,21 @@ class LeaseRun:
             settled_early.append(ok)
 
         capture = ResponseCapture(ex.send, policy.max_response_bytes, settle_early)
+        try:
+            await self._execute(context, fence, capture, settled_early)
+        finally:
+            capture.close()  # settle_early and capture refer to each other
+
+    async def _execute(
+        self,
+        context: IdempotencyContext,
+        fence: Fence,
+        capture: ResponseCapture,
+        settled_early: list[bool],
+    ) -> None:
+        ex = self.ex
+        policy = self.policy
+        generation = context.generation
         ex.emit(Event.CLAIMED, generation)
         stop = asyncio.Event()
         heartbeat = asyncio.ensure_future(self._heartbeat(context, stop))

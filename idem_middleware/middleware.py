@@ -6,7 +6,6 @@ No SQL here and no FastAPI: the store does the former, `fastapi.py` the latter.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import inspect
 import logging
 import os
@@ -60,6 +59,8 @@ _DEFAULT_METHODS = frozenset({"POST", "PATCH"})
 # Methods a route may opt into with an explicit policy; safe methods are never guarded.
 _OPT_IN_METHODS = frozenset({"PUT", "DELETE"})
 _RETRYABLE_SQLSTATES = frozenset({"40001", "40P01"})
+#: How long a transactional handler runs before the middleware watches for its client leaving.
+DISCONNECT_WATCH_AFTER = 0.05
 _STORED = {Outcome.SUCCEEDED: State.SUCCEEDED, Outcome.FAILED_FINAL: State.FAILED_FINAL}
 _PROBLEM_EVENTS = {
     ProblemKind.KEY_REUSED: Event.MISMATCH,
@@ -425,9 +426,17 @@ class _TransactionalAttempt:
         self.capture = ResponseCapture(ex.send, ex.policy.max_response_bytes, self._settle_early)
 
     async def run(self) -> None:
+        try:
+            await self._run()
+        finally:
+            self.capture.close()  # it holds self._settle_early, a cycle otherwise
+
+    async def _run(self) -> None:
         ex = self.ex
         policy = ex.policy
-        async with ex.mw.store.transaction(acquire_timeout=ex.mw.acquire_timeout) as tx:
+        async with ex.mw.store.transaction(
+            acquire_timeout=ex.mw.acquire_timeout, begin=False
+        ) as tx:
             self.tx = tx
             try:
                 with ex.timed("claim"):
@@ -482,28 +491,56 @@ class _TransactionalAttempt:
             await capture.flush()
 
     async def _run_handler(self) -> None:
-        """Run the app; a client disconnect cancels it (its writes roll back with the claim)."""
+        """Run the app in this task. A client that disconnects while it runs cancels it (its
+        writes roll back with the claim).
+
+        The client is watched only once the handler has run `DISCONNECT_WATCH_AFTER` seconds:
+        a watch is a task of its own, and most handlers are done sooner. A client that leaves a
+        quicker handler finds its outcome committed, and replayed to its retry.
+        """
         ex = self.ex
+        task = asyncio.current_task()
+        assert task is not None
+        loop = asyncio.get_running_loop()
+        watch: asyncio.Task[None] | None = None
+        running = True
+        gone = False
+
+        def client_left(watched: asyncio.Task[None]) -> None:
+            nonlocal gone
+            if running and not watched.cancelled() and watched.exception() is None:
+                gone = True
+                if ex.disconnected is not None:
+                    ex.disconnected.set()  # the app's own receive() reports it too
+                task.cancel()
+
+        def start_watch() -> None:
+            nonlocal watch
+            watch = loop.create_task(self._until_disconnect())
+            watch.add_done_callback(client_left)
+
         ex.disconnected = asyncio.Event()
-        app_task = asyncio.ensure_future(ex.mw.app(ex.scope, ex._app_receive, self.capture))
-        watch = asyncio.ensure_future(self._until_disconnect())
+        timer = loop.call_later(DISCONNECT_WATCH_AFTER, start_watch)
+        uncancelled = False
         try:
-            await asyncio.wait((app_task, watch), return_when=asyncio.FIRST_COMPLETED)
-        except BaseException:
-            # We are being cancelled (server shutdown): stop the handler before settling.
-            watch.cancel()
-            app_task.cancel()
-            await asyncio.gather(app_task, return_exceptions=True)
-            raise
-        if app_task.done():
-            watch.cancel()
-            ex.disconnected = None
-            app_task.result()  # re-raises the handler's exception
+            await ex.mw.app(ex.scope, ex._app_receive, self.capture)
+        except asyncio.CancelledError:
+            # Ours (the client left) unless someone else cancelled too (server shutdown).
+            if not gone:
+                raise
+            uncancelled = True
+            if task.uncancel() > 0:
+                raise
+        finally:
+            running = False
+            timer.cancel()
+            if watch is not None:
+                watch.cancel()
+        ex.disconnected = None
+        if not gone:
             return
-        ex.disconnected.set()
-        app_task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await app_task
+        if not uncancelled:
+            task.uncancel()  # the handler swallowed our cancellation and returned
         if self.capture.passthrough:
             return  # it was already streaming: the outcome is settled
         raise _ClientGone
@@ -532,8 +569,7 @@ class _TransactionalAttempt:
                 await self.tx.rollback()
                 outcome = Outcome.RELEASE
             else:
-                await self.tx.complete(
+                await self.tx.complete_and_commit(
                     self.record_key, self.context.generation, state, capture.stored(omitted)
                 )
-                await self.tx.commit()
         self.ex.emit(SETTLED_EVENTS[outcome], self.context.generation)

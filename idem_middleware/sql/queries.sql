@@ -39,6 +39,23 @@ FROM idem_requests r
 WHERE r.tenant = $1 AND r.operation = $2 AND r.idem_key = $3
   AND NOT EXISTS (SELECT FROM ins);
 
+-- name: claim_fresh
+-- Transactional mode's fast path, sent after BEGIN in the same simple-query message, with the
+-- parameters inlined as literals (see store/postgres.py `_inline`): one round trip for both.
+-- The generation is drawn ahead (`draw_generations`) because a simple query returns no rows;
+-- "INSERT 0 1" means claimed. "INSERT 0 0" (the key exists, or a concurrent claim committed it
+-- while we waited) falls back to `claim`, in the transaction this one opened.
+-- $1 tenant, $2 operation, $3 key, $4 fingerprint, $5 generation, $6 retention (seconds)
+INSERT INTO idem_requests
+    (tenant, operation, idem_key, fingerprint, state, mode, generation, retention)
+VALUES ($1, $2, $3, $4, 'pending', 'transactional', $5, make_interval(secs => $6::float8))
+ON CONFLICT DO NOTHING;
+
+-- name: draw_generations
+-- Generations for `claim_fresh`, drawn in a batch. Each is used at most once, so a generation is
+-- still never reused. $1 how many
+SELECT nextval('idem_generation_seq') FROM generate_series(1, $1);
+
 -- name: reclaim_expired
 -- Take over a finished record whose retention is over, as if it were absent.
 -- $1 tenant, $2 operation, $3 key, $4 fingerprint, $5 mode, $6 retention (seconds),
@@ -73,6 +90,22 @@ SET state = $5, updated_at = now(), expires_at = now() + retention, lease_expire
     response_status = $6, response_headers = $7, response_body = $8, body_omitted = $9
 WHERE tenant = $1 AND operation = $2 AND idem_key = $3
   AND generation = $4 AND state = 'pending';
+
+-- name: complete_checked
+-- `complete` for the simple-query message that also carries the COMMIT (one round trip): a
+-- simple query reports only its last command's status, so a completion that matched nothing
+-- divides by zero instead, which aborts the transaction before the COMMIT runs.
+-- $1 tenant, $2 operation, $3 key, $4 generation, $5 state, $6 status, $7 headers, $8 body,
+-- $9 body_omitted
+WITH completed AS (
+    UPDATE idem_requests
+    SET state = $5, updated_at = now(), expires_at = now() + retention, lease_expires_at = NULL,
+        response_status = $6, response_headers = $7, response_body = $8, body_omitted = $9
+    WHERE tenant = $1 AND operation = $2 AND idem_key = $3
+      AND generation = $4 AND state = 'pending'
+    RETURNING 1
+)
+SELECT 1 / count(*) FROM completed;
 
 -- name: purge_batch
 -- Delete one batch of finished records whose retention is over. Never pending or unknown.

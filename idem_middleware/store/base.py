@@ -120,6 +120,11 @@ class TransactionSession(Protocol):
     ) -> None:
         """Record the outcome of the claim this transaction holds."""
 
+    async def complete_and_commit(
+        self, key: RecordKey, generation: int, state: State, response: StoredResponse
+    ) -> None:
+        """`complete`, then `commit` (the PostgreSQL store sends both in one round trip)."""
+
     async def commit(self) -> None: ...
 
     async def rollback(self) -> None: ...
@@ -199,9 +204,12 @@ class Store(Protocol):
     """What the middleware needs of a store. The PostgreSQL store is the real one."""
 
     def transaction(
-        self, *, acquire_timeout: float
+        self, *, acquire_timeout: float, begin: bool = True
     ) -> AbstractAsyncContextManager[TransactionSession]:
-        """Acquire a connection and begin a transaction; roll back on exit unless committed."""
+        """Acquire a connection and begin a transaction; roll back on exit unless committed.
+
+        With `begin=False` the session's first `claim` begins it (the PostgreSQL store then sends
+        BEGIN and the claim in one round trip)."""
 
     async def get(self, key: RecordKey) -> Record | None:
         """The committed record, if any."""

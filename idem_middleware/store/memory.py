@@ -107,7 +107,7 @@ class _MemoryTransaction:
         token_hash: bytes | None = None,
     ) -> Claim:
         if not self.active:
-            raise StoreError("no transaction")
+            await self.begin()  # opened with begin=False: the claim starts the transaction
         store = self._store
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait_seconds
@@ -150,6 +150,12 @@ class _MemoryTransaction:
             row, state=state, response=response, expires_at=now + row.retention, updated_at=now
         )
 
+    async def complete_and_commit(
+        self, key: RecordKey, generation: int, state: State, response: StoredResponse
+    ) -> None:
+        await self.complete(key, generation, state, response)
+        await self.commit()
+
 
 class _MemoryFenced:
     """Settlements made in a fenced session apply when it ends cleanly, as a commit would."""
@@ -182,9 +188,12 @@ class MemoryStore:
         self._tokens: dict[tuple[str, bytes], tuple[str, bytes | None, float]] = {}
 
     @asynccontextmanager
-    async def transaction(self, *, acquire_timeout: float) -> AsyncIterator[_MemoryTransaction]:
+    async def transaction(
+        self, *, acquire_timeout: float, begin: bool = True
+    ) -> AsyncIterator[_MemoryTransaction]:
         session = _MemoryTransaction(self)
-        await session.begin()
+        if begin:
+            await session.begin()
         try:
             yield session
         finally:

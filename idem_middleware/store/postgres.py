@@ -6,12 +6,17 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import math
+import re
+import time
+from collections import deque
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
 import asyncpg
 import orjson
+from asyncpg.transaction import TransactionState
 
 from .. import sql
 from ..errors import StaleGeneration, StoreError
@@ -178,6 +183,113 @@ async def _claim(
     raise ClaimTimeout("the record kept changing under the claim")
 
 
+# -- one round trip for BEGIN + claim and for completion + COMMIT ---------------------------------
+#
+# asyncpg sends parameterised statements one at a time (extended protocol), and its BEGIN and
+# COMMIT are statements of their own. On the transactional fast path the claim is therefore sent
+# with its BEGIN, and the completion with its COMMIT, each as one simple-query message with the
+# values inlined as literals: the business transaction then costs the same round trips as the
+# bare handler's. Everything else (and every case `_fusable` refuses) takes the ordinary path.
+
+#: A response body up to this size is inlined into the completion (hex doubles it).
+FUSE_MAX_BODY = 64 * 1024
+_PLACEHOLDER = re.compile(r"\$(\d+)")
+
+
+class _NotFusable(Exception):
+    """A value that cannot be written as a literal (NUL, a non-finite float)."""
+
+
+def _literal(value: Any) -> str:
+    """`value` as a PostgreSQL literal, for a connection with standard_conforming_strings on
+    (checked by `_fusable`): quotes doubled, backslashes literal, NUL refused."""
+    if value is None:
+        return "NULL"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise _NotFusable("a non-finite number")
+        return repr(value)
+    if isinstance(value, bytes):
+        return "'\\x" + value.hex() + "'::bytea"
+    if isinstance(value, str):
+        if "\x00" in value:
+            raise _NotFusable("a NUL character")  # it would end the protocol's query string
+        return "'" + value.replace("'", "''") + "'"
+    raise TypeError(f"no literal for {type(value).__name__}")
+
+
+def _inline(query: str, args: Sequence[Any]) -> str:
+    """`query` with each `$n` replaced by the literal of `args[n-1]` (our own queries only: they
+    have no `$` inside string literals or comments)."""
+    literals = [_literal(a) for a in args]
+    return _PLACEHOLDER.sub(lambda m: literals[int(m.group(1)) - 1], query)
+
+
+def _fusable(conn: Any) -> bool:
+    """Whether the fast path is safe on this connection: literals need standard_conforming_strings
+    (on by default since PostgreSQL 9.1), and the BEGIN we send ourselves must be registered with
+    asyncpg so a handler's `conn.transaction()` still nests as a savepoint (`_adopt`)."""
+    try:
+        settings = conn.get_settings()
+        conforming = getattr(settings, "standard_conforming_strings", None) == "on"
+    except Exception:
+        return False
+    return (
+        hasattr(conn, "_top_xact")  # a proxy of a pool's connection forwards it
+        and getattr(TransactionState, "STARTED", None) is not None
+        and conforming
+        and not conn.is_in_transaction()
+    )
+
+
+def _adopt(conn: Any) -> Any:
+    """An asyncpg Transaction standing for a BEGIN we send ourselves (in the fused claim).
+
+    asyncpg keeps no public way to say "this connection's transaction is yours": without this a
+    handler's `conn.transaction()` would refuse to run inside a manually started transaction.
+    Uses asyncpg's private `_top_xact` and `_state`; `_fusable` checks they exist, and
+    tests/integration/test_fused.py fails if a new asyncpg changes them."""
+    tx = conn.transaction()  # on a pool's proxy, bound to the connection behind it
+    tx._state = TransactionState.STARTED
+    tx._connection._top_xact = tx
+    return tx
+
+
+def _committed(tx: Any) -> None:
+    """Record with asyncpg that the adopted transaction was committed by our own COMMIT."""
+    tx._state = TransactionState.COMMITTED
+    if tx._connection._top_xact is tx:
+        tx._connection._top_xact = None
+
+
+class _Generations:
+    """Generations drawn from `idem_generation_seq` ahead of use, for the fused claim (a simple
+    query returns no rows, so the claim cannot RETURNING its generation).
+
+    Each drawn value is handed out at most once, so generations are still never reused; values
+    older than `max_age` are dropped, so generations keep roughly the order of the claims.
+    """
+
+    def __init__(self, batch: int = 32, max_age: float = 1.0) -> None:
+        self._batch = batch
+        self._max_age = max_age
+        self._values: deque[int] = deque()
+        self._drawn_at = 0.0
+
+    async def take(self, conn: Any) -> int:
+        values = self._values
+        if not values or time.monotonic() - self._drawn_at > self._max_age:
+            rows = await conn.fetch(_Q["draw_generations"], self._batch)
+            # A concurrent draw may replace this batch; each value is still popped only once.
+            values = self._values = deque(row[0] for row in rows)
+            self._drawn_at = time.monotonic()
+        return values.popleft()
+
+
 def _token_problem(row: Any) -> str:
     """Why a token cannot be claimed, or "" if it can."""
     if row is None:
@@ -297,13 +409,18 @@ class _PgFenced:
 
 
 class _PgTransaction:
-    """One pooled connection in one transaction (see TransactionSession)."""
+    """One pooled connection in one transaction (see TransactionSession).
 
-    __slots__ = ("_conn", "_tx")
+    Opened with `begin=False`, the transaction starts with the claim: BEGIN and the claim then
+    travel in one message, as do the completion and COMMIT (see `_inline`)."""
 
-    def __init__(self, conn: Any) -> None:
+    __slots__ = ("_conn", "_fused", "_generations", "_tx")
+
+    def __init__(self, conn: Any, generations: _Generations) -> None:
         self._conn = conn
+        self._generations = generations
         self._tx: Any = None
+        self._fused = False  # whether `_tx` was adopted (so COMMIT may travel with the outcome)
 
     @property
     def connection(self) -> Any:
@@ -320,6 +437,7 @@ class _PgTransaction:
         except _CONNECTION_ERRORS as exc:
             raise StoreError(str(exc)) from exc
         self._tx = tx
+        self._fused = False
 
     async def commit(self) -> None:
         tx, self._tx = self._tx, None
@@ -357,33 +475,107 @@ class _PgTransaction:
         )
         timeout = max(wait_seconds, _MIN_STATEMENT_TIMEOUT)
         try:
+            if self._tx is None:
+                if token_hash is None and _fusable(self._conn):
+                    claimed = await self._begin_and_claim(
+                        key, fingerprint, retention_seconds, timeout
+                    )
+                    if claimed is not None:
+                        return claimed
+                    # The key is taken (a replay, most likely): read the record. `_claim`
+                    # decides the rarer cases (it expired, or vanished since).
+                    row = await self._conn.fetchrow(_Q["get"], *args[:3], timeout=timeout)
+                    if row is not None:
+                        record = _record(key, row)
+                        if not record.expired:
+                            return Claim(False, record.generation, record)
+                else:
+                    await self.begin()
             return await _claim(self._conn, key, args, token_hash, timeout)
         except _WAIT_EXCEEDED as exc:
             raise ClaimTimeout("waited too long for a concurrent claim") from exc
         except (*_CONNECTION_ERRORS, *_RETRYABLE) as exc:
             raise _translate(exc) from exc
 
+    async def _begin_and_claim(
+        self,
+        key: RecordKey,
+        fingerprint: bytes,
+        retention_seconds: float,
+        timeout: float,  # noqa: ASYNC109 - asyncpg's own per-statement timeout
+    ) -> Claim | None:
+        """BEGIN and insert a fresh claim in one round trip. None: the key is taken (or a value
+        cannot be inlined), and the caller claims the ordinary way in the transaction open now.
+
+        An INSERT that meets another transaction's uncommitted claim of the key waits for it, as
+        the ordinary claim does, and for as long (`timeout`: then the message is cancelled)."""
+        generation = await self._generations.take(self._conn)
+        try:
+            query = "BEGIN;\n" + _inline(
+                _Q["claim_fresh"],
+                (key.tenant, key.operation, key.key, fingerprint, generation, retention_seconds),
+            )
+        except _NotFusable:
+            await self.begin()
+            return None
+        self._tx = _adopt(self._conn)
+        self._fused = True
+        status = await self._conn.execute(query, timeout=timeout)
+        if status == "INSERT 0 1":
+            return Claim(True, generation, None)
+        return None
+
     async def complete(
         self, key: RecordKey, generation: int, state: State, response: StoredResponse
     ) -> None:
         try:
             status = await self._conn.execute(
-                _Q["complete"],
-                key.tenant,
-                key.operation,
-                key.key,
-                generation,
-                state.value,
-                response.status,
-                encode_headers(response.headers),
-                response.body,
-                response.body_omitted,
+                _Q["complete"], *_complete_args(key, generation, state, response)
             )
         except (*_CONNECTION_ERRORS, *_RETRYABLE) as exc:
             raise _translate(exc) from exc
         if status != "UPDATE 1":
             # Our own uncommitted row: only a bug (or a hand edit) makes this miss.
             raise StoreError(f"completion matched no pending record ({status})")
+
+    async def complete_and_commit(
+        self, key: RecordKey, generation: int, state: State, response: StoredResponse
+    ) -> None:
+        args = _complete_args(key, generation, state, response)
+        query = None
+        if self._fused and len(response.body) <= FUSE_MAX_BODY:
+            try:
+                query = _inline(_Q["complete_checked"], args) + ";\nCOMMIT"
+            except _NotFusable:
+                query = None
+        if query is None:
+            await self.complete(key, generation, state, response)
+            await self.commit()
+            return
+        try:
+            await self._conn.execute(query)
+        except asyncpg.exceptions.DivisionByZeroError as exc:
+            raise StoreError("completion matched no pending record") from exc
+        except (*_CONNECTION_ERRORS, *_RETRYABLE) as exc:
+            raise _translate(exc) from exc
+        _committed(self._tx)
+        self._tx = None
+
+
+def _complete_args(
+    key: RecordKey, generation: int, state: State, response: StoredResponse
+) -> tuple[Any, ...]:
+    return (
+        key.tenant,
+        key.operation,
+        key.key,
+        generation,
+        state.value,
+        response.status,
+        encode_headers(response.headers),
+        response.body,
+        response.body_omitted,
+    )
 
 
 class PostgresStore:
@@ -413,6 +605,7 @@ class PostgresStore:
         self._listen = listen
         self._listen_dsn = listen_dsn or dsn
         self._listener = _Listener(self)
+        self._generations = _Generations()
         self._pool_kwargs: dict[str, Any] = {
             "min_size": min_size,
             "max_size": max_size,
@@ -448,14 +641,17 @@ class PostgresStore:
         await self.close()
 
     @asynccontextmanager
-    async def transaction(self, *, acquire_timeout: float) -> AsyncIterator[_PgTransaction]:
+    async def transaction(
+        self, *, acquire_timeout: float, begin: bool = True
+    ) -> AsyncIterator[_PgTransaction]:
         try:
             conn = await self.pool.acquire(timeout=acquire_timeout)
         except _ACQUIRE_ERRORS as exc:
             raise StoreError(f"no database connection: {type(exc).__name__}") from exc
         try:
-            session = _PgTransaction(conn)
-            await session.begin()
+            session = _PgTransaction(conn, self._generations)
+            if begin:
+                await session.begin()
             try:
                 yield session
             finally:

@@ -1,0 +1,180 @@
+"""The transactional fast path: BEGIN + claim and completion + COMMIT as single simple-query
+messages with the values written as literals (store/postgres.py `_inline`).
+
+What must hold: hostile values are stored exactly (quoting is right, nothing is injected);
+values that cannot be literals take the ordinary path; a handler's `conn.transaction()` still
+nests as a savepoint (asyncpg is told about our BEGIN); large responses are completed the
+ordinary way; and the installed asyncpg still has what the fast path relies on.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import asyncpg
+import pytest
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.middleware.authentication import AuthenticationMiddleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from idem_middleware import IdempotencyMiddleware, PostgresStore, get_context
+from idem_middleware.store.postgres import (
+    FUSE_MAX_BODY,
+    _fusable,
+    _inline,
+    _literal,
+    _NotFusable,
+)
+from tests.apps import BearerBackend, build_app, client, count, key, records
+
+
+class Log:
+    def __init__(self) -> None:
+        self.queries: list[str] = []
+
+    def __call__(self, record: Any) -> None:
+        self.queries.append(" ".join(record.query.split()))
+
+    def fused(self) -> list[str]:
+        return [q for q in self.queries if q.startswith("BEGIN; INSERT INTO idem_requests")]
+
+
+@pytest.fixture
+async def logged(db_dsn: str) -> Any:
+    log = Log()
+
+    async def init(conn: asyncpg.Connection[Any]) -> None:
+        conn.add_query_logger(log)
+
+    pool = await asyncpg.create_pool(db_dsn, min_size=1, max_size=4, init=init)
+    await pool.execute("TRUNCATE idem_requests, test_accounts, test_ledger")
+    try:
+        yield pool, log
+    finally:
+        await pool.close()
+
+
+def test_literals_quote_and_refuse() -> None:
+    assert _literal("o'brien") == "'o''brien'"
+    assert _literal("a\\b") == "'a\\b'"  # standard_conforming_strings: a backslash is literal
+    assert _literal(b"\x00\xff") == "'\\x00ff'::bytea"
+    assert _literal(None) == "NULL"
+    assert _literal(7) == "7"
+    assert _literal(1.5) == "1.5"
+    with pytest.raises(_NotFusable):
+        _literal("nul\x00byte")
+    with pytest.raises(_NotFusable):
+        _literal(float("nan"))
+    assert _inline("SELECT $1, $2, $10", list(range(1, 11))) == "SELECT 1, 2, 10"
+
+
+HOSTILE_KEYS = [
+    "o'brien",
+    "it's a \\ key; $1 --",
+    "x''y",
+    "'); DROP TABLE idem_requests; --",
+    "\\x41",
+]
+
+
+@pytest.mark.parametrize("idem_key", HOSTILE_KEYS)
+async def test_hostile_keys_are_stored_exactly_through_the_fast_path(
+    logged: Any, idem_key: str
+) -> None:
+    pool, log = logged
+    app = build_app(PostgresStore(pool=pool))
+    header = '"' + idem_key.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    async with client(app) as c:
+        first = await c.post("/accounts/a1/credits", json={"amount": 5}, headers=key(header))
+        again = await c.post("/accounts/a1/credits", json={"amount": 5}, headers=key(header))
+    assert first.status_code == 201
+    assert again.status_code == 201
+    assert again.headers["idempotent-replayed"] == "true"
+    assert len(log.fused()) == 2  # both went the fast way
+    [rec] = await records(pool)
+    assert rec["idem_key"] == idem_key
+    assert rec["state"] == "succeeded"
+    assert await count(pool, "test_ledger") == 1
+
+
+async def test_a_tenant_with_a_nul_takes_the_ordinary_path(logged: Any) -> None:
+    pool, log = logged
+    app = build_app(PostgresStore(pool=pool), tenant_resolver=lambda scope: "ten\x00ant")
+    async with client(app) as c:
+        r = await c.post("/accounts/a1/credits", json={"amount": 5}, headers=key("nul"))
+    # PostgreSQL text cannot hold a NUL, so the ordinary (parameterised) claim refuses it too;
+    # what matters is that it was never spliced into a query string.
+    assert r.status_code == 500
+    assert log.fused() == []
+    assert not any("ten\x00ant" in q for q in log.queries)
+    assert await count(pool, "idem_requests") == 0
+
+
+async def savepoints(request: Request) -> Response:
+    """Writes a ledger row, then a second one in a savepoint that fails and is rolled back."""
+    ctx = get_context(request)
+    conn = ctx.connection
+    await conn.execute(
+        "INSERT INTO test_ledger (tenant, account_id, amount) VALUES ($1, 'kept', 1)", ctx.tenant
+    )
+    try:
+        async with conn.transaction():  # nested: a savepoint inside the claim's transaction
+            await conn.execute(
+                "INSERT INTO test_ledger (tenant, account_id, amount) VALUES ($1, 'undone', 2)",
+                ctx.tenant,
+            )
+            raise LookupError("undo the savepoint")
+    except LookupError:
+        pass
+    return JSONResponse({"ok": True}, status_code=201)
+
+
+async def test_a_handler_savepoint_nests_inside_the_fast_path_transaction(logged: Any) -> None:
+    pool, log = logged
+    app = Starlette(
+        routes=[Route("/savepoints", savepoints, methods=["POST"])],
+        middleware=[
+            Middleware(AuthenticationMiddleware, backend=BearerBackend()),
+            Middleware(IdempotencyMiddleware, store=PostgresStore(pool=pool)),
+        ],
+    )
+    async with client(app) as c:
+        r = await c.post("/savepoints", json={}, headers=key("sp-1"))
+    assert r.status_code == 201, r.text
+    assert len(log.fused()) == 1
+    assert any(q.startswith("SAVEPOINT") for q in log.queries)
+    rows = await pool.fetch("SELECT account_id FROM test_ledger ORDER BY account_id")
+    assert [row["account_id"] for row in rows] == ["kept"]
+    [rec] = await records(pool)
+    assert rec["state"] == "succeeded"
+    # The connection went back to the pool clean: asyncpg knows the transaction is over.
+    async with pool.acquire() as conn:
+        assert not conn.is_in_transaction()
+        async with conn.transaction():
+            assert await conn.fetchval("SELECT 1") == 1
+
+
+async def test_a_large_response_is_completed_the_ordinary_way(logged: Any) -> None:
+    pool, log = logged
+    app = build_app(PostgresStore(pool=pool), default_policy=None)
+    size = (FUSE_MAX_BODY // 1000 + 1) * 1000  # /big answers whole kilobytes
+    async with client(app) as c:
+        r = await c.post(f"/big?size={size}", json={}, headers=key("big"))
+        again = await c.post(f"/big?size={size}", json={}, headers=key("big"))
+    assert r.status_code == again.status_code
+    assert again.headers["idempotent-replayed"] == "true"
+    assert again.content == r.content
+    assert len(r.content) == size
+    completes = [q for q in log.queries if q.startswith("UPDATE idem_requests SET state = $5")]
+    assert len(completes) == 1  # parameterised, then its own COMMIT
+    assert not any(q.startswith("WITH completed AS") for q in log.queries)
+
+
+async def test_the_installed_asyncpg_supports_the_fast_path(pool: Any) -> None:
+    # If a new asyncpg renames what `_adopt` uses, this fails before any user notices that the
+    # store quietly went back to the slower path.
+    async with pool.acquire() as conn:
+        assert _fusable(conn)
