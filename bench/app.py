@@ -232,6 +232,7 @@ def _ours(dsn: str, pool_kwargs: dict[str, Any], variant: str) -> FastAPI:
         min_size=pool_kwargs["min_size"],
         max_size=pool_kwargs["max_size"],
         connect_kwargs=init,
+        fast_path=os.environ.get("BENCH_FAST_PATH", "1") != "0",
     )
 
     @asynccontextmanager

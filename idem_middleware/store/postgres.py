@@ -416,9 +416,9 @@ class _PgTransaction:
 
     __slots__ = ("_conn", "_fused", "_generations", "_tx")
 
-    def __init__(self, conn: Any, generations: _Generations) -> None:
+    def __init__(self, conn: Any, generations: _Generations | None) -> None:
         self._conn = conn
-        self._generations = generations
+        self._generations = generations  # None: the fast path is off
         self._tx: Any = None
         self._fused = False  # whether `_tx` was adopted (so COMMIT may travel with the outcome)
 
@@ -476,7 +476,7 @@ class _PgTransaction:
         timeout = max(wait_seconds, _MIN_STATEMENT_TIMEOUT)
         try:
             if self._tx is None:
-                if token_hash is None and _fusable(self._conn):
+                if self._generations is not None and token_hash is None and _fusable(self._conn):
                     claimed = await self._begin_and_claim(
                         key, fingerprint, retention_seconds, timeout
                     )
@@ -509,6 +509,7 @@ class _PgTransaction:
 
         An INSERT that meets another transaction's uncommitted claim of the key waits for it, as
         the ordinary claim does, and for as long (`timeout`: then the message is cancelled)."""
+        assert self._generations is not None
         generation = await self._generations.take(self._conn)
         try:
             query = "BEGIN;\n" + _inline(
@@ -582,6 +583,10 @@ class PostgresStore:
     """The PostgreSQL store. Borrows the caller's asyncpg pool, or creates (and closes) its own.
 
     For PgBouncer in transaction pooling mode pass `statement_cache_size=0`.
+
+    `fast_path=False` sends the transactional claim and completion as parameterised statements
+    of their own, with BEGIN and COMMIT apart (two round trips more per fresh request, and no
+    reliance on asyncpg's private transaction attributes; see `_adopt`).
     """
 
     def __init__(
@@ -596,6 +601,7 @@ class PostgresStore:
         connect_kwargs: dict[str, Any] | None = None,
         listen: bool = True,
         listen_dsn: str | None = None,
+        fast_path: bool = True,
     ) -> None:
         if (pool is None) == (dsn is None):
             raise ValueError("pass exactly one of pool= or dsn=")
@@ -606,6 +612,7 @@ class PostgresStore:
         self._listen_dsn = listen_dsn or dsn
         self._listener = _Listener(self)
         self._generations = _Generations()
+        self._fast_path = fast_path
         self._pool_kwargs: dict[str, Any] = {
             "min_size": min_size,
             "max_size": max_size,
@@ -649,7 +656,7 @@ class PostgresStore:
         except _ACQUIRE_ERRORS as exc:
             raise StoreError(f"no database connection: {type(exc).__name__}") from exc
         try:
-            session = _PgTransaction(conn, self._generations)
+            session = _PgTransaction(conn, self._generations if self._fast_path else None)
             if begin:
                 await session.begin()
             try:
