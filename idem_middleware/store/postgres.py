@@ -9,6 +9,7 @@ import logging
 import math
 import re
 import time
+import weakref
 from collections import deque
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
@@ -290,6 +291,47 @@ class _Generations:
         return values.popleft()
 
 
+def _prepared_name(base: str, query: str) -> str:
+    # The text's digest is in the name, so a session prepared by another version of this library
+    # (PgBouncer keeps server sessions across app restarts) never runs a different query.
+    return f"idem_{base}_{hashlib.sha256(query.encode()).hexdigest()[:12]}"
+
+
+_CLAIM_TYPES = "text, text, text, bytea, bigint, float8"
+_COMPLETE_TYPES = "text, text, text, bigint, text, integer, bytea, bytea, text"
+_CLAIM_NAME = _prepared_name("claim_fresh", _Q["claim_fresh"])
+_COMPLETE_NAME = _prepared_name("complete_checked", _Q["complete_checked"])
+_PREPARE = (
+    f"PREPARE {_CLAIM_NAME} ({_CLAIM_TYPES}) AS {_Q['claim_fresh']};\n"
+    f"PREPARE {_COMPLETE_NAME} ({_COMPLETE_TYPES}) AS {_Q['complete_checked']};\n"
+)
+
+
+def _execute_prepared(name: str, count: int) -> str:
+    return f"EXECUTE {name} (" + ", ".join(f"${i}" for i in range(1, count + 1)) + ")"
+
+
+_CLAIM_EXECUTE = _execute_prepared(_CLAIM_NAME, 6)
+_COMPLETE_EXECUTE = _execute_prepared(_COMPLETE_NAME, 9)
+
+
+class _FastPath:
+    """A store's state for the transactional fast path.
+
+    The fused messages run the claim and the completion as server-side prepared statements
+    (SQL `PREPARE`, once per connection, in the same message as the first use), so the server
+    plans them once instead of on every request. Which connections have them is tracked by the
+    connection object; if the server says a statement is missing (a pool `reset` that runs
+    DISCARD ALL, or PgBouncer moving the session between server connections), the store stops
+    preparing and inlines the statements' text instead, for good.
+    """
+
+    def __init__(self) -> None:
+        self.generations = _Generations()
+        self.prepared: weakref.WeakSet[Any] = weakref.WeakSet()
+        self.use_prepared = True
+
+
 def _token_problem(row: Any) -> str:
     """Why a token cannot be claimed, or "" if it can."""
     if row is None:
@@ -414,11 +456,11 @@ class _PgTransaction:
     Opened with `begin=False`, the transaction starts with the claim: BEGIN and the claim then
     travel in one message, as do the completion and COMMIT (see `_inline`)."""
 
-    __slots__ = ("_conn", "_fused", "_generations", "_tx")
+    __slots__ = ("_conn", "_fast", "_fused", "_tx")
 
-    def __init__(self, conn: Any, generations: _Generations | None) -> None:
+    def __init__(self, conn: Any, fast: _FastPath | None) -> None:
         self._conn = conn
-        self._generations = generations  # None: the fast path is off
+        self._fast = fast  # None: the fast path is off
         self._tx: Any = None
         self._fused = False  # whether `_tx` was adopted (so COMMIT may travel with the outcome)
 
@@ -476,7 +518,7 @@ class _PgTransaction:
         timeout = max(wait_seconds, _MIN_STATEMENT_TIMEOUT)
         try:
             if self._tx is None:
-                if self._generations is not None and token_hash is None and _fusable(self._conn):
+                if self._fast is not None and token_hash is None and _fusable(self._conn):
                     claimed = await self._begin_and_claim(
                         key, fingerprint, retention_seconds, timeout
                     )
@@ -509,22 +551,48 @@ class _PgTransaction:
 
         An INSERT that meets another transaction's uncommitted claim of the key waits for it, as
         the ordinary claim does, and for as long (`timeout`: then the message is cancelled)."""
-        assert self._generations is not None
-        generation = await self._generations.take(self._conn)
-        try:
-            query = "BEGIN;\n" + _inline(
-                _Q["claim_fresh"],
-                (key.tenant, key.operation, key.key, fingerprint, generation, retention_seconds),
-            )
-        except _NotFusable:
-            await self.begin()
+        fast = self._fast
+        assert fast is not None
+        generation = await fast.generations.take(self._conn)
+        args = (key.tenant, key.operation, key.key, fingerprint, generation, retention_seconds)
+        for _ in range(2):
+            try:
+                query = self._claim_message(fast, args)
+            except _NotFusable:
+                await self.begin()
+                return None
+            self._tx = _adopt(self._conn)
+            self._fused = True
+            try:
+                status = await self._conn.execute(query, timeout=timeout)
+            except (
+                asyncpg.exceptions.InvalidSQLStatementNameError,
+                asyncpg.exceptions.DuplicatePreparedStatementError,
+            ):
+                # A statement missing where we prepared it, or present where we did not: server
+                # sessions do not follow our connections (PgBouncer). Inline from now on.
+                logger.info("prepared statements do not stay with this pool's connections")
+                fast.use_prepared = False
+                await self.rollback()
+                continue
+            if status == "INSERT 0 1":
+                return Claim(True, generation, None)
             return None
-        self._tx = _adopt(self._conn)
-        self._fused = True
-        status = await self._conn.execute(query, timeout=timeout)
-        if status == "INSERT 0 1":
-            return Claim(True, generation, None)
-        return None
+        raise StoreError("the fast claim failed twice")  # inlined the second time: unreachable
+
+    def _claim_message(self, fast: _FastPath, args: tuple[Any, ...]) -> str:
+        if not fast.use_prepared:
+            return "BEGIN;\n" + _inline(_Q["claim_fresh"], args)
+        execute = _inline(_CLAIM_EXECUTE, args)
+        raw = self._tx_connection()
+        if raw in fast.prepared:
+            return "BEGIN;\n" + execute
+        fast.prepared.add(raw)  # prepared by this very message (it fails as a whole if not)
+        return _PREPARE + "BEGIN;\n" + execute
+
+    def _tx_connection(self) -> Any:
+        """The connection object behind a pool's proxy (it lives as long as the session)."""
+        return getattr(self._conn, "_con", None) or self._conn
 
     async def complete(
         self, key: RecordKey, generation: int, state: State, response: StoredResponse
@@ -544,9 +612,11 @@ class _PgTransaction:
     ) -> None:
         args = _complete_args(key, generation, state, response)
         query = None
-        if self._fused and len(response.body) <= FUSE_MAX_BODY:
+        fast = self._fast
+        if self._fused and fast is not None and len(response.body) <= FUSE_MAX_BODY:
+            template = _COMPLETE_EXECUTE if fast.use_prepared else _Q["complete_checked"]
             try:
-                query = _inline(_Q["complete_checked"], args) + ";\nCOMMIT"
+                query = _inline(template, args) + ";\nCOMMIT"
             except _NotFusable:
                 query = None
         if query is None:
@@ -611,8 +681,7 @@ class PostgresStore:
         self._listen = listen
         self._listen_dsn = listen_dsn or dsn
         self._listener = _Listener(self)
-        self._generations = _Generations()
-        self._fast_path = fast_path
+        self._fast = _FastPath() if fast_path else None
         self._pool_kwargs: dict[str, Any] = {
             "min_size": min_size,
             "max_size": max_size,
@@ -656,7 +725,7 @@ class PostgresStore:
         except _ACQUIRE_ERRORS as exc:
             raise StoreError(f"no database connection: {type(exc).__name__}") from exc
         try:
-            session = _PgTransaction(conn, self._generations if self._fast_path else None)
+            session = _PgTransaction(conn, self._fast)
             if begin:
                 await session.begin()
             try:

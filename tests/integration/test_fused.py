@@ -9,6 +9,7 @@ ordinary way; and the installed asyncpg still has what the fast path relies on.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import asyncpg
@@ -22,6 +23,8 @@ from starlette.routing import Route
 
 from idem_middleware import IdempotencyMiddleware, PostgresStore, get_context
 from idem_middleware.store.postgres import (
+    _CLAIM_NAME,
+    _COMPLETE_NAME,
     FUSE_MAX_BODY,
     _fusable,
     _inline,
@@ -39,7 +42,12 @@ class Log:
         self.queries.append(" ".join(record.query.split()))
 
     def fused(self) -> list[str]:
-        return [q for q in self.queries if q.startswith("BEGIN; INSERT INTO idem_requests")]
+        """The fast claims: BEGIN and the claim in one message (after the PREPAREs, once)."""
+        return [
+            q
+            for q in self.queries
+            if "BEGIN; EXECUTE idem_claim_fresh" in q or "BEGIN; INSERT INTO idem_requests" in q
+        ]
 
 
 @pytest.fixture
@@ -170,7 +178,9 @@ async def test_a_large_response_is_completed_the_ordinary_way(logged: Any) -> No
     assert len(r.content) == size
     completes = [q for q in log.queries if q.startswith("UPDATE idem_requests SET state = $5")]
     assert len(completes) == 1  # parameterised, then its own COMMIT
-    assert not any(q.startswith("WITH completed AS") for q in log.queries)
+    assert not any(
+        q.startswith(("WITH completed AS", "EXECUTE idem_complete")) for q in log.queries
+    )
 
 
 async def test_the_installed_asyncpg_supports_the_fast_path(pool: Any) -> None:
@@ -178,3 +188,37 @@ async def test_the_installed_asyncpg_supports_the_fast_path(pool: Any) -> None:
     # store quietly went back to the slower path.
     async with pool.acquire() as conn:
         assert _fusable(conn)
+
+
+async def test_prepared_statements_lost_by_the_pool_fall_back_to_inlined_text(
+    db_dsn: str,
+) -> None:
+    """A pool whose reset drops our prepared statements (as DISCARD ALL, or PgBouncer moving the
+    session, would): the next fast claim finds them missing, and the store inlines from then on."""
+    log = Log()
+
+    async def init(conn: asyncpg.Connection[Any]) -> None:
+        conn.add_query_logger(log)
+
+    async def reset(conn: asyncpg.Connection[Any]) -> None:
+        await conn.reset()
+        for name in (_CLAIM_NAME, _COMPLETE_NAME):
+            with contextlib.suppress(asyncpg.exceptions.InvalidSQLStatementNameError):
+                await conn.execute(f"DEALLOCATE {name}")
+
+    pool = await asyncpg.create_pool(db_dsn, min_size=1, max_size=1, init=init, reset=reset)
+    try:
+        await pool.execute("TRUNCATE idem_requests, test_accounts, test_ledger")
+        app = build_app(PostgresStore(pool=pool))
+        async with client(app) as c:
+            answers = [
+                await c.post("/accounts/a1/credits", json={"amount": 5}, headers=key(f"k{i}"))
+                for i in range(3)
+            ]
+        assert [r.status_code for r in answers] == [201, 201, 201]
+        assert await count(pool, "test_ledger") == 3
+        fast = log.fused()
+        assert "EXECUTE idem_claim_fresh" in fast[0]  # prepared, then used
+        assert "INSERT INTO idem_requests" in fast[-1]  # inlined after the miss
+    finally:
+        await pool.close()
