@@ -294,8 +294,8 @@ async def measure_all(dsn: str) -> list[PathCost]:
     baseline = costs[0]
 
     async with Harness("ours-tx", dsn) as h:
-        # The store draws generations for its fast claims 32 at a time: the first fresh claim
-        # of a batch pays one statement more, outside the transaction (shown as its own row).
+        # The store draws generations for its fast claims 32 at a time, inside the transaction
+        # of the claim that found none left; that claim (1 in 32) is shown as its own row.
         costs.append(await h.measure("fresh claim drawing generations (1 in 32)", "tx-draw", "d-1"))
         key = h.key()
         fresh = await h.measure("fresh claim", "tx-fresh", key)

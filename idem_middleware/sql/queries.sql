@@ -52,8 +52,9 @@ VALUES ($1, $2, $3, $4, 'pending', 'transactional', $5, make_interval(secs => $6
 ON CONFLICT DO NOTHING;
 
 -- name: draw_generations
--- Generations for `claim_fresh`, drawn in a batch. Each is used at most once, so a generation is
--- still never reused. $1 how many
+-- Generations for `claim_fresh`, drawn in a batch inside the transaction of the claim that found
+-- none left (so the draw costs no commit of its own). Each is used at most once, so a generation
+-- is still never reused. $1 how many
 SELECT nextval('idem_generation_seq') FROM generate_series(1, $1);
 
 -- name: reclaim_expired

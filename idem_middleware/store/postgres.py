@@ -281,13 +281,18 @@ class _Generations:
         self._values: deque[int] = deque()
         self._drawn_at = 0.0
 
-    async def take(self, conn: Any) -> int:
-        values = self._values
-        if not values or time.monotonic() - self._drawn_at > self._max_age:
-            rows = await conn.fetch(_Q["draw_generations"], self._batch)
-            # A concurrent draw may replace this batch; each value is still popped only once.
-            values = self._values = deque(row[0] for row in rows)
-            self._drawn_at = time.monotonic()
+    def take_ready(self) -> int | None:
+        """A drawn generation, or None: then `draw` (inside the claim's transaction)."""
+        if self._values and time.monotonic() - self._drawn_at <= self._max_age:
+            return self._values.popleft()
+        return None
+
+    async def draw(self, conn: Any) -> int:
+        """Draw a batch (in the caller's transaction, so it costs no commit of its own) and
+        take one. A concurrent draw may replace the batch; each value is still taken once."""
+        rows = await conn.fetch(_Q["draw_generations"], self._batch)
+        values = self._values = deque(row[0] for row in rows)
+        self._drawn_at = time.monotonic()
         return values.popleft()
 
 
@@ -553,15 +558,22 @@ class _PgTransaction:
         the ordinary claim does, and for as long (`timeout`: then the message is cancelled)."""
         fast = self._fast
         assert fast is not None
-        generation = await fast.generations.take(self._conn)
-        args = (key.tenant, key.operation, key.key, fingerprint, generation, retention_seconds)
+        generation = fast.generations.take_ready()
         for _ in range(2):
-            try:
-                query = self._claim_message(fast, args)
-            except _NotFusable:
+            in_message = generation is not None  # BEGIN travels with the claim
+            if generation is None:
+                # 1 claim in 32: BEGIN first and draw a batch inside the transaction.
                 await self.begin()
+                generation = await fast.generations.draw(self._conn)
+            args = (key.tenant, key.operation, key.key, fingerprint, generation, retention_seconds)
+            try:
+                query = self._claim_message(fast, args, begin=in_message)
+            except _NotFusable:
+                if in_message:
+                    await self.begin()
                 return None
-            self._tx = _adopt(self._conn)
+            if in_message:
+                self._tx = _adopt(self._conn)
             self._fused = True
             try:
                 status = await self._conn.execute(query, timeout=timeout)
@@ -580,15 +592,17 @@ class _PgTransaction:
             return None
         raise StoreError("the fast claim failed twice")  # inlined the second time: unreachable
 
-    def _claim_message(self, fast: _FastPath, args: tuple[Any, ...]) -> str:
+    def _claim_message(self, fast: _FastPath, args: tuple[Any, ...], *, begin: bool) -> str:
+        """[PREPAREs (first use on this connection)] [BEGIN] and the claim."""
+        begin_sql = "BEGIN;\n" if begin else ""
         if not fast.use_prepared:
-            return "BEGIN;\n" + _inline(_Q["claim_fresh"], args)
+            return begin_sql + _inline(_Q["claim_fresh"], args)
         execute = _inline(_CLAIM_EXECUTE, args)
         raw = self._tx_connection()
         if raw in fast.prepared:
-            return "BEGIN;\n" + execute
+            return begin_sql + execute
         fast.prepared.add(raw)  # prepared by this very message (it fails as a whole if not)
-        return _PREPARE + "BEGIN;\n" + execute
+        return _PREPARE + begin_sql + execute
 
     def _tx_connection(self) -> Any:
         """The connection object behind a pool's proxy (it lives as long as the session)."""

@@ -42,11 +42,12 @@ class Log:
         self.queries.append(" ".join(record.query.split()))
 
     def fused(self) -> list[str]:
-        """The fast claims: BEGIN and the claim in one message (after the PREPAREs, once)."""
+        """The fast claims: a simple-query message with the claim, prepared or inlined (with its
+        BEGIN, or after it when the claim drew a batch of generations)."""
         return [
             q
             for q in self.queries
-            if "BEGIN; EXECUTE idem_claim_fresh" in q or "BEGIN; INSERT INTO idem_requests" in q
+            if "EXECUTE idem_claim_fresh" in q or "INSERT INTO idem_requests (tenant" in q
         ]
 
 

@@ -86,9 +86,10 @@ async def test_fresh_claim_adds_two_statements_and_no_round_trip(logged: Any) ->
     app = build_app(PostgresStore(pool=pool))
     async with client(app) as c:
         first = await _post(c, "fresh-1")
-        # The first claim draws a batch of generations, outside the transaction, and prepares
-        # the claim and the completion on its connection (in the message that claims).
-        assert log.kinds()[:2] == ["draw", "prepare+prepare+BEGIN+claim-insert"]
+        # The first claim draws a batch of generations inside its transaction (no commit of its
+        # own), and prepares the claim and the completion on its connection in the message
+        # that claims.
+        assert log.kinds()[:3] == ["BEGIN", "draw", "prepare+prepare+claim-insert"]
         log.queries.clear()
         r = await _post(c, "fresh-2")
     assert first.status_code == r.status_code == 201
