@@ -254,8 +254,17 @@ class LeaseRun:
         policy = self.policy
         generation = context.generation
         ex.emit(Event.CLAIMED, generation)
+        # The heartbeat task starts only when the first renewal is due (a third of the lease):
+        # most handlers are done sooner, and a task per request is not free.
         stop = asyncio.Event()
-        heartbeat = asyncio.ensure_future(self._heartbeat(context, stop))
+        loop = asyncio.get_running_loop()
+        heartbeat: asyncio.Task[None] | None = None
+
+        def start_heartbeat() -> None:
+            nonlocal heartbeat
+            heartbeat = loop.create_task(self._heartbeat(context, stop))
+
+        first_renewal = loop.call_later(policy.lease_seconds / 3, start_heartbeat)
         token = enter_context(ex.scope, context)
         try:
             try:
@@ -289,8 +298,10 @@ class LeaseRun:
             # Stopped by awaiting, never cancelled mid-write: a renewal in flight finishes (after
             # the settlement, if it waited on the fenced transaction's row lock), and it cannot
             # change a settled record (it only renews a pending one).
+            first_renewal.cancel()
             stop.set()
-            await heartbeat
+            if heartbeat is not None:
+                await heartbeat
         if settled:
             ex.started = True
             await capture.flush()
@@ -333,19 +344,16 @@ class LeaseRun:
         return settled
 
     async def _heartbeat(self, context: IdempotencyContext, stop: asyncio.Event) -> None:
+        """Renew the lease now (started when the first renewal is due), then every third of it."""
         interval = self.policy.lease_seconds / 3
         while not stop.is_set():
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), interval)
-            if stop.is_set():
-                return
             try:
                 alive = await self.store.heartbeat(
                     self.key, context.generation, self.policy.lease_seconds
                 )
             except Exception:
                 logger.warning("heartbeat failed", exc_info=True)
-                continue
+                alive = True  # unknown: try again at the next renewal
             if not alive:
                 if not stop.is_set():
                     context.lease_lost.set()
@@ -354,6 +362,8 @@ class LeaseRun:
                         extra=self._log_extra(context.generation, "lease-lost"),
                     )
                 return
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), interval)
 
     def _log_extra(self, generation: int, outcome: str) -> dict[str, object]:
         return {

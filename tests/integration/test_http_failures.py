@@ -4,6 +4,7 @@ down, responses too large or streaming to store, and a burst of duplicates (PROT
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import socket
@@ -336,3 +337,89 @@ async def test_connection_lost_before_commit_is_503_and_nothing_committed(pg_sto
         assert_problem(r, 503, "store-unavailable")
         assert r.headers["retry-after"] == "1"
         await assert_released_then_retry_runs_once(app, pool, c)
+
+
+async def test_client_leaving_a_quick_handler_finds_its_outcome_committed(pg_store, pool):
+    """The disconnect watch starts after DISCONNECT_WATCH_AFTER: a handler done sooner commits,
+    and the client's retry gets the replay (never a second run)."""
+    app = build_app(pg_store)
+    body = json.dumps(BODY).encode()
+    delivered = False
+
+    async def receive() -> dict[str, Any]:
+        nonlocal delivered
+        if not delivered:
+            delivered = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return {"type": "http.disconnect"}  # already gone by the time anyone asks
+
+    async def send(message: dict[str, Any]) -> None:
+        pass
+
+    await asyncio.wait_for(app(asgi_request(CREDIT, "k-quick", len(body)), receive, send), BOUND)
+    assert app.state.probe.calls == 1
+    assert await count(pool, "test_ledger") == 1
+    async with client(app) as c:
+        retry = await c.post(CREDIT, json=BODY, headers=key("k-quick"))
+    assert retry.status_code == 201
+    assert retry.headers["idempotent-replayed"] == "true"
+    assert app.state.probe.calls == 1
+
+
+async def test_a_handler_that_swallows_the_disconnect_cancellation_still_rolls_back(pool):
+    """The watch cancels the handler; one that catches CancelledError and answers anyway is
+    still rolled back (its client is gone), and the request's task is not left cancelled."""
+    from starlette.applications import Starlette
+    from starlette.middleware import Middleware
+    from starlette.middleware.authentication import AuthenticationMiddleware
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    from idem_middleware import IdempotencyMiddleware, get_context
+    from tests.apps import BearerBackend
+
+    entered = asyncio.Event()
+
+    async def stubborn(request: Request) -> JSONResponse:
+        conn = get_context(request).connection
+        await conn.execute(
+            "INSERT INTO test_ledger (tenant, account_id, amount) VALUES ('tenant-a', 's', 1)"
+        )
+        entered.set()
+        with contextlib.suppress(asyncio.CancelledError):  # swallowed: answers anyway
+            await asyncio.sleep(BOUND)
+        return JSONResponse({"ok": True}, status_code=201)
+
+    app = Starlette(
+        routes=[Route("/stubborn", stubborn, methods=["POST"])],
+        middleware=[
+            Middleware(AuthenticationMiddleware, backend=BearerBackend()),
+            Middleware(IdempotencyMiddleware, store=PostgresStore(pool=pool)),
+        ],
+    )
+    delivered = False
+
+    async def receive() -> dict[str, Any]:
+        nonlocal delivered
+        if not delivered:
+            delivered = True
+            return {"type": "http.request", "body": b"{}", "more_body": False}
+        await entered.wait()
+        return {"type": "http.disconnect"}
+
+    sent: list[dict[str, Any]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    async def request() -> int:
+        await app(asgi_request("/stubborn", "k-stubborn", 2), receive, send)
+        task = asyncio.current_task()
+        assert task is not None
+        return task.cancelling()  # a cancellation left counted would confuse timeouts above
+
+    assert await asyncio.wait_for(request(), BOUND) == 0
+    assert sent == []
+    assert await count(pool, "test_ledger") == 0
+    assert await count(pool, "idem_requests") == 0
