@@ -198,29 +198,33 @@ _PLACEHOLDER = re.compile(r"\$(\d+)")
 
 
 class _NotFusable(Exception):
-    """A value that cannot be written as a literal (NUL, a non-finite float)."""
+    """A value that cannot be written as a literal (NUL, a non-finite float, another type)."""
 
 
 def _literal(value: Any) -> str:
     """`value` as a PostgreSQL literal, for a connection with standard_conforming_strings on
     (checked by `_fusable`): quotes doubled, backslashes literal, NUL refused."""
+    kind = type(value)
+    if kind is str:
+        text: str = value
+        if "\x00" in text:
+            raise _NotFusable("a NUL character")  # it would end the protocol's query string
+        return "'" + text.replace("'", "''") + "'"
+    if kind is bytes:
+        raw: bytes = value
+        return "'\\x" + raw.hex() + "'::bytea"
     if value is None:
         return "NULL"
-    if isinstance(value, bool):
+    if kind is bool:
         return "true" if value else "false"
-    if isinstance(value, int):
+    if kind is int:
         return str(value)
-    if isinstance(value, float):
+    if kind is float:
         if not math.isfinite(value):
             raise _NotFusable("a non-finite number")
         return repr(value)
-    if isinstance(value, bytes):
-        return "'\\x" + value.hex() + "'::bytea"
-    if isinstance(value, str):
-        if "\x00" in value:
-            raise _NotFusable("a NUL character")  # it would end the protocol's query string
-        return "'" + value.replace("'", "''") + "'"
-    raise TypeError(f"no literal for {type(value).__name__}")
+    # Anything else (a str subclass a tenant resolver returned, say) takes the ordinary path.
+    raise _NotFusable(f"no literal for {kind.__name__}")
 
 
 def _inline(query: str, args: Sequence[Any]) -> str:
@@ -312,12 +316,10 @@ _PREPARE = (
 )
 
 
-def _execute_prepared(name: str, count: int) -> str:
-    return f"EXECUTE {name} (" + ", ".join(f"${i}" for i in range(1, count + 1)) + ")"
-
-
-_CLAIM_EXECUTE = _execute_prepared(_CLAIM_NAME, 6)
-_COMPLETE_EXECUTE = _execute_prepared(_COMPLETE_NAME, 9)
+def _execute(name: str, args: Sequence[Any]) -> str:
+    """`EXECUTE name (literals)`: what `_inline` would make of `EXECUTE name ($1, ...)`, without
+    the regular expression (this runs twice per request)."""
+    return f"EXECUTE {name} (" + ", ".join(map(_literal, args)) + ")"
 
 
 class _FastPath:
@@ -597,7 +599,7 @@ class _PgTransaction:
         begin_sql = "BEGIN;\n" if begin else ""
         if not fast.use_prepared:
             return begin_sql + _inline(_Q["claim_fresh"], args)
-        execute = _inline(_CLAIM_EXECUTE, args)
+        execute = _execute(_CLAIM_NAME, args)
         raw = self._tx_connection()
         if raw in fast.prepared:
             return begin_sql + execute
@@ -628,9 +630,11 @@ class _PgTransaction:
         query = None
         fast = self._fast
         if self._fused and fast is not None and len(response.body) <= FUSE_MAX_BODY:
-            template = _COMPLETE_EXECUTE if fast.use_prepared else _Q["complete_checked"]
             try:
-                query = _inline(template, args) + ";\nCOMMIT"
+                if fast.use_prepared:
+                    query = _execute(_COMPLETE_NAME, args) + ";\nCOMMIT"
+                else:
+                    query = _inline(_Q["complete_checked"], args) + ";\nCOMMIT"
             except _NotFusable:
                 query = None
         if query is None:

@@ -77,6 +77,12 @@ def test_literals_quote_and_refuse() -> None:
         _literal("nul\x00byte")
     with pytest.raises(_NotFusable):
         _literal(float("nan"))
+
+    class Tenant(str):
+        pass
+
+    with pytest.raises(_NotFusable):  # not exactly a str: the parameterised path takes it
+        _literal(Tenant("t"))
     assert _inline("SELECT $1, $2, $10", list(range(1, 11))) == "SELECT 1, 2, 10"
 
 
