@@ -46,7 +46,7 @@ class Fence:
         if self._session is None:
             return await self.store.settle(self.key, self.generation, self.expected, settlement)
         try:
-            settled: bool = await self._session.settle(
+            settled: bool = await self._session.settle_and_commit(
                 self.key, self.generation, self.expected, settlement
             )
         except BaseException:

@@ -188,6 +188,23 @@ WITH settled AS (
 )
 SELECT count(*) AS settled, pg_notify('idem_middleware', $12) AS notified FROM settled;
 
+-- name: settle_checked
+-- `settle` for the message that also carries the COMMIT, at the end of a fenced transaction. The
+-- fence holds the record's row lock under this generation and state, so it always matches; if it
+-- did not, the division by zero aborts the transaction before the COMMIT runs.
+-- $1 tenant, $2 operation, $3 key, $4 generation, $5 expected state, $6 new state, $7 status,
+-- $8 headers, $9 body, $10 body_omitted, $11 note, $12 notification payload
+WITH settled AS (
+    UPDATE idem_requests
+    SET state = $6, updated_at = now(), lease_expires_at = NULL,
+        expires_at = CASE WHEN $6 IN ('succeeded', 'failed_final') THEN now() + retention END,
+        response_status = $7, response_headers = $8, response_body = $9, body_omitted = $10,
+        note = coalesce($11, note)
+    WHERE tenant = $1 AND operation = $2 AND idem_key = $3 AND generation = $4 AND state = $5
+    RETURNING 1
+)
+SELECT 1 / count(*) AS settled, pg_notify('idem_middleware', $12) AS notified FROM settled;
+
 -- name: release
 -- Forget a claim whose request did nothing (a 4xx meaning "fix and retry"), and wake waiters.
 -- $1 tenant, $2 operation, $3 key, $4 generation, $5 notification payload

@@ -199,6 +199,12 @@ class FencedSession(Protocol):
     async def settle(self, key: RecordKey, generation: int, expected: State, s: Settlement) -> bool:
         """Record the outcome in this transaction; False if the generation is no longer current."""
 
+    async def settle_and_commit(
+        self, key: RecordKey, generation: int, expected: State, s: Settlement
+    ) -> bool:
+        """`settle` as the session's last act: the store may commit with it (PostgreSQL sends
+        the settlement and COMMIT in one message); leaving the session commits what is left."""
+
 
 class Store(Protocol):
     """What the middleware needs of a store. The PostgreSQL store is the real one."""

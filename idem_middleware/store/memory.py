@@ -174,6 +174,11 @@ class _MemoryFenced:
         self.pending.append((key, generation, expected, s))
         return True
 
+    async def settle_and_commit(
+        self, key: RecordKey, generation: int, expected: State, s: Settlement
+    ) -> bool:
+        return await self.settle(key, generation, expected, s)  # applied when the session ends
+
 
 class MemoryStore:
     """See the module docstring. `clock` is the store's notion of the database's `now()`."""

@@ -306,13 +306,24 @@ def _prepared_name(base: str, query: str) -> str:
     return f"idem_{base}_{hashlib.sha256(query.encode()).hexdigest()[:12]}"
 
 
-_CLAIM_TYPES = "text, text, text, bytea, bigint, float8"
-_COMPLETE_TYPES = "text, text, text, bigint, text, integer, bytea, bytea, text"
-_CLAIM_NAME = _prepared_name("claim_fresh", _Q["claim_fresh"])
-_COMPLETE_NAME = _prepared_name("complete_checked", _Q["complete_checked"])
-_PREPARE = (
-    f"PREPARE {_CLAIM_NAME} ({_CLAIM_TYPES}) AS {_Q['claim_fresh']};\n"
-    f"PREPARE {_COMPLETE_NAME} ({_COMPLETE_TYPES}) AS {_Q['complete_checked']};\n"
+#: The statements the fast paths prepare on a connection (all at once): SQL and parameter types.
+_FAST: dict[str, tuple[str, str]] = {
+    "claim_fresh": (_Q["claim_fresh"], "text, text, text, bytea, bigint, float8"),
+    "complete_checked": (
+        _Q["complete_checked"],
+        "text, text, text, bigint, text, integer, bytea, bytea, text",
+    ),
+    "fence": (_Q["fence"], "text, text, text, bigint, text"),
+    "settle_checked": (
+        _Q["settle_checked"],
+        "text, text, text, bigint, text, text, integer, bytea, bytea, text, text, text",
+    ),
+}
+_NAMES = {name: _prepared_name(name, sql) for name, (sql, _) in _FAST.items()}
+_CLAIM_NAME = _NAMES["claim_fresh"]
+_COMPLETE_NAME = _NAMES["complete_checked"]
+_PREPARE = "".join(
+    f"PREPARE {_NAMES[name]} ({types}) AS {sql};\n" for name, (sql, types) in _FAST.items()
 )
 
 
@@ -320,6 +331,30 @@ def _execute(name: str, args: Sequence[Any]) -> str:
     """`EXECUTE name (literals)`: what `_inline` would make of `EXECUTE name ($1, ...)`, without
     the regular expression (this runs twice per request)."""
     return f"EXECUTE {name} (" + ", ".join(map(_literal, args)) + ")"
+
+
+def _fast_message(
+    fast: _FastPath, conn: Any, query: str, args: Sequence[Any], *, begin: bool, tail: str = ""
+) -> str:
+    """One simple-query message running the named query with `args` as literals: [the PREPAREs,
+    on a connection's first use] [BEGIN] the statement [tail, e.g. COMMIT]."""
+    begin_sql = "BEGIN;\n" if begin else ""
+    if not fast.use_prepared:
+        return begin_sql + _inline(_FAST[query][0], args) + tail
+    statement = _execute(_NAMES[query], args) + tail
+    raw = getattr(conn, "_con", conn)  # the connection behind a pool's proxy
+    if raw is None:
+        raise _NotFusable("the connection is gone")  # the ordinary path reports it
+    if raw in fast.prepared:
+        return begin_sql + statement
+    fast.prepared.add(raw)  # prepared by this very message (it fails as a whole if not)
+    return _PREPARE + begin_sql + statement
+
+
+_PREPARED_MISMATCH: tuple[type[BaseException], ...] = (
+    asyncpg.exceptions.InvalidSQLStatementNameError,
+    asyncpg.exceptions.DuplicatePreparedStatementError,
+)
 
 
 class _FastPath:
@@ -438,10 +473,13 @@ class _Listener:
 
 
 class _PgFenced:
-    __slots__ = ("_conn",)
+    __slots__ = ("_conn", "_fast", "_tx", "committed")
 
-    def __init__(self, conn: Any) -> None:
+    def __init__(self, conn: Any, tx: Any, fast: _FastPath | None) -> None:
         self._conn = conn
+        self._tx = tx
+        self._fast = fast  # set when the fence was opened the fast way (an adopted BEGIN)
+        self.committed = False
 
     @property
     def connection(self) -> Any:
@@ -455,6 +493,32 @@ class _PgFenced:
         except (*_CONNECTION_ERRORS, *_RETRYABLE) as exc:
             raise _translate(exc) from exc
         return bool(row["settled"])
+
+    async def settle_and_commit(
+        self, key: RecordKey, generation: int, expected: State, s: Settlement
+    ) -> bool:
+        fast = self._fast
+        body = b"" if s.response is None else s.response.body
+        query = None
+        if fast is not None and len(body) <= FUSE_MAX_BODY:
+            args = _settle_args(key, generation, expected, s)
+            try:
+                query = _fast_message(
+                    fast, self._conn, "settle_checked", args, begin=False, tail=";\nCOMMIT"
+                )
+            except _NotFusable:
+                query = None
+        if query is None:
+            return await self.settle(key, generation, expected, s)  # the exit commits
+        try:
+            await self._conn.execute(query)
+        except asyncpg.exceptions.DivisionByZeroError as exc:
+            raise StoreError("the fenced settlement matched nothing under its own lock") from exc
+        except (*_CONNECTION_ERRORS, *_RETRYABLE) as exc:
+            raise _translate(exc) from exc
+        _committed(self._tx)
+        self.committed = True
+        return True
 
 
 class _PgTransaction:
@@ -569,7 +633,7 @@ class _PgTransaction:
                 generation = await fast.generations.draw(self._conn)
             args = (key.tenant, key.operation, key.key, fingerprint, generation, retention_seconds)
             try:
-                query = self._claim_message(fast, args, begin=in_message)
+                query = _fast_message(fast, self._conn, "claim_fresh", args, begin=in_message)
             except _NotFusable:
                 if in_message:
                     await self.begin()
@@ -579,36 +643,14 @@ class _PgTransaction:
             self._fused = True
             try:
                 status = await self._conn.execute(query, timeout=timeout)
-            except (
-                asyncpg.exceptions.InvalidSQLStatementNameError,
-                asyncpg.exceptions.DuplicatePreparedStatementError,
-            ):
-                # A statement missing where we prepared it, or present where we did not: server
-                # sessions do not follow our connections (PgBouncer). Inline from now on.
-                logger.info("prepared statements do not stay with this pool's connections")
-                fast.use_prepared = False
+            except _PREPARED_MISMATCH:
+                _stop_preparing(fast)
                 await self.rollback()
                 continue
             if status == "INSERT 0 1":
                 return Claim(True, generation, None)
             return None
         raise StoreError("the fast claim failed twice")  # inlined the second time: unreachable
-
-    def _claim_message(self, fast: _FastPath, args: tuple[Any, ...], *, begin: bool) -> str:
-        """[PREPAREs (first use on this connection)] [BEGIN] and the claim."""
-        begin_sql = "BEGIN;\n" if begin else ""
-        if not fast.use_prepared:
-            return begin_sql + _inline(_Q["claim_fresh"], args)
-        execute = _execute(_CLAIM_NAME, args)
-        raw = self._tx_connection()
-        if raw in fast.prepared:
-            return begin_sql + execute
-        fast.prepared.add(raw)  # prepared by this very message (it fails as a whole if not)
-        return _PREPARE + begin_sql + execute
-
-    def _tx_connection(self) -> Any:
-        """The connection object behind a pool's proxy (it lives as long as the session)."""
-        return getattr(self._conn, "_con", None) or self._conn
 
     async def complete(
         self, key: RecordKey, generation: int, state: State, response: StoredResponse
@@ -631,10 +673,9 @@ class _PgTransaction:
         fast = self._fast
         if self._fused and fast is not None and len(response.body) <= FUSE_MAX_BODY:
             try:
-                if fast.use_prepared:
-                    query = _execute(_COMPLETE_NAME, args) + ";\nCOMMIT"
-                else:
-                    query = _inline(_Q["complete_checked"], args) + ";\nCOMMIT"
+                query = _fast_message(
+                    fast, self._conn, "complete_checked", args, begin=False, tail=";\nCOMMIT"
+                )
             except _NotFusable:
                 query = None
         if query is None:
@@ -649,6 +690,14 @@ class _PgTransaction:
             raise _translate(exc) from exc
         _committed(self._tx)
         self._tx = None
+
+
+def _stop_preparing(fast: _FastPath) -> None:
+    # A statement missing where we prepared it, or present where we did not: server sessions do
+    # not follow our connections (PgBouncer, a DISCARD ALL reset). Inline from now on.
+    if fast.use_prepared:
+        logger.info("prepared statements do not stay with this pool's connections; inlining")
+    fast.use_prepared = False
 
 
 def _complete_args(
@@ -878,30 +927,55 @@ class PostgresStore:
         except _ACQUIRE_ERRORS as exc:
             raise StoreError(f"no database connection: {type(exc).__name__}") from exc
         try:
-            tx = conn.transaction()
             try:
-                await tx.start()
-                held = await conn.fetchval(
-                    _Q["fence"], key.tenant, key.operation, key.key, generation, expected.value
-                )
+                tx, held, fast = await self._open_fence(conn, key, generation, expected)
             except _CONNECTION_ERRORS as exc:
                 raise StoreError(str(exc)) from exc
-            if held is None:
+            if not held:
                 await tx.rollback()
                 raise StaleGeneration(
                     f"generation {generation} no longer holds the record; its writes are refused"
                 )
+            session = _PgFenced(conn, tx, fast)
             try:
-                yield _PgFenced(conn)
+                yield session
             except BaseException:
-                await tx.rollback()
+                if not session.committed:
+                    await tx.rollback()
                 raise
-            try:
-                await tx.commit()
-            except (*_CONNECTION_ERRORS, *_RETRYABLE) as exc:
-                raise _translate(exc) from exc
+            if not session.committed:
+                try:
+                    await tx.commit()
+                except (*_CONNECTION_ERRORS, *_RETRYABLE) as exc:
+                    raise _translate(exc) from exc
         finally:
             await self.pool.release(conn)
+
+    async def _open_fence(
+        self, conn: Any, key: RecordKey, generation: int, expected: State
+    ) -> tuple[Any, bool, _FastPath | None]:
+        """BEGIN and lock the record under the generation: (transaction, held, fast). The fast
+        way sends both in one message; its status line says whether the row was locked."""
+        args = (key.tenant, key.operation, key.key, generation, expected.value)
+        fast = self._fast
+        if fast is not None and _fusable(conn):
+            for _ in range(2):
+                try:
+                    query = _fast_message(fast, conn, "fence", args, begin=True)
+                except _NotFusable:
+                    break
+                tx = _adopt(conn)
+                try:
+                    status = await conn.execute(query)
+                except _PREPARED_MISMATCH:
+                    _stop_preparing(fast)
+                    await tx.rollback()
+                    continue
+                return tx, status == "SELECT 1", fast
+        tx = conn.transaction()
+        await tx.start()
+        held = await conn.fetchval(_Q["fence"], *args)
+        return tx, held is not None, None
 
     async def _listen_connection(self) -> tuple[Any, bool]:
         """A connection for LISTEN: a dedicated one when we know the DSN, else one from the pool."""

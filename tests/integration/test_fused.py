@@ -21,7 +21,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from idem_middleware import IdempotencyMiddleware, PostgresStore, get_context
+from idem_middleware import IdempotencyMiddleware, Mode, Policy, PostgresStore, get_context
 from idem_middleware.store.postgres import (
     _CLAIM_NAME,
     _COMPLETE_NAME,
@@ -229,3 +229,42 @@ async def test_prepared_statements_lost_by_the_pool_fall_back_to_inlined_text(
         assert "INSERT INTO idem_requests" in fast[-1]  # inlined after the miss
     finally:
         await pool.close()
+
+
+async def fenced_credit(request: Request) -> Response:
+    ctx = get_context(request)
+    conn = await ctx.fenced_connection()
+    await conn.execute(
+        "INSERT INTO test_ledger (tenant, account_id, amount) VALUES ($1, 'fenced', 1)", ctx.tenant
+    )
+    return JSONResponse({"ok": True}, status_code=201)
+
+
+async def test_lease_fence_and_settlement_travel_with_begin_and_commit(logged: Any) -> None:
+    pool, log = logged
+    app = Starlette(
+        routes=[Route("/fenced", fenced_credit, methods=["POST"])],
+        middleware=[
+            Middleware(AuthenticationMiddleware, backend=BearerBackend()),
+            Middleware(
+                IdempotencyMiddleware,
+                store=PostgresStore(pool=pool, listen=False),
+                default_policy=Policy(mode=Mode.LEASE),
+            ),
+        ],
+    )
+    async with client(app) as c:
+        r = await c.post("/fenced", json={}, headers=key("lease-1"))
+        again = await c.post("/fenced", json={}, headers=key("lease-1"))
+    assert r.status_code == 201
+    assert again.headers["idempotent-replayed"] == "true"
+    fence = [q for q in log.queries if "BEGIN; EXECUTE idem_fence" in q]
+    settle = [q for q in log.queries if q.startswith("EXECUTE idem_settle_checked")]
+    assert len(fence) == 1
+    assert len(settle) == 1
+    assert settle[0].endswith("; COMMIT")
+    [rec] = await records(pool)
+    assert rec["state"] == "succeeded"
+    assert await count(pool, "test_ledger") == 1
+    async with pool.acquire() as conn:  # asyncpg knows the fenced transaction is over
+        assert not conn.is_in_transaction()

@@ -89,7 +89,8 @@ async def test_fresh_claim_adds_two_statements_and_no_round_trip(logged: Any) ->
         # The first claim draws a batch of generations inside its transaction (no commit of its
         # own), and prepares the claim and the completion on its connection in the message
         # that claims.
-        assert log.kinds()[:3] == ["BEGIN", "draw", "prepare+prepare+claim-insert"]
+        # (4 statements: the claim, the completion, and lease mode's fence and settlement.)
+        assert log.kinds()[:3] == ["BEGIN", "draw", "prepare+" * 4 + "claim-insert"]
         log.queries.clear()
         r = await _post(c, "fresh-2")
     assert first.status_code == r.status_code == 201
@@ -154,6 +155,6 @@ async def test_in_flight_duplicate_waits_then_reads_the_committed_record(logged:
     assert r2.headers["idempotent-replayed"] == "true"
     # The waiter's INSERT waits for the original, then finds the key taken, and reads it.
     # (On its own connection, whose first fast claim also prepares: not a round trip more.)
-    kinds = [k.removeprefix("prepare+prepare+") for k in log.kinds()]
+    kinds = [k.removeprefix("prepare+" * 4) for k in log.kinds()]
     duplicate = [k for k in kinds if k not in ("handler", "complete+COMMIT", "reset")]
     assert duplicate == ["BEGIN+claim-insert", "get", "ROLLBACK"]
