@@ -320,8 +320,6 @@ _FAST: dict[str, tuple[str, str]] = {
     ),
 }
 _NAMES = {name: _prepared_name(name, sql) for name, (sql, _) in _FAST.items()}
-_CLAIM_NAME = _NAMES["claim_fresh"]
-_COMPLETE_NAME = _NAMES["complete_checked"]
 _PREPARE = "".join(
     f"PREPARE {_NAMES[name]} ({types}) AS {sql};\n" for name, (sql, types) in _FAST.items()
 )
@@ -533,7 +531,9 @@ class _PgTransaction:
         self._conn = conn
         self._fast = fast  # None: the fast path is off
         self._tx: Any = None
-        self._fused = False  # whether `_tx` was adopted (so COMMIT may travel with the outcome)
+        # Whether the claim went the fast way (the connection passed `_fusable`), so the
+        # completion may travel with the COMMIT too.
+        self._fused = False
 
     @property
     def connection(self) -> Any:

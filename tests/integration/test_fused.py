@@ -23,8 +23,7 @@ from starlette.routing import Route
 
 from idem_middleware import IdempotencyMiddleware, Mode, Policy, PostgresStore, get_context
 from idem_middleware.store.postgres import (
-    _CLAIM_NAME,
-    _COMPLETE_NAME,
+    _NAMES,
     FUSE_MAX_BODY,
     _fusable,
     _inline,
@@ -209,7 +208,7 @@ async def test_prepared_statements_lost_by_the_pool_fall_back_to_inlined_text(
 
     async def reset(conn: asyncpg.Connection[Any]) -> None:
         await conn.reset()
-        for name in (_CLAIM_NAME, _COMPLETE_NAME):
+        for name in (_NAMES["claim_fresh"], _NAMES["complete_checked"]):
             with contextlib.suppress(asyncpg.exceptions.InvalidSQLStatementNameError):
                 await conn.execute(f"DEALLOCATE {name}")
 
