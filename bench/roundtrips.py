@@ -40,6 +40,14 @@ _KINDS = (
     ("COMMIT", "COMMIT"),
     ("ROLLBACK", "ROLLBACK"),
     ("WITH ins AS", "claim"),
+    ("SELECT * FROM idem_claim_key", "claim-key"),
+    ("EXECUTE idem_claim_key", "claim-key"),
+    (
+        "INSERT INTO idem_requests (tenant, operation, idem_key, fingerprint, state, mode, "
+        "generation, retention, expires_at",
+        "insert-record",
+    ),
+    ("EXECUTE idem_insert_final", "insert-record"),
     ("INSERT INTO idem_requests (tenant", "claim-insert"),
     ("EXECUTE idem_claim_fresh", "claim-insert"),
     ("EXECUTE idem_complete_checked", "complete"),
@@ -61,7 +69,16 @@ _KINDS = (
     ("SELECT pg_advisory_unlock_all()", "reset"),
 )
 _WRITES = frozenset(
-    {"claim", "claim-insert", "complete", "settle", "release", "heartbeat", "update-record"}
+    {
+        "claim",
+        "claim-insert",
+        "insert-record",
+        "complete",
+        "settle",
+        "release",
+        "heartbeat",
+        "update-record",
+    }
     | {"ledger-insert"}
     | {"balance-upsert"}
 )

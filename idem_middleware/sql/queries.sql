@@ -51,6 +51,36 @@ INSERT INTO idem_requests
 VALUES ($1, $2, $3, $4, 'pending', 'transactional', $5, make_interval(secs => $6::float8))
 ON CONFLICT DO NOTHING;
 
+-- name: claim_key
+-- Transactional mode's fast claim when the record is written once, at commit (store/postgres.py):
+-- sent after BEGIN in the same message. It waits for a concurrent claim of the key (an advisory
+-- lock held to the end of the transaction), then reports "SELECT 0" (the key is free: claimed)
+-- or "SELECT 1" (a record holds it: the caller reads it with `get`).
+-- $1 tenant, $2 operation, $3 key
+SELECT * FROM idem_claim_key($1, $2, $3);
+
+-- name: insert_final
+-- The record of a `claim_key` claim, written once with its outcome, sent with the COMMIT. A
+-- record that appeared meanwhile (written by a claim that took no advisory lock) makes this fail
+-- with a unique violation, which aborts the transaction before the COMMIT runs.
+-- $1 tenant, $2 operation, $3 key, $4 fingerprint, $5 generation, $6 retention (seconds),
+-- $7 state, $8 status, $9 headers, $10 body, $11 body_omitted
+INSERT INTO idem_requests
+    (tenant, operation, idem_key, fingerprint, state, mode, generation, retention, expires_at,
+     response_status, response_headers, response_body, body_omitted)
+VALUES ($1, $2, $3, $4, $7, 'transactional', $5, make_interval(secs => $6::float8),
+        now() + make_interval(secs => $6::float8), $8, $9, $10, $11);
+
+-- name: claim_key_available
+-- Whether the schema has `idem_claim_key` (migration 0003); without it the store claims by
+-- inserting a pending record, as before.
+SELECT to_regprocedure('idem_claim_key(text, text, text)') IS NOT NULL;
+
+-- name: probe_key_lock
+-- Is a `claim_key` claim of this key uncommitted right now? (It holds the key's advisory lock.)
+-- $1 tenant, $2 operation, $3 key
+SELECT NOT pg_try_advisory_xact_lock(1768187245, idem_key_lock($1, $2, $3));
+
 -- name: draw_generations
 -- Generations for `claim_fresh`, drawn in a batch inside the transaction of the claim that found
 -- none left (so the draw costs no commit of its own). Each is used at most once, so a generation

@@ -308,6 +308,11 @@ def _prepared_name(base: str, query: str) -> str:
 
 #: The statements the fast paths prepare on a connection (all at once): SQL and parameter types.
 _FAST: dict[str, tuple[str, str]] = {
+    "claim_key": (_Q["claim_key"], "text, text, text"),
+    "insert_final": (
+        _Q["insert_final"],
+        "text, text, text, bytea, bigint, float8, text, integer, bytea, bytea, text",
+    ),
     "claim_fresh": (_Q["claim_fresh"], "text, text, text, bytea, bigint, float8"),
     "complete_checked": (
         _Q["complete_checked"],
@@ -320,9 +325,15 @@ _FAST: dict[str, tuple[str, str]] = {
     ),
 }
 _NAMES = {name: _prepared_name(name, sql) for name, (sql, _) in _FAST.items()}
-_PREPARE = "".join(
-    f"PREPARE {_NAMES[name]} ({types}) AS {sql};\n" for name, (sql, types) in _FAST.items()
-)
+#: The PREPAREs for a schema with `idem_claim_key` (migration 0003), and for one without it.
+_PREPARE = {
+    write_once: "".join(
+        f"PREPARE {_NAMES[name]} ({types}) AS {sql};\n"
+        for name, (sql, types) in _FAST.items()
+        if write_once or name != "claim_key"
+    )
+    for write_once in (True, False)
+}
 
 
 def _execute(name: str, args: Sequence[Any]) -> str:
@@ -346,7 +357,7 @@ def _fast_message(
     if raw in fast.prepared:
         return begin_sql + statement
     fast.prepared.add(raw)  # prepared by this very message (it fails as a whole if not)
-    return _PREPARE + begin_sql + statement
+    return _PREPARE[fast.write_once is True] + begin_sql + statement
 
 
 _PREPARED_MISMATCH: tuple[type[BaseException], ...] = (
@@ -370,6 +381,10 @@ class _FastPath:
         self.generations = _Generations()
         self.prepared: weakref.WeakSet[Any] = weakref.WeakSet()
         self.use_prepared = True
+        # Whether the schema has `idem_claim_key` (migration 0003): then a fresh claim takes
+        # the key's advisory lock and the record is written once, at commit. None: not known
+        # yet (the first fast claim asks, once per store).
+        self.write_once: bool | None = None
 
 
 def _token_problem(row: Any) -> str:
@@ -523,9 +538,15 @@ class _PgTransaction:
     """One pooled connection in one transaction (see TransactionSession).
 
     Opened with `begin=False`, the transaction starts with the claim: BEGIN and the claim then
-    travel in one message, as do the completion and COMMIT (see `_inline`)."""
+    travel in one message, as do the completion and COMMIT (see `_inline`).
 
-    __slots__ = ("_conn", "_fast", "_fused", "_tx")
+    On a schema with `idem_claim_key` (migration 0003) the fast claim writes nothing: it takes
+    the key's advisory lock and checks that no record holds the key, and the record is written
+    once, with its outcome, at commit (`insert_final`). A pending transactional record is never
+    visible to anyone else anyway, so writing it early only cost an UPDATE, a dead row version and
+    its index entries."""
+
+    __slots__ = ("_conn", "_deferred", "_fast", "_fused", "_tx")
 
     def __init__(self, conn: Any, fast: _FastPath | None) -> None:
         self._conn = conn
@@ -534,6 +555,8 @@ class _PgTransaction:
         # Whether the claim went the fast way (the connection passed `_fusable`), so the
         # completion may travel with the COMMIT too.
         self._fused = False
+        # (fingerprint, retention seconds) of a claim whose record is written at completion.
+        self._deferred: tuple[bytes, float] | None = None
 
     @property
     def connection(self) -> Any:
@@ -551,6 +574,7 @@ class _PgTransaction:
             raise StoreError(str(exc)) from exc
         self._tx = tx
         self._fused = False
+        self._deferred = None
 
     async def commit(self) -> None:
         tx, self._tx = self._tx, None
@@ -561,6 +585,7 @@ class _PgTransaction:
 
     async def rollback(self) -> None:
         tx, self._tx = self._tx, None
+        self._deferred = None
         if tx is not None:
             try:
                 await tx.rollback()
@@ -617,13 +642,20 @@ class _PgTransaction:
         retention_seconds: float,
         timeout: float,  # noqa: ASYNC109 - asyncpg's own per-statement timeout
     ) -> Claim | None:
-        """BEGIN and insert a fresh claim in one round trip. None: the key is taken (or a value
-        cannot be inlined), and the caller claims the ordinary way in the transaction open now.
+        """BEGIN and claim in one round trip. None: the key is taken (or a value cannot be
+        inlined), and the caller claims the ordinary way in the transaction open now.
 
-        An INSERT that meets another transaction's uncommitted claim of the key waits for it, as
+        A claim that meets another transaction's uncommitted claim of the key waits for it, as
         the ordinary claim does, and for as long (`timeout`: then the message is cancelled)."""
         fast = self._fast
         assert fast is not None
+        if fast.write_once is None:
+            fast.write_once = bool(await self._conn.fetchval(_Q["claim_key_available"]))
+            if not fast.write_once:
+                logger.warning(
+                    "the idempotency schema predates migration 0003 (run `idem-middleware "
+                    "migrate`): transactional claims write their record twice"
+                )
         generation = fast.generations.take_ready()
         for _ in range(2):
             in_message = generation is not None  # BEGIN travels with the claim
@@ -631,9 +663,21 @@ class _PgTransaction:
                 # 1 claim in 32: BEGIN first and draw a batch inside the transaction.
                 await self.begin()
                 generation = await fast.generations.draw(self._conn)
-            args = (key.tenant, key.operation, key.key, fingerprint, generation, retention_seconds)
+            args: tuple[Any, ...]
+            if fast.write_once:
+                query_name, args = "claim_key", (key.tenant, key.operation, key.key)
+            else:
+                query_name = "claim_fresh"
+                args = (
+                    key.tenant,
+                    key.operation,
+                    key.key,
+                    fingerprint,
+                    generation,
+                    retention_seconds,
+                )
             try:
-                query = _fast_message(fast, self._conn, "claim_fresh", args, begin=in_message)
+                query = _fast_message(fast, self._conn, query_name, args, begin=in_message)
             except _NotFusable:
                 if in_message:
                     await self.begin()
@@ -647,7 +691,10 @@ class _PgTransaction:
                 _stop_preparing(fast)
                 await self.rollback()
                 continue
-            if status == "INSERT 0 1":
+            if status == "SELECT 0":  # claim_key: no record holds the key
+                self._deferred = (fingerprint, retention_seconds)
+                return Claim(True, generation, None)
+            if status == "INSERT 0 1":  # claim_fresh: the pending record is ours
                 return Claim(True, generation, None)
             return None
         raise StoreError("the fast claim failed twice")  # inlined the second time: unreachable
@@ -655,27 +702,28 @@ class _PgTransaction:
     async def complete(
         self, key: RecordKey, generation: int, state: State, response: StoredResponse
     ) -> None:
+        name, args = self._completion(key, generation, state, response)
+        query = _Q["insert_final"] if name == "insert_final" else _Q["complete"]
         try:
-            status = await self._conn.execute(
-                _Q["complete"], *_complete_args(key, generation, state, response)
-            )
+            status = await self._conn.execute(query, *args)
+        except asyncpg.exceptions.UniqueViolationError as exc:
+            raise await self._lost_the_key(exc) from exc
         except (*_CONNECTION_ERRORS, *_RETRYABLE) as exc:
             raise _translate(exc) from exc
-        if status != "UPDATE 1":
+        self._deferred = None
+        if status not in ("UPDATE 1", "INSERT 0 1"):
             # Our own uncommitted row: only a bug (or a hand edit) makes this miss.
             raise StoreError(f"completion matched no pending record ({status})")
 
     async def complete_and_commit(
         self, key: RecordKey, generation: int, state: State, response: StoredResponse
     ) -> None:
-        args = _complete_args(key, generation, state, response)
+        name, args = self._completion(key, generation, state, response)
         query = None
         fast = self._fast
         if self._fused and fast is not None and len(response.body) <= FUSE_MAX_BODY:
             try:
-                query = _fast_message(
-                    fast, self._conn, "complete_checked", args, begin=False, tail=";\nCOMMIT"
-                )
+                query = _fast_message(fast, self._conn, name, args, begin=False, tail=";\nCOMMIT")
             except _NotFusable:
                 query = None
         if query is None:
@@ -686,10 +734,44 @@ class _PgTransaction:
             await self._conn.execute(query)
         except asyncpg.exceptions.DivisionByZeroError as exc:
             raise StoreError("completion matched no pending record") from exc
+        except asyncpg.exceptions.UniqueViolationError as exc:
+            raise await self._lost_the_key(exc) from exc
         except (*_CONNECTION_ERRORS, *_RETRYABLE) as exc:
             raise _translate(exc) from exc
+        self._deferred = None
         _committed(self._tx)
         self._tx = None
+
+    def _completion(
+        self, key: RecordKey, generation: int, state: State, response: StoredResponse
+    ) -> tuple[str, tuple[Any, ...]]:
+        """The fast path's completing statement and its arguments: the pending record's UPDATE
+        (`complete_checked`), or, for a claim that wrote nothing yet, the record's one INSERT."""
+        if self._deferred is None:
+            return "complete_checked", _complete_args(key, generation, state, response)
+        fingerprint, retention_seconds = self._deferred
+        return "insert_final", (
+            key.tenant,
+            key.operation,
+            key.key,
+            fingerprint,
+            generation,
+            retention_seconds,
+            state.value,
+            response.status,
+            encode_headers(response.headers),
+            response.body,
+            response.body_omitted,
+        )
+
+    async def _lost_the_key(self, exc: BaseException) -> RetryableConflict:
+        """A record for the key appeared while the handler ran: a claim that took no advisory
+        lock (the ordinary path, a token claim, or a lease-mode claim of the same operation)
+        committed it first. Nothing of ours is committed; the attempt runs again, and its
+        claim finds that record."""
+        logger.debug("the key was recorded by another claim first", exc_info=exc)
+        await self.rollback()
+        return RetryableConflict("the key was recorded by a concurrent claim")
 
 
 def _stop_preparing(fast: _FastPath) -> None:
@@ -1033,6 +1115,12 @@ class PostgresStore:
                 tx = conn.transaction()
                 await tx.start()
                 try:
+                    # A claim that writes its record at commit holds only the key's advisory
+                    # lock; one that inserted a pending record holds that row.
+                    if await conn.fetchval(_Q["claim_key_available"]) and await conn.fetchval(
+                        _Q["probe_key_lock"], key.tenant, key.operation, key.key
+                    ):
+                        return True
                     await conn.execute("SET LOCAL lock_timeout = '100ms'")
                     await conn.execute(_Q["probe_claim"], key.tenant, key.operation, key.key)
                 except asyncpg.exceptions.LockNotAvailableError:

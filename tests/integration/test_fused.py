@@ -9,6 +9,7 @@ ordinary way; and the installed asyncpg still has what the fast path relies on.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from typing import Any
 
@@ -22,6 +23,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from idem_middleware import IdempotencyMiddleware, Mode, Policy, PostgresStore, get_context
+from idem_middleware.store.base import RecordKey
+from idem_middleware.store.migrations import migrate
 from idem_middleware.store.postgres import (
     _NAMES,
     FUSE_MAX_BODY,
@@ -30,7 +33,8 @@ from idem_middleware.store.postgres import (
     _literal,
     _NotFusable,
 )
-from tests.apps import BearerBackend, build_app, client, count, key, records
+from tests.apps import BearerBackend, assert_problem, build_app, client, count, key, records
+from tests.conftest import BUSINESS_SCHEMA, _fresh_database
 
 
 class Log:
@@ -46,7 +50,7 @@ class Log:
         return [
             q
             for q in self.queries
-            if "EXECUTE idem_claim_fresh" in q or "INSERT INTO idem_requests (tenant" in q
+            if "EXECUTE idem_claim_key" in q or "SELECT * FROM idem_claim_key" in q
         ]
 
 
@@ -182,11 +186,11 @@ async def test_a_large_response_is_completed_the_ordinary_way(logged: Any) -> No
     assert again.headers["idempotent-replayed"] == "true"
     assert again.content == r.content
     assert len(r.content) == size
-    completes = [q for q in log.queries if q.startswith("UPDATE idem_requests SET state = $5")]
-    assert len(completes) == 1  # parameterised, then its own COMMIT
-    assert not any(
-        q.startswith(("WITH completed AS", "EXECUTE idem_complete")) for q in log.queries
-    )
+    # The record's one INSERT, parameterised, then its own COMMIT.
+    inserts = [q for q in log.queries if q.startswith("INSERT INTO idem_requests") and "$11" in q]
+    assert len(inserts) == 1
+    assert "COMMIT;" in log.queries
+    assert not any(q.startswith("EXECUTE idem_insert_final") for q in log.queries)
 
 
 async def test_the_installed_asyncpg_supports_the_fast_path(pool: Any) -> None:
@@ -208,7 +212,7 @@ async def test_prepared_statements_lost_by_the_pool_fall_back_to_inlined_text(
 
     async def reset(conn: asyncpg.Connection[Any]) -> None:
         await conn.reset()
-        for name in (_NAMES["claim_fresh"], _NAMES["complete_checked"]):
+        for name in (_NAMES["claim_key"], _NAMES["insert_final"]):
             with contextlib.suppress(asyncpg.exceptions.InvalidSQLStatementNameError):
                 await conn.execute(f"DEALLOCATE {name}")
 
@@ -224,8 +228,8 @@ async def test_prepared_statements_lost_by_the_pool_fall_back_to_inlined_text(
         assert [r.status_code for r in answers] == [201, 201, 201]
         assert await count(pool, "test_ledger") == 3
         fast = log.fused()
-        assert "EXECUTE idem_claim_fresh" in fast[0]  # prepared, then used
-        assert "INSERT INTO idem_requests" in fast[-1]  # inlined after the miss
+        assert "EXECUTE idem_claim_key" in fast[0]  # prepared, then used
+        assert fast[-1].startswith("BEGIN; SELECT * FROM idem_claim_key(")  # inlined after the miss
     finally:
         await pool.close()
 
@@ -267,3 +271,133 @@ async def test_lease_fence_and_settlement_travel_with_begin_and_commit(logged: A
     assert await count(pool, "test_ledger") == 1
     async with pool.acquire() as conn:  # asyncpg knows the fenced transaction is over
         assert not conn.is_in_transaction()
+
+
+# -- the record written once, at commit (migration 0003) ------------------------------------------
+
+CREDIT_OP = "POST /accounts/{account_id}/credits"
+
+
+async def test_a_fresh_claim_writes_the_record_once_with_its_outcome(logged: Any) -> None:
+    """The claim takes the key's advisory lock and writes nothing; the completion is the
+    record's one INSERT: no pending row, no UPDATE, one row version."""
+    pool, log = logged
+    app = build_app(PostgresStore(pool=pool))
+    async with client(app) as c:
+        r = await c.post("/accounts/a1/credits", json={"amount": 5}, headers=key("once"))
+        again = await c.post("/accounts/a1/credits", json={"amount": 5}, headers=key("once"))
+    assert r.status_code == 201
+    assert again.headers["idempotent-replayed"] == "true"
+    run = [part for q in log.queries for part in q.split("; ") if not part.startswith("PREPARE")]
+    older = (
+        "UPDATE idem_requests",
+        "WITH completed",
+        "EXECUTE idem_claim_fresh",
+        "EXECUTE idem_complete",
+    )
+    assert not any(statement.startswith(older) for statement in run)
+    (completion,) = [q for q in log.queries if "EXECUTE idem_insert_final" in q]
+    assert completion.endswith("COMMIT")
+    row = await pool.fetchrow(
+        "SELECT ctid::text, state, mode, response_status,"
+        " expires_at - created_at = retention AS kept FROM idem_requests"
+    )
+    # The table was truncated: the first row version written is (0,1); an UPDATE would have
+    # left the record at (0,2).
+    assert dict(row) == {
+        "ctid": "(0,1)",
+        "state": "succeeded",
+        "mode": "transactional",
+        "response_status": 201,
+        "kept": True,
+    }
+
+
+async def test_a_record_that_appears_while_the_handler_runs_wins(logged: Any) -> None:
+    """A claim that takes no advisory lock (a token claim, the ordinary path, a lease claim of
+    the same operation) commits a record for the key while our handler runs: our INSERT fails,
+    the handler's writes roll back, and the attempt runs again and finds that record."""
+    pool, _ = logged
+    app = build_app(PostgresStore(pool=pool), default_policy=Policy(wait_seconds=5))
+    probe = app.state.probe
+    probe.gate = asyncio.Event()
+    async with client(app) as c:
+        first = asyncio.ensure_future(
+            c.post("/accounts/a1/credits", json={"amount": 5}, headers=key("raced"))
+        )
+        await asyncio.wait_for(probe.entered.wait(), 5)
+        await pool.execute(
+            "INSERT INTO idem_requests (tenant, operation, idem_key, fingerprint, state, mode, "
+            "retention, expires_at, response_status, response_headers, response_body) "
+            "VALUES ('tenant-a', $1, 'raced', '\\x00'::bytea, 'succeeded', 'transactional', "
+            "interval '1 day', now() + interval '1 day', 201, ''::bytea, '{}'::bytea)",
+            CREDIT_OP,
+        )
+        probe.gate.set()
+        r = await asyncio.wait_for(first, 10)
+    assert_problem(r, 422, "key-reused")  # the other record's fingerprint is not ours
+    assert probe.calls == 1
+    assert await count(pool, "test_ledger") == 0
+
+
+async def test_a_schema_without_migration_3_claims_the_older_way(pg_dsn: str) -> None:
+    """Before `idem_claim_key` exists the store inserts a pending record and updates it (and
+    says so once in the log); the status probe still sees an uncommitted claim."""
+    dsn = await _fresh_database(pg_dsn, "idem_test_schema_2")
+    conn = await asyncpg.connect(dsn)
+    try:
+        await migrate(conn)
+        await conn.execute(BUSINESS_SCHEMA)
+        await conn.execute("DROP FUNCTION idem_claim_key(text, text, text)")
+    finally:
+        await conn.close()
+    log = Log()
+
+    async def init(c: asyncpg.Connection[Any]) -> None:
+        c.add_query_logger(log)
+
+    pool = await asyncpg.create_pool(dsn, min_size=1, max_size=4, init=init)
+    try:
+        store = PostgresStore(pool=pool)
+        app = build_app(store, default_policy=Policy(wait_seconds=5))
+        probe = app.state.probe
+        probe.gate = asyncio.Event()
+        async with client(app) as c:
+            first = asyncio.ensure_future(
+                c.post("/accounts/a1/credits", json={"amount": 5}, headers=key("old"))
+            )
+            await asyncio.wait_for(probe.entered.wait(), 5)
+            held = await store.in_flight(RecordKey("tenant-a", CREDIT_OP, "old"))
+            probe.gate.set()
+            r = await asyncio.wait_for(first, 10)
+            again = await c.post("/accounts/a1/credits", json={"amount": 5}, headers=key("old"))
+        assert held is True
+        assert r.status_code == 201
+        assert again.headers["idempotent-replayed"] == "true"
+        assert any("EXECUTE idem_claim_fresh" in q for q in log.queries)
+        assert any("EXECUTE idem_complete_checked" in q for q in log.queries)
+        assert not any("idem_claim_key" in q and "EXECUTE" in q for q in log.queries)
+        assert await count(pool, "test_ledger") == 1
+    finally:
+        await pool.close()
+
+
+async def test_the_status_probe_sees_a_claim_that_has_written_nothing(logged: Any) -> None:
+    pool, _ = logged
+    store = PostgresStore(pool=pool)
+    app = build_app(store, default_policy=Policy(wait_seconds=5))
+    probe = app.state.probe
+    probe.gate = asyncio.Event()
+    record_key = RecordKey("tenant-a", CREDIT_OP, "probed")
+    async with client(app) as c:
+        first = asyncio.ensure_future(
+            c.post("/accounts/a1/credits", json={"amount": 5}, headers=key("probed"))
+        )
+        await asyncio.wait_for(probe.entered.wait(), 5)
+        held = await store.in_flight(record_key)
+        assert await count(pool, "idem_requests") == 0  # nothing written yet
+        probe.gate.set()
+        r = await asyncio.wait_for(first, 10)
+    assert held is True
+    assert r.status_code == 201
+    assert await store.in_flight(record_key) is False  # committed: not in flight any more

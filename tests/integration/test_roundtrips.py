@@ -42,8 +42,12 @@ def _kind(q: str) -> str:
         return q.rstrip(";").split()[0]
     if q.startswith("WITH ins AS"):
         return "claim"
-    if q.startswith(("INSERT INTO idem_requests (tenant", "EXECUTE idem_claim_fresh")):
-        return "claim-insert"
+    if q.startswith(("SELECT * FROM idem_claim_key", "EXECUTE idem_claim_key")):
+        return "claim-key"
+    if q.startswith("SELECT to_regprocedure('idem_claim_key"):
+        return "schema-check"
+    if q.startswith(("INSERT INTO idem_requests (tenant", "EXECUTE idem_insert_final")):
+        return "complete"
     if q.startswith("PREPARE"):
         return "prepare"
     if q.startswith("SELECT nextval('idem_generation_seq')"):
@@ -86,18 +90,20 @@ async def test_fresh_claim_adds_two_statements_and_no_round_trip(logged: Any) ->
     app = build_app(PostgresStore(pool=pool))
     async with client(app) as c:
         first = await _post(c, "fresh-1")
-        # The first claim draws a batch of generations inside its transaction (no commit of its
-        # own), and prepares the claim and the completion on its connection in the message
-        # that claims.
-        # (4 statements: the claim, the completion, and lease mode's fence and settlement.)
-        assert log.kinds()[:3] == ["BEGIN", "draw", "prepare+" * 4 + "claim-insert"]
+        # The store's first claim checks once that the schema has `idem_claim_key`. The first
+        # claim draws a batch of generations inside its transaction (no commit of its own), and
+        # prepares the fast statements on its connection in the message that claims (6: the
+        # claim and the record's insert, the older schema's claim and completion, and lease
+        # mode's fence and settlement).
+        assert log.kinds()[:4] == ["schema-check", "BEGIN", "draw", "prepare+" * 6 + "claim-key"]
         log.queries.clear()
         r = await _post(c, "fresh-2")
     assert first.status_code == r.status_code == 201
     # The bare handler's transaction is BEGIN, its 2 statements, COMMIT: 4 round trips. We add
     # the claim and the completion as statements, but they travel with the BEGIN and the COMMIT.
+    # The claim writes nothing; the completion is the record's one INSERT.
     assert log.kinds() == [
-        "BEGIN+claim-insert",
+        "BEGIN+claim-key",
         "handler",
         "handler",
         "complete+COMMIT",
@@ -113,8 +119,8 @@ async def test_replay_is_one_statement_in_a_short_transaction(logged: Any) -> No
         log.queries.clear()
         r = await _post(c, "replayed")
     assert r.headers["idempotent-replayed"] == "true"
-    # The fast INSERT finds the key taken; one read answers.
-    assert log.kinds() == ["BEGIN+claim-insert", "get", "ROLLBACK", "reset"]
+    # The fast claim finds a record holding the key; one read answers.
+    assert log.kinds() == ["BEGIN+claim-key", "get", "ROLLBACK", "reset"]
 
 
 async def test_mismatch_costs_the_same_as_a_replay(logged: Any) -> None:
@@ -125,7 +131,7 @@ async def test_mismatch_costs_the_same_as_a_replay(logged: Any) -> None:
         log.queries.clear()
         r = await _post(c, "reused", amount=6)
     assert r.status_code == 422
-    assert log.kinds() == ["BEGIN+claim-insert", "get", "ROLLBACK", "reset"]
+    assert log.kinds() == ["BEGIN+claim-key", "get", "ROLLBACK", "reset"]
 
 
 async def test_in_flight_duplicate_waits_then_reads_the_committed_record(logged: Any) -> None:
@@ -138,13 +144,13 @@ async def test_in_flight_duplicate_waits_then_reads_the_committed_record(logged:
         await asyncio.wait_for(probe.entered.wait(), 5)
         log.queries.clear()
         second = asyncio.ensure_future(_post(c, "inflight"))
-        await asyncio.sleep(0.2)  # the duplicate is now blocked on the claim row
+        await asyncio.sleep(0.2)  # the duplicate is now blocked on the key's advisory lock
         probe.gate.set()
         r1, r2 = await asyncio.wait_for(asyncio.gather(first, second), 10)
     assert (r1.status_code, r2.status_code) == (201, 201)
     assert r2.headers["idempotent-replayed"] == "true"
-    # The waiter's INSERT waits for the original, then finds the key taken, and reads it.
+    # The waiter's claim waits for the original, then finds its record, and reads it.
     # (On its own connection, whose first fast claim also prepares: not a round trip more.)
-    kinds = [k.removeprefix("prepare+" * 4) for k in log.kinds()]
+    kinds = [k.removeprefix("prepare+" * 6) for k in log.kinds()]
     duplicate = [k for k in kinds if k not in ("handler", "complete+COMMIT", "reset")]
-    assert duplicate == ["BEGIN+claim-insert", "get", "ROLLBACK"]
+    assert duplicate == ["BEGIN+claim-key", "get", "ROLLBACK"]
