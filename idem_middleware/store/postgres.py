@@ -546,7 +546,7 @@ class _PgTransaction:
     visible to anyone else anyway, so writing it early only cost an UPDATE, a dead row version and
     its index entries."""
 
-    __slots__ = ("_conn", "_deferred", "_fast", "_fused", "_tx")
+    __slots__ = ("_conn", "_deferred", "_fast", "_fused", "_tx", "lent")
 
     def __init__(self, conn: Any, fast: _FastPath | None) -> None:
         self._conn = conn
@@ -557,9 +557,12 @@ class _PgTransaction:
         self._fused = False
         # (fingerprint, retention seconds) of a claim whose record is written at completion.
         self._deferred: tuple[bytes, float] | None = None
+        # Whether the connection was handed out (to the handler): then the pool resets it.
+        self.lent = False
 
     @property
     def connection(self) -> Any:
+        self.lent = True
         return self._conn
 
     @property
@@ -838,6 +841,37 @@ class PostgresStore:
             "server_settings": {"application_name": application_name},
             **(connect_kwargs or {}),
         }
+        # Connections that ran only the store's own statements since they were acquired: they
+        # carry no session state (ours is all transaction-scoped), so the pool of our own skips
+        # their reset query, a round trip per release. Any other connection is reset as usual.
+        self._clean: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._pool_kwargs.setdefault("reset", self._reset_connection)
+
+    async def _reset_connection(self, conn: Any) -> None:
+        """The reset of our own pool (asyncpg has already rolled back any open transaction and
+        dropped client-side listeners): the server-side reset, unless `conn` is clean."""
+        if conn in self._clean:
+            self._clean.discard(conn)
+            return
+        query = conn.get_reset_query()
+        if query:
+            await conn.execute(query)
+
+    def _mark_clean(self, conn: Any) -> None:
+        """`conn` (a pool's proxy) ran only our statements and is not in a transaction."""
+        raw = getattr(conn, "_con", None)  # the connection behind the proxy
+        if raw is not None and not raw.is_closed() and not raw.is_in_transaction():
+            self._clean.add(raw)
+
+    @asynccontextmanager
+    async def _internal(self) -> AsyncIterator[Any]:
+        """A pooled connection for the store's own statements: released without a reset."""
+        conn = await self.pool.acquire()
+        try:
+            yield conn
+            self._mark_clean(conn)
+        finally:
+            await self.pool.release(conn)
 
     @property
     def pool(self) -> asyncpg.Pool[Any]:
@@ -882,12 +916,15 @@ class PostgresStore:
             finally:
                 if session.active:
                     await session.rollback()
+            if not session.lent:
+                self._mark_clean(conn)  # a replay, say: the handler never had the connection
         finally:
             await self.pool.release(conn)
 
     async def get(self, key: RecordKey) -> Record | None:
         try:
-            row = await self.pool.fetchrow(_Q["get"], key.tenant, key.operation, key.key)
+            async with self._internal() as conn:
+                row = await conn.fetchrow(_Q["get"], key.tenant, key.operation, key.key)
         except _CONNECTION_ERRORS as exc:
             raise StoreError(str(exc)) from exc
         return None if row is None else _record(key, row)
@@ -913,7 +950,8 @@ class PostgresStore:
             lease_seconds,
         )
         try:
-            return await _claim(self.pool, key, args, token_hash, None)
+            async with self._internal() as conn:
+                return await _claim(conn, key, args, token_hash, None)
         except (*_CONNECTION_ERRORS, *_RETRYABLE) as exc:
             raise _translate(exc) from exc
 
@@ -925,7 +963,8 @@ class PostgresStore:
 
     async def _run(self, method: str, query: str, *args: Any) -> Any:
         try:
-            return await getattr(self.pool, method)(query, *args)
+            async with self._internal() as conn:
+                return await getattr(conn, method)(query, *args)
         except (*_CONNECTION_ERRORS, *_RETRYABLE) as exc:
             raise _translate(exc) from exc
 
@@ -1111,7 +1150,7 @@ class PostgresStore:
     async def in_flight(self, key: RecordKey) -> bool:
         """Whether an uncommitted (transactional-mode) claim holds the key at this moment."""
         try:
-            async with self.pool.acquire() as conn:
+            async with self._internal() as conn:
                 tx = conn.transaction()
                 await tx.start()
                 try:

@@ -1,0 +1,122 @@
+"""The store's own pool resets a connection on release only if code other than the store's had
+it (store/postgres.py `_reset_connection`): the store's statements leave no session state, so
+their reset query would be a round trip for nothing. A handler's connection, and any connection
+taken from `store.pool` directly, is still reset."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import asyncpg
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.middleware.authentication import AuthenticationMiddleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from idem_middleware import IdempotencyMiddleware, Mode, Policy, PostgresStore, get_context
+from tests.apps import BearerBackend, client, key
+
+RESET = "SELECT pg_advisory_unlock_all()"
+LEAKED = "SELECT current_setting('idem_test.leak', true)"
+
+
+async def leaky(request: Request) -> Response:
+    """Leaves session state on the connection it was given: a setting outside any transaction
+    scope (set_config with is_local false)."""
+    ctx = get_context(request)
+    conn = await ctx.fenced_connection() if ctx.mode is Mode.LEASE else ctx.connection
+    await conn.execute("SELECT set_config('idem_test.leak', 'handler', false)")
+    return JSONResponse({"ok": True}, status_code=201)
+
+
+def _app(store: PostgresStore, mode: Mode) -> Starlette:
+    return Starlette(
+        routes=[Route("/leaky", leaky, methods=["POST"])],
+        middleware=[
+            Middleware(AuthenticationMiddleware, backend=BearerBackend()),
+            Middleware(IdempotencyMiddleware, store=store, default_policy=Policy(mode=mode)),
+        ],
+    )
+
+
+class Log:
+    def __init__(self) -> None:
+        self.queries: list[str] = []
+
+    def __call__(self, record: Any) -> None:
+        self.queries.append(" ".join(record.query.split()))
+
+    def resets(self) -> int:
+        n = sum(q.startswith(RESET) for q in self.queries)
+        self.queries.clear()
+        return n
+
+
+def _store(db_dsn: str, log: Log, **connect: Any) -> PostgresStore:
+    async def init(conn: asyncpg.Connection[Any]) -> None:
+        conn.add_query_logger(log)
+
+    # One connection: whatever a release leaves behind, the next request gets.
+    return PostgresStore(
+        dsn=db_dsn, min_size=1, max_size=1, listen=False, connect_kwargs={"init": init, **connect}
+    )
+
+
+async def _leak(store: PostgresStore) -> str | None:
+    async with store.pool.acquire() as conn:
+        value: str | None = await conn.fetchval(LEAKED)
+        return value
+
+
+async def test_transactional_mode_resets_only_the_handlers_connection(db_dsn: str) -> None:
+    log = Log()
+    async with _store(db_dsn, log) as store:
+        async with client(_app(store, Mode.TRANSACTIONAL)) as c:
+            first = await c.post("/leaky", json={}, headers=key("tx-reset"))
+            assert log.resets() == 1  # the handler had the connection
+            again = await c.post("/leaky", json={}, headers=key("tx-reset"))
+            assert log.resets() == 0  # a replay: only the store's statements ran on it
+        assert await _leak(store) in (None, "")
+    assert first.status_code == 201
+    assert again.headers["idempotent-replayed"] == "true"
+
+
+async def test_lease_mode_resets_only_the_fenced_connection(db_dsn: str) -> None:
+    log = Log()
+    async with _store(db_dsn, log) as store:
+        async with client(_app(store, Mode.LEASE)) as c:
+            first = await c.post("/leaky", json={}, headers=key("lease-reset"))
+            # The claim and the settlement's own statements: no reset; the fenced connection
+            # the handler wrote on: reset.
+            assert log.resets() == 1
+            again = await c.post("/leaky", json={}, headers=key("lease-reset"))
+            assert log.resets() == 0
+        assert await _leak(store) in (None, "")
+    assert first.status_code == 201
+    assert again.headers["idempotent-replayed"] == "true"
+
+
+async def test_a_connection_taken_from_the_stores_pool_is_reset(db_dsn: str) -> None:
+    log = Log()
+    async with _store(db_dsn, log) as store:
+        async with store.pool.acquire() as conn:
+            await conn.execute("SELECT set_config('idem_test.leak', 'user', false)")
+        assert log.resets() == 1
+        assert await _leak(store) in (None, "")
+
+
+async def test_a_reset_of_the_callers_own_is_kept(db_dsn: str) -> None:
+    log = Log()
+    calls: list[object] = []
+
+    async def reset(conn: asyncpg.Connection[Any]) -> None:
+        calls.append(conn)
+        await conn.reset()
+
+    store = _store(db_dsn, log, reset=reset)
+    async with store, client(_app(store, Mode.TRANSACTIONAL)) as c:
+        await c.post("/leaky", json={}, headers=key("own-reset"))
+        await c.post("/leaky", json={}, headers=key("own-reset"))
+    assert len(calls) >= 2  # every release, the store's own statements' too
