@@ -23,7 +23,7 @@ from .context import (
     leave_context,
     outcome_for_status,
 )
-from .errors import ProblemKind
+from .errors import ProblemKind, StaleGeneration
 from .fence import Fence, Verdict, run_reconciler
 from .observe import SETTLED_EVENTS, Event
 from .policy import LeaseExpiry, Mode, Policy
@@ -269,6 +269,18 @@ class LeaseRun:
         try:
             try:
                 await ex.app(ex.scope, ex.app_receive, capture)
+            except StaleGeneration:
+                if capture.passthrough:
+                    raise
+                # The handler let its fenced write's refusal escape: this generation no longer
+                # holds the record (a takeover, or the lease lapsed), so nothing of ours can be
+                # settled. The same answer as a refused completion: retry for the outcome.
+                await fence.close()
+                logger.warning(
+                    "a stale executor's fenced write was refused",
+                    extra=self._log_extra(generation, "stale"),
+                )
+                settled = False
             except BaseException:
                 # Clean up, then re-raise. Whatever the handler did outside the database may
                 # have happened: unknown, unless it declared the request did nothing.
@@ -283,16 +295,17 @@ class LeaseRun:
                         )
                         ex.emit(Event.UNRESOLVED, generation)
                 raise
-            if capture.passthrough:
-                return
-            if capture.start is None or not capture.complete:
-                await fence.close()
-                await self.store.settle(
-                    self.key, generation, State.PENDING, Settlement(State.UNKNOWN)
-                )
-                raise RuntimeError("the application returned without a complete response")
-            stop.set()  # no new renewals once settling starts
-            settled = await self._settle(context, fence, capture)
+            else:
+                if capture.passthrough:
+                    return
+                if capture.start is None or not capture.complete:
+                    await fence.close()
+                    await self.store.settle(
+                        self.key, generation, State.PENDING, Settlement(State.UNKNOWN)
+                    )
+                    raise RuntimeError("the application returned without a complete response")
+                stop.set()  # no new renewals once settling starts
+                settled = await self._settle(context, fence, capture)
         finally:
             leave_context(ex.scope, token)
             # Stopped by awaiting, never cancelled mid-write: a renewal in flight finishes (after

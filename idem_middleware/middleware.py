@@ -199,7 +199,8 @@ class _Exchange:
         """The wait ran out: 409 + Retry-After, or 202 + Location if the policy says so."""
         if self.policy.accept_while_in_flight:
             query = urlencode({"operation": record_key.operation, "key": record_key.key})
-            location = f"{self.mw.status_path}?{query}"
+            # Under the app's root path (a proxy's prefix), as the client addressed it.
+            location = f"{self.scope.get('root_path', '')}{self.mw.status_path}?{query}"
             self.started = True
             self.emit(Event.IN_FLIGHT)
             await send_accepted(self.send, location, self.policy.retry_after_seconds)

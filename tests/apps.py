@@ -523,7 +523,8 @@ class Step:
     #: Raise DownstreamError "before" or "after" the downstream effect.
     fail: str | None = None
     #: Write a test_ledger row on the fenced connection "before" the downstream call or "after"
-    #: the hold (a StaleGeneration there is caught and recorded in `LeaseProbe.stale`).
+    #: the hold (a StaleGeneration there is caught and recorded in `LeaseProbe.stale`), or
+    #: "after, uncaught": the same write, a StaleGeneration left to escape the handler.
     fence: str | None = None
     gate: asyncio.Event | None = None
     delay: float = 0.0
@@ -581,6 +582,8 @@ async def payout(request: Request) -> Response:
             await fenced_ledger(ctx, account, amount)
         except StaleGeneration:
             probe.stale.append(ctx.generation)
+    elif step.fence == "after, uncaught":
+        await fenced_ledger(ctx, account, amount)
     if step.poison:
         conn = await ctx.fenced_connection()
         with contextlib.suppress(Exception):

@@ -207,6 +207,31 @@ async def test_in_flight_duplicate_gets_202_with_location_when_the_policy_says_s
     await assert_effects(pool, ledger=1, bal=5, recs=1)
 
 
+async def test_the_202_location_carries_the_apps_root_path(pg_store, pool):
+    """An app served under a prefix (a proxy's `--root-path /api`): the Location must point
+    inside it, or the client polls a path that is not this app's."""
+    app = build_app(pg_store, default_policy=Policy(wait_seconds=0.2, accept_while_in_flight=True))
+    probe = app.state.probe
+    prefixed = httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app, root_path="/api", raise_app_exceptions=False),
+        base_url="http://test",
+        headers={"authorization": "Bearer demo-a"},
+    )
+    async with prefixed as c, Held(probe) as held:
+        first = held.start(c.post("/api" + CREDIT, json=BODY, headers=key("k1")))
+        await wait_entered(probe)
+        accepted = await asyncio.wait_for(
+            c.post("/api" + CREDIT, json=BODY, headers=key("k1")), BOUND
+        )
+        held.release()
+        r1 = await asyncio.wait_for(first, BOUND)
+        status = await c.get(accepted.headers["location"])
+    assert (accepted.status_code, r1.status_code) == (202, 201)
+    assert httpx.URL(accepted.headers["location"]).path == "/api/idempotency/status"
+    assert status.status_code == 200, status.text
+    assert status.json()["state"] == "succeeded"
+
+
 async def test_status_resource_of_a_202_knows_the_request_while_it_runs(pg_store, pool):
     """The transactional claim is uncommitted, yet the resource the 202 points at must not
     answer 404 'no such request' while the original runs (a client would resubmit)."""

@@ -257,6 +257,38 @@ async def test_happy_path_claim_commits_first_then_outcome_and_fenced_writes_tog
 # == 3. A stale executor arriving late ==========================================================
 
 
+async def test_a_stale_generation_the_handler_lets_escape_is_a_409_not_a_500(
+    pool: asyncpg.Pool[Any], pg_store: PostgresStore, bank: asyncpg.Pool[Any]
+) -> None:
+    """A late executor whose handler does not catch the StaleGeneration of its fenced write gets
+    the same answer as one that does: 409 request-in-flight (retry for the outcome), and the
+    newer owner's record stands."""
+    policy = LEASE_POLICY.replace(lease_seconds=0.6, on_lease_expiry=LeaseExpiry.TAKEOVER)
+    async with PausedHeartbeatStore(pool=pool, listen=False) as paused:
+        app_a = build_lease_app(paused, bank, policy)
+        app_b = build_lease_app(pg_store, bank, policy)
+        probe_a = probe_of(app_a)
+        gate = asyncio.Event()
+        probe_a.steps = [Step(gate=gate, fence="after, uncaught")]
+        async with client(app_a) as ca, client(app_b) as cb:
+            task_a = spawn(post(ca))
+            await asyncio.wait_for(probe_a.entered.wait(), BOUND)
+            await lease_lapsed(bank)
+            b = await asyncio.wait_for(post(cb), BOUND)
+            assert b.status_code == 201, b.text
+            gate.set()
+            a = await finish(task_a)
+            assert_problem(a, 409, "request-in-flight")
+            assert a.headers["retry-after"] == "1"
+            after = await row(bank)
+            assert after is not None
+            assert after["state"] == "succeeded"
+            assert after["response_body"] == b.content
+            assert await count(bank, "test_ledger") == 0  # neither wrote on a fence (B: default)
+            retry = await post(ca)
+            assert_replay_of(retry, b)
+
+
 async def test_seed_late_stale_executor_is_fenced_out_after_a_takeover(
     pool: asyncpg.Pool[Any], pg_store: PostgresStore, bank: asyncpg.Pool[Any]
 ) -> None:
