@@ -415,6 +415,11 @@ class Tour:
             *publish,
             "--idle-seconds",
             "0.2",
+            # An event it was sending when killed is reserved for 2.5 s, then sent again.
+            "--send-timeout",
+            "2",
+            "--reservation-margin",
+            "0.5",
             env=env,
             stdout=subprocess.DEVNULL,
             start_new_session=True,
@@ -436,7 +441,7 @@ class Tour:
             f"     SIGKILL to the publisher (pid {publisher.pid})"
         )
         await self.faults()
-        for _ in range(10):  # bounded: the dead publisher's row locks go with its connection
+        for _ in range(10):  # bounded: the dead publisher's reservation lapses after 2.5 s
             print(f"  $ idem-middleware outbox publish --url {url} --once")
             once = await asyncio.create_subprocess_exec(
                 sys.executable,

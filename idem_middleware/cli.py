@@ -123,6 +123,13 @@ def _parser() -> argparse.ArgumentParser:
         help="park an event after this many failed sends (env IDEM_OUTBOX_MAX_ATTEMPTS)",
     )
     pub.add_argument("--send-timeout", type=float, default=10.0)
+    pub.add_argument(
+        "--reservation-margin",
+        type=float,
+        default=5.0,
+        help="an event being sent is reserved for --send-timeout plus this; a publisher killed "
+        "mid-send leaves it to be sent again after that",
+    )
     pub.add_argument("--idle-seconds", type=float, default=1.0)
     pub.add_argument("--once", action="store_true", help="publish one batch and exit")
     ol = outbox_commands.add_parser("list", help="unsent events, oldest first")
@@ -227,6 +234,7 @@ async def _outbox(store: PostgresStore, args: argparse.Namespace) -> int:
             batch_size=args.batch_size,
             max_attempts=args.max_attempts,
             send_timeout_seconds=args.send_timeout,
+            reservation_margin_seconds=args.reservation_margin,
         )
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()

@@ -3,12 +3,14 @@
 - `add(conn, topic, payload)` writes an event on the handler's connection, inside the same
   transaction as the business write and the idempotency outcome (transactional mode: the claim's
   connection; lease mode: `await idem.fenced_connection()`). A rolled-back request leaves no event.
-- `Publisher` claims due events with `FOR UPDATE SKIP LOCKED` (so several publishers never send
-  one event at the same time), sends them through your async sender, marks them sent, retries
-  with exponential backoff, and parks an event after `max_attempts` failures.
-- Delivery is at least once: a publisher that dies after sending and before marking sends the
-  event again. Consumers deduplicate by the event id with `consume_once(conn, consumer, event_id)`
-  in their own transaction.
+- `Publisher` reserves due events one at a time (`FOR UPDATE SKIP LOCKED`, then a reservation
+  committed with the attempt counted, so several publishers never send one event at the same
+  time and no transaction stays open while sending), sends each through your async sender, marks
+  it sent, retries with exponential backoff, and parks an event after `max_attempts` attempts.
+- Delivery is at least once: a publisher that dies after sending and before marking leaves the
+  event reserved; it is sent again once the reservation lapses (`send_timeout_seconds +
+  reservation_margin_seconds`), that attempt counted. Consumers deduplicate by the event id with
+  `consume_once(conn, consumer, event_id)` in their own transaction.
 """
 
 from __future__ import annotations
@@ -84,9 +86,12 @@ class Publisher:
         base_backoff_seconds: float = 1.0,
         max_backoff_seconds: float = 300.0,
         send_timeout_seconds: float = 10.0,
+        reservation_margin_seconds: float = 5.0,
     ) -> None:
         if batch_size < 1 or max_attempts < 1:
             raise ValueError("batch_size and max_attempts must be at least 1")
+        if send_timeout_seconds <= 0 or reservation_margin_seconds < 0:
+            raise ValueError("send_timeout_seconds must be positive, the margin not negative")
         self.pool = pool
         self.sender = sender
         self.batch_size = batch_size
@@ -94,38 +99,59 @@ class Publisher:
         self.base_backoff_seconds = base_backoff_seconds
         self.max_backoff_seconds = max_backoff_seconds
         self.send_timeout_seconds = send_timeout_seconds
+        self.reservation_margin_seconds = reservation_margin_seconds
 
     def backoff(self, attempts: int) -> float:
         return float(min(self.base_backoff_seconds * 2**attempts, self.max_backoff_seconds))
 
-    async def publish_batch(self) -> PublishReport:
-        """Claim one batch, send it, record the results; all in one transaction.
+    @property
+    def reservation_seconds(self) -> float:
+        """How long a reserved event is left to this publisher: a send is cut off well before."""
+        return self.send_timeout_seconds + self.reservation_margin_seconds
 
-        The row locks keep other publishers off these events until the results are recorded;
-        if this process dies first, the transaction rolls back and the events are sent again.
+    async def publish_batch(self) -> PublishReport:
+        """Send up to `batch_size` due events, one at a time: reserve (the attempt counted, in a
+        statement of its own), send, record the result. No transaction is open during a send.
+
+        If this process dies mid-send, the event stays reserved until its reservation lapses,
+        then any publisher sends it again; an event no publisher ever finishes sending is parked
+        after `max_attempts` attempts like one that keeps failing.
         """
         report = PublishReport()
-        async with self.pool.acquire() as conn, conn.transaction():
-            rows = await conn.fetch(_Q["outbox_claim"], self.batch_size)
-            sent: list[str] = []
-            for row in rows:
+        async with self.pool.acquire() as conn:
+            for _ in range(self.batch_size):
+                row = await conn.fetchrow(
+                    _Q["outbox_claim"], self.reservation_seconds, self.max_attempts
+                )
+                if row is None:
+                    break
+                attempt: int = row["attempts"]
+                if row["parked"]:
+                    report.parked += 1
+                    logger.warning(
+                        "outbox event parked: no publisher finished sending it in %d attempts",
+                        attempt,
+                        extra={"event_id": row["event_id"], "topic": row["topic"]},
+                    )
+                    continue
                 event = OutboxEvent(
                     row["event_id"],
                     row["tenant"],
                     row["topic"],
                     orjson.loads(row["payload"]),
-                    row["attempts"],
+                    attempt - 1,  # the attempts before this one
                 )
                 error = await self._send(event)
                 if error is None:
-                    sent.append(event.event_id)
+                    await conn.execute(_Q["outbox_sent"], event.event_id, attempt)
+                    report.sent += 1
                     continue
                 report.failed += 1
-                if event.attempts + 1 >= self.max_attempts:
+                if attempt >= self.max_attempts:
                     report.parked += 1
                     logger.warning(
                         "outbox event parked after %d attempts",
-                        event.attempts + 1,
+                        attempt,
                         extra={"event_id": event.event_id, "topic": event.topic},
                     )
                 await conn.execute(
@@ -134,10 +160,8 @@ class Publisher:
                     error[:500],
                     self.backoff(event.attempts),
                     self.max_attempts,
+                    attempt,
                 )
-            if sent:
-                await conn.execute(_Q["outbox_sent"], sent)
-            report.sent = len(sent)
         return report
 
     async def _send(self, event: OutboxEvent) -> str | None:
@@ -165,8 +189,9 @@ class Publisher:
             try:
                 report = await self.publish_batch()
             except Exception:
-                # The database went away (a restart, a failover): the batch rolled back and its
-                # events will be sent again. Keep going, backing off while it stays down.
+                # The database went away (a restart, a failover): an event being sent stays
+                # reserved and is sent again once that lapses. Keep going, backing off while the
+                # database stays down.
                 failures += 1
                 logger.warning("outbox batch failed; retrying", exc_info=True)
                 with contextlib.suppress(TimeoutError):

@@ -310,28 +310,45 @@ WHERE t.tenant = doomed.tenant AND t.token_hash = doomed.token_hash;
 INSERT INTO idem_outbox (event_id, tenant, topic, payload) VALUES ($1, $2, $3, $4::jsonb);
 
 -- name: outbox_claim
--- A publisher's batch: due events, locked until its transaction ends; other publishers skip
--- them. $1 batch size
-SELECT event_id, tenant, topic, payload::text AS payload, attempts
-FROM idem_outbox
-WHERE sent_at IS NULL AND parked_at IS NULL AND next_attempt_at <= now()
-ORDER BY next_attempt_at, created_at
-LIMIT $1
-FOR UPDATE SKIP LOCKED;
+-- Reserve the next due event for one send, and count the attempt now: other publishers skip it
+-- until the reservation lapses ($1 seconds: the send's timeout and a margin). A publisher that
+-- dies mid-send leaves the event to be sent again after that, its attempt counted, so an event
+-- that kills its publisher every time is parked after $2 attempts like any failing event.
+-- Returns the event (attempts = this attempt's number), with `parked` if it is parked instead.
+WITH next AS (
+    SELECT event_id FROM idem_outbox
+    WHERE sent_at IS NULL AND parked_at IS NULL AND next_attempt_at <= now()
+    ORDER BY next_attempt_at, created_at
+    LIMIT 1
+    FOR UPDATE SKIP LOCKED
+)
+UPDATE idem_outbox o
+SET attempts = CASE WHEN o.attempts >= $2 THEN o.attempts ELSE o.attempts + 1 END,
+    next_attempt_at = now() + make_interval(secs => $1::float8),
+    parked_at = CASE WHEN o.attempts >= $2 THEN now() END,
+    last_error = CASE
+        WHEN o.attempts >= $2 THEN 'no publisher finished sending it (' || o.attempts || ' attempts)'
+        ELSE o.last_error
+    END
+FROM next
+WHERE o.event_id = next.event_id
+RETURNING o.event_id, o.tenant, o.topic, o.payload::text AS payload, o.attempts,
+          o.parked_at IS NOT NULL AS parked;
 
 -- name: outbox_sent
--- $1 event ids (text[])
-UPDATE idem_outbox SET sent_at = now(), attempts = attempts + 1, last_error = NULL
-WHERE event_id = ANY($1::text[]);
+-- $1 event id, $2 the attempt that sent it (a publisher whose reservation lapsed and was taken
+-- by another changes nothing)
+UPDATE idem_outbox SET sent_at = now(), last_error = NULL
+WHERE event_id = $1 AND attempts = $2 AND sent_at IS NULL;
 
 -- name: outbox_failed
 -- A failed send: back off, or park the event for an operator after `max attempts` tries.
--- $1 event id, $2 error, $3 backoff (seconds), $4 max attempts
+-- $1 event id, $2 error, $3 backoff (seconds), $4 max attempts, $5 the attempt that failed
 UPDATE idem_outbox
-SET attempts = attempts + 1, last_error = $2,
+SET last_error = $2,
     next_attempt_at = now() + make_interval(secs => $3::float8),
-    parked_at = CASE WHEN attempts + 1 >= $4 THEN now() END
-WHERE event_id = $1;
+    parked_at = CASE WHEN attempts >= $4 THEN now() END
+WHERE event_id = $1 AND attempts = $5 AND sent_at IS NULL;
 
 -- name: outbox_requeue
 -- An operator sends parked events again. $1 event ids (text[])

@@ -297,7 +297,16 @@ async def test_a_publisher_killed_after_sending_redelivers_and_the_bank_applies_
             faults = {"webhook_delay_ms": 60_000}
             assert (await bank_http.post("/_faults", json=faults)).status_code == 200
             publisher = subprocess.Popen(  # noqa: ASYNC220 -- started once, never awaited
-                publisher_argv(bank, "--idle-seconds", "0.2"),
+                # An event it is sending when killed is reserved for 2.5 s, then sent again.
+                publisher_argv(
+                    bank,
+                    "--idle-seconds",
+                    "0.2",
+                    "--send-timeout",
+                    "2",
+                    "--reservation-margin",
+                    "0.5",
+                ),
                 cwd=ROOT,
                 env=env,
                 stdout=subprocess.DEVNULL,
@@ -316,7 +325,7 @@ async def test_a_publisher_killed_after_sending_redelivers_and_the_bank_applies_
             assert (await bank_http.post("/_faults", json={})).status_code == 200
 
             runs: list[dict[str, int]] = []
-            for _ in range(20):  # the dead publisher's row locks go with its connection
+            for _ in range(20):  # bounded: the dead publisher's reservation lapses (2.5 s)
                 done = await asyncio.to_thread(
                     subprocess.run,
                     publisher_argv(bank, "--once"),

@@ -4,6 +4,7 @@ at least once, applied once by a deduplicating consumer."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
@@ -163,7 +164,8 @@ async def test_publisher_killed_between_sending_and_marking(
     db_dsn: str, pool: Any, consumer_table: None, tmp_path: Path
 ) -> None:
     """A publisher process sends an event (the consumer applies it), then dies before marking it
-    sent. The next publisher sends it again; the consumer applies it once."""
+    sent. Once its reservation lapses the next publisher sends it again, the dead publisher's
+    attempt counted; the consumer applies it once."""
     async with pool.acquire() as conn:
         event_id = await add(conn, "payout", {"amount": 7})
     sent_flag = tmp_path / "sent"
@@ -186,7 +188,10 @@ async def test_publisher_killed_between_sending_and_marking(
                     pathlib.Path({str(sent_flag)!r}).write_text("sent")
                     await asyncio.sleep(60)  # killed here: sent, never marked
                     return True
-                await Publisher(pool, send, send_timeout_seconds=120).publish_batch()
+                publisher = Publisher(
+                    pool, send, send_timeout_seconds=2, reservation_margin_seconds=0.5
+                )
+                await publisher.publish_batch()
 
             asyncio.run(main())
             """
@@ -215,10 +220,19 @@ async def test_publisher_killed_between_sending_and_marking(
         redelivered += 1
         return await consumer(pool)(event)
 
-    report = await Publisher(pool, counting).publish_batch()
+    publisher = Publisher(pool, counting)
+    early = await publisher.publish_batch()
+    assert early.sent + early.failed == 0  # still reserved by the dead publisher
+    report = early
+    for _ in range(100):  # bounded: the reservation (2.5 s) lapses
+        await asyncio.sleep(0.05)
+        report = await publisher.publish_batch()
+        if report.sent:
+            break
     applied = await pool.fetchval("SELECT count(*) FROM test_consumer_effects")
     assert (report.sent, deliveries, redelivered, applied) == (1, 2, 1, 1)
-    assert await pool.fetchval("SELECT sent_at IS NOT NULL FROM idem_outbox") is True
+    row = await pool.fetchrow("SELECT sent_at IS NOT NULL AS sent, attempts FROM idem_outbox")
+    assert dict(row) == {"sent": True, "attempts": 2}  # the killed attempt counted
     assert await pool.fetchval("SELECT count(*) FROM idem_inbox WHERE event_id = $1", event_id) == 1
     record(
         "outbox: publisher killed between send and mark",
@@ -227,6 +241,61 @@ async def test_publisher_killed_between_sending_and_marking(
         lost_outcomes=0,
         stuck_keys=0,
     )
+
+
+class PublisherDied(BaseException):
+    """What a sender raising this looks like to the outbox: the process stopped mid-send."""
+
+
+async def test_an_event_no_publisher_finishes_sending_is_parked(pool: Any) -> None:
+    """An event whose send kills the publisher every time (a crash, an OOM kill) is not retried
+    forever: each death counts as an attempt, and it is parked after `max_attempts`."""
+    async with pool.acquire() as conn:
+        event_id = await add(conn, "t", {"poison": True})
+    deaths = 0
+
+    async def fatal(event: OutboxEvent) -> bool:
+        nonlocal deaths
+        deaths += 1
+        raise PublisherDied
+
+    publisher = Publisher(
+        pool, fatal, max_attempts=3, send_timeout_seconds=0.05, reservation_margin_seconds=0
+    )
+    parked = 0
+    for _ in range(50):  # bounded
+        with contextlib.suppress(PublisherDied):
+            parked += (await publisher.publish_batch()).parked
+        if parked:
+            break
+        await asyncio.sleep(0.06)  # the dead attempt's reservation lapses
+    assert (deaths, parked) == (3, 1)
+    row = await pool.fetchrow("SELECT attempts, parked_at, last_error FROM idem_outbox")
+    assert row["attempts"] == 3
+    assert row["parked_at"] is not None
+    assert "no publisher finished sending it" in row["last_error"]
+    assert [e["event_id"] for e in await list_events(pool, parked_only=True)] == [event_id]
+
+
+async def test_no_transaction_is_open_while_a_publisher_sends(pool: Any) -> None:
+    """The reservation is committed before the send: a slow receiver holds no transaction (no
+    row locks, no snapshot holding back vacuum), and others see the event reserved."""
+    async with pool.acquire() as conn:
+        await add(conn, "t", {"x": 1})
+    seen: list[tuple[int, int]] = []
+
+    async def observing(event: OutboxEvent) -> bool:
+        open_transactions = await pool.fetchval(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+            "AND state LIKE 'idle in transaction%'"
+        )
+        attempts = await pool.fetchval("SELECT attempts FROM idem_outbox")
+        seen.append((open_transactions, attempts))
+        return True
+
+    report = await Publisher(pool, observing).publish_batch()
+    assert report.sent == 1
+    assert seen == [(0, 1)]
 
 
 async def test_the_publisher_survives_a_database_outage(pool: Any) -> None:
