@@ -46,6 +46,13 @@ _FIRST_POLL = 0.05
 _MAX_POLL = 1.0
 # Every loop is bounded: a record changing this often under one request is a bug, not load.
 _MAX_ROUNDS = 10_000
+#: The least a duplicate waits for a record an executor's fenced transaction holds.
+_MIN_LOCK_WAIT = 0.05
+
+
+def _lock_wait(remaining: float) -> float:
+    """How long a duplicate may wait for the record's row lock: what is left of its wait."""
+    return max(remaining, _MIN_LOCK_WAIT)
 
 
 class _Exchange(Protocol):
@@ -149,9 +156,15 @@ class LeaseRun:
                 elif record.retry_allowed or (
                     record.lease_expired and policy.on_lease_expiry is LeaseExpiry.TAKEOVER
                 ):
-                    generation = await store.takeover(
-                        self.key, record.generation, State.PENDING, policy.lease_seconds
-                    )
+                    try:
+                        async with asyncio.timeout(_lock_wait(deadline - loop.time())):
+                            generation = await store.takeover(
+                                self.key, record.generation, State.PENDING, policy.lease_seconds
+                            )
+                    except TimeoutError:
+                        # The executor is still in its fenced transaction, past its lease.
+                        await self.ex.answer_in_flight(self.key)
+                        return
                     if generation is not None:
                         logger.info(
                             "took over a lapsed claim",
@@ -160,7 +173,13 @@ class LeaseRun:
                         await self.execute(generation)
                         return
                 elif record.lease_expired:
-                    await store.expire_lease(self.key, record.generation)
+                    try:
+                        async with asyncio.timeout(_lock_wait(deadline - loop.time())):
+                            await store.expire_lease(self.key, record.generation)
+                    except TimeoutError:
+                        # The executor is still in its fenced transaction, past its lease.
+                        await self.ex.answer_in_flight(self.key)
+                        return
                 else:
                     remaining = deadline - loop.time()
                     if remaining <= 0:
@@ -191,6 +210,7 @@ class LeaseRun:
             seconds=policy.reconcile_timeout_seconds,
         )
         if result.verdict is Verdict.NOT_HAPPENED:
+            # (No fenced transaction can hold an unknown record: a fence needs it pending.)
             generation = await self.store.takeover(
                 self.key, record.generation, State.UNKNOWN, policy.lease_seconds
             )

@@ -257,6 +257,40 @@ async def test_happy_path_claim_commits_first_then_outcome_and_fenced_writes_tog
 # == 3. A stale executor arriving late ==========================================================
 
 
+@pytest.mark.parametrize("expiry", [LeaseExpiry.TAKEOVER, LeaseExpiry.UNKNOWN])
+async def test_a_duplicate_waits_no_longer_than_its_bound_on_an_executor_writing_past_its_lease(
+    pool: asyncpg.Pool[Any], pg_store: PostgresStore, bank: asyncpg.Pool[Any], expiry: LeaseExpiry
+) -> None:
+    """The executor holds its fenced transaction (the record's row lock) past its lease. A
+    duplicate finds the lease lapsed, and taking the claim over (or marking it unknown) needs
+    that lock: it waits at most `wait_seconds`, then answers 409, and changes nothing."""
+    policy = LEASE_POLICY.replace(lease_seconds=0.6, wait_seconds=0.3, on_lease_expiry=expiry)
+    async with PausedHeartbeatStore(pool=pool, listen=False) as paused:
+        app_a = build_lease_app(paused, bank, policy)
+        app_b = build_lease_app(pg_store, bank, policy)
+        probe_a, probe_b = probe_of(app_a), probe_of(app_b)
+        gate = asyncio.Event()
+        probe_a.steps = [Step(gate=gate, fence="before")]
+        async with client(app_a) as ca, client(app_b) as cb:
+            task_a = spawn(post(ca))
+            await asyncio.wait_for(probe_a.entered.wait(), BOUND)
+            await lease_lapsed(bank)
+            try:
+                dup = await asyncio.wait_for(post(cb), BOUND)
+            finally:
+                gate.set()
+            a = await finish(task_a)
+        assert_problem(dup, 409, "request-in-flight")
+        assert probe_b.calls == 0
+        # Nothing was taken over: the executor's generation still held the record, and its
+        # settlement (with its fenced write) committed.
+        assert a.status_code == 201, a.text
+        done = await row(bank)
+        assert done is not None
+        assert done["state"] == "succeeded"
+        assert await count(bank, "test_ledger") == 1
+
+
 async def test_a_stale_generation_the_handler_lets_escape_is_a_409_not_a_500(
     pool: asyncpg.Pool[Any], pg_store: PostgresStore, bank: asyncpg.Pool[Any]
 ) -> None:
