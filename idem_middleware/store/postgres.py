@@ -325,12 +325,14 @@ _FAST: dict[str, tuple[str, str]] = {
     ),
 }
 _NAMES = {name: _prepared_name(name, sql) for name, (sql, _) in _FAST.items()}
-#: The PREPAREs for a schema with `idem_claim_key` (migration 0003), and for one without it.
+#: The PREPAREs for a schema with `idem_claim_key` (migration 0003), and for one without it:
+#: each prepares the fresh claim it uses, not the other.
+_UNUSED = {True: "claim_fresh", False: "claim_key"}
 _PREPARE = {
     write_once: "".join(
         f"PREPARE {_NAMES[name]} ({types}) AS {sql};\n"
         for name, (sql, types) in _FAST.items()
-        if write_once or name != "claim_key"
+        if name != _UNUSED[write_once]
     )
     for write_once in (True, False)
 }
@@ -383,8 +385,20 @@ class _FastPath:
         self.use_prepared = True
         # Whether the schema has `idem_claim_key` (migration 0003): then a fresh claim takes
         # the key's advisory lock and the record is written once, at commit. None: not known
-        # yet (the first fast claim asks, once per store).
+        # yet (`know_schema` asks, once per store, before the first fast message).
         self.write_once: bool | None = None
+
+    async def know_schema(self, conn: Any) -> None:
+        """Find out `write_once` before any fast message: the first one on a connection prepares
+        the statements, and which claim it prepares depends on it."""
+        if self.write_once is not None:
+            return
+        self.write_once = bool(await conn.fetchval(_Q["claim_key_available"]))
+        if not self.write_once:
+            logger.warning(
+                "the idempotency schema predates migration 0003 (run `idem-middleware "
+                "migrate`): transactional claims write their record twice"
+            )
 
 
 def _token_problem(row: Any) -> str:
@@ -652,13 +666,7 @@ class _PgTransaction:
         the ordinary claim does, and for as long (`timeout`: then the message is cancelled)."""
         fast = self._fast
         assert fast is not None
-        if fast.write_once is None:
-            fast.write_once = bool(await self._conn.fetchval(_Q["claim_key_available"]))
-            if not fast.write_once:
-                logger.warning(
-                    "the idempotency schema predates migration 0003 (run `idem-middleware "
-                    "migrate`): transactional claims write their record twice"
-                )
+        await fast.know_schema(self._conn)
         generation = fast.generations.take_ready()
         for _ in range(2):
             in_message = generation is not None  # BEGIN travels with the claim
@@ -750,8 +758,19 @@ class _PgTransaction:
     ) -> tuple[str, tuple[Any, ...]]:
         """The fast path's completing statement and its arguments: the pending record's UPDATE
         (`complete_checked`), or, for a claim that wrote nothing yet, the record's one INSERT."""
+        headers = encode_headers(response.headers)
         if self._deferred is None:
-            return "complete_checked", _complete_args(key, generation, state, response)
+            return "complete_checked", (
+                key.tenant,
+                key.operation,
+                key.key,
+                generation,
+                state.value,
+                response.status,
+                headers,
+                response.body,
+                response.body_omitted,
+            )
         fingerprint, retention_seconds = self._deferred
         return "insert_final", (
             key.tenant,
@@ -762,7 +781,7 @@ class _PgTransaction:
             retention_seconds,
             state.value,
             response.status,
-            encode_headers(response.headers),
+            headers,
             response.body,
             response.body_omitted,
         )
@@ -783,22 +802,6 @@ def _stop_preparing(fast: _FastPath) -> None:
     if fast.use_prepared:
         logger.info("prepared statements do not stay with this pool's connections; inlining")
     fast.use_prepared = False
-
-
-def _complete_args(
-    key: RecordKey, generation: int, state: State, response: StoredResponse
-) -> tuple[Any, ...]:
-    return (
-        key.tenant,
-        key.operation,
-        key.key,
-        generation,
-        state.value,
-        response.status,
-        encode_headers(response.headers),
-        response.body,
-        response.body_omitted,
-    )
 
 
 class PostgresStore:
@@ -1080,6 +1083,7 @@ class PostgresStore:
         args = (key.tenant, key.operation, key.key, generation, expected.value)
         fast = self._fast
         if fast is not None and _fusable(conn):
+            await fast.know_schema(conn)
             for _ in range(2):
                 try:
                     query = _fast_message(fast, conn, "fence", args, begin=True)
@@ -1156,7 +1160,7 @@ class PostgresStore:
                 try:
                     # A claim that writes its record at commit holds only the key's advisory
                     # lock; one that inserted a pending record holds that row.
-                    if await conn.fetchval(_Q["claim_key_available"]) and await conn.fetchval(
+                    if await self._claim_key_available(conn) and await conn.fetchval(
                         _Q["probe_key_lock"], key.tenant, key.operation, key.key
                     ):
                         return True
@@ -1169,6 +1173,14 @@ class PostgresStore:
         except _CONNECTION_ERRORS as exc:
             raise StoreError(str(exc)) from exc
         return False
+
+    async def _claim_key_available(self, conn: Any) -> bool:
+        """Whether the schema has `idem_claim_key`: known once the fast path asked, else asked.
+        (Other processes may claim with it even when this store's fast path is off.)"""
+        known = self._fast.write_once if self._fast is not None else None
+        if known is None:
+            known = bool(await conn.fetchval(_Q["claim_key_available"]))
+        return known
 
     async def purge(self, *, batch_size: int = 1000, max_batches: int = 1000) -> int:
         """Delete finished records past their retention, one short transaction per batch, and

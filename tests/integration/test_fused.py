@@ -401,3 +401,40 @@ async def test_the_status_probe_sees_a_claim_that_has_written_nothing(logged: An
     assert held is True
     assert r.status_code == 201
     assert await store.in_flight(record_key) is False  # committed: not in flight any more
+
+
+async def test_a_lease_fence_first_on_a_connection_leaves_the_claim_prepared(db_dsn: str) -> None:
+    """The first fast message on a connection prepares every fast statement. When that message
+    is a lease fence, the transactional claim prepared with it must be the one this schema uses:
+    otherwise the next claim finds it missing and the store stops preparing for good."""
+    log = Log()
+
+    async def init(conn: asyncpg.Connection[Any]) -> None:
+        conn.add_query_logger(log)
+
+    pool = await asyncpg.create_pool(db_dsn, min_size=1, max_size=1, init=init)
+    try:
+        await pool.execute("TRUNCATE idem_requests, test_accounts, test_ledger")
+        store = PostgresStore(pool=pool, listen=False)
+        transactional = build_app(store)  # its credit route, with the probe it reports to
+        app = Starlette(
+            routes=[Route("/fenced", fenced_credit, methods=["POST"]), *transactional.routes],
+            middleware=[
+                Middleware(AuthenticationMiddleware, backend=BearerBackend()),
+                Middleware(
+                    IdempotencyMiddleware,
+                    store=store,
+                    policies={"POST /fenced": Policy(mode=Mode.LEASE)},
+                ),
+            ],
+        )
+        app.state.probe = transactional.state.probe
+        app.state.pool = None
+        async with client(app) as c:
+            lease = await c.post("/fenced", json={}, headers=key("lease-first"))
+            credit = await c.post("/accounts/a1/credits", json={"amount": 5}, headers=key("tx"))
+        assert (lease.status_code, credit.status_code) == (201, 201)
+        assert any(q.startswith("EXECUTE idem_claim_key") for q in log.fused())
+        assert not any(q.startswith("BEGIN; SELECT * FROM idem_claim_key") for q in log.fused())
+    finally:
+        await pool.close()
