@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from typing import Any
 
+import asyncpg
 import httpx
 from starlette.applications import Starlette
 from starlette.authentication import AuthCredentials, AuthenticationBackend, SimpleUser
@@ -30,6 +32,34 @@ class BearerBackend(AuthenticationBackend):
         if tenant is None:
             return None
         return AuthCredentials(["authenticated"]), SimpleUser(tenant)
+
+
+class QueryLog:
+    """Every message a pool's connections send (asyncpg's query logger), whitespace-normalised."""
+
+    def __init__(self) -> None:
+        self.queries: list[str] = []
+
+    def __call__(self, record: Any) -> None:
+        self.queries.append(" ".join(record.query.split()))
+
+    async def attach(self, conn: Any) -> None:
+        """A pool's `init`: log this connection's messages."""
+        conn.add_query_logger(self)
+
+
+@asynccontextmanager
+async def logged_pool(dsn: str, log: QueryLog, **pool_options: Any) -> AsyncIterator[Any]:
+    """A pool (1 to 4 connections unless `pool_options` say otherwise) whose connections log into
+    `log`, with the records and the test tables emptied and the log cleared."""
+    options = {"min_size": 1, "max_size": 4, **pool_options}
+    pool = await asyncpg.create_pool(dsn, init=log.attach, **options)
+    try:
+        await pool.execute("TRUNCATE idem_requests, test_accounts, test_ledger")
+        log.queries.clear()
+        yield pool
+    finally:
+        await pool.close()
 
 
 class Probe:

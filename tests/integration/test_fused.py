@@ -33,17 +33,21 @@ from idem_middleware.store.postgres import (
     _literal,
     _NotFusable,
 )
-from tests.apps import BearerBackend, assert_problem, build_app, client, count, key, records
+from tests.apps import (
+    BearerBackend,
+    QueryLog,
+    assert_problem,
+    build_app,
+    client,
+    count,
+    key,
+    logged_pool,
+    records,
+)
 from tests.conftest import BUSINESS_SCHEMA, _fresh_database
 
 
-class Log:
-    def __init__(self) -> None:
-        self.queries: list[str] = []
-
-    def __call__(self, record: Any) -> None:
-        self.queries.append(" ".join(record.query.split()))
-
+class Log(QueryLog):
     def fused(self) -> list[str]:
         """The fast claims: a simple-query message with the claim, prepared or inlined (with its
         BEGIN, or after it when the claim drew a batch of generations)."""
@@ -57,16 +61,8 @@ class Log:
 @pytest.fixture
 async def logged(db_dsn: str) -> Any:
     log = Log()
-
-    async def init(conn: asyncpg.Connection[Any]) -> None:
-        conn.add_query_logger(log)
-
-    pool = await asyncpg.create_pool(db_dsn, min_size=1, max_size=4, init=init)
-    await pool.execute("TRUNCATE idem_requests, test_accounts, test_ledger")
-    try:
+    async with logged_pool(db_dsn, log) as pool:
         yield pool, log
-    finally:
-        await pool.close()
 
 
 def test_literals_quote_and_refuse() -> None:
@@ -207,18 +203,13 @@ async def test_prepared_statements_lost_by_the_pool_fall_back_to_inlined_text(
     session, would): the next fast claim finds them missing, and the store inlines from then on."""
     log = Log()
 
-    async def init(conn: asyncpg.Connection[Any]) -> None:
-        conn.add_query_logger(log)
-
     async def reset(conn: asyncpg.Connection[Any]) -> None:
         await conn.reset()
         for name in (_NAMES["claim_key"], _NAMES["insert_final"]):
             with contextlib.suppress(asyncpg.exceptions.InvalidSQLStatementNameError):
                 await conn.execute(f"DEALLOCATE {name}")
 
-    pool = await asyncpg.create_pool(db_dsn, min_size=1, max_size=1, init=init, reset=reset)
-    try:
-        await pool.execute("TRUNCATE idem_requests, test_accounts, test_ledger")
+    async with logged_pool(db_dsn, log, max_size=1, reset=reset) as pool:
         app = build_app(PostgresStore(pool=pool))
         async with client(app) as c:
             answers = [
@@ -230,8 +221,6 @@ async def test_prepared_statements_lost_by_the_pool_fall_back_to_inlined_text(
         fast = log.fused()
         assert "EXECUTE idem_claim_key" in fast[0]  # prepared, then used
         assert fast[-1].startswith("BEGIN; SELECT * FROM idem_claim_key(")  # inlined after the miss
-    finally:
-        await pool.close()
 
 
 async def fenced_credit(request: Request) -> Response:
@@ -352,12 +341,7 @@ async def test_a_schema_without_migration_3_claims_the_older_way(pg_dsn: str) ->
     finally:
         await conn.close()
     log = Log()
-
-    async def init(c: asyncpg.Connection[Any]) -> None:
-        c.add_query_logger(log)
-
-    pool = await asyncpg.create_pool(dsn, min_size=1, max_size=4, init=init)
-    try:
+    async with logged_pool(dsn, log) as pool:
         store = PostgresStore(pool=pool)
         app = build_app(store, default_policy=Policy(wait_seconds=5))
         probe = app.state.probe
@@ -378,8 +362,6 @@ async def test_a_schema_without_migration_3_claims_the_older_way(pg_dsn: str) ->
         assert any("EXECUTE idem_complete_checked" in q for q in log.queries)
         assert not any("idem_claim_key" in q and "EXECUTE" in q for q in log.queries)
         assert await count(pool, "test_ledger") == 1
-    finally:
-        await pool.close()
 
 
 async def test_the_status_probe_sees_a_claim_that_has_written_nothing(logged: Any) -> None:
@@ -408,13 +390,7 @@ async def test_a_lease_fence_first_on_a_connection_leaves_the_claim_prepared(db_
     is a lease fence, the transactional claim prepared with it must be the one this schema uses:
     otherwise the next claim finds it missing and the store stops preparing for good."""
     log = Log()
-
-    async def init(conn: asyncpg.Connection[Any]) -> None:
-        conn.add_query_logger(log)
-
-    pool = await asyncpg.create_pool(db_dsn, min_size=1, max_size=1, init=init)
-    try:
-        await pool.execute("TRUNCATE idem_requests, test_accounts, test_ledger")
+    async with logged_pool(db_dsn, log, max_size=1) as pool:
         store = PostgresStore(pool=pool, listen=False)
         transactional = build_app(store)  # its credit route, with the probe it reports to
         app = Starlette(
@@ -436,5 +412,3 @@ async def test_a_lease_fence_first_on_a_connection_leaves_the_claim_prepared(db_
         assert (lease.status_code, credit.status_code) == (201, 201)
         assert any(q.startswith("EXECUTE idem_claim_key") for q in log.fused())
         assert not any(q.startswith("BEGIN; SELECT * FROM idem_claim_key") for q in log.fused())
-    finally:
-        await pool.close()

@@ -16,7 +16,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from idem_middleware import IdempotencyMiddleware, Mode, Policy, PostgresStore, get_context
-from tests.apps import BearerBackend, client, key
+from tests.apps import BearerBackend, QueryLog, client, key
 
 RESET = "SELECT pg_advisory_unlock_all()"
 LEAKED = "SELECT current_setting('idem_test.leak', true)"
@@ -41,13 +41,7 @@ def _app(store: PostgresStore, mode: Mode) -> Starlette:
     )
 
 
-class Log:
-    def __init__(self) -> None:
-        self.queries: list[str] = []
-
-    def __call__(self, record: Any) -> None:
-        self.queries.append(" ".join(record.query.split()))
-
+class Log(QueryLog):
     def resets(self) -> int:
         n = sum(q.startswith(RESET) for q in self.queries)
         self.queries.clear()
@@ -55,12 +49,13 @@ class Log:
 
 
 def _store(db_dsn: str, log: Log, **connect: Any) -> PostgresStore:
-    async def init(conn: asyncpg.Connection[Any]) -> None:
-        conn.add_query_logger(log)
-
     # One connection: whatever a release leaves behind, the next request gets.
     return PostgresStore(
-        dsn=db_dsn, min_size=1, max_size=1, listen=False, connect_kwargs={"init": init, **connect}
+        dsn=db_dsn,
+        min_size=1,
+        max_size=1,
+        listen=False,
+        connect_kwargs={"init": log.attach, **connect},
     )
 
 
