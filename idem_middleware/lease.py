@@ -251,15 +251,18 @@ class LeaseRun:
             downstream_key=derive_downstream_key(self.key.tenant, self.key.operation, self.key.key),
             _fence=fence.connection,
         )
-        settled_early: list[bool] = []
-
         async def settle_early(reason: str) -> None:
-            ok = await self._settle(context, fence, capture, omitted=reason)
-            settled_early.append(ok)
+            # Before the first byte of a response that cannot be held: a refused settlement
+            # (a newer generation owns the record) must stop it, or the client would see an
+            # outcome the record contradicts. The StaleGeneration reaches `_execute` through
+            # the handler, like a refused fenced write.
+            if not await self._settle(context, fence, capture, omitted=reason):
+                raise StaleGeneration("this execution's early settlement was refused")
+            ex.started = True
 
         capture = ResponseCapture(ex.send, policy.max_response_bytes, settle_early)
         try:
-            await self._execute(context, fence, capture, settled_early)
+            await self._execute(context, fence, capture)
         finally:
             capture.close()  # settle_early and capture refer to each other
 
@@ -268,7 +271,6 @@ class LeaseRun:
         context: IdempotencyContext,
         fence: Fence,
         capture: ResponseCapture,
-        settled_early: list[bool],
     ) -> None:
         ex = self.ex
         policy = self.policy

@@ -399,7 +399,9 @@ class _Exchange:
                 await _TransactionalAttempt(self, record_key, fingerprint).run()
                 return
             except RetryableConflict:
-                if attempt == retries or self.started:
+                if self.started:
+                    raise  # the response has started: nothing more can be said to the client
+                if attempt == retries:
                     await self.problem(
                         ProblemKind.IN_FLIGHT,
                         "A concurrent request conflicted with this one; retry it.",
@@ -556,6 +558,9 @@ class _TransactionalAttempt:
 
     async def _settle_early(self, reason: str) -> None:
         await self._settle(omitted=reason)
+        # The outcome is committed and the first byte follows: from here on nothing may run the
+        # attempt again (a serialization failure while streaming ends the response instead).
+        self.ex.started = True
         # Writes the handler makes while streaming must not commit outside the claim: they run
         # in a transaction that is rolled back when the request ends.
         await self.tx.begin()

@@ -562,6 +562,8 @@ class Step:
     #: After the fenced write, a statement fails on the fenced connection and the handler
     #: swallows the error and answers anyway (its transaction is now aborted).
     poison: bool = False
+    #: Answer with a `text/event-stream` response (one that cannot be held) of this status.
+    stream: bool = False
 
 
 class LeaseProbe:
@@ -618,6 +620,12 @@ async def payout(request: Request) -> Response:
         conn = await ctx.fenced_connection()
         with contextlib.suppress(Exception):
             await conn.execute("SELECT 1 / 0")
+    if step.stream:
+
+        async def events() -> AsyncIterator[bytes]:
+            yield f"data: {ctx.generation}\n\n".encode()
+
+        return StreamingResponse(events(), status_code=step.status, media_type="text/event-stream")
     return JSONResponse(
         {
             "dkey": ctx.downstream_key,
