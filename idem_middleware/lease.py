@@ -251,6 +251,7 @@ class LeaseRun:
             downstream_key=derive_downstream_key(self.key.tenant, self.key.operation, self.key.key),
             _fence=fence.connection,
         )
+
         async def settle_early(reason: str) -> None:
             # Before the first byte of a response that cannot be held: a refused settlement
             # (a newer generation owns the record) must stop it, or the client would see an

@@ -29,7 +29,7 @@ from tests.apps import (
 )
 from tests.integration.test_lease_mode import (
     PausedHeartbeatStore,
-    bank,
+    bank,  # noqa: F401 (a fixture)
     finish,
     lease_lapsed,
     post,
@@ -41,7 +41,10 @@ from tests.integration.test_lease_mode import (
 
 @pytest.mark.parametrize("how", ["stream", "over-cap"])
 async def test_a_stale_executor_never_streams_a_response_that_is_not_the_stored_outcome(
-    pool: asyncpg.Pool[Any], pg_store: PostgresStore, bank: asyncpg.Pool[Any], how: str
+    pool: asyncpg.Pool[Any],
+    pg_store: PostgresStore,
+    bank: asyncpg.Pool[Any],  # noqa: F811
+    how: str,
 ) -> None:
     """A claims and is paused past its lease; B takes over and stores 402; A resumes and answers
     with a response that cannot be held. Its early settlement is refused, so A's client gets the
