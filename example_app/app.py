@@ -184,7 +184,7 @@ def create_app(database_url: str | None = None) -> FastAPI:
     # The bank: a separate service (BANK_URL), or the simulator mounted in-process under /bank.
     # Every request this client makes inside an idempotent operation carries the operation's
     # downstream key as its Idempotency-Key (see idem_middleware.downstream).
-    bank_app = None if bank_url else create_bank_app()
+    bank_app = None if bank_url else create_bank_app(loopback_only=True)
     transport = httpx.ASGITransport(app=bank_app) if bank_app is not None else None
     bank = httpx.AsyncClient(
         base_url=bank_url or "http://bank.internal",

@@ -1,7 +1,9 @@
 """A bank simulator with fault controls (PROTOCOL §7). Transfers live in memory.
 
-Run it alone with `python -m example_app.bank [--host H] [--port P]`; without BANK_URL the
-example app mounts the same app in-process under `/bank`.
+A test double: it keeps no secrets and checks no caller. Run it alone with
+`python -m example_app.bank [--host H] [--port P]`; without BANK_URL the example app mounts the
+same app in-process under `/bank`, where it answers loopback clients only (every tenant's
+transfers and the fault switch are there).
 
 Faults apply to `POST /transfers` only:
 - `delay_ms`: wait after recording the transfer, before answering (the caller times out; the
@@ -20,14 +22,27 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ipaddress
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from idem_middleware import not_idempotent
+
+
+def _loopback(scope: Scope) -> bool:
+    client = scope.get("client")
+    try:
+        return client is not None and ipaddress.ip_address(client[0]).is_loopback
+    except ValueError:
+        return False  # a unix socket's or a test transport's made-up name
 
 
 @dataclass
@@ -65,7 +80,24 @@ async def _linger(request: Request, seconds: float) -> None:
         await asyncio.sleep(min(left, 0.05))
 
 
-def create_bank_app() -> Starlette:
+class LoopbackOnly:
+    """Answers 403 to any client that is not on this machine."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and not _loopback(scope):
+            response = JSONResponse(
+                {"error": "the bank simulator answers loopback clients only"}, status_code=403
+            )
+            await response(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
+def create_bank_app(*, loopback_only: bool = False) -> Starlette:
+    """The bank; `loopback_only` for the copy the example app mounts on its public port."""
     bank = Bank()
 
     async def create_transfer(request: Request) -> Response:
@@ -146,15 +178,18 @@ def create_bank_app() -> Starlette:
             )
         return JSONResponse(vars(bank.faults))
 
+    # The bank deduplicates by the caller's key itself; the app's middleware must not guard it
+    # (its POSTs carry no tenant) when it is mounted.
     app = Starlette(
         routes=[
-            Route("/transfers", create_transfer, methods=["POST"]),
+            Route("/transfers", not_idempotent(create_transfer), methods=["POST"]),
             Route("/transfers", list_transfers, methods=["GET"]),
             Route("/transfers/{key:path}", get_transfer, methods=["GET"]),
-            Route("/webhooks", receive_webhook, methods=["POST"]),
+            Route("/webhooks", not_idempotent(receive_webhook), methods=["POST"]),
             Route("/webhooks", list_webhooks, methods=["GET"]),
-            Route("/_faults", set_faults, methods=["POST"]),
-        ]
+            Route("/_faults", not_idempotent(set_faults), methods=["POST"]),
+        ],
+        middleware=[Middleware(LoopbackOnly)] if loopback_only else [],
     )
     app.state.bank = bank
     return app

@@ -19,6 +19,8 @@ class ProblemKind(StrEnum):
     STORE_UNAVAILABLE = "store-unavailable"
     RECORD_NOT_FOUND = "record-not-found"
     TOKEN_INVALID = "token-invalid"
+    #: The server's own setup is wrong (no authentication before the middleware, say).
+    MISCONFIGURED = "server-misconfigured"
 
 
 class IdempotencyError(Exception):

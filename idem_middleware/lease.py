@@ -232,7 +232,6 @@ class LeaseRun:
             ProblemKind.OUTCOME_UNKNOWN,
             "The original request's outcome is not known yet, and it will not be run again "
             f"until it is resolved. {detail}",
-            retry_after=self.policy.retry_after_seconds,
         )
 
     # -- the executor --------------------------------------------------------------------------

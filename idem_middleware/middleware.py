@@ -17,6 +17,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .capture import ResponseCapture
 from .context import (
+    SCOPE_KEY,
     IdempotencyContext,
     Outcome,
     derive_downstream_key,
@@ -31,13 +32,23 @@ from .fingerprint import compute_fingerprint
 from .keys import parse_idempotency_key
 from .lease import LeaseRun
 from .observe import SETTLED_EVENTS, Event, Observer, combine, timed
-from .policy import Mode, Policy, RouteMatch, endpoint_policy, match_route, operation_name
+from .policy import (
+    MIDDLEWARE_ACTIVE,
+    Mode,
+    Policy,
+    RouteMatch,
+    endpoint_policy,
+    names,
+    operation_name,
+)
 from .responses import (
     DEFAULT_PROBLEM_BASE,
     send_accepted,
     send_problem,
     send_replay,
 )
+from .routing import Unresolved, match_route, routes_of
+from .startup import AUTH_FIX, SAFE_METHODS, check_app
 from .store.base import (
     ClaimTimeout,
     Record,
@@ -56,8 +67,6 @@ TenantResolver = Callable[[Scope], "Awaitable[str | None] | str | None"]
 KILL_SWITCH_ENV = "IDEM_MIDDLEWARE_DISABLED"
 
 _DEFAULT_METHODS = frozenset({"POST", "PATCH"})
-# Methods a route may opt into with an explicit policy; safe methods are never guarded.
-_OPT_IN_METHODS = frozenset({"PUT", "DELETE"})
 _RETRYABLE_SQLSTATES = frozenset({"40001", "40P01"})
 #: How long a transactional handler runs before the middleware watches for its client leaving.
 DISCONNECT_WATCH_AFTER = 0.05
@@ -86,14 +95,25 @@ def _kill_switch_on() -> bool:
     return os.environ.get(KILL_SWITCH_ENV, "").strip().lower() in {"1", "true", "yes", "on"}
 
 
+def _named_route(template: str) -> bool:
+    """ "/path", or "host/path" for a route under a Host."""
+    return template.startswith("/") or (
+        "/" in template and not template.startswith(" ") and " " not in template.split("/")[0]
+    )
+
+
 class _ClientGone(Exception):
     """The client disconnected while a transactional handler ran; its work was rolled back."""
 
 
 class IdempotencyMiddleware:
-    """Guards POST and PATCH (and PUT/DELETE routes with an explicit policy) with Idempotency-Key.
+    """Guards POST and PATCH (`methods`), and every route with an explicit policy whatever its
+    method (safe methods never), with Idempotency-Key. `methods=()` guards only routes with a
+    policy of their own (`@idempotent` or `policies`).
 
-    Add it *inside* authentication, so the tenant resolver sees the authenticated user.
+    Add it *inside* authentication, so the tenant resolver sees the authenticated user. Before it
+    serves (at lifespan startup, or at the first request without one) it checks the app's routes
+    once: see `startup.check_app`.
     """
 
     def __init__(
@@ -114,46 +134,142 @@ class IdempotencyMiddleware:
         self.app = app
         self.store = store
         self.default_policy = default_policy or Policy()
-        self.methods = frozenset(m.upper() for m in methods)
-        if self.methods & {"GET", "HEAD", "OPTIONS", "TRACE"}:
+        self.methods = frozenset(m.upper() for m in names(methods, "methods"))
+        if self.methods & SAFE_METHODS:
             raise ConfigurationError("safe methods are never guarded")
+        if policies is not None and not isinstance(policies, Mapping):
+            raise ConfigurationError('policies must map "METHOD /template" to a Policy')
         self.policies: dict[str, Policy] = {}
         for name, policy in (policies or {}).items():
-            method, _, template = name.partition(" ")
-            if not template.startswith("/") or method.upper() != method:
+            method, _, template = str(name).partition(" ")
+            if not _named_route(template) or method.upper() != method or not method:
                 raise ConfigurationError(f"policy key {name!r} is not 'METHOD /template'")
+            if method in SAFE_METHODS:
+                raise ConfigurationError(f"policy key {name!r}: {method} is never guarded")
+            if not isinstance(policy, Policy):
+                raise ConfigurationError(f"policies[{name!r}] is not a Policy")
             self.policies[name] = policy
-        self._candidate_methods = self.methods | _OPT_IN_METHODS
         self.tenant_resolver = tenant_resolver
         self.problem_base = problem_base
         self.acquire_timeout = acquire_timeout
         self.status_path = status_path
         self.observer = combine(observers)
         self.enabled = (not _kill_switch_on()) if enabled is None else enabled
+        self._default_tenants = tenant_resolver is authenticated_user_tenant
+        # The startup check runs once; a failed one fails every request after it too.
+        self._checked = False
+        self._check_error: ConfigurationError | None = None
+        self._no_user_logged = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if (
-            scope["type"] != "http"
-            or scope["method"] not in self._candidate_methods
-            or not self.enabled
-        ):
+        if scope["type"] == "lifespan":
+            await self._lifespan(scope, receive, send)
+            return
+        if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        router = getattr(scope.get("app"), "router", None)
-        match = match_route(router.routes, scope) if router is not None else None
-        policy = self._policy_for(scope["method"], match) if match is not None else None
+        if not self._checked:
+            self._check(scope.get("app"))
+        if self._check_error is not None:
+            raise self._check_error
+        # Decorated endpoints refuse to run unless this is set (see policy.idempotent).
+        active = MIDDLEWARE_ACTIVE.set(True)
+        try:
+            await self._http(scope, receive, send)
+        finally:
+            MIDDLEWARE_ACTIVE.reset(active)
+
+    async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
+        method = scope["method"]
+        if method in SAFE_METHODS or not self.enabled or SCOPE_KEY in scope:
+            # (SCOPE_KEY: an outer IdempotencyMiddleware guards this request already.)
+            await self.app(scope, receive, send)
+            return
+        app = scope.get("app")
+        routes = routes_of(app if app is not None else self.app)
+        match = match_route(routes, scope) if routes is not None else None
+        if isinstance(match, Unresolved):
+            policy = endpoint_policy(match.endpoint)
+            if policy is None and method in self.methods:
+                policy = self.default_policy
+            if policy is not None and policy.guard:
+                logger.error(
+                    "idempotency: refused %s to %s: the middleware cannot name its route",
+                    method,
+                    match.where,
+                )
+                await self._misconfigured(send, "This operation cannot be guarded.")
+                return
+            match = None
+        policy = self.policy_for(method, match) if match is not None else None
         if match is None or policy is None:
             await self.app(scope, receive, send)
             return
+        if self._default_tenants and "user" not in scope and not policy.allow_anonymous:
+            if not self._no_user_logged:
+                self._no_user_logged = True
+                logger.error(
+                    "idempotency: the request scope has no 'user', so no tenant: no "
+                    "AuthenticationMiddleware ran before IdempotencyMiddleware. Guarded requests "
+                    "are refused with 500 until it is fixed: %s",
+                    AUTH_FIX,
+                )
+            await self._misconfigured(send, "The server cannot identify the caller.")
+            return
         await _Exchange(self, scope, receive, send, match, policy).run()
 
-    def _policy_for(self, method: str, match: RouteMatch) -> Policy | None:
-        policy = endpoint_policy(match.endpoint) or self.policies.get(
-            operation_name(method, match.template)
+    def policy_for(self, method: str, route: RouteMatch | Any) -> Policy | None:
+        """The policy guarding `method` on `route` (anything with `template` and `endpoint`):
+        the endpoint's own, else `policies`, else the default for `methods`; None if unguarded."""
+        policy = endpoint_policy(route.endpoint) or self.policies.get(
+            operation_name(method, route.template)
         )
         if policy is None and method in self.methods:
             policy = self.default_policy
         return policy if policy is not None and policy.guard else None
+
+    async def _misconfigured(self, send: Send, detail: str) -> None:
+        await send_problem(
+            send,
+            ProblemKind.MISCONFIGURED,
+            f"{detail} The server is misconfigured; the request was not processed.",
+            base=self.problem_base,
+        )
+
+    def _check(self, app: Any) -> None:
+        self._checked = True
+        try:
+            check_app(self, app)
+        except ConfigurationError as exc:
+            logger.error("idempotency: %s", exc)
+            self._check_error = exc
+
+    async def _lifespan(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Check the app when the server starts it; a failed check fails the startup."""
+        failed = False
+
+        async def checked_receive() -> Message:
+            nonlocal failed
+            message = await receive()
+            if message["type"] == "lifespan.startup" and not self._checked:
+                self._check(scope.get("app"))
+                if self._check_error is not None:
+                    failed = True
+                    await send(
+                        {
+                            "type": "lifespan.startup.failed",
+                            "message": f"idem_middleware: {self._check_error}",
+                        }
+                    )
+                    raise self._check_error
+            return message
+
+        async def quiet_send(message: Message) -> None:
+            # After our startup.failed, the app's own report of the same failure is not sent.
+            if not (failed and message["type"].startswith("lifespan.startup")):
+                await send(message)
+
+        await self.app(scope, checked_receive, quiet_send)
 
 
 class _Exchange:

@@ -3,18 +3,22 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+import functools
+import inspect
+from collections.abc import Callable, Collection, Mapping
+from contextvars import ContextVar
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, TypeVar
-
-from starlette.routing import BaseRoute, Match, Mount, Route, Router
-from starlette.types import Scope
 
 from .errors import ConfigurationError
 from .reconcile import Reconciler
 
 POLICY_ATTRIBUTE = "__idempotency_policy__"
+
+#: Set by IdempotencyMiddleware while it handles a request: a decorated endpoint called without
+#: it refuses to run (see `idempotent`).
+MIDDLEWARE_ACTIVE: ContextVar[bool] = ContextVar("idem_middleware.active", default=False)
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -91,27 +95,81 @@ class Policy:
             raise ConfigurationError("reconcile_timeout_seconds must be positive")
         if self.max_serialization_retries < 0:
             raise ConfigurationError("max_serialization_retries must not be negative")
+        object.__setattr__(self, "exclude_fields", names(self.exclude_fields, "exclude_fields"))
         # Header names are compared in lower case, as ASGI delivers them.
-        object.__setattr__(self, "include_headers", tuple(h.lower() for h in self.include_headers))
+        headers = names(self.include_headers, "include_headers")
+        object.__setattr__(self, "include_headers", tuple(h.lower() for h in headers))
 
     def replace(self, **changes: Any) -> Policy:
         return dataclasses.replace(self, **changes)
 
 
+def names(value: Any, option: str) -> tuple[str, ...]:
+    """A configured collection of strings as a tuple; a lone string is a mistake, not a
+    collection of its characters (`include_headers="x-api-version"` means one header)."""
+    if isinstance(value, str | bytes):
+        raise ConfigurationError(
+            f"{option} must be a collection of strings, not the string {value!r}: "
+            f"write {option}=({value!r},)"
+        )
+    if not isinstance(value, Collection):
+        raise ConfigurationError(f"{option} must be a collection of strings, not {value!r}")
+    items = tuple(value)
+    for item in items:
+        if not isinstance(item, str):
+            raise ConfigurationError(f"{option} must hold strings; {item!r} is not one")
+    return items
+
+
 def idempotent(policy: Policy | None = None, /, **options: Any) -> Callable[[F], F]:
     """Attach a policy to an endpoint: `@idempotent(mode=Mode.LEASE)` or `@idempotent(policy)`.
 
-    The function is returned unchanged (its signature matters to FastAPI); only an attribute is set.
+    A guarded function endpoint is wrapped (signature, name and `__wrapped__` kept, as FastAPI
+    needs) so that it refuses to run unless an IdempotencyMiddleware handles the request: without
+    it the route would run unguarded without a word. Call `endpoint.__wrapped__` to run the
+    handler itself (in a unit test, say).
     """
     if policy is not None and options:
         raise ConfigurationError("pass a Policy or keyword options, not both")
     chosen = policy if policy is not None else Policy(**options)
 
     def decorate(endpoint: F) -> F:
+        if chosen.guard and inspect.isfunction(endpoint):
+            endpoint = _require_middleware(endpoint)
         setattr(endpoint, POLICY_ATTRIBUTE, chosen)
         return endpoint
 
     return decorate
+
+
+def _require_middleware(endpoint: F) -> F:
+    name = f"{endpoint.__module__}.{endpoint.__qualname__}"
+
+    def refuse() -> ConfigurationError:
+        return ConfigurationError(
+            f"{name} has an idempotency policy, but no IdempotencyMiddleware handled this "
+            "request, so it would run unguarded; it was not run. Install the middleware "
+            "(idem_middleware.fastapi.install(app, store=...), or "
+            "app.add_middleware(IdempotencyMiddleware, store=...))."
+        )
+
+    if inspect.iscoroutinefunction(endpoint):
+
+        @functools.wraps(endpoint)
+        async def guarded_async(*args: Any, **kwargs: Any) -> Any:
+            if not MIDDLEWARE_ACTIVE.get():
+                raise refuse()
+            return await endpoint(*args, **kwargs)
+
+        return guarded_async  # type: ignore[return-value]
+
+    @functools.wraps(endpoint)
+    def guarded(*args: Any, **kwargs: Any) -> Any:
+        if not MIDDLEWARE_ACTIVE.get():
+            raise refuse()
+        return endpoint(*args, **kwargs)
+
+    return guarded  # type: ignore[return-value]
 
 
 def not_idempotent(endpoint: F) -> F:
@@ -122,37 +180,12 @@ def not_idempotent(endpoint: F) -> F:
 
 @dataclass(frozen=True, slots=True)
 class RouteMatch:
-    """The route a request matched: its template (with mount prefixes) and path parameters."""
+    """The route a request matched: its template (with mount prefixes, and the host pattern of
+    an enclosing `Host`) and path parameters. Found by `routing.match_route`."""
 
     template: str
     path_params: Mapping[str, Any]
     endpoint: Any
-
-
-def match_route(routes: list[BaseRoute], scope: Scope, prefix: str = "") -> RouteMatch | None:
-    """Find the route the router will dispatch to, the same way Starlette's router does.
-
-    Only a FULL match counts: a path whose route rejects the method is the app's 405, not ours.
-    """
-    for route in routes:
-        match, child = route.matches(scope)
-        if match is not Match.FULL:
-            continue
-        if isinstance(route, Route):
-            return RouteMatch(prefix + route.path, child["path_params"], child["endpoint"])
-        if isinstance(route, Mount):
-            # Routes grouped with Mount(routes=...) are this app's; a mounted application (a
-            # Starlette or FastAPI app, a static files app) is its own, and passes through.
-            if not isinstance(route.app, Router):
-                return None
-            sub_scope = {**scope, **child}
-            return match_route(list(route.app.routes), sub_scope, prefix + route.path)
-        # Another kind of route (a Host, a custom one) that reports FULL: take its path if any.
-        path = getattr(route, "path", None)
-        if isinstance(path, str):
-            return RouteMatch(prefix + path, child.get("path_params", {}), child.get("endpoint"))
-        return None
-    return None
 
 
 def endpoint_policy(endpoint: Any) -> Policy | None:

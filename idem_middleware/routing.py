@@ -1,0 +1,157 @@
+"""Which route a request reaches, through every routing construct Starlette and FastAPI offer
+(Route, Mount, Host, nested Routers, included APIRouters, mounted applications), and every route
+of an app listed the same way (for the startup checks and the CLI).
+
+A template is the route's path with every enclosing mount's prefix; under a `Host` it starts
+with the host pattern (`api.example/pay`), so two hosts' `/pay` are two operations.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.routing import BaseRoute, Host, Match, Mount, Route, Router, WebSocketRoute
+from starlette.types import Scope
+
+from .policy import RouteMatch
+
+#: How many wrapping middlewares (`.app`, as Starlette's own keep it) are looked through.
+_MAX_WRAPPERS = 32
+
+
+@dataclass(frozen=True, slots=True)
+class Unresolved:
+    """The request reaches a route the middleware cannot name (a custom route class without a
+    path): it is refused when it would be guarded, never run unguarded."""
+
+    where: str
+    endpoint: Any
+
+
+@dataclass(frozen=True, slots=True)
+class Found:
+    """One route of the app, as `walk` lists it."""
+
+    template: str
+    #: None: any method (a Route whose endpoint is an ASGI application).
+    methods: frozenset[str] | None
+    endpoint: Any
+    #: The route itself (FastAPI's carries its `dependant`).
+    route: Any
+
+
+@dataclass(frozen=True, slots=True)
+class Hidden:
+    """A part of the app whose routes cannot be seen (a mounted static-files or WSGI app) or
+    named (a custom route class without a path)."""
+
+    where: str
+    endpoint: Any
+    #: True: a custom route a request can reach (and is refused when it would be guarded).
+    unresolvable: bool
+
+
+def routes_of(app: Any) -> Sequence[BaseRoute] | None:
+    """The routes an ASGI app dispatches to: a Router's, a Starlette or FastAPI app's, or those
+    of a router behind middleware that wraps it. None when they cannot be seen."""
+    for _ in range(_MAX_WRAPPERS):
+        if isinstance(app, Router):
+            return app.routes
+        router = getattr(app, "router", None)
+        if isinstance(router, Router):
+            return router.routes
+        app = getattr(app, "app", None)
+        if app is None:
+            return None
+    return None
+
+
+def _host_prefix(route: Host) -> str:
+    return route.host
+
+
+def _included(route: BaseRoute) -> list[Any] | None:
+    """The routes of an APIRouter that newer FastAPI includes as one route (`_IncludedRouter`),
+    each with its prefixed path; None for any other route."""
+    contexts = getattr(route, "effective_route_contexts", None)
+    return list(contexts()) if callable(contexts) else None
+
+
+def _match_included(
+    contexts: list[Any], scope: Scope, prefix: str
+) -> RouteMatch | Unresolved | None:
+    for context in contexts:
+        match, child = context.matches(scope)
+        if match is not Match.FULL:
+            continue
+        if context.starlette_route is not None:  # a Starlette route or mount, prefixed
+            return match_route([context.starlette_route], scope, prefix)
+        return RouteMatch(prefix + context.path, child["path_params"], child["endpoint"])
+    return None
+
+
+def match_route(
+    routes: Sequence[BaseRoute], scope: Scope, prefix: str = ""
+) -> RouteMatch | Unresolved | None:
+    """The route the router will dispatch to, found the way Starlette's router finds it.
+
+    Only a FULL match counts: a path whose route rejects the method is the app's 405, not ours.
+    None: nothing matches, or the request goes to an application whose routes cannot be seen.
+    """
+    for route in routes:
+        match, child = route.matches(scope)
+        if match is not Match.FULL:
+            continue
+        if isinstance(route, Route):
+            return RouteMatch(prefix + route.path, child["path_params"], child["endpoint"])
+        if (contexts := _included(route)) is not None:
+            return _match_included(contexts, scope, prefix)
+        if isinstance(route, Mount | Host):
+            inner = routes_of(route.app)
+            if inner is None:
+                return None
+            if isinstance(route, Mount):
+                return match_route(inner, {**scope, **child}, prefix + route.path)
+            return match_route(inner, {**scope, **child}, _host_prefix(route) + prefix)
+        endpoint = child.get("endpoint", getattr(route, "endpoint", None))
+        path = getattr(route, "path", None)
+        if isinstance(path, str):
+            return RouteMatch(prefix + path, child.get("path_params", {}), endpoint)
+        return Unresolved(f"a {type(route).__name__} under {prefix or '/'}", endpoint)
+    return None
+
+
+def walk(routes: Sequence[BaseRoute], prefix: str = "") -> Iterator[Found | Hidden]:
+    """Every route of the app with its template, in the order the router tries them."""
+    for route in routes:
+        if isinstance(route, WebSocketRoute):
+            continue  # never guarded
+        if isinstance(route, Route):
+            methods = frozenset(route.methods) if route.methods is not None else None
+            yield Found(prefix + route.path, methods, route.endpoint, route)
+        elif (contexts := _included(route)) is not None:
+            for context in contexts:
+                if context.starlette_route is not None:
+                    yield from walk([context.starlette_route], prefix)
+                else:
+                    found = frozenset(context.methods or ()) or None
+                    yield Found(prefix + context.path, found, context.endpoint, context)
+        elif isinstance(route, Mount | Host):
+            path = prefix + route.path if isinstance(route, Mount) else _host_prefix(route) + prefix
+            inner = routes_of(route.app)
+            if inner is None:
+                yield Hidden(f"{path or '/'} (a mounted {type(route.app).__name__})", None, False)
+            else:
+                yield from walk(inner, path)
+        else:
+            endpoint = getattr(route, "endpoint", None)
+            custom_path = getattr(route, "path", None)
+            if isinstance(custom_path, str):
+                methods = getattr(route, "methods", None)
+                yield Found(
+                    prefix + custom_path, frozenset(methods) if methods else None, endpoint, route
+                )
+            else:
+                yield Hidden(f"a {type(route).__name__} under {prefix or '/'}", endpoint, True)

@@ -1,0 +1,180 @@
+"""What the middleware checks once, before it serves (at lifespan startup, or at the first request
+when the server sends no lifespan): it lists every operation it will guard, warns about policies
+that can never apply, and refuses a configuration that cannot work."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+from .errors import ConfigurationError
+from .policy import Mode, Policy, endpoint_policy, operation_name
+from .routing import Found, Hidden, routes_of, walk
+
+if TYPE_CHECKING:
+    from .middleware import IdempotencyMiddleware
+
+logger = logging.getLogger("idem_middleware")
+
+SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "TRACE"})
+#: The methods a route that accepts any method (an ASGI app as a Route's endpoint) is listed for.
+_UNSAFE_METHODS = ("DELETE", "PATCH", "POST", "PUT")
+
+AUTH_FIX = (
+    "add Starlette's AuthenticationMiddleware after installing IdempotencyMiddleware "
+    "(app.add_middleware(AuthenticationMiddleware, backend=...) after install(...): the "
+    "middleware added last runs first), or pass tenant_resolver= to IdempotencyMiddleware"
+)
+
+
+def check_app(mw: IdempotencyMiddleware, app: Any) -> None:
+    """Log every guarded operation (info, one line each) and every policy that can never apply
+    (warning); raise ConfigurationError for a route that cannot work as configured."""
+    routes = routes_of(app) if app is not None else None
+    if routes is None:
+        routes = routes_of(mw.app)
+    if routes is None:
+        logger.warning("idempotency: no router found behind the middleware; nothing is guarded")
+        return
+    if not mw.enabled:
+        logger.warning("idempotency: the middleware is disabled (kill switch); nothing is guarded")
+    errors: list[str] = []
+    reachable: set[str] = set()
+    guarded: list[tuple[str, Policy]] = []
+    for item in walk(routes):
+        if isinstance(item, Hidden):
+            _report_hidden(mw, item)
+            continue
+        explicit = endpoint_policy(item.endpoint)
+        methods = sorted(item.methods) if item.methods is not None else list(_UNSAFE_METHODS)
+        unsafe = [m for m in methods if m not in SAFE_METHODS]
+        if explicit is not None and explicit.guard and not unsafe:
+            logger.warning(
+                "idempotency: the policy on %s can never apply: %s requests are never guarded",
+                item.template,
+                "/".join(methods),
+            )
+        per_method: dict[str, Policy | None] = {}
+        for method in methods:
+            name = operation_name(method, item.template)
+            policy = None if method in SAFE_METHODS else mw.policy_for(method, item)
+            per_method[method] = policy
+            if method in SAFE_METHODS:
+                continue
+            reachable.add(name)
+            if explicit is not None and name in mw.policies:
+                logger.warning(
+                    "idempotency: policies[%r] never applies: the endpoint's own policy does", name
+                )
+            if policy is not None:
+                guarded.append((name, policy))
+        errors.extend(_dependency_errors(item, per_method))
+    for name, policy in guarded:
+        logger.info("idempotency: guarding %s (%s)", name, describe(policy))
+    for name in sorted(set(mw.policies) - reachable):
+        logger.warning("idempotency: policies[%r] matches no route; it can never apply", name)
+    if guarded and app is not None:
+        _check_authentication(mw, app, [p for _, p in guarded])
+    if errors:
+        raise ConfigurationError("; ".join(errors))
+
+
+def describe(policy: Policy) -> str:
+    """A policy in a few words, for the startup log (no secrets: a reconciler is named only)."""
+    parts = [policy.mode.value, "key required" if policy.key_required else "key optional"]
+    if policy.allow_anonymous:
+        parts.append("anonymous allowed")
+    if policy.require_token:
+        parts.append("tokens only")
+    parts.append(f"wait {policy.wait_seconds:g}s")
+    if policy.mode is Mode.LEASE:
+        parts.append(f"lease {policy.lease_seconds:g}s, {policy.on_lease_expiry.value} on expiry")
+    return ", ".join(parts)
+
+
+def _report_hidden(mw: IdempotencyMiddleware, item: Hidden) -> None:
+    if not item.unresolvable:
+        logger.info(
+            "idempotency: %s: its routes cannot be seen; its requests are not guarded",
+            item.where,
+        )
+        return
+    policy = endpoint_policy(item.endpoint)
+    if policy is not None and not policy.guard:
+        return
+    if policy is not None or mw.methods:
+        logger.error(
+            "idempotency: %s has no path the middleware can name; its %s requests are refused "
+            "(500) rather than run unguarded. Give the route a `path`, or mark its endpoint "
+            "@not_idempotent",
+            item.where,
+            "non-safe" if policy is not None else "/".join(sorted(mw.methods)),
+        )
+
+
+def _dependency_calls(dependant: Any) -> Iterator[Callable[..., Any]]:
+    for dependency in getattr(dependant, "dependencies", ()):
+        if dependency.call is not None:
+            yield dependency.call
+        yield from _dependency_calls(dependency)
+
+
+def _dependency_errors(item: Found, per_method: dict[str, Policy | None]) -> list[str]:
+    """A FastAPI route that takes the claim's context or connection must be guarded for every
+    method it accepts, with the key required (and, for the connection, in transactional mode):
+    otherwise it fails on every such request."""
+    fastapi_wiring = sys.modules.get("idem_middleware.fastapi")
+    dependant = getattr(item.route, "dependant", None)
+    if fastapi_wiring is None or dependant is None:
+        return []
+    calls = set(_dependency_calls(dependant))
+    wants_connection = fastapi_wiring.transaction_connection in calls
+    if not wants_connection and fastapi_wiring.idempotency_context not in calls:
+        return []
+    what = "IdempotencyConnection" if wants_connection else "Idempotency"
+    errors = []
+    for method, policy in per_method.items():
+        if policy is None:
+            problem = "is not guarded"
+        elif not policy.key_required:
+            problem = "lets a request without a key through (key_required=False)"
+        elif wants_connection and policy.mode is not Mode.TRANSACTIONAL:
+            problem = "is in lease mode (use Idempotency and idem.fenced_connection())"
+        else:
+            continue
+        errors.append(f"{operation_name(method, item.template)} declares {what} but {problem}")
+    return errors
+
+
+def _check_authentication(mw: IdempotencyMiddleware, app: Any, policies: list[Policy]) -> None:
+    """With the default tenant resolver, Starlette's AuthenticationMiddleware must run first."""
+    from .middleware import authenticated_user_tenant
+
+    if mw.tenant_resolver is not authenticated_user_tenant:
+        return
+    if all(p.allow_anonymous for p in policies):
+        return
+    stack = [entry.cls for entry in getattr(app, "user_middleware", ())]
+    ours = next((i for i, cls in enumerate(stack) if _named(cls, "IdempotencyMiddleware")), None)
+    auth = [i for i, cls in enumerate(stack) if _named(cls, "AuthenticationMiddleware")]
+    if ours is None:
+        return  # not added through the app: its order cannot be read here
+    if not auth:
+        logger.warning(
+            "idempotency: no AuthenticationMiddleware runs before IdempotencyMiddleware, so "
+            "guarded requests have no tenant and are refused (500), unless another middleware "
+            "sets scope['user']: %s",
+            AUTH_FIX,
+        )
+    elif all(i > ours for i in auth):
+        logger.warning(
+            "idempotency: AuthenticationMiddleware runs after IdempotencyMiddleware, so guarded "
+            "requests have no tenant and are refused (500): %s",
+            AUTH_FIX,
+        )
+
+
+def _named(cls: Any, name: str) -> bool:
+    return any(base.__name__ == name for base in getattr(cls, "__mro__", ()))

@@ -1,0 +1,36 @@
+"""The example app's in-process bank simulator is a test double: under `/bank` it answers
+loopback clients only, and the app's idempotency middleware leaves it alone."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from example_app.app import create_app
+from example_app.bank import create_bank_app
+
+
+def client(app: object, host: str) -> httpx.AsyncClient:
+    transport = httpx.ASGITransport(app=app, client=(host, 40000))  # type: ignore[arg-type]
+    return httpx.AsyncClient(transport=transport, base_url="http://app")
+
+
+@pytest.mark.parametrize("path", ["/bank/transfers", "/bank/webhooks"])
+async def test_the_mounted_bank_refuses_other_machines(db_dsn: str, path: str) -> None:
+    app = create_app(db_dsn)
+    async with client(app, "203.0.113.7") as c:
+        assert (await c.get(path)).status_code == 403
+        assert (await c.post("/bank/_faults", json={"fail_status": 500})).status_code == 403
+    async with client(app, "127.0.0.1") as c:
+        assert (await c.get(path)).status_code == 200
+        # The fault switch is still reached as before (no tenant, no key: not guarded).
+        faults = await c.post("/bank/_faults", json={})
+        assert faults.status_code == 200, faults.text
+    async with client(app, "::1") as c:
+        assert (await c.get(path)).status_code == 200
+
+
+async def test_the_standalone_bank_answers_its_network() -> None:
+    """Run as its own process (docker compose), the app reaches it from another address."""
+    async with client(create_bank_app(), "172.18.0.3") as c:
+        assert (await c.get("/transfers")).status_code == 200

@@ -1,0 +1,313 @@
+"""Mistakes that used to turn protection off without a word now fail loudly: at startup where the
+information exists (lifespan, or the first request when the server sends none), else on the
+request, before any handler runs."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any
+
+import asyncpg
+import httpx
+import pytest
+from fastapi import FastAPI
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.middleware.authentication import AuthenticationMiddleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Mount, Route
+from starlette.types import Message
+
+from idem_middleware import (
+    ConfigurationError,
+    IdempotencyMiddleware,
+    Mode,
+    Policy,
+    idempotent,
+)
+from idem_middleware.fastapi import Idempotency, IdempotencyConnection, install
+from idem_middleware.store.postgres import PostgresStore
+from tests.apps import BearerBackend, assert_problem, assert_replay_of, key
+
+
+class Calls:
+    def __init__(self) -> None:
+        self.n = 0
+
+
+def client(app: Any, token: str | None = "demo-a") -> httpx.AsyncClient:
+    headers = {"authorization": f"Bearer {token}"} if token else {}
+    return httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app, raise_app_exceptions=False),
+        base_url="http://test",
+        headers=headers,
+    )
+
+
+async def startup(app: Any) -> list[Message]:
+    """Run the ASGI lifespan startup (and shutdown, if it started) as a server would; return
+    what the app sent."""
+    incoming = [{"type": "lifespan.startup"}, {"type": "lifespan.shutdown"}]
+    sent: list[Message] = []
+
+    async def receive() -> Message:
+        return incoming.pop(0)
+
+    async def send(message: Message) -> None:
+        sent.append(message)
+
+    scope = {"type": "lifespan", "asgi": {"version": "3.0"}, "state": {}}
+    with contextlib.suppress(ConfigurationError):  # a failed startup raises after reporting
+        await app(scope, receive, send)
+    return sent
+
+
+def messages(caplog: pytest.LogCaptureFixture, level: int) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno == level]
+
+
+# -- @idempotent without the middleware ---------------------------------------------------------
+
+
+async def test_a_decorated_endpoint_without_the_middleware_refuses_to_run() -> None:
+    calls = Calls()
+    app = FastAPI()
+
+    @app.post("/pay", status_code=201)
+    @idempotent()
+    async def pay() -> dict[str, int]:
+        calls.n += 1
+        return {"n": calls.n}
+
+    async with client(app) as c:
+        r = await c.post("/pay", headers=key("k1"))
+        assert r.status_code == 500
+    assert calls.n == 0
+
+
+async def test_a_decorated_sync_endpoint_runs_under_the_middleware(
+    pg_store: PostgresStore,
+) -> None:
+    """The check travels into the thread pool a plain `def` endpoint runs in."""
+    calls = Calls()
+    app = FastAPI()
+
+    @app.post("/pay", status_code=201)
+    @idempotent()
+    def pay() -> dict[str, int]:
+        calls.n += 1
+        return {"n": calls.n}
+
+    install(app, store=pg_store)
+    app.add_middleware(AuthenticationMiddleware, backend=BearerBackend())
+    async with client(app) as c:
+        first = await c.post("/pay", headers=key("k1"))
+        assert first.status_code == 201, first.text
+        assert_replay_of(await c.post("/pay", headers=key("k1")), first)
+    assert calls.n == 1
+    assert pay.__wrapped__() == {"n": 2}  # the handler itself, for a unit test
+
+
+# -- methods=(): only explicit policies, and they always guard ----------------------------------
+
+
+def opt_in_app(store: PostgresStore, calls: Calls) -> Starlette:
+    @idempotent()
+    async def pay(request: Request) -> Response:
+        calls.n += 1
+        return JSONResponse({"n": calls.n}, status_code=201)
+
+    async def login(request: Request) -> Response:
+        return JSONResponse({"token": "t"})
+
+    return Starlette(
+        routes=[
+            Route("/pay", pay, methods=["POST"]),
+            Route("/login", login, methods=["POST"]),
+        ],
+        middleware=[
+            Middleware(AuthenticationMiddleware, backend=BearerBackend()),
+            Middleware(IdempotencyMiddleware, store=store, methods=()),
+        ],
+    )
+
+
+async def test_an_explicit_policy_guards_its_route_whatever_methods_says(
+    pg_store: PostgresStore, pool: asyncpg.Pool[Any]
+) -> None:
+    calls = Calls()
+    async with client(opt_in_app(pg_store, calls)) as c:
+        assert_problem(await c.post("/pay"), 400, "missing-key")
+        first = await c.post("/pay", headers=key("k1"))
+        assert first.status_code == 201
+        assert_replay_of(await c.post("/pay", headers=key("k1")), first)
+    assert calls.n == 1
+    assert await pool.fetchval("SELECT operation FROM idem_requests") == "POST /pay"
+
+
+async def test_methods_empty_guards_only_routes_with_a_policy(pg_store: PostgresStore) -> None:
+    async with client(opt_in_app(pg_store, Calls()), token=None) as c:
+        r = await c.post("/login")
+        assert r.status_code == 200
+        assert r.json() == {"token": "t"}
+
+
+# -- a string where a collection belongs --------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda: Policy(include_headers="x-api-version"),  # type: ignore[arg-type]
+        lambda: Policy(exclude_fields="trace_id"),  # type: ignore[arg-type]
+        lambda: Policy(exclude_fields=("trace_id", 3)),  # type: ignore[arg-type]
+        lambda: IdempotencyMiddleware(Starlette(), store=None, methods="POST"),  # type: ignore[arg-type]
+        lambda: IdempotencyMiddleware(Starlette(), store=None, policies=[("POST /x", Policy())]),  # type: ignore[arg-type]
+        lambda: IdempotencyMiddleware(Starlette(), store=None, policies={"GET /x": Policy()}),  # type: ignore[arg-type]
+    ],
+)
+def test_a_string_where_a_collection_belongs_is_a_configuration_error(build: Any) -> None:
+    with pytest.raises(ConfigurationError):
+        build()
+
+
+def test_collections_of_names_are_accepted_in_any_form() -> None:
+    policy = Policy(include_headers=["X-Api-Version"], exclude_fields={"trace_id"})  # type: ignore[arg-type]
+    assert policy.include_headers == ("x-api-version",)
+    assert policy.exclude_fields == ("trace_id",)
+
+
+# -- startup lists what it guards, and what it never can ----------------------------------------
+
+
+def mounted_app(store: PostgresStore, **options: Any) -> Starlette:
+    @idempotent(mode=Mode.LEASE)
+    async def pay(request: Request) -> Response:
+        return JSONResponse({}, status_code=201)
+
+    @idempotent()
+    async def read(request: Request) -> Response:
+        return JSONResponse({})
+
+    sub = Starlette(routes=[Route("/pay", pay, methods=["POST"])])
+    return Starlette(
+        routes=[Mount("/v2", sub), Route("/read", read, methods=["GET"])],
+        middleware=[
+            Middleware(AuthenticationMiddleware, backend=BearerBackend()),
+            Middleware(IdempotencyMiddleware, store=store, **options),
+        ],
+    )
+
+
+async def test_startup_lists_every_guarded_operation_and_warns_about_unreachable_policies(
+    pg_store: PostgresStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    app = mounted_app(pg_store, policies={"POST /v1/pay": Policy()})
+    with caplog.at_level(logging.INFO, logger="idem_middleware"):
+        sent = await startup(app)
+    assert sent[0]["type"] == "lifespan.startup.complete"
+    info = messages(caplog, logging.INFO)
+    assert any(
+        m.startswith("idempotency: guarding POST /v2/pay (lease, key required") for m in info
+    )
+    warnings = messages(caplog, logging.WARNING)
+    assert any("policies['POST /v1/pay'] matches no route" in m for m in warnings), warnings
+    assert any("policy on /read can never apply" in m for m in warnings), warnings
+
+
+# -- IdempotencyConnection on a route that is not guarded ---------------------------------------
+
+
+def connection_app(store: PostgresStore, calls: Calls) -> FastAPI:
+    app = FastAPI()
+
+    @app.post("/unguarded")
+    async def unguarded(conn: IdempotencyConnection) -> dict[str, bool]:
+        calls.n += 1
+        return {"ok": True}
+
+    @app.post("/leased")
+    @idempotent(mode=Mode.LEASE)
+    async def leased(conn: IdempotencyConnection) -> dict[str, bool]:
+        return {"ok": True}
+
+    @app.post("/fine")
+    @idempotent()
+    async def fine(idem: Idempotency) -> dict[str, bool]:
+        return {"ok": True}
+
+    install(app, store=store, methods=())
+    app.add_middleware(AuthenticationMiddleware, backend=BearerBackend())
+    return app
+
+
+async def test_a_connection_dependency_on_an_unguarded_route_fails_startup(
+    pg_store: PostgresStore,
+) -> None:
+    sent = await startup(connection_app(pg_store, Calls()))
+    assert [m["type"] for m in sent] == ["lifespan.startup.failed"]
+    message = sent[0]["message"]
+    assert "POST /unguarded declares IdempotencyConnection but is not guarded" in message
+    assert "POST /leased declares IdempotencyConnection but is in lease mode" in message
+    assert "/fine" not in message
+
+
+async def test_without_lifespan_the_check_fails_the_first_request(
+    pg_store: PostgresStore,
+) -> None:
+    calls = Calls()
+    async with client(connection_app(pg_store, calls)) as c:
+        for _ in range(2):
+            assert (await c.post("/unguarded")).status_code == 500
+    assert calls.n == 0
+
+
+# -- authentication missing, or in the wrong order ----------------------------------------------
+
+
+def auth_app(store: PostgresStore, calls: Calls, middleware: list[Middleware]) -> Starlette:
+    async def pay(request: Request) -> Response:
+        calls.n += 1
+        return JSONResponse({}, status_code=201)
+
+    @idempotent(allow_anonymous=True)
+    async def anonymous(request: Request) -> Response:
+        calls.n += 1
+        return JSONResponse({}, status_code=201)
+
+    return Starlette(
+        routes=[
+            Route("/pay", pay, methods=["POST"]),
+            Route("/anonymous", anonymous, methods=["POST"]),
+        ],
+        middleware=middleware,
+    )
+
+
+@pytest.mark.parametrize("order", ["missing", "wrong order"])
+async def test_no_authentication_before_the_middleware_is_a_500_that_says_why(
+    pg_store: PostgresStore, caplog: pytest.LogCaptureFixture, order: str
+) -> None:
+    ours = Middleware(IdempotencyMiddleware, store=pg_store)
+    auth = Middleware(AuthenticationMiddleware, backend=BearerBackend())
+    calls = Calls()
+    app = auth_app(pg_store, calls, [ours] if order == "missing" else [ours, auth])
+    with caplog.at_level(logging.INFO, logger="idem_middleware"):
+        await startup(app)
+        async with client(app) as c:
+            for n in range(2):
+                r = await c.post("/pay", headers=key(f"k{n}"))
+                problem = assert_problem(r, 500, "server-misconfigured")
+                assert "misconfigured" in problem["detail"]
+            # A route that accepts anonymous callers needs no authentication.
+            assert (await c.post("/anonymous", headers=key("k9"))).status_code == 201
+    assert calls.n == 1
+    startup_warnings = [
+        m for m in messages(caplog, logging.WARNING) if "AuthenticationMiddleware" in m
+    ]
+    assert len(startup_warnings) == 1
+    assert "add Starlette's AuthenticationMiddleware after installing" in startup_warnings[0]
+    errors = [m for m in messages(caplog, logging.ERROR) if "no 'user'" in m]
+    assert len(errors) == 1, "logged once, not per request"
