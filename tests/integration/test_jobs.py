@@ -138,12 +138,10 @@ async def test_a_job_writes_through_a_claim_session(pool: asyncpg.Pool[Any]) -> 
             @idempotent_job(store, operation=f"orm-{mode.value}", key="k", mode=mode)
             async def write(job: IdempotencyContext, *, k: str, fail: bool) -> str:
                 async with open_claim_session() as session:
-                    await session.execute(
-                        text(
-                            "INSERT INTO test_ledger (tenant, account_id, amount) VALUES ('', :k, 1)"
-                        ),
-                        {"k": k},
+                    insert = (
+                        "INSERT INTO test_ledger (tenant, account_id, amount) VALUES ('', :k, 1)"
                     )
+                    await session.execute(text(insert), {"k": k})
                 if fail:
                     raise RuntimeError("after the write")
                 return k
