@@ -1,0 +1,153 @@
+"""Idempotent jobs (idem_middleware.jobs) on both stores: MemoryStore and real PostgreSQL."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import asyncpg
+import pytest
+
+from idem_middleware import IdempotencyContext, MemoryStore, Mode, Outcome
+from idem_middleware.jobs import JobInProgress, JobKeyReused, JobOutcomeUnknown, idempotent_job
+from idem_middleware.store.base import RecordKey, State, Store
+from idem_middleware.store.postgres import PostgresStore
+
+
+@pytest.fixture(params=["memory", "postgres"])
+async def store(request: pytest.FixtureRequest, pool: asyncpg.Pool[Any]) -> AsyncIterator[Store]:
+    if request.param == "memory":
+        yield MemoryStore()
+        return
+    async with PostgresStore(pool=pool) as pg:
+        yield pg
+
+
+def is_pg(store: Store) -> bool:
+    return isinstance(store, PostgresStore)
+
+
+async def ledger(store: Store) -> list[int]:
+    assert isinstance(store, PostgresStore)
+    return [r["amount"] for r in await store.pool.fetch("SELECT amount FROM test_ledger")]
+
+
+@pytest.mark.parametrize("mode", [Mode.TRANSACTIONAL, Mode.LEASE])
+async def test_a_repeat_returns_the_stored_result(store: Store, mode: Mode) -> None:
+    runs: list[str] = []
+
+    @idempotent_job(store, operation="invoices.send", key="invoice_id", tenant="acme", mode=mode)
+    async def send(job: IdempotencyContext, *, invoice_id: str, amount: int) -> dict[str, Any]:
+        runs.append(invoice_id)
+        if is_pg(store):
+            conn = job.connection if mode is Mode.TRANSACTIONAL else await job.fenced_connection()
+            await conn.execute(
+                "INSERT INTO test_ledger (tenant, account_id, amount) VALUES ($1, $2, $3)",
+                job.tenant,
+                invoice_id,
+                amount,
+            )
+        return {"sent": invoice_id, "generation": job.generation}
+
+    first = await send(invoice_id="inv-1", amount=7)
+    again = await send(invoice_id="inv-1", amount=7)
+    assert first == again
+    assert first["sent"] == "inv-1"
+    assert runs == ["inv-1"]
+    record = await store.get(RecordKey("acme", "invoices.send", "inv-1"))
+    assert record is not None
+    assert record.state is State.SUCCEEDED
+    if is_pg(store):
+        assert await ledger(store) == [7]
+    with pytest.raises(JobKeyReused):
+        await send(invoice_id="inv-1", amount=8)
+
+
+async def test_transactional_failure_rolls_back_and_frees_the_key(store: Store) -> None:
+    runs = 0
+
+    @idempotent_job(store, operation="charge", key=lambda event: event["id"])
+    async def charge(job: IdempotencyContext, event: dict[str, Any]) -> int:
+        nonlocal runs
+        runs += 1
+        if is_pg(store):
+            await job.connection.execute(
+                "INSERT INTO test_ledger (tenant, account_id, amount) VALUES ('', 'x', 1)"
+            )
+        if runs == 1:
+            raise RuntimeError("the first delivery fails")
+        return runs
+
+    with pytest.raises(RuntimeError):
+        await charge({"id": "evt-1"})
+    assert await store.get(RecordKey("", "charge", "evt-1")) is None
+    if is_pg(store):
+        assert await ledger(store) == []
+    assert await charge({"id": "evt-1"}) == 2
+    assert await charge({"id": "evt-1"}) == 2
+    assert runs == 2
+    if is_pg(store):
+        assert await ledger(store) == [1]
+
+
+async def test_lease_failure_is_unknown_unless_released(store: Store) -> None:
+    @idempotent_job(store, operation="payout", key="ref", mode=Mode.LEASE)
+    async def payout(job: IdempotencyContext, *, ref: str, release: bool) -> None:
+        if release:
+            job.declare(Outcome.RELEASE)
+        raise RuntimeError("the bank timed out")
+
+    with pytest.raises(RuntimeError):
+        await payout(ref="p1", release=False)
+    with pytest.raises(JobOutcomeUnknown):
+        await payout(ref="p1", release=False)
+    with pytest.raises(RuntimeError):
+        await payout(ref="p2", release=True)
+    assert await store.get(RecordKey("", "payout", "p2")) is None  # free for the next delivery
+
+
+async def test_a_concurrent_repeat_waits_then_gives_up(store: Store) -> None:
+    entered = asyncio.Event()
+    release = asyncio.Event()
+
+    @idempotent_job(store, operation="slow", key="k", wait_seconds=0.2)
+    async def slow(job: IdempotencyContext, *, k: str) -> str:
+        entered.set()
+        await release.wait()
+        return "done"
+
+    first = asyncio.create_task(slow(k="same"))
+    await entered.wait()
+    with pytest.raises(JobInProgress):
+        await slow(k="same")
+    release.set()
+    assert await first == "done"
+    assert await slow(k="same") == "done"
+
+
+async def test_a_job_writes_through_a_claim_session(pool: asyncpg.Pool[Any]) -> None:
+    pytest.importorskip("sqlalchemy")
+    from sqlalchemy import text
+
+    from idem_middleware.sqla import open_claim_session
+
+    async with PostgresStore(pool=pool) as store:
+        for mode in (Mode.TRANSACTIONAL, Mode.LEASE):
+
+            @idempotent_job(store, operation=f"orm-{mode.value}", key="k", mode=mode)
+            async def write(job: IdempotencyContext, *, k: str, fail: bool) -> str:
+                async with open_claim_session() as session:
+                    insert = (
+                        "INSERT INTO test_ledger (tenant, account_id, amount) VALUES ('', :k, 1)"
+                    )
+                    await session.execute(text(insert), {"k": k})
+                if fail:
+                    raise RuntimeError("after the write")
+                return k
+
+            with pytest.raises(RuntimeError):
+                await write(k=f"{mode.value}-bad", fail=True)
+            assert await write(k=f"{mode.value}-ok", fail=False) == f"{mode.value}-ok"
+        rows = [r["account_id"] for r in await pool.fetch("SELECT account_id FROM test_ledger")]
+        assert sorted(rows) == ["lease-ok", "transactional-ok"]
