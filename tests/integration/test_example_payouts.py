@@ -434,8 +434,7 @@ async def test_a_key_reused_after_its_retention_is_a_new_payout_at_the_bank_too(
     try:
         # Retention over, then purged: the key is forgotten.
         await conn.execute(
-            "UPDATE idem_requests SET expires_at = now() - interval '1 second' "
-            "WHERE idem_key = $1",
+            "UPDATE idem_requests SET expires_at = now() - interval '1 second' WHERE idem_key = $1",
             k.strip('"'),
         )
         await conn.execute(
