@@ -53,13 +53,20 @@ def _length_prefixed(*parts: str) -> bytes:
     return bytes(out)
 
 
-def derive_downstream_key(tenant: str, operation: str, key: str) -> str:
+def derive_downstream_key(tenant: str, operation: str, key: str, epoch: int | None = None) -> str:
     """A stable idempotency key for a third party, the same on every retry of one request.
 
-    Derived from the key space only (never from the generation), so a takeover or a reconciliation
-    re-sends the same key and the downstream system deduplicates it.
+    Derived from the key space and the record's epoch (its life: see `Record.epoch`), never from
+    the generation: a takeover or a reconciliation re-sends the same key and the downstream system
+    deduplicates it, while the same key reused after its retention (a new request) sends a new
+    one. Without an epoch (a record claimed before the store knew epochs, or transactional mode,
+    whose records are written whole at commit) it is derived from the key space only.
     """
-    digest = hashlib.sha256(b"idem-downstream-1" + _length_prefixed(tenant, operation, key))
+    if epoch is None:
+        digest = hashlib.sha256(b"idem-downstream-1" + _length_prefixed(tenant, operation, key))
+    else:
+        parts = _length_prefixed(tenant, operation, key, str(epoch))
+        digest = hashlib.sha256(b"idem-downstream-2" + parts)
     return digest.hexdigest()
 
 

@@ -89,9 +89,18 @@ class ReconcileResult:
 
 
 async def run_reconciler(
-    store: Store, key: RecordKey, generation: int, reconciler: Reconciler, *, seconds: float
+    store: Store,
+    key: RecordKey,
+    generation: int,
+    reconciler: Reconciler,
+    *,
+    seconds: float,
+    epoch: int | None = None,
 ) -> ReconcileResult:
     """Run one reconciler, bounded by `seconds`, on an unknown record under `generation`.
+
+    `epoch` is the record's (`Record.epoch`): the reconciler asks about the downstream key the
+    executors of this life of the record sent.
 
     A `Happened` answer is settled in the reconciler's fenced transaction, together with any
     writes it made there. `NotHappened` changes nothing: the caller takes the record over.
@@ -101,7 +110,7 @@ async def run_reconciler(
         tenant=key.tenant,
         operation=key.operation,
         key=key.key,
-        downstream_key=derive_downstream_key(key.tenant, key.operation, key.key),
+        downstream_key=derive_downstream_key(key.tenant, key.operation, key.key, epoch),
         generation=generation,
         _fence=fence.connection,
     )

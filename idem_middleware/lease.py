@@ -113,7 +113,7 @@ class LeaseRun:
             await self.ex.answer_in_flight(self.key)
             return
         if claim.claimed:
-            await self.execute(claim.generation)
+            await self.execute(claim.generation, claim.epoch)
         elif claim.record is None:
             await self.ex.refuse_token(self.key)
         else:
@@ -133,7 +133,7 @@ class LeaseRun:
                 if record is None or record.expired:
                     claim = await self._claim()
                     if claim.claimed:
-                        await self.execute(claim.generation)
+                        await self.execute(claim.generation, claim.epoch)
                         return
                     if claim.record is None:
                         await self.ex.refuse_token(self.key)
@@ -170,7 +170,7 @@ class LeaseRun:
                             "took over a lapsed claim",
                             extra=self._log_extra(generation, "takeover"),
                         )
-                        await self.execute(generation)
+                        await self.execute(generation, record.epoch)  # the same life
                         return
                 elif record.lease_expired:
                     try:
@@ -208,6 +208,7 @@ class LeaseRun:
             record.generation,
             policy.reconciler,
             seconds=policy.reconcile_timeout_seconds,
+            epoch=record.epoch,
         )
         if result.verdict is Verdict.NOT_HAPPENED:
             # (No fenced transaction can hold an unknown record: a fence needs it pending.)
@@ -220,7 +221,7 @@ class LeaseRun:
                 "reconciled as not happened; running again",
                 extra=self._log_extra(generation, "reconciled-retry"),
             )
-            await self.execute(generation)
+            await self.execute(generation, record.epoch)
             return False
         if result.verdict in (Verdict.STILL_UNKNOWN, Verdict.FAILED):
             await self._unknown(result.reason)
@@ -236,7 +237,7 @@ class LeaseRun:
 
     # -- the executor --------------------------------------------------------------------------
 
-    async def execute(self, generation: int) -> None:
+    async def execute(self, generation: int, epoch: int | None) -> None:
         ex = self.ex
         policy = self.policy
         fence = Fence(self.store, self.key, generation, State.PENDING)
@@ -247,7 +248,9 @@ class LeaseRun:
             generation=generation,
             mode=Mode.LEASE,
             connection=None,
-            downstream_key=derive_downstream_key(self.key.tenant, self.key.operation, self.key.key),
+            downstream_key=derive_downstream_key(
+                self.key.tenant, self.key.operation, self.key.key, epoch
+            ),
             _fence=fence.connection,
         )
 

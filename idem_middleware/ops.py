@@ -97,7 +97,7 @@ async def reconcile_unknown(
             report.unreconcilable[op] = report.unreconcilable.get(op, 0) + 1
             continue
         result = await run_reconciler(
-            store, summary.key, summary.generation, reconciler, seconds=seconds
+            store, summary.key, summary.generation, reconciler, seconds=seconds, epoch=summary.epoch
         )
         verdict = result.verdict
         if verdict is Verdict.NOT_HAPPENED:

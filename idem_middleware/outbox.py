@@ -23,6 +23,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import asyncpg
 import orjson
 
 from .sql import queries
@@ -143,8 +144,8 @@ class Publisher:
                 )
                 error = await self._send(event)
                 if error is None:
-                    await conn.execute(_Q["outbox_sent"], event.event_id, attempt)
-                    report.sent += 1
+                    if await self._mark(conn, event, _Q["outbox_sent"], event.event_id):
+                        report.sent += 1
                     continue
                 report.failed += 1
                 if attempt >= self.max_attempts:
@@ -154,7 +155,9 @@ class Publisher:
                         attempt,
                         extra={"event_id": event.event_id, "topic": event.topic},
                     )
-                await conn.execute(
+                await self._mark(
+                    conn,
+                    event,
                     _Q["outbox_failed"],
                     event.event_id,
                     error[:500],
@@ -163,6 +166,22 @@ class Publisher:
                     attempt,
                 )
         return report
+
+    @staticmethod
+    async def _mark(conn: Any, event: OutboxEvent, query: str, *args: Any) -> bool:
+        """Record a send's result. A statement the database refuses (a constraint, a trigger)
+        is logged and ends nothing but this mark: the event stays reserved, and is sent again
+        once its reservation lapses. A lost connection still ends the batch."""
+        try:
+            await conn.execute(query, *args)
+        except asyncpg.PostgresError:
+            logger.error(
+                "recording an outbox send's result failed; it is sent again later",
+                extra={"event_id": event.event_id, "topic": event.topic},
+                exc_info=True,
+            )
+            return False
+        return True
 
     async def _send(self, event: OutboxEvent) -> str | None:
         try:

@@ -32,7 +32,8 @@ _PREFIX = "it_"
 
 
 class TokenConflict(IdempotencyError):
-    """The intent was already issued a token for another request, or under another secret."""
+    """The intent was already issued a token for another request, or under another secret, or
+    its token was used and has expired (a used token is never renewed)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +49,13 @@ class TokenIssuer:
     token for an `intent_id` is an HMAC of the tenant, operation and intent, so asking again for
     the same intent returns the same token without the token ever being stored. Tokens without an
     intent are 256 random bits from `secrets`.
+
+    A token is consumed by the claim it admits. Asking again for an intent whose token was used
+    returns that token while it is live (a retry with it gets the stored outcome), and raises
+    TokenConflict once it has expired: it is never renewed. Purge keeps the consumed tokens of
+    intents as tombstones: an intent's token is the same every time, so only that row tells a
+    re-issue from a first issue. Delete them yourself only for intents that can never be asked
+    for again (`DELETE FROM idem_tokens WHERE consumed_at < ...`): those intents reopen.
     """
 
     def __init__(self, store: Any, *, secret: bytes, ttl_seconds: float = 3600.0) -> None:
@@ -93,6 +101,8 @@ class TokenIssuer:
             raise StoreError(str(exc)) from exc
         if bytes(row["token_hash"]) != token_hash(token):
             raise TokenConflict("this intent was issued a token under another secret")
+        if row["spent"]:
+            raise TokenConflict("this intent's token was already used; it is not issued again")
         if row["request_digest"] is not None and bytes(row["request_digest"]) != request_digest:
             raise TokenConflict("this intent was issued a token for a different request")
         return IssuedToken(token, row["expires_at"])

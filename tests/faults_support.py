@@ -84,9 +84,9 @@ class Case:
     def headers(self) -> dict[str, str]:
         return {**AUTH, "idempotency-key": f'"{self.key}"'}
 
-    @property
-    def downstream_key(self) -> str:
-        return derive_downstream_key(TENANT, PAYOUTS_OP, self.key)
+    def downstream_key(self, epoch: int | None) -> str:
+        """The downstream key of the record's life `epoch`."""
+        return derive_downstream_key(TENANT, PAYOUTS_OP, self.key, epoch)
 
     @property
     def final(self) -> Answer | None:
@@ -285,7 +285,7 @@ async def _audit_case(
     result.observed += case.trouble
     result.observed["replayed 2xx"] += sum(a.replayed for a in case.ok_answers)
     rec = await conn.fetchrow(
-        "SELECT state, response_status, response_body, note FROM idem_requests "
+        "SELECT state, response_status, response_body, note, epoch FROM idem_requests "
         "WHERE tenant = $1 AND operation = $2 AND idem_key = $3",
         TENANT,
         case.operation,
@@ -328,7 +328,7 @@ async def _audit_case(
         if len(transfers) > 1:
             result.findings.append(f"{where}: {len(transfers)} bank transfers")
         for t in transfers:
-            if t["idempotency_key"] != case.downstream_key:
+            if rec is None or t["idempotency_key"] != case.downstream_key(rec["epoch"]):
                 result.findings.append(f"{where}: a transfer under a foreign downstream key")
     if effects > 1:
         result.duplicate_effects += effects - 1

@@ -10,28 +10,36 @@
 -- the record again with `get` (a new statement sees it under READ COMMITTED).
 -- With a token hash (a route that accepts only issued tokens as keys), a new record is inserted
 -- only if the key is a live token of this tenant and operation (and request, if the token is
--- bound to one): consuming the token IS this claim. No row, and none from `get`, then means the
--- token was refused.
+-- bound to one) and not consumed: consuming the token IS this claim, and it marks the token
+-- consumed. No row, and none from `get`, then means the token was refused, or that a concurrent
+-- claim held the key and released it meanwhile (the caller checks the token and claims again).
+-- The new record's epoch (its life) is its first generation.
 WITH ins AS (
     INSERT INTO idem_requests AS r
-        (tenant, operation, idem_key, fingerprint, state, mode, retention, lease_expires_at)
+        (tenant, operation, idem_key, fingerprint, state, mode, retention, lease_expires_at,
+         generation, epoch)
     SELECT $1, $2, $3, $4, 'pending', $5, make_interval(secs => $6::float8),
-           now() + make_interval(secs => $7::float8)
+           now() + make_interval(secs => $7::float8), g.v, g.v
+    FROM (SELECT nextval('idem_generation_seq') AS v) g
     WHERE $8::bytea IS NULL OR EXISTS (
         SELECT FROM idem_tokens t
         WHERE t.tenant = $1 AND t.token_hash = $8 AND t.operation = $2 AND t.expires_at > now()
-          AND (t.request_digest IS NULL OR t.request_digest = $4)
+          AND t.consumed_at IS NULL AND (t.request_digest IS NULL OR t.request_digest = $4)
     )
     ON CONFLICT DO NOTHING
-    RETURNING r.generation
+    RETURNING r.generation, r.epoch
+), consumed AS (
+    UPDATE idem_tokens t SET consumed_at = now()
+    FROM ins
+    WHERE $8::bytea IS NOT NULL AND t.tenant = $1 AND t.token_hash = $8
 )
-SELECT true AS claimed, ins.generation, NULL::bytea AS fingerprint, NULL::text AS state,
+SELECT true AS claimed, ins.generation, ins.epoch, NULL::bytea AS fingerprint, NULL::text AS state,
        NULL::integer AS response_status, NULL::bytea AS response_headers,
        NULL::bytea AS response_body, NULL::text AS body_omitted,
        false AS expired, false AS lease_expired, false AS retry_allowed
 FROM ins
 UNION ALL
-SELECT false, r.generation, r.fingerprint, r.state,
+SELECT false, r.generation, r.epoch, r.fingerprint, r.state,
        r.response_status, r.response_headers, r.response_body, r.body_omitted,
        r.expires_at <= now(), r.lease_expires_at <= now(),
        r.state = 'pending' AND r.mode = 'lease' AND r.lease_expires_at IS NULL
@@ -88,24 +96,32 @@ SELECT NOT pg_try_advisory_xact_lock(1768187245, idem_key_lock($1, $2, $3));
 SELECT nextval('idem_generation_seq') FROM generate_series(1, $1);
 
 -- name: reclaim_expired
--- Take over a finished record whose retention is over, as if it were absent.
+-- Take over a finished record whose retention is over, as if it were absent: a new life (epoch).
+-- With a token hash, the caller checked the token (`token_status`); this marks it consumed.
 -- $1 tenant, $2 operation, $3 key, $4 fingerprint, $5 mode, $6 retention (seconds),
--- $7 lease (seconds, or NULL)
-UPDATE idem_requests
-SET fingerprint = $4, state = 'pending', mode = $5,
-    generation = nextval('idem_generation_seq'),
-    created_at = now(), updated_at = now(),
-    retention = make_interval(secs => $6::float8),
-    lease_expires_at = now() + make_interval(secs => $7::float8),
-    expires_at = NULL, response_status = NULL, response_headers = NULL, response_body = NULL,
-    body_omitted = NULL, note = NULL
-WHERE tenant = $1 AND operation = $2 AND idem_key = $3
-  AND state IN ('succeeded', 'failed_final') AND expires_at <= now()
-RETURNING generation;
+-- $7 lease (seconds, or NULL), $8 token hash (or NULL)
+WITH reclaimed AS (
+    UPDATE idem_requests
+    SET fingerprint = $4, state = 'pending', mode = $5, generation = g.v, epoch = g.v,
+        created_at = now(), updated_at = now(),
+        retention = make_interval(secs => $6::float8),
+        lease_expires_at = now() + make_interval(secs => $7::float8),
+        expires_at = NULL, response_status = NULL, response_headers = NULL, response_body = NULL,
+        body_omitted = NULL, note = NULL
+    FROM (SELECT nextval('idem_generation_seq') AS v) g
+    WHERE tenant = $1 AND operation = $2 AND idem_key = $3
+      AND state IN ('succeeded', 'failed_final') AND expires_at <= now()
+    RETURNING generation, epoch
+), consumed AS (
+    UPDATE idem_tokens t SET consumed_at = now()
+    FROM reclaimed
+    WHERE $8::bytea IS NOT NULL AND t.tenant = $1 AND t.token_hash = $8
+)
+SELECT generation, epoch FROM reclaimed;
 
 -- name: get
 -- $1 tenant, $2 operation, $3 key
-SELECT true AS found, generation, fingerprint, state,
+SELECT true AS found, generation, epoch, fingerprint, state,
        response_status, response_headers, response_body, body_omitted,
        expires_at <= now() AS expired, lease_expires_at <= now() AS lease_expired,
        state = 'pending' AND mode = 'lease' AND lease_expires_at IS NULL AS retry_allowed
@@ -237,12 +253,17 @@ SELECT 1 / count(*) AS settled, pg_notify('idem_middleware', $12) AS notified FR
 
 -- name: release
 -- Forget a claim whose request did nothing (a 4xx meaning "fix and retry"), and wake waiters.
+-- If the key is a one-time token, the claim consumed it: nothing happened, so it is unused again.
 -- $1 tenant, $2 operation, $3 key, $4 generation, $5 notification payload
 WITH released AS (
     DELETE FROM idem_requests
     WHERE tenant = $1 AND operation = $2 AND idem_key = $3
       AND generation = $4 AND state = 'pending'
     RETURNING 1
+), restored AS (
+    UPDATE idem_tokens t SET consumed_at = NULL
+    FROM released
+    WHERE t.tenant = $1 AND t.token_hash = sha256(convert_to($3, 'UTF8')) AND t.operation = $2
 )
 SELECT count(*) AS released, pg_notify('idem_middleware', $5) AS notified FROM released;
 
@@ -266,7 +287,7 @@ SELECT count(*) AS moved, pg_notify('idem_middleware', $6) AS notified FROM move
 -- only: lease lapsed (bool)
 SELECT tenant, operation, idem_key, state, generation, mode, created_at, updated_at,
        lease_expires_at, expires_at, response_status, note,
-       lease_expires_at <= now() AS lease_expired
+       lease_expires_at <= now() AS lease_expired, epoch
 FROM idem_requests
 WHERE state = ANY($1::text[])
   AND ($2::text IS NULL OR tenant = $2)
@@ -279,26 +300,34 @@ LIMIT $4;
 -- Why a token was refused (another tenant's token is simply not found).
 -- $1 tenant, $2 token hash, $3 operation, $4 fingerprint
 SELECT operation = $3 AS same_operation, expires_at > now() AS live,
+       consumed_at IS NULL AS unused,
        (request_digest IS NULL OR request_digest = $4) AS same_request
 FROM idem_tokens
 WHERE tenant = $1 AND token_hash = $2;
 
 -- name: issue_token
--- Issue a token, or return the one already issued for this intent (renewing it if it expired).
+-- Issue a token, or return the one already issued for this intent (renewing it if it expired,
+-- unless it was consumed: `spent` then, and the caller refuses).
 -- $1 tenant, $2 token hash, $3 operation, $4 request digest or NULL, $5 intent id or NULL,
 -- $6 time to live (seconds)
 INSERT INTO idem_tokens AS t (tenant, token_hash, operation, request_digest, intent_id, expires_at)
 VALUES ($1, $2, $3, $4, $5, now() + make_interval(secs => $6::float8))
 ON CONFLICT (tenant, operation, intent_id) DO UPDATE
-SET expires_at = CASE WHEN t.expires_at <= now() THEN EXCLUDED.expires_at ELSE t.expires_at END
-RETURNING t.token_hash, t.expires_at, t.request_digest;
+SET expires_at = CASE
+    WHEN t.expires_at <= now() AND t.consumed_at IS NULL THEN EXCLUDED.expires_at
+    ELSE t.expires_at
+END
+RETURNING t.token_hash, t.expires_at, t.request_digest,
+          t.consumed_at IS NOT NULL AND t.expires_at <= now() AS spent;
 
 -- name: purge_tokens
--- Delete one batch of expired tokens. $1 batch size
+-- Delete one batch of expired tokens, except the consumed tokens of an intent: those stay as
+-- tombstones (an intent's token is the same every time it is issued, so without its tombstone
+-- issuing for that intent again would bring a used token back to life). $1 batch size
 DELETE FROM idem_tokens t
 USING (
     SELECT tenant, token_hash FROM idem_tokens
-    WHERE expires_at <= now()
+    WHERE expires_at <= now() AND (consumed_at IS NULL OR intent_id IS NULL)
     ORDER BY expires_at
     LIMIT $1
     FOR UPDATE SKIP LOCKED
@@ -336,10 +365,12 @@ RETURNING o.event_id, o.tenant, o.topic, o.payload::text AS payload, o.attempts,
           o.parked_at IS NOT NULL AS parked;
 
 -- name: outbox_sent
--- $1 event id, $2 the attempt that sent it (a publisher whose reservation lapsed and was taken
--- by another changes nothing)
-UPDATE idem_outbox SET sent_at = now(), last_error = NULL
-WHERE event_id = $1 AND attempts = $2 AND sent_at IS NULL;
+-- A delivered event is sent, whichever attempt delivered it: a publisher whose reservation lapsed
+-- and whose event another publisher reserved again, failed or parked meanwhile, still delivered
+-- it, so sending wins over parking (and the other publisher's later result changes nothing).
+-- $1 event id
+UPDATE idem_outbox SET sent_at = now(), parked_at = NULL, last_error = NULL
+WHERE event_id = $1 AND sent_at IS NULL;
 
 -- name: outbox_failed
 -- A failed send: back off, or park the event for an operator after `max attempts` tries.

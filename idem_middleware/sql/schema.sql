@@ -29,6 +29,11 @@ CREATE TABLE idem_requests (
     response_body     bytea,
     body_omitted      text,
     note              text,
+    -- One life of the record: drawn from idem_generation_seq by the claim that inserts it or
+    -- reclaims it after its retention, kept across takeovers and reconciliation. The downstream
+    -- key derives from it, so a key reused after its retention is a new request downstream too.
+    -- NULL for records claimed before migration 0005 (their downstream key is the older one).
+    epoch             bigint,
     -- The tenant leads, so the table can be distributed (Citus) and co-located by tenant.
     CONSTRAINT idem_requests_pkey PRIMARY KEY (tenant, operation, idem_key),
     CONSTRAINT idem_requests_state_check
@@ -76,7 +81,7 @@ END
 $$;
 
 -- A token is stored only as its SHA-256. It is consumed by the claim of the idempotency record
--- whose key it is: a token is "used" exactly when idem_requests holds a record for it.
+-- whose key it is, and that claim marks it consumed.
 CREATE TABLE idem_tokens (
     tenant          text        NOT NULL,
     token_hash      bytea       NOT NULL,
@@ -85,12 +90,18 @@ CREATE TABLE idem_tokens (
     intent_id       text,
     created_at      timestamptz NOT NULL DEFAULT now(),
     expires_at      timestamptz NOT NULL,
+    -- Set by the claim that consumed the token (cleared if that claim is released: nothing
+    -- happened). A consumed token never admits another execution, whatever became of its record.
+    consumed_at     timestamptz,
     CONSTRAINT idem_tokens_pkey PRIMARY KEY (tenant, token_hash),
     -- Issuing is idempotent: one token per (tenant, operation, intent).
     CONSTRAINT idem_tokens_intent_key UNIQUE (tenant, operation, intent_id)
 );
 
-CREATE INDEX idem_tokens_expires_idx ON idem_tokens (expires_at);
+-- Purge walks expired tokens, except the consumed tokens of an intent: those stay as tombstones,
+-- so asking again for that intent is refused instead of issuing the same token afresh.
+CREATE INDEX idem_tokens_expires_idx ON idem_tokens (expires_at)
+    WHERE consumed_at IS NULL OR intent_id IS NULL;
 
 -- Events written in the same transaction as the business write and the idempotency outcome.
 CREATE TABLE idem_outbox (

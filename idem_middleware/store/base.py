@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from enum import StrEnum
@@ -55,6 +55,10 @@ class Record:
     lease_expired: bool = False
     #: A pending record with no executor, released for the client's next retry (lease mode).
     retry_allowed: bool = False
+    #: The record's life: set when it is claimed afresh (or reclaimed after its retention), kept
+    #: across takeovers. The downstream key derives from it. None for a record claimed before
+    #: the store knew epochs (its downstream key is the older one, from the key space only).
+    epoch: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +68,8 @@ class Claim:
     claimed: bool
     generation: int
     record: Record | None
+    #: The claimed record's life (see Record.epoch), when `claimed`.
+    epoch: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,6 +163,8 @@ class RecordSummary:
     response_status: int | None
     note: str | None
     lease_expired: bool
+    #: See Record.epoch.
+    epoch: int | None = None
 
 
 class Watch(Protocol):
@@ -167,15 +175,20 @@ class Watch(Protocol):
 class EventWatch:
     """A Watch over an asyncio.Event that the store sets when the record may have changed.
 
-    `listening` says whether anything can set it (False: PostgreSQL's LISTEN is unavailable, and
-    the waiter polls).
+    `listening` says whether anything can set it now (False: PostgreSQL's LISTEN is unavailable,
+    or still connecting, and the waiter polls); pass a callable when that can change.
     """
 
-    __slots__ = ("_event", "listening")
+    __slots__ = ("_event", "_listening")
 
-    def __init__(self, event: asyncio.Event, listening: bool = True) -> None:
+    def __init__(self, event: asyncio.Event, listening: bool | Callable[[], bool] = True) -> None:
         self._event = event
-        self.listening = listening
+        self._listening = listening
+
+    @property
+    def listening(self) -> bool:
+        listening = self._listening
+        return listening() if callable(listening) else listening
 
     async def wait(self, seconds: float) -> bool:
         try:

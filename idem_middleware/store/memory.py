@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
 
+from ..context import token_hash
 from ..errors import StaleGeneration, StoreError
 from .base import (
     Claim,
@@ -31,6 +32,14 @@ from .base import (
 
 
 @dataclass(frozen=True, slots=True)
+class _Token:
+    operation: str
+    request_digest: bytes | None
+    expires_at: float
+    consumed: bool = False
+
+
+@dataclass(frozen=True, slots=True)
 class _Row:
     fingerprint: bytes
     state: State
@@ -43,6 +52,8 @@ class _Row:
     created_at: float = 0.0
     updated_at: float = 0.0
     note: str | None = None
+    #: The record's life (see Record.epoch): its first generation, kept across takeovers.
+    epoch: int | None = None
 
     def record(self, key: RecordKey, now: float) -> Record:
         return Record(
@@ -58,6 +69,7 @@ class _Row:
                 and self.mode == "lease"
                 and self.lease_expires_at is None
             ),
+            epoch=self.epoch,
         )
 
 
@@ -66,6 +78,8 @@ class _MemoryTransaction:
         self._store = store
         self._staged: dict[RecordKey, _Row] = {}
         self._held: dict[RecordKey, asyncio.Event] = {}
+        #: Tokens this transaction's claims consume, marked at commit.
+        self._consumed: set[tuple[str, bytes]] = set()
         self.active = False
 
     @property
@@ -77,6 +91,8 @@ class _MemoryTransaction:
 
     async def commit(self) -> None:
         self._store._rows.update(self._staged)
+        for token in self._consumed:
+            self._store._consume(token, True)
         self._finish()
 
     async def rollback(self) -> None:
@@ -84,6 +100,7 @@ class _MemoryTransaction:
 
     def _finish(self) -> None:
         self._staged.clear()
+        self._consumed.clear()
         for key, event in self._held.items():
             del self._store._owners[key]
             event.set()
@@ -95,7 +112,7 @@ class _MemoryTransaction:
         self._store._owners[key] = event
         self._held[key] = event
         self._staged[key] = row
-        return Claim(True, row.generation, None)
+        return Claim(True, row.generation, None, row.epoch)
 
     async def claim(
         self,
@@ -123,19 +140,23 @@ class _MemoryTransaction:
             except TimeoutError:
                 raise ClaimTimeout("waited too long for a concurrent claim") from None
         now = store.clock()
+        generation = next(store._generations)
         fresh = _Row(
             fingerprint,
             State.PENDING,
-            next(store._generations),
+            generation,
             retention_seconds,
             created_at=now,
             updated_at=now,
+            epoch=generation,
         )
         current = self._staged.get(key) or store._rows.get(key)
         record = None if current is None else current.record(key, store.clock())
         if record is None or record.expired:
-            if token_hash is not None and store._token_problem(key, token_hash, fingerprint):
-                return Claim(False, 0, None)
+            if token_hash is not None:
+                if store._token_problem(key, token_hash, fingerprint):
+                    return Claim(False, 0, None)
+                self._consumed.add((key.tenant, token_hash))
             return self._own(key, fresh)
         return Claim(False, record.generation, record)
 
@@ -190,7 +211,7 @@ class MemoryStore:
         self._generations = itertools.count(1)
         self._watchers: dict[RecordKey, set[asyncio.Event]] = {}
         self._fence_locks: dict[RecordKey, asyncio.Lock] = {}
-        self._tokens: dict[tuple[str, bytes], tuple[str, bytes | None, float]] = {}
+        self._tokens: dict[tuple[str, bytes], _Token] = {}
 
     @asynccontextmanager
     async def transaction(
@@ -228,20 +249,26 @@ class MemoryStore:
     ) -> None:
         """Record an issued token (the PostgreSQL store's TokenIssuer does this in SQL)."""
         expires_at = self.clock() + ttl_seconds
-        self._tokens[(tenant, token_hash)] = (operation, request_digest, expires_at)
+        self._tokens[(tenant, token_hash)] = _Token(operation, request_digest, expires_at)
 
     def _token_problem(self, key: RecordKey, token_hash: bytes, fingerprint: bytes) -> str:
         token = self._tokens.get((key.tenant, token_hash))
         if token is None:
             return "This key is not a token issued to you for this operation."
-        operation, digest, expires_at = token
-        if operation != key.operation:
+        if token.operation != key.operation:
             return "This token was issued for another operation."
-        if expires_at <= self.clock():
+        if token.consumed:
+            return "This token was already used; ask for a new one."
+        if token.expires_at <= self.clock():
             return "This token has expired; ask for a new one."
-        if digest is not None and digest != fingerprint:
+        if token.request_digest is not None and token.request_digest != fingerprint:
             return "This token was issued for a different request."
         return ""
+
+    def _consume(self, token: tuple[str, bytes], consumed: bool) -> None:
+        found = self._tokens.get(token)
+        if found is not None:
+            self._tokens[token] = replace(found, consumed=consumed)
 
     async def token_problem(self, key: RecordKey, token_hash: bytes, fingerprint: bytes) -> str:
         return self._token_problem(key, token_hash, fingerprint)
@@ -284,20 +311,24 @@ class MemoryStore:
             record = row.record(key, now)
             if not record.expired:
                 return Claim(False, row.generation, record)
-        if token_hash is not None and self._token_problem(key, token_hash, fingerprint):
-            return Claim(False, 0, None)
+        if token_hash is not None:
+            if self._token_problem(key, token_hash, fingerprint):
+                return Claim(False, 0, None)
+            self._consume((key.tenant, token_hash), True)
+        generation = next(self._generations)
         fresh = _Row(
             fingerprint,
             State.PENDING,
-            next(self._generations),
+            generation,
             retention_seconds,
             mode="lease",
             lease_expires_at=now + lease_seconds,
             created_at=now,
             updated_at=now,
+            epoch=generation,
         )
         self._rows[key] = fresh
-        return Claim(True, fresh.generation, None)
+        return Claim(True, fresh.generation, None, fresh.epoch)
 
     async def heartbeat(self, key: RecordKey, generation: int, lease_seconds: float) -> bool:
         async with self._row_lock(key):
@@ -375,6 +406,11 @@ class MemoryStore:
             if self._current(key, generation, State.PENDING) is None:
                 return False
             del self._rows[key]
+            # A token the claim consumed is unused again: nothing happened.
+            token = (key.tenant, token_hash(key.key))
+            found = self._tokens.get(token)
+            if found is not None and found.operation == key.operation:
+                self._consume(token, False)
             self._changed(key)
             return True
 
@@ -452,6 +488,7 @@ class MemoryStore:
                     response_status=None if row.response is None else row.response.status,
                     note=row.note,
                     lease_expired=row.lease_expires_at is not None and lapsed,
+                    epoch=row.epoch,
                 )
             )
         found.sort(key=lambda r: r.updated_at)
@@ -466,8 +503,10 @@ class MemoryStore:
         ][: batch_size * max_batches]
         for key in doomed:
             del self._rows[key]
-        for token, (_, _, expires_at) in list(self._tokens.items()):
-            if expires_at <= now:
+        # This store's tokens carry no intent, so none needs a tombstone once it has expired
+        # (see queries.sql `purge_tokens`): an expired token is refused, a deleted one too.
+        for token, found in list(self._tokens.items()):
+            if found.expires_at <= now:
                 del self._tokens[token]
         return len(doomed)
 

@@ -4,6 +4,7 @@ protocol's decisions live in the middleware."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import math
@@ -43,6 +44,10 @@ _Q = sql.queries()
 _CLAIM_ATTEMPTS = 4
 # A claim told not to wait still needs time to run; asyncpg's timeout covers the whole statement.
 _MIN_STATEMENT_TIMEOUT = 0.05
+# The LISTEN connection: how long one attempt may take (waiters poll meanwhile), and the pause
+# after a failed one.
+_LISTEN_CONNECT_SECONDS = 5.0
+_LISTEN_RETRY_SECONDS = 5.0
 
 _CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
     OSError,
@@ -65,6 +70,7 @@ _LISTEN_ERRORS: tuple[type[BaseException], ...] = (
     asyncpg.PostgresError,
     StoreError,
 )
+_LISTEN_CONNECT_ERRORS: tuple[type[BaseException], ...] = (*_LISTEN_ERRORS, TimeoutError)
 _WAIT_EXCEEDED: tuple[type[BaseException], ...] = (
     TimeoutError,
     asyncpg.exceptions.LockNotAvailableError,
@@ -102,6 +108,7 @@ def _record(key: RecordKey, row: asyncpg.Record) -> Record:
         expired=bool(row["expired"]),
         lease_expired=bool(row["lease_expired"]),
         retry_allowed=bool(row["retry_allowed"]),
+        epoch=row["epoch"],
     )
 
 
@@ -161,27 +168,44 @@ async def _claim(
         if rows:
             row = rows[0]
             if row["claimed"]:
-                return Claim(True, row["generation"], None)
+                return Claim(True, row["generation"], None, row["epoch"])
         else:
             # The conflicting claim committed after our snapshot: read it afresh.
             row = await executor.fetchrow(_Q["get"], *args[:3], timeout=timeout)
             if row is None:
-                if token_hash is not None:
+                # Gone again (released, or purged). A token claim finds out whether the token
+                # itself was refused, or only met that claim, and then claims again.
+                if token_hash is not None and await _token_refused(
+                    executor, key, token_hash, args[3], timeout
+                ):
                     return Claim(False, 0, None)
                 continue
         record = _record(key, row)
         if not record.expired:
             return Claim(False, record.generation, record)
-        if token_hash is not None:
-            status = await executor.fetchrow(
-                _Q["token_status"], key.tenant, token_hash, key.operation, args[3], timeout=timeout
-            )
-            if _token_problem(status):
-                return Claim(False, 0, None)
-        generation = await executor.fetchval(_Q["reclaim_expired"], *args, timeout=timeout)
-        if generation is not None:
-            return Claim(True, generation, None)
+        if token_hash is not None and await _token_refused(
+            executor, key, token_hash, args[3], timeout
+        ):
+            return Claim(False, 0, None)
+        reclaimed = await executor.fetchrow(
+            _Q["reclaim_expired"], *args, token_hash, timeout=timeout
+        )
+        if reclaimed is not None:
+            return Claim(True, reclaimed["generation"], None, reclaimed["epoch"])
     raise ClaimTimeout("the record kept changing under the claim")
+
+
+async def _token_refused(
+    executor: Any,
+    key: RecordKey,
+    token_hash: bytes,
+    fingerprint: bytes,
+    timeout: float | None,  # noqa: ASYNC109 - asyncpg's own per-statement timeout
+) -> bool:
+    status = await executor.fetchrow(
+        _Q["token_status"], key.tenant, token_hash, key.operation, fingerprint, timeout=timeout
+    )
+    return bool(_token_problem(status))
 
 
 # -- one round trip for BEGIN + claim and for completion + COMMIT ---------------------------------
@@ -407,6 +431,8 @@ def _token_problem(row: Any) -> str:
         return "This key is not a token issued to you for this operation."
     if not row["same_operation"]:
         return "This token was issued for another operation."
+    if not row["unused"]:
+        return "This token was already used; ask for a new one."
     if not row["live"]:
         return "This token has expired; ask for a new one."
     if not row["same_request"]:
@@ -419,37 +445,58 @@ class _Listener:
 
     Notifications are hints: a waiter always re-reads the record, and polls when none come (a
     lost notification, or PgBouncer in transaction mode, where LISTEN cannot work).
+
+    The connection is made by one background attempt at a time, bounded by
+    `_LISTEN_CONNECT_SECONDS`. No waiter ever waits for it: a waiter that finds no connection
+    starts the attempt (if none is running) and polls; once the connection is up, it is woken by
+    notifications like every later waiter (its event is registered either way).
     """
 
     def __init__(self, store: PostgresStore) -> None:
         self._store = store
         self._conn: Any = None
         self._pooled = False
-        self._lock = asyncio.Lock()
+        self._connecting: asyncio.Task[None] | None = None
         self._waiters: dict[str, set[asyncio.Event]] = {}
         self._retry_at = 0.0
 
-    async def ensure(self) -> bool:
+    def connected(self) -> bool:
+        return self._conn is not None and not self._conn.is_closed()
+
+    def ensure(self) -> bool:
+        """Whether a LISTEN connection is up now; if not, start connecting (in the background)."""
         if not self._store._listen:
             return False
-        if self._conn is not None and not self._conn.is_closed():
+        if self.connected():
             return True
         loop = asyncio.get_running_loop()
-        if loop.time() < self._retry_at:
-            return False
-        async with self._lock:
-            if self._conn is not None and not self._conn.is_closed():
-                return True
-            try:
+        if self._connecting is None and loop.time() >= self._retry_at:
+            self._connecting = loop.create_task(self._connect())
+        return False
+
+    async def _connect(self) -> None:
+        loop = asyncio.get_running_loop()
+        conn: Any = None
+        try:
+            async with asyncio.timeout(_LISTEN_CONNECT_SECONDS):
                 conn, self._pooled = await self._store._listen_connection()
                 await conn.add_listener(NOTIFY_CHANNEL, self._notified)
-                conn.add_termination_listener(self._lost)
-            except _LISTEN_ERRORS as exc:
-                logger.warning("LISTEN unavailable, polling instead: %s", exc)
-                self._retry_at = loop.time() + 5.0
-                return False
-            self._conn = conn
-            return True
+            conn.add_termination_listener(self._lost)
+            self._conn, conn = conn, None
+        except _LISTEN_CONNECT_ERRORS as exc:
+            logger.warning("LISTEN unavailable, polling instead: %r", exc)
+            self._retry_at = loop.time() + _LISTEN_RETRY_SECONDS
+        finally:
+            self._connecting = None
+            if conn is not None:  # it never became the listener (a timeout, or closing)
+                self._give_back(conn)
+
+    def _give_back(self, conn: Any) -> None:
+        if self._pooled:
+            task = asyncio.get_running_loop().create_task(self._store.pool.release(conn))
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        else:
+            conn.terminate()
 
     def _notified(self, conn: object, pid: int, channel: str, payload: object) -> None:
         for event in self._waiters.get(str(payload), ()):
@@ -459,8 +506,7 @@ class _Listener:
         self._conn = None
         if self._pooled:
             # A pooled connection that died still holds its pool slot until it is released.
-            task = asyncio.get_running_loop().create_task(self._store.pool.release(conn))
-            task.add_done_callback(lambda t: t.cancelled() or t.exception())
+            self._give_back(conn)
         # Wake everyone: they re-read the record, then poll until a new listener is up.
         for events in self._waiters.values():
             for event in events:
@@ -470,10 +516,10 @@ class _Listener:
     async def watch(self, key: RecordKey) -> AsyncIterator[EventWatch]:
         token = notify_token(key)
         event = asyncio.Event()
-        listening = await self.ensure()
+        self.ensure()
         self._waiters.setdefault(token, set()).add(event)
         try:
-            yield EventWatch(event, listening)
+            yield EventWatch(event, self.connected)
         finally:
             waiters = self._waiters.get(token)
             if waiters is not None:
@@ -482,6 +528,11 @@ class _Listener:
                     del self._waiters[token]
 
     async def close(self) -> None:
+        connecting, self._connecting = self._connecting, None
+        if connecting is not None:
+            connecting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await connecting
         conn, self._conn = self._conn, None
         if conn is None or conn.is_closed():
             return
@@ -1147,6 +1198,7 @@ class PostgresStore:
                 response_status=r["response_status"],
                 note=r["note"],
                 lease_expired=bool(r["lease_expired"]),
+                epoch=r["epoch"],
             )
             for r in rows
         ]

@@ -416,3 +416,40 @@ async def test_restart_keeps_stored_responses(
         assert await ledger.counts("tenant-a", acc) == (1, 1)
     finally:
         app.cleanup()
+
+
+async def test_a_key_reused_after_its_retention_is_a_new_payout_at_the_bank_too(
+    http: httpx.AsyncClient, ledger: Ledger, app_db: str
+) -> None:
+    """Issue 19, item 2: past retention the same key is a new request, so the bank must be sent
+    a new downstream key. With the old key (derived from the key space only) the bank
+    deduplicated the second payout into the first transfer, the debit then violated
+    UNIQUE(bank_transfer_id), and every retry answered 409 outcome-unknown for good."""
+    account = account_id()
+    await fund(http, account, 1000)
+    k = key()
+    first = await payout(http, account, 100, k)
+    assert first.status_code == 201, first.text
+
+    conn = await asyncpg.connect(app_db)
+    try:
+        # Retention over, then purged: the key is forgotten.
+        await conn.execute(
+            "UPDATE idem_requests SET expires_at = now() - interval '1 second' WHERE idem_key = $1",
+            k.strip('"'),
+        )
+        await conn.execute(
+            "DELETE FROM idem_requests WHERE idem_key = $1 AND expires_at <= now()", k.strip('"')
+        )
+    finally:
+        await conn.close()
+
+    second = await payout(http, account, 100, k)
+    assert second.status_code == 201, second.text
+    assert "idempotent-replayed" not in second.headers
+    assert second.json()["bank_transfer_id"] != first.json()["bank_transfer_id"]
+    transfers = await ledger.transfers("tenant-a", account)
+    assert len({t["idempotency_key"] for t in transfers}) == 2
+    assert await ledger.counts("tenant-a", account) == (2, 2), "one debit per transfer"
+    assert await balance(http, account) == 800
+    assert_replay_of(await payout(http, account, 100, k), second)

@@ -69,8 +69,11 @@ def rkey(idem_key: str = "k1", tenant: str = "tenant-a") -> RecordKey:
     return RecordKey(tenant, OPERATION, idem_key)
 
 
-def dkey(idem_key: str = "k1") -> str:
-    return derive_downstream_key("tenant-a", OPERATION, idem_key)
+async def dkey(pool: asyncpg.Pool[Any], idem_key: str = "k1") -> str:
+    """The downstream key of the record's current life (its epoch)."""
+    epoch = await pool.fetchval("SELECT epoch FROM idem_requests WHERE idem_key = $1", idem_key)
+    assert epoch is not None
+    return derive_downstream_key("tenant-a", OPERATION, idem_key, epoch)
 
 
 #: Requests a test started in the background (see `spawn`).
@@ -173,19 +176,25 @@ class WatchRecorder(PostgresStore):
 
     def __init__(self, **options: Any) -> None:
         super().__init__(**options)
-        self.listening: list[bool] = []
+        self.watches: list[Any] = []
         self.waits: list[float] = []
         self.watching = 0
 
     @asynccontextmanager
     async def watch(self, key: RecordKey) -> AsyncIterator[Any]:
         async with super().watch(key) as inner:
-            self.listening.append(inner.listening)
+            self.watches.append(inner)
             self.watching += 1
             try:
                 yield _RecordedWatch(inner, self.waits)
             finally:
                 self.watching -= 1
+
+    @property
+    def listening(self) -> list[bool]:
+        """Whether each watch can be woken by a notification now (LISTEN connects in the
+        background: a first watch polls until it is up)."""
+        return [watch.listening for watch in self.watches]
 
 
 class _RecordedWatch:
@@ -224,7 +233,7 @@ async def test_happy_path_claim_commits_first_then_outcome_and_fenced_writes_tog
         assert held["response_status"] is None
         ctx = probe.contexts[0]
         assert held["generation"] == ctx.generation == ctx.fencing_token
-        assert ctx.downstream_key == dkey()
+        assert ctx.downstream_key == await dkey(bank)
         # The downstream effect is outside our transaction; a fenced write is not committed yet.
         assert await downstream_rows(bank) == 1
         assert await count(bank, "test_ledger") == 0
@@ -234,7 +243,7 @@ async def test_happy_path_claim_commits_first_then_outcome_and_fenced_writes_tog
         assert first.status_code == 201, first.text
         assert "idempotent-replayed" not in first.headers
         assert first.json() == {
-            "dkey": dkey(),
+            "dkey": await dkey(bank),
             "amount": 100,
             "generation": ctx.generation,
             "call": 1,
@@ -346,7 +355,7 @@ async def test_seed_late_stale_executor_is_fenced_out_after_a_takeover(
             assert "idempotent-replayed" not in b.headers
             gen_b = b.json()["generation"]
             assert gen_b > gen_a
-            assert b.json()["dkey"] == dkey(), "a takeover reuses the downstream key"
+            assert b.json()["dkey"] == await dkey(bank), "a takeover reuses the downstream key"
             assert await count(bank, "test_ledger") == 1  # B's fenced write
 
             gate.set()  # A wakes up, late
@@ -494,7 +503,7 @@ async def test_seed_unknown_downstream_result_is_reconciled_as_happened(
         retry = await post(c)
         assert retry.status_code == 201, retry.text
         assert retry.headers.get("idempotent-replayed") == "true"
-        assert retry.json() == {"dkey": dkey(), "amount": 100, "reconciled": True}
+        assert retry.json() == {"dkey": await dkey(bank), "amount": 100, "reconciled": True}
         done = await row(bank)
         assert done is not None
         assert done["state"] == "succeeded"
@@ -526,7 +535,7 @@ async def test_unknown_reconciled_as_not_happened_runs_again_once(
         assert retry.status_code == 201, retry.text
         assert "idempotent-replayed" not in retry.headers
         assert retry.json()["generation"] > unknown["generation"]
-        assert retry.json()["dkey"] == dkey()
+        assert retry.json()["dkey"] == await dkey(bank)
         again = await post(c)
         assert_replay_of(again, retry)
     assert probe.calls == 2
@@ -600,7 +609,7 @@ async def test_reconciler_fenced_writes_commit_with_happened(
         retry = await post(c)
     assert retry.status_code == 201, retry.text
     assert retry.headers.get("idempotent-replayed") == "true"
-    assert retry.json() == {"reconciled": dkey()}
+    assert retry.json() == {"reconciled": await dkey(bank)}
     assert await count(bank, "test_ledger") == 1
     assert await state_of(bank) == "succeeded"
 
@@ -715,7 +724,7 @@ async def test_operator_allow_retry_lets_the_next_retry_run_with_the_same_downst
         retry = await post(c)
     assert retry.status_code == 201, retry.text
     assert retry.json()["generation"] > generation
-    assert retry.json()["dkey"] == dkey()
+    assert retry.json()["dkey"] == await dkey(bank)
     assert probe.calls == 2
     assert await downstream_rows(bank) == 1
 
@@ -855,14 +864,16 @@ async def test_expired_succeeded_key_is_claimable_again_in_lease_mode(
         again = await post(c)
         replay = await post(c)
     # The record forgot the first request: this is a new execution (the seed's "after
-    # retention: claimed"); only the bank's own deduplication by downstream key saves the money.
+    # retention: claimed"), a new life of the record, so the bank is sent a new downstream key
+    # and makes a new transfer (the same key would have been deduplicated into the old one).
     assert again.status_code == 201
     assert "idempotent-replayed" not in again.headers
     assert again.json()["generation"] > first.json()["generation"]
     assert again.json()["call"] == 2
+    assert again.json()["dkey"] != first.json()["dkey"]
     assert_replay_of(replay, again)
     assert probe.calls == 2
-    assert await downstream_rows(bank) == 1
+    assert await downstream_rows(bank) == 2
 
 
 @pytest.mark.parametrize("state", ["pending", "unknown"])

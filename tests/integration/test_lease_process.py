@@ -99,14 +99,15 @@ async def test_seed_crash_after_claim_sigkill_mid_handler(
 ) -> None:
     idem_key = f"crash-{route}-{uuid.uuid4().hex[:8]}"
     path = f"/payouts/{route}"
-    dkey = derive_downstream_key("tenant-a", f"POST {path}", idem_key)
     headers = {"idempotency-key": idem_key}
 
     first = start(servers, db_dsn)
     async with http(first) as c:
         doomed = asyncio.create_task(c.post(path, json=BODY, headers={**headers, "x-hold": "60"}))
         # "Entered": the downstream effect is visible (the bank committed it on its own).
-        await until(lambda: _has_downstream(bank, dkey), "the downstream effect")
+        # The record is claimed before the effect: its epoch names the downstream key.
+        await until(lambda: _has_downstream(bank, path, idem_key), "the downstream effect")
+        dkey = await _dkey(bank, path, idem_key)
         first.kill()
         with pytest.raises(httpx.TransportError):
             await asyncio.wait_for(doomed, BOUND)
@@ -167,5 +168,12 @@ async def test_seed_crash_after_claim_sigkill_mid_handler(
         assert again.content == retry.content
 
 
-async def _has_downstream(pool: asyncpg.Pool[Any], dkey: str) -> bool:
-    return await downstream_rows(pool, dkey) == 1
+async def _dkey(pool: asyncpg.Pool[Any], path: str, idem_key: str) -> str:
+    epoch = await pool.fetchval(
+        "SELECT epoch FROM idem_requests WHERE idem_key = $1 AND epoch IS NOT NULL", idem_key
+    )
+    return derive_downstream_key("tenant-a", f"POST {path}", idem_key, epoch)
+
+
+async def _has_downstream(pool: asyncpg.Pool[Any], path: str, idem_key: str) -> bool:
+    return await downstream_rows(pool, await _dkey(pool, path, idem_key)) == 1
