@@ -191,6 +191,12 @@ async def _claim(
 # with its BEGIN, and the completion with its COMMIT, each as one simple-query message with the
 # values inlined as literals: the business transaction then costs the same round trips as the
 # bare handler's. Everything else (and every case `_fusable` refuses) takes the ordinary path.
+#
+# The literals are built so that only `[0-9a-f]` of any value reaches the message: text and
+# bytes are hex, decoded by the server. A string literal's meaning depends on session settings
+# a handler may change between the claim and the completion (`standard_conforming_strings`
+# makes `\` an escape; `client_encoding` decides which characters the message's bytes are);
+# hex digits mean the same under all of them, so no value can end its literal or change tenant.
 
 #: A response body up to this size is inlined into the completion (hex doubles it).
 FUSE_MAX_BODY = 64 * 1024
@@ -202,29 +208,37 @@ class _NotFusable(Exception):
 
 
 def _literal(value: Any) -> str:
-    """`value` as a PostgreSQL literal, for a connection with standard_conforming_strings on
-    (checked by `_fusable`): quotes doubled, backslashes literal, NUL refused."""
+    """`value` as an SQL expression whose text is the same whatever the session's settings:
+    text as `convert_from(decode('<utf-8 hex>', 'hex'), 'UTF8')`, bytes as `decode(...)`,
+    numbers as digits (in parentheses when negative). NUL and lone surrogates are refused."""
     kind = type(value)
     if kind is str:
         text: str = value
         if "\x00" in text:
-            raise _NotFusable("a NUL character")  # it would end the protocol's query string
-        return "'" + text.replace("'", "''") + "'"
+            raise _NotFusable("a NUL character")  # PostgreSQL text cannot hold one
+        try:
+            raw = text.encode()
+        except UnicodeEncodeError as exc:  # a lone surrogate: the ordinary path reports it
+            raise _NotFusable("not encodable as UTF-8") from exc
+        return "convert_from(decode('" + raw.hex() + "', 'hex'), 'UTF8')"
     if kind is bytes:
-        raw: bytes = value
-        return "'\\x" + raw.hex() + "'::bytea"
+        data: bytes = value
+        return "decode('" + data.hex() + "', 'hex')"
     if value is None:
         return "NULL"
     if kind is bool:
         return "true" if value else "false"
     if kind is int:
-        return str(value)
-    if kind is float:
+        number = str(value)
+    elif kind is float:
         if not math.isfinite(value):
             raise _NotFusable("a non-finite number")
-        return repr(value)
-    # Anything else (a str subclass a tenant resolver returned, say) takes the ordinary path.
-    raise _NotFusable(f"no literal for {kind.__name__}")
+        number = repr(value)  # digits, `.`, `e`, a sign: the shortest text of exactly this value
+    else:
+        # Anything else (a str subclass a tenant resolver returned, say) takes the ordinary path.
+        raise _NotFusable(f"no literal for {kind.__name__}")
+    # A leading minus in parentheses: glued to an operator's `-` it would start a comment.
+    return f"({number})" if number.startswith("-") else number
 
 
 def _inline(query: str, args: Sequence[Any]) -> str:
@@ -235,18 +249,20 @@ def _inline(query: str, args: Sequence[Any]) -> str:
 
 
 def _fusable(conn: Any) -> bool:
-    """Whether the fast path is safe on this connection: literals need standard_conforming_strings
-    (on by default since PostgreSQL 9.1), and the BEGIN we send ourselves must be registered with
-    asyncpg so a handler's `conn.transaction()` still nests as a savepoint (`_adopt`)."""
+    """Whether the fast path may run on this connection: the BEGIN we send ourselves must be
+    registered with asyncpg so a handler's `conn.transaction()` still nests as a savepoint
+    (`_adopt`), and the client encoding must be UTF-8. The literals mean the same under any
+    encoding, but the ordinary path (asyncpg's parameters, in the client encoding) cannot send
+    every character another encoding lacks: one path for both keeps a tenant or key that only
+    one of them could write from being claimed one way and looked up the other."""
     try:
-        settings = conn.get_settings()
-        conforming = getattr(settings, "standard_conforming_strings", None) == "on"
+        encoding = getattr(conn.get_settings(), "client_encoding", None)
     except Exception:
         return False
     return (
         hasattr(conn, "_top_xact")  # a proxy of a pool's connection forwards it
         and getattr(TransactionState, "STARTED", None) is not None
-        and conforming
+        and encoding == "UTF8"
         and not conn.is_in_transaction()
     )
 

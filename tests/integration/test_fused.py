@@ -66,9 +66,9 @@ async def logged(db_dsn: str) -> Any:
 
 
 def test_literals_quote_and_refuse() -> None:
-    assert _literal("o'brien") == "'o''brien'"
-    assert _literal("a\\b") == "'a\\b'"  # standard_conforming_strings: a backslash is literal
-    assert _literal(b"\x00\xff") == "'\\x00ff'::bytea"
+    # Text and bytes as hex only (tests/integration/test_sql_safety.py covers why).
+    assert _literal("o'brien") == "convert_from(decode('6f27627269656e', 'hex'), 'UTF8')"
+    assert _literal(b"\x00\xff") == "decode('00ff', 'hex')"
     assert _literal(None) == "NULL"
     assert _literal(7) == "7"
     assert _literal(1.5) == "1.5"
