@@ -34,6 +34,7 @@ from .base import (
     StoredResponse,
     StoreStats,
 )
+from .migrations import require_migrated
 
 logger = logging.getLogger("idem_middleware.store")
 
@@ -899,11 +900,21 @@ class PostgresStore:
         return self._pool
 
     async def open(self) -> PostgresStore:
-        if self._pool is None:
-            try:
+        """Create the pool (unless one was given), and check that the database has every
+        migration this version needs: ConfigurationError, naming the command, if not."""
+        created = self._pool is None
+        try:
+            if self._pool is None:
                 self._pool = await asyncpg.create_pool(self._dsn, **self._pool_kwargs)
-            except _CONNECTION_ERRORS as exc:
+            async with self._internal() as conn:
+                await require_migrated(conn)
+        except BaseException as exc:
+            if created and self._pool is not None:
+                pool, self._pool = self._pool, None
+                await pool.close()
+            if isinstance(exc, _CONNECTION_ERRORS):
                 raise StoreError(f"cannot connect: {exc}") from exc
+            raise
         return self
 
     async def close(self) -> None:
@@ -1166,37 +1177,6 @@ class PostgresStore:
             )
             for r in rows
         ]
-
-    async def in_flight(self, key: RecordKey) -> bool:
-        """Whether an uncommitted (transactional-mode) claim holds the key at this moment."""
-        try:
-            async with self._internal() as conn:
-                tx = conn.transaction()
-                await tx.start()
-                try:
-                    # A claim that writes its record at commit holds only the key's advisory
-                    # lock; one that inserted a pending record holds that row.
-                    if await self._claim_key_available(conn) and await conn.fetchval(
-                        _Q["probe_key_lock"], key.tenant, key.operation, key.key
-                    ):
-                        return True
-                    await conn.execute("SET LOCAL lock_timeout = '100ms'")
-                    await conn.execute(_Q["probe_claim"], key.tenant, key.operation, key.key)
-                except asyncpg.exceptions.LockNotAvailableError:
-                    return True
-                finally:
-                    await tx.rollback()
-        except _CONNECTION_ERRORS as exc:
-            raise StoreError(str(exc)) from exc
-        return False
-
-    async def _claim_key_available(self, conn: Any) -> bool:
-        """Whether the schema has `idem_claim_key`: known once the fast path asked, else asked.
-        (Other processes may claim with it even when this store's fast path is off.)"""
-        known = self._fast.write_once if self._fast is not None else None
-        if known is None:
-            known = bool(await conn.fetchval(_Q["claim_key_available"]))
-        return known
 
     async def purge(self, *, batch_size: int = 1000, max_batches: int = 1000) -> int:
         """Delete finished records past their retention, one short transaction per batch, and

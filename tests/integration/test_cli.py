@@ -48,10 +48,10 @@ async def test_migrate_check_then_apply(admin_dsn: str) -> None:
     dsn = await _fresh_database(admin_dsn, "idem_cli_migrate")
     pending = cli("migrate", "--check", dsn=dsn)
     assert pending.returncode == 1
-    assert "pending migrations: [1, 2, 3]" in pending.stdout
+    assert "pending migrations: [1, 2, 3, 4]" in pending.stdout
     applied = cli("migrate", env={"IDEM_DATABASE_URL": dsn})  # the DSN from the environment
     assert applied.returncode == 0, applied.stderr
-    assert "applied migrations: [1, 2, 3]" in applied.stdout
+    assert "applied migrations: [1, 2, 3, 4]" in applied.stdout
     again = cli("migrate", "--check", dsn=dsn)
     assert again.returncode == 0
     assert "up to date" in again.stdout

@@ -8,9 +8,12 @@ turn a client's key or a tenant into SQL, or one tenant into another.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import re
 from typing import Any
 
+import asyncpg
 import pytest
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
@@ -98,12 +101,15 @@ async def test_no_client_text_reaches_a_fast_message_outside_hex(logged: Any) ->
     app = build_app(PostgresStore(pool=pool), tenant_resolver=lambda scope: tenant)
     idem_key = "k'\\ey; -- $1"
     async with client(app) as c:
-        r = await c.post("/accounts/a1/credits", json={"amount": 5}, headers=key(sf_string(idem_key)))
+        r = await c.post(
+            "/accounts/a1/credits", json={"amount": 5}, headers=key(sf_string(idem_key))
+        )
     assert r.status_code == 201, r.text
     fast = [q for q in log.queries if "EXECUTE idem_" in q]
     assert len(fast) == 2  # the claim and the completion
     for message in fast:
-        assert tenant not in message and idem_key not in message
+        assert tenant not in message
+        assert idem_key not in message
         without_statements = message.split("EXECUTE", 1)[1]
         for literal in re.findall(r"'[^']*'", without_statements):
             assert re.fullmatch(r"'([0-9a-f]*|hex|UTF8)'", literal), (literal, message)
@@ -137,7 +143,9 @@ async def test_hex_literals_mean_the_same_under_any_setting(pool: Any) -> None:
                         assert got == text.encode().hex(), (scs, encoding, text)
                     got = await conn.fetchval(f"SELECT encode({_literal(data)}, 'hex')")
                     assert got == data.hex()
-                    assert await conn.fetchval(f"SELECT {_literal(-7)} = -7 AND 1-{_literal(-7)} = 8")
+                    assert await conn.fetchval(
+                        f"SELECT {_literal(-7)} = -7 AND 1-{_literal(-7)} = 8"
+                    )
                     assert await conn.fetchval(f"SELECT {_literal(-1.5)}::float8 = -1.5::float8")
 
 
@@ -154,3 +162,119 @@ async def test_a_key_that_reads_as_a_literal_escape_under_legacy_settings(logged
     assert await count(pool, "test_accounts") == 1
 
 
+# -- client encodings (the report: a LATIN1 pool stored tenant `José` as `JosÃ©`) ----------------
+
+
+def header_tenant(scope: Any) -> str:
+    """The tenant from an `x-tenant` header (UTF-8), standing for an authentication backend."""
+    return dict(scope["headers"]).get(b"x-tenant", b"").decode()
+
+
+@pytest.mark.parametrize("fast_path", [True, False], ids=["fast", "ordinary"])
+@pytest.mark.parametrize(
+    "tenants", [("José", "JosÃ©"), ("JosÃ©", "José")], ids=["utf8", "mojibake"]
+)
+async def test_a_latin1_client_encoding_keeps_non_ascii_tenants_apart(
+    db_dsn: str, fast_path: bool, tenants: tuple[str, str]
+) -> None:
+    log = QueryLog()
+    latin1 = {"server_settings": {"client_encoding": "LATIN1"}}
+    async with logged_pool(db_dsn, log, **latin1) as pool:
+        store = PostgresStore(pool=pool, fast_path=fast_path)
+        app = build_app(store, tenant_resolver=header_tenant)
+        probe = app.state.probe
+        answers = []
+        async with client(app) as c:
+            for tenant in (*tenants, *tenants):
+                headers = {**key("same-key"), "x-tenant": tenant.encode()}
+                answers.append(
+                    await c.post("/accounts/a1/credits", json={"amount": 5}, headers=headers)
+                )
+        assert [r.status_code for r in answers] == [201] * 4, [r.text for r in answers]
+        # Each tenant's first request ran; each retry replayed its own tenant's response.
+        assert [r.headers.get("idempotent-replayed") for r in answers] == [
+            None,
+            None,
+            "true",
+            "true",
+        ]
+        assert probe.calls == 2
+        assert answers[2].content == answers[0].content
+        assert answers[3].content == answers[1].content
+    utf8 = await asyncpg.connect(db_dsn)  # read back without the pool's encoding
+    try:
+        stored = await utf8.fetch("SELECT tenant FROM idem_requests ORDER BY tenant")
+        ledger = await utf8.fetch("SELECT tenant FROM test_ledger ORDER BY tenant")
+    finally:
+        await utf8.close()
+    assert [r["tenant"] for r in stored] == sorted(tenants)
+    assert [r["tenant"] for r in ledger] == sorted(tenants)
+
+
+async def test_a_tenant_the_client_encoding_cannot_carry_is_refused_before_the_handler(
+    db_dsn: str,
+) -> None:
+    """Under LATIN1, `東京` cannot be sent as a parameter: the claim fails before anything runs
+    (the fast path is not used on such a pool, so no claim is made that a lookup cannot find)."""
+    log = QueryLog()
+    latin1 = {"server_settings": {"client_encoding": "LATIN1"}}
+    async with logged_pool(db_dsn, log, **latin1) as pool:
+        app = build_app(PostgresStore(pool=pool), tenant_resolver=header_tenant)
+        async with client(app) as c:
+            headers = {**key("k"), "x-tenant": "東京".encode()}
+            r = await c.post("/accounts/a1/credits", json={"amount": 5}, headers=headers)
+        assert r.status_code == 500  # an error, as for a tenant with a NUL; never a confusion
+        assert app.state.probe.calls == 0
+        assert not any("EXECUTE idem_" in q for q in log.queries)
+        assert await count(pool, "idem_requests") == 0
+
+
+# -- the claim lock (the report: a 32-bit unkeyed hash, a shared lock found in 50 s) -------------
+
+
+def expected_lock(secret: bytes, *parts: str) -> int:
+    message = b"".join(len(p.encode()).to_bytes(4, "big") + p.encode() for p in parts)
+    return int.from_bytes(
+        hmac.new(secret, message, hashlib.sha256).digest()[:8], "big", signed=True
+    )
+
+
+async def test_the_claim_lock_is_a_keyed_64_bit_hash_of_the_length_prefixed_tuple(
+    db_dsn: str,
+) -> None:
+    tuples = [
+        ("tenant-a", "POST /pay", "k"),
+        ("José", "POST /pay", "k"),
+        ("", "POST /pay", "\\'; --"),
+        ("a\x1fb", "c", "d"),  # the old encoding (chr(31) separators) made these two one lock
+        ("a", "b\x1fc", "d"),
+    ]
+    for encoding in ("UTF8", "LATIN1"):  # the lock cannot depend on the client's encoding
+        conn = await asyncpg.connect(db_dsn, server_settings={"client_encoding": encoding})
+        try:
+            inner = await conn.fetchval("SELECT inner_key FROM idem_lock_secret")
+            secret = bytes(b ^ 0x36 for b in inner)
+            locks = []
+            for parts in tuples:
+                lock = await conn.fetchval(
+                    "SELECT idem_key_lock(convert_from(decode($1, 'hex'), 'UTF8'), $2, $3)",
+                    parts[0].encode().hex(),
+                    *parts[1:],
+                )
+                assert lock == expected_lock(secret, *parts), (encoding, parts)
+                locks.append(lock)
+        finally:
+            await conn.close()
+        assert len(set(locks)) == len(tuples)
+
+
+async def test_a_claim_waits_on_the_keyed_lock(pool: Any) -> None:
+    """`idem_claim_key` takes the one-bigint advisory lock `idem_key_lock` names."""
+    async with pool.acquire() as conn, conn.transaction():
+        await conn.fetch("SELECT * FROM idem_claim_key('tenant-a', 'POST /pay', 'k')")
+        held = await conn.fetch(
+            "SELECT (classid::bigint << 32) | objid::bigint AS lock FROM pg_locks "
+            "WHERE locktype = 'advisory' AND objsubid = 1 AND pid = pg_backend_pid()"
+        )
+        want = await conn.fetchval("SELECT idem_key_lock('tenant-a', 'POST /pay', 'k')")
+    assert [r["lock"] for r in held] == [want]
