@@ -901,19 +901,24 @@ class PostgresStore:
 
     async def open(self) -> PostgresStore:
         """Create the pool (unless one was given), and check that the database has every
-        migration this version needs: ConfigurationError, naming the command, if not."""
+        migration this version needs: ConfigurationError, naming the command, if not. A server
+        that cannot be reached yet is no reason to refuse (requests answer 503 until it is):
+        the check is then skipped, with a warning."""
         created = self._pool is None
-        try:
-            if self._pool is None:
+        if self._pool is None:
+            try:
                 self._pool = await asyncpg.create_pool(self._dsn, **self._pool_kwargs)
+            except _CONNECTION_ERRORS as exc:
+                raise StoreError(f"cannot connect: {exc}") from exc
+        try:
             async with self._internal() as conn:
                 await require_migrated(conn)
-        except BaseException as exc:
+        except _ACQUIRE_ERRORS as exc:
+            logger.warning("cannot check the idempotency schema now: %s", exc)
+        except BaseException:
             if created and self._pool is not None:
                 pool, self._pool = self._pool, None
                 await pool.close()
-            if isinstance(exc, _CONNECTION_ERRORS):
-                raise StoreError(f"cannot connect: {exc}") from exc
             raise
         return self
 
