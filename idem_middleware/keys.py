@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from .errors import ProblemKind, RequestRejected
 
-__all__ = ["MAX_KEY_LENGTH", "parse_idempotency_key"]
+__all__ = ["MAX_KEY_LENGTH", "check_key", "parse_idempotency_key"]
 
 MAX_KEY_LENGTH = 255
 
@@ -57,3 +57,15 @@ def parse_idempotency_key(headers: Sequence[tuple[bytes, bytes]]) -> str | None:
         raise RequestRejected(ProblemKind.INVALID_KEY, _BAD_KEY)
     # Both branches admit only 0x20-0x7e, so ASCII decoding cannot fail.
     return key.decode("ascii")
+
+
+# Every key the header can carry, once decoded: what `check_key` accepts.
+_DECODED_KEY = re.compile(rf"[\x20-\x7e]{{1,{MAX_KEY_LENGTH}}}")
+
+
+def check_key(key: str) -> str:
+    """A key given in decoded form (the status resource's query parameter): accepted exactly
+    when some Idempotency-Key header carries it; RequestRejected otherwise."""
+    if _DECODED_KEY.fullmatch(key) is None:
+        raise RequestRejected(ProblemKind.INVALID_KEY, _BAD_KEY)
+    return key

@@ -1,15 +1,25 @@
-"""The status resource a 202 points at: what became of a request, for its own tenant only."""
+"""The status resource a 202 points at: what became of a request, for its own tenant only.
+
+It reports only from the caller's own committed record, read with one SELECT (nothing is
+written, nothing is locked). A transactional-mode request that has not committed has no record
+anyone else can see, so the resource answers 404 for it until it commits: the client's safe
+move is the one it always has, sending the request again with the same key (which waits for the
+original, or answers 409/202 while it runs). A lease-mode claim commits its pending record at
+once and is reported as `pending`.
+"""
 
 from __future__ import annotations
 
 import inspect
+import re
 
 import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from .errors import ProblemKind
+from .errors import ProblemKind, RequestRejected
+from .keys import check_key
 from .middleware import TenantResolver, authenticated_user_tenant
 from .responses import DEFAULT_PROBLEM_BASE, problem_status, problem_title
 from .store.base import RecordKey, Store
@@ -25,6 +35,11 @@ def _problem(kind: ProblemKind, detail: str) -> Response:
     return Response(orjson.dumps(body), problem_status(kind), media_type="application/problem+json")
 
 
+# An operation is `METHOD /template` (policy.operation_name); the bound keeps a probe cheap.
+_OPERATION = re.compile(r"[A-Z]{1,32} /[^\x00-\x1f\x7f]{0,2000}")
+_BAD_OPERATION = "The operation is `METHOD /path-template`, as the Location of a 202 gives it."
+
+
 def status_route(
     store: Store,
     *,
@@ -34,7 +49,9 @@ def status_route(
     """`GET path?operation=POST%20/payouts&key=abc`: the state of the caller's own request.
 
     The tenant comes from authentication, as for the guarded routes: another tenant's record
-    with the same key is simply not found.
+    with the same key is simply not found. The key is checked as the Idempotency-Key header is,
+    the operation's shape too (400 problem+json); the answer is read from the caller's own
+    committed record only (see the module's docstring).
     """
 
     async def status(request: Request) -> Response:
@@ -47,18 +64,20 @@ def status_route(
         key = request.query_params.get("key")
         if not operation or not key:
             return _problem(ProblemKind.INVALID_KEY, "Pass the operation and the key.")
-        record_key = RecordKey(tenant, operation, key)
-        record = await store.get(record_key)
+        try:
+            check_key(key)  # exactly the header's rule: a 400, never a query with a bad value
+        except RequestRejected as exc:
+            return _problem(exc.kind, exc.detail)
+        if _OPERATION.fullmatch(operation) is None:
+            return _problem(ProblemKind.INVALID_KEY, _BAD_OPERATION)
+        record = await store.get(RecordKey(tenant, operation, key))
         if record is None or record.expired:
-            # A transactional claim is invisible until it commits; ask whether one is running.
-            if record is None and await store.in_flight(record_key):
-                body: dict[str, object] = {
-                    "operation": operation,
-                    "state": "pending",
-                    "response_status": None,
-                }
-                return Response(orjson.dumps(body), 200, media_type="application/json")
-            return _problem(ProblemKind.RECORD_NOT_FOUND, "No such request for this caller.")
+            return _problem(
+                ProblemKind.RECORD_NOT_FOUND,
+                "No committed request with this key for this caller. A request still running"
+                " in a transaction shows here once it commits; sending it again with the same"
+                " key is always safe.",
+            )
         body = {
             "operation": operation,
             "state": record.state.value,

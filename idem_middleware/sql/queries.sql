@@ -84,11 +84,6 @@ VALUES ($1, $2, $3, $4, $7, 'transactional', $5, make_interval(secs => $6::float
 -- inserting a pending record, as before.
 SELECT to_regprocedure('idem_claim_key(text, text, text)') IS NOT NULL;
 
--- name: probe_key_lock
--- Is a `claim_key` claim of this key uncommitted right now? (It holds the key's advisory lock.)
--- $1 tenant, $2 operation, $3 key
-SELECT NOT pg_try_advisory_xact_lock(1768187245, idem_key_lock($1, $2, $3));
-
 -- name: draw_generations
 -- Generations for `claim_fresh`, drawn in a batch inside the transaction of the claim that found
 -- none left (so the draw costs no commit of its own). Each is used at most once, so a generation
@@ -420,12 +415,3 @@ WHERE o.event_id = doomed.event_id;
 INSERT INTO idem_inbox (consumer, event_id) VALUES ($1, $2)
 ON CONFLICT DO NOTHING
 RETURNING 1;
-
--- name: probe_claim
--- Is another transaction claiming this key right now? Run in a throwaway transaction with a
--- short lock_timeout: an uncommitted claim makes this INSERT wait (and time out); no claim lets
--- it insert (the caller rolls back); a committed record makes it do nothing.
--- $1 tenant, $2 operation, $3 key
-INSERT INTO idem_requests (tenant, operation, idem_key, fingerprint, state, mode, retention)
-VALUES ($1, $2, $3, '\x'::bytea, 'pending', 'transactional', interval '1 second')
-ON CONFLICT DO NOTHING;

@@ -233,9 +233,6 @@ class Store(Protocol):
     async def get(self, key: RecordKey) -> Record | None:
         """The committed record, if any."""
 
-    async def in_flight(self, key: RecordKey) -> bool:
-        """Whether an uncommitted transactional claim holds the key right now."""
-
     # -- lease mode: every call commits on its own -----------------------------------------------
 
     async def claim_lease(

@@ -230,9 +230,6 @@ class MemoryStore:
         row = self._rows.get(key)
         return None if row is None else row.record(key, self.clock())
 
-    async def in_flight(self, key: RecordKey) -> bool:
-        return key in self._owners
-
     async def open(self) -> MemoryStore:
         return self
 

@@ -7,6 +7,7 @@ from typing import Any
 import asyncpg
 
 from .. import sql
+from ..errors import ConfigurationError
 
 # Concurrent migrators (several app hosts starting at once) queue on this transaction lock.
 _LOCK_ID = 0x1DE4_0001
@@ -45,3 +46,16 @@ async def migrate(conn: asyncpg.Connection[Any]) -> list[int]:
 async def pending_versions(conn: asyncpg.Connection[Any]) -> list[int]:
     done = await applied_versions(conn)
     return [v for v, _, _ in sql.migrations() if v not in done]
+
+
+async def require_migrated(conn: asyncpg.Connection[Any]) -> None:
+    """ConfigurationError unless every migration this version knows is applied (a database
+    migrated by a newer version passes: its extra migrations are that version's business)."""
+    done = await applied_versions(conn)
+    missing = [f"{v:04d}_{name}" for v, name, _ in sql.migrations() if v not in done]
+    if missing:
+        raise ConfigurationError(
+            f"the idempotency schema lacks migration(s) {', '.join(missing)}: run "
+            "`idem-middleware --dsn postgresql://... migrate` (or set IDEM_DATABASE_URL or "
+            "DATABASE_URL) against this database before starting the application"
+        )

@@ -35,6 +35,7 @@ from .base import (
     StoredResponse,
     StoreStats,
 )
+from .migrations import require_migrated
 
 logger = logging.getLogger("idem_middleware.store")
 
@@ -215,6 +216,12 @@ async def _token_refused(
 # with its BEGIN, and the completion with its COMMIT, each as one simple-query message with the
 # values inlined as literals: the business transaction then costs the same round trips as the
 # bare handler's. Everything else (and every case `_fusable` refuses) takes the ordinary path.
+#
+# The literals are built so that only `[0-9a-f]` of any value reaches the message: text and
+# bytes are hex, decoded by the server. A string literal's meaning depends on session settings
+# a handler may change between the claim and the completion (`standard_conforming_strings`
+# makes `\` an escape; `client_encoding` decides which characters the message's bytes are);
+# hex digits mean the same under all of them, so no value can end its literal or change tenant.
 
 #: A response body up to this size is inlined into the completion (hex doubles it).
 FUSE_MAX_BODY = 64 * 1024
@@ -226,29 +233,37 @@ class _NotFusable(Exception):
 
 
 def _literal(value: Any) -> str:
-    """`value` as a PostgreSQL literal, for a connection with standard_conforming_strings on
-    (checked by `_fusable`): quotes doubled, backslashes literal, NUL refused."""
+    """`value` as an SQL expression whose text is the same whatever the session's settings:
+    text as `convert_from(decode('<utf-8 hex>', 'hex'), 'UTF8')`, bytes as `decode(...)`,
+    numbers as digits (in parentheses when negative). NUL and lone surrogates are refused."""
     kind = type(value)
     if kind is str:
         text: str = value
         if "\x00" in text:
-            raise _NotFusable("a NUL character")  # it would end the protocol's query string
-        return "'" + text.replace("'", "''") + "'"
+            raise _NotFusable("a NUL character")  # PostgreSQL text cannot hold one
+        try:
+            raw = text.encode()
+        except UnicodeEncodeError as exc:  # a lone surrogate: the ordinary path reports it
+            raise _NotFusable("not encodable as UTF-8") from exc
+        return "convert_from(decode('" + raw.hex() + "', 'hex'), 'UTF8')"
     if kind is bytes:
-        raw: bytes = value
-        return "'\\x" + raw.hex() + "'::bytea"
+        data: bytes = value
+        return "decode('" + data.hex() + "', 'hex')"
     if value is None:
         return "NULL"
     if kind is bool:
         return "true" if value else "false"
     if kind is int:
-        return str(value)
-    if kind is float:
+        number = str(value)
+    elif kind is float:
         if not math.isfinite(value):
             raise _NotFusable("a non-finite number")
-        return repr(value)
-    # Anything else (a str subclass a tenant resolver returned, say) takes the ordinary path.
-    raise _NotFusable(f"no literal for {kind.__name__}")
+        number = repr(value)  # digits, `.`, `e`, a sign: the shortest text of exactly this value
+    else:
+        # Anything else (a str subclass a tenant resolver returned, say) takes the ordinary path.
+        raise _NotFusable(f"no literal for {kind.__name__}")
+    # A leading minus in parentheses: glued to an operator's `-` it would start a comment.
+    return f"({number})" if number.startswith("-") else number
 
 
 def _inline(query: str, args: Sequence[Any]) -> str:
@@ -259,18 +274,20 @@ def _inline(query: str, args: Sequence[Any]) -> str:
 
 
 def _fusable(conn: Any) -> bool:
-    """Whether the fast path is safe on this connection: literals need standard_conforming_strings
-    (on by default since PostgreSQL 9.1), and the BEGIN we send ourselves must be registered with
-    asyncpg so a handler's `conn.transaction()` still nests as a savepoint (`_adopt`)."""
+    """Whether the fast path may run on this connection: the BEGIN we send ourselves must be
+    registered with asyncpg so a handler's `conn.transaction()` still nests as a savepoint
+    (`_adopt`), and the client encoding must be UTF-8. The literals mean the same under any
+    encoding, but the ordinary path (asyncpg's parameters, in the client encoding) cannot send
+    every character another encoding lacks: one path for both keeps a tenant or key that only
+    one of them could write from being claimed one way and looked up the other."""
     try:
-        settings = conn.get_settings()
-        conforming = getattr(settings, "standard_conforming_strings", None) == "on"
+        encoding = getattr(conn.get_settings(), "client_encoding", None)
     except Exception:
         return False
     return (
         hasattr(conn, "_top_xact")  # a proxy of a pool's connection forwards it
         and getattr(TransactionState, "STARTED", None) is not None
-        and conforming
+        and encoding == "UTF8"
         and not conn.is_in_transaction()
     )
 
@@ -934,11 +951,26 @@ class PostgresStore:
         return self._pool
 
     async def open(self) -> PostgresStore:
+        """Create the pool (unless one was given), and check that the database has every
+        migration this version needs: ConfigurationError, naming the command, if not. A server
+        that cannot be reached yet is no reason to refuse (requests answer 503 until it is):
+        the check is then skipped, with a warning."""
+        created = self._pool is None
         if self._pool is None:
             try:
                 self._pool = await asyncpg.create_pool(self._dsn, **self._pool_kwargs)
             except _CONNECTION_ERRORS as exc:
                 raise StoreError(f"cannot connect: {exc}") from exc
+        try:
+            async with self._internal() as conn:
+                await require_migrated(conn)
+        except _ACQUIRE_ERRORS as exc:
+            logger.warning("cannot check the idempotency schema now: %s", exc)
+        except BaseException:
+            if created and self._pool is not None:
+                pool, self._pool = self._pool, None
+                await pool.close()
+            raise
         return self
 
     async def close(self) -> None:
@@ -1202,37 +1234,6 @@ class PostgresStore:
             )
             for r in rows
         ]
-
-    async def in_flight(self, key: RecordKey) -> bool:
-        """Whether an uncommitted (transactional-mode) claim holds the key at this moment."""
-        try:
-            async with self._internal() as conn:
-                tx = conn.transaction()
-                await tx.start()
-                try:
-                    # A claim that writes its record at commit holds only the key's advisory
-                    # lock; one that inserted a pending record holds that row.
-                    if await self._claim_key_available(conn) and await conn.fetchval(
-                        _Q["probe_key_lock"], key.tenant, key.operation, key.key
-                    ):
-                        return True
-                    await conn.execute("SET LOCAL lock_timeout = '100ms'")
-                    await conn.execute(_Q["probe_claim"], key.tenant, key.operation, key.key)
-                except asyncpg.exceptions.LockNotAvailableError:
-                    return True
-                finally:
-                    await tx.rollback()
-        except _CONNECTION_ERRORS as exc:
-            raise StoreError(str(exc)) from exc
-        return False
-
-    async def _claim_key_available(self, conn: Any) -> bool:
-        """Whether the schema has `idem_claim_key`: known once the fast path asked, else asked.
-        (Other processes may claim with it even when this store's fast path is off.)"""
-        known = self._fast.write_once if self._fast is not None else None
-        if known is None:
-            known = bool(await conn.fetchval(_Q["claim_key_available"]))
-        return known
 
     async def purge(self, *, batch_size: int = 1000, max_batches: int = 1000) -> int:
         """Delete finished records past their retention, one short transaction per batch, and

@@ -232,21 +232,23 @@ async def test_the_202_location_carries_the_apps_root_path(pg_store, pool):
     assert status.json()["state"] == "succeeded"
 
 
-async def test_status_resource_of_a_202_knows_the_request_while_it_runs(pg_store, pool):
-    """The transactional claim is uncommitted, yet the resource the 202 points at must not
-    answer 404 'no such request' while the original runs (a client would resubmit)."""
+async def test_status_resource_of_a_202_reports_the_request_once_it_commits(pg_store, pool):
+    """The status resource reads only the caller's committed record (issue 13: never from the
+    claim's lock), so an uncommitted transactional claim is not visible to it: 404, saying that
+    a running request shows once it commits; then the outcome."""
     app = build_app(pg_store, default_policy=Policy(wait_seconds=0.2, accept_while_in_flight=True))
     probe = app.state.probe
     async with client(app) as c, Held(probe) as held:
         first = held.start(c.post(CREDIT, json=BODY, headers=key("k1")))
         await wait_entered(probe)
         accepted = await asyncio.wait_for(c.post(CREDIT, json=BODY, headers=key("k1")), BOUND)
-        status = await c.get(accepted.headers["location"])
+        running = await c.get(accepted.headers["location"])
         held.release()
         r1 = await asyncio.wait_for(first, BOUND)
+        done = await c.get(accepted.headers["location"])
     assert (accepted.status_code, r1.status_code) == (202, 201)
-    assert status.status_code == 200, status.text
-    assert status.json()["state"] == "pending"
+    assert "once it commits" in assert_problem(running, 404, "record-not-found")["detail"]
+    assert done.json()["state"] == "succeeded"
 
 
 async def test_committed_pending_record_is_409_with_retry_after(pg_store, pool):

@@ -12,7 +12,9 @@ from typing import Any
 import asyncpg
 import pytest
 
-from idem_middleware import sql
+from idem_middleware import PostgresStore, sql
+from idem_middleware.errors import ConfigurationError
+from idem_middleware.store.base import RecordKey
 from idem_middleware.store.migrations import _LOCK_ID, migrate, pending_versions
 from tests.conftest import dsn_for
 
@@ -239,5 +241,81 @@ async def test_every_query_prepares_with_its_documented_parameters(db_dsn: str) 
         for name, (_, code) in _query_blocks().items():
             statement = await conn.prepare(sql.queries()[name])
             assert len(statement.get_parameters()) == max(_params(code), default=0), name
+    finally:
+        await conn.close()
+
+
+# --- the installation's lock secret (migration 0004) --------------------------------------------
+
+
+async def test_each_installation_gets_its_own_lock_secret(new_database: NewDatabase) -> None:
+    secrets = []
+    for build in ("migrations", "migrations", "schema.sql"):
+        conn = await asyncpg.connect(await new_database())
+        try:
+            if build == "migrations":
+                await migrate(conn)
+            else:
+                await conn.execute(sql.schema_sql())
+            [row] = await conn.fetch("SELECT inner_key, outer_key FROM idem_lock_secret")
+            lock = await conn.fetchval("SELECT idem_key_lock('t', 'POST /x', 'k')")
+        finally:
+            await conn.close()
+        inner, outer = bytes(row["inner_key"]), bytes(row["outer_key"])
+        secret = bytes(b ^ 0x36 for b in inner)
+        assert bytes(b ^ 0x5C for b in outer) == secret  # HMAC's two pads of one secret
+        assert len(secret) == 64
+        secrets.append((secret, lock))
+    assert len({s for s, _ in secrets}) == 3
+    assert len({lock for _, lock in secrets}) == 3  # the same key locks differently in each
+
+
+# --- opening a store checks the schema (issue 15) -----------------------------------------------
+
+
+async def _apply_up_to(conn: asyncpg.Connection[Any], last: int) -> None:
+    """Apply migrations 1..last by hand, as an older version of the library would have."""
+    async with conn.transaction():
+        for version, name, text in sql.migrations():
+            if version <= last:
+                await conn.execute(text)
+                await conn.execute(
+                    "INSERT INTO idem_schema_migrations (version, name) VALUES ($1, $2)",
+                    version,
+                    name,
+                )
+
+
+@pytest.mark.parametrize("applied", [0, 3], ids=["never-migrated", "one-migration-behind"])
+async def test_opening_a_store_on_an_unmigrated_database_names_the_command(
+    new_database: NewDatabase, applied: int
+) -> None:
+    dsn = await new_database()
+    conn = await asyncpg.connect(dsn)
+    try:
+        await _apply_up_to(conn, applied)
+        missing = [f"{v:04d}_{n}" for v, n, _ in sql.migrations() if v > applied]
+        with pytest.raises(ConfigurationError) as own:
+            await PostgresStore(dsn=dsn, application_name="idem_unmigrated").open()
+        pool = await asyncpg.create_pool(dsn, min_size=1, max_size=1)
+        try:
+            store = PostgresStore(pool=pool)
+            with pytest.raises(ConfigurationError) as borrowed:
+                await store.open()
+            assert not pool._closed  # a borrowed pool is the caller's to close
+        finally:
+            await pool.close()
+        # The store closed the pool it had created.
+        left = await conn.fetchval(
+            "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'idem_unmigrated'"
+        )
+        assert left == 0
+        for error in (own.value, borrowed.value):
+            assert "idem-middleware" in str(error)
+            assert "migrate" in str(error)
+            assert ", ".join(missing) in str(error)
+        await migrate(conn)
+        async with PostgresStore(dsn=dsn) as store:
+            assert await store.get(RecordKey("t", "POST /x", "k")) is None
     finally:
         await conn.close()

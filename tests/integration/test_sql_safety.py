@@ -1,0 +1,280 @@
+"""What reaches SQL text, and what keeps tenants apart, whatever the session's settings.
+
+The fast path writes values into the text of a simple-query message (store/postgres.py
+`_literal`). A handler may change settings that alter how PostgreSQL reads a string literal
+(`standard_conforming_strings`) or which bytes a message means (`client_encoding`): neither may
+turn a client's key or a tenant into SQL, or one tenant into another.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import re
+from typing import Any
+
+import asyncpg
+import pytest
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.middleware.authentication import AuthenticationMiddleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from idem_middleware import IdempotencyMiddleware, Mode, Policy, PostgresStore, get_context
+from idem_middleware.store.postgres import _literal
+from tests.apps import BearerBackend, QueryLog, build_app, client, count, key, logged_pool, records
+
+# The key of the report: with standard_conforming_strings off, `\'` ends the inlined literal and
+# the rest of the key became two statements committed with the record.
+INJECTION = (
+    "\\',$$$$::bytea,1,1,$$succeeded$$,200,NULL,NULL,NULL);"
+    "UPDATE test_accounts SET balance=1000000;"
+    "INSERT INTO test_accounts VALUES($$tenant-b$$,$$pwned$$,999);--"
+)
+# Its lease-mode twin ran a function inside the fenced settlement.
+LEASE_INJECTION = "\\' || pg_sleep(0)::text || (SELECT 1/0)::text || '"
+
+
+def sf_string(value: str) -> str:
+    """`value` as an Idempotency-Key header (an RFC 8941 sf-string)."""
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+async def legacy_credit(request: Request) -> Response:
+    """A handler from legacy code that relies on backslash escapes in its own SQL."""
+    ctx = get_context(request)
+    conn = ctx.connection if ctx.mode is Mode.TRANSACTIONAL else await ctx.fenced_connection()
+    await conn.execute("SET LOCAL standard_conforming_strings = off")
+    await conn.execute(
+        "INSERT INTO test_accounts (tenant, account_id, balance) VALUES ($1, 'legacy', 5)",
+        ctx.tenant,
+    )
+    return JSONResponse({"ok": True}, status_code=201)
+
+
+def legacy_app(store: PostgresStore, mode: Mode) -> Starlette:
+    return Starlette(
+        routes=[Route("/legacy", legacy_credit, methods=["POST"])],
+        middleware=[
+            Middleware(AuthenticationMiddleware, backend=BearerBackend()),
+            Middleware(IdempotencyMiddleware, store=store, default_policy=Policy(mode=mode)),
+        ],
+    )
+
+
+@pytest.fixture
+async def logged(db_dsn: str) -> Any:
+    log = QueryLog()
+    async with logged_pool(db_dsn, log) as pool:
+        yield pool, log
+
+
+@pytest.mark.parametrize(
+    ("mode", "idem_key"),
+    [(Mode.TRANSACTIONAL, INJECTION), (Mode.LEASE, LEASE_INJECTION), (Mode.LEASE, INJECTION)],
+)
+async def test_a_handler_turning_standard_conforming_strings_off_injects_nothing(
+    logged: Any, mode: Mode, idem_key: str
+) -> None:
+    pool, log = logged
+    app = legacy_app(PostgresStore(pool=pool, listen=False), mode)
+    async with client(app) as c:
+        first = await c.post("/legacy", json={}, headers=key(sf_string(idem_key)))
+        again = await c.post("/legacy", json={}, headers=key(sf_string(idem_key)))
+    assert first.status_code == 201, first.text
+    assert again.headers.get("idempotent-replayed") == "true"
+    # The completion went the fast way, after the handler's SET LOCAL, and injected nothing.
+    assert any(q.endswith("; COMMIT") for q in log.queries)
+    accounts = await pool.fetch("SELECT tenant, account_id, balance FROM test_accounts")
+    assert [tuple(r) for r in accounts] == [("tenant-a", "legacy", 5)]
+    [rec] = await records(pool)
+    assert (rec["tenant"], rec["idem_key"], rec["state"]) == ("tenant-a", idem_key, "succeeded")
+
+
+async def test_no_client_text_reaches_a_fast_message_outside_hex(logged: Any) -> None:
+    """Every quoted literal in every fast message is lower-case hex, and nothing of the key or
+    the tenant is spelled out anywhere in the message."""
+    pool, log = logged
+    tenant = "t'e\\n$$a;nt"
+    app = build_app(PostgresStore(pool=pool), tenant_resolver=lambda scope: tenant)
+    idem_key = "k'\\ey; -- $1"
+    async with client(app) as c:
+        r = await c.post(
+            "/accounts/a1/credits", json={"amount": 5}, headers=key(sf_string(idem_key))
+        )
+    assert r.status_code == 201, r.text
+    fast = [q for q in log.queries if "EXECUTE idem_" in q]
+    assert len(fast) == 2  # the claim and the completion
+    for message in fast:
+        assert tenant not in message
+        assert idem_key not in message
+        without_statements = message.split("EXECUTE", 1)[1]
+        for literal in re.findall(r"'[^']*'", without_statements):
+            assert re.fullmatch(r"'([0-9a-f]*|hex|UTF8)'", literal), (literal, message)
+    [rec] = await records(pool)
+    assert (rec["tenant"], rec["idem_key"]) == (tenant, idem_key)
+
+
+def test_literals_of_text_and_bytes_are_hex_whatever_the_value() -> None:
+    for value in ("o'brien", "a\\b", "\\x41", "José", "東京", "$$", ""):
+        literal = _literal(value)
+        assert re.fullmatch(r"convert_from\(decode\('[0-9a-f]*', 'hex'\), 'UTF8'\)", literal)
+    assert re.fullmatch(r"decode\('[0-9a-f]*', 'hex'\)", _literal(b"\x00'\\\xff"))
+    assert _literal(-7) == "(-7)"  # never glued to a preceding `-` into a comment
+    assert _literal(-1.5) == "(-1.5)"
+
+
+async def test_hex_literals_mean_the_same_under_any_setting(pool: Any) -> None:
+    texts = ["o'brien", "a\\b", "\\x41", "José", "東京", ""]
+    data = b"\x00'\\\xff"
+    async with pool.acquire() as conn:
+        for scs in ("on", "off"):
+            for encoding in ("UTF8", "LATIN1", "SJIS"):
+                async with conn.transaction():
+                    await conn.execute(f"SET LOCAL standard_conforming_strings = {scs}")
+                    await conn.execute(f"SET LOCAL client_encoding = '{encoding}'")
+                    # Compared as UTF-8 hex on the server: no client-side decoding plays a part.
+                    for text in texts:
+                        got = await conn.fetchval(
+                            f"SELECT encode(convert_to({_literal(text)}, 'UTF8'), 'hex')"
+                        )
+                        assert got == text.encode().hex(), (scs, encoding, text)
+                    got = await conn.fetchval(f"SELECT encode({_literal(data)}, 'hex')")
+                    assert got == data.hex()
+                    assert await conn.fetchval(
+                        f"SELECT {_literal(-7)} = -7 AND 1-{_literal(-7)} = 8"
+                    )
+                    assert await conn.fetchval(f"SELECT {_literal(-1.5)}::float8 = -1.5::float8")
+
+
+async def test_a_key_that_reads_as_a_literal_escape_under_legacy_settings(logged: Any) -> None:
+    """A response body and a key whose backslash-escape reading differs are stored exactly."""
+    pool, _ = logged
+    app = legacy_app(PostgresStore(pool=pool), Mode.TRANSACTIONAL)
+    async with client(app) as c:
+        r = await c.post("/legacy", json={}, headers=key(sf_string("\\x41\\\\")))
+    assert r.status_code == 201, r.text
+    [rec] = await records(pool)
+    assert rec["idem_key"] == "\\x41\\\\"
+    assert rec["response_body"] == b'{"ok":true}'
+    assert await count(pool, "test_accounts") == 1
+
+
+# -- client encodings (the report: a LATIN1 pool stored tenant `José` as `JosÃ©`) ----------------
+
+
+def header_tenant(scope: Any) -> str:
+    """The tenant from an `x-tenant` header (UTF-8), standing for an authentication backend."""
+    return dict(scope["headers"]).get(b"x-tenant", b"").decode()
+
+
+@pytest.mark.parametrize("fast_path", [True, False], ids=["fast", "ordinary"])
+@pytest.mark.parametrize(
+    "tenants", [("José", "JosÃ©"), ("JosÃ©", "José")], ids=["utf8", "mojibake"]
+)
+async def test_a_latin1_client_encoding_keeps_non_ascii_tenants_apart(
+    db_dsn: str, fast_path: bool, tenants: tuple[str, str]
+) -> None:
+    log = QueryLog()
+    latin1 = {"server_settings": {"client_encoding": "LATIN1"}}
+    async with logged_pool(db_dsn, log, **latin1) as pool:
+        store = PostgresStore(pool=pool, fast_path=fast_path)
+        app = build_app(store, tenant_resolver=header_tenant)
+        probe = app.state.probe
+        answers = []
+        async with client(app) as c:
+            for tenant in (*tenants, *tenants):
+                headers = {**key("same-key"), "x-tenant": tenant.encode()}
+                answers.append(
+                    await c.post("/accounts/a1/credits", json={"amount": 5}, headers=headers)
+                )
+        assert [r.status_code for r in answers] == [201] * 4, [r.text for r in answers]
+        # Each tenant's first request ran; each retry replayed its own tenant's response.
+        assert [r.headers.get("idempotent-replayed") for r in answers] == [
+            None,
+            None,
+            "true",
+            "true",
+        ]
+        assert probe.calls == 2
+        assert answers[2].content == answers[0].content
+        assert answers[3].content == answers[1].content
+    utf8 = await asyncpg.connect(db_dsn)  # read back without the pool's encoding
+    try:
+        stored = await utf8.fetch("SELECT tenant FROM idem_requests ORDER BY tenant")
+        ledger = await utf8.fetch("SELECT tenant FROM test_ledger ORDER BY tenant")
+    finally:
+        await utf8.close()
+    assert [r["tenant"] for r in stored] == sorted(tenants)
+    assert [r["tenant"] for r in ledger] == sorted(tenants)
+
+
+async def test_a_tenant_the_client_encoding_cannot_carry_is_refused_before_the_handler(
+    db_dsn: str,
+) -> None:
+    """Under LATIN1, `東京` cannot be sent as a parameter: the claim fails before anything runs
+    (the fast path is not used on such a pool, so no claim is made that a lookup cannot find)."""
+    log = QueryLog()
+    latin1 = {"server_settings": {"client_encoding": "LATIN1"}}
+    async with logged_pool(db_dsn, log, **latin1) as pool:
+        app = build_app(PostgresStore(pool=pool), tenant_resolver=header_tenant)
+        async with client(app) as c:
+            headers = {**key("k"), "x-tenant": "東京".encode()}
+            r = await c.post("/accounts/a1/credits", json={"amount": 5}, headers=headers)
+        assert r.status_code == 500  # an error, as for a tenant with a NUL; never a confusion
+        assert app.state.probe.calls == 0
+        assert not any("EXECUTE idem_" in q for q in log.queries)
+        assert await count(pool, "idem_requests") == 0
+
+
+# -- the claim lock (the report: a 32-bit unkeyed hash, a shared lock found in 50 s) -------------
+
+
+def expected_lock(secret: bytes, *parts: str) -> int:
+    message = b"".join(len(p.encode()).to_bytes(4, "big") + p.encode() for p in parts)
+    return int.from_bytes(
+        hmac.new(secret, message, hashlib.sha256).digest()[:8], "big", signed=True
+    )
+
+
+async def test_the_claim_lock_is_a_keyed_64_bit_hash_of_the_length_prefixed_tuple(
+    db_dsn: str,
+) -> None:
+    tuples = [
+        ("tenant-a", "POST /pay", "k"),
+        ("José", "POST /pay", "k"),
+        ("", "POST /pay", "\\'; --"),
+        ("a\x1fb", "c", "d"),  # the old encoding (chr(31) separators) made these two one lock
+        ("a", "b\x1fc", "d"),
+    ]
+    for encoding in ("UTF8", "LATIN1"):  # the lock cannot depend on the client's encoding
+        conn = await asyncpg.connect(db_dsn, server_settings={"client_encoding": encoding})
+        try:
+            inner = await conn.fetchval("SELECT inner_key FROM idem_lock_secret")
+            secret = bytes(b ^ 0x36 for b in inner)
+            locks = []
+            for parts in tuples:
+                lock = await conn.fetchval(
+                    "SELECT idem_key_lock(convert_from(decode($1, 'hex'), 'UTF8'), $2, $3)",
+                    parts[0].encode().hex(),
+                    *parts[1:],
+                )
+                assert lock == expected_lock(secret, *parts), (encoding, parts)
+                locks.append(lock)
+        finally:
+            await conn.close()
+        assert len(set(locks)) == len(tuples)
+
+
+async def test_a_claim_waits_on_the_keyed_lock(pool: Any) -> None:
+    """`idem_claim_key` takes the one-bigint advisory lock `idem_key_lock` names."""
+    async with pool.acquire() as conn, conn.transaction():
+        await conn.fetch("SELECT * FROM idem_claim_key('tenant-a', 'POST /pay', 'k')")
+        held = await conn.fetch(
+            "SELECT (classid::bigint << 32) | objid::bigint AS lock FROM pg_locks "
+            "WHERE locktype = 'advisory' AND objsubid = 1 AND pid = pg_backend_pid()"
+        )
+        want = await conn.fetchval("SELECT idem_key_lock('tenant-a', 'POST /pay', 'k')")
+    assert [r["lock"] for r in held] == [want]

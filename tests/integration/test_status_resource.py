@@ -1,0 +1,133 @@
+"""The status resource: keys checked as the header is, one read-only SELECT, and an answer only
+from the caller's own committed record (never from a claim's lock)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from idem_middleware import Policy, PostgresStore
+from tests.apps import (
+    BOUND,
+    Held,
+    QueryLog,
+    assert_problem,
+    build_app,
+    client,
+    key,
+    logged_pool,
+    wait_entered,
+)
+
+CREDIT = "/accounts/a1/credits"
+CREDIT_OP = "POST /accounts/{account_id}/credits"
+STATUS = "/idempotency/status"
+
+
+@pytest.fixture
+async def logged(db_dsn: str) -> Any:
+    log = QueryLog()
+    async with logged_pool(db_dsn, log) as pool:
+        yield pool, log
+
+
+@pytest.mark.parametrize(
+    "query",
+    [
+        pytest.param(f"operation={CREDIT_OP}&key=" + "k" * 256, id="key-over-255"),
+        pytest.param(f"operation={CREDIT_OP}&key=a%00b", id="key-with-nul"),
+        pytest.param(f"operation={CREDIT_OP}&key=caf%C3%A9", id="key-not-ascii"),
+        pytest.param(f"operation={CREDIT_OP}&key=a%0Ab", id="key-with-newline"),
+        pytest.param("operation=POST%20/x%00&key=k", id="operation-with-nul"),
+        pytest.param("operation=payouts&key=k", id="operation-not-method-and-path"),
+        pytest.param("operation=POST%20/" + "x" * 3000 + "&key=k", id="operation-too-long"),
+        pytest.param(f"operation={CREDIT_OP}", id="no-key"),
+    ],
+)
+async def test_a_bad_key_or_operation_is_a_400_problem(logged: Any, query: str) -> None:
+    pool, log = logged
+    app = build_app(PostgresStore(pool=pool))
+    async with client(app) as c:
+        r = await c.get(f"{STATUS}?{query}")
+    assert_problem(r, 400, "invalid-key")
+    assert log.queries == []  # refused before any query
+
+
+async def test_the_longest_key_the_header_allows_is_looked_up(logged: Any) -> None:
+    pool, _ = logged
+    app = build_app(PostgresStore(pool=pool))
+    long_key = "k" * 255
+    async with client(app) as c:
+        await c.post(CREDIT, json={"amount": 5}, headers=key(long_key))
+        r = await c.get(STATUS, params={"operation": CREDIT_OP, "key": long_key})
+    assert r.status_code == 200, r.text
+    assert r.json() == {"operation": CREDIT_OP, "state": "succeeded", "response_status": 201}
+
+
+async def test_a_probe_is_one_select_and_writes_nothing(logged: Any) -> None:
+    pool, log = logged
+    app = build_app(PostgresStore(pool=pool))
+    before = await _inserts(pool)
+    log.queries.clear()
+    async with client(app) as c:
+        r = await c.get(STATUS, params={"operation": CREDIT_OP, "key": "unknown"})
+    assert_problem(r, 404, "record-not-found")
+    # One SELECT of the record (then the borrowed pool's own reset): no BEGIN, INSERT, ROLLBACK.
+    [query] = [
+        q
+        for q in log.queries
+        if q != "SELECT pg_advisory_unlock_all(); CLOSE ALL; UNLISTEN *; RESET ALL;"
+    ]
+    assert query.startswith("SELECT ")
+    assert "FROM idem_requests WHERE" in query
+    assert await _inserts(pool) == before
+
+
+async def _inserts(pool: Any) -> int:
+    """Row versions ever inserted into idem_requests (committed or rolled back)."""
+    await pool.execute("SELECT pg_stat_force_next_flush()")
+    n: int = await pool.fetchval(
+        "SELECT n_tup_ins FROM pg_stat_user_tables WHERE relname = 'idem_requests'"
+    )
+    return n
+
+
+async def test_a_lock_another_transaction_holds_is_not_reported(logged: Any) -> None:
+    """A claim lock held elsewhere (standing for another tenant's key that shares it) is no
+    answer: tenant b's status for its own key stays 404 while the lock is held."""
+    pool, _ = logged
+    app = build_app(PostgresStore(pool=pool))
+    async with pool.acquire() as holder, holder.transaction():
+        # Exactly the lock a claim of tenant b's key takes (and a colliding key would take).
+        await holder.fetch("SELECT * FROM idem_claim_key('tenant-b', $1, 'mine')", CREDIT_OP)
+        async with client(app, token="demo-b") as c:
+            r = await c.get(STATUS, params={"operation": CREDIT_OP, "key": "mine"})
+    assert_problem(r, 404, "record-not-found")
+
+
+async def test_an_uncommitted_claim_is_not_visible_to_its_own_tenant_either(logged: Any) -> None:
+    pool, _ = logged
+    app = build_app(PostgresStore(pool=pool), default_policy=Policy(wait_seconds=5))
+    probe = app.state.probe
+    async with client(app) as c, Held(probe) as held:
+        first = held.start(c.post(CREDIT, json={"amount": 5}, headers=key("running")))
+        await wait_entered(probe)
+        running = await c.get(STATUS, params={"operation": CREDIT_OP, "key": "running"})
+        held.release()
+        assert (await asyncio.wait_for(first, BOUND)).status_code == 201
+        done = await c.get(STATUS, params={"operation": CREDIT_OP, "key": "running"})
+    assert_problem(running, 404, "record-not-found")
+    assert done.json()["state"] == "succeeded"
+
+
+async def test_another_tenants_committed_record_is_not_found(logged: Any) -> None:
+    pool, _ = logged
+    app = build_app(PostgresStore(pool=pool))
+    async with client(app) as a, client(app, token="demo-b") as b:
+        await a.post(CREDIT, json={"amount": 5}, headers=key("shared"))
+        theirs = await b.get(STATUS, params={"operation": CREDIT_OP, "key": "shared"})
+        ours = await a.get(STATUS, params={"operation": CREDIT_OP, "key": "shared"})
+    assert_problem(theirs, 404, "record-not-found")
+    assert ours.json()["state"] == "succeeded"
