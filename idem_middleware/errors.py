@@ -19,6 +19,7 @@ class ProblemKind(StrEnum):
     STORE_UNAVAILABLE = "store-unavailable"
     RECORD_NOT_FOUND = "record-not-found"
     TOKEN_INVALID = "token-invalid"
+    TENANT_BUSY = "tenant-busy"
 
 
 class IdempotencyError(Exception):

@@ -52,12 +52,18 @@ VALUES ($1, $2, $3, $4, 'pending', 'transactional', $5, make_interval(secs => $6
 ON CONFLICT DO NOTHING;
 
 -- name: claim_key
--- Transactional mode's fast claim when the record is written once, at commit (store/postgres.py):
--- sent after BEGIN in the same message. It waits for a concurrent claim of the key (an advisory
--- lock held to the end of the transaction), then reports "SELECT 0" (the key is free: claimed)
--- or "SELECT 1" (a record holds it: the caller reads it with `get`).
+-- Transactional mode's claim when the record is written once, at commit (store/postgres.py):
+-- on the fast path sent after BEGIN in the same message. It never waits: "SELECT 0", the key is
+-- free and claimed (its advisory lock is held to the end of the transaction); "SELECT 1", a
+-- record holds it (the caller reads it with `get`); "SELECT 2", another transaction is claiming
+-- it right now (the caller rolls back and waits without its connection).
 -- $1 tenant, $2 operation, $3 key
 SELECT * FROM idem_claim_key($1, $2, $3);
+
+-- name: claim_key_count
+-- `claim_key` for the ordinary path (a parameterised statement): 0 free, 1 held, 2 busy.
+-- $1 tenant, $2 operation, $3 key
+SELECT count(*) FROM idem_claim_key($1, $2, $3);
 
 -- name: insert_final
 -- The record of a `claim_key` claim, written once with its outcome, sent with the COMMIT. A

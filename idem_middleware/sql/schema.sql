@@ -59,16 +59,28 @@ RETURNS integer
 LANGUAGE sql IMMUTABLE PARALLEL SAFE
 AS $$ SELECT hashtext(p_tenant || chr(31) || p_operation || chr(31) || p_key) $$;
 
--- Claim a key for a transaction that will write its record at commit: wait for any other
--- transaction claiming it (until that one ends), then return one row if a record holds the key
--- and none if it is free. The record is read after the wait, by a statement of its own, so
--- under READ COMMITTED it sees what the other transaction committed.
+-- Claim a key for a transaction that will write its record at commit. The rows say what it
+-- found: none, the key is free and this transaction now holds its lock; one, a record holds the
+-- key (read it with `get`; an expired one is reported only under the lock, so that reclaiming it
+-- is not a race); two, another transaction is claiming it right now (try again later).
+-- The second read, after the lock, is a statement of its own: under READ COMMITTED it sees a
+-- record that a transaction which held the lock committed between the two.
 CREATE FUNCTION idem_claim_key(p_tenant text, p_operation text, p_key text)
 RETURNS SETOF integer
 LANGUAGE plpgsql VOLATILE
 AS $$
 BEGIN
-    PERFORM pg_advisory_xact_lock(1768187245, idem_key_lock(p_tenant, p_operation, p_key));
+    RETURN QUERY
+        SELECT 1 FROM idem_requests
+        WHERE tenant = p_tenant AND operation = p_operation AND idem_key = p_key
+          AND (expires_at IS NULL OR expires_at > now());
+    IF FOUND THEN
+        RETURN;
+    END IF;
+    IF NOT pg_try_advisory_xact_lock(1768187245, idem_key_lock(p_tenant, p_operation, p_key)) THEN
+        RETURN QUERY VALUES (2), (2);
+        RETURN;
+    END IF;
     RETURN QUERY
         SELECT 1 FROM idem_requests
         WHERE tenant = p_tenant AND operation = p_operation AND idem_key = p_key;

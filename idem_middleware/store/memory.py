@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 from ..errors import StaleGeneration, StoreError
 from .base import (
     Claim,
-    ClaimTimeout,
+    ClaimBusy,
     EventWatch,
     Record,
     RecordKey,
@@ -82,6 +82,10 @@ class _MemoryTransaction:
     async def rollback(self) -> None:
         self._finish()
 
+    async def release(self) -> None:
+        if self.active:
+            self._finish()
+
     def _finish(self) -> None:
         self._staged.clear()
         for key, event in self._held.items():
@@ -109,19 +113,6 @@ class _MemoryTransaction:
         if not self.active:
             await self.begin()  # opened with begin=False: the claim starts the transaction
         store = self._store
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + wait_seconds
-        while True:
-            owner = store._owners.get(key)
-            if owner is None or key in self._held:
-                break
-            remaining = deadline - loop.time()
-            try:
-                if remaining <= 0:
-                    raise TimeoutError
-                await asyncio.wait_for(owner.wait(), remaining)
-            except TimeoutError:
-                raise ClaimTimeout("waited too long for a concurrent claim") from None
         now = store.clock()
         fresh = _Row(
             fingerprint,
@@ -133,6 +124,11 @@ class _MemoryTransaction:
         )
         current = self._staged.get(key) or store._rows.get(key)
         record = None if current is None else current.record(key, store.clock())
+        if record is not None and not record.expired:
+            return Claim(False, record.generation, record)  # a replay: no wait, no lock
+        if key in store._owners and key not in self._held:
+            # Another transaction is claiming it: never wait here (see ClaimBusy).
+            raise ClaimBusy("another transaction is claiming this key")
         if record is None or record.expired:
             if token_hash is not None and store._token_problem(key, token_hash, fingerprint):
                 return Claim(False, 0, None)
