@@ -345,7 +345,9 @@ async def test_a_replay_takes_no_lock_while_another_session_holds_the_keys_lock(
     await _claim_in_session(harness, k, wait=10)
     async with store.transaction(acquire_timeout=10) as holder:
         await harness.hold_key_lock(holder, k)
-        seen = await asyncio.wait_for(_claim_in_session(harness, k, wait=10), 5)
+        # As the middleware claims: BEGIN travels with the claim (the fast path).
+        async with store.transaction(acquire_timeout=10, begin=False) as session:
+            seen = await asyncio.wait_for(claim(session, k, wait=10), 5)
     assert not seen.claimed
     assert seen.record is not None
     assert seen.record.state is State.SUCCEEDED
