@@ -21,6 +21,7 @@ class ProblemKind(StrEnum):
     TOKEN_INVALID = "token-invalid"
     #: The server's own setup is wrong (no authentication before the middleware, say).
     MISCONFIGURED = "server-misconfigured"
+    TENANT_BUSY = "tenant-busy"
 
 
 class IdempotencyError(Exception):

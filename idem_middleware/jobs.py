@@ -41,6 +41,7 @@ from .fence import Fence
 from .keys import MAX_KEY_LENGTH
 from .policy import LeaseExpiry, Mode
 from .store.base import (
+    ClaimBusy,
     ClaimTimeout,
     Record,
     RecordKey,
@@ -64,6 +65,9 @@ _RETRYABLE_SQLSTATES = frozenset({"40001", "40P01"})
 _JSON_HEADERS = ((b"content-type", b"application/json"),)
 _STORED = {Outcome.SUCCEEDED: State.SUCCEEDED, Outcome.FAILED_FINAL: State.FAILED_FINAL}
 _MAX_ROUNDS = 10_000
+# A run that finds the key busy claims again after this long, backing off (no connection held).
+_FIRST_BUSY_POLL = 0.02
+_MAX_BUSY_POLL = 0.5
 R = TypeVar("R")
 
 
@@ -190,9 +194,21 @@ class _Job:
     async def _transactional(
         self, key: RecordKey, fingerprint: bytes, args: Any, kwargs: Any
     ) -> Any:
-        for attempt in range(self.max_serialization_retries + 1):
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.wait_seconds
+        poll = _FIRST_BUSY_POLL
+        attempt = 0
+        for _ in range(_MAX_ROUNDS):
             try:
                 return await self._transaction(key, fingerprint, args, kwargs)
+            except ClaimBusy:
+                # Another run holds the key: wait with no connection held, then claim again.
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    raise JobInProgress(f"{self.operation}: another run holds this key") from None
+                await asyncio.sleep(min(remaining, poll))
+                poll = min(poll * 2, _MAX_BUSY_POLL)
+                continue
             except RetryableConflict:
                 if attempt == self.max_serialization_retries:
                     raise
@@ -203,6 +219,7 @@ class _Job:
                     or attempt == self.max_serialization_retries
                 ):
                     raise
+            attempt += 1
             logger.debug("serialization failure; running the job's transaction again")
         raise AssertionError("unreachable")  # pragma: no cover
 

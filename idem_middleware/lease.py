@@ -37,6 +37,7 @@ from .store.base import (
     Store,
     StoredResponse,
 )
+from .waiting import TenantSlots, Waiters
 
 logger = logging.getLogger("idem_middleware")
 
@@ -84,6 +85,14 @@ class _Exchange(Protocol):
 
     async def refuse_token(self, record_key: RecordKey) -> None: ...
 
+    async def tenant_busy(self) -> None: ...
+
+    @property
+    def waiters(self) -> Waiters: ...
+
+    @property
+    def tenant_slots(self) -> TenantSlots: ...
+
     @property
     def app_receive(self) -> Receive: ...
 
@@ -106,15 +115,25 @@ class LeaseRun:
         )
 
     async def run(self) -> None:
-        try:
-            with self.ex.timed("claim"):
-                claim = await self._claim()
-        except ClaimTimeout:
-            await self.ex.answer_in_flight(self.key)
+        # The tenant's slot is held while this request may hold a connection: its claim, and
+        # its execution (the handler may open a fenced transaction). Not while it waits.
+        slots = self.ex.tenant_slots
+        if not slots.take(self.key.tenant):
+            await self.ex.tenant_busy()
             return
-        if claim.claimed:
-            await self.execute(claim.generation, claim.epoch)
-        elif claim.record is None:
+        try:
+            try:
+                with self.ex.timed("claim"):
+                    claim = await self._claim()
+            except ClaimTimeout:
+                await self.ex.answer_in_flight(self.key)
+                return
+            if claim.claimed:
+                await self.execute(claim.generation, claim.epoch)
+                return
+        finally:
+            slots.give_back(self.key.tenant)
+        if claim.record is None:
             await self.ex.refuse_token(self.key)
         else:
             await self.duplicate(claim.record)
@@ -127,6 +146,7 @@ class LeaseRun:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + policy.wait_seconds
         poll = _FIRST_POLL
+        waiters = self.ex.waiters
         # The wait is timed from the first time this request waits until it is answered.
         async with store.watch(self.key) as watch, contextlib.AsyncExitStack() as waiting:
             for _ in range(_MAX_ROUNDS):
@@ -186,6 +206,15 @@ class LeaseRun:
                         await self.ex.answer_in_flight(self.key)
                         return
                     if poll == _FIRST_POLL:
+                        if not waiters.enter():
+                            await self.ex.problem(
+                                ProblemKind.IN_FLIGHT,
+                                "The original request is still being processed, and too many "
+                                "requests are waiting already; retry later.",
+                                retry_after=policy.retry_after_seconds,
+                            )
+                            return
+                        waiting.callback(waiters.leave)
                         waiting.enter_context(self.ex.timed("wait"))
                     await watch.wait(min(remaining, poll))
                     poll = min(poll * 2, _MAX_POLL)

@@ -15,23 +15,16 @@ from urllib.parse import urlencode
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from .capture import ResponseCapture
 from .context import (
     SCOPE_KEY,
-    IdempotencyContext,
-    Outcome,
-    derive_downstream_key,
-    enter_context,
     key_digest,
-    leave_context,
-    outcome_for_status,
     token_hash,
 )
 from .errors import ConfigurationError, ProblemKind, RequestRejected, StoreError
 from .fingerprint import compute_fingerprint
 from .keys import parse_idempotency_key
 from .lease import LeaseRun
-from .observe import SETTLED_EVENTS, Event, Observer, combine, timed
+from .observe import Event, Observer, combine, timed
 from .policy import (
     MIDDLEWARE_ACTIVE,
     Mode,
@@ -50,14 +43,14 @@ from .responses import (
 from .routing import Unresolved, match_route, routes_of
 from .startup import AUTH_FIX, SAFE_METHODS, check_app
 from .store.base import (
-    ClaimTimeout,
     Record,
     RecordKey,
-    RetryableConflict,
     State,
     Store,
     StoredResponse,
 )
+from .transactional import ClientGone, run_transactional
+from .waiting import TenantSlots, Waiters
 
 logger = logging.getLogger("idem_middleware")
 
@@ -67,10 +60,6 @@ TenantResolver = Callable[[Scope], "Awaitable[str | None] | str | None"]
 KILL_SWITCH_ENV = "IDEM_MIDDLEWARE_DISABLED"
 
 _DEFAULT_METHODS = frozenset({"POST", "PATCH"})
-_RETRYABLE_SQLSTATES = frozenset({"40001", "40P01"})
-#: How long a transactional handler runs before the middleware watches for its client leaving.
-DISCONNECT_WATCH_AFTER = 0.05
-_STORED = {Outcome.SUCCEEDED: State.SUCCEEDED, Outcome.FAILED_FINAL: State.FAILED_FINAL}
 _PROBLEM_EVENTS = {
     ProblemKind.KEY_REUSED: Event.MISMATCH,
     ProblemKind.IN_FLIGHT: Event.IN_FLIGHT,
@@ -102,10 +91,6 @@ def _named_route(template: str) -> bool:
     )
 
 
-class _ClientGone(Exception):
-    """The client disconnected while a transactional handler ran; its work was rolled back."""
-
-
 class IdempotencyMiddleware:
     """Guards POST and PATCH (`methods`), and every route with an explicit policy whatever its
     method (safe methods never), with Idempotency-Key. `methods=()` guards only routes with a
@@ -130,6 +115,8 @@ class IdempotencyMiddleware:
         enabled: bool | None = None,
         status_path: str = "/idempotency/status",
         observers: Observer | Sequence[Observer] | None = None,
+        max_waiters: int = 1024,
+        max_tenant_connections: int | None = None,
     ) -> None:
         self.app = app
         self.store = store
@@ -154,6 +141,10 @@ class IdempotencyMiddleware:
         self.acquire_timeout = acquire_timeout
         self.status_path = status_path
         self.observer = combine(observers)
+        #: Duplicates waiting (with no connection) for a key held elsewhere, in this process.
+        self.waiters = Waiters(max_waiters)
+        #: Guarded requests of one tenant holding a store connection at once, in this process.
+        self.tenant_slots = TenantSlots(max_tenant_connections)
         self.enabled = (not _kill_switch_on()) if enabled is None else enabled
         self._default_tenants = tenant_resolver is authenticated_user_tenant
         # The startup check runs once; a failed one fails every request after it too.
@@ -308,6 +299,14 @@ class _Exchange:
         return self.mw.store
 
     @property
+    def waiters(self) -> Waiters:
+        return self.mw.waiters
+
+    @property
+    def tenant_slots(self) -> TenantSlots:
+        return self.mw.tenant_slots
+
+    @property
     def app_receive(self) -> Receive:
         return self._app_receive
 
@@ -347,6 +346,14 @@ class _Exchange:
         self.emit(Event.REPLAYED)
         with self.timed("replay"):
             await send_replay(self.send, response)
+
+    async def tenant_busy(self) -> None:
+        """This tenant's guarded requests hold all the connections it may have: nothing claimed."""
+        await self.problem(
+            ProblemKind.TENANT_BUSY,
+            "Too many of your requests are being processed at once; retry shortly.",
+            retry_after=self.policy.retry_after_seconds,
+        )
 
     async def refuse_token(self, record_key: RecordKey) -> None:
         """The key is not a live token of this tenant, operation and request: nothing claimed."""
@@ -408,7 +415,7 @@ class _Exchange:
         self.token_hash = token_hash(key) if policy.require_token else None
         try:
             if policy.mode is Mode.TRANSACTIONAL:
-                await self._run_transactional(record_key, fingerprint)
+                await run_transactional(self, record_key, fingerprint)
             else:
                 await LeaseRun(self, record_key, fingerprint).run()
         except StoreError:
@@ -428,7 +435,7 @@ class _Exchange:
                     "with the same Idempotency-Key.",
                     retry_after=1,
                 )
-        except _ClientGone:
+        except ClientGone:
             logger.debug("client disconnected; the claim was rolled back")
 
     async def _tenant(self) -> str | None:
@@ -483,7 +490,7 @@ class _Exchange:
             return {"type": "http.disconnect"}
         return await self.receive()
 
-    async def _answer(self, record: Record, fingerprint: bytes) -> None:
+    async def answer_record(self, record: Record, fingerprint: bytes) -> None:
         """What a duplicate gets (PROTOCOL §3); the fingerprint is compared first, in any state."""
         if record.fingerprint != fingerprint:
             await self.problem(
@@ -505,193 +512,3 @@ class _Exchange:
                 "The original request is still being processed; retry later.",
                 retry_after=self.policy.retry_after_seconds,
             )
-
-    # -- transactional mode --------------------------------------------------------------------
-
-    async def _run_transactional(self, record_key: RecordKey, fingerprint: bytes) -> None:
-        retries = self.policy.max_serialization_retries
-        for attempt in range(retries + 1):
-            try:
-                await _TransactionalAttempt(self, record_key, fingerprint).run()
-                return
-            except RetryableConflict:
-                if self.started:
-                    raise  # the response has started: nothing more can be said to the client
-                if attempt == retries:
-                    await self.problem(
-                        ProblemKind.IN_FLIGHT,
-                        "A concurrent request conflicted with this one; retry it.",
-                        retry_after=self.policy.retry_after_seconds,
-                    )
-                    return
-            except BaseException as exc:
-                if getattr(exc, "sqlstate", None) not in _RETRYABLE_SQLSTATES:
-                    raise
-                if attempt == retries or self.started:
-                    raise
-            logger.debug("serialization failure; running the transaction again")
-            self.body_delivered = False
-
-
-class _TransactionalAttempt:
-    """One run of claim, handler and outcome inside one database transaction."""
-
-    def __init__(self, ex: _Exchange, record_key: RecordKey, fingerprint: bytes) -> None:
-        self.ex = ex
-        self.record_key = record_key
-        self.fingerprint = fingerprint
-        self.tx: Any = None
-        self.context: IdempotencyContext | None = None
-        self.capture = ResponseCapture(ex.send, ex.policy.max_response_bytes, self._settle_early)
-
-    async def run(self) -> None:
-        try:
-            await self._run()
-        finally:
-            self.capture.close()  # it holds self._settle_early, a cycle otherwise
-
-    async def _run(self) -> None:
-        ex = self.ex
-        policy = ex.policy
-        async with ex.mw.store.transaction(
-            acquire_timeout=ex.mw.acquire_timeout, begin=False
-        ) as tx:
-            self.tx = tx
-            try:
-                with ex.timed("claim"):
-                    claim = await tx.claim(
-                        self.record_key,
-                        self.fingerprint,
-                        retention_seconds=policy.retention_seconds,
-                        wait_seconds=policy.wait_seconds,
-                        token_hash=ex.token_hash,
-                    )
-            except ClaimTimeout:
-                await tx.rollback()
-                await ex.answer_in_flight(self.record_key)
-                return
-            if not claim.claimed:
-                await tx.rollback()  # give the connection back before writing to the client
-                if claim.record is None:
-                    await ex.refuse_token(self.record_key)
-                else:
-                    await ex._answer(claim.record, self.fingerprint)
-                return
-            self.context = IdempotencyContext(
-                tenant=self.record_key.tenant,
-                operation=self.record_key.operation,
-                key=self.record_key.key,
-                generation=claim.generation,
-                mode=Mode.TRANSACTIONAL,
-                connection=tx.connection,
-                downstream_key=derive_downstream_key(
-                    self.record_key.tenant, self.record_key.operation, self.record_key.key
-                ),
-            )
-            ex.emit(Event.CLAIMED, claim.generation)
-            token = enter_context(ex.scope, self.context)
-            try:
-                await self._run_handler()
-            except BaseException:
-                # Clean up, then re-raise: the rollback releases the key.
-                await tx.rollback()
-                ex.emit(Event.RELEASED, claim.generation)
-                raise
-            finally:
-                leave_context(ex.scope, token)
-            capture = self.capture
-            if capture.passthrough:
-                return
-            if capture.start is None or not capture.complete:
-                await tx.rollback()
-                raise RuntimeError("the application returned without a complete response")
-            await self._settle()
-            ex.started = True
-            await capture.flush()
-
-    async def _run_handler(self) -> None:
-        """Run the app in this task. A client that disconnects while it runs cancels it (its
-        writes roll back with the claim).
-
-        The client is watched only once the handler has run `DISCONNECT_WATCH_AFTER` seconds:
-        a watch is a task of its own, and most handlers are done sooner. A client that leaves a
-        quicker handler finds its outcome committed, and replayed to its retry.
-        """
-        ex = self.ex
-        task = asyncio.current_task()
-        assert task is not None
-        loop = asyncio.get_running_loop()
-        watch: asyncio.Task[None] | None = None
-        running = True
-        gone = False
-
-        def client_left(watched: asyncio.Task[None]) -> None:
-            nonlocal gone
-            if running and not watched.cancelled() and watched.exception() is None:
-                gone = True
-                if ex.disconnected is not None:
-                    ex.disconnected.set()  # the app's own receive() reports it too
-                task.cancel()
-
-        def start_watch() -> None:
-            nonlocal watch
-            watch = loop.create_task(self._until_disconnect())
-            watch.add_done_callback(client_left)
-
-        ex.disconnected = asyncio.Event()
-        timer = loop.call_later(DISCONNECT_WATCH_AFTER, start_watch)
-        uncancelled = False
-        try:
-            await ex.mw.app(ex.scope, ex._app_receive, self.capture)
-        except asyncio.CancelledError:
-            # Ours (the client left) unless someone else cancelled too (server shutdown).
-            if not gone:
-                raise
-            uncancelled = True
-            if task.uncancel() > 0:
-                raise
-        finally:
-            running = False
-            timer.cancel()
-            if watch is not None:
-                watch.cancel()
-        ex.disconnected = None
-        if not gone:
-            return
-        if not uncancelled:
-            task.uncancel()  # the handler swallowed our cancellation and returned
-        if self.capture.passthrough:
-            return  # it was already streaming: the outcome is settled
-        raise _ClientGone
-
-    async def _until_disconnect(self) -> None:
-        # After the body, an ASGI server's receive() yields only http.disconnect; anything else
-        # is skipped (boundedly), never taken for a departed client.
-        for _ in range(100):
-            if (await self.ex.receive())["type"] == "http.disconnect":
-                return
-        await asyncio.Event().wait()  # a server that keeps talking: never a disconnect
-
-    async def _settle_early(self, reason: str) -> None:
-        await self._settle(omitted=reason)
-        # The outcome is committed and the first byte follows: from here on nothing may run the
-        # attempt again (a serialization failure while streaming ends the response instead).
-        self.ex.started = True
-        # Writes the handler makes while streaming must not commit outside the claim: they run
-        # in a transaction that is rolled back when the request ends.
-        await self.tx.begin()
-
-    async def _settle(self, omitted: str | None = None) -> None:
-        assert self.context is not None
-        capture = self.capture
-        outcome = self.context.declared or outcome_for_status(capture.status, Mode.TRANSACTIONAL)
-        state = _STORED.get(outcome)
-        with self.ex.timed("complete"):
-            if state is None:
-                await self.tx.rollback()
-                outcome = Outcome.RELEASE
-            else:
-                await self.tx.complete_and_commit(
-                    self.record_key, self.context.generation, state, capture.stored(omitted)
-                )
-        self.ex.emit(SETTLED_EVENTS[outcome], self.context.generation)

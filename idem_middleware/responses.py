@@ -26,6 +26,7 @@ _TITLES: dict[ProblemKind, tuple[int, str]] = {
     ProblemKind.RECORD_NOT_FOUND: (404, "No request with this Idempotency-Key is known"),
     ProblemKind.TOKEN_INVALID: (400, "The Idempotency-Key is not a valid token for this request"),
     ProblemKind.MISCONFIGURED: (500, "The server is misconfigured"),
+    ProblemKind.TENANT_BUSY: (429, "Too many of this caller's requests are in progress"),
 }
 
 # Never stored or replayed: per-connection (hop-by-hop), per-response (Date, Server), framing

@@ -362,6 +362,27 @@ async def wait_for_lock_waiters(pool: Any, n: int = 1) -> None:
     await asyncio.wait_for(poll(), BOUND)
 
 
+def idempotency_middleware(app: Any) -> IdempotencyMiddleware:
+    """The IdempotencyMiddleware in a Starlette app's stack (built by its first request)."""
+    layer = app.middleware_stack
+    for _ in range(20):
+        if isinstance(layer, IdempotencyMiddleware):
+            return layer
+        layer = getattr(layer, "app", None)
+    raise LookupError("no IdempotencyMiddleware in this app's stack")
+
+
+async def wait_for_waiters(app: Any, n: int = 1) -> None:
+    """Until `n` duplicates wait in the app's middleware for a key another request holds (they
+    wait in the process, holding no connection: see idem_middleware/transactional.py)."""
+
+    for _ in range(int(BOUND / 0.01)):
+        if idempotency_middleware(app).waiters.count >= n:
+            return
+        await asyncio.sleep(0.01)
+    raise TimeoutError(f"fewer than {n} duplicates waited")
+
+
 async def wait_entered(probe: Probe) -> None:
     await asyncio.wait_for(probe.entered.wait(), BOUND)
 

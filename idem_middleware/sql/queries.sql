@@ -55,17 +55,23 @@ WHERE r.tenant = $1 AND r.operation = $2 AND r.idem_key = $3
 -- while we waited) falls back to `claim`, in the transaction this one opened.
 -- $1 tenant, $2 operation, $3 key, $4 fingerprint, $5 generation, $6 retention (seconds)
 INSERT INTO idem_requests
-    (tenant, operation, idem_key, fingerprint, state, mode, generation, retention)
-VALUES ($1, $2, $3, $4, 'pending', 'transactional', $5, make_interval(secs => $6::float8))
+    (tenant, operation, idem_key, fingerprint, state, mode, generation, epoch, retention)
+VALUES ($1, $2, $3, $4, 'pending', 'transactional', $5, $5, make_interval(secs => $6::float8))
 ON CONFLICT DO NOTHING;
 
 -- name: claim_key
--- Transactional mode's fast claim when the record is written once, at commit (store/postgres.py):
--- sent after BEGIN in the same message. It waits for a concurrent claim of the key (an advisory
--- lock held to the end of the transaction), then reports "SELECT 0" (the key is free: claimed)
--- or "SELECT 1" (a record holds it: the caller reads it with `get`).
+-- Transactional mode's claim when the record is written once, at commit (store/postgres.py):
+-- on the fast path sent after BEGIN in the same message. It never waits: "SELECT 0", the key is
+-- free and claimed (its advisory lock is held to the end of the transaction); "SELECT 1", a
+-- record holds it (the caller reads it with `get`); "SELECT 2", another transaction is claiming
+-- it right now (the caller rolls back and waits without its connection).
 -- $1 tenant, $2 operation, $3 key
 SELECT * FROM idem_claim_key($1, $2, $3);
+
+-- name: claim_key_count
+-- `claim_key` for the ordinary path (a parameterised statement): 0 free, 1 held, 2 busy.
+-- $1 tenant, $2 operation, $3 key
+SELECT count(*) FROM idem_claim_key($1, $2, $3);
 
 -- name: insert_final
 -- The record of a `claim_key` claim, written once with its outcome, sent with the COMMIT. A
@@ -74,9 +80,9 @@ SELECT * FROM idem_claim_key($1, $2, $3);
 -- $1 tenant, $2 operation, $3 key, $4 fingerprint, $5 generation, $6 retention (seconds),
 -- $7 state, $8 status, $9 headers, $10 body, $11 body_omitted
 INSERT INTO idem_requests
-    (tenant, operation, idem_key, fingerprint, state, mode, generation, retention, expires_at,
-     response_status, response_headers, response_body, body_omitted)
-VALUES ($1, $2, $3, $4, $7, 'transactional', $5, make_interval(secs => $6::float8),
+    (tenant, operation, idem_key, fingerprint, state, mode, generation, epoch, retention,
+     expires_at, response_status, response_headers, response_body, body_omitted)
+VALUES ($1, $2, $3, $4, $7, 'transactional', $5, $5, make_interval(secs => $6::float8),
         now() + make_interval(secs => $6::float8), $8, $9, $10, $11);
 
 -- name: claim_key_available

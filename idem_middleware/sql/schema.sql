@@ -93,21 +93,36 @@ AS $$
          convert_to(p_tenant, 'UTF8') t, convert_to(p_operation, 'UTF8') o, convert_to(p_key, 'UTF8') k
 $$;
 
--- Claim a key for a transaction that will write its record at commit: wait for any other
--- transaction claiming it (until that one ends), then return one row if a record holds the key
--- and none if it is free. The record is read after the wait, by a statement of its own, so
--- under READ COMMITTED it sees what the other transaction committed.
+-- Claim a key for a transaction that will write its record at commit. It never waits: the rows
+-- say what it found. None: the key is free and this transaction now holds its lock. One: a record
+-- holds the key (read it with `get`; an expired one is reported only under the lock, so that
+-- reclaiming it is not a race). Two: another transaction is claiming it right now (the caller
+-- rolls back, waits with no connection, and claims again). A live record is answered before the
+-- lock is even computed, so replays never queue. The read after the lock is a statement of its
+-- own: under READ COMMITTED it sees a record that a transaction which held the lock committed
+-- between the two.
 CREATE FUNCTION idem_claim_key(p_tenant text, p_operation text, p_key text)
 RETURNS SETOF integer
 LANGUAGE plpgsql VOLATILE
 AS $$
 DECLARE
-    v_lock bigint := idem_key_lock(p_tenant, p_operation, p_key);
+    v_lock bigint;
 BEGIN
+    RETURN QUERY
+        SELECT 1 FROM idem_requests
+        WHERE tenant = p_tenant AND operation = p_operation AND idem_key = p_key
+          AND (expires_at IS NULL OR expires_at > now());
+    IF FOUND THEN
+        RETURN;
+    END IF;
+    v_lock := idem_key_lock(p_tenant, p_operation, p_key);
     IF v_lock IS NULL THEN
         RAISE EXCEPTION 'idem_lock_secret has no row: run `idem-middleware migrate`';
     END IF;
-    PERFORM pg_advisory_xact_lock(v_lock);
+    IF NOT pg_try_advisory_xact_lock(v_lock) THEN
+        RETURN QUERY VALUES (2), (2);
+        RETURN;
+    END IF;
     RETURN QUERY
         SELECT 1 FROM idem_requests
         WHERE tenant = p_tenant AND operation = p_operation AND idem_key = p_key;

@@ -6,6 +6,7 @@ from typing import Any
 
 from .base import (
     Claim,
+    ClaimBusy,
     ClaimTimeout,
     Record,
     RecordKey,
@@ -34,6 +35,7 @@ def store_lifespan(*stores: Any) -> Callable[[Any], AbstractAsyncContextManager[
 
 __all__ = [
     "Claim",
+    "ClaimBusy",
     "ClaimTimeout",
     "MemoryStore",
     "Record",

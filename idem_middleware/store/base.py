@@ -94,6 +94,12 @@ class ClaimTimeout(IdempotencyError):
     """The wait for another transaction's claim on the same key ran out."""
 
 
+class ClaimBusy(ClaimTimeout):
+    """Another transaction is claiming the key right now. A transactional claim never waits for
+    it inside the database: the caller rolls back (giving its connection back), waits, and
+    claims again."""
+
+
 class RetryableConflict(IdempotencyError):
     """A serialization failure or deadlock: the transaction can be run again from the start."""
 
@@ -114,11 +120,13 @@ class TransactionSession(Protocol):
         wait_seconds: float,
         token_hash: bytes | None = None,
     ) -> Claim:
-        """Insert a pending record, waiting at most `wait_seconds` on a concurrent claim.
+        """Claim the key for this transaction, or return the record that holds it.
 
-        Raises ClaimTimeout when the wait runs out and RetryableConflict on 40001/40P01; either
-        way the transaction is finished and must be rolled back. With `token_hash`, only a live
-        issued token can be claimed: `Claim(False, 0, None)` means it was refused.
+        Never waits for a concurrent claim: raises ClaimBusy at once (the caller rolls back and
+        waits without its connection); `wait_seconds` only bounds the statements. Raises
+        RetryableConflict on 40001/40P01; either way the transaction must be rolled back. With
+        `token_hash`, only a live issued token can be claimed: `Claim(False, 0, None)` means it
+        was refused.
         """
 
     async def complete(
@@ -137,6 +145,10 @@ class TransactionSession(Protocol):
 
     async def begin(self) -> None:
         """Start a new transaction on the same connection (after an early commit)."""
+
+    async def release(self) -> None:
+        """End the session now (rolling back anything open) and give its connection back: the
+        response streams on without one. Leaving the `transaction()` block then does nothing."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,7 +20,7 @@ from ..context import token_hash
 from ..errors import StaleGeneration, StoreError
 from .base import (
     Claim,
-    ClaimTimeout,
+    ClaimBusy,
     EventWatch,
     Record,
     RecordKey,
@@ -98,6 +98,10 @@ class _MemoryTransaction:
     async def rollback(self) -> None:
         self._finish()
 
+    async def release(self) -> None:
+        if self.active:
+            self._finish()
+
     def _finish(self) -> None:
         self._staged.clear()
         self._consumed.clear()
@@ -126,19 +130,6 @@ class _MemoryTransaction:
         if not self.active:
             await self.begin()  # opened with begin=False: the claim starts the transaction
         store = self._store
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + wait_seconds
-        while True:
-            owner = store._owners.get(key)
-            if owner is None or key in self._held:
-                break
-            remaining = deadline - loop.time()
-            try:
-                if remaining <= 0:
-                    raise TimeoutError
-                await asyncio.wait_for(owner.wait(), remaining)
-            except TimeoutError:
-                raise ClaimTimeout("waited too long for a concurrent claim") from None
         now = store.clock()
         generation = next(store._generations)
         fresh = _Row(
@@ -152,6 +143,11 @@ class _MemoryTransaction:
         )
         current = self._staged.get(key) or store._rows.get(key)
         record = None if current is None else current.record(key, store.clock())
+        if record is not None and not record.expired:
+            return Claim(False, record.generation, record)  # a replay: no wait, no lock
+        if key in store._owners and key not in self._held:
+            # Another transaction is claiming it: never wait here (see ClaimBusy).
+            raise ClaimBusy("another transaction is claiming this key")
         if record is None or record.expired:
             if token_hash is not None:
                 if store._token_problem(key, token_hash, fingerprint):

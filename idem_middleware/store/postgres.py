@@ -12,7 +12,7 @@ import re
 import time
 import weakref
 from collections import deque
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -24,6 +24,7 @@ from .. import sql
 from ..errors import StaleGeneration, StoreError
 from .base import (
     Claim,
+    ClaimBusy,
     ClaimTimeout,
     EventWatch,
     Record,
@@ -72,6 +73,8 @@ _LISTEN_ERRORS: tuple[type[BaseException], ...] = (
     StoreError,
 )
 _LISTEN_CONNECT_ERRORS: tuple[type[BaseException], ...] = (*_LISTEN_ERRORS, TimeoutError)
+#: `claim_key`'s answer when another transaction is claiming the key (it returns two rows).
+_KEY_BUSY = "SELECT 2"
 _WAIT_EXCEEDED: tuple[type[BaseException], ...] = (
     TimeoutError,
     asyncpg.exceptions.LockNotAvailableError,
@@ -628,10 +631,12 @@ class _PgTransaction:
     visible to anyone else anyway, so writing it early only cost an UPDATE, a dead row version and
     its index entries."""
 
-    __slots__ = ("_conn", "_deferred", "_fast", "_fused", "_tx", "lent")
+    __slots__ = ("_conn", "_deferred", "_fast", "_fused", "_give_back", "_tx", "lent")
 
     def __init__(self, conn: Any, fast: _FastPath | None) -> None:
         self._conn = conn
+        # Set by the store: ends the session and returns the connection to the pool (once).
+        self._give_back: Callable[[_PgTransaction, Any], Awaitable[None]] | None = None
         self._fast = fast  # None: the fast path is off
         self._tx: Any = None
         # Whether the claim went the fast way (the connection passed `_fusable`), so the
@@ -660,6 +665,11 @@ class _PgTransaction:
         self._tx = tx
         self._fused = False
         self._deferred = None
+
+    async def release(self) -> None:
+        give_back, self._give_back = self._give_back, None
+        if give_back is not None:
+            await give_back(self, self._conn)
 
     async def commit(self) -> None:
         tx, self._tx = self._tx, None
@@ -714,11 +724,32 @@ class _PgTransaction:
                             return Claim(False, record.generation, record)
                 else:
                     await self.begin()
+            await self._lock_key(key, timeout)
             return await _claim(self._conn, key, args, token_hash, timeout)
+        except ClaimBusy:
+            await self.rollback()
+            raise
         except _WAIT_EXCEEDED as exc:
             raise ClaimTimeout("waited too long for a concurrent claim") from exc
         except (*_CONNECTION_ERRORS, *_RETRYABLE) as exc:
             raise _translate(exc) from exc
+
+    async def _lock_key(
+        self,
+        key: RecordKey,
+        timeout: float,  # noqa: ASYNC109 - asyncpg's own per-statement timeout
+    ) -> None:
+        """The ordinary path's claim takes the key's advisory lock too (without waiting), so
+        its INSERT never queues behind another transaction's uncommitted claim of the key. (A
+        lock this transaction holds already is taken again: advisory locks nest.)"""
+        fast = self._fast
+        if fast is not None and fast.write_once is False:
+            return  # a schema without idem_claim_key: the INSERT arbitrates, as before
+        found = await self._conn.fetchval(
+            _Q["claim_key_count"], key.tenant, key.operation, key.key, timeout=timeout
+        )
+        if found == 2:
+            raise ClaimBusy("another transaction is claiming this key")
 
     async def _begin_and_claim(
         self,
@@ -773,6 +804,8 @@ class _PgTransaction:
             if status == "SELECT 0":  # claim_key: no record holds the key
                 self._deferred = (fingerprint, retention_seconds)
                 return Claim(True, generation, None)
+            if status == _KEY_BUSY:
+                raise ClaimBusy("another transaction is claiming this key")
             if status == "INSERT 0 1":  # claim_fresh: the pending record is ours
                 return Claim(True, generation, None)
             return None
@@ -993,15 +1026,20 @@ class PostgresStore:
             conn = await self.pool.acquire(timeout=acquire_timeout)
         except _ACQUIRE_ERRORS as exc:
             raise StoreError(f"no database connection: {type(exc).__name__}") from exc
+        session = _PgTransaction(conn, self._fast)
+        session._give_back = self._give_back
         try:
-            session = _PgTransaction(conn, self._fast)
             if begin:
                 await session.begin()
-            try:
-                yield session
-            finally:
-                if session.active:
-                    await session.rollback()
+            yield session
+        finally:
+            await session.release()
+
+    async def _give_back(self, session: _PgTransaction, conn: Any) -> None:
+        """The end of a `transaction()` session, early (`release`) or at the block's end."""
+        try:
+            if session.active:
+                await session.rollback()
             if not session.lent:
                 self._mark_clean(conn)  # a replay, say: the handler never had the connection
         finally:

@@ -29,7 +29,7 @@ from tests.apps import (
     key,
     records,
     wait_entered,
-    wait_for_lock_waiters,
+    wait_for_waiters,
 )
 
 CREDIT = "/accounts/acc1/credits"
@@ -81,7 +81,7 @@ async def test_waiter_claims_and_runs_itself_when_the_first_rolls_back(pg_store,
         first = held.start(c.post(f"{CREDIT}?respond=503", json=BODY, headers=key("k1")))
         await wait_entered(probe)
         dup = held.start(c.post(CREDIT, json=BODY, headers=key("k1")))
-        await wait_for_lock_waiters(pool, 1)
+        await wait_for_waiters(app, 1)
         held.release()
         r1, r2 = await asyncio.wait_for(asyncio.gather(first, dup), BOUND)
     assert r1.status_code == 503
@@ -209,12 +209,14 @@ async def test_streaming_response_streams_through_and_is_never_run_again(pg_stor
 
 async def test_writes_made_while_streaming_do_not_commit_outside_the_claim(pg_store, pool):
     """A streaming response is settled before its first byte: what the handler wrote until
-    then commits with the record; what it writes while streaming is rolled back at the end."""
+    then commits with the record. The claim's connection goes back to the pool before the first
+    byte (a stream holds no connection), so a write on it while streaming is refused and ends
+    the stream: nothing commits outside the claim."""
     app = build_app(pg_store)
     async with client(app) as c:
         first = await c.post("/stream-write", json=BODY, headers=key("s1"))
         retry = await c.post("/stream-write", json=BODY, headers=key("s1"))
-    assert first.content == b"data: before\n\ndata: after\n\n"
+    assert first.content == b"data: before\n\n"
     assert retry.headers["idempotency-body-omitted"] == "streaming"
     assert app.state.probe.calls == 1
     amounts = [r["amount"] for r in await pool.fetch("SELECT amount FROM test_ledger")]
@@ -282,7 +284,7 @@ async def test_cancelled_waiter_leaves_the_claim_and_the_pool_intact(pg_store, p
         first = held.start(c.post(CREDIT, json=BODY, headers=key("k1")))
         await wait_entered(probe)
         waiter = held.start(c.post(CREDIT, json=BODY, headers=key("k1")))
-        await wait_for_lock_waiters(pool, 1)
+        await wait_for_waiters(app, 1)
         waiter.cancel()
         done, _ = await asyncio.wait({waiter}, timeout=BOUND)
         assert waiter in done

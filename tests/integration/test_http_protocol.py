@@ -31,7 +31,7 @@ from tests.apps import (
     key,
     records,
     wait_entered,
-    wait_for_lock_waiters,
+    wait_for_waiters,
 )
 
 CREDIT = "/accounts/acc1/credits"
@@ -148,7 +148,7 @@ async def test_in_flight_duplicate_waits_and_gets_the_replay_once_the_first_comm
         first = held.start(c.post(CREDIT, json=BODY, headers=key("k1")))
         await wait_entered(probe)
         dup = held.start(c.post(CREDIT, json=BODY, headers=key("k1")))
-        await wait_for_lock_waiters(pool, 1)
+        await wait_for_waiters(app, 1)
         assert not dup.done()
         held.release()
         r1, r2 = await asyncio.wait_for(asyncio.gather(first, dup), BOUND)
@@ -160,7 +160,7 @@ async def test_in_flight_duplicate_waits_and_gets_the_replay_once_the_first_comm
 
 async def test_in_flight_different_body_is_422_only_once_the_first_commits(pg_store, pool):
     """Transactional mode: the claim is uncommitted while the handler runs, so a concurrent
-    request cannot read its fingerprint. It blocks on the claim's row lock and learns the
+    request cannot read its fingerprint. It waits (holding no connection) and learns the
     fingerprint (and so that the key was reused) only after the COMMIT: then 422, not earlier."""
     app = build_app(pg_store, default_policy=Policy(wait_seconds=10))
     probe = app.state.probe
@@ -168,7 +168,7 @@ async def test_in_flight_different_body_is_422_only_once_the_first_commits(pg_st
         first = held.start(c.post(CREDIT, json=BODY, headers=key("k1")))
         await wait_entered(probe)
         other = held.start(c.post(CREDIT, json={"amount": 7}, headers=key("k1")))
-        await wait_for_lock_waiters(pool, 1)
+        await wait_for_waiters(app, 1)
         assert not other.done()
         held.release()
         r1, r2 = await asyncio.wait_for(asyncio.gather(first, other), BOUND)

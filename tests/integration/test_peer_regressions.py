@@ -27,7 +27,7 @@ from tests.apps import (
     key,
     records,
     wait_entered,
-    wait_for_lock_waiters,
+    wait_for_waiters,
 )
 
 CREDIT = "/accounts/acc1/credits"
@@ -260,7 +260,7 @@ async def test_fid_read_then_lock_race(pg_store, pool):
     async with client(app) as c, Held(probe) as held:
         both = [held.start(c.post(CREDIT, json=BODY, headers=key("k1"))) for _ in range(2)]
         await wait_entered(probe)
-        await wait_for_lock_waiters(pool, 1)
+        await wait_for_waiters(app, 1)
         held.release()
         r1, r2 = await asyncio.wait_for(asyncio.gather(*both), BOUND)
     assert r1.status_code == r2.status_code == 201

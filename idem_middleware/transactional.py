@@ -1,0 +1,295 @@
+"""Transactional mode: the claim, the handler's writes and the outcome in one transaction.
+
+Nothing is held while this request talks to its client or waits for another request:
+- a claim never waits inside the database: a key another transaction is claiming is reported
+  at once (`ClaimBusy`), the transaction is rolled back and its connection given back, and the
+  duplicate waits (woken by the holder in this process, or polling) before it claims again;
+- every answer (a replay, a problem, the handler's own response) is sent after the transaction
+  ended and its connection went back to the pool;
+- a response that cannot be held (streamed, or over the cap) is settled and committed before its
+  first byte, and the connection is given back before the stream starts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+from .capture import ResponseCapture
+from .context import (
+    IdempotencyContext,
+    Outcome,
+    derive_downstream_key,
+    enter_context,
+    leave_context,
+    outcome_for_status,
+)
+from .errors import ProblemKind
+from .observe import SETTLED_EVENTS, Event
+from .policy import Mode
+from .store.base import ClaimBusy, ClaimTimeout, RecordKey, RetryableConflict, State
+
+if TYPE_CHECKING:
+    from .middleware import _Exchange
+
+logger = logging.getLogger("idem_middleware")
+
+#: How long a transactional handler runs before the middleware watches for its client leaving.
+DISCONNECT_WATCH_AFTER = 0.05
+_RETRYABLE_SQLSTATES = frozenset({"40001", "40P01"})
+_STORED = {Outcome.SUCCEEDED: State.SUCCEEDED, Outcome.FAILED_FINAL: State.FAILED_FINAL}
+# A waiting duplicate claims again when the holder in this process ends, or after this long:
+# quick at first, then backing off (the holder may be in another process).
+_FIRST_POLL = 0.02
+_MAX_POLL = 0.5
+# Every loop is bounded: a key changing hands this often under one request is a bug, not load.
+_MAX_ROUNDS = 10_000
+
+#: What an attempt leaves to be sent once its transaction is over (None: nothing, or sent).
+Answer = Callable[[], Awaitable[None]] | None
+
+
+class ClientGone(Exception):
+    """The client disconnected while a transactional handler ran; its work was rolled back."""
+
+
+async def run_transactional(ex: _Exchange, record_key: RecordKey, fingerprint: bytes) -> None:
+    """Claim and run, again after a serialization failure, and after waiting for a busy key."""
+    policy = ex.policy
+    waiters = ex.mw.waiters
+    retries = policy.max_serialization_retries
+    conflicts = 0
+    loop = asyncio.get_running_loop()
+    deadline: float | None = None
+    poll = _FIRST_POLL
+    try:
+        for _ in range(_MAX_ROUNDS):
+            try:
+                answer = await _Attempt(ex, record_key, fingerprint).run()
+            except ClaimBusy:
+                now = loop.time()
+                if deadline is None:
+                    if not waiters.enter():
+                        await ex.problem(
+                            ProblemKind.IN_FLIGHT,
+                            "The original request is still being processed, and too many "
+                            "requests are waiting already; retry later.",
+                            retry_after=policy.retry_after_seconds,
+                        )
+                        return
+                    deadline = now + policy.wait_seconds
+                remaining = deadline - now
+                if remaining <= 0:
+                    await ex.answer_in_flight(record_key)
+                    return
+                await waiters.wait(record_key, min(remaining, poll))
+                poll = min(poll * 2, _MAX_POLL)
+                continue
+            except ClaimTimeout:
+                await ex.answer_in_flight(record_key)
+                return
+            except RetryableConflict:
+                if ex.started:
+                    raise  # the response has started: nothing more can be said to the client
+                if conflicts == retries:
+                    await ex.problem(
+                        ProblemKind.IN_FLIGHT,
+                        "A concurrent request conflicted with this one; retry it.",
+                        retry_after=policy.retry_after_seconds,
+                    )
+                    return
+            except BaseException as exc:
+                if getattr(exc, "sqlstate", None) not in _RETRYABLE_SQLSTATES:
+                    raise
+                if conflicts == retries or ex.started:
+                    raise
+            else:
+                if answer is not None:
+                    await answer()
+                return
+            conflicts += 1
+            logger.debug("serialization failure; running the transaction again")
+            ex.body_delivered = False
+        raise RuntimeError("the key kept changing hands; giving up")  # pragma: no cover
+    finally:
+        if deadline is not None:
+            waiters.leave()
+
+
+class _Attempt:
+    """One run of claim, handler and outcome inside one database transaction."""
+
+    __slots__ = ("capture", "claimed", "context", "ex", "fingerprint", "record_key", "tx")
+
+    def __init__(self, ex: _Exchange, record_key: RecordKey, fingerprint: bytes) -> None:
+        self.ex = ex
+        self.record_key = record_key
+        self.fingerprint = fingerprint
+        self.tx: Any = None
+        self.context: IdempotencyContext | None = None
+        self.claimed = False
+        self.capture = ResponseCapture(ex.send, ex.policy.max_response_bytes, self._settle_early)
+
+    async def run(self) -> Answer:
+        ex = self.ex
+        tenant = self.record_key.tenant
+        slots = ex.mw.tenant_slots
+        if not slots.take(tenant):
+            return partial(ex.tenant_busy)
+        try:
+            return await self._run()
+        finally:
+            slots.give_back(tenant)
+            self.capture.close()  # it holds self._settle_early, a cycle otherwise
+            if self.claimed:
+                ex.mw.waiters.wake(self.record_key)
+
+    async def _run(self) -> Answer:
+        ex = self.ex
+        policy = ex.policy
+        async with ex.mw.store.transaction(
+            acquire_timeout=ex.mw.acquire_timeout, begin=False
+        ) as tx:
+            self.tx = tx
+            with ex.timed("claim"):
+                claim = await tx.claim(
+                    self.record_key,
+                    self.fingerprint,
+                    retention_seconds=policy.retention_seconds,
+                    wait_seconds=policy.wait_seconds,
+                    token_hash=ex.token_hash,
+                )
+            if not claim.claimed:
+                await tx.rollback()
+                if claim.record is None:
+                    return partial(ex.refuse_token, self.record_key)
+                return partial(ex.answer_record, claim.record, self.fingerprint)
+            self.claimed = True
+            self.context = IdempotencyContext(
+                tenant=self.record_key.tenant,
+                operation=self.record_key.operation,
+                key=self.record_key.key,
+                generation=claim.generation,
+                mode=Mode.TRANSACTIONAL,
+                connection=tx.connection,
+                # One life of the record: a key claimed again after its retention is a new
+                # request downstream too. (A fresh record's epoch is its first generation.)
+                downstream_key=derive_downstream_key(
+                    self.record_key.tenant,
+                    self.record_key.operation,
+                    self.record_key.key,
+                    claim.generation if claim.epoch is None else claim.epoch,
+                ),
+            )
+            ex.emit(Event.CLAIMED, claim.generation)
+            token = enter_context(ex.scope, self.context)
+            try:
+                await self._run_handler()
+            except BaseException:
+                # Clean up, then re-raise: the rollback releases the key.
+                await tx.rollback()
+                ex.emit(Event.RELEASED, claim.generation)
+                raise
+            finally:
+                leave_context(ex.scope, token)
+            capture = self.capture
+            if capture.passthrough:
+                return None  # settled before its first byte, and already sent
+            if capture.start is None or not capture.complete:
+                await tx.rollback()
+                raise RuntimeError("the application returned without a complete response")
+            await self._settle()
+        # The transaction is over and the connection is back in the pool: now the client.
+        ex.started = True
+        return capture.flush
+
+    async def _run_handler(self) -> None:
+        """Run the app in this task. A client that disconnects while it runs cancels it (its
+        writes roll back with the claim).
+
+        The client is watched only once the handler has run `DISCONNECT_WATCH_AFTER` seconds:
+        a watch is a task of its own, and most handlers are done sooner. A client that leaves a
+        quicker handler finds its outcome committed, and replayed to its retry.
+        """
+        ex = self.ex
+        task = asyncio.current_task()
+        assert task is not None
+        loop = asyncio.get_running_loop()
+        watch: asyncio.Task[None] | None = None
+        running = True
+        gone = False
+
+        def client_left(watched: asyncio.Task[None]) -> None:
+            nonlocal gone
+            if running and not watched.cancelled() and watched.exception() is None:
+                gone = True
+                if ex.disconnected is not None:
+                    ex.disconnected.set()  # the app's own receive() reports it too
+                task.cancel()
+
+        def start_watch() -> None:
+            nonlocal watch
+            watch = loop.create_task(self._until_disconnect())
+            watch.add_done_callback(client_left)
+
+        ex.disconnected = asyncio.Event()
+        timer = loop.call_later(DISCONNECT_WATCH_AFTER, start_watch)
+        uncancelled = False
+        try:
+            await ex.mw.app(ex.scope, ex.app_receive, self.capture)
+        except asyncio.CancelledError:
+            # Ours (the client left) unless someone else cancelled too (server shutdown).
+            if not gone:
+                raise
+            uncancelled = True
+            if task.uncancel() > 0:
+                raise
+        finally:
+            running = False
+            timer.cancel()
+            if watch is not None:
+                watch.cancel()
+        ex.disconnected = None
+        if not gone:
+            return
+        if not uncancelled:
+            task.uncancel()  # the handler swallowed our cancellation and returned
+        if self.capture.passthrough:
+            return  # it was already streaming: the outcome is settled
+        raise ClientGone
+
+    async def _until_disconnect(self) -> None:
+        # After the body, an ASGI server's receive() yields only http.disconnect; anything else
+        # is skipped (boundedly), never taken for a departed client.
+        for _ in range(100):
+            if (await self.ex.receive())["type"] == "http.disconnect":
+                return
+        await asyncio.Event().wait()  # a server that keeps talking: never a disconnect
+
+    async def _settle_early(self, reason: str) -> None:
+        await self._settle(omitted=reason)
+        # The outcome is committed and the first byte follows: from here on nothing may run the
+        # attempt again (a serialization failure while streaming ends the response instead).
+        self.ex.started = True
+        # The stream may take as long as its client likes: it holds no connection. Writes the
+        # handler makes from here on are outside the claim, on a connection of its own.
+        await self.tx.release()
+        self.ex.mw.waiters.wake(self.record_key)
+
+    async def _settle(self, omitted: str | None = None) -> None:
+        assert self.context is not None
+        capture = self.capture
+        outcome = self.context.declared or outcome_for_status(capture.status, Mode.TRANSACTIONAL)
+        state = _STORED.get(outcome)
+        with self.ex.timed("complete"):
+            if state is None:
+                await self.tx.rollback()
+                outcome = Outcome.RELEASE
+            else:
+                await self.tx.complete_and_commit(
+                    self.record_key, self.context.generation, state, capture.stored(omitted)
+                )
+        self.ex.emit(SETTLED_EVENTS[outcome], self.context.generation)

@@ -1,0 +1,91 @@
+"""What a process lets requests hold while they wait or run: bounded waiters, per-tenant slots.
+
+Both are per middleware instance (so per process) and touched only from the event loop: a check
+and its increment have no `await` between them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Hashable
+
+from .errors import ConfigurationError
+
+
+class Waiters:
+    """Duplicates waiting for a key that another request of this process, or of another, holds.
+
+    A waiter holds no database connection: it sleeps until the holder in this process ends
+    (`wake`), or until its poll interval runs out, then claims again. At most `limit` wait at
+    once; past that a duplicate is answered at once (409 + Retry-After).
+    """
+
+    __slots__ = ("_events", "count", "limit")
+
+    def __init__(self, limit: int) -> None:
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
+            raise ConfigurationError("max_waiters must be a whole number, 0 or more")
+        self.limit = limit
+        self.count = 0
+        self._events: dict[Hashable, asyncio.Event] = {}
+
+    def enter(self) -> bool:
+        """Take a waiting place; False when all `limit` are taken."""
+        if self.count >= self.limit:
+            return False
+        self.count += 1
+        return True
+
+    def leave(self) -> None:
+        self.count -= 1
+
+    async def wait(self, key: Hashable, seconds: float) -> None:
+        """Sleep until the holder of `key` in this process ends, or `seconds` pass."""
+        event = self._events.get(key)
+        if event is None:
+            event = self._events[key] = asyncio.Event()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(event.wait(), seconds)
+
+    def wake(self, key: Hashable) -> None:
+        """The holder of `key` ended (committed or rolled back): its waiters here claim again."""
+        if self._events:
+            event = self._events.pop(key, None)
+            if event is not None:
+                event.set()
+
+
+class TenantSlots:
+    """How many guarded requests of one tenant may hold a store connection at once.
+
+    `limit` None: no cap. A request takes a slot before it acquires a connection for its claim
+    and gives it back when it no longer holds one, so one tenant cannot take the whole pool.
+    """
+
+    __slots__ = ("_held", "limit")
+
+    def __init__(self, limit: int | None) -> None:
+        whole = isinstance(limit, int) and not isinstance(limit, bool)
+        if limit is not None and (not whole or limit < 1):
+            raise ConfigurationError("max_tenant_connections must be None or a whole number >= 1")
+        self.limit = limit
+        self._held: dict[str, int] = {}
+
+    def take(self, tenant: str) -> bool:
+        if self.limit is None:
+            return True
+        held = self._held.get(tenant, 0)
+        if held >= self.limit:
+            return False
+        self._held[tenant] = held + 1
+        return True
+
+    def give_back(self, tenant: str) -> None:
+        if self.limit is None:
+            return
+        held = self._held[tenant] - 1
+        if held:
+            self._held[tenant] = held
+        else:
+            del self._held[tenant]

@@ -1,0 +1,207 @@
+"""Nobody starves: no lock, transaction or pooled connection is held while a request talks to its
+client or waits for another request. Real PostgreSQL, small pools, no wall-clock assertions."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import asyncpg
+import pytest
+
+from idem_middleware import Policy, PostgresStore
+from tests.apps import (
+    BOUND,
+    Held,
+    assert_problem,
+    assert_replay_of,
+    build_app,
+    client,
+    idle_in_transaction,
+    key,
+    wait_entered,
+    wait_for_waiters,
+)
+
+CREDIT = "/accounts/acc-1/credits"
+BODY = {"amount": 5}
+
+
+@pytest.fixture
+async def small_store(db_dsn: str, pool: asyncpg.Pool[Any]) -> AsyncIterator[PostgresStore]:
+    """A store with a pool of 3 connections (the `pool` fixture empties the tables)."""
+    async with PostgresStore(dsn=db_dsn, min_size=1, max_size=3) as store:
+        yield store
+
+
+async def test_duplicates_of_a_slow_request_wait_without_taking_the_pool(
+    small_store: PostgresStore, pool: asyncpg.Pool[Any]
+) -> None:
+    """A slow handler is held; 20 duplicates of it wait; another tenant's requests, on the same
+    pool of 3, complete while the slow handler is still held."""
+    app = build_app(small_store, default_policy=Policy(wait_seconds=60), acquire_timeout=2)
+    probe = app.state.probe
+    async with client(app) as a, client(app, token="demo-b") as b, Held(probe) as held:
+        first = held.start(a.post(CREDIT, json=BODY, headers=key("slow")))
+        await wait_entered(probe)
+        duplicates = [held.start(a.post(CREDIT, json=BODY, headers=key("slow"))) for _ in range(20)]
+        await wait_for_waiters(app, 20)
+        for i in range(5):
+            other = await asyncio.wait_for(b.post("/items", json=BODY, headers=key(f"b{i}")), BOUND)
+            assert other.status_code == 201, other.text
+        assert not first.done(), "the slow handler must still be held"
+        held.release()
+        r1 = await asyncio.wait_for(first, BOUND)
+        replies = await asyncio.wait_for(asyncio.gather(*duplicates), BOUND)
+    assert r1.status_code == 201
+    for reply in replies:
+        assert_replay_of(reply, r1)
+    assert probe.calls == 1 + 5  # the slow credit once, and the other tenant's items
+
+
+def _scope(path: str, idem_key: str, token: str = "demo-a") -> dict[str, Any]:
+    return {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": path.split("?")[0],
+        "raw_path": path.split("?")[0].encode(),
+        "root_path": "",
+        "query_string": path.partition("?")[2].encode(),
+        "headers": [
+            (b"host", b"test"),
+            (b"authorization", f"Bearer {token}".encode()),
+            (b"idempotency-key", f'"{idem_key}"'.encode()),
+            (b"content-type", b"application/json"),
+            (b"content-length", b"2"),
+        ],
+        "client": ("127.0.0.1", 1),
+        "server": ("test", 80),
+    }
+
+
+class _NeverReads:
+    """A client that sends its request and never reads the response: its `send` blocks on the
+    first body message (as a full socket buffer would), and it never disconnects."""
+
+    def __init__(self) -> None:
+        self.started = asyncio.Event()
+        self._delivered = False
+
+    async def receive(self) -> dict[str, Any]:
+        if not self._delivered:
+            self._delivered = True
+            return {"type": "http.request", "body": b"{}", "more_body": False}
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
+
+    async def send(self, message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.body":
+            self.started.set()
+            await asyncio.Event().wait()
+
+
+@pytest.mark.parametrize("path", ["/stream", "/big?size=50000"])
+async def test_clients_that_never_read_a_stream_hold_no_connection(
+    small_store: PostgresStore, pool: asyncpg.Pool[Any], path: str
+) -> None:
+    """4 clients post fresh keys to a response that cannot be held and never read it: the pool
+    of 3 still serves another tenant, and none of our connections sits idle in transaction."""
+    app = build_app(
+        small_store, default_policy=Policy(max_response_bytes=10_000), acquire_timeout=2
+    )
+    stuck = [_NeverReads() for _ in range(4)]
+    tasks = [
+        asyncio.ensure_future(app(_scope(path, f"stuck-{i}"), c.receive, c.send))
+        for i, c in enumerate(stuck)
+    ]
+    try:
+        for c in stuck:
+            await asyncio.wait_for(c.started.wait(), BOUND)
+        async with client(app, token="demo-b") as b:
+            for i in range(3):
+                other = await asyncio.wait_for(
+                    b.post("/items", json=BODY, headers=key(f"b{i}")), BOUND
+                )
+                assert other.status_code == 201, other.text
+        assert await idle_in_transaction(pool) == 0
+        assert not any(t.done() for t in tasks), "the streams must still be stuck"
+        # Each stuck stream's outcome was settled before its first byte.
+        settled = await pool.fetchval(
+            "SELECT count(*) FROM idem_requests WHERE idem_key LIKE 'stuck-%' AND body_omitted"
+            " IS NOT NULL"
+        )
+        assert settled == 4
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def test_past_the_waiter_bound_a_duplicate_is_answered_at_once(
+    pg_store: PostgresStore, pool: asyncpg.Pool[Any]
+) -> None:
+    app = build_app(pg_store, default_policy=Policy(wait_seconds=60), max_waiters=2)
+    probe = app.state.probe
+    async with client(app) as a, Held(probe) as held:
+        first = held.start(a.post(CREDIT, json=BODY, headers=key("k1")))
+        await wait_entered(probe)
+        waiting = [held.start(a.post(CREDIT, json=BODY, headers=key("k1"))) for _ in range(2)]
+        await wait_for_waiters(app, 2)
+        third = await asyncio.wait_for(a.post(CREDIT, json=BODY, headers=key("k1")), BOUND)
+        assert_problem(third, 409, "request-in-flight")
+        assert third.headers["retry-after"] == "1"
+        assert not first.done()
+        held.release()
+        r1 = await asyncio.wait_for(first, BOUND)
+        for reply in await asyncio.wait_for(asyncio.gather(*waiting), BOUND):
+            assert_replay_of(reply, r1)
+    assert probe.calls == 1
+
+
+async def test_past_the_tenant_cap_a_request_is_refused_with_nothing_claimed(
+    pg_store: PostgresStore, pool: asyncpg.Pool[Any]
+) -> None:
+    app = build_app(pg_store, max_tenant_connections=1)
+    probe = app.state.probe
+    async with client(app) as a, client(app, token="demo-b") as b, Held(probe) as held:
+        first = held.start(a.post(CREDIT, json=BODY, headers=key("k1")))
+        await wait_entered(probe)
+        refused = await asyncio.wait_for(a.post("/items", json=BODY, headers=key("k2")), BOUND)
+        problem = assert_problem(refused, 429, "tenant-busy")
+        assert refused.headers["retry-after"] == "1"
+        assert "at once" in problem["detail"]
+        other = await asyncio.wait_for(b.post("/items", json=BODY, headers=key("k2")), BOUND)
+        assert other.status_code == 201, "another tenant is not capped by this one"
+        held.release()
+        assert (await asyncio.wait_for(first, BOUND)).status_code == 201
+        # Nothing was claimed for the refused request: the same key runs now.
+        again = await a.post("/items", json=BODY, headers=key("k2"))
+        assert again.status_code == 201
+        assert "idempotent-replayed" not in again.headers
+    assert probe.calls == 3
+    keys = await pool.fetch("SELECT tenant, idem_key FROM idem_requests ORDER BY 1, 2")
+    assert [(r["tenant"], r["idem_key"]) for r in keys] == [
+        ("tenant-a", "k1"),
+        ("tenant-a", "k2"),
+        ("tenant-b", "k2"),
+    ]
+
+
+@pytest.mark.parametrize("bad", [0, -1, True, 1.5, "3"])
+def test_the_tenant_cap_must_be_a_positive_whole_number(pg_store: PostgresStore, bad: Any) -> None:
+    from idem_middleware import ConfigurationError, IdempotencyMiddleware
+
+    with pytest.raises(ConfigurationError):
+        IdempotencyMiddleware(lambda *a: None, store=pg_store, max_tenant_connections=bad)
+
+
+@pytest.mark.parametrize("bad", [-1, True, 1.5, "3"])
+def test_the_waiter_bound_must_be_a_whole_number(pg_store: PostgresStore, bad: Any) -> None:
+    from idem_middleware import ConfigurationError, IdempotencyMiddleware
+
+    with pytest.raises(ConfigurationError):
+        IdempotencyMiddleware(lambda *a: None, store=pg_store, max_waiters=bad)
