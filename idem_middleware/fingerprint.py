@@ -133,7 +133,9 @@ def canonical_body(
         if boundary is not None and content_type.count(boundary) == 1:
             before, _, after = content_type.partition(boundary)
             tag = b"multipart:" + _U64(len(before)) + before + after
-            return tag, canonical_multipart(body, boundary, max_fields=max_fields)
+            parts = canonical_multipart(body, boundary, max_fields=max_fields)
+            if parts is not None:
+                return tag, parts
     return b"raw:" + content_type, body
 
 

@@ -19,10 +19,15 @@ __all__ = ["canonical_multipart", "canonical_pairs", "multipart_boundary"]
 _U64 = struct.Struct(">Q").pack
 
 # A name any reader decodes to itself: no %-escape, no "+", nothing outside printable ASCII, and
-# no '"' (so no valid JSON text with an "&" ever qualifies: its first name holds a quote).
-_PLAIN_NAME = re.compile(rb"[A-Za-z0-9._~\-\[\]!$'()*,/:@?]*")
+# no '"' (so no valid JSON text with an "&" ever qualifies: its first name holds a quote). Not
+# empty: readers differ on empty pieces ("a&&b", a trailing "&").
+_PLAIN_NAME = re.compile(rb"[A-Za-z0-9._~\-\[\]!$'()*,/:@?]+")
 # RFC 2046 §5.1.1 bchars; the last one must not be a space.
 _BOUNDARY = re.compile(rb"[0-9A-Za-z'()+_,\-./:=? ]{0,69}[0-9A-Za-z'()+_,\-./:=?]")
+
+# What follows a delimiter: transport padding and a line end, or "--" for the last one.
+_LINE_END = re.compile(rb"[ \t]*\r\n")
+_CLOSE = re.compile(rb"--[ \t]*(?:\r\n|\Z)")
 
 _RAW = b"raw"
 _SORTED = b"sorted"
@@ -76,18 +81,31 @@ def multipart_boundary(boundary: bytes | None) -> bytes | None:
     return None if _has_border(b"--" + boundary) else boundary
 
 
-def canonical_multipart(body: bytes, boundary: bytes, *, max_fields: int) -> bytes:
-    """The body's pieces between its delimiters, each length-prefixed.
+def canonical_multipart(body: bytes, boundary: bytes, *, max_fields: int) -> bytes | None:
+    """The body's pieces between its delimiters, each length-prefixed; None to hash it raw.
 
     Clients draw a fresh random boundary per attempt, so a retry must still match the
-    original; the delimiter itself is never written, so no field value can imitate it.
+    original; the delimiter itself is never written, so no field value can imitate it. Only a
+    body whose every occurrence of the delimiter text is a delimiter to any reader (at the start
+    or after CRLF, then a line end, or "--" for the last) is cut: elsewhere the text is data
+    to one reader and a delimiter to another, and the body is hashed as sent.
     """
     delimiter = b"--" + boundary
-    # Parts are the delimiters less the closing one; a little slack for a preamble's.
+    # Parts are the delimiters less the closing one.
     if body.count(delimiter) > max_fields + 1:
         raise too_many_fields("A multipart body", max_fields)
-    segments = body.split(delimiter)
-    chunks = [_SEGMENTS, _U64(len(segments))]
+    starts = body.startswith(delimiter)
+    text = b"\r\n" + body if starts else body
+    line_delimiter = b"\r\n" + delimiter
+    if text.count(delimiter) != text.count(line_delimiter):
+        return None
+    segments = text.split(line_delimiter)
+    last = len(segments) - 1
+    for index, segment in enumerate(segments[1:], 1):
+        tail = _CLOSE if index == last else _LINE_END
+        if tail.match(segment) is None:
+            return None
+    chunks = [_SEGMENTS, b"1" if starts else b"0", _U64(len(segments))]
     for segment in segments:
         chunks.append(_U64(len(segment)))
         chunks.append(segment)

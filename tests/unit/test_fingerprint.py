@@ -393,7 +393,7 @@ def test_multipart_boundary_does_not_matter() -> None:
     assert digest(b"XyZ123", b"v") != digest(b"XyZ123", b"w")
     # Changed: the quoting of the parameter is kept, as the rest of the header is.
     assert digest(b"XyZ123", b"v") != digest(b"XyZ123", b"v", quoted=True)
-    assert canonical_body(b"multipart/form-data; boundary=B", b"--B\r\n--B--")[0] == (
+    assert canonical_body(b"multipart/form-data; boundary=B", b"--B\r\n\r\n--B--")[0] == (
         b"multipart:" + struct.pack(">Q", 30) + b"multipart/form-data; boundary="
     )
     assert canonical_body(b"multipart/form-data", b"--B--") == (

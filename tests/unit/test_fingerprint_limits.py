@@ -163,7 +163,10 @@ def test_json_values_are_capped() -> None:
     rejection = refused(body=b"[" + b"1," * 9_999 + b"1]")
     assert rejection.kind is ProblemKind.TOO_MANY_FIELDS
     assert "at most 10000 values" in rejection.detail
-    assert refused(body=b"[" + b"1," * 10 + b"1]", max_json_values=5).kind is ProblemKind.TOO_MANY_FIELDS
+    assert (
+        refused(body=b"[" + b"1," * 10 + b"1]", max_json_values=5).kind
+        is ProblemKind.TOO_MANY_FIELDS
+    )
     # Many short strings are refused on the count of quotes, before any per-string scan.
     strings = b"[" + b'"a,b",' * 30_000 + b'""]'
     assert refused(body=strings).kind is ProblemKind.TOO_MANY_FIELDS
