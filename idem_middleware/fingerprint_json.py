@@ -116,8 +116,13 @@ def _check_shape(text: str, max_depth: int, max_values: int) -> None:
     if structure.count("]") + structure.count("}") != opens:
         # Unbalanced outside strings: not JSON, and not worth a loop over every bracket.
         raise RequestRejected(ProblemKind.BODY_INVALID, _NOT_JSON)
-    # A JSON text holds 1 + commas + non-empty containers values (root, members, elements).
-    values = 1 + structure.count(",") + opens - len(_EMPTY_CONTAINER.findall(structure))
+    # A JSON text holds 1 + commas + non-empty containers values (root, members, elements);
+    # the regex that finds the empty ones only runs when the commas alone do not decide.
+    values = 1 + structure.count(",")
+    if values + opens > max_values >= values:
+        values += opens - len(_EMPTY_CONTAINER.findall(structure))
+    else:
+        values += opens
     if values > max_values:
         raise _too_many_values(max_values)
     if opens <= max_depth:
