@@ -120,32 +120,26 @@ def multipart_reading(content_type: bytes, body: bytes) -> Any:
 # JSON
 
 
-ADVERSARIAL_NUMBERS = [
-    "9007199254740993.0",
-    "9007199254740992",
-    "0.1",
-    "0.1000000000000000055511151231257827",
-    "1e-400",
-    "0",
-    "-0",
-    "1E21",
-    "1000000000000000000000",
-    "1.0",
-    "1",
-    "10e-1",
-    "333333333.33333329",
-    "333333333.3333333",
+# Pairs a double cannot tell apart, and respellings of one value.
+ADVERSARIAL_PAIRS = [
+    ("9007199254740993.0", "9007199254740992"),
+    ("0.1", "0.1000000000000000055511151231257827"),
+    ("1e-400", "0"),
+    ("-0", "0"),
+    ("1E21", "1000000000000000000000"),
+    ("1.0", "10e-1"),
+    ("333333333.33333329", "333333333.3333333"),
+    ("123456789012345678901234", "123456789012345678901235"),
 ]
 
 
 @st.composite
 def number_spellings(draw: st.DrawFn) -> tuple[Decimal, str, str]:
-    """An exact value and two spellings of it (or of an adversarial neighbour)."""
+    """An exact value and two spellings of it (or of a neighbour a double cannot tell apart)."""
     if draw(st.booleans()):
-        first, second = (
-            draw(st.sampled_from(ADVERSARIAL_NUMBERS)),
-            draw(st.sampled_from(ADVERSARIAL_NUMBERS)),
-        )
+        first, second = draw(st.sampled_from(ADVERSARIAL_PAIRS))
+        if draw(st.booleans()):
+            first, second = second, first
         return Decimal(first), first, second
     coefficient = draw(st.integers(-(10**25), 10**25))
     exponent = draw(st.integers(-30, 30))
