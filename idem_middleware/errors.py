@@ -15,6 +15,7 @@ class ProblemKind(StrEnum):
     OUTCOME_UNKNOWN = "outcome-unknown"
     BODY_INVALID = "body-invalid"
     BODY_TOO_LARGE = "body-too-large"
+    TOO_MANY_FIELDS = "too-many-fields"
     UNAUTHENTICATED = "unauthenticated"
     STORE_UNAVAILABLE = "store-unavailable"
     RECORD_NOT_FOUND = "record-not-found"

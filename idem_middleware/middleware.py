@@ -406,6 +406,8 @@ class _Exchange:
                 content_type=self._header(b"content-type"),
                 body=body,
                 exclude_fields=policy.exclude_fields,
+                max_fields=policy.max_fields,
+                max_json_values=policy.max_json_values,
             )
         except RequestRejected as exc:
             await self.problem(exc.kind, exc.detail)

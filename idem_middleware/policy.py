@@ -55,6 +55,10 @@ class Policy:
     include_headers: tuple[str, ...] = ()
     #: Largest request body accepted, in bytes (inclusive); larger is a 413 before any claim.
     max_body_bytes: int = 1024 * 1024
+    #: Most fields of the query string, of a form body and parts of a multipart body (each),
+    #: and most JSON values (members and elements) the fingerprint reads; more is a 400.
+    max_fields: int = 1000
+    max_json_values: int = 10_000
     #: Largest response stored for replay, in bytes (inclusive). See the README on larger ones.
     max_response_bytes: int = 1024 * 1024
     #: How long a duplicate waits for the original to finish before it gets a 409.
@@ -83,6 +87,8 @@ class Policy:
     def __post_init__(self) -> None:
         if self.max_body_bytes < 0 or self.max_response_bytes < 0:
             raise ConfigurationError("body caps must not be negative")
+        if self.max_fields < 1 or self.max_json_values < 1:
+            raise ConfigurationError("max_fields and max_json_values must be at least 1")
         if self.wait_seconds < 0:
             raise ConfigurationError("wait_seconds must not be negative")
         if self.retention_seconds <= 0:

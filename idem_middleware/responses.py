@@ -21,6 +21,7 @@ _TITLES: dict[ProblemKind, tuple[int, str]] = {
     ProblemKind.OUTCOME_UNKNOWN: (409, "The outcome of the original request is unknown"),
     ProblemKind.BODY_INVALID: (400, "The request body is invalid"),
     ProblemKind.BODY_TOO_LARGE: (413, "The request body is too large"),
+    ProblemKind.TOO_MANY_FIELDS: (400, "The request has more fields than this operation accepts"),
     ProblemKind.UNAUTHENTICATED: (401, "Authentication is required"),
     ProblemKind.STORE_UNAVAILABLE: (503, "The idempotency store is unavailable"),
     ProblemKind.RECORD_NOT_FOUND: (404, "No request with this Idempotency-Key is known"),

@@ -797,11 +797,16 @@ def _check_body(
     if len(doc.data) > CAP:
         assert_refused(reply, "body-too-large", 413)
         return
-    if doc.defects == {"empty"}:
-        return  # see test_empty_body_declared_json_is_refused_before_the_claim
     declared_json = (
         content_type in JSON_TYPES or content_type == "application/json; charset=latin-1"
     )
+    if doc.defects == {"empty"}:
+        # An empty body is not a JSON value; with another type (or none) it is just empty.
+        if declared_json:
+            assert_refused(reply, "body-invalid", 400)
+        else:
+            assert kind in ("executed", "handler-failed"), (kind, reply.status)
+        return
     if content_type == "application/json; charset=latin-1" or (declared_json and doc.defects):
         assert_refused(reply, "body-invalid", 400)
     elif declared_json and wrapped:
@@ -937,16 +942,13 @@ def test_hostile_chunked_and_truncated_bodies_heavy(
 
 
 @pytest.mark.parametrize("content_type", ["application/json", "application/merge-patch+json"])
-def test_empty_body_declared_json_is_an_empty_body(hostile: Hostile, content_type: str) -> None:
-    """A decision (README, "Decisions where the protocol is silent"): an empty body is empty,
-    whatever its declared type, because clients send `Content-Type: application/json` on body-less
-    POSTs; the handler decides. This handler cannot parse it and fails: everything rolls back."""
+def test_empty_body_declared_json_is_400_body_invalid(hostile: Hostile, content_type: str) -> None:
+    """Changed: an empty body used to pass as "empty" and reach the handler (FastAPI answered
+    its own 422). It is not a JSON value, so it is refused like any other invalid JSON body."""
     headers = {
         "authorization": "Bearer demo-a",
         "idempotency-key": fresh_key(),
         "content-type": content_type,
     }
-    reply, kind = hostile.exchange(
-        "empty-json-body", hostile.via_httpx(headers=headers, content=b"")
-    )
-    assert kind == "handler-failed", (kind, reply.status)
+    reply, _ = hostile.exchange("empty-json-body", hostile.via_httpx(headers=headers, content=b""))
+    assert_refused(reply, "body-invalid", 400)

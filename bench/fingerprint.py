@@ -1,0 +1,156 @@
+"""`python -m bench.fingerprint`: the fingerprint's cost per request, typical and worst case.
+
+Prints one Markdown table: microseconds per compute_fingerprint call (best of 5 repeats of a
+timed loop) for typical requests, for the worst bodies the default caps still accept (1 MiB
+bodies at Policy's max_fields and max_json_values), and for what the caps refuse (the time to
+the refusal). Every call runs on the event loop's thread, so the worst accepted row is the
+longest a request's fingerprint can hold the loop with the default policy."""
+
+from __future__ import annotations
+
+import argparse
+import timeit
+from collections.abc import Callable
+from typing import Any
+
+from idem_middleware import Policy
+from idem_middleware.errors import RequestRejected
+from idem_middleware.fingerprint import compute_fingerprint
+
+MIB = 1 << 20
+POLICY = Policy()
+FIELDS = POLICY.max_fields
+VALUES = POLICY.max_json_values
+JSON = b"application/json"
+FORM = b"application/x-www-form-urlencoded"
+
+
+def request(**overrides: Any) -> dict[str, Any]:
+    base: dict[str, Any] = {
+        "operation": "POST /accounts/{account_id}/credits",
+        "path_params": {"account_id": "acc1"},
+        "query_string": b"",
+        "headers": [(b"content-type", b"application/json")],
+        "include_headers": (),
+        "content_type": JSON,
+        "body": b'{"amount": 5, "memo": "x"}',
+        "max_fields": FIELDS,
+        "max_json_values": VALUES,
+    }
+    base.update(overrides)
+    return base
+
+
+def pad_json_string(prefix: bytes, suffix: bytes) -> bytes:
+    """prefix + a string member filling the body to 1 MiB + suffix."""
+    room = MIB - len(prefix) - len(suffix) - len(b',"pad":""')
+    return prefix + b',"pad":"' + b"x" * room + b'"' + suffix
+
+
+def multipart(parts: int, size: int) -> bytes:
+    part = b'--Bq7\r\nContent-Disposition: form-data; name="f"\r\n\r\n' + b"v" * size + b"\r\n"
+    return part * parts + b"--Bq7--\r\n"
+
+
+def cases() -> list[tuple[str, str, dict[str, Any]]]:
+    payment = (
+        b'{"amount": 1250, "currency": "EUR", "memo": "invoice 2024-117",'
+        b' "to": {"iban": "DE89370400440532013000", "name": "A. Person"},'
+        b' "lines": [{"sku": "a-1", "qty": 2, "price": 4.5},'
+        b' {"sku": "b-2", "qty": 1, "price": 3.25}]}'
+    )
+    many = b"[" + b",".join([b"1.5"] * (VALUES - 1)) + b"]"
+    objects = b"[" + b",".join([b'{"k":1,"v":2.5,"s":"x"}'] * ((VALUES - 1) // 4)) + b"]"
+    return [
+        ("typical", "JSON, small (26 B)", request()),
+        ("typical", "JSON, payment with lines (216 B)", request(body=payment)),
+        (
+            "typical",
+            "form, 4 fields",
+            request(content_type=FORM, body=b"amount=5&currency=EUR&memo=hello+world&to=acc2"),
+        ),
+        ("typical", "query, 3 params + JSON", request(query_string=b"page=2&sort=name&dir=asc")),
+        (
+            "typical",
+            "multipart, 2 parts (2 KiB)",
+            request(content_type=b"multipart/form-data; boundary=Bq7", body=multipart(2, 1000)),
+        ),
+        ("at the cap", f"JSON, {VALUES - 1} numbers", request(body=many)),
+        ("at the cap", f"JSON, {(VALUES - 1) // 4} small objects", request(body=objects)),
+        (
+            "at the cap",
+            "JSON, 1 MiB: one string",
+            request(body=pad_json_string(b'{"a":1', b"}")),
+        ),
+        (
+            "at the cap",
+            f"JSON, 1 MiB: {VALUES // 2 - 1} strings with commas in them",
+            request(body=b"[" + b",".join([b'"' + b"a," * 100 + b'"'] * (VALUES // 2 - 1)) + b"]"),
+        ),
+        (
+            "at the cap",
+            f"form, 1 MiB in {FIELDS} fields",
+            request(
+                content_type=FORM,
+                body=b"&".join([b"f%d=" % i + b"x" * (MIB // FIELDS - 8) for i in range(FIELDS)]),
+            ),
+        ),
+        (
+            "at the cap",
+            f"query, {FIELDS} params of 60 B",
+            request(query_string=b"&".join([b"p%d=" % i + b"y" * 55 for i in range(FIELDS)])),
+        ),
+        (
+            "at the cap",
+            f"multipart, 1 MiB in {FIELDS} parts",
+            request(
+                content_type=b"multipart/form-data; boundary=Bq7",
+                body=multipart(FIELDS, MIB // FIELDS - 60),
+            ),
+        ),
+        ("refused", "form, 1 MiB of a&a&a...", request(content_type=FORM, body=b"a&" * (MIB // 2))),
+        ("refused", "query, 1 MiB of a&a&a...", request(query_string=b"a&" * (MIB // 2))),
+        (
+            "refused",
+            "JSON, 1 MiB of [1,1,1...]",
+            request(body=b"[" + b"1," * (MIB // 2 - 1) + b"1]"),
+        ),
+        (
+            "refused",
+            'JSON, 1 MiB of ["a,","a,",...]',
+            request(body=b"[" + b'"a,",' * (MIB // 5 - 1) + b'""]'),
+        ),
+    ]
+
+
+def per_call(call: Callable[[], object]) -> float:
+    """Best of 5: microseconds per call, with the loop sized to take about 0.1 s."""
+    timer = timeit.Timer(call)
+    number, _ = timer.autorange()
+    number = max(1, number // 2)
+    return min(timer.repeat(repeat=5, number=number)) / number * 1e6
+
+
+def main(argv: list[str] | None = None) -> int:
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args(argv)
+    print(f"defaults: max_fields={FIELDS}, max_json_values={VALUES}, max_body_bytes={MIB}")
+    print()
+    print("| kind | request | body bytes | µs per fingerprint | outcome |")
+    print("|---|---|---:|---:|---|")
+    for kind, name, args in cases():
+
+        def call(args: dict[str, Any] = args) -> str:
+            try:
+                compute_fingerprint(**args)
+            except RequestRejected as exc:
+                return exc.kind.value
+            return "fingerprint"
+
+        outcome = call()
+        size = len(args["body"]) + len(args["query_string"])
+        print(f"| {kind} | {name} | {size:,} | {per_call(call):,.1f} | {outcome} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,125 @@
+"""Canonical forms of query strings, urlencoded form bodies and multipart bodies.
+
+Nothing here decodes: pieces are hashed as sent, so two requests that any reader (parse_qsl,
+python-multipart, a handler calling request.json() on a form body) could read differently never
+canonicalise alike. Only what no reader can tell apart is normalised: the order of fields with
+different plain names, and a multipart body's boundary."""
+
+from __future__ import annotations
+
+import re
+import struct
+from collections.abc import Sequence
+from operator import itemgetter
+
+from .errors import ProblemKind, RequestRejected
+
+__all__ = ["canonical_multipart", "canonical_pairs", "multipart_boundary"]
+
+_U64 = struct.Struct(">Q").pack
+
+# A name any reader decodes to itself: no %-escape, no "+", nothing outside printable ASCII, and
+# no '"' (so no valid JSON text with an "&" ever qualifies: its first name holds a quote). Not
+# empty: readers differ on empty pieces ("a&&b", a trailing "&").
+_PLAIN_NAME = re.compile(rb"[A-Za-z0-9._~\-\[\]!$'()*,/:@?]+")
+# RFC 2046 §5.1.1 bchars; the last one must not be a space.
+_BOUNDARY = re.compile(rb"[0-9A-Za-z'()+_,\-./:=? ]{0,69}[0-9A-Za-z'()+_,\-./:=?]")
+
+# What follows a delimiter: transport padding and a line end, or "--" for the last one.
+_LINE_END = re.compile(rb"[ \t]*\r\n")
+_CLOSE = re.compile(rb"--[ \t]*(?:\r\n|\Z)")
+
+_RAW = b"raw"
+_SORTED = b"sorted"
+_SEGMENTS = b"segments"
+
+
+def too_many_fields(what: str, cap: int) -> RequestRejected:
+    return RequestRejected(ProblemKind.TOO_MANY_FIELDS, f"{what} may hold at most {cap} fields.")
+
+
+def canonical_pairs(
+    data: bytes, *, what: str, max_fields: int, exclude: frozenset[bytes] = frozenset()
+) -> bytes:
+    """Canonical bytes of an `&`-separated query string or form body.
+
+    The fields are sorted by name (repeats keep their order) when every name is plain and no
+    `;` appears (some readers split on it too); otherwise the bytes stay as they are. Names in
+    `exclude` are left out only in the sorted case, where a name means the same to every reader.
+    """
+    # A C-level count first: the per-field work below is then bounded by the cap.
+    if data.count(b"&") >= max_fields:
+        raise too_many_fields(what, max_fields)
+    if b"&" not in data or b";" in data:
+        return _RAW + data
+    pairs = [(piece.partition(b"=")[0], piece) for piece in data.split(b"&")]
+    plain = _PLAIN_NAME.fullmatch
+    for name, _ in pairs:
+        if plain(name) is None:
+            return _RAW + data
+    if exclude:
+        pairs = [pair for pair in pairs if pair[0] not in exclude]
+    # A stable sort: the order of different names is noise, the order of repeats is data.
+    pairs.sort(key=itemgetter(0))
+    chunks = [_SORTED, _U64(len(pairs))]
+    for _, piece in pairs:
+        chunks.append(_U64(len(piece)))
+        chunks.append(piece)
+    return b"".join(chunks)
+
+
+def _has_border(delimiter: bytes) -> bool:
+    # A delimiter that overlaps itself ("---" for boundary "-") can be found at two overlapping
+    # places, and readers need not split where bytes.split does.
+    return any(delimiter[:k] == delimiter[-k:] for k in range(1, len(delimiter)))
+
+
+def multipart_boundary(boundary: bytes | None) -> bytes | None:
+    """The boundary if the body can be split on it unambiguously, else None (hash it raw)."""
+    if boundary is None or _BOUNDARY.fullmatch(boundary) is None:
+        return None
+    return None if _has_border(b"--" + boundary) else boundary
+
+
+def canonical_multipart(body: bytes, boundary: bytes, *, max_fields: int) -> bytes | None:
+    """The body's pieces between its delimiters, each length-prefixed; None to hash it raw.
+
+    Clients draw a fresh random boundary per attempt, so a retry must still match the
+    original; the delimiter itself is never written, so no field value can imitate it. Only a
+    body whose every occurrence of the delimiter text is a delimiter to any reader (at the start
+    or after CRLF, then a line end, or "--" for the last) is cut: elsewhere the text is data
+    to one reader and a delimiter to another, and the body is hashed as sent.
+    """
+    delimiter = b"--" + boundary
+    # Parts are the delimiters less the closing one.
+    if body.count(delimiter) > max_fields + 1:
+        raise too_many_fields("A multipart body", max_fields)
+    starts = body.startswith(delimiter)
+    text = b"\r\n" + body if starts else body
+    line_delimiter = b"\r\n" + delimiter
+    if text.count(delimiter) != text.count(line_delimiter):
+        return None
+    segments = text.split(line_delimiter)
+    last = len(segments) - 1
+    for index, segment in enumerate(segments[1:], 1):
+        tail = _CLOSE if index == last else _LINE_END
+        if tail.match(segment) is None:
+            return None
+    chunks = [_SEGMENTS, b"1" if starts else b"0", _U64(len(segments))]
+    for segment in segments:
+        chunks.append(_U64(len(segment)))
+        chunks.append(segment)
+    return b"".join(chunks)
+
+
+def excluded_names(exclude_fields: Sequence[str]) -> frozenset[bytes]:
+    """Top-level names among exclude_fields (plain names and one-token JSON Pointers)."""
+    names: set[bytes] = set()
+    for field in exclude_fields:
+        if not field.startswith("/"):
+            names.add(field.encode("utf-8", "surrogatepass"))
+        elif "/" not in field[1:]:
+            # RFC 6901: "~1" must be decoded before "~0", or "~01" would wrongly become "/".
+            token = field[1:].replace("~1", "/").replace("~0", "~")
+            names.add(token.encode("utf-8", "surrogatepass"))
+    return frozenset(names)

@@ -1,0 +1,66 @@
+"""The fingerprint through the middleware: requests a handler reads differently are never
+replayed for each other, and the caps refuse before anything is claimed."""
+
+from __future__ import annotations
+
+import pytest
+
+from idem_middleware import Policy
+from tests.apps import assert_problem, build_app, client, count, key
+
+JSON = {"content-type": "application/json"}
+FORM = {"content-type": "application/x-www-form-urlencoded"}
+
+
+@pytest.mark.parametrize(
+    ("headers", "first", "second"),
+    [
+        # The finding: Starlette's request.json() reads a form-typed body as JSON (5, then 500).
+        (FORM, b'{"amount":5,"%61mount":500}', b'{"amount":5,"amount":500}'),
+        (JSON, b'{"amount":9007199254740993.0}', b'{"amount":9007199254740992}'),
+        (JSON, b'{"amount":0.1}', b'{"amount":0.1000000000000000055511151231257827}'),
+    ],
+)
+async def test_a_body_read_differently_is_422_not_a_replay(
+    pg_store, pool, headers: dict[str, str], first: bytes, second: bytes
+) -> None:
+    app = build_app(pg_store)
+    async with client(app) as c:
+        original = await c.post("/items", content=first, headers={**headers, **key("k1")})
+        other = await c.post("/items", content=second, headers={**headers, **key("k1")})
+    assert original.status_code == 201
+    assert_problem(other, 422, "key-reused")
+    assert app.state.probe.calls == 1
+
+
+@pytest.mark.parametrize(
+    ("url", "headers", "body", "detail"),
+    [
+        ("/items?" + "a&" * 5 + "a", {}, b"", "The query string may hold at most 5 fields."),
+        ("/items", FORM, b"a=1&" * 5 + b"a=1", "A form body may hold at most 5 fields."),
+        ("/items", JSON, b"[" + b"1," * 7 + b"1]", "at most 7 values"),
+    ],
+)
+async def test_over_the_field_caps_is_400_too_many_fields_and_nothing_is_claimed(
+    pg_store, pool, url: str, headers: dict[str, str], body: bytes, detail: str
+) -> None:
+    app = build_app(pg_store, default_policy=Policy(max_fields=5, max_json_values=7))
+    async with client(app) as c:
+        r = await c.post(url, content=body, headers={**headers, **key("k1")})
+    problem = assert_problem(r, 400, "too-many-fields")
+    assert detail in problem["detail"]
+    assert app.state.probe.calls == 0
+    assert await count(pool, "idem_requests") == 0
+
+
+@pytest.mark.parametrize("content_type", ["application/json", "application/merge-patch+json"])
+async def test_an_empty_json_body_is_400_body_invalid(pg_store, pool, content_type: str) -> None:
+    app = build_app(pg_store)
+    async with client(app) as c:
+        r = await c.post("/items", content=b"", headers={"content-type": content_type, **key("k1")})
+        bare = await c.post("/items", content=b"", headers=key("k2"))
+    problem = assert_problem(r, 400, "body-invalid")
+    assert "empty" in problem["detail"]
+    # Without a JSON content type an empty body is just empty: a body-less POST.
+    assert bare.status_code == 201
+    assert app.state.probe.calls == 1
