@@ -13,6 +13,7 @@ Nothing is held while this request talks to its client or waits for another requ
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 from functools import partial
@@ -65,13 +66,16 @@ async def run_transactional(ex: _Exchange, record_key: RecordKey, fingerprint: b
     loop = asyncio.get_running_loop()
     deadline: float | None = None
     poll = _FIRST_POLL
+    # The claim is timed once per request (its first), the wait for a busy key as a whole.
+    waiting = contextlib.ExitStack()
     try:
         for _ in range(_MAX_ROUNDS):
             try:
-                answer = await _Attempt(ex, record_key, fingerprint).run()
+                answer = await _Attempt(ex, record_key, fingerprint, deadline is None).run()
             except ClaimBusy:
                 now = loop.time()
                 if deadline is None:
+                    waiting.enter_context(ex.timed("wait"))
                     if not waiters.enter():
                         await ex.problem(
                             ProblemKind.IN_FLIGHT,
@@ -115,6 +119,7 @@ async def run_transactional(ex: _Exchange, record_key: RecordKey, fingerprint: b
             ex.body_delivered = False
         raise RuntimeError("the key kept changing hands; giving up")  # pragma: no cover
     finally:
+        waiting.close()
         if deadline is not None:
             waiters.leave()
 
@@ -122,10 +127,22 @@ async def run_transactional(ex: _Exchange, record_key: RecordKey, fingerprint: b
 class _Attempt:
     """One run of claim, handler and outcome inside one database transaction."""
 
-    __slots__ = ("capture", "claimed", "context", "ex", "fingerprint", "record_key", "tx")
+    __slots__ = (
+        "capture",
+        "claimed",
+        "context",
+        "ex",
+        "fingerprint",
+        "record_key",
+        "timed_claim",
+        "tx",
+    )
 
-    def __init__(self, ex: _Exchange, record_key: RecordKey, fingerprint: bytes) -> None:
+    def __init__(
+        self, ex: _Exchange, record_key: RecordKey, fingerprint: bytes, timed_claim: bool
+    ) -> None:
         self.ex = ex
+        self.timed_claim = timed_claim
         self.record_key = record_key
         self.fingerprint = fingerprint
         self.tx: Any = None
@@ -154,7 +171,7 @@ class _Attempt:
             acquire_timeout=ex.mw.acquire_timeout, begin=False
         ) as tx:
             self.tx = tx
-            with ex.timed("claim"):
+            with ex.timed("claim") if self.timed_claim else contextlib.nullcontext():
                 claim = await tx.claim(
                     self.record_key,
                     self.fingerprint,
