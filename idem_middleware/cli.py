@@ -80,7 +80,9 @@ def _parser() -> argparse.ArgumentParser:
         "--version", action="version", version=f"%(prog)s {_version()}", help="print the version"
     )
     sub = _common(top=False)
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    commands = parser.add_subparsers(
+        dest="command", required=True, metavar="COMMAND", help="COMMAND --help for its options"
+    )
 
     def command(name: str, help: str) -> argparse.ArgumentParser:
         return commands.add_parser(name, help=help, description=help, parents=[sub])
@@ -183,7 +185,9 @@ def _parser() -> argparse.ArgumentParser:
     ro.add_argument("--note", required=True, help="why: kept in the record's audit trail")
 
     o = command("outbox", "publish, list and requeue outbox events")
-    outbox_commands = o.add_subparsers(dest="outbox_command", required=True, metavar="ACTION")
+    outbox_commands = o.add_subparsers(
+        dest="outbox_command", required=True, metavar="ACTION", help="ACTION --help for its options"
+    )
 
     def action(name: str, help: str) -> argparse.ArgumentParser:
         return outbox_commands.add_parser(name, help=help, description=help, parents=[sub])
