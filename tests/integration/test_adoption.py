@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import os
 import re
+import select
 import shutil
 import subprocess
 import sys
+import time
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -71,18 +73,32 @@ def test_the_example_app_prints_its_database_at_startup(db_dsn: str) -> None:
         [sys.executable, "-m", "example_app", "--port", "0"],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
-        text=True,
         cwd=ROOT,
         env={**os.environ, "DATABASE_URL": db_dsn, "EXAMPLE_PUBLISH": "0"},
     ) as app:
         assert app.stdout is not None
         try:
-            first, second = app.stdout.readline(), app.stdout.readline()
+            shown = _read_until(app.stdout, b"list", seconds=60)
         finally:
             app.terminate()
             app.wait(timeout=30)
-    assert first.strip() == f"example_app database: {db_dsn}"
-    assert f"idem-middleware --dsn '{db_dsn}' list" in second
+    assert f"example_app database: {db_dsn}\n" in shown
+    assert f"idem-middleware --dsn '{db_dsn}' list" in shown
+
+
+def _read_until(stream: Any, marker: bytes, *, seconds: float) -> str:
+    """What the stream printed until `marker` (or the deadline): never blocks past it."""
+    deadline = time.monotonic() + seconds
+    seen = b""
+    while marker not in seen and (left := deadline - time.monotonic()) > 0:
+        ready, _, _ = select.select([stream], [], [], left)
+        if not ready:
+            break
+        chunk = os.read(stream.fileno(), 4096)
+        if not chunk:
+            break
+        seen += chunk
+    return seen.decode()
 
 
 def test_the_example_app_hides_a_password() -> None:
