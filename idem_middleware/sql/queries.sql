@@ -421,3 +421,32 @@ WHERE o.event_id = doomed.event_id;
 INSERT INTO idem_inbox (consumer, event_id) VALUES ($1, $2)
 ON CONFLICT DO NOTHING
 RETURNING 1;
+
+-- name: amend
+-- An operator's move (resolve, re-resolve, reopen, release for a retry): like `settle`, but the
+-- note is appended to the record's audit trail, one line per move, stamped with the database's
+-- time; a move to pending releases the record for the client's next retry (a new generation, no
+-- lease). Wakes the waiters.
+-- $1 tenant, $2 operation, $3 key, $4 generation, $5 expected state, $6 new state, $7 status,
+-- $8 headers, $9 body, $10 body_omitted, $11 audit line, $12 notification payload
+WITH amended AS (
+    UPDATE idem_requests
+    SET state = $6, updated_at = now(), lease_expires_at = NULL,
+        generation = CASE WHEN $6 = 'pending' THEN nextval('idem_generation_seq')
+                          ELSE generation END,
+        expires_at = CASE WHEN $6 IN ('succeeded', 'failed_final') THEN now() + retention END,
+        response_status = $7, response_headers = $8, response_body = $9, body_omitted = $10,
+        note = concat_ws(E'\n', note,
+                         to_char(now() AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS"Z "') || $11)
+    WHERE tenant = $1 AND operation = $2 AND idem_key = $3 AND generation = $4 AND state = $5
+    RETURNING 1
+)
+SELECT count(*) AS amended, pg_notify('idem_middleware', $12) AS notified FROM amended;
+
+-- name: describe
+-- Operators: one record as `list` shows it. $1 tenant, $2 operation, $3 key
+SELECT tenant, operation, idem_key, state, generation, mode, created_at, updated_at,
+       lease_expires_at, expires_at, response_status, note,
+       lease_expires_at <= now() AS lease_expired, epoch
+FROM idem_requests
+WHERE tenant = $1 AND operation = $2 AND idem_key = $3;

@@ -281,6 +281,14 @@ class Store(Protocol):
     async def allow_retry(self, key: RecordKey, generation: int, note: str) -> bool:
         """unknown -> pending without a lease: the client's next retry takes it over."""
 
+    async def amend(self, key: RecordKey, generation: int, expected: State, s: Settlement) -> bool:
+        """An operator's move from `expected` under `generation`: like `settle`, but `s.note` is
+        appended to the record's audit trail (stamped with the store's time), and a move to
+        pending releases the record for the client's next retry under a new generation."""
+
+    async def describe(self, key: RecordKey) -> RecordSummary | None:
+        """One record as an operator lists it, with its audit trail."""
+
     def fenced(
         self, key: RecordKey, generation: int, expected: State = State.PENDING
     ) -> AbstractAsyncContextManager[FencedSession]:

@@ -15,6 +15,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
+from datetime import UTC, datetime
 
 from ..context import token_hash
 from ..errors import StaleGeneration, StoreError
@@ -71,6 +72,23 @@ class _Row:
             ),
             epoch=self.epoch,
         )
+
+
+def _summary(key: RecordKey, row: _Row, now: float) -> RecordSummary:
+    return RecordSummary(
+        key=key,
+        state=row.state,
+        generation=row.generation,
+        mode=row.mode,
+        created_at=row.created_at,
+        updated_at=row.updated_at,
+        lease_expires_at=row.lease_expires_at,
+        expires_at=row.expires_at,
+        response_status=None if row.response is None else row.response.status,
+        note=row.note,
+        lease_expired=row.lease_expires_at is not None and row.lease_expires_at <= now,
+        epoch=row.epoch,
+    )
 
 
 class _MemoryTransaction:
@@ -423,6 +441,25 @@ class MemoryStore:
             self._changed(key)
             return True
 
+    async def amend(self, key: RecordKey, generation: int, expected: State, s: Settlement) -> bool:
+        async with self._row_lock(key):
+            row = self._current(key, generation, expected)
+            if row is None:
+                return False
+            # The clock decides expiry; the audit trail shows wall time, as PostgreSQL's now().
+            stamp = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+            line = f"{stamp} {s.note or ''}"
+            self._settle_now(key, generation, expected, replace(s, note=None))
+            row = self._rows[key]
+            if s.state is State.PENDING:
+                row = replace(row, generation=next(self._generations))
+            self._rows[key] = replace(row, note=line if row.note is None else f"{row.note}\n{line}")
+            return True
+
+    async def describe(self, key: RecordKey) -> RecordSummary | None:
+        row = self._rows.get(key)
+        return None if row is None else _summary(key, row, self.clock())
+
     @asynccontextmanager
     async def fenced(
         self, key: RecordKey, generation: int, expected: State = State.PENDING
@@ -468,22 +505,7 @@ class MemoryStore:
             lapsed = row.lease_expires_at is None or row.lease_expires_at <= now
             if stale_only and row.state is State.PENDING and not lapsed:
                 continue
-            found.append(
-                RecordSummary(
-                    key=key,
-                    state=row.state,
-                    generation=row.generation,
-                    mode=row.mode,
-                    created_at=row.created_at,
-                    updated_at=row.updated_at,
-                    lease_expires_at=row.lease_expires_at,
-                    expires_at=row.expires_at,
-                    response_status=None if row.response is None else row.response.status,
-                    note=row.note,
-                    lease_expired=row.lease_expires_at is not None and lapsed,
-                    epoch=row.epoch,
-                )
-            )
+            found.append(_summary(key, row, now))
         found.sort(key=lambda r: r.updated_at)
         return found[:limit]
 

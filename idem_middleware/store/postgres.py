@@ -154,6 +154,23 @@ def _settle_args(
     )
 
 
+def _summary(r: Any) -> RecordSummary:
+    return RecordSummary(
+        key=RecordKey(r["tenant"], r["operation"], r["idem_key"]),
+        state=State(r["state"]),
+        generation=r["generation"],
+        mode=r["mode"],
+        created_at=r["created_at"],
+        updated_at=r["updated_at"],
+        lease_expires_at=r["lease_expires_at"],
+        expires_at=r["expires_at"],
+        response_status=r["response_status"],
+        note=r["note"],
+        lease_expired=bool(r["lease_expired"]),
+        epoch=r["epoch"],
+    )
+
+
 async def _claim(
     executor: Any,
     key: RecordKey,
@@ -1163,6 +1180,14 @@ class PostgresStore:
         )
         return bool(row["moved"])
 
+    async def amend(self, key: RecordKey, generation: int, expected: State, s: Settlement) -> bool:
+        row = await self._run("fetchrow", _Q["amend"], *_settle_args(key, generation, expected, s))
+        return bool(row["amended"])
+
+    async def describe(self, key: RecordKey) -> RecordSummary | None:
+        row = await self._run("fetchrow", _Q["describe"], key.tenant, key.operation, key.key)
+        return None if row is None else _summary(row)
+
     @asynccontextmanager
     async def fenced(
         self, key: RecordKey, generation: int, expected: State = State.PENDING
@@ -1255,23 +1280,7 @@ class PostgresStore:
             limit,
             stale_only,
         )
-        return [
-            RecordSummary(
-                key=RecordKey(r["tenant"], r["operation"], r["idem_key"]),
-                state=State(r["state"]),
-                generation=r["generation"],
-                mode=r["mode"],
-                created_at=r["created_at"],
-                updated_at=r["updated_at"],
-                lease_expires_at=r["lease_expires_at"],
-                expires_at=r["expires_at"],
-                response_status=r["response_status"],
-                note=r["note"],
-                lease_expired=bool(r["lease_expired"]),
-                epoch=r["epoch"],
-            )
-            for r in rows
-        ]
+        return [_summary(r) for r in rows]
 
     async def purge(self, *, batch_size: int = 1000, max_batches: int = 1000) -> int:
         """Delete finished records past their retention, one short transaction per batch, and

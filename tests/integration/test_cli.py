@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from datetime import UTC
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,8 +22,6 @@ def cli(*args: str, dsn: str | None = None, env: dict[str, str] | None = None) -
     command = [sys.executable, "-m", "idem_middleware.cli"]
     if dsn is not None:
         command += ["--dsn", dsn]
-    import os
-
     full_env = {
         k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "IDEM_DATABASE_URL")
     }
@@ -129,7 +131,9 @@ async def test_resolve_unknown_with_an_audit_note(db_dsn: str, pool: Any) -> Non
         201,
         b'{"ok": true}',
     )
-    assert row["note"] == "bank statement 2026-11-30 shows the transfer"
+    assert row["note"].endswith(
+        " resolve unknown -> succeeded 201: bank statement 2026-11-30 shows the transfer"
+    )
     assert row["expires_at"] is not None
     retry = cli(
         "resolve",
@@ -149,11 +153,8 @@ async def test_resolve_unknown_with_an_audit_note(db_dsn: str, pool: Any) -> Non
     row = await pool.fetchrow(
         "SELECT state, lease_expires_at, note FROM idem_requests WHERE idem_key = 'u2'"
     )
-    assert (row["state"], row["lease_expires_at"], row["note"]) == (
-        "pending",
-        None,
-        "bank has no such transfer",
-    )
+    assert (row["state"], row["lease_expires_at"]) == ("pending", None)
+    assert row["note"].endswith(" resolve unknown -> pending: bank has no such transfer")
     # Only unknown records can be resolved: u1 is settled now.
     again = cli(
         "resolve",
@@ -184,7 +185,7 @@ async def test_reconcile_runs_the_apps_reconcilers(db_dsn: str, pool: Any) -> No
         "pending",
         lease_expires_at=datetime.now(UTC) - timedelta(seconds=1),
     )
-    result = cli("reconcile", "--app", "tests.cli_app:app", dsn=db_dsn)
+    result = cli("reconcile", "--app", "tests.cli_app:app", "--json", dsn=db_dsn)
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert report["expired_leases"] == 1
@@ -262,3 +263,197 @@ def test_help_names_the_environment_variables() -> None:
     assert "IDEM_DATABASE_URL" in top.stdout
     purge = cli("purge", "--help")
     assert "IDEM_PURGE_BATCH_SIZE" in purge.stdout
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+async def test_options_work_after_the_command(admin_dsn: str) -> None:
+    dsn = await _fresh_database(admin_dsn, "idem_cli_after")
+    result = cli("migrate", "--dsn", dsn, "--json")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout) == {"applied": [v for v, _, _ in sql.migrations()]}
+    # Before the command still works, and a later --json does not undo an earlier --dsn.
+    check = cli("--dsn", dsn, "migrate", "--check", "--json")
+    assert check.returncode == 0, check.stderr
+    assert json.loads(check.stdout) == {"pending": []}
+
+
+def test_missing_database_names_every_variable() -> None:
+    result = cli("stats")
+    assert result.returncode == 2
+    assert "IDEM_DATABASE_URL" in result.stderr
+    assert "DATABASE_URL (in that order)" in result.stderr
+
+
+def test_database_url_is_honoured(db_dsn: str) -> None:
+    result = cli("stats", "--json", env={"DATABASE_URL": db_dsn})
+    assert result.returncode == 0, result.stderr
+    assert "counts" in json.loads(result.stdout)
+
+
+def test_reconcile_imports_the_app_from_the_current_directory(
+    db_dsn: str, pool: Any, tmp_path: Path
+) -> None:
+    (tmp_path / "payouts_app.py").write_text((ROOT / "tests" / "cli_app.py").read_text())
+    # -P: the current directory is not put on sys.path by Python itself (as for the console
+    # script); PYTHONPATH finds this worktree's package.
+    result = subprocess.run(
+        [
+            *(sys.executable, "-P", "-m", "idem_middleware", "--dsn", db_dsn, "reconcile"),
+            *("--app", "payouts_app:app", "--json"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["examined"] == 0
+
+
+@pytest.mark.parametrize(
+    ("app", "message"),
+    [
+        ("no_such_module_here:app", "cannot import 'no_such_module_here'"),
+        ("tests.cli_app:nothing", "has no 'nothing'"),
+        (":app", "is not module:attribute"),
+    ],
+)
+def test_a_bad_app_reference_is_a_message_and_status_2(app: str, message: str, db_dsn: str) -> None:
+    result = cli("reconcile", "--app", app, dsn=db_dsn)
+    assert result.returncode == 2, result.stderr
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+async def test_resolve_takes_the_key_quoted_as_the_client_sent_it(db_dsn: str, pool: Any) -> None:
+    await insert(pool, "payout-1", "unknown")
+    await insert(pool, 'say "hi"', "unknown")
+    for quoted in ('"payout-1"', r'"say \"hi\""'):
+        result = cli(
+            "resolve",
+            *("--tenant", "t", "--operation", "POST /payouts", "--key", quoted),
+            *("--to", "retry", "--note", "no transfer at the bank"),
+            dsn=db_dsn,
+        )
+        assert result.returncode == 0, result.stderr
+    states = {r["idem_key"]: r["state"] for r in await pool.fetch("SELECT * FROM idem_requests")}
+    assert states == {"payout-1": "pending", 'say "hi"': "pending"}
+    broken = cli(
+        "show", "--tenant", "t", "--operation", "POST /payouts", "--key", '"open', dsn=db_dsn
+    )
+    assert broken.returncode == 2
+    assert "not a valid structured-field string" in broken.stderr
+
+
+async def test_every_command_speaks_json(db_dsn: str, pool: Any) -> None:
+    await insert(pool, "u1", "unknown")
+    await insert(pool, "u2", "unknown")
+    record = ("--tenant", "t", "--operation", "POST /payouts")
+    runs = [
+        ("migrate", "--check"),
+        ("migrate",),
+        ("purge",),
+        ("stats",),
+        ("list",),
+        ("show", *record, "--key", "u1"),
+        ("resolve", *record, "--key", "u1", "--to", "succeeded", "--status", "201"),
+        ("reopen", *record, "--key", "u1"),
+        ("resolve", *record, "--key", "u2", "--to", "retry"),
+        ("reconcile", "--app", "tests.cli_app:app"),
+        ("outbox", "list"),
+        ("outbox", "requeue", "no-such-event"),
+    ]
+    for args in runs:
+        note = ("--note", "checked") if args[0] in ("resolve", "reopen") else ()
+        result = cli(*args, *note, "--json", dsn=db_dsn)
+        assert result.returncode == 0, (args, result.stderr)
+        for line in result.stdout.splitlines():
+            assert isinstance(json.loads(line), dict), (args, line)
+
+
+async def test_an_empty_list_says_so(db_dsn: str, pool: Any) -> None:
+    result = cli("list", dsn=db_dsn)
+    assert result.returncode == 0
+    assert result.stdout.strip() == "no records in state pending or unknown"
+    scoped = cli("list", "--state", "unknown", "--tenant", "t", "--stale", dsn=db_dsn)
+    assert scoped.stdout.strip() == "no stale records in state unknown, tenant t"
+    assert cli("list", "--json", dsn=db_dsn).stdout == ""  # JSON lines: none
+    assert cli("outbox", "list", dsn=db_dsn).stdout.strip() == "no unsent events"
+
+
+async def test_list_into_a_closed_pipe_ends_quietly(db_dsn: str, pool: Any) -> None:
+    await pool.execute(
+        "INSERT INTO idem_requests (tenant, operation, idem_key, fingerprint, state, mode, "
+        "retention) SELECT 't', 'POST /payouts', 'k' || i, '\\x00', 'unknown', 'lease', "
+        "interval '1 day' FROM generate_series(1, 3000) i"
+    )
+    first, status, stderr = _first_line_then_close(db_dsn)
+    assert status == 0, stderr
+    assert first.startswith(b"tenant=t")
+    assert stderr == ""
+
+
+def _first_line_then_close(dsn: str) -> tuple[bytes, int, str]:
+    """`idem-middleware list | head -1`: read one line, then close the pipe."""
+    env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "IDEM_DATABASE_URL")}
+    with subprocess.Popen(
+        [sys.executable, "-m", "idem_middleware", "--dsn", dsn, "list", "--limit", "3000"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+    ) as reader:
+        assert reader.stdout is not None
+        assert reader.stderr is not None
+        first = reader.stdout.readline()
+        reader.stdout.close()
+        stderr = reader.stderr.read().decode()
+        return first, reader.wait(timeout=60), stderr
+
+
+def test_version_and_python_dash_m() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "idem_middleware", "--version"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("idem-middleware ")
+
+
+def _parsers(parser: argparse.ArgumentParser) -> Iterator[argparse.ArgumentParser]:
+    yield parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                yield from _parsers(sub)
+
+
+def test_every_option_has_help_naming_its_environment_variable() -> None:
+    from idem_middleware.cli import _parser
+
+    missing = [
+        f"{parser.prog} {action.dest}"
+        for parser in _parsers(_parser())
+        for action in parser._actions
+        if not action.help or action.help == argparse.SUPPRESS
+    ]
+    assert missing == []
+    helps = {
+        f"{parser.prog} {action.option_strings[0]}": action.help or ""
+        for parser in _parsers(_parser())
+        for action in parser._actions
+        if action.option_strings
+    }
+    for option, env in [
+        ("idem-middleware --dsn", "IDEM_DATABASE_URL, then DATABASE_URL"),
+        ("idem-middleware migrate --dsn", "IDEM_DATABASE_URL"),
+        ("idem-middleware list --json", "IDEM_JSON"),
+        ("idem-middleware list --tenant", "IDEM_TENANT"),
+        ("idem-middleware outbox publish --url", "IDEM_OUTBOX_URL"),
+        ("idem-middleware reconcile --app", "IDEM_APP"),
+    ]:
+        assert env in helps[option], option

@@ -1,0 +1,304 @@
+"""What each `idem-middleware` command does and prints (the parser is in cli.py).
+
+Each command prints for a person by default and one JSON object (lists: one per line) with
+`--json`. A ValueError is a usage error (exit 2); IdempotencyError, OSError and database errors
+exit 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import json
+import os
+import signal
+import sys
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+import asyncpg
+
+from . import outbox as outbox_ops
+from .keys import parse_idempotency_key
+from .ops import (
+    Move,
+    Resolution,
+    collect_reconcilers,
+    operator_response,
+    reconcile_unknown,
+)
+from .ops import reopen as reopen_record
+from .ops import resolve as resolve_record
+from .store.base import RecordKey, RecordSummary, State
+from .store.migrations import migrate as apply_migrations
+from .store.migrations import pending_versions
+from .store.postgres import PostgresStore
+
+Handler = Callable[[PostgresStore, argparse.Namespace], Awaitable[int]]
+
+
+def emit(args: argparse.Namespace, data: Mapping[str, Any], text: str) -> None:
+    print(json.dumps(data, default=str, sort_keys=True) if args.json else text)
+
+
+async def with_store(args: argparse.Namespace, handler: Handler) -> int:
+    async with PostgresStore(dsn=args.dsn, min_size=1, max_size=2) as store:
+        return await handler(store, args)
+
+
+async def migrate(args: argparse.Namespace) -> int:
+    conn = await asyncpg.connect(args.dsn)
+    try:
+        if args.check:
+            pending = await pending_versions(conn)
+            text = f"pending migrations: {pending}" if pending else "schema is up to date"
+            emit(args, {"pending": pending}, text)
+            return 1 if pending else 0
+        applied = await apply_migrations(conn)
+        text = f"applied migrations: {applied}" if applied else "schema is up to date"
+        emit(args, {"applied": applied}, text)
+        return 0
+    finally:
+        await conn.close()
+
+
+async def purge(store: PostgresStore, args: argparse.Namespace) -> int:
+    deleted = await store.purge(batch_size=args.batch_size, max_batches=args.max_batches)
+    emit(args, {"purged": deleted}, f"purged {deleted} expired records")
+    return 0
+
+
+async def stats(store: PostgresStore, args: argparse.Namespace) -> int:
+    counts = await store.stats()
+    events = await outbox_ops.outbox_stats(store.pool)
+    if args.json or os.environ.get("IDEM_STATS_JSON", "") in {"1", "true", "yes"}:
+        data = {
+            "counts": counts.counts,
+            "oldest_age_seconds": counts.oldest_age_seconds,
+            "oldest_unresolved_age_seconds": counts.oldest_unresolved_age_seconds,
+            "outbox": events,
+        }
+        print(json.dumps(data, sort_keys=True))
+        return 0
+    for state, count in counts.counts.items():
+        age = counts.oldest_age_seconds[state]
+        shown = "-" if age is None else f"{age:.0f}s"
+        print(f"{state:<14}{count:>10}   oldest {shown}")
+    print(
+        f"outbox        unsent {events['unsent']}  parked {events['parked']}  sent {events['sent']}"
+    )
+    return 0
+
+
+def _row(rec: RecordSummary) -> dict[str, Any]:
+    return {
+        "tenant": rec.key.tenant,
+        "operation": rec.key.operation,
+        "key": rec.key.key,
+        "state": rec.state.value,
+        "generation": rec.generation,
+        "mode": rec.mode,
+        "updated_at": str(rec.updated_at),
+        "lease_expired": rec.lease_expired,
+        "response_status": rec.response_status,
+        # The audit trail: one line per operator move (and the store's own notes), oldest first.
+        "note": rec.note,
+    }
+
+
+async def list_records(store: PostgresStore, args: argparse.Namespace) -> int:
+    states = args.state or ["pending", "unknown"]
+    records = await store.list_records(
+        states=[State(v) for v in states],
+        tenant=args.tenant,
+        operation=args.operation,
+        limit=args.limit,
+        stale_only=args.stale,
+    )
+    for rec in records:
+        row = _row(rec)
+        if args.json:
+            print(json.dumps(row, sort_keys=True))
+        else:
+            # The audit trail's lines are joined so that one record stays one line.
+            row["note"] = None if rec.note is None else " | ".join(rec.note.splitlines())
+            print("  ".join(f"{k}={v}" for k, v in row.items() if v is not None))
+    if not records and not args.json:
+        where = "".join(
+            f", {name} {value}"
+            for name, value in (("tenant", args.tenant), ("operation", args.operation))
+            if value
+        )
+        stale = "stale " if args.stale else ""
+        print(f"no {stale}records in state {' or '.join(states)}{where}")
+    return 0
+
+
+def _key(args: argparse.Namespace) -> RecordKey:
+    """The key bare, or quoted as the client sent it (an sf-string: `"payout-1"`)."""
+    text = args.key
+    if text.strip().startswith('"'):
+        try:
+            parsed = parse_idempotency_key([(b"idempotency-key", text.encode("latin-1"))])
+        except Exception as exc:
+            raise ValueError(f"--key {text}: {exc}") from None
+        assert parsed is not None
+        text = parsed
+    return RecordKey(args.tenant, args.operation, text)
+
+
+async def show(store: PostgresStore, args: argparse.Namespace) -> int:
+    rec = await store.describe(_key(args))
+    if rec is None:
+        emit(args, {"found": False}, "no record holds this key")
+        return 1
+    row = _row(rec)
+    row.update(
+        created_at=str(rec.created_at),
+        expires_at=None if rec.expires_at is None else str(rec.expires_at),
+        lease_expires_at=None if rec.lease_expires_at is None else str(rec.lease_expires_at),
+    )
+    trail = [] if rec.note is None else rec.note.splitlines()
+    if args.json:
+        print(json.dumps({**row, "audit": trail}, sort_keys=True))
+        return 0
+    del row["note"]
+    for name, value in row.items():
+        if value is not None:
+            print(f"{name:<16}{value}")
+    print("audit trail" + ("" if trail else "     (empty)"))
+    for line in trail:
+        print(f"  {line}")
+    return 0
+
+
+_AFTER = {
+    State.SUCCEEDED: "No business write was made: retries now get the stored response, but "
+    "nothing ran. If the effect is missing, make it outside this command.",
+    State.FAILED_FINAL: "No business write was made: retries now get the stored refusal.",
+    State.PENDING: "The client's next retry with the same key and body runs the request again.",
+    State.UNKNOWN: "Retries get 409 outcome-unknown until the record is resolved or reconciled.",
+}
+
+
+def _report(args: argparse.Namespace, verb: str, move: Move) -> None:
+    status = "" if move.status is None else f" ({move.status})"
+    emit(
+        args,
+        {
+            "before": move.before.value,
+            "after": move.after.value,
+            "status": move.status,
+            "business_write": False,
+            "message": _AFTER[move.after],
+        },
+        f"{verb}: {move.before.value} -> {move.after.value}{status}\n{_AFTER[move.after]}",
+    )
+
+
+async def resolve(store: PostgresStore, args: argparse.Namespace) -> int:
+    to = Resolution(args.to)
+    response = None
+    if to is not Resolution.RETRY:
+        if args.status is None:
+            raise ValueError("--status is required to resolve to succeeded or failed_final")
+        response = operator_response(to, args.status, args.body.encode(), args.content_type)
+    move = await resolve_record(
+        store, _key(args), to, note=args.note, response=response, again=args.again
+    )
+    _report(args, "resolved", move)
+    return 0
+
+
+async def reopen(store: PostgresStore, args: argparse.Namespace) -> int:
+    _report(args, "reopened", await reopen_record(store, _key(args), note=args.note))
+    return 0
+
+
+def load_app(spec: str) -> Any:
+    """Import `module:attribute` as uvicorn does: from the current directory first."""
+    module_name, sep, attribute = spec.partition(":")
+    if not sep or not module_name or not attribute:
+        raise ValueError(f"--app {spec!r} is not module:attribute")
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:
+        raise ValueError(
+            f"--app {spec}: cannot import {module_name!r} (from {os.getcwd()}): "
+            f"{type(exc).__name__}: {exc}"
+        ) from None
+    target = module
+    for part in attribute.split("."):
+        try:
+            target = getattr(target, part)
+        except AttributeError:
+            raise ValueError(f"--app {spec}: module {module_name!r} has no {attribute!r}") from None
+    return target() if callable(target) and not hasattr(target, "router") else target
+
+
+async def reconcile(store: PostgresStore, args: argparse.Namespace) -> int:
+    if not args.app:
+        raise ValueError("reconcile needs --app (or IDEM_APP) to find the reconcilers")
+    reconcilers = collect_reconcilers(load_app(args.app))
+    report = await reconcile_unknown(
+        store,
+        reconcilers,
+        tenant=args.tenant,
+        operation=args.operation,
+        limit=args.limit,
+        seconds=args.seconds,
+    )
+    data = {
+        "examined": report.examined,
+        "expired_leases": report.expired_leases,
+        "verdicts": report.verdicts,
+        "unreconcilable": report.unreconcilable,
+    }
+    lines = [
+        f"examined {report.examined} unknown records; "
+        f"{report.expired_leases} lapsed leases turned unknown"
+    ]
+    lines += [f"  {verdict}: {n}" for verdict, n in sorted(report.verdicts.items())]
+    lines += [f"  no reconciler for {op}: {n}" for op, n in sorted(report.unreconcilable.items())]
+    emit(args, data, "\n".join(lines))
+    return 0
+
+
+async def outbox(store: PostgresStore, args: argparse.Namespace) -> int:
+    if args.outbox_command == "list":
+        events = await outbox_ops.list_events(store.pool, parked_only=args.parked, limit=args.limit)
+        for event in events:
+            print(json.dumps(event, default=str, sort_keys=True))
+        if not events and not args.json:
+            print("no parked events" if args.parked else "no unsent events")
+        return 0
+    if args.outbox_command == "requeue":
+        requeued = await outbox_ops.requeue(store.pool, args.event_ids)
+        emit(args, {"requeued": requeued}, f"requeued {requeued} parked events")
+        return 0
+    if not args.url:
+        raise ValueError("outbox publish needs --url (or IDEM_OUTBOX_URL)")
+    import httpx  # the extra `httpx`; only the webhook publisher needs it
+
+    async with httpx.AsyncClient(timeout=args.send_timeout) as client:
+        publisher = outbox_ops.Publisher(
+            store.pool,
+            outbox_ops.webhook_sender(client, args.url),
+            batch_size=args.batch_size,
+            max_attempts=args.max_attempts,
+            send_timeout_seconds=args.send_timeout,
+            reservation_margin_seconds=args.reservation_margin,
+        )
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, stop.set)
+        report = await publisher.run(
+            stop=stop, batches=1 if args.once else None, idle_seconds=args.idle_seconds
+        )
+    # Always one JSON line: scripts read the publisher's report.
+    print(json.dumps({"sent": report.sent, "failed": report.failed, "parked": report.parked}))
+    return 0

