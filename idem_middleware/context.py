@@ -90,11 +90,23 @@ class IdempotencyContext:
     mode: Mode
     #: Transactional mode: the connection whose transaction commits with the outcome.
     connection: Any
-    downstream_key: str
+    #: The record's life (see `Record.epoch`): the downstream key derives from it.
+    epoch: int | None = None
     declared: Outcome | None = None
     #: Lease mode: opens (once) the fenced transaction; set by the middleware.
     _fence: Callable[[], Awaitable[Any]] | None = field(default=None, repr=False)
     _lease_lost: asyncio.Event | None = field(default=None, repr=False)
+    _downstream_key: str | None = field(default=None, repr=False)
+
+    @property
+    def downstream_key(self) -> str:
+        """The idempotency key to send a third party (see `derive_downstream_key`); derived on
+        first use (most handlers never ask)."""
+        if self._downstream_key is None:
+            self._downstream_key = derive_downstream_key(
+                self.tenant, self.operation, self.key, self.epoch
+            )
+        return self._downstream_key
 
     async def fenced_connection(self) -> Any:
         """A connection whose transaction commits together with this request's outcome.

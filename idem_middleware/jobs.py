@@ -31,7 +31,6 @@ import orjson
 from .context import (
     IdempotencyContext,
     Outcome,
-    derive_downstream_key,
     enter_context,
     key_digest,
     leave_context,
@@ -151,7 +150,9 @@ class _Job:
             return await self._transactional(record_key, fingerprint, args, kwargs)
         return await self._lease(record_key, fingerprint, args, kwargs)
 
-    def _context(self, key: RecordKey, generation: int, connection: Any, fence: Any) -> Any:
+    def _context(
+        self, key: RecordKey, generation: int, epoch: int | None, connection: Any, fence: Any
+    ) -> Any:
         return IdempotencyContext(
             tenant=key.tenant,
             operation=key.operation,
@@ -159,7 +160,7 @@ class _Job:
             generation=generation,
             mode=self.mode,
             connection=connection,
-            downstream_key=derive_downstream_key(key.tenant, key.operation, key.key),
+            epoch=epoch,
             _fence=fence,
         )
 
@@ -242,7 +243,8 @@ class _Job:
                 if answer is None:  # pragma: no cover - a committed transactional record is final
                     raise JobInProgress(f"{self.operation}: another run holds this key")
                 return answer
-            context = self._context(key, claim.generation, tx.connection, None)
+            epoch = claim.generation if claim.epoch is None else claim.epoch
+            context = self._context(key, claim.generation, epoch, tx.connection, None)
             try:
                 body = await self._run(context, args, kwargs)
             except BaseException:
@@ -274,7 +276,7 @@ class _Job:
                         lease_seconds=self.lease_seconds,
                     )
                     if claim.claimed:
-                        return await self._execute(key, claim.generation, args, kwargs)
+                        return await self._execute(key, claim.generation, claim.epoch, args, kwargs)
                     record = claim.record
                     assert record is not None
                 answer = self._answer(record, fingerprint)
@@ -287,7 +289,7 @@ class _Job:
                         key, record.generation, State.PENDING, self.lease_seconds
                     )
                     if generation is not None:
-                        return await self._execute(key, generation, args, kwargs)
+                        return await self._execute(key, generation, record.epoch, args, kwargs)
                 elif record.lease_expired:
                     await store.expire_lease(key, record.generation)
                 else:
@@ -298,10 +300,12 @@ class _Job:
                 record = await store.get(key)
         raise RuntimeError("the record kept changing; giving up")  # pragma: no cover
 
-    async def _execute(self, key: RecordKey, generation: int, args: Any, kwargs: Any) -> Any:
+    async def _execute(
+        self, key: RecordKey, generation: int, epoch: int | None, args: Any, kwargs: Any
+    ) -> Any:
         store = self.store
         fence = Fence(store, key, generation, State.PENDING)
-        context = self._context(key, generation, None, fence.connection)
+        context = self._context(key, generation, epoch, None, fence.connection)
         stop = asyncio.Event()
         heartbeat = asyncio.get_running_loop().create_task(self._heartbeat(context, stop))
         try:

@@ -17,7 +17,6 @@ from .capture import ResponseCapture
 from .context import (
     IdempotencyContext,
     Outcome,
-    derive_downstream_key,
     enter_context,
     key_digest,
     leave_context,
@@ -277,9 +276,7 @@ class LeaseRun:
             generation=generation,
             mode=Mode.LEASE,
             connection=None,
-            downstream_key=derive_downstream_key(
-                self.key.tenant, self.key.operation, self.key.key, epoch
-            ),
+            epoch=epoch,
             _fence=fence.connection,
         )
 

@@ -23,7 +23,6 @@ from .capture import ResponseCapture
 from .context import (
     IdempotencyContext,
     Outcome,
-    derive_downstream_key,
     enter_context,
     leave_context,
     outcome_for_status,
@@ -194,12 +193,7 @@ class _Attempt:
                 connection=tx.connection,
                 # One life of the record: a key claimed again after its retention is a new
                 # request downstream too. (A fresh record's epoch is its first generation.)
-                downstream_key=derive_downstream_key(
-                    self.record_key.tenant,
-                    self.record_key.operation,
-                    self.record_key.key,
-                    claim.generation if claim.epoch is None else claim.epoch,
-                ),
+                epoch=claim.generation if claim.epoch is None else claim.epoch,
             )
             ex.emit(Event.CLAIMED, claim.generation)
             token = enter_context(ex.scope, self.context)
