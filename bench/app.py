@@ -10,6 +10,9 @@
 - `GET /accounts/{account_id}`: one SELECT on the same pool (never guarded).
 - `POST /blobs`: answers `size` bytes (the memory measurement's stored responses); no writes.
 
+`ours-memory` is the bare app (its handler on its own pool) behind IdempotencyMiddleware with a
+MemoryStore: the middleware's own Python work, with no statements of its own.
+
 Authentication (a bearer token naming the tenant) is the same Starlette middleware everywhere.
 """
 
@@ -28,11 +31,18 @@ from starlette.authentication import AuthCredentials, AuthenticationBackend, Sim
 from starlette.middleware.authentication import AuthenticationMiddleware
 from starlette.requests import HTTPConnection
 
-from idem_middleware import IdempotencyMiddleware, Mode, PostgresStore, idempotent
+from idem_middleware import IdempotencyMiddleware, MemoryStore, Mode, PostgresStore, idempotent
 from idem_middleware.fastapi import Idempotency, IdempotencyConnection
 
 #: The variants `python -m bench` knows, in their default order.
-VARIANTS = ("bare", "ours-tx", "ours-lease", "fastidempotent", "fastapi-idempotency")
+VARIANTS = (
+    "bare",
+    "ours-memory",
+    "ours-tx",
+    "ours-lease",
+    "fastidempotent",
+    "fastapi-idempotency",
+)
 OURS = frozenset({"ours-tx", "ours-lease"})
 TOKEN = "bench-token"
 TENANT = "tenant-bench"
@@ -155,6 +165,8 @@ def create_app(
         app = _ours(dsn, pool_kwargs, variant)
     elif variant == "bare":
         app = _bare(dsn, pool_kwargs)
+    elif variant == "ours-memory":
+        app = _ours_memory(dsn, pool_kwargs)
     elif variant == "fastidempotent":
         app = _fastidempotent(dsn, pool_kwargs)
     else:
@@ -221,6 +233,14 @@ def _own_pool_app(dsn: str, pool_kwargs: dict[str, Any]) -> Any:
 
 def _bare(dsn: str, pool_kwargs: dict[str, Any]) -> FastAPI:
     app: FastAPI = _own_pool_app(dsn, pool_kwargs)
+    app.add_middleware(AuthenticationMiddleware, backend=BearerTenant())
+    return app
+
+
+def _ours_memory(dsn: str, pool_kwargs: dict[str, Any]) -> FastAPI:
+    """The bare app behind IdempotencyMiddleware with a MemoryStore (no claim statements)."""
+    app: FastAPI = _own_pool_app(dsn, pool_kwargs)
+    app.add_middleware(IdempotencyMiddleware, store=MemoryStore())
     app.add_middleware(AuthenticationMiddleware, backend=BearerTenant())
     return app
 

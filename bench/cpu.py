@@ -7,9 +7,9 @@ PostgreSQL server's (its processes' utime+stime from /proc), and the cyclic garb
 passes. Without uvicorn and wrk sharing the two cores, the differences between variants are
 the middleware's own, and they are what the throughput ratios of `python -m bench` come from.
 
-Variants: those of `bench.app`, plus `bare+memory`: the bare app (its handler on its own pool)
-behind IdempotencyMiddleware with a MemoryStore, which is the middleware's own Python work with
-no database statements of its own.
+Variants: those of `bench.app`; `bare+memory` is its `ours-memory` (the bare app, its handler on
+its own pool, behind IdempotencyMiddleware with a MemoryStore: the middleware's own Python work
+with no database statements of its own).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from .app import TOKEN, BearerTenant, _own_pool_app, create_app
+from .app import TOKEN, create_app
 from .db import EmbeddedPostgres, database_name, prepare_database
 
 BODY = b'{"amount": 5}'
@@ -113,15 +113,7 @@ class Sample:
 
 
 def _app(variant: str, dsn: str) -> Any:
-    if variant != MEMORY_VARIANT:
-        return create_app(variant, dsn, pool_size=20)
-    from starlette.middleware.authentication import AuthenticationMiddleware
-
-    from idem_middleware import IdempotencyMiddleware, MemoryStore
-
-    app = _own_pool_app(dsn, {"min_size": 20, "max_size": 20})
-    app.add_middleware(IdempotencyMiddleware, store=MemoryStore())
-    app.add_middleware(AuthenticationMiddleware, backend=BearerTenant())
+    app = create_app("ours-memory" if variant == MEMORY_VARIANT else variant, dsn, pool_size=20)
     app.state.variant = variant
     return app
 

@@ -1,0 +1,66 @@
+"""`python -m bench.asgi --quick` runs end to end and prints a row per variant and per stage (no
+timing asserted: the numbers are for docs/performance-asgi.md, not for the tests)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from bench import stages as st
+from bench.asgi import STAGES, VARIANTS
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _rows(stdout: str) -> dict[str, str]:
+    return {
+        line.split("|")[1].strip(): line
+        for line in stdout.splitlines()
+        if line.startswith("|") and line.count("|") >= 5
+    }
+
+
+def test_bench_asgi_quick_prints_every_variant_and_every_stage() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "bench.asgi", "--quick"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=dict(os.environ),
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    rows = _rows(out.stdout)
+    for variant in VARIANTS:
+        assert variant in rows, out.stdout
+        statuses = rows[variant].rstrip(" |").rsplit("|", 1)[-1].strip()
+        assert statuses.startswith("{201: "), rows[variant]  # 201 only: nothing refused
+        assert statuses.count(":") == 1, rows[variant]
+    for stage in STAGES:
+        assert stage in rows, out.stdout
+
+
+def test_a_stage_whose_function_is_gone_is_skipped_with_a_note() -> None:
+    """The lead renames internals: a stale (module, attribute) must not break the benchmark."""
+    import idem_middleware.keys as keys
+
+    original = keys.parse_idempotency_key
+    rec = st.Recorder(["gone", "here"])
+    installed, notes = st.install(
+        rec,
+        {
+            "gone": (("idem_middleware.middleware", "no_such_function"),),
+            "here": (("idem_middleware.keys", "parse_idempotency_key"),),
+        },
+    )
+    try:
+        assert len(notes) == 1, notes
+        assert "no_such_function" in notes[0], notes
+        assert keys.parse_idempotency_key([(b"idempotency-key", b"k1")]) == "k1"
+        assert rec.calls("here") == 1
+        assert rec.calls("gone") == 0
+    finally:
+        st.uninstall(installed)
+    assert keys.parse_idempotency_key is original
