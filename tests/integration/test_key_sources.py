@@ -19,6 +19,8 @@ from idem_middleware import (
     Mode,
     Policy,
     PostgresStore,
+    ProblemKind,
+    RequestRejected,
 )
 from idem_middleware.store.base import Store
 from tests.apps import assert_problem, assert_replay_of, build_app, client, key
@@ -195,6 +197,18 @@ async def test_a_function_key_is_held_to_the_header_rules(store: Store) -> None:
         r = await c.post(CREDIT, json={"amount": 1})
     problem = assert_problem(r, 400, "invalid-key")
     assert "printable ASCII" in problem["detail"]
+    assert app.state.probe.calls == 0
+
+
+async def test_a_function_may_refuse_the_request_with_its_own_problem(store: Store) -> None:
+    def refuse(scope: Scope, body: bytes) -> str | None:
+        raise RequestRejected(ProblemKind.INVALID_KEY, "The webhook id is not one of ours.")
+
+    app = build_app(store, default_policy=Policy(key_source=refuse))
+    async with client(app) as c:
+        r = await c.post(CREDIT, json={"amount": 1})
+    problem = assert_problem(r, 400, "invalid-key")
+    assert problem["detail"] == "The webhook id is not one of ours."
     assert app.state.probe.calls == 0
 
 
