@@ -9,8 +9,10 @@ from .errors import (
     StaleGeneration,
     StoreError,
 )
+from .keysource import KeyFromBody, KeyFromFunction, KeyFromHeader, KeySource
 from .middleware import KILL_SWITCH_ENV, IdempotencyMiddleware, authenticated_user_tenant
 from .policy import LeaseExpiry, Mode, Policy, idempotent, not_idempotent
+from .responses import ReplayHook
 from .store import store_lifespan
 from .store.base import Record, RecordKey, State, StoredResponse
 from .store.memory import MemoryStore
@@ -22,6 +24,10 @@ __all__ = [
     "IdempotencyContext",
     "IdempotencyError",
     "IdempotencyMiddleware",
+    "KeyFromBody",
+    "KeyFromFunction",
+    "KeyFromHeader",
+    "KeySource",
     "LeaseExpiry",
     "MemoryStore",
     "Mode",
@@ -31,6 +37,7 @@ __all__ = [
     "ProblemKind",
     "Record",
     "RecordKey",
+    "ReplayHook",
     "RequestRejected",
     "StaleGeneration",
     "State",

@@ -68,6 +68,53 @@ def _pointer_tokens(pointer: str) -> tuple[str, ...]:
     return tuple(t.replace("~1", "/").replace("~0", "~") for t in pointer[1:].split("/"))
 
 
+# RFC 6901: "/" then reference tokens, in which "~" only starts "~0" or "~1".
+_POINTER = re.compile(r"(?:/(?:[^~/]|~[01])*)*", re.DOTALL)
+_ARRAY_INDEX = re.compile(r"0|[1-9][0-9]*")
+
+
+def is_json_pointer(text: str) -> bool:
+    """Whether `text` is a non-empty RFC 6901 JSON Pointer."""
+    return text.startswith("/") and _POINTER.fullmatch(text) is not None
+
+
+def field_pointer(field: str) -> str:
+    """A configured field as a JSON Pointer: pointers as they are, a plain name escaped."""
+    if field.startswith("/"):
+        return field
+    return "/" + field.replace("~", "~0").replace("/", "~1")
+
+
+def json_member(value: object, pointer: str) -> tuple[bool, object]:
+    """(True, the value) at `pointer` in a parsed JSON value, or (False, None) where there is
+    none: a missing member, an index past the end, or a step into a scalar."""
+    target = value
+    for token in _pointer_tokens(pointer):
+        if isinstance(target, dict):
+            if token not in target:
+                return False, None
+            target = target[token]
+        elif isinstance(target, list) and _ARRAY_INDEX.fullmatch(token) is not None:
+            index = int(token)
+            if index >= len(target):
+                return False, None
+            target = target[index]
+        else:
+            return False, None
+    return True, target
+
+
+def _selected_json_fields(value: object, include_fields: Sequence[str]) -> dict[str, object]:
+    # Keyed by pointer: a member that is absent has no entry, one that is null has a null.
+    selected: dict[str, object] = {}
+    for field in include_fields:
+        pointer = field_pointer(field)
+        found, member = json_member(value, pointer)
+        if found:
+            selected[pointer] = member
+    return selected
+
+
 def _remove_json_fields(value: object, exclude_fields: Sequence[str]) -> None:
     if not isinstance(value, dict):
         return
@@ -94,6 +141,7 @@ def canonical_body(
     body: bytes,
     exclude_fields: Sequence[str] = (),
     *,
+    include_fields: Sequence[str] = (),
     max_fields: int = DEFAULT_MAX_FIELDS,
     max_json_values: int = DEFAULT_MAX_JSON_VALUES,
 ) -> tuple[bytes, bytes]:
@@ -101,6 +149,8 @@ def canonical_body(
 
     Only a JSON tag drops the Content-Type's parameters (its charset must be UTF-8); every other
     tag keeps the header as sent, less a multipart boundary, since a reader may honour them.
+    With `include_fields`, a JSON body counts only by the members they name (less those
+    `exclude_fields` removes), a sorted form only by the fields they name.
     """
     if content_type is None:
         return (b"empty" if not body else b"none"), body
@@ -116,6 +166,10 @@ def canonical_body(
         if exclude_fields:
             # parse_json_strict returned a fresh tree, so editing it in place is safe.
             _remove_json_fields(value, exclude_fields)
+        if include_fields:
+            # Its own tag: a selection never equals a whole body that happens to look like one.
+            selected = _selected_json_fields(value, include_fields)
+            return b"json-fields:" + media_type, canonical_json(selected)
         return b"json:" + media_type, canonical_json(value)
     if not body:
         return b"empty", b""
@@ -125,7 +179,10 @@ def canonical_body(
         except UnicodeDecodeError:
             raise RequestRejected(ProblemKind.BODY_INVALID, _FORM_NOT_UTF8) from None
         names = excluded_names(exclude_fields) if exclude_fields else frozenset()
-        canonical = canonical_pairs(body, what="A form body", max_fields=max_fields, exclude=names)
+        only = excluded_names(include_fields) if include_fields else None
+        canonical = canonical_pairs(
+            body, what="A form body", max_fields=max_fields, exclude=names, include=only
+        )
         return b"form:" + content_type, canonical
     if media_type.startswith(b"multipart/"):
         boundary = multipart_boundary(params.get(b"boundary"))
@@ -154,6 +211,7 @@ def compute_fingerprint(
     content_type: bytes | None,
     body: bytes,
     exclude_fields: Sequence[str] = (),
+    include_fields: Sequence[str] = (),
     max_fields: int = DEFAULT_MAX_FIELDS,
     max_json_values: int = DEFAULT_MAX_JSON_VALUES,
 ) -> bytes:
@@ -167,6 +225,7 @@ def compute_fingerprint(
         content_type,
         body,
         exclude_fields,
+        include_fields=include_fields,
         max_fields=max_fields,
         max_json_values=max_json_values,
     )

@@ -31,6 +31,7 @@ _CLOSE = re.compile(rb"--[ \t]*(?:\r\n|\Z)")
 
 _RAW = b"raw"
 _SORTED = b"sorted"
+_SELECTED = b"selected"
 _SEGMENTS = b"segments"
 
 
@@ -39,13 +40,19 @@ def too_many_fields(what: str, cap: int) -> RequestRejected:
 
 
 def canonical_pairs(
-    data: bytes, *, what: str, max_fields: int, exclude: frozenset[bytes] = frozenset()
+    data: bytes,
+    *,
+    what: str,
+    max_fields: int,
+    exclude: frozenset[bytes] = frozenset(),
+    include: frozenset[bytes] | None = None,
 ) -> bytes:
     """Canonical bytes of an `&`-separated query string or form body.
 
     The fields are sorted by name (repeats keep their order) when every name is plain and no
     `;` appears (some readers split on it too); otherwise the bytes stay as they are. Names in
-    `exclude` are left out only in the sorted case, where a name means the same to every reader.
+    `exclude` are left out, and only names in `include` (when given) are kept, only in the
+    sorted case, where a name means the same to every reader.
     """
     # A C-level count first: the per-field work below is then bounded by the cap.
     if data.count(b"&") >= max_fields:
@@ -59,9 +66,11 @@ def canonical_pairs(
             return _RAW + data
     if exclude:
         pairs = [pair for pair in pairs if pair[0] not in exclude]
+    if include is not None:
+        pairs = [pair for pair in pairs if pair[0] in include]
     # A stable sort: the order of different names is noise, the order of repeats is data.
     pairs.sort(key=itemgetter(0))
-    chunks = [_SORTED, _U64(len(pairs))]
+    chunks = [_SORTED if include is None else _SELECTED, _U64(len(pairs))]
     for _, piece in pairs:
         chunks.append(_U64(len(piece)))
         chunks.append(piece)

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from .errors import ProblemKind, RequestRejected
 
-__all__ = ["MAX_KEY_LENGTH", "check_key", "parse_idempotency_key"]
+__all__ = ["MAX_KEY_LENGTH", "check_key", "parse_idempotency_key", "parse_key_value"]
 
 MAX_KEY_LENGTH = 255
 
@@ -40,23 +40,34 @@ def parse_idempotency_key(headers: Sequence[tuple[bytes, bytes]]) -> str | None:
             raw = value
     if raw is None:
         return None
+    return parse_key_value(raw)
 
+
+def parse_key_value(raw: bytes, header: str | None = None) -> str:
+    """The key a header value carries (as `parse_idempotency_key` reads it); RequestRejected
+    naming `header` (default: Idempotency-Key) when invalid."""
     value = raw.strip(_OWS)
     if value[:1] == b'"':
         match = _SF_STRING.fullmatch(value)
         if match is None:
-            raise RequestRejected(ProblemKind.INVALID_KEY, _MALFORMED)
+            raise _rejected(_MALFORMED, header)
         key = match.group(1)
         if b"\\" in key:
             key = _SF_ESCAPE.sub(rb"\1", key)
         if not 0 < len(key) <= MAX_KEY_LENGTH:
-            raise RequestRejected(ProblemKind.INVALID_KEY, _BAD_KEY)
+            raise _rejected(_BAD_KEY, header)
     elif _BARE_TOKEN.fullmatch(value) is not None:
         key = value
     else:
-        raise RequestRejected(ProblemKind.INVALID_KEY, _BAD_KEY)
+        raise _rejected(_BAD_KEY, header)
     # Both branches admit only 0x20-0x7e, so ASCII decoding cannot fail.
     return key.decode("ascii")
+
+
+def _rejected(detail: str, header: str | None) -> RequestRejected:
+    if header is not None:
+        detail = detail.replace("Idempotency-Key", header)
+    return RequestRejected(ProblemKind.INVALID_KEY, detail)
 
 
 # Every key the header can carry, once decoded: what `check_key` accepts.

@@ -23,6 +23,7 @@ from .context import (
 from .errors import ConfigurationError, ProblemKind, RequestRejected, StoreError
 from .fingerprint import compute_fingerprint
 from .keys import parse_idempotency_key
+from .keysource import take_key
 from .lease import LeaseRun
 from .observe import Event, Observer, combine, timed
 from .policy import (
@@ -345,7 +346,7 @@ class _Exchange:
         self.started = True
         self.emit(Event.REPLAYED)
         with self.timed("replay"):
-            await send_replay(self.send, response)
+            await send_replay(self.send, response, self.policy.replay_hook, self.scope)
 
     async def tenant_busy(self) -> None:
         """This tenant's guarded requests hold all the connections it may have: nothing claimed."""
@@ -371,7 +372,10 @@ class _Exchange:
     async def run(self) -> None:
         policy = self.policy
         try:
-            key = parse_idempotency_key(self.scope["headers"])
+            if policy.key_source is None:
+                key = parse_idempotency_key(self.scope["headers"])
+            else:
+                key = await take_key(self, policy.key_source)
             key_error = None
         except RequestRejected as exc:
             key, key_error = None, exc
@@ -406,6 +410,7 @@ class _Exchange:
                 content_type=self._header(b"content-type"),
                 body=body,
                 exclude_fields=policy.exclude_fields,
+                include_fields=policy.include_fields,
                 max_fields=policy.max_fields,
                 max_json_values=policy.max_json_values,
             )

@@ -9,10 +9,15 @@ from collections.abc import Callable, Collection, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from .errors import ConfigurationError
+from .fingerprint import is_json_pointer
+from .keysource import KeyFunction, KeySource, as_key_source
 from .reconcile import Reconciler
+
+if TYPE_CHECKING:
+    from .responses import ReplayHook
 
 POLICY_ATTRIBUTE = "__idempotency_policy__"
 
@@ -51,6 +56,9 @@ class Policy:
     allow_anonymous: bool = False
     #: JSON members left out of the fingerprint: top-level names, or JSON Pointers ("/a/b").
     exclude_fields: tuple[str, ...] = ()
+    #: When set, the only JSON members the fingerprint covers (names or pointers, as above; a
+    #: missing member counts as absent, not as null), less any that exclude_fields removes.
+    include_fields: tuple[str, ...] = ()
     #: Request headers that are part of the fingerprint (an API version, say).
     include_headers: tuple[str, ...] = ()
     #: Largest request body accepted, in bytes (inclusive); larger is a 413 before any claim.
@@ -83,6 +91,12 @@ class Policy:
     accept_while_in_flight: bool = False
     #: Accept only one-time tokens issued by a TokenIssuer as this route's Idempotency-Key.
     require_token: bool = False
+    #: Where the key is read: None for the Idempotency-Key header; KeyFromHeader("X-Request-Id"),
+    #: KeyFromBody("/event/id"), or a function `(scope, body) -> str | None` (sync or async).
+    key_source: KeySource | KeyFunction | None = None
+    #: Called on every replay (never on a first execution) with the stored response and the
+    #: scope; returns the response to send, or None for unchanged. See responses.hooked_response.
+    replay_hook: ReplayHook | None = None
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 0 or self.max_response_bytes < 0:
@@ -102,6 +116,16 @@ class Policy:
         if self.max_serialization_retries < 0:
             raise ConfigurationError("max_serialization_retries must not be negative")
         object.__setattr__(self, "exclude_fields", names(self.exclude_fields, "exclude_fields"))
+        include = names(self.include_fields, "include_fields")
+        for pointer in include:
+            if pointer.startswith("/") and not is_json_pointer(pointer):
+                raise ConfigurationError(
+                    f"include_fields: {pointer!r} is not a JSON Pointer (~ must be ~0 or ~1)"
+                )
+        object.__setattr__(self, "include_fields", include)
+        object.__setattr__(self, "key_source", as_key_source(self.key_source))
+        if self.replay_hook is not None and not callable(self.replay_hook):
+            raise ConfigurationError(f"replay_hook must be callable, not {self.replay_hook!r}")
         # Header names are compared in lower case, as ASGI delivers them.
         headers = names(self.include_headers, "include_headers")
         object.__setattr__(self, "include_headers", tuple(h.lower() for h in headers))

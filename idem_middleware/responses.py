@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import inspect
+import logging
+import re
+from collections.abc import Awaitable, Callable, Sequence
 
 import orjson
-from starlette.types import Send
+from starlette.types import Scope, Send
 
 from .errors import ProblemKind
 from .store.base import StoredResponse
@@ -51,6 +54,21 @@ _DROPPED_HEADERS = frozenset(
 )
 
 REPLAYED_HEADER = (b"idempotent-replayed", b"true")
+
+#: `Policy.replay_hook`: `(stored response, scope) -> response to send, or None for unchanged`,
+#: sync or async. See `hooked_response`.
+ReplayHook = Callable[
+    [StoredResponse, Scope], "StoredResponse | Awaitable[StoredResponse | None] | None"
+]
+
+# Framing and the replay marker are the middleware's: a hook's copies of them are dropped.
+_HOOK_DROPPED = frozenset({b"content-length", b"transfer-encoding", b"idempotent-replayed"})
+
+logger = logging.getLogger("idem_middleware")
+
+# RFC 9110: a field name is a token; a value has no CR, LF or NUL.
+_HEADER_NAME = re.compile(rb"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+_HEADER_VALUE = re.compile(rb"[^\r\n\x00]*")
 
 
 def problem_status(kind: ProblemKind) -> int:
@@ -108,8 +126,73 @@ def storable_headers(headers: Sequence[tuple[bytes, bytes]]) -> list[tuple[bytes
     return [(n, v) for n, v in headers if n.lower() not in _DROPPED_HEADERS]
 
 
-async def send_replay(send: Send, response: StoredResponse) -> None:
-    """Replay a stored response, marked `Idempotent-Replayed: true`."""
+async def hooked_response(
+    hook: ReplayHook, response: StoredResponse, scope: Scope
+) -> StoredResponse:
+    """What `hook` makes of a stored response about to be replayed.
+
+    The hook sees an immutable copy (headers as a tuple). A hook that raises, or returns
+    something that is not a well-formed StoredResponse, is logged with its traceback and the
+    stored response is sent unchanged: the replay is the record of an effect that happened, and
+    a client that cannot read it may conclude the effect failed and try again under a new key.
+    Cancellation is not caught.
+    """
+    view = StoredResponse(
+        response.status, tuple(response.headers), response.body, response.body_omitted
+    )
+    try:
+        result = hook(view, scope)
+        if inspect.isawaitable(result):
+            result = await result
+        if result is None:
+            return response
+        problem = _malformed(result)
+        if problem is not None:
+            raise TypeError(f"replay_hook returned {problem}")
+    except Exception:
+        logger.error(
+            "idempotency: the replay hook failed on %s %s; the stored response was replayed "
+            "unchanged",
+            scope.get("method"),
+            scope.get("path"),
+            exc_info=True,
+        )
+        return response
+    headers = [(n.lower(), v) for n, v in result.headers if n.lower() not in _HOOK_DROPPED]
+    return StoredResponse(result.status, headers, result.body, result.body_omitted)
+
+
+def _malformed(result: object) -> str | None:
+    if not isinstance(result, StoredResponse):
+        return f"{type(result).__name__}, not a StoredResponse or None"
+    if type(result.status) is not int or not 200 <= result.status <= 599:
+        return f"the status {result.status!r}"
+    if not isinstance(result.body, bytes):
+        return "a body that is not bytes"
+    if result.body_omitted is not None and not isinstance(result.body_omitted, str):
+        return f"body_omitted={result.body_omitted!r}"
+    for header in result.headers:
+        if not (
+            isinstance(header, tuple)
+            and len(header) == 2
+            and isinstance(header[0], bytes)
+            and isinstance(header[1], bytes)
+            and _HEADER_NAME.fullmatch(header[0]) is not None
+            and _HEADER_VALUE.fullmatch(header[1]) is not None
+        ):
+            return f"the header {header!r} (headers are (bytes, bytes) pairs, as HTTP allows)"
+    return None
+
+
+async def send_replay(
+    send: Send,
+    response: StoredResponse,
+    hook: ReplayHook | None = None,
+    scope: Scope | None = None,
+) -> None:
+    """Replay a stored response, marked `Idempotent-Replayed: true`, through `hook` if any."""
+    if hook is not None:
+        response = await hooked_response(hook, response, scope if scope is not None else {})
     headers = list(response.headers)
     body = response.body
     if response.body_omitted is not None:
