@@ -1,1 +1,1 @@
-"""The idem_middleware example app (see PROTOCOL §7 and the README)."""
+"""The idem_middleware example app (see docs/example-app.md)."""

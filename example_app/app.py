@@ -1,6 +1,6 @@
 """The example app: tenant accounts credited through idempotent, transactional requests.
 
-Run it with `python -m example_app`. The HTTP contract is fixed in PROTOCOL §7.
+Run it with `python -m example_app`. The HTTP contract is in docs/example-app.md.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A bank simulator with fault controls (PROTOCOL §7). Transfers live in memory.
+"""A bank simulator with fault controls (docs/example-app.md). Transfers live in memory.
 
 A test double: it keeps no secrets and checks no caller. Run it alone with
 `python -m example_app.bank [--host H] [--port P]`; without BANK_URL the example app mounts the

@@ -1,12 +1,12 @@
-"""Turn an evidence run (tests/.evidence/<run>.jsonl) into the README's Markdown table.
+"""Turn an evidence run (tests/.evidence/<run>.jsonl) into the Markdown table of docs/evidence.md.
 
     python scripts/evidence_table.py                  # the newest run, printed
-    python scripts/evidence_table.py --run default --write-readme
+    python scripts/evidence_table.py --run default --write
 
 Each line of a run is one scenario's counts (tests/evidence.py). The table sums them per scenario
 and says how many times each ran; its caption names the run, its date, the git commit and the
-pytest command that produced it. `--write-readme` replaces the block between
-`<!-- evidence:start -->` and `<!-- evidence:end -->` in README.md.
+pytest command that produced it. `--write` replaces the block between
+`<!-- evidence:start -->` and `<!-- evidence:end -->` in docs/evidence.md.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 EVIDENCE_DIR = ROOT / "tests" / ".evidence"
-README = ROOT / "README.md"
+DOC = ROOT / "docs" / "evidence.md"
 START = "<!-- evidence:start -->"
 END = "<!-- evidence:end -->"
 COUNTS = ("requests", "duplicate_effects", "lost_outcomes", "stuck_keys")
@@ -147,13 +147,13 @@ def render(run: str, lines: list[dict[str, Any]], command: str | None) -> str:
     return "\n".join(out)
 
 
-def write_readme(table: str, readme: Path = README) -> None:
-    text = readme.read_text(encoding="utf-8")
+def write_doc(table: str, doc: Path = DOC) -> None:
+    text = doc.read_text(encoding="utf-8")
     start, end = text.find(START), text.find(END)
     if start < 0 or end < start:
-        raise SystemExit(f"{readme} has no {START} ... {END} block")
+        raise SystemExit(f"{doc} has no {START} ... {END} block")
     updated = text[: start + len(START)] + "\n" + table + "\n" + text[end:]
-    readme.write_text(updated, encoding="utf-8")
+    doc.write_text(updated, encoding="utf-8")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--command", help="the pytest command to name in the caption")
     parser.add_argument(
-        "--write-readme", action="store_true", help="replace the table in README.md"
+        "--write", action="store_true", help="replace the table in docs/evidence.md"
     )
     args = parser.parse_args(argv)
     run = args.run or newest_run(args.dir)
@@ -180,8 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     if not lines:
         raise SystemExit(f"run {run!r} has no evidence lines")
     table = render(run, lines, args.command)
-    if args.write_readme:
-        write_readme(table)
+    if args.write:
+        write_doc(table)
     print(table)
     return 0
 

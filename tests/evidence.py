@@ -1,4 +1,4 @@
-"""Evidence lines the test suites leave behind, for the README's evidence table.
+"""Evidence lines the test suites leave behind, for the evidence table in docs/evidence.md.
 
 Each call to `record` appends one JSON object (one line) to `tests/.evidence/<run>.jsonl`:
 

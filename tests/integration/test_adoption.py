@@ -1,5 +1,5 @@
 """What a new user meets first: the package they install, the example app's start, the README's
-minimal apps and examples, and the operator's guide."""
+minimal apps, the example app's guide, and the operator's guide."""
 
 from __future__ import annotations
 
@@ -110,7 +110,8 @@ def test_the_example_app_hides_a_password() -> None:
 
 
 def test_breaking_the_bank_ends_by_clearing_the_fault() -> None:
-    block = README.split("**Breaking the bank.**", 1)[1].split("```sh\n", 1)[1].split("```")[0]
+    guide = (ROOT / "docs" / "example-app.md").read_text()
+    block = guide.split("**Breaking the bank.**", 1)[1].split("```sh\n", 1)[1].split("```")[0]
     commands = [line for line in block.splitlines() if line.startswith("curl")]
     assert "/bank/_faults" in commands[0]
     assert "/bank/_faults" in commands[-1]

@@ -1,5 +1,5 @@
 """`python -m bench.cpu` runs end to end on a few requests and writes its table (no timing
-asserted: the numbers are for the README, not for the tests)."""
+asserted: the numbers are for docs/performance.md, not for the tests)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Fault injection against the example app, counted from the database (README "Evidence").
+"""Fault injection against the example app, counted from the database (docs/evidence.md).
 
 Every scenario runs in both modes: credits (transactional) and payouts (lease mode, with the
 bank). Each key has its own account, so effects are counted per key: `ex_credits` rows, or

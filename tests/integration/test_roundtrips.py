@@ -1,7 +1,8 @@
 """Round trips per request path, measured from asyncpg's query log (not estimated).
 
-The README's round-trip table is printed by `python -m bench.roundtrips`, which runs the same
-measurement; these tests pin the numbers so a change that adds a round trip fails here.
+The round-trip table in docs/performance.md is printed by `python -m bench.roundtrips`, which
+runs the same measurement; these tests pin the numbers so a change that adds a round trip fails
+here.
 """
 
 from __future__ import annotations

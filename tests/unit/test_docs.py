@@ -1,0 +1,79 @@
+"""The README and docs/: the README stays a user's page (short, the two commands first, every
+problem type and option listed), and no page points at a document the repository lacks."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import re
+from pathlib import Path
+
+import pytest
+
+from idem_middleware import IdempotencyMiddleware, Policy
+from idem_middleware.errors import ProblemKind
+
+ROOT = Path(__file__).resolve().parents[2]
+README = ROOT / "README.md"
+DOCS = ROOT / "docs"
+PAGES = [README, *sorted(DOCS.glob("*.md"))]
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+def section(heading: str) -> str:
+    text = README.read_text()
+    return re.split(r"\n## ", text.split(f"\n## {heading}\n", 1)[1], maxsplit=1)[0]
+
+
+def test_the_readme_is_short() -> None:
+    assert len(README.read_text().splitlines()) < 300
+
+
+def test_the_readme_opens_with_the_command_ci_runs() -> None:
+    text = README.read_text()
+    blocks = re.findall(r"```sh\n(.*?)```", text, re.DOTALL)
+    ci = (ROOT / ".ci" / "run").read_text()
+    # The second command, exactly as a newcomer pastes it, is the one CI runs.
+    assert blocks[1].strip() in ci.splitlines()
+    assert blocks[0].strip().endswith("python -m example_app")
+    assert text.index(blocks[1]) < text.index("\n## ")
+
+
+def test_every_problem_type_is_in_what_a_request_gets() -> None:
+    text = section("What a request gets")
+    missing = [kind.value for kind in ProblemKind if f"`{kind.value}`" not in text]
+    assert not missing
+
+
+def test_every_option_is_in_the_configuration_tables() -> None:
+    text = section("Configuration")
+    options = [f.name for f in dataclasses.fields(Policy)]
+    options += [
+        name
+        for name in inspect.signature(IdempotencyMiddleware.__init__).parameters
+        if name not in ("self", "app")
+    ]
+    missing = [name for name in options if f"| `{name}` |" not in text]
+    assert not missing
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_page_cites_a_document_outside_the_repository(page: Path) -> None:
+    text = page.read_text()
+    assert "PROTOCOL" not in text  # the protocol is docs/protocol.md, in this project's words
+    broken = []
+    for target in LINK.findall(text):
+        if re.match(r"[a-z]+:", target) or target.startswith("#"):
+            continue
+        path = target.split("#", 1)[0]
+        if not (page.parent / path).exists():
+            broken.append(target)
+    assert not broken
+
+
+def test_the_docs_index_lists_every_page() -> None:
+    index = (DOCS / "README.md").read_text()
+    missing = [
+        p.name for p in DOCS.glob("*.md") if p.name != "README.md" and f"({p.name})" not in index
+    ]
+    assert not missing
