@@ -83,7 +83,8 @@ async def test_fresh_claim_adds_two_statements_and_no_round_trip(logged: Any) ->
         # The first claim draws a batch of generations inside its transaction (no commit of its
         # own), and prepares the fast statements on its connection in the message that claims
         # (5: the claim and the record's insert, the completion of a reclaimed expired record,
-        # and lease mode's fence and settlement). No schema check: open() refuses an unmigrated database.
+        # and lease mode's fence and settlement). No schema check: open() refuses an unmigrated
+        # database.
         assert log.kinds()[:3] == ["BEGIN", "draw", "prepare+" * 5 + "claim-key"]
         log.queries.clear()
         r = await _post(c, "fresh-2")
