@@ -4,7 +4,7 @@ asyncpg sends parameterised statements one at a time (extended protocol), and it
 COMMIT are statements of their own. On the transactional fast path the claim is therefore sent
 with its BEGIN, and the completion with its COMMIT, each as one simple-query message with the
 values inlined as literals: the business transaction then costs the same round trips as the
-bare handler's. Everything else (and every case `_fusable` refuses) takes the ordinary path.
+bare handler's. Everything else (and every case `fusable` refuses) takes the ordinary path.
 
 The literals are built so that only `[0-9a-f]` of any value reaches the message: text and
 bytes are hex, decoded by the server. A string literal's meaning depends on session settings
