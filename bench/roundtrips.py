@@ -49,7 +49,6 @@ _KINDS = (
     ),
     ("EXECUTE idem_insert_final", "insert-record"),
     ("INSERT INTO idem_requests (tenant", "claim-insert"),
-    ("EXECUTE idem_claim_fresh", "claim-insert"),
     ("EXECUTE idem_complete_checked", "complete"),
     ("EXECUTE idem_fence", "fence"),
     ("EXECUTE idem_settle_checked", "settle"),

@@ -48,3 +48,49 @@ class StaleGeneration(IdempotencyError):
 
 class ConfigurationError(IdempotencyError):
     """The middleware or a policy was configured inconsistently."""
+
+
+class ResolveError(IdempotencyError):
+    """The record is not there, or not unknown any more."""
+
+
+# -- claims and transactions ----------------------------------------------------------------------
+
+
+class ClaimTimeout(IdempotencyError):
+    """The wait for another transaction's claim on the same key ran out."""
+
+
+class ClaimBusy(ClaimTimeout):
+    """Another transaction is claiming the key right now. A transactional claim never waits for
+    it inside the database: the caller rolls back (giving its connection back), waits, and
+    claims again."""
+
+
+class RetryableConflict(IdempotencyError):
+    """A serialization failure or deadlock: the transaction can be run again from the start."""
+
+
+class StatementRefused(StoreError):
+    """The database refused one statement (a constraint, a trigger) on a connection that is
+    still usable."""
+
+
+# -- tokens and jobs -------------------------------------------------------------------------------
+
+
+class TokenConflict(IdempotencyError):
+    """The intent was already issued a token for another request, or under another secret, or
+    its token was used and has expired (a used token is never renewed)."""
+
+
+class JobInProgress(IdempotencyError):
+    """Another run holds the key and did not finish within `wait_seconds`: retry later."""
+
+
+class JobKeyReused(IdempotencyError):
+    """The key was used with different arguments."""
+
+
+class JobOutcomeUnknown(IdempotencyError):
+    """Lease mode: an earlier run ended without an outcome; it is not run again until resolved."""

@@ -35,7 +35,10 @@ from .context import (
     key_digest,
     leave_context,
 )
-from .errors import ConfigurationError, IdempotencyError, StaleGeneration
+from .errors import ConfigurationError, StaleGeneration
+from .errors import JobInProgress as JobInProgress
+from .errors import JobKeyReused as JobKeyReused
+from .errors import JobOutcomeUnknown as JobOutcomeUnknown
 from .fence import Fence
 from .keys import MAX_KEY_LENGTH
 from .policy import LeaseExpiry, Mode
@@ -68,18 +71,6 @@ _MAX_ROUNDS = 10_000
 _FIRST_BUSY_POLL = 0.02
 _MAX_BUSY_POLL = 0.5
 R = TypeVar("R")
-
-
-class JobInProgress(IdempotencyError):
-    """Another run holds the key and did not finish within `wait_seconds`: retry later."""
-
-
-class JobKeyReused(IdempotencyError):
-    """The key was used with different arguments."""
-
-
-class JobOutcomeUnknown(IdempotencyError):
-    """Lease mode: an earlier run ended without an outcome; it is not run again until resolved."""
 
 
 KeyOf = Callable[..., str]

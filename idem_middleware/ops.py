@@ -14,7 +14,7 @@ from typing import Any
 import orjson
 from starlette.routing import BaseRoute, Mount, Route, Router
 
-from .errors import IdempotencyError
+from .errors import ResolveError as ResolveError
 from .fence import Verdict, run_reconciler
 from .middleware import IdempotencyMiddleware
 from .policy import Policy, endpoint_policy, operation_name
@@ -35,10 +35,6 @@ class Resolution(StrEnum):
     FAILED_FINAL = "failed_final"
     #: It did not happen: the client's next retry (same key, same body) runs it again.
     RETRY = "retry"
-
-
-class ResolveError(IdempotencyError):
-    """The record is not there, or not in a state this move starts from."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,13 +23,20 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import asyncpg
 import orjson
 
-from .sql import queries
+from .errors import RetryableConflict, StatementRefused
+from .store.postgres import PostgresStore
+from .store.postgres.edges import OutboxConnection, add_event, record_consumed
 
 logger = logging.getLogger("idem_middleware.outbox")
-_Q = queries()
+
+
+def _store(pool: Any) -> PostgresStore:
+    """The store whose statements run on `pool` (a PostgresStore is taken as it is)."""
+    if isinstance(pool, PostgresStore):
+        return pool
+    return PostgresStore(pool=pool, listen=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,14 +66,14 @@ async def add(
     event could be added twice by different requests.
     """
     event_id = event_id or str(uuid.uuid4())
-    await conn.execute(_Q["outbox_add"], event_id, tenant, topic, orjson.dumps(payload).decode())
+    await add_event(conn, event_id, tenant, topic, orjson.dumps(payload).decode())
     return event_id
 
 
 async def consume_once(conn: Any, consumer: str, event_id: str) -> bool:
     """In the consumer's transaction: True the first time this consumer sees the event, False
     for a redelivery (apply nothing then). Commits or rolls back with the consumer's own writes."""
-    return await conn.fetchval(_Q["inbox_record"], consumer, event_id) is not None
+    return await record_consumed(conn, consumer, event_id)
 
 
 @dataclass
@@ -94,6 +101,7 @@ class Publisher:
         if send_timeout_seconds <= 0 or reservation_margin_seconds < 0:
             raise ValueError("send_timeout_seconds must be positive, the margin not negative")
         self.pool = pool
+        self._store = _store(pool)
         self.sender = sender
         self.batch_size = batch_size
         self.max_attempts = max_attempts
@@ -119,32 +127,30 @@ class Publisher:
         after `max_attempts` attempts like one that keeps failing.
         """
         report = PublishReport()
-        async with self.pool.acquire() as conn:
+        async with self._store.outbox_connection() as conn:
             for _ in range(self.batch_size):
-                row = await conn.fetchrow(
-                    _Q["outbox_claim"], self.reservation_seconds, self.max_attempts
-                )
-                if row is None:
+                reserved = await conn.reserve(self.reservation_seconds, self.max_attempts)
+                if reserved is None:
                     break
-                attempt: int = row["attempts"]
-                if row["parked"]:
+                attempt = reserved.attempts
+                if reserved.parked:
                     report.parked += 1
                     logger.warning(
                         "outbox event parked: no publisher finished sending it in %d attempts",
                         attempt,
-                        extra={"event_id": row["event_id"], "topic": row["topic"]},
+                        extra={"event_id": reserved.event_id, "topic": reserved.topic},
                     )
                     continue
                 event = OutboxEvent(
-                    row["event_id"],
-                    row["tenant"],
-                    row["topic"],
-                    orjson.loads(row["payload"]),
+                    reserved.event_id,
+                    reserved.tenant,
+                    reserved.topic,
+                    orjson.loads(reserved.payload),
                     attempt - 1,  # the attempts before this one
                 )
                 error = await self._send(event)
                 if error is None:
-                    if await self._mark(conn, event, _Q["outbox_sent"], event.event_id):
+                    if await self._mark(conn, event, None, attempt):
                         report.sent += 1
                     continue
                 report.failed += 1
@@ -155,26 +161,28 @@ class Publisher:
                         attempt,
                         extra={"event_id": event.event_id, "topic": event.topic},
                     )
-                await self._mark(
-                    conn,
-                    event,
-                    _Q["outbox_failed"],
+                await self._mark(conn, event, error[:500], attempt)
+        return report
+
+    async def _mark(
+        self, conn: OutboxConnection, event: OutboxEvent, error: str | None, attempt: int
+    ) -> bool:
+        """Record a send's result: sent (`error` None), or failed. A statement the database
+        refuses (a constraint, a trigger) is logged and ends nothing but this mark: the event
+        stays reserved, and is sent again once its reservation lapses. A lost connection still
+        ends the batch."""
+        try:
+            if error is None:
+                await conn.mark_sent(event.event_id)
+            else:
+                await conn.mark_failed(
                     event.event_id,
-                    error[:500],
+                    error,
                     self.backoff(event.attempts),
                     self.max_attempts,
                     attempt,
                 )
-        return report
-
-    @staticmethod
-    async def _mark(conn: Any, event: OutboxEvent, query: str, *args: Any) -> bool:
-        """Record a send's result. A statement the database refuses (a constraint, a trigger)
-        is logged and ends nothing but this mark: the event stays reserved, and is sent again
-        once its reservation lapses. A lost connection still ends the batch."""
-        try:
-            await conn.execute(query, *args)
-        except asyncpg.PostgresError:
+        except (StatementRefused, RetryableConflict):
             logger.error(
                 "recording an outbox send's result failed; it is sent again later",
                 extra={"event_id": event.event_id, "topic": event.topic},
@@ -227,28 +235,26 @@ class Publisher:
 
 
 async def outbox_stats(pool: Any) -> dict[str, Any]:
-    row = await pool.fetchrow(_Q["outbox_stats"])
-    return dict(row)
+    return await _store(pool).outbox_stats()
 
 
 async def list_events(
     pool: Any, *, parked_only: bool = False, limit: int = 100
 ) -> list[dict[str, Any]]:
-    return [dict(r) for r in await pool.fetch(_Q["outbox_list"], parked_only, limit)]
+    return await _store(pool).outbox_events(parked_only=parked_only, limit=limit)
 
 
 async def requeue(pool: Any, event_ids: Sequence[str]) -> int:
-    status = await pool.execute(_Q["outbox_requeue"], list(event_ids))
-    return int(status.rsplit(" ", 1)[-1])
+    return await _store(pool).outbox_requeue(event_ids)
 
 
 async def purge_sent(
     pool: Any, *, older_than_seconds: float = 7 * 86400, batch_size: int = 1000
 ) -> int:
+    store = _store(pool)
     deleted = 0
     for _ in range(10_000):
-        status = await pool.execute(_Q["outbox_purge"], batch_size, older_than_seconds)
-        count = int(status.rsplit(" ", 1)[-1])
+        count = await store.outbox_purge_batch(batch_size, older_than_seconds)
         deleted += count
         if count < batch_size:
             break

@@ -33,6 +33,7 @@ from starlette.requests import Request
 
 from .context import current_context, get_context
 from .errors import ConfigurationError
+from .store.postgres.compat import prepare_cached, raw_connection
 
 if TYPE_CHECKING:
     from sqlalchemy.pool import ConnectionPoolEntry
@@ -53,9 +54,11 @@ _connecting: ContextVar[Any] = ContextVar("idem_middleware_sqla_connecting", def
 
 
 def _driver_connection(connection: Any) -> Any:
-    # A pool hands out a proxy per acquisition (and `_Statements` wraps one): the adapter is
-    # kept per real connection.
-    return getattr(connection, "_con", None) or connection
+    # A pool hands out a proxy per acquisition (and `_Statements` wraps the connection behind
+    # one): the adapter is kept per real connection.
+    if isinstance(connection, _Statements):
+        return connection.driver
+    return raw_connection(connection) or connection
 
 
 class ClaimDialect(PGDialect_asyncpg):
@@ -170,16 +173,16 @@ class _Statements:
     A PreparedStatement that `prepare` returns dies when its connection goes back to the pool,
     so the adapter's own statement cache (turned off) would be useless across requests; asyncpg's
     cache outlives releases, is shared with the store's statements, and follows
-    `statement_cache_size` (0 for PgBouncer: unnamed statements). `_prepare` is asyncpg's.
+    `statement_cache_size` (0 for PgBouncer: unnamed statements).
     """
 
-    __slots__ = ("_con",)
+    __slots__ = ("driver",)
 
     def __init__(self, connection: Any) -> None:
-        self._con = connection
+        self.driver = connection
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self._con, name)
+        return getattr(self.driver, name)
 
     async def prepare(
         self,
@@ -188,7 +191,7 @@ class _Statements:
         name: str | None = None,
         timeout: float | None = None,  # noqa: ASYNC109 - asyncpg's signature
     ) -> Any:
-        return await self._con._prepare(query, timeout=timeout, use_cache=True)
+        return await prepare_cached(self.driver, query, timeout)
 
 
 async def _creator() -> Any:

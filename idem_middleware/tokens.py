@@ -23,17 +23,10 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from .context import token_hash
-from .errors import IdempotencyError, StoreError
+from .errors import TokenConflict as TokenConflict
 from .middleware import TenantResolver, authenticated_user_tenant
-from .sql import queries
 
-_Q = queries()
 _PREFIX = "it_"
-
-
-class TokenConflict(IdempotencyError):
-    """The intent was already issued a token for another request, or under another secret, or
-    its token was used and has expired (a used token is never renewed)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,7 +36,7 @@ class IssuedToken:
 
 
 class TokenIssuer:
-    """Issues tokens on the PostgreSQL store's pool.
+    """Issues tokens through the PostgreSQL store (`store.issue_token`).
 
     `secret` (at least 32 bytes; keep it like any signing key) makes issuance idempotent: a
     token for an `intent_id` is an HMAC of the tenant, operation and intent, so asking again for
@@ -87,25 +80,22 @@ class TokenIssuer:
     ) -> IssuedToken:
         """A token for `operation` (e.g. "POST /payouts"), bound to `request_digest` if given."""
         token = self._token_for(tenant, operation, intent_id)
-        try:
-            row = await self.store.pool.fetchrow(
-                _Q["issue_token"],
-                tenant,
-                token_hash(token),
-                operation,
-                request_digest,
-                intent_id,
-                ttl_seconds or self.ttl_seconds,
-            )
-        except OSError as exc:
-            raise StoreError(str(exc)) from exc
-        if bytes(row["token_hash"]) != token_hash(token):
+        hashed = token_hash(token)
+        row = await self.store.issue_token(
+            tenant,
+            hashed,
+            operation,
+            request_digest=request_digest,
+            intent_id=intent_id,
+            ttl_seconds=ttl_seconds or self.ttl_seconds,
+        )
+        if row.token_hash != hashed:
             raise TokenConflict("this intent was issued a token under another secret")
-        if row["spent"]:
+        if row.spent:
             raise TokenConflict("this intent's token was already used; it is not issued again")
-        if row["request_digest"] is not None and bytes(row["request_digest"]) != request_digest:
+        if row.request_digest is not None and row.request_digest != request_digest:
             raise TokenConflict("this intent was issued a token for a different request")
-        return IssuedToken(token, row["expires_at"])
+        return IssuedToken(token, row.expires_at)
 
 
 def token_route(

@@ -47,21 +47,9 @@ FROM idem_requests r
 WHERE r.tenant = $1 AND r.operation = $2 AND r.idem_key = $3
   AND NOT EXISTS (SELECT FROM ins);
 
--- name: claim_fresh
--- Transactional mode's fast path, sent after BEGIN in the same simple-query message, with the
--- parameters inlined as literals (see store/postgres.py `_inline`): one round trip for both.
--- The generation is drawn ahead (`draw_generations`) because a simple query returns no rows;
--- "INSERT 0 1" means claimed. "INSERT 0 0" (the key exists, or a concurrent claim committed it
--- while we waited) falls back to `claim`, in the transaction this one opened.
--- $1 tenant, $2 operation, $3 key, $4 fingerprint, $5 generation, $6 retention (seconds)
-INSERT INTO idem_requests
-    (tenant, operation, idem_key, fingerprint, state, mode, generation, epoch, retention)
-VALUES ($1, $2, $3, $4, 'pending', 'transactional', $5, $5, make_interval(secs => $6::float8))
-ON CONFLICT DO NOTHING;
-
 -- name: claim_key
--- Transactional mode's claim when the record is written once, at commit (store/postgres.py):
--- on the fast path sent after BEGIN in the same message. It never waits: "SELECT 0", the key is
+-- Transactional mode's claim: the record is written once, at commit (`insert_final`). On the
+-- fast path (store/postgres/fused.py) it is sent after BEGIN in the same message. It never waits: "SELECT 0", the key is
 -- free and claimed (its advisory lock is held to the end of the transaction); "SELECT 1", a
 -- record holds it (the caller reads it with `get`); "SELECT 2", another transaction is claiming
 -- it right now (the caller rolls back and waits without its connection).
@@ -85,15 +73,11 @@ INSERT INTO idem_requests
 VALUES ($1, $2, $3, $4, $7, 'transactional', $5, $5, make_interval(secs => $6::float8),
         now() + make_interval(secs => $6::float8), $8, $9, $10, $11);
 
--- name: claim_key_available
--- Whether the schema has `idem_claim_key` (migration 0003); without it the store claims by
--- inserting a pending record, as before.
-SELECT to_regprocedure('idem_claim_key(text, text, text)') IS NOT NULL;
-
 -- name: draw_generations
--- Generations for `claim_fresh`, drawn in a batch inside the transaction of the claim that found
--- none left (so the draw costs no commit of its own). Each is used at most once, so a generation
--- is still never reused. $1 how many
+-- Generations for the fast claim (a simple query returns no rows, so `claim_key` cannot return
+-- one), drawn in a batch inside the transaction of the claim that found none left (so the draw
+-- costs no commit of its own). Each is used at most once, so a generation is still never
+-- reused. $1 how many
 SELECT nextval('idem_generation_seq') FROM generate_series(1, $1);
 
 -- name: reclaim_expired

@@ -9,7 +9,10 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Protocol
 
-from ..errors import IdempotencyError
+# Defined in errors.py with the library's other exceptions; importable from here as before.
+from ..errors import ClaimBusy as ClaimBusy
+from ..errors import ClaimTimeout as ClaimTimeout
+from ..errors import RetryableConflict as RetryableConflict
 
 
 class State(StrEnum):
@@ -88,20 +91,6 @@ class StoreStats:
             if (age := self.oldest_age_seconds.get(state)) is not None
         ]
         return max(ages) if ages else None
-
-
-class ClaimTimeout(IdempotencyError):
-    """The wait for another transaction's claim on the same key ran out."""
-
-
-class ClaimBusy(ClaimTimeout):
-    """Another transaction is claiming the key right now. A transactional claim never waits for
-    it inside the database: the caller rolls back (giving its connection back), waits, and
-    claims again."""
-
-
-class RetryableConflict(IdempotencyError):
-    """A serialization failure or deadlock: the transaction can be run again from the start."""
 
 
 class TransactionSession(Protocol):

@@ -1,5 +1,5 @@
 """The transactional fast path: BEGIN + claim and completion + COMMIT as single simple-query
-messages with the values written as literals (store/postgres.py `_inline`).
+messages with the values written as literals (store/postgres/fused.py).
 
 What must hold: hostile values are stored exactly (quoting is right, nothing is injected);
 values that cannot be literals take the ordinary path; a handler's `conn.transaction()` still
@@ -23,7 +23,6 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from idem_middleware import IdempotencyMiddleware, Mode, Policy, PostgresStore, get_context
-from idem_middleware.store.migrations import migrate
 from idem_middleware.store.postgres import (
     _NAMES,
     FUSE_MAX_BODY,
@@ -43,7 +42,6 @@ from tests.apps import (
     logged_pool,
     records,
 )
-from tests.conftest import BUSINESS_SCHEMA, _fresh_database
 
 
 class Log(QueryLog):
@@ -189,8 +187,8 @@ async def test_a_large_response_is_completed_the_ordinary_way(logged: Any) -> No
 
 
 async def test_the_installed_asyncpg_supports_the_fast_path(pool: Any) -> None:
-    # If a new asyncpg renames what `_adopt` uses, this fails before any user notices that the
-    # store quietly went back to the slower path.
+    # If a new asyncpg renames what store/postgres/compat.py uses, this fails before any user
+    # notices that the store quietly went back to the slower path.
     async with pool.acquire() as conn:
         assert _fusable(conn)
 
@@ -326,39 +324,6 @@ async def test_a_record_that_appears_while_the_handler_runs_wins(logged: Any) ->
     assert_problem(r, 422, "key-reused")  # the other record's fingerprint is not ours
     assert probe.calls == 1
     assert await count(pool, "test_ledger") == 0
-
-
-async def test_a_schema_without_migration_3_claims_the_older_way(pg_dsn: str) -> None:
-    """Before `idem_claim_key` exists the store inserts a pending record and updates it (and
-    says so once in the log)."""
-    dsn = await _fresh_database(pg_dsn, "idem_test_schema_2")
-    conn = await asyncpg.connect(dsn)
-    try:
-        await migrate(conn)
-        await conn.execute(BUSINESS_SCHEMA)
-        await conn.execute("DROP FUNCTION idem_claim_key(text, text, text)")
-    finally:
-        await conn.close()
-    log = Log()
-    async with logged_pool(dsn, log) as pool:
-        store = PostgresStore(pool=pool)
-        app = build_app(store, default_policy=Policy(wait_seconds=5))
-        probe = app.state.probe
-        probe.gate = asyncio.Event()
-        async with client(app) as c:
-            first = asyncio.ensure_future(
-                c.post("/accounts/a1/credits", json={"amount": 5}, headers=key("old"))
-            )
-            await asyncio.wait_for(probe.entered.wait(), 5)
-            probe.gate.set()
-            r = await asyncio.wait_for(first, 10)
-            again = await c.post("/accounts/a1/credits", json={"amount": 5}, headers=key("old"))
-        assert r.status_code == 201
-        assert again.headers["idempotent-replayed"] == "true"
-        assert any("EXECUTE idem_claim_fresh" in q for q in log.queries)
-        assert any("EXECUTE idem_complete_checked" in q for q in log.queries)
-        assert not any("idem_claim_key" in q and "EXECUTE" in q for q in log.queries)
-        assert await count(pool, "test_ledger") == 1
 
 
 async def test_a_lease_fence_first_on_a_connection_leaves_the_claim_prepared(db_dsn: str) -> None:

@@ -13,10 +13,21 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
+import asyncpg
 import pytest
 
 from idem_middleware import Policy, PostgresStore, get_context
-from idem_middleware.outbox import OutboxEvent, Publisher, add, consume_once, list_events
+from idem_middleware.errors import StatementRefused, StoreError
+from idem_middleware.outbox import (
+    OutboxEvent,
+    Publisher,
+    add,
+    consume_once,
+    list_events,
+    outbox_stats,
+    purge_sent,
+    requeue,
+)
 from tests.evidence import record
 
 CONSUMER_TABLE = (
@@ -323,3 +334,39 @@ async def test_the_publisher_survives_a_database_outage(pool: Any) -> None:
     assert calls == 3
     assert report.sent == 1
     assert len(sent) == 1
+
+
+async def test_the_outbox_tools_raise_the_librarys_errors(db_dsn: str, pool: Any) -> None:
+    """A pool that is gone is a StoreError from every tool, and a statement the database refuses
+    is a StatementRefused: never asyncpg's own exceptions."""
+    gone = await asyncpg.create_pool(db_dsn, min_size=1, max_size=1)
+    await gone.close()
+    for call in (
+        lambda: outbox_stats(gone),
+        lambda: list_events(gone),
+        lambda: requeue(gone, ["e"]),
+        lambda: purge_sent(gone),
+        lambda: Publisher(gone, _never).publish_batch(),
+    ):
+        with pytest.raises(StoreError):
+            await call()
+    await pool.execute(
+        "CREATE FUNCTION test_refuse_requeue() RETURNS trigger LANGUAGE plpgsql AS $$"
+        " BEGIN RAISE EXCEPTION 'refused by the test'; END $$;"
+        "CREATE TRIGGER test_refuse_requeue BEFORE UPDATE ON idem_outbox"
+        " FOR EACH ROW EXECUTE FUNCTION test_refuse_requeue();"
+        "INSERT INTO idem_outbox (event_id, topic, payload, parked_at)"
+        " VALUES ('parked', 't', '{}', now())"
+    )
+    try:
+        with pytest.raises(StatementRefused, match="refused by the test"):
+            await requeue(pool, ["parked"])
+    finally:
+        await pool.execute(
+            "DROP TRIGGER test_refuse_requeue ON idem_outbox; DROP FUNCTION test_refuse_requeue();"
+            "TRUNCATE idem_outbox"
+        )
+
+
+async def _never(event: OutboxEvent) -> bool:
+    raise AssertionError("nothing is sent")

@@ -1,5 +1,5 @@
 """The store's own pool resets a connection on release only if code other than the store's had
-it (store/postgres.py `_reset_connection`): the store's statements leave no session state, so
+it (store/postgres/store.py `_reset_connection`): the store's statements leave no session state, so
 their reset query would be a round trip for nothing. A handler's connection, and any connection
 taken from `store.pool` directly, is still reset."""
 

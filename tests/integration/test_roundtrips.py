@@ -46,8 +46,6 @@ def _kind(q: str) -> str:
         return "claim"
     if q.startswith(("SELECT * FROM idem_claim_key", "EXECUTE idem_claim_key")):
         return "claim-key"
-    if q.startswith("SELECT to_regprocedure('idem_claim_key"):
-        return "schema-check"
     if q.startswith(("EXECUTE idem_insert_final", _INSERT_FINAL_INLINED)):
         return "complete"
     if q.startswith("PREPARE"):
@@ -83,12 +81,12 @@ async def test_fresh_claim_adds_two_statements_and_no_round_trip(logged: Any) ->
     app = build_app(PostgresStore(pool=pool))
     async with client(app) as c:
         first = await _post(c, "fresh-1")
-        # The store's first claim checks once that the schema has `idem_claim_key`. The first
-        # claim draws a batch of generations inside its transaction (no commit of its own), and
-        # prepares the fast statements on its connection in the message that claims (5: the
-        # claim and the record's insert, the completion of a reclaimed expired record, and lease
-        # mode's fence and settlement; not the older schema's claim).
-        assert log.kinds()[:4] == ["schema-check", "BEGIN", "draw", "prepare+" * 5 + "claim-key"]
+        # The first claim draws a batch of generations inside its transaction (no commit of its
+        # own), and prepares the fast statements on its connection in the message that claims
+        # (5: the claim and the record's insert, the completion of a reclaimed expired record,
+        # and lease mode's fence and settlement). No schema check: open() refuses an unmigrated
+        # database.
+        assert log.kinds()[:3] == ["BEGIN", "draw", "prepare+" * 5 + "claim-key"]
         log.queries.clear()
         r = await _post(c, "fresh-2")
     assert first.status_code == r.status_code == 201

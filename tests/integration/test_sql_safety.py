@@ -1,6 +1,6 @@
 """What reaches SQL text, and what keeps tenants apart, whatever the session's settings.
 
-The fast path writes values into the text of a simple-query message (store/postgres.py
+The fast path writes values into the text of a simple-query message (store/postgres/fused.py
 `_literal`). A handler may change settings that alter how PostgreSQL reads a string literal
 (`standard_conforming_strings`) or which bytes a message means (`client_encoding`): neither may
 turn a client's key or a tenant into SQL, or one tenant into another.

@@ -5,11 +5,13 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import asyncpg
 import httpx
 import pytest
 
 from idem_middleware import Mode, Policy, PostgresStore
 from idem_middleware.context import token_hash
+from idem_middleware.errors import StoreError
 from idem_middleware.tokens import TokenConflict, TokenIssuer, token_route
 from tests.apps import build_app, client
 
@@ -208,3 +210,10 @@ async def test_the_token_route(pg_store: PostgresStore, issuer: TokenIssuer) -> 
     assert first.json()["token"] == again.json()["token"]
     assert anonymous.status_code == 401
     assert bad.status_code == 400
+
+
+async def test_issuing_on_a_pool_that_is_gone_is_a_store_error(db_dsn: str) -> None:
+    gone = await asyncpg.create_pool(db_dsn, min_size=1, max_size=1)
+    await gone.close()
+    with pytest.raises(StoreError):
+        await TokenIssuer(PostgresStore(pool=gone), secret=SECRET).issue("tenant-a", OP)

@@ -1,0 +1,35 @@
+"""The PostgreSQL store (asyncpg).
+
+- store.py: `PostgresStore`, its lifecycle and the operations that commit on their own
+- sessions.py: the transaction and fenced sessions it hands out
+- claim.py: the ordinary claim
+- fused.py: the fast path (literals, PREPARE, generations drawn ahead, the PgBouncer fallback)
+- compat.py: everything that touches asyncpg's private attributes
+- listener.py: the LISTEN connection
+- edges.py: the statements of tokens.py and outbox.py
+- convert.py, runner.py: rows, arguments and errors; the store's own connections
+"""
+
+from .claim import claim as _claim
+from .convert import _Q, NOTIFY_CHANNEL, decode_headers, encode_headers, notify_token
+from .fused import FUSE_MAX_BODY, _inline, _literal
+from .fused import NAMES as _NAMES
+from .fused import NotFusable as _NotFusable
+from .fused import fusable as _fusable
+from .store import PostgresStore
+
+__all__ = [
+    "FUSE_MAX_BODY",
+    "NOTIFY_CHANNEL",
+    "_NAMES",
+    "_Q",
+    "PostgresStore",
+    "_NotFusable",
+    "_claim",
+    "_fusable",
+    "_inline",
+    "_literal",
+    "decode_headers",
+    "encode_headers",
+    "notify_token",
+]

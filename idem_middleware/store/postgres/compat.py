@@ -1,0 +1,53 @@
+"""Everything that touches asyncpg's private attributes, in one place.
+
+asyncpg keeps no public way to say "this connection's transaction is yours" (the fast path sends
+its own BEGIN and COMMIT), to reach the connection behind a pool's proxy, or to prepare through
+the connection's statement cache. `supported` checks that what this module relies on exists;
+tests/integration/test_fused.py fails if a new asyncpg changes it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from asyncpg.transaction import TransactionState
+
+
+def supported(conn: Any) -> bool:
+    """Whether `adopt` and `committed` can work on this connection (a proxy of a pool's
+    connection forwards `_top_xact`)."""
+    return hasattr(conn, "_top_xact") and getattr(TransactionState, "STARTED", None) is not None
+
+
+def adopt(conn: Any) -> Any:
+    """An asyncpg Transaction standing for a BEGIN we send ourselves. Without it a handler's
+    `conn.transaction()` would refuse to run inside a manually started transaction; with it,
+    that nests as a savepoint."""
+    tx = conn.transaction()  # on a pool's proxy, bound to the connection behind it
+    tx._state = TransactionState.STARTED
+    tx._connection._top_xact = tx
+    return tx
+
+
+def committed(tx: Any) -> None:
+    """Record with asyncpg that a transaction was committed by a COMMIT we sent ourselves."""
+    tx._state = TransactionState.COMMITTED
+    if tx._connection._top_xact is tx:
+        tx._connection._top_xact = None
+
+
+def raw_connection(conn: Any) -> Any:
+    """The connection behind a pool's proxy (None once released), or `conn` itself when it is
+    not a proxy. Pools hand out a new proxy per acquisition: state kept per connection keys on
+    this."""
+    return getattr(conn, "_con", conn)
+
+
+async def prepare_cached(
+    conn: Any,
+    query: str,
+    timeout: float | None,  # noqa: ASYNC109 - asyncpg's own per-statement timeout
+) -> Any:
+    """A PreparedStatement from the connection's own statement cache (the one `fetch` uses,
+    which follows `statement_cache_size`), where `conn.prepare` would make a new one."""
+    return await conn._prepare(query, timeout=timeout, use_cache=True)

@@ -1,0 +1,132 @@
+"""The driver's edge: rows into records, values into arguments, asyncpg's errors into the
+library's."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from typing import Any
+
+import asyncpg
+import orjson
+
+from ... import sql
+from ...errors import RetryableConflict, StatementRefused, StoreError
+from ..base import Record, RecordKey, Settlement, State, StoredResponse
+
+_Q = sql.queries()
+
+CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
+    OSError,
+    asyncpg.exceptions.PostgresConnectionError,
+    asyncpg.exceptions.InterfaceError,
+    asyncpg.exceptions.ConnectionDoesNotExistError,
+    asyncpg.exceptions.CannotConnectNowError,
+    asyncpg.exceptions.AdminShutdownError,
+    # A connection killed mid-operation can leave asyncpg's protocol in a state it reports this
+    # way ("cannot switch to state ..."): the connection is gone all the same.
+    asyncpg.exceptions.InternalClientError,
+)
+ACQUIRE_ERRORS: tuple[type[BaseException], ...] = (TimeoutError, *CONNECTION_ERRORS)
+RETRYABLE: tuple[type[BaseException], ...] = (
+    asyncpg.exceptions.SerializationError,
+    asyncpg.exceptions.DeadlockDetectedError,
+)
+#: What `translate` turns into StoreError or RetryableConflict.
+TRANSLATED: tuple[type[BaseException], ...] = (*CONNECTION_ERRORS, *RETRYABLE)
+WAIT_EXCEEDED: tuple[type[BaseException], ...] = (
+    TimeoutError,
+    asyncpg.exceptions.LockNotAvailableError,
+    asyncpg.exceptions.QueryCanceledError,
+)
+UNIQUE_VIOLATION: type[BaseException] = asyncpg.exceptions.UniqueViolationError
+#: Any error the server reports for one statement.
+SERVER_ERROR: type[BaseException] = asyncpg.PostgresError
+
+
+def translate(exc: BaseException) -> BaseException:
+    if isinstance(exc, RETRYABLE):
+        return RetryableConflict(str(exc))
+    if isinstance(exc, CONNECTION_ERRORS):
+        return StoreError(f"{type(exc).__name__}: {exc}")
+    if isinstance(exc, SERVER_ERROR):
+        return StatementRefused(f"{type(exc).__name__}: {exc}")
+    return exc
+
+
+def encode_headers(headers: Sequence[tuple[bytes, bytes]]) -> bytes:
+    # latin-1 maps every byte to one code point, so any header value survives the round trip.
+    return orjson.dumps([(n.decode("latin-1"), v.decode("latin-1")) for n, v in headers])
+
+
+def decode_headers(blob: bytes | None) -> list[tuple[bytes, bytes]]:
+    if not blob:
+        return []
+    return [(n.encode("latin-1"), v.encode("latin-1")) for n, v in orjson.loads(blob)]
+
+
+def to_record(key: RecordKey, row: Any) -> Record:
+    status = row["response_status"]
+    response = None
+    if status is not None:
+        response = StoredResponse(
+            status=status,
+            headers=decode_headers(row["response_headers"]),
+            body=row["response_body"] or b"",
+            body_omitted=row["body_omitted"],
+        )
+    return Record(
+        key=key,
+        fingerprint=row["fingerprint"],
+        state=State(row["state"]),
+        generation=row["generation"],
+        response=response,
+        expired=bool(row["expired"]),
+        lease_expired=bool(row["lease_expired"]),
+        retry_allowed=bool(row["retry_allowed"]),
+        epoch=row["epoch"],
+    )
+
+
+#: The one channel lease-mode settlements notify on; the payload says which record.
+NOTIFY_CHANNEL = "idem_middleware"
+
+
+def notify_token(key: RecordKey) -> str:
+    """The NOTIFY payload for a record: short, fixed-length, and no raw key on the wire."""
+    raw = "\x00".join((key.tenant, key.operation, key.key)).encode()
+    return hashlib.sha256(raw).hexdigest()[:32]
+
+
+def settle_args(key: RecordKey, generation: int, expected: State, s: Settlement) -> tuple[Any, ...]:
+    """The parameters of `settle` (and of the fused `settle_checked`)."""
+    r = s.response
+    return (
+        key.tenant,
+        key.operation,
+        key.key,
+        generation,
+        expected.value,
+        s.state.value,
+        None if r is None else r.status,
+        None if r is None else encode_headers(r.headers),
+        None if r is None else r.body,
+        None if r is None else r.body_omitted,
+        s.note,
+        notify_token(key),
+    )
+
+
+def token_problem(row: Any) -> str:
+    """Why a token cannot be claimed (from a `token_status` row), or "" if it can."""
+    if row is None:
+        return "This key is not a token issued to you for this operation."
+    if not row["same_operation"]:
+        return "This token was issued for another operation."
+    if not row["unused"]:
+        return "This token was already used; ask for a new one."
+    if not row["live"]:
+        return "This token has expired; ask for a new one."
+    if not row["same_request"]:
+        return "This token was issued for a different request."
+    return ""

@@ -1,0 +1,247 @@
+"""The store's statements off the request path: token issuance and the outbox (SQL runs only
+in the store, not in tokens.py or outbox.py), and the operators' listing, purge and stats.
+
+Each translates driver errors into the library's: StoreError for a lost connection or no
+connection at all, RetryableConflict for a serialization failure or deadlock, StatementRefused
+for a statement the server refused on a connection that is still usable. `add_event` and
+`record_consumed` run on the caller's connection, in the caller's transaction: their errors
+are that transaction's, and are left to the caller as asyncpg raised them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from ...errors import StoreError
+from ..base import RecordKey, RecordSummary, Settlement, State, StoreStats
+from .convert import (
+    _Q,
+    ACQUIRE_ERRORS,
+    CONNECTION_ERRORS,
+    SERVER_ERROR,
+    TRANSLATED,
+    settle_args,
+    translate,
+)
+from .runner import PoolStatements
+
+
+def _summary(r: Any) -> RecordSummary:
+    return RecordSummary(
+        key=RecordKey(r["tenant"], r["operation"], r["idem_key"]),
+        state=State(r["state"]),
+        generation=r["generation"],
+        mode=r["mode"],
+        created_at=r["created_at"],
+        updated_at=r["updated_at"],
+        lease_expires_at=r["lease_expires_at"],
+        expires_at=r["expires_at"],
+        response_status=r["response_status"],
+        note=r["note"],
+        lease_expired=bool(r["lease_expired"]),
+        epoch=r["epoch"],
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class TokenRow:
+    """The token an intent holds after `issue_token` (see queries.sql `issue_token`)."""
+
+    token_hash: bytes
+    expires_at: datetime
+    request_digest: bytes | None
+    spent: bool
+
+
+@dataclass(frozen=True, slots=True)
+class ReservedEvent:
+    """An outbox event reserved for one send; `attempts` counts this one."""
+
+    event_id: str
+    tenant: str | None
+    topic: str
+    payload: str
+    attempts: int
+    parked: bool
+
+
+async def add_event(
+    executor: Any, event_id: str, tenant: str | None, topic: str, payload: str
+) -> None:
+    """Write an outbox event (`payload` is JSON text) on the caller's connection."""
+    await executor.execute(_Q["outbox_add"], event_id, tenant, topic, payload)
+
+
+async def record_consumed(executor: Any, consumer: str, event_id: str) -> bool:
+    """Note an event in the consumer's transaction: False if it was noted before."""
+    return await executor.fetchval(_Q["inbox_record"], consumer, event_id) is not None
+
+
+class OutboxConnection:
+    """One pooled connection for a publisher's batch: reserve, then mark each send's result."""
+
+    __slots__ = ("_conn",)
+
+    def __init__(self, conn: Any) -> None:
+        self._conn = conn
+
+    async def _call(self, method: str, query: str, *args: Any) -> Any:
+        try:
+            return await getattr(self._conn, method)(query, *args)
+        except (*TRANSLATED, SERVER_ERROR) as exc:
+            raise translate(exc) from exc
+
+    async def reserve(self, reservation_seconds: float, max_attempts: int) -> ReservedEvent | None:
+        row = await self._call("fetchrow", _Q["outbox_claim"], reservation_seconds, max_attempts)
+        if row is None:
+            return None
+        return ReservedEvent(
+            row["event_id"],
+            row["tenant"],
+            row["topic"],
+            row["payload"],
+            row["attempts"],
+            row["parked"],
+        )
+
+    async def mark_sent(self, event_id: str) -> None:
+        await self._call("execute", _Q["outbox_sent"], event_id)
+
+    async def mark_failed(
+        self, event_id: str, error: str, backoff_seconds: float, max_attempts: int, attempt: int
+    ) -> None:
+        await self._call(
+            "execute",
+            _Q["outbox_failed"],
+            event_id,
+            error,
+            backoff_seconds,
+            max_attempts,
+            attempt,
+        )
+
+
+class OffPathStatements(PoolStatements):
+    """The statements off the request path: tokens, the outbox, operators' tools."""
+
+    async def issue_token(
+        self,
+        tenant: str,
+        token_hash: bytes,
+        operation: str,
+        *,
+        request_digest: bytes | None,
+        intent_id: str | None,
+        ttl_seconds: float,
+    ) -> TokenRow:
+        row = await self._run_any(
+            "fetchrow",
+            _Q["issue_token"],
+            tenant,
+            token_hash,
+            operation,
+            request_digest,
+            intent_id,
+            ttl_seconds,
+        )
+        digest = row["request_digest"]
+        return TokenRow(
+            bytes(row["token_hash"]),
+            row["expires_at"],
+            None if digest is None else bytes(digest),
+            bool(row["spent"]),
+        )
+
+    @asynccontextmanager
+    async def outbox_connection(self) -> AsyncIterator[OutboxConnection]:
+        try:
+            conn = await self.pool.acquire()
+        except ACQUIRE_ERRORS as exc:
+            raise translate(exc) from exc
+        try:
+            yield OutboxConnection(conn)
+        finally:
+            await self.pool.release(conn)
+
+    async def outbox_stats(self) -> dict[str, Any]:
+        return dict(await self._run_any("fetchrow", _Q["outbox_stats"]))
+
+    async def outbox_events(self, *, parked_only: bool, limit: int) -> list[dict[str, Any]]:
+        rows = await self._run_any("fetch", _Q["outbox_list"], parked_only, limit)
+        return [dict(r) for r in rows]
+
+    async def outbox_requeue(self, event_ids: Sequence[str]) -> int:
+        status = await self._run_any("execute", _Q["outbox_requeue"], list(event_ids))
+        return int(status.rsplit(" ", 1)[-1])
+
+    async def outbox_purge_batch(self, batch_size: int, older_than_seconds: float) -> int:
+        """Delete one batch of events sent more than `older_than_seconds` ago: how many."""
+        status = await self._run_any("execute", _Q["outbox_purge"], batch_size, older_than_seconds)
+        return int(status.rsplit(" ", 1)[-1])
+
+    async def list_records(
+        self,
+        *,
+        states: Sequence[State],
+        tenant: str | None = None,
+        operation: str | None = None,
+        limit: int = 100,
+        stale_only: bool = False,
+    ) -> list[RecordSummary]:
+        rows = await self._run(
+            "fetch",
+            _Q["list_records"],
+            [s.value for s in states],
+            tenant,
+            operation,
+            limit,
+            stale_only,
+        )
+        return [_summary(r) for r in rows]
+
+    async def amend(self, key: RecordKey, generation: int, expected: State, s: Settlement) -> bool:
+        """An operator's move (see queries.sql `amend`): a settle whose note joins the trail."""
+        row = await self._run("fetchrow", _Q["amend"], *settle_args(key, generation, expected, s))
+        return bool(row["amended"])
+
+    async def describe(self, key: RecordKey) -> RecordSummary | None:
+        row = await self._run("fetchrow", _Q["describe"], key.tenant, key.operation, key.key)
+        return None if row is None else _summary(row)
+
+    async def purge(self, *, batch_size: int = 1000, max_batches: int = 1000) -> int:
+        """Delete finished records past their retention, one short transaction per batch, and
+        then expired one-time tokens the same way.
+
+        Never touches pending or unknown records. Returns how many records were deleted.
+        """
+        if batch_size < 1 or max_batches < 1:
+            raise ValueError("batch_size and max_batches must be positive")
+        deleted = await self._purge_batches(_Q["purge_batch"], batch_size, max_batches)
+        await self._purge_batches(_Q["purge_tokens"], batch_size, max_batches)
+        return deleted
+
+    async def _purge_batches(self, query: str, batch_size: int, max_batches: int) -> int:
+        deleted = 0
+        for _ in range(max_batches):
+            status = await self._run("execute", query, batch_size)
+            count = int(status.rsplit(" ", 1)[-1])
+            deleted += count
+            if count < batch_size:
+                break
+        return deleted
+
+    async def stats(self) -> StoreStats:
+        try:
+            rows = await self.pool.fetch(_Q["stats"])
+        except CONNECTION_ERRORS as exc:
+            raise StoreError(str(exc)) from exc
+        counts = {state.value: 0 for state in State}
+        oldest: dict[str, float | None] = {state.value: None for state in State}
+        for row in rows:
+            counts[row["state"]] = row["count"]
+            oldest[row["state"]] = row["oldest_age_seconds"]
+        return StoreStats(counts=counts, oldest_age_seconds=oldest)

@@ -1,0 +1,334 @@
+r"""The transactional fast path: one round trip for BEGIN + claim and for completion + COMMIT.
+
+asyncpg sends parameterised statements one at a time (extended protocol), and its BEGIN and
+COMMIT are statements of their own. On the transactional fast path the claim is therefore sent
+with its BEGIN, and the completion with its COMMIT, each as one simple-query message with the
+values inlined as literals: the business transaction then costs the same round trips as the
+bare handler's. Everything else (and every case `fusable` refuses) takes the ordinary path.
+
+The literals are built so that only `[0-9a-f]` of any value reaches the message: text and
+bytes are hex, decoded by the server. A string literal's meaning depends on session settings
+a handler may change between the claim and the completion (`standard_conforming_strings`
+makes `\` an escape; `client_encoding` decides which characters the message's bytes are);
+hex digits mean the same under all of them, so no value can end its literal or change tenant.
+
+This module is the only one that knows the literals, the server-side PREPAREs, the generations
+drawn ahead and the fallback to inlined text when prepared statements do not stay with a pool's
+connections (PgBouncer). Each entry point returns None or False for "use the ordinary path".
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import re
+import time
+import weakref
+from collections import deque
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import asyncpg
+
+from ...errors import ClaimBusy, StoreError
+from ..base import Claim, RecordKey
+from . import compat
+from .convert import _Q
+
+logger = logging.getLogger("idem_middleware.store")
+
+#: A response body up to this size is inlined into the completion (hex doubles it).
+FUSE_MAX_BODY = 64 * 1024
+_PLACEHOLDER = re.compile(r"\$(\d+)")
+
+
+class NotFusable(Exception):
+    """A value that cannot be written as a literal (NUL, a non-finite float, another type)."""
+
+
+def _literal(value: Any) -> str:
+    """`value` as an SQL expression whose text is the same whatever the session's settings:
+    text as `convert_from(decode('<utf-8 hex>', 'hex'), 'UTF8')`, bytes as `decode(...)`,
+    numbers as digits (in parentheses when negative). NUL and lone surrogates are refused."""
+    kind = type(value)
+    if kind is str:
+        text: str = value
+        if "\x00" in text:
+            raise NotFusable("a NUL character")  # PostgreSQL text cannot hold one
+        try:
+            raw = text.encode()
+        except UnicodeEncodeError as exc:  # a lone surrogate: the ordinary path reports it
+            raise NotFusable("not encodable as UTF-8") from exc
+        return "convert_from(decode('" + raw.hex() + "', 'hex'), 'UTF8')"
+    if kind is bytes:
+        data: bytes = value
+        return "decode('" + data.hex() + "', 'hex')"
+    if value is None:
+        return "NULL"
+    if kind is bool:
+        return "true" if value else "false"
+    if kind is int:
+        number = str(value)
+    elif kind is float:
+        if not math.isfinite(value):
+            raise NotFusable("a non-finite number")
+        number = repr(value)  # digits, `.`, `e`, a sign: the shortest text of exactly this value
+    else:
+        # Anything else (a str subclass a tenant resolver returned, say) takes the ordinary path.
+        raise NotFusable(f"no literal for {kind.__name__}")
+    # A leading minus in parentheses: glued to an operator's `-` it would start a comment.
+    return f"({number})" if number.startswith("-") else number
+
+
+def _inline(query: str, args: Sequence[Any]) -> str:
+    """`query` with each `$n` replaced by the literal of `args[n-1]` (our own queries only: they
+    have no `$` inside string literals or comments)."""
+    literals = [_literal(a) for a in args]
+    return _PLACEHOLDER.sub(lambda m: literals[int(m.group(1)) - 1], query)
+
+
+def fusable(conn: Any) -> bool:
+    """Whether the fast path may run on this connection: the BEGIN we send ourselves must be
+    registered with asyncpg so a handler's `conn.transaction()` still nests as a savepoint
+    (`compat.adopt`), and the client encoding must be UTF-8. The literals mean the same under
+    any encoding, but the ordinary path (asyncpg's parameters, in the client encoding) cannot
+    send every character another encoding lacks: one path for both keeps a tenant or key that
+    only one of them could write from being claimed one way and looked up the other."""
+    try:
+        encoding = getattr(conn.get_settings(), "client_encoding", None)
+    except Exception:
+        return False
+    return compat.supported(conn) and encoding == "UTF8" and not conn.is_in_transaction()
+
+
+class Generations:
+    """Generations drawn from `idem_generation_seq` ahead of use, for the fused claim (a simple
+    query returns no rows, so the claim cannot RETURNING its generation).
+
+    Each drawn value is handed out at most once, so generations are still never reused; values
+    older than `max_age` are dropped, so generations keep roughly the order of the claims.
+    """
+
+    def __init__(self, batch: int = 32, max_age: float = 1.0) -> None:
+        self._batch = batch
+        self._max_age = max_age
+        self._values: deque[int] = deque()
+        self._drawn_at = 0.0
+
+    def take_ready(self) -> int | None:
+        """A drawn generation, or None: then `draw` (inside the claim's transaction)."""
+        if self._values and time.monotonic() - self._drawn_at <= self._max_age:
+            return self._values.popleft()
+        return None
+
+    async def draw(self, conn: Any) -> int:
+        """Draw a batch (in the caller's transaction, so it costs no commit of its own) and
+        take one. A concurrent draw may replace the batch; each value is still taken once."""
+        rows = await conn.fetch(_Q["draw_generations"], self._batch)
+        values = self._values = deque(row[0] for row in rows)
+        self._drawn_at = time.monotonic()
+        return values.popleft()
+
+
+def _prepared_name(base: str, query: str) -> str:
+    # The text's digest is in the name, so a session prepared by another version of this library
+    # (PgBouncer keeps server sessions across app restarts) never runs a different query.
+    return f"idem_{base}_{hashlib.sha256(query.encode()).hexdigest()[:12]}"
+
+
+#: The statements the fast path prepares on a connection (all at once): SQL and parameter types.
+_FAST: dict[str, tuple[str, str]] = {
+    "claim_key": (_Q["claim_key"], "text, text, text"),
+    "insert_final": (
+        _Q["insert_final"],
+        "text, text, text, bytea, bigint, float8, text, integer, bytea, bytea, text",
+    ),
+    "complete_checked": (
+        _Q["complete_checked"],
+        "text, text, text, bigint, text, integer, bytea, bytea, text",
+    ),
+    "fence": (_Q["fence"], "text, text, text, bigint, text"),
+    "settle_checked": (
+        _Q["settle_checked"],
+        "text, text, text, bigint, text, text, integer, bytea, bytea, text, text, text",
+    ),
+}
+NAMES = {name: _prepared_name(name, sql) for name, (sql, _) in _FAST.items()}
+_PREPARE = "".join(
+    f"PREPARE {NAMES[name]} ({types}) AS {sql};\n" for name, (sql, types) in _FAST.items()
+)
+#: The fused completion of each ordinary completing statement.
+_CHECKED = {"complete": "complete_checked", "insert_final": "insert_final"}
+#: `claim_key`'s answer when another transaction is claiming the key (it returns two rows).
+_KEY_BUSY = "SELECT 2"
+_PREPARED_MISMATCH: tuple[type[BaseException], ...] = (
+    asyncpg.exceptions.InvalidSQLStatementNameError,
+    asyncpg.exceptions.DuplicatePreparedStatementError,
+)
+#: How the `_checked` statements say they matched nothing (see queries.sql).
+_MISSED = asyncpg.exceptions.DivisionByZeroError
+
+
+def _execute(name: str, args: Sequence[Any]) -> str:
+    """`EXECUTE name (literals)`: what `_inline` would make of `EXECUTE name ($1, ...)`, without
+    the regular expression (this runs twice per request)."""
+    return f"EXECUTE {name} (" + ", ".join(map(_literal, args)) + ")"
+
+
+class FusingSession(Protocol):
+    """What the fast claim needs of a transaction session."""
+
+    @property
+    def driver(self) -> Any:
+        """The session's connection, for the store's own statements."""
+
+    async def begin(self) -> None:
+        """BEGIN the ordinary way."""
+
+    async def rollback(self) -> None: ...
+
+    def fusing(self, *, begins: bool) -> None:
+        """A fused message is about to be sent; `begins`: it carries the BEGIN."""
+
+
+class FastPath:
+    """A store's state for the transactional fast path.
+
+    The fused messages run the claim and the completion as server-side prepared statements
+    (SQL `PREPARE`, once per connection, in the same message as the first use), so the server
+    plans them once instead of on every request. Which connections have them is tracked by the
+    connection object; if the server says a statement is missing (a pool `reset` that runs
+    DISCARD ALL, or PgBouncer moving the session between server connections), the store stops
+    preparing and inlines the statements' text instead, for good.
+    """
+
+    def __init__(self) -> None:
+        self.generations = Generations()
+        self.prepared: weakref.WeakSet[Any] = weakref.WeakSet()
+        self.use_prepared = True
+
+    def message(
+        self, conn: Any, query: str, args: Sequence[Any], *, begin: bool, tail: str = ""
+    ) -> str:
+        """One simple-query message running the named query with `args` as literals: [the
+        PREPAREs, on a connection's first use] [BEGIN] the statement [tail, e.g. COMMIT]."""
+        begin_sql = "BEGIN;\n" if begin else ""
+        if not self.use_prepared:
+            return begin_sql + _inline(_FAST[query][0], args) + tail
+        statement = _execute(NAMES[query], args) + tail
+        raw = compat.raw_connection(conn)
+        if raw is None:
+            raise NotFusable("the connection is gone")  # the ordinary path reports it
+        if raw in self.prepared:
+            return begin_sql + statement
+        self.prepared.add(raw)  # prepared by this very message (it fails as a whole if not)
+        return _PREPARE + begin_sql + statement
+
+    def stop_preparing(self) -> None:
+        # A statement missing where we prepared it, or present where we did not: server
+        # sessions do not follow our connections (PgBouncer, a DISCARD ALL reset). Inline from
+        # now on.
+        if self.use_prepared:
+            logger.info("prepared statements do not stay with this pool's connections; inlining")
+        self.use_prepared = False
+
+    async def begin_and_claim(
+        self,
+        session: FusingSession,
+        key: RecordKey,
+        timeout: float,  # noqa: ASYNC109 - asyncpg's own per-statement timeout
+    ) -> Claim | None:
+        """BEGIN and `claim_key` in one round trip: the key's advisory lock is taken and
+        nothing is written (the record is written once, with its outcome, at commit).
+
+        None: the ordinary path. The session's transaction is then open if a fast claim was
+        tried (the key is taken, or a value cannot be inlined), and not if the connection does
+        not allow one. Raises ClaimBusy when another transaction is claiming the key."""
+        conn = session.driver
+        if not fusable(conn):
+            return None
+        generation = self.generations.take_ready()
+        for _ in range(2):
+            in_message = generation is not None  # BEGIN travels with the claim
+            if generation is None:
+                # 1 claim in 32: BEGIN first and draw a batch inside the transaction.
+                await session.begin()
+                generation = await self.generations.draw(conn)
+            args = (key.tenant, key.operation, key.key)
+            try:
+                query = self.message(conn, "claim_key", args, begin=in_message)
+            except NotFusable:
+                if in_message:
+                    await session.begin()
+                return None
+            session.fusing(begins=in_message)
+            try:
+                status = await conn.execute(query, timeout=timeout)
+            except _PREPARED_MISMATCH:
+                self.stop_preparing()
+                await session.rollback()
+                continue
+            if status == "SELECT 0":  # no record holds the key
+                return Claim(True, generation, None)
+            if status == _KEY_BUSY:
+                raise ClaimBusy("another transaction is claiming this key")
+            return None
+        raise StoreError("the fast claim failed twice")  # inlined the second time: unreachable
+
+    async def complete_and_commit(
+        self, conn: Any, tx: Any, name: str, args: Sequence[Any], body_size: int
+    ) -> bool:
+        """The completing statement `name` ("complete" or "insert_final") and COMMIT in one
+        message. False: the ordinary path (nothing was sent). A unique violation (the key was
+        recorded by a claim that took no advisory lock) aborts the message before its COMMIT."""
+        if body_size > FUSE_MAX_BODY:
+            return False
+        try:
+            query = self.message(conn, _CHECKED[name], args, begin=False, tail=";\nCOMMIT")
+        except NotFusable:
+            return False
+        try:
+            await conn.execute(query)
+        except _MISSED as exc:
+            raise StoreError("completion matched no pending record") from exc
+        compat.committed(tx)
+        return True
+
+    async def settle_and_commit(
+        self, conn: Any, tx: Any, args: Sequence[Any], body_size: int
+    ) -> bool:
+        """A fenced settlement (`settle` arguments) and COMMIT in one message; False: the
+        ordinary path (nothing was sent)."""
+        if body_size > FUSE_MAX_BODY:
+            return False
+        try:
+            query = self.message(conn, "settle_checked", args, begin=False, tail=";\nCOMMIT")
+        except NotFusable:
+            return False
+        try:
+            await conn.execute(query)
+        except _MISSED as exc:
+            raise StoreError("the fenced settlement matched nothing under its own lock") from exc
+        compat.committed(tx)
+        return True
+
+    async def open_fence(self, conn: Any, args: Sequence[Any]) -> tuple[Any, bool] | None:
+        """BEGIN and `fence` in one message: (the adopted transaction, whether the record was
+        locked under the generation). None: the ordinary path (nothing is open)."""
+        if not fusable(conn):
+            return None
+        for _ in range(2):
+            try:
+                query = self.message(conn, "fence", args, begin=True)
+            except NotFusable:
+                return None
+            tx = compat.adopt(conn)
+            try:
+                status = await conn.execute(query)
+            except _PREPARED_MISMATCH:
+                self.stop_preparing()
+                await tx.rollback()
+                continue
+            return tx, status == "SELECT 1"
+        return None

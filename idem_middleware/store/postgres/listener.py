@@ -1,0 +1,145 @@
+"""The LISTEN connection: change notifications for the records waiters watch."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from contextlib import asynccontextmanager
+from typing import Any
+
+import asyncpg
+
+from ...errors import StoreError
+from ..base import EventWatch, RecordKey
+from .convert import CONNECTION_ERRORS, NOTIFY_CHANNEL, notify_token
+
+logger = logging.getLogger("idem_middleware.store")
+
+# How long one attempt to connect may take (waiters poll meanwhile), and the pause after a
+# failed one.
+CONNECT_SECONDS = 5.0
+RETRY_SECONDS = 5.0
+_ERRORS: tuple[type[BaseException], ...] = (*CONNECTION_ERRORS, asyncpg.PostgresError, StoreError)
+_CONNECT_ERRORS: tuple[type[BaseException], ...] = (*_ERRORS, TimeoutError)
+
+
+class Listener:
+    """One LISTEN connection per store, fanning notifications out to the waiters in-process.
+
+    Notifications are hints: a waiter always re-reads the record, and polls when none come (a
+    lost notification, or PgBouncer in transaction mode, where LISTEN cannot work).
+
+    The connection is made by one background attempt at a time, bounded by
+    `CONNECT_SECONDS`. No waiter ever waits for it: a waiter that finds no connection
+    starts the attempt (if none is running) and polls; once the connection is up, it is woken by
+    notifications like every later waiter (its event is registered either way).
+    """
+
+    def __init__(
+        self,
+        *,
+        enabled: bool,
+        connect: Callable[[], Awaitable[tuple[Any, bool]]],
+        release: Callable[[Any], Coroutine[Any, Any, None]],
+    ) -> None:
+        # `connect` returns a connection and whether it is the pool's (then `release` gives it
+        # back); otherwise it is our own, and closed.
+        self._enabled = enabled
+        self._open_connection = connect
+        self._release = release
+        self._conn: Any = None
+        self._pooled = False
+        self._connecting: asyncio.Task[None] | None = None
+        self._waiters: dict[str, set[asyncio.Event]] = {}
+        self._retry_at = 0.0
+
+    def connected(self) -> bool:
+        return self._conn is not None and not self._conn.is_closed()
+
+    def ensure(self) -> bool:
+        """Whether a LISTEN connection is up now; if not, start connecting (in the background)."""
+        if not self._enabled:
+            return False
+        if self.connected():
+            return True
+        loop = asyncio.get_running_loop()
+        if self._connecting is None and loop.time() >= self._retry_at:
+            self._connecting = loop.create_task(self._connect())
+        return False
+
+    async def _connect(self) -> None:
+        loop = asyncio.get_running_loop()
+        conn: Any = None
+        try:
+            async with asyncio.timeout(CONNECT_SECONDS):
+                conn, self._pooled = await self._open_connection()
+                await conn.add_listener(NOTIFY_CHANNEL, self._notified)
+            conn.add_termination_listener(self._lost)
+            self._conn, conn = conn, None
+        except _CONNECT_ERRORS as exc:
+            logger.warning("LISTEN unavailable, polling instead: %r", exc)
+            self._retry_at = loop.time() + RETRY_SECONDS
+        finally:
+            self._connecting = None
+            if conn is not None:  # it never became the listener (a timeout, or closing)
+                self._give_back(conn)
+
+    def _give_back(self, conn: Any) -> None:
+        if self._pooled:
+            task = asyncio.get_running_loop().create_task(self._release(conn))
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        else:
+            conn.terminate()
+
+    def _notified(self, conn: object, pid: int, channel: str, payload: object) -> None:
+        for event in self._waiters.get(str(payload), ()):
+            event.set()
+
+    def _lost(self, conn: Any) -> None:
+        self._conn = None
+        if self._pooled:
+            # A pooled connection that died still holds its pool slot until it is released.
+            self._give_back(conn)
+        # Wake everyone: they re-read the record, then poll until a new listener is up.
+        for events in self._waiters.values():
+            for event in events:
+                event.set()
+
+    @asynccontextmanager
+    async def watch(self, key: RecordKey) -> AsyncIterator[EventWatch]:
+        token = notify_token(key)
+        event = asyncio.Event()
+        self.ensure()
+        self._waiters.setdefault(token, set()).add(event)
+        try:
+            yield EventWatch(event, self.connected)
+        finally:
+            waiters = self._waiters.get(token)
+            if waiters is not None:
+                waiters.discard(event)
+                if not waiters:
+                    del self._waiters[token]
+
+    async def close(self) -> None:
+        connecting, self._connecting = self._connecting, None
+        if connecting is not None:
+            connecting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await connecting
+        conn, self._conn = self._conn, None
+        if conn is None or conn.is_closed():
+            return
+        conn.remove_termination_listener(self._lost)
+        if self._pooled:
+            # Back to the pool without our callback. asyncpg warns about a listener left on a
+            # released connection; where warnings are errors that aborts the release, and the
+            # connection stays acquired forever (`pool.close()` then never returns).
+            try:
+                await conn.remove_listener(NOTIFY_CHANNEL, self._notified)
+            except _ERRORS:
+                logger.debug("UNLISTEN failed; the pool's reset will drop it", exc_info=True)
+            await self._release(conn)
+        else:
+            await conn.close()

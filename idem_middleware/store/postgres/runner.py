@@ -1,0 +1,64 @@
+"""The store's own connections: borrowed from the pool, and given back without a reset when
+they ran only the store's statements."""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import asyncpg
+
+from ...errors import StoreError
+from . import compat
+from .convert import SERVER_ERROR, TRANSLATED, translate
+
+
+class PoolStatements:
+    """Runs the store's statements on the pool, translating driver errors."""
+
+    _pool: asyncpg.Pool[Any] | None
+    # Connections that ran only the store's own statements since they were acquired: they
+    # carry no session state (ours is all transaction-scoped), so the pool of our own skips
+    # their reset query, a round trip per release. Any other connection is reset as usual.
+    _clean: weakref.WeakSet[Any]
+
+    @property
+    def pool(self) -> asyncpg.Pool[Any]:
+        if self._pool is None:
+            raise StoreError("the store is not open: call `await store.open()` first")
+        return self._pool
+
+    def _mark_clean(self, conn: Any) -> None:
+        """`conn` (a pool's proxy) ran only our statements and is not in a transaction."""
+        raw = compat.raw_connection(conn)
+        if raw is not None and not raw.is_closed() and not raw.is_in_transaction():
+            self._clean.add(raw)
+
+    @asynccontextmanager
+    async def _internal(self) -> AsyncIterator[Any]:
+        """A pooled connection for the store's own statements: released without a reset."""
+        conn = await self.pool.acquire()
+        try:
+            yield conn
+            self._mark_clean(conn)
+        finally:
+            await self.pool.release(conn)
+
+    async def _run(self, method: str, query: str, *args: Any) -> Any:
+        """`conn.<method>(query, *args)` on a connection of our own; connection errors and
+        serialization failures translated (StoreError, RetryableConflict)."""
+        try:
+            async with self._internal() as conn:
+                return await getattr(conn, method)(query, *args)
+        except TRANSLATED as exc:
+            raise translate(exc) from exc
+
+    async def _run_any(self, method: str, query: str, *args: Any) -> Any:
+        """`_run`, with every other error the server reports translated too (StatementRefused):
+        for the statements of tokens.py and outbox.py, whose callers expect no driver error."""
+        try:
+            return await self._run(method, query, *args)
+        except SERVER_ERROR as exc:
+            raise translate(exc) from exc

@@ -1,0 +1,335 @@
+"""The PostgreSQL store (asyncpg): its lifecycle and the operations that commit on their own.
+It runs named queries and translates driver errors; the protocol's decisions live in the
+middleware. The sessions it hands out are in sessions.py, the fast path in fused.py."""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import asyncpg
+
+from ...errors import StaleGeneration, StoreError
+from ..base import (
+    Claim,
+    Record,
+    RecordKey,
+    Settlement,
+    State,
+)
+from ..migrations import require_migrated
+from .claim import claim
+from .convert import (
+    _Q,
+    ACQUIRE_ERRORS,
+    CONNECTION_ERRORS,
+    TRANSLATED,
+    notify_token,
+    settle_args,
+    to_record,
+    token_problem,
+    translate,
+)
+from .edges import OffPathStatements
+from .fused import FastPath
+from .listener import Listener
+from .sessions import PgFenced, PgTransaction
+
+logger = logging.getLogger("idem_middleware.store")
+
+
+class PostgresStore(OffPathStatements):
+    """The PostgreSQL store. Borrows the caller's asyncpg pool, or creates (and closes) its own.
+
+    For PgBouncer in transaction pooling mode pass `statement_cache_size=0`.
+
+    `fast_path=False` sends the transactional claim and completion as parameterised statements
+    of their own, with BEGIN and COMMIT apart (two round trips more per fresh request, and no
+    reliance on asyncpg's private transaction attributes; see compat.py).
+    """
+
+    def __init__(
+        self,
+        *,
+        pool: asyncpg.Pool[Any] | None = None,
+        dsn: str | None = None,
+        min_size: int = 2,
+        max_size: int = 10,
+        statement_cache_size: int = 100,
+        application_name: str = "idem_middleware",
+        connect_kwargs: dict[str, Any] | None = None,
+        listen: bool = True,
+        listen_dsn: str | None = None,
+        fast_path: bool = True,
+    ) -> None:
+        if (pool is None) == (dsn is None):
+            raise ValueError("pass exactly one of pool= or dsn=")
+        self._pool = pool
+        self._owns_pool = pool is None
+        self._dsn = dsn
+        self._listen = listen
+        self._listen_dsn = listen_dsn or dsn
+        self._listener = Listener(
+            enabled=listen, connect=self._listen_connection, release=self._release
+        )
+        self._fast = FastPath() if fast_path else None
+        self._pool_kwargs: dict[str, Any] = {
+            "min_size": min_size,
+            "max_size": max_size,
+            "statement_cache_size": statement_cache_size,
+            "server_settings": {"application_name": application_name},
+            **(connect_kwargs or {}),
+        }
+        self._clean = weakref.WeakSet()  # see PoolStatements
+        self._pool_kwargs.setdefault("reset", self._reset_connection)
+
+    async def _reset_connection(self, conn: Any) -> None:
+        """The reset of our own pool (asyncpg has already rolled back any open transaction and
+        dropped client-side listeners): the server-side reset, unless `conn` is clean."""
+        if conn in self._clean:
+            self._clean.discard(conn)
+            return
+        query = conn.get_reset_query()
+        if query:
+            await conn.execute(query)
+
+    async def open(self) -> PostgresStore:
+        """Create the pool (unless one was given), and check that the database has every
+        migration this version needs: ConfigurationError, naming the command, if not. A server
+        that cannot be reached yet is no reason to refuse (requests answer 503 until it is):
+        the check is then skipped, with a warning."""
+        created = self._pool is None
+        if self._pool is None:
+            try:
+                self._pool = await asyncpg.create_pool(self._dsn, **self._pool_kwargs)
+            except CONNECTION_ERRORS as exc:
+                raise StoreError(f"cannot connect: {exc}") from exc
+        try:
+            async with self._internal() as conn:
+                await require_migrated(conn)
+        except ACQUIRE_ERRORS as exc:
+            logger.warning("cannot check the idempotency schema now: %s", exc)
+        except BaseException:
+            if created and self._pool is not None:
+                pool, self._pool = self._pool, None
+                await pool.close()
+            raise
+        return self
+
+    async def close(self) -> None:
+        await self._listener.close()
+        if self._owns_pool and self._pool is not None:
+            pool, self._pool = self._pool, None
+            await pool.close()
+
+    async def __aenter__(self) -> PostgresStore:
+        return await self.open()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    @asynccontextmanager
+    async def transaction(
+        self, *, acquire_timeout: float, begin: bool = True
+    ) -> AsyncIterator[PgTransaction]:
+        try:
+            conn = await self.pool.acquire(timeout=acquire_timeout)
+        except ACQUIRE_ERRORS as exc:
+            raise StoreError(f"no database connection: {type(exc).__name__}") from exc
+        session = PgTransaction(conn, self._fast)
+        session._give_back = self._give_back
+        try:
+            if begin:
+                await session.begin()
+            yield session
+        finally:
+            await session.release()
+
+    async def _give_back(self, session: PgTransaction, conn: Any) -> None:
+        """The end of a `transaction()` session, early (`release`) or at the block's end."""
+        try:
+            if session.active:
+                await session.rollback()
+            if not session.lent:
+                self._mark_clean(conn)  # a replay, say: the handler never had the connection
+        finally:
+            await self.pool.release(conn)
+
+    async def get(self, key: RecordKey) -> Record | None:
+        try:
+            async with self._internal() as conn:
+                row = await conn.fetchrow(_Q["get"], key.tenant, key.operation, key.key)
+        except CONNECTION_ERRORS as exc:
+            raise StoreError(str(exc)) from exc
+        return None if row is None else to_record(key, row)
+
+    # -- lease mode ------------------------------------------------------------------------------
+
+    async def claim_lease(
+        self,
+        key: RecordKey,
+        fingerprint: bytes,
+        *,
+        retention_seconds: float,
+        lease_seconds: float,
+        token_hash: bytes | None = None,
+    ) -> Claim:
+        args = (
+            key.tenant,
+            key.operation,
+            key.key,
+            fingerprint,
+            "lease",
+            retention_seconds,
+            lease_seconds,
+        )
+        try:
+            async with self._internal() as conn:
+                return await claim(conn, key, args, token_hash, None)
+        except TRANSLATED as exc:
+            raise translate(exc) from exc
+
+    async def token_problem(self, key: RecordKey, token_hash: bytes, fingerprint: bytes) -> str:
+        row = await self._run(
+            "fetchrow", _Q["token_status"], key.tenant, token_hash, key.operation, fingerprint
+        )
+        return token_problem(row)
+
+    async def heartbeat(self, key: RecordKey, generation: int, lease_seconds: float) -> bool:
+        status = await self._run(
+            "execute",
+            _Q["heartbeat"],
+            key.tenant,
+            key.operation,
+            key.key,
+            generation,
+            lease_seconds,
+        )
+        return bool(status == "UPDATE 1")
+
+    async def expire_lease(self, key: RecordKey, generation: int) -> bool:
+        moved = await self._run(
+            "fetchval",
+            _Q["expire_lease"],
+            key.tenant,
+            key.operation,
+            key.key,
+            generation,
+            notify_token(key),
+        )
+        return bool(moved)
+
+    async def takeover(
+        self, key: RecordKey, generation: int, expected: State, lease_seconds: float
+    ) -> int | None:
+        if expected not in (State.PENDING, State.UNKNOWN):
+            # A finished outcome is replayed, never run again (PROTOCOL §2).
+            raise ValueError(f"only a pending or unknown record can be taken over, not {expected}")
+        new: int | None = await self._run(
+            "fetchval",
+            _Q["takeover"],
+            key.tenant,
+            key.operation,
+            key.key,
+            generation,
+            expected.value,
+            lease_seconds,
+        )
+        return new
+
+    async def settle(self, key: RecordKey, generation: int, expected: State, s: Settlement) -> bool:
+        row = await self._run("fetchrow", _Q["settle"], *settle_args(key, generation, expected, s))
+        return bool(row["settled"])
+
+    async def release(self, key: RecordKey, generation: int) -> bool:
+        row = await self._run(
+            "fetchrow",
+            _Q["release"],
+            key.tenant,
+            key.operation,
+            key.key,
+            generation,
+            notify_token(key),
+        )
+        return bool(row["released"])
+
+    async def allow_retry(self, key: RecordKey, generation: int, note: str) -> bool:
+        row = await self._run(
+            "fetchrow",
+            _Q["allow_retry"],
+            key.tenant,
+            key.operation,
+            key.key,
+            generation,
+            note,
+            notify_token(key),
+        )
+        return bool(row["moved"])
+
+    @asynccontextmanager
+    async def fenced(
+        self, key: RecordKey, generation: int, expected: State = State.PENDING
+    ) -> AsyncIterator[PgFenced]:
+        try:
+            conn = await self.pool.acquire()
+        except ACQUIRE_ERRORS as exc:
+            raise StoreError(f"no database connection: {type(exc).__name__}") from exc
+        try:
+            try:
+                tx, held, fast = await self._open_fence(conn, key, generation, expected)
+            except CONNECTION_ERRORS as exc:
+                raise StoreError(str(exc)) from exc
+            if not held:
+                await tx.rollback()
+                raise StaleGeneration(
+                    f"generation {generation} no longer holds the record; its writes are refused"
+                )
+            session = PgFenced(conn, tx, fast)
+            try:
+                yield session
+            except BaseException:
+                if not session.committed:
+                    await tx.rollback()
+                raise
+            if not session.committed:
+                try:
+                    await tx.commit()
+                except TRANSLATED as exc:
+                    raise translate(exc) from exc
+        finally:
+            await self.pool.release(conn)
+
+    async def _open_fence(
+        self, conn: Any, key: RecordKey, generation: int, expected: State
+    ) -> tuple[Any, bool, FastPath | None]:
+        """BEGIN and lock the record under the generation: (transaction, held, fast). The fast
+        way sends both in one message; its status line says whether the row was locked."""
+        args = (key.tenant, key.operation, key.key, generation, expected.value)
+        if self._fast is not None:
+            opened = await self._fast.open_fence(conn, args)
+            if opened is not None:
+                return (*opened, self._fast)
+        tx = conn.transaction()
+        await tx.start()
+        held = await conn.fetchval(_Q["fence"], *args)
+        return tx, held is not None, None
+
+    async def _release(self, conn: Any) -> None:
+        await self.pool.release(conn)
+
+    async def _listen_connection(self) -> tuple[Any, bool]:
+        """A connection for LISTEN: a dedicated one when we know the DSN, else one from the pool."""
+        if not self._listen:
+            raise StoreError("LISTEN is disabled for this store")
+        if self._listen_dsn is not None:
+            conn = await asyncpg.connect(
+                self._listen_dsn, server_settings={"application_name": "idem_middleware.listen"}
+            )
+            return conn, False
+        return await self.pool.acquire(), True
+
+    def watch(self, key: RecordKey) -> Any:
+        return self._listener.watch(key)
