@@ -7,42 +7,17 @@ import hashlib
 from collections.abc import Awaitable, Callable, Mapping, MutableMapping
 from contextvars import ContextVar, Token
 from dataclasses import dataclass, field
-from enum import StrEnum
 from typing import Any
 
 from .errors import ConfigurationError
+from .keys import token_hash as token_hash
+from .outcomes import RELEASE_STATUSES as RELEASE_STATUSES
+from .outcomes import Outcome as Outcome
+from .outcomes import outcome_for_status as outcome_for_status
 from .policy import Mode
 
 #: The ASGI scope entry holding the IdempotencyContext of a claimed request.
 SCOPE_KEY = "idem_middleware.context"
-
-
-class Outcome(StrEnum):
-    """How a claimed request ends; the handler may declare one instead of its status deciding."""
-
-    #: Stored and replayed (2xx and 3xx by default).
-    SUCCEEDED = "succeeded"
-    #: Definitely did not happen and will not be retried: stored and replayed (402, ...).
-    FAILED_FINAL = "failed_final"
-    #: Nothing happened, fix and retry: not stored, the key is free again (400, 409, 422, ...).
-    RELEASE = "release"
-    #: Lease mode only: the effect may or may not have happened elsewhere.
-    UNKNOWN = "unknown"
-
-
-#: Responses meaning "nothing happened, fix the request and retry" (PROTOCOL §4).
-RELEASE_STATUSES = frozenset({400, 401, 403, 404, 405, 408, 409, 413, 415, 422, 425, 429})
-
-
-def outcome_for_status(status: int, mode: Mode) -> Outcome:
-    if status < 400:
-        return Outcome.SUCCEEDED
-    if status in RELEASE_STATUSES:
-        return Outcome.RELEASE
-    if status < 500:
-        return Outcome.FAILED_FINAL
-    # A 5xx after a rolled-back transaction left nothing behind; elsewhere it proves nothing.
-    return Outcome.RELEASE if mode is Mode.TRANSACTIONAL else Outcome.UNKNOWN
 
 
 def _length_prefixed(*parts: str) -> bytes:
@@ -68,11 +43,6 @@ def derive_downstream_key(tenant: str, operation: str, key: str, epoch: int | No
         parts = _length_prefixed(tenant, operation, key, str(epoch))
         digest = hashlib.sha256(b"idem-downstream-2" + parts)
     return digest.hexdigest()
-
-
-def token_hash(token: str) -> bytes:
-    """One-time tokens are stored, and looked up, only as this hash."""
-    return hashlib.sha256(token.encode()).digest()
 
 
 def key_digest(key: str) -> str:

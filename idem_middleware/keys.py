@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import hashlib
 import re
 from collections.abc import Sequence
 
 from .errors import ProblemKind, RequestRejected
 
-__all__ = ["MAX_KEY_LENGTH", "check_key", "parse_idempotency_key", "parse_key_value"]
+__all__ = ["MAX_KEY_LENGTH", "check_key", "parse_idempotency_key", "parse_key_value", "token_hash"]
 
 MAX_KEY_LENGTH = 255
 
@@ -80,3 +81,8 @@ def check_key(key: str) -> str:
     if _DECODED_KEY.fullmatch(key) is None:
         raise RequestRejected(ProblemKind.INVALID_KEY, _BAD_KEY)
     return key
+
+
+def token_hash(token: str) -> bytes:
+    """One-time tokens are stored, and looked up, only as this hash."""
+    return hashlib.sha256(token.encode()).digest()

@@ -11,7 +11,7 @@ import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from decimal import Decimal
-from typing import TYPE_CHECKING, ClassVar, Protocol
+from typing import TYPE_CHECKING, ClassVar
 
 from starlette.types import Message, Receive, Scope
 
@@ -21,7 +21,7 @@ from .fingerprint_json import canonical_json, parse_json_strict
 from .keys import MAX_KEY_LENGTH, check_key, parse_key_value
 
 if TYPE_CHECKING:
-    from .policy import Policy
+    from .exchange import Exchange
 
 __all__ = [
     "KeyFromBody",
@@ -203,15 +203,7 @@ def as_key_source(value: object) -> KeySource | None:
     raise ConfigurationError(f"key_source must be a KeySource or a function, not {value!r}")
 
 
-class _Exchange(Protocol):
-    scope: Scope
-    receive: Receive
-    policy: Policy
-
-    async def _read_body(self) -> bytes | None: ...
-
-
-async def take_key(ex: _Exchange, source: KeySource | KeyFunction) -> str | None:
+async def take_key(ex: Exchange, source: KeySource | KeyFunction) -> str | None:
     """The key of the request `ex` handles, from `source`; None when there is none and the
     policy does not require one. A missing required key is `400 missing-key` naming where it
     was looked for. A source that reads the body reads it here, and the request's `receive`
@@ -221,7 +213,7 @@ async def take_key(ex: _Exchange, source: KeySource | KeyFunction) -> str | None
         source = KeyFromFunction(source)  # a Policy has wrapped it already; a test may not have
     body = b""
     if source.reads_body:
-        read = await ex._read_body()
+        read = await ex.read_body()
         if read is None:
             # No body, so no key; and no app runs for a client that has already left.
             raise RequestRejected(

@@ -1,7 +1,8 @@
 """Lease mode: the claim commits first, a heartbeat keeps it, and completion is a compare-and-set.
 
 For routes whose effects live outside the database (a bank, a broker), where a crash or timeout
-leaves the outcome unknown. See PROTOCOL §5 and the README's "Lease mode".
+leaves the outcome unknown. See docs/lease-mode.md. Like transactional mode, it returns what the
+client is to be told (an `answers.Answer`); the exchange sends it.
 """
 
 from __future__ import annotations
@@ -9,38 +10,32 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import Any, Protocol
+from typing import TYPE_CHECKING
 
-from starlette.types import ASGIApp, Receive, Scope, Send
-
-from .capture import ResponseCapture
-from .context import (
-    IdempotencyContext,
-    Outcome,
-    enter_context,
-    key_digest,
-    leave_context,
-    outcome_for_status,
+from .answers import (
+    SENT,
+    TENANT_BUSY,
+    WAITERS_FULL,
+    Answer,
+    InFlight,
+    Problem,
+    Send,
+    TokenRefused,
 )
-from .errors import ProblemKind, StaleGeneration
+from .capture import ResponseCapture
+from .context import IdempotencyContext, enter_context, key_digest, leave_context
+from .errors import ClaimTimeout, ProblemKind, StaleGeneration
 from .fence import Fence, Verdict, run_reconciler
 from .observe import SETTLED_EVENTS, Event
-from .policy import LeaseExpiry, Mode, Policy
-from .store.base import (
-    Claim,
-    ClaimTimeout,
-    Record,
-    RecordKey,
-    Settlement,
-    State,
-    Store,
-    StoredResponse,
-)
-from .waiting import TenantSlots, Waiters
+from .outcomes import FINAL_STATE, Outcome, duplicate_answer, outcome_for_status, settled_answer
+from .policy import LeaseExpiry, Mode
+from .store.base import Claim, Record, RecordKey, Settlement, State
+
+if TYPE_CHECKING:
+    from .exchange import Exchange
 
 logger = logging.getLogger("idem_middleware")
 
-_FINAL = {Outcome.SUCCEEDED: State.SUCCEEDED, Outcome.FAILED_FINAL: State.FAILED_FINAL}
 # Polling between notifications: quick at first, then backing off. A notification cuts it short.
 _FIRST_POLL = 0.05
 _MAX_POLL = 1.0
@@ -50,54 +45,20 @@ _MAX_ROUNDS = 10_000
 _MIN_LOCK_WAIT = 0.05
 
 
+_NO_RECONCILER = "No reconciler can tell what happened."
+_LOST_CLAIM = (
+    "This execution lost its claim (its lease was taken over); its result was not recorded. "
+    "Retry to get the outcome."
+)
+
+
 def _lock_wait(remaining: float) -> float:
     """How long a duplicate may wait for the record's row lock: what is left of its wait."""
     return max(remaining, _MIN_LOCK_WAIT)
 
 
-class _Exchange(Protocol):
-    scope: Scope
-    send: Send
-    policy: Policy
-    started: bool
-
-    @property
-    def app(self) -> ASGIApp: ...
-
-    @property
-    def store(self) -> Store: ...
-
-    async def problem(
-        self, kind: ProblemKind, detail: str, retry_after: int | None = None
-    ) -> None: ...
-
-    async def answer_in_flight(self, record_key: RecordKey) -> None: ...
-
-    async def replay(self, response: StoredResponse) -> None: ...
-
-    def emit(self, event: Event, generation: int | None = None) -> None: ...
-
-    def timed(self, name: str) -> Any: ...
-
-    @property
-    def token_hash(self) -> bytes | None: ...
-
-    async def refuse_token(self, record_key: RecordKey) -> None: ...
-
-    async def tenant_busy(self) -> None: ...
-
-    @property
-    def waiters(self) -> Waiters: ...
-
-    @property
-    def tenant_slots(self) -> TenantSlots: ...
-
-    @property
-    def app_receive(self) -> Receive: ...
-
-
 class LeaseRun:
-    def __init__(self, ex: _Exchange, key: RecordKey, fingerprint: bytes) -> None:
+    def __init__(self, ex: Exchange, key: RecordKey, fingerprint: bytes) -> None:
         self.ex = ex
         self.key = key
         self.fingerprint = fingerprint
@@ -113,65 +74,52 @@ class LeaseRun:
             token_hash=self.ex.token_hash,
         )
 
-    async def run(self) -> None:
+    async def run(self) -> Answer:
         # The tenant's slot is held while this request may hold a connection: its claim, and
         # its execution (the handler may open a fenced transaction). Not while it waits.
-        slots = self.ex.tenant_slots
+        slots = self.ex.mw.tenant_slots
         if not slots.take(self.key.tenant):
-            await self.ex.tenant_busy()
-            return
+            return Problem(ProblemKind.TENANT_BUSY, TENANT_BUSY, self.policy.retry_after_seconds)
         try:
             try:
                 with self.ex.timed("claim"):
                     claim = await self._claim()
             except ClaimTimeout:
-                await self.ex.answer_in_flight(self.key)
-                return
+                return InFlight()
             if claim.claimed:
-                await self.execute(claim.generation, claim.epoch)
-                return
+                return await self.execute(claim.generation, claim.epoch)
         finally:
             slots.give_back(self.key.tenant)
         if claim.record is None:
-            await self.ex.refuse_token(self.key)
-        else:
-            await self.duplicate(claim.record)
+            return TokenRefused()
+        return await self.duplicate(claim.record)
 
     # -- a duplicate: replay, wait, take over, or reconcile ------------------------------------
 
-    async def duplicate(self, record: Record | None) -> None:
+    async def duplicate(self, record: Record | None) -> Answer:
         policy = self.policy
         store = self.store
         loop = asyncio.get_running_loop()
         deadline = loop.time() + policy.wait_seconds
         poll = _FIRST_POLL
-        waiters = self.ex.waiters
+        waiters = self.ex.mw.waiters
         # The wait is timed from the first time this request waits until it is answered.
         async with store.watch(self.key) as watch, contextlib.AsyncExitStack() as waiting:
             for _ in range(_MAX_ROUNDS):
                 if record is None or record.expired:
                     claim = await self._claim()
                     if claim.claimed:
-                        await self.execute(claim.generation, claim.epoch)
-                        return
+                        return await self.execute(claim.generation, claim.epoch)
                     if claim.record is None:
-                        await self.ex.refuse_token(self.key)
-                        return
+                        return TokenRefused()
                     record = claim.record
-                if record.fingerprint != self.fingerprint:
-                    await self.ex.problem(
-                        ProblemKind.KEY_REUSED,
-                        "This Idempotency-Key was used for a different request; use a new key "
-                        "for a new request.",
-                    )
-                    return
-                if record.state in (State.SUCCEEDED, State.FAILED_FINAL):
-                    assert record.response is not None
-                    await self.ex.replay(record.response)
-                    return
+                answer = settled_answer(record, self.fingerprint)
+                if answer is not None:
+                    return answer  # another request's key (422), or the replay
                 if record.state is State.UNKNOWN:
-                    if not await self.reconcile(record):
-                        return
+                    answer = await self.reconcile(record)
+                    if answer is not None:
+                        return answer
                 elif record.retry_allowed or (
                     record.lease_expired and policy.on_lease_expiry is LeaseExpiry.TAKEOVER
                 ):
@@ -182,37 +130,29 @@ class LeaseRun:
                             )
                     except TimeoutError:
                         # The executor is still in its fenced transaction, past its lease.
-                        await self.ex.answer_in_flight(self.key)
-                        return
+                        return InFlight()
                     if generation is not None:
                         logger.info(
                             "took over a lapsed claim",
                             extra=self._log_extra(generation, "takeover"),
                         )
-                        await self.execute(generation, record.epoch)  # the same life
-                        return
+                        return await self.execute(generation, record.epoch)  # the same life
                 elif record.lease_expired:
                     try:
                         async with asyncio.timeout(_lock_wait(deadline - loop.time())):
                             await store.expire_lease(self.key, record.generation)
                     except TimeoutError:
                         # The executor is still in its fenced transaction, past its lease.
-                        await self.ex.answer_in_flight(self.key)
-                        return
+                        return InFlight()
                 else:
                     remaining = deadline - loop.time()
                     if remaining <= 0:
-                        await self.ex.answer_in_flight(self.key)
-                        return
+                        return InFlight()
                     if poll == _FIRST_POLL:
                         if not waiters.enter():
-                            await self.ex.problem(
-                                ProblemKind.IN_FLIGHT,
-                                "The original request is still being processed, and too many "
-                                "requests are waiting already; retry later.",
-                                retry_after=policy.retry_after_seconds,
+                            return Problem(
+                                ProblemKind.IN_FLIGHT, WAITERS_FULL, policy.retry_after_seconds
                             )
-                            return
                         waiting.callback(waiters.leave)
                         waiting.enter_context(self.ex.timed("wait"))
                     await watch.wait(min(remaining, poll))
@@ -220,16 +160,14 @@ class LeaseRun:
                 record = await store.get(self.key)
         raise RuntimeError("the record kept changing; giving up")  # pragma: no cover
 
-    async def reconcile(self, record: Record) -> bool:
-        """Ask the route's reconciler about an unknown record.
-
-        Returns True when the record changed and the caller should read it again; False when
-        this request has been answered.
-        """
+    async def reconcile(self, record: Record) -> Answer | None:
+        """Ask the route's reconciler about an unknown record: the answer, or None when the
+        record changed and the caller should read it again."""
         policy = self.policy
         if policy.reconciler is None:
-            await self._unknown("No reconciler can tell what happened.")
-            return False
+            return duplicate_answer(
+                record, self.fingerprint, "No reconciler can tell what happened."
+            )
         result = await run_reconciler(
             self.store,
             self.key,
@@ -244,28 +182,19 @@ class LeaseRun:
                 self.key, record.generation, State.UNKNOWN, policy.lease_seconds
             )
             if generation is None:
-                return True
+                return None
             logger.info(
                 "reconciled as not happened; running again",
                 extra=self._log_extra(generation, "reconciled-retry"),
             )
-            await self.execute(generation, record.epoch)
-            return False
+            return await self.execute(generation, record.epoch)
         if result.verdict in (Verdict.STILL_UNKNOWN, Verdict.FAILED):
-            await self._unknown(result.reason)
-            return False
-        return True  # settled (by us or by someone else): read it again and replay
-
-    async def _unknown(self, detail: str) -> None:
-        await self.ex.problem(
-            ProblemKind.OUTCOME_UNKNOWN,
-            "The original request's outcome is not known yet, and it will not be run again "
-            f"until it is resolved. {detail}",
-        )
+            return duplicate_answer(record, self.fingerprint, result.reason)
+        return None  # settled (by us or by someone else): read it again and replay
 
     # -- the executor --------------------------------------------------------------------------
 
-    async def execute(self, generation: int, epoch: int | None) -> None:
+    async def execute(self, generation: int, epoch: int | None) -> Answer:
         ex = self.ex
         policy = self.policy
         fence = Fence(self.store, self.key, generation, State.PENDING)
@@ -291,7 +220,7 @@ class LeaseRun:
 
         capture = ResponseCapture(ex.send, policy.max_response_bytes, settle_early)
         try:
-            await self._execute(context, fence, capture)
+            return await self._execute(context, fence, capture)
         finally:
             capture.close()  # settle_early and capture refer to each other
 
@@ -300,7 +229,7 @@ class LeaseRun:
         context: IdempotencyContext,
         fence: Fence,
         capture: ResponseCapture,
-    ) -> None:
+    ) -> Answer:
         ex = self.ex
         policy = self.policy
         generation = context.generation
@@ -348,7 +277,7 @@ class LeaseRun:
                 raise
             else:
                 if capture.passthrough:
-                    return
+                    return SENT
                 if capture.start is None or not capture.complete:
                     await fence.close()
                     await self.store.settle(
@@ -367,15 +296,8 @@ class LeaseRun:
             if heartbeat is not None:
                 await heartbeat
         if settled:
-            ex.started = True
-            await capture.flush()
-        else:
-            await ex.problem(
-                ProblemKind.IN_FLIGHT,
-                "This execution lost its claim (its lease was taken over); its result was not "
-                "recorded. Retry to get the outcome.",
-                retry_after=policy.retry_after_seconds,
-            )
+            return Send(capture.flush)
+        return Problem(ProblemKind.IN_FLIGHT, _LOST_CLAIM, policy.retry_after_seconds)
 
     async def _settle(
         self,
@@ -385,7 +307,7 @@ class LeaseRun:
         omitted: str | None = None,
     ) -> bool:
         outcome = context.declared or outcome_for_status(capture.status, Mode.LEASE)
-        state = _FINAL.get(outcome)
+        state = FINAL_STATE.get(outcome)
         generation = context.generation
         with self.ex.timed("complete"):
             if state is not None:

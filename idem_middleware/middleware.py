@@ -1,56 +1,33 @@
-"""The pure-ASGI Idempotency-Key middleware: request buffering, response capture, settling.
-
-No SQL here and no FastAPI: the store does the former, `fastapi.py` the latter.
+"""The pure-ASGI Idempotency-Key middleware: its configuration, and which requests it guards
+under which policy. Each guarded request is an `exchange.Exchange` (see there for the request
+path). No SQL here and no FastAPI: the store does the former, `fastapi.py` the latter.
 """
 
 from __future__ import annotations
 
-import asyncio
-import inspect
 import logging
 import os
 from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from typing import Any
-from urllib.parse import urlencode
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from .context import (
-    SCOPE_KEY,
-    key_digest,
-    token_hash,
-)
-from .errors import ConfigurationError, ProblemKind, RequestRejected, StoreError
-from .fingerprint import compute_fingerprint
-from .keys import parse_idempotency_key
-from .keysource import take_key
-from .lease import LeaseRun
-from .observe import Event, Observer, combine, timed
+from .context import SCOPE_KEY
+from .errors import ConfigurationError, ProblemKind
+from .exchange import Exchange
+from .observe import Observer, combine
 from .policy import (
     MIDDLEWARE_ACTIVE,
-    Mode,
     Policy,
     RouteMatch,
     endpoint_policy,
     names,
     operation_name,
 )
-from .responses import (
-    DEFAULT_PROBLEM_BASE,
-    send_accepted,
-    send_problem,
-    send_replay,
-)
+from .responses import DEFAULT_PROBLEM_BASE, send_problem
 from .routing import Unresolved, match_route, routes_of
 from .startup import AUTH_FIX, SAFE_METHODS, check_app
-from .store.base import (
-    Record,
-    RecordKey,
-    State,
-    Store,
-    StoredResponse,
-)
-from .transactional import ClientGone, run_transactional
+from .store.base import Store
 from .waiting import TenantSlots, Waiters
 
 logger = logging.getLogger("idem_middleware")
@@ -61,12 +38,6 @@ TenantResolver = Callable[[Scope], "Awaitable[str | None] | str | None"]
 KILL_SWITCH_ENV = "IDEM_MIDDLEWARE_DISABLED"
 
 _DEFAULT_METHODS = frozenset({"POST", "PATCH"})
-_PROBLEM_EVENTS = {
-    ProblemKind.KEY_REUSED: Event.MISMATCH,
-    ProblemKind.IN_FLIGHT: Event.IN_FLIGHT,
-    ProblemKind.OUTCOME_UNKNOWN: Event.UNKNOWN,
-    ProblemKind.STORE_UNAVAILABLE: Event.ERROR,
-}
 
 
 def authenticated_user_tenant(scope: Scope) -> str | None:
@@ -208,7 +179,7 @@ class IdempotencyMiddleware:
                 )
             await self._misconfigured(send, "The server cannot identify the caller.")
             return
-        await _Exchange(self, scope, receive, send, match, policy).run()
+        await Exchange(self, scope, receive, send, match, policy).run()
 
     def policy_for(self, method: str, route: RouteMatch | Any) -> Policy | None:
         """The policy guarding `method` on `route` (anything with `template` and `endpoint`):
@@ -262,260 +233,3 @@ class IdempotencyMiddleware:
                 await send(message)
 
         await self.app(scope, checked_receive, quiet_send)
-
-
-class _Exchange:
-    """One guarded request: everything per-request lives here, never on the middleware."""
-
-    def __init__(
-        self,
-        mw: IdempotencyMiddleware,
-        scope: Scope,
-        receive: Receive,
-        send: Send,
-        match: RouteMatch,
-        policy: Policy,
-    ) -> None:
-        self.mw = mw
-        self.scope = scope
-        self.receive = receive
-        self.send = send
-        self.match = match
-        self.policy = policy
-        self.operation = operation_name(scope["method"], match.template)
-        self.body = b""
-        self.started = False  # whether anything reached the client
-        self.disconnected: asyncio.Event | None = None
-        self.body_delivered = False
-        self.record_key: RecordKey | None = None
-        self.fingerprint = b""
-        self.token_hash: bytes | None = None
-
-    @property
-    def app(self) -> ASGIApp:
-        return self.mw.app
-
-    @property
-    def store(self) -> Store:
-        return self.mw.store
-
-    @property
-    def waiters(self) -> Waiters:
-        return self.mw.waiters
-
-    @property
-    def tenant_slots(self) -> TenantSlots:
-        return self.mw.tenant_slots
-
-    @property
-    def app_receive(self) -> Receive:
-        return self._app_receive
-
-    async def answer_in_flight(self, record_key: RecordKey) -> None:
-        """The wait ran out: 409 + Retry-After, or 202 + Location if the policy says so."""
-        if self.policy.accept_while_in_flight:
-            query = urlencode({"operation": record_key.operation, "key": record_key.key})
-            # Under the app's root path (a proxy's prefix), as the client addressed it.
-            location = f"{self.scope.get('root_path', '')}{self.mw.status_path}?{query}"
-            self.started = True
-            self.emit(Event.IN_FLIGHT)
-            await send_accepted(self.send, location, self.policy.retry_after_seconds)
-            return
-        await self.problem(
-            ProblemKind.IN_FLIGHT,
-            "The original request is still being processed; retry later.",
-            retry_after=self.policy.retry_after_seconds,
-        )
-
-    def emit(self, event: Event, generation: int | None = None) -> None:
-        observer = self.mw.observer
-        if observer is None:
-            return
-        attributes: dict[str, Any] = {"operation": self.operation}
-        if self.record_key is not None:
-            attributes["tenant"] = self.record_key.tenant
-            attributes["key_digest"] = key_digest(self.record_key.key)
-        if generation is not None:
-            attributes["generation"] = generation
-        observer.event(event, attributes)
-
-    def timed(self, name: str) -> Any:
-        return timed(self.mw.observer, name, {"operation": self.operation})
-
-    async def replay(self, response: StoredResponse) -> None:
-        self.started = True
-        self.emit(Event.REPLAYED)
-        with self.timed("replay"):
-            await send_replay(self.send, response, self.policy.replay_hook, self.scope)
-
-    async def tenant_busy(self) -> None:
-        """This tenant's guarded requests hold all the connections it may have: nothing claimed."""
-        await self.problem(
-            ProblemKind.TENANT_BUSY,
-            "Too many of your requests are being processed at once; retry shortly.",
-            retry_after=self.policy.retry_after_seconds,
-        )
-
-    async def refuse_token(self, record_key: RecordKey) -> None:
-        """The key is not a live token of this tenant, operation and request: nothing claimed."""
-        assert self.token_hash is not None
-        detail = await self.mw.store.token_problem(record_key, self.token_hash, self.fingerprint)
-        await self.problem(ProblemKind.TOKEN_INVALID, detail or "This token cannot be used.")
-
-    async def problem(self, kind: ProblemKind, detail: str, retry_after: int | None = None) -> None:
-        self.started = True
-        self.emit(_PROBLEM_EVENTS.get(kind, Event.REJECTED))
-        await send_problem(
-            self.send, kind, detail, base=self.mw.problem_base, retry_after=retry_after
-        )
-
-    async def run(self) -> None:
-        policy = self.policy
-        try:
-            if policy.key_source is None:
-                key = parse_idempotency_key(self.scope["headers"])
-            else:
-                key = await take_key(self, policy.key_source)
-            key_error = None
-        except RequestRejected as exc:
-            key, key_error = None, exc
-        if key is None and key_error is None and not policy.key_required:
-            await self.mw.app(self.scope, self.receive, self.send)
-            return
-        tenant = await self._tenant()
-        if tenant is None:
-            await self.problem(
-                ProblemKind.UNAUTHENTICATED, "This operation needs an authenticated caller."
-            )
-            return
-        if key_error is not None:
-            await self.problem(key_error.kind, key_error.detail)
-            return
-        if key is None:
-            await self.problem(
-                ProblemKind.MISSING_KEY, "Send an Idempotency-Key header with this request."
-            )
-            return
-        try:
-            body = await self._read_body()
-            if body is None:
-                return  # the client left before sending its body: nothing was claimed
-            self.body = body
-            fingerprint = compute_fingerprint(
-                operation=self.operation,
-                path_params=self.match.path_params,
-                query_string=self.scope.get("query_string", b""),
-                headers=self.scope["headers"],
-                include_headers=policy.include_headers,
-                content_type=self._header(b"content-type"),
-                body=body,
-                exclude_fields=policy.exclude_fields,
-                include_fields=policy.include_fields,
-                max_fields=policy.max_fields,
-                max_json_values=policy.max_json_values,
-            )
-        except RequestRejected as exc:
-            await self.problem(exc.kind, exc.detail)
-            return
-        record_key = self.record_key = RecordKey(tenant, self.operation, key)
-        self.fingerprint = fingerprint
-        self.token_hash = token_hash(key) if policy.require_token else None
-        try:
-            if policy.mode is Mode.TRANSACTIONAL:
-                await run_transactional(self, record_key, fingerprint)
-            else:
-                await LeaseRun(self, record_key, fingerprint).run()
-        except StoreError:
-            logger.warning(
-                "idempotency store unavailable",
-                extra={
-                    "tenant": tenant,
-                    "operation": self.operation,
-                    "key_digest": key_digest(key),
-                },
-                exc_info=True,
-            )
-            if not self.started:
-                await self.problem(
-                    ProblemKind.STORE_UNAVAILABLE,
-                    "The request was not processed, or its outcome is not yet known; retry it "
-                    "with the same Idempotency-Key.",
-                    retry_after=1,
-                )
-        except ClientGone:
-            logger.debug("client disconnected; the claim was rolled back")
-
-    async def _tenant(self) -> str | None:
-        resolved = self.mw.tenant_resolver(self.scope)
-        if inspect.isawaitable(resolved):
-            resolved = await resolved
-        if resolved:
-            return resolved
-        return "" if self.policy.allow_anonymous else None
-
-    def _header(self, name: bytes) -> bytes | None:
-        for key, value in self.scope["headers"]:
-            if key == name:
-                return value  # type: ignore[no-any-return]
-        return None
-
-    async def _read_body(self) -> bytes | None:
-        cap = self.policy.max_body_bytes
-        declared = self._header(b"content-length")
-        if declared is not None:
-            # HTTP's 1*DIGIT, nothing else (int() would also take "+5", " 7" or "1_000").
-            if not declared.isdigit():
-                raise RequestRejected(ProblemKind.BODY_INVALID, "Content-Length is not a number.")
-            if int(declared) > cap:
-                raise RequestRejected(
-                    ProblemKind.BODY_TOO_LARGE, f"The body may be at most {cap} bytes."
-                )
-        chunks: list[bytes] = []
-        size = 0
-        while True:
-            message = await self.receive()
-            if message["type"] == "http.disconnect":
-                return None
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > cap:
-                raise RequestRejected(
-                    ProblemKind.BODY_TOO_LARGE, f"The body may be at most {cap} bytes."
-                )
-            if chunk:
-                chunks.append(chunk)
-            if not message.get("more_body", False):
-                break
-        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
-
-    async def _app_receive(self) -> Message:
-        if not self.body_delivered:
-            self.body_delivered = True
-            return {"type": "http.request", "body": self.body, "more_body": False}
-        if self.disconnected is not None:
-            await self.disconnected.wait()
-            return {"type": "http.disconnect"}
-        return await self.receive()
-
-    async def answer_record(self, record: Record, fingerprint: bytes) -> None:
-        """What a duplicate gets (PROTOCOL §3); the fingerprint is compared first, in any state."""
-        if record.fingerprint != fingerprint:
-            await self.problem(
-                ProblemKind.KEY_REUSED,
-                "This Idempotency-Key was used for a different request; use a new key for a new "
-                "request.",
-            )
-        elif record.state in (State.SUCCEEDED, State.FAILED_FINAL) and record.response is not None:
-            await self.replay(record.response)
-        elif record.state is State.UNKNOWN:
-            await self.problem(
-                ProblemKind.OUTCOME_UNKNOWN,
-                "The original request's outcome is not known yet; it will not be run again "
-                "until it is resolved.",
-            )
-        else:
-            await self.problem(
-                ProblemKind.IN_FLIGHT,
-                "The original request is still being processed; retry later.",
-                retry_after=self.policy.retry_after_seconds,
-            )

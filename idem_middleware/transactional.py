@@ -15,32 +15,25 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable
-from functools import partial
 from typing import TYPE_CHECKING, Any
 
+from .answers import TENANT_BUSY, WAITERS_FULL, Answer, InFlight, Problem, Send, TokenRefused
 from .capture import ResponseCapture
-from .context import (
-    IdempotencyContext,
-    Outcome,
-    enter_context,
-    leave_context,
-    outcome_for_status,
-)
-from .errors import ProblemKind
+from .context import IdempotencyContext, enter_context, leave_context
+from .errors import ClaimBusy, ClaimTimeout, ProblemKind, RetryableConflict
 from .observe import SETTLED_EVENTS, Event
+from .outcomes import FINAL_STATE, Outcome, duplicate_answer, outcome_for_status
 from .policy import Mode
-from .store.base import ClaimBusy, ClaimTimeout, RecordKey, RetryableConflict, State
+from .store.base import RecordKey
 
 if TYPE_CHECKING:
-    from .middleware import _Exchange
+    from .exchange import Exchange
 
 logger = logging.getLogger("idem_middleware")
 
 #: How long a transactional handler runs before the middleware watches for its client leaving.
 DISCONNECT_WATCH_AFTER = 0.05
 _RETRYABLE_SQLSTATES = frozenset({"40001", "40P01"})
-_STORED = {Outcome.SUCCEEDED: State.SUCCEEDED, Outcome.FAILED_FINAL: State.FAILED_FINAL}
 # A waiting duplicate claims again when the holder in this process ends, or after this long:
 # quick at first, then backing off (the holder may be in another process).
 _FIRST_POLL = 0.02
@@ -48,16 +41,18 @@ _MAX_POLL = 0.5
 # Every loop is bounded: a key changing hands this often under one request is a bug, not load.
 _MAX_ROUNDS = 10_000
 
-#: What an attempt leaves to be sent once its transaction is over (None: nothing, or sent).
-Answer = Callable[[], Awaitable[None]] | None
+_CONFLICT = "A concurrent request conflicted with this one; retry it."
 
 
 class ClientGone(Exception):
     """The client disconnected while a transactional handler ran; its work was rolled back."""
 
 
-async def run_transactional(ex: _Exchange, record_key: RecordKey, fingerprint: bytes) -> None:
-    """Claim and run, again after a serialization failure, and after waiting for a busy key."""
+async def run_transactional(
+    ex: Exchange, record_key: RecordKey, fingerprint: bytes
+) -> Answer | None:
+    """Claim and run, again after a serialization failure, and after waiting for a busy key.
+    Returns what the client is to be told (None: the response was streamed already)."""
     policy = ex.policy
     waiters = ex.mw.waiters
     retries = policy.max_serialization_retries
@@ -76,43 +71,30 @@ async def run_transactional(ex: _Exchange, record_key: RecordKey, fingerprint: b
                 if deadline is None:
                     waiting.enter_context(ex.timed("wait"))
                     if not waiters.enter():
-                        await ex.problem(
-                            ProblemKind.IN_FLIGHT,
-                            "The original request is still being processed, and too many "
-                            "requests are waiting already; retry later.",
-                            retry_after=policy.retry_after_seconds,
+                        return Problem(
+                            ProblemKind.IN_FLIGHT, WAITERS_FULL, policy.retry_after_seconds
                         )
-                        return
                     deadline = now + policy.wait_seconds
                 remaining = deadline - now
                 if remaining <= 0:
-                    await ex.answer_in_flight(record_key)
-                    return
+                    return InFlight()
                 await waiters.wait(record_key, min(remaining, poll))
                 poll = min(poll * 2, _MAX_POLL)
                 continue
             except ClaimTimeout:
-                await ex.answer_in_flight(record_key)
-                return
+                return InFlight()
             except RetryableConflict:
                 if ex.started:
                     raise  # the response has started: nothing more can be said to the client
                 if conflicts == retries:
-                    await ex.problem(
-                        ProblemKind.IN_FLIGHT,
-                        "A concurrent request conflicted with this one; retry it.",
-                        retry_after=policy.retry_after_seconds,
-                    )
-                    return
+                    return Problem(ProblemKind.IN_FLIGHT, _CONFLICT, policy.retry_after_seconds)
             except BaseException as exc:
                 if getattr(exc, "sqlstate", None) not in _RETRYABLE_SQLSTATES:
                     raise
                 if conflicts == retries or ex.started:
                     raise
             else:
-                if answer is not None:
-                    await answer()
-                return
+                return answer
             conflicts += 1
             logger.debug("serialization failure; running the transaction again")
             ex.body_delivered = False
@@ -138,7 +120,7 @@ class _Attempt:
     )
 
     def __init__(
-        self, ex: _Exchange, record_key: RecordKey, fingerprint: bytes, timed_claim: bool
+        self, ex: Exchange, record_key: RecordKey, fingerprint: bytes, timed_claim: bool
     ) -> None:
         self.ex = ex
         self.timed_claim = timed_claim
@@ -149,12 +131,12 @@ class _Attempt:
         self.claimed = False
         self.capture = ResponseCapture(ex.send, ex.policy.max_response_bytes, self._settle_early)
 
-    async def run(self) -> Answer:
+    async def run(self) -> Answer | None:
         ex = self.ex
         tenant = self.record_key.tenant
         slots = ex.mw.tenant_slots
         if not slots.take(tenant):
-            return partial(ex.tenant_busy)
+            return Problem(ProblemKind.TENANT_BUSY, TENANT_BUSY, ex.policy.retry_after_seconds)
         try:
             return await self._run()
         finally:
@@ -163,7 +145,7 @@ class _Attempt:
             if self.claimed:
                 ex.mw.waiters.wake(self.record_key)
 
-    async def _run(self) -> Answer:
+    async def _run(self) -> Answer | None:
         ex = self.ex
         policy = ex.policy
         async with ex.mw.store.transaction(
@@ -181,8 +163,8 @@ class _Attempt:
             if not claim.claimed:
                 await tx.rollback()
                 if claim.record is None:
-                    return partial(ex.refuse_token, self.record_key)
-                return partial(ex.answer_record, claim.record, self.fingerprint)
+                    return TokenRefused()
+                return duplicate_answer(claim.record, self.fingerprint)
             self.claimed = True
             self.context = IdempotencyContext(
                 tenant=self.record_key.tenant,
@@ -214,8 +196,7 @@ class _Attempt:
                 raise RuntimeError("the application returned without a complete response")
             await self._settle()
         # The transaction is over and the connection is back in the pool: now the client.
-        ex.started = True
-        return capture.flush
+        return Send(capture.flush)
 
     async def _run_handler(self) -> None:
         """Run the app in this task. A client that disconnects while it runs cancels it (its
@@ -294,7 +275,7 @@ class _Attempt:
         assert self.context is not None
         capture = self.capture
         outcome = self.context.declared or outcome_for_status(capture.status, Mode.TRANSACTIONAL)
-        state = _STORED.get(outcome)
+        state = FINAL_STATE.get(outcome)
         with self.ex.timed("complete"):
             if state is None:
                 await self.tx.rollback()

@@ -17,8 +17,8 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 
-from ..context import token_hash
 from ..errors import StaleGeneration, StoreError
+from ..keys import token_hash
 from .base import (
     Claim,
     ClaimBusy,

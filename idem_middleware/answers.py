@@ -1,0 +1,69 @@
+"""What a mode decides to tell the client, as values: the exchange sends them (answers flow one
+way, from the modes back to the exchange, which alone writes to the client)."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from .errors import ProblemKind
+from .store.base import StoredResponse
+
+#: The detail of `429 tenant-busy`, in both modes.
+TENANT_BUSY = "Too many of your requests are being processed at once; retry shortly."
+#: The detail of the `409 request-in-flight` a duplicate gets when the waiters are all taken.
+WAITERS_FULL = (
+    "The original request is still being processed, and too many requests are waiting already; "
+    "retry later."
+)
+
+
+class Answer:
+    """Base of the answers below."""
+
+    __slots__ = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Replay(Answer):
+    """The stored response, marked as a replay."""
+
+    response: StoredResponse
+
+
+@dataclass(frozen=True, slots=True)
+class Problem(Answer):
+    """A problem+json refusal (`retry_after`: seconds, or None for no Retry-After)."""
+
+    kind: ProblemKind
+    detail: str
+    retry_after: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class InFlight(Answer):
+    """The original is still running: 409 + Retry-After, or 202 + Location if the policy says
+    so (the exchange knows the policy and the status resource's path)."""
+
+    detail: str = "The original request is still being processed; retry later."
+
+
+@dataclass(frozen=True, slots=True)
+class TokenRefused(Answer):
+    """The key is not a live token for this tenant, operation and request (the exchange asks
+    the store why)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Sent(Answer):
+    """Nothing more to send: the response streamed already (settled before its first byte)."""
+
+
+SENT = Sent()
+
+
+@dataclass(frozen=True, slots=True)
+class Send(Answer):
+    """The handler's own response, held until its outcome was recorded: send it now."""
+
+    flush: Callable[[], Awaitable[None]]

@@ -1,0 +1,304 @@
+"""One guarded request: its key, tenant, body and fingerprint; the mode that runs it; and the
+answer the mode returns, which only this module writes to the client.
+
+The request path, in call order: `middleware` (is this request guarded, by which policy) ->
+`exchange` (key, tenant, body, fingerprint) -> `transactional` or `lease` (claim, wait, run,
+settle; returns an `answers.Answer`) -> `exchange` sends it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlencode
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from .answers import Answer, InFlight, Problem, Replay, Sent, TokenRefused
+from .answers import Send as SendHeld
+from .context import key_digest, token_hash
+from .errors import ProblemKind, RequestRejected, StoreError
+from .fingerprint import compute_fingerprint
+from .keys import parse_idempotency_key
+from .keysource import take_key
+from .lease import LeaseRun
+from .observe import Event, timed
+from .policy import Mode, Policy, RouteMatch, operation_name
+from .responses import send_accepted, send_problem, send_replay
+from .store.base import RecordKey, Store, StoredResponse
+from .transactional import ClientGone, run_transactional
+
+if TYPE_CHECKING:
+    from .middleware import IdempotencyMiddleware
+
+logger = logging.getLogger("idem_middleware")
+
+_PROBLEM_EVENTS = {
+    ProblemKind.KEY_REUSED: Event.MISMATCH,
+    ProblemKind.IN_FLIGHT: Event.IN_FLIGHT,
+    ProblemKind.OUTCOME_UNKNOWN: Event.UNKNOWN,
+    ProblemKind.STORE_UNAVAILABLE: Event.ERROR,
+}
+
+
+class Exchange:
+    """Everything per request lives here, never on the middleware."""
+
+    __slots__ = (
+        "body",
+        "body_delivered",
+        "disconnected",
+        "fingerprint",
+        "match",
+        "mw",
+        "operation",
+        "policy",
+        "receive",
+        "record_key",
+        "scope",
+        "send",
+        "started",
+        "token_hash",
+    )
+
+    def __init__(
+        self,
+        mw: IdempotencyMiddleware,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        match: RouteMatch,
+        policy: Policy,
+    ) -> None:
+        self.mw = mw
+        self.scope = scope
+        self.receive = receive
+        self.send = send
+        self.match = match
+        self.policy = policy
+        self.operation = operation_name(scope["method"], match.template)
+        self.body = b""
+        self.started = False  # whether anything reached the client
+        self.disconnected: asyncio.Event | None = None
+        self.body_delivered = False
+        self.record_key: RecordKey | None = None
+        self.fingerprint = b""
+        self.token_hash: bytes | None = None
+
+    @property
+    def app(self) -> ASGIApp:
+        return self.mw.app
+
+    @property
+    def store(self) -> Store:
+        return self.mw.store
+
+    async def run(self) -> None:
+        policy = self.policy
+        try:
+            if policy.key_source is None:
+                key = parse_idempotency_key(self.scope["headers"])
+            else:
+                key = await take_key(self, policy.key_source)
+            key_error = None
+        except RequestRejected as exc:
+            key, key_error = None, exc
+        if key is None and key_error is None and not policy.key_required:
+            await self.mw.app(self.scope, self.receive, self.send)
+            return
+        tenant = await self._tenant()
+        if tenant is None:
+            await self.problem(
+                ProblemKind.UNAUTHENTICATED, "This operation needs an authenticated caller."
+            )
+            return
+        if key_error is not None:
+            await self.problem(key_error.kind, key_error.detail)
+            return
+        if key is None:
+            await self.problem(
+                ProblemKind.MISSING_KEY, "Send an Idempotency-Key header with this request."
+            )
+            return
+        try:
+            body = await self.read_body()
+            if body is None:
+                return  # the client left before sending its body: nothing was claimed
+            self.body = body
+            fingerprint = compute_fingerprint(
+                operation=self.operation,
+                path_params=self.match.path_params,
+                query_string=self.scope.get("query_string", b""),
+                headers=self.scope["headers"],
+                include_headers=policy.include_headers,
+                content_type=self._header(b"content-type"),
+                body=body,
+                exclude_fields=policy.exclude_fields,
+                include_fields=policy.include_fields,
+                max_fields=policy.max_fields,
+                max_json_values=policy.max_json_values,
+            )
+        except RequestRejected as exc:
+            await self.problem(exc.kind, exc.detail)
+            return
+        record_key = self.record_key = RecordKey(tenant, self.operation, key)
+        self.fingerprint = fingerprint
+        self.token_hash = token_hash(key) if policy.require_token else None
+        try:
+            if policy.mode is Mode.TRANSACTIONAL:
+                answer = await run_transactional(self, record_key, fingerprint)
+            else:
+                answer = await LeaseRun(self, record_key, fingerprint).run()
+            if answer is not None:
+                await self.answer(answer)
+        except StoreError:
+            logger.warning(
+                "idempotency store unavailable",
+                extra={
+                    "tenant": tenant,
+                    "operation": self.operation,
+                    "key_digest": key_digest(key),
+                },
+                exc_info=True,
+            )
+            if not self.started:
+                await self.problem(
+                    ProblemKind.STORE_UNAVAILABLE,
+                    "The request was not processed, or its outcome is not yet known; retry it "
+                    "with the same Idempotency-Key.",
+                    retry_after=1,
+                )
+        except ClientGone:
+            logger.debug("client disconnected; the claim was rolled back")
+
+    # -- what the client is told ---------------------------------------------------------------
+
+    async def answer(self, answer: Answer) -> None:
+        """Send what a mode decided. Modes never write to the client themselves, except the
+        stream of a response that could not be held (settled before its first byte)."""
+        match answer:
+            case SendHeld(flush=flush):
+                self.started = True
+                await flush()
+            case Replay(response=response):
+                await self.replay(response)
+            case Problem(kind=kind, detail=detail, retry_after=retry_after):
+                await self.problem(kind, detail, retry_after)
+            case InFlight(detail=detail):
+                await self._in_flight(detail)
+            case TokenRefused():
+                await self._refuse_token()
+            case Sent():
+                pass  # streamed already
+            case _:  # pragma: no cover - every Answer is handled above
+                raise TypeError(f"not an answer: {answer!r}")
+
+    async def problem(self, kind: ProblemKind, detail: str, retry_after: int | None = None) -> None:
+        self.started = True
+        self.emit(_PROBLEM_EVENTS.get(kind, Event.REJECTED))
+        await send_problem(
+            self.send, kind, detail, base=self.mw.problem_base, retry_after=retry_after
+        )
+
+    async def replay(self, response: StoredResponse) -> None:
+        self.started = True
+        self.emit(Event.REPLAYED)
+        with self.timed("replay"):
+            await send_replay(self.send, response, self.policy.replay_hook, self.scope)
+
+    async def _in_flight(self, detail: str) -> None:
+        """409 + Retry-After, or 202 + Location of the status resource if the policy says so."""
+        if not self.policy.accept_while_in_flight:
+            await self.problem(ProblemKind.IN_FLIGHT, detail, self.policy.retry_after_seconds)
+            return
+        assert self.record_key is not None
+        query = urlencode({"operation": self.record_key.operation, "key": self.record_key.key})
+        # Under the app's root path (a proxy's prefix), as the client addressed it.
+        location = f"{self.scope.get('root_path', '')}{self.mw.status_path}?{query}"
+        self.started = True
+        self.emit(Event.IN_FLIGHT)
+        await send_accepted(self.send, location, self.policy.retry_after_seconds)
+
+    async def _refuse_token(self) -> None:
+        """The key is not a live token of this tenant, operation and request: nothing claimed."""
+        assert self.token_hash is not None
+        assert self.record_key is not None
+        detail = await self.mw.store.token_problem(
+            self.record_key, self.token_hash, self.fingerprint
+        )
+        await self.problem(ProblemKind.TOKEN_INVALID, detail or "This token cannot be used.")
+
+    # -- observing -------------------------------------------------------------------------------
+
+    def emit(self, event: Event, generation: int | None = None) -> None:
+        observer = self.mw.observer
+        if observer is None:
+            return
+        attributes: dict[str, Any] = {"operation": self.operation}
+        if self.record_key is not None:
+            attributes["tenant"] = self.record_key.tenant
+            attributes["key_digest"] = key_digest(self.record_key.key)
+        if generation is not None:
+            attributes["generation"] = generation
+        observer.event(event, attributes)
+
+    def timed(self, name: str) -> Any:
+        return timed(self.mw.observer, name, {"operation": self.operation})
+
+    # -- the request ---------------------------------------------------------------------------
+
+    async def _tenant(self) -> str | None:
+        resolved = self.mw.tenant_resolver(self.scope)
+        if inspect.isawaitable(resolved):
+            resolved = await resolved
+        if resolved:
+            return resolved
+        return "" if self.policy.allow_anonymous else None
+
+    def _header(self, name: bytes) -> bytes | None:
+        for key, value in self.scope["headers"]:
+            if key == name:
+                return value  # type: ignore[no-any-return]
+        return None
+
+    async def read_body(self) -> bytes | None:
+        """The whole request body (capped by the policy); None if the client left first."""
+        cap = self.policy.max_body_bytes
+        declared = self._header(b"content-length")
+        if declared is not None:
+            # HTTP's 1*DIGIT, nothing else (int() would also take "+5", " 7" or "1_000").
+            if not declared.isdigit():
+                raise RequestRejected(ProblemKind.BODY_INVALID, "Content-Length is not a number.")
+            if int(declared) > cap:
+                raise RequestRejected(
+                    ProblemKind.BODY_TOO_LARGE, f"The body may be at most {cap} bytes."
+                )
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await self.receive()
+            if message["type"] == "http.disconnect":
+                return None
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > cap:
+                raise RequestRejected(
+                    ProblemKind.BODY_TOO_LARGE, f"The body may be at most {cap} bytes."
+                )
+            if chunk:
+                chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+    async def app_receive(self) -> Message:
+        """The `receive` the app gets: the buffered body, then the client's disconnect."""
+        if not self.body_delivered:
+            self.body_delivered = True
+            return {"type": "http.request", "body": self.body, "more_body": False}
+        if self.disconnected is not None:
+            await self.disconnected.wait()
+            return {"type": "http.disconnect"}
+        return await self.receive()

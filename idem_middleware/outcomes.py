@@ -1,0 +1,76 @@
+"""The outcome rules, in one place: a response status becomes an outcome, an outcome a stored
+state, and a record found under a key becomes what a duplicate is told.
+
+Both modes and the jobs API use these; nothing here talks to a client or a store.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+from .answers import Answer, InFlight, Problem, Replay
+from .errors import ProblemKind
+from .policy import Mode
+from .store.base import Record, State
+
+
+class Outcome(StrEnum):
+    """How a claimed request ends; the handler may declare one instead of its status deciding."""
+
+    #: Stored and replayed (2xx and 3xx by default).
+    SUCCEEDED = "succeeded"
+    #: Definitely did not happen and will not be retried: stored and replayed (402, ...).
+    FAILED_FINAL = "failed_final"
+    #: Nothing happened, fix and retry: not stored, the key is free again (400, 409, 422, ...).
+    RELEASE = "release"
+    #: Lease mode only: the effect may or may not have happened elsewhere.
+    UNKNOWN = "unknown"
+
+
+#: Responses meaning "nothing happened, fix the request and retry" (see docs/protocol.md).
+RELEASE_STATUSES = frozenset({400, 401, 403, 404, 405, 408, 409, 413, 415, 422, 425, 429})
+
+#: The state an outcome is stored as; RELEASE and UNKNOWN are not final (no stored response).
+FINAL_STATE = {Outcome.SUCCEEDED: State.SUCCEEDED, Outcome.FAILED_FINAL: State.FAILED_FINAL}
+
+_KEY_REUSED = Problem(
+    ProblemKind.KEY_REUSED,
+    "This Idempotency-Key was used for a different request; use a new key for a new request.",
+)
+_UNKNOWN = (
+    "The original request's outcome is not known yet; it will not be run again until it is "
+    "resolved."
+)
+
+
+def outcome_for_status(status: int, mode: Mode) -> Outcome:
+    if status < 400:
+        return Outcome.SUCCEEDED
+    if status in RELEASE_STATUSES:
+        return Outcome.RELEASE
+    if status < 500:
+        return Outcome.FAILED_FINAL
+    # A 5xx after a rolled-back transaction left nothing behind; elsewhere it proves nothing.
+    return Outcome.RELEASE if mode is Mode.TRANSACTIONAL else Outcome.UNKNOWN
+
+
+def settled_answer(record: Record, fingerprint: bytes) -> Answer | None:
+    """What a duplicate is told by a record that answers it by itself: another request's
+    (422, in any state), or a final outcome (the replay). None: the record is pending or
+    unknown, and the mode decides (wait, take over, reconcile)."""
+    if record.fingerprint != fingerprint:
+        return _KEY_REUSED
+    if record.state in (State.SUCCEEDED, State.FAILED_FINAL) and record.response is not None:
+        return Replay(record.response)
+    return None
+
+
+def duplicate_answer(record: Record, fingerprint: bytes, detail: str = "") -> Answer:
+    """What a duplicate gets when nothing more can be done for it now: the fingerprint is
+    compared first, in any state; then the replay, `outcome-unknown`, or in flight."""
+    answer = settled_answer(record, fingerprint)
+    if answer is not None:
+        return answer
+    if record.state is State.UNKNOWN:
+        return Problem(ProblemKind.OUTCOME_UNKNOWN, f"{_UNKNOWN} {detail}".rstrip())
+    return InFlight()
