@@ -42,24 +42,23 @@ from .app import TOKEN, BearerTenant, CreditIn, CreditOut, tenant_of
 #: module-level function as the module that calls it names it, a method as "Class.method". A
 #: target that is gone is skipped with a note; a stage none of whose targets ran shows 0 calls.
 STAGES: dict[str, tuple[tuple[str, str], ...]] = {
-    "key parse": (("idem_middleware.middleware", "parse_idempotency_key"),),
-    "tenant": (("idem_middleware.middleware", "_Exchange._tenant"),),
+    "key parse": (("idem_middleware.exchange", "parse_idempotency_key"),),
+    "tenant": (("idem_middleware.exchange", "Exchange._tenant"),),
     "route match": (
         ("idem_middleware.middleware", "routes_of"),
         ("idem_middleware.middleware", "match_route"),
         ("idem_middleware.middleware", "IdempotencyMiddleware.policy_for"),
     ),
     "body read": (
-        ("idem_middleware.middleware", "_Exchange._read_body"),
-        ("idem_middleware.middleware", "_Exchange._app_receive"),
+        ("idem_middleware.exchange", "Exchange.read_body"),
+        ("idem_middleware.exchange", "Exchange.app_receive"),
     ),
-    "fingerprint": (("idem_middleware.middleware", "compute_fingerprint"),),
+    "fingerprint": (("idem_middleware.exchange", "compute_fingerprint"),),
     "claim": (
         ("idem_middleware.store.memory", "MemoryStore.transaction"),
         ("idem_middleware.store.memory", "_MemoryTransaction.claim"),
     ),
     "context": (
-        ("idem_middleware.transactional", "derive_downstream_key"),
         ("idem_middleware.transactional", "enter_context"),
         ("idem_middleware.transactional", "leave_context"),
     ),
@@ -75,7 +74,14 @@ STAGES: dict[str, tuple[tuple[str, str], ...]] = {
         ("idem_middleware.store.memory", "_MemoryTransaction.complete_and_commit"),
     ),
     "send": (("idem_middleware.capture", "ResponseCapture.flush"),),
-    "rest of the middleware": (("idem_middleware.middleware", "IdempotencyMiddleware.__call__"),),
+    "answer": (("idem_middleware.exchange", "Exchange.answer"),),
+    "rest of the middleware": (
+        ("idem_middleware.middleware", "IdempotencyMiddleware.__call__"),
+        ("idem_middleware.exchange", "Exchange.run"),
+        ("idem_middleware.transactional", "run_transactional"),
+        ("idem_middleware.transactional", "_Attempt.run"),
+        ("idem_middleware.transactional", "_Attempt._run"),
+    ),
 }
 #: The stage that is the app's own work (the same in bare), not the middleware's.
 HANDLER = "handler"

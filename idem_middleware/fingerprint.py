@@ -7,7 +7,7 @@ from __future__ import annotations
 import hashlib
 import re
 import struct
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from functools import lru_cache
 
 from .errors import ProblemKind, RequestRejected
@@ -196,9 +196,26 @@ def canonical_body(
     return b"raw:" + content_type, body
 
 
-def _put(update: Callable[[bytes], None], data: bytes) -> None:
-    update(_U64(len(data)))
-    update(data)
+def _framed(data: bytes) -> bytes:
+    """`data` with its length in front (8 bytes, big-endian)."""
+    return _U64(len(data)) + data
+
+
+#: An empty query string's part of the stream (computed the same way as any other).
+_NO_QUERY = _framed(canonical_pairs(b"", what="The query string", max_fields=1))
+
+#: The stream's start for an operation: the version and the operation, framed (computed once
+#: per operation: a process has few).
+_PREFIXES: dict[str, bytes] = {}
+
+
+def _prefix(operation: str) -> bytes:
+    prefix = _PREFIXES.get(operation)
+    if prefix is None:
+        prefix = _framed(FINGERPRINT_VERSION) + _framed(operation.encode("utf-8", "surrogatepass"))
+        if len(_PREFIXES) < 10_000:  # templates, not paths: a bound that is never reached
+            _PREFIXES[operation] = prefix
+    return prefix
 
 
 def compute_fingerprint(
@@ -230,21 +247,18 @@ def compute_fingerprint(
         max_json_values=max_json_values,
     )
 
-    digest = hashlib.sha256()
-    update = digest.update
     # Every part is length-prefixed and every list is preceded by its count, so no two
-    # different requests can produce the same byte stream.
-    _put(update, FINGERPRINT_VERSION)
-    _put(update, operation.encode("utf-8", "surrogatepass"))
-
-    _put(update, _U64(len(path_params)))
+    # different requests can produce the same byte stream. (Built whole, hashed once.)
+    stream = [_prefix(operation), _framed(_U64(len(path_params)))]
     for name in sorted(path_params):
-        _put(update, name.encode("utf-8", "surrogatepass"))
-        _put(update, str(path_params[name]).encode("utf-8", "surrogatepass"))
-
-    _put(update, canonical_pairs(query_string, what="The query string", max_fields=max_fields))
-
-    _put(update, _U64(len(include_headers)))
+        stream.append(_framed(name.encode("utf-8", "surrogatepass")))
+        stream.append(_framed(str(path_params[name]).encode("utf-8", "surrogatepass")))
+    if query_string:
+        query = canonical_pairs(query_string, what="The query string", max_fields=max_fields)
+        stream.append(_framed(query))
+    else:
+        stream.append(_NO_QUERY)
+    stream.append(_framed(_U64(len(include_headers))))
     if include_headers:
         wanted = [header.lower().encode("latin-1", "replace") for header in include_headers]
         found: dict[bytes, list[bytes]] = {header_name: [] for header_name in wanted}
@@ -256,12 +270,10 @@ def compute_fingerprint(
                 values.append(header_value)
         for header_name in wanted:
             values = found[header_name]
-            _put(update, header_name)
+            stream.append(_framed(header_name))
             # A count of zero is the "absent" marker; an empty value has a count of one.
-            _put(update, _U64(len(values)))
-            for header_value in values:
-                _put(update, header_value)
-
-    _put(update, media_tag)
-    _put(update, canonical)
-    return digest.digest()
+            stream.append(_framed(_U64(len(values))))
+            stream.extend(_framed(header_value) for header_value in values)
+    stream.append(_framed(media_tag))
+    stream.append(_framed(canonical))
+    return hashlib.sha256(b"".join(stream)).digest()

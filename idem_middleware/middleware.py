@@ -56,6 +56,19 @@ def _kill_switch_on() -> bool:
     return os.environ.get(KILL_SWITCH_ENV, "").strip().lower() in {"1", "true", "yes", "on"}
 
 
+#: Resolved routes kept per (app, method, root path, path, host): a request to a path seen
+#: before skips the route walk. Cleared when full (paths with ids in them are all distinct).
+_ROUTE_CACHE_SIZE = 1024
+
+
+def _host(scope: Scope) -> bytes | None:
+    """The Host header (`Host` routes match on it)."""
+    for name, value in scope["headers"]:
+        if name == b"host":
+            return value  # type: ignore[no-any-return]
+    return None
+
+
 def _named_route(template: str) -> bool:
     """ "/path", or "host/path" for a route under a Host."""
     return template.startswith("/") or (
@@ -123,6 +136,7 @@ class IdempotencyMiddleware:
         self._checked = False
         self._check_error: ConfigurationError | None = None
         self._no_user_logged = False
+        self._routes: dict[tuple[Any, ...], tuple[RouteMatch | None, Policy | None]] = {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -149,22 +163,19 @@ class IdempotencyMiddleware:
             await self.app(scope, receive, send)
             return
         app = scope.get("app")
-        routes = routes_of(app if app is not None else self.app)
-        match = match_route(routes, scope) if routes is not None else None
-        if isinstance(match, Unresolved):
-            policy = endpoint_policy(match.endpoint)
-            if policy is None and method in self.methods:
-                policy = self.default_policy
-            if policy is not None and policy.guard:
-                logger.error(
-                    "idempotency: refused %s to %s: the middleware cannot name its route",
-                    method,
-                    match.where,
-                )
+        cache_key = (app, method, scope.get("root_path", ""), scope["path"], _host(scope))
+        cached = self._routes.get(cache_key)
+        if cached is not None:
+            match, policy = cached
+        else:
+            resolved = self._resolve(app, method, scope)
+            if resolved is None:
                 await self._misconfigured(send, "This operation cannot be guarded.")
                 return
-            match = None
-        policy = self.policy_for(method, match) if match is not None else None
+            match, policy = resolved
+            if len(self._routes) >= _ROUTE_CACHE_SIZE:
+                self._routes.clear()  # many distinct paths (ids in them): start over
+            self._routes[cache_key] = (match, policy)
         if match is None or policy is None:
             await self.app(scope, receive, send)
             return
@@ -180,6 +191,30 @@ class IdempotencyMiddleware:
             await self._misconfigured(send, "The server cannot identify the caller.")
             return
         await Exchange(self, scope, receive, send, match, policy).run()
+
+    def _resolve(
+        self, app: Any, method: str, scope: Scope
+    ) -> tuple[RouteMatch | None, Policy | None] | None:
+        """The route a request matches and the policy guarding it (either may be None), the
+        way the router will find it; None for a route that would be guarded but cannot be named
+        (refused)."""
+        routes = routes_of(app if app is not None else self.app)
+        match = match_route(routes, scope) if routes is not None else None
+        if isinstance(match, Unresolved):
+            policy = endpoint_policy(match.endpoint)
+            if policy is None and method in self.methods:
+                policy = self.default_policy
+            if policy is not None and policy.guard:
+                logger.error(
+                    "idempotency: refused %s to %s: the middleware cannot name its route",
+                    method,
+                    match.where,
+                )
+                return None
+            return None, None
+        if match is None:
+            return None, None
+        return match, self.policy_for(method, match)
 
     def policy_for(self, method: str, route: RouteMatch | Any) -> Policy | None:
         """The policy guarding `method` on `route` (anything with `template` and `endpoint`):

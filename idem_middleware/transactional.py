@@ -61,7 +61,7 @@ async def run_transactional(
     deadline: float | None = None
     poll = _FIRST_POLL
     # The claim is timed once per request (its first), the wait for a busy key as a whole.
-    waiting = contextlib.ExitStack()
+    waiting: contextlib.ExitStack | None = None
     try:
         for _ in range(_MAX_ROUNDS):
             try:
@@ -69,6 +69,7 @@ async def run_transactional(
             except ClaimBusy:
                 now = loop.time()
                 if deadline is None:
+                    waiting = contextlib.ExitStack()
                     waiting.enter_context(ex.timed("wait"))
                     if not waiters.enter():
                         return Problem(
@@ -100,7 +101,8 @@ async def run_transactional(
             ex.body_delivered = False
         raise RuntimeError("the key kept changing hands; giving up")  # pragma: no cover
     finally:
-        waiting.close()
+        if waiting is not None:
+            waiting.close()
         if deadline is not None:
             waiters.leave()
 
