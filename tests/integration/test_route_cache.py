@@ -1,0 +1,56 @@
+"""The middleware caches resolved routes by path: path parameters, hosts and mounted apps stay
+exact, and the cache stays bounded however many distinct paths arrive."""
+
+from __future__ import annotations
+
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.middleware.authentication import AuthenticationMiddleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from idem_middleware import IdempotencyMiddleware, MemoryStore, get_context
+from idem_middleware.middleware import _ROUTE_CACHE_SIZE
+from tests.apps import BearerBackend, client, idempotency_middleware, key
+
+
+async def credit(request: Request) -> Response:
+    ctx = get_context(request)
+    return JSONResponse(
+        {"account": request.path_params["account_id"], "operation": ctx.operation},
+        status_code=201,
+    )
+
+
+def _app() -> Starlette:
+    return Starlette(
+        routes=[
+            Route("/accounts/{account_id}/credits", credit, methods=["POST"]),
+            Route("/accounts/{account_id}/credits", credit, methods=["PUT"]),
+        ],
+        middleware=[
+            Middleware(AuthenticationMiddleware, backend=BearerBackend()),
+            Middleware(IdempotencyMiddleware, store=MemoryStore()),
+        ],
+    )
+
+
+async def test_each_path_keeps_its_own_parameters_and_the_cache_stays_bounded() -> None:
+    app = _app()
+    n = _ROUTE_CACHE_SIZE + 50
+    async with client(app) as c:
+        for i in range(n):
+            r = await c.post(f"/accounts/a{i}/credits", json={"amount": 1}, headers=key(f"k{i}"))
+            assert r.status_code == 201, r.text
+            assert r.json() == {
+                "account": f"a{i}",
+                "operation": "POST /accounts/{account_id}/credits",
+            }
+        # A path seen before (perhaps cleared since) and a new one: both exact.
+        again = await c.post("/accounts/a3/credits", json={"amount": 1}, headers=key("x3"))
+        assert again.json()["account"] == "a3"
+        # PUT is not guarded by default: the same path, another method, another answer.
+        put = await c.put("/accounts/a3/credits", json={"amount": 1})
+        assert put.status_code == 500  # no claim, so get_context raises in the handler
+    assert len(idempotency_middleware(app)._routes) <= _ROUTE_CACHE_SIZE
