@@ -42,12 +42,13 @@ class PgTransaction:
     A pending transactional record is never visible to anyone else anyway, so writing it early
     only cost an UPDATE, a dead row version and its index entries."""
 
-    __slots__ = ("_conn", "_deferred", "_fast", "_fused", "_give_back", "_tx", "lent")
+    __slots__ = ("_conn", "_deferred", "_fast", "_fused", "_give_back", "_pool", "_tx", "lent")
 
     def __init__(self, conn: Any, fast: FastPath | None) -> None:
         self._conn = conn
         # Set by the store: ends the session and returns the connection to the pool (once).
-        self._give_back: Callable[[PgTransaction, Any], Awaitable[None]] | None = None
+        self._give_back: Callable[[PgTransaction, Any, Any], Awaitable[None]] | None = None
+        self._pool: Any = None  # the pool the connection came from
         self._fast = fast  # None: the fast path is off
         self._tx: Any = None
         # Whether the claim went the fast way (the connection passed `fusable`), so the
@@ -89,7 +90,7 @@ class PgTransaction:
     async def release(self) -> None:
         give_back, self._give_back = self._give_back, None
         if give_back is not None:
-            await give_back(self, self._conn)
+            await give_back(self, self._conn, self._pool)
 
     async def commit(self) -> None:
         tx, self._tx = self._tx, None

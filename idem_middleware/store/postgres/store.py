@@ -135,12 +135,14 @@ class PostgresStore(OffPathStatements):
     async def transaction(
         self, *, acquire_timeout: float, begin: bool = True
     ) -> AsyncIterator[PgTransaction]:
+        pool = self.pool
         try:
-            conn = await self.pool.acquire(timeout=acquire_timeout)
+            conn = await pool.acquire(timeout=acquire_timeout)
         except ACQUIRE_ERRORS as exc:
             raise StoreError(f"no database connection: {type(exc).__name__}") from exc
         session = PgTransaction(conn, self._fast)
         session._give_back = self._give_back
+        session._pool = pool
         try:
             if begin:
                 await session.begin()
@@ -148,15 +150,17 @@ class PostgresStore(OffPathStatements):
         finally:
             await session.release()
 
-    async def _give_back(self, session: PgTransaction, conn: Any) -> None:
-        """The end of a `transaction()` session, early (`release`) or at the block's end."""
+    async def _give_back(self, session: PgTransaction, conn: Any, pool: Any) -> None:
+        """The end of a `transaction()` session, early (`release`) or at the block's end. The
+        connection goes back to the pool it came from, even if the store was closed meanwhile
+        (a shutdown with requests in flight): the pool's close waits for it."""
         try:
             if session.active:
                 await session.rollback()
             if not session.lent:
                 self._mark_clean(conn)  # a replay, say: the handler never had the connection
         finally:
-            await self.pool.release(conn)
+            await pool.release(conn)
 
     async def get(self, key: RecordKey) -> Record | None:
         try:
