@@ -1,0 +1,133 @@
+"""A job in lease mode: the claim commits first, a heartbeat keeps the lease, and the outcome is
+a compare-and-set under the run's generation."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Any
+
+import orjson
+
+from .context import IdempotencyContext, Outcome, key_digest
+from .errors import JobInProgress, StaleGeneration
+from .fence import Fence
+from .jobs_spec import JSON_HEADERS, MAX_ROUNDS, STORED, JobSpec
+from .policy import LeaseExpiry
+from .store.base import Record, RecordKey, Settlement, State, StoredResponse
+
+logger = logging.getLogger("idem_middleware")
+
+
+async def run_leased(
+    job: JobSpec, key: RecordKey, fingerprint: bytes, args: Any, kwargs: Any
+) -> Any:
+    store = job.store
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + job.wait_seconds
+    async with store.watch(key) as watch:
+        record: Record | None = None
+        for _ in range(MAX_ROUNDS):
+            if record is None or record.expired:
+                claim = await store.claim_lease(
+                    key,
+                    fingerprint,
+                    retention_seconds=job.retention_seconds,
+                    lease_seconds=job.lease_seconds,
+                )
+                if claim.claimed:
+                    return await _execute(job, key, claim.generation, claim.epoch, args, kwargs)
+                record = claim.record
+                assert record is not None
+            answer = job.answer(record, fingerprint)
+            if answer is not None:
+                return answer
+            if record.retry_allowed or (
+                record.lease_expired and job.on_lease_expiry is LeaseExpiry.TAKEOVER
+            ):
+                generation = await store.takeover(
+                    key, record.generation, State.PENDING, job.lease_seconds
+                )
+                if generation is not None:
+                    return await _execute(job, key, generation, record.epoch, args, kwargs)
+            elif record.lease_expired:
+                await store.expire_lease(key, record.generation)
+            else:
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    raise JobInProgress(f"{job.operation}: another run holds this key")
+                await watch.wait(min(remaining, 0.5))
+            record = await store.get(key)
+    raise RuntimeError("the record kept changing; giving up")  # pragma: no cover
+
+
+async def _execute(
+    job: JobSpec, key: RecordKey, generation: int, epoch: int | None, args: Any, kwargs: Any
+) -> Any:
+    store = job.store
+    fence = Fence(store, key, generation, State.PENDING)
+    context = job.context(key, generation, epoch, None, fence.connection)
+    stop = asyncio.Event()
+    heartbeat = asyncio.get_running_loop().create_task(_heartbeat(job, context, stop))
+    try:
+        try:
+            body = await job.run(context, args, kwargs)
+        except StaleGeneration:
+            await fence.close()
+            raise
+        except BaseException:
+            # Whatever the function did outside the database may have happened: unknown,
+            # unless it declared that it did nothing.
+            await fence.close()
+            if context.declared is Outcome.RELEASE:
+                await store.release(key, generation)
+            else:
+                await store.settle(key, generation, State.PENDING, Settlement(State.UNKNOWN))
+            raise
+        stop.set()
+        outcome = context.declared or Outcome.SUCCEEDED
+        state = STORED.get(outcome)
+        if state is not None:
+            settled = await fence.settle(Settlement(state, StoredResponse(200, JSON_HEADERS, body)))
+        else:
+            await fence.close()
+            if outcome is Outcome.RELEASE:
+                settled = await store.release(key, generation)
+            else:
+                settled = await store.settle(
+                    key, generation, State.PENDING, Settlement(State.UNKNOWN)
+                )
+    finally:
+        stop.set()
+        await heartbeat  # stopped by the event, never cancelled mid-write
+    if not settled:
+        raise StaleGeneration(
+            f"{job.operation}: generation {generation} lost its claim; nothing was recorded"
+        )
+    return orjson.loads(body)
+
+
+async def _heartbeat(job: JobSpec, context: IdempotencyContext, stop: asyncio.Event) -> None:
+    interval = job.lease_seconds / 3
+    while True:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), interval)
+        if stop.is_set():
+            return
+        try:
+            alive = await job.store.heartbeat(
+                RecordKey(context.tenant, context.operation, context.key),
+                context.generation,
+                job.lease_seconds,
+            )
+        except Exception:
+            logger.warning("job heartbeat failed", exc_info=True)
+            continue
+        if not alive:
+            context.lease_lost.set()
+            logger.warning(
+                "job lease lost",
+                extra={"operation": context.operation, "key_digest": key_digest(context.key)},
+            )
+            return

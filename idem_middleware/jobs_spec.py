@@ -1,0 +1,83 @@
+"""One decorated job's settings, and what a run does in either mode: build the job's context,
+run the function inside it, and judge a record the run could not claim."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from .answers import Replay
+from .context import IdempotencyContext, enter_context, leave_context
+from .errors import ConfigurationError, JobKeyReused, JobOutcomeUnknown
+from .outcomes import FINAL_STATE, settled_answer
+from .policy import LeaseExpiry, Mode
+from .store.base import Record, RecordKey, State, Store
+
+JSON_HEADERS = ((b"content-type", b"application/json"),)
+STORED = FINAL_STATE  # (the name the runners use)
+MAX_ROUNDS = 10_000
+
+KeyOf = Callable[..., str]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class JobSpec:
+    """One decorated function and its settings (immutable after the decorator ran)."""
+
+    fn: Callable[..., Awaitable[Any]]
+    store: Store
+    operation: str
+    key_of: KeyOf
+    tenant_of: KeyOf
+    mode: Mode
+    retention_seconds: float
+    wait_seconds: float
+    lease_seconds: float
+    on_lease_expiry: LeaseExpiry
+    acquire_timeout: float
+    max_serialization_retries: int
+
+    def context(
+        self, key: RecordKey, generation: int, epoch: int | None, connection: Any, fence: Any
+    ) -> Any:
+        return IdempotencyContext(
+            tenant=key.tenant,
+            operation=key.operation,
+            key=key.key,
+            generation=generation,
+            mode=self.mode,
+            connection=connection,
+            epoch=epoch,
+            _fence=fence,
+        )
+
+    async def run(self, context: IdempotencyContext, args: Any, kwargs: Any) -> bytes:
+        scope: dict[str, Any] = {}
+        token = enter_context(scope, context)
+        try:
+            result = await self.fn(context, *args, **kwargs)
+        finally:
+            leave_context(scope, token)
+        try:
+            return orjson.dumps(result)
+        except TypeError as exc:
+            raise ConfigurationError(
+                f"{self.operation}: a job's result is stored as JSON; {type(result)!r} is not"
+            ) from exc
+
+    def answer(self, record: Record, fingerprint: bytes) -> Any:
+        """What a repeat gets from a record it cannot claim (None: wait and look again): the
+        same rules as an HTTP duplicate's (outcomes.settled_answer), as values or errors."""
+        settled = settled_answer(record, fingerprint)
+        if isinstance(settled, Replay):
+            return orjson.loads(settled.response.body)
+        if settled is not None:
+            raise JobKeyReused(f"{self.operation}: this key was used with different arguments")
+        if record.state is State.UNKNOWN:
+            raise JobOutcomeUnknown(
+                f"{self.operation}: an earlier run's outcome is unknown; resolve it first"
+            )
+        return None

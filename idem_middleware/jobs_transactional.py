@@ -1,0 +1,89 @@
+"""A job in transactional mode: the claim, the function and the outcome in one transaction."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import orjson
+
+from .context import Outcome
+from .errors import JobInProgress
+from .jobs_spec import JSON_HEADERS, MAX_ROUNDS, STORED, JobSpec
+from .store.base import ClaimBusy, ClaimTimeout, RecordKey, RetryableConflict, StoredResponse
+
+logger = logging.getLogger("idem_middleware")
+
+_RETRYABLE_SQLSTATES = frozenset({"40001", "40P01"})
+# A run that finds the key busy claims again after this long, backing off (no connection held).
+_FIRST_BUSY_POLL = 0.02
+_MAX_BUSY_POLL = 0.5
+
+
+async def run_transactional(
+    job: JobSpec, key: RecordKey, fingerprint: bytes, args: Any, kwargs: Any
+) -> Any:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + job.wait_seconds
+    poll = _FIRST_BUSY_POLL
+    attempt = 0
+    for _ in range(MAX_ROUNDS):
+        try:
+            return await _transaction(job, key, fingerprint, args, kwargs)
+        except ClaimBusy:
+            # Another run holds the key: wait with no connection held, then claim again.
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                raise JobInProgress(f"{job.operation}: another run holds this key") from None
+            await asyncio.sleep(min(remaining, poll))
+            poll = min(poll * 2, _MAX_BUSY_POLL)
+            continue
+        except RetryableConflict:
+            if attempt == job.max_serialization_retries:
+                raise
+        except BaseException as exc:
+            sqlstate = getattr(exc, "sqlstate", None)
+            if sqlstate not in _RETRYABLE_SQLSTATES or attempt == job.max_serialization_retries:
+                raise
+        attempt += 1
+        logger.debug("serialization failure; running the job's transaction again")
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+async def _transaction(
+    job: JobSpec, key: RecordKey, fingerprint: bytes, args: Any, kwargs: Any
+) -> Any:
+    async with job.store.transaction(acquire_timeout=job.acquire_timeout, begin=False) as tx:
+        try:
+            claim = await tx.claim(
+                key,
+                fingerprint,
+                retention_seconds=job.retention_seconds,
+                wait_seconds=job.wait_seconds,
+            )
+        except ClaimTimeout:
+            await tx.rollback()
+            raise JobInProgress(f"{job.operation}: another run holds this key") from None
+        if not claim.claimed:
+            await tx.rollback()
+            assert claim.record is not None
+            answer = job.answer(claim.record, fingerprint)
+            if answer is None:  # pragma: no cover - a committed transactional record is final
+                raise JobInProgress(f"{job.operation}: another run holds this key")
+            return answer
+        epoch = claim.generation if claim.epoch is None else claim.epoch
+        context = job.context(key, claim.generation, epoch, tx.connection, None)
+        try:
+            body = await job.run(context, args, kwargs)
+        except BaseException:
+            await tx.rollback()  # clean up, then re-raise: the key is free again
+            raise
+        state = STORED.get(context.declared or Outcome.SUCCEEDED)
+        if state is None:
+            await tx.rollback()
+        else:
+            await tx.complete_and_commit(
+                key, claim.generation, state, StoredResponse(200, JSON_HEADERS, body)
+            )
+    return orjson.loads(body)

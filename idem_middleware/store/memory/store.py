@@ -1,0 +1,200 @@
+"""`MemoryStore`: its lifecycle and the operations that commit on their own (lease mode).
+
+See the package's docstring for what the twin copies from PostgreSQL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import replace
+
+from ...errors import StaleGeneration
+from ...keys import token_hash
+from ..base import Claim, EventWatch, Record, RecordKey, Settlement, State
+from .edges import OffPathOperations
+from .sessions import _MemoryFenced, _MemoryTransaction
+from .tables import _Row
+
+
+class MemoryStore(OffPathOperations):
+    """See the package's docstring. `clock` is the store's notion of the database's `now()`."""
+
+    @asynccontextmanager
+    async def transaction(
+        self, *, acquire_timeout: float, begin: bool = True
+    ) -> AsyncIterator[_MemoryTransaction]:
+        session = _MemoryTransaction(self)
+        if begin:
+            await session.begin()
+        try:
+            yield session
+        finally:
+            if session.active:
+                await session.rollback()
+
+    async def get(self, key: RecordKey) -> Record | None:
+        row = self._rows.get(key)
+        return None if row is None else row.record(key, self.clock())
+
+    async def open(self) -> MemoryStore:
+        return self
+
+    # -- lease mode ------------------------------------------------------------------------------
+
+    async def claim_lease(
+        self,
+        key: RecordKey,
+        fingerprint: bytes,
+        *,
+        retention_seconds: float,
+        lease_seconds: float,
+        token_hash: bytes | None = None,
+    ) -> Claim:
+        # A transaction still holding the key (a transactional claim) is waited for, as the
+        # INSERT would wait on PostgreSQL; lease claims themselves commit at once.
+        owner = self._owners.get(key)
+        if owner is not None:
+            await owner.wait()
+        now = self.clock()
+        row = self._rows.get(key)
+        if row is not None:
+            record = row.record(key, now)
+            if not record.expired:
+                return Claim(False, row.generation, record)
+        if token_hash is not None:
+            if self._token_problem(key, token_hash, fingerprint):
+                return Claim(False, 0, None)
+            self._consume((key.tenant, token_hash), True)
+        generation = next(self._generations)
+        fresh = _Row(
+            fingerprint,
+            State.PENDING,
+            generation,
+            retention_seconds,
+            mode="lease",
+            lease_expires_at=now + lease_seconds,
+            created_at=now,
+            updated_at=now,
+            epoch=generation,
+        )
+        self._rows[key] = fresh
+        return Claim(True, fresh.generation, None, fresh.epoch)
+
+    async def heartbeat(self, key: RecordKey, generation: int, lease_seconds: float) -> bool:
+        async with self._row_lock(key):
+            row = self._current(key, generation, State.PENDING)
+            if row is None:
+                return False
+            self._rows[key] = replace(row, lease_expires_at=self.clock() + lease_seconds)
+            return True
+
+    async def expire_lease(self, key: RecordKey, generation: int) -> bool:
+        async with self._row_lock(key):
+            row = self._current(key, generation, State.PENDING)
+            now = self.clock()
+            if row is None or row.lease_expires_at is None or row.lease_expires_at > now:
+                return False
+            self._rows[key] = replace(
+                row,
+                state=State.UNKNOWN,
+                lease_expires_at=None,
+                updated_at=now,
+                note="lease expired",
+            )
+            self._changed(key)
+            return True
+
+    async def takeover(
+        self, key: RecordKey, generation: int, expected: State, lease_seconds: float
+    ) -> int | None:
+        if expected not in (State.PENDING, State.UNKNOWN):
+            # A finished outcome is replayed, never run again.
+            raise ValueError(f"only a pending or unknown record can be taken over, not {expected}")
+        async with self._row_lock(key):
+            row = self._current(key, generation, expected)
+            now = self.clock()
+            if row is None:
+                return None
+            if expected is State.PENDING and (
+                row.lease_expires_at is not None and row.lease_expires_at > now
+            ):
+                return None
+            new = next(self._generations)
+            self._rows[key] = replace(
+                row,
+                state=State.PENDING,
+                generation=new,
+                lease_expires_at=now + lease_seconds,
+                updated_at=now,
+            )
+            return new
+
+    async def settle(self, key: RecordKey, generation: int, expected: State, s: Settlement) -> bool:
+        async with self._row_lock(key):
+            return self._settle_now(key, generation, expected, s)
+
+    async def release(self, key: RecordKey, generation: int) -> bool:
+        async with self._row_lock(key):
+            if self._current(key, generation, State.PENDING) is None:
+                return False
+            del self._rows[key]
+            # A token the claim consumed is unused again: nothing happened.
+            token = (key.tenant, token_hash(key.key))
+            found = self._tokens.get(token)
+            if found is not None and found.operation == key.operation:
+                self._consume(token, False)
+            self._changed(key)
+            return True
+
+    async def allow_retry(self, key: RecordKey, generation: int, note: str) -> bool:
+        async with self._row_lock(key):
+            row = self._current(key, generation, State.UNKNOWN)
+            if row is None:
+                return False
+            self._rows[key] = replace(
+                row,
+                state=State.PENDING,
+                generation=next(self._generations),
+                lease_expires_at=None,
+                updated_at=self.clock(),
+                note=note,
+            )
+            self._changed(key)
+            return True
+
+    @asynccontextmanager
+    async def fenced(
+        self, key: RecordKey, generation: int, expected: State = State.PENDING
+    ) -> AsyncIterator[_MemoryFenced]:
+        # The row lock of the fenced transaction: one fenced session per key at a time.
+        async with self._row_lock(key):
+            if self._current(key, generation, expected) is None:
+                raise StaleGeneration(
+                    f"generation {generation} no longer holds the record; its writes are refused"
+                )
+            session = _MemoryFenced(self)
+            yield session
+            for args in session.pending:
+                self._settle_now(*args)
+
+    @asynccontextmanager
+    async def watch(self, key: RecordKey) -> AsyncIterator[EventWatch]:
+        event = asyncio.Event()
+        self._watchers.setdefault(key, set()).add(event)
+        try:
+            yield EventWatch(event)
+        finally:
+            self._watchers[key].discard(event)
+            if not self._watchers[key]:
+                del self._watchers[key]
+
+    async def close(self) -> None:
+        return None
+
+    async def __aenter__(self) -> MemoryStore:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        return None

@@ -1,0 +1,141 @@
+"""What the twin's "database" holds, and the row-level primitives every operation builds on.
+
+PostgreSQL gives the real store these for free: rows and tokens, one generation sequence, the
+row lock an UPDATE waits on, a compare-and-set on `(state, generation)`, and NOTIFY. Here they
+are written out once; the sessions and the store's operations use nothing else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from ..base import Record, RecordKey, RecordSummary, Settlement, State, StoredResponse
+
+
+@dataclass(frozen=True, slots=True)
+class _Token:
+    operation: str
+    request_digest: bytes | None
+    expires_at: float
+    consumed: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class _Row:
+    fingerprint: bytes
+    state: State
+    generation: int
+    retention: float
+    expires_at: float | None = None
+    response: StoredResponse | None = None
+    mode: str = "transactional"
+    lease_expires_at: float | None = None
+    created_at: float = 0.0
+    updated_at: float = 0.0
+    note: str | None = None
+    #: The record's life (see Record.epoch): its first generation, kept across takeovers.
+    epoch: int | None = None
+
+    def record(self, key: RecordKey, now: float) -> Record:
+        return Record(
+            key=key,
+            fingerprint=self.fingerprint,
+            state=self.state,
+            generation=self.generation,
+            response=self.response,
+            expired=self.expires_at is not None and self.expires_at <= now,
+            lease_expired=self.lease_expires_at is not None and self.lease_expires_at <= now,
+            retry_allowed=(
+                self.state is State.PENDING
+                and self.mode == "lease"
+                and self.lease_expires_at is None
+            ),
+            epoch=self.epoch,
+        )
+
+
+def _summary(key: RecordKey, row: _Row, now: float) -> RecordSummary:
+    return RecordSummary(
+        key=key,
+        state=row.state,
+        generation=row.generation,
+        mode=row.mode,
+        created_at=row.created_at,
+        updated_at=row.updated_at,
+        lease_expires_at=row.lease_expires_at,
+        expires_at=row.expires_at,
+        response_status=None if row.response is None else row.response.status,
+        note=row.note,
+        lease_expired=row.lease_expires_at is not None and row.lease_expires_at <= now,
+        epoch=row.epoch,
+    )
+
+
+class MemoryTables:
+    """The state of one in-memory store. `clock` is the store's notion of the database's `now()`."""
+
+    def __init__(self, *, clock: Callable[[], float] = time.time) -> None:
+        self.clock = clock
+        self._rows: dict[RecordKey, _Row] = {}
+        self._owners: dict[RecordKey, asyncio.Event] = {}
+        self._generations = itertools.count(1)
+        self._watchers: dict[RecordKey, set[asyncio.Event]] = {}
+        self._fence_locks: dict[RecordKey, asyncio.Lock] = {}
+        self._tokens: dict[tuple[str, bytes], _Token] = {}
+
+    def _current(self, key: RecordKey, generation: int, state: State) -> _Row | None:
+        """The committed row, if it is in `state` under `generation`."""
+        row = self._rows.get(key)
+        if row is None or row.generation != generation or row.state is not state:
+            return None
+        return row
+
+    def _row_lock(self, key: RecordKey) -> asyncio.Lock:
+        """The record's row lock: a fenced session holds it, and every write to the record waits
+        for it, as an UPDATE or DELETE waits on PostgreSQL's `SELECT ... FOR UPDATE`."""
+        return self._fence_locks.setdefault(key, asyncio.Lock())
+
+    def _changed(self, key: RecordKey) -> None:
+        for event in self._watchers.get(key, ()):
+            event.set()
+
+    def _settle_now(self, key: RecordKey, generation: int, expected: State, s: Settlement) -> bool:
+        row = self._current(key, generation, expected)
+        if row is None:
+            return False
+        now = self.clock()
+        final = s.state in (State.SUCCEEDED, State.FAILED_FINAL)
+        self._rows[key] = replace(
+            row,
+            state=s.state,
+            response=s.response,
+            expires_at=now + row.retention if final else None,
+            lease_expires_at=None,
+            updated_at=now,
+            note=s.note if s.note is not None else row.note,
+        )
+        self._changed(key)
+        return True
+
+    def _token_problem(self, key: RecordKey, token_hash: bytes, fingerprint: bytes) -> str:
+        token = self._tokens.get((key.tenant, token_hash))
+        if token is None:
+            return "This key is not a token issued to you for this operation."
+        if token.operation != key.operation:
+            return "This token was issued for another operation."
+        if token.consumed:
+            return "This token was already used; ask for a new one."
+        if token.expires_at <= self.clock():
+            return "This token has expired; ask for a new one."
+        if token.request_digest is not None and token.request_digest != fingerprint:
+            return "This token was issued for a different request."
+        return ""
+
+    def _consume(self, token: tuple[str, bytes], consumed: bool) -> None:
+        found = self._tokens.get(token)
+        if found is not None:
+            self._tokens[token] = replace(found, consumed=consumed)
