@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import replace
 
 from ...errors import StaleGeneration
@@ -21,18 +21,11 @@ from .tables import _Row
 class MemoryStore(OffPathOperations):
     """See the package's docstring. `clock` is the store's notion of the database's `now()`."""
 
-    @asynccontextmanager
-    async def transaction(
+    def transaction(
         self, *, acquire_timeout: float, begin: bool = True
-    ) -> AsyncIterator[_MemoryTransaction]:
-        session = _MemoryTransaction(self)
-        if begin:
-            await session.begin()
-        try:
-            yield session
-        finally:
-            if session.active:
-                await session.rollback()
+    ) -> AbstractAsyncContextManager[_MemoryTransaction]:
+        # The session is its own context manager: no generator per request.
+        return _MemoryTransaction(self, begin=begin)
 
     async def get(self, key: RecordKey) -> Record | None:
         row = self._rows.get(key)
