@@ -1,0 +1,215 @@
+"""Lease mode's executor: the handler runs under a generation, with a heartbeat, and its outcome
+is settled by compare-and-set (or in the fenced transaction); a stale executor is answered 409.
+
+`lease.LeaseRun` decides when to execute (a fresh claim, a takeover, a reconciled retry).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import TYPE_CHECKING
+
+from .answers import SENT, Answer, Problem, Send
+from .capture import ResponseCapture
+from .context import IdempotencyContext, enter_context, key_digest, leave_context
+from .errors import ProblemKind, StaleGeneration
+from .fence import Fence
+from .observe import SETTLED_EVENTS, Event
+from .outcomes import FINAL_STATE, Outcome, outcome_for_status
+from .policy import Mode
+from .store.base import RecordKey, Settlement, State
+
+if TYPE_CHECKING:
+    from .exchange import Exchange
+
+logger = logging.getLogger("idem_middleware")
+
+_LOST_CLAIM = (
+    "This execution lost its claim (its lease was taken over); its result was not recorded. "
+    "Retry to get the outcome."
+)
+
+
+def log_extra(key: RecordKey, generation: int, outcome: str) -> dict[str, object]:
+    """A lease decision's log fields: never the raw key."""
+    return {
+        "tenant": key.tenant,
+        "operation": key.operation,
+        "key_digest": key_digest(key.key),
+        "generation": generation,
+        "outcome": outcome,
+    }
+
+
+class LeaseExecution:
+    """One execution of a claimed (or taken over) lease-mode request."""
+
+    __slots__ = ("epoch", "ex", "generation", "key", "policy", "store")
+
+    def __init__(self, ex: Exchange, key: RecordKey, generation: int, epoch: int | None) -> None:
+        self.ex = ex
+        self.key = key
+        self.generation = generation
+        self.epoch = epoch
+        self.policy = ex.policy
+        self.store = ex.store
+
+    async def run(self) -> Answer:
+        ex = self.ex
+        policy = self.policy
+        generation = self.generation
+        fence = Fence(self.store, self.key, generation, State.PENDING)
+        context = IdempotencyContext(
+            tenant=self.key.tenant,
+            operation=self.key.operation,
+            key=self.key.key,
+            generation=generation,
+            mode=Mode.LEASE,
+            connection=None,
+            epoch=self.epoch,
+            _fence=fence.connection,
+        )
+
+        async def settle_early(reason: str) -> None:
+            # Before the first byte of a response that cannot be held: a refused settlement
+            # (a newer generation owns the record) must stop it, or the client would see an
+            # outcome the record contradicts. The StaleGeneration reaches `_execute` through
+            # the handler, like a refused fenced write.
+            if not await self._settle(context, fence, capture, omitted=reason):
+                raise StaleGeneration("this execution's early settlement was refused")
+            ex.started = True
+
+        capture = ResponseCapture(ex.send, policy.max_response_bytes, settle_early)
+        try:
+            return await self._execute(context, fence, capture)
+        finally:
+            capture.close()  # settle_early and capture refer to each other
+
+    async def _execute(
+        self,
+        context: IdempotencyContext,
+        fence: Fence,
+        capture: ResponseCapture,
+    ) -> Answer:
+        ex = self.ex
+        policy = self.policy
+        generation = context.generation
+        ex.emit(Event.CLAIMED, generation)
+        # The heartbeat task starts only when the first renewal is due (a third of the lease):
+        # most handlers are done sooner, and a task per request is not free.
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        heartbeat: asyncio.Task[None] | None = None
+
+        def start_heartbeat() -> None:
+            nonlocal heartbeat
+            heartbeat = loop.create_task(self._heartbeat(context, stop))
+
+        first_renewal = loop.call_later(policy.lease_seconds / 3, start_heartbeat)
+        token = enter_context(ex.scope, context)
+        try:
+            try:
+                await ex.app(ex.scope, ex.app_receive, capture)
+            except StaleGeneration:
+                if capture.passthrough:
+                    raise
+                # The handler let its fenced write's refusal escape: this generation no longer
+                # holds the record (a takeover, or the lease lapsed), so nothing of ours can be
+                # settled. The same answer as a refused completion: retry for the outcome.
+                await fence.close()
+                logger.warning(
+                    "a stale executor's fenced write was refused",
+                    extra=log_extra(self.key, generation, "stale"),
+                )
+                settled = False
+            except BaseException:
+                # Clean up, then re-raise. Whatever the handler did outside the database may
+                # have happened: unknown, unless it declared the request did nothing.
+                if not capture.passthrough:
+                    await fence.close()
+                    if context.declared is Outcome.RELEASE:
+                        await self.store.release(self.key, generation)
+                        ex.emit(Event.RELEASED, generation)
+                    else:
+                        await self.store.settle(
+                            self.key, generation, State.PENDING, Settlement(State.UNKNOWN)
+                        )
+                        ex.emit(Event.UNRESOLVED, generation)
+                raise
+            else:
+                if capture.passthrough:
+                    return SENT
+                if capture.start is None or not capture.complete:
+                    await fence.close()
+                    await self.store.settle(
+                        self.key, generation, State.PENDING, Settlement(State.UNKNOWN)
+                    )
+                    raise RuntimeError("the application returned without a complete response")
+                stop.set()  # no new renewals once settling starts
+                settled = await self._settle(context, fence, capture)
+        finally:
+            leave_context(ex.scope, token)
+            # Stopped by awaiting, never cancelled mid-write: a renewal in flight finishes (after
+            # the settlement, if it waited on the fenced transaction's row lock), and it cannot
+            # change a settled record (it only renews a pending one).
+            first_renewal.cancel()
+            stop.set()
+            if heartbeat is not None:
+                await heartbeat
+        if settled:
+            return Send(capture.flush)
+        return Problem(ProblemKind.IN_FLIGHT, _LOST_CLAIM, policy.retry_after_seconds)
+
+    async def _settle(
+        self,
+        context: IdempotencyContext,
+        fence: Fence,
+        capture: ResponseCapture,
+        omitted: str | None = None,
+    ) -> bool:
+        outcome = context.declared or outcome_for_status(capture.status, Mode.LEASE)
+        state = FINAL_STATE.get(outcome)
+        generation = context.generation
+        with self.ex.timed("complete"):
+            if state is not None:
+                settled = await fence.settle(Settlement(state, capture.stored(omitted)))
+            else:
+                await fence.close()
+                if outcome is Outcome.RELEASE:
+                    settled = await self.store.release(self.key, generation)
+                else:
+                    settled = await self.store.settle(
+                        self.key, generation, State.PENDING, Settlement(State.UNKNOWN)
+                    )
+        if settled:
+            self.ex.emit(SETTLED_EVENTS[outcome], generation)
+        else:
+            logger.warning(
+                "a stale executor's completion was refused",
+                extra=log_extra(self.key, generation, "stale"),
+            )
+        return settled
+
+    async def _heartbeat(self, context: IdempotencyContext, stop: asyncio.Event) -> None:
+        """Renew the lease now (started when the first renewal is due), then every third of it."""
+        interval = self.policy.lease_seconds / 3
+        while not stop.is_set():
+            try:
+                alive = await self.store.heartbeat(
+                    self.key, context.generation, self.policy.lease_seconds
+                )
+            except Exception:
+                logger.warning("heartbeat failed", exc_info=True)
+                alive = True  # unknown: try again at the next renewal
+            if not alive:
+                if not stop.is_set():
+                    context.lease_lost.set()
+                    logger.warning(
+                        "lease lost: this execution can no longer complete",
+                        extra=log_extra(self.key, context.generation, "lease-lost"),
+                    )
+                return
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), interval)
