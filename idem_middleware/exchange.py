@@ -1,9 +1,7 @@
-"""One guarded request: its key, tenant, body and fingerprint; the mode that runs it; and the
-answer the mode returns, which only this module writes to the client.
-
-The request path, in call order: `middleware` (is this request guarded, by which policy) ->
-`exchange` (key, tenant, body, fingerprint) -> `transactional` or `lease` (claim, wait, run,
-settle; returns an `answers.Answer`) -> `exchange` sends it.
+"""One guarded request: key, tenant, body and fingerprint; the mode that runs it; and the answer
+the mode returns, which only this module writes to the client. The request path, in call order:
+`middleware` (guarded? which policy) -> `exchange` -> `transactional` or `lease` (claim, wait,
+run, settle; returns an `answers.Answer`) -> `exchange` sends it.
 """
 
 from __future__ import annotations
