@@ -6,10 +6,9 @@ No SQL here and no FastAPI: the store does the former, `fastapi.py` the latter.
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
 import os
-from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 from urllib.parse import urlencode
 
@@ -42,7 +41,7 @@ from .responses import (
     send_replay,
 )
 from .routing import Unresolved, match_route, routes_of
-from .startup import AUTH_FIX, SAFE_METHODS, check_app
+from .startup import SAFE_METHODS, check_app
 from .store.base import (
     Record,
     RecordKey,
@@ -50,12 +49,13 @@ from .store.base import (
     Store,
     StoredResponse,
 )
+from .tenant import TenantResolver as TenantResolver
+from .tenant import Tenants
+from .tenant import authenticated_user_tenant as authenticated_user_tenant
 from .transactional import ClientGone, run_transactional
 from .waiting import TenantSlots, Waiters
 
 logger = logging.getLogger("idem_middleware")
-
-TenantResolver = Callable[[Scope], "Awaitable[str | None] | str | None"]
 
 #: Setting this environment variable to 1/true/yes turns the middleware into a pass-through.
 KILL_SWITCH_ENV = "IDEM_MIDDLEWARE_DISABLED"
@@ -67,18 +67,6 @@ _PROBLEM_EVENTS = {
     ProblemKind.OUTCOME_UNKNOWN: Event.UNKNOWN,
     ProblemKind.STORE_UNAVAILABLE: Event.ERROR,
 }
-
-
-def authenticated_user_tenant(scope: Scope) -> str | None:
-    """The default tenant: the identity of the user Starlette's AuthenticationMiddleware set."""
-    user = scope.get("user")
-    if user is None or not getattr(user, "is_authenticated", False):
-        return None
-    try:
-        identity = user.identity
-    except NotImplementedError:
-        identity = user.display_name
-    return str(identity) or None
 
 
 def _kill_switch_on() -> bool:
@@ -147,11 +135,10 @@ class IdempotencyMiddleware:
         #: Guarded requests of one tenant holding a store connection at once, in this process.
         self.tenant_slots = TenantSlots(max_tenant_connections)
         self.enabled = (not _kill_switch_on()) if enabled is None else enabled
-        self._default_tenants = tenant_resolver is authenticated_user_tenant
+        self.tenants = Tenants(tenant_resolver)
         # The startup check runs once; a failed one fails every request after it too.
         self._checked = False
         self._check_error: ConfigurationError | None = None
-        self._no_user_logged = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -197,15 +184,7 @@ class IdempotencyMiddleware:
         if match is None or policy is None:
             await self.app(scope, receive, send)
             return
-        if self._default_tenants and "user" not in scope and not policy.allow_anonymous:
-            if not self._no_user_logged:
-                self._no_user_logged = True
-                logger.error(
-                    "idempotency: the request scope has no 'user', so no tenant: no "
-                    "AuthenticationMiddleware ran before IdempotencyMiddleware. Guarded requests "
-                    "are refused with 500 until it is fixed: %s",
-                    AUTH_FIX,
-                )
+        if self.tenants.unidentifiable(scope, allow_anonymous=policy.allow_anonymous):
             await self._misconfigured(send, "The server cannot identify the caller.")
             return
         await _Exchange(self, scope, receive, send, match, policy).run()
@@ -446,12 +425,9 @@ class _Exchange:
             logger.debug("client disconnected; the claim was rolled back")
 
     async def _tenant(self) -> str | None:
-        resolved = self.mw.tenant_resolver(self.scope)
-        if inspect.isawaitable(resolved):
-            resolved = await resolved
-        if resolved:
-            return resolved
-        return "" if self.policy.allow_anonymous else None
+        return await self.mw.tenants.resolve(
+            self.scope, allow_anonymous=self.policy.allow_anonymous
+        )
 
     def _header(self, name: bytes) -> bytes | None:
         for key, value in self.scope["headers"]:

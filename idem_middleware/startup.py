@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from .errors import ConfigurationError
 from .policy import Mode, Policy, endpoint_policy, operation_name
 from .routing import Found, Hidden, routes_of, walk
+from .tenant import AUTH_FIX, authenticated_user_tenant
 
 if TYPE_CHECKING:
     from .middleware import IdempotencyMiddleware
@@ -21,12 +22,6 @@ logger = logging.getLogger("idem_middleware")
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "TRACE"})
 #: The methods a route that accepts any method (an ASGI app as a Route's endpoint) is listed for.
 _UNSAFE_METHODS = ("DELETE", "PATCH", "POST", "PUT")
-
-AUTH_FIX = (
-    "add Starlette's AuthenticationMiddleware after installing IdempotencyMiddleware "
-    "(app.add_middleware(AuthenticationMiddleware, backend=...) after install(...): the "
-    "middleware added last runs first), or pass tenant_resolver= to IdempotencyMiddleware"
-)
 
 
 def check_app(mw: IdempotencyMiddleware, app: Any) -> None:
@@ -150,8 +145,6 @@ def _dependency_errors(item: Found, per_method: dict[str, Policy | None]) -> lis
 
 def _check_authentication(mw: IdempotencyMiddleware, app: Any, policies: list[Policy]) -> None:
     """With the default tenant resolver, Starlette's AuthenticationMiddleware must run first."""
-    from .middleware import authenticated_user_tenant
-
     if mw.tenant_resolver is not authenticated_user_tenant:
         return
     if all(p.allow_anonymous for p in policies):
