@@ -23,6 +23,9 @@ class ProblemKind(StrEnum):
     #: The server's own setup is wrong (no authentication before the middleware, say).
     MISCONFIGURED = "server-misconfigured"
     TENANT_BUSY = "tenant-busy"
+    #: The token route only: the intent's token was issued for another request or secret, or
+    #: was used and has expired.
+    TOKEN_CONFLICT = "token-conflict"
 
 
 class IdempotencyError(Exception):

@@ -7,7 +7,6 @@ run, settle; returns an `answers.Answer`) -> `exchange` sends it.
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlencode
@@ -248,12 +247,9 @@ class Exchange:
     # -- the request ---------------------------------------------------------------------------
 
     async def _tenant(self) -> str | None:
-        resolved = self.mw.tenant_resolver(self.scope)
-        if inspect.isawaitable(resolved):
-            resolved = await resolved
-        if resolved:
-            return resolved
-        return "" if self.policy.allow_anonymous else None
+        return await self.mw.tenants.resolve(
+            self.scope, allow_anonymous=self.policy.allow_anonymous
+        )
 
     def _header(self, name: bytes) -> bytes | None:
         for key, value in self.scope["headers"]:

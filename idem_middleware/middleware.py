@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -26,30 +26,19 @@ from .policy import (
 )
 from .responses import DEFAULT_PROBLEM_BASE, send_problem
 from .routing import Unresolved, match_route, routes_of
-from .startup import AUTH_FIX, SAFE_METHODS, check_app
+from .startup import SAFE_METHODS, check_app
 from .store.base import Store
+from .tenant import TenantResolver as TenantResolver
+from .tenant import Tenants
+from .tenant import authenticated_user_tenant as authenticated_user_tenant
 from .waiting import TenantSlots, Waiters
 
 logger = logging.getLogger("idem_middleware")
-
-TenantResolver = Callable[[Scope], "Awaitable[str | None] | str | None"]
 
 #: Setting this environment variable to 1/true/yes turns the middleware into a pass-through.
 KILL_SWITCH_ENV = "IDEM_MIDDLEWARE_DISABLED"
 
 _DEFAULT_METHODS = frozenset({"POST", "PATCH"})
-
-
-def authenticated_user_tenant(scope: Scope) -> str | None:
-    """The default tenant: the identity of the user Starlette's AuthenticationMiddleware set."""
-    user = scope.get("user")
-    if user is None or not getattr(user, "is_authenticated", False):
-        return None
-    try:
-        identity = user.identity
-    except NotImplementedError:
-        identity = user.display_name
-    return str(identity) or None
 
 
 def _kill_switch_on() -> bool:
@@ -131,11 +120,10 @@ class IdempotencyMiddleware:
         #: Guarded requests of one tenant holding a store connection at once, in this process.
         self.tenant_slots = TenantSlots(max_tenant_connections)
         self.enabled = (not _kill_switch_on()) if enabled is None else enabled
-        self._default_tenants = tenant_resolver is authenticated_user_tenant
+        self.tenants = Tenants(tenant_resolver)
         # The startup check runs once; a failed one fails every request after it too.
         self._checked = False
         self._check_error: ConfigurationError | None = None
-        self._no_user_logged = False
         self._routes: dict[tuple[Any, ...], tuple[RouteMatch | None, Policy | None]] = {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -179,15 +167,7 @@ class IdempotencyMiddleware:
         if match is None or policy is None:
             await self.app(scope, receive, send)
             return
-        if self._default_tenants and "user" not in scope and not policy.allow_anonymous:
-            if not self._no_user_logged:
-                self._no_user_logged = True
-                logger.error(
-                    "idempotency: the request scope has no 'user', so no tenant: no "
-                    "AuthenticationMiddleware ran before IdempotencyMiddleware. Guarded requests "
-                    "are refused with 500 until it is fixed: %s",
-                    AUTH_FIX,
-                )
+        if self.tenants.unidentifiable(scope, allow_anonymous=policy.allow_anonymous):
             await self._misconfigured(send, "The server cannot identify the caller.")
             return
         await Exchange(self, scope, receive, send, match, policy).run()

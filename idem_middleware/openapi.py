@@ -8,9 +8,11 @@ import copy
 from typing import Any
 
 from .errors import ProblemKind
-from .ops import guarded_operations
+from .keysource import KeyFromHeader, as_key_source
+from .middleware import IdempotencyMiddleware
+from .ops import find_middleware, guarded_operations
 from .policy import Policy
-from .responses import DEFAULT_PROBLEM_BASE, problem_title
+from .responses import DEFAULT_PROBLEM_BASE, problem_status, problem_title
 
 PROBLEM_SCHEMA = "IdempotencyProblem"
 _PROBLEM_REF = {"$ref": f"#/components/schemas/{PROBLEM_SCHEMA}"}
@@ -29,15 +31,27 @@ _PROBLEM_DETAILS = {
     "required": ["type", "title", "status"],
 }
 
-# The refusals every guarded operation can answer, by status.
-_RESPONSES: dict[str, tuple[ProblemKind, ...]] = {
-    "400": (ProblemKind.MISSING_KEY, ProblemKind.INVALID_KEY, ProblemKind.BODY_INVALID),
-    "401": (ProblemKind.UNAUTHENTICATED,),
-    "409": (ProblemKind.IN_FLIGHT, ProblemKind.OUTCOME_UNKNOWN),
-    "413": (ProblemKind.BODY_TOO_LARGE,),
-    "422": (ProblemKind.KEY_REUSED,),
-    "503": (ProblemKind.STORE_UNAVAILABLE,),
-}
+# The refusals are every ProblemKind (a new kind is documented unless it is listed here), with
+# its status: only the library's own routes answer these.
+_ROUTES_ONLY = frozenset({ProblemKind.RECORD_NOT_FOUND, ProblemKind.TOKEN_CONFLICT})
+# Sent with Retry-After.
+_RETRY_AFTER = frozenset(
+    {ProblemKind.IN_FLIGHT, ProblemKind.TENANT_BUSY, ProblemKind.STORE_UNAVAILABLE}
+)
+
+
+def _problems(policy: Policy, mw: IdempotencyMiddleware | None) -> dict[str, list[ProblemKind]]:
+    """The refusals an operation under `policy` can answer, by status."""
+    applies = {
+        ProblemKind.TOKEN_INVALID: policy.require_token,
+        ProblemKind.UNAUTHENTICATED: not policy.allow_anonymous,
+        ProblemKind.TENANT_BUSY: mw is not None and mw.tenant_slots.limit is not None,
+    }
+    by_status: dict[str, list[ProblemKind]] = {}
+    for kind in ProblemKind:
+        if kind not in _ROUTES_ONLY and applies.get(kind, True):
+            by_status.setdefault(str(problem_status(kind)), []).append(kind)
+    return dict(sorted(by_status.items()))
 
 
 def _retention(seconds: float) -> str:
@@ -49,10 +63,10 @@ def _retention(seconds: float) -> str:
     return f"{seconds:g} seconds"
 
 
-def header_parameter(policy: Policy) -> dict[str, Any]:
+def header_parameter(policy: Policy, name: str = "Idempotency-Key") -> dict[str, Any]:
     required = policy.key_required
     return {
-        "name": "Idempotency-Key",
+        "name": name,
         "in": "header",
         "required": required,
         "description": (
@@ -68,7 +82,29 @@ def header_parameter(policy: Policy) -> dict[str, Any]:
     }
 
 
-def _problem_response(kinds: tuple[ProblemKind, ...], base: str) -> dict[str, Any]:
+def _document_key(operation: dict[str, Any], policy: Policy) -> None:
+    """The key's header parameter (Idempotency-Key, or the policy's own header); for a key in
+    the body or computed by a function, no header but a line in the description."""
+    source = as_key_source(policy.key_source)  # a Policy has wrapped a function already
+    name = source.name if isinstance(source, KeyFromHeader) else "Idempotency-Key"
+    parameters = operation.setdefault("parameters", [])
+    parameters[:] = [
+        p
+        for p in parameters
+        if not (p.get("in") == "header" and p.get("name", "").lower() == name.lower())
+    ]
+    if source is None or isinstance(source, KeyFromHeader):
+        parameters.append(header_parameter(policy, name))
+        return
+    line = (
+        f"Idempotent: the key is taken from {source.describe()} (1-255 printable ASCII "
+        "characters); a repeated request with the same key gets the original response, marked "
+        "`Idempotent-Replayed: true`."
+    )
+    operation["description"] = "\n\n".join(filter(None, [operation.get("description"), line]))
+
+
+def _problem_response(kinds: list[ProblemKind], base: str) -> dict[str, Any]:
     described = "; ".join(f"`{base}{k.value}`: {problem_title(k)}" for k in kinds)
     return {
         "description": described,
@@ -77,12 +113,16 @@ def _problem_response(kinds: tuple[ProblemKind, ...], base: str) -> dict[str, An
 
 
 def document_openapi(
-    schema: dict[str, Any], app: Any, *, problem_base: str = DEFAULT_PROBLEM_BASE
+    schema: dict[str, Any], app: Any, *, problem_base: str | None = None
 ) -> dict[str, Any]:
-    """Add the idempotency documentation to every guarded operation of `app` in `schema`."""
+    """Add the idempotency documentation to every guarded operation of `app` in `schema`.
+    `problem_base` defaults to the app's IdempotencyMiddleware's."""
     operations = guarded_operations(app)
     if not operations:
         return schema
+    mw = find_middleware(app)
+    if problem_base is None:
+        problem_base = DEFAULT_PROBLEM_BASE if mw is None else mw.problem_base
     components = schema.setdefault("components", {}).setdefault("schemas", {})
     components[PROBLEM_SCHEMA] = copy.deepcopy(_PROBLEM_DETAILS)
     paths = schema.get("paths", {})
@@ -95,13 +135,7 @@ def document_openapi(
         operation = paths.get(op.path_format, {}).get(op.method.lower())
         if operation is None:
             continue
-        parameters = operation.setdefault("parameters", [])
-        parameters[:] = [
-            p
-            for p in parameters
-            if not (p.get("in") == "header" and p.get("name", "").lower() == "idempotency-key")
-        ]
-        parameters.append(header_parameter(op.policy))
+        _document_key(operation, op.policy)
         responses = operation.setdefault("responses", {})
         for status, response in responses.items():
             if status.startswith(("2", "3")):
@@ -110,14 +144,13 @@ def document_openapi(
                     "request with the same key",
                     "schema": {"type": "string", "enum": ["true"]},
                 }
-        extra = dict(_RESPONSES)
         if op.policy.accept_while_in_flight:
             responses["202"] = {
                 "description": "The original request is still running; its status is at "
                 "`Location`.",
                 "headers": {"Location": {"schema": {"type": "string"}}},
             }
-        for status, kinds in extra.items():
+        for status, kinds in _problems(op.policy, mw).items():
             problem = _problem_response(kinds, problem_base)
             if status in responses:
                 # Keep what the app documents (FastAPI's validation 422) and add the problem.
@@ -128,10 +161,10 @@ def document_openapi(
                 )
             else:
                 responses[status] = problem
-            if status == "409":
+            if _RETRY_AFTER.intersection(kinds):
                 responses[status]["headers"] = {
                     "Retry-After": {
-                        "description": "Seconds to wait before retrying a request in flight",
+                        "description": "Seconds to wait before retrying",
                         "schema": {"type": "integer"},
                     }
                 }

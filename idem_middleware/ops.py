@@ -6,19 +6,20 @@ The CLI is a thin adapter over these; they work on any Store.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
 import orjson
-from starlette.routing import BaseRoute, Mount, Route, Router
 
 from .errors import ResolveError as ResolveError
 from .fence import Verdict, run_reconciler
 from .middleware import IdempotencyMiddleware
 from .policy import Policy, endpoint_policy, operation_name
 from .reconcile import Reconciler
+from .routing import Found, routes_of
+from .startup import guarded_routes
 from .store.base import (
     FINAL_STATES,
     RecordKey,
@@ -28,6 +29,9 @@ from .store.base import (
     Store,
     StoredResponse,
 )
+
+#: How many wrapping middlewares are looked through for the IdempotencyMiddleware.
+_MAX_WRAPPERS = 32
 
 
 class Resolution(StrEnum):
@@ -262,21 +266,36 @@ class GuardedOperation:
 
 
 def guarded_operations(app: Any) -> list[GuardedOperation]:
-    """Every guarded operation of a Starlette/FastAPI app and its policy, as the middleware
-    would resolve them (endpoint decorator, then the `policies` mapping, then the default)."""
-    middleware = _find_middleware(app)
-    found: list[GuardedOperation] = []
-    for template, path_format, route in _walk(app.router.routes, ""):
-        for method in sorted(getattr(route, "methods", None) or ()):
-            name = operation_name(method, template)
-            policy = endpoint_policy(route.endpoint)
-            if policy is None and middleware is not None:
-                policy = middleware.get("policies", {}).get(name)
-                if policy is None and method in set(middleware.get("methods", ("POST", "PATCH"))):
-                    policy = middleware.get("default_policy") or Policy()
-            if policy is not None and policy.guard:
-                found.append(GuardedOperation(method, template, path_format, policy))
-    return found
+    """Every guarded operation of a Starlette/FastAPI app and its policy, resolved by the app's
+    own IdempotencyMiddleware exactly as at startup (`startup.guarded_routes`): through Host,
+    Mount and included routers. Without a middleware, only endpoints with their own policy."""
+    routes = routes_of(app)
+    if routes is None:
+        return []
+    middleware = find_middleware(app)
+    policy_for = _own_policy if middleware is None else middleware.policy_for
+    return [
+        GuardedOperation(method, item.template, item.path_format, policy)
+        for item, method, policy in guarded_routes(routes, policy_for)
+    ]
+
+
+def find_middleware(app: Any) -> IdempotencyMiddleware | None:
+    """The IdempotencyMiddleware that serves `app`: the one running (in its middleware stack, or
+    wrapping it), else one built from its `add_middleware` arguments, as Starlette will build it."""
+    for start in (getattr(app, "middleware_stack", None), app):
+        layer = start
+        for _ in range(_MAX_WRAPPERS):
+            if layer is None:
+                break
+            if isinstance(layer, IdempotencyMiddleware):
+                return layer
+            layer = getattr(layer, "app", None)
+    for entry in getattr(app, "user_middleware", ()):
+        cls = entry.cls
+        if isinstance(cls, type) and issubclass(cls, IdempotencyMiddleware):
+            return cls(app.router, *entry.args, **entry.kwargs)
+    return None
 
 
 def collect_policies(app: Any) -> dict[str, Policy]:
@@ -292,17 +311,6 @@ def collect_reconcilers(app: Any) -> dict[str, Reconciler]:
     }
 
 
-def _find_middleware(app: Any) -> dict[str, Any] | None:
-    for entry in getattr(app, "user_middleware", ()):
-        if entry.cls is IdempotencyMiddleware:
-            return dict(entry.kwargs)
-    return None
-
-
-def _walk(routes: Iterable[BaseRoute], prefix: str) -> Iterable[tuple[str, str, Route]]:
-    for route in routes:
-        if isinstance(route, Mount):
-            if isinstance(route.app, Router):  # a mounted application is not guarded
-                yield from _walk(route.app.routes, prefix + route.path)
-        elif isinstance(route, Route):
-            yield prefix + route.path, prefix + route.path_format, route
+def _own_policy(method: str, route: Found) -> Policy | None:
+    policy = endpoint_policy(route.endpoint)
+    return policy if policy is not None and policy.guard else None

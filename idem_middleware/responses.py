@@ -1,4 +1,5 @@
-"""Responses the middleware writes itself: problem+json refusals and stored-response replays."""
+"""Responses the library writes itself: problem+json refusals (for the middleware and for its
+own routes) and stored-response replays."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import re
 from collections.abc import Awaitable, Callable, Sequence
 
 import orjson
+from starlette.responses import Response
 from starlette.types import Scope, Send
 
 from .errors import ProblemKind
@@ -31,6 +33,7 @@ _TITLES: dict[ProblemKind, tuple[int, str]] = {
     ProblemKind.TOKEN_INVALID: (400, "The Idempotency-Key is not a valid token for this request"),
     ProblemKind.MISCONFIGURED: (500, "The server is misconfigured"),
     ProblemKind.TENANT_BUSY: (429, "Too many of this caller's requests are in progress"),
+    ProblemKind.TOKEN_CONFLICT: (409, "This intent's token cannot be issued"),
 }
 
 # Never stored or replayed: per-connection (hop-by-hop), per-response (Date, Server), framing
@@ -79,16 +82,16 @@ def problem_title(kind: ProblemKind) -> str:
     return _TITLES[kind][1]
 
 
-async def send_problem(
-    send: Send,
+def build_problem(
     kind: ProblemKind,
     detail: str,
     *,
     base: str = DEFAULT_PROBLEM_BASE,
     retry_after: int | None = None,
     instance: str | None = None,
-) -> None:
-    """Send an RFC 9457 problem+json response. The one place refusals are built."""
+) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+    """The status, headers and body of an RFC 9457 problem+json response: the one place
+    refusals are built, whether the middleware sends them or one of the library's routes."""
     status, title = _TITLES[kind]
     problem: dict[str, object] = {
         "type": base + kind.value,
@@ -105,8 +108,38 @@ async def send_problem(
     ]
     if retry_after is not None:
         headers.append((b"retry-after", str(retry_after).encode()))
+    return status, headers, body
+
+
+async def send_problem(
+    send: Send,
+    kind: ProblemKind,
+    detail: str,
+    *,
+    base: str = DEFAULT_PROBLEM_BASE,
+    retry_after: int | None = None,
+    instance: str | None = None,
+) -> None:
+    """Send the problem `build_problem` builds."""
+    status, headers, body = build_problem(
+        kind, detail, base=base, retry_after=retry_after, instance=instance
+    )
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
+
+
+def problem_response(
+    kind: ProblemKind,
+    detail: str,
+    *,
+    base: str = DEFAULT_PROBLEM_BASE,
+    retry_after: int | None = None,
+) -> Response:
+    """The problem `build_problem` builds, as a Starlette Response for the library's routes."""
+    status, headers, body = build_problem(kind, detail, base=base, retry_after=retry_after)
+    # Given every header (content type and length included), Starlette adds none of its own.
+    fields = {name.decode("latin-1"): value.decode("latin-1") for name, value in headers}
+    return Response(body, status, headers=fields)
 
 
 async def send_accepted(send: Send, location: str, retry_after: int) -> None:

@@ -8,6 +8,7 @@ with the host pattern (`api.example/pay`), so two hosts' `/pay` are two operatio
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -16,6 +17,8 @@ from starlette.routing import BaseRoute, Host, Match, Mount, Route, Router, WebS
 from starlette.types import Scope
 
 from .policy import RouteMatch
+
+_CONVERTER = re.compile(r":\w+}")
 
 #: How many wrapping middlewares (`.app`, as Starlette's own keep it) are looked through.
 _MAX_WRAPPERS = 32
@@ -40,6 +43,8 @@ class Found:
     endpoint: Any
     #: The route itself (FastAPI's carries its `dependant`).
     route: Any
+    #: The path as OpenAPI writes it: no converters (`/items/{item_id}`), no host.
+    path_format: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +71,12 @@ def routes_of(app: Any) -> Sequence[BaseRoute] | None:
         if app is None:
             return None
     return None
+
+
+def _no_converters(path: str) -> str:
+    """`/users/{id:int}` as OpenAPI writes it: `/users/{id}` (a Mount's `path_format` has its
+    `/{path}` tail)."""
+    return _CONVERTER.sub("}", path)
 
 
 def _host_prefix(route: Host) -> str:
@@ -123,35 +134,49 @@ def match_route(
     return None
 
 
-def walk(routes: Sequence[BaseRoute], prefix: str = "") -> Iterator[Found | Hidden]:
-    """Every route of the app with its template, in the order the router tries them."""
+def walk(
+    routes: Sequence[BaseRoute], prefix: str = "", shown: str = ""
+) -> Iterator[Found | Hidden]:
+    """Every route of the app with its template, in the order the router tries them. `shown`
+    is the enclosing mounts' prefix as OpenAPI writes it (see Found.path_format)."""
     for route in routes:
         if isinstance(route, WebSocketRoute):
             continue  # never guarded
         if isinstance(route, Route):
             methods = frozenset(route.methods) if route.methods is not None else None
-            yield Found(prefix + route.path, methods, route.endpoint, route)
+            yield Found(
+                prefix + route.path, methods, route.endpoint, route, shown + route.path_format
+            )
         elif (contexts := _included(route)) is not None:
             for context in contexts:
                 if context.starlette_route is not None:
-                    yield from walk([context.starlette_route], prefix)
+                    yield from walk([context.starlette_route], prefix, shown)
                 else:
                     found = frozenset(context.methods or ()) or None
-                    yield Found(prefix + context.path, found, context.endpoint, context)
+                    yield Found(
+                        prefix + context.path,
+                        found,
+                        context.endpoint,
+                        context,
+                        shown + context.path_format,
+                    )
         elif isinstance(route, Mount | Host):
-            path = prefix + route.path if isinstance(route, Mount) else _host_prefix(route) + prefix
+            if isinstance(route, Mount):
+                path, inner_shown = prefix + route.path, shown + _no_converters(route.path)
+            else:
+                path, inner_shown = _host_prefix(route) + prefix, shown
             inner = routes_of(route.app)
             if inner is None:
                 yield Hidden(f"{path or '/'} (a mounted {type(route.app).__name__})", None, False)
             else:
-                yield from walk(inner, path)
+                yield from walk(inner, path, inner_shown)
         else:
             endpoint = getattr(route, "endpoint", None)
             custom_path = getattr(route, "path", None)
             if isinstance(custom_path, str):
                 methods = getattr(route, "methods", None)
-                yield Found(
-                    prefix + custom_path, frozenset(methods) if methods else None, endpoint, route
-                )
+                shown_path = shown + getattr(route, "path_format", custom_path)
+                methods = frozenset(methods) if methods else None
+                yield Found(prefix + custom_path, methods, endpoint, route, shown_path)
             else:
                 yield Hidden(f"a {type(route).__name__} under {prefix or '/'}", endpoint, True)

@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import logging
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
+
+from starlette.routing import BaseRoute
 
 from .errors import ConfigurationError
 from .policy import Mode, Policy, endpoint_policy, operation_name
 from .routing import Found, Hidden, routes_of, walk
+from .tenant import AUTH_FIX, authenticated_user_tenant
 
 if TYPE_CHECKING:
     from .middleware import IdempotencyMiddleware
@@ -21,12 +24,6 @@ logger = logging.getLogger("idem_middleware")
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "TRACE"})
 #: The methods a route that accepts any method (an ASGI app as a Route's endpoint) is listed for.
 _UNSAFE_METHODS = ("DELETE", "PATCH", "POST", "PUT")
-
-AUTH_FIX = (
-    "add Starlette's AuthenticationMiddleware after installing IdempotencyMiddleware "
-    "(app.add_middleware(AuthenticationMiddleware, backend=...) after install(...): the "
-    "middleware added last runs first), or pass tenant_resolver= to IdempotencyMiddleware"
-)
 
 
 def check_app(mw: IdempotencyMiddleware, app: Any) -> None:
@@ -42,13 +39,12 @@ def check_app(mw: IdempotencyMiddleware, app: Any) -> None:
         logger.warning("idempotency: the middleware is disabled (kill switch); nothing is guarded")
     errors: list[str] = []
     reachable: set[str] = set()
-    guarded: list[tuple[str, Policy]] = []
     for item in walk(routes):
         if isinstance(item, Hidden):
             _report_hidden(mw, item)
             continue
         explicit = endpoint_policy(item.endpoint)
-        methods = sorted(item.methods) if item.methods is not None else list(_UNSAFE_METHODS)
+        methods = _methods(item)
         unsafe = [m for m in methods if m not in SAFE_METHODS]
         if explicit is not None and explicit.guard and not unsafe:
             logger.warning(
@@ -68,9 +64,11 @@ def check_app(mw: IdempotencyMiddleware, app: Any) -> None:
                 logger.warning(
                     "idempotency: policies[%r] never applies: the endpoint's own policy does", name
                 )
-            if policy is not None:
-                guarded.append((name, policy))
         errors.extend(_dependency_errors(item, per_method))
+    guarded = [
+        (operation_name(method, item.template), policy)
+        for item, method, policy in guarded_routes(routes, mw.policy_for)
+    ]
     for name, policy in guarded:
         logger.info("idempotency: guarding %s (%s)", name, describe(policy))
     for name in sorted(set(mw.policies) - reachable):
@@ -79,6 +77,24 @@ def check_app(mw: IdempotencyMiddleware, app: Any) -> None:
         _check_authentication(mw, app, [p for _, p in guarded])
     if errors:
         raise ConfigurationError("; ".join(errors))
+
+
+def guarded_routes(
+    routes: Sequence[BaseRoute], policy_for: Callable[[str, Found], Policy | None]
+) -> Iterator[tuple[Found, str, Policy]]:
+    """Every operation guarded among `routes` (in the router's order, methods sorted) with its
+    policy, as `policy_for` (the middleware's `policy_for`) resolves it. What startup lists, and
+    what the CLI and OpenAPI read: one resolution, so they cannot disagree."""
+    for item in walk(routes):
+        if isinstance(item, Found):
+            for method in _methods(item):
+                policy = None if method in SAFE_METHODS else policy_for(method, item)
+                if policy is not None:
+                    yield item, method, policy
+
+
+def _methods(item: Found) -> list[str]:
+    return sorted(item.methods) if item.methods is not None else list(_UNSAFE_METHODS)
 
 
 def describe(policy: Policy) -> str:
@@ -150,8 +166,6 @@ def _dependency_errors(item: Found, per_method: dict[str, Policy | None]) -> lis
 
 def _check_authentication(mw: IdempotencyMiddleware, app: Any, policies: list[Policy]) -> None:
     """With the default tenant resolver, Starlette's AuthenticationMiddleware must run first."""
-    from .middleware import authenticated_user_tenant
-
     if mw.tenant_resolver is not authenticated_user_tenant:
         return
     if all(p.allow_anonymous for p in policies):

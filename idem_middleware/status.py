@@ -10,7 +10,6 @@ once and is reported as `pending`.
 
 from __future__ import annotations
 
-import inspect
 import re
 
 import orjson
@@ -20,20 +19,9 @@ from starlette.routing import Route
 
 from .errors import ProblemKind, RequestRejected
 from .keys import check_key
-from .middleware import TenantResolver, authenticated_user_tenant
-from .responses import DEFAULT_PROBLEM_BASE, problem_status, problem_title
+from .responses import DEFAULT_PROBLEM_BASE, problem_response
 from .store.base import RecordKey, Store
-
-
-def _problem(kind: ProblemKind, detail: str) -> Response:
-    body = {
-        "type": DEFAULT_PROBLEM_BASE + kind.value,
-        "title": problem_title(kind),
-        "status": problem_status(kind),
-        "detail": detail,
-    }
-    return Response(orjson.dumps(body), problem_status(kind), media_type="application/problem+json")
-
+from .tenant import TenantResolver, Tenants, authenticated_user_tenant, route_tenant
 
 # An operation is `METHOD /template` (policy.operation_name); the bound keeps a probe cheap.
 _OPERATION = re.compile(r"[A-Z]{1,32} /[^\x00-\x1f\x7f]{0,2000}")
@@ -45,21 +33,25 @@ def status_route(
     *,
     path: str = "/idempotency/status",
     tenant_resolver: TenantResolver = authenticated_user_tenant,
+    problem_base: str = DEFAULT_PROBLEM_BASE,
 ) -> Route:
     """`GET path?operation=POST%20/payouts&key=abc`: the state of the caller's own request.
 
     The tenant comes from authentication, as for the guarded routes: another tenant's record
     with the same key is simply not found. The key is checked as the Idempotency-Key header is,
     the operation's shape too (400 problem+json); the answer is read from the caller's own
-    committed record only (see the module's docstring).
+    committed record only (see the module's docstring). Pass the middleware's `problem_base`
+    and `tenant_resolver` if it has its own.
     """
+    tenants = Tenants(tenant_resolver)
+
+    def _problem(kind: ProblemKind, detail: str) -> Response:
+        return problem_response(kind, detail, base=problem_base)
 
     async def status(request: Request) -> Response:
-        tenant = tenant_resolver(request.scope)
-        if inspect.isawaitable(tenant):
-            tenant = await tenant
-        if not tenant:
-            return _problem(ProblemKind.UNAUTHENTICATED, "This resource needs authentication.")
+        tenant = await route_tenant(tenants, request.scope, problem_base=problem_base)
+        if isinstance(tenant, Response):
+            return tenant
         operation = request.query_params.get("operation")
         key = request.query_params.get("key")
         if not operation or not key:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import base64
 import hashlib
 import hmac
-import inspect
 import secrets
 from dataclasses import dataclass
 from datetime import datetime
@@ -23,8 +22,10 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from .context import token_hash
+from .errors import ProblemKind
 from .errors import TokenConflict as TokenConflict
-from .middleware import TenantResolver, authenticated_user_tenant
+from .responses import DEFAULT_PROBLEM_BASE, problem_response
+from .tenant import TenantResolver, Tenants, authenticated_user_tenant, route_tenant
 
 _PREFIX = "it_"
 
@@ -103,17 +104,18 @@ def token_route(
     *,
     path: str = "/idempotency/tokens",
     tenant_resolver: TenantResolver = authenticated_user_tenant,
+    problem_base: str = DEFAULT_PROBLEM_BASE,
 ) -> Route:
     """`POST path` with `{"operation": "POST /payouts", "intent_id": "..."?}` issues a token to
     the authenticated tenant: 201 `{"token", "expires_at"}` (the same token for the same intent).
+    Refusals are problem+json under `problem_base` (pass the middleware's if it has its own).
     """
+    tenants = Tenants(tenant_resolver)
 
     async def issue(request: Request) -> Response:
-        tenant = tenant_resolver(request.scope)
-        if inspect.isawaitable(tenant):
-            tenant = await tenant
-        if not tenant:
-            return _json({"title": "Authentication is required", "status": 401}, 401)
+        tenant = await route_tenant(tenants, request.scope, problem_base=problem_base)
+        if isinstance(tenant, Response):
+            return tenant
         try:
             body = orjson.loads(await request.body())
             operation = body["operation"]
@@ -123,20 +125,16 @@ def token_route(
             ):
                 raise TypeError
         except (orjson.JSONDecodeError, KeyError, TypeError, AttributeError):
-            return _json(
-                {"title": 'Expected {"operation": str, "intent_id": str?}', "status": 400}, 400
+            return problem_response(
+                ProblemKind.BODY_INVALID,
+                'Expected {"operation": str, "intent_id": str?}.',
+                base=problem_base,
             )
         try:
             issued = await issuer.issue(tenant, operation, intent_id=intent_id)
         except TokenConflict as exc:
-            return _json({"title": str(exc), "status": 409}, 409)
-        return _json({"token": issued.token, "expires_at": issued.expires_at.isoformat()}, 201)
+            return problem_response(ProblemKind.TOKEN_CONFLICT, f"{exc}.", base=problem_base)
+        body = {"token": issued.token, "expires_at": issued.expires_at.isoformat()}
+        return Response(orjson.dumps(body), 201, media_type="application/json")
 
     return Route(path, issue, methods=["POST"], name="idempotency_tokens")
-
-
-def _json(content: dict[str, Any], status: int) -> Response:
-    media = "application/json" if status < 400 else "application/problem+json"
-    if status >= 400:
-        content = {"type": "about:blank", **content}
-    return Response(orjson.dumps(content), status, media_type=media)

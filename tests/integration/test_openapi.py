@@ -118,3 +118,87 @@ def test_starlette_schema_generator_helper() -> None:
     assert _header(schema["paths"]["/things"]["get"]) is None
     assert "422" in schema["paths"]["/things"]["post"]["responses"]
     validate(schema)
+
+
+def _keyed_app(**middleware: Any) -> Any:
+    from fastapi import FastAPI
+
+    from idem_middleware import KeyFromBody, KeyFromHeader
+    from idem_middleware.fastapi import install
+
+    app = FastAPI()
+    install(app, store=MemoryStore(), **middleware)
+
+    @app.post("/header")
+    async def header() -> dict[str, str]:
+        return {}
+
+    @app.post("/webhook-header", description="Receives webhooks.")
+    @idempotent(key_source=KeyFromHeader("X-Webhook-Id"))
+    async def webhook_header() -> dict[str, str]:
+        return {}
+
+    @app.post("/webhook-body")
+    @idempotent(key_source=KeyFromBody("/event/id"), allow_anonymous=True)
+    async def webhook_body() -> dict[str, str]:
+        return {}
+
+    @app.post("/computed")
+    @idempotent(key_source=lambda scope, body: None, require_token=True)
+    async def computed() -> dict[str, str]:
+        return {}
+
+    return app
+
+
+def _problem_types(operation: dict[str, Any], status: str) -> str:
+    return str(operation["responses"].get(status, {}).get("description", ""))
+
+
+def test_every_problem_kind_a_guarded_operation_can_answer_is_documented() -> None:
+    from idem_middleware.errors import ProblemKind
+    from idem_middleware.responses import problem_status
+
+    base = "https://errors.example/"
+    schema = _keyed_app(max_tenant_connections=4, problem_base=base).openapi()
+    validate(schema)
+    operation = schema["paths"]["/header"]["post"]
+    for kind in ProblemKind:
+        if kind in (
+            ProblemKind.RECORD_NOT_FOUND,
+            ProblemKind.TOKEN_CONFLICT,
+            ProblemKind.TOKEN_INVALID,
+        ):
+            continue  # the library's own routes only; tokens only where a policy requires them
+        assert f"`{base}{kind.value}`" in _problem_types(operation, str(problem_status(kind))), kind
+    assert "Retry-After" in operation["responses"]["429"]["headers"]  # tenant-busy
+    assert "Retry-After" in operation["responses"]["503"]["headers"]
+    assert "too-many-fields" in _problem_types(operation, "400")
+    assert "server-misconfigured" in _problem_types(operation, "500")
+    assert "token-invalid" not in _problem_types(operation, "400")
+    assert "token-invalid" in _problem_types(schema["paths"]["/computed"]["post"], "400")
+    # Anonymous callers allowed: never a 401.
+    assert "401" not in schema["paths"]["/webhook-body"]["post"]["responses"]
+
+
+def test_tenant_busy_is_documented_only_with_a_per_tenant_cap() -> None:
+    operation = _keyed_app().openapi()["paths"]["/header"]["post"]
+    assert "429" not in operation["responses"]
+
+
+def test_the_key_parameter_follows_the_key_source() -> None:
+    schema = _keyed_app().openapi()
+    validate(schema)
+    paths = schema["paths"]
+
+    def headers(path: str) -> list[str]:
+        parameters = paths[path]["post"].get("parameters", [])
+        return [p["name"] for p in parameters if p["in"] == "header"]
+
+    assert headers("/header") == ["Idempotency-Key"]
+    assert headers("/webhook-header") == ["X-Webhook-Id"]
+    assert paths["/webhook-header"]["post"]["description"] == "Receives webhooks."
+    assert headers("/webhook-body") == []
+    assert "/event/id" in paths["/webhook-body"]["post"]["description"]
+    assert headers("/computed") == []
+    assert "the key is taken from the request" in paths["/computed"]["post"]["description"]

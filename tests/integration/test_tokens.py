@@ -13,7 +13,7 @@ from idem_middleware import Mode, Policy, PostgresStore
 from idem_middleware.context import token_hash
 from idem_middleware.errors import StoreError
 from idem_middleware.tokens import TokenConflict, TokenIssuer, token_route
-from tests.apps import build_app, client
+from tests.apps import assert_problem, build_app, client
 
 SECRET = b"s" * 32
 OP = "POST /accounts/{account_id}/credits"
@@ -208,8 +208,33 @@ async def test_the_token_route(pg_store: PostgresStore, issuer: TokenIssuer) -> 
         bad = await c.post("/idempotency/tokens", content=b"[]", headers=auth)
     assert first.status_code == again.status_code == 201
     assert first.json()["token"] == again.json()["token"]
-    assert anonymous.status_code == 401
-    assert bad.status_code == 400
+    assert_problem(anonymous, 401, "unauthenticated")
+    assert_problem(bad, 400, "body-invalid")
+
+
+async def test_the_token_route_answers_a_conflict_with_a_problem(
+    pg_store: PostgresStore, issuer: TokenIssuer
+) -> None:
+    from starlette.applications import Starlette
+    from starlette.middleware import Middleware
+    from starlette.middleware.authentication import AuthenticationMiddleware
+
+    from tests.apps import BearerBackend
+
+    await issuer.issue("tenant-a", OP, intent_id="i-1")
+    other = TokenIssuer(pg_store, secret=b"t" * 32)  # the same intent, under another secret
+    app = Starlette(
+        routes=[token_route(other)],
+        middleware=[Middleware(AuthenticationMiddleware, backend=BearerBackend())],
+    )
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+        r = await c.post(
+            "/idempotency/tokens",
+            json={"operation": OP, "intent_id": "i-1"},
+            headers={"authorization": "Bearer demo-a"},
+        )
+    assert "another secret" in assert_problem(r, 409, "token-conflict")["detail"]
 
 
 async def test_issuing_on_a_pool_that_is_gone_is_a_store_error(db_dsn: str) -> None:
