@@ -1,6 +1,6 @@
 """Lease mode on a real PostgreSQL (PROTOCOL §2-§6), and its store contract on both stores.
 
-The route under test is `POST /payouts` (tests/apps.py, "Lease mode"): the handler makes a
+The route under test is `POST /payouts` (tests/apps/lease.py): the handler makes a
 downstream effect in `test_downstream` (a bank outside our transaction that deduplicates by the
 downstream key) and may write `test_ledger` rows on its fenced connection. Each execution is
 scripted by a `Step` (fail before/after the effect, hold on a gate, answer a status ...).
