@@ -19,6 +19,7 @@ from typing import Any
 import asyncpg
 import pytest
 
+from idem_middleware.store import MemoryStore
 from idem_middleware.store.migrations import migrate
 from idem_middleware.store.postgres import PostgresStore
 from tests.contract import HARNESS_CASES
@@ -204,3 +205,13 @@ async def pg_store(
     listen = db_route != "pgbouncer"
     async with PostgresStore(pool=pool, listen=listen, fast_path=fast_path) as store:
         yield store
+
+
+@pytest.fixture(params=["memory", "postgres"])
+def store(request: pytest.FixtureRequest) -> MemoryStore | PostgresStore:
+    """Either store, for tests of the middleware that must hold on both (the in-memory one
+    needs no database)."""
+    if request.param == "memory":
+        return MemoryStore()
+    pg: PostgresStore = request.getfixturevalue("pg_store")
+    return pg

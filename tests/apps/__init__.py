@@ -14,7 +14,7 @@ from tests.apps.checks import (
     key,
     records,
 )
-from tests.apps.clients import TOKENS, BearerBackend, asgi_request, client
+from tests.apps.clients import TOKENS, BearerBackend, asgi_request, client, post_scope
 from tests.apps.concurrency import (
     BOUND,
     CountingStore,
@@ -100,6 +100,7 @@ __all__ = [
     "logged_pool",
     "no_content",
     "payout",
+    "post_scope",
     "read_account",
     "records",
     "reset_downstream",

@@ -31,8 +31,8 @@ def client(app: Starlette, token: str | None = "demo-a") -> httpx.AsyncClient:
     )
 
 
-def asgi_request(path: str, idem_key: str, content_length: int) -> dict[str, Any]:
-    """A scope for driving an app directly: an authenticated (tenant-a) JSON POST."""
+def post_scope(path: str, headers: list[tuple[bytes, bytes]], query: bytes = b"") -> dict[str, Any]:
+    """A scope for driving an app directly, as an ASGI server would: a POST with `headers`."""
     return {
         "type": "http",
         "asgi": {"version": "3.0"},
@@ -40,16 +40,24 @@ def asgi_request(path: str, idem_key: str, content_length: int) -> dict[str, Any
         "method": "POST",
         "scheme": "http",
         "path": path,
-        "raw_path": path.encode(),
-        "query_string": b"",
+        "raw_path": path.encode("utf-8", "surrogatepass"),
+        "query_string": query,
         "root_path": "",
-        "headers": [
-            (b"host", b"test"),
-            (b"authorization", b"Bearer demo-a"),
-            (b"idempotency-key", idem_key.encode()),
-            (b"content-type", b"application/json"),
-            (b"content-length", str(content_length).encode()),
-        ],
+        "headers": headers,
         "client": ("127.0.0.1", 50000),
         "server": ("test", 80),
     }
+
+
+def asgi_request(
+    path: str, idem_key: str, content_length: int, *, token: str = "demo-a", query: bytes = b""
+) -> dict[str, Any]:
+    """An authenticated (tenant-a, unless `token` says otherwise) JSON POST's scope."""
+    headers = [
+        (b"host", b"test"),
+        (b"authorization", f"Bearer {token}".encode()),
+        (b"idempotency-key", idem_key.encode()),
+        (b"content-type", b"application/json"),
+        (b"content-length", str(content_length).encode()),
+    ]
+    return post_scope(path, headers, query)

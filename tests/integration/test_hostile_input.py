@@ -40,7 +40,7 @@ from idem_middleware import Policy
 from idem_middleware.store.migrations import migrate
 from idem_middleware.store.postgres import PostgresStore
 from tests import evidence
-from tests.apps import build_app
+from tests.apps import build_app, post_scope
 from tests.conftest import BUSINESS_SCHEMA, dsn_for
 
 T = TypeVar("T")
@@ -175,20 +175,7 @@ class Hostile:
     ) -> Reply:
         """Drive the app as an ASGI server would. After the scripted messages, `receive`
         waits until the response is complete, then reports the client gone."""
-        scope = {
-            "type": "http",
-            "asgi": {"version": "3.0"},
-            "http_version": "1.1",
-            "method": "POST",
-            "scheme": "http",
-            "path": path,
-            "raw_path": path.encode("utf-8", "surrogatepass"),
-            "root_path": "",
-            "query_string": query,
-            "headers": headers,
-            "client": ("127.0.0.1", 50000),
-            "server": ("test", 80),
-        }
+        scope = post_scope(path, headers, query)
         pending = list(messages)
         done = asyncio.Event()
         sent: list[dict[str, Any]] = []
