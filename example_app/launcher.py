@@ -85,6 +85,9 @@ class ServerProcess:
         dropped = set(unset)
         inherited = {name: value for name, value in os.environ.items() if name not in dropped}
         self.env = {**inherited, **(env or {})}
+        # The child imports this checkout's packages, whatever its working directory.
+        path = self.env.get("PYTHONPATH")
+        self.env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{path}" if path else str(ROOT)
         self.cwd = cwd or ROOT
         self.ready_path = ready_path
         self.ready_status = ready_status
