@@ -13,7 +13,8 @@
 `ours-memory` is the bare app (its handler on its own pool) behind IdempotencyMiddleware with a
 MemoryStore: the middleware's own Python work, with no statements of its own.
 
-Authentication (a bearer token naming the tenant) is the same Starlette middleware everywhere.
+Authentication (a bearer token naming the tenant) is the same Starlette middleware everywhere:
+the example app's, as are the request and account models (example_app/app.py).
 """
 
 from __future__ import annotations
@@ -27,10 +28,9 @@ import asyncpg
 from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, Field
-from starlette.authentication import AuthCredentials, AuthenticationBackend, SimpleUser
 from starlette.middleware.authentication import AuthenticationMiddleware
-from starlette.requests import HTTPConnection
 
+from example_app.app import AccountOut, BearerTokens, CreditIn
 from idem_middleware import IdempotencyMiddleware, MemoryStore, Mode, PostgresStore, idempotent
 from idem_middleware.fastapi import Idempotency, IdempotencyConnection
 
@@ -78,12 +78,11 @@ CREATE TABLE IF NOT EXISTS bench_ledger (
 """
 
 
-class BearerTenant(AuthenticationBackend):
-    async def authenticate(self, conn: HTTPConnection) -> tuple[AuthCredentials, SimpleUser] | None:
-        scheme, _, token = conn.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or token != TOKEN:
-            return None
-        return AuthCredentials(["authenticated"]), SimpleUser(TENANT)
+class BearerTenant(BearerTokens):
+    """The example app's bearer authentication, with the one token of the bench tenant."""
+
+    def __init__(self) -> None:
+        super().__init__({TOKEN: TENANT})
 
 
 def tenant_of(request: Request) -> str:
@@ -96,23 +95,12 @@ def tenant_of(request: Request) -> str:
 Tenant = Annotated[str, Depends(tenant_of)]
 
 
-class CreditIn(BaseModel):
-    amount: int = Field(gt=0)
-    memo: str | None = None
-
-
 class CreditOut(BaseModel):
     credit_id: int
     account_id: str
     amount: int
     balance: int
     key: str | None
-
-
-class AccountOut(BaseModel):
-    account_id: str
-    balance: int
-    credits: int
 
 
 class BlobIn(BaseModel):

@@ -27,7 +27,7 @@ import httpx
 
 from .app import TOKEN
 from .db import EmbeddedPostgres, database_name, prepare_database
-from .server import AppServer, read_status
+from .server import app_server, read_status
 
 MIB = 1024 * 1024
 PHASES = ("body", "response", "replay")
@@ -107,7 +107,7 @@ def measure(admin_dsn: str, variants: tuple[str, ...], n: int, pool_size: int = 
     for variant in variants:
         dsn = asyncio.run(prepare_database(admin_dsn, database_name(variant) + "_mem"))
         for phase in PHASES:
-            with AppServer(variant, dsn, pool_size) as app:
+            with app_server(variant, dsn, pool_size) as app:
                 row = _phase(app.url, app.pid, phase, n)
             results.append({"variant": variant, **row})
     base = {r["phase"]: r for r in results if r["variant"] == "bare"}

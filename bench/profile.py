@@ -21,7 +21,7 @@ from pathlib import Path
 
 from .app import VARIANTS
 from .db import EmbeddedPostgres, database_name, prepare_database
-from .server import AppServer
+from .server import app_server
 from .wrk import MISSING_WRK, SCRIPTS, Load, run_wrk, wrk_path
 
 _LINE = re.compile(r"^(.*) (\d+)$")
@@ -83,7 +83,7 @@ def profile(
         raise SystemExit("py-spy is not installed: pip install py-spy (in the bench extra)")
     dsn = asyncio.run(prepare_database(admin_dsn, database_name(variant) + "_profile"))
     load = Load()
-    with AppServer(variant, dsn, 20) as app:
+    with app_server(variant, dsn, 20) as app:
         run_wrk(app.url, scenario, 1.0, "profile-warm", load)  # warm-up
         record = [
             spy,

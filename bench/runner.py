@@ -31,7 +31,7 @@ from .db import (
     wait_idle,
 )
 from .noise import CpuMeter
-from .server import AppServer, uvicorn_speedups
+from .server import app_server, uvicorn_speedups
 from .wrk import BODY, MISSING_WRK, SCRIPTS, Load, WrkResult, run_wrk, wrk_path, wrk_version
 
 SCENARIOS = tuple(SCRIPTS)
@@ -139,7 +139,7 @@ def run_one(
 ) -> Run:
     asyncio.run(reset_for_run(dsn))
     prefix = f"{run_id}{repeat}{VARIANTS.index(variant)}{scenario}"
-    with AppServer(variant, dsn, opts.pool_size) as app:
+    with app_server(variant, dsn, opts.pool_size) as app:
         seeded = None
         if scenario == "replay":
             seeded = asyncio.run(seed_replays(app.url, prefix, load))

@@ -20,7 +20,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -28,13 +27,14 @@ import time
 import uuid
 import warnings
 from collections import Counter
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NoReturn
 
 import asyncpg
 import httpx
+
+from .launcher import ServerFailed, ServerProcess, stop_embedded_postgres
 
 LEASE_SECONDS = 2.0
 WAIT_SECONDS = 1.0
@@ -52,103 +52,23 @@ class TourError(Exception):
     """The app did not behave as the tour expects: stop and say what happened."""
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+#: The app and its bank, as the tour started them.
+Servers = tuple[ServerProcess, ServerProcess]
 
 
-@dataclass
-class Server:
-    """`python -m <module>` on a loopback port, in its own process group (killed as a unit)."""
-
-    module: str
-    workdir: Path
-    env: Mapping[str, str]
-    ready_path: str
-    port: int = field(default_factory=_free_port)
-    proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    @property
-    def log_path(self) -> Path:
-        return self.workdir / f"{self.module}.log"
-
-    def start(self, timeout: float = 45.0) -> None:
-        with self.log_path.open("ab") as log:
-            argv = ["-m", self.module, "--host", "127.0.0.1", "--port", str(self.port)]
-            self.proc = subprocess.Popen(
-                [sys.executable, *argv],
-                cwd=self.workdir,
-                env=dict(self.env),
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise TourError(f"{self.module} exited early; see {self.log_path}")
-            with contextlib.suppress(httpx.TransportError):
-                httpx.get(self.url + self.ready_path, timeout=1.0)
-                return
-            time.sleep(0.1)
-        raise TourError(f"{self.module} did not start within {timeout:.0f}s")
-
-    def kill(self) -> None:
-        """SIGKILL the process group: a crash, no shutdown code runs."""
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(10)
-
-    def stop(self) -> None:
-        """SIGTERM (the app then stops its embedded PostgreSQL), SIGKILL if it hangs."""
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(15)
-        except subprocess.TimeoutExpired:
-            self.kill()
-
-
-def _stop_embedded_postgres(pgdata: Path) -> None:
-    """Stop a PostgreSQL the app left running (a SIGKILLed app runs no exit hooks).
-
-    The postmaster runs in its own session, so killing the app's process group spares it.
-    SIGINT is PostgreSQL's "fast shutdown"; SIGQUIT (immediate) if it is still up after 10 s.
-    """
-    pid_file = pgdata / "postmaster.pid"
-    try:
-        pid = int(pid_file.read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return
-    for signum in (signal.SIGINT, signal.SIGQUIT):
-        try:
-            os.kill(pid, signum)
-        except ProcessLookupError:
-            return
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and pid_file.exists():
-            time.sleep(0.1)
-        if not pid_file.exists():
-            return
+def server(module: str, workdir: Path, **options: Any) -> ServerProcess:
+    """`python -m <module>` in `workdir`, its log beside it (`<module>.log`)."""
+    return ServerProcess(module, cwd=workdir, log_path=workdir / f"{module}.log", **options)
 
 
 @contextlib.contextmanager
-def local_stack() -> Iterator[tuple[Server, Server]]:
+def local_stack() -> Iterator[Servers]:
     """Start the bank and the app (embedded PostgreSQL) in a temp dir; stop all of it after."""
     with tempfile.TemporaryDirectory(prefix="idem-tour-", ignore_cleanup_errors=True) as tmp:
         workdir = Path(tmp)
-        env = {k: v for k, v in os.environ.items() if k not in {"DATABASE_URL", "BANK_URL"}}
-        bank = Server("example_app.bank", workdir, env, ready_path="/transfers")
+        unset = ("DATABASE_URL", "BANK_URL")
+        bank = server("example_app.bank", workdir, unset=unset, ready_path="/transfers")
         app_env = {
-            **env,
             "BANK_URL": bank.url,
             "EXAMPLE_LEASE_SECONDS": str(LEASE_SECONDS),
             "EXAMPLE_WAIT_SECONDS": str(WAIT_SECONDS),
@@ -156,7 +76,7 @@ def local_stack() -> Iterator[tuple[Server, Server]]:
             # The events pile up in the outbox; step (f) publishes them with the CLI.
             "EXAMPLE_PUBLISH": "0",
         }
-        app = Server("example_app", workdir, app_env, ready_path="/accounts/-")
+        app = server("example_app", workdir, env=app_env, unset=unset, ready_path="/accounts/-")
         try:
             print(f"Starting the bank simulator and the app (embedded PostgreSQL in {workdir}) ...")
             bank.start()
@@ -165,7 +85,7 @@ def local_stack() -> Iterator[tuple[Server, Server]]:
         finally:
             app.stop()
             bank.stop()
-            _stop_embedded_postgres(workdir / ".example_app" / "pgdata")
+            stop_embedded_postgres(workdir / ".example_app" / "pgdata")
 
 
 def embedded_database_url(workdir: Path) -> str:
@@ -341,7 +261,7 @@ class Tour:
         )
         self.payouts.append(("(d) bank answer lost", account, 30))
 
-    async def crash(self, app: Server, bank: Server) -> None:
+    async def crash(self, app: ServerProcess, bank: ServerProcess) -> None:
         step(
             "(e) The app crashes in the middle of a payout",
             "The bank is slowed down (delay_ms) so the handler is waiting on it when the app is\n"
@@ -501,7 +421,9 @@ class Tour:
         return ok
 
 
-async def tour(app_url: str, bank_url: str, servers: tuple[Server, Server] | None) -> bool:
+async def tour(
+    app_url: str, bank_url: str, servers: tuple[ServerProcess, ServerProcess] | None
+) -> bool:
     async with (
         httpx.AsyncClient(base_url=app_url, timeout=15) as app,
         httpx.AsyncClient(base_url=bank_url, timeout=15) as bank,
@@ -513,7 +435,7 @@ async def tour(app_url: str, bank_url: str, servers: tuple[Server, Server] | Non
         await t.lost_bank_answer()
         if servers is not None:
             await t.crash(*servers)
-            await t.killed_publisher(embedded_database_url(servers[0].workdir), bank_url)
+            await t.killed_publisher(embedded_database_url(servers[0].cwd), bank_url)
         else:
             step("(e) skipped", "The crash step kills and restarts the app: run without --url.")
             step("(f) skipped", "The publisher step needs the app's database: run without --url.")
@@ -538,7 +460,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             with local_stack() as (app, bank):
                 ok = asyncio.run(tour(app.url, bank.url, (app, bank)))
-    except (TourError, httpx.HTTPError) as exc:
+    except (TourError, ServerFailed, httpx.HTTPError) as exc:
         print(f"\nThe tour stopped: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -1,4 +1,11 @@
-"""Shared fixtures: a real PostgreSQL (embedded, unless IDEM_TEST_DSN is set) migrated once."""
+"""Shared fixtures: a real PostgreSQL (embedded, unless IDEM_TEST_DSN is set) migrated once.
+
+`pool` and `pg_store` reach the database by a route: "direct"; "pgbouncer" (PgBouncer in
+transaction pooling mode, started once per session by tests/pgbouncer.py); or "partitioned" (a
+database of its own whose `idem_requests` is hash-partitioned on `tenant`). A test module opts in
+to the extra routes with `pytestmark = pytest.mark.db_routes("pgbouncer", ...)`: each of its
+tests that uses the database then runs once per route (see `pytest_generate_tests`).
+"""
 
 from __future__ import annotations
 
@@ -12,8 +19,12 @@ from typing import Any
 import asyncpg
 import pytest
 
+from idem_middleware.store import MemoryStore
 from idem_middleware.store.migrations import migrate
 from idem_middleware.store.postgres import PostgresStore
+from tests.contract import HARNESS_CASES
+from tests.contract import harness as harness  # the contract suites' fixture
+from tests.pgbouncer import PgBouncer, binary
 
 BUSINESS_SCHEMA = """
 CREATE TABLE IF NOT EXISTS test_accounts (
@@ -84,9 +95,99 @@ async def admin_dsn(pg_dsn: str) -> str:
     return pg_dsn
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "db_routes(*routes): also run the module's database tests by these routes"
+    )
+    config.addinivalue_line(
+        "markers", "needs_listen: asserts a NOTIFY wake-up, so never runs through PgBouncer"
+    )
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """The contract's `harness` over its cases; a module's extra database routes
+    (`pytest.mark.db_routes`) for every test that reaches `pool`. PgBouncer's route is left out
+    where pgbouncer is not installed (test_pgbouncer.py says so, skipped), and for tests marked
+    `needs_listen` (LISTEN/NOTIFY cannot work through transaction pooling)."""
+    marker = metafunc.definition.get_closest_marker("db_routes")
+    routes = [
+        route
+        for route in (marker.args if marker else ())
+        if route != "pgbouncer"
+        or (binary() is not None and not metafunc.definition.get_closest_marker("needs_listen"))
+    ]
+    if "harness" in metafunc.fixturenames:
+        cases = [*HARNESS_CASES, *((route, "postgres", True, route) for route in routes)]
+        metafunc.parametrize(
+            ("harness", "fast_path", "db_route"),
+            [case[1:] for case in cases],
+            ids=[case[0] for case in cases],
+            indirect=True,
+        )
+    elif routes and "db_route" in metafunc.fixturenames:
+        metafunc.parametrize("db_route", ["direct", *routes], indirect=True)
+
+
 @pytest.fixture
-async def pool(db_dsn: str) -> AsyncIterator[asyncpg.Pool[Any]]:
-    pool = await asyncpg.create_pool(db_dsn, min_size=1, max_size=20)
+def db_route(request: pytest.FixtureRequest) -> str:
+    """How `pool` reaches the database: "direct" unless parametrised (see the module docstring)."""
+    route: str = getattr(request, "param", "direct")
+    return route
+
+
+@pytest.fixture
+def fast_path(request: pytest.FixtureRequest) -> bool:
+    """`pg_store`'s fast_path: on unless parametrised (the contract runs it off too)."""
+    on: bool = getattr(request, "param", True)
+    return on
+
+
+@pytest.fixture(scope="session")
+def bouncer(pg_dsn: str, db_dsn: str) -> Iterator[PgBouncer]:
+    """PgBouncer in transaction pooling mode in front of the test server, for the whole run."""
+    if binary() is None:
+        pytest.skip("pgbouncer is not installed (apt-get install -y pgbouncer)")
+    pgb = PgBouncer(pg_dsn).start()
+    try:
+        yield pgb
+    finally:
+        pgb.stop()
+
+
+@pytest.fixture(scope="session")
+async def partitioned_dsn(pg_dsn: str) -> str:
+    """A database of its own: the migrations, the test tables, then `idem_requests` rebuilt as
+    a table hash-partitioned on `tenant` (4 partitions, same columns, keys and indexes)."""
+    from tests.partitioning import partition_by_tenant
+
+    dsn = await _fresh_database(pg_dsn, "idem_test_partitioned")
+    conn = await asyncpg.connect(dsn)
+    try:
+        await migrate(conn)
+        await conn.execute(BUSINESS_SCHEMA)
+        await partition_by_tenant(conn)
+    finally:
+        await conn.close()
+    return dsn
+
+
+@pytest.fixture
+def db_target(
+    db_dsn: str, db_route: str, request: pytest.FixtureRequest
+) -> tuple[str, dict[str, Any]]:
+    """The DSN and pool options of `db_route` (a plain fixture: it may set up async ones)."""
+    if db_route == "pgbouncer":
+        # No protocol-level prepared statements through transaction pooling.
+        return request.getfixturevalue("bouncer").dsn("idem_test"), {"statement_cache_size": 0}
+    if db_route == "partitioned":
+        return request.getfixturevalue("partitioned_dsn"), {}
+    return db_dsn, {}
+
+
+@pytest.fixture
+async def pool(db_target: tuple[str, dict[str, Any]]) -> AsyncIterator[asyncpg.Pool[Any]]:
+    dsn, options = db_target
+    pool = await asyncpg.create_pool(dsn, min_size=1, max_size=20, **options)
     await pool.execute(
         "TRUNCATE idem_requests, idem_tokens, idem_outbox, idem_inbox, test_accounts, test_ledger"
     )
@@ -97,6 +198,20 @@ async def pool(db_dsn: str) -> AsyncIterator[asyncpg.Pool[Any]]:
 
 
 @pytest.fixture
-async def pg_store(pool: asyncpg.Pool[Any]) -> AsyncIterator[PostgresStore]:
-    async with PostgresStore(pool=pool) as store:
+async def pg_store(
+    pool: asyncpg.Pool[Any], db_route: str, fast_path: bool
+) -> AsyncIterator[PostgresStore]:
+    # Through PgBouncer, LISTEN is off: lease-mode waiters are woken by polling alone.
+    listen = db_route != "pgbouncer"
+    async with PostgresStore(pool=pool, listen=listen, fast_path=fast_path) as store:
         yield store
+
+
+@pytest.fixture(params=["memory", "postgres"])
+def store(request: pytest.FixtureRequest) -> MemoryStore | PostgresStore:
+    """Either store, for tests of the middleware that must hold on both (the in-memory one
+    needs no database)."""
+    if request.param == "memory":
+        return MemoryStore()
+    pg: PostgresStore = request.getfixturevalue("pg_store")
+    return pg

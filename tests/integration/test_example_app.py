@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import os
-import signal
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -15,8 +12,8 @@ import asyncpg
 import httpx
 import pytest
 
+from example_app.launcher import ServerProcess, stop_embedded_postgres
 from tests.conftest import _fresh_database
-from tests.processes import ServerProcess
 
 A = {"authorization": "Bearer demo-a"}
 B = {"authorization": "Bearer demo-b"}
@@ -148,10 +145,10 @@ async def test_embedded_default_survives_a_crash_and_keeps_stored_responses(
     tmp_path: Path,
 ) -> None:
     """No DATABASE_URL: the app runs PostgreSQL in .example_app/ under its working directory."""
-    env = {k: v for k, v in os.environ.items() if k != "DATABASE_URL"}
     h = {**A, **key()}
-    app = ServerProcess("example_app", cwd=tmp_path, env=env, ready_path="/accounts/x")
-    app.env.pop("DATABASE_URL", None)
+    app = ServerProcess(
+        "example_app", cwd=tmp_path, unset=["DATABASE_URL"], ready_path="/accounts/x"
+    )
     try:
         app.start(timeout=90)
         async with httpx.AsyncClient(base_url=app.url, timeout=30) as c:
@@ -169,13 +166,4 @@ async def test_embedded_default_survives_a_crash_and_keeps_stored_responses(
         assert account.json() == {"account_id": "e1", "balance": 9, "credits": 1}
     finally:
         app.cleanup()
-        _stop_embedded(tmp_path / ".example_app" / "pgdata")
-
-
-def _stop_embedded(pgdata: Path) -> None:
-    """A SIGKILLed app leaves its embedded server running: stop it by the PID it recorded."""
-    pid_file = pgdata / "postmaster.pid"
-    if pid_file.exists():
-        pid = int(pid_file.read_text().split()[0])
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGQUIT)
+        stop_embedded_postgres(tmp_path / ".example_app" / "pgdata")

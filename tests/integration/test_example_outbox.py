@@ -23,9 +23,9 @@ import asyncpg
 import httpx
 import pytest
 
+from example_app.launcher import ROOT, ServerProcess
 from tests.conftest import _fresh_database
 from tests.evidence import record
-from tests.processes import ROOT, ServerProcess
 
 A = {"authorization": "Bearer demo-a"}
 LEASE_SECONDS = 1.5

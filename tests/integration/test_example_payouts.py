@@ -18,8 +18,8 @@ import asyncpg
 import httpx
 import pytest
 
+from example_app.launcher import ServerProcess
 from tests.conftest import _fresh_database
-from tests.processes import ServerProcess
 
 A = {"authorization": "Bearer demo-a"}
 B = {"authorization": "Bearer demo-b"}

@@ -35,6 +35,7 @@ import httpx
 import pytest
 
 from example_app.database import prepare
+from example_app.launcher import ServerProcess
 from tests.conftest import _fresh_database
 from tests.evidence import record
 from tests.faults_support import (
@@ -55,7 +56,6 @@ from tests.faults_support import (
     send_once,
     send_until_definitive,
 )
-from tests.processes import ServerProcess
 
 SEED = int(os.environ.get("IDEM_FAULT_SEED") or random.randrange(2**31))
 #: Short leases, so a crashed executor's record becomes unknown and a retry reconciles it.

@@ -34,6 +34,8 @@ from tests.apps import (
     wait_for_waiters,
 )
 
+pytestmark = pytest.mark.db_routes("pgbouncer")
+
 CREDIT = "/accounts/acc1/credits"
 CREDIT_OP = "POST /accounts/{account_id}/credits"
 BODY = {"amount": 5, "memo": "x"}

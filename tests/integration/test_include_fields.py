@@ -3,28 +3,17 @@ those `exclude_fields` removes); on both stores, through the middleware."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from typing import Any
 
-import asyncpg
 import pytest
 
-from idem_middleware import ConfigurationError, MemoryStore, Policy, PostgresStore
+from idem_middleware import ConfigurationError, Policy
 from idem_middleware.fingerprint import canonical_body
 from idem_middleware.store.base import Store
 from tests.apps import assert_problem, assert_replay_of, build_app, client, key
 
 JSON = b"application/json"
 FORM = {"content-type": "application/x-www-form-urlencoded"}
-
-
-@pytest.fixture(params=["memory", "postgres"])
-async def store(request: pytest.FixtureRequest, pool: asyncpg.Pool[Any]) -> AsyncIterator[Store]:
-    if request.param == "memory":
-        yield MemoryStore()
-        return
-    async with PostgresStore(pool=pool) as pg:
-        yield pg
 
 
 PAYMENT = {"amount": 5, "currency": "EUR", "meta": {"account": "acc-1", "trace": "t-1"}}

@@ -3,25 +3,15 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 from typing import Any
 
 import asyncpg
 import pytest
 
-from idem_middleware import IdempotencyContext, MemoryStore, Mode, Outcome
+from idem_middleware import IdempotencyContext, Mode, Outcome
 from idem_middleware.jobs import JobInProgress, JobKeyReused, JobOutcomeUnknown, idempotent_job
 from idem_middleware.store.base import RecordKey, State, Store
 from idem_middleware.store.postgres import PostgresStore
-
-
-@pytest.fixture(params=["memory", "postgres"])
-async def store(request: pytest.FixtureRequest, pool: asyncpg.Pool[Any]) -> AsyncIterator[Store]:
-    if request.param == "memory":
-        yield MemoryStore()
-        return
-    async with PostgresStore(pool=pool) as pg:
-        yield pg
 
 
 def is_pg(store: Store) -> bool:

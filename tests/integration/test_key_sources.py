@@ -3,7 +3,6 @@ function of the request; on both stores, with the header's validation and the te
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from typing import Any
 
 import asyncpg
@@ -15,10 +14,8 @@ from idem_middleware import (
     KeyFromBody,
     KeyFromFunction,
     KeyFromHeader,
-    MemoryStore,
     Mode,
     Policy,
-    PostgresStore,
     ProblemKind,
     RequestRejected,
 )
@@ -27,15 +24,6 @@ from tests.apps import assert_problem, assert_replay_of, build_app, client, key
 
 JSON = {"content-type": "application/json"}
 CREDIT = "/accounts/acc-1/credits"
-
-
-@pytest.fixture(params=["memory", "postgres"])
-async def store(request: pytest.FixtureRequest, pool: asyncpg.Pool[Any]) -> AsyncIterator[Store]:
-    if request.param == "memory":
-        yield MemoryStore()
-        return
-    async with PostgresStore(pool=pool) as pg:
-        yield pg
 
 
 def webhook_id(scope: Scope, body: bytes) -> str | None:

@@ -24,9 +24,9 @@ import asyncpg
 import httpx
 import pytest
 
+from example_app.launcher import ServerProcess
 from idem_middleware import derive_downstream_key
 from tests.apps import PROBLEM_BASE, downstream_rows, reset_downstream
-from tests.processes import ServerProcess
 
 LEASE_SECONDS = 1.0
 #: The bound on every wait here; a process start is the slowest step (well under a second).

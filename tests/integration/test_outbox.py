@@ -30,6 +30,8 @@ from idem_middleware.outbox import (
 )
 from tests.evidence import record
 
+pytestmark = pytest.mark.db_routes("pgbouncer")
+
 CONSUMER_TABLE = (
     "CREATE TABLE IF NOT EXISTS test_consumer_effects (event_id text, applied_at timestamptz "
     "DEFAULT now())"

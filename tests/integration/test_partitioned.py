@@ -2,15 +2,14 @@
 
 A tenant-distributed PostgreSQL (Citus) keeps each tenant's rows on one node; the library fits
 it if every statement a request sends finds its record in one partition. Here the store contract
-(tests/integration/test_store_contract.py, the seed model tests and the lease contract of
-test_lease_mode.py) runs on a database whose `idem_requests` is hash-partitioned on `tenant`,
+(test_store_contract.py, test_seed_model.py and test_lease_contract.py, by their "partitioned"
+database route) runs on a database whose `idem_requests` is hash-partitioned on `tenant`,
 and every statement a transactional and a lease request send is checked to touch exactly one
 partition, its tenant's. See docs/scaling.md.
 """
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -32,10 +31,7 @@ from tests.apps import (
     key,
     reset_downstream,
 )
-from tests.conftest import BUSINESS_SCHEMA, _fresh_database
-from tests.integration import test_lease_mode, test_seed_model, test_store_contract
-from tests.integration.test_lease_mode import PgLeaseHarness
-from tests.integration.test_store_contract import build_harness
+from tests.conftest import _fresh_database
 from tests.partitioning import (
     Sent,
     SentLog,
@@ -46,51 +42,14 @@ from tests.partitioning import (
     partitions,
 )
 
-# -- the contract suites, on the partitioned table ------------------------------------------------
-
-
-@pytest.fixture(scope="session")
-async def partitioned_dsn(pg_dsn: str) -> str:
-    """A database of its own: the migrations, the test tables, then `idem_requests` rebuilt as
-    a table hash-partitioned on `tenant` (4 partitions, same columns, keys and indexes)."""
-    dsn = await _fresh_database(pg_dsn, "idem_test_partitioned")
-    conn = await asyncpg.connect(dsn)
-    try:
-        await migrate(conn)
-        await conn.execute(BUSINESS_SCHEMA)
-        await partition_by_tenant(conn)
-    finally:
-        await conn.close()
-    return dsn
+# The contract suites (test_store_contract.py, test_seed_model.py, test_lease_contract.py) run
+# on the partitioned table too, by their "partitioned" route (tests/conftest.py).
 
 
 @pytest.fixture(scope="session")
 async def db_dsn(partitioned_dsn: str) -> str:
-    """conftest's `pool` and `pg_store` (and so the harnesses) use the partitioned database."""
+    """conftest's `pool` and `pg_store` use the partitioned database in this module."""
     return partitioned_dsn
-
-
-@pytest.fixture(params=["postgres"], ids=["partitioned"])
-def harness(request: pytest.FixtureRequest) -> Any:
-    return build_harness(request)
-
-
-@pytest.fixture(params=["postgres"], ids=["partitioned"])
-def lh(request: pytest.FixtureRequest) -> PgLeaseHarness:
-    return PgLeaseHarness(request.getfixturevalue("pg_store"), request.getfixturevalue("pool"))
-
-
-def _reuse(module: Any, fixture: str) -> None:
-    """Collect here every test of `module` that takes `fixture` (it then gets the one above)."""
-    for name, test in vars(module).items():
-        if name.startswith("test_") and fixture in inspect.signature(test).parameters:
-            assert name not in globals(), f"{name} is already taken"
-            globals()[name] = test
-
-
-_reuse(test_store_contract, "harness")
-_reuse(test_seed_model, "harness")
-_reuse(test_lease_mode, "lh")
 
 
 async def test_the_table_is_partitioned_by_tenant(pool: asyncpg.Pool[Any]) -> None:

@@ -30,6 +30,8 @@ from tests.apps import (
     wait_for_waiters,
 )
 
+pytestmark = pytest.mark.db_routes("pgbouncer")
+
 CREDIT = "/accounts/acc1/credits"
 BODY = {"amount": 5}
 

@@ -1,14 +1,15 @@
-"""The integration suites again, through PgBouncer in transaction pooling mode: the protocol,
-failure, peer-regression, seed-model, store-contract, lease-mode, token and outbox suites.
+"""PgBouncer in transaction pooling mode, checked on its own.
 
-The `pool` and `pg_store` fixtures are overridden here: the same tests run with every statement
-going through PgBouncer 1.18 (no protocol-level prepared statements, so `statement_cache_size=0`),
-and with LISTEN off, so lease-mode waiters are woken by polling alone.
+The suites that must hold through PgBouncer (the protocol, failure, peer-regression, token and
+outbox suites, lease mode and the store contract) run through it by their "pgbouncer" database
+route (`pytest.mark.db_routes`, tests/conftest.py): every statement goes through PgBouncer
+(no protocol-level prepared statements, so `statement_cache_size=0`), with LISTEN off, so
+lease-mode waiters are woken by polling alone. Tests that assert a NOTIFY wake-up are marked
+`needs_listen` and run directly only.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import asyncpg
@@ -17,58 +18,12 @@ import pytest
 from idem_middleware import Mode, Policy, PostgresStore
 from tests.pgbouncer import PgBouncer, binary
 
-if binary() is None:  # pragma: no cover - .ci/run installs it
-    pytest.skip(
-        "pgbouncer is not installed (apt-get install -y pgbouncer)", allow_module_level=True
-    )
-
-# The suites re-run here, with this module's fixtures. (Names imported into a test module are
-# collected again as its own tests.)
-from tests.integration.test_http_failures import *  # noqa: F403
-from tests.integration.test_http_protocol import *  # noqa: F403
-from tests.integration.test_lease_mode import *  # noqa: F403
-from tests.integration.test_outbox import *  # noqa: F403
-from tests.integration.test_peer_regressions import *  # noqa: F403
-from tests.integration.test_seed_model import *  # noqa: F403
-from tests.integration.test_store_contract import *  # noqa: F403
-from tests.integration.test_tokens import *  # noqa: F403
-
-# These two assert that NOTIFY wakes a waiter: LISTEN cannot work through transaction pooling,
-# which is why the store here runs with listen=False (polling covers it: see the last test).
-for _notify_only in (
-    "test_waiter_is_woken_by_notify_well_before_its_poll",
-    "test_contract_watch_is_woken_by_settle_release_and_allow_retry",
-):
-    globals().pop(_notify_only)
-
-
-@pytest.fixture(scope="module")
-def bouncer(pg_dsn: str, db_dsn: str) -> Iterator[PgBouncer]:
-    pgb = PgBouncer(pg_dsn).start()
-    try:
-        yield pgb
-    finally:
-        pgb.stop()
-
-
-@pytest.fixture
-async def pool(bouncer: PgBouncer) -> AsyncIterator[asyncpg.Pool[Any]]:
-    pool = await asyncpg.create_pool(
-        bouncer.dsn("idem_test"), min_size=1, max_size=20, statement_cache_size=0
-    )
-    await pool.execute(
-        "TRUNCATE idem_requests, idem_tokens, idem_outbox, idem_inbox, test_accounts, test_ledger"
-    )
-    try:
-        yield pool
-    finally:
-        await pool.close()
-
-
-@pytest.fixture
-async def pg_store(pool: asyncpg.Pool[Any]) -> AsyncIterator[PostgresStore]:
-    async with PostgresStore(pool=pool, listen=False) as store:
-        yield store
+pytestmark = [
+    pytest.mark.skipif(
+        binary() is None, reason="pgbouncer is not installed (apt-get install -y pgbouncer)"
+    ),
+    pytest.mark.parametrize("db_route", ["pgbouncer"], indirect=True),
+]
 
 
 async def test_statements_really_go_through_pgbouncer(

@@ -5,32 +5,19 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import AsyncIterator
 from typing import Any
 
-import asyncpg
 import pytest
 from starlette.types import Scope
 
 from idem_middleware import (
     ConfigurationError,
-    MemoryStore,
     Mode,
     Policy,
-    PostgresStore,
     StoredResponse,
 )
 from idem_middleware.store.base import Store
 from tests.apps import assert_problem, assert_replay_of, build_app, client, key
-
-
-@pytest.fixture(params=["memory", "postgres"])
-async def store(request: pytest.FixtureRequest, pool: asyncpg.Pool[Any]) -> AsyncIterator[Store]:
-    if request.param == "memory":
-        yield MemoryStore()
-        return
-    async with PostgresStore(pool=pool) as pg:
-        yield pg
 
 
 class Hook:

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from example_app.launcher import ServerProcess
 from tests.conftest import _fresh_database
-from tests.processes import ServerProcess
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,7 @@
 
 TestConcurrentExactlyOneLocalClaim, TestPendingAndUnknownNeverSilentlyExpire,
 TestConflictRetentionAndStaleOwner and TestTenantScope, each run on the in-memory twin and on
-PostgreSQL through the contract suite's harness.
+PostgreSQL through the contract suite's harness (tests/contract.py).
 """
 
 from __future__ import annotations
@@ -14,22 +14,9 @@ import pytest
 
 from idem_middleware.errors import StoreError
 from idem_middleware.store import Claim, ClaimBusy, RecordKey, State, StoredResponse
-from tests.integration.test_store_contract import (
-    FP,
-    OTHER_FP,
-    RESPONSE,
-    STORE_KINDS,
-    TEN_YEARS,
-    Harness,
-    build_harness,
-    claim,
-    key,
-)
+from tests.contract import FP, OTHER_FP, RESPONSE, TEN_YEARS, Harness, claim, key
 
-
-@pytest.fixture(params=STORE_KINDS)
-def harness(request: pytest.FixtureRequest) -> Harness:
-    return build_harness(request)
+pytestmark = pytest.mark.db_routes("pgbouncer", "partitioned")
 
 
 async def test_concurrent_exactly_one_claim_and_one_effect(harness: Harness) -> None:
@@ -40,7 +27,7 @@ async def test_concurrent_exactly_one_claim_and_one_effect(harness: Harness) -> 
         # As the middleware does: a busy key is claimed again after a pause (bounded).
         for _ in range(1000):
             try:
-                async with store.transaction(acquire_timeout=10) as session:
+                async with harness.transaction() as session:
                     result = await claim(session, k, wait=10)
                     if result.claimed:
                         await harness.effect(session, k)
@@ -75,11 +62,11 @@ async def test_pending_and_unknown_never_silently_expire(harness: Harness) -> No
 
     # Transactional pending: an uncommitted claim, however old, is never taken over.
     held_key = key("held")
-    async with store.transaction(acquire_timeout=10) as holder:
+    async with harness.transaction() as holder:
         held = await claim(holder, held_key)
         assert held.claimed
         await harness.age(TEN_YEARS, session=holder)
-        async with store.transaction(acquire_timeout=10) as other:
+        async with harness.transaction() as other:
             with pytest.raises(ClaimBusy):
                 await claim(other, held_key, wait=0.2)
         assert await store.get(held_key) is None
@@ -97,7 +84,7 @@ async def test_pending_and_unknown_never_silently_expire(harness: Harness) -> No
     }
     for state, (k, generation) in planted.items():
         for fingerprint in (FP, OTHER_FP):
-            async with store.transaction(acquire_timeout=10) as session:
+            async with harness.transaction() as session:
                 result = await claim(session, k, fingerprint, wait=1)
                 assert not result.claimed, f"an old {state} record was taken over"
                 assert result.generation == generation
@@ -117,7 +104,7 @@ async def test_pending_and_unknown_never_silently_expire(harness: Harness) -> No
 
     # An unknown outcome cannot blindly be completed under its generation.
     k, generation = planted[State.UNKNOWN]
-    async with store.transaction(acquire_timeout=10) as session:
+    async with harness.transaction(begin=True) as session:
         with pytest.raises(StoreError):
             await session.complete(k, generation, State.SUCCEEDED, RESPONSE)
     record = await store.get(k)
@@ -138,7 +125,7 @@ async def test_conflict_retention_boundary_and_stale_generation(
         else StoredResponse(status=402, headers=[], body=b'{"declined":true}')
     )
 
-    async with store.transaction(acquire_timeout=10) as session:
+    async with harness.transaction() as session:
         first = await claim(session, k, FP)
         assert first.claimed
         await harness.effect(session, k)
@@ -146,7 +133,7 @@ async def test_conflict_retention_boundary_and_stale_generation(
         await session.commit()
 
     # Same key, different fingerprint: the existing record comes back (the middleware's 422).
-    async with store.transaction(acquire_timeout=10) as session:
+    async with harness.transaction() as session:
         conflict = await claim(session, k, OTHER_FP)
     assert not conflict.claimed
     assert conflict.record is not None
@@ -154,7 +141,7 @@ async def test_conflict_retention_boundary_and_stale_generation(
     assert conflict.generation == first.generation
 
     # One microsecond before the retention ends: a replay.
-    async with store.transaction(acquire_timeout=10) as session:
+    async with harness.transaction(begin=True) as session:
         await harness.end_retention(k, after=1e-6, session=session)
         replay = await claim(session, k, FP)
     assert not replay.claimed
@@ -172,7 +159,7 @@ async def test_conflict_retention_boundary_and_stale_generation(
     assert expired.generation == first.generation
 
     # Exactly at the end: a claim takes it over under a new, larger generation.
-    async with store.transaction(acquire_timeout=10) as session:
+    async with harness.transaction(begin=True) as session:
         await harness.end_retention(k, after=0.0, session=session)
         takeover = await claim(session, k, FP)
         assert takeover.claimed
@@ -185,7 +172,7 @@ async def test_conflict_retention_boundary_and_stale_generation(
 
     # A late executor under the old generation matches nothing, and neither does a second
     # completion under the new one (the record is no longer pending).
-    async with store.transaction(acquire_timeout=10) as session:
+    async with harness.transaction(begin=True) as session:
         with pytest.raises(StoreError):
             await session.complete(k, first.generation, State.SUCCEEDED, RESPONSE)
         with pytest.raises(StoreError):
@@ -212,9 +199,7 @@ async def test_tenant_and_operation_scope(harness: Harness) -> None:
 
     # All three claimed at once: none waits on another (a shared scope would time out here).
     async with AsyncExitStack() as stack:
-        sessions = [
-            await stack.enter_async_context(store.transaction(acquire_timeout=10)) for _ in keys
-        ]
+        sessions = [await stack.enter_async_context(harness.transaction()) for _ in keys]
         claims = []
         for session, k, fingerprint in zip(sessions, keys, fingerprints, strict=True):
             result = await claim(session, k, fingerprint, wait=0.2)

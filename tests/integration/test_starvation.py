@@ -14,6 +14,7 @@ from idem_middleware import Policy, PostgresStore
 from tests.apps import (
     BOUND,
     Held,
+    asgi_request,
     assert_problem,
     assert_replay_of,
     build_app,
@@ -61,26 +62,8 @@ async def test_duplicates_of_a_slow_request_wait_without_taking_the_pool(
 
 
 def _scope(path: str, idem_key: str, token: str = "demo-a") -> dict[str, Any]:
-    return {
-        "type": "http",
-        "asgi": {"version": "3.0"},
-        "http_version": "1.1",
-        "method": "POST",
-        "scheme": "http",
-        "path": path.split("?")[0],
-        "raw_path": path.split("?")[0].encode(),
-        "root_path": "",
-        "query_string": path.partition("?")[2].encode(),
-        "headers": [
-            (b"host", b"test"),
-            (b"authorization", f"Bearer {token}".encode()),
-            (b"idempotency-key", f'"{idem_key}"'.encode()),
-            (b"content-type", b"application/json"),
-            (b"content-length", b"2"),
-        ],
-        "client": ("127.0.0.1", 1),
-        "server": ("test", 80),
-    }
+    route, _, query = path.partition("?")
+    return asgi_request(route, f'"{idem_key}"', 2, token=token, query=query.encode())
 
 
 class _NeverReads:

@@ -15,6 +15,8 @@ from idem_middleware.errors import StoreError
 from idem_middleware.tokens import TokenConflict, TokenIssuer, token_route
 from tests.apps import assert_problem, build_app, client
 
+pytestmark = pytest.mark.db_routes("pgbouncer")
+
 SECRET = b"s" * 32
 OP = "POST /accounts/{account_id}/credits"
 URL = "/accounts/t1/credits"

@@ -8,7 +8,7 @@ import signal
 import subprocess
 import sys
 
-from tests.processes import ROOT
+from example_app.launcher import ROOT
 
 
 def test_tour_runs_end_to_end_and_shows_each_fact() -> None:

@@ -1,0 +1,63 @@
+"""The test apps' authentication (bearer tokens naming a tenant) and the clients that call them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+from starlette.applications import Starlette
+from starlette.authentication import AuthCredentials, AuthenticationBackend, SimpleUser
+from starlette.requests import HTTPConnection
+
+TOKENS = {"demo-a": "tenant-a", "demo-b": "tenant-b"}
+
+
+class BearerBackend(AuthenticationBackend):
+    async def authenticate(self, conn: HTTPConnection) -> tuple[AuthCredentials, SimpleUser] | None:
+        header = conn.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        tenant = TOKENS.get(token) if scheme.lower() == "bearer" else None
+        if tenant is None:
+            return None
+        return AuthCredentials(["authenticated"]), SimpleUser(tenant)
+
+
+def client(app: Starlette, token: str | None = "demo-a") -> httpx.AsyncClient:
+    headers = {"authorization": f"Bearer {token}"} if token else {}
+    return httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app, raise_app_exceptions=False),
+        base_url="http://test",
+        headers=headers,
+    )
+
+
+def post_scope(path: str, headers: list[tuple[bytes, bytes]], query: bytes = b"") -> dict[str, Any]:
+    """A scope for driving an app directly, as an ASGI server would: a POST with `headers`."""
+    return {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode("utf-8", "surrogatepass"),
+        "query_string": query,
+        "root_path": "",
+        "headers": headers,
+        "client": ("127.0.0.1", 50000),
+        "server": ("test", 80),
+    }
+
+
+def asgi_request(
+    path: str, idem_key: str, content_length: int, *, token: str = "demo-a", query: bytes = b""
+) -> dict[str, Any]:
+    """An authenticated (tenant-a, unless `token` says otherwise) JSON POST's scope."""
+    headers = [
+        (b"host", b"test"),
+        (b"authorization", f"Bearer {token}".encode()),
+        (b"idempotency-key", idem_key.encode()),
+        (b"content-type", b"application/json"),
+        (b"content-length", str(content_length).encode()),
+    ]
+    return post_scope(path, headers, query)

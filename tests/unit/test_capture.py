@@ -1,0 +1,99 @@
+"""capture.py: a handler's response is held until its outcome is recorded, or settled early and
+streamed when it cannot be held."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from idem_middleware.capture import ResponseCapture
+
+START = {"type": "http.response.start", "status": 201, "headers": [(b"content-type", b"a/b")]}
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.sent: list[dict[str, Any]] = []
+        self.settled: list[str] = []
+
+    async def send(self, message: Any) -> None:
+        self.sent.append(message)
+
+    async def settle_early(self, reason: str) -> None:
+        assert not self.sent, "settled after a byte left"
+        self.settled.append(reason)
+
+
+def body(chunk: bytes, more: bool = False) -> dict[str, Any]:
+    return {"type": "http.response.body", "body": chunk, "more_body": more}
+
+
+async def test_a_small_response_is_held_whole_and_sent_on_flush() -> None:
+    r = Recorder()
+    capture = ResponseCapture(r.send, 100, r.settle_early)
+    await capture(START)
+    await capture(body(b"ab", more=True))
+    await capture(body(b"cd"))
+    assert r.sent == []
+    assert r.settled == []
+    assert capture.complete
+    assert not capture.passthrough
+    assert capture.status == 201
+    stored = capture.stored()
+    assert (stored.status, stored.body, stored.body_omitted) == (201, b"abcd", None)
+    assert stored.headers == [(b"content-type", b"a/b")]
+    await capture.flush()
+    assert r.sent == [START, body(b"abcd")]
+
+
+async def test_a_response_over_the_cap_settles_then_streams_through() -> None:
+    r = Recorder()
+    capture = ResponseCapture(r.send, 3, r.settle_early)
+    await capture(START)
+    await capture(body(b"ab", more=True))
+    await capture(body(b"cd", more=True))
+    assert r.settled == ["too-large"]
+    assert capture.passthrough
+    await capture(body(b"ef"))
+    assert r.sent == [START, body(b"abcd", more=True), body(b"ef")]
+    assert capture.stored("too-large").body == b""
+
+
+@pytest.mark.parametrize(
+    "second",
+    [
+        pytest.param(None, id="event-stream"),
+        pytest.param({"type": "http.response.trailers", "headers": []}, id="extension"),
+    ],
+)
+async def test_what_cannot_be_held_settles_as_streaming_before_its_first_byte(
+    second: dict[str, Any] | None,
+) -> None:
+    r = Recorder()
+    capture = ResponseCapture(r.send, 1000, r.settle_early)
+    if second is None:
+        await capture({**START, "headers": [(b"content-type", b"text/event-stream")]})
+    else:
+        await capture(START)
+        await capture(second)
+    assert r.settled == ["streaming"]
+    assert capture.passthrough
+    assert r.sent[0]["type"] == "http.response.start"
+
+
+async def test_a_body_before_the_start_is_an_error() -> None:
+    r = Recorder()
+    capture = ResponseCapture(r.send, 0, r.settle_early)
+    with pytest.raises(RuntimeError, match=r"before http\.response\.start"):
+        await capture(body(b"x"))
+
+
+async def test_after_close_a_late_settle_is_refused() -> None:
+    r = Recorder()
+    capture = ResponseCapture(r.send, 0, r.settle_early)
+    await capture(START)
+    capture.close()
+    with pytest.raises(RuntimeError, match="after the request ended"):
+        await capture(body(b"too late"))
+    assert r.settled == []

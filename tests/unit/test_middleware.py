@@ -1,0 +1,111 @@
+"""The middleware on the in-memory store, driven through httpx's ASGI transport: no PostgreSQL.
+
+The protocol as a client sees it (claim then replay, a reused key, a missing key, a duplicate of
+a request in flight, a response that cannot be held, tenants apart); the HTTP suites in
+tests/integration run the same protocol on PostgreSQL.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from idem_middleware import MemoryStore, Policy
+from idem_middleware.store import RecordKey, State
+from tests.apps import (
+    Held,
+    assert_problem,
+    assert_replay_of,
+    build_app,
+    client,
+    key,
+    wait_entered,
+)
+
+CREDIT = "/accounts/a1/credits"
+
+
+def memory_app(**policy: float) -> tuple[Any, MemoryStore]:
+    store = MemoryStore()
+    return build_app(store, default_policy=Policy(**policy)), store
+
+
+async def test_a_claimed_request_runs_once_and_its_duplicate_is_replayed() -> None:
+    app, _ = memory_app()
+    async with client(app) as c:
+        first = await c.post(CREDIT, json={"amount": 5}, headers=key("k1"))
+        again = await c.post(CREDIT, json={"amount": 5}, headers=key("k1"))
+    assert first.status_code == 201
+    assert first.json()["call"] == 1
+    assert_replay_of(again, first)
+    assert app.state.probe.calls == 1
+
+
+async def test_a_key_reused_with_another_body_is_422_and_does_not_run() -> None:
+    app, _ = memory_app()
+    async with client(app) as c:
+        first = await c.post(CREDIT, json={"amount": 5}, headers=key("k1"))
+        other = await c.post(CREDIT, json={"amount": 6}, headers=key("k1"))
+    assert first.status_code == 201
+    assert_problem(other, 422, "key-reused")
+    assert app.state.probe.calls == 1
+
+
+async def test_a_missing_key_is_400_and_does_not_run() -> None:
+    app, _ = memory_app()
+    async with client(app) as c:
+        r = await c.post(CREDIT, json={"amount": 5})
+    assert_problem(r, 400, "missing-key")
+    assert app.state.probe.calls == 0
+
+
+async def test_a_duplicate_of_a_request_in_flight_is_409_with_retry_after() -> None:
+    app, _ = memory_app(wait_seconds=0.05)
+    probe = app.state.probe
+    async with client(app) as c, Held(probe) as held:
+        first = held.start(c.post(CREDIT, json={"amount": 5}, headers=key("k1")))
+        await wait_entered(probe)
+        duplicate = await c.post(CREDIT, json={"amount": 5}, headers=key("k1"))
+        held.release()
+        original = await first
+    assert_problem(duplicate, 409, "request-in-flight")
+    assert int(duplicate.headers["retry-after"]) >= 1
+    assert original.status_code == 201
+    assert probe.calls == 1
+
+
+async def test_a_stream_settles_before_its_first_byte_and_is_replayed_without_its_body() -> None:
+    app, store = memory_app()
+    async with client(app) as c:
+        first = await c.post("/stream", headers=key("s1"))
+        again = await c.post("/stream", headers=key("s1"))
+    assert first.status_code == 200
+    assert first.text == "data: 0\n\ndata: 1\n\ndata: 2\n\n"
+    assert again.status_code == 200
+    assert again.headers["idempotent-replayed"] == "true"
+    assert again.headers["idempotency-body-omitted"] == "streaming"
+    assert again.content == b""
+    assert app.state.probe.calls == 1
+    record = await store.get(RecordKey("tenant-a", "POST /stream", "s1"))
+    assert record is not None
+    assert record.state is State.SUCCEEDED
+    assert record.response is not None
+    assert record.response.body_omitted == "streaming"
+
+
+@pytest.mark.parametrize("token", ["demo-a", "demo-b"])
+async def test_tenants_have_key_spaces_of_their_own(token: str) -> None:
+    """The same key from another tenant is another request; each tenant's duplicate replays."""
+    app, _ = memory_app()
+    async with client(app, token="demo-a") as a, client(app, token=token) as b:
+        first = await a.post(CREDIT, json={"amount": 5}, headers=key("shared"))
+        second = await b.post(CREDIT, json={"amount": 5}, headers=key("shared"))
+    assert first.status_code == 201
+    if token == "demo-a":
+        assert_replay_of(second, first)
+        assert app.state.probe.calls == 1
+    else:
+        assert second.status_code == 201
+        assert "idempotent-replayed" not in second.headers
+        assert app.state.probe.calls == 2

@@ -1,0 +1,121 @@
+"""responses.py: the problem+json refusals and the replay of a stored response, as ASGI
+messages."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+import pytest
+
+from idem_middleware.errors import ProblemKind
+from idem_middleware.responses import (
+    DEFAULT_PROBLEM_BASE,
+    problem_status,
+    send_accepted,
+    send_problem,
+    send_replay,
+    storable_headers,
+)
+from idem_middleware.store import StoredResponse
+
+
+class Sent(list[dict[str, Any]]):
+    async def __call__(self, message: dict[str, Any]) -> None:
+        self.append(message)
+
+    @property
+    def headers(self) -> dict[bytes, bytes]:
+        return dict(self[0]["headers"])
+
+
+@pytest.mark.parametrize("kind", list(ProblemKind))
+async def test_every_problem_is_rfc9457_json_with_its_status(kind: ProblemKind) -> None:
+    sent = Sent()
+    await send_problem(sent, kind, "why", retry_after=3, instance="/x")
+    start, body = sent
+    assert start["status"] == problem_status(kind)
+    assert sent.headers[b"content-type"] == b"application/problem+json"
+    assert sent.headers[b"retry-after"] == b"3"
+    assert sent.headers[b"content-length"] == str(len(body["body"])).encode()
+    problem = orjson.loads(body["body"])
+    assert problem["type"] == DEFAULT_PROBLEM_BASE + kind.value
+    assert problem["status"] == start["status"]
+    assert problem["detail"] == "why"
+    assert problem["instance"] == "/x"
+    assert problem["title"]
+
+
+async def test_a_problem_base_replaces_the_type_prefix() -> None:
+    sent = Sent()
+    await send_problem(sent, ProblemKind.MISSING_KEY, "no key", base="https://e.example/p/")
+    problem = orjson.loads(sent[1]["body"])
+    assert problem["type"] == "https://e.example/p/missing-key"
+    assert b"retry-after" not in sent.headers
+    assert "instance" not in problem
+
+
+async def test_accepted_names_where_to_look() -> None:
+    sent = Sent()
+    await send_accepted(sent, "/status/k1", 2)
+    assert sent[0]["status"] == 202
+    assert sent.headers[b"location"] == b"/status/k1"
+    assert sent.headers[b"retry-after"] == b"2"
+    assert orjson.loads(sent[1]["body"]) == {"status": "processing", "location": "/status/k1"}
+
+
+def test_per_connection_and_per_response_headers_are_never_stored() -> None:
+    headers = [
+        (b"Content-Type", b"application/json"),
+        (b"Set-Cookie", b"s=1"),
+        (b"date", b"today"),
+        (b"content-length", b"9"),
+        (b"x-kept", b"1"),
+    ]
+    assert storable_headers(headers) == [(b"Content-Type", b"application/json"), (b"x-kept", b"1")]
+
+
+async def test_a_replay_is_marked_and_framed() -> None:
+    sent = Sent()
+    stored = StoredResponse(201, [(b"content-type", b"application/json")], b'{"a":1}')
+    await send_replay(sent, stored)
+    assert sent[0]["status"] == 201
+    assert sent.headers[b"idempotent-replayed"] == b"true"
+    assert sent.headers[b"content-length"] == b"7"
+    assert sent[1]["body"] == b'{"a":1}'
+
+
+async def test_a_replay_without_its_body_says_so_and_claims_no_type() -> None:
+    sent = Sent()
+    stored = StoredResponse(200, [(b"content-type", b"text/event-stream")], b"", "streaming")
+    await send_replay(sent, stored)
+    assert b"content-type" not in sent.headers
+    assert sent.headers[b"idempotency-body-omitted"] == b"streaming"
+    assert sent[1]["body"] == b""
+
+
+@pytest.mark.parametrize("status", [204, 304])
+async def test_a_replay_without_content_has_no_content_length(status: int) -> None:
+    sent = Sent()
+    await send_replay(sent, StoredResponse(status, [], b""))
+    assert b"content-length" not in sent.headers
+
+
+async def test_a_replay_hook_changes_the_replay_and_a_failing_one_does_not() -> None:
+    stored = StoredResponse(201, [(b"x-a", b"1")], b"body")
+
+    def hook(response: StoredResponse, scope: Any) -> StoredResponse:
+        return StoredResponse(200, [(b"X-B", b"2"), (b"content-length", b"99")], b"new")
+
+    def broken(response: StoredResponse, scope: Any) -> Any:
+        return "not a response"
+
+    changed, unchanged = Sent(), Sent()
+    await send_replay(changed, stored, hook, {"method": "POST", "path": "/x"})
+    await send_replay(unchanged, stored, broken, {"method": "POST", "path": "/x"})
+    assert changed[0]["status"] == 200
+    assert changed.headers[b"x-b"] == b"2"
+    assert changed.headers[b"content-length"] == b"3"
+    assert changed[1]["body"] == b"new"
+    assert unchanged[0]["status"] == 201
+    assert unchanged[1]["body"] == b"body"

@@ -1,0 +1,70 @@
+"""waiting.py: the bounded waiters of a process and the per-tenant connection slots."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from idem_middleware.errors import ConfigurationError
+from idem_middleware.waiting import TenantSlots, Waiters
+
+
+def test_waiters_are_bounded() -> None:
+    waiters = Waiters(2)
+    assert waiters.enter()
+    assert waiters.enter()
+    assert not waiters.enter(), "a third waiter past the limit"
+    assert waiters.count == 2
+    waiters.leave()
+    assert waiters.enter()
+    assert not Waiters(0).enter()
+
+
+@pytest.mark.parametrize("limit", [-1, 1.5, True, "3", None])
+def test_waiters_refuse_a_limit_that_is_not_a_whole_number(limit: object) -> None:
+    with pytest.raises(ConfigurationError):
+        Waiters(limit)  # type: ignore[arg-type]
+
+
+async def test_a_waiter_is_woken_by_its_keys_holder_only() -> None:
+    waiters = Waiters(4)
+    woken = asyncio.ensure_future(waiters.wait("k1", 30))
+    other = asyncio.ensure_future(waiters.wait("k2", 30))
+    await asyncio.sleep(0)
+    waiters.wake("k1")
+    await asyncio.wait_for(woken, 5)
+    assert not other.done()
+    waiters.wake("k2")
+    await asyncio.wait_for(other, 5)
+    waiters.wake("nobody")  # no waiter: nothing to do
+
+
+async def test_a_waiter_returns_when_its_time_runs_out() -> None:
+    await asyncio.wait_for(Waiters(1).wait("k1", 0.01), 5)
+
+
+def test_tenant_slots_cap_each_tenant_apart() -> None:
+    slots = TenantSlots(2)
+    assert slots.take("a")
+    assert slots.take("a")
+    assert not slots.take("a")
+    assert slots.take("b"), "one tenant's cap does not touch another's"
+    slots.give_back("a")
+    assert slots.take("a")
+    for _ in range(2):
+        slots.give_back("a")
+    slots.give_back("b")
+    assert slots._held == {}, "a tenant with nothing held is forgotten"
+
+
+def test_no_tenant_cap() -> None:
+    slots = TenantSlots(None)
+    assert all(slots.take("a") for _ in range(1000))
+    slots.give_back("a")
+
+
+@pytest.mark.parametrize("limit", [0, -1, 1.5, True])
+def test_tenant_slots_refuse_a_bad_limit(limit: object) -> None:
+    with pytest.raises(ConfigurationError):
+        TenantSlots(limit)  # type: ignore[arg-type]
