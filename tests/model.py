@@ -1,4 +1,4 @@
-"""A pure-Python reference model of one idempotency record's life (PROTOCOL §2-§5).
+"""A pure-Python reference model of one idempotency record's life (docs/protocol.md: the states).
 
 It starts from the seed article's Go model (`Start`, `Commit`, `MarkUnknown`: one map, one
 generation counter, retention judged by a clock) and adds what the library has on top: the
@@ -251,7 +251,7 @@ class Model:
 
 
 def verdict(e: Entry, fingerprint: bytes) -> str:
-    """What a duplicate gets (PROTOCOL §3): the fingerprint first, in any state."""
+    """What a duplicate gets (docs/protocol.md): the fingerprint first, in any state."""
     if e.fingerprint != fingerprint:
         return "conflict"
     if e.state in FINAL:

@@ -1,4 +1,4 @@
-"""The example app over real HTTP, started as a process (PROTOCOL §7, credits and accounts)."""
+"""The example app over real HTTP, started as a process (docs/example-app.md: credits and accounts)."""
 
 from __future__ import annotations
 

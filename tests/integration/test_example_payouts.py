@@ -1,4 +1,4 @@
-"""The example app's payouts over real HTTP (PROTOCOL §7): lease mode, bank faults, crashes.
+"""The example app's payouts over real HTTP (docs/example-app.md): lease mode, bank faults, crashes.
 
 The app runs as a process on a fresh database, and the bank simulator as its OWN process, so the
 bank's transfers outlive an app crash, as a real bank's would. Every case counts what matters:

@@ -374,7 +374,7 @@ key_values = st.one_of(
 
 
 def oracle_key(value: bytes) -> str | None:
-    """The key a header value names (PROTOCOL §1), written from the RFC 8941 grammar rather
+    """The key a header value names (docs/protocol.md), written from the RFC 8941 grammar rather
     than from keys.py: an sf-string or a bare token of 1-255 printable ASCII characters."""
     v = value.strip(b" \t")
     if v[:1] == b'"':

@@ -1,4 +1,4 @@
-"""PROTOCOL §1 (what a request is) and §3 (what a duplicate gets), over HTTP, on PostgreSQL.
+"""What a request is and what a duplicate gets (docs/protocol.md), over HTTP, on PostgreSQL.
 
 Every test checks the answer (status, headers, body) and the database effect: the ledger rows
 and balances the credit handler writes on the claim's transaction, and the idempotency records.

@@ -1,4 +1,4 @@
-"""Lease mode on a real PostgreSQL (PROTOCOL §2-§6), and its store contract on both stores.
+"""Lease mode on a real PostgreSQL (docs/lease-mode.md), and its store contract on both stores.
 
 The route under test is `POST /payouts` (tests/apps/lease.py): the handler makes a
 downstream effect in `test_downstream` (a bank outside our transaction that deduplicates by the

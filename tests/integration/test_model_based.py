@@ -982,7 +982,7 @@ def test_stores_follow_the_model_heavy(model_dsn: str) -> None:
 @pytest.mark.parametrize("final", [SUCCEEDED, FAILED_FINAL])
 @pytest.mark.parametrize("kind", ["memory", "postgres"])
 def test_a_finished_outcome_is_never_taken_over(model_dsn: str, kind: str, final: str) -> None:
-    """The model refuses it (PROTOCOL §2: only a lapsed pending claim or an unknown record
+    """The model refuses it (docs/protocol.md: only a lapsed pending claim or an unknown record
     gets a new executor; a finished outcome is replayed, never run again)."""
     rig = Rig(model_dsn).open()
     model = Model()

@@ -230,7 +230,7 @@ class PostgresStore(OffPathStatements):
         self, key: RecordKey, generation: int, expected: State, lease_seconds: float
     ) -> int | None:
         if expected not in (State.PENDING, State.UNKNOWN):
-            # A finished outcome is replayed, never run again (PROTOCOL §2).
+            # A finished outcome is replayed, never run again (docs/protocol.md).
             raise ValueError(f"only a pending or unknown record can be taken over, not {expected}")
         new: int | None = await self._run(
             "fetchval",
