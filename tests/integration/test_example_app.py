@@ -1,4 +1,4 @@
-"""The example app over real HTTP, started as a process (docs/example-app.md: credits and accounts)."""
+"""The example app over real HTTP, started as a process (docs/example-app.md: credits)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Failures over HTTP on PostgreSQL: exceptions, 5xx, disconnects, cancellation, a store that is
-down, responses too large or streaming to store, and a burst of duplicates (docs/protocol.md: outcomes)."""
+down, responses too large or streaming to store, and a burst of duplicates (docs/protocol.md)."""
 
 from __future__ import annotations
 
