@@ -63,7 +63,7 @@ SENT = Sent()
 
 
 @dataclass(frozen=True, slots=True)
-class Send(Answer):
+class HeldResponse(Answer):
     """The handler's own response, held until its outcome was recorded: send it now."""
 
     flush: Callable[[], Awaitable[None]]

@@ -13,8 +13,7 @@ from urllib.parse import urlencode
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from .answers import Answer, InFlight, Problem, Replay, Sent, TokenRefused
-from .answers import Send as SendHeld
+from .answers import Answer, HeldResponse, InFlight, Problem, Replay, Sent, TokenRefused
 from .context import key_digest, token_hash
 from .errors import ProblemKind, RequestRejected, StoreError
 from .fingerprint import compute_fingerprint
@@ -176,7 +175,7 @@ class Exchange:
         """Send what a mode decided. Modes never write to the client themselves, except the
         stream of a response that could not be held (settled before its first byte)."""
         match answer:
-            case SendHeld(flush=flush):
+            case HeldResponse(flush=flush):
                 self.started = True
                 await flush()
             case Replay(response=response):

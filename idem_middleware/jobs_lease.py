@@ -13,7 +13,8 @@ import orjson
 from .context import IdempotencyContext, Outcome, key_digest
 from .errors import JobInProgress, StaleGeneration
 from .fence import Fence
-from .jobs_spec import JSON_HEADERS, MAX_ROUNDS, STORED, JobSpec
+from .jobs_spec import JSON_HEADERS, MAX_ROUNDS, JobSpec
+from .outcomes import FINAL_STATE
 from .policy import LeaseExpiry
 from .store.base import Record, RecordKey, Settlement, State, StoredResponse
 
@@ -87,7 +88,7 @@ async def _execute(
             raise
         stop.set()
         outcome = context.declared or Outcome.SUCCEEDED
-        state = STORED.get(outcome)
+        state = FINAL_STATE.get(outcome)
         if state is not None:
             settled = await fence.settle(Settlement(state, StoredResponse(200, JSON_HEADERS, body)))
         else:

@@ -12,12 +12,11 @@ import orjson
 from .answers import Replay
 from .context import IdempotencyContext, enter_context, leave_context
 from .errors import ConfigurationError, JobKeyReused, JobOutcomeUnknown
-from .outcomes import FINAL_STATE, settled_answer
+from .outcomes import settled_answer
 from .policy import LeaseExpiry, Mode
 from .store.base import Record, RecordKey, State, Store
 
 JSON_HEADERS = ((b"content-type", b"application/json"),)
-STORED = FINAL_STATE  # (the name the runners use)
 MAX_ROUNDS = 10_000
 
 KeyOf = Callable[..., str]

@@ -10,7 +10,8 @@ import orjson
 
 from .context import Outcome
 from .errors import JobInProgress
-from .jobs_spec import JSON_HEADERS, MAX_ROUNDS, STORED, JobSpec
+from .jobs_spec import JSON_HEADERS, MAX_ROUNDS, JobSpec
+from .outcomes import FINAL_STATE
 from .store.base import ClaimBusy, ClaimTimeout, RecordKey, RetryableConflict, StoredResponse
 
 logger = logging.getLogger("idem_middleware")
@@ -79,7 +80,7 @@ async def _transaction(
         except BaseException:
             await tx.rollback()  # clean up, then re-raise: the key is free again
             raise
-        state = STORED.get(context.declared or Outcome.SUCCEEDED)
+        state = FINAL_STATE.get(context.declared or Outcome.SUCCEEDED)
         if state is None:
             await tx.rollback()
         else:

@@ -157,9 +157,7 @@ class LeaseRun:
         record changed and the caller should read it again."""
         policy = self.policy
         if policy.reconciler is None:
-            return duplicate_answer(
-                record, self.fingerprint, "No reconciler can tell what happened."
-            )
+            return duplicate_answer(record, self.fingerprint, _NO_RECONCILER)
         result = await run_reconciler(
             self.store,
             self.key,

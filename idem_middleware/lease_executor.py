@@ -11,7 +11,7 @@ import contextlib
 import logging
 from typing import TYPE_CHECKING
 
-from .answers import SENT, Answer, Problem, Send
+from .answers import SENT, Answer, HeldResponse, Problem
 from .capture import ResponseCapture
 from .context import IdempotencyContext, enter_context, key_digest, leave_context
 from .errors import ProblemKind, StaleGeneration
@@ -159,7 +159,7 @@ class LeaseExecution:
             if heartbeat is not None:
                 await heartbeat
         if settled:
-            return Send(capture.flush)
+            return HeldResponse(capture.flush)
         return Problem(ProblemKind.IN_FLIGHT, _LOST_CLAIM, policy.retry_after_seconds)
 
     async def _settle(

@@ -17,7 +17,15 @@ import contextlib
 import logging
 from typing import TYPE_CHECKING, Any
 
-from .answers import TENANT_BUSY, WAITERS_FULL, Answer, InFlight, Problem, Send, TokenRefused
+from .answers import (
+    TENANT_BUSY,
+    WAITERS_FULL,
+    Answer,
+    HeldResponse,
+    InFlight,
+    Problem,
+    TokenRefused,
+)
 from .capture import ResponseCapture
 from .context import IdempotencyContext, enter_context, leave_context
 from .errors import ClaimBusy, ClaimTimeout, ProblemKind, RetryableConflict
@@ -198,7 +206,7 @@ class _Attempt:
                 raise RuntimeError("the application returned without a complete response")
             await self._settle()
         # The transaction is over and the connection is back in the pool: now the client.
-        return Send(capture.flush)
+        return HeldResponse(capture.flush)
 
     async def _run_handler(self) -> None:
         """Run the app in this task. A client that disconnects while it runs cancels it (its

@@ -12,26 +12,12 @@ from idem_middleware.errors import ProblemKind, RequestRejected
 from idem_middleware.fingerprint import (
     canonical_body,
     canonical_json,
-    compute_fingerprint,
     parse_json_strict,
 )
+from tests.unit.test_fingerprint import fingerprint
 
 JSON = b"application/json"
 FORM = b"application/x-www-form-urlencoded"
-
-
-def fingerprint(**overrides: Any) -> bytes:
-    request: dict[str, Any] = {
-        "operation": "POST /orders",
-        "path_params": {},
-        "query_string": b"",
-        "headers": [],
-        "include_headers": [],
-        "content_type": JSON,
-        "body": b'{"a":1}',
-    }
-    request.update(overrides)
-    return compute_fingerprint(**request)
 
 
 def refused(**overrides: Any) -> RequestRejected:
