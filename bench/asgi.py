@@ -71,7 +71,7 @@ STAGES: dict[str, tuple[tuple[str, str], ...]] = {
     "settle": (
         ("idem_middleware.transactional", "_Attempt._settle"),
         ("idem_middleware.capture", "ResponseCapture.stored"),
-        ("idem_middleware.store.memory", "_MemoryTransaction.complete_and_commit"),
+        ("idem_middleware.store.memory", "_MemoryTransaction.finish"),
     ),
     "send": (("idem_middleware.capture", "ResponseCapture.flush"),),
     "answer": (("idem_middleware.exchange", "Exchange.answer"),),

@@ -49,12 +49,6 @@ class InFlight(Answer):
 
 
 @dataclass(frozen=True, slots=True)
-class TokenRefused(Answer):
-    """The key is not a live token for this tenant, operation and request (the exchange asks
-    the store why)."""
-
-
-@dataclass(frozen=True, slots=True)
 class Sent(Answer):
     """Nothing more to send: the response streamed already (settled before its first byte)."""
 

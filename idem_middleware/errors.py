@@ -71,7 +71,18 @@ class ClaimBusy(ClaimTimeout):
 
 
 class RetryableConflict(IdempotencyError):
-    """A serialization failure or deadlock: the transaction can be run again from the start."""
+    """A serialization failure or deadlock: the transaction can be run again from the start.
+
+    `from_handler`: the handler's own writes met it (the cause is the error the handler raised,
+    which is what propagates once the transaction cannot be run again)."""
+
+    def __init__(self, message: str, *, from_handler: bool = False) -> None:
+        super().__init__(message)
+        self.from_handler = from_handler
+
+
+class ClientGone(IdempotencyError):
+    """The client disconnected while a transactional handler ran; its work was rolled back."""
 
 
 class StatementRefused(StoreError):

@@ -13,9 +13,9 @@ from urllib.parse import urlencode
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from .answers import Answer, HeldResponse, InFlight, Problem, Replay, Sent, TokenRefused
+from .answers import Answer, HeldResponse, InFlight, Problem, Replay, Sent
 from .context import key_digest, token_hash
-from .errors import ProblemKind, RequestRejected, StoreError
+from .errors import ClientGone, ProblemKind, RequestRejected, StoreError
 from .fingerprint import compute_fingerprint
 from .keys import parse_idempotency_key
 from .keysource import take_key
@@ -24,7 +24,7 @@ from .observe import Event, timed
 from .policy import Mode, Policy, RouteMatch, operation_name
 from .responses import send_accepted, send_problem, send_replay
 from .store.base import RecordKey, Store, StoredResponse
-from .transactional import ClientGone, run_transactional
+from .transactional import run_transactional
 
 if TYPE_CHECKING:
     from .middleware import IdempotencyMiddleware
@@ -184,8 +184,6 @@ class Exchange:
                 await self.problem(kind, detail, retry_after)
             case InFlight(detail=detail):
                 await self._in_flight(detail)
-            case TokenRefused():
-                await self._refuse_token()
             case Sent():
                 pass  # streamed already
             case _:  # pragma: no cover - every Answer is handled above
@@ -216,15 +214,6 @@ class Exchange:
         self.started = True
         self.emit(Event.IN_FLIGHT)
         await send_accepted(self.send, location, self.policy.retry_after_seconds)
-
-    async def _refuse_token(self) -> None:
-        """The key is not a live token of this tenant, operation and request: nothing claimed."""
-        assert self.token_hash is not None
-        assert self.record_key is not None
-        detail = await self.mw.store.token_problem(
-            self.record_key, self.token_hash, self.fingerprint
-        )
-        await self.problem(ProblemKind.TOKEN_INVALID, detail or "This token cannot be used.")
 
     # -- observing -------------------------------------------------------------------------------
 

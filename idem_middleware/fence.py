@@ -46,9 +46,7 @@ class Fence:
         if self._session is None:
             return await self.store.settle(self.key, self.generation, self.expected, settlement)
         try:
-            settled: bool = await self._session.settle_and_commit(
-                self.key, self.generation, self.expected, settlement
-            )
+            settled: bool = await self._session.settle(settlement)
         except BaseException:
             # Never leave the transaction open: it holds the record's row lock (every later
             # request on the key would wait on it) and a pooled connection.

@@ -16,7 +16,7 @@ from .fence import Fence
 from .jobs_spec import JSON_HEADERS, MAX_ROUNDS, JobSpec
 from .outcomes import FINAL_STATE
 from .policy import LeaseExpiry
-from .store.base import Record, RecordKey, Settlement, State, StoredResponse
+from .store.base import Claimed, Existing, Record, RecordKey, Settlement, State, StoredResponse
 
 logger = logging.getLogger("idem_middleware")
 
@@ -37,10 +37,10 @@ async def run_leased(
                     retention_seconds=job.retention_seconds,
                     lease_seconds=job.lease_seconds,
                 )
-                if claim.claimed:
+                if isinstance(claim, Claimed):
                     return await _execute(job, key, claim.generation, claim.epoch, args, kwargs)
+                assert isinstance(claim, Existing)  # a job's key is never a token
                 record = claim.record
-                assert record is not None
             answer = job.answer(record, fingerprint)
             if answer is not None:
                 return answer

@@ -12,11 +12,18 @@ from .context import Outcome
 from .errors import JobInProgress
 from .jobs_spec import JSON_HEADERS, MAX_ROUNDS, JobSpec
 from .outcomes import FINAL_STATE
-from .store.base import ClaimBusy, ClaimTimeout, RecordKey, RetryableConflict, StoredResponse
+from .store.base import (
+    ClaimBusy,
+    Claimed,
+    ClaimTimeout,
+    Existing,
+    RecordKey,
+    RetryableConflict,
+    StoredResponse,
+)
 
 logger = logging.getLogger("idem_middleware")
 
-_RETRYABLE_SQLSTATES = frozenset({"40001", "40P01"})
 # A run that finds the key busy claims again after this long, backing off (no connection held).
 _FIRST_BUSY_POLL = 0.02
 _MAX_BUSY_POLL = 0.5
@@ -40,12 +47,11 @@ async def run_transactional(
             await asyncio.sleep(min(remaining, poll))
             poll = min(poll * 2, _MAX_BUSY_POLL)
             continue
-        except RetryableConflict:
+        except RetryableConflict as exc:
             if attempt == job.max_serialization_retries:
-                raise
-        except BaseException as exc:
-            sqlstate = getattr(exc, "sqlstate", None)
-            if sqlstate not in _RETRYABLE_SQLSTATES or attempt == job.max_serialization_retries:
+                cause = exc.__cause__
+                if exc.from_handler and cause is not None:
+                    raise cause from cause.__cause__  # the function's error, as it raised it
                 raise
         attempt += 1
         logger.debug("serialization failure; running the job's transaction again")
@@ -55,7 +61,7 @@ async def run_transactional(
 async def _transaction(
     job: JobSpec, key: RecordKey, fingerprint: bytes, args: Any, kwargs: Any
 ) -> Any:
-    async with job.store.transaction(acquire_timeout=job.acquire_timeout, begin=False) as tx:
+    async with job.store.transaction(acquire_timeout=job.acquire_timeout) as tx:
         try:
             claim = await tx.claim(
                 key,
@@ -64,27 +70,24 @@ async def _transaction(
                 wait_seconds=job.wait_seconds,
             )
         except ClaimTimeout:
-            await tx.rollback()
             raise JobInProgress(f"{job.operation}: another run holds this key") from None
-        if not claim.claimed:
-            await tx.rollback()
-            assert claim.record is not None
+        if not isinstance(claim, Claimed):
+            assert isinstance(claim, Existing)  # a job's key is never a token
             answer = job.answer(claim.record, fingerprint)
             if answer is None:  # pragma: no cover - a committed transactional record is final
                 raise JobInProgress(f"{job.operation}: another run holds this key")
             return answer
-        epoch = claim.generation if claim.epoch is None else claim.epoch
-        context = job.context(key, claim.generation, epoch, tx.connection, None)
+        context = job.context(key, claim.generation, claim.epoch, tx.connection, None)
         try:
             body = await job.run(context, args, kwargs)
-        except BaseException:
-            await tx.rollback()  # clean up, then re-raise: the key is free again
+        except BaseException as exc:
+            await tx.abandon()  # clean up, then re-raise: the key is free again
+            if tx.conflict(exc):
+                raise RetryableConflict(str(exc), from_handler=True) from exc
             raise
         state = FINAL_STATE.get(context.declared or Outcome.SUCCEEDED)
         if state is None:
-            await tx.rollback()
+            await tx.abandon()
         else:
-            await tx.complete_and_commit(
-                key, claim.generation, state, StoredResponse(200, JSON_HEADERS, body)
-            )
+            await tx.finish(state, StoredResponse(200, JSON_HEADERS, body))
     return orjson.loads(body)

@@ -12,20 +12,13 @@ import contextlib
 import logging
 from typing import TYPE_CHECKING
 
-from .answers import (
-    TENANT_BUSY,
-    WAITERS_FULL,
-    Answer,
-    InFlight,
-    Problem,
-    TokenRefused,
-)
+from .answers import TENANT_BUSY, WAITERS_FULL, Answer, InFlight, Problem
 from .errors import ClaimTimeout, ProblemKind
 from .fence import Verdict, run_reconciler
 from .lease_executor import LeaseExecution, log_extra
 from .outcomes import duplicate_answer, settled_answer
 from .policy import LeaseExpiry
-from .store.base import Claim, Record, RecordKey, State
+from .store.base import Claim, Claimed, Record, RecordKey, State, TokenRefused
 
 if TYPE_CHECKING:
     from .exchange import Exchange
@@ -78,12 +71,12 @@ class LeaseRun:
                     claim = await self._claim()
             except ClaimTimeout:
                 return InFlight()
-            if claim.claimed:
+            if isinstance(claim, Claimed):
                 return await self.execute(claim.generation, claim.epoch)
         finally:
             slots.give_back(self.key.tenant)
-        if claim.record is None:
-            return TokenRefused()
+        if isinstance(claim, TokenRefused):
+            return Problem(ProblemKind.TOKEN_INVALID, claim.reason)
         return await self.duplicate(claim.record)
 
     # -- a duplicate: replay, wait, take over, or reconcile ------------------------------------
@@ -100,10 +93,10 @@ class LeaseRun:
             for _ in range(_MAX_ROUNDS):
                 if record is None or record.expired:
                     claim = await self._claim()
-                    if claim.claimed:
+                    if isinstance(claim, Claimed):
                         return await self.execute(claim.generation, claim.epoch)
-                    if claim.record is None:
-                        return TokenRefused()
+                    if isinstance(claim, TokenRefused):
+                        return Problem(ProblemKind.TOKEN_INVALID, claim.reason)
                     record = claim.record
                 answer = settled_answer(record, self.fingerprint)
                 if answer is not None:

@@ -17,22 +17,14 @@ import contextlib
 import logging
 from typing import TYPE_CHECKING, Any
 
-from .answers import (
-    TENANT_BUSY,
-    WAITERS_FULL,
-    Answer,
-    HeldResponse,
-    InFlight,
-    Problem,
-    TokenRefused,
-)
+from .answers import TENANT_BUSY, WAITERS_FULL, Answer, HeldResponse, InFlight, Problem
 from .capture import ResponseCapture
 from .context import IdempotencyContext, enter_context, leave_context
-from .errors import ClaimBusy, ClaimTimeout, ProblemKind, RetryableConflict
+from .errors import ClaimBusy, ClaimTimeout, ClientGone, ProblemKind, RetryableConflict
 from .observe import SETTLED_EVENTS, Event
 from .outcomes import FINAL_STATE, Outcome, duplicate_answer, outcome_for_status
 from .policy import Mode
-from .store.base import RecordKey
+from .store.base import Existing, RecordKey, TokenRefused
 
 if TYPE_CHECKING:
     from .exchange import Exchange
@@ -41,7 +33,6 @@ logger = logging.getLogger("idem_middleware")
 
 #: How long a transactional handler runs before the middleware watches for its client leaving.
 DISCONNECT_WATCH_AFTER = 0.05
-_RETRYABLE_SQLSTATES = frozenset({"40001", "40P01"})
 # A waiting duplicate claims again when the holder in this process ends, or after this long:
 # quick at first, then backing off (the holder may be in another process).
 _FIRST_POLL = 0.02
@@ -50,10 +41,6 @@ _MAX_POLL = 0.5
 _MAX_ROUNDS = 10_000
 
 _CONFLICT = "A concurrent request conflicted with this one; retry it."
-
-
-class ClientGone(Exception):
-    """The client disconnected while a transactional handler ran; its work was rolled back."""
 
 
 async def run_transactional(
@@ -92,16 +79,14 @@ async def run_transactional(
                 continue
             except ClaimTimeout:
                 return InFlight()
-            except RetryableConflict:
-                if ex.started:
-                    raise  # the response has started: nothing more can be said to the client
-                if conflicts == retries:
+            except RetryableConflict as exc:
+                if ex.started or conflicts == retries:
+                    cause = exc.__cause__
+                    if exc.from_handler and cause is not None:
+                        raise cause from cause.__cause__  # the handler's error, as it raised it
+                    if ex.started:
+                        raise  # the response has started: nothing more can be said to it
                     return Problem(ProblemKind.IN_FLIGHT, _CONFLICT, policy.retry_after_seconds)
-            except BaseException as exc:
-                if getattr(exc, "sqlstate", None) not in _RETRYABLE_SQLSTATES:
-                    raise
-                if conflicts == retries or ex.started:
-                    raise
             else:
                 return answer
             conflicts += 1
@@ -158,9 +143,7 @@ class _Attempt:
     async def _run(self) -> Answer | None:
         ex = self.ex
         policy = ex.policy
-        async with ex.mw.store.transaction(
-            acquire_timeout=ex.mw.acquire_timeout, begin=False
-        ) as tx:
+        async with ex.mw.store.transaction(acquire_timeout=ex.mw.acquire_timeout) as tx:
             self.tx = tx
             with ex.timed("claim") if self.timed_claim else contextlib.nullcontext():
                 claim = await tx.claim(
@@ -170,11 +153,10 @@ class _Attempt:
                     wait_seconds=policy.wait_seconds,
                     token_hash=ex.token_hash,
                 )
-            if not claim.claimed:
-                await tx.rollback()
-                if claim.record is None:
-                    return TokenRefused()
+            if isinstance(claim, Existing):
                 return duplicate_answer(claim.record, self.fingerprint)
+            if isinstance(claim, TokenRefused):
+                return Problem(ProblemKind.TOKEN_INVALID, claim.reason)
             self.claimed = True
             self.context = IdempotencyContext(
                 tenant=self.record_key.tenant,
@@ -184,17 +166,20 @@ class _Attempt:
                 mode=Mode.TRANSACTIONAL,
                 connection=tx.connection,
                 # One life of the record: a key claimed again after its retention is a new
-                # request downstream too. (A fresh record's epoch is its first generation.)
-                epoch=claim.generation if claim.epoch is None else claim.epoch,
+                # request downstream too.
+                epoch=claim.epoch,
             )
             ex.emit(Event.CLAIMED, claim.generation)
             token = enter_context(ex.scope, self.context)
             try:
                 await self._run_handler()
-            except BaseException:
-                # Clean up, then re-raise: the rollback releases the key.
-                await tx.rollback()
+            except BaseException as exc:
+                # Clean up, then re-raise: abandoning the transaction releases the key.
+                await tx.abandon()
                 ex.emit(Event.RELEASED, claim.generation)
+                if tx.conflict(exc):
+                    # The database refused the handler's writes: the attempt may run again.
+                    raise RetryableConflict(str(exc), from_handler=True) from exc
                 raise
             finally:
                 leave_context(ex.scope, token)
@@ -202,7 +187,7 @@ class _Attempt:
             if capture.passthrough:
                 return None  # settled before its first byte, and already sent
             if capture.start is None or not capture.complete:
-                await tx.rollback()
+                await tx.abandon()
                 raise RuntimeError("the application returned without a complete response")
             await self._settle()
         # The transaction is over and the connection is back in the pool: now the client.
@@ -288,10 +273,8 @@ class _Attempt:
         state = FINAL_STATE.get(outcome)
         with self.ex.timed("complete"):
             if state is None:
-                await self.tx.rollback()
+                await self.tx.abandon()
                 outcome = Outcome.RELEASE
             else:
-                await self.tx.complete_and_commit(
-                    self.record_key, self.context.generation, state, capture.stored(omitted)
-                )
+                await self.tx.finish(state, capture.stored(omitted))
         self.ex.emit(SETTLED_EVENTS[outcome], self.context.generation)

@@ -16,13 +16,15 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import replace
 from typing import Any
 
 import asyncpg
 import pytest
 
-from idem_middleware.store import Claim, MemoryStore, RecordKey, State, StoredResponse
+from idem_middleware.store import Claim, Claimed, MemoryStore, RecordKey, State, StoredResponse
 from idem_middleware.store.memory import _Row
 from idem_middleware.store.postgres import PostgresStore
 from tests.apps import wait_for_lock_waiters
@@ -64,6 +66,14 @@ class FakeClock:
         return self.now
 
 
+@asynccontextmanager
+async def _session(store: Any, begin: bool) -> AsyncIterator[Any]:
+    async with store.transaction(acquire_timeout=10) as session:
+        if begin:
+            await session.begin()  # not part of the store protocol: the claim begins it
+        yield session
+
+
 class MemoryHarness:
     kind = "memory"
 
@@ -73,9 +83,9 @@ class MemoryHarness:
         self._effects: Counter[RecordKey] = Counter()
 
     def transaction(self, *, begin: bool = False) -> Any:
-        """A session as the middleware opens it: BEGIN travels with the claim (`begin=False`).
-        A test that does anything in the session before it claims asks for `begin=True`."""
-        return self.store.transaction(acquire_timeout=10, begin=begin)
+        """A session as the middleware opens it: BEGIN travels with the claim. A test that does
+        anything in the session before it claims asks for `begin=True`."""
+        return _session(self.store, begin)
 
     async def effect(self, session: Any, k: RecordKey) -> None:
         # The twin has no business tables: an effect is counted when the claimer performs it.
@@ -131,9 +141,9 @@ class PgHarness:
         self.pool = pool
 
     def transaction(self, *, begin: bool = False) -> Any:
-        """As MemoryHarness.transaction: with the fast path on, `begin=False` fuses BEGIN and
-        the claim into one message, as the middleware's claims are."""
-        return self.store.transaction(acquire_timeout=10, begin=begin)
+        """As MemoryHarness.transaction: with the fast path on, BEGIN and the claim travel in
+        one message, as the middleware's claims do (unless the test asks for `begin=True`)."""
+        return _session(self.store, begin)
 
     async def effect(self, session: Any, k: RecordKey) -> None:
         # On the session's connection, inside the claim's transaction.
@@ -246,7 +256,6 @@ async def claim_in_session(
     """A claim in a session of its own; completed (succeeded, RESPONSE) and committed if it won."""
     async with harness.transaction() as session:
         result = await claim(session, k, wait=wait)
-        if result.claimed and complete:
-            await session.complete(k, result.generation, State.SUCCEEDED, RESPONSE)
-            await session.commit()
+        if isinstance(result, Claimed) and complete:
+            await session.finish(State.SUCCEEDED, RESPONSE)
         return result

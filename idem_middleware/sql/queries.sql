@@ -11,8 +11,9 @@
 -- With a token hash (a route that accepts only issued tokens as keys), a new record is inserted
 -- only if the key is a live token of this tenant and operation (and request, if the token is
 -- bound to one) and not consumed: consuming the token IS this claim, and it marks the token
--- consumed. No row, and none from `get`, then means the token was refused, or that a concurrent
--- claim held the key and released it meanwhile (the caller checks the token and claims again).
+-- consumed. Neither, then a row with the token's status (`token_found` and the columns of
+-- `token_status`): it was refused, or (all true) a concurrent claim held the key meanwhile and
+-- the caller reads the record again with `get`.
 -- The new record's epoch (its life) is its first generation.
 WITH ins AS (
     INSERT INTO idem_requests AS r
@@ -36,16 +37,31 @@ WITH ins AS (
 SELECT true AS claimed, ins.generation, ins.epoch, NULL::bytea AS fingerprint, NULL::text AS state,
        NULL::integer AS response_status, NULL::bytea AS response_headers,
        NULL::bytea AS response_body, NULL::text AS body_omitted,
-       false AS expired, false AS lease_expired, false AS retry_allowed
+       false AS expired, false AS lease_expired, false AS retry_allowed,
+       NULL::boolean AS token_found, NULL::boolean AS same_operation, NULL::boolean AS live,
+       NULL::boolean AS unused, NULL::boolean AS same_request
 FROM ins
 UNION ALL
 SELECT false, r.generation, r.epoch, r.fingerprint, r.state,
        r.response_status, r.response_headers, r.response_body, r.body_omitted,
        r.expires_at <= now(), r.lease_expires_at <= now(),
-       r.state = 'pending' AND r.mode = 'lease' AND r.lease_expires_at IS NULL
+       r.state = 'pending' AND r.mode = 'lease' AND r.lease_expires_at IS NULL,
+       NULL, NULL, NULL, NULL, NULL
 FROM idem_requests r
 WHERE r.tenant = $1 AND r.operation = $2 AND r.idem_key = $3
-  AND NOT EXISTS (SELECT FROM ins);
+  AND NOT EXISTS (SELECT FROM ins)
+UNION ALL
+-- A token claim that inserted nothing and found no record: the token's status, in the same
+-- round trip, so a refusal carries its reason (as `token_status`).
+SELECT false, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, false, false, false,
+       t.token_hash IS NOT NULL, t.operation = $2, t.expires_at > now(), t.consumed_at IS NULL,
+       (t.request_digest IS NULL OR t.request_digest = $4)
+FROM (SELECT 1) AS one
+LEFT JOIN idem_tokens t ON t.tenant = $1 AND t.token_hash = $8
+WHERE $8::bytea IS NOT NULL AND NOT EXISTS (SELECT FROM ins)
+  AND NOT EXISTS (
+    SELECT FROM idem_requests r WHERE r.tenant = $1 AND r.operation = $2 AND r.idem_key = $3
+  );
 
 -- name: claim_key
 -- Transactional mode's claim: the record is written once, at commit (`insert_final`). On the

@@ -7,13 +7,16 @@ from typing import Any
 from .base import (
     Claim,
     ClaimBusy,
+    Claimed,
     ClaimTimeout,
+    Existing,
     Record,
     RecordKey,
     RetryableConflict,
     State,
     Store,
     StoredResponse,
+    TokenRefused,
     TransactionSession,
 )
 from .memory import MemoryStore
@@ -37,6 +40,8 @@ __all__ = [
     "Claim",
     "ClaimBusy",
     "ClaimTimeout",
+    "Claimed",
+    "Existing",
     "MemoryStore",
     "Record",
     "RecordKey",
@@ -44,6 +49,7 @@ __all__ = [
     "State",
     "Store",
     "StoredResponse",
+    "TokenRefused",
     "TransactionSession",
     "store_lifespan",
 ]

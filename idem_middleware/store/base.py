@@ -65,14 +65,31 @@ class Record:
 
 
 @dataclass(frozen=True, slots=True)
-class Claim:
-    """The result of a claim: either this caller owns `generation`, or `record` is what exists."""
+class Claimed:
+    """The caller owns the key under `generation`."""
 
-    claimed: bool
     generation: int
-    record: Record | None
-    #: The claimed record's life (see Record.epoch), when `claimed`.
-    epoch: int | None = None
+    #: The claimed record's life (see Record.epoch): a fresh record's is its first generation.
+    epoch: int
+
+
+@dataclass(frozen=True, slots=True)
+class Existing:
+    """A record holds the key: the caller answers from it (replay, mismatch, in flight)."""
+
+    record: Record
+
+
+@dataclass(frozen=True, slots=True)
+class TokenRefused:
+    """The key is not a live token this request may consume; `reason` says why, for the
+    client. Nothing was claimed."""
+
+    reason: str
+
+
+#: What a claim returns. Match on it: each case is one thing the caller does next.
+Claim = Claimed | Existing | TokenRefused
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,7 +111,8 @@ class StoreStats:
 
 
 class TransactionSession(Protocol):
-    """One connection in one transaction: the claim, the handler's writes and the outcome."""
+    """One connection, and one transaction that begins with the claim: the claim, the handler's
+    writes on `connection`, and the outcome commit together, or none of them does."""
 
     @property
     def connection(self) -> Any:
@@ -109,35 +127,32 @@ class TransactionSession(Protocol):
         wait_seconds: float,
         token_hash: bytes | None = None,
     ) -> Claim:
-        """Claim the key for this transaction, or return the record that holds it.
+        """Begin the transaction and claim the key in it (one message on PostgreSQL).
 
-        Never waits for a concurrent claim: raises ClaimBusy at once (the caller rolls back and
-        waits without its connection); `wait_seconds` only bounds the statements. Raises
-        RetryableConflict on 40001/40P01; either way the transaction must be rolled back. With
-        `token_hash`, only a live issued token can be claimed: `Claim(False, 0, None)` means it
-        was refused.
+        `Claimed`: the key is this session's until it finishes or abandons. `Existing`: a record
+        holds the key, and the transaction is over (nothing to abandon). `TokenRefused`: with
+        `token_hash`, the key is not a live token this request may consume; nothing claimed.
+
+        Never waits for a concurrent claim: raises ClaimBusy at once (the session is rolled
+        back: the caller waits without its connection, then claims in a new session);
+        `wait_seconds` only bounds the statements. Raises RetryableConflict when the database
+        refused the transaction (serialization failure, deadlock): run it again.
         """
 
-    async def complete(
-        self, key: RecordKey, generation: int, state: State, response: StoredResponse
-    ) -> None:
-        """Record the outcome of the claim this transaction holds."""
+    async def finish(self, state: State, response: StoredResponse) -> None:
+        """Record the outcome of this session's claim and commit it with the handler's writes
+        (PostgreSQL: one message). RetryableConflict: nothing committed, run it again."""
 
-    async def complete_and_commit(
-        self, key: RecordKey, generation: int, state: State, response: StoredResponse
-    ) -> None:
-        """`complete`, then `commit` (the PostgreSQL store sends both in one round trip)."""
-
-    async def commit(self) -> None: ...
-
-    async def rollback(self) -> None: ...
-
-    async def begin(self) -> None:
-        """Start a new transaction on the same connection (after an early commit)."""
+    async def abandon(self) -> None:
+        """Roll back: the handler's writes are undone and the key is free again."""
 
     async def release(self) -> None:
-        """End the session now (rolling back anything open) and give its connection back: the
-        response streams on without one. Leaving the `transaction()` block then does nothing."""
+        """End the session now (abandoning anything still open) and give its connection back:
+        a response streams on without one. Leaving the `transaction()` block then does nothing."""
+
+    def conflict(self, exc: BaseException) -> bool:
+        """Whether `exc`, raised by the handler's writes on `connection`, is the database
+        refusing the transaction (serialization failure, deadlock): running it again may pass."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,26 +225,20 @@ class FencedSession(Protocol):
     @property
     def connection(self) -> Any: ...
 
-    async def settle(self, key: RecordKey, generation: int, expected: State, s: Settlement) -> bool:
-        """Record the outcome in this transaction; False if the generation is no longer current."""
-
-    async def settle_and_commit(
-        self, key: RecordKey, generation: int, expected: State, s: Settlement
-    ) -> bool:
-        """`settle` as the session's last act: the store may commit with it (PostgreSQL sends
-        the settlement and COMMIT in one message); leaving the session commits what is left."""
+    async def settle(self, s: Settlement) -> bool:
+        """Record the outcome as the session's last act, and commit it with the writes made on
+        `connection` (PostgreSQL: one message). False, and nothing committed, if the generation
+        is no longer current."""
 
 
 class Store(Protocol):
     """What the middleware needs of a store. The PostgreSQL store is the real one."""
 
     def transaction(
-        self, *, acquire_timeout: float, begin: bool = True
+        self, *, acquire_timeout: float
     ) -> AbstractAsyncContextManager[TransactionSession]:
-        """Acquire a connection and begin a transaction; roll back on exit unless committed.
-
-        With `begin=False` the session's first `claim` begins it (the PostgreSQL store then sends
-        BEGIN and the claim in one round trip)."""
+        """Acquire a connection for a claim's transaction (its claim begins it); leaving the
+        block abandons whatever did not finish, and gives the connection back."""
 
     async def get(self, key: RecordKey) -> Record | None:
         """The committed record, if any."""
@@ -245,10 +254,8 @@ class Store(Protocol):
         lease_seconds: float,
         token_hash: bytes | None = None,
     ) -> Claim:
-        """Commit a pending claim with a lease, or return the record that holds the key."""
-
-    async def token_problem(self, key: RecordKey, token_hash: bytes, fingerprint: bytes) -> str:
-        """Why a token cannot be claimed for this request ("" if it can)."""
+        """Commit a pending claim with a lease (`Claimed`), or return the record that holds the
+        key (`Existing`), or why the token was refused (`TokenRefused`)."""
 
     async def heartbeat(self, key: RecordKey, generation: int, lease_seconds: float) -> bool:
         """Renew the lease; False if this generation no longer holds a pending claim."""

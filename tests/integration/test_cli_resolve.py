@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from idem_middleware.ops import Resolution, ResolveError, operator_response, reopen, resolve
+from idem_middleware.store import Claimed
 from idem_middleware.store.base import RecordKey, Settlement, State, StoredResponse
 from tests.contract import Harness
 from tests.integration.test_cli import cli, insert
@@ -22,7 +23,7 @@ KEY = RecordKey("t", "POST /payouts", "k")
 async def _unknown_lease_record(harness: Harness) -> None:
     store = harness.store
     claim = await store.claim_lease(KEY, b"f", retention_seconds=60, lease_seconds=30)
-    assert claim.claimed
+    assert isinstance(claim, Claimed)
     assert await store.expire_lease(KEY, claim.generation) is False  # the lease still runs
     assert await store.settle(KEY, claim.generation, State.PENDING, Settlement(State.UNKNOWN))
 

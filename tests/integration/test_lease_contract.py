@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from idem_middleware import RecordKey, StaleGeneration, State
+from idem_middleware.store import Claimed, Existing
 from idem_middleware.store.base import Settlement
 from tests.apps import BOUND, PAYOUTS
 from tests.contract import FP, RESPONSE, Harness, PgHarness
@@ -32,7 +33,7 @@ async def claim_lease(harness: Harness, name: str = "k1", lease: float = 30.0) -
     result = await harness.store.claim_lease(
         rkey(name), FP, retention_seconds=3600.0, lease_seconds=lease
     )
-    assert result.claimed
+    assert isinstance(result, Claimed)
     return result.generation
 
 
@@ -59,9 +60,9 @@ async def test_contract_claim_and_heartbeat(harness: Harness) -> None:
         other = await store.claim_lease(
             k, fingerprint, retention_seconds=3600.0, lease_seconds=30.0
         )
-        assert not other.claimed
-        assert other.generation == g1
-        assert other.record is not None
+        assert not isinstance(other, Claimed)
+        assert other.record.generation == g1
+        assert isinstance(other, Existing)
         assert other.record.state is State.PENDING
         assert other.record.fingerprint == FP
         assert not other.record.lease_expired
@@ -220,7 +221,12 @@ async def test_contract_allow_retry_only_from_unknown_then_takeover_without_laps
     assert not record.lease_expired
 
 
-async def test_contract_fenced_session_settles_only_on_commit(harness: Harness) -> None:
+async def test_contract_a_fenced_settlement_commits_with_the_writes_or_neither_does(
+    harness: Harness,
+) -> None:
+    """`settle` is the fenced session's last act: it commits the settlement with the writes
+    made on the session's connection. A session that ends by an error before it settles
+    commits neither."""
     store = harness.store
     k, k2 = rkey(), rkey("k2")
     g1 = await claim_lease(harness)
@@ -228,10 +234,10 @@ async def test_contract_fenced_session_settles_only_on_commit(harness: Harness) 
         if harness.kind == "postgres":
             conn: Any = session.connection
             await conn.execute(LEDGER_INSERT, "tenant-a", "acc-1", 1)
-        assert await session.settle(k, g1, State.PENDING, DONE)
+        assert await session.settle(DONE)
         record = await store.get(k)
         assert record is not None
-        assert record.state is State.PENDING, "visible before the fenced commit"
+        assert record.state is State.SUCCEEDED, "settled but not committed"
     record = await store.get(k)
     assert record is not None
     assert record.state is State.SUCCEEDED
@@ -241,16 +247,15 @@ async def test_contract_fenced_session_settles_only_on_commit(harness: Harness) 
 
     g2 = await claim_lease(harness, "k2")
 
-    async def settle_then_fail() -> None:
+    async def fail_before_settling() -> None:
         async with store.fenced(k2, g2) as session:
             if harness.kind == "postgres":
                 conn: Any = session.connection
                 await conn.execute(LEDGER_INSERT, "tenant-a", "acc-2", 1)
-            assert await session.settle(k2, g2, State.PENDING, DONE)
             raise RuntimeError("handler failed")
 
     with pytest.raises(RuntimeError, match="handler failed"):
-        await settle_then_fail()
+        await fail_before_settling()
     record = await store.get(k2)
     assert record is not None
     assert record.state is State.PENDING, "a rolled-back fenced session settled"
@@ -277,7 +282,7 @@ async def test_contract_fenced_session_holds_off_a_takeover_until_it_ends(
         takeover = asyncio.ensure_future(store.takeover(k, g1, State.PENDING, 30.0))
         await harness.wait_until_blocked(takeover)
         if settles:
-            assert await session.settle(k, g1, State.PENDING, DONE)
+            assert await session.settle(DONE)
     new = await asyncio.wait_for(takeover, BOUND)
     record = await store.get(k)
     assert record is not None

@@ -48,9 +48,9 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from idem_middleware.errors import StaleGeneration, StoreError
+from idem_middleware.errors import StaleGeneration
 from idem_middleware.store import ClaimTimeout, MemoryStore, RecordKey, State
-from idem_middleware.store.base import Record, Settlement, StoredResponse
+from idem_middleware.store.base import Claimed, Record, Settlement, StoredResponse
 from idem_middleware.store.migrations import migrate
 from idem_middleware.store.postgres import PostgresStore
 from tests import evidence
@@ -295,15 +295,24 @@ class StoreMachine(RuleBasedStateMachine):
 
     # -- generations ----------------------------------------------------------------------------
 
-    def bind(self, side: Side, model_gen: int, store_gen: int) -> None:
-        """A new generation: it must be above every generation the store issued before."""
+    def bind(
+        self, side: Side, model_gen: int, store_gen: int, *, drawn_ahead: bool = False
+    ) -> None:
+        """A new generation: it must be above every generation the store issued before. A
+        transactional claim's may have been drawn ahead (the fast path draws a batch): it must
+        then only be one the store never issued."""
         mapping = self.gens[side.name]
         assert model_gen not in mapping, f"{side.name}: model generation {model_gen} bound twice"
-        assert store_gen > self.max_gen[side.name], (
-            f"{side.name}: generation {store_gen} is not above {self.max_gen[side.name]}"
-        )
+        if drawn_ahead:
+            assert store_gen not in mapping.values(), (
+                f"{side.name}: generation {store_gen} was issued before"
+            )
+        else:
+            assert store_gen > self.max_gen[side.name], (
+                f"{side.name}: generation {store_gen} is not above {self.max_gen[side.name]}"
+            )
         mapping[model_gen] = store_gen
-        self.max_gen[side.name] = store_gen
+        self.max_gen[side.name] = max(store_gen, self.max_gen[side.name])
 
     def sg(self, side: Side, model_gen: int) -> int:
         return self.gens[side.name][model_gen]
@@ -415,28 +424,20 @@ class StoreMachine(RuleBasedStateMachine):
     # -- transactional claims -----------------------------------------------------------------
 
     async def _tx_once(
-        self, side: Side, key: Key, fp: bytes, retention: float, outcome: str, stale: int
-    ) -> tuple[Any, bool | None]:
-        """Claim in a transaction; if claimed, try a completion under a stale generation
-        first (it must be refused and change nothing), then complete and commit, or roll
-        back. Returns the claim and whether the stale completion was refused."""
+        self, side: Side, key: Key, fp: bytes, retention: float, outcome: str
+    ) -> Any:
+        """Claim in a transaction; if claimed, finish (record the outcome and commit) or
+        abandon (roll back). Returns the claim. (A session finishes only its own claim: no
+        generation is passed, so none can be stale.)"""
         async with side.store.transaction(acquire_timeout=5) as tx:
             claim = await tx.claim(rk(key), fp, retention_seconds=retention, wait_seconds=1.0)
-            if not claim.claimed:
-                await tx.rollback()
-                return claim, None
-            try:
-                await tx.complete(rk(key), stale, State.SUCCEEDED, _response(201))
-            except StoreError:
-                refused = True
-            else:
-                refused = False
+            if not isinstance(claim, Claimed):
+                return claim
             if outcome == "rollback":
-                await tx.rollback()
-                return claim, refused
-            await tx.complete(rk(key), claim.generation, State(outcome), _response(STATUS[outcome]))
-            await tx.commit()
-            return claim, refused
+                await tx.abandon()
+                return claim
+            await tx.finish(State(outcome), _response(STATUS[outcome]))
+            return claim
 
     @rule(
         data=st.data(),
@@ -448,13 +449,11 @@ class StoreMachine(RuleBasedStateMachine):
         """A transactional request: claim, the handler, then commit its outcome, or roll
         back (a 5xx, an exception, a "fix and retry" 4xx, a client gone)."""
         key = self.pick_key(data)
-        stale = self.pick_generation(data, key)
         self.last_op = ("tx_claim", key)
         m = self.model
         claimed, entry = m.claim(key, fp, mode=TRANSACTIONAL, retention=retention)
         if claimed:
             self.issue(key, entry.generation)
-            assert not m.tx_complete(key, stale, SUCCEEDED, 201)
             if outcome in FINAL:
                 assert m.tx_complete(key, entry.generation, outcome, STATUS[outcome])
                 m.tx_commit(key)
@@ -462,12 +461,10 @@ class StoreMachine(RuleBasedStateMachine):
                 m.tx_rollback(key)
         for side in self.sides:
             self.rig.tallies[side.name].requests += 1
-            stale_sg = self.sg(side, stale)
-            claim, refused = self.run(self._tx_once(side, key, fp, retention, outcome, stale_sg))
-            self.granted(side, "tx_claim", claim.claimed, claimed)
+            claim = self.run(self._tx_once(side, key, fp, retention, outcome))
+            self.granted(side, "tx_claim", isinstance(claim, Claimed), claimed)
             if claimed:
-                self.bind(side, entry.generation, claim.generation)
-                self.expect_refusal(side, "tx_stale_complete", not refused, False)
+                self.bind(side, entry.generation, claim.generation, drawn_ahead=True)
             else:
                 self.expect_same(side, key, claim.record, entry)
                 self.rig.seen[f"duplicate:{verdict(entry, fp)}"] += 1
@@ -496,11 +493,11 @@ class StoreMachine(RuleBasedStateMachine):
             claim = self.run(
                 session.claim(rk(key), fp, retention_seconds=retention, wait_seconds=1.0)
             )
-            if not claim.claimed:
+            if not isinstance(claim, Claimed):
                 self.close_session(cm, session)
-            self.granted(side, "tx_hold", claim.claimed, claimed)
-            if claim.claimed:
-                self.bind(side, entry.generation, claim.generation)
+            self.granted(side, "tx_hold", isinstance(claim, Claimed), claimed)
+            if isinstance(claim, Claimed):
+                self.bind(side, entry.generation, claim.generation, drawn_ahead=True)
                 sessions[side.name] = (cm, session)
             else:
                 self.expect_same(side, key, claim.record, entry)
@@ -528,8 +525,8 @@ class StoreMachine(RuleBasedStateMachine):
                     )
                 except ClaimTimeout:
                     return "timeout"
-                await tx.rollback()
-                return "claimed" if claim.claimed else "answered"
+                await tx.abandon()
+                return "claimed" if isinstance(claim, Claimed) else "answered"
 
         for side in self.sides:
             self.rig.tallies[side.name].requests += 1
@@ -557,15 +554,9 @@ class StoreMachine(RuleBasedStateMachine):
         async def finish(side: Side) -> None:
             _, session = held.sessions[side.name]
             if outcome in FINAL:
-                await session.complete(
-                    rk(key),
-                    self.sg(side, held.generation),
-                    State(outcome),
-                    _response(STATUS[outcome]),
-                )
-                await session.commit()
+                await session.finish(State(outcome), _response(STATUS[outcome]))
             else:
-                await session.rollback()
+                await session.abandon()
 
         for side in self.sides:
             try:
@@ -629,7 +620,7 @@ class StoreMachine(RuleBasedStateMachine):
                     rk(key), fp, retention_seconds=retention, lease_seconds=lease
                 )
             )
-            self.granted(side, "lease_claim", claim.claimed, claimed)
+            self.granted(side, "lease_claim", isinstance(claim, Claimed), claimed)
             if claimed:
                 self.bind(side, entry.generation, claim.generation)
             else:
@@ -724,14 +715,13 @@ class StoreMachine(RuleBasedStateMachine):
         async def fenced(side: Side, sg: int) -> bool | str:
             try:
                 async with side.store.fenced(rk(key), sg, State(expected)) as session:
-                    ok = await session.settle(rk(key), sg, State(expected), settlement)
                     if how == "fenced_abort":
-                        raise _Abort
-                    return bool(ok)
+                        raise _Abort  # the executor fails before it settles: nothing changes
+                    return bool(await session.settle(settlement))
             except StaleGeneration:
                 return "stale"
             except _Abort:
-                return bool(ok)
+                return True  # the fence opened
 
         for side in self.sides:
             sg = self.sg(side, gen)
@@ -942,7 +932,6 @@ def _run_machine(dsn: str, run_settings: settings, scenario: str) -> Rig:
 _MUST_SEE = (
     "tx_claim:accepted",
     "tx_claim:refused",
-    "tx_stale_complete:refused",
     "lease_claim:accepted",
     "duplicate:conflict",
     "duplicate:replay",

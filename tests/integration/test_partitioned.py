@@ -220,7 +220,7 @@ async def _lease_operations(store: PostgresStore, bank: Any, other: str) -> None
     new = await store.takeover(k, record.generation, State.PENDING, 30)
     assert new is not None
     async with store.fenced(k, new) as fenced:
-        assert await fenced.settle_and_commit(k, new, State.PENDING, done)
+        assert await fenced.settle(done)
     k2 = RecordKey("tenant-a", "POST /payouts", "ops")
     again = await store.claim_lease(k2, fp, retention_seconds=60, lease_seconds=30)
     assert await store.release(k2, again.generation)

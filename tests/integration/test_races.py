@@ -20,6 +20,7 @@ from idem_middleware import MemoryStore, Mode, Policy, PostgresStore, RecordKey
 from idem_middleware import outbox as ob
 from idem_middleware.context import token_hash
 from idem_middleware.sql import queries
+from idem_middleware.store import Claimed, TokenRefused
 from idem_middleware.store.base import Settlement, State, StoredResponse
 from idem_middleware.store.postgres import _claim
 from idem_middleware.tokens import TokenConflict, TokenIssuer
@@ -96,7 +97,7 @@ async def test_the_memory_store_keeps_the_epoch_across_a_takeover_and_renews_it_
     store = MemoryStore(clock=lambda: now[0])
     key = RecordKey("tenant-a", PAYOUTS_OP, "k1")
     claim = await store.claim_lease(key, b"f", retention_seconds=10, lease_seconds=5)
-    assert claim.claimed
+    assert isinstance(claim, Claimed)
     assert claim.epoch is not None
     now[0] += 6  # the lease lapsed: a takeover is the same life
     generation = await store.takeover(key, claim.generation, State.PENDING, 5)
@@ -108,7 +109,7 @@ async def test_the_memory_store_keeps_the_epoch_across_a_takeover_and_renews_it_
     assert await store.settle(key, generation, State.PENDING, done)
     now[0] += 11  # retention over: a new life
     again = await store.claim_lease(key, b"f", retention_seconds=10, lease_seconds=5)
-    assert again.claimed
+    assert isinstance(again, Claimed)
     assert again.epoch is not None
     assert again.epoch != claim.epoch
 
@@ -189,18 +190,18 @@ async def test_a_released_lease_claim_gives_its_token_back() -> None:
     key = RecordKey("tenant-a", PAYOUTS_OP, token)
     options: dict[str, Any] = {"retention_seconds": 10, "lease_seconds": 5}
     claim = await store.claim_lease(key, b"f", token_hash=token_hash(token), **options)
-    assert claim.claimed
+    assert isinstance(claim, Claimed)
     assert await store.release(key, claim.generation)
     again = await store.claim_lease(key, b"f", token_hash=token_hash(token), **options)
-    assert again.claimed
+    assert isinstance(again, Claimed)
     done = Settlement(State.SUCCEEDED, StoredResponse(201, [], b""))
     assert await store.settle(key, again.generation, State.PENDING, done)
     now[0] += 11
     await store.purge()
     refused = await store.claim_lease(key, b"f", token_hash=token_hash(token), **options)
-    assert not refused.claimed
-    assert refused.record is None
-    assert "already used" in await store.token_problem(key, token_hash(token), b"f")
+    # Refused, with its reason, by the claim itself.
+    assert isinstance(refused, TokenRefused)
+    assert "already used" in refused.reason
 
 
 # -- item 4: an event delivered on its last attempt is sent, not parked -------------------------
@@ -340,7 +341,7 @@ async def test_a_token_claim_that_met_a_released_claim_claims_again(
     finally:
         await a.close()
         await b.close()
-    assert claim.claimed, "a valid, unused token was refused"
+    assert isinstance(claim, Claimed), "a valid, unused token was refused"
     record = await pool.fetchrow("SELECT generation, state FROM idem_requests")
     assert record["generation"] == claim.generation
     assert record["state"] == "pending"

@@ -13,7 +13,15 @@ from contextlib import AsyncExitStack
 import pytest
 
 from idem_middleware.errors import StoreError
-from idem_middleware.store import Claim, ClaimBusy, RecordKey, State, StoredResponse
+from idem_middleware.store import (
+    Claim,
+    ClaimBusy,
+    Claimed,
+    Existing,
+    RecordKey,
+    State,
+    StoredResponse,
+)
 from tests.contract import FP, OTHER_FP, RESPONSE, TEN_YEARS, Harness, claim, key
 
 pytestmark = pytest.mark.db_routes("pgbouncer", "partitioned")
@@ -29,10 +37,9 @@ async def test_concurrent_exactly_one_claim_and_one_effect(harness: Harness) -> 
             try:
                 async with harness.transaction() as session:
                     result = await claim(session, k, wait=10)
-                    if result.claimed:
+                    if isinstance(result, Claimed):
                         await harness.effect(session, k)
-                        await session.complete(k, result.generation, State.SUCCEEDED, RESPONSE)
-                        await session.commit()
+                        await session.finish(State.SUCCEEDED, RESPONSE)
                     return result
             except ClaimBusy:
                 await asyncio.sleep(0.01)
@@ -40,15 +47,15 @@ async def test_concurrent_exactly_one_claim_and_one_effect(harness: Harness) -> 
 
     results = await asyncio.wait_for(asyncio.gather(*(attempt() for _ in range(100))), 30)
 
-    winners = [r for r in results if r.claimed]
+    winners = [r for r in results if isinstance(r, Claimed)]
     assert len(winners) == 1, f"{len(winners)} claims for one key"
     assert await harness.effects(k) == 1
     generation = winners[0].generation
     for other in results:
-        if other.claimed:
+        if isinstance(other, Claimed):
             continue
-        assert other.generation == generation
-        assert other.record is not None
+        assert other.record.generation == generation
+        assert isinstance(other, Existing)
         assert other.record.state is State.SUCCEEDED, "a duplicate saw an unfinished record"
         assert other.record.response == RESPONSE
     record = await store.get(k)
@@ -64,7 +71,7 @@ async def test_pending_and_unknown_never_silently_expire(harness: Harness) -> No
     held_key = key("held")
     async with harness.transaction() as holder:
         held = await claim(holder, held_key)
-        assert held.claimed
+        assert isinstance(held, Claimed)
         await harness.age(TEN_YEARS, session=holder)
         async with harness.transaction() as other:
             with pytest.raises(ClaimBusy):
@@ -86,27 +93,25 @@ async def test_pending_and_unknown_never_silently_expire(harness: Harness) -> No
         for fingerprint in (FP, OTHER_FP):
             async with harness.transaction() as session:
                 result = await claim(session, k, fingerprint, wait=1)
-                assert not result.claimed, f"an old {state} record was taken over"
-                assert result.generation == generation
-                assert result.record is not None
+                assert isinstance(result, Existing), f"an old {state} record was taken over"
+                assert result.record.generation == generation
                 assert result.record.state is state
                 assert result.record.fingerprint == FP
                 assert not result.record.expired
                 if harness.kind == "postgres" and state is State.PENDING:
                     # The lease lapsed long ago, and still the claim does not take it over.
                     assert result.record.lease_expired
-                await session.commit()
         record = await store.get(k)
         assert record is not None
         assert record.state is state
         assert record.generation == generation
         assert not record.expired
 
-    # An unknown outcome cannot blindly be completed under its generation.
+    # An unknown outcome cannot blindly be completed: a session finishes only its own claim.
     k, generation = planted[State.UNKNOWN]
     async with harness.transaction(begin=True) as session:
         with pytest.raises(StoreError):
-            await session.complete(k, generation, State.SUCCEEDED, RESPONSE)
+            await session.finish(State.SUCCEEDED, RESPONSE)
     record = await store.get(k)
     assert record is not None
     assert record.state is State.UNKNOWN
@@ -127,29 +132,26 @@ async def test_conflict_retention_boundary_and_stale_generation(
 
     async with harness.transaction() as session:
         first = await claim(session, k, FP)
-        assert first.claimed
+        assert isinstance(first, Claimed)
         await harness.effect(session, k)
-        await session.complete(k, first.generation, final_state, outcome)
-        await session.commit()
+        await session.finish(final_state, outcome)
 
     # Same key, different fingerprint: the existing record comes back (the middleware's 422).
     async with harness.transaction() as session:
         conflict = await claim(session, k, OTHER_FP)
-    assert not conflict.claimed
-    assert conflict.record is not None
+    assert isinstance(conflict, Existing)
     assert conflict.record.fingerprint == FP != OTHER_FP
-    assert conflict.generation == first.generation
+    assert conflict.record.generation == first.generation
 
     # One microsecond before the retention ends: a replay.
     async with harness.transaction(begin=True) as session:
         await harness.end_retention(k, after=1e-6, session=session)
         replay = await claim(session, k, FP)
-    assert not replay.claimed
-    assert replay.record is not None
+    assert isinstance(replay, Existing)
     assert not replay.record.expired
     assert replay.record.state is final_state
     assert replay.record.response == outcome
-    assert replay.generation == first.generation
+    assert replay.record.generation == first.generation
 
     # Once it has ended the record no longer protects anything.
     await harness.end_retention(k)
@@ -162,21 +164,18 @@ async def test_conflict_retention_boundary_and_stale_generation(
     async with harness.transaction(begin=True) as session:
         await harness.end_retention(k, after=0.0, session=session)
         takeover = await claim(session, k, FP)
-        assert takeover.claimed
+        assert isinstance(takeover, Claimed)
         assert takeover.generation > first.generation
-        with pytest.raises(StoreError):
-            await session.complete(k, first.generation, State.SUCCEEDED, RESPONSE)
         await harness.effect(session, k)
-        await session.complete(k, takeover.generation, State.SUCCEEDED, RESPONSE)
-        await session.commit()
+        await session.finish(State.SUCCEEDED, RESPONSE)
+        # A second completion matches nothing (the claim is finished).
+        with pytest.raises(StoreError):
+            await session.finish(State.SUCCEEDED, RESPONSE)
 
-    # A late executor under the old generation matches nothing, and neither does a second
-    # completion under the new one (the record is no longer pending).
+    # A late executor without the claim (the old generation's) cannot complete anything.
     async with harness.transaction(begin=True) as session:
         with pytest.raises(StoreError):
-            await session.complete(k, first.generation, State.SUCCEEDED, RESPONSE)
-        with pytest.raises(StoreError):
-            await session.complete(k, takeover.generation, State.SUCCEEDED, RESPONSE)
+            await session.finish(State.SUCCEEDED, RESPONSE)
 
     record = await store.get(k)
     assert record is not None
@@ -203,12 +202,11 @@ async def test_tenant_and_operation_scope(harness: Harness) -> None:
         claims = []
         for session, k, fingerprint in zip(sessions, keys, fingerprints, strict=True):
             result = await claim(session, k, fingerprint, wait=0.2)
-            assert result.claimed, f"{k} was not independent"
+            assert isinstance(result, Claimed), f"{k} was not independent"
             claims.append(result)
             await harness.effect(session, k)
-        for session, k, result, response in zip(sessions, keys, claims, responses, strict=True):
-            await session.complete(k, result.generation, State.SUCCEEDED, response)
-            await session.commit()
+        for session, response in zip(sessions, responses, strict=True):
+            await session.finish(State.SUCCEEDED, response)
 
     assert len({c.generation for c in claims}) == len(keys)
     for k, result, fingerprint, response in zip(keys, claims, fingerprints, responses, strict=True):

@@ -3,8 +3,8 @@
 Every test here runs on `MemoryStore` (with a fake clock) and on `PostgresStore` with its fast
 path on and off, directly, through PgBouncer and on a partitioned table: the `harness` fixture
 (tests/contract.py) yields a store plus the few things a test needs that the store protocol does
-not offer. Sessions that claim first are opened as the middleware opens them (`begin=False`), so
-the fast path's fused BEGIN-and-claim is what runs.
+not offer. Sessions begin with their claim, as the middleware's do, so the fast path's fused
+BEGIN-and-claim is what runs.
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ import pytest
 from idem_middleware.errors import StoreError
 from idem_middleware.store import (
     ClaimBusy,
+    Claimed,
+    Existing,
     State,
     StoredResponse,
 )
@@ -40,12 +42,9 @@ async def test_claim_is_invisible_until_commit_then_replayed(harness: Harness) -
     store = harness.store
     async with harness.transaction() as session:
         first = await claim(session, k)
-        assert first.claimed
-        assert first.record is None
+        assert isinstance(first, Claimed)
         assert await store.get(k) is None, "an uncommitted claim must not be visible"
-        await session.complete(k, first.generation, State.SUCCEEDED, RESPONSE)
-        assert await store.get(k) is None, "an uncommitted outcome must not be visible"
-        await session.commit()
+        await session.finish(State.SUCCEEDED, RESPONSE)
 
     record = await store.get(k)
     assert record is not None
@@ -57,8 +56,8 @@ async def test_claim_is_invisible_until_commit_then_replayed(harness: Harness) -
 
     async with harness.transaction() as session:
         again = await claim(session, k)
-    assert not again.claimed
-    assert again.generation == first.generation
+    assert isinstance(again, Existing)
+    assert again.record.generation == first.generation
     assert again.record == record
 
 
@@ -68,18 +67,17 @@ async def test_rollback_leaves_nothing(harness: Harness, how: str) -> None:
     store = harness.store
     async with harness.transaction() as session:
         first = await claim(session, k)
-        assert first.claimed
+        assert isinstance(first, Claimed)
         await harness.effect(session, k)
-        await session.complete(k, first.generation, State.SUCCEEDED, RESPONSE)
         if how == "explicit":
-            await session.rollback()
+            await session.abandon()
     assert await store.get(k) is None
     if harness.kind == "postgres":
         assert await harness.effects(k) == 0, "the business write must roll back with the claim"
 
     async with harness.transaction() as session:
         second = await claim(session, k)
-        assert second.claimed, "a rolled-back claim releases the key"
+        assert isinstance(second, Claimed), "a rolled-back claim releases the key"
         assert second.generation > first.generation
 
 
@@ -91,12 +89,11 @@ async def test_second_claim_in_the_same_session_sees_its_own_pending_claim(
     # in the same session does not see it (the middleware never claims twice in one session).
     async with harness.transaction(begin=True) as session:
         first = await claim(session, k)
-        assert first.claimed
+        assert isinstance(first, Claimed)
         again = await claim(session, k, wait=0.2)
-        assert not again.claimed
-        assert again.record is not None
+        assert isinstance(again, Existing)
         assert again.record.state is State.PENDING
-        assert again.generation == first.generation
+        assert again.record.generation == first.generation
 
 
 async def test_a_claim_never_waits_for_another_sessions_claim_of_the_key(harness: Harness) -> None:
@@ -106,14 +103,13 @@ async def test_a_claim_never_waits_for_another_sessions_claim_of_the_key(harness
     store = harness.store
     async with harness.transaction() as holder:
         held = await claim(holder, k)
-        assert held.claimed
+        assert isinstance(held, Claimed)
         async with harness.transaction() as other:
             # However long it was told it may wait: the claim answers without waiting (bounded
             # here by the holder, which stays open until the claim returned).
             with pytest.raises(ClaimBusy):
                 await asyncio.wait_for(claim(other, k, wait=30), 10)
-        await holder.complete(k, held.generation, State.SUCCEEDED, RESPONSE)
-        await holder.commit()
+        await holder.finish(State.SUCCEEDED, RESPONSE)
     record = await store.get(k)
     assert record is not None
     assert record.generation == held.generation
@@ -126,15 +122,13 @@ async def test_a_busy_key_is_answered_from_its_record_once_the_holder_commits(
     k = key()
     async with harness.transaction() as holder:
         held = await claim(holder, k)
-        assert held.claimed
+        assert isinstance(held, Claimed)
         with pytest.raises(ClaimBusy):
             await claim_in_session(harness, k, wait=10)
-        await holder.complete(k, held.generation, State.SUCCEEDED, RESPONSE)
-        await holder.commit()
+        await holder.finish(State.SUCCEEDED, RESPONSE)
     seen = await claim_in_session(harness, k, wait=10)
-    assert not seen.claimed
-    assert seen.generation == held.generation
-    assert seen.record is not None
+    assert isinstance(seen, Existing)
+    assert seen.record.generation == held.generation
     assert seen.record.state is State.SUCCEEDED
     assert seen.record.response == RESPONSE
 
@@ -144,12 +138,12 @@ async def test_a_busy_key_is_claimed_once_the_holder_rolls_back(harness: Harness
     store = harness.store
     async with harness.transaction() as holder:
         held = await claim(holder, k)
-        assert held.claimed
+        assert isinstance(held, Claimed)
         with pytest.raises(ClaimBusy):
             await claim_in_session(harness, k, wait=10)
-        await holder.rollback()
+        await holder.abandon()
     seen = await claim_in_session(harness, k, wait=10)
-    assert seen.claimed
+    assert isinstance(seen, Claimed)
     assert seen.generation > held.generation
     record = await store.get(k)
     assert record is not None
@@ -168,8 +162,7 @@ async def test_a_replay_takes_no_lock_while_another_session_holds_the_keys_lock(
         await harness.hold_key_lock(holder, k)
         async with harness.transaction() as session:
             seen = await asyncio.wait_for(claim(session, k, wait=10), 5)
-    assert not seen.claimed
-    assert seen.record is not None
+    assert isinstance(seen, Existing)
     assert seen.record.state is State.SUCCEEDED
 
 
@@ -216,9 +209,8 @@ async def test_stored_response_round_trips_exactly(
     store = harness.store
     async with harness.transaction() as session:
         first = await claim(session, k)
-        assert first.claimed
-        await session.complete(k, first.generation, state, response)
-        await session.commit()
+        assert isinstance(first, Claimed)
+        await session.finish(state, response)
 
     record = await store.get(k)
     assert record is not None
@@ -233,8 +225,7 @@ async def test_stored_response_round_trips_exactly(
 
     async with harness.transaction() as session:
         replay = await claim(session, k)
-    assert not replay.claimed
-    assert replay.record is not None
+    assert isinstance(replay, Existing)
     assert replay.record.state is state
     assert replay.record.response is not None
     assert list(replay.record.response.headers) == list(response.headers)
@@ -252,13 +243,12 @@ async def test_generations_are_unique_and_increase_across_purge_and_reclaim(
     for _ in range(4):
         async with harness.transaction() as session:
             result = await claim(session, k)
-            assert result.claimed, "a purged key is absent and can be claimed"
-            await session.complete(k, result.generation, State.SUCCEEDED, RESPONSE)
-            await session.commit()
+            assert isinstance(result, Claimed), "a purged key is absent and can be claimed"
+            await session.finish(State.SUCCEEDED, RESPONSE)
         seen.append(result.generation)
         # Another key's claim draws from the same counter in between.
         other = await claim_in_session(harness, key(f"other-{len(seen)}"), wait=1)
-        assert other.claimed
+        assert isinstance(other, Claimed)
         seen.append(other.generation)
         await harness.purge(k)
         assert await store.get(k) is None
@@ -266,22 +256,34 @@ async def test_generations_are_unique_and_increase_across_purge_and_reclaim(
     assert len(set(seen)) == len(seen), f"a generation was reused: {seen}"
 
 
-async def test_complete_without_holding_the_claim_is_refused(harness: Harness) -> None:
+async def test_finish_without_holding_the_claim_is_refused(harness: Harness) -> None:
+    """A session finishes only a claim it holds: not one it did not make, not one it has
+    finished already, not one whose record it was only shown."""
     k = key()
     store = harness.store
     first = await claim_in_session(harness, k, wait=1)
-    assert first.claimed
+    assert isinstance(first, Claimed)
     async with harness.transaction(begin=True) as session:
-        # The record is finished: no session holds a pending claim on it any more.
+        # Nothing claimed in this session.
         with pytest.raises(StoreError):
-            await session.complete(k, first.generation, State.FAILED_FINAL, RESPONSE)
-        # And a key nobody ever claimed.
+            await session.finish(State.FAILED_FINAL, RESPONSE)
+    async with harness.transaction() as session:
+        # Shown the finished record: there is nothing to finish.
+        assert isinstance(await claim(session, k), Existing)
         with pytest.raises(StoreError):
-            await session.complete(key("never"), first.generation, State.SUCCEEDED, RESPONSE)
+            await session.finish(State.FAILED_FINAL, RESPONSE)
+    async with harness.transaction() as session:
+        mine = await claim(session, key("once"))
+        assert isinstance(mine, Claimed)
+        await session.finish(State.SUCCEEDED, RESPONSE)
+        with pytest.raises(StoreError):  # finished already
+            await session.finish(State.FAILED_FINAL, RESPONSE)
     record = await store.get(k)
     assert record is not None
     assert record.state is State.SUCCEEDED
-    assert await store.get(key("never")) is None
+    once = await store.get(key("once"))
+    assert once is not None
+    assert once.state is State.SUCCEEDED
 
 
 async def test_open_sessions_on_different_keys_do_not_block_each_other(
@@ -291,5 +293,5 @@ async def test_open_sessions_on_different_keys_do_not_block_each_other(
     async with AsyncExitStack() as stack:
         sessions = [await stack.enter_async_context(harness.transaction()) for _ in keys]
         claims = [await claim(s, k, wait=0.2) for s, k in zip(sessions, keys, strict=True)]
-        assert all(c.claimed for c in claims)
+        assert all(isinstance(c, Claimed) for c in claims)
         assert len({c.generation for c in claims}) == len(claims)

@@ -14,7 +14,7 @@ async def test_a_connection_held_across_close_goes_back_to_its_pool(db_dsn: str)
     store = PostgresStore(dsn=db_dsn, min_size=1, max_size=2)
     await store.open()
     closing: asyncio.Task[None] | None = None
-    async with store.transaction(acquire_timeout=BOUND, begin=False) as tx:
+    async with store.transaction(acquire_timeout=BOUND) as tx:
         await tx.claim(
             RecordKey("tenant-a", "POST /x", "shutdown-1"),
             b"f" * 32,

@@ -27,9 +27,6 @@ class OffPathOperations(MemoryTables):
         expires_at = self.clock() + ttl_seconds
         self._tokens[(tenant, token_hash)] = _Token(operation, request_digest, expires_at)
 
-    async def token_problem(self, key: RecordKey, token_hash: bytes, fingerprint: bytes) -> str:
-        return self._token_problem(key, token_hash, fingerprint)
-
     # -- operators -------------------------------------------------------------------------------
 
     async def amend(self, key: RecordKey, generation: int, expected: State, s: Settlement) -> bool:

@@ -6,61 +6,77 @@ from __future__ import annotations
 import asyncio
 
 from ...errors import StoreError
-from ..base import Claim, ClaimBusy, RecordKey, Settlement, State, StoredResponse
+from ..base import (
+    Claim,
+    ClaimBusy,
+    Claimed,
+    Existing,
+    RecordKey,
+    Settlement,
+    State,
+    StoredResponse,
+    TokenRefused,
+)
 from .tables import MemoryTables, _Row
 
 
 class _MemoryTransaction:
-    def __init__(self, store: MemoryTables, *, begin: bool = True) -> None:
+    """A claim's transaction: what it stages applies at `finish`, as a commit would."""
+
+    __slots__ = ("_claimed", "_consumed", "_held", "_staged", "_store", "active")
+
+    def __init__(self, store: MemoryTables) -> None:
         self._store = store
         self._staged: dict[RecordKey, _Row] = {}
         self._held: dict[RecordKey, asyncio.Event] = {}
         #: Tokens this transaction's claims consume, marked at commit.
         self._consumed: set[tuple[str, bytes]] = set()
-        self.active = begin
+        #: The key this session claimed last (what `finish` records the outcome of).
+        self._claimed: RecordKey | None = None
+        self.active = False
 
     async def __aenter__(self) -> _MemoryTransaction:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
         if self.active:
-            await self.rollback()
+            self._end()
 
     @property
     def connection(self) -> None:
         return None
 
+    def conflict(self, exc: BaseException) -> bool:
+        return False  # the twin never refuses a transaction
+
     async def begin(self) -> None:
+        """Begin before the claim (the claim otherwise does): for tests that hold a key first."""
         self.active = True
 
-    async def commit(self) -> None:
-        self._store._rows.update(self._staged)
-        for token in self._consumed:
-            self._store._consume(token, True)
-        self._finish()
-
-    async def rollback(self) -> None:
-        self._finish()
+    async def abandon(self) -> None:
+        self._end()
 
     async def release(self) -> None:
         if self.active:
-            self._finish()
+            self._end()
 
-    def _finish(self) -> None:
+    def _end(self) -> None:
         self._staged.clear()
         self._consumed.clear()
         for key, event in self._held.items():
             del self._store._owners[key]
             event.set()
         self._held.clear()
+        self._claimed = None
         self.active = False
 
-    def _own(self, key: RecordKey, row: _Row) -> Claim:
+    def _own(self, key: RecordKey, row: _Row) -> Claimed:
         event = asyncio.Event()
         self._store._owners[key] = event
         self._held[key] = event
         self._staged[key] = row
-        return Claim(True, row.generation, None, row.epoch)
+        self._claimed = key
+        return Claimed(row.generation, row.generation)  # a fresh record: its epoch
 
     async def claim(
         self,
@@ -71,10 +87,25 @@ class _MemoryTransaction:
         wait_seconds: float,
         token_hash: bytes | None = None,
     ) -> Claim:
-        if not self.active:
-            await self.begin()  # opened with begin=False: the claim starts the transaction
+        self.active = True
         store = self._store
         now = store.clock()
+        current = self._staged.get(key) or store._rows.get(key)
+        if current is not None:
+            record = current.record(key, now)
+            if not record.expired:
+                self._settled()
+                return Existing(record)  # a replay: no wait, no lock
+        if key in store._owners and key not in self._held:
+            # Another transaction is claiming it: never wait here (see ClaimBusy).
+            self._end()
+            raise ClaimBusy("another transaction is claiming this key")
+        if token_hash is not None:
+            reason = store._token_problem(key, token_hash, fingerprint)
+            if reason:
+                self._settled()
+                return TokenRefused(reason)
+            self._consumed.add((key.tenant, token_hash))
         generation = next(store._generations)
         fresh = _Row(
             fingerprint,
@@ -85,26 +116,17 @@ class _MemoryTransaction:
             updated_at=now,
             epoch=generation,
         )
-        current = self._staged.get(key) or store._rows.get(key)
-        record = None if current is None else current.record(key, store.clock())
-        if record is not None and not record.expired:
-            return Claim(False, record.generation, record)  # a replay: no wait, no lock
-        if key in store._owners and key not in self._held:
-            # Another transaction is claiming it: never wait here (see ClaimBusy).
-            raise ClaimBusy("another transaction is claiming this key")
-        if record is None or record.expired:
-            if token_hash is not None:
-                if store._token_problem(key, token_hash, fingerprint):
-                    return Claim(False, 0, None)
-                self._consumed.add((key.tenant, token_hash))
-            return self._own(key, fresh)
-        return Claim(False, record.generation, record)
+        return self._own(key, fresh)
 
-    async def complete(
-        self, key: RecordKey, generation: int, state: State, response: StoredResponse
-    ) -> None:
-        row = self._staged.get(key)
-        if row is None or row.generation != generation or row.state is not State.PENDING:
+    def _settled(self) -> None:
+        """A claim that did not claim ends the transaction, unless it holds an earlier claim."""
+        if not self._held:
+            self._end()
+
+    async def finish(self, state: State, response: StoredResponse) -> None:
+        key = self._claimed
+        row = None if key is None else self._staged.get(key)
+        if key is None or row is None or row.state is not State.PENDING:
             raise StoreError("completion matched no pending record")
         now = self._store.clock()
         # Built field by field: dataclasses.replace costs more than the rest of the claim.
@@ -122,32 +144,26 @@ class _MemoryTransaction:
             row.note,
             row.epoch,
         )
-
-    async def complete_and_commit(
-        self, key: RecordKey, generation: int, state: State, response: StoredResponse
-    ) -> None:
-        await self.complete(key, generation, state, response)
-        await self.commit()
+        self._store._rows.update(self._staged)
+        for token in self._consumed:
+            self._store._consume(token, True)
+        self._end()
 
 
 class _MemoryFenced:
-    """Settlements made in a fenced session apply when it ends cleanly, as a commit would."""
+    """A fenced session: its settlement applies at once, as PostgreSQL's commits with it."""
 
-    def __init__(self, store: MemoryTables) -> None:
+    def __init__(self, store: MemoryTables, key: RecordKey, generation: int, expected: State):
         self._store = store
-        self.pending: list[tuple[RecordKey, int, State, Settlement]] = []
+        self._fence = (key, generation, expected)
 
     @property
     def connection(self) -> None:
         return None
 
-    async def settle(self, key: RecordKey, generation: int, expected: State, s: Settlement) -> bool:
+    async def settle(self, s: Settlement) -> bool:
+        key, generation, expected = self._fence
         if self._store._current(key, generation, expected) is None:
             return False
-        self.pending.append((key, generation, expected, s))
+        self._store._settle_now(key, generation, expected, s)
         return True
-
-    async def settle_and_commit(
-        self, key: RecordKey, generation: int, expected: State, s: Settlement
-    ) -> bool:
-        return await self.settle(key, generation, expected, s)  # applied when the session ends

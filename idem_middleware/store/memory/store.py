@@ -12,7 +12,17 @@ from dataclasses import replace
 
 from ...errors import StaleGeneration
 from ...keys import token_hash
-from ..base import Claim, EventWatch, Record, RecordKey, Settlement, State
+from ..base import (
+    Claim,
+    Claimed,
+    EventWatch,
+    Existing,
+    Record,
+    RecordKey,
+    Settlement,
+    State,
+    TokenRefused,
+)
 from .edges import OffPathOperations
 from .sessions import _MemoryFenced, _MemoryTransaction
 from .tables import _Row
@@ -22,10 +32,10 @@ class MemoryStore(OffPathOperations):
     """See the package's docstring. `clock` is the store's notion of the database's `now()`."""
 
     def transaction(
-        self, *, acquire_timeout: float, begin: bool = True
+        self, *, acquire_timeout: float
     ) -> AbstractAsyncContextManager[_MemoryTransaction]:
         # The session is its own context manager: no generator per request.
-        return _MemoryTransaction(self, begin=begin)
+        return _MemoryTransaction(self)
 
     async def get(self, key: RecordKey) -> Record | None:
         row = self._rows.get(key)
@@ -55,10 +65,11 @@ class MemoryStore(OffPathOperations):
         if row is not None:
             record = row.record(key, now)
             if not record.expired:
-                return Claim(False, row.generation, record)
+                return Existing(record)
         if token_hash is not None:
-            if self._token_problem(key, token_hash, fingerprint):
-                return Claim(False, 0, None)
+            reason = self._token_problem(key, token_hash, fingerprint)
+            if reason:
+                return TokenRefused(reason)
             self._consume((key.tenant, token_hash), True)
         generation = next(self._generations)
         fresh = _Row(
@@ -73,7 +84,7 @@ class MemoryStore(OffPathOperations):
             epoch=generation,
         )
         self._rows[key] = fresh
-        return Claim(True, fresh.generation, None, fresh.epoch)
+        return Claimed(generation, generation)  # a fresh record: its epoch
 
     async def heartbeat(self, key: RecordKey, generation: int, lease_seconds: float) -> bool:
         async with self._row_lock(key):
@@ -167,10 +178,7 @@ class MemoryStore(OffPathOperations):
                 raise StaleGeneration(
                     f"generation {generation} no longer holds the record; its writes are refused"
                 )
-            session = _MemoryFenced(self)
-            yield session
-            for args in session.pending:
-                self._settle_now(*args)
+            yield _MemoryFenced(self, key, generation, expected)
 
     @asynccontextmanager
     async def watch(self, key: RecordKey) -> AsyncIterator[EventWatch]:

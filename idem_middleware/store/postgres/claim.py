@@ -5,12 +5,17 @@ from __future__ import annotations
 from typing import Any
 
 from ...errors import ClaimTimeout
-from ..base import Claim, RecordKey
+from ..base import Claim, Claimed, Existing, RecordKey, TokenRefused
 from .convert import _Q, to_record, token_problem
 
 # How often a claim re-reads a record that vanished between the INSERT and the SELECT (a
 # concurrent claim rolled back, or a purge ran). Each pass makes progress, so a few suffice.
 _CLAIM_ATTEMPTS = 4
+
+
+def _claimed(row: Any) -> Claimed:
+    epoch = row["epoch"]
+    return Claimed(row["generation"], row["generation"] if epoch is None else epoch)
 
 
 async def claim(
@@ -20,52 +25,52 @@ async def claim(
     token_hash: bytes | None,
     timeout: float | None,  # noqa: ASYNC109 - asyncpg's own per-statement timeout
 ) -> Claim:
-    """Claim, or return the record holding the key (see queries.sql `claim`).
+    """Claim, or return the record holding the key, or why the token was refused (see
+    queries.sql `claim`).
 
     `executor` is the claim's connection (transactional mode) or the pool (lease mode: each
-    statement commits on its own). With `token_hash`, only a live issued token may be claimed;
-    `Claim(False, 0, None)` means the token was refused.
+    statement commits on its own). With `token_hash`, only a live issued token may be claimed.
     """
     for _ in range(_CLAIM_ATTEMPTS):
         rows = await executor.fetch(_Q["claim"], *args, token_hash, timeout=timeout)
-        if rows:
-            row = rows[0]
-            if row["claimed"]:
-                return Claim(True, row["generation"], None, row["epoch"])
-        else:
+        row = rows[0] if rows else None
+        if row is not None and row["claimed"]:
+            return _claimed(row)
+        if row is None or row["state"] is None:
+            if row is not None:
+                # A token claim found no record: the token's status came with the claim.
+                reason = token_problem(row if row["token_found"] else None)
+                if reason:
+                    return TokenRefused(reason)
             # The conflicting claim committed after our snapshot: read it afresh.
             row = await executor.fetchrow(_Q["get"], *args[:3], timeout=timeout)
             if row is None:
-                # Gone again (released, or purged). A token claim finds out whether the token
-                # itself was refused, or only met that claim, and then claims again.
-                if token_hash is not None and await _token_refused(
-                    executor, key, token_hash, args[3], timeout
-                ):
-                    return Claim(False, 0, None)
+                # Gone again (released, or purged): claim again (a token claim finds out then
+                # whether the token itself was refused).
                 continue
         record = to_record(key, row)
         if not record.expired:
-            return Claim(False, record.generation, record)
-        if token_hash is not None and await _token_refused(
-            executor, key, token_hash, args[3], timeout
-        ):
-            return Claim(False, 0, None)
+            return Existing(record)
+        if token_hash is not None:
+            reason = await _token_refusal(executor, key, token_hash, args[3], timeout)
+            if reason:
+                return TokenRefused(reason)
         reclaimed = await executor.fetchrow(
             _Q["reclaim_expired"], *args, token_hash, timeout=timeout
         )
         if reclaimed is not None:
-            return Claim(True, reclaimed["generation"], None, reclaimed["epoch"])
+            return _claimed(reclaimed)
     raise ClaimTimeout("the record kept changing under the claim")
 
 
-async def _token_refused(
+async def _token_refusal(
     executor: Any,
     key: RecordKey,
     token_hash: bytes,
     fingerprint: bytes,
     timeout: float | None,  # noqa: ASYNC109 - asyncpg's own per-statement timeout
-) -> bool:
+) -> str:
     status = await executor.fetchrow(
         _Q["token_status"], key.tenant, token_hash, key.operation, fingerprint, timeout=timeout
     )
-    return bool(token_problem(status))
+    return token_problem(status)

@@ -44,6 +44,11 @@ UNIQUE_VIOLATION: type[BaseException] = asyncpg.exceptions.UniqueViolationError
 SERVER_ERROR: type[BaseException] = asyncpg.PostgresError
 
 
+def is_conflict(exc: BaseException) -> bool:
+    """Whether the server refused a transaction in a way that running it again may clear."""
+    return isinstance(exc, (RetryableConflict, *RETRYABLE))
+
+
 def translate(exc: BaseException) -> BaseException:
     if isinstance(exc, RETRYABLE):
         return RetryableConflict(str(exc))

@@ -32,7 +32,7 @@ from typing import Any, Protocol
 import asyncpg
 
 from ...errors import ClaimBusy, StoreError
-from ..base import Claim, RecordKey
+from ..base import Claimed, RecordKey
 from . import compat
 from .convert import _Q
 
@@ -238,7 +238,7 @@ class FastPath:
         session: FusingSession,
         key: RecordKey,
         timeout: float,  # noqa: ASYNC109 - asyncpg's own per-statement timeout
-    ) -> Claim | None:
+    ) -> Claimed | None:
         """BEGIN and `claim_key` in one round trip: the key's advisory lock is taken and
         nothing is written (the record is written once, with its outcome, at commit).
 
@@ -270,7 +270,7 @@ class FastPath:
                 await session.rollback()
                 continue
             if status == "SELECT 0":  # no record holds the key
-                return Claim(True, generation, None)
+                return Claimed(generation, generation)  # a fresh record's epoch
             if status == _KEY_BUSY:
                 raise ClaimBusy("another transaction is claiming this key")
             return None

@@ -9,7 +9,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from ...errors import ClaimBusy, ClaimTimeout, RetryableConflict, StoreError
-from ..base import Claim, RecordKey, Settlement, State, StoredResponse
+from ..base import Claim, Claimed, Existing, RecordKey, Settlement, State, StoredResponse
 from . import compat
 from .claim import claim
 from .convert import (
@@ -19,6 +19,7 @@ from .convert import (
     UNIQUE_VIOLATION,
     WAIT_EXCEEDED,
     encode_headers,
+    is_conflict,
     settle_args,
     to_record,
     translate,
@@ -32,17 +33,26 @@ _MIN_STATEMENT_TIMEOUT = 0.05
 
 
 class PgTransaction:
-    """One pooled connection in one transaction (see TransactionSession).
-
-    Opened with `begin=False`, the transaction starts with the claim: BEGIN and the claim then
-    travel in one message, as do the completion and COMMIT (fused.py).
+    """One pooled connection, and one transaction that begins with the claim (see
+    TransactionSession). On the fast path BEGIN and the claim travel in one message, as do the
+    outcome and COMMIT (fused.py).
 
     A fast claim writes nothing: it takes the key's advisory lock and checks that no record
     holds the key, and the record is written once, with its outcome, at commit (`insert_final`).
     A pending transactional record is never visible to anyone else anyway, so writing it early
     only cost an UPDATE, a dead row version and its index entries."""
 
-    __slots__ = ("_conn", "_deferred", "_fast", "_fused", "_give_back", "_pool", "_tx", "lent")
+    __slots__ = (
+        "_claimed",
+        "_conn",
+        "_deferred",
+        "_fast",
+        "_fused",
+        "_give_back",
+        "_pool",
+        "_tx",
+        "lent",
+    )
 
     def __init__(self, conn: Any, fast: FastPath | None) -> None:
         self._conn = conn
@@ -54,6 +64,8 @@ class PgTransaction:
         # Whether the claim went the fast way (the connection passed `fusable`), so the
         # completion may travel with the COMMIT too.
         self._fused = False
+        # The key and generation this session claimed: what `finish` records.
+        self._claimed: tuple[RecordKey, int] | None = None
         # (fingerprint, retention seconds) of a claim whose record is written at completion.
         self._deferred: tuple[bytes, float] | None = None
         # Whether the connection was handed out (to the handler): then the pool resets it.
@@ -72,12 +84,16 @@ class PgTransaction:
     def active(self) -> bool:
         return self._tx is not None
 
+    def conflict(self, exc: BaseException) -> bool:
+        return is_conflict(exc)
+
     def fusing(self, *, begins: bool) -> None:
         if begins:
             self._tx = compat.adopt(self._conn)
         self._fused = True
 
     async def begin(self) -> None:
+        """BEGIN the ordinary way (the claim does this; tests may begin before the claim)."""
         tx = self._conn.transaction()
         try:
             await tx.start()
@@ -92,16 +108,20 @@ class PgTransaction:
         if give_back is not None:
             await give_back(self, self._conn, self._pool)
 
-    async def commit(self) -> None:
+    async def _commit(self) -> None:
         tx, self._tx = self._tx, None
         try:
             await tx.commit()
         except TRANSLATED as exc:
             raise translate(exc) from exc
 
+    async def abandon(self) -> None:
+        await self.rollback()
+
     async def rollback(self) -> None:
         tx, self._tx = self._tx, None
         self._deferred = None
+        self._claimed = None
         if tx is not None:
             try:
                 await tx.rollback()
@@ -117,6 +137,21 @@ class PgTransaction:
         retention_seconds: float,
         wait_seconds: float,
         token_hash: bytes | None = None,
+    ) -> Claim:
+        result = await self._claim(key, fingerprint, retention_seconds, wait_seconds, token_hash)
+        if isinstance(result, Claimed):
+            self._claimed = (key, result.generation)
+        elif self._claimed is None:
+            await self.rollback()  # nothing claimed: the transaction has nothing to keep
+        return result
+
+    async def _claim(
+        self,
+        key: RecordKey,
+        fingerprint: bytes,
+        retention_seconds: float,
+        wait_seconds: float,
+        token_hash: bytes | None,
     ) -> Claim:
         args = (
             key.tenant,
@@ -144,7 +179,7 @@ class PgTransaction:
                     if row is not None:
                         record = to_record(key, row)
                         if not record.expired:
-                            return Claim(False, record.generation, record)
+                            return Existing(record)
             await self._lock_key(key, timeout)
             return await claim(self._conn, key, args, token_hash, timeout)
         except ClaimBusy:
@@ -169,28 +204,13 @@ class PgTransaction:
         if found == 2:
             raise ClaimBusy("another transaction is claiming this key")
 
-    async def complete(
-        self, key: RecordKey, generation: int, state: State, response: StoredResponse
-    ) -> None:
+    async def finish(self, state: State, response: StoredResponse) -> None:
+        if self._claimed is None:
+            raise StoreError("finish without a claim")
+        key, generation = self._claimed
         name, args = self._completion(key, generation, state, response)
-        query = _Q["insert_final"] if name == "insert_final" else _Q["complete"]
-        try:
-            status = await self._conn.execute(query, *args)
-        except UNIQUE_VIOLATION as exc:
-            raise await self._lost_the_key(exc) from exc
-        except TRANSLATED as exc:
-            raise translate(exc) from exc
-        self._deferred = None
-        if status not in ("UPDATE 1", "INSERT 0 1"):
-            # Our own uncommitted row: only a bug (or a hand edit) makes this miss.
-            raise StoreError(f"completion matched no pending record ({status})")
-
-    async def complete_and_commit(
-        self, key: RecordKey, generation: int, state: State, response: StoredResponse
-    ) -> None:
         fast = self._fast
         if self._fused and fast is not None:
-            name, args = self._completion(key, generation, state, response)
             try:
                 done = await fast.complete_and_commit(
                     self._conn, self._tx, name, args, len(response.body)
@@ -200,11 +220,25 @@ class PgTransaction:
             except TRANSLATED as exc:
                 raise translate(exc) from exc
             if done:
-                self._deferred = None
-                self._tx = None
+                self._done()
                 return
-        await self.complete(key, generation, state, response)
-        await self.commit()
+        query = _Q["insert_final"] if name == "insert_final" else _Q["complete"]
+        try:
+            status = await self._conn.execute(query, *args)
+        except UNIQUE_VIOLATION as exc:
+            raise await self._lost_the_key(exc) from exc
+        except TRANSLATED as exc:
+            raise translate(exc) from exc
+        if status not in ("UPDATE 1", "INSERT 0 1"):
+            # Our own uncommitted row: only a bug (or a hand edit) makes this miss.
+            raise StoreError(f"completion matched no pending record ({status})")
+        await self._commit()
+        self._done()
+
+    def _done(self) -> None:
+        self._tx = None
+        self._deferred = None
+        self._claimed = None
 
     def _completion(
         self, key: RecordKey, generation: int, state: State, response: StoredResponse
@@ -250,33 +284,33 @@ class PgTransaction:
 
 
 class PgFenced:
-    __slots__ = ("_conn", "_fast", "_tx", "committed")
+    __slots__ = ("_conn", "_expected", "_fast", "_generation", "_key", "_tx", "committed")
 
-    def __init__(self, conn: Any, tx: Any, fast: FastPath | None) -> None:
+    def __init__(
+        self,
+        conn: Any,
+        tx: Any,
+        fast: FastPath | None,
+        key: RecordKey,
+        generation: int,
+        expected: State,
+    ) -> None:
         self._conn = conn
         self._tx = tx
         self._fast = fast  # set when the fence was opened the fast way (an adopted BEGIN)
+        self._key = key
+        self._generation = generation
+        self._expected = expected
         self.committed = False
 
     @property
     def connection(self) -> Any:
         return self._conn
 
-    async def settle(self, key: RecordKey, generation: int, expected: State, s: Settlement) -> bool:
-        try:
-            row = await self._conn.fetchrow(
-                _Q["settle"], *settle_args(key, generation, expected, s)
-            )
-        except TRANSLATED as exc:
-            raise translate(exc) from exc
-        return bool(row["settled"])
-
-    async def settle_and_commit(
-        self, key: RecordKey, generation: int, expected: State, s: Settlement
-    ) -> bool:
+    async def settle(self, s: Settlement) -> bool:
+        args = settle_args(self._key, self._generation, self._expected, s)
         if self._fast is not None:
             body = b"" if s.response is None else s.response.body
-            args = settle_args(key, generation, expected, s)
             try:
                 done = await self._fast.settle_and_commit(self._conn, self._tx, args, len(body))
             except TRANSLATED as exc:
@@ -284,4 +318,12 @@ class PgFenced:
             if done:
                 self.committed = True
                 return True
-        return await self.settle(key, generation, expected, s)  # the exit commits
+        try:
+            row = await self._conn.fetchrow(_Q["settle"], *args)
+            if not row["settled"]:
+                return False  # the session's end rolls back
+            await self._tx.commit()
+        except TRANSLATED as exc:
+            raise translate(exc) from exc
+        self.committed = True
+        return True

@@ -30,7 +30,6 @@ from .convert import (
     notify_token,
     settle_args,
     to_record,
-    token_problem,
     translate,
 )
 from .edges import OffPathStatements
@@ -132,9 +131,7 @@ class PostgresStore(OffPathStatements):
         await self.close()
 
     @asynccontextmanager
-    async def transaction(
-        self, *, acquire_timeout: float, begin: bool = True
-    ) -> AsyncIterator[PgTransaction]:
+    async def transaction(self, *, acquire_timeout: float) -> AsyncIterator[PgTransaction]:
         pool = self.pool
         try:
             conn = await pool.acquire(timeout=acquire_timeout)
@@ -144,8 +141,6 @@ class PostgresStore(OffPathStatements):
         session._give_back = self._give_back
         session._pool = pool
         try:
-            if begin:
-                await session.begin()
             yield session
         finally:
             await session.release()
@@ -195,12 +190,6 @@ class PostgresStore(OffPathStatements):
                 return await claim(conn, key, args, token_hash, None)
         except TRANSLATED as exc:
             raise translate(exc) from exc
-
-    async def token_problem(self, key: RecordKey, token_hash: bytes, fingerprint: bytes) -> str:
-        row = await self._run(
-            "fetchrow", _Q["token_status"], key.tenant, token_hash, key.operation, fingerprint
-        )
-        return token_problem(row)
 
     async def heartbeat(self, key: RecordKey, generation: int, lease_seconds: float) -> bool:
         status = await self._run(
@@ -291,7 +280,7 @@ class PostgresStore(OffPathStatements):
                 raise StaleGeneration(
                     f"generation {generation} no longer holds the record; its writes are refused"
                 )
-            session = PgFenced(conn, tx, fast)
+            session = PgFenced(conn, tx, fast, key, generation, expected)
             try:
                 yield session
             except BaseException:
