@@ -4,9 +4,10 @@
 `BENCH_POOL_SIZE` in the environment. Every variant has:
 
 - `POST /accounts/{account_id}/credits`: one ledger INSERT and one balance UPSERT in one
-  transaction (the bare app's own; the claim's in `ours-tx`; the fenced one in `ours-lease`; the
-  handler's own under the peers' middleware). The response echoes the Idempotency-Key so the load
-  generator can count the distinct keys that got a 2xx.
+  transaction (the bare app's own; the claim's in `ours-tx`, and in `ours-tx-sqla` through a
+  SQLAlchemy session on it; the fenced one in `ours-lease`; the handler's own under the peers'
+  middleware). The response echoes the Idempotency-Key so the load generator can count the
+  distinct keys that got a 2xx.
 - `GET /accounts/{account_id}`: one SELECT on the same pool (never guarded).
 - `POST /blobs`: answers `size` bytes (the memory measurement's stored responses); no writes.
 
@@ -19,7 +20,9 @@ the example app's, as are the request and account models (example_app/app.py).
 
 from __future__ import annotations
 
+import functools
 import os
+import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Annotated, Any
@@ -39,11 +42,12 @@ VARIANTS = (
     "bare",
     "ours-memory",
     "ours-tx",
+    "ours-tx-sqla",
     "ours-lease",
     "fastidempotent",
     "fastapi-idempotency",
 )
-OURS = frozenset({"ours-tx", "ours-lease"})
+OURS = frozenset({"ours-tx", "ours-tx-sqla", "ours-lease"})
 TOKEN = "bench-token"
 TENANT = "tenant-bench"
 
@@ -116,6 +120,25 @@ async def write_credit(
     return CreditOut(
         credit_id=credit_id, account_id=account_id, amount=body.amount, balance=balance, key=key
     )
+
+
+@functools.cache
+def _bound(query: str) -> Any:
+    """An asyncpg statement as SQLAlchemy `text()`: `$n` parameters become `:pn` binds."""
+    from sqlalchemy import text
+
+    return text(re.sub(r"\$(\d+)", r":p\1", query))
+
+
+class SessionStatements:
+    """`write_credit`'s `fetchval` on a SQLAlchemy session: `session.execute(text(...))`."""
+
+    def __init__(self, session: Any) -> None:
+        self.session = session
+
+    async def fetchval(self, query: str, *args: Any) -> Any:
+        params = {f"p{n}": value for n, value in enumerate(args, 1)}
+        return (await self.session.execute(_bound(query), params)).scalar_one()
 
 
 def _libpq_parts(dsn: str) -> dict[str, Any]:
@@ -262,6 +285,24 @@ def _ours(dsn: str, pool_kwargs: dict[str, Any], variant: str) -> FastAPI:
         ) -> CreditOut:
             key = request.headers.get("idempotency-key")
             return await write_credit(conn, tenant, account_id, body, key)
+
+    elif variant == "ours-tx-sqla":
+        from idem_middleware.sqla import claim_session  # sqlalchemy: only this variant needs it
+
+        claim = Depends(claim_session)
+
+        @app.post("/accounts/{account_id}/credits", status_code=201)
+        async def credit_sqla(
+            account_id: str,
+            body: CreditIn,
+            tenant: Tenant,
+            request: Request,
+            session: Any = claim,
+        ) -> CreditOut:
+            key = request.headers.get("idempotency-key")
+            return await write_credit(SessionStatements(session), tenant, account_id, body, key)
+
+    if variant != "ours-lease":
 
         @app.post("/blobs", status_code=201)
         async def blobs(body: BlobIn, tenant: Tenant) -> Response:

@@ -38,6 +38,7 @@ SCENARIOS = tuple(SCRIPTS)
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "latest"
 #: What each variant needs installed (pip install -e '.[bench]').
 _IMPORTS = {
+    "ours-tx-sqla": ("sqlalchemy",),
     "fastidempotent": ("fastidempotent", "sqlalchemy"),
     "fastapi-idempotency": ("fastapi_idempotency", "tortoise"),
 }

@@ -33,7 +33,7 @@ from .responses import REPLAYED_HEADER
 from .store.migrations import migrate
 from .store.postgres import PostgresStore
 
-__all__ = ["DSN_ENV", "idem_postgres_dsn", "idem_replay", "idem_store"]
+__all__ = ["DSN_ENV", "Replay", "idem_postgres_dsn", "idem_replay", "idem_store"]
 
 #: The environment variable naming an existing server to test against.
 DSN_ENV = "IDEM_TEST_DSN"

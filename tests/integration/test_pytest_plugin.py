@@ -28,6 +28,12 @@ def run(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
 
 @pytest.fixture
 def inner_env(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, pg_dsn: str) -> Path:
+    return use_this_server(pytester, monkeypatch, pg_dsn)
+
+
+def use_this_server(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, pg_dsn: str
+) -> Path:
     """The inner run uses this run's server (no second one) and its own temporary directory."""
     monkeypatch.setenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")
     monkeypatch.setenv("IDEM_TEST_DSN", pg_dsn)

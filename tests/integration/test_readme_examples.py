@@ -1,4 +1,5 @@
-"""The README's Starlette and FastAPI examples: type-checked with mypy --strict, and run."""
+"""The README's apps (Starlette; FastAPI with SQLAlchemy) and docs/fastapi.md's app: type-checked
+with mypy --strict, and run; the README's test of its SQLAlchemy app: run through pytester."""
 
 from __future__ import annotations
 
@@ -14,28 +15,40 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.integration.test_pytest_plugin import run, use_this_server
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def example(heading: str) -> str:
-    text = (ROOT / "README.md").read_text()
+def example(heading: str, page: str = "README.md") -> str:
+    text = (ROOT / page).read_text()
     section = text.split(f"## {heading}\n", 1)[1]
     match = re.search(r"```python\n(.*?)```", section, re.DOTALL)
-    assert match, f"no python block under {heading!r}"
+    assert match, f"no python block under {heading!r} in {page}"
     return match.group(1)
 
 
-EXAMPLES = {"starlette": "Minimal Starlette app", "fastapi": "Minimal FastAPI app"}
+#: The README's apps, by the heading they are under.
+EXAMPLES = {"starlette": "Minimal Starlette app", "sqlalchemy": "FastAPI with SQLAlchemy"}
+#: Apps on other pages: name -> (page, heading).
+PAGE_EXAMPLES = {"fastapi": ("docs/fastapi.md", "Minimal FastAPI app")}
+#: The README's test of its SQLAlchemy app (which it imports as `app`).
+README_TEST = "Testing your app"
 
 
 @pytest.fixture(scope="module")
 def example_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     folder = tmp_path_factory.mktemp("readme")
     files = {}
-    for name, heading in EXAMPLES.items():
+    sources = {name: ("README.md", heading) for name, heading in EXAMPLES.items()}
+    for name, (page, heading) in {**sources, **PAGE_EXAMPLES}.items():
         path = folder / f"readme_{name}.py"
-        path.write_text(example(heading))
+        path.write_text(example(heading, page))
         files[name] = path
+    # The README's test and the app it imports, under the names the README gives them.
+    (folder / "app.py").write_text(example(EXAMPLES["sqlalchemy"]))
+    files["test"] = folder / "test_app.py"
+    files["test"].write_text(example(README_TEST))
     return files
 
 
@@ -68,7 +81,7 @@ def load(path: Path) -> ModuleType:
     return module
 
 
-@pytest.mark.parametrize("name", sorted(EXAMPLES))
+@pytest.mark.parametrize("name", sorted([*EXAMPLES, *PAGE_EXAMPLES]))
 async def test_examples_run_and_replay(
     name: str,
     example_files: dict[str, Path],
@@ -123,3 +136,66 @@ def test_starlette_example_runs_without_fastapi(
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "ok Starlette"
+
+
+#: Wraps the plugin's `idem_replay` in the inner run: a line in replays.log per replay it checked.
+RECORD_REPLAYS = """
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture
+def idem_replay(idem_replay):
+    async def recorded(*args, **kwargs):
+        first, second = await idem_replay(*args, **kwargs)
+        replayed = second.headers.get("idempotent-replayed")
+        same = second.content == first.content
+        with open(Path(__file__).parent / "replays.log", "a") as log:
+            log.write(f"{first.status_code} {second.status_code} {replayed} {same}\\n")
+        return first, second
+
+    return recorded
+"""
+
+
+@pytest.fixture
+def readme_test(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, pg_dsn: str) -> Path:
+    """The README's test and app as the files it names, with the replay recorder beside them."""
+    use_this_server(pytester, monkeypatch, pg_dsn)
+    pytester.makepyfile(test_app=example(README_TEST))
+    pytester.makeconftest(RECORD_REPLAYS)
+    return pytester.path / "replays.log"
+
+
+def test_the_readme_test_passes_and_checks_a_replay(
+    pytester: pytest.Pytester, readme_test: Path
+) -> None:
+    pytester.makepyfile(app=example(EXAMPLES["sqlalchemy"]))
+    result = run(pytester)
+    result.assert_outcomes(passed=1)
+    # It really sent the order twice and saw the second answered as a replay with the same body.
+    assert readme_test.read_text().splitlines() == ["201 201 true True"]
+
+
+def _writes_twice(app: str) -> str:
+    line = "        session.add(row)\n"
+    assert line in app, "the README app no longer adds `row` to the session"
+    return app.replace(line, line + line.replace("row", "Order(tenant=idem.tenant, item='x')"))
+
+
+@pytest.mark.parametrize("broken", ["kill switch", "writes twice"])
+def test_the_readme_test_fails_against_a_broken_app(
+    broken: str,
+    pytester: pytest.Pytester,
+    readme_test: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    app = example(EXAMPLES["sqlalchemy"])
+    if broken == "kill switch":
+        monkeypatch.setenv("IDEM_MIDDLEWARE_DISABLED", "1")  # no claim: nothing is replayed
+    else:
+        app = _writes_twice(app)  # a replay, but a second row the test must notice
+    pytester.makepyfile(app=app)
+    result = run(pytester)
+    result.assert_outcomes(failed=1)
