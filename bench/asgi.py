@@ -62,7 +62,11 @@ STAGES: dict[str, tuple[tuple[str, str], ...]] = {
         ("idem_middleware.transactional", "enter_context"),
         ("idem_middleware.transactional", "leave_context"),
     ),
-    "disconnect watch": (("idem_middleware.transactional", "_Attempt._run_handler"),),
+    "disconnect watch": (
+        ("idem_middleware.transactional", "_Attempt._run_handler"),
+        ("idem_middleware.delayed", "Delayed.add"),
+        ("idem_middleware.delayed", "Delayed.discard"),
+    ),
     "handler": (("bench.stages", "Downstream.__call__"),),
     "capture": (
         ("idem_middleware.capture", "ResponseCapture.__init__"),
@@ -79,8 +83,8 @@ STAGES: dict[str, tuple[tuple[str, str], ...]] = {
         ("idem_middleware.middleware", "IdempotencyMiddleware.__call__"),
         ("idem_middleware.exchange", "Exchange.run"),
         ("idem_middleware.transactional", "run_transactional"),
+        ("idem_middleware.middleware", "IdempotencyMiddleware._http"),
         ("idem_middleware.transactional", "_Attempt.run"),
-        ("idem_middleware.transactional", "_Attempt._run"),
     ),
 }
 #: The stage that is the app's own work (the same in bare), not the middleware's.

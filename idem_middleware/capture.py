@@ -59,7 +59,10 @@ class ResponseCapture:
         kind = message["type"]
         if kind == "http.response.start":
             self.start = message
-            content_type = dict(message.get("headers", ())).get(b"content-type", b"")
+            content_type = b""
+            for name, value in message.get("headers", ()):
+                if name == b"content-type":
+                    content_type = value  # the last one, as a dict of the headers would have it
             if content_type.startswith(b"text/event-stream"):
                 await self._go_passthrough("streaming", more_body=True)
             return

@@ -70,8 +70,8 @@ class Tenants:
     async def resolve(self, scope: Scope, *, allow_anonymous: bool = False) -> str | None:
         """The caller's tenant; "" for an anonymous caller when allowed; None: refuse (401)."""
         resolved = self.resolver(scope)
-        if inspect.isawaitable(resolved):
-            resolved = await resolved
+        if resolved is not None and not isinstance(resolved, str) and inspect.isawaitable(resolved):
+            resolved = await resolved  # (the str test first: isawaitable is an ABC check)
         if resolved:
             return resolved
         return "" if allow_anonymous else None

@@ -20,8 +20,9 @@ from typing import TYPE_CHECKING, Any
 from .answers import TENANT_BUSY, WAITERS_FULL, Answer, HeldResponse, InFlight, Problem
 from .capture import ResponseCapture
 from .context import IdempotencyContext, enter_context, leave_context
+from .delayed import Delayed
 from .errors import ClaimBusy, ClaimTimeout, ClientGone, ProblemKind, RetryableConflict
-from .observe import SETTLED_EVENTS, Event
+from .observe import SETTLED_EVENTS, UNTIMED, Event
 from .outcomes import FINAL_STATE, Outcome, duplicate_answer, outcome_for_status
 from .policy import Mode
 from .store.base import Existing, RecordKey, TokenRefused
@@ -41,6 +42,8 @@ _MAX_POLL = 0.5
 _MAX_ROUNDS = 10_000
 
 _CONFLICT = "A concurrent request conflicted with this one; retry it."
+#: Starts the client watch of handlers still running after DISCONNECT_WATCH_AFTER.
+_WATCH = Delayed(DISCONNECT_WATCH_AFTER)
 
 
 async def run_transactional(
@@ -109,9 +112,13 @@ class _Attempt:
         "context",
         "ex",
         "fingerprint",
+        "gone",
         "record_key",
+        "running",
+        "task",
         "timed_claim",
         "tx",
+        "watcher",
     )
 
     def __init__(
@@ -125,128 +132,128 @@ class _Attempt:
         self.context: IdempotencyContext | None = None
         self.claimed = False
         self.capture = ResponseCapture(ex.send, ex.policy.max_response_bytes, self._settle_early)
+        # The handler's run and its client's watch (see _run_handler).
+        self.task: asyncio.Task[Any] | None = None
+        self.watcher: asyncio.Task[None] | None = None
+        self.running = False
+        self.gone = False
 
     async def run(self) -> Answer | None:
         ex = self.ex
-        tenant = self.record_key.tenant
+        policy = ex.policy
+        record_key = self.record_key
         slots = ex.mw.tenant_slots
-        if not slots.take(tenant):
-            return Problem(ProblemKind.TENANT_BUSY, TENANT_BUSY, ex.policy.retry_after_seconds)
+        if not slots.take(record_key.tenant):
+            return Problem(ProblemKind.TENANT_BUSY, TENANT_BUSY, policy.retry_after_seconds)
         try:
-            return await self._run()
+            async with ex.mw.store.transaction(acquire_timeout=ex.mw.acquire_timeout) as tx:
+                self.tx = tx
+                with ex.timed("claim") if self.timed_claim else UNTIMED:
+                    claim = await tx.claim(
+                        record_key,
+                        self.fingerprint,
+                        retention_seconds=policy.retention_seconds,
+                        wait_seconds=policy.wait_seconds,
+                        token_hash=ex.token_hash,
+                    )
+                if isinstance(claim, Existing):
+                    return duplicate_answer(claim.record, self.fingerprint)
+                if isinstance(claim, TokenRefused):
+                    return Problem(ProblemKind.TOKEN_INVALID, claim.reason)
+                self.claimed = True
+                self.context = IdempotencyContext(
+                    tenant=record_key.tenant,
+                    operation=record_key.operation,
+                    key=record_key.key,
+                    generation=claim.generation,
+                    mode=Mode.TRANSACTIONAL,
+                    connection=tx.connection,
+                    # One life of the record: a key claimed again after its retention is a new
+                    # request downstream too.
+                    epoch=claim.epoch,
+                )
+                ex.emit(Event.CLAIMED, claim.generation)
+                token = enter_context(ex.scope, self.context)
+                try:
+                    await self._run_handler()
+                except BaseException as exc:
+                    # Clean up, then re-raise: abandoning the transaction releases the key.
+                    await tx.abandon()
+                    ex.emit(Event.RELEASED, claim.generation)
+                    if tx.conflict(exc):
+                        # The database refused the handler's writes: the attempt may run again.
+                        raise RetryableConflict(str(exc), from_handler=True) from exc
+                    raise
+                finally:
+                    leave_context(ex.scope, token)
+                capture = self.capture
+                if capture.passthrough:
+                    return None  # settled before its first byte, and already sent
+                if capture.start is None or not capture.complete:
+                    await tx.abandon()
+                    raise RuntimeError("the application returned without a complete response")
+                await self._settle()
+            # The transaction is over and the connection is back in the pool: now the client.
+            return HeldResponse(capture.flush)
         finally:
-            slots.give_back(tenant)
+            slots.give_back(record_key.tenant)
             self.capture.close()  # it holds self._settle_early, a cycle otherwise
             if self.claimed:
-                ex.mw.waiters.wake(self.record_key)
-
-    async def _run(self) -> Answer | None:
-        ex = self.ex
-        policy = ex.policy
-        async with ex.mw.store.transaction(acquire_timeout=ex.mw.acquire_timeout) as tx:
-            self.tx = tx
-            with ex.timed("claim") if self.timed_claim else contextlib.nullcontext():
-                claim = await tx.claim(
-                    self.record_key,
-                    self.fingerprint,
-                    retention_seconds=policy.retention_seconds,
-                    wait_seconds=policy.wait_seconds,
-                    token_hash=ex.token_hash,
-                )
-            if isinstance(claim, Existing):
-                return duplicate_answer(claim.record, self.fingerprint)
-            if isinstance(claim, TokenRefused):
-                return Problem(ProblemKind.TOKEN_INVALID, claim.reason)
-            self.claimed = True
-            self.context = IdempotencyContext(
-                tenant=self.record_key.tenant,
-                operation=self.record_key.operation,
-                key=self.record_key.key,
-                generation=claim.generation,
-                mode=Mode.TRANSACTIONAL,
-                connection=tx.connection,
-                # One life of the record: a key claimed again after its retention is a new
-                # request downstream too.
-                epoch=claim.epoch,
-            )
-            ex.emit(Event.CLAIMED, claim.generation)
-            token = enter_context(ex.scope, self.context)
-            try:
-                await self._run_handler()
-            except BaseException as exc:
-                # Clean up, then re-raise: abandoning the transaction releases the key.
-                await tx.abandon()
-                ex.emit(Event.RELEASED, claim.generation)
-                if tx.conflict(exc):
-                    # The database refused the handler's writes: the attempt may run again.
-                    raise RetryableConflict(str(exc), from_handler=True) from exc
-                raise
-            finally:
-                leave_context(ex.scope, token)
-            capture = self.capture
-            if capture.passthrough:
-                return None  # settled before its first byte, and already sent
-            if capture.start is None or not capture.complete:
-                await tx.abandon()
-                raise RuntimeError("the application returned without a complete response")
-            await self._settle()
-        # The transaction is over and the connection is back in the pool: now the client.
-        return HeldResponse(capture.flush)
+                ex.mw.waiters.wake(record_key)
 
     async def _run_handler(self) -> None:
         """Run the app in this task. A client that disconnects while it runs cancels it (its
         writes roll back with the claim).
 
-        The client is watched only once the handler has run `DISCONNECT_WATCH_AFTER` seconds:
-        a watch is a task of its own, and most handlers are done sooner. A client that leaves a
-        quicker handler finds its outcome committed, and replayed to its retry.
+        The client is watched only once the handler has run `DISCONNECT_WATCH_AFTER` seconds
+        (`due`, called by one timer shared by all requests): a watch is a task of its own, and
+        most handlers are done sooner. A client that leaves a quicker handler finds its outcome
+        committed, and replayed to its retry.
         """
         ex = self.ex
-        task = asyncio.current_task()
+        task = self.task = asyncio.current_task()
         assert task is not None
-        loop = asyncio.get_running_loop()
-        watch: asyncio.Task[None] | None = None
-        running = True
-        gone = False
-
-        def client_left(watched: asyncio.Task[None]) -> None:
-            nonlocal gone
-            if running and not watched.cancelled() and watched.exception() is None:
-                gone = True
-                if ex.disconnected is not None:
-                    ex.disconnected.set()  # the app's own receive() reports it too
-                task.cancel()
-
-        def start_watch() -> None:
-            nonlocal watch
-            watch = loop.create_task(self._until_disconnect())
-            watch.add_done_callback(client_left)
-
         ex.disconnected = asyncio.Event()
-        timer = loop.call_later(DISCONNECT_WATCH_AFTER, start_watch)
+        self.running = True
+        _WATCH.add(self)
         uncancelled = False
         try:
             await ex.mw.app(ex.scope, ex.app_receive, self.capture)
         except asyncio.CancelledError:
             # Ours (the client left) unless someone else cancelled too (server shutdown).
-            if not gone:
+            if not self.gone:
                 raise
             uncancelled = True
             if task.uncancel() > 0:
                 raise
         finally:
-            running = False
-            timer.cancel()
-            if watch is not None:
-                watch.cancel()
+            self.running = False
+            _WATCH.discard(self)
+            if self.watcher is not None:
+                self.watcher.cancel()
         ex.disconnected = None
-        if not gone:
+        if not self.gone:
             return
         if not uncancelled:
             task.uncancel()  # the handler swallowed our cancellation and returned
         if self.capture.passthrough:
             return  # it was already streaming: the outcome is settled
         raise ClientGone
+
+    def due(self) -> None:
+        """The handler has run `DISCONNECT_WATCH_AFTER` seconds: watch its client."""
+        if self.running and self.task is not None:
+            self.watcher = self.task.get_loop().create_task(self._until_disconnect())
+            self.watcher.add_done_callback(self._client_left)
+
+    def _client_left(self, watched: asyncio.Task[None]) -> None:
+        if self.running and not watched.cancelled() and watched.exception() is None:
+            self.gone = True
+            disconnected = self.ex.disconnected
+            if disconnected is not None:
+                disconnected.set()  # the app's own receive() reports it too
+            assert self.task is not None
+            self.task.cancel()
 
     async def _until_disconnect(self) -> None:
         # After the body, an ASGI server's receive() yields only http.disconnect; anything else

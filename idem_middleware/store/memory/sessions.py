@@ -129,21 +129,11 @@ class _MemoryTransaction:
         if key is None or row is None or row.state is not State.PENDING:
             raise StoreError("completion matched no pending record")
         now = self._store.clock()
-        # Built field by field: dataclasses.replace costs more than the rest of the claim.
-        self._staged[key] = _Row(
-            row.fingerprint,
-            state,
-            row.generation,
-            row.retention,
-            now + row.retention,
-            response,
-            row.mode,
-            row.lease_expires_at,
-            row.created_at,
-            now,
-            row.note,
-            row.epoch,
-        )
+        # Completed in place: the staged row is this transaction's own until it commits here.
+        row.state = state
+        row.expires_at = now + row.retention
+        row.response = response
+        row.updated_at = now
         self._store._rows.update(self._staged)
         for token in self._consumed:
             self._store._consume(token, True)

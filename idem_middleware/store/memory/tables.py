@@ -24,8 +24,12 @@ class _Token:
     consumed: bool = False
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class _Row:
+    """A record's row. Treated as immutable once in `_rows` (changes replace it); a claim's
+    staged row, which nobody else sees, is completed in place. (Not frozen: a frozen dataclass
+    sets each of its fields through object.__setattr__, a cost on every claim.)"""
+
     fingerprint: bytes
     state: State
     generation: int

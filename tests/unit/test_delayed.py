@@ -1,0 +1,56 @@
+"""One shared timer calls back the items still registered after the delay (delayed.py)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from idem_middleware.delayed import Delayed
+
+
+class Item:
+    def __init__(self, name: str, fired: list[str]) -> None:
+        self.name = name
+        self.fired = fired
+
+    def due(self) -> None:
+        self.fired.append(self.name)
+
+
+async def test_items_still_registered_fall_due_in_order_and_discarded_ones_never() -> None:
+    fired: list[str] = []
+    delayed = Delayed(0.02)
+    a, b, c = Item("a", fired), Item("b", fired), Item("c", fired)
+    delayed.add(a)
+    delayed.add(b)
+    delayed.discard(b)  # done sooner, as most requests are
+    await asyncio.sleep(0.01)
+    delayed.add(c)  # added later: falls due later, by the same timer chain
+    assert fired == []
+    for _ in range(100):
+        if len(fired) == 2:
+            break
+        await asyncio.sleep(0.01)
+    assert fired == ["a", "c"]
+    await asyncio.sleep(0.05)
+    assert fired == ["a", "c"], "an item fell due twice, or a discarded one fell due"
+
+
+def test_another_event_loop_starts_afresh() -> None:
+    """An app served by one loop, then another (test clients do this): the second loop's items
+    fall due on the second loop, whatever the first left behind."""
+    fired: list[str] = []
+    delayed = Delayed(0.01)
+
+    async def first() -> None:
+        delayed.add(Item("left behind", fired))  # its loop ends before the delay passes
+
+    async def second() -> None:
+        delayed.add(Item("second", fired))
+        for _ in range(100):
+            if fired:
+                return
+            await asyncio.sleep(0.01)
+
+    asyncio.run(first())
+    asyncio.run(second())
+    assert fired == ["second"]
