@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from idem_middleware import Policy, PostgresStore
+from idem_middleware.store import RecordKey, TokenRefused
 from tests.apps import QueryLog, build_app, client, logged_pool, wait_for_waiters
 
 
@@ -149,3 +150,30 @@ async def test_in_flight_duplicate_waits_then_reads_the_committed_record(logged:
     busy = duplicate[:-3]
     assert busy, "the duplicate found the key busy at least once"
     assert busy == ["BEGIN+claim-key", "ROLLBACK"] * (len(busy) // 2)
+
+
+@pytest.mark.parametrize("mode", ["transactional", "lease"])
+async def test_a_refused_token_is_refused_with_its_reason_by_the_claim_itself(
+    logged: Any, mode: str
+) -> None:
+    """A token claim that inserts nothing and finds no record brings the token's status back in
+    the same statement: the refusal carries its reason, with no statement after the claim to
+    ask why (there used to be two: the record's read and the token's status)."""
+    pool, log = logged
+    store = PostgresStore(pool=pool)
+    key = RecordKey("tenant-a", "POST /payouts", "not-a-token")
+    if mode == "lease":
+        claim = await store.claim_lease(
+            key, b"f", retention_seconds=10, lease_seconds=5, token_hash=b"\x01" * 32
+        )
+        expected = ["claim"]
+    else:
+        async with store.transaction(acquire_timeout=5) as tx:
+            claim = await tx.claim(
+                key, b"f", retention_seconds=10, wait_seconds=1, token_hash=b"\x01" * 32
+            )
+        # (A token claim takes the ordinary path: its own BEGIN, and the key's try-lock.)
+        expected = ["BEGIN", "SELECT count(*) FROM idem_claim_key($1, ", "claim", "ROLLBACK"]
+    assert isinstance(claim, TokenRefused)
+    assert claim.reason == "This key is not a token issued to you for this operation."
+    assert [k for k in log.kinds() if k != "reset"] == expected
