@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 # Defined in errors.py with the library's other exceptions; importable from here as before.
 from ..errors import ClaimBusy as ClaimBusy
@@ -25,9 +25,11 @@ class State(StrEnum):
 FINAL_STATES = frozenset({State.SUCCEEDED, State.FAILED_FINAL})
 
 
-@dataclass(frozen=True, slots=True)
-class RecordKey:
-    """The key space: tenant first, so the table can be distributed by tenant."""
+class RecordKey(NamedTuple):
+    """The key space: tenant first, so the table can be distributed by tenant.
+
+    A named tuple (immutable, hashed and built in C): every request makes one and looks it up
+    several times."""
 
     tenant: str
     operation: str

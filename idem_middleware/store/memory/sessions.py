@@ -3,8 +3,6 @@ fenced session whose settlements apply when it ends cleanly, as a commit would."
 
 from __future__ import annotations
 
-import asyncio
-
 from ...errors import StoreError
 from ..base import (
     Claim,
@@ -28,7 +26,8 @@ class _MemoryTransaction:
     def __init__(self, store: MemoryTables) -> None:
         self._store = store
         self._staged: dict[RecordKey, _Row] = {}
-        self._held: dict[RecordKey, asyncio.Event] = {}
+        #: The keys this transaction claims (their entries in the store's `_owners`).
+        self._held: set[RecordKey] = set()
         #: Tokens this transaction's claims consume, marked at commit.
         self._consumed: set[tuple[str, bytes]] = set()
         #: The key this session claimed last (what `finish` records the outcome of).
@@ -63,17 +62,19 @@ class _MemoryTransaction:
     def _end(self) -> None:
         self._staged.clear()
         self._consumed.clear()
-        for key, event in self._held.items():
-            del self._store._owners[key]
-            event.set()
-        self._held.clear()
+        if self._held:
+            owners = self._store._owners
+            for key in self._held:
+                event = owners.pop(key)
+                if event is not None:
+                    event.set()
+            self._held.clear()
         self._claimed = None
         self.active = False
 
     def _own(self, key: RecordKey, row: _Row) -> Claimed:
-        event = asyncio.Event()
-        self._store._owners[key] = event
-        self._held[key] = event
+        self._store._owners[key] = None  # an event is made only if a lease claim waits
+        self._held.add(key)
         self._staged[key] = row
         self._claimed = key
         return Claimed(row.generation, row.generation)  # a fresh record: its epoch

@@ -57,8 +57,10 @@ class MemoryStore(OffPathOperations):
     ) -> Claim:
         # A transaction still holding the key (a transactional claim) is waited for, as the
         # INSERT would wait on PostgreSQL; lease claims themselves commit at once.
-        owner = self._owners.get(key)
-        if owner is not None:
+        if key in self._owners:
+            owner = self._owners[key]
+            if owner is None:
+                owner = self._owners[key] = asyncio.Event()  # made when someone waits
             await owner.wait()
         now = self.clock()
         row = self._rows.get(key)

@@ -85,7 +85,8 @@ class MemoryTables:
     def __init__(self, *, clock: Callable[[], float] = time.time) -> None:
         self.clock = clock
         self._rows: dict[RecordKey, _Row] = {}
-        self._owners: dict[RecordKey, asyncio.Event] = {}
+        #: Keys a transaction is claiming, with the event a waiter for it made (None: no waiter).
+        self._owners: dict[RecordKey, asyncio.Event | None] = {}
         self._generations = itertools.count(1)
         self._watchers: dict[RecordKey, set[asyncio.Event]] = {}
         self._fence_locks: dict[RecordKey, asyncio.Lock] = {}
