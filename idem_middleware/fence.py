@@ -31,12 +31,13 @@ class Fence:
         self.key = key
         self.generation = generation
         self.expected = expected
-        self._stack = AsyncExitStack()
+        self._stack: AsyncExitStack | None = None  # made when the fence is first used
         self._session: Any = None
 
     async def connection(self) -> Any:
         if self._session is None:
-            self._session = await self._stack.enter_async_context(
+            stack = self._stack = AsyncExitStack()
+            self._session = await stack.enter_async_context(
                 self.store.fenced(self.key, self.generation, self.expected)
             )
         return self._session.connection
@@ -60,12 +61,14 @@ class Fence:
         if self._session is None:
             return
         self._session = None
+        stack = self._stack
+        assert stack is not None
         if commit:
-            await self._stack.aclose()
+            await stack.aclose()
         else:
             rollback = _Rollback()
             with contextlib.suppress(_Rollback):
-                await self._stack.__aexit__(_Rollback, rollback, None)
+                await stack.__aexit__(_Rollback, rollback, None)
 
 
 class Verdict(StrEnum):

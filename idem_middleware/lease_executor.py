@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from .answers import SENT, Answer, HeldResponse, Problem
 from .capture import ResponseCapture
 from .context import IdempotencyContext, enter_context, key_digest, leave_context
+from .delayed import Delayed
 from .errors import ProblemKind, StaleGeneration
 from .fence import Fence
 from .observe import SETTLED_EVENTS, Event
@@ -43,10 +44,32 @@ def log_extra(key: RecordKey, generation: int, outcome: str) -> dict[str, object
     }
 
 
+#: One shared timer per lease length starts the heartbeats of executions still running when
+#: their first renewal is due (a third of the lease).
+_RENEWALS: dict[float, Delayed] = {}
+
+
+def _renewals(lease_seconds: float) -> Delayed:
+    delayed = _RENEWALS.get(lease_seconds)
+    if delayed is None:
+        delayed = _RENEWALS[lease_seconds] = Delayed(lease_seconds / 3)
+    return delayed
+
+
 class LeaseExecution:
     """One execution of a claimed (or taken over) lease-mode request."""
 
-    __slots__ = ("epoch", "ex", "generation", "key", "policy", "store")
+    __slots__ = (
+        "context",
+        "epoch",
+        "ex",
+        "generation",
+        "heartbeat",
+        "key",
+        "policy",
+        "stop",
+        "store",
+    )
 
     def __init__(self, ex: Exchange, key: RecordKey, generation: int, epoch: int | None) -> None:
         self.ex = ex
@@ -55,6 +78,10 @@ class LeaseExecution:
         self.epoch = epoch
         self.policy = ex.policy
         self.store = ex.store
+        # The heartbeat, once started (`due`), and what stops it.
+        self.context: IdempotencyContext | None = None
+        self.heartbeat: asyncio.Task[None] | None = None
+        self.stop: asyncio.Event | None = None
 
     async def run(self) -> Answer:
         ex = self.ex
@@ -98,16 +125,10 @@ class LeaseExecution:
         generation = context.generation
         ex.emit(Event.CLAIMED, generation)
         # The heartbeat task starts only when the first renewal is due (a third of the lease):
-        # most handlers are done sooner, and a task per request is not free.
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        heartbeat: asyncio.Task[None] | None = None
-
-        def start_heartbeat() -> None:
-            nonlocal heartbeat
-            heartbeat = loop.create_task(self._heartbeat(context, stop))
-
-        first_renewal = loop.call_later(policy.lease_seconds / 3, start_heartbeat)
+        # most handlers are done sooner, and a task (or a timer) per request is not free.
+        self.context = context
+        renewals = _renewals(policy.lease_seconds)
+        renewals.add(self)
         token = enter_context(ex.scope, context)
         try:
             try:
@@ -147,17 +168,16 @@ class LeaseExecution:
                         self.key, generation, State.PENDING, Settlement(State.UNKNOWN)
                     )
                     raise RuntimeError("the application returned without a complete response")
-                stop.set()  # no new renewals once settling starts
+                self._stop_renewing(renewals)  # no new renewals once settling starts
                 settled = await self._settle(context, fence, capture)
         finally:
             leave_context(ex.scope, token)
             # Stopped by awaiting, never cancelled mid-write: a renewal in flight finishes (after
             # the settlement, if it waited on the fenced transaction's row lock), and it cannot
             # change a settled record (it only renews a pending one).
-            first_renewal.cancel()
-            stop.set()
-            if heartbeat is not None:
-                await heartbeat
+            self._stop_renewing(renewals)
+            if self.heartbeat is not None:
+                await self.heartbeat
         if settled:
             return HeldResponse(capture.flush)
         return Problem(ProblemKind.IN_FLIGHT, _LOST_CLAIM, policy.retry_after_seconds)
@@ -191,6 +211,20 @@ class LeaseExecution:
                 extra=log_extra(self.key, generation, "stale"),
             )
         return settled
+
+    def due(self) -> None:
+        """The first renewal is due and the handler still runs: start the heartbeat."""
+        if self.context is not None and self.stop is None:
+            self.stop = asyncio.Event()
+            self.heartbeat = asyncio.get_running_loop().create_task(
+                self._heartbeat(self.context, self.stop)
+            )
+
+    def _stop_renewing(self, renewals: Delayed) -> None:
+        renewals.discard(self)
+        self.context = None  # a renewal not yet started never starts
+        if self.stop is not None:
+            self.stop.set()
 
     async def _heartbeat(self, context: IdempotencyContext, stop: asyncio.Event) -> None:
         """Renew the lease now (started when the first renewal is due), then every third of it."""
