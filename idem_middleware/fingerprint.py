@@ -214,18 +214,33 @@ def _framed_count(count: int) -> bytes:
 _NO_QUERY = _framed(canonical_pairs(b"", what="The query string", max_fields=1))
 _NO_QUERY_NO_HEADERS = _NO_QUERY + _framed_count(0)
 
-#: The stream's start for an operation: the version and the operation, framed (computed once
-#: per operation: a process has few).
-_PREFIXES: dict[str, bytes] = {}
+#: Framed counts up to 15.
+_SMALL_COUNTS = tuple(_framed_count(count) for count in range(16))
+
+#: What a process sees again and again, computed once each (operations and path parameter names
+#: are templates, not paths: the bound is never reached). Per operation, a hash that has taken
+#: in the stream's start (the version and the operation, framed): a copy of it is cheaper than
+#: a new hash, which OpenSSL sets up at some cost. Per name, its framed UTF-8.
+_STARTS: dict[str, hashlib._Hash] = {}
+_NAMES: dict[str, bytes] = {}
 
 
-def _prefix(operation: str) -> bytes:
-    prefix = _PREFIXES.get(operation)
-    if prefix is None:
-        prefix = _framed(FINGERPRINT_VERSION) + _framed(operation.encode("utf-8", "surrogatepass"))
-        if len(_PREFIXES) < 10_000:  # templates, not paths: a bound that is never reached
-            _PREFIXES[operation] = prefix
-    return prefix
+def _framed_text(text: str) -> bytes:
+    return _framed(text.encode("utf-8", "surrogatepass"))
+
+
+def _start(operation: str) -> hashlib._Hash:
+    start = _sha256(_framed(FINGERPRINT_VERSION) + _framed_text(operation))
+    if len(_STARTS) < 10_000:
+        _STARTS[operation] = start
+    return start
+
+
+def _name(name: str) -> bytes:
+    framed = _framed_text(name)
+    if len(_NAMES) < 10_000:
+        _NAMES[name] = framed
+    return framed
 
 
 def compute_fingerprint(
@@ -260,11 +275,11 @@ def compute_fingerprint(
     # Every part is length-prefixed and every list is preceded by its count, so no two
     # different requests can produce the same byte stream. (Built whole, hashed once; the
     # parts are framed inline, as a call per part would cost more than the framing.)
-    stream = [_PREFIXES.get(operation) or _prefix(operation), _framed_count(len(path_params))]
-    for name in sorted(path_params):
-        name_bytes = name.encode("utf-8", "surrogatepass")
+    count = len(path_params)
+    stream = [_SMALL_COUNTS[count] if count < 16 else _framed_count(count)]
+    for name in sorted(path_params) if count > 1 else path_params:
         value = str(path_params[name]).encode("utf-8", "surrogatepass")
-        stream += (_U64(len(name_bytes)), name_bytes, _U64(len(value)), value)
+        stream += (_NAMES.get(name) or _name(name), _U64(len(value)), value)
     if query_string:
         query = canonical_pairs(query_string, what="The query string", max_fields=max_fields)
         stream.append(_framed(query))
@@ -290,4 +305,6 @@ def compute_fingerprint(
             stream.append(_framed_count(len(values)))
             stream.extend(_framed(header_value) for header_value in values)
     stream += (_U64(len(media_tag)), media_tag, _U64(len(canonical)), canonical)
-    return _sha256(b"".join(stream)).digest()
+    digest = (_STARTS.get(operation) or _start(operation)).copy()
+    digest.update(b"".join(stream))
+    return digest.digest()

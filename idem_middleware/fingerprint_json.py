@@ -342,13 +342,14 @@ def canonical_json(value: object) -> bytes:
 # The fast path's guards, on the raw bytes. A number with a fraction, an exponent or 19 digits or
 # more, which orjson may read as a double (a root number is checked after parsing).
 _INEXACT_NUMBER = re.compile(rb"[:,\[][ \t\n\r]*-?(?:[0-9]+[.eE]|[0-9]{19})")
-# That, or what calls for a closer look at characters: an escape, a byte beyond ASCII.
-_LOOK_CLOSER = re.compile(_INEXACT_NUMBER.pattern + rb"|\\u|[\x80-\xff]")
 # A character beyond U+FFFF, and one in U+E000-U+FFFF: orjson sorts keys by code point, JCS by
 # UTF-16 code unit, and the two orders differ only between such characters.
 _ASTRAL = re.compile(rb"[\xf0-\xf4]|\\u[dD][89abAB]")
 _HIGH_BMP = re.compile(rb"[\xee\xef]|\\u[eEfF]")
 _SORT_KEYS = orjson.OPT_SORT_KEYS
+# Past this size the fast path is not tried: its regex scans (a few ns a byte) would only add to
+# the reference's cost whenever it falls back.
+_FAST_MAX_BYTES = 64 * 1024
 
 
 def canonical_json_fast(body: bytes, max_values: int) -> tuple[object, bytes] | None:
@@ -362,16 +363,17 @@ def canonical_json_fast(body: bytes, max_values: int) -> tuple[object, bytes] | 
     member, and those inside strings) plus the ones the body escapes as \\u003a.
     """
     size = len(body)
+    if size > _FAST_MAX_BYTES:
+        return None
     # Each byte is at most one value or one bracket, so a short body needs no count.
     if size > MAX_DEPTH or size >= max_values:
         opens = body.count(b"[") + body.count(b"{")
         if opens > MAX_DEPTH or 1 + body.count(b",") + opens > max_values:
             return None
+    if _INEXACT_NUMBER.search(body) is not None:
+        return None
     escaped_colons = 0
-    closer = _LOOK_CLOSER.search(body)
-    if closer is not None:
-        if _INEXACT_NUMBER.search(body, closer.start()) is not None:
-            return None
+    if not body.isascii() or (b"\\" in body and b"\\u" in body):
         if _ASTRAL.search(body) is not None and _HIGH_BMP.search(body) is not None:
             return None
         escaped_colons = body.count(b"\\u003a") + body.count(b"\\u003A")

@@ -277,6 +277,14 @@ def test_the_value_cap_is_left_to_the_reference() -> None:
     assert_same_as_reference(body, max_json_values=200)
 
 
+def test_large_bodies_are_left_to_the_reference() -> None:
+    within = b"[" + b"1," * (32 * 1024 - 2) + b"1]"  # 65,535 bytes
+    assert canonical_json_fast(within, 10**6) is not None
+    beyond = within[:-1] + b",1]"
+    assert canonical_json_fast(beyond, 10**6) is None
+    assert_same_as_reference(beyond, max_json_values=10**6)
+
+
 def test_exact_numbers_keep_their_digits() -> None:
     for body, canonical in [
         (b"[9007199254740993]", b"[9007199254740993]"),
