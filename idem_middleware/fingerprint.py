@@ -11,19 +11,15 @@ from collections.abc import Mapping, Sequence
 from functools import lru_cache
 
 from .errors import ProblemKind, RequestRejected
+from .fingerprint_fast import canonical_json_fast, canonical_json_sorted
 from .fingerprint_forms import (
     canonical_multipart,
     canonical_pairs,
     excluded_names,
     multipart_boundary,
-    parse_media_type,
+    read_media_type,
 )
-from .fingerprint_json import (
-    canonical_json,
-    canonical_json_fast,
-    canonical_json_sorted,
-    parse_json_strict,
-)
+from .fingerprint_json import canonical_json, parse_json_strict
 
 __all__ = [
     "FINGERPRINT_VERSION",
@@ -44,7 +40,6 @@ DEFAULT_MAX_JSON_VALUES = 10_000
 
 _U64 = struct.Struct(">Q").pack
 _U64_PAIR = struct.Struct(">QQ").pack
-_sha256 = hashlib.sha256
 
 _BAD_CHARSET = "JSON request bodies must be encoded in UTF-8."
 _EMPTY_JSON = "The request body is empty; a JSON content type needs a JSON value."
@@ -119,16 +114,6 @@ def _remove_json_fields(value: object, exclude_fields: Sequence[str]) -> None:
             target.pop(last, None)
 
 
-@lru_cache(maxsize=256)  # a process sees few content types; a miss only costs the parse
-def _media(content_type: bytes) -> tuple[bytes, Mapping[bytes, bytes], bool]:
-    """parse_media_type's answer (shared: read it, never edit it), and whether it is JSON."""
-    media_type, params = parse_media_type(content_type)
-    is_json = media_type == b"application/json" or (
-        media_type.startswith(b"application/") and media_type.endswith(b"+json")
-    )
-    return media_type, params, is_json
-
-
 def canonical_body(
     content_type: bytes | None,
     body: bytes,
@@ -147,7 +132,7 @@ def canonical_body(
     """
     if content_type is None:
         return (b"empty" if not body else b"none"), body
-    media_type, params, is_json = _media(content_type)
+    media_type, params, is_json = read_media_type(content_type)
     if is_json:
         charset = params.get(b"charset")
         if charset is not None and charset.lower() != b"utf-8":
@@ -230,7 +215,7 @@ def _framed_text(text: str) -> bytes:
 
 
 def _start(operation: str) -> hashlib._Hash:
-    start = _sha256(_framed(FINGERPRINT_VERSION) + _framed_text(operation))
+    start = hashlib.sha256(_framed(FINGERPRINT_VERSION) + _framed_text(operation))
     if len(_STARTS) < 10_000:
         _STARTS[operation] = start
     return start

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import re
 import struct
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from functools import lru_cache
 from operator import itemgetter
 
 from .errors import ProblemKind, RequestRejected
@@ -19,6 +20,7 @@ __all__ = [
     "canonical_pairs",
     "multipart_boundary",
     "parse_media_type",
+    "read_media_type",
 ]
 
 _U64 = struct.Struct(">Q").pack
@@ -53,6 +55,16 @@ def parse_media_type(content_type: bytes) -> tuple[bytes, dict[bytes, bytes]]:
             value = _QUOTED_PAIR.sub(rb"\1", raw[1:-1]) if quoted else raw.rstrip(b" \t")
             params.setdefault(match.group(1).lower(), value)
     return media_type, params
+
+
+@lru_cache(maxsize=256)  # a process sees few content types; a miss only costs the parse
+def read_media_type(content_type: bytes) -> tuple[bytes, Mapping[bytes, bytes], bool]:
+    """parse_media_type's answer (shared: read it, never edit it), and whether it is JSON."""
+    media_type, params = parse_media_type(content_type)
+    is_json = media_type == b"application/json" or (
+        media_type.startswith(b"application/") and media_type.endswith(b"+json")
+    )
+    return media_type, params, is_json
 
 
 _RAW = b"raw"

@@ -16,16 +16,9 @@ from decimal import Decimal, InvalidOperation
 from json.encoder import encode_basestring as _escape_str
 from typing import Any
 
-import orjson
-
 from .errors import ProblemKind, RequestRejected
 
-__all__ = [
-    "canonical_json",
-    "canonical_json_fast",
-    "canonical_json_sorted",
-    "parse_json_strict",
-]
+__all__ = ["MAX_DEPTH", "canonical_json", "parse_json_strict"]
 
 _NOT_JSON = "The request body is not valid JSON."
 _NOT_UTF8 = "The request body is not valid UTF-8."
@@ -337,63 +330,3 @@ def canonical_json(value: object) -> bytes:
     chunks: list[bytes] = []
     _write(value, chunks.append)
     return b"".join(chunks)
-
-
-# The fast path's guards, on the raw bytes. A number with a fraction, an exponent or 19 digits or
-# more, which orjson may read as a double (a root number is checked after parsing).
-_INEXACT_NUMBER = re.compile(rb"[:,\[][ \t\n\r]*-?(?:[0-9]+[.eE]|[0-9]{19})")
-# A character beyond U+FFFF, and one in U+E000-U+FFFF: orjson sorts keys by code point, JCS by
-# UTF-16 code unit, and the two orders differ only between such characters.
-_ASTRAL = re.compile(rb"[\xf0-\xf4]|\\u[dD][89abAB]")
-_HIGH_BMP = re.compile(rb"[\xee\xef]|\\u[eEfF]")
-_SORT_KEYS = orjson.OPT_SORT_KEYS
-# Past this size the fast path is not tried: its regex scans (a few ns a byte) would only add to
-# the reference's cost whenever it falls back.
-_FAST_MAX_BYTES = 64 * 1024
-
-
-def canonical_json_fast(body: bytes, max_values: int) -> tuple[object, bytes] | None:
-    """(parse_json_strict's value, canonical_json's bytes) for `body`, computed by orjson, when
-    its result is provably theirs; None otherwise, and for every body they refuse.
-
-    Taken only for a body the reference accepts without its slow checks (within the depth and
-    value caps by a plain count), with no number but integers orjson reads exactly, and no key
-    order in doubt. Duplicate members, which orjson keeps one of silently, are ruled out by
-    counting colons: without them the canonical text has exactly the body's colons (one per
-    member, and those inside strings) plus the ones the body escapes as \\u003a.
-    """
-    size = len(body)
-    if size > _FAST_MAX_BYTES:
-        return None
-    # Each byte is at most one value or one bracket, so a short body needs no count.
-    if size > MAX_DEPTH or size >= max_values:
-        opens = body.count(b"[") + body.count(b"{")
-        if opens > MAX_DEPTH or 1 + body.count(b",") + opens > max_values:
-            return None
-    if _INEXACT_NUMBER.search(body) is not None:
-        return None
-    escaped_colons = 0
-    if not body.isascii() or (b"\\" in body and b"\\u" in body):
-        if _ASTRAL.search(body) is not None and _HIGH_BMP.search(body) is not None:
-            return None
-        escaped_colons = body.count(b"\\u003a") + body.count(b"\\u003A")
-    try:
-        # orjson refuses all parse_json_strict refuses within these guards (a byte order mark,
-        # invalid UTF-8, unpaired surrogates, NaN, ...); the tests compare the two on any bytes.
-        value = orjson.loads(body)
-    except orjson.JSONDecodeError:
-        return None
-    if type(value) is float:
-        return None
-    canonical = orjson.dumps(value, option=_SORT_KEYS)
-    # A dropped duplicate makes the canonical count smaller. "\\\\u003a" (an escaped backslash,
-    # then text) is counted as an escaped colon but is none: it only sends the body to the
-    # reference path.
-    if canonical.count(b":") != body.count(b":") + escaped_colons:
-        return None
-    return value, canonical
-
-
-def canonical_json_sorted(value: object) -> bytes:
-    """canonical_json's bytes for what canonical_json_fast returned, or a part of it."""
-    return orjson.dumps(value, option=_SORT_KEYS)
