@@ -17,14 +17,15 @@ from .fingerprint_json import MAX_DEPTH
 
 __all__ = ["canonical_json_fast", "canonical_json_sorted"]
 
-# The fast path's guards, on the raw bytes. Every number with a fraction, an exponent or 19
-# digits or more (which orjson reads as a double; a root number is checked after parsing), and
-# the plain decimals among them that orjson writes as canonical_json does: at most 15
-# significant digits (so the digits are the double's shortest round-trip digits), no trailing
-# zero, and a value from 0.001 to below 10**7 (where both write plain digits).
-_DOUBLE_READ = re.compile(rb"[:,\[][ \t\n\r]*(-?[0-9]+[.eE][-+.eE0-9]*|-?[0-9]{19,})")
-_PLAIN_DECIMAL = re.compile(
-    rb"-?(?:0\.0{0,2}[1-9](?:[0-9]{0,11}[1-9])?|[1-9][0-9]{0,6}\.[0-9]{0,7}[1-9])"
+# The fast path's guards, on the raw bytes. A number orjson reads as a double (one with a
+# fraction, an exponent or 19 digits or more; a root number is checked after parsing) unless it
+# is a plain decimal that orjson writes as canonical_json does: at most 15 significant digits
+# (so they are the double's shortest round-trip digits), no trailing zero, and a value from
+# 0.001 to below 10**7 (where both write plain digits). One search, in C: the lookahead lets a
+# plain decimal through only when it is the whole number (a character not in a number follows).
+_PLAIN_DECIMAL = rb"-?(?:0\.0{0,2}[1-9](?:[0-9]{0,11}[1-9])?|[1-9][0-9]{0,6}\.[0-9]{0,7}[1-9])"
+_DOUBTFUL_NUMBER = re.compile(
+    rb"[:,\[][ \t\n\r]*(?!" + _PLAIN_DECIMAL + rb"[^-+.eE0-9])-?(?:[0-9]+[.eE]|[0-9]{19})"
 )
 # A character beyond U+FFFF, and one in U+E000-U+FFFF: orjson sorts keys by code point, JCS by
 # UTF-16 code unit, and the two orders differ only between such characters.
@@ -57,9 +58,8 @@ def canonical_json_fast(body: bytes, max_values: int) -> tuple[object, bytes] | 
         opens = body.count(b"[") + body.count(b"{")
         if opens > MAX_DEPTH or 1 + body.count(b",") + opens > max_values:
             return None
-    for number in _DOUBLE_READ.finditer(body):
-        if _PLAIN_DECIMAL.fullmatch(number.group(1)) is None:
-            return None
+    if _DOUBTFUL_NUMBER.search(body) is not None:
+        return None
     escaped_colons = 0
     if not body.isascii() or (b"\\" in body and b"\\u" in body):
         if _ASTRAL.search(body) is not None and _HIGH_BMP.search(body) is not None:
