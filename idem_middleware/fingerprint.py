@@ -4,10 +4,12 @@ What each part covers, and what the fingerprint guarantees, is in docs/fingerpri
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import importlib
 import re
 import struct
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from functools import lru_cache
 
 from .errors import ProblemKind, RequestRejected
@@ -194,38 +196,37 @@ def _framed_count(count: int) -> bytes:
     return _U64_PAIR(8, count)
 
 
-#: An empty query string's part of the stream (computed the same way as any other), then an
-#: empty include_headers' count.
+#: An empty query string's part of the stream (computed the same way as any other), then with
+#: an empty include_headers' count; framed counts up to 15.
 _NO_QUERY = _framed(canonical_pairs(b"", what="The query string", max_fields=1))
 _NO_QUERY_NO_HEADERS = _NO_QUERY + _framed_count(0)
-
-#: Framed counts up to 15.
 _SMALL_COUNTS = tuple(_framed_count(count) for count in range(16))
 
 #: What a process sees again and again, computed once each (operations and path parameter names
-#: are templates, not paths: the bound is never reached). Per operation, a hash that has taken
-#: in the stream's start (the version and the operation, framed): a copy of it is cheaper than
-#: a new hash, which OpenSSL sets up at some cost. Per name, its framed UTF-8.
-_STARTS: dict[str, hashlib._Hash] = {}
+#: are templates, not paths: the bound is never reached): per operation the stream's start (the
+#: version and the operation, framed), per name its framed UTF-8.
+_STARTS: dict[str, bytes] = {}
 _NAMES: dict[str, bytes] = {}
 
 
-def _framed_text(text: str) -> bytes:
-    return _framed(text.encode("utf-8", "surrogatepass"))
-
-
-def _start(operation: str) -> hashlib._Hash:
-    start = hashlib.sha256(_framed(FINGERPRINT_VERSION) + _framed_text(operation))
-    if len(_STARTS) < 10_000:
-        _STARTS[operation] = start
-    return start
-
-
-def _name(name: str) -> bytes:
-    framed = _framed_text(name)
-    if len(_NAMES) < 10_000:
-        _NAMES[name] = framed
+def _framed_text(text: str, cache: dict[str, bytes], head: bytes = b"") -> bytes:
+    framed = head + _framed(text.encode("utf-8", "surrogatepass"))
+    if len(cache) < 10_000:
+        cache[text] = framed
     return framed
+
+
+def _builtin_sha256() -> Callable[[bytes], hashlib._Hash]:
+    # CPython's own SHA-256 (module _sha2 since 3.12): OpenSSL's digest, without the set-up
+    # OpenSSL 3 does for every new hash (microseconds in a request). OpenSSL's is faster per
+    # byte, so it still hashes streams over _SHORT_STREAM bytes.
+    for name in ("_sha2", "_sha256"):
+        with contextlib.suppress(ImportError, AttributeError):
+            return importlib.import_module(name).sha256  # type: ignore[no-any-return]
+    return hashlib.sha256
+
+
+_short_sha256, _SHORT_STREAM = _builtin_sha256(), 2048
 
 
 def compute_fingerprint(
@@ -261,10 +262,13 @@ def compute_fingerprint(
     # different requests can produce the same byte stream. (Built whole, hashed once; the
     # parts are framed inline, as a call per part would cost more than the framing.)
     count = len(path_params)
-    stream = [_SMALL_COUNTS[count] if count < 16 else _framed_count(count)]
+    stream = [
+        _STARTS.get(operation) or _framed_text(operation, _STARTS, _framed(FINGERPRINT_VERSION)),
+        _SMALL_COUNTS[count] if count < 16 else _framed_count(count),
+    ]
     for name in sorted(path_params) if count > 1 else path_params:
         value = str(path_params[name]).encode("utf-8", "surrogatepass")
-        stream += (_NAMES.get(name) or _name(name), _U64(len(value)), value)
+        stream += (_NAMES.get(name) or _framed_text(name, _NAMES), _U64(len(value)), value)
     if query_string:
         query = canonical_pairs(query_string, what="The query string", max_fields=max_fields)
         stream.append(_framed(query))
@@ -290,6 +294,5 @@ def compute_fingerprint(
             stream.append(_framed_count(len(values)))
             stream.extend(_framed(header_value) for header_value in values)
     stream += (_U64(len(media_tag)), media_tag, _U64(len(canonical)), canonical)
-    digest = (_STARTS.get(operation) or _start(operation)).copy()
-    digest.update(b"".join(stream))
-    return digest.digest()
+    data = b"".join(stream)
+    return (_short_sha256 if len(data) <= _SHORT_STREAM else hashlib.sha256)(data).digest()
