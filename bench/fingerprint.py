@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from idem_middleware import Policy
+from idem_middleware import fingerprint as fingerprint_module
 from idem_middleware.errors import RequestRejected
 from idem_middleware.fingerprint import compute_fingerprint
 
@@ -131,8 +132,20 @@ def per_call(call: Callable[[], object]) -> float:
     return min(timer.repeat(repeat=5, number=number)) / number * 1e6
 
 
+def _no_fast_path(body: bytes, max_values: int) -> None:
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
-    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args(argv)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--reference",
+        action="store_true",
+        help="canonicalise every JSON body on the reference path, without the orjson fast path",
+    )
+    if parser.parse_args(argv).reference:
+        vars(fingerprint_module)["canonical_json_fast"] = _no_fast_path
+        print("JSON on the reference path only (--reference)")
     print(f"defaults: max_fields={FIELDS}, max_json_values={VALUES}, max_body_bytes={MIB}")
     print()
     print("| kind | request | body bytes | µs per fingerprint | outcome |")

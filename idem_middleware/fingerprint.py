@@ -4,18 +4,22 @@ What each part covers, and what the fingerprint guarantees, is in docs/fingerpri
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import importlib
 import re
 import struct
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from functools import lru_cache
 
 from .errors import ProblemKind, RequestRejected
+from .fingerprint_fast import canonical_json_fast, canonical_json_sorted
 from .fingerprint_forms import (
     canonical_multipart,
     canonical_pairs,
     excluded_names,
     multipart_boundary,
+    read_media_type,
 )
 from .fingerprint_json import canonical_json, parse_json_strict
 
@@ -37,29 +41,11 @@ DEFAULT_MAX_FIELDS = 1000
 DEFAULT_MAX_JSON_VALUES = 10_000
 
 _U64 = struct.Struct(">Q").pack
+_U64_PAIR = struct.Struct(">QQ").pack
 
 _BAD_CHARSET = "JSON request bodies must be encoded in UTF-8."
 _EMPTY_JSON = "The request body is empty; a JSON content type needs a JSON value."
 _FORM_NOT_UTF8 = "The form body is not valid UTF-8."
-
-_MEDIA_PARAM = re.compile(
-    rb";[ \t]*([!#$%&'*+.^_`|~0-9A-Za-z-]+)[ \t]*=[ \t]*(\"(?:[^\"\\]|\\.)*\"|[^;]*)",
-    re.DOTALL,
-)
-_QUOTED_PAIR = re.compile(rb"\\(.)", re.DOTALL)
-
-
-def _parse_media_type(content_type: bytes) -> tuple[bytes, dict[bytes, bytes]]:
-    essence, semicolon, _ = content_type.partition(b";")
-    media_type = essence.strip(b" \t").lower()
-    params: dict[bytes, bytes] = {}
-    if semicolon:
-        for match in _MEDIA_PARAM.finditer(content_type, len(essence)):
-            raw = match.group(2)
-            quoted = len(raw) > 1 and raw[:1] == b'"' and raw[-1:] == b'"'
-            value = _QUOTED_PAIR.sub(rb"\1", raw[1:-1]) if quoted else raw.rstrip(b" \t")
-            params.setdefault(match.group(1).lower(), value)
-    return media_type, params
 
 
 @lru_cache(maxsize=256)
@@ -130,12 +116,6 @@ def _remove_json_fields(value: object, exclude_fields: Sequence[str]) -> None:
             target.pop(last, None)
 
 
-def _is_json(media_type: bytes) -> bool:
-    return media_type == b"application/json" or (
-        media_type.startswith(b"application/") and media_type.endswith(b"+json")
-    )
-
-
 def canonical_body(
     content_type: bytes | None,
     body: bytes,
@@ -154,23 +134,33 @@ def canonical_body(
     """
     if content_type is None:
         return (b"empty" if not body else b"none"), body
-    media_type, params = _parse_media_type(content_type)
-    if _is_json(media_type):
+    media_type, params, is_json = read_media_type(content_type)
+    if is_json:
         charset = params.get(b"charset")
         if charset is not None and charset.lower() != b"utf-8":
             raise RequestRejected(ProblemKind.BODY_INVALID, _BAD_CHARSET)
         if not body:
             # Not a JSON value: a handler reading it as JSON fails, so it never reaches one.
             raise RequestRejected(ProblemKind.BODY_INVALID, _EMPTY_JSON)
-        value = parse_json_strict(body, max_values=max_json_values)
+        fast = canonical_json_fast(body, max_json_values)
+        if fast is None:
+            value = parse_json_strict(body, max_values=max_json_values)
+            write = canonical_json
+        elif not (exclude_fields or include_fields):
+            return b"json:" + media_type, fast[1]
+        else:
+            value, write = fast[0], canonical_json_sorted
         if exclude_fields:
-            # parse_json_strict returned a fresh tree, so editing it in place is safe.
+            # Both parsers return a fresh tree, so editing it in place is safe.
             _remove_json_fields(value, exclude_fields)
         if include_fields:
             # Its own tag: a selection never equals a whole body that happens to look like one.
             selected = _selected_json_fields(value, include_fields)
-            return b"json-fields:" + media_type, canonical_json(selected)
-        return b"json:" + media_type, canonical_json(value)
+            if not all(map(str.isascii, selected)):
+                # A configured pointer's characters might sort differently in orjson.
+                write = canonical_json
+            return b"json-fields:" + media_type, write(selected)
+        return b"json:" + media_type, write(value)
     if not body:
         return b"empty", b""
     if media_type == b"application/x-www-form-urlencoded":
@@ -201,21 +191,42 @@ def _framed(data: bytes) -> bytes:
     return _U64(len(data)) + data
 
 
-#: An empty query string's part of the stream (computed the same way as any other).
+def _framed_count(count: int) -> bytes:
+    """A list's count as a part of the stream: framed like any other part."""
+    return _U64_PAIR(8, count)
+
+
+#: An empty query string's part of the stream (computed the same way as any other), then with
+#: an empty include_headers' count; framed counts up to 15.
 _NO_QUERY = _framed(canonical_pairs(b"", what="The query string", max_fields=1))
+_NO_QUERY_NO_HEADERS = _NO_QUERY + _framed_count(0)
+_SMALL_COUNTS = tuple(_framed_count(count) for count in range(16))
 
-#: The stream's start for an operation: the version and the operation, framed (computed once
-#: per operation: a process has few).
-_PREFIXES: dict[str, bytes] = {}
+#: What a process sees again and again, computed once each (operations and path parameter names
+#: are templates, not paths: the bound is never reached): per operation the stream's start (the
+#: version and the operation, framed), per name its framed UTF-8.
+_STARTS: dict[str, bytes] = {}
+_NAMES: dict[str, bytes] = {}
 
 
-def _prefix(operation: str) -> bytes:
-    prefix = _PREFIXES.get(operation)
-    if prefix is None:
-        prefix = _framed(FINGERPRINT_VERSION) + _framed(operation.encode("utf-8", "surrogatepass"))
-        if len(_PREFIXES) < 10_000:  # templates, not paths: a bound that is never reached
-            _PREFIXES[operation] = prefix
-    return prefix
+def _framed_text(text: str, cache: dict[str, bytes], head: bytes = b"") -> bytes:
+    framed = head + _framed(text.encode("utf-8", "surrogatepass"))
+    if len(cache) < 10_000:
+        cache[text] = framed
+    return framed
+
+
+def _builtin_sha256() -> Callable[[bytes], hashlib._Hash]:
+    # CPython's own SHA-256 (module _sha2 since 3.12): OpenSSL's digest, without the set-up
+    # OpenSSL 3 does for every new hash (microseconds in a request). OpenSSL's is faster per
+    # byte, so it still hashes streams over _SHORT_STREAM bytes.
+    for name in ("_sha2", "_sha256"):
+        with contextlib.suppress(ImportError, AttributeError):
+            return importlib.import_module(name).sha256  # type: ignore[no-any-return]
+    return hashlib.sha256
+
+
+_short_sha256, _SHORT_STREAM = _builtin_sha256(), 2048
 
 
 def compute_fingerprint(
@@ -248,17 +259,25 @@ def compute_fingerprint(
     )
 
     # Every part is length-prefixed and every list is preceded by its count, so no two
-    # different requests can produce the same byte stream. (Built whole, hashed once.)
-    stream = [_prefix(operation), _framed(_U64(len(path_params)))]
-    for name in sorted(path_params):
-        stream.append(_framed(name.encode("utf-8", "surrogatepass")))
-        stream.append(_framed(str(path_params[name]).encode("utf-8", "surrogatepass")))
+    # different requests can produce the same byte stream. (Built whole, hashed once; the
+    # parts are framed inline, as a call per part would cost more than the framing.)
+    count = len(path_params)
+    stream = [
+        _STARTS.get(operation) or _framed_text(operation, _STARTS, _framed(FINGERPRINT_VERSION)),
+        _SMALL_COUNTS[count] if count < 16 else _framed_count(count),
+    ]
+    for name in sorted(path_params) if count > 1 else path_params:
+        value = str(path_params[name]).encode("utf-8", "surrogatepass")
+        stream += (_NAMES.get(name) or _framed_text(name, _NAMES), _U64(len(value)), value)
     if query_string:
         query = canonical_pairs(query_string, what="The query string", max_fields=max_fields)
         stream.append(_framed(query))
-    else:
+        stream.append(_framed_count(len(include_headers)))
+    elif include_headers:
         stream.append(_NO_QUERY)
-    stream.append(_framed(_U64(len(include_headers))))
+        stream.append(_framed_count(len(include_headers)))
+    else:
+        stream.append(_NO_QUERY_NO_HEADERS)
     if include_headers:
         wanted = [header.lower().encode("latin-1", "replace") for header in include_headers]
         found: dict[bytes, list[bytes]] = {header_name: [] for header_name in wanted}
@@ -272,8 +291,8 @@ def compute_fingerprint(
             values = found[header_name]
             stream.append(_framed(header_name))
             # A count of zero is the "absent" marker; an empty value has a count of one.
-            stream.append(_framed(_U64(len(values))))
+            stream.append(_framed_count(len(values)))
             stream.extend(_framed(header_value) for header_value in values)
-    stream.append(_framed(media_tag))
-    stream.append(_framed(canonical))
-    return hashlib.sha256(b"".join(stream)).digest()
+    stream += (_U64(len(media_tag)), media_tag, _U64(len(canonical)), canonical)
+    data = b"".join(stream)
+    return (_short_sha256 if len(data) <= _SHORT_STREAM else hashlib.sha256)(data).digest()

@@ -9,12 +9,19 @@ from __future__ import annotations
 
 import re
 import struct
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from functools import lru_cache
 from operator import itemgetter
 
 from .errors import ProblemKind, RequestRejected
 
-__all__ = ["canonical_multipart", "canonical_pairs", "multipart_boundary"]
+__all__ = [
+    "canonical_multipart",
+    "canonical_pairs",
+    "multipart_boundary",
+    "parse_media_type",
+    "read_media_type",
+]
 
 _U64 = struct.Struct(">Q").pack
 
@@ -28,6 +35,37 @@ _BOUNDARY = re.compile(rb"[0-9A-Za-z'()+_,\-./:=? ]{0,69}[0-9A-Za-z'()+_,\-./:=?
 # What follows a delimiter: transport padding and a line end, or "--" for the last one.
 _LINE_END = re.compile(rb"[ \t]*\r\n")
 _CLOSE = re.compile(rb"--[ \t]*(?:\r\n|\Z)")
+
+_MEDIA_PARAM = re.compile(
+    rb";[ \t]*([!#$%&'*+.^_`|~0-9A-Za-z-]+)[ \t]*=[ \t]*(\"(?:[^\"\\]|\\.)*\"|[^;]*)",
+    re.DOTALL,
+)
+_QUOTED_PAIR = re.compile(rb"\\(.)", re.DOTALL)
+
+
+def parse_media_type(content_type: bytes) -> tuple[bytes, dict[bytes, bytes]]:
+    """(the media type in lower case, its parameters, names in lower case)."""
+    essence, semicolon, _ = content_type.partition(b";")
+    media_type = essence.strip(b" \t").lower()
+    params: dict[bytes, bytes] = {}
+    if semicolon:
+        for match in _MEDIA_PARAM.finditer(content_type, len(essence)):
+            raw = match.group(2)
+            quoted = len(raw) > 1 and raw[:1] == b'"' and raw[-1:] == b'"'
+            value = _QUOTED_PAIR.sub(rb"\1", raw[1:-1]) if quoted else raw.rstrip(b" \t")
+            params.setdefault(match.group(1).lower(), value)
+    return media_type, params
+
+
+@lru_cache(maxsize=256)  # a process sees few content types; a miss only costs the parse
+def read_media_type(content_type: bytes) -> tuple[bytes, Mapping[bytes, bytes], bool]:
+    """parse_media_type's answer (shared: read it, never edit it), and whether it is JSON."""
+    media_type, params = parse_media_type(content_type)
+    is_json = media_type == b"application/json" or (
+        media_type.startswith(b"application/") and media_type.endswith(b"+json")
+    )
+    return media_type, params, is_json
+
 
 _RAW = b"raw"
 _SORTED = b"sorted"

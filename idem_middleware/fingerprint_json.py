@@ -18,7 +18,7 @@ from typing import Any
 
 from .errors import ProblemKind, RequestRejected
 
-__all__ = ["canonical_json", "parse_json_strict"]
+__all__ = ["MAX_DEPTH", "canonical_json", "parse_json_strict"]
 
 _NOT_JSON = "The request body is not valid JSON."
 _NOT_UTF8 = "The request body is not valid UTF-8."
@@ -85,6 +85,9 @@ _EMPTY_CONTAINER = re.compile(r"[\[{][ \t\n\r]*[\]}]")
 # Only \u escapes can yield surrogates: raw ones were already refused by the UTF-8 decoder.
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 _SURROGATE = re.compile(r"[\ud800-\udfff]")
+
+#: Default of parse_json_strict's max_depth, and the depth the fast path stays within.
+MAX_DEPTH = 128
 
 
 def _too_many_values(max_values: int) -> RequestRejected:
@@ -160,7 +163,9 @@ def _has_lone_surrogate(value: object) -> bool:
     return False
 
 
-def parse_json_strict(body: bytes, *, max_depth: int = 128, max_values: int = 10_000) -> object:
+def parse_json_strict(
+    body: bytes, *, max_depth: int = MAX_DEPTH, max_values: int = 10_000
+) -> object:
     """Parse an I-JSON body; anything else raises RequestRejected(BODY_INVALID).
 
     Integers come back as int, other numbers as exact Decimals. More than max_values values
