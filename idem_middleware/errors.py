@@ -108,3 +108,24 @@ class JobKeyReused(IdempotencyError):
 
 class JobOutcomeUnknown(IdempotencyError):
     """Lease mode: an earlier run ended without an outcome; it is not run again until resolved."""
+
+
+# -- signals inside the library (never raised to a caller) ----------------------------------------
+
+
+class InvalidJson(ValueError):
+    """Carries a client-facing detail out of the JSON decoder's hooks (fingerprint_json.py); it
+    becomes a `RequestRejected(BODY_INVALID)`."""
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(detail)
+        self.detail = detail
+
+
+class FenceRollback(Exception):
+    """Thrown into a fenced transaction's context to end it without committing (fence.py)."""
+
+
+class NotFusable(Exception):
+    """A value the fast path cannot inline, or a connection it cannot use: the store takes the
+    ordinary path instead (store/postgres/fused.py)."""

@@ -11,16 +11,12 @@ from enum import StrEnum
 from typing import Any
 
 from .context import derive_downstream_key, key_digest, outcome_for_status
-from .errors import StaleGeneration
+from .errors import FenceRollback, StaleGeneration
 from .policy import Mode
 from .reconcile import Happened, NotHappened, ReconcileContext, Reconciler, StillUnknown
 from .store.base import RecordKey, Settlement, State, Store, StoredResponse
 
 logger = logging.getLogger("idem_middleware")
-
-
-class _Rollback(Exception):
-    """Thrown into a fenced transaction to end it without committing."""
 
 
 class Fence:
@@ -66,9 +62,9 @@ class Fence:
         if commit:
             await stack.aclose()
         else:
-            rollback = _Rollback()
-            with contextlib.suppress(_Rollback):
-                await stack.__aexit__(_Rollback, rollback, None)
+            rollback = FenceRollback()
+            with contextlib.suppress(FenceRollback):
+                await stack.__aexit__(FenceRollback, rollback, None)
 
 
 class Verdict(StrEnum):

@@ -16,7 +16,7 @@ from decimal import Decimal, InvalidOperation
 from json.encoder import encode_basestring as _escape_str
 from typing import Any
 
-from .errors import ProblemKind, RequestRejected
+from .errors import InvalidJson, ProblemKind, RequestRejected
 
 __all__ = ["MAX_DEPTH", "canonical_json", "parse_json_strict"]
 
@@ -37,16 +37,8 @@ _PLAIN_INT = 10**21
 _EXACT_INT_FLOAT = 2.0**53
 
 
-class _Invalid(ValueError):
-    """Raised from the json hooks to carry a client-facing detail out of the decoder."""
-
-    def __init__(self, detail: str) -> None:
-        super().__init__(detail)
-        self.detail = detail
-
-
 def _reject_constant(_name: str) -> object:
-    raise _Invalid(_NON_FINITE)
+    raise InvalidJson(_NON_FINITE)
 
 
 def _exact_number(text: str) -> Decimal:
@@ -55,18 +47,18 @@ def _exact_number(text: str) -> Decimal:
         value = Decimal(text)
     except InvalidOperation:
         # An exponent beyond what Decimal holds (1e999999999999999999).
-        raise _Invalid(_OUT_OF_RANGE) from None
+        raise InvalidJson(_OUT_OF_RANGE) from None
     # What a handler reading floats would turn into infinity is refused, as before.
     # copy_abs, unlike abs(), is exact: it never rounds to the context's precision.
     if value.copy_abs() >= _DOUBLE_OVERFLOW:
-        raise _Invalid(_OUT_OF_RANGE)
+        raise InvalidJson(_OUT_OF_RANGE)
     return value
 
 
 def _unique_pairs(pairs: list[tuple[str, object]]) -> dict[str, object]:
     obj = dict(pairs)
     if len(obj) != len(pairs):
-        raise _Invalid(_DUPLICATE_KEY)
+        raise InvalidJson(_DUPLICATE_KEY)
     return obj
 
 
@@ -180,7 +172,7 @@ def parse_json_strict(
     _check_shape(text, max_depth, max_values)
     try:
         value: object = _DECODER.decode(text)
-    except _Invalid as exc:
+    except InvalidJson as exc:
         raise RequestRejected(ProblemKind.BODY_INVALID, exc.detail) from None
     except (ValueError, TypeError, RecursionError):
         # ValueError covers JSONDecodeError and ints past the interpreter's digit limit.

@@ -10,11 +10,11 @@
 - convert.py, runner.py: rows, arguments and errors; the store's own connections
 """
 
+from ...errors import NotFusable as _NotFusable
 from .claim import claim as _claim
 from .convert import _Q, NOTIFY_CHANNEL, decode_headers, encode_headers, notify_token
 from .fused import FUSE_MAX_BODY, _inline, _literal
 from .fused import NAMES as _NAMES
-from .fused import NotFusable as _NotFusable
 from .fused import fusable as _fusable
 from .store import PostgresStore
 

@@ -31,7 +31,7 @@ from typing import Any, Protocol
 
 import asyncpg
 
-from ...errors import ClaimBusy, StoreError
+from ...errors import ClaimBusy, NotFusable, StoreError
 from ..base import Claimed, RecordKey
 from . import compat
 from .convert import _Q
@@ -41,10 +41,6 @@ logger = logging.getLogger("idem_middleware.store")
 #: A response body up to this size is inlined into the completion (hex doubles it).
 FUSE_MAX_BODY = 64 * 1024
 _PLACEHOLDER = re.compile(r"\$(\d+)")
-
-
-class NotFusable(Exception):
-    """A value that cannot be written as a literal (NUL, a non-finite float, another type)."""
 
 
 def _literal(value: Any) -> str:
