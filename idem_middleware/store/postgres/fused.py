@@ -278,34 +278,39 @@ class FastPath:
         """The completing statement `name` ("complete" or "insert_final") and COMMIT in one
         message. False: the ordinary path (nothing was sent). A unique violation (the key was
         recorded by a claim that took no advisory lock) aborts the message before its COMMIT."""
-        if body_size > FUSE_MAX_BODY:
-            return False
-        try:
-            query = self.message(conn, _CHECKED[name], args, begin=False, tail=";\nCOMMIT")
-        except NotFusable:
-            return False
-        try:
-            await conn.execute(query)
-        except _MISSED as exc:
-            raise StoreError("completion matched no pending record") from exc
-        compat.committed(tx)
-        return True
+        return await self._with_commit(
+            conn, tx, _CHECKED[name], args, body_size, "completion matched no pending record"
+        )
 
     async def settle_and_commit(
         self, conn: Any, tx: Any, args: Sequence[Any], body_size: int
     ) -> bool:
         """A fenced settlement (`settle` arguments) and COMMIT in one message; False: the
         ordinary path (nothing was sent)."""
+        return await self._with_commit(
+            conn,
+            tx,
+            "settle_checked",
+            args,
+            body_size,
+            "the fenced settlement matched nothing under its own lock",
+        )
+
+    async def _with_commit(
+        self, conn: Any, tx: Any, query: str, args: Sequence[Any], body_size: int, missed: str
+    ) -> bool:
+        """`query` (a checked statement: it divides by zero when it matches nothing) and COMMIT
+        in one message on the adopted transaction `tx`; False when it cannot be fused."""
         if body_size > FUSE_MAX_BODY:
             return False
         try:
-            query = self.message(conn, "settle_checked", args, begin=False, tail=";\nCOMMIT")
+            message = self.message(conn, query, args, begin=False, tail=";\nCOMMIT")
         except NotFusable:
             return False
         try:
-            await conn.execute(query)
+            await conn.execute(message)
         except _MISSED as exc:
-            raise StoreError("the fenced settlement matched nothing under its own lock") from exc
+            raise StoreError(missed) from exc
         compat.committed(tx)
         return True
 
