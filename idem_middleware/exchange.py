@@ -46,7 +46,6 @@ class Exchange:
         "body",
         "body_delivered",
         "disconnected",
-        "fingerprint",
         "match",
         "mw",
         "operation",
@@ -80,7 +79,6 @@ class Exchange:
         self.disconnected: asyncio.Event | None = None
         self.body_delivered = False
         self.record_key: RecordKey | None = None
-        self.fingerprint = b""
         self.token_hash: bytes | None = None
 
     @property
@@ -140,7 +138,6 @@ class Exchange:
             await self.problem(exc.kind, exc.detail)
             return
         record_key = self.record_key = RecordKey(tenant, self.operation, key)
-        self.fingerprint = fingerprint
         self.token_hash = token_hash(key) if policy.require_token else None
         try:
             if policy.mode is Mode.TRANSACTIONAL:

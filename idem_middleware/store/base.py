@@ -131,19 +131,21 @@ class TransactionSession(Protocol):
     ) -> Claim:
         """Begin the transaction and claim the key in it (one message on PostgreSQL).
 
-        `Claimed`: the key is this session's until it finishes or abandons. `Existing`: a record
-        holds the key, and the transaction is over (nothing to abandon). `TokenRefused`: with
-        `token_hash`, the key is not a live token this request may consume; nothing claimed.
+        `Claimed`: the key is held by this transaction until it finishes or abandons.
+        `Existing`: a record holds the key, and the transaction is over (nothing to abandon).
+        `TokenRefused`: with `token_hash`, the key is not a live token this request may
+        consume; nothing claimed.
 
-        Never waits for a concurrent claim: raises ClaimBusy at once (the session is rolled
-        back: the caller waits without its connection, then claims in a new session);
+        Never waits for a concurrent claim: raises ClaimBusy at once (the transaction is rolled
+        back: the caller waits without its connection, then claims in a new transaction);
         `wait_seconds` only bounds the statements. Raises RetryableConflict when the database
         refused the transaction (serialization failure, deadlock): run it again.
         """
 
     async def finish(self, state: State, response: StoredResponse) -> None:
-        """Record the outcome of this session's claim and commit it with the handler's writes
-        (PostgreSQL: one message). RetryableConflict: nothing committed, run it again."""
+        """Record the outcome of the claim this transaction made, and commit it with the
+        handler's writes (PostgreSQL: one message). RetryableConflict: nothing committed, run it
+        again."""
 
     async def abandon(self) -> None:
         """Roll back: the handler's writes are undone and the key is free again."""

@@ -30,7 +30,7 @@ class _MemoryTransaction:
         self._held: set[RecordKey] = set()
         #: Tokens this transaction's claims consume, marked at commit.
         self._consumed: set[tuple[str, bytes]] = set()
-        #: The key this session claimed last (what `finish` records the outcome of).
+        #: The key this transaction claimed last (what `finish` records the outcome of).
         self._claimed: RecordKey | None = None
         self.active = False
 

@@ -64,7 +64,7 @@ class PgTransaction:
         # Whether the claim went the fast way (the connection passed `fusable`), so the
         # completion may travel with the COMMIT too.
         self._fused = False
-        # The key and generation this session claimed: what `finish` records.
+        # The key and generation this transaction claimed: what `finish` records.
         self._claimed: tuple[RecordKey, int] | None = None
         # (fingerprint, retention seconds) of a claim whose record is written at completion.
         self._deferred: tuple[bytes, float] | None = None
