@@ -43,7 +43,7 @@ from .app import TOKEN, BearerTenant, CreditIn, CreditOut, tenant_of
 #: target that is gone is skipped with a note; a stage none of whose targets ran shows 0 calls.
 STAGES: dict[str, tuple[tuple[str, str], ...]] = {
     "key parse": (("idem_middleware.exchange", "parse_idempotency_key"),),
-    "tenant": (("idem_middleware.exchange", "Exchange._tenant"),),
+    "tenant": (("idem_middleware.middleware", "Tenants.resolve"),),
     "route match": (
         ("idem_middleware.middleware", "routes_of"),
         ("idem_middleware.middleware", "match_route"),
@@ -83,7 +83,6 @@ STAGES: dict[str, tuple[tuple[str, str], ...]] = {
         ("idem_middleware.middleware", "IdempotencyMiddleware.__call__"),
         ("idem_middleware.exchange", "Exchange.run"),
         ("idem_middleware.transactional", "run_transactional"),
-        ("idem_middleware.middleware", "IdempotencyMiddleware._http"),
         ("idem_middleware.transactional", "_Attempt.run"),
     ),
 }

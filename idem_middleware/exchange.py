@@ -21,7 +21,7 @@ from .keys import parse_idempotency_key
 from .keysource import take_key
 from .lease import LeaseRun
 from .observe import UNTIMED, Event
-from .policy import Mode, Policy, RouteMatch, operation_name
+from .policy import Mode, Policy, RouteMatch
 from .responses import send_accepted, send_problem, send_replay
 from .store.base import RecordKey, Store, StoredResponse
 from .transactional import run_transactional
@@ -56,6 +56,7 @@ class Exchange:
         "send",
         "started",
         "token_hash",
+        "watched",
     )
 
     def __init__(
@@ -66,6 +67,7 @@ class Exchange:
         send: Send,
         match: RouteMatch,
         policy: Policy,
+        operation: str,
     ) -> None:
         self.mw = mw
         self.scope = scope
@@ -73,9 +75,12 @@ class Exchange:
         self.send = send
         self.match = match
         self.policy = policy
-        self.operation = operation_name(scope["method"], match.template)
+        self.operation = operation  # the route's, named once per route (the middleware's cache)
         self.body = b""
         self.started = False  # whether anything reached the client
+        # While a transactional handler runs under the client watch: the app's receive() after
+        # its body waits for `disconnected` (made when first needed) instead of the server's.
+        self.watched = False
         self.disconnected: asyncio.Event | None = None
         self.body_delivered = False
         self.record_key: RecordKey | None = None
@@ -102,7 +107,7 @@ class Exchange:
         if key is None and key_error is None and not policy.key_required:
             await self.mw.app(self.scope, self.receive, self.send)
             return
-        tenant = await self._tenant()
+        tenant = await self.mw.tenants.resolve(self.scope, allow_anonymous=policy.allow_anonymous)
         if tenant is None:
             await self.problem(
                 ProblemKind.UNAUTHENTICATED, "This operation needs an authenticated caller."
@@ -117,7 +122,7 @@ class Exchange:
             )
             return
         try:
-            body = await self.read_body()
+            content_type, body = await self.read_body()
             if body is None:
                 return  # the client left before sending its body: nothing was claimed
             self.body = body
@@ -127,7 +132,7 @@ class Exchange:
                 query_string=self.scope.get("query_string", b""),
                 headers=self.scope["headers"],
                 include_headers=policy.include_headers,
-                content_type=self._header(b"content-type"),
+                content_type=content_type,
                 body=body,
                 exclude_fields=policy.exclude_fields,
                 include_fields=policy.include_fields,
@@ -234,21 +239,17 @@ class Exchange:
 
     # -- the request ---------------------------------------------------------------------------
 
-    async def _tenant(self) -> str | None:
-        return await self.mw.tenants.resolve(
-            self.scope, allow_anonymous=self.policy.allow_anonymous
-        )
-
-    def _header(self, name: bytes) -> bytes | None:
-        for key, value in self.scope["headers"]:
-            if key == name:
-                return value  # type: ignore[no-any-return]
-        return None
-
-    async def read_body(self) -> bytes | None:
-        """The whole request body (capped by the policy); None if the client left first."""
+    async def read_body(self) -> tuple[bytes | None, bytes | None]:
+        """The Content-Type, and the whole request body (capped by the policy); None for the
+        body if the client left first."""
         cap = self.policy.max_body_bytes
-        declared = self._header(b"content-length")
+        content_type = declared = None
+        for name, value in self.scope["headers"]:  # (the first of each, as before)
+            if name == b"content-type":
+                if content_type is None:
+                    content_type = value
+            elif name == b"content-length" and declared is None:
+                declared = value
         if declared is not None:
             # HTTP's 1*DIGIT, nothing else (int() would also take "+5", " 7" or "1_000").
             if not declared.isdigit():
@@ -262,7 +263,7 @@ class Exchange:
         while True:
             message = await self.receive()
             if message["type"] == "http.disconnect":
-                return None
+                return content_type, None
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > cap:
@@ -273,14 +274,16 @@ class Exchange:
                 chunks.append(chunk)
             if not message.get("more_body", False):
                 break
-        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        return content_type, chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
     async def app_receive(self) -> Message:
         """The `receive` the app gets: the buffered body, then the client's disconnect."""
         if not self.body_delivered:
             self.body_delivered = True
             return {"type": "http.request", "body": self.body, "more_body": False}
-        if self.disconnected is not None:
+        if self.watched:
+            if self.disconnected is None:
+                self.disconnected = asyncio.Event()
             await self.disconnected.wait()
             return {"type": "http.disconnect"}
         return await self.receive()

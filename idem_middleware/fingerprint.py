@@ -4,12 +4,10 @@ What each part covers, and what the fingerprint guarantees, is in docs/fingerpri
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import importlib
 import re
 import struct
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from functools import lru_cache
 
 from .errors import ProblemKind, RequestRejected
@@ -216,19 +214,6 @@ def _framed_text(text: str, cache: dict[str, bytes], head: bytes = b"") -> bytes
     return framed
 
 
-def _builtin_sha256() -> Callable[[bytes], hashlib._Hash]:
-    # CPython's own SHA-256 (module _sha2 since 3.12): OpenSSL's digest, without the set-up
-    # OpenSSL 3 does for every new hash (microseconds in a request). OpenSSL's is faster per
-    # byte, so it still hashes streams over _SHORT_STREAM bytes.
-    for name in ("_sha2", "_sha256"):
-        with contextlib.suppress(ImportError, AttributeError):
-            return importlib.import_module(name).sha256  # type: ignore[no-any-return]
-    return hashlib.sha256
-
-
-_short_sha256, _SHORT_STREAM = _builtin_sha256(), 2048
-
-
 def compute_fingerprint(
     *,
     operation: str,
@@ -295,4 +280,4 @@ def compute_fingerprint(
             stream.extend(_framed(header_value) for header_value in values)
     stream += (_U64(len(media_tag)), media_tag, _U64(len(canonical)), canonical)
     data = b"".join(stream)
-    return (_short_sha256 if len(data) <= _SHORT_STREAM else hashlib.sha256)(data).digest()
+    return hashlib.sha256(data).digest()

@@ -213,7 +213,7 @@ async def take_key(ex: Exchange, source: KeySource | KeyFunction) -> str | None:
         source = KeyFromFunction(source)  # a Policy has wrapped it already; a test may not have
     body = b""
     if source.reads_body:
-        read = await ex.read_body()
+        _, read = await ex.read_body()
         if read is None:
             # No body, so no key; and no app runs for a client that has already left.
             raise RequestRejected(

@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Collection, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -48,6 +48,11 @@ def _kill_switch_on() -> bool:
 #: Resolved routes kept per (app, method, root path, path, host): a request to a path seen
 #: before skips the route walk. Cleared when full (paths with ids in them are all distinct).
 _ROUTE_CACHE_SIZE = 1024
+
+#: A guarded route as the cache keeps it: the match, its policy and its operation's name.
+_Guarded = tuple[RouteMatch, Policy, str]
+#: The cache's entry for a request the middleware passes on (compared by identity).
+_UNGUARDED = cast(_Guarded, ())
 
 
 def _host(scope: Scope) -> bytes | None:
@@ -124,7 +129,7 @@ class IdempotencyMiddleware:
         # The startup check runs once; a failed one fails every request after it too.
         self._checked = False
         self._check_error: ConfigurationError | None = None
-        self._routes: dict[tuple[Any, ...], tuple[RouteMatch | None, Policy | None]] = {}
+        self._routes: dict[tuple[Any, ...], _Guarded] = {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -140,44 +145,37 @@ class IdempotencyMiddleware:
         # Decorated endpoints refuse to run unless this is set (see policy.idempotent).
         active = MIDDLEWARE_ACTIVE.set(True)
         try:
-            await self._http(scope, receive, send)
+            method = scope["method"]
+            if method in SAFE_METHODS or not self.enabled or SCOPE_KEY in scope:
+                # (SCOPE_KEY: an outer IdempotencyMiddleware guards this request already.)
+                await self.app(scope, receive, send)
+                return
+            app = scope.get("app")
+            cache_key = (app, method, scope.get("root_path", ""), scope["path"], _host(scope))
+            guarded = self._routes.get(cache_key)
+            if guarded is None:
+                resolved = self._resolve(app, method, scope)
+                if resolved is None:
+                    await self._misconfigured(send, "This operation cannot be guarded.")
+                    return
+                if len(self._routes) >= _ROUTE_CACHE_SIZE:
+                    self._routes.clear()  # many distinct paths (ids in them): start over
+                guarded = self._routes[cache_key] = resolved
+            if guarded is _UNGUARDED:
+                await self.app(scope, receive, send)
+                return
+            match, policy, operation = guarded
+            if self.tenants.unidentifiable(scope, allow_anonymous=policy.allow_anonymous):
+                await self._misconfigured(send, "The server cannot identify the caller.")
+                return
+            await Exchange(self, scope, receive, send, match, policy, operation).run()
         finally:
             MIDDLEWARE_ACTIVE.reset(active)
 
-    async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
-        method = scope["method"]
-        if method in SAFE_METHODS or not self.enabled or SCOPE_KEY in scope:
-            # (SCOPE_KEY: an outer IdempotencyMiddleware guards this request already.)
-            await self.app(scope, receive, send)
-            return
-        app = scope.get("app")
-        cache_key = (app, method, scope.get("root_path", ""), scope["path"], _host(scope))
-        cached = self._routes.get(cache_key)
-        if cached is not None:
-            match, policy = cached
-        else:
-            resolved = self._resolve(app, method, scope)
-            if resolved is None:
-                await self._misconfigured(send, "This operation cannot be guarded.")
-                return
-            match, policy = resolved
-            if len(self._routes) >= _ROUTE_CACHE_SIZE:
-                self._routes.clear()  # many distinct paths (ids in them): start over
-            self._routes[cache_key] = (match, policy)
-        if match is None or policy is None:
-            await self.app(scope, receive, send)
-            return
-        if self.tenants.unidentifiable(scope, allow_anonymous=policy.allow_anonymous):
-            await self._misconfigured(send, "The server cannot identify the caller.")
-            return
-        await Exchange(self, scope, receive, send, match, policy).run()
-
-    def _resolve(
-        self, app: Any, method: str, scope: Scope
-    ) -> tuple[RouteMatch | None, Policy | None] | None:
-        """The route a request matches and the policy guarding it (either may be None), the
-        way the router will find it; None for a route that would be guarded but cannot be named
-        (refused)."""
+    def _resolve(self, app: Any, method: str, scope: Scope) -> _Guarded | None:
+        """The route a request matches, the policy guarding it and its operation's name, the
+        way the router will find it; `_UNGUARDED` for a request the middleware passes on, None
+        for a route that would be guarded but cannot be named (refused)."""
         routes = routes_of(app if app is not None else self.app)
         match = match_route(routes, scope) if routes is not None else None
         if isinstance(match, Unresolved):
@@ -191,10 +189,13 @@ class IdempotencyMiddleware:
                     match.where,
                 )
                 return None
-            return None, None
+            return _UNGUARDED
         if match is None:
-            return None, None
-        return match, self.policy_for(method, match)
+            return _UNGUARDED
+        policy = self.policy_for(method, match)
+        if policy is None:
+            return _UNGUARDED
+        return match, policy, operation_name(method, match.template)
 
     def policy_for(self, method: str, route: RouteMatch | Any) -> Policy | None:
         """The policy guarding `method` on `route` (anything with `template` and `endpoint`):

@@ -55,7 +55,6 @@ async def run_transactional(
     waiters = ex.mw.waiters
     retries = policy.max_serialization_retries
     conflicts = 0
-    loop = asyncio.get_running_loop()
     deadline: float | None = None
     poll = _FIRST_POLL
     # The claim is timed once per request (its first), the wait for a busy key as a whole.
@@ -65,7 +64,7 @@ async def run_transactional(
             try:
                 answer = await _Attempt(ex, record_key, fingerprint, deadline is None).run()
             except ClaimBusy:
-                now = loop.time()
+                now = asyncio.get_running_loop().time()
                 if deadline is None:
                     waiting = contextlib.ExitStack()
                     waiting.enter_context(ex.timed("wait"))
@@ -143,7 +142,8 @@ class _Attempt:
         policy = ex.policy
         record_key = self.record_key
         slots = ex.mw.tenant_slots
-        if not slots.take(record_key.tenant):
+        limited = slots.limit is not None
+        if limited and not slots.take(record_key.tenant):
             return Problem(ProblemKind.TENANT_BUSY, TENANT_BUSY, policy.retry_after_seconds)
         try:
             async with ex.mw.store.transaction(acquire_timeout=ex.mw.acquire_timeout) as tx:
@@ -172,7 +172,8 @@ class _Attempt:
                     # request downstream too.
                     epoch=claim.epoch,
                 )
-                ex.emit(Event.CLAIMED, claim.generation)
+                if ex.mw.observer is not None:
+                    ex.emit(Event.CLAIMED, claim.generation)
                 token = enter_context(ex.scope, self.context)
                 try:
                     await self._run_handler()
@@ -196,7 +197,8 @@ class _Attempt:
             # The transaction is over and the connection is back in the pool: now the client.
             return HeldResponse(capture.flush)
         finally:
-            slots.give_back(record_key.tenant)
+            if limited:
+                slots.give_back(record_key.tenant)
             self.capture.close()  # it holds self._settle_early, a cycle otherwise
             if self.claimed:
                 ex.mw.waiters.wake(record_key)
@@ -213,7 +215,7 @@ class _Attempt:
         ex = self.ex
         task = self.task = asyncio.current_task()
         assert task is not None
-        ex.disconnected = asyncio.Event()
+        ex.watched = True  # the app's receive() after the body waits for the watch's verdict
         self.running = True
         _WATCH.add(self)
         uncancelled = False
@@ -227,11 +229,11 @@ class _Attempt:
             if task.uncancel() > 0:
                 raise
         finally:
-            self.running = False
+            self.running = ex.watched = False
+            ex.disconnected = None
             _WATCH.discard(self)
             if self.watcher is not None:
                 self.watcher.cancel()
-        ex.disconnected = None
         if not self.gone:
             return
         if not uncancelled:
@@ -249,9 +251,10 @@ class _Attempt:
     def _client_left(self, watched: asyncio.Task[None]) -> None:
         if self.running and not watched.cancelled() and watched.exception() is None:
             self.gone = True
-            disconnected = self.ex.disconnected
-            if disconnected is not None:
-                disconnected.set()  # the app's own receive() reports it too
+            ex = self.ex
+            if ex.disconnected is None:
+                ex.disconnected = asyncio.Event()
+            ex.disconnected.set()  # the app's own receive() reports it too
             assert self.task is not None
             self.task.cancel()
 
@@ -278,10 +281,12 @@ class _Attempt:
         capture = self.capture
         outcome = self.context.declared or outcome_for_status(capture.status, Mode.TRANSACTIONAL)
         state = FINAL_STATE.get(outcome)
-        with self.ex.timed("complete"):
+        ex = self.ex
+        with ex.timed("complete"):
             if state is None:
                 await self.tx.abandon()
                 outcome = Outcome.RELEASE
             else:
                 await self.tx.finish(state, capture.stored(omitted))
-        self.ex.emit(SETTLED_EVENTS[outcome], self.context.generation)
+        if ex.mw.observer is not None:
+            ex.emit(SETTLED_EVENTS[outcome], self.context.generation)

@@ -28,8 +28,8 @@ class _MemoryTransaction:
         self._staged: dict[RecordKey, _Row] = {}
         #: The keys this transaction claims (their entries in the store's `_owners`).
         self._held: set[RecordKey] = set()
-        #: Tokens this transaction's claims consume, marked at commit.
-        self._consumed: set[tuple[str, bytes]] = set()
+        #: Tokens this transaction's claims consume, marked at commit (made when there is one).
+        self._consumed: set[tuple[str, bytes]] | None = None
         #: The key this transaction claimed last (what `finish` records the outcome of).
         self._claimed: RecordKey | None = None
         self.active = False
@@ -61,7 +61,7 @@ class _MemoryTransaction:
 
     def _end(self) -> None:
         self._staged.clear()
-        self._consumed.clear()
+        self._consumed = None
         if self._held:
             owners = self._store._owners
             for key in self._held:
@@ -106,6 +106,8 @@ class _MemoryTransaction:
             if reason:
                 self._settled()
                 return TokenRefused(reason)
+            if self._consumed is None:
+                self._consumed = set()
             self._consumed.add((key.tenant, token_hash))
         generation = next(store._generations)
         fresh = _Row(
@@ -136,8 +138,9 @@ class _MemoryTransaction:
         row.response = response
         row.updated_at = now
         self._store._rows.update(self._staged)
-        for token in self._consumed:
-            self._store._consume(token, True)
+        if self._consumed is not None:
+            for token in self._consumed:
+                self._store._consume(token, True)
         self._end()
 
 
