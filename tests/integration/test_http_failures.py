@@ -427,3 +427,62 @@ async def test_a_handler_that_swallows_the_disconnect_cancellation_still_rolls_b
     assert sent == []
     assert await count(pool, "test_ledger") == 0
     assert await count(pool, "idem_requests") == 0
+
+
+async def test_a_handler_asking_receive_after_its_client_left_is_told_disconnect(pool):
+    """The watch's event exists only once someone needs it. A handler that never asked
+    `receive()` before its client left, swallows the cancellation and then asks, is told
+    `http.disconnect` at once (not left waiting on the server), and is still rolled back."""
+    from starlette.applications import Starlette
+    from starlette.middleware import Middleware
+    from starlette.middleware.authentication import AuthenticationMiddleware
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    from idem_middleware import IdempotencyMiddleware
+    from tests.apps import BearerBackend
+
+    entered = asyncio.Event()
+    told: list[str] = []
+
+    async def stubborn(request: Request) -> JSONResponse:
+        await request.body()
+        entered.set()
+        with contextlib.suppress(asyncio.CancelledError):  # swallowed
+            await asyncio.sleep(BOUND)
+        told.append((await request.receive())["type"])
+        return JSONResponse({"ok": True}, status_code=201)
+
+    app = Starlette(
+        routes=[Route("/stubborn", stubborn, methods=["POST"])],
+        middleware=[
+            Middleware(AuthenticationMiddleware, backend=BearerBackend()),
+            Middleware(IdempotencyMiddleware, store=PostgresStore(pool=pool)),
+        ],
+    )
+    delivered = False
+    server_asked = 0
+
+    async def receive() -> dict[str, Any]:
+        nonlocal delivered, server_asked
+        if not delivered:
+            delivered = True
+            return {"type": "http.request", "body": b"{}", "more_body": False}
+        server_asked += 1
+        if server_asked == 1:  # the watch's own wait: the client leaves once the handler runs
+            await entered.wait()
+            return {"type": "http.disconnect"}
+        await asyncio.sleep(BOUND)  # a server asked again would keep the handler waiting
+        return {"type": "http.disconnect"}
+
+    sent: list[dict[str, Any]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    await asyncio.wait_for(app(asgi_request("/stubborn", "k-asks", 2), receive, send), BOUND / 2)
+    assert told == ["http.disconnect"]
+    assert server_asked == 1
+    assert sent == []
+    assert await count(pool, "idem_requests") == 0
