@@ -64,3 +64,24 @@ def test_a_stage_whose_function_is_gone_is_skipped_with_a_note() -> None:
     finally:
         st.uninstall(installed)
     assert keys.parse_idempotency_key is original
+
+
+def test_bench_instructions_child_serves_every_counted_request_and_the_table_has_the_ratio() -> (
+    None
+):
+    """The child `bench.instructions` runs under valgrind serves its requests (201 each, or it
+    exits non-zero), here without valgrind; the table's share is (variant - bare) / bare."""
+    from bench.instructions import markdown
+
+    for variant in ("bare", "ours-memory"):
+        out = subprocess.run(
+            [sys.executable, "-m", "bench.instructions", "--child", variant, "20", "--counted"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=180,
+            env=dict(os.environ),
+        )
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    table = _rows(markdown({"bare": 400_000.0, "ours-memory": 500_000.0}, 20))
+    assert "| +100,000 | 0.25x |" in table["ours-memory"], table

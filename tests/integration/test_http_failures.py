@@ -370,6 +370,39 @@ async def test_client_leaving_a_quick_handler_finds_its_outcome_committed(pg_sto
     assert app.state.probe.calls == 1
 
 
+async def test_a_handler_slowed_by_a_busy_server_is_not_watched_before_a_second(pg_store, pool):
+    """A handler's time includes its waits for a busy event loop, so the watch starts only at
+    DISCONNECT_WATCH_AFTER (1 s): a handler held 0.3 s, whose client has already left, still
+    commits, and the retry gets the replay. (Watched at 50 ms, it would have been cancelled.)"""
+    app = build_app(pg_store)
+    body = json.dumps(BODY).encode()
+    delivered = False
+
+    async def receive() -> dict[str, Any]:
+        nonlocal delivered
+        if not delivered:
+            delivered = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return {"type": "http.disconnect"}  # gone at once
+
+    async def send(message: dict[str, Any]) -> None:
+        pass
+
+    async with Held(app.state.probe) as held:
+        request = held.start(app(asgi_request(CREDIT, "k-held", len(body)), receive, send))
+        await wait_entered(app.state.probe)
+        await asyncio.sleep(0.3)
+        held.release()
+        await asyncio.wait_for(request, BOUND)
+    assert app.state.probe.calls == 1
+    assert await count(pool, "test_ledger") == 1
+    async with client(app) as c:
+        retry = await c.post(CREDIT, json=BODY, headers=key("k-held"))
+    assert retry.status_code == 201
+    assert retry.headers["idempotent-replayed"] == "true"
+    assert app.state.probe.calls == 1
+
+
 async def test_a_handler_that_swallows_the_disconnect_cancellation_still_rolls_back(pool):
     """The watch cancels the handler; one that catches CancelledError and answers anyway is
     still rolled back (its client is gone), and the request's task is not left cancelled."""
