@@ -244,7 +244,7 @@ class Exchange:
         body if the client left first."""
         cap = self.policy.max_body_bytes
         content_type = declared = None
-        for name, value in self.scope["headers"]:  # (the first of each, as before)
+        for name, value in self.scope["headers"]:  # the first of each
             if name == b"content-type":
                 if content_type is None:
                     content_type = value
