@@ -22,9 +22,10 @@ def _rows(stdout: str) -> dict[str, str]:
     }
 
 
-def test_bench_asgi_quick_prints_every_variant_and_every_stage() -> None:
+def _bench(*args: str) -> subprocess.CompletedProcess[str]:
+    """`python -m <args>` in the repository; it must exit 0."""
     out = subprocess.run(
-        [sys.executable, "-m", "bench.asgi", "--quick"],
+        [sys.executable, "-m", *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -32,6 +33,11 @@ def test_bench_asgi_quick_prints_every_variant_and_every_stage() -> None:
         env=dict(os.environ),
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return out
+
+
+def test_bench_asgi_quick_prints_every_variant_and_every_stage() -> None:
+    out = _bench("bench.asgi", "--quick")
     rows = _rows(out.stdout)
     for variant in VARIANTS:
         assert variant in rows, out.stdout
@@ -74,14 +80,6 @@ def test_bench_instructions_child_serves_every_counted_request_and_the_table_has
     from bench.instructions import markdown
 
     for variant in ("bare", "ours-memory"):
-        out = subprocess.run(
-            [sys.executable, "-m", "bench.instructions", "--child", variant, "20", "--counted"],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=180,
-            env=dict(os.environ),
-        )
-        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+        _bench("bench.instructions", "--child", variant, "20", "--counted")
     table = _rows(markdown({"bare": 400_000.0, "ours-memory": 500_000.0}, 20))
     assert "| +100,000 | 0.25x |" in table["ours-memory"], table

@@ -12,6 +12,8 @@ from typing import Any
 
 import asyncpg
 import pytest
+from starlette.requests import Request
+from starlette.responses import JSONResponse
 
 from idem_middleware import Policy, PostgresStore
 from tests.apps import (
@@ -343,9 +345,14 @@ async def test_connection_lost_before_commit_is_503_and_nothing_committed(pg_sto
         await assert_released_then_retry_runs_once(app, pool, c)
 
 
-async def test_client_leaving_a_quick_handler_finds_its_outcome_committed(pg_store, pool):
-    """The disconnect watch starts after DISCONNECT_WATCH_AFTER: a handler done sooner commits,
-    and the client's retry gets the replay (never a second run)."""
+@pytest.mark.parametrize("held", [0.0, 0.3], ids=["quick", "slowed-by-a-busy-server"])
+async def test_client_leaving_a_handler_before_the_watch_finds_its_outcome_committed(
+    pg_store, pool, held
+):
+    """The disconnect watch starts after DISCONNECT_WATCH_AFTER (1 s): a handler done sooner
+    commits, and the client's retry gets the replay (never a second run). A handler's time
+    includes its waits for a busy event loop, so one held 0.3 s with its client gone commits too
+    (watched at 50 ms, it was cancelled)."""
     app = build_app(pg_store)
     body = json.dumps(BODY).encode()
     delivered = False
@@ -360,61 +367,48 @@ async def test_client_leaving_a_quick_handler_finds_its_outcome_committed(pg_sto
     async def send(message: dict[str, Any]) -> None:
         pass
 
-    await asyncio.wait_for(app(asgi_request(CREDIT, "k-quick", len(body)), receive, send), BOUND)
-    assert app.state.probe.calls == 1
-    assert await count(pool, "test_ledger") == 1
-    async with client(app) as c:
-        retry = await c.post(CREDIT, json=BODY, headers=key("k-quick"))
-    assert retry.status_code == 201
-    assert retry.headers["idempotent-replayed"] == "true"
-    assert app.state.probe.calls == 1
-
-
-async def test_a_handler_slowed_by_a_busy_server_is_not_watched_before_a_second(pg_store, pool):
-    """A handler's time includes its waits for a busy event loop, so the watch starts only at
-    DISCONNECT_WATCH_AFTER (1 s): a handler held 0.3 s, whose client has already left, still
-    commits, and the retry gets the replay. (Watched at 50 ms, it would have been cancelled.)"""
-    app = build_app(pg_store)
-    body = json.dumps(BODY).encode()
-    delivered = False
-
-    async def receive() -> dict[str, Any]:
-        nonlocal delivered
-        if not delivered:
-            delivered = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        return {"type": "http.disconnect"}  # gone at once
-
-    async def send(message: dict[str, Any]) -> None:
-        pass
-
-    async with Held(app.state.probe) as held:
-        request = held.start(app(asgi_request(CREDIT, "k-held", len(body)), receive, send))
-        await wait_entered(app.state.probe)
-        await asyncio.sleep(0.3)
-        held.release()
+    request = app(asgi_request(CREDIT, "k-left", len(body)), receive, send)
+    if not held:
         await asyncio.wait_for(request, BOUND)
+    else:
+        async with Held(app.state.probe) as hold:
+            task = hold.start(request)
+            await wait_entered(app.state.probe)
+            await asyncio.sleep(held)
+            hold.release()
+            await asyncio.wait_for(task, BOUND)
     assert app.state.probe.calls == 1
     assert await count(pool, "test_ledger") == 1
     async with client(app) as c:
-        retry = await c.post(CREDIT, json=BODY, headers=key("k-held"))
+        retry = await c.post(CREDIT, json=BODY, headers=key("k-left"))
     assert retry.status_code == 201
     assert retry.headers["idempotent-replayed"] == "true"
     assert app.state.probe.calls == 1
+
+
+def _one_route_app(path: str, endpoint: Any, pool: Any) -> Any:
+    """A Starlette app with one POST route behind authentication and the middleware (PostgreSQL)."""
+    from starlette.applications import Starlette
+    from starlette.middleware import Middleware
+    from starlette.middleware.authentication import AuthenticationMiddleware
+    from starlette.routing import Route
+
+    from idem_middleware import IdempotencyMiddleware
+    from tests.apps import BearerBackend
+
+    return Starlette(
+        routes=[Route(path, endpoint, methods=["POST"])],
+        middleware=[
+            Middleware(AuthenticationMiddleware, backend=BearerBackend()),
+            Middleware(IdempotencyMiddleware, store=PostgresStore(pool=pool)),
+        ],
+    )
 
 
 async def test_a_handler_that_swallows_the_disconnect_cancellation_still_rolls_back(pool):
     """The watch cancels the handler; one that catches CancelledError and answers anyway is
     still rolled back (its client is gone), and the request's task is not left cancelled."""
-    from starlette.applications import Starlette
-    from starlette.middleware import Middleware
-    from starlette.middleware.authentication import AuthenticationMiddleware
-    from starlette.requests import Request
-    from starlette.responses import JSONResponse
-    from starlette.routing import Route
-
-    from idem_middleware import IdempotencyMiddleware, get_context
-    from tests.apps import BearerBackend
+    from idem_middleware import get_context
 
     entered = asyncio.Event()
 
@@ -428,13 +422,7 @@ async def test_a_handler_that_swallows_the_disconnect_cancellation_still_rolls_b
             await asyncio.sleep(BOUND)
         return JSONResponse({"ok": True}, status_code=201)
 
-    app = Starlette(
-        routes=[Route("/stubborn", stubborn, methods=["POST"])],
-        middleware=[
-            Middleware(AuthenticationMiddleware, backend=BearerBackend()),
-            Middleware(IdempotencyMiddleware, store=PostgresStore(pool=pool)),
-        ],
-    )
+    app = _one_route_app("/stubborn", stubborn, pool)
     delivered = False
 
     async def receive() -> dict[str, Any]:
@@ -466,15 +454,6 @@ async def test_a_handler_asking_receive_after_its_client_left_is_told_disconnect
     """The watch's event exists only once someone needs it. A handler that never asked
     `receive()` before its client left, swallows the cancellation and then asks, is told
     `http.disconnect` at once (not left waiting on the server), and is still rolled back."""
-    from starlette.applications import Starlette
-    from starlette.middleware import Middleware
-    from starlette.middleware.authentication import AuthenticationMiddleware
-    from starlette.requests import Request
-    from starlette.responses import JSONResponse
-    from starlette.routing import Route
-
-    from idem_middleware import IdempotencyMiddleware
-    from tests.apps import BearerBackend
 
     entered = asyncio.Event()
     told: list[str] = []
@@ -487,13 +466,7 @@ async def test_a_handler_asking_receive_after_its_client_left_is_told_disconnect
         told.append((await request.receive())["type"])
         return JSONResponse({"ok": True}, status_code=201)
 
-    app = Starlette(
-        routes=[Route("/stubborn", stubborn, methods=["POST"])],
-        middleware=[
-            Middleware(AuthenticationMiddleware, backend=BearerBackend()),
-            Middleware(IdempotencyMiddleware, store=PostgresStore(pool=pool)),
-        ],
-    )
+    app = _one_route_app("/stubborn", stubborn, pool)
     delivered = False
     server_asked = 0
 
