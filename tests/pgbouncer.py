@@ -55,6 +55,10 @@ class PgBouncer:
             "pool_mode = transaction\n"
             "max_client_conn = 500\n"
             "default_pool_size = 20\n"
+            # Idle server connections go back to PostgreSQL at once: held for the default
+            # 600 s, they used up max_connections for tests that came after (a storm test's
+            # worker processes, say), so the suite passed only in one order.
+            "server_idle_timeout = 1\n"
             "ignore_startup_parameters = extra_float_digits,application_name\n"
             f"logfile = {self.folder / 'pgbouncer.log'}\n"
         )
