@@ -282,8 +282,12 @@ class Exchange:
             self.body_delivered = True
             return {"type": "http.request", "body": self.body, "more_body": False}
         if self.watched:
-            if self.disconnected is None:
-                self.disconnected = asyncio.Event()
-            await self.disconnected.wait()
+            await self.disconnect_event().wait()
             return {"type": "http.disconnect"}
         return await self.receive()
+
+    def disconnect_event(self) -> asyncio.Event:
+        """Set when the watched client left; made when first needed (most requests never are)."""
+        if self.disconnected is None:
+            self.disconnected = asyncio.Event()
+        return self.disconnected

@@ -106,8 +106,3 @@ def combine(observers: Observer | Sequence[Observer] | None) -> Observer | None:
 
 #: What `timed` returns when nothing observes: a context manager that does nothing.
 UNTIMED = contextlib.nullcontext()
-
-
-def timed(observer: Observer | None, name: str, attributes: Mapping[str, Any]) -> Any:
-    """`with timed(obs, "claim", attrs):` costs a constant when there is no observer."""
-    return UNTIMED if observer is None else observer.timed(name, attributes)

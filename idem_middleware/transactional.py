@@ -176,8 +176,7 @@ class _Attempt:
                     # request downstream too.
                     epoch=claim.epoch,
                 )
-                if ex.mw.observer is not None:
-                    ex.emit(Event.CLAIMED, claim.generation)
+                ex.emit(Event.CLAIMED, claim.generation)
                 token = enter_context(ex.scope, self.context)
                 try:
                     await self._run_handler()
@@ -255,10 +254,7 @@ class _Attempt:
     def _client_left(self, watched: asyncio.Task[None]) -> None:
         if self.running and not watched.cancelled() and watched.exception() is None:
             self.gone = True
-            ex = self.ex
-            if ex.disconnected is None:
-                ex.disconnected = asyncio.Event()
-            ex.disconnected.set()  # the app's own receive() reports it too
+            self.ex.disconnect_event().set()  # the app's own receive() reports it too
             assert self.task is not None
             self.task.cancel()
 
@@ -292,5 +288,4 @@ class _Attempt:
                 outcome = Outcome.RELEASE
             else:
                 await self.tx.finish(state, capture.stored(omitted))
-        if ex.mw.observer is not None:
-            ex.emit(SETTLED_EVENTS[outcome], self.context.generation)
+        ex.emit(SETTLED_EVENTS[outcome], self.context.generation)
