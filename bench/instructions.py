@@ -1,15 +1,18 @@
 """The direct-ASGI loop counted in CPU instructions instead of seconds.
 
-`python -m bench.instructions [--requests 1000] [--variants bare,ours-memory]`
+`python -m bench.instructions [--requests 1000] [--variants bare,ours-memory,ours-tx,ours-lease]`
 
 The same apps and requests as `bench.asgi` (FastAPI, a pydantic body, a JSON response, bearer
 authentication; fresh keys), each variant run twice under valgrind's callgrind: once with no
-measured request and once with `--requests`. The difference, divided by the requests, is the
-instructions one request executes, start-up and warm-up cancelled out. Unlike a clock on a
-shared virtual machine (where one variant's rounds spread 20-40%), a count is the same from run
-to run, so a cut of a few percent is visible at once. It counts work, not time: a cache miss
-costs no instruction, and C code that does much per instruction (pydantic-core, orjson, OpenSSL)
-weighs less than its time. Report it beside the clock, not instead of it.
+measured request and once with `--requests`. `ours-tx` and `ours-lease` run on PostgreSQL (an
+embedded server, outside valgrind, unless `--dsn` names one): their count is the app process's
+work per request, the store's client side included, not the server's. The difference, divided
+by the requests, is the instructions one request executes, start-up and warm-up cancelled out.
+Unlike a clock on a shared virtual machine (where one variant's rounds spread 20-40%), a count is
+the same from run to run, so a cut of a few percent is visible at once. It counts work, not
+time: a cache miss costs no instruction, and C code that does much per instruction
+(pydantic-core, orjson, OpenSSL) weighs less than its time. Report it beside the clock, not
+instead of it.
 
 Needs valgrind (`apt-get install valgrind`); about a minute per run.
 """
@@ -28,28 +31,39 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-VARIANTS = ("bare", "ours-memory")
+VARIANTS = ("bare", "ours-memory", "ours-tx", "ours-lease")
+_DSN = "IDEM_BENCH_DSN"  # the children's database, for the PostgreSQL variants
 _COLLECTED = re.compile(r"Collected : (\d+)")
 _WARMUP = 200
 
 
-async def _serve(variant: str, requests: int, counted: bool) -> None:
+async def _serve(variant: str, requests: int, counted: bool, run: str) -> None:
     import uvloop  # noqa: F401 - the loop bench.asgi runs on
 
-    from idem_middleware import MemoryStore
+    from idem_middleware import MemoryStore, PostgresStore
 
-    from .asgi import Variant, build_app, make_requests
+    from .asgi import POSTGRES, Variant, build_app, make_requests
 
-    app = build_app(variant, MemoryStore() if variant != "bare" else None)
+    store: Any = None
+    if variant in POSTGRES:
+        store = await PostgresStore(
+            dsn=os.environ[_DSN], min_size=2, max_size=2, listen=False
+        ).open()
+    elif variant != "bare":
+        store = MemoryStore()
+    app = build_app(variant, store)
     v = Variant(variant, app, requests, 1)
     send = v.send()
-    for scope, receive in make_requests("warm", _WARMUP):
+    # Keys of the same length in every run, and fresh in every run of one database.
+    for scope, receive in make_requests(f"{run}-warm", _WARMUP):
         await app(scope, receive, send)
-    todo = make_requests("counted", requests)  # built whether counted or not: same set-up
+    todo = make_requests(f"{run}-counted", requests)  # built whether counted or not
     gc.collect()
     gc.freeze()
     for scope, receive in todo[: requests if counted else 0]:
         await app(scope, receive, send)
+    if isinstance(store, PostgresStore):
+        await store.close()
     if counted and v.statuses != {201: _WARMUP + requests}:
         raise SystemExit(f"{variant}: unexpected statuses {dict(v.statuses)}")
 
@@ -67,6 +81,7 @@ def count(variant: str, requests: int, counted: bool) -> int:
             "--child",
             variant,
             str(requests),
+            os.urandom(4).hex(),
         ]
         if counted:
             argv.append("--counted")
@@ -109,18 +124,30 @@ def main(argv: list[str] | None = None) -> int:
             runner = uvloop.run
         except ImportError:  # pragma: no cover - the bench extra installs it
             runner = asyncio.run
-        runner(_serve(argv[1], int(argv[2]), argv[3:] == ["--counted"]))
+        runner(_serve(argv[1], int(argv[2]), argv[4:] == ["--counted"], argv[3]))
         return 0
     p = argparse.ArgumentParser(prog="python -m bench.instructions", description=__doc__)
     p.add_argument("--requests", type=int, default=1000, help="counted requests per variant")
-    p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated")
+    p.add_argument("--variants", default="bare,ours-memory", help="comma-separated")
+    p.add_argument("--dsn", help="an admin URL of a PostgreSQL server (default: embedded)")
     args = p.parse_args(argv)
     variants = [v for v in args.variants.split(",") if v]
     if args.requests < 1 or not variants or not set(variants) <= set(VARIANTS):
         p.error(f"--requests must be at least 1 and --variants among {', '.join(VARIANTS)}")
     if shutil.which("valgrind") is None:
         p.error("valgrind is not installed (apt-get install valgrind)")
-    print(markdown({v: per_request(v, args.requests) for v in variants}, args.requests))
+    server = None
+    if set(variants) & {"ours-tx", "ours-lease"}:
+        from .asgi import _postgres
+
+        args.no_postgres = False
+        server = _postgres(args)  # migrates a database; starts an embedded server if no --dsn
+        os.environ[_DSN] = asyncio.run(server.__aenter__()) or ""
+    try:
+        print(markdown({v: per_request(v, args.requests) for v in variants}, args.requests))
+    finally:
+        if server is not None:
+            asyncio.run(server.__aexit__(None, None, None))
     return 0
 
 

@@ -69,13 +69,18 @@ WHERE $8::bytea IS NOT NULL AND NOT EXISTS (SELECT FROM ins)
 -- free and claimed (its advisory lock is held to the end of the transaction); "SELECT 1", a
 -- record holds it (the caller reads it with `get`); "SELECT 2", another transaction is claiming
 -- it right now (the caller rolls back and waits without its connection).
--- $1 tenant, $2 operation, $3 key
-SELECT * FROM idem_claim_key($1, $2, $3);
+-- $1 tenant, $2 operation, $3 key, $4 the key's lock (`idem_key_lock`, computed by the store)
+SELECT * FROM idem_claim_key($1, $2, $3, $4);
 
 -- name: claim_key_count
 -- `claim_key` for the ordinary path (a parameterised statement): 0 free, 1 held, 2 busy.
--- $1 tenant, $2 operation, $3 key
-SELECT count(*) FROM idem_claim_key($1, $2, $3);
+-- $1 tenant, $2 operation, $3 key, $4 the key's lock
+SELECT count(*) FROM idem_claim_key($1, $2, $3, $4);
+
+-- name: lock_secret
+-- The installation's secret of `idem_key_lock` (HMAC's two padded keys), read once by a store
+-- that computes the claim lock itself (store/postgres/claim_lock.py).
+SELECT inner_key, outer_key FROM idem_lock_secret;
 
 -- name: insert_final
 -- The record of a `claim_key` claim, written once with its outcome, sent with the COMMIT. A

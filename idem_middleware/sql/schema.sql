@@ -93,20 +93,19 @@ AS $$
          convert_to(p_tenant, 'UTF8') t, convert_to(p_operation, 'UTF8') o, convert_to(p_key, 'UTF8') k
 $$;
 
--- Claim a key for a transaction that will write its record at commit. It never waits: the rows
--- say what it found. None: the key is free and this transaction now holds its lock. One: a record
+-- Claim a key for a transaction that will write its record at commit; `p_lock` is
+-- `idem_key_lock(tenant, operation, key)`, computed by the caller. It never waits: the rows say
+-- what it found. None: the key is free and this transaction now holds its lock. One: a record
 -- holds the key (read it with `get`; an expired one is reported only under the lock, so that
 -- reclaiming it is not a race). Two: another transaction is claiming it right now (the caller
 -- rolls back, waits with no connection, and claims again). A live record is answered before the
--- lock is even computed, so replays never queue. The read after the lock is a statement of its
+-- lock is even taken, so replays never queue. The read after the lock is a statement of its
 -- own: under READ COMMITTED it sees a record that a transaction which held the lock committed
 -- between the two.
-CREATE FUNCTION idem_claim_key(p_tenant text, p_operation text, p_key text)
+CREATE FUNCTION idem_claim_key(p_tenant text, p_operation text, p_key text, p_lock bigint)
 RETURNS SETOF integer
 LANGUAGE plpgsql VOLATILE
 AS $$
-DECLARE
-    v_lock bigint;
 BEGIN
     RETURN QUERY
         SELECT 1 FROM idem_requests
@@ -115,17 +114,29 @@ BEGIN
     IF FOUND THEN
         RETURN;
     END IF;
-    v_lock := idem_key_lock(p_tenant, p_operation, p_key);
-    IF v_lock IS NULL THEN
-        RAISE EXCEPTION 'idem_lock_secret has no row: run `idem-middleware migrate`';
-    END IF;
-    IF NOT pg_try_advisory_xact_lock(v_lock) THEN
+    IF NOT pg_try_advisory_xact_lock(p_lock) THEN
         RETURN QUERY VALUES (2), (2);
         RETURN;
     END IF;
     RETURN QUERY
         SELECT 1 FROM idem_requests
         WHERE tenant = p_tenant AND operation = p_operation AND idem_key = p_key;
+END
+$$;
+
+-- The claim of versions before 0007: the same, with the lock computed here.
+CREATE FUNCTION idem_claim_key(p_tenant text, p_operation text, p_key text)
+RETURNS SETOF integer
+LANGUAGE plpgsql VOLATILE
+AS $$
+DECLARE
+    v_lock bigint;
+BEGIN
+    v_lock := idem_key_lock(p_tenant, p_operation, p_key);
+    IF v_lock IS NULL THEN
+        RAISE EXCEPTION 'idem_lock_secret has no row: run `idem-middleware migrate`';
+    END IF;
+    RETURN QUERY SELECT * FROM idem_claim_key(p_tenant, p_operation, p_key, v_lock);
 END
 $$;
 

@@ -14,7 +14,14 @@ from tests.apps.checks import (
     key,
     records,
 )
-from tests.apps.clients import TOKENS, BearerBackend, asgi_request, client, post_scope
+from tests.apps.clients import (
+    TOKENS,
+    BearerBackend,
+    asgi_request,
+    client,
+    one_route_app,
+    post_scope,
+)
 from tests.apps.concurrency import (
     BOUND,
     CountingStore,
@@ -99,6 +106,7 @@ __all__ = [
     "key",
     "logged_pool",
     "no_content",
+    "one_route_app",
     "payout",
     "post_scope",
     "read_account",

@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import httpx
 from starlette.applications import Starlette
 from starlette.authentication import AuthCredentials, AuthenticationBackend, SimpleUser
-from starlette.requests import HTTPConnection
+from starlette.middleware import Middleware
+from starlette.middleware.authentication import AuthenticationMiddleware
+from starlette.requests import HTTPConnection, Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from idem_middleware import IdempotencyMiddleware
 
 TOKENS = {"demo-a": "tenant-a", "demo-b": "tenant-b"}
 
@@ -20,6 +27,20 @@ class BearerBackend(AuthenticationBackend):
         if tenant is None:
             return None
         return AuthCredentials(["authenticated"]), SimpleUser(tenant)
+
+
+def one_route_app(
+    path: str, handler: Callable[[Request], Awaitable[Response]], **middleware_options: Any
+) -> Starlette:
+    """`POST path` answered by `handler`, behind the bearer authentication and the middleware
+    (`middleware_options`: the store, a policy, a tenant resolver...)."""
+    return Starlette(
+        routes=[Route(path, handler, methods=["POST"])],
+        middleware=[
+            Middleware(AuthenticationMiddleware, backend=BearerBackend()),
+            Middleware(IdempotencyMiddleware, **middleware_options),
+        ],
+    )
 
 
 def client(app: Starlette, token: str | None = "demo-a") -> httpx.AsyncClient:

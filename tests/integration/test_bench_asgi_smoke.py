@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 from bench import stages as st
@@ -22,15 +23,15 @@ def _rows(stdout: str) -> dict[str, str]:
     }
 
 
-def _bench(*args: str) -> subprocess.CompletedProcess[str]:
-    """`python -m <args>` in the repository; it must exit 0."""
+def _bench(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    """`python -m <args>` in the repository, with `env` added; it must exit 0."""
     out = subprocess.run(
         [sys.executable, "-m", *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=180,
-        env=dict(os.environ),
+        env={**os.environ, **env},
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return out
@@ -72,14 +73,24 @@ def test_a_stage_whose_function_is_gone_is_skipped_with_a_note() -> None:
     assert keys.parse_idempotency_key is original
 
 
-def test_bench_instructions_child_serves_every_counted_request_and_the_table_has_the_ratio() -> (
-    None
-):
+async def test_bench_instructions_child_serves_every_counted_request_and_the_table_has_the_ratio(
+    db_dsn: str,
+) -> None:
     """The child `bench.instructions` runs under valgrind serves its requests (201 each, or it
-    exits non-zero), here without valgrind; the table's share is (variant - bare) / bare."""
+    exits non-zero), here without valgrind, on PostgreSQL too; the table's share is
+    (variant - bare) / bare."""
     from bench.instructions import markdown
 
-    for variant in ("bare", "ours-memory"):
-        _bench("bench.instructions", "--child", variant, "20", "--counted")
+    for variant in ("bare", "ours-memory", "ours-tx", "ours-lease"):
+        run = uuid.uuid4().hex[:8]
+        _bench(
+            "bench.instructions",
+            "--child",
+            variant,
+            "20",
+            run,
+            "--counted",
+            **{"IDEM_BENCH_DSN": db_dsn},
+        )
     table = _rows(markdown({"bare": 400_000.0, "ours-memory": 500_000.0}, 20))
     assert "| +100,000 | 0.25x |" in table["ours-memory"], table

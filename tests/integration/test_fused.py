@@ -40,6 +40,7 @@ from tests.apps import (
     count,
     key,
     logged_pool,
+    one_route_app,
     records,
 )
 
@@ -63,9 +64,10 @@ async def logged(db_dsn: str) -> Any:
 
 
 def test_literals_quote_and_refuse() -> None:
-    # Text and bytes as hex only (tests/integration/test_sql_safety.py covers why).
-    assert _literal("o'brien") == "convert_from(decode('6f27627269656e', 'hex'), 'UTF8')"
-    assert _literal(b"\x00\xff") == "decode('00ff', 'hex')"
+    # Text dollar-quoted, or hex when it holds a `$`; bytes as hex (test_sql_safety.py: why).
+    assert _literal("o'brien") == "$v$o'brien$v$::text"
+    assert _literal("a$v$b") == "convert_from(decode('6124762462', 'hex'), 'UTF8')"
+    assert _literal(b"\x00\xff") == "$v$\\x00ff$v$::bytea"
     assert _literal(None) == "NULL"
     assert _literal(7) == "7"
     assert _literal(1.5) == "1.5"
@@ -145,13 +147,7 @@ async def savepoints(request: Request) -> Response:
 
 async def test_a_handler_savepoint_nests_inside_the_fast_path_transaction(logged: Any) -> None:
     pool, log = logged
-    app = Starlette(
-        routes=[Route("/savepoints", savepoints, methods=["POST"])],
-        middleware=[
-            Middleware(AuthenticationMiddleware, backend=BearerBackend()),
-            Middleware(IdempotencyMiddleware, store=PostgresStore(pool=pool)),
-        ],
-    )
+    app = one_route_app("/savepoints", savepoints, store=PostgresStore(pool=pool))
     async with client(app) as c:
         r = await c.post("/savepoints", json={}, headers=key("sp-1"))
     assert r.status_code == 201, r.text
@@ -231,16 +227,11 @@ async def fenced_credit(request: Request) -> Response:
 
 async def test_lease_fence_and_settlement_travel_with_begin_and_commit(logged: Any) -> None:
     pool, log = logged
-    app = Starlette(
-        routes=[Route("/fenced", fenced_credit, methods=["POST"])],
-        middleware=[
-            Middleware(AuthenticationMiddleware, backend=BearerBackend()),
-            Middleware(
-                IdempotencyMiddleware,
-                store=PostgresStore(pool=pool, listen=False),
-                default_policy=Policy(mode=Mode.LEASE),
-            ),
-        ],
+    app = one_route_app(
+        "/fenced",
+        fenced_credit,
+        store=PostgresStore(pool=pool, listen=False),
+        default_policy=Policy(mode=Mode.LEASE),
     )
     async with client(app) as c:
         r = await c.post("/fenced", json={}, headers=key("lease-1"))

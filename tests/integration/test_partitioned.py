@@ -10,6 +10,7 @@ partition, its tenant's. See docs/scaling.md.
 
 from __future__ import annotations
 
+import re
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -134,12 +135,15 @@ def _tenant(sent: Any) -> str:
     if sent.args:
         tenant: str = sent.args[0]
         return tenant
-    literal = sent.text.split("'")[1]
+    dollar = re.search(r"\$v\$([^$]*)\$v\$", sent.text)
+    quoted = sent.text.split("'")
+    if dollar is not None and (len(quoted) == 1 or dollar.start() < len(quoted[0])):
+        return dollar.group(1)  # the fast path dollar-quotes text without a `$`
     try:
-        # The fast path spells text as hex (convert_from(decode('..', 'hex'), 'UTF8')).
-        return bytes.fromhex(literal).decode()
+        # ... and spells other text as hex (convert_from(decode('..', 'hex'), 'UTF8')).
+        return bytes.fromhex(quoted[1]).decode()
     except ValueError:
-        return literal
+        return quoted[1]
 
 
 @pytest.fixture

@@ -51,6 +51,8 @@ def _kind(q: str) -> str:
         return "complete"
     if q.startswith("PREPARE"):
         return "prepare"
+    if q.startswith("SELECT inner_key, outer_key FROM idem_lock_secret"):
+        return "lock-secret"
     if q.startswith("SELECT nextval('idem_generation_seq')"):
         return "draw"
     if q.startswith("SELECT true AS found"):
@@ -86,8 +88,9 @@ async def test_fresh_claim_adds_two_statements_and_no_round_trip(logged: Any) ->
         # own), and prepares the fast statements on its connection in the message that claims
         # (5: the claim and the record's insert, the completion of a reclaimed expired record,
         # and lease mode's fence and settlement). No schema check: open() refuses an unmigrated
-        # database.
-        assert log.kinds()[:3] == ["BEGIN", "draw", "prepare+" * 5 + "claim-key"]
+        # database. This store was not opened (no lifespan), so its first claim reads the claim
+        # lock's secret first, once.
+        assert log.kinds()[:4] == ["lock-secret", "BEGIN", "draw", "prepare+" * 5 + "claim-key"]
         log.queries.clear()
         r = await _post(c, "fresh-2")
     assert first.status_code == r.status_code == 201
@@ -160,7 +163,8 @@ async def test_a_refused_token_is_refused_with_its_reason_by_the_claim_itself(
     the same statement: the refusal carries its reason, with no statement after the claim to
     ask why (there used to be two: the record's read and the token's status)."""
     pool, log = logged
-    store = PostgresStore(pool=pool)
+    store = await PostgresStore(pool=pool).open()  # reads the claim lock's secret
+    log.queries.clear()
     key = RecordKey("tenant-a", "POST /payouts", "not-a-token")
     if mode == "lease":
         claim = await store.claim_lease(

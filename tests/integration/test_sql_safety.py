@@ -16,15 +16,21 @@ from typing import Any
 import asyncpg
 import pytest
 from starlette.applications import Starlette
-from starlette.middleware import Middleware
-from starlette.middleware.authentication import AuthenticationMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
 
-from idem_middleware import IdempotencyMiddleware, Mode, Policy, PostgresStore, get_context
+from idem_middleware import Mode, Policy, PostgresStore, get_context
 from idem_middleware.store.postgres import _literal
-from tests.apps import BearerBackend, QueryLog, build_app, client, count, key, logged_pool, records
+from tests.apps import (
+    QueryLog,
+    build_app,
+    client,
+    count,
+    key,
+    logged_pool,
+    one_route_app,
+    records,
+)
 
 # The key of the report: with standard_conforming_strings off, `\'` ends the inlined literal and
 # the rest of the key became two statements committed with the record.
@@ -55,13 +61,7 @@ async def legacy_credit(request: Request) -> Response:
 
 
 def legacy_app(store: PostgresStore, mode: Mode) -> Starlette:
-    return Starlette(
-        routes=[Route("/legacy", legacy_credit, methods=["POST"])],
-        middleware=[
-            Middleware(AuthenticationMiddleware, backend=BearerBackend()),
-            Middleware(IdempotencyMiddleware, store=store, default_policy=Policy(mode=mode)),
-        ],
-    )
+    return one_route_app("/legacy", legacy_credit, store=store, default_policy=Policy(mode=mode))
 
 
 @pytest.fixture
@@ -93,13 +93,22 @@ async def test_a_handler_turning_standard_conforming_strings_off_injects_nothing
     assert (rec["tenant"], rec["idem_key"], rec["state"]) == ("tenant-a", idem_key, "succeeded")
 
 
-async def test_no_client_text_reaches_a_fast_message_outside_hex(logged: Any) -> None:
-    """Every quoted literal in every fast message is lower-case hex, and nothing of the key or
-    the tenant is spelled out anywhere in the message."""
+# A dollar-quoted literal as the fast path writes it: its text cannot hold a `$`.
+DOLLAR_QUOTED = re.compile(r"\$v\$[^$]*\$v\$")
+
+
+@pytest.mark.parametrize(
+    ("tenant", "idem_key"),
+    [("t'e\\n$$a;nt", "k'\\ey; -- $1"), ("t'e\\n;a -- nt", "k'\\ey; /* x")],
+    ids=["with-a-dollar", "without"],
+)
+async def test_client_text_reaches_a_fast_message_only_inside_a_literal_it_cannot_end(
+    logged: Any, tenant: str, idem_key: str
+) -> None:
+    """Outside the dollar-quoted literals (which hold no `$`), every quoted literal in every
+    fast message is lower-case hex, and nothing of the key or the tenant is spelled out."""
     pool, log = logged
-    tenant = "t'e\\n$$a;nt"
     app = build_app(PostgresStore(pool=pool), tenant_resolver=lambda scope: tenant)
-    idem_key = "k'\\ey; -- $1"
     async with client(app) as c:
         r = await c.post(
             "/accounts/a1/credits", json={"amount": 5}, headers=key(sf_string(idem_key))
@@ -108,45 +117,90 @@ async def test_no_client_text_reaches_a_fast_message_outside_hex(logged: Any) ->
     fast = [q for q in log.queries if "EXECUTE idem_" in q]
     assert len(fast) == 2  # the claim and the completion
     for message in fast:
-        assert tenant not in message
-        assert idem_key not in message
-        without_statements = message.split("EXECUTE", 1)[1]
-        for literal in re.findall(r"'[^']*'", without_statements):
+        rest = DOLLAR_QUOTED.sub("", message.split("EXECUTE", 1)[1])
+        assert tenant not in rest
+        assert idem_key not in rest
+        assert "$" not in rest
+        for literal in re.findall(r"'[^']*'", rest):
             assert re.fullmatch(r"'([0-9a-f]*|hex|UTF8)'", literal), (literal, message)
+        if "$" not in tenant:
+            assert f"$v${tenant}$v$" in message
     [rec] = await records(pool)
     assert (rec["tenant"], rec["idem_key"]) == (tenant, idem_key)
 
 
-def test_literals_of_text_and_bytes_are_hex_whatever_the_value() -> None:
-    for value in ("o'brien", "a\\b", "\\x41", "José", "東京", "$$", ""):
+TEXTS = ["o'brien", "a\\b", "\\x41", "José", "東京", "", "$$", "a$v", "$v$x", "end$", "--", "/*"]
+
+
+def test_text_is_dollar_quoted_without_a_dollar_inside_or_else_hex() -> None:
+    for value in TEXTS:
         literal = _literal(value)
-        assert re.fullmatch(r"convert_from\(decode\('[0-9a-f]*', 'hex'\), 'UTF8'\)", literal)
-    assert re.fullmatch(r"decode\('[0-9a-f]*', 'hex'\)", _literal(b"\x00'\\\xff"))
+        if "$" in value:
+            assert re.fullmatch(r"convert_from\(decode\('[0-9a-f]*', 'hex'\), 'UTF8'\)", literal)
+        else:
+            assert literal == f"$v${value}$v$::text"
+        assert re.fullmatch(
+            r"convert_from\(decode\('[0-9a-f]*', 'hex'\), 'UTF8'\)", _literal(value, False)
+        )
+    assert re.fullmatch(r"\$v\$\\x[0-9a-f]*\$v\$::bytea", _literal(b"\x00'\\\xff$v$"))
+    assert re.fullmatch(r"decode\('[0-9a-f]*', 'hex'\)", _literal(b"\x00'\\\xff", False))
     assert _literal(-7) == "(-7)"  # never glued to a preceding `-` into a comment
     assert _literal(-1.5) == "(-1.5)"
 
 
-async def test_hex_literals_mean_the_same_under_any_setting(pool: Any) -> None:
-    texts = ["o'brien", "a\\b", "\\x41", "José", "東京", ""]
-    data = b"\x00'\\\xff"
+async def test_literals_mean_the_same_under_any_setting(pool: Any) -> None:
+    """Under UTF-8 (the only client encoding the fast path writes dollar quotes in), with
+    backslash escapes on or off; in other encodings, the hex forms."""
+    data = b"\x00'\\\xff$v$"
     async with pool.acquire() as conn:
         for scs in ("on", "off"):
             for encoding in ("UTF8", "LATIN1", "SJIS"):
+                utf8 = encoding == "UTF8"
                 async with conn.transaction():
                     await conn.execute(f"SET LOCAL standard_conforming_strings = {scs}")
                     await conn.execute(f"SET LOCAL client_encoding = '{encoding}'")
                     # Compared as UTF-8 hex on the server: no client-side decoding plays a part.
-                    for text in texts:
+                    for text in TEXTS:
                         got = await conn.fetchval(
-                            f"SELECT encode(convert_to({_literal(text)}, 'UTF8'), 'hex')"
+                            f"SELECT encode(convert_to({_literal(text, utf8)}, 'UTF8'), 'hex')"
                         )
                         assert got == text.encode().hex(), (scs, encoding, text)
-                    got = await conn.fetchval(f"SELECT encode({_literal(data)}, 'hex')")
+                    got = await conn.fetchval(f"SELECT encode({_literal(data, utf8)}, 'hex')")
                     assert got == data.hex()
                     assert await conn.fetchval(
                         f"SELECT {_literal(-7)} = -7 AND 1-{_literal(-7)} = 8"
                     )
                     assert await conn.fetchval(f"SELECT {_literal(-1.5)}::float8 = -1.5::float8")
+
+
+async def latin1_credit(request: Request) -> Response:
+    """A handler that switches its connection to LATIN1 before the completion is written."""
+    ctx = get_context(request)
+    await ctx.connection.execute("SET LOCAL client_encoding = 'LATIN1'")
+    await ctx.connection.execute(
+        "INSERT INTO test_accounts (tenant, account_id, balance) VALUES ('t', 'latin1', 5)"
+    )
+    return JSONResponse({"city": "Zürich"}, status_code=201)
+
+
+async def test_a_completion_after_the_handler_left_utf8_is_written_in_hex(logged: Any) -> None:
+    """The tenant `東京` has no LATIN1 bytes: written dollar-quoted in the handler's encoding
+    the completion would fail; in hex it is stored exactly, and replayed."""
+    pool, log = logged
+    app = one_route_app(
+        "/latin1", latin1_credit, store=PostgresStore(pool=pool), tenant_resolver=lambda s: "東京"
+    )
+    async with client(app) as c:
+        first = await c.post("/latin1", json={}, headers={**key("k-latin1")})
+        again = await c.post("/latin1", json={}, headers={**key("k-latin1")})
+    assert first.status_code == 201, first.text
+    assert again.headers.get("idempotent-replayed") == "true"
+    assert again.json() == {"city": "Zürich"}
+    completion = [q for q in log.queries if "EXECUTE idem_insert_final" in q]
+    [message] = completion
+    assert "$v$" not in message
+    [rec] = await records(pool)
+    assert (rec["tenant"], rec["state"]) == ("東京", "succeeded")
 
 
 async def test_a_key_that_reads_as_a_literal_escape_under_legacy_settings(logged: Any) -> None:

@@ -12,6 +12,7 @@ from ...errors import ClaimBusy, ClaimTimeout, RetryableConflict, StoreError
 from ..base import Claim, Claimed, Existing, RecordKey, Settlement, State, StoredResponse
 from . import compat
 from .claim import claim
+from .claim_lock import ClaimLocks
 from .convert import (
     _Q,
     CONNECTION_ERRORS,
@@ -49,13 +50,15 @@ class PgTransaction:
         "_fast",
         "_fused",
         "_give_back",
+        "_locks",
         "_pool",
         "_tx",
         "lent",
     )
 
-    def __init__(self, conn: Any, fast: FastPath | None) -> None:
+    def __init__(self, conn: Any, fast: FastPath | None, locks: ClaimLocks) -> None:
         self._conn = conn
+        self._locks = locks  # the store's: computes each key's claim lock
         # Set by the store: ends the session and returns the connection to the pool (once).
         self._give_back: Callable[[PgTransaction, Any, Any], Awaitable[None]] | None = None
         self._pool: Any = None  # the pool the connection came from
@@ -164,9 +167,13 @@ class PgTransaction:
         )
         timeout = max(wait_seconds, _MIN_STATEMENT_TIMEOUT)
         try:
+            locks = self._locks
+            if not locks.loaded:
+                await locks.load(self._conn)  # the store's `open` could not reach the server
+            lock = locks.of(key)
             if self._tx is None:
                 if self._fast is not None and token_hash is None:
-                    claimed = await self._fast.begin_and_claim(self, key, timeout)
+                    claimed = await self._fast.begin_and_claim(self, key, lock, timeout)
                     if claimed is not None:
                         self._deferred = (fingerprint, retention_seconds)
                         return claimed
@@ -180,7 +187,7 @@ class PgTransaction:
                         record = to_record(key, row)
                         if not record.expired:
                             return Existing(record)
-            await self._lock_key(key, timeout)
+            await self._lock_key(key, lock, timeout)
             return await claim(self._conn, key, args, token_hash, timeout)
         except ClaimBusy:
             await self.rollback()
@@ -193,13 +200,14 @@ class PgTransaction:
     async def _lock_key(
         self,
         key: RecordKey,
+        lock: int,
         timeout: float,  # noqa: ASYNC109 - asyncpg's own per-statement timeout
     ) -> None:
         """The ordinary path's claim takes the key's advisory lock too (without waiting), so
         its INSERT never queues behind another transaction's uncommitted claim of the key. (A
         lock this transaction holds already is taken again: advisory locks nest.)"""
         found = await self._conn.fetchval(
-            _Q["claim_key_count"], key.tenant, key.operation, key.key, timeout=timeout
+            _Q["claim_key_count"], key.tenant, key.operation, key.key, lock, timeout=timeout
         )
         if found == 2:
             raise ClaimBusy("another transaction is claiming this key")

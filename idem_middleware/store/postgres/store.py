@@ -22,6 +22,7 @@ from ..base import (
 )
 from ..migrations import require_migrated
 from .claim import claim
+from .claim_lock import ClaimLocks
 from .convert import (
     _Q,
     ACQUIRE_ERRORS,
@@ -75,6 +76,7 @@ class PostgresStore(OffPathStatements):
             enabled=listen, connect=self._listen_connection, release=self._release
         )
         self._fast = FastPath() if fast_path else None
+        self._locks = ClaimLocks()
         self._pool_kwargs: dict[str, Any] = {
             "min_size": min_size,
             "max_size": max_size,
@@ -109,6 +111,7 @@ class PostgresStore(OffPathStatements):
         try:
             async with self._internal() as conn:
                 await require_migrated(conn)
+                await self._locks.load(conn)
         except ACQUIRE_ERRORS as exc:
             logger.warning("cannot check the idempotency schema now: %s", exc)
         except BaseException:
@@ -137,7 +140,7 @@ class PostgresStore(OffPathStatements):
             conn = await pool.acquire(timeout=acquire_timeout)
         except ACQUIRE_ERRORS as exc:
             raise StoreError(f"no database connection: {type(exc).__name__}") from exc
-        session = PgTransaction(conn, self._fast)
+        session = PgTransaction(conn, self._fast, self._locks)
         session._give_back = self._give_back
         session._pool = pool
         try:
