@@ -90,6 +90,10 @@ HOSTILE_KEYS = [
     "x''y",
     "'); DROP TABLE idem_requests; --",
     "\\x41",
+    # Against the dollar quotes: a `$` sends the value as hex instead.
+    "$v$); DROP TABLE idem_requests; --",
+    "ends in $v",
+    "$$",
 ]
 
 

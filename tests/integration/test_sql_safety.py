@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import random
 import re
 from typing import Any
 
@@ -171,6 +172,26 @@ async def test_literals_mean_the_same_under_any_setting(pool: Any) -> None:
                         f"SELECT {_literal(-7)} = -7 AND 1-{_literal(-7)} = 8"
                     )
                     assert await conn.fetchval(f"SELECT {_literal(-1.5)}::float8 = -1.5::float8")
+
+
+#: The characters that matter to a quoted or dollar-quoted literal, and some that do not.
+TRICKY = ["$", "v", "$v", "$v$", "'", "\\", ";", "-", "/", "*", "E", "x", "é", "東", "🙂", "\n"]
+
+
+async def test_any_text_reads_back_the_same_from_its_literal(pool: Any) -> None:
+    """2,000 texts built from the characters that could end or bend a literal, read back through
+    their literals under both `standard_conforming_strings` settings."""
+    rng = random.Random(7)
+    texts = ["".join(rng.choices(TRICKY, k=rng.randint(0, 12))) for _ in range(2000)]
+    assert any("$" not in t for t in texts)
+    assert any("$v" in t for t in texts)
+    array = "ARRAY[" + ", ".join(_literal(t) for t in texts) + "]::text[]"
+    async with pool.acquire() as conn:
+        for scs in ("on", "off"):
+            async with conn.transaction():
+                await conn.execute(f"SET LOCAL standard_conforming_strings = {scs}")
+                got = await conn.fetchval(f"SELECT {array}")
+            assert got == texts, scs
 
 
 async def latin1_credit(request: Request) -> Response:
