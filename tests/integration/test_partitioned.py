@@ -135,15 +135,15 @@ def _tenant(sent: Any) -> str:
     if sent.args:
         tenant: str = sent.args[0]
         return tenant
-    dollar = re.search(r"\$v\$([^$]*)\$v\$", sent.text)
-    quoted = sent.text.split("'")
-    if dollar is not None and (len(quoted) == 1 or dollar.start() < len(quoted[0])):
-        return dollar.group(1)  # the fast path dollar-quotes text without a `$`
+    # The fast path's first literal: dollar-quoted text, or hex the server decodes.
+    first = re.search(r"\$v\$([^$]*)\$v\$|'([^']*)'", sent.text)
+    assert first is not None, sent.text
+    if first.group(1) is not None:
+        return first.group(1)
     try:
-        # ... and spells other text as hex (convert_from(decode('..', 'hex'), 'UTF8')).
-        return bytes.fromhex(quoted[1]).decode()
+        return bytes.fromhex(first.group(2)).decode()
     except ValueError:
-        return quoted[1]
+        return first.group(2)
 
 
 @pytest.fixture

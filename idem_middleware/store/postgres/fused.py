@@ -185,9 +185,7 @@ _MISSED = asyncpg.exceptions.DivisionByZeroError
 def _execute(name: str, args: Sequence[Any], utf8: bool = True) -> str:
     """`EXECUTE name (literals)`: what `_inline` would make of `EXECUTE name ($1, ...)`, without
     the regular expression (this runs twice per request)."""
-    if utf8:
-        return f"EXECUTE {name} (" + ", ".join(map(_literal, args)) + ")"
-    return f"EXECUTE {name} (" + ", ".join([_literal(a, False) for a in args]) + ")"
+    return f"EXECUTE {name} (" + ", ".join([_literal(a, utf8) for a in args]) + ")"
 
 
 class FusingSession(Protocol):
