@@ -63,7 +63,6 @@ STAGES: dict[str, tuple[tuple[str, str], ...]] = {
         ("idem_middleware.transactional", "leave_context"),
     ),
     "disconnect watch": (
-        ("idem_middleware.transactional", "_Attempt._run_handler"),
         ("idem_middleware.delayed", "Delayed.add"),
         ("idem_middleware.delayed", "Delayed.discard"),
     ),

@@ -59,10 +59,14 @@ class ResponseCapture:
         kind = message["type"]
         if kind == "http.response.start":
             self.start = message
-            content_type = b""
-            for name, value in message.get("headers", ()):
-                if name == b"content-type":
-                    content_type = value  # the last one, as a dict of the headers would have it
+            headers = message.get("headers", ())
+            if type(headers) is list:
+                content_type = dict(headers).get(b"content-type", b"")  # the last one
+            else:
+                content_type = b""
+                for name, value in headers:
+                    if name == b"content-type":
+                        content_type = value  # the last one, as the dict above has it
             if content_type.startswith(b"text/event-stream"):
                 await self._go_passthrough("streaming", more_body=True)
             return

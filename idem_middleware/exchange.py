@@ -39,12 +39,28 @@ _PROBLEM_EVENTS = {
 }
 
 
+def header_map(headers: Any) -> dict[bytes, bytes] | None:
+    """A request's headers by name, built in C, when they are a list of lower-case names in
+    which no name repeats (as ASGI servers send them); None otherwise: then each reader scans
+    the list as before, finding the first of each and a name repeated in another case."""
+    if type(headers) is not list:
+        return None  # an ASGI server may pass any iterable: it is not consumed here
+    try:
+        by_name = dict(headers)
+        if len(by_name) == len(headers) and b"".join(by_name).islower():
+            return by_name
+    except (TypeError, ValueError):
+        pass  # not pairs of bytes: the readers' scans report it as they always did
+    return None
+
+
 class Exchange:
     """Everything per request lives here, never on the middleware."""
 
     __slots__ = (
         "body",
         "body_delivered",
+        "by_name",
         "disconnected",
         "match",
         "mw",
@@ -68,8 +84,10 @@ class Exchange:
         match: RouteMatch,
         policy: Policy,
         operation: str,
+        by_name: dict[bytes, bytes] | None = None,
     ) -> None:
         self.mw = mw
+        self.by_name = by_name  # the headers by name (`header_map`), or None: scan them
         self.scope = scope
         self.receive = receive
         self.send = send
@@ -98,7 +116,7 @@ class Exchange:
         policy = self.policy
         try:
             if policy.key_source is None:
-                key = parse_idempotency_key(self.scope["headers"])
+                key = parse_idempotency_key(self.scope["headers"], self.by_name)
             else:
                 key = await take_key(self, policy.key_source)
             key_error = None
@@ -243,13 +261,18 @@ class Exchange:
         """The Content-Type, and the whole request body (capped by the policy); None for the
         body if the client left first."""
         cap = self.policy.max_body_bytes
-        content_type = declared = None
-        for name, value in self.scope["headers"]:  # the first of each
-            if name == b"content-type":
-                if content_type is None:
-                    content_type = value
-            elif name == b"content-length" and declared is None:
-                declared = value
+        by_name = self.by_name
+        if by_name is not None:
+            content_type = by_name.get(b"content-type")
+            declared = by_name.get(b"content-length")
+        else:
+            content_type = declared = None
+            for name, value in self.scope["headers"]:  # the first of each
+                if name == b"content-type":
+                    if content_type is None:
+                        content_type = value
+                elif name == b"content-length" and declared is None:
+                    declared = value
         if declared is not None:
             # HTTP's 1*DIGIT, nothing else (int() would also take "+5", " 7" or "1_000").
             if not declared.isdigit():

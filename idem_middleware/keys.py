@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from .errors import ProblemKind, RequestRejected
 
@@ -29,8 +29,18 @@ _MALFORMED = "The Idempotency-Key header is not a valid structured-field string.
 _BAD_KEY = f"The Idempotency-Key must be 1 to {MAX_KEY_LENGTH} printable ASCII characters."
 
 
-def parse_idempotency_key(headers: Sequence[tuple[bytes, bytes]]) -> str | None:
-    """Return the key from raw ASGI headers, None when absent; RequestRejected when invalid."""
+def parse_idempotency_key(
+    headers: Sequence[tuple[bytes, bytes]], by_name: Mapping[bytes, bytes] | None = None
+) -> str | None:
+    """Return the key from raw ASGI headers, None when absent; RequestRejected when invalid.
+
+    `by_name`: the same headers as a mapping, when no name is repeated in them (see
+    `exchange.header_map`): a lookup then replaces the scan."""
+    if by_name is not None:
+        found = by_name.get(_HEADER_NAME)
+        if found is not None:
+            return parse_key_value(found)
+        # Absent under its lower-case name: a hand-built scope may spell it otherwise.
     raw: bytes | None = None
     for name, value in headers:
         # ASGI servers lower-case names, but a hand-built scope may not; the length test

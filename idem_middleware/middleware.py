@@ -14,7 +14,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .context import SCOPE_KEY
 from .errors import ConfigurationError, ProblemKind
-from .exchange import Exchange
+from .exchange import Exchange, header_map
 from .observe import Observer, combine
 from .policy import (
     MIDDLEWARE_ACTIVE,
@@ -151,7 +151,9 @@ class IdempotencyMiddleware:
                 await self.app(scope, receive, send)
                 return
             app = scope.get("app")
-            cache_key = (app, method, scope.get("root_path", ""), scope["path"], _host(scope))
+            by_name = header_map(scope["headers"])
+            host = _host(scope) if by_name is None else by_name.get(b"host")
+            cache_key = (app, method, scope.get("root_path", ""), scope["path"], host)
             guarded = self._routes.get(cache_key)
             if guarded is None:
                 resolved = self._resolve(app, method, scope)
@@ -168,7 +170,7 @@ class IdempotencyMiddleware:
             if self.tenants.unidentifiable(scope, allow_anonymous=policy.allow_anonymous):
                 await self._misconfigured(send, "The server cannot identify the caller.")
                 return
-            await Exchange(self, scope, receive, send, match, policy, operation).run()
+            await Exchange(self, scope, receive, send, match, policy, operation, by_name).run()
         finally:
             MIDDLEWARE_ACTIVE.reset(active)
 

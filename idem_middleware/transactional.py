@@ -107,7 +107,14 @@ async def run_transactional(
 
 
 class _Attempt:
-    """One run of claim, handler and outcome inside one database transaction."""
+    """One run of claim, handler and outcome inside one database transaction.
+
+    The handler runs in the request's task. A client that disconnects while it runs cancels it
+    (its writes roll back with the claim). The client is watched only once the handler has run
+    `DISCONNECT_WATCH_AFTER` seconds (`due`, called by one timer shared by all requests): a
+    watch is a task of its own, and most handlers are done sooner. A client that leaves a
+    quicker handler finds its outcome committed, and replayed to its retry.
+    """
 
     __slots__ = (
         "capture",
@@ -121,6 +128,7 @@ class _Attempt:
         "task",
         "timed_claim",
         "tx",
+        "uncancelled",
         "watcher",
     )
 
@@ -135,11 +143,12 @@ class _Attempt:
         self.context: IdempotencyContext | None = None
         self.claimed = False
         self.capture = ResponseCapture(ex.send, ex.policy.max_response_bytes, self._settle_early)
-        # The handler's run and its client's watch (see _run_handler).
+        # The handler's run and its client's watch (see the class's docstring).
         self.task: asyncio.Task[Any] | None = None
         self.watcher: asyncio.Task[None] | None = None
         self.running = False
         self.gone = False
+        self.uncancelled = False
 
     async def run(self) -> Answer | None:
         ex = self.ex
@@ -179,7 +188,26 @@ class _Attempt:
                 ex.emit(Event.CLAIMED, claim.generation)
                 token = enter_context(ex.scope, self.context)
                 try:
-                    await self._run_handler()
+                    # The handler runs in this task, not in a coroutine of its own: every await
+                    # of a handler passes through each frame between it and the task.
+                    task = self.task = asyncio.current_task()
+                    assert task is not None
+                    # The app's receive() after its body waits for the watch's verdict.
+                    ex.watched = self.running = True
+                    _WATCH.add(self)
+                    try:
+                        await ex.mw.app(ex.scope, ex.app_receive, self.capture)
+                    except asyncio.CancelledError:
+                        if not self._cancelled_by_watch(task):
+                            raise
+                    finally:
+                        self.running = ex.watched = False
+                        ex.disconnected = None
+                        _WATCH.discard(self)
+                        if self.watcher is not None:
+                            self.watcher.cancel()
+                    if self.gone:
+                        self._client_gone(task)
                 except BaseException as exc:
                     # Clean up, then re-raise: abandoning the transaction releases the key.
                     await tx.abandon()
@@ -206,44 +234,21 @@ class _Attempt:
             if self.claimed:
                 ex.mw.waiters.wake(record_key)
 
-    async def _run_handler(self) -> None:
-        """Run the app in this task. A client that disconnects while it runs cancels it (its
-        writes roll back with the claim).
-
-        The client is watched only once the handler has run `DISCONNECT_WATCH_AFTER` seconds
-        (`due`, called by one timer shared by all requests): a watch is a task of its own, and
-        most handlers are done sooner. A client that leaves a quicker handler finds its outcome
-        committed, and replayed to its retry.
-        """
-        ex = self.ex
-        task = self.task = asyncio.current_task()
-        assert task is not None
-        ex.watched = True  # the app's receive() after the body waits for the watch's verdict
-        self.running = True
-        _WATCH.add(self)
-        uncancelled = False
-        try:
-            await ex.mw.app(ex.scope, ex.app_receive, self.capture)
-        except asyncio.CancelledError:
-            # Ours (the client left) unless someone else cancelled too (server shutdown).
-            if not self.gone:
-                raise
-            uncancelled = True
-            if task.uncancel() > 0:
-                raise
-        finally:
-            self.running = ex.watched = False
-            ex.disconnected = None
-            _WATCH.discard(self)
-            if self.watcher is not None:
-                self.watcher.cancel()
+    def _cancelled_by_watch(self, task: asyncio.Task[Any]) -> bool:
+        """The handler was cancelled: whether only by the client watch (then `_client_gone`
+        reports it), not by someone else too (server shutdown: the cancellation goes on)."""
         if not self.gone:
-            return
-        if not uncancelled:
+            return False
+        self.uncancelled = True
+        return task.uncancel() == 0
+
+    def _client_gone(self, task: asyncio.Task[Any]) -> None:
+        """The client left while the handler ran: ClientGone (the claim and the handler's
+        writes roll back), unless the response was streaming already (its outcome is settled)."""
+        if not self.uncancelled:
             task.uncancel()  # the handler swallowed our cancellation and returned
-        if self.capture.passthrough:
-            return  # it was already streaming: the outcome is settled
-        raise ClientGone
+        if not self.capture.passthrough:
+            raise ClientGone
 
     def due(self) -> None:
         """The handler has run `DISCONNECT_WATCH_AFTER` seconds: watch its client."""

@@ -97,3 +97,20 @@ async def test_after_close_a_late_settle_is_refused() -> None:
     with pytest.raises(RuntimeError, match="after the request ended"):
         await capture(body(b"too late"))
     assert r.settled == []
+
+
+@pytest.mark.parametrize("as_list", [True, False])
+async def test_the_last_content_type_decides_whether_a_response_streams(as_list: bool) -> None:
+    """Response headers as a list are read through a dict (built in C), any other iterable by
+    a scan: either way the last Content-Type counts, as a dict of the headers would have it."""
+    for types, streams in (
+        ((b"text/event-stream", b"a/b"), False),
+        ((b"a/b", b"text/event-stream; charset=utf-8"), True),
+    ):
+        headers = [(b"content-type", t) for t in types] + [(b"x-a", b"1")]
+        r = Recorder()
+        capture = ResponseCapture(r.send, 100, r.settle_early)
+        start = {**START, "headers": headers if as_list else tuple(headers)}
+        await capture(start)
+        assert capture.passthrough is streams
+        assert r.settled == (["streaming"] if streams else [])
