@@ -21,9 +21,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from idem_middleware import Mode, Policy, PostgresStore, get_context
-from idem_middleware.errors import NotFusable
 from idem_middleware.store.postgres import _literal
-from idem_middleware.store.postgres.fused import _execute
 from tests.apps import (
     QueryLog,
     build_app,
@@ -194,41 +192,6 @@ async def test_any_text_reads_back_the_same_from_its_literal(pool: Any) -> None:
                 await conn.execute(f"SET LOCAL standard_conforming_strings = {scs}")
                 got = await conn.fetchval(f"SELECT {array}")
             assert got == texts, scs
-
-
-def test_a_fast_message_quotes_every_value_as_literal_does() -> None:
-    """`_execute` dollar-quotes plain ASCII text itself (no call per value): every value, tricky
-    or not, must come out exactly as `_literal` writes it, or be refused as it refuses it."""
-    rng = random.Random(7)
-    values: list[Any] = [
-        "".join(rng.choices([*TRICKY, "\x00"], k=rng.randint(0, 8))) for _ in range(500)
-    ]
-    values += [
-        "",
-        "plain",
-        "a$b",
-        "\x00",
-        "nul\x00",
-        "é",
-        "\ud800",
-        b"",
-        b"$v$\x00",
-        0,
-        -5,
-        1.5,
-        None,
-        True,
-    ]
-    for utf8 in (True, False):
-        for value in values:
-            try:
-                expected = f"EXECUTE n ({_literal(value, utf8)})"
-            except NotFusable:
-                with pytest.raises(NotFusable):
-                    _execute("n", [value], utf8)
-                continue
-            assert _execute("n", [value], utf8) == expected, value
-    assert _execute("n", ["a", 1, b"b"]) == "EXECUTE n ($v$a$v$::text, 1, $v$\\x62$v$::bytea)"
 
 
 async def latin1_credit(request: Request) -> Response:

@@ -184,18 +184,8 @@ _MISSED = asyncpg.exceptions.DivisionByZeroError
 
 def _execute(name: str, args: Sequence[Any], utf8: bool = True) -> str:
     """`EXECUTE name (literals)`: what `_inline` would make of `EXECUTE name ($1, ...)`, without
-    the regular expression (this runs twice per request, on about fifteen values). ASCII text
-    with neither `$` nor NUL, most of them, is dollar-quoted here as `_literal` would quote it,
-    without a call per value; everything else is `_literal`'s."""
-    if not utf8:
-        return f"EXECUTE {name} (" + ", ".join([_literal(a, False) for a in args]) + ")"
-    literals = [
-        "$v$" + a + "$v$::text"
-        if type(a) is str and a.isascii() and "$" not in a and "\x00" not in a
-        else _literal(a)
-        for a in args
-    ]
-    return f"EXECUTE {name} (" + ", ".join(literals) + ")"
+    the regular expression (this runs twice per request)."""
+    return f"EXECUTE {name} (" + ", ".join([_literal(a, utf8) for a in args]) + ")"
 
 
 class FusingSession(Protocol):
