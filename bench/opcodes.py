@@ -33,10 +33,10 @@ from types import FrameType
 from typing import Any
 
 from .app import create_app
+from .asgi import VARIANTS
 from .cpu import drive
 from .db import EmbeddedPostgres, database_name, prepare_database
 
-VARIANTS = ("bare", "ours-memory", "ours-tx", "ours-lease")
 _PACKAGE = str(Path(__file__).resolve().parent.parent / "idem_middleware")
 Where = tuple[str, int, str]  # file, first line, function
 
