@@ -73,8 +73,12 @@ def _scope(path: str, key: str) -> dict[str, Any]:
     }
 
 
-async def drive(app: Any, n: int, prefix: str, concurrency: int) -> dict[int, int]:
-    """n fresh-key credits, `concurrency` at a time; the status codes counted."""
+async def drive(
+    app: Any, n: int, prefix: str, concurrency: int, accounts: int = 100
+) -> dict[int, int]:
+    """n fresh-key credits, `concurrency` at a time; the status codes counted. The paths name
+    `accounts` accounts in turn (the benchmark credits 100); 0: a new account in every path, as
+    an API whose paths carry fresh ids (no route cache can hold them)."""
     gate = asyncio.Semaphore(concurrency)
     statuses: dict[int, int] = {}
 
@@ -95,7 +99,8 @@ async def drive(app: Any, n: int, prefix: str, concurrency: int) -> dict[int, in
             async def send(message: dict[str, Any]) -> None:
                 sent.append(message)
 
-            await app(_scope(f"/accounts/acct-{i % 100}/credits", f"{prefix}-{i}"), receive, send)
+            account = f"acct-{i % accounts}" if accounts else f"acct-{prefix}-{i}"
+            await app(_scope(f"/accounts/{account}/credits", f"{prefix}-{i}"), receive, send)
             status = sent[0]["status"]
             statuses[status] = statuses.get(status, 0) + 1
 

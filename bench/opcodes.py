@@ -1,7 +1,9 @@
 """Python bytecodes per request, counted per function: where the middleware's own work goes.
 
 `python -m bench.opcodes [--requests 300] [--concurrency 32] [--variants bare,ours-memory,ours-tx]
-[--gc-requests 3000] [--top 25] [--dsn URL]` (`--dsn`: a server where it may create databases)
+[--gc-requests 3000] [--top 25] [--accounts 100] [--dsn URL]` (`--dsn`: a server where it may
+create databases; `--accounts 0`: a new account id in every request's path, so the middleware's
+route cache never hits)
 
 Drives the benchmark's apps (`bench.app`: the handler writes to PostgreSQL, bearer
 authentication in front) in-process as `bench.cpu` does, fresh keys, `--concurrency` requests in
@@ -83,10 +85,10 @@ def short(where: Where) -> str:
 
 
 async def _count(
-    app: Any, requests: int, concurrency: int, gc_requests: int, run: str
+    app: Any, requests: int, concurrency: int, gc_requests: int, run: str, accounts: int
 ) -> tuple[Counts, float]:
     async with app.router.lifespan_context(app):
-        await drive(app, min(300, requests), f"{run}-warm", concurrency)
+        await drive(app, min(300, requests), f"{run}-warm", concurrency, accounts)
         # The garbage collector's passes, untraced (tracing changes what is allocated).
         passes: Counter[int] = Counter()
 
@@ -96,11 +98,11 @@ async def _count(
 
         gc.callbacks.append(on_gc)
         try:
-            await drive(app, gc_requests, f"{run}-gc", concurrency)
+            await drive(app, gc_requests, f"{run}-gc", concurrency, accounts)
         finally:
             gc.callbacks.remove(on_gc)
         with Counts() as counts:
-            await drive(app, requests, f"{run}-counted", concurrency)
+            await drive(app, requests, f"{run}-counted", concurrency, accounts)
     return counts, sum(passes.values()) * 1000 / gc_requests
 
 
@@ -113,7 +115,7 @@ async def measure(args: argparse.Namespace, variants: list[str]) -> str:
             app = create_app(v, await prepare_database(dsn, database_name(db) + "_ops"), 20)
             app.state.variant = v
             results[v] = await _count(
-                app, args.requests, args.concurrency, args.gc_requests, f"ops-{v}"
+                app, args.requests, args.concurrency, args.gc_requests, f"ops-{v}", args.accounts
             )
             print(f"{v}: counted", file=sys.stderr, flush=True)
     return markdown(results, args.requests, args.top)
@@ -177,16 +179,26 @@ def main(argv: list[str] | None = None) -> int:
         "--gc-requests", type=int, default=3000, help="untraced requests for the GC's passes"
     )
     p.add_argument("--top", type=int, default=25, help="the middleware's functions listed")
+    p.add_argument(
+        "--accounts",
+        type=int,
+        default=100,
+        help="accounts the paths name in turn; 0: a new one in every path (route cache misses)",
+    )
     p.add_argument("--dsn", help="a PostgreSQL server to use (default: an embedded one)")
     args = p.parse_args(argv)
     variants = [v for v in args.variants.split(",") if v]
     if (
         args.requests < 1
         or args.gc_requests < 1
+        or args.accounts < 0
         or not variants
         or not set(variants) <= set(VARIANTS)
     ):
-        p.error(f"--requests must be at least 1 and --variants among {', '.join(VARIANTS)}")
+        p.error(
+            "--requests must be at least 1, --accounts at least 0, and --variants among "
+            + ", ".join(VARIANTS)
+        )
     try:
         import uvloop
 

@@ -24,6 +24,53 @@ _CONVERTER = re.compile(r":\w+}")
 _MAX_WRAPPERS = 32
 
 
+def _plain_matches() -> frozenset[Any]:
+    """The `matches` of Starlette's `Route` and FastAPI's `APIRoute`: a route of a class that
+    keeps one of them (not a subclass with its own, which may take other methods) answers a
+    method outside its `methods` with PARTIAL at best, so `match_route` need not ask it."""
+    found: set[Any] = {Route.matches}
+    try:
+        from fastapi.routing import APIRoute
+    except ImportError:  # pragma: no cover - FastAPI is optional
+        pass
+    else:
+        found.add(APIRoute.matches)
+    return frozenset(found)
+
+
+_PLAIN_MATCHES = _plain_matches()
+#: Per list of routes and method: the routes a request with that method can match FULL, in order.
+_CANDIDATES: dict[tuple[int, str], tuple[Sequence[BaseRoute], int, tuple[BaseRoute, ...]]] = {}
+
+
+def _candidates(routes: Sequence[BaseRoute], scope: Scope) -> Sequence[BaseRoute]:
+    """`routes` less those that can only answer the request's method with PARTIAL: routes of a
+    class that matches as Starlette's `Route` does (`_PLAIN_MATCHES`) whose `methods` exclude
+    it. Worked out once per list and method (again if the list's length changes); under
+    FastAPI's included routers (a "fastapi" entry in the scope, which can make an `APIRoute`
+    match as its included copy) every route is asked."""
+    method = scope.get("method")
+    if len(routes) < 2 or not isinstance(method, str) or "fastapi" in scope:
+        return routes
+    cache_key = (id(routes), method)
+    cached = _CANDIDATES.get(cache_key)
+    if cached is not None and cached[0] is routes and cached[1] == len(routes):
+        return cached[2]
+    kept = tuple(
+        route
+        for route in routes
+        if not (
+            (methods := getattr(route, "methods", None))
+            and method not in methods
+            and type(route).matches in _PLAIN_MATCHES
+        )
+    )
+    if len(_CANDIDATES) >= 1024:
+        _CANDIDATES.clear()  # lists made and dropped at run time: start over
+    _CANDIDATES[cache_key] = (routes, len(routes), kept)
+    return kept
+
+
 @dataclass(frozen=True, slots=True)
 class Unresolved:
     """The request reaches a route the middleware cannot name (a custom route class without a
@@ -110,8 +157,9 @@ def match_route(
 
     Only a FULL match counts: a path whose route rejects the method is the app's 405, not ours.
     None: nothing matches, or the request goes to an application whose routes cannot be seen.
+    Routes whose methods exclude the request's are not asked (`_candidates`).
     """
-    for route in routes:
+    for route in _candidates(routes, scope):
         match, child = route.matches(scope)
         if match is not Match.FULL:
             continue

@@ -109,3 +109,62 @@ def test_walk_lists_every_route_in_router_order() -> None:
     (custom,) = walk([CustomRoute()])
     assert isinstance(custom, Hidden)
     assert custom.unresolvable
+
+
+class OverrideRoute(Route):
+    """A route class with its own `matches` that takes POST for a GET route (a method-override
+    convention): it must still be asked, whatever its `methods` say."""
+
+    def matches(self, scope: Any) -> tuple[Match, dict[str, Any]]:
+        match, child = super().matches({**scope, "method": "GET"})
+        return match, child
+
+
+def test_a_route_class_with_its_own_matches_is_asked_whatever_its_methods() -> None:
+    routes = [
+        Route("/pay", endpoint, methods=["GET"]),
+        OverrideRoute("/pay", endpoint, methods=["GET"]),
+    ]
+    match = match_route(routes, http("/pay"))
+    assert isinstance(match, RouteMatch)
+    assert match.template == "/pay"
+
+
+def test_routes_of_other_methods_are_not_asked() -> None:
+    """A miss of the middleware's route cache (a path with a fresh id) asks only the routes that
+    can take the request's method; the others could only answer PARTIAL."""
+    asked: list[str] = []
+
+    def spy(route: Route) -> Route:
+        plain = route.matches
+
+        def matches(scope: Any) -> tuple[Match, dict[str, Any]]:
+            asked.append(route.path)
+            return plain(scope)
+
+        route.matches = matches  # type: ignore[method-assign]
+        return route
+
+    routes: list[BaseRoute] = [
+        spy(Route("/docs", endpoint, methods=["GET"])),
+        spy(Route("/pay/{id}", endpoint, methods=["GET"])),
+        spy(Route("/other", endpoint, methods=["POST"])),
+        spy(Route("/pay/{id}", endpoint, methods=["POST"])),
+    ]
+    match = match_route(routes, http("/pay/7"))
+    assert isinstance(match, RouteMatch) and match.path_params == {"id": "7"}
+    assert asked == ["/other", "/pay/{id}"]
+    asked.clear()
+    assert match_route(routes, http("/pay/7", method="DELETE")) is None, "the app's 405"
+    assert asked == []
+
+
+def test_a_route_added_to_the_list_is_found_by_the_next_request() -> None:
+    routes: list[BaseRoute] = [
+        Route("/a", endpoint, methods=["POST"]),
+        Route("/x", endpoint, methods=["GET"]),
+    ]
+    assert match_route(routes, http("/b")) is None
+    routes.append(Route("/b", endpoint, methods=["POST"]))
+    match = match_route(routes, http("/b"))
+    assert isinstance(match, RouteMatch) and match.template == "/b"
