@@ -152,7 +152,8 @@ def test_routes_of_other_methods_are_not_asked() -> None:
         spy(Route("/pay/{id}", endpoint, methods=["POST"])),
     ]
     match = match_route(routes, http("/pay/7"))
-    assert isinstance(match, RouteMatch) and match.path_params == {"id": "7"}
+    assert isinstance(match, RouteMatch)
+    assert match.path_params == {"id": "7"}
     assert asked == ["/other", "/pay/{id}"]
     asked.clear()
     assert match_route(routes, http("/pay/7", method="DELETE")) is None, "the app's 405"
@@ -167,4 +168,5 @@ def test_a_route_added_to_the_list_is_found_by_the_next_request() -> None:
     assert match_route(routes, http("/b")) is None
     routes.append(Route("/b", endpoint, methods=["POST"]))
     match = match_route(routes, http("/b"))
-    assert isinstance(match, RouteMatch) and match.template == "/b"
+    assert isinstance(match, RouteMatch)
+    assert match.template == "/b"
