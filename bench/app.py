@@ -12,7 +12,9 @@
 - `POST /blobs`: answers `size` bytes (the memory measurement's stored responses); no writes.
 
 `ours-memory` is the bare app (its handler on its own pool) behind IdempotencyMiddleware with a
-MemoryStore: the middleware's own Python work, with no statements of its own.
+MemoryStore: the middleware's own Python work, with no statements of its own. `floor-memory` is
+the bare app behind `bench.floor.FloorMiddleware`, the least a pure-Python idempotency middleware
+can do per request (a yardstick, not a product).
 
 Authentication (a bearer token naming the tenant) is the same Starlette middleware everywhere:
 the example app's, as are the request and account models (example_app/app.py).
@@ -41,6 +43,7 @@ from idem_middleware.fastapi import Idempotency, IdempotencyConnection
 VARIANTS = (
     "bare",
     "ours-memory",
+    "floor-memory",
     "ours-tx",
     "ours-tx-sqla",
     "ours-lease",
@@ -178,10 +181,16 @@ def create_app(
         app = _bare(dsn, pool_kwargs)
     elif variant == "ours-memory":
         app = _ours_memory(dsn, pool_kwargs)
+    elif variant == "floor-memory":
+        app = _floor_memory(dsn, pool_kwargs)
     elif variant == "fastidempotent":
         app = _fastidempotent(dsn, pool_kwargs)
     else:
         app = _fastapi_idempotency(dsn, pool_kwargs)
+    if os.environ.get("BENCH_GC_STATS"):
+        from .gcstats import install  # python -m bench.gcstats
+
+        install(app)
     app.state.variant = variant
     return app
 
@@ -252,6 +261,16 @@ def _ours_memory(dsn: str, pool_kwargs: dict[str, Any]) -> FastAPI:
     """The bare app behind IdempotencyMiddleware with a MemoryStore (no claim statements)."""
     app: FastAPI = _own_pool_app(dsn, pool_kwargs)
     app.add_middleware(IdempotencyMiddleware, store=MemoryStore())
+    app.add_middleware(AuthenticationMiddleware, backend=BearerTenant())
+    return app
+
+
+def _floor_memory(dsn: str, pool_kwargs: dict[str, Any]) -> FastAPI:
+    """The bare app behind `bench.floor.FloorMiddleware`: the yardstick for `ours-memory`."""
+    from .floor import FloorMiddleware
+
+    app: FastAPI = _own_pool_app(dsn, pool_kwargs)
+    app.add_middleware(FloorMiddleware)
     app.add_middleware(AuthenticationMiddleware, backend=BearerTenant())
     return app
 

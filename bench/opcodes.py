@@ -34,8 +34,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from .app import create_app
-from .asgi import VARIANTS
+from .app import VARIANTS, create_app
 from .cpu import drive
 from .db import EmbeddedPostgres, database_name, prepare_database
 
@@ -111,7 +110,7 @@ async def measure(args: argparse.Namespace, variants: list[str]) -> str:
     with nullcontext(args.dsn) if args.dsn else EmbeddedPostgres() as pg:
         dsn = args.dsn or pg.dsn
         for v in variants:
-            db = "bare" if v == "ours-memory" else v
+            db = "bare" if v in ("ours-memory", "floor-memory") else v
             app = create_app(v, await prepare_database(dsn, database_name(db) + "_ops"), 20)
             app.state.variant = v
             results[v] = await _count(
