@@ -24,7 +24,7 @@ from .observe import UNTIMED, Event
 from .policy import Mode, Policy, RouteMatch
 from .responses import send_accepted, send_problem, send_replay
 from .store.base import RecordKey, Store, StoredResponse
-from .transactional import run_transactional
+from .transactional import RETRIED, first_attempt, run_transactional
 
 if TYPE_CHECKING:
     from .middleware import IdempotencyMiddleware
@@ -164,7 +164,13 @@ class Exchange:
         self.token_hash = token_hash(key) if policy.require_token else None
         try:
             if policy.mode is Mode.TRANSACTIONAL:
-                answer = await run_transactional(self, record_key, fingerprint)
+                failed: Exception | None = None
+                try:
+                    answer = await first_attempt(self, record_key, fingerprint)
+                except RETRIED as exc:
+                    failed = exc
+                if failed is not None:  # (outside the except: a retried handler sees no error)
+                    answer = await run_transactional(self, record_key, fingerprint, failed)
             else:
                 answer = await LeaseRun(self, record_key, fingerprint).run()
             if answer is not None:

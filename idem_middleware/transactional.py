@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any
 
 from .answers import TENANT_BUSY, WAITERS_FULL, Answer, HeldResponse, InFlight, Problem
@@ -50,11 +51,25 @@ _CONFLICT = "A concurrent request conflicted with this one; retry it."
 _WATCH = Delayed(DISCONNECT_WATCH_AFTER)
 
 
-async def run_transactional(
+#: What the first attempt may raise for `run_transactional` to carry on from.
+RETRIED = (ClaimBusy, ClaimTimeout, RetryableConflict)
+
+
+def first_attempt(
     ex: Exchange, record_key: RecordKey, fingerprint: bytes
+) -> Awaitable[Answer | None]:
+    """The first attempt, awaited by the exchange itself, so that each await of the handler
+    passes one frame fewer than under the retry loop (most requests need no second attempt). If
+    it raises one of `RETRIED`, the exchange hands that to `run_transactional`."""
+    return _Attempt(ex, record_key, fingerprint, True).run()
+
+
+async def run_transactional(
+    ex: Exchange, record_key: RecordKey, fingerprint: bytes, failed: Exception
 ) -> Answer | None:
-    """Claim and run, again after a serialization failure, and after waiting for a busy key.
-    Returns what the client is to be told (None: the response was streamed already)."""
+    """After a first attempt that raised `failed` (one of `RETRIED`): wait for a busy key, run
+    again after a serialization failure, and claim again after the wait. Returns what the client
+    is to be told (None: the response was streamed already)."""
     policy = ex.policy
     waiters = ex.mw.waiters
     retries = policy.max_serialization_retries
@@ -63,11 +78,16 @@ async def run_transactional(
     poll = _FIRST_POLL
     # The claim is timed once per request (its first), the wait for a busy key as a whole.
     waiting: contextlib.ExitStack | None = None
+    exc: Exception | None = failed
     try:
         for _ in range(_MAX_ROUNDS):
-            try:
-                answer = await _Attempt(ex, record_key, fingerprint, deadline is None).run()
-            except ClaimBusy:
+            if exc is None:
+                try:
+                    return await _Attempt(ex, record_key, fingerprint, deadline is None).run()
+                except RETRIED as raised:
+                    exc = raised
+            if isinstance(exc, ClaimBusy):
+                exc = None
                 now = asyncio.get_running_loop().time()
                 if deadline is None:
                     waiting = contextlib.ExitStack()
@@ -83,18 +103,17 @@ async def run_transactional(
                 await waiters.wait(record_key, min(remaining, poll))
                 poll = min(poll * 2, _MAX_POLL)
                 continue
-            except ClaimTimeout:
+            if isinstance(exc, ClaimTimeout):
                 return InFlight()
-            except RetryableConflict as exc:
-                if ex.started or conflicts == retries:
-                    cause = exc.__cause__
-                    if exc.from_handler and cause is not None:
-                        raise cause from cause.__cause__  # the handler's error, as it raised it
-                    if ex.started:
-                        raise  # the response has started: nothing more can be said to it
-                    return Problem(ProblemKind.IN_FLIGHT, _CONFLICT, policy.retry_after_seconds)
-            else:
-                return answer
+            assert isinstance(exc, RetryableConflict)
+            if ex.started or conflicts == retries:
+                cause = exc.__cause__
+                if exc.from_handler and cause is not None:
+                    raise cause from cause.__cause__  # the handler's error, as it raised it
+                if ex.started:
+                    raise exc  # the response has started: nothing more can be said to it
+                return Problem(ProblemKind.IN_FLIGHT, _CONFLICT, policy.retry_after_seconds)
+            exc = None
             conflicts += 1
             logger.debug("serialization failure; running the transaction again")
             ex.body_delivered = False

@@ -109,3 +109,43 @@ async def test_tenants_have_key_spaces_of_their_own(token: str) -> None:
         assert second.status_code == 201
         assert "idempotent-replayed" not in second.headers
         assert app.state.probe.calls == 2
+
+
+async def test_a_duplicate_that_runs_after_the_original_was_released_sees_no_error() -> None:
+    """The first attempt found the key busy (an exception inside the middleware); the attempt
+    that runs the handler later does so outside its handling, so the handler sees no exception
+    in flight, and one it raises is not chained to the middleware's."""
+    import asyncio
+    import sys
+
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse
+
+    from tests.apps.clients import one_route_app
+
+    gate = asyncio.Event()
+    entered = asyncio.Event()
+    seen: list[Any] = []
+
+    async def handler(request: Request) -> JSONResponse:
+        seen.append(sys.exc_info()[1])
+        entered.set()
+        if len(seen) == 1:
+            await gate.wait()
+            return JSONResponse({"failed": True}, status_code=503)  # released: not recorded
+        return JSONResponse({"ran": len(seen)}, status_code=201)
+
+    app = one_route_app("/pay", handler, store=MemoryStore(), default_policy=Policy(wait_seconds=5))
+    async with client(app) as c:
+        first = asyncio.ensure_future(c.post("/pay", json={"a": 1}, headers=key("k1")))
+        await asyncio.wait_for(entered.wait(), 5)
+        duplicate = asyncio.ensure_future(c.post("/pay", json={"a": 1}, headers=key("k1")))
+        await asyncio.sleep(0.05)  # the duplicate finds the key busy and waits
+        assert not duplicate.done()
+        assert len(seen) == 1
+        gate.set()
+        assert (await first).status_code == 503
+        second = await duplicate
+    assert second.status_code == 201
+    assert second.json() == {"ran": 2}
+    assert seen == [None, None]
