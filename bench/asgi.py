@@ -51,7 +51,7 @@ STAGES: dict[str, tuple[tuple[str, str], ...]] = {
     ),
     "body read": (
         ("idem_middleware.exchange", "Exchange.read_body"),
-        ("idem_middleware.exchange", "Exchange.app_receive"),
+        ("idem_middleware.exchange", "Exchange.__call__"),
     ),
     "fingerprint": (("idem_middleware.exchange", "compute_fingerprint"),),
     "claim": (

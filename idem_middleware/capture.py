@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from typing import Protocol
 
 from starlette.types import Message, Send
 
@@ -10,8 +10,18 @@ from .responses import storable_headers
 from .store.base import StoredResponse
 
 
-async def _request_over(reason: str) -> None:
-    raise RuntimeError("the response was sent after the request ended")
+class SettlesEarly(Protocol):
+    """What a capture's owner does before the first byte of a response it cannot hold."""
+
+    async def settle_early(self, reason: str) -> None: ...
+
+
+class _RequestOver:
+    async def settle_early(self, reason: str) -> None:
+        raise RuntimeError("the response was sent after the request ended")
+
+
+_REQUEST_OVER = _RequestOver()
 
 
 class ResponseCapture:
@@ -19,14 +29,15 @@ class ResponseCapture:
 
     The response is held (a client must never see an outcome that was not recorded). A response
     over `cap` bytes, a `text/event-stream` one, or an ASGI extension message cannot be held: then
-    `settle_early(reason)` records the outcome before the first byte leaves, and the rest streams
-    straight through.
+    the owner's `settle_early(reason)` records the outcome before the first byte leaves, and the
+    rest streams straight through. (The owner, not a callback: a bound method would be one more
+    object per request for the garbage collector to pass over while the handler runs.)
     """
 
     __slots__ = (
         "_cap",
+        "_owner",
         "_send",
-        "_settle_early",
         "chunks",
         "complete",
         "passthrough",
@@ -34,12 +45,10 @@ class ResponseCapture:
         "start",
     )
 
-    def __init__(
-        self, send: Send, cap: int, settle_early: Callable[[str], Awaitable[None]]
-    ) -> None:
+    def __init__(self, send: Send, cap: int, owner: SettlesEarly) -> None:
         self._send = send
         self._cap = cap
-        self._settle_early = settle_early
+        self._owner = owner
         self.start: Message | None = None
         self.chunks: list[bytes] = []
         self.size = 0
@@ -87,16 +96,15 @@ class ResponseCapture:
             self.complete = True
 
     def close(self) -> None:
-        """Drop the settle callback once the request is over. It is usually a bound method of
-        the capture's owner, which holds the capture: left in place, that cycle (and the ASGI
-        scope hanging off it) would wait for the cyclic garbage collector, whose extra passes
-        cost more CPU than anything else the middleware does."""
-        self._settle_early = _request_over
+        """Let go of the owner once the request is over. The owner holds the capture: left in
+        place, that cycle (and the ASGI scope hanging off it) would wait for the cyclic garbage
+        collector, whose extra passes cost more CPU than anything else the middleware does."""
+        self._owner = _REQUEST_OVER
 
     async def _go_passthrough(self, reason: str, *, more_body: bool) -> None:
         if self.start is None:
             raise RuntimeError("response body sent before http.response.start")
-        await self._settle_early(reason)
+        await self._owner.settle_early(reason)
         self.passthrough = True
         await self.flush(more_body=more_body)
 

@@ -21,7 +21,7 @@ from .keys import parse_idempotency_key
 from .keysource import take_key
 from .lease import LeaseRun
 from .observe import UNTIMED, Event
-from .policy import Mode, Policy, RouteMatch
+from .policy import MIDDLEWARE_ACTIVE, Mode, Policy, RouteMatch
 from .responses import send_accepted, send_problem, send_replay
 from .store.base import RecordKey, Store, StoredResponse
 from .transactional import RETRIED, first_attempt, run_transactional
@@ -123,7 +123,11 @@ class Exchange:
         except RequestRejected as exc:
             key, key_error = None, exc
         if key is None and key_error is None and not policy.key_required:
-            await self.mw.app(self.scope, self.receive, self.send)
+            active = MIDDLEWARE_ACTIVE.set(True)  # unguarded, but handled (policy.idempotent)
+            try:
+                await self.mw.app(self.scope, self.receive, self.send)
+            finally:
+                MIDDLEWARE_ACTIVE.reset(active)
             return
         tenant = await self.mw.tenants.resolve(self.scope, allow_anonymous=policy.allow_anonymous)
         if tenant is None:
@@ -305,8 +309,9 @@ class Exchange:
                 break
         return content_type, chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
-    async def app_receive(self) -> Message:
-        """The `receive` the app gets: the buffered body, then the client's disconnect."""
+    async def __call__(self) -> Message:
+        """The exchange is the `receive` the app gets (no bound method made per request): the
+        buffered body, then the client's disconnect."""
         if not self.body_delivered:
             self.body_delivered = True
             return {"type": "http.request", "body": self.body, "more_body": False}

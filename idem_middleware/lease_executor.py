@@ -60,9 +60,11 @@ class LeaseExecution:
     """One execution of a claimed (or taken over) lease-mode request."""
 
     __slots__ = (
+        "capture",
         "context",
         "epoch",
         "ex",
+        "fence",
         "generation",
         "heartbeat",
         "key",
@@ -82,6 +84,8 @@ class LeaseExecution:
         self.context: IdempotencyContext | None = None
         self.heartbeat: asyncio.Task[None] | None = None
         self.stop: asyncio.Event | None = None
+        self.fence: Fence | None = None
+        self.capture: ResponseCapture | None = None
 
     async def run(self) -> Answer:
         ex = self.ex
@@ -98,21 +102,24 @@ class LeaseExecution:
             epoch=self.epoch,
             _fence=fence.connection,
         )
-
-        async def settle_early(reason: str) -> None:
-            # Before the first byte of a response that cannot be held: a refused settlement
-            # (a newer generation owns the record) must stop it, or the client would see an
-            # outcome the record contradicts. The StaleGeneration reaches `_execute` through
-            # the handler, like a refused fenced write.
-            if not await self._settle(context, fence, capture, omitted=reason):
-                raise StaleGeneration("this execution's early settlement was refused")
-            ex.started = True
-
-        capture = ResponseCapture(ex.send, policy.max_response_bytes, settle_early)
+        self.fence = fence
+        capture = self.capture = ResponseCapture(ex.send, policy.max_response_bytes, self)
         try:
             return await self._execute(context, fence, capture)
         finally:
-            capture.close()  # settle_early and capture refer to each other
+            capture.close()  # this execution and its capture refer to each other
+
+    async def settle_early(self, reason: str) -> None:
+        """Before the first byte of a response that cannot be held: a refused settlement (a
+        newer generation owns the record) must stop it, or the client would see an outcome the
+        record contradicts. The StaleGeneration reaches `_execute` through the handler, like a
+        refused fenced write."""
+        assert self.context is not None
+        assert self.fence is not None
+        assert self.capture is not None
+        if not await self._settle(self.context, self.fence, self.capture, omitted=reason):
+            raise StaleGeneration("this execution's early settlement was refused")
+        self.ex.started = True
 
     async def _execute(
         self,
@@ -132,7 +139,7 @@ class LeaseExecution:
         token = enter_context(ex.scope, context)
         try:
             try:
-                await ex.app(ex.scope, ex.app_receive, capture)
+                await ex.app(ex.scope, ex, capture)  # ex: the app's receive
             except StaleGeneration:
                 if capture.passthrough:
                     raise

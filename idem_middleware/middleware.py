@@ -142,37 +142,41 @@ class IdempotencyMiddleware:
             self._check(scope.get("app"))
         if self._check_error is not None:
             raise self._check_error
-        # Decorated endpoints refuse to run unless this is set (see policy.idempotent).
-        active = MIDDLEWARE_ACTIVE.set(True)
-        try:
-            method = scope["method"]
-            if method in SAFE_METHODS or not self.enabled or SCOPE_KEY in scope:
-                # (SCOPE_KEY: an outer IdempotencyMiddleware guards this request already.)
-                await self.app(scope, receive, send)
-                return
+        method = scope["method"]
+        by_name = None
+        if method in SAFE_METHODS or not self.enabled or SCOPE_KEY in scope:
+            # (SCOPE_KEY: an outer IdempotencyMiddleware guards this request already.)
+            guarded: _Guarded | None = _UNGUARDED
+        else:
             app = scope.get("app")
             by_name = header_map(scope["headers"])
             host = _host(scope) if by_name is None else by_name.get(b"host")
             cache_key = (app, method, scope.get("root_path", ""), scope["path"], host)
             guarded = self._routes.get(cache_key)
             if guarded is None:
-                resolved = self._resolve(app, method, scope)
-                if resolved is None:
-                    await self._misconfigured(send, "This operation cannot be guarded.")
-                    return
-                if len(self._routes) >= _ROUTE_CACHE_SIZE:
-                    self._routes.clear()  # many distinct paths (ids in them): start over
-                guarded = self._routes[cache_key] = resolved
-            if guarded is _UNGUARDED:
+                guarded = self._resolve(app, method, scope)
+                if guarded is not None:
+                    if len(self._routes) >= _ROUTE_CACHE_SIZE:
+                        self._routes.clear()  # many distinct paths (ids in them): start over
+                    self._routes[cache_key] = guarded
+        if guarded is _UNGUARDED:
+            # Decorated endpoints refuse to run unless this is set (see policy.idempotent).
+            active = MIDDLEWARE_ACTIVE.set(True)
+            try:
                 await self.app(scope, receive, send)
-                return
-            match, policy, operation = guarded
-            if self.tenants.unidentifiable(scope, allow_anonymous=policy.allow_anonymous):
-                await self._misconfigured(send, "The server cannot identify the caller.")
-                return
-            await Exchange(self, scope, receive, send, match, policy, operation, by_name).run()
-        finally:
-            MIDDLEWARE_ACTIVE.reset(active)
+            finally:
+                MIDDLEWARE_ACTIVE.reset(active)
+            return
+        if guarded is None:
+            await self._misconfigured(send, "This operation cannot be guarded.")
+            return
+        match, policy, operation = guarded
+        if self.tenants.unidentifiable(scope, allow_anonymous=policy.allow_anonymous):
+            await self._misconfigured(send, "The server cannot identify the caller.")
+            return
+        # A guarded request's endpoint runs under its claim's context, which decorated endpoints
+        # accept as proof that the middleware handled the request (see policy.idempotent).
+        await Exchange(self, scope, receive, send, match, policy, operation, by_name).run()
 
     def _resolve(self, app: Any, method: str, scope: Scope) -> _Guarded | None:
         """The route a request matches, the policy guarding it and its operation's name, the

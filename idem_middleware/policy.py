@@ -21,8 +21,9 @@ if TYPE_CHECKING:
 
 POLICY_ATTRIBUTE = "__idempotency_policy__"
 
-#: Set by IdempotencyMiddleware while it handles a request: a decorated endpoint called without
-#: it refuses to run (see `idempotent`).
+#: Set by IdempotencyMiddleware around a request it passes to the app unguarded; a guarded
+#: request's endpoint runs under its claim's context instead. A decorated endpoint called with
+#: neither refuses to run (see `idempotent`).
 MIDDLEWARE_ACTIVE: ContextVar[bool] = ContextVar("idem_middleware.active", default=False)
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -173,6 +174,8 @@ def idempotent(policy: Policy | None = None, /, **options: Any) -> Callable[[F],
 
 
 def _require_middleware(endpoint: F) -> F:
+    from .context import current_context  # (context imports this module)
+
     name = f"{endpoint.__module__}.{endpoint.__qualname__}"
 
     def refuse() -> ConfigurationError:
@@ -187,7 +190,7 @@ def _require_middleware(endpoint: F) -> F:
 
         @functools.wraps(endpoint)
         async def guarded_async(*args: Any, **kwargs: Any) -> Any:
-            if not MIDDLEWARE_ACTIVE.get():
+            if not MIDDLEWARE_ACTIVE.get() and current_context() is None:
                 raise refuse()
             return await endpoint(*args, **kwargs)
 
@@ -195,7 +198,7 @@ def _require_middleware(endpoint: F) -> F:
 
     @functools.wraps(endpoint)
     def guarded(*args: Any, **kwargs: Any) -> Any:
-        if not MIDDLEWARE_ACTIVE.get():
+        if not MIDDLEWARE_ACTIVE.get() and current_context() is None:
             raise refuse()
         return endpoint(*args, **kwargs)
 

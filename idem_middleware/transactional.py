@@ -161,7 +161,7 @@ class _Attempt:
         self.tx: Any = None
         self.context: IdempotencyContext | None = None
         self.claimed = False
-        self.capture = ResponseCapture(ex.send, ex.policy.max_response_bytes, self._settle_early)
+        self.capture = ResponseCapture(ex.send, ex.policy.max_response_bytes, self)
         # The handler's run and its client's watch (see the class's docstring).
         self.task: asyncio.Task[Any] | None = None
         self.watcher: asyncio.Task[None] | None = None
@@ -215,7 +215,7 @@ class _Attempt:
                     ex.watched = self.running = True
                     _WATCH.add(self)
                     try:
-                        await ex.mw.app(ex.scope, ex.app_receive, self.capture)
+                        await ex.mw.app(ex.scope, ex, self.capture)  # ex: the app's receive
                     except asyncio.CancelledError:
                         if not self._cancelled_by_watch(task):
                             raise
@@ -249,7 +249,7 @@ class _Attempt:
         finally:
             if limited:
                 slots.give_back(record_key.tenant)
-            self.capture.close()  # it holds self._settle_early, a cycle otherwise
+            self.capture.close()  # it holds this attempt, a cycle otherwise
             if self.claimed:
                 ex.mw.waiters.wake(record_key)
 
@@ -290,7 +290,8 @@ class _Attempt:
                 return
         await asyncio.Event().wait()  # a server that keeps talking: never a disconnect
 
-    async def _settle_early(self, reason: str) -> None:
+    async def settle_early(self, reason: str) -> None:
+        """Before the first byte of a response the capture cannot hold (see ResponseCapture)."""
         await self._settle(omitted=reason)
         # The outcome is committed and the first byte follows: from here on nothing may run the
         # attempt again (a serialization failure while streaming ends the response instead).

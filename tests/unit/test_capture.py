@@ -31,7 +31,7 @@ def body(chunk: bytes, more: bool = False) -> dict[str, Any]:
 
 async def test_a_small_response_is_held_whole_and_sent_on_flush() -> None:
     r = Recorder()
-    capture = ResponseCapture(r.send, 100, r.settle_early)
+    capture = ResponseCapture(r.send, 100, r)
     await capture(START)
     await capture(body(b"ab", more=True))
     await capture(body(b"cd"))
@@ -49,7 +49,7 @@ async def test_a_small_response_is_held_whole_and_sent_on_flush() -> None:
 
 async def test_a_response_over_the_cap_settles_then_streams_through() -> None:
     r = Recorder()
-    capture = ResponseCapture(r.send, 3, r.settle_early)
+    capture = ResponseCapture(r.send, 3, r)
     await capture(START)
     await capture(body(b"ab", more=True))
     await capture(body(b"cd", more=True))
@@ -71,7 +71,7 @@ async def test_what_cannot_be_held_settles_as_streaming_before_its_first_byte(
     second: dict[str, Any] | None,
 ) -> None:
     r = Recorder()
-    capture = ResponseCapture(r.send, 1000, r.settle_early)
+    capture = ResponseCapture(r.send, 1000, r)
     if second is None:
         await capture({**START, "headers": [(b"content-type", b"text/event-stream")]})
     else:
@@ -84,14 +84,14 @@ async def test_what_cannot_be_held_settles_as_streaming_before_its_first_byte(
 
 async def test_a_body_before_the_start_is_an_error() -> None:
     r = Recorder()
-    capture = ResponseCapture(r.send, 0, r.settle_early)
+    capture = ResponseCapture(r.send, 0, r)
     with pytest.raises(RuntimeError, match=r"before http\.response\.start"):
         await capture(body(b"x"))
 
 
 async def test_after_close_a_late_settle_is_refused() -> None:
     r = Recorder()
-    capture = ResponseCapture(r.send, 0, r.settle_early)
+    capture = ResponseCapture(r.send, 0, r)
     await capture(START)
     capture.close()
     with pytest.raises(RuntimeError, match="after the request ended"):
@@ -109,7 +109,7 @@ async def test_the_last_content_type_decides_whether_a_response_streams(as_list:
     ):
         headers = [(b"content-type", t) for t in types] + [(b"x-a", b"1")]
         r = Recorder()
-        capture = ResponseCapture(r.send, 100, r.settle_early)
+        capture = ResponseCapture(r.send, 100, r)
         start = {**START, "headers": headers if as_list else tuple(headers)}
         await capture(start)
         assert capture.passthrough is streams
