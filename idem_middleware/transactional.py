@@ -204,7 +204,8 @@ class _Attempt:
                     # request downstream too.
                     epoch=claim.epoch,
                 )
-                ex.emit(Event.CLAIMED, claim.generation)
+                del claim  # (not kept alive while the handler runs: see ResponseCapture)
+                ex.emit(Event.CLAIMED, self.context.generation)
                 token = enter_context(ex.scope, self.context)
                 try:
                     # The handler runs in this task, not in a coroutine of its own: every await
@@ -230,7 +231,7 @@ class _Attempt:
                 except BaseException as exc:
                     # Clean up, then re-raise: abandoning the transaction releases the key.
                     await tx.abandon()
-                    ex.emit(Event.RELEASED, claim.generation)
+                    ex.emit(Event.RELEASED, self.context.generation)
                     if tx.conflict(exc):
                         # The database refused the handler's writes: the attempt may run again.
                         raise RetryableConflict(str(exc), from_handler=True) from exc
