@@ -12,9 +12,20 @@ from tests.orphans import OWNER_FILE, mark_owner, reap_orphans
 
 
 def _fake_server(data_dir: Path) -> subprocess.Popen[bytes]:
-    """A process whose command line looks like a postmaster's for `data_dir`."""
-    code = "import time; time.sleep(60)"
-    return subprocess.Popen([sys.executable, "-c", code, "postgres", "-D", str(data_dir)])
+    """A process whose command line looks like a postmaster's for `data_dir`. Like a postmaster,
+    it sets its own SIGQUIT handling: a suite run as a background job (`pytest &`) would hand it
+    SIGQUIT ignored, and the reaper's signal would never stop it."""
+    code = (
+        "import signal, time; signal.signal(signal.SIGQUIT, signal.SIG_DFL); "
+        "print('ready', flush=True); time.sleep(60)"
+    )
+    argv = [sys.executable, "-c", code, "postgres", "-D", str(data_dir)]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE)
+    assert proc.stdout is not None
+    ready = proc.stdout.readline()
+    proc.stdout.close()
+    assert ready == b"ready\n"  # its SIGQUIT handling is set
+    return proc
 
 
 def _dead_pid() -> int:
