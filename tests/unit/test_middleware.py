@@ -149,3 +149,42 @@ async def test_a_duplicate_that_runs_after_the_original_was_released_sees_no_err
     assert second.status_code == 201
     assert second.json() == {"ran": 2}
     assert seen == [None, None]
+
+
+async def test_a_decorated_endpoint_with_an_optional_key_runs_when_none_is_sent() -> None:
+    """No key, and the policy does not require one: the request goes to the app unguarded, and
+    a decorated endpoint must know the middleware handled it (it refuses to run otherwise)."""
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse
+
+    from idem_middleware import idempotent
+    from tests.apps.clients import one_route_app
+
+    @idempotent(key_required=False)
+    async def handler(request: Request) -> JSONResponse:
+        return JSONResponse({"ran": True}, status_code=201)
+
+    app = one_route_app("/pay", handler, store=MemoryStore())
+    async with client(app) as c:
+        r = await c.post("/pay", json={"a": 1})
+    assert r.status_code == 201
+    assert r.json() == {"ran": True}
+
+
+async def test_a_decorated_endpoint_runs_when_the_middleware_is_switched_off() -> None:
+    """The kill switch: the middleware passes every request on, and says it handled them."""
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse
+
+    from idem_middleware import idempotent
+    from tests.apps.clients import one_route_app
+
+    @idempotent()
+    async def handler(request: Request) -> JSONResponse:
+        return JSONResponse({"ran": True}, status_code=201)
+
+    app = one_route_app("/pay", handler, store=MemoryStore(), enabled=False)
+    async with client(app) as c:
+        r = await c.post("/pay", json={"a": 1}, headers=key("k1"))
+    assert r.status_code == 201
+    assert r.json() == {"ran": True}
