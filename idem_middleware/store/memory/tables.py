@@ -10,8 +10,9 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, replace
+from typing import Any
 
 from ..base import Record, RecordKey, RecordSummary, Settlement, State, StoredResponse
 
@@ -62,6 +63,96 @@ class _Row:
         )
 
 
+_STATES = {state.value: state for state in State}
+
+
+class _Rows:
+    """The committed rows, kept in a form the cyclic garbage collector soon stops tracking.
+
+    A store that keeps every record makes each of them an object the collector passes over: a
+    row, its response and the response's header list stay tracked for good, and every record
+    committed moves the next full collection (a pass over the whole heap) closer. Kept as one
+    flat tuple of strings, bytes and numbers (the state by its value, the headers as one tuple
+    of names and values; the key as a plain tuple), a record is untracked by the second
+    collection it lives through (the first untracks its headers), before it could reach the
+    oldest generation. Rows are rebuilt on each read: a `_Row` read from here is a copy, so changes
+    are stored back, as before (rows were treated as immutable once committed).
+    """
+
+    __slots__ = ("_packed",)
+
+    def __init__(self) -> None:
+        self._packed: dict[tuple[str, ...], tuple[Any, ...]] = {}
+
+    @staticmethod
+    def _pack(row: _Row) -> tuple[Any, ...]:
+        # Flat: the collector untracks a tuple only once everything in it is untracked, and it
+        # reaches a nested tuple after the one holding it, so each level of nesting would keep
+        # a record tracked one collection longer (into the oldest generation, at three levels).
+        r = row.response
+        flat = None if r is None else tuple(itertools.chain.from_iterable(r.headers))
+        return (
+            row.fingerprint,
+            row.state.value,
+            row.generation,
+            row.retention,
+            row.expires_at,
+            row.mode,
+            row.lease_expires_at,
+            row.created_at,
+            row.updated_at,
+            row.note,
+            row.epoch,
+            *((None, None, None, None) if r is None else (r.status, flat, r.body, r.body_omitted)),
+        )
+
+    @staticmethod
+    def _unpack(p: tuple[Any, ...]) -> _Row:
+        status, flat = p[11], p[12]
+        response = None
+        if status is not None:
+            pairs = list(zip(flat[::2], flat[1::2], strict=True))
+            response = StoredResponse(status, pairs, p[13], p[14])
+        return _Row(
+            p[0],
+            _STATES[p[1]],
+            p[2],
+            p[3],
+            p[4],
+            response,
+            *p[5:11],
+        )
+
+    def get(self, key: RecordKey) -> _Row | None:
+        packed = self._packed.get(key)
+        return None if packed is None else self._unpack(packed)
+
+    def __getitem__(self, key: RecordKey) -> _Row:
+        return self._unpack(self._packed[key])
+
+    def __setitem__(self, key: RecordKey, row: _Row) -> None:
+        # (A RecordKey is a named tuple, which the collector never untracks; a plain tuple of
+        # the same strings hashes and compares equal to it.)
+        self._packed[tuple(key)] = self._pack(row)
+
+    def __delitem__(self, key: RecordKey) -> None:
+        del self._packed[key]
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._packed
+
+    def __len__(self) -> int:
+        return len(self._packed)
+
+    def update(self, rows: Mapping[RecordKey, _Row]) -> None:
+        for key, row in rows.items():
+            self[key] = row
+
+    def items(self) -> Iterator[tuple[RecordKey, _Row]]:
+        for key, packed in self._packed.items():
+            yield RecordKey(*key), self._unpack(packed)
+
+
 def _summary(key: RecordKey, row: _Row, now: float) -> RecordSummary:
     return RecordSummary(
         key=key,
@@ -84,7 +175,7 @@ class MemoryTables:
 
     def __init__(self, *, clock: Callable[[], float] = time.time) -> None:
         self.clock = clock
-        self._rows: dict[RecordKey, _Row] = {}
+        self._rows = _Rows()
         #: Keys a transaction is claiming, with the event a waiter for it made (None: no waiter).
         self._owners: dict[RecordKey, asyncio.Event | None] = {}
         self._generations = itertools.count(1)
