@@ -1,7 +1,7 @@
 """The app's CPU and its garbage collector's share, per request, under wrk.
 
 `python -m bench.gcstats [--variants bare,ours-memory,floor-memory] [--duration 6] [--repeats 2]
-[--gc on|off]`
+[--gc on|off] [--pin-app CPU]`
 
 Each run is a fresh `uvicorn bench.app:create_app` process with `BENCH_GC_STATS=1`, which makes
 the app time every collection (`gc.callbacks`) and answer `GET /bench/gc` with the passes and
@@ -9,7 +9,9 @@ seconds per generation and the process's CPU seconds since `GET /bench/gc/reset`
 wrk's warm-up; GETs, which no variant guards). `--gc off` runs the app with the collector
 disabled (what the requests cost without it; a diagnosis, not a configuration). Prints, per
 run: req/s, the app's CPU per response, the collector's seconds per response by generation, and
-both against bare's in the same repeat.
+both against bare's in the same repeat. `--pin-app CPU` runs each app on that CPU alone and
+everything else (PostgreSQL, wrk, this process) on the other CPUs, so the app never shares its
+core with the load or the database.
 
 Why: under load the app process is what saturates, so its CPU per response is what its
 throughput is the inverse of, and it is steadier than req/s on a shared machine. A request that
@@ -109,10 +111,26 @@ class Run:
     gc_passes: list[float]
 
 
+def pinning(cpu: int | None) -> tuple[set[int], set[int]] | None:
+    """The app's CPU and the others' (None: no pinning). Refuses a CPU this process may not use,
+    and a machine with no other CPU for the load and the database."""
+    if cpu is None:
+        return None
+    allowed = os.sched_getaffinity(0)
+    if cpu not in allowed:
+        raise ValueError(f"CPU {cpu} is not one this process may use ({sorted(allowed)})")
+    if len(allowed) < 2:
+        raise ValueError("pinning needs a second CPU for the load and the database")
+    return {cpu}, allowed - {cpu}
+
+
 def run_one(variant: str, dsn: str, repeat: int, args: argparse.Namespace, load: Load) -> Run:
     os.environ[ENV] = "off" if args.gc == "off" else "1"
     try:
         with app_server(variant, dsn, args.pool_size) as app:
+            if args.pin_app is not None:
+                # Its worker threads, started later, inherit this.
+                os.sched_setaffinity(app.pid, {args.pin_app})
             run_wrk(app.url, "fresh", args.warmup, f"gw{repeat}{variant}", load)
             _call(app.url, "/bench/gc/reset")
             result = run_wrk(app.url, "fresh", args.duration, f"gm{repeat}{variant}", load)
@@ -169,13 +187,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--pool-size", type=int, default=20)
     p.add_argument("--gc", choices=("on", "off"), default="on")
+    p.add_argument("--pin-app", type=int, metavar="CPU", help="the app alone on this CPU")
     args = p.parse_args(argv)
     variants = [v for v in args.variants.split(",") if v]
     if not variants or not set(variants) <= set(VARIANTS) or args.repeats < 1 or args.duration <= 0:
         p.error(f"--variants among {', '.join(VARIANTS)}; --repeats >= 1; --duration > 0")
+    try:
+        pinned = pinning(args.pin_app)
+    except ValueError as exc:
+        p.error(f"--pin-app: {exc}")
     if wrk_path() is None:
         print(MISSING_WRK, file=sys.stderr)
         return 2
+    if pinned is not None:
+        os.sched_setaffinity(0, pinned[1])  # PostgreSQL and wrk, started from here, inherit it
     load = Load()
     runs: list[Run] = []
     with EmbeddedPostgres() as pg:

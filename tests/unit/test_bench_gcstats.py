@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import gc
+import os
 from typing import Any
 
 import httpx
+import pytest
 from fastapi import FastAPI
 
-from bench.gcstats import Run, install, markdown
+from bench.gcstats import Run, install, markdown, pinning
+from bench.gcstats import main as gcstats_main
 
 
 async def test_the_app_counts_its_collections_from_the_last_reset() -> None:
@@ -42,3 +45,27 @@ def test_the_table_compares_each_run_with_bare_in_its_repeat() -> None:
     table = markdown(runs)
     assert "| ours-memory | 1 | 800 | 0.80x | 1,250 | 0.80x | 64.0 (20.0, 4.0, 40.0) |" in table
     assert "ours-memory: app CPU ratio median 0.80x bare" in table
+
+
+def test_pinning_splits_the_cpus_and_refuses_nonsense() -> None:
+    allowed = os.sched_getaffinity(0)
+    assert pinning(None) is None
+    with pytest.raises(ValueError, match="not one this process may use"):
+        pinning(max(allowed) + 1)
+    with pytest.raises(ValueError, match="not one this process may use"):
+        pinning(-1)
+    cpu = min(allowed)
+    if len(allowed) < 2:
+        with pytest.raises(ValueError, match="second CPU"):
+            pinning(cpu)
+    else:
+        assert pinning(cpu) == ({cpu}, allowed - {cpu})
+
+
+def test_a_cpu_that_cannot_be_pinned_is_refused_at_the_command_line(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        gcstats_main(["--pin-app", "4096", "--variants", "bare"])
+    assert exited.value.code == 2
+    assert "--pin-app: CPU 4096 is not one this process may use" in capsys.readouterr().err
