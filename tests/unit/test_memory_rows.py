@@ -68,3 +68,31 @@ async def test_a_row_read_is_a_copy_changes_are_stored_back() -> None:
     assert len(store._rows) == 1
     del store._rows[key]
     assert store._rows.get(key) is None
+
+
+RESPONSES = [None, StoredResponse(500, [], b"", "too-large"), StoredResponse(201, HEADERS, b"x")]
+
+
+@pytest.mark.parametrize("response", RESPONSES)
+async def test_every_field_of_a_row_survives_the_round_trip(
+    response: StoredResponse | None,
+) -> None:
+    store = MemoryStore()
+    key = RecordKey("tenant", "POST /things", "k1")
+    row = _Row(
+        b"fp",
+        State.UNKNOWN,
+        7,
+        60.0,
+        expires_at=1.5,
+        response=response,
+        mode="lease",
+        lease_expires_at=2.5,
+        created_at=3.5,
+        updated_at=4.5,
+        note="a note",
+        epoch=5,
+    )
+    store._rows[key] = row
+    assert store._rows[key] == row
+    assert [(k, r) for k, r in store._rows.items()] == [(key, row)]

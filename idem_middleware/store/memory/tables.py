@@ -12,6 +12,7 @@ import itertools
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, replace
+from operator import attrgetter
 from typing import Any
 
 from ..base import Record, RecordKey, RecordSummary, Settlement, State, StoredResponse
@@ -64,6 +65,19 @@ class _Row:
 
 
 _STATES = {state.value: state for state in State}
+#: A row's fields that are strings, bytes or numbers, in one call (see `_Rows`).
+_ATOMIC_FIELDS = attrgetter(
+    "fingerprint",
+    "generation",
+    "retention",
+    "expires_at",
+    "mode",
+    "lease_expires_at",
+    "created_at",
+    "updated_at",
+    "note",
+    "epoch",
+)
 
 
 class _Rows:
@@ -75,8 +89,8 @@ class _Rows:
     flat tuple of strings, bytes and numbers (the state by its value, the headers as one tuple
     of names and values; the key as a plain tuple), a record is untracked by the second
     collection it lives through (the first untracks its headers), before it could reach the
-    oldest generation. Rows are rebuilt on each read: a `_Row` read from here is a copy, so changes
-    are stored back, as before (rows were treated as immutable once committed).
+    oldest generation. Rows are rebuilt on each read: a `_Row` read from here is a copy, so
+    changes are stored back, as before (rows were treated as immutable once committed).
     """
 
     __slots__ = ("_packed",)
@@ -90,38 +104,19 @@ class _Rows:
         # reaches a nested tuple after the one holding it, so each level of nesting would keep
         # a record tracked one collection longer (into the oldest generation, at three levels).
         r = row.response
-        flat = None if r is None else tuple(itertools.chain.from_iterable(r.headers))
-        return (
-            row.fingerprint,
-            row.state.value,
-            row.generation,
-            row.retention,
-            row.expires_at,
-            row.mode,
-            row.lease_expires_at,
-            row.created_at,
-            row.updated_at,
-            row.note,
-            row.epoch,
-            *((None, None, None, None) if r is None else (r.status, flat, r.body, r.body_omitted)),
-        )
+        if r is None:
+            return (*_ATOMIC_FIELDS(row), row.state.value, None, None, None, None)
+        flat = tuple(itertools.chain.from_iterable(r.headers))
+        return (*_ATOMIC_FIELDS(row), row.state.value, r.status, flat, r.body, r.body_omitted)
 
     @staticmethod
     def _unpack(p: tuple[Any, ...]) -> _Row:
-        status, flat = p[11], p[12]
         response = None
-        if status is not None:
+        if p[11] is not None:
+            flat = p[12]
             pairs = list(zip(flat[::2], flat[1::2], strict=True))
-            response = StoredResponse(status, pairs, p[13], p[14])
-        return _Row(
-            p[0],
-            _STATES[p[1]],
-            p[2],
-            p[3],
-            p[4],
-            response,
-            *p[5:11],
-        )
+            response = StoredResponse(p[11], pairs, p[13], p[14])
+        return _Row(p[0], _STATES[p[10]], p[1], p[2], p[3], response, *p[4:10])
 
     def get(self, key: RecordKey) -> _Row | None:
         packed = self._packed.get(key)
@@ -145,8 +140,9 @@ class _Rows:
         return len(self._packed)
 
     def update(self, rows: Mapping[RecordKey, _Row]) -> None:
+        packed, pack = self._packed, self._pack
         for key, row in rows.items():
-            self[key] = row
+            packed[tuple(key)] = pack(row)
 
     def items(self) -> Iterator[tuple[RecordKey, _Row]]:
         for key, packed in self._packed.items():
