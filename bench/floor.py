@@ -6,14 +6,16 @@ guarantee must do on a fresh POST, in one frame: read the key, find the caller (
 authentication middleware's user), buffer the body, fingerprint it (orjson's canonical JSON and
 SHA-256), claim the key in a dict, run the handler with its `receive` and `send` replaced, hold
 the response, record it, then send it; a key seen before is replayed (or refused for another
-body). It has no policies, routes, caps, streaming, client watch, context, observer, problem
-documents, tenant resolver or store interface, and it never fails safe (a handler that raises
-leaves the key claimed).
+body), keeping its records as MemoryStore does (out of the garbage collector's sight). It has no
+policies, routes, caps, streaming, client watch, context, observer, problem documents, tenant
+resolver or store interface, and it never fails safe (a handler that raises leaves the key
+claimed).
 """
 
 from __future__ import annotations
 
 import hashlib
+from itertools import chain
 from typing import Any
 
 import orjson
@@ -53,8 +55,9 @@ class FloorMiddleware:
                 await send({"type": "http.response.start", "status": 409, "headers": []})
                 await send({"type": "http.response.body", "body": b""})
                 return
-            _, start, held = record
-            await send({**start, "headers": [*start["headers"], _REPLAYED]})
+            _, status, flat, held = record
+            headers = [*zip(flat[::2], flat[1::2], strict=True), _REPLAYED]
+            await send({"type": "http.response.start", "status": status, "headers": headers})
             await send({"type": "http.response.body", "body": held})
             return
         self.records[record_key] = ...  # claimed
@@ -74,6 +77,9 @@ class FloorMiddleware:
         await self.app(scope, app_receive, capture)
         start = response[0]
         held = b"".join(m.get("body", b"") for m in response[1:])
-        self.records[record_key] = (fingerprint, start, held)
+        # One flat tuple of bytes and numbers, which the collector stops tracking, as
+        # MemoryStore keeps its records: a store's records are not per-request work.
+        flat = tuple(chain.from_iterable(start.get("headers", ())))
+        self.records[record_key] = (fingerprint, start["status"], flat, held)
         await send(start)
         await send({"type": "http.response.body", "body": held})

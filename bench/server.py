@@ -19,12 +19,9 @@ def uvicorn_speedups() -> list[str]:
     return args
 
 
-def app_server(variant: str, dsn: str, pool_size: int) -> ServerProcess:
-    """`uvicorn bench.app:create_app --factory` for one variant, on a free loopback port; ready
-    once `/healthz` answers 200. Use it as a context manager (started, then stopped and its log
-    removed)."""
-    return ServerProcess(
-        "uvicorn",
+def app_args() -> list[str]:
+    """uvicorn's arguments for `bench.app` (one worker, its speedups, quiet), but the address."""
+    return [
         "bench.app:create_app",
         "--factory",
         "--workers",
@@ -33,6 +30,16 @@ def app_server(variant: str, dsn: str, pool_size: int) -> ServerProcess:
         "--no-access-log",
         "--log-level",
         "warning",
+    ]
+
+
+def app_server(variant: str, dsn: str, pool_size: int) -> ServerProcess:
+    """`uvicorn bench.app:create_app --factory` for one variant, on a free loopback port; ready
+    once `/healthz` answers 200. Use it as a context manager (started, then stopped and its log
+    removed)."""
+    return ServerProcess(
+        "uvicorn",
+        *app_args(),
         env={
             "BENCH_VARIANT": variant,
             "BENCH_DSN": dsn,
