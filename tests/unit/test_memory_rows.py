@@ -96,3 +96,4 @@ async def test_every_field_of_a_row_survives_the_round_trip(
     store._rows[key] = row
     assert store._rows[key] == row
     assert [(k, r) for k, r in store._rows.items()] == [(key, row)]
+    assert all(type(k) is RecordKey for k, _ in store._rows.items())  # not a plain tuple
