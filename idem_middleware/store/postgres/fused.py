@@ -28,6 +28,7 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Sequence
+from operator import itemgetter
 from typing import Any, Protocol
 
 import asyncpg
@@ -56,22 +57,16 @@ def _literal(value: Any, utf8: bool = True) -> str:
     which mean the same in any client encoding."""
     kind = type(value)
     if kind is str:
+        # Most text is plain ASCII with no `$` (and no NUL): one pass of each test, then quoted.
         text: str = value
-        if "\x00" in text:
-            raise NotFusable("a NUL character")  # PostgreSQL text cannot hold one
-        if not text.isascii():
-            try:
-                text.encode()
-            except UnicodeEncodeError as exc:  # a lone surrogate
-                raise NotFusable("not encodable as UTF-8") from exc
-        if "$" in text or not utf8:
-            return "convert_from(decode('" + text.encode().hex() + "', 'hex'), 'UTF8')"
-        return "$v$" + text + "$v$::text"
+        if utf8 and text.isascii() and "$" not in text and "\x00" not in text:
+            return "$v$" + text + "$v$::text"
+        return _text(text, utf8)
     if kind is bytes:
         data: bytes = value
-        if not utf8:
-            return "decode('" + data.hex() + "', 'hex')"
-        return "$v$\\x" + data.hex() + "$v$::bytea"
+        if utf8:
+            return "$v$\\x" + data.hex() + "$v$::bytea"
+        return "decode('" + data.hex() + "', 'hex')"
     if value is None:
         return "NULL"
     if kind is bool:
@@ -87,6 +82,20 @@ def _literal(value: Any, utf8: bool = True) -> str:
         raise NotFusable(f"no literal for {kind.__name__}")
     # A leading minus in parentheses: glued to an operator's `-` it would start a comment.
     return f"({number})" if number.startswith("-") else number
+
+
+def _text(text: str, utf8: bool) -> str:
+    """`_literal` of text that is not plain ASCII, holds a `$` or a NUL, or whose connection's
+    client encoding is not UTF-8."""
+    if "\x00" in text:
+        raise NotFusable("a NUL character")  # PostgreSQL text cannot hold one
+    try:
+        data = text.encode()
+    except UnicodeEncodeError as exc:  # a lone surrogate
+        raise NotFusable("not encodable as UTF-8") from exc
+    if "$" in text or not utf8:
+        return "convert_from(decode('" + data.hex() + "', 'hex'), 'UTF8')"
+    return "$v$" + text + "$v$::text"
 
 
 def _inline(query: str, args: Sequence[Any], utf8: bool = True) -> str:
@@ -138,7 +147,7 @@ class Generations:
         """Draw a batch (in the caller's transaction, so it costs no commit of its own) and
         take one. A concurrent draw may replace the batch; each value is still taken once."""
         rows = await conn.fetch(_Q["draw_generations"], self._batch)
-        values = self._values = deque(row[0] for row in rows)
+        values = self._values = deque(map(itemgetter(0), rows))
         self._drawn_at = time.monotonic()
         return values.popleft()
 
