@@ -33,6 +33,10 @@ __all__ = [
 # Dependencies are `async def` on purpose: FastAPI runs a plain `def` dependency in a worker
 # thread, a hop that costs more than everything these do.
 async def idempotency_context(request: Request) -> IdempotencyContext:
+    return _claimed(request)
+
+
+def _claimed(request: Request) -> IdempotencyContext:
     try:
         return get_context(request)
     except LookupError:
@@ -45,7 +49,7 @@ async def idempotency_context(request: Request) -> IdempotencyContext:
 async def transaction_connection(request: Request) -> Connection:
     # Reads the request itself rather than depending on `idempotency_context`: one dependency
     # to solve instead of two, on every request.
-    context = await idempotency_context(request)
+    context = _claimed(request)
     if context.connection is None:
         raise RuntimeError("this claim has no database connection (an in-memory store?)")
     connection: Connection = context.connection

@@ -188,3 +188,29 @@ def test_the_waiter_bound_must_be_a_whole_number(pg_store: PostgresStore, bad: A
 
     with pytest.raises(ConfigurationError):
         IdempotencyMiddleware(lambda *a: None, store=pg_store, max_waiters=bad)
+
+
+async def test_with_the_pool_taken_a_request_is_refused_after_the_acquire_timeout(
+    small_store: PostgresStore, pool: asyncpg.Pool[Any]
+) -> None:
+    """Every connection of the store's pool is held elsewhere: a request waits at most
+    `acquire_timeout` for one, is answered 503 with nothing claimed and its handler never run,
+    and the same key succeeds once a connection is free (the wait wedged nothing)."""
+    app = build_app(small_store, acquire_timeout=0.3)
+    probe = app.state.probe
+    taken = [await small_store.pool.acquire() for _ in range(3)]
+    try:
+        async with client(app) as c:
+            r = await asyncio.wait_for(c.post(CREDIT, json=BODY, headers=key("pool-1")), BOUND)
+            assert_problem(r, 503, "store-unavailable")
+            assert probe.calls == 0
+            assert await pool.fetchval("SELECT count(*) FROM idem_requests") == 0
+            for conn in taken:
+                await small_store.pool.release(conn)
+            taken = []
+            r = await asyncio.wait_for(c.post(CREDIT, json=BODY, headers=key("pool-1")), BOUND)
+            assert r.status_code == 201, r.text
+            assert probe.calls == 1
+    finally:
+        for conn in taken:
+            await small_store.pool.release(conn)

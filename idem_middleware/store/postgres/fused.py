@@ -27,7 +27,7 @@ import re
 import time
 import weakref
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from operator import itemgetter
 from typing import Any, Protocol
 
@@ -306,22 +306,23 @@ class FastPath:
             return None
         raise StoreError("the fast claim failed twice")  # inlined the second time: unreachable
 
-    async def complete_and_commit(
+    def complete_and_commit(
         self, conn: Any, tx: Any, name: str, args: Sequence[Any], body_size: int
-    ) -> bool:
+    ) -> Awaitable[bool]:
         """The completing statement `name` ("complete" or "insert_final") and COMMIT in one
         message. False: the ordinary path (nothing was sent). A unique violation (the key was
-        recorded by a claim that took no advisory lock) aborts the message before its COMMIT."""
-        return await self._with_commit(
+        recorded by a claim that took no advisory lock) aborts the message before its COMMIT.
+        (The message's own coroutine, returned: no second one wraps it.)"""
+        return self._with_commit(
             conn, tx, _CHECKED[name], args, body_size, "completion matched no pending record"
         )
 
-    async def settle_and_commit(
+    def settle_and_commit(
         self, conn: Any, tx: Any, args: Sequence[Any], body_size: int
-    ) -> bool:
+    ) -> Awaitable[bool]:
         """A fenced settlement (`settle` arguments) and COMMIT in one message; False: the
         ordinary path (nothing was sent)."""
-        return await self._with_commit(
+        return self._with_commit(
             conn,
             tx,
             "settle_checked",

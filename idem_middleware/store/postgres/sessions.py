@@ -1,27 +1,29 @@
-"""The sessions the store hands out: one transaction for a transactional claim, and a fenced
-transaction for lease mode's writes. Each sends the fused messages when it can (see fused.py)
-and the ordinary statements otherwise."""
+"""The session the store hands out for a transactional claim: one pooled connection and one
+transaction. It sends the fused messages when it can (see fused.py) and the ordinary statements
+otherwise. Lease mode's fenced transaction is in fenced.py."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import Awaitable, Callable
-from typing import Any
+from collections.abc import Coroutine
+from typing import Any, Protocol
 
+from ...delayed import Delayed
 from ...errors import ClaimBusy, ClaimTimeout, RetryableConflict, StoreError
-from ..base import Claim, Claimed, Existing, RecordKey, Settlement, State, StoredResponse
+from ..base import Claim, Claimed, Existing, RecordKey, State, StoredResponse
 from . import compat
 from .claim import claim
 from .claim_lock import ClaimLocks
 from .convert import (
     _Q,
+    ACQUIRE_ERRORS,
     CONNECTION_ERRORS,
     TRANSLATED,
     UNIQUE_VIOLATION,
     WAIT_EXCEEDED,
     encode_headers,
     is_conflict,
-    settle_args,
     to_record,
     translate,
 )
@@ -31,6 +33,19 @@ logger = logging.getLogger("idem_middleware.store")
 
 # A claim told not to wait still needs time to run; asyncpg's timeout covers the whole statement.
 _MIN_STATEMENT_TIMEOUT = 0.05
+
+
+class Lender(Protocol):
+    """What a transaction session needs of its store."""
+
+    _fast: FastPath | None
+    _locks: ClaimLocks
+
+    @property
+    def pool(self) -> Any: ...
+
+    def _mark_clean(self, conn: Any) -> None:
+        """`conn` ran only the store's statements: the pool need not reset it."""
 
 
 class PgTransaction:
@@ -46,23 +61,28 @@ class PgTransaction:
     __slots__ = (
         "_claimed",
         "_conn",
+        "_deadline",
         "_deferred",
+        "_expired",
         "_fast",
         "_fused",
-        "_give_back",
+        "_lender",
         "_locks",
         "_pool",
+        "_task",
         "_tx",
         "lent",
     )
 
-    def __init__(self, conn: Any, fast: FastPath | None, locks: ClaimLocks) -> None:
-        self._conn = conn
-        self._locks = locks  # the store's: computes each key's claim lock
-        # Set by the store: ends the session and returns the connection to the pool (once).
-        self._give_back: Callable[[PgTransaction, Any, Any], Awaitable[None]] | None = None
+    def __init__(self, lender: Lender, deadline: Delayed) -> None:
+        self._lender = lender  # the store: its pool, and which connections need no reset
+        self._deadline = deadline  # bounds the waits for the pool: checkout, and return
         self._pool: Any = None  # the pool the connection came from
-        self._fast = fast  # None: the fast path is off
+        self._conn: Any = None
+        self._task: asyncio.Task[Any] | None = None  # while it waits for a connection
+        self._expired = False
+        self._locks = lender._locks  # the store's: computes each key's claim lock
+        self._fast = lender._fast  # None: the fast path is off
         self._tx: Any = None
         # Whether the claim went the fast way (the connection passed `fusable`), so the
         # completion may travel with the COMMIT too.
@@ -73,6 +93,42 @@ class PgTransaction:
         self._deferred: tuple[bytes, float] | None = None
         # Whether the connection was handed out (to the handler): then the pool resets it.
         self.lent = False
+
+    async def __aenter__(self) -> PgTransaction:
+        """A connection from the pool, waited for at most the deadline's delay. One timer
+        (`Delayed`) serves every session of the store: a timer per checkout, armed and
+        cancelled per request as asyncpg's `acquire(timeout=)` does, costs more than the rest
+        of the checkout."""
+        pool = self._pool = self._lender.pool
+        task = self._task = asyncio.current_task()
+        deadline = self._deadline
+        deadline.add(self)
+        try:
+            self._conn = await pool.acquire()
+        except asyncio.CancelledError:
+            if self._expired and task is not None and task.uncancel() == 0:
+                raise StoreError("no database connection: TimeoutError") from None
+            raise  # cancelled by someone else (a shutdown): that goes on
+        except ACQUIRE_ERRORS as exc:
+            raise StoreError(f"no database connection: {type(exc).__name__}") from exc
+        finally:
+            deadline.discard(self)
+            self._task = None
+        return self
+
+    def __aexit__(self, *exc: object) -> Coroutine[Any, Any, None]:
+        return self.release()  # (its coroutine: no second one wraps it)
+
+    def due(self) -> None:
+        """The deadline passed: a checkout still waiting is cancelled (and reports a timeout);
+        a connection still on its way back (an unresponsive server) is terminated, which ends
+        the rollback or reset it is stuck in (the pool opens a new one when it needs one)."""
+        self._expired = True
+        if self._task is not None:
+            self._task.cancel()
+        elif self._conn is not None:
+            logger.warning("a connection did not come back to the pool in time; terminating it")
+            self._conn.terminate()
 
     @property
     def connection(self) -> Any:
@@ -107,9 +163,24 @@ class PgTransaction:
         self._deferred = None
 
     async def release(self) -> None:
-        give_back, self._give_back = self._give_back, None
-        if give_back is not None:
-            await give_back(self, self._conn, self._pool)
+        """End the session, early (a response that streams) or at the block's end: the
+        connection goes back to the pool it came from, even if the store was closed meanwhile
+        (a shutdown with requests in flight: the pool's close waits for it). Once."""
+        pool, self._pool = self._pool, None
+        if pool is None:
+            return
+        conn = self._conn
+        deadline = self._deadline
+        self._expired = False
+        deadline.add(self)
+        try:
+            if self._tx is not None:
+                await self.rollback()
+            if not self.lent:
+                self._lender._mark_clean(conn)  # a replay, say: the handler never had it
+            await pool.release(conn)
+        finally:
+            deadline.discard(self)
 
     async def _commit(self) -> None:
         tx, self._tx = self._tx, None
@@ -289,49 +360,3 @@ class PgTransaction:
         logger.debug("the key was recorded by another claim first", exc_info=exc)
         await self.rollback()
         return RetryableConflict("the key was recorded by a concurrent claim")
-
-
-class PgFenced:
-    __slots__ = ("_conn", "_expected", "_fast", "_generation", "_key", "_tx", "committed")
-
-    def __init__(
-        self,
-        conn: Any,
-        tx: Any,
-        fast: FastPath | None,
-        key: RecordKey,
-        generation: int,
-        expected: State,
-    ) -> None:
-        self._conn = conn
-        self._tx = tx
-        self._fast = fast  # set when the fence was opened the fast way (an adopted BEGIN)
-        self._key = key
-        self._generation = generation
-        self._expected = expected
-        self.committed = False
-
-    @property
-    def connection(self) -> Any:
-        return self._conn
-
-    async def settle(self, s: Settlement) -> bool:
-        args = settle_args(self._key, self._generation, self._expected, s)
-        if self._fast is not None:
-            body = b"" if s.response is None else s.response.body
-            try:
-                done = await self._fast.settle_and_commit(self._conn, self._tx, args, len(body))
-            except TRANSLATED as exc:
-                raise translate(exc) from exc
-            if done:
-                self.committed = True
-                return True
-        try:
-            row = await self._conn.fetchrow(_Q["settle"], *args)
-            if not row["settled"]:
-                return False  # the session's end rolls back
-            await self._tx.commit()
-        except TRANSLATED as exc:
-            raise translate(exc) from exc
-        self.committed = True
-        return True

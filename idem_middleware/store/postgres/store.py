@@ -8,10 +8,11 @@ import logging
 import weakref
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import asyncpg
 
+from ...delayed import Delayed
 from ...errors import StaleGeneration, StoreError
 from ..base import (
     Claim,
@@ -19,6 +20,7 @@ from ..base import (
     RecordKey,
     Settlement,
     State,
+    Store,
 )
 from ..migrations import require_migrated
 from .claim import claim
@@ -34,9 +36,10 @@ from .convert import (
     translate,
 )
 from .edges import OffPathStatements
+from .fenced import PgFenced
 from .fused import FastPath
 from .listener import Listener
-from .sessions import PgFenced, PgTransaction
+from .sessions import PgTransaction
 
 logger = logging.getLogger("idem_middleware.store")
 
@@ -77,6 +80,8 @@ class PostgresStore(OffPathStatements):
         )
         self._fast = FastPath() if fast_path else None
         self._locks = ClaimLocks()
+        #: The deadlines of transaction sessions' waits for the pool, one per acquire timeout.
+        self._deadlines: dict[float, Delayed] = {}
         self._pool_kwargs: dict[str, Any] = {
             "min_size": min_size,
             "max_size": max_size,
@@ -133,32 +138,11 @@ class PostgresStore(OffPathStatements):
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    @asynccontextmanager
-    async def transaction(self, *, acquire_timeout: float) -> AsyncIterator[PgTransaction]:
-        pool = self.pool
-        try:
-            conn = await pool.acquire(timeout=acquire_timeout)
-        except ACQUIRE_ERRORS as exc:
-            raise StoreError(f"no database connection: {type(exc).__name__}") from exc
-        session = PgTransaction(conn, self._fast, self._locks)
-        session._give_back = self._give_back
-        session._pool = pool
-        try:
-            yield session
-        finally:
-            await session.release()
-
-    async def _give_back(self, session: PgTransaction, conn: Any, pool: Any) -> None:
-        """The end of a `transaction()` session, early (`release`) or at the block's end. The
-        connection goes back to the pool it came from, even if the store was closed meanwhile
-        (a shutdown with requests in flight): the pool's close waits for it."""
-        try:
-            if session.active:
-                await session.rollback()
-            if not session.lent:
-                self._mark_clean(conn)  # a replay, say: the handler never had the connection
-        finally:
-            await pool.release(conn)
+    def transaction(self, *, acquire_timeout: float) -> PgTransaction:
+        deadline = self._deadlines.get(acquire_timeout)
+        if deadline is None:
+            deadline = self._deadlines[acquire_timeout] = Delayed(acquire_timeout)
+        return PgTransaction(self, deadline)
 
     async def get(self, key: RecordKey) -> Record | None:
         try:
@@ -329,3 +313,9 @@ class PostgresStore(OffPathStatements):
 
     def watch(self, key: RecordKey) -> Any:
         return self._listener.watch(key)
+
+
+if TYPE_CHECKING:
+
+    def _is_a_store(store: PostgresStore) -> Store:
+        return store  # mypy checks here that PostgresStore implements the protocol
