@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlencode
 
@@ -37,6 +38,10 @@ _PROBLEM_EVENTS = {
     ProblemKind.OUTCOME_UNKNOWN: Event.UNKNOWN,
     ProblemKind.STORE_UNAVAILABLE: Event.ERROR,
 }
+
+
+async def _nothing() -> None:
+    pass
 
 
 def header_map(headers: Any) -> dict[bytes, bytes] | None:
@@ -201,21 +206,22 @@ class Exchange:
 
     # -- what the client is told ---------------------------------------------------------------
 
-    async def answer(self, answer: Answer) -> None:
+    def answer(self, answer: Answer) -> Awaitable[None]:
         """Send what a mode decided. Modes never write to the client themselves, except the
-        stream of a response that could not be held (settled before its first byte)."""
+        stream of a response that could not be held (settled before its first byte). Returns
+        the sending's own coroutine (no second one wraps it)."""
         match answer:
             case HeldResponse(flush=flush):
                 self.started = True
-                await flush()
+                return flush()
             case Replay(response=response):
-                await self.replay(response)
+                return self.replay(response)
             case Problem(kind=kind, detail=detail, retry_after=retry_after):
-                await self.problem(kind, detail, retry_after)
+                return self.problem(kind, detail, retry_after)
             case InFlight(detail=detail):
-                await self._in_flight(detail)
+                return self._in_flight(detail)
             case Sent():
-                pass  # streamed already
+                return _nothing()  # streamed already
             case _:  # pragma: no cover - every Answer is handled above
                 raise TypeError(f"not an answer: {answer!r}")
 

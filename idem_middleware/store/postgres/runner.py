@@ -4,8 +4,6 @@ they ran only the store's statements."""
 from __future__ import annotations
 
 import weakref
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from typing import Any
 
 import asyncpg
@@ -36,15 +34,9 @@ class PoolStatements:
         if raw is not None and not raw.is_closed() and not raw.is_in_transaction():
             self._clean.add(raw)
 
-    @asynccontextmanager
-    async def _internal(self) -> AsyncIterator[Any]:
+    def _internal(self) -> _Internal:
         """A pooled connection for the store's own statements: released without a reset."""
-        conn = await self.pool.acquire()
-        try:
-            yield conn
-            self._mark_clean(conn)
-        finally:
-            await self.pool.release(conn)
+        return _Internal(self)
 
     async def _run(self, method: str, query: str, *args: Any) -> Any:
         """`conn.<method>(query, *args)` on a connection of our own; connection errors and
@@ -62,3 +54,30 @@ class PoolStatements:
             return await self._run(method, query, *args)
         except SERVER_ERROR as exc:
             raise translate(exc) from exc
+
+
+class _Internal:
+    """`async with store._internal() as conn`: a pooled connection, given back to the pool it
+    came from; marked clean (no reset) unless the block raised. (A class, not a generator
+    wrapped by `asynccontextmanager`: lease mode takes one on every request.)"""
+
+    __slots__ = ("_conn", "_owner", "_pool")
+
+    def __init__(self, owner: PoolStatements) -> None:
+        self._owner = owner
+        self._pool: Any = None
+        self._conn: Any = None
+
+    async def __aenter__(self) -> Any:
+        pool = self._owner.pool
+        self._conn = await pool.acquire()
+        self._pool = pool
+        return self._conn
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        conn = self._conn
+        try:
+            if exc_type is None:
+                self._owner._mark_clean(conn)
+        finally:
+            await self._pool.release(conn)
