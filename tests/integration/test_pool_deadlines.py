@@ -90,3 +90,20 @@ async def test_a_connection_whose_server_stops_answering_is_terminated_on_its_wa
             claim = await tx.claim(_key("stopped"), b"f" * 32, retention_seconds=60, wait_seconds=1)
             assert isinstance(claim, Claimed)
             assert tx.connection.get_server_pid() != backend
+
+
+async def test_a_deadline_that_fires_once_the_connection_is_back_touches_nothing(
+    db_dsn: str,
+) -> None:
+    """The timer may fire between the pool taking the connection back and the session hearing
+    of it: the session's connection is then a released proxy, and the pool's connection, lent
+    to the next checkout, must not be terminated."""
+    async with PostgresStore(dsn=db_dsn, min_size=1, max_size=1, listen=False) as store:
+        async with store.transaction(acquire_timeout=BOUND) as done:
+            await done.claim(_key("back"), b"f" * 32, retention_seconds=60, wait_seconds=1)
+        async with store.transaction(acquire_timeout=BOUND) as tx:
+            backend = tx.connection.get_server_pid()
+            done.due()  # (what the timer would call)
+            claim = await tx.claim(_key("next"), b"f" * 32, retention_seconds=60, wait_seconds=1)
+            assert isinstance(claim, Claimed)
+            assert tx.connection.get_server_pid() == backend

@@ -127,8 +127,11 @@ class PgTransaction:
         if self._task is not None:
             self._task.cancel()
         elif self._conn is not None:
-            logger.warning("a connection did not come back to the pool in time; terminating it")
-            self._conn.terminate()
+            try:
+                self._conn.terminate()
+            except CONNECTION_ERRORS:
+                return  # given back already (the proxy refuses): nothing is stuck
+            logger.warning("a connection did not come back to the pool in time; terminated it")
 
     @property
     def connection(self) -> Any:
