@@ -99,12 +99,13 @@ class PgTransaction:
         (`Delayed`) serves every session of the store: a timer per checkout, armed and
         cancelled per request as asyncpg's `acquire(timeout=)` does, costs more than the rest
         of the checkout."""
-        pool = self._pool = self._lender.pool
+        pool = self._lender.pool
         task = self._task = asyncio.current_task()
         deadline = self._deadline
         deadline.add(self)
         try:
             self._conn = await pool.acquire()
+            self._pool = pool  # (set only with a connection: `release` gives back what was had)
         except asyncio.CancelledError:
             if self._expired and task is not None and task.uncancel() == 0:
                 raise StoreError("no database connection: TimeoutError") from None
