@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+from collections.abc import AsyncIterator
 
 import pytest
 
@@ -23,87 +24,129 @@ def _key(name: str) -> RecordKey:
     return RecordKey("tenant-a", "POST /x", name)
 
 
-async def test_a_checkout_with_no_free_connection_gives_up_at_its_deadline(db_dsn: str) -> None:
-    async with PostgresStore(dsn=db_dsn, min_size=1, max_size=1, listen=False) as store:
-        held = await store.pool.acquire()
-        try:
+class _Stopped:
+    """A task that claims `name` in a session, stops the session's server backend (SIGSTOP)
+    and leaves the block: its rollback then waits on a server that does not answer."""
 
-            async def checkout() -> None:
-                async with store.transaction(acquire_timeout=DEADLINE):
-                    raise AssertionError("no connection was free")  # pragma: no cover
+    def __init__(self, store: PostgresStore, name: str, acquire_timeout: float) -> None:
+        self.backend = 0
+        self.stopped = asyncio.Event()
+        self.task = asyncio.ensure_future(self._inside(store, name, acquire_timeout))
 
-            with pytest.raises(StoreError, match="no database connection"):
-                await asyncio.wait_for(checkout(), BOUND)  # (TimeoutError: it never gave up)
-        finally:
-            await store.pool.release(held)
-        # The deadline left nothing behind: the next checkout gets the connection.
-        async with store.transaction(acquire_timeout=DEADLINE) as tx:
-            claim = await tx.claim(_key("after"), b"f" * 32, retention_seconds=60, wait_seconds=1)
-            assert isinstance(claim, Claimed)
+    async def _inside(self, store: PostgresStore, name: str, acquire_timeout: float) -> None:
+        async with store.transaction(acquire_timeout=acquire_timeout) as tx:
+            await tx.claim(_key(name), b"f" * 32, retention_seconds=60, wait_seconds=1)
+            self.backend = tx.connection.get_server_pid()
+            os.kill(self.backend, signal.SIGSTOP)
+            self.stopped.set()
+
+    def resume(self) -> None:
+        if self.backend:
+            os.kill(self.backend, signal.SIGCONT)
 
 
-async def test_a_cancelled_checkout_stays_cancelled(db_dsn: str) -> None:
+@pytest.fixture
+async def store(db_dsn: str) -> AsyncIterator[PostgresStore]:
+    """A store whose pool has one connection."""
+    async with PostgresStore(dsn=db_dsn, min_size=1, max_size=1, listen=False) as one:
+        yield one
+
+
+async def test_a_checkout_with_no_free_connection_gives_up_at_its_deadline(
+    store: PostgresStore,
+) -> None:
+    held = await store.pool.acquire()
+    try:
+
+        async def checkout() -> None:
+            async with store.transaction(acquire_timeout=DEADLINE):
+                raise AssertionError("no connection was free")  # pragma: no cover
+
+        with pytest.raises(StoreError, match="no database connection"):
+            await asyncio.wait_for(checkout(), BOUND)  # (TimeoutError: it never gave up)
+    finally:
+        await store.pool.release(held)
+    # The deadline left nothing behind: the next checkout gets the connection.
+    async with store.transaction(acquire_timeout=DEADLINE) as tx:
+        claim = await tx.claim(_key("after"), b"f" * 32, retention_seconds=60, wait_seconds=1)
+        assert isinstance(claim, Claimed)
+
+
+async def test_a_cancelled_checkout_stays_cancelled(store: PostgresStore) -> None:
     """A cancellation that is not the deadline's (a shutdown) is not turned into a timeout."""
-    async with PostgresStore(dsn=db_dsn, min_size=1, max_size=1, listen=False) as store:
-        held = await store.pool.acquire()
-        try:
+    held = await store.pool.acquire()
+    try:
 
-            async def checkout() -> None:
-                async with store.transaction(acquire_timeout=BOUND):
-                    pass  # pragma: no cover
+        async def checkout() -> None:
+            async with store.transaction(acquire_timeout=BOUND):
+                pass  # pragma: no cover
 
-            task = asyncio.ensure_future(checkout())
-            await asyncio.sleep(0.05)
-            task.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await asyncio.wait_for(task, BOUND)
-        finally:
-            await store.pool.release(held)
+        task = asyncio.ensure_future(checkout())
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(task, BOUND)
+    finally:
+        await store.pool.release(held)
 
 
 async def test_a_connection_whose_server_stops_answering_is_terminated_on_its_way_back(
-    db_dsn: str,
+    store: PostgresStore,
 ) -> None:
-    async with PostgresStore(dsn=db_dsn, min_size=1, max_size=1, listen=False) as store:
-        backend = 0
-
-        async def stop_inside() -> None:
-            nonlocal backend
-            async with store.transaction(acquire_timeout=DEADLINE) as tx:
-                await tx.claim(_key("stopped"), b"f" * 32, retention_seconds=60, wait_seconds=1)
-                backend = tx.connection.get_server_pid()
-                os.kill(backend, signal.SIGSTOP)
-            # Leaving the block rolled back, stuck (the server is stopped) until the deadline
-            # terminated the connection.
-
-        task = asyncio.ensure_future(stop_inside())
-        try:
-            # (Not wait_for: cancelling a task stuck on a stopped server waits on it too.)
-            await asyncio.wait({task}, timeout=BOUND)
-            assert task.done(), "leaving the block stayed stuck on the stopped server"
-        finally:
-            if backend:
-                os.kill(backend, signal.SIGCONT)
-            await asyncio.wait_for(task, BOUND)
-        # The pool replaced the terminated connection, and the key was never recorded.
-        async with store.transaction(acquire_timeout=BOUND) as tx:
-            claim = await tx.claim(_key("stopped"), b"f" * 32, retention_seconds=60, wait_seconds=1)
-            assert isinstance(claim, Claimed)
-            assert tx.connection.get_server_pid() != backend
+    # Leaving the block rolls back, stuck (the server is stopped) until the deadline terminates
+    # the connection.
+    stopped = _Stopped(store, "stopped", DEADLINE)
+    try:
+        # (Not wait_for: cancelling a task stuck on a stopped server waits on it too.)
+        await asyncio.wait({stopped.task}, timeout=BOUND)
+        assert stopped.task.done(), "leaving the block stayed stuck on the stopped server"
+    finally:
+        stopped.resume()
+        await asyncio.wait_for(stopped.task, BOUND)
+    # The pool replaced the terminated connection, and the key was never recorded.
+    async with store.transaction(acquire_timeout=BOUND) as tx:
+        claim = await tx.claim(_key("stopped"), b"f" * 32, retention_seconds=60, wait_seconds=1)
+        assert isinstance(claim, Claimed)
+        assert tx.connection.get_server_pid() != stopped.backend
 
 
 async def test_a_deadline_that_fires_once_the_connection_is_back_touches_nothing(
-    db_dsn: str,
+    store: PostgresStore,
 ) -> None:
     """The timer may fire between the pool taking the connection back and the session hearing
     of it: the session's connection is then a released proxy, and the pool's connection, lent
     to the next checkout, must not be terminated."""
-    async with PostgresStore(dsn=db_dsn, min_size=1, max_size=1, listen=False) as store:
-        async with store.transaction(acquire_timeout=BOUND) as done:
-            await done.claim(_key("back"), b"f" * 32, retention_seconds=60, wait_seconds=1)
-        async with store.transaction(acquire_timeout=BOUND) as tx:
-            backend = tx.connection.get_server_pid()
-            done.due()  # (what the timer would call)
-            claim = await tx.claim(_key("next"), b"f" * 32, retention_seconds=60, wait_seconds=1)
+    async with store.transaction(acquire_timeout=BOUND) as done:
+        await done.claim(_key("back"), b"f" * 32, retention_seconds=60, wait_seconds=1)
+    async with store.transaction(acquire_timeout=BOUND) as tx:
+        backend = tx.connection.get_server_pid()
+        done.due()  # (what the timer would call)
+        claim = await tx.claim(_key("next"), b"f" * 32, retention_seconds=60, wait_seconds=1)
+        assert isinstance(claim, Claimed)
+        assert tx.connection.get_server_pid() == backend
+
+
+async def test_a_session_cancelled_on_its_way_back_still_returns_its_connection(
+    db_dsn: str,
+) -> None:
+    """A request cancelled (a shutdown, a client gone) while its session's rollback waits on
+    the server: the connection still goes back to the pool, or the pool is one short for good
+    (and its close waits for that connection forever)."""
+    store = await PostgresStore(dsn=db_dsn, min_size=1, max_size=1, listen=False).open()
+    stopped = _Stopped(store, "cancelled", BOUND)
+    try:
+        try:
+            await asyncio.wait_for(stopped.stopped.wait(), BOUND)
+            await asyncio.sleep(0.05)  # the block is left: its rollback waits on the server
+            stopped.task.cancel()
+        finally:
+            stopped.resume()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(stopped.task, BOUND)
+        # The one connection is back: the next checkout gets it (else it waits out DEADLINE).
+        async with store.transaction(acquire_timeout=DEADLINE) as tx:
+            claim = await tx.claim(_key("after"), b"f" * 32, retention_seconds=60, wait_seconds=1)
             assert isinstance(claim, Claimed)
-            assert tx.connection.get_server_pid() == backend
+    finally:
+        store.pool.terminate()  # (a leaked connection would keep a close waiting)
+        await store.close()

@@ -178,11 +178,13 @@ class PgTransaction:
         self._expired = False
         deadline.add(self)
         try:
-            if self._tx is not None:
-                await self.rollback()
-            if not self.lent:
-                self._lender._mark_clean(conn)  # a replay, say: the handler never had it
-            await pool.release(conn)
+            try:
+                if self._tx is not None:
+                    await self.rollback()
+                if not self.lent:
+                    self._lender._mark_clean(conn)  # a replay, say: the handler never had it
+            finally:
+                await pool.release(conn)  # even when cancelled during the rollback
         finally:
             deadline.discard(self)
 
