@@ -143,10 +143,6 @@ class PgTransaction:
     def driver(self) -> Any:
         return self._conn
 
-    @property
-    def active(self) -> bool:
-        return self._tx is not None
-
     def conflict(self, exc: BaseException) -> bool:
         return is_conflict(exc)
 
