@@ -61,7 +61,9 @@ def canonical_json_fast(body: bytes, max_values: int) -> tuple[object, bytes] | 
     if _DOUBTFUL_NUMBER.search(body) is not None:
         return None
     escaped_colons = 0
-    if not body.isascii() or (b"\\" in body and b"\\u" in body):
+    # (`find`, not `in`: bytes' `in` tries the operand as an integer first, and formats the
+    # TypeError it then discards.)
+    if not body.isascii() or body.find(b"\\u") >= 0:
         if _ASTRAL.search(body) is not None and _HIGH_BMP.search(body) is not None:
             return None
         escaped_colons = body.count(b"\\u003a") + body.count(b"\\u003A")

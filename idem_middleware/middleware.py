@@ -5,10 +5,13 @@ path). No SQL here and no FastAPI: the store does the former, `fastapi.py` the l
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import logging
 import os
-from collections.abc import Collection, Mapping, Sequence
-from typing import Any, cast
+import sys
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
+from typing import Any, TypeVar, cast
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -61,6 +64,19 @@ def _host(scope: Scope) -> bytes | None:
         if name == b"host":
             return value  # type: ignore[no-any-return]
     return None
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _marked_coroutine_function(func: _F) -> _F:
+    """Marks a function that returns a coroutine as a coroutine function, as asgiref's
+    `markcoroutinefunction` does: ASGI servers and test clients (uvicorn, Starlette's
+    TestClient) tell an ASGI 3 app from an ASGI 2 one by `iscoroutinefunction(app.__call__)`."""
+    if sys.version_info >= (3, 12):
+        return inspect.markcoroutinefunction(func)
+    func._is_coroutine = asyncio.coroutines._is_coroutine  # type: ignore[attr-defined]
+    return func
 
 
 def _named_route(template: str) -> bool:
@@ -131,13 +147,16 @@ class IdempotencyMiddleware:
         self._check_error: ConfigurationError | None = None
         self._routes: dict[tuple[Any, ...], _Guarded] = {}
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+    @_marked_coroutine_function
+    def __call__(self, scope: Scope, receive: Receive, send: Send) -> Awaitable[None]:
+        """Decides, without awaiting, who handles the request, and returns that coroutine for
+        the server to await: a guarded request's exchange runs with no frame of the middleware's
+        above it, so each await of its handler passes one frame fewer. (Servers tell an ASGI 3
+        app by its `__call__` being a coroutine function: see `_marked_coroutine_function`.)"""
         if scope["type"] == "lifespan":
-            await self._lifespan(scope, receive, send)
-            return
+            return self._lifespan(scope, receive, send)
         if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+            return self.app(scope, receive, send)
         if not self._checked:
             self._check(scope.get("app"))
         if self._check_error is not None:
@@ -160,23 +179,23 @@ class IdempotencyMiddleware:
                         self._routes.clear()  # many distinct paths (ids in them): start over
                     self._routes[cache_key] = guarded
         if guarded is _UNGUARDED:
-            # Decorated endpoints refuse to run unless this is set (see policy.idempotent).
-            active = MIDDLEWARE_ACTIVE.set(True)
-            try:
-                await self.app(scope, receive, send)
-            finally:
-                MIDDLEWARE_ACTIVE.reset(active)
-            return
+            return self._pass_on(scope, receive, send)
         if guarded is None:
-            await self._misconfigured(send, "This operation cannot be guarded.")
-            return
+            return self._misconfigured(send, "This operation cannot be guarded.")
         match, policy, operation = guarded
         if self.tenants.unidentifiable(scope, allow_anonymous=policy.allow_anonymous):
-            await self._misconfigured(send, "The server cannot identify the caller.")
-            return
+            return self._misconfigured(send, "The server cannot identify the caller.")
         # A guarded request's endpoint runs under its claim's context, which decorated endpoints
         # accept as proof that the middleware handled the request (see policy.idempotent).
-        await Exchange(self, scope, receive, send, match, policy, operation, by_name).run()
+        return Exchange(self, scope, receive, send, match, policy, operation, by_name).run()
+
+    async def _pass_on(self, scope: Scope, receive: Receive, send: Send) -> None:
+        # Decorated endpoints refuse to run unless this is set (see policy.idempotent).
+        active = MIDDLEWARE_ACTIVE.set(True)
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            MIDDLEWARE_ACTIVE.reset(active)
 
     def _resolve(self, app: Any, method: str, scope: Scope) -> _Guarded | None:
         """The route a request matches, the policy guarding it and its operation's name, the

@@ -188,3 +188,38 @@ async def test_a_decorated_endpoint_runs_when_the_middleware_is_switched_off() -
         r = await c.post("/pay", json={"a": 1}, headers=key("k1"))
     assert r.status_code == 201
     assert r.json() == {"ran": True}
+
+
+async def test_the_middleware_as_the_outermost_app_is_served_as_an_asgi3_app() -> None:
+    """Its `__call__` returns the coroutine that handles the request (one frame fewer under
+    every await of a handler), so it is marked a coroutine function: servers and test clients
+    tell an ASGI 3 app by it, and would call anything else with the scope alone (ASGI 2)."""
+    from starlette._utils import is_async_callable  # what Starlette's TestClient asks
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+    from uvicorn.config import Config
+
+    from idem_middleware import IdempotencyMiddleware
+
+    calls = []
+
+    async def pay(request: Request) -> JSONResponse:
+        calls.append(await request.json())
+        return JSONResponse({"call": len(calls)}, status_code=201)
+
+    inner = Starlette(routes=[Route("/pay", pay, methods=["POST"])])
+    outermost = IdempotencyMiddleware(
+        inner, store=MemoryStore(), tenant_resolver=lambda scope: "t1"
+    )
+    config = Config(app=outermost)
+    config.load()
+    assert config.interface == "asgi3"
+    assert is_async_callable(outermost)
+    async with client(outermost) as c:  # type: ignore[arg-type]
+        first = await c.post("/pay", json={"a": 1}, headers=key("k1"))
+        again = await c.post("/pay", json={"a": 1}, headers=key("k1"))
+    assert first.status_code == 201
+    assert_replay_of(again, first)
+    assert calls == [{"a": 1}]
