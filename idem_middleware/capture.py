@@ -116,7 +116,7 @@ class ResponseCapture:
     def stored(self, omitted: str | None = None) -> StoredResponse:
         assert self.start is not None
         return StoredResponse(
-            status=self.status,
+            status=self.start["status"],
             headers=storable_headers(self.start.get("headers", ())),
             body=b"" if omitted or self.chunks is None else b"".join(self.chunks),
             body_omitted=omitted,

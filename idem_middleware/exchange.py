@@ -134,7 +134,9 @@ class Exchange:
             finally:
                 MIDDLEWARE_ACTIVE.reset(active)
             return
-        tenant = await self.mw.tenants.resolve(self.scope, allow_anonymous=policy.allow_anonymous)
+        tenant = self.mw.tenants.resolve(self.scope, allow_anonymous=policy.allow_anonymous)
+        if tenant is not None and not isinstance(tenant, str):
+            tenant = await tenant  # an asynchronous resolver's
         if tenant is None:
             await self.problem(
                 ProblemKind.UNAUTHENTICATED, "This operation needs an authenticated caller."
@@ -297,7 +299,8 @@ class Exchange:
                 raise RequestRejected(
                     ProblemKind.BODY_TOO_LARGE, f"The body may be at most {cap} bytes."
                 )
-        chunks: list[bytes] = []
+        body = b""
+        chunks: list[bytes] | None = None  # made only for a body sent in pieces
         size = 0
         while True:
             message = await self.receive()
@@ -310,10 +313,15 @@ class Exchange:
                     ProblemKind.BODY_TOO_LARGE, f"The body may be at most {cap} bytes."
                 )
             if chunk:
-                chunks.append(chunk)
+                if not body:
+                    body = chunk
+                elif chunks is None:
+                    chunks = [body, chunk]
+                else:
+                    chunks.append(chunk)
             if not message.get("more_body", False):
                 break
-        return content_type, chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        return content_type, body if chunks is None else b"".join(chunks)
 
     async def __call__(self) -> Message:
         """The exchange is the `receive` the app gets (no bound method made per request): the

@@ -67,13 +67,23 @@ class Tenants:
             )
         return True
 
-    async def resolve(self, scope: Scope, *, allow_anonymous: bool = False) -> str | None:
-        """The caller's tenant; "" for an anonymous caller when allowed; None: refuse (401)."""
+    def resolve(
+        self, scope: Scope, *, allow_anonymous: bool = False
+    ) -> str | Awaitable[str | None] | None:
+        """The caller's tenant; "" for an anonymous caller when allowed; None: refuse (401).
+        From a resolver that returns an awaitable, an awaitable of that answer: the caller
+        awaits what is neither a str nor None (a synchronous resolver costs no coroutine)."""
         resolved = self.resolver(scope)
         if resolved is not None and not isinstance(resolved, str) and inspect.isawaitable(resolved):
-            resolved = await resolved  # (the str test first: isawaitable is an ABC check)
+            return self._awaited(resolved, allow_anonymous)  # (str first: isawaitable is an ABC)
         if resolved:
             return resolved
+        return "" if allow_anonymous else None
+
+    async def _awaited(self, resolved: Awaitable[str | None], allow_anonymous: bool) -> str | None:
+        tenant = await resolved
+        if tenant:
+            return tenant
         return "" if allow_anonymous else None
 
 
@@ -87,7 +97,9 @@ async def route_tenant(tenants: Tenants, scope: Scope, *, problem_base: str) -> 
             "was not processed.",
             base=problem_base,
         )
-    tenant = await tenants.resolve(scope)
+    tenant = tenants.resolve(scope)
+    if tenant is not None and not isinstance(tenant, str):
+        tenant = await tenant
     if tenant is None:
         return problem_response(
             ProblemKind.UNAUTHENTICATED, "This resource needs authentication.", base=problem_base

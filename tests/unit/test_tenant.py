@@ -4,6 +4,7 @@ scope no authentication ran for."""
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import pytest
 from starlette.authentication import SimpleUser, UnauthenticatedUser
@@ -12,27 +13,45 @@ from idem_middleware.middleware import TenantResolver, authenticated_user_tenant
 from idem_middleware.tenant import Tenants
 
 
+async def resolve(tenants: Tenants, scope: dict[str, Any], **options: bool) -> str | None:
+    """As the edges call it: what is neither a str nor None is awaited."""
+    tenant = tenants.resolve(scope, **options)
+    if tenant is None or isinstance(tenant, str):
+        return tenant
+    return await tenant
+
+
 async def test_sync_and_async_resolvers_give_the_same_tenant() -> None:
     async def async_resolver(scope: object) -> str:
         return "tenant-a"
 
     for resolver in (lambda scope: "tenant-a", async_resolver):
-        assert await Tenants(resolver).resolve({}) == "tenant-a"
+        assert await resolve(Tenants(resolver), {}) == "tenant-a"
+
+
+def test_a_synchronous_resolver_is_answered_without_a_coroutine() -> None:
+    assert Tenants(lambda scope: "tenant-a").resolve({}) == "tenant-a"
+    assert Tenants(lambda scope: None).resolve({}) is None
+    assert Tenants(lambda scope: None).resolve({}, allow_anonymous=True) == ""
 
 
 @pytest.mark.parametrize("resolved", [None, ""])
+@pytest.mark.parametrize("asynchronous", [False, True])
 async def test_no_tenant_is_a_refusal_unless_anonymous_callers_are_allowed(
-    resolved: str | None,
+    resolved: str | None, asynchronous: bool
 ) -> None:
-    tenants = Tenants(lambda scope: resolved)
-    assert await tenants.resolve({}) is None
-    assert await tenants.resolve({}, allow_anonymous=True) == ""
+    async def async_resolver(scope: object) -> str | None:
+        return resolved
+
+    tenants = Tenants(async_resolver if asynchronous else lambda scope: resolved)
+    assert await resolve(tenants, {}) is None
+    assert await resolve(tenants, {}, allow_anonymous=True) == ""
 
 
 async def test_the_default_reads_the_authenticated_user() -> None:
     tenants = Tenants()
-    assert await tenants.resolve({"user": SimpleUser("tenant-b")}) == "tenant-b"
-    assert await tenants.resolve({"user": UnauthenticatedUser()}) is None
+    assert await resolve(tenants, {"user": SimpleUser("tenant-b")}) == "tenant-b"
+    assert await resolve(tenants, {"user": UnauthenticatedUser()}) is None
 
 
 def test_a_scope_without_a_user_is_unidentifiable_and_logged_once(

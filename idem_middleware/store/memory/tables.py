@@ -65,6 +65,8 @@ class _Row:
 
 
 _STATES = {state.value: state for state in State}
+#: Each state's plain string, as a record keeps it (a lookup: `.value` is two Python calls).
+_VALUES = {state: state.value for state in State}
 #: A row's fields that are strings, bytes or numbers, in one call (see `_Rows`).
 _ATOMIC_FIELDS = attrgetter(
     "fingerprint",
@@ -105,9 +107,9 @@ class _Rows:
         # a record tracked one collection longer (into the oldest generation, at three levels).
         r = row.response
         if r is None:
-            return (*_ATOMIC_FIELDS(row), row.state.value, None, None, None, None)
+            return (*_ATOMIC_FIELDS(row), _VALUES[row.state], None, None, None, None)
         flat = tuple(itertools.chain.from_iterable(r.headers))
-        return (*_ATOMIC_FIELDS(row), row.state.value, r.status, flat, r.body, r.body_omitted)
+        return (*_ATOMIC_FIELDS(row), _VALUES[row.state], r.status, flat, r.body, r.body_omitted)
 
     @staticmethod
     def _unpack(p: tuple[Any, ...]) -> _Row:
