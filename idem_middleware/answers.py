@@ -3,7 +3,6 @@ way, from the modes back to the exchange, which alone writes to the client)."""
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from .errors import ProblemKind
@@ -19,7 +18,8 @@ WAITERS_FULL = (
 
 
 class Answer:
-    """Base of the answers below."""
+    """Base of the answers below, and of `capture.ResponseCapture`: the handler's own response,
+    held until its outcome was recorded, is answered by its capture (the exchange flushes it)."""
 
     __slots__ = ()
 
@@ -54,10 +54,3 @@ class Sent(Answer):
 
 
 SENT = Sent()
-
-
-@dataclass(frozen=True, slots=True)
-class HeldResponse(Answer):
-    """The handler's own response, held until its outcome was recorded: send it now."""
-
-    flush: Callable[[], Awaitable[None]]

@@ -6,6 +6,7 @@ from typing import Protocol
 
 from starlette.types import Message, Send
 
+from .answers import Answer
 from .responses import storable_headers
 from .store.base import StoredResponse
 
@@ -24,7 +25,7 @@ class _RequestOver:
 _REQUEST_OVER = _RequestOver()
 
 
-class ResponseCapture:
+class ResponseCapture(Answer):
     """The `send` a claimed handler gets.
 
     The response is held (a client must never see an outcome that was not recorded). A response

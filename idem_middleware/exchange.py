@@ -14,7 +14,8 @@ from urllib.parse import urlencode
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from .answers import Answer, HeldResponse, InFlight, Problem, Replay, Sent
+from .answers import Answer, InFlight, Problem, Replay, Sent
+from .capture import ResponseCapture
 from .context import key_digest, token_hash
 from .errors import ClientGone, ProblemKind, RequestRejected, StoreError
 from .fingerprint import compute_fingerprint
@@ -213,9 +214,9 @@ class Exchange:
         stream of a response that could not be held (settled before its first byte). Returns
         the sending's own coroutine (no second one wraps it)."""
         match answer:
-            case HeldResponse(flush=flush):
+            case ResponseCapture():  # the handler's response, held until its outcome was recorded
                 self.started = True
-                return flush()
+                return answer.flush()
             case Replay(response=response):
                 return self.replay(response)
             case Problem(kind=kind, detail=detail, retry_after=retry_after):

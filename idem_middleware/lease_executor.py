@@ -11,7 +11,7 @@ import contextlib
 import logging
 from typing import TYPE_CHECKING
 
-from .answers import SENT, Answer, HeldResponse, Problem
+from .answers import SENT, Answer, Problem
 from .capture import ResponseCapture
 from .context import IdempotencyContext, enter_context, key_digest, leave_context
 from .delayed import Delayed
@@ -186,7 +186,7 @@ class LeaseExecution:
             if self.heartbeat is not None:
                 await self.heartbeat
         if settled:
-            return HeldResponse(capture.flush)
+            return capture  # held: the exchange flushes it
         return Problem(ProblemKind.IN_FLIGHT, _LOST_CLAIM, policy.retry_after_seconds)
 
     async def _settle(

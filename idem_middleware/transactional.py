@@ -18,7 +18,7 @@ import logging
 from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any
 
-from .answers import TENANT_BUSY, WAITERS_FULL, Answer, HeldResponse, InFlight, Problem
+from .answers import TENANT_BUSY, WAITERS_FULL, Answer, InFlight, Problem
 from .capture import ResponseCapture
 from .context import IdempotencyContext, enter_context, leave_context
 from .delayed import Delayed
@@ -253,7 +253,7 @@ class _Attempt:
                     raise RuntimeError("the application returned without a complete response")
                 await self._settle()
             # The transaction is over and the connection is back in the pool: now the client.
-            return HeldResponse(capture.flush)
+            return capture  # held: the exchange flushes it
         finally:
             if limited:
                 slots.give_back(record_key.tenant)
