@@ -27,12 +27,9 @@ _PLAIN_DECIMAL = rb"-?(?:0\.0{0,2}[1-9](?:[0-9]{0,11}[1-9])?|[1-9][0-9]{0,6}\.[0
 _DOUBTFUL_NUMBER = re.compile(
     rb"[:,\[][ \t\n\r]*(?!" + _PLAIN_DECIMAL + rb"[^-+.eE0-9])-?(?:[0-9]+[.eE]|[0-9]{19})"
 )
-#: Digits to "0", `.`, `e` and `E` to ".", every other byte to " ": what a number needs for
-#: `_DOUBTFUL_NUMBER` to match it.
-_NUMBER_SHAPE = bytes(
-    ord("0") if chr(i).isdigit() and i < 128 else ord(".") if i in b".eE" else ord(" ")
-    for i in range(256)
-)
+#: Digits to "0", `e` and `E` to "." (every other byte stays itself): what a number needs for
+#: `_DOUBTFUL_NUMBER` to match it shows as "0." or nineteen "0"s.
+_NUMBER_SHAPE = bytes.maketrans(b"0123456789eE", b"0000000000..")
 _NINETEEN_DIGITS = b"0" * 19
 # A character beyond U+FFFF, and one in U+E000-U+FFFF: orjson sorts keys by code point, JCS by
 # UTF-16 code unit, and the two orders differ only between such characters.
