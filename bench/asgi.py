@@ -42,7 +42,10 @@ from .app import TOKEN, BearerTenant, CreditIn, CreditOut, tenant_of
 #: module-level function as the module that calls it names it, a method as "Class.method". A
 #: target that is gone is skipped with a note; a stage none of whose targets ran shows 0 calls.
 STAGES: dict[str, tuple[tuple[str, str], ...]] = {
-    "key parse": (("idem_middleware.exchange", "parse_idempotency_key"),),
+    "key parse": (
+        ("idem_middleware.exchange", "parse_idempotency_key"),
+        ("idem_middleware.exchange", "parse_key_value"),
+    ),
     "tenant": (("idem_middleware.middleware", "Tenants.resolve"),),
     "route match": (
         ("idem_middleware.middleware", "routes_of"),
@@ -72,7 +75,7 @@ STAGES: dict[str, tuple[tuple[str, str], ...]] = {
         ("idem_middleware.capture", "ResponseCapture.__call__"),
     ),
     "settle": (
-        ("idem_middleware.transactional", "_Attempt._settle"),
+        ("idem_middleware.transactional", "Attempt._settle"),
         ("idem_middleware.capture", "ResponseCapture.stored"),
         ("idem_middleware.store.memory", "_MemoryTransaction.finish"),
     ),
@@ -82,7 +85,7 @@ STAGES: dict[str, tuple[tuple[str, str], ...]] = {
         ("idem_middleware.middleware", "IdempotencyMiddleware.__call__"),
         ("idem_middleware.exchange", "Exchange.run"),
         ("idem_middleware.transactional", "run_transactional"),
-        ("idem_middleware.transactional", "_Attempt.run"),
+        ("idem_middleware.transactional", "Attempt.run"),
     ),
 }
 #: The stage that is the app's own work (the same in bare), not the middleware's.

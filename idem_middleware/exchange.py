@@ -19,14 +19,14 @@ from .capture import ResponseCapture
 from .context import key_digest, token_hash
 from .errors import ClientGone, ProblemKind, RequestRejected, StoreError
 from .fingerprint import compute_fingerprint
-from .keys import parse_idempotency_key
+from .keys import KEY_HEADER, parse_idempotency_key, parse_key_value
 from .keysource import take_key
 from .lease import LeaseRun
 from .observe import UNTIMED, Event
 from .policy import MIDDLEWARE_ACTIVE, Mode, Policy, RouteMatch
 from .responses import send_accepted, send_problem, send_replay
 from .store.base import RecordKey, Store, StoredResponse
-from .transactional import RETRIED, first_attempt, run_transactional
+from .transactional import RETRIED, Attempt, run_transactional
 
 if TYPE_CHECKING:
     from .middleware import IdempotencyMiddleware
@@ -122,7 +122,12 @@ class Exchange:
         policy = self.policy
         try:
             if policy.key_source is None:
-                key = parse_idempotency_key(self.scope["headers"], self.by_name)
+                by_name = self.by_name
+                if by_name is None:
+                    key = parse_idempotency_key(self.scope["headers"])
+                else:  # (its names are lower case: absent here is absent)
+                    raw = by_name.get(KEY_HEADER)
+                    key = None if raw is None else parse_key_value(raw)
             else:
                 key = await take_key(self, policy.key_source)
             key_error = None
@@ -178,14 +183,19 @@ class Exchange:
             if policy.mode is Mode.TRANSACTIONAL:
                 failed: Exception | None = None
                 try:
-                    answer = await first_attempt(self, record_key, fingerprint)
+                    # The first attempt, awaited here (not under the retry loop): each await of
+                    # the handler passes one frame fewer, and most requests need no second one.
+                    answer = await Attempt(self, record_key, fingerprint, True).run()
                 except RETRIED as exc:
                     failed = exc
                 if failed is not None:  # (outside the except: a retried handler sees no error)
                     answer = await run_transactional(self, record_key, fingerprint, failed)
             else:
                 answer = await LeaseRun(self, record_key, fingerprint).run()
-            if answer is not None:
+            if type(answer) is ResponseCapture:  # the handler's response, held until recorded
+                self.started = True
+                await answer.flush()
+            elif answer is not None:
                 await self.answer(answer)
         except StoreError:
             logger.warning(
@@ -210,13 +220,11 @@ class Exchange:
     # -- what the client is told ---------------------------------------------------------------
 
     def answer(self, answer: Answer) -> Awaitable[None]:
-        """Send what a mode decided. Modes never write to the client themselves, except the
-        stream of a response that could not be held (settled before its first byte). Returns
-        the sending's own coroutine (no second one wraps it)."""
+        """Send what a mode decided, but for the handler's own held response (`run` flushes
+        it). Modes never write to the client themselves, except the stream of a response that
+        could not be held (settled before its first byte). Returns the sending's own coroutine
+        (no second one wraps it)."""
         match answer:
-            case ResponseCapture():  # the handler's response, held until its outcome was recorded
-                self.started = True
-                return answer.flush()
             case Replay(response=response):
                 return self.replay(response)
             case Problem(kind=kind, detail=detail, retry_after=retry_after):

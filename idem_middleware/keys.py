@@ -4,16 +4,24 @@ from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 from .errors import ProblemKind, RequestRejected
 
-__all__ = ["MAX_KEY_LENGTH", "check_key", "parse_idempotency_key", "parse_key_value", "token_hash"]
+__all__ = [
+    "KEY_HEADER",
+    "MAX_KEY_LENGTH",
+    "check_key",
+    "parse_idempotency_key",
+    "parse_key_value",
+    "token_hash",
+]
 
 MAX_KEY_LENGTH = 255
 
-_HEADER_NAME = b"idempotency-key"
-_HEADER_NAME_LEN = len(_HEADER_NAME)
+#: The header's name as ASGI servers send it (lower case).
+KEY_HEADER = b"idempotency-key"
+_HEADER_NAME_LEN = len(KEY_HEADER)
 _OWS = b" \t"
 
 # The whole header value once OWS is stripped: a quote, then printable ASCII other than `"`
@@ -29,23 +37,16 @@ _MALFORMED = "The Idempotency-Key header is not a valid structured-field string.
 _BAD_KEY = f"The Idempotency-Key must be 1 to {MAX_KEY_LENGTH} printable ASCII characters."
 
 
-def parse_idempotency_key(
-    headers: Sequence[tuple[bytes, bytes]], by_name: Mapping[bytes, bytes] | None = None
-) -> str | None:
+def parse_idempotency_key(headers: Sequence[tuple[bytes, bytes]]) -> str | None:
     """Return the key from raw ASGI headers, None when absent; RequestRejected when invalid.
 
-    `by_name`: the same headers as a mapping, when no name is repeated in them (see
-    `exchange.header_map`): a lookup then replaces the scan."""
-    if by_name is not None:
-        found = by_name.get(_HEADER_NAME)
-        if found is not None:
-            return parse_key_value(found)
-        # Absent under its lower-case name: a hand-built scope may spell it otherwise.
+    (Headers known to be lower case with no name repeated, as `exchange.header_map` finds
+    them, need no scan: the value under `KEY_HEADER`, if any, goes to `parse_key_value`.)"""
     raw: bytes | None = None
     for name, value in headers:
         # ASGI servers lower-case names, but a hand-built scope may not; the length test
         # keeps the lower() off almost every other header.
-        if len(name) == _HEADER_NAME_LEN and (name == _HEADER_NAME or name.lower() == _HEADER_NAME):
+        if len(name) == _HEADER_NAME_LEN and (name == KEY_HEADER or name.lower() == KEY_HEADER):
             if raw is not None:
                 raise RequestRejected(ProblemKind.INVALID_KEY, _DUPLICATE)
             raw = value

@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any
 
 from .answers import TENANT_BUSY, WAITERS_FULL, Answer, InFlight, Problem
@@ -51,17 +50,9 @@ _CONFLICT = "A concurrent request conflicted with this one; retry it."
 _WATCH = Delayed(DISCONNECT_WATCH_AFTER)
 
 
-#: What the first attempt may raise for `run_transactional` to carry on from.
+#: What the first attempt (`Attempt(...).run()`, awaited by the exchange itself) may raise for
+#: `run_transactional` to carry on from.
 RETRIED = (ClaimBusy, ClaimTimeout, RetryableConflict)
-
-
-def first_attempt(
-    ex: Exchange, record_key: RecordKey, fingerprint: bytes
-) -> Awaitable[Answer | None]:
-    """The first attempt, awaited by the exchange itself, so that each await of the handler
-    passes one frame fewer than under the retry loop (most requests need no second attempt). If
-    it raises one of `RETRIED`, the exchange hands that to `run_transactional`."""
-    return _Attempt(ex, record_key, fingerprint, True).run()
 
 
 async def run_transactional(
@@ -83,7 +74,7 @@ async def run_transactional(
         for _ in range(_MAX_ROUNDS):
             if exc is None:
                 try:
-                    return await _Attempt(ex, record_key, fingerprint, deadline is None).run()
+                    return await Attempt(ex, record_key, fingerprint, deadline is None).run()
                 except RETRIED as raised:
                     exc = raised
             if isinstance(exc, ClaimBusy):
@@ -125,7 +116,7 @@ async def run_transactional(
             waiters.leave()
 
 
-class _Attempt:
+class Attempt:
     """One run of claim, handler and outcome inside one database transaction.
 
     The handler runs in the request's task. A client that disconnects while it runs cancels it
@@ -312,7 +303,9 @@ class _Attempt:
     async def _settle(self, omitted: str | None = None) -> None:
         assert self.context is not None
         capture = self.capture
-        outcome = self.context.declared or outcome_for_status(capture.status, Mode.TRANSACTIONAL)
+        start = capture.start
+        assert start is not None
+        outcome = self.context.declared or outcome_for_status(start["status"], Mode.TRANSACTIONAL)
         state = FINAL_STATE.get(outcome)
         ex = self.ex
         if state is None:

@@ -9,14 +9,15 @@ import pytest
 
 from idem_middleware.errors import RequestRejected
 from idem_middleware.exchange import header_map
-from idem_middleware.keys import parse_idempotency_key
+from idem_middleware.keys import KEY_HEADER, parse_idempotency_key, parse_key_value
 
 PLAIN = [(b"host", b"h"), (b"content-type", b"application/json"), (b"idempotency-key", b"k1")]
 
 
 def test_a_list_of_distinct_lower_case_names_is_read_through_a_dict() -> None:
-    assert header_map(PLAIN) == dict(PLAIN)
-    assert parse_idempotency_key(PLAIN, header_map(PLAIN)) == "k1"
+    by_name = header_map(PLAIN)
+    assert by_name == dict(PLAIN)
+    assert parse_key_value(by_name[KEY_HEADER]) == parse_idempotency_key(PLAIN) == "k1"
 
 
 @pytest.mark.parametrize(
@@ -35,12 +36,23 @@ def test_anything_else_is_left_to_the_scans(headers: Any) -> None:
 
 def test_a_key_repeated_in_another_case_is_still_refused() -> None:
     headers = [(b"idempotency-key", b"k1"), (b"Idempotency-Key", b"k2")]
+    assert header_map(headers) is None  # so the exchange scans, and the scan refuses it
     with pytest.raises(RequestRejected):
-        parse_idempotency_key(headers, header_map(headers))
+        parse_idempotency_key(headers)
 
 
-def test_a_key_the_map_lacks_is_still_found_by_the_scan() -> None:
-    """A caller may pass a map of other headers; a key spelt in another case is scanned for."""
-    headers = [(b"host", b"h"), (b"IDEMPOTENCY-KEY", b"k3")]
-    assert parse_idempotency_key(headers, {b"host": b"h"}) == "k3"
-    assert parse_idempotency_key([(b"host", b"h")], {b"host": b"h"}) is None
+@pytest.mark.parametrize(
+    "headers",
+    [
+        [(b"host", b"h")],
+        [(b"host", b"h"), (b"idempotency-keys", b"k1"), (b"x-idempotency-key", b"k2")],
+        [(b"content-type", b"application/json"), (b"idempotency_key", b"k3")],
+    ],
+)
+def test_a_key_the_map_lacks_is_no_key_at_all(headers: list[tuple[bytes, bytes]]) -> None:
+    """The exchange reads the key from the map alone when there is one: its names are all in
+    lower case, so no other spelling of the header can hide among them."""
+    by_name = header_map(headers)
+    assert by_name is not None
+    assert KEY_HEADER not in by_name
+    assert parse_idempotency_key(headers) is None

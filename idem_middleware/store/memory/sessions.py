@@ -41,9 +41,8 @@ class _MemoryTransaction:
         if self.active:
             self._end()
 
-    @property
-    def connection(self) -> None:
-        return None
+    #: No driver connection: the handler writes wherever it likes (a class attribute: no call).
+    connection = None
 
     def conflict(self, exc: BaseException) -> bool:
         return False  # the twin never refuses a transaction
@@ -71,13 +70,6 @@ class _MemoryTransaction:
             self._held.clear()
         self._claimed = None
         self.active = False
-
-    def _own(self, key: RecordKey, row: _Row) -> Claimed:
-        self._store._owners[key] = None  # an event is made only if a lease claim waits
-        self._held.add(key)
-        self._staged[key] = row
-        self._claimed = key
-        return Claimed(row.generation, row.generation)  # a fresh record: its epoch
 
     async def claim(
         self,
@@ -110,7 +102,7 @@ class _MemoryTransaction:
                 self._consumed = set()
             self._consumed.add((key.tenant, token_hash))
         generation = next(store._generations)
-        fresh = _Row(
+        self._staged[key] = _Row(
             fingerprint,
             State.PENDING,
             generation,
@@ -119,7 +111,10 @@ class _MemoryTransaction:
             updated_at=now,
             epoch=generation,
         )
-        return self._own(key, fresh)
+        store._owners[key] = None  # an event is made only if a lease claim waits
+        self._held.add(key)
+        self._claimed = key
+        return Claimed(generation, generation)  # a fresh record: its epoch
 
     def _settled(self) -> None:
         """A claim that did not claim ends the transaction, unless it holds an earlier claim."""

@@ -101,17 +101,6 @@ class _Rows:
         self._packed: dict[tuple[str, ...], tuple[Any, ...]] = {}
 
     @staticmethod
-    def _pack(row: _Row) -> tuple[Any, ...]:
-        # Flat: the collector untracks a tuple only once everything in it is untracked, and it
-        # reaches a nested tuple after the one holding it, so each level of nesting would keep
-        # a record tracked one collection longer (into the oldest generation, at three levels).
-        r = row.response
-        if r is None:
-            return (*_ATOMIC_FIELDS(row), _VALUES[row.state], None, None, None, None)
-        flat = tuple(itertools.chain.from_iterable(r.headers))
-        return (*_ATOMIC_FIELDS(row), _VALUES[row.state], r.status, flat, r.body, r.body_omitted)
-
-    @staticmethod
     def _unpack(p: tuple[Any, ...]) -> _Row:
         response = None
         if p[11] is not None:
@@ -128,9 +117,7 @@ class _Rows:
         return self._unpack(self._packed[key])
 
     def __setitem__(self, key: RecordKey, row: _Row) -> None:
-        # (A RecordKey is a named tuple, which the collector never untracks; a plain tuple of
-        # the same strings hashes and compares equal to it.)
-        self._packed[tuple(key)] = self._pack(row)
+        self.update({key: row})
 
     def __delitem__(self, key: RecordKey) -> None:
         del self._packed[key]
@@ -142,9 +129,26 @@ class _Rows:
         return len(self._packed)
 
     def update(self, rows: Mapping[RecordKey, _Row]) -> None:
-        packed, pack = self._packed, self._pack
+        packed = self._packed
         for key, row in rows.items():
-            packed[tuple(key)] = pack(row)
+            # Flat: the collector untracks a tuple only once everything in it is untracked, and
+            # it reaches a nested tuple after the one holding it, so each level of nesting would
+            # keep a record tracked one collection longer (into the oldest generation, at three
+            # levels). (A RecordKey is a named tuple, which the collector never untracks; a plain
+            # tuple of the same strings hashes and compares equal to it.)
+            r = row.response
+            packed[tuple(key)] = (
+                (*_ATOMIC_FIELDS(row), _VALUES[row.state], None, None, None, None)
+                if r is None
+                else (
+                    *_ATOMIC_FIELDS(row),
+                    _VALUES[row.state],
+                    r.status,
+                    tuple(itertools.chain.from_iterable(r.headers)),
+                    r.body,
+                    r.body_omitted,
+                )
+            )
 
     def items(self) -> Iterator[tuple[RecordKey, _Row]]:
         for key, packed in self._packed.items():
