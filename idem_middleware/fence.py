@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from contextlib import AsyncExitStack
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -27,15 +27,17 @@ class Fence:
         self.key = key
         self.generation = generation
         self.expected = expected
-        self._stack: AsyncExitStack | None = None  # made when the fence is first used
+        # The store's fenced session, entered on first use, and its context manager: entered
+        # and left by hand (an exit stack for the one context cost more than the rest of the
+        # fence's bookkeeping).
+        self._fenced: AbstractAsyncContextManager[Any] | None = None
         self._session: Any = None
 
     async def connection(self) -> Any:
         if self._session is None:
-            stack = self._stack = AsyncExitStack()
-            self._session = await stack.enter_async_context(
-                self.store.fenced(self.key, self.generation, self.expected)
-            )
+            fenced = self.store.fenced(self.key, self.generation, self.expected)
+            self._session = await fenced.__aenter__()
+            self._fenced = fenced  # (only once entered: `close` leaves what was entered)
         return self._session.connection
 
     async def settle(self, settlement: Settlement) -> bool:
@@ -57,14 +59,15 @@ class Fence:
         if self._session is None:
             return
         self._session = None
-        stack = self._stack
-        assert stack is not None
+        fenced, self._fenced = self._fenced, None
+        assert fenced is not None
         if commit:
-            await stack.aclose()
+            await fenced.__aexit__(None, None, None)
         else:
-            rollback = FenceRollback()
+            # As if FenceRollback left the `async with`: the session rolls back (and raises it
+            # again, or swallows it).
             with contextlib.suppress(FenceRollback):
-                await stack.__aexit__(FenceRollback, rollback, None)
+                await fenced.__aexit__(FenceRollback, FenceRollback(), None)
 
 
 class Verdict(StrEnum):

@@ -220,6 +220,34 @@ async def test_contract_allow_retry_only_from_unknown_then_takeover_without_laps
     assert not record.lease_expired
 
 
+async def test_contract_a_fenced_session_gives_its_connection_back_however_it_ends(
+    harness: Harness,
+) -> None:
+    """Refused (a stale generation), left by an error, or left after a refused settlement: each
+    fenced session returns its connection. Many more sessions than the pool has connections,
+    under a deadline, so a leak fails here instead of hanging the next checkout."""
+    store = harness.store
+    k = rkey()
+    g1 = await claim_lease(harness)
+    stale = g1 - 1
+
+    async def sessions() -> None:
+        for _ in range(60):
+            with pytest.raises(StaleGeneration):
+                async with store.fenced(k, stale):
+                    pass
+            with pytest.raises(RuntimeError, match="left"):
+                async with store.fenced(k, g1):
+                    raise RuntimeError("left")
+
+    await asyncio.wait_for(sessions(), 30)
+    record = await store.get(k)
+    assert record is not None
+    assert record.state is State.PENDING  # every session under g1 rolled back
+    async with store.fenced(k, g1) as session:
+        assert await session.settle(DONE)
+
+
 async def test_contract_a_fenced_settlement_commits_with_the_writes_or_neither_does(
     harness: Harness,
 ) -> None:

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from ...errors import StaleGeneration, StoreError
 from ..base import RecordKey, Settlement, State
-from .convert import _Q, TRANSLATED, settle_args, translate
+from .convert import _Q, ACQUIRE_ERRORS, CONNECTION_ERRORS, TRANSLATED, settle_args, translate
 from .fused import FastPath
 
 
@@ -54,3 +55,84 @@ class PgFenced:
             raise translate(exc) from exc
         self.committed = True
         return True
+
+
+class Fencing:
+    """`PostgresStore.fenced(...)`: a connection from the pool, BEGIN and the record locked under
+    the generation (StaleGeneration if it no longer holds it), then the session; at the end a
+    commit (unless the session committed with its settlement), a rollback if the block raised,
+    and the connection back to the pool. A class, not a generator's context manager: that one's
+    machinery cost more than the fence's own work, once per lease request."""
+
+    __slots__ = ("_conn", "_expected", "_fast", "_generation", "_key", "_pool", "_session")
+
+    def __init__(
+        self,
+        pool: Any,
+        fast: FastPath | None,
+        key: RecordKey,
+        generation: int,
+        expected: State,
+    ) -> None:
+        self._pool = pool
+        self._fast = fast  # None: the fast path is off
+        self._key = key
+        self._generation = generation
+        self._expected = expected
+        self._conn: Any = None
+        self._session: PgFenced | None = None
+
+    async def __aenter__(self) -> PgFenced:
+        try:
+            conn = await self._pool.acquire()
+        except ACQUIRE_ERRORS as exc:
+            raise StoreError(f"no database connection: {type(exc).__name__}") from exc
+        try:
+            try:
+                tx, held, fast = await self._open(conn)
+            except CONNECTION_ERRORS as exc:
+                raise StoreError(str(exc)) from exc
+            if not held:
+                await tx.rollback()
+                raise StaleGeneration(
+                    f"generation {self._generation} no longer holds the record; its writes are "
+                    "refused"
+                )
+        except BaseException:
+            await self._pool.release(conn)
+            raise
+        self._conn = conn
+        session = self._session = PgFenced(
+            conn, tx, fast, self._key, self._generation, self._expected
+        )
+        return session
+
+    async def __aexit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        session, self._session = self._session, None
+        conn, self._conn = self._conn, None
+        assert session is not None
+        try:
+            if not session.committed:
+                if exc_type is not None:
+                    await session._tx.rollback()
+                else:
+                    try:
+                        await session._tx.commit()
+                    except TRANSLATED as error:
+                        raise translate(error) from error
+        finally:
+            await self._pool.release(conn)
+
+    async def _open(self, conn: Any) -> tuple[Any, bool, FastPath | None]:
+        """BEGIN and lock the record under the generation: (transaction, held, fast). The fast
+        way sends both in one message; its status line says whether the row was locked."""
+        key = self._key
+        args = (key.tenant, key.operation, key.key, self._generation, self._expected.value)
+        if self._fast is not None:
+            opened = await self._fast.open_fence(conn, args)
+            if opened is not None:
+                return (*opened, self._fast)
+        tx = conn.transaction()
+        await tx.start()
+        held = await conn.fetchval(_Q["fence"], *args)
+        return tx, held is not None, None

@@ -6,14 +6,12 @@ from __future__ import annotations
 
 import logging
 import weakref
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
 import asyncpg
 
 from ...delayed import Delayed
-from ...errors import StaleGeneration, StoreError
+from ...errors import StoreError
 from ..base import (
     Claim,
     Record,
@@ -36,7 +34,7 @@ from .convert import (
     translate,
 )
 from .edges import OffPathStatements
-from .fenced import PgFenced
+from .fenced import Fencing
 from .fused import FastPath
 from .listener import Listener
 from .sessions import PgTransaction
@@ -249,53 +247,8 @@ class PostgresStore(OffPathStatements):
         )
         return bool(row["moved"])
 
-    @asynccontextmanager
-    async def fenced(
-        self, key: RecordKey, generation: int, expected: State = State.PENDING
-    ) -> AsyncIterator[PgFenced]:
-        try:
-            conn = await self.pool.acquire()
-        except ACQUIRE_ERRORS as exc:
-            raise StoreError(f"no database connection: {type(exc).__name__}") from exc
-        try:
-            try:
-                tx, held, fast = await self._open_fence(conn, key, generation, expected)
-            except CONNECTION_ERRORS as exc:
-                raise StoreError(str(exc)) from exc
-            if not held:
-                await tx.rollback()
-                raise StaleGeneration(
-                    f"generation {generation} no longer holds the record; its writes are refused"
-                )
-            session = PgFenced(conn, tx, fast, key, generation, expected)
-            try:
-                yield session
-            except BaseException:
-                if not session.committed:
-                    await tx.rollback()
-                raise
-            if not session.committed:
-                try:
-                    await tx.commit()
-                except TRANSLATED as exc:
-                    raise translate(exc) from exc
-        finally:
-            await self.pool.release(conn)
-
-    async def _open_fence(
-        self, conn: Any, key: RecordKey, generation: int, expected: State
-    ) -> tuple[Any, bool, FastPath | None]:
-        """BEGIN and lock the record under the generation: (transaction, held, fast). The fast
-        way sends both in one message; its status line says whether the row was locked."""
-        args = (key.tenant, key.operation, key.key, generation, expected.value)
-        if self._fast is not None:
-            opened = await self._fast.open_fence(conn, args)
-            if opened is not None:
-                return (*opened, self._fast)
-        tx = conn.transaction()
-        await tx.start()
-        held = await conn.fetchval(_Q["fence"], *args)
-        return tx, held is not None, None
+    def fenced(self, key: RecordKey, generation: int, expected: State = State.PENDING) -> Fencing:
+        return Fencing(self.pool, self._fast, key, generation, expected)
 
     async def _release(self, conn: Any) -> None:
         await self.pool.release(conn)
