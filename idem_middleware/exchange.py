@@ -233,7 +233,7 @@ class Exchange:
                 return self._in_flight(detail)
             case Sent():
                 return _nothing()  # streamed already
-            case _:  # pragma: no cover - every Answer is handled above
+            case _:  # pragma: no cover - every other Answer is handled above
                 raise TypeError(f"not an answer: {answer!r}")
 
     async def problem(self, kind: ProblemKind, detail: str, retry_after: int | None = None) -> None:

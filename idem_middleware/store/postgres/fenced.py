@@ -64,7 +64,7 @@ class Fencing:
     and the connection back to the pool. A class, not a generator's context manager: that one's
     machinery cost more than the fence's own work, once per lease request."""
 
-    __slots__ = ("_conn", "_expected", "_fast", "_generation", "_key", "_pool", "_session")
+    __slots__ = ("_expected", "_fast", "_generation", "_key", "_pool", "_session")
 
     def __init__(
         self,
@@ -79,8 +79,7 @@ class Fencing:
         self._key = key
         self._generation = generation
         self._expected = expected
-        self._conn: Any = None
-        self._session: PgFenced | None = None
+        self._session: PgFenced | None = None  # entered: it holds the connection
 
     async def __aenter__(self) -> PgFenced:
         try:
@@ -101,7 +100,6 @@ class Fencing:
         except BaseException:
             await self._pool.release(conn)
             raise
-        self._conn = conn
         session = self._session = PgFenced(
             conn, tx, fast, self._key, self._generation, self._expected
         )
@@ -109,7 +107,6 @@ class Fencing:
 
     async def __aexit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         session, self._session = self._session, None
-        conn, self._conn = self._conn, None
         assert session is not None
         try:
             if not session.committed:
@@ -121,7 +118,7 @@ class Fencing:
                     except TRANSLATED as error:
                         raise translate(error) from error
         finally:
-            await self._pool.release(conn)
+            await self._pool.release(session.connection)
 
     async def _open(self, conn: Any) -> tuple[Any, bool, FastPath | None]:
         """BEGIN and lock the record under the generation: (transaction, held, fast). The fast
