@@ -4,7 +4,6 @@ What each part covers, and what the fingerprint guarantees, is in docs/fingerpri
 
 from __future__ import annotations
 
-import hashlib
 import re
 import struct
 from collections.abc import Mapping, Sequence
@@ -20,6 +19,7 @@ from .fingerprint_forms import (
     read_media_type,
 )
 from .fingerprint_json import canonical_json, parse_json_strict
+from .hashing import sha256
 
 __all__ = [
     "FINGERPRINT_VERSION",
@@ -280,4 +280,4 @@ def compute_fingerprint(
             stream.extend(_framed(header_value) for header_value in values)
     stream += (_U64(len(media_tag)), media_tag, _U64(len(canonical)), canonical)
     data = b"".join(stream)
-    return hashlib.sha256(data).digest()
+    return sha256(data).digest()

@@ -12,11 +12,11 @@ excludes this one.
 
 from __future__ import annotations
 
-import hashlib
 import struct
 from typing import Any
 
 from ...errors import StoreError
+from ...hashing import sha256
 from ..base import RecordKey
 from .convert import _Q
 
@@ -42,8 +42,8 @@ class ClaimLocks:
         row = await conn.fetchrow(_Q["lock_secret"])
         if row is None:
             raise StoreError("idem_lock_secret has no row: run `idem-middleware migrate`")
-        self._inner = hashlib.sha256(row["inner_key"])
-        self._outer = hashlib.sha256(row["outer_key"])
+        self._inner = sha256(row["inner_key"])
+        self._outer = sha256(row["outer_key"])
 
     def of(self, key: RecordKey) -> int:
         """`idem_key_lock(key.tenant, key.operation, key.key)`, as a signed 64-bit integer."""
