@@ -37,6 +37,7 @@ from idem_middleware import IdempotencyMiddleware, MemoryStore, Mode, PostgresSt
 
 from . import stages as st
 from .app import TOKEN, BearerTenant, CreditIn, CreditOut, tenant_of
+from .paired import measure_paired, paired_markdown
 
 #: Stage -> the functions and methods whose self time is that stage, as (module, attribute): a
 #: module-level function as the module that calls it names it, a method as "Class.method". A
@@ -374,11 +375,25 @@ async def main_async(args: argparse.Namespace, loop_name: str) -> str:
             pg_note = "PostgreSQL: " + args.pg_where
         try:
             await measure(variants, args.rounds, args.warmup)
+            # The loop again, request by request (see bench/paired.py), for the MemoryStore
+            # middleware against bare: what it adds, with the machine's drift cancelled.
+            counted = Variant("paired", None, 0, 1)
+            paired = await measure_paired(
+                {v.name: v.app for v in variants[:2]},
+                args.rounds * args.requests,
+                counted.send(),
+                make_requests,
+            )
         finally:
             for store in stores:
                 await store.close()
     stages = await measure_stages(args.rounds, args.requests, args.batch, args.warmup)
     gc.unfreeze()
+    pg_note += (
+        "\n\n"
+        + paired_markdown(paired)
+        + f"\n\nStatuses, request by request: {dict(counted.statuses)}"
+    )
     return markdown(variants, stages, _info(args, loop_name, load), pg_note)
 
 

@@ -30,3 +30,32 @@ def test_accounts_zero_puts_a_new_account_in_every_path() -> None:
     paths = _paths(0)
     assert len(set(paths)) == 12
     assert all(p.startswith("/accounts/acct-t-") and p.endswith("/credits") for p in paths)
+
+
+def test_paired_requests_take_turns_and_the_table_has_the_added_share() -> None:
+    """bench.paired: every variant serves as many requests, in an order that rotates, and the
+    table's share is (variant - bare) / bare, by median and by mean."""
+    import asyncio
+
+    from bench.paired import measure_paired, paired_markdown
+
+    order: list[str] = []
+
+    def app_named(name: str) -> object:
+        async def app(scope: object, receive: object, send: object) -> None:
+            order.append(name)
+
+        return app
+
+    def requests(prefix: str, n: int) -> list[tuple[dict[str, str], None]]:
+        return [({"p": prefix}, None) for _ in range(n)]
+
+    async def send(message: object) -> None:
+        return None
+
+    apps = {"bare": app_named("bare"), "ours": app_named("ours")}
+    times = asyncio.run(measure_paired(apps, 450, send, requests))  # type: ignore[arg-type]
+    assert [len(times["bare"]), len(times["ours"])] == [450, 450]
+    assert order[:4] == ["bare", "ours", "ours", "bare"]  # the order rotates
+    table = paired_markdown({"bare": [100.0, 100.0, 100.0], "ours": [130.0, 130.0, 160.0]})
+    assert "| +30.0 / +40.0 | 0.30x / 0.40x |" in table, table
