@@ -57,7 +57,7 @@ STAGES: dict[str, tuple[tuple[str, str], ...]] = {
         ("idem_middleware.exchange", "Exchange.read_body"),
         ("idem_middleware.exchange", "Exchange.__call__"),
     ),
-    "fingerprint": (("idem_middleware.exchange", "compute_fingerprint"),),
+    "fingerprint": (("idem_middleware.fingerprint", "Fingerprinter.__call__"),),
     "claim": (
         ("idem_middleware.store.memory", "MemoryStore.transaction"),
         ("idem_middleware.store.memory", "_MemoryTransaction.claim"),

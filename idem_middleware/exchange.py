@@ -18,12 +18,12 @@ from .answers import Answer, InFlight, Problem, Replay, Sent
 from .capture import ResponseCapture
 from .context import key_digest, token_hash
 from .errors import ClientGone, ProblemKind, RequestRejected, StoreError
-from .fingerprint import compute_fingerprint
+from .fingerprint import Fingerprinter
 from .keys import KEY_HEADER, parse_idempotency_key, parse_key_value
 from .keysource import take_key
 from .lease import LeaseRun
 from .observe import UNTIMED, Event
-from .policy import MIDDLEWARE_ACTIVE, Mode, Policy, RouteMatch
+from .policy import MIDDLEWARE_ACTIVE, Mode, Policy
 from .responses import send_accepted, send_problem, send_replay
 from .store.base import RecordKey, Store, StoredResponse
 from .transactional import RETRIED, Attempt, run_transactional
@@ -68,7 +68,7 @@ class Exchange:
         "body_delivered",
         "by_name",
         "disconnected",
-        "match",
+        "fingerprinter",
         "mw",
         "operation",
         "policy",
@@ -87,7 +87,7 @@ class Exchange:
         scope: Scope,
         receive: Receive,
         send: Send,
-        match: RouteMatch,
+        fingerprinter: Fingerprinter,
         policy: Policy,
         operation: str,
         by_name: dict[bytes, bytes] | None = None,
@@ -97,7 +97,7 @@ class Exchange:
         self.scope = scope
         self.receive = receive
         self.send = send
-        self.match = match
+        self.fingerprinter = fingerprinter  # the path's (the middleware's cache)
         self.policy = policy
         self.operation = operation  # the route's, named once per route (the middleware's cache)
         self.body = b""
@@ -161,18 +161,9 @@ class Exchange:
             if body is None:
                 return  # the client left before sending its body: nothing was claimed
             self.body = body
-            fingerprint = compute_fingerprint(
-                operation=self.operation,
-                path_params=self.match.path_params,
-                query_string=self.scope.get("query_string", b""),
-                headers=self.scope["headers"],
-                include_headers=policy.include_headers,
-                content_type=content_type,
-                body=body,
-                exclude_fields=policy.exclude_fields,
-                include_fields=policy.include_fields,
-                max_fields=policy.max_fields,
-                max_json_values=policy.max_json_values,
+            scope = self.scope
+            fingerprint = self.fingerprinter(
+                scope.get("query_string", b""), scope["headers"], content_type, body
             )
         except RequestRejected as exc:
             await self.problem(exc.kind, exc.detail)

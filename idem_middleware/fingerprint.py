@@ -23,6 +23,7 @@ from .hashing import sha256
 
 __all__ = [
     "FINGERPRINT_VERSION",
+    "Fingerprinter",
     "canonical_body",
     "canonical_json",
     "compute_fingerprint",
@@ -195,23 +196,136 @@ def _framed_count(count: int) -> bytes:
 
 
 #: An empty query string's part of the stream (computed the same way as any other), then with
-#: an empty include_headers' count; framed counts up to 15.
+#: an empty include_headers' count.
 _NO_QUERY = _framed(canonical_pairs(b"", what="The query string", max_fields=1))
 _NO_QUERY_NO_HEADERS = _NO_QUERY + _framed_count(0)
-_SMALL_COUNTS = tuple(_framed_count(count) for count in range(16))
-
-#: What a process sees again and again, computed once each (operations and path parameter names
-#: are templates, not paths: the bound is never reached): per operation the stream's start (the
-#: version and the operation, framed), per name its framed UTF-8.
-_STARTS: dict[str, bytes] = {}
-_NAMES: dict[str, bytes] = {}
 
 
-def _framed_text(text: str, cache: dict[str, bytes], head: bytes = b"") -> bytes:
-    framed = head + _framed(text.encode("utf-8", "surrogatepass"))
-    if len(cache) < 10_000:
-        cache[text] = framed
-    return framed
+@lru_cache(maxsize=256)  # (as read_media_type's: few content types per process)
+def _json_tag(content_type: bytes) -> bytes | None:
+    """canonical_body's media tag for a JSON content type it accepts (no charset but UTF-8);
+    None for any other (canonical_body then decides, and refuses what it refuses)."""
+    media_type, params, is_json = read_media_type(content_type)
+    charset = params.get(b"charset")
+    if not is_json or (charset is not None and charset.lower() != b"utf-8"):
+        return None
+    return b"json:" + media_type
+
+
+class Fingerprinter:
+    """compute_fingerprint for the requests of one path: its operation, path parameters and
+    policy settings are framed and checked once (the middleware keeps one per path it matched),
+    and each request reads only its query string, headers and body. A JSON body, the common
+    case, goes straight to canonical_json_fast (the same tag and bytes canonical_body gives)."""
+
+    __slots__ = (
+        "_exclude_fields",
+        "_head",
+        "_include_fields",
+        "_include_headers",
+        "_max_fields",
+        "_max_json_values",
+        "_whole_body",
+    )
+
+    def __init__(
+        self,
+        operation: str,
+        path_params: Mapping[str, object],
+        *,
+        include_headers: Sequence[str] = (),
+        exclude_fields: Sequence[str] = (),
+        include_fields: Sequence[str] = (),
+        max_fields: int = DEFAULT_MAX_FIELDS,
+        max_json_values: int = DEFAULT_MAX_JSON_VALUES,
+    ) -> None:
+        # Every part is length-prefixed and every list is preceded by its count, so no two
+        # different requests can produce the same byte stream.
+        count = len(path_params)
+        head = [_framed(FINGERPRINT_VERSION), _framed_text(operation), _framed_count(count)]
+        for name in sorted(path_params):
+            head += (_framed_text(name), _framed_text(str(path_params[name])))
+        self._head = b"".join(head)
+        self._include_headers = tuple(include_headers)
+        self._exclude_fields = tuple(exclude_fields)
+        self._include_fields = tuple(include_fields)
+        self._whole_body = not (exclude_fields or include_fields)
+        self._max_fields = max_fields
+        self._max_json_values = max_json_values
+
+    def __call__(
+        self,
+        query_string: bytes,
+        headers: Sequence[tuple[bytes, bytes]],
+        content_type: bytes | None,
+        body: bytes,
+    ) -> bytes:
+        """The 32-byte SHA-256 fingerprint of this path's request (see compute_fingerprint)."""
+        # First, so an invalid body is refused before any hashing work.
+        json_tag = None
+        if self._whole_body and body and content_type is not None:
+            json_tag = _json_tag(content_type)
+        if json_tag is not None:
+            # canonical_body's JSON branch for a whole body, without its other checks.
+            media_tag = json_tag
+            fast = canonical_json_fast(body, self._max_json_values)
+            if fast is not None:
+                canonical = fast[1]
+            else:
+                value = parse_json_strict(body, max_values=self._max_json_values)
+                canonical = canonical_json(value)
+        else:
+            media_tag, canonical = canonical_body(
+                content_type,
+                body,
+                self._exclude_fields,
+                include_fields=self._include_fields,
+                max_fields=self._max_fields,
+                max_json_values=self._max_json_values,
+            )
+        include_headers = self._include_headers
+        # (Built whole, hashed once; the parts are framed inline, as a call per part would cost
+        # more than the framing.)
+        stream = [self._head]
+        if query_string:
+            query = canonical_pairs(
+                query_string, what="The query string", max_fields=self._max_fields
+            )
+            stream += (_framed(query), _framed_count(len(include_headers)))
+        elif include_headers:
+            stream += (_NO_QUERY, _framed_count(len(include_headers)))
+        else:
+            stream.append(_NO_QUERY_NO_HEADERS)
+        if include_headers:
+            stream += _header_parts(headers, include_headers)
+        stream += (_U64(len(media_tag)), media_tag, _U64(len(canonical)), canonical)
+        return sha256(b"".join(stream)).digest()
+
+
+def _header_parts(
+    headers: Sequence[tuple[bytes, bytes]], include_headers: Sequence[str]
+) -> list[bytes]:
+    """Each included header's name, then its values (a count of zero: absent), framed."""
+    wanted = [header.lower().encode("latin-1", "replace") for header in include_headers]
+    found: dict[bytes, list[bytes]] = {header_name: [] for header_name in wanted}
+    for header_name, header_value in headers:
+        values = found.get(header_name)
+        if values is None:
+            values = found.get(header_name.lower())
+        if values is not None:
+            values.append(header_value)
+    parts = []
+    for header_name in wanted:
+        values = found[header_name]
+        parts.append(_framed(header_name))
+        # A count of zero is the "absent" marker; an empty value has a count of one.
+        parts.append(_framed_count(len(values)))
+        parts.extend(_framed(header_value) for header_value in values)
+    return parts
+
+
+def _framed_text(text: str) -> bytes:
+    return _framed(text.encode("utf-8", "surrogatepass"))
 
 
 def compute_fingerprint(
@@ -233,51 +347,13 @@ def compute_fingerprint(
     A query string or form body with more than max_fields fields, or a JSON body with more
     than max_json_values values, is refused with RequestRejected(TOO_MANY_FIELDS).
     """
-    # First, so an invalid body is refused before any hashing work.
-    media_tag, canonical = canonical_body(
-        content_type,
-        body,
-        exclude_fields,
+    fingerprinter = Fingerprinter(
+        operation,
+        path_params,
+        include_headers=include_headers,
+        exclude_fields=exclude_fields,
         include_fields=include_fields,
         max_fields=max_fields,
         max_json_values=max_json_values,
     )
-
-    # Every part is length-prefixed and every list is preceded by its count, so no two
-    # different requests can produce the same byte stream. (Built whole, hashed once; the
-    # parts are framed inline, as a call per part would cost more than the framing.)
-    count = len(path_params)
-    stream = [
-        _STARTS.get(operation) or _framed_text(operation, _STARTS, _framed(FINGERPRINT_VERSION)),
-        _SMALL_COUNTS[count] if count < 16 else _framed_count(count),
-    ]
-    for name in sorted(path_params) if count > 1 else path_params:
-        value = str(path_params[name]).encode("utf-8", "surrogatepass")
-        stream += (_NAMES.get(name) or _framed_text(name, _NAMES), _U64(len(value)), value)
-    if query_string:
-        query = canonical_pairs(query_string, what="The query string", max_fields=max_fields)
-        stream.append(_framed(query))
-        stream.append(_framed_count(len(include_headers)))
-    elif include_headers:
-        stream.append(_NO_QUERY)
-        stream.append(_framed_count(len(include_headers)))
-    else:
-        stream.append(_NO_QUERY_NO_HEADERS)
-    if include_headers:
-        wanted = [header.lower().encode("latin-1", "replace") for header in include_headers]
-        found: dict[bytes, list[bytes]] = {header_name: [] for header_name in wanted}
-        for header_name, header_value in headers:
-            values = found.get(header_name)
-            if values is None:
-                values = found.get(header_name.lower())
-            if values is not None:
-                values.append(header_value)
-        for header_name in wanted:
-            values = found[header_name]
-            stream.append(_framed(header_name))
-            # A count of zero is the "absent" marker; an empty value has a count of one.
-            stream.append(_framed_count(len(values)))
-            stream.extend(_framed(header_value) for header_value in values)
-    stream += (_U64(len(media_tag)), media_tag, _U64(len(canonical)), canonical)
-    data = b"".join(stream)
-    return sha256(data).digest()
+    return fingerprinter(query_string, headers, content_type, body)

@@ -18,6 +18,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from .context import SCOPE_KEY
 from .errors import ConfigurationError, ProblemKind
 from .exchange import Exchange, header_map
+from .fingerprint import Fingerprinter
 from .observe import Observer, combine
 from .policy import (
     MIDDLEWARE_ACTIVE,
@@ -52,8 +53,9 @@ def _kill_switch_on() -> bool:
 #: before skips the route walk. Cleared when full (paths with ids in them are all distinct).
 _ROUTE_CACHE_SIZE = 1024
 
-#: A guarded route as the cache keeps it: the match, its policy and its operation's name.
-_Guarded = tuple[RouteMatch, Policy, str]
+#: A guarded path as the cache keeps it: its requests' fingerprinter (the path's parameters in
+#: it), its policy and its operation's name.
+_Guarded = tuple[Fingerprinter, Policy, str]
 #: The cache's entry for a request the middleware passes on (compared by identity).
 _UNGUARDED = cast(_Guarded, ())
 
@@ -182,7 +184,7 @@ class IdempotencyMiddleware:
             return self._pass_on(scope, receive, send)
         if guarded is None:
             return self._misconfigured(send, "This operation cannot be guarded.")
-        match, policy, operation = guarded
+        fingerprinter, policy, operation = guarded
         # ("user" first: with it in the scope the check cannot fail, and costs no call.)
         if "user" not in scope and self.tenants.unidentifiable(
             scope, allow_anonymous=policy.allow_anonymous
@@ -190,7 +192,7 @@ class IdempotencyMiddleware:
             return self._misconfigured(send, "The server cannot identify the caller.")
         # A guarded request's endpoint runs under its claim's context, which decorated endpoints
         # accept as proof that the middleware handled the request (see policy.idempotent).
-        return Exchange(self, scope, receive, send, match, policy, operation, by_name).run()
+        return Exchange(self, scope, receive, send, fingerprinter, policy, operation, by_name).run()
 
     async def _pass_on(self, scope: Scope, receive: Receive, send: Send) -> None:
         # Decorated endpoints refuse to run unless this is set (see policy.idempotent).
@@ -223,7 +225,17 @@ class IdempotencyMiddleware:
         policy = self.policy_for(method, match)
         if policy is None:
             return _UNGUARDED
-        return match, policy, operation_name(method, match.template)
+        operation = operation_name(method, match.template)
+        fingerprinter = Fingerprinter(
+            operation,
+            match.path_params,
+            include_headers=policy.include_headers,
+            exclude_fields=policy.exclude_fields,
+            include_fields=policy.include_fields,
+            max_fields=policy.max_fields,
+            max_json_values=policy.max_json_values,
+        )
+        return fingerprinter, policy, operation
 
     def policy_for(self, method: str, route: RouteMatch | Any) -> Policy | None:
         """The policy guarding `method` on `route` (anything with `template` and `endpoint`):

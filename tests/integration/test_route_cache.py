@@ -54,3 +54,19 @@ async def test_each_path_keeps_its_own_parameters_and_the_cache_stays_bounded() 
         put = await c.put("/accounts/a3/credits", json={"amount": 1})
         assert put.status_code == 500  # no claim, so get_context raises in the handler
     assert len(idempotency_middleware(app)._routes) <= _ROUTE_CACHE_SIZE
+
+
+async def test_a_key_sent_again_on_another_path_of_the_route_is_another_request() -> None:
+    """Each cached path has its own fingerprinter, its path's parameters in it: the same key
+    and body on another account is refused as a reused key, and the first path still replays."""
+    app = _app()
+    async with client(app) as c:
+        first = await c.post("/accounts/a1/credits", json={"amount": 1}, headers=key("same"))
+        assert first.status_code == 201, first.text
+        other = await c.post("/accounts/a2/credits", json={"amount": 1}, headers=key("same"))
+        assert other.status_code == 422, other.text
+        assert other.json()["type"].endswith("key-reused"), other.text
+        again = await c.post("/accounts/a1/credits", json={"amount": 1}, headers=key("same"))
+        assert again.status_code == 201
+        assert again.headers["idempotent-replayed"] == "true"
+        assert again.json() == first.json()

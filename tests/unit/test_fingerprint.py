@@ -751,3 +751,68 @@ def test_other_inputs_never_raise_unexpectedly(
     # Only a form body can be refused here, and only for not being UTF-8.
     expected = ProblemKind.BODY_INVALID if content_type == FORM else None
     assert refusal(call) in (None, expected)
+
+
+_CONTENT_TYPES = [
+    b"application/json",
+    b"Application/JSON; charset=UTF-8",
+    b"application/json; charset=latin-1",
+    b"application/problem+json",
+    b'application/json;charset="utf-8"',
+    b"text/plain",
+    b"application/x-www-form-urlencoded",
+    None,
+]
+_BODIES = [
+    b'{"amount": 5}',
+    b"",
+    b'{"amount": 5.25, "memo": "\\u00e9"}',
+    b'{"a": 1, "a": 2}',
+    b"[1, 2",
+    b"amount=5&memo=x",
+    b'{"n": 1e400}',
+]
+
+
+@pytest.mark.parametrize("content_type", _CONTENT_TYPES)
+def test_a_path_fingerprinter_answers_as_canonical_body_does(
+    content_type: bytes | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The fingerprinter takes a JSON body straight to the JSON canonical form; with that
+    shortcut off (every body through canonical_body), every answer is the same: the digest, or
+    the refusal with its kind and detail."""
+    from idem_middleware import fingerprint as fp
+
+    def answers() -> list[object]:
+        out: list[object] = []
+        for whole in (True, False):
+            fields = {} if whole else {"exclude_fields": ["memo"]}
+            fingerprinter = fp.Fingerprinter("POST /p/{id}", {"id": "7"}, **fields)
+            for body in _BODIES:
+                try:
+                    out.append(fingerprinter(b"", [], content_type, body))
+                except RequestRejected as exc:
+                    out.append((exc.kind, exc.detail))
+        return out
+
+    shortcut = answers()
+    monkeypatch.setattr(fp, "_json_tag", lambda content_type: None)
+    assert shortcut == answers()
+
+
+def test_one_fingerprinter_serves_every_request_of_its_path() -> None:
+    from idem_middleware.fingerprint import Fingerprinter
+
+    operation, params = "POST /p/{id}/{sub}", {"sub": "x", "id": "7"}
+    fingerprinter = Fingerprinter(operation, params)
+    for query, body in [(b"", b'{"a": 1}'), (b"b=2&a=1", b'{"a": 2}'), (b"", b'{"a": 1}')]:
+        expected = compute_fingerprint(
+            operation=operation,
+            path_params=params,
+            query_string=query,
+            headers=[],
+            include_headers=(),
+            content_type=b"application/json",
+            body=body,
+        )
+        assert fingerprinter(query, [], b"application/json", body) == expected
