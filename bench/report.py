@@ -127,6 +127,17 @@ def summarize(results: dict[str, Any]) -> dict[str, dict[str, dict[str, Any]]]:
                 "runs": len(runs),
             }
         bare = cells.get("bare")
+        # Each repeat runs every variant back to back: a variant's req/s over bare's in the same
+        # repeat is less exposed to the machine's drift than the ratio of the medians.
+        bare_rps = {r["repeat"]: r["rps"] for r in _cell_runs(results, scenario, "bare")}
+        for variant, c in cells.items():
+            pairs = [
+                r["rps"] / bare_rps[r["repeat"]]
+                for r in _cell_runs(results, scenario, variant)
+                if bare_rps.get(r["repeat"])
+            ]
+            if pairs and variant != "bare":
+                c["paired"] = [round(statistics.median(pairs), 3), min(pairs), max(pairs)]
         for c in cells.values():
             if bare and bare["rps_median"]:
                 c["ratio"] = round(c["rps_median"] / bare["rps_median"], 3)
@@ -297,8 +308,10 @@ def markdown(results: dict[str, Any]) -> str:
             continue
         lines += [f"## {TITLES[scenario]}", ""]
         replay = scenario == "replay"
-        head = "| variant | req/s median (min-max) | x bare |"
-        sep = "|---|---|---|"
+        head = (
+            "| variant | req/s median (min-max) | x bare | x bare, per repeat: median (min-max) |"
+        )
+        sep = "|---|---|---|---|"
         if replay:
             head += " x bare GET |"
             sep += "---|"
@@ -306,7 +319,9 @@ def markdown(results: dict[str, Any]) -> str:
         sep += "---|---|---|---|"
         lines += [head, sep]
         for variant, c in cells.items():
+            paired = c.get("paired")
             row = f"| {variant} | {_fmt_rps(c)} | {c.get('ratio', 0):.2f}x |"
+            row += " — |" if paired is None else " {:.2f}x ({:.2f}-{:.2f}) |".format(*paired)
             if replay:
                 g = c.get("ratio_to_bare_get")
                 row += f" {'—' if g is None else f'{g:.2f}x'} |"

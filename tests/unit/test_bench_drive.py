@@ -59,3 +59,35 @@ def test_paired_requests_take_turns_and_the_table_has_the_added_share() -> None:
     assert order[:4] == ["bare", "ours", "ours", "bare"]  # the order rotates
     table = paired_markdown({"bare": [100.0, 100.0, 100.0], "ours": [130.0, 130.0, 160.0]})
     assert "| +30.0 / +40.0 | 0.30x / 0.40x |" in table, table
+
+
+def test_wrk_ratios_per_repeat_pair_each_run_with_bares_in_the_same_repeat() -> None:
+    from bench.report import summarize
+
+    def run(variant: str, repeat: int, rps: float) -> dict[str, object]:
+        return {
+            "scenario": "fresh",
+            "variant": variant,
+            "repeat": repeat,
+            "rps": rps,
+            "statuses": {"201": 10},
+            "p50_ms": 1.0,
+            "p99_ms": 2.0,
+            "non2xx": 0,
+            "received": 10,
+            "replayed": 0,
+            "correct": True,
+            "check": "ok",
+            "cpu": {},
+            "app_errors": 0,
+        }
+
+    runs = [run("bare", 0, 100.0), run("ours", 0, 95.0), run("bare", 1, 200.0)]
+    runs += [run("ours", 1, 120.0), run("bare", 2, 150.0), run("ours", 2, 140.0)]
+    summary = summarize(
+        {"settings": {"scenarios": ["fresh"], "variants": ["bare", "ours"]}, "runs": runs}
+    )
+    ours = summary["fresh"]["ours"]
+    assert ours["ratio"] == 0.8  # the medians' ratio: 120 / 150
+    assert ours["paired"] == [0.933, 0.6, 0.95]  # 0.95, 0.6 and 0.933, repeat by repeat
+    assert "paired" not in summary["fresh"]["bare"]
