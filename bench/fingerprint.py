@@ -155,7 +155,9 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---|---:|---:|---|")
     for kind, name, args in cases():
         path = {k: v for k, v in args.items() if k not in _PER_REQUEST}
-        fingerprinter = Fingerprinter(path.pop("operation"), path.pop("path_params"), **path)
+        fingerprinter = Fingerprinter(
+            path.pop("operation"), path.pop("path_params"), Policy(**path)
+        )
         per_request = tuple(args[k] for k in _PER_REQUEST)
 
         def call(fingerprinter: Fingerprinter = fingerprinter, req: Any = per_request) -> str:

@@ -8,6 +8,7 @@ import re
 import struct
 from collections.abc import Mapping, Sequence
 from functools import lru_cache
+from typing import NamedTuple, Protocol
 
 from .errors import ProblemKind, RequestRejected
 from .fingerprint_fast import canonical_json_fast, canonical_json_sorted
@@ -23,6 +24,7 @@ from .hashing import sha256
 
 __all__ = [
     "FINGERPRINT_VERSION",
+    "FingerprintSettings",
     "Fingerprinter",
     "canonical_body",
     "canonical_json",
@@ -199,6 +201,7 @@ def _framed_count(count: int) -> bytes:
 #: an empty include_headers' count.
 _NO_QUERY = _framed(canonical_pairs(b"", what="The query string", max_fields=1))
 _NO_QUERY_NO_HEADERS = _NO_QUERY + _framed_count(0)
+_VERSION = _framed(FINGERPRINT_VERSION)
 
 
 @lru_cache(maxsize=256)  # (as read_media_type's: few content types per process)
@@ -212,46 +215,68 @@ def _json_tag(content_type: bytes) -> bytes | None:
     return b"json:" + media_type
 
 
-class Fingerprinter:
-    """compute_fingerprint for the requests of one path: its operation, path parameters and
-    policy settings are framed and checked once (the middleware keeps one per path it matched),
-    and each request reads only its query string, headers and body. A JSON body, the common
-    case, goes straight to canonical_json_fast (the same tag and bytes canonical_body gives)."""
+class FingerprintSettings(Protocol):
+    """What a fingerprint reads of a policy (a `Policy` is one)."""
 
-    __slots__ = (
-        "_exclude_fields",
-        "_head",
-        "_include_fields",
-        "_include_headers",
-        "_max_fields",
-        "_max_json_values",
-        "_whole_body",
-    )
+    @property
+    def include_headers(self) -> Sequence[str]: ...
+    @property
+    def exclude_fields(self) -> Sequence[str]: ...
+    @property
+    def include_fields(self) -> Sequence[str]: ...
+    @property
+    def max_fields(self) -> int: ...
+    @property
+    def max_json_values(self) -> int: ...
+
+
+class _Settings(NamedTuple):
+    include_headers: Sequence[str]
+    exclude_fields: Sequence[str]
+    include_fields: Sequence[str]
+    max_fields: int
+    max_json_values: int
+
+
+#: What a process sees again and again, framed once each (operations and path parameter names
+#: are templates, not paths: the bound is never reached): per operation the stream's start (the
+#: version and the operation), per name the name.
+_STARTS: dict[str, bytes] = {}
+_NAMES: dict[str, bytes] = {}
+
+
+def _framed_cached(text: str, cache: dict[str, bytes], head: bytes = b"") -> bytes:
+    framed = head + _framed_text(text)
+    if len(cache) < 10_000:
+        cache[text] = framed
+    return framed
+
+
+class Fingerprinter:
+    """compute_fingerprint for the requests of one path: its operation and path parameters are
+    framed once (the middleware keeps one per path it matched, with the route's policy as its
+    settings), and each request reads only its query string, headers and body. A JSON body,
+    the common case, goes straight to canonical_json_fast (the tag and bytes canonical_body
+    gives)."""
+
+    __slots__ = ("_head", "_settings", "_whole_body")
 
     def __init__(
-        self,
-        operation: str,
-        path_params: Mapping[str, object],
-        *,
-        include_headers: Sequence[str] = (),
-        exclude_fields: Sequence[str] = (),
-        include_fields: Sequence[str] = (),
-        max_fields: int = DEFAULT_MAX_FIELDS,
-        max_json_values: int = DEFAULT_MAX_JSON_VALUES,
+        self, operation: str, path_params: Mapping[str, object], settings: FingerprintSettings
     ) -> None:
         # Every part is length-prefixed and every list is preceded by its count, so no two
         # different requests can produce the same byte stream.
         count = len(path_params)
-        head = [_framed(FINGERPRINT_VERSION), _framed_text(operation), _framed_count(count)]
-        for name in sorted(path_params):
-            head += (_framed_text(name), _framed_text(str(path_params[name])))
+        head = [
+            _STARTS.get(operation) or _framed_cached(operation, _STARTS, _VERSION),
+            _framed_count(count),
+        ]
+        for name in sorted(path_params) if count > 1 else path_params:
+            value = str(path_params[name])
+            head += (_NAMES.get(name) or _framed_cached(name, _NAMES), _framed_text(value))
         self._head = b"".join(head)
-        self._include_headers = tuple(include_headers)
-        self._exclude_fields = tuple(exclude_fields)
-        self._include_fields = tuple(include_fields)
-        self._whole_body = not (exclude_fields or include_fields)
-        self._max_fields = max_fields
-        self._max_json_values = max_json_values
+        self._settings = settings
+        self._whole_body = not (settings.exclude_fields or settings.include_fields)
 
     def __call__(
         self,
@@ -261,6 +286,7 @@ class Fingerprinter:
         body: bytes,
     ) -> bytes:
         """The 32-byte SHA-256 fingerprint of this path's request (see compute_fingerprint)."""
+        settings = self._settings
         # First, so an invalid body is refused before any hashing work.
         json_tag = None
         if self._whole_body and body and content_type is not None:
@@ -268,28 +294,28 @@ class Fingerprinter:
         if json_tag is not None:
             # canonical_body's JSON branch for a whole body, without its other checks.
             media_tag = json_tag
-            fast = canonical_json_fast(body, self._max_json_values)
+            fast = canonical_json_fast(body, settings.max_json_values)
             if fast is not None:
                 canonical = fast[1]
             else:
-                value = parse_json_strict(body, max_values=self._max_json_values)
+                value = parse_json_strict(body, max_values=settings.max_json_values)
                 canonical = canonical_json(value)
         else:
             media_tag, canonical = canonical_body(
                 content_type,
                 body,
-                self._exclude_fields,
-                include_fields=self._include_fields,
-                max_fields=self._max_fields,
-                max_json_values=self._max_json_values,
+                settings.exclude_fields,
+                include_fields=settings.include_fields,
+                max_fields=settings.max_fields,
+                max_json_values=settings.max_json_values,
             )
-        include_headers = self._include_headers
+        include_headers = settings.include_headers
         # (Built whole, hashed once; the parts are framed inline, as a call per part would cost
         # more than the framing.)
         stream = [self._head]
         if query_string:
             query = canonical_pairs(
-                query_string, what="The query string", max_fields=self._max_fields
+                query_string, what="The query string", max_fields=settings.max_fields
             )
             stream += (_framed(query), _framed_count(len(include_headers)))
         elif include_headers:
@@ -347,13 +373,8 @@ def compute_fingerprint(
     A query string or form body with more than max_fields fields, or a JSON body with more
     than max_json_values values, is refused with RequestRejected(TOO_MANY_FIELDS).
     """
-    fingerprinter = Fingerprinter(
-        operation,
-        path_params,
-        include_headers=include_headers,
-        exclude_fields=exclude_fields,
-        include_fields=include_fields,
-        max_fields=max_fields,
-        max_json_values=max_json_values,
+    settings = _Settings(
+        include_headers, exclude_fields, include_fields, max_fields, max_json_values
     )
+    fingerprinter = Fingerprinter(operation, path_params, settings)
     return fingerprinter(query_string, headers, content_type, body)

@@ -226,16 +226,7 @@ class IdempotencyMiddleware:
         if policy is None:
             return _UNGUARDED
         operation = operation_name(method, match.template)
-        fingerprinter = Fingerprinter(
-            operation,
-            match.path_params,
-            include_headers=policy.include_headers,
-            exclude_fields=policy.exclude_fields,
-            include_fields=policy.include_fields,
-            max_fields=policy.max_fields,
-            max_json_values=policy.max_json_values,
-        )
-        return fingerprinter, policy, operation
+        return Fingerprinter(operation, match.path_params, policy), policy, operation
 
     def policy_for(self, method: str, route: RouteMatch | Any) -> Policy | None:
         """The policy guarding `method` on `route` (anything with `template` and `endpoint`):

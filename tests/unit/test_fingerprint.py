@@ -17,6 +17,7 @@ import rfc8785
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from idem_middleware import Policy
 from idem_middleware.errors import ProblemKind, RequestRejected
 from idem_middleware.fingerprint import (
     FINGERPRINT_VERSION,
@@ -786,8 +787,8 @@ def test_a_path_fingerprinter_answers_as_canonical_body_does(
     def answers() -> list[object]:
         out: list[object] = []
         for whole in (True, False):
-            fields = {} if whole else {"exclude_fields": ["memo"]}
-            fingerprinter = fp.Fingerprinter("POST /p/{id}", {"id": "7"}, **fields)
+            policy = Policy() if whole else Policy(exclude_fields=("memo",))
+            fingerprinter = fp.Fingerprinter("POST /p/{id}", {"id": "7"}, policy)
             for body in _BODIES:
                 try:
                     out.append(fingerprinter(b"", [], content_type, body))
@@ -804,7 +805,7 @@ def test_one_fingerprinter_serves_every_request_of_its_path() -> None:
     from idem_middleware.fingerprint import Fingerprinter
 
     operation, params = "POST /p/{id}/{sub}", {"sub": "x", "id": "7"}
-    fingerprinter = Fingerprinter(operation, params)
+    fingerprinter = Fingerprinter(operation, params, Policy())
     for query, body in [(b"", b'{"a": 1}'), (b"b=2&a=1", b'{"a": 2}'), (b"", b'{"a": 1}')]:
         expected = compute_fingerprint(
             operation=operation,
