@@ -2,7 +2,7 @@
 
 Timing wrappers are installed (in the benchmark process only, and removed afterwards) around the
 functions and methods a stage table names as `(module, attribute)`: a module-level function as
-the module that calls it sees it (`idem_middleware.middleware`, `compute_fingerprint`), a method
+the module that calls it sees it (`idem_middleware.middleware`, `header_map`), a method
 as `Class.method`. Each wrapper reads `time.perf_counter_ns` on entry and exit and keeps a stack:
 a stage's *self* time is its interval minus the intervals of the wrapped calls inside it, so the
 stages of one request add up without counting anything twice, and whatever no stage names stays
