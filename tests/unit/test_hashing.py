@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import random
+from typing import Any
 
 import pytest
 
@@ -42,3 +43,35 @@ def test_a_copied_state_goes_on_as_hashlibs_does() -> None:
         copied.update(tail)
         assert copied.digest() == hashlib.sha256(head + tail).digest()
         assert ours.digest() == theirs.digest()  # the original is untouched by the copy's update
+
+
+def test_a_fingerprint_hashes_a_short_stream_with_the_builtin_and_a_long_one_with_openssl(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Past SHORT_INPUT bytes OpenSSL's per-byte speed wins (several times CPython's on a 1 MiB
+    body): a long body's fingerprint must not take the builtin."""
+    from idem_middleware import Policy
+    from idem_middleware import fingerprint as fp
+
+    used: list[tuple[str, int]] = []
+
+    def recording(name: str, constructor: Any) -> Any:
+        def construct(data: bytes) -> Any:
+            used.append((name, len(data)))
+            return constructor(data)
+
+        return construct
+
+    fingerprinter = fp.Fingerprinter("POST /p/{id}", {"id": "7"}, Policy())
+    bodies = [b'{"memo": "' + b"x" * size + b'"}' for size in (1, 100, 1_000, 100_000)]
+    # What hashlib alone makes of them:
+    monkeypatch.setattr(fp, "sha256", hashlib.sha256)
+    monkeypatch.setattr(fp, "long_sha256", hashlib.sha256)
+    expected = [fingerprinter(b"", [], b"application/json", body) for body in bodies]
+    monkeypatch.setattr(fp, "sha256", recording("builtin", hashing.sha256))
+    monkeypatch.setattr(fp, "long_sha256", recording("openssl", hashing.long_sha256))
+    for body, digest in zip(bodies, expected, strict=True):
+        assert fingerprinter(b"", [], b"application/json", body) == digest
+        name, length = used[-1]
+        assert name == ("builtin" if length <= hashing.SHORT_INPUT else "openssl"), used
+    assert [name for name, _ in used] == ["builtin", "builtin", "openssl", "openssl"]

@@ -52,6 +52,7 @@ class ClaimLocks:
         tenant = key.tenant.encode("utf-8", "surrogatepass")
         operation = key.operation.encode("utf-8", "surrogatepass")
         name = key.key.encode("utf-8", "surrogatepass")
+        # (CPython's SHA-256, see hashing: the parts are short, a key at most MAX_KEY_LENGTH.)
         inner = self._inner.copy()
         inner.update(
             b"".join(
