@@ -274,7 +274,11 @@ def _spread(values: list[float]) -> str:
 
 
 def markdown(
-    variants: list[Variant], stages: StageResult | None, info: dict[str, str], pg_note: str
+    variants: list[Variant],
+    stages: StageResult | None,
+    info: dict[str, str],
+    pg_note: str,
+    paired: str = "",
 ) -> str:
     lines = [f"- {k}: {v}" for k, v in info.items()]
     lines += [
@@ -294,6 +298,8 @@ def markdown(
         )
     if pg_note:
         lines += ["", pg_note]
+    if paired:
+        lines += ["", paired]
     if stages is None:
         return "\n".join(lines)
     lines += [
@@ -389,12 +395,10 @@ async def main_async(args: argparse.Namespace, loop_name: str) -> str:
                 await store.close()
     stages = await measure_stages(args.rounds, args.requests, args.batch, args.warmup)
     gc.unfreeze()
-    pg_note += (
-        "\n\n"
-        + paired_markdown(paired)
-        + f"\n\nStatuses, request by request: {dict(counted.statuses)}"
+    by_request = (
+        paired_markdown(paired) + f"\n\nStatuses, request by request: {dict(counted.statuses)}"
     )
-    return markdown(variants, stages, _info(args, loop_name, load), pg_note)
+    return markdown(variants, stages, _info(args, loop_name, load), pg_note, by_request)
 
 
 class _postgres:

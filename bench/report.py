@@ -137,7 +137,9 @@ def summarize(results: dict[str, Any]) -> dict[str, dict[str, dict[str, Any]]]:
                 if bare_rps.get(r["repeat"])
             ]
             if pairs and variant != "bare":
-                c["paired"] = [round(statistics.median(pairs), 3), min(pairs), max(pairs)]
+                c["paired"] = [
+                    round(x, 3) for x in (statistics.median(pairs), min(pairs), max(pairs))
+                ]
         for c in cells.values():
             if bare and bare["rps_median"]:
                 c["ratio"] = round(c["rps_median"] / bare["rps_median"], 3)
