@@ -4,6 +4,7 @@ tracking, and reads them back unchanged."""
 from __future__ import annotations
 
 import gc
+from typing import Any
 
 import pytest
 
@@ -97,3 +98,32 @@ async def test_every_field_of_a_row_survives_the_round_trip(
     assert store._rows[key] == row
     assert [(k, r) for k, r in store._rows.items()] == [(key, row)]
     assert all(type(k) is RecordKey for k, _ in store._rows.items())  # not a plain tuple
+
+
+@pytest.mark.parametrize(
+    "pairs",
+    [
+        [[b"content-type", b"application/json"], [b"x-a", b"1"]],  # lists, as ASGI allows
+        [(b"x-%d" % i, b"%d" % i) for i in range(40)],  # more than are joined by `sum`
+        [],
+    ],
+    ids=["list-pairs", "many-pairs", "none"],
+)
+async def test_headers_of_any_shape_are_kept_flat_and_read_back_as_pairs(
+    pairs: list[Any],
+) -> None:
+    store = MemoryStore()
+    key = RecordKey("tenant", "POST /things", "k1")
+    await _commit_headers(store, key, pairs)
+    packed = store._rows._packed[tuple(key)]
+    assert all(type(part) is bytes for part in packed[12])  # flat: names and values only
+    record = await store.get(key)
+    assert record is not None
+    assert record.response is not None
+    assert record.response.headers == [tuple(pair) for pair in pairs]
+
+
+async def _commit_headers(store: MemoryStore, key: RecordKey, pairs: list[Any]) -> None:
+    async with store.transaction(acquire_timeout=1.0) as tx:
+        await tx.claim(key, b"fp", retention_seconds=60.0, wait_seconds=1.0)
+        await tx.finish(State.SUCCEEDED, StoredResponse(201, pairs, b"{}", None))

@@ -102,14 +102,20 @@ class _MemoryTransaction:
                 self._consumed = set()
             self._consumed.add((key.tenant, token_hash))
         generation = next(store._generations)
+        # (Every field by position: keywords cost the call more.)
         self._staged[key] = _Row(
             fingerprint,
             State.PENDING,
             generation,
             retention_seconds,
-            created_at=now,
-            updated_at=now,
-            epoch=generation,
+            None,  # expires_at
+            None,  # response
+            "transactional",  # mode
+            None,  # lease_expires_at
+            now,  # created_at
+            now,  # updated_at
+            None,  # note
+            generation,  # epoch
         )
         store._owners[key] = None  # an event is made only if a lease claim waits
         self._held.add(key)
@@ -132,7 +138,11 @@ class _MemoryTransaction:
         row.expires_at = now + row.retention
         row.response = response
         row.updated_at = now
-        self._store._rows.update(self._staged)
+        staged = self._staged
+        if len(staged) == 1:
+            self._store._rows.put(key, row)
+        else:
+            self._store._rows.update(staged)
         if self._consumed is not None:
             for token in self._consumed:
                 self._store._consume(token, True)

@@ -12,7 +12,6 @@ import itertools
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, replace
-from operator import attrgetter
 from typing import Any
 
 from ..base import Record, RecordKey, RecordSummary, Settlement, State, StoredResponse
@@ -67,19 +66,8 @@ class _Row:
 _STATES = {state.value: state for state in State}
 #: Each state's plain string, as a record keeps it (a lookup: `.value` is two Python calls).
 _VALUES = {state: state.value for state in State}
-#: A row's fields that are strings, bytes or numbers, in one call (see `_Rows`).
-_ATOMIC_FIELDS = attrgetter(
-    "fingerprint",
-    "generation",
-    "retention",
-    "expires_at",
-    "mode",
-    "lease_expires_at",
-    "created_at",
-    "updated_at",
-    "note",
-    "epoch",
-)
+#: Header pairs a record's headers are joined by `sum` up to (see `_Rows.put`).
+_SUMMED_PAIRS = 16
 
 
 class _Rows:
@@ -117,7 +105,7 @@ class _Rows:
         return self._unpack(self._packed[key])
 
     def __setitem__(self, key: RecordKey, row: _Row) -> None:
-        self.update({key: row})
+        self.put(key, row)
 
     def __delitem__(self, key: RecordKey) -> None:
         del self._packed[key]
@@ -129,26 +117,48 @@ class _Rows:
         return len(self._packed)
 
     def update(self, rows: Mapping[RecordKey, _Row]) -> None:
-        packed = self._packed
         for key, row in rows.items():
-            # Flat: the collector untracks a tuple only once everything in it is untracked, and
-            # it reaches a nested tuple after the one holding it, so each level of nesting would
-            # keep a record tracked one collection longer (into the oldest generation, at three
-            # levels). (A RecordKey is a named tuple, which the collector never untracks; a plain
-            # tuple of the same strings hashes and compares equal to it.)
-            r = row.response
-            packed[tuple(key)] = (
-                (*_ATOMIC_FIELDS(row), _VALUES[row.state], None, None, None, None)
-                if r is None
-                else (
-                    *_ATOMIC_FIELDS(row),
-                    _VALUES[row.state],
-                    r.status,
-                    tuple(itertools.chain.from_iterable(r.headers)),
-                    r.body,
-                    r.body_omitted,
-                )
-            )
+            self.put(key, row)
+
+    def put(self, key: RecordKey, row: _Row) -> None:
+        # Flat: the collector untracks a tuple only once everything in it is untracked, and it
+        # reaches a nested tuple after the one holding it, so each level of nesting would keep
+        # a record tracked one collection longer (into the oldest generation, at three levels).
+        # (A RecordKey is a named tuple, which the collector never untracks; a plain tuple of
+        # the same strings hashes and compares equal to it.) The fields are read one by one:
+        # an attrgetter and a star would build the same tuple twice.
+        r = row.response
+        headers: tuple[bytes, ...] | None
+        if r is None:
+            status = headers = body = omitted = None
+        else:
+            status, body, omitted = r.status, r.body, r.body_omitted
+            pairs = r.headers
+            try:
+                # Pairs of tuples, as the capture stores them, joined in C; a few only, as a
+                # sum copies what it has joined so far at every step.
+                headers = sum(pairs, ()) if len(pairs) <= _SUMMED_PAIRS else None
+            except TypeError:  # pairs given as lists
+                headers = None
+            if headers is None:
+                headers = tuple(itertools.chain.from_iterable(pairs))
+        self._packed[tuple(key)] = (
+            row.fingerprint,
+            row.generation,
+            row.retention,
+            row.expires_at,
+            row.mode,
+            row.lease_expires_at,
+            row.created_at,
+            row.updated_at,
+            row.note,
+            row.epoch,
+            _VALUES[row.state],
+            status,
+            headers,
+            body,
+            omitted,
+        )
 
     def items(self) -> Iterator[tuple[RecordKey, _Row]]:
         for key, packed in self._packed.items():
