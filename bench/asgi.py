@@ -13,7 +13,9 @@ nothing, so the differences between variants are the middleware's and its store'
 - `ours-tx`, `ours-lease`: transactional and lease mode on PostgreSQL (an embedded server unless
   `--dsn` names one; `--no-postgres` skips them).
 
-Then the middleware's own cost per stage for `ours-memory` (see bench/stages.py for how).
+Then bare, `ours-memory` and `floor-memory` (bench/floor.py: the least a pure-Python idempotency
+middleware can do) timed request by request, taking turns (bench/paired.py), and the middleware's
+own cost per stage for `ours-memory` (see bench/stages.py for how).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from idem_middleware import IdempotencyMiddleware, MemoryStore, Mode, PostgresSt
 
 from . import stages as st
 from .app import TOKEN, BearerTenant, CreditIn, CreditOut, tenant_of
+from .floor import FloorMiddleware
 from .paired import measure_paired, paired_markdown
 
 #: Stage -> the functions and methods whose self time is that stage, as (module, attribute): a
@@ -93,6 +96,9 @@ STAGES: dict[str, tuple[tuple[str, str], ...]] = {
 HANDLER = "handler"
 
 VARIANTS = ("bare", "ours-memory", "ours-tx", "ours-lease")
+#: Timed request by request only (with bare and ours-memory): the least a pure-Python
+#: idempotency middleware can do (bench/floor.py), what the clock says any such middleware adds.
+FLOOR = "floor-memory"
 POSTGRES = ("ours-tx", "ours-lease")
 BODY = b'{"amount": 5}'
 PATH = "/accounts/acc-1/credits"
@@ -128,7 +134,9 @@ def build_app(variant: str, store: Any = None, *, downstream: bool = False) -> F
     app.post("/accounts/{account_id}/credits", status_code=201)(endpoint)
     if downstream:
         app.add_middleware(st.Downstream)
-    if store is not None:
+    if variant == FLOOR:
+        app.add_middleware(FloorMiddleware)
+    elif store is not None:
         app.add_middleware(IdempotencyMiddleware, store=store)
     app.add_middleware(AuthenticationMiddleware, backend=BearerTenant())
     return app
@@ -382,12 +390,18 @@ async def main_async(args: argparse.Namespace, loop_name: str) -> str:
         try:
             await measure(variants, args.rounds, args.warmup)
             # The loop again, request by request (see bench/paired.py), for the MemoryStore
-            # middleware against bare: what it adds, with the machine's drift cancelled.
+            # middleware and the floor against bare: what each adds, the machine's drift
+            # cancelled.
             counted = Variant("paired", None, 0, 1)
+            floor = build_app(FLOOR)
+            send = counted.send()
+            for scope, receive in make_requests("floor-warm", args.warmup):
+                await floor(scope, receive, send)
+            counted.statuses.clear()
             paired = await measure_paired(
-                {v.name: v.app for v in variants[:2]},
+                {**{v.name: v.app for v in variants[:2]}, FLOOR: floor},
                 args.rounds * args.requests,
-                counted.send(),
+                send,
                 make_requests,
             )
         finally:
