@@ -54,6 +54,17 @@ def test_bench_asgi_quick_prints_every_variant_and_every_stage() -> None:
     assert "Statuses, request by request: {201: 300}" in out.stdout  # every variant's 201s
 
 
+def test_bench_paired_runs_prints_a_row_per_process_and_their_median() -> None:
+    """Each process serves every variant 201s only (it exits non-zero otherwise), and the
+    table has a row per process and the summary row."""
+    out = _bench("bench.paired_runs", "--processes", "2", "--requests", "30", "--warmup", "5")
+    rows = _rows(out.stdout)
+    assert set(rows) >= {"1", "2", "**median (range) of the processes**"}, out.stdout
+    assert "3" not in rows, out.stdout
+    assert rows["1"].count("x / ") == 2, rows["1"]  # ours-memory and the floor
+    assert out.stderr.count("(medians)") == 2, out.stderr
+
+
 def test_a_stage_whose_function_is_gone_is_skipped_with_a_note() -> None:
     """The lead renames internals: a stale (module, attribute) must not break the benchmark."""
     import idem_middleware.keys as keys

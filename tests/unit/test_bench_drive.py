@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import pytest
+
 from bench.cpu import drive
 
 
@@ -91,3 +93,24 @@ def test_wrk_ratios_per_repeat_pair_each_run_with_bares_in_the_same_repeat() -> 
     assert ours["ratio"] == 0.8  # the medians' ratio: 120 / 150
     assert ours["paired"] == [0.933, 0.6, 0.95]  # 0.95, 0.6 and 0.933, repeat by repeat
     assert "paired" not in summary["fresh"]["bare"]
+
+
+def test_paired_runs_give_each_process_its_shares_then_their_median_and_range() -> None:
+    """bench.paired_runs: a share is (variant / bare) - 1 within one process, by the median and
+    by the mean; the last row is the median of the processes' shares, and their range."""
+    from bench.paired_runs import markdown, shares
+
+    one = {"bare": [100.0, 200.0], "ours-memory": [140.0, 300.0], "floor-memory": [110.0, 220.0]}
+    s = shares(one)
+    assert s["ours-memory"] == pytest.approx((0.40, 0.50))
+    assert s["floor-memory"] == pytest.approx((0.10, 0.10))
+    two = {"bare": [50.0, 50.0], "ours-memory": [80.0, 80.0], "floor-memory": [55.0, 60.0]}
+    three = {"bare": [80.0, 80.0], "ours-memory": [100.0, 120.0], "floor-memory": [84.0, 88.0]}
+    table = markdown([{"times": t} for t in (one, two, three)]).splitlines()
+    assert table[2] == "| 1 | 100.0 | 0.40x / 0.50x | 0.10x / 0.10x |"
+    assert table[3] == "| 2 | 50.0 | 0.60x / 0.60x | 0.10x / 0.20x |"
+    # ours by median: 0.40, 0.60, 0.25 -> 0.40 (0.25-0.60); by mean: 0.50, 0.60, 0.50.
+    assert table[-1] == (
+        "| **median (range) of the processes** | | 0.40x (0.25-0.60) / 0.50x (0.50-0.60) "
+        "| 0.10x (0.05-0.10) / 0.10x (0.10-0.20) |"
+    )
