@@ -19,13 +19,12 @@ import os
 import statistics
 import subprocess
 import sys
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
 from idem_middleware import MemoryStore
 
-from .asgi import build_app, make_requests
+from .asgi import Variant, build_app, make_requests
 from .paired import measure_paired
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,22 +37,18 @@ async def _child(requests: int, warmup: int) -> dict[str, Any]:
     apps = {
         name: build_app(name, MemoryStore() if name == "ours-memory" else None) for name in VARIANTS
     }
-    statuses: Counter[int] = Counter()
-
-    async def send(message: dict[str, Any]) -> None:
-        if message["type"] == "http.response.start":
-            statuses[message["status"]] += 1
-
+    counted = Variant("paired", None, 0, 1)  # (bench.asgi's: its send counts the statuses)
+    send = counted.send()
     for app in apps.values():
         for scope, receive in make_requests("warm", warmup):
-            await app(scope, receive, send)  # type: ignore[arg-type]
-    statuses.clear()
+            await app(scope, receive, send)
+    counted.statuses.clear()
     gc.collect()
     gc.freeze()
-    times = await measure_paired(apps, requests, send, make_requests)  # type: ignore[arg-type]
+    times = await measure_paired(apps, requests, send, make_requests)
     return {
         "times": {n: [statistics.median(t), statistics.fmean(t)] for n, t in times.items()},
-        "statuses": dict(statuses),
+        "statuses": dict(counted.statuses),
     }
 
 
