@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .errors import ProblemKind
+from .frozen import quick_init
 from .store.base import StoredResponse
 
 #: The detail of `429 tenant-busy`, in both modes.
@@ -18,12 +19,14 @@ WAITERS_FULL = (
 
 
 class Answer:
-    """Base of the answers below, and of `capture.ResponseCapture`: the handler's own response,
-    held until its outcome was recorded, is answered by its capture (the exchange flushes it)."""
+    """Base of the answers below, and of `capture.ResponseCapture` (the transactional attempt is
+    one): the handler's own response, held until its outcome was recorded, is answered by its
+    capture (the exchange flushes it)."""
 
     __slots__ = ()
 
 
+@quick_init  # (see frozen.py)
 @dataclass(frozen=True, slots=True)
 class Replay(Answer):
     """The stored response, marked as a replay."""
@@ -31,6 +34,7 @@ class Replay(Answer):
     response: StoredResponse
 
 
+@quick_init  # (see frozen.py)
 @dataclass(frozen=True, slots=True)
 class Problem(Answer):
     """A problem+json refusal (`retry_after`: seconds, or None for no Retry-After)."""
@@ -40,6 +44,7 @@ class Problem(Answer):
     retry_after: int | None = None
 
 
+@quick_init  # (see frozen.py)
 @dataclass(frozen=True, slots=True)
 class InFlight(Answer):
     """The original is still running: 409 + Retry-After, or 202 + Location if the policy says

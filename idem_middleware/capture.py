@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Awaitable
 from typing import Protocol
 
 from starlette.types import Message, Send
@@ -30,9 +31,11 @@ class ResponseCapture(Answer):
 
     The response is held (a client must never see an outcome that was not recorded). A response
     over `cap` bytes, a `text/event-stream` one, or an ASGI extension message cannot be held: then
-    the owner's `settle_early(reason)` records the outcome before the first byte leaves, and the
-    rest streams straight through. (The owner, not a callback: a bound method would be one more
-    object per request for the garbage collector to pass over while the handler runs.)
+    `settle_early(reason)` records the outcome before the first byte leaves, and the rest streams
+    straight through. That is the owner's (the owner, not a callback: a bound method would be one
+    more object per request for the garbage collector to pass over while the handler runs), or a
+    subclass's own: the transactional attempt is its handler's capture, one object per request
+    fewer, and no cycle between the two to break.
     """
 
     __slots__ = (
@@ -46,7 +49,7 @@ class ResponseCapture(Answer):
         "start",
     )
 
-    def __init__(self, send: Send, cap: int, owner: SettlesEarly) -> None:
+    def __init__(self, send: Send, cap: int, owner: SettlesEarly | None = None) -> None:
         self._send = send
         self._cap = cap
         self._owner = owner
@@ -101,6 +104,13 @@ class ResponseCapture(Answer):
         if not more:
             self.complete = True
 
+    def settle_early(self, reason: str) -> Awaitable[None]:
+        """Record the outcome before the first byte of a response that cannot be held: the
+        owner's work (a subclass without one overrides this)."""
+        if self._owner is None:
+            raise TypeError("a ResponseCapture without an owner must override settle_early")
+        return self._owner.settle_early(reason)
+
     def close(self) -> None:
         """Let go of the owner once the request is over. The owner holds the capture: left in
         place, that cycle (and the ASGI scope hanging off it) would wait for the cyclic garbage
@@ -110,7 +120,7 @@ class ResponseCapture(Answer):
     async def _go_passthrough(self, reason: str, *, more_body: bool) -> None:
         if self.start is None:
             raise RuntimeError("response body sent before http.response.start")
-        await self._owner.settle_early(reason)
+        await self.settle_early(reason)
         self.passthrough = True
         await self.flush(more_body=more_body)
 

@@ -183,7 +183,7 @@ class Exchange:
                     answer = await run_transactional(self, record_key, fingerprint, failed)
             else:
                 answer = await LeaseRun(self, record_key, fingerprint).run()
-            if type(answer) is ResponseCapture:  # the handler's response, held until recorded
+            if isinstance(answer, ResponseCapture):  # the handler's response, held till recorded
                 self.started = True
                 await answer.flush()
             elif answer is not None:

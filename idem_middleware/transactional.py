@@ -116,8 +116,10 @@ async def run_transactional(
             waiters.leave()
 
 
-class Attempt:
-    """One run of claim, handler and outcome inside one database transaction.
+class Attempt(ResponseCapture):
+    """One run of claim, handler and outcome inside one database transaction. The attempt is
+    the `send` its handler gets (a `ResponseCapture` settling early by itself): the response is
+    held on it, and it is what the exchange flushes.
 
     The handler runs in the request's task. A client that disconnects while it runs cancels it
     (its writes roll back with the claim). The client is watched only once the handler has run
@@ -127,7 +129,6 @@ class Attempt:
     """
 
     __slots__ = (
-        "capture",
         "claimed",
         "context",
         "ex",
@@ -152,7 +153,7 @@ class Attempt:
         self.tx: Any = None
         self.context: IdempotencyContext | None = None
         self.claimed = False
-        self.capture = ResponseCapture(ex.send, ex.policy.max_response_bytes, self)
+        ResponseCapture.__init__(self, ex.send, ex.policy.max_response_bytes)
         # The handler's run and its client's watch (see the class's docstring).
         self.task: asyncio.Task[Any] | None = None
         self.watcher: asyncio.Task[None] | None = None
@@ -214,7 +215,7 @@ class Attempt:
                     ex.watched = self.running = True
                     _WATCH.add(self)
                     try:
-                        await ex.mw.app(ex.scope, ex, self.capture)  # ex: the app's receive
+                        await ex.mw.app(ex.scope, ex, self)  # ex: receive; self: send
                     except asyncio.CancelledError:
                         if not self._cancelled_by_watch(task):
                             raise
@@ -236,19 +237,17 @@ class Attempt:
                     raise
                 finally:
                     leave_context(ex.scope, token)
-                capture = self.capture
-                if capture.passthrough:
+                if self.passthrough:
                     return None  # settled before its first byte, and already sent
-                if capture.start is None or not capture.complete:
+                if self.start is None or not self.complete:
                     await tx.abandon()
                     raise RuntimeError("the application returned without a complete response")
                 await self._settle()
             # The transaction is over and the connection is back in the pool: now the client.
-            return capture  # held: the exchange flushes it
+            return self  # the response held: the exchange flushes it
         finally:
             if limited:
                 slots.give_back(record_key.tenant)
-            self.capture.close()  # it holds this attempt, a cycle otherwise
             if self.claimed:
                 ex.mw.waiters.wake(record_key)
 
@@ -265,7 +264,7 @@ class Attempt:
         writes roll back), unless the response was streaming already (its outcome is settled)."""
         if not self.uncancelled:
             task.uncancel()  # the handler swallowed our cancellation and returned
-        if not self.capture.passthrough:
+        if not self.passthrough:
             raise ClientGone
 
     def due(self) -> None:
@@ -290,7 +289,9 @@ class Attempt:
         await asyncio.Event().wait()  # a server that keeps talking: never a disconnect
 
     async def settle_early(self, reason: str) -> None:
-        """Before the first byte of a response the capture cannot hold (see ResponseCapture)."""
+        """Before the first byte of a response that cannot be held (see ResponseCapture)."""
+        if not self.running:  # a send from a task the handler left behind
+            raise RuntimeError("the response was sent after the request ended")
         await self._settle(omitted=reason)
         # The outcome is committed and the first byte follows: from here on nothing may run the
         # attempt again (a serialization failure while streaming ends the response instead).
@@ -302,8 +303,7 @@ class Attempt:
 
     async def _settle(self, omitted: str | None = None) -> None:
         assert self.context is not None
-        capture = self.capture
-        start = capture.start
+        start = self.start
         assert start is not None
         outcome = self.context.declared or outcome_for_status(start["status"], Mode.TRANSACTIONAL)
         state = FINAL_STATE.get(outcome)
@@ -312,7 +312,7 @@ class Attempt:
             completing = self.tx.abandon()
             outcome = Outcome.RELEASE
         else:
-            completing = self.tx.finish(state, capture.stored(omitted))
+            completing = self.tx.finish(state, self.stored(omitted))
         if ex.mw.observer is None:
             await completing
             return

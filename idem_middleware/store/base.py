@@ -13,6 +13,7 @@ from typing import Any, NamedTuple, Protocol
 from ..errors import ClaimBusy as ClaimBusy
 from ..errors import ClaimTimeout as ClaimTimeout
 from ..errors import RetryableConflict as RetryableConflict
+from ..frozen import quick_init
 
 
 class State(StrEnum):
@@ -36,6 +37,7 @@ class RecordKey(NamedTuple):
     key: str
 
 
+@quick_init  # (built once per request: see frozen.py)
 @dataclass(frozen=True, slots=True)
 class StoredResponse:
     status: int
@@ -45,6 +47,7 @@ class StoredResponse:
     body_omitted: str | None = None
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class Record:
     """A key's record as the store last committed it."""
@@ -66,6 +69,7 @@ class Record:
     epoch: int | None = None
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class Claimed:
     """The caller owns the key under `generation`."""
@@ -75,6 +79,7 @@ class Claimed:
     epoch: int
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class Existing:
     """A record holds the key: the caller answers from it (replay, mismatch, in flight)."""
@@ -82,6 +87,7 @@ class Existing:
     record: Record
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class TokenRefused:
     """The key is not a live token this request may consume; `reason` says why, for the
