@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from .answers import SENT, Answer, Problem
 from .capture import ResponseCapture
-from .context import IdempotencyContext, enter_context, key_digest, leave_context
+from .context import IdempotencyContext, claimed_context, enter_context, key_digest, leave_context
 from .delayed import Delayed
 from .errors import ProblemKind, StaleGeneration
 from .fence import Fence
@@ -92,15 +92,16 @@ class LeaseExecution:
         policy = self.policy
         generation = self.generation
         fence = Fence(self.store, self.key, generation, State.PENDING)
-        context = IdempotencyContext(
-            tenant=self.key.tenant,
-            operation=self.key.operation,
-            key=self.key.key,
-            generation=generation,
-            mode=Mode.LEASE,
-            connection=None,
-            epoch=self.epoch,
-            _fence=fence.connection,
+        key = self.key
+        context = claimed_context(
+            key.tenant,
+            key.operation,
+            key.key,
+            generation,
+            Mode.LEASE,
+            None,  # connection: the fence's, opened when the handler asks
+            self.epoch,
+            fence.connection,
         )
         self.fence = fence
         capture = self.capture = ResponseCapture(ex.send, policy.max_response_bytes, self)

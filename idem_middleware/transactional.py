@@ -15,11 +15,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any
 
 from .answers import TENANT_BUSY, WAITERS_FULL, Answer, InFlight, Problem
 from .capture import ResponseCapture
-from .context import IdempotencyContext, enter_context, leave_context
+from .context import IdempotencyContext, claimed_context, enter_context, leave_context
 from .delayed import Delayed
 from .errors import ClaimBusy, ClaimTimeout, ClientGone, ProblemKind, RetryableConflict
 from .observe import SETTLED_EVENTS, Event
@@ -191,16 +192,16 @@ class Attempt(ResponseCapture):
                 if isinstance(claim, TokenRefused):
                     return Problem(ProblemKind.TOKEN_INVALID, claim.reason)
                 self.claimed = True
-                self.context = IdempotencyContext(
-                    tenant=record_key.tenant,
-                    operation=record_key.operation,
-                    key=record_key.key,
-                    generation=claim.generation,
-                    mode=Mode.TRANSACTIONAL,
-                    connection=tx.connection,
-                    # One life of the record: a key claimed again after its retention is a new
-                    # request downstream too.
-                    epoch=claim.epoch,
+                self.context = claimed_context(
+                    record_key.tenant,
+                    record_key.operation,
+                    record_key.key,
+                    claim.generation,
+                    Mode.TRANSACTIONAL,
+                    tx.connection,
+                    # One life of the record (its epoch): a key claimed again after its
+                    # retention is a new request downstream too.
+                    claim.epoch,
                 )
                 del claim  # (not kept alive while the handler runs: see ResponseCapture)
                 if observed:
@@ -301,21 +302,27 @@ class Attempt(ResponseCapture):
         await self.tx.release()
         self.ex.mw.waiters.wake(self.record_key)
 
-    async def _settle(self, omitted: str | None = None) -> None:
+    def _settle(self, omitted: str | None = None) -> Awaitable[None]:
+        """Complete (or abandon) the record with the held response's outcome: the store's own
+        awaitable, returned (no coroutine of this method's wraps it unless it is observed)."""
         assert self.context is not None
         start = self.start
         assert start is not None
         outcome = self.context.declared or outcome_for_status(start["status"], Mode.TRANSACTIONAL)
         state = FINAL_STATE.get(outcome)
         ex = self.ex
+        completing: Awaitable[None]
         if state is None:
             completing = self.tx.abandon()
             outcome = Outcome.RELEASE
         else:
             completing = self.tx.finish(state, self.stored(omitted))
         if ex.mw.observer is None:
+            return completing
+        return self._observed(completing, outcome)
+
+    async def _observed(self, completing: Awaitable[None], outcome: Outcome) -> None:
+        assert self.context is not None
+        with self.ex.timed("complete"):
             await completing
-            return
-        with ex.timed("complete"):
-            await completing
-        ex.emit(SETTLED_EVENTS[outcome], self.context.generation)
+        self.ex.emit(SETTLED_EVENTS[outcome], self.context.generation)

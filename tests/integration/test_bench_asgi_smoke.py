@@ -110,3 +110,39 @@ async def test_bench_instructions_child_serves_every_counted_request_and_the_tab
         )
     table = _rows(markdown({"bare": 400_000.0, "ours-memory": 500_000.0}, 20))
     assert "| +100,000 | 0.25x |" in table["ours-memory"], table
+
+
+def test_bench_payloads_prints_a_row_per_kind_of_work() -> None:
+    """Every kind is timed against the middleware alone, and every request answered 201 (the
+    command exits non-zero otherwise)."""
+    from bench.payloads import KINDS
+
+    out = _bench("bench.payloads", "--requests", "40", "--units", "3")
+    rows = {
+        line.split("|")[1].strip(): line
+        for line in out.stdout.splitlines()
+        if line.startswith("|") and line.count("|") == 4
+    }
+    assert set(KINDS) <= set(rows), out.stdout
+    assert "statuses {201: " in out.stdout, out.stdout
+    refused = subprocess.run(
+        [sys.executable, "-m", "bench.payloads", "--kinds", "objects,nonsense"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert refused.returncode == 2
+    assert "unknown kinds: nonsense" in refused.stderr
+
+
+def test_each_payload_does_the_work_it_is_named_for() -> None:
+    from bench import payloads
+
+    assert [type(x) for x in payloads._work("objects", 3)()] == [payloads._Plain] * 3
+    assert [type(x) for x in payloads._work("frozen", 2)()] == [payloads._Frozen] * 2
+    assert [type(x) for x in payloads._work("quick-frozen", 2)()] == [payloads._Quick] * 2
+    assert payloads._work("dicts", 2)() == [{"a": i, "b": i, "c": i} for i in range(2)]
+    assert payloads._work("calls", 3)() == [1, 2, 3]
+    assert payloads._work("functions", 3)() == [1, 2, 3]
+    assert len({f.__code__ for f in payloads._DISTINCT[:3]}) == 3  # code objects of their own

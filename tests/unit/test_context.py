@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from idem_middleware import IdempotencyContext, Mode, Outcome, derive_downstream_key
-from idem_middleware.context import RELEASE_STATUSES, outcome_for_status
+from idem_middleware.context import RELEASE_STATUSES, claimed_context, outcome_for_status
 from idem_middleware.errors import ConfigurationError
 
 
@@ -92,3 +94,21 @@ def test_declare_and_fencing_token() -> None:
 async def test_fenced_connection_is_the_claims_connection_in_transactional_mode() -> None:
     conn = object()
     assert await _context(mode=Mode.TRANSACTIONAL, connection=conn).fenced_connection() is conn
+
+
+@pytest.mark.parametrize("mode", list(Mode))
+def test_a_claimed_context_is_the_context_its_keywords_make(mode: Mode) -> None:
+    """The middleware's builder (no keyword dict) makes what the class called with the same
+    keywords makes, every field included (a field added to the class without a default breaks
+    the builder, and this test)."""
+
+    async def fence() -> None:
+        return None
+
+    connection = object()
+    built = claimed_context("tenant-a", "POST /payouts", "k1", 3, mode, connection, 2, fence)
+    expected = _context(mode=mode, connection=connection, _fence=fence)
+    assert type(built) is IdempotencyContext
+    for f in dataclasses.fields(IdempotencyContext):
+        assert getattr(built, f.name) is getattr(expected, f.name), f.name
+    assert claimed_context("t", "op", "k", 1, mode, None, None)._fence is None

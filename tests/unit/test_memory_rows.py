@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from idem_middleware.store.base import RecordKey, State, StoredResponse
+from idem_middleware.store.base import Claimed, Existing, Record, RecordKey, State, StoredResponse
 from idem_middleware.store.memory import MemoryStore, _Row
 
 pytestmark = pytest.mark.asyncio
@@ -127,3 +127,67 @@ async def _commit_headers(store: MemoryStore, key: RecordKey, pairs: list[Any]) 
     async with store.transaction(acquire_timeout=1.0) as tx:
         await tx.claim(key, b"fp", retention_seconds=60.0, wait_seconds=1.0)
         await tx.finish(State.SUCCEEDED, StoredResponse(201, pairs, b"{}", None))
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def test_a_committed_claim_is_the_row_its_claim_and_outcome_make() -> None:
+    """A claim stages four fields and the outcome is packed straight from them: the record read
+    back is the row the claim and the completion describe, field by field."""
+    clock = _Clock()
+    store = MemoryStore(clock=clock)
+    key = RecordKey("tenant", "POST /things", "k1")
+    response = StoredResponse(201, HEADERS, b'{"n": 1}', None)
+    async with store.transaction(acquire_timeout=1.0) as tx:
+        claim = await tx.claim(key, b"fp", retention_seconds=60.0, wait_seconds=1.0)
+        assert isinstance(claim, Claimed)
+        clock.now += 2.0
+        await tx.finish(State.SUCCEEDED, response)
+    assert store._rows[key] == _Row(
+        b"fp",
+        State.SUCCEEDED,
+        claim.generation,
+        60.0,
+        expires_at=1062.0,
+        response=response,
+        mode="transactional",
+        created_at=1000.0,
+        updated_at=1002.0,
+        epoch=claim.generation,
+    )
+
+
+async def test_a_transaction_claiming_twice_sees_its_own_claim_and_commits_both() -> None:
+    """The earlier claim of a transaction is read back by its later claim of the same key as
+    pending, and commits as the pending record it is when the transaction completes another."""
+    clock = _Clock()
+    store = MemoryStore(clock=clock)
+    first, second = (RecordKey("tenant", "POST /things", k) for k in ("k1", "k2"))
+    async with store.transaction(acquire_timeout=1.0) as tx:
+        claimed = await tx.claim(first, b"fp1", retention_seconds=60.0, wait_seconds=1.0)
+        assert isinstance(claimed, Claimed)
+        again = await tx.claim(first, b"fp1", retention_seconds=60.0, wait_seconds=1.0)
+        assert isinstance(again, Existing)
+        assert again.record == Record(
+            first, b"fp1", State.PENDING, claimed.generation, None, epoch=claimed.generation
+        )
+        assert isinstance(
+            await tx.claim(second, b"fp2", retention_seconds=9.0, wait_seconds=1.0), Claimed
+        )
+        await tx.finish(State.SUCCEEDED, StoredResponse(201, HEADERS, b"{}", None))
+    pending = store._rows[first]
+    assert (pending.state, pending.generation, pending.epoch, pending.response) == (
+        State.PENDING,
+        claimed.generation,
+        claimed.generation,
+        None,
+    )
+    assert (pending.retention, pending.created_at, pending.mode) == (60.0, 1000.0, "transactional")
+    assert store._rows[second].state is State.SUCCEEDED
+    assert list(store._rows._packed) == [tuple(first), tuple(second)]  # in the order claimed

@@ -15,7 +15,7 @@ from ..base import (
     StoredResponse,
     TokenRefused,
 )
-from .tables import MemoryTables, _Row
+from .tables import MemoryTables, _Pending, pending_row
 
 
 class _MemoryTransaction:
@@ -25,7 +25,8 @@ class _MemoryTransaction:
 
     def __init__(self, store: MemoryTables) -> None:
         self._store = store
-        self._staged: dict[RecordKey, _Row] = {}
+        #: The records this transaction's claims stage, committed at `finish` (see `_Pending`).
+        self._staged: dict[RecordKey, _Pending] = {}
         #: The keys this transaction claims (their entries in the store's `_owners`).
         self._held: set[RecordKey] = set()
         #: Tokens this transaction's claims consume, marked at commit (made when there is one).
@@ -83,7 +84,8 @@ class _MemoryTransaction:
         self.active = True
         store = self._store
         now = store.clock()
-        current = self._staged.get(key) or store._rows.get(key)
+        staged = self._staged.get(key)
+        current = store._rows.get(key) if staged is None else pending_row(staged)
         if current is not None:
             record = current.record(key, now)
             if not record.expired:
@@ -102,21 +104,7 @@ class _MemoryTransaction:
                 self._consumed = set()
             self._consumed.add((key.tenant, token_hash))
         generation = next(store._generations)
-        # (Every field by position: keywords cost the call more.)
-        self._staged[key] = _Row(
-            fingerprint,
-            State.PENDING,
-            generation,
-            retention_seconds,
-            None,  # expires_at
-            None,  # response
-            "transactional",  # mode
-            None,  # lease_expires_at
-            now,  # created_at
-            now,  # updated_at
-            None,  # note
-            generation,  # epoch
-        )
+        self._staged[key] = (fingerprint, generation, retention_seconds, now)
         store._owners[key] = None  # an event is made only if a lease claim waits
         self._held.add(key)
         self._claimed = key
@@ -129,20 +117,20 @@ class _MemoryTransaction:
 
     async def finish(self, state: State, response: StoredResponse) -> None:
         key = self._claimed
-        row = None if key is None else self._staged.get(key)
-        if key is None or row is None or row.state is not State.PENDING:
+        pending = None if key is None else self._staged.get(key)
+        if key is None or pending is None:
             raise StoreError("completion matched no pending record")
         now = self._store.clock()
-        # Completed in place: the staged row is this transaction's own until it commits here.
-        row.state = state
-        row.expires_at = now + row.retention
-        row.response = response
-        row.updated_at = now
+        rows = self._store._rows
         staged = self._staged
         if len(staged) == 1:
-            self._store._rows.put(key, row)
-        else:
-            self._store._rows.update(staged)
+            rows.put_completed(key, pending, state, now, response)
+        else:  # the transaction's earlier claims commit too, as the pending records they are
+            for other, claimed in staged.items():
+                if other == key:
+                    rows.put_completed(key, pending, state, now, response)
+                else:
+                    rows.put(other, pending_row(claimed))
         if self._consumed is not None:
             for token in self._consumed:
                 self._store._consume(token, True)

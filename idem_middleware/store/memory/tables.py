@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -61,6 +61,27 @@ class _Row:
             ),
             epoch=self.epoch,
         )
+
+
+#: A transactional claim's staged record: (fingerprint, generation, retention, created_at). Every
+#: other field of a fresh claim's row is a constant until its outcome (see `pending_row`), so
+#: the claim stages these four, and the outcome is packed straight from them.
+_Pending = tuple[bytes, int, float, float]
+
+
+def pending_row(pending: _Pending) -> _Row:
+    """The row a staged claim stands for: pending, transactional, its first generation its
+    epoch."""
+    fingerprint, generation, retention, created_at = pending
+    return _Row(
+        fingerprint,
+        State.PENDING,
+        generation,
+        retention,
+        created_at=created_at,
+        updated_at=created_at,
+        epoch=generation,
+    )
 
 
 _STATES = {state.value: state for state in State}
@@ -116,10 +137,6 @@ class _Rows:
     def __len__(self) -> int:
         return len(self._packed)
 
-    def update(self, rows: Mapping[RecordKey, _Row]) -> None:
-        for key, row in rows.items():
-            self.put(key, row)
-
     def put(self, key: RecordKey, row: _Row) -> None:
         # Flat: the collector untracks a tuple only once everything in it is untracked, and it
         # reaches a nested tuple after the one holding it, so each level of nesting would keep
@@ -133,15 +150,7 @@ class _Rows:
             status = headers = body = omitted = None
         else:
             status, body, omitted = r.status, r.body, r.body_omitted
-            pairs = r.headers
-            try:
-                # Pairs of tuples, as the capture stores them, joined in C; a few only, as a
-                # sum copies what it has joined so far at every step.
-                headers = sum(pairs, ()) if len(pairs) <= _SUMMED_PAIRS else None
-            except TypeError:  # pairs given as lists
-                headers = None
-            if headers is None:
-                headers = tuple(itertools.chain.from_iterable(pairs))
+            headers = _flat(r.headers)
         self._packed[tuple(key)] = (
             row.fingerprint,
             row.generation,
@@ -160,9 +169,50 @@ class _Rows:
             omitted,
         )
 
+    def put_completed(
+        self,
+        key: RecordKey,
+        pending: _Pending,
+        state: State,
+        now: float,
+        response: StoredResponse,
+    ) -> None:
+        """Commit a staged claim (see `_Pending`) with its outcome: packed as `put` packs the
+        completed row, without building the row."""
+        fingerprint, generation, retention, created_at = pending
+        self._packed[tuple(key)] = (
+            fingerprint,
+            generation,
+            retention,
+            now + retention,  # expires_at
+            "transactional",  # mode
+            None,  # lease_expires_at
+            created_at,
+            now,  # updated_at
+            None,  # note
+            generation,  # epoch
+            _VALUES[state],
+            response.status,
+            _flat(response.headers),
+            response.body,
+            response.body_omitted,
+        )
+
     def items(self) -> Iterator[tuple[RecordKey, _Row]]:
         for key, packed in self._packed.items():
             yield RecordKey(*key), self._unpack(packed)
+
+
+def _flat(pairs: Sequence[tuple[bytes, bytes]]) -> tuple[bytes, ...]:
+    """Header pairs as one flat tuple of names and values (see `_Rows`)."""
+    try:
+        # Pairs of tuples, as the capture stores them, joined in C; a few only, as a sum copies
+        # what it has joined so far at every step.
+        if len(pairs) <= _SUMMED_PAIRS:
+            return sum(pairs, ())
+    except TypeError:  # pairs given as lists
+        pass
+    return tuple(itertools.chain.from_iterable(pairs))
 
 
 def _summary(key: RecordKey, row: _Row, now: float) -> RecordSummary:
