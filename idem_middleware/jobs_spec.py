@@ -10,7 +10,7 @@ from typing import Any
 import orjson
 
 from .answers import Replay
-from .context import IdempotencyContext, enter_context, leave_context
+from .context import IdempotencyContext, claimed_context, enter_context, leave_context
 from .errors import ConfigurationError, JobKeyReused, JobOutcomeUnknown
 from .outcomes import settled_answer
 from .policy import LeaseExpiry, Mode
@@ -42,15 +42,8 @@ class JobSpec:
     def context(
         self, key: RecordKey, generation: int, epoch: int | None, connection: Any, fence: Any
     ) -> Any:
-        return IdempotencyContext(
-            tenant=key.tenant,
-            operation=key.operation,
-            key=key.key,
-            generation=generation,
-            mode=self.mode,
-            connection=connection,
-            epoch=epoch,
-            _fence=fence,
+        return claimed_context(
+            key.tenant, key.operation, key.key, generation, self.mode, connection, epoch, fence
         )
 
     async def run(self, context: IdempotencyContext, args: Any, kwargs: Any) -> bytes:
