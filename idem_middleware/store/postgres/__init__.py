@@ -3,7 +3,8 @@
 - store.py: `PostgresStore`, its lifecycle and the operations that commit on their own
 - sessions.py: the transaction and fenced sessions it hands out
 - claim.py: the ordinary claim
-- fused.py: the fast path (literals, PREPARE, generations drawn ahead, the PgBouncer fallback)
+- fused.py: the fast path (PREPARE, generations drawn ahead, the PgBouncer fallback)
+- literals.py: the fast path's literals, where a client's bytes meet SQL
 - compat.py: everything that touches asyncpg's private attributes
 - listener.py: the LISTEN connection
 - edges.py: the statements of tokens.py and outbox.py
@@ -13,9 +14,10 @@
 from ...errors import NotFusable as _NotFusable
 from .claim import claim as _claim
 from .convert import _Q, NOTIFY_CHANNEL, decode_headers, encode_headers, notify_token
-from .fused import FUSE_MAX_BODY, _inline, _literal
+from .fused import FUSE_MAX_BODY
 from .fused import NAMES as _NAMES
 from .fused import fusable as _fusable
+from .literals import _inline, _literal
 from .store import PostgresStore
 
 __all__ = [

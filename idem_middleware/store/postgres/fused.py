@@ -6,24 +6,17 @@ with its BEGIN, and the completion with its COMMIT, each as one simple-query mes
 values inlined as literals: the business transaction then costs the same round trips as the
 bare handler's. Everything else (and every case `fusable` refuses) takes the ordinary path.
 
-The literals are built so that no value can end its literal, whatever the session's settings
-(a handler may change them between the claim and the completion: `standard_conforming_strings`
-makes `\` an escape in quoted strings). Text is dollar-quoted, `$v$...$v$`, which has no escapes
-under any setting, unless it holds a `$` (then hex, decoded by the server); bytes are hex digits.
-The server parses a dollar-quoted constant once, where a decoded one costs two function calls
-per value (about a third of the completion's server time).
-
-This module is the only one that knows the literals, the server-side PREPAREs, the generations
-drawn ahead and the fallback to inlined text when prepared statements do not stay with a pool's
-connections (PgBouncer). Each entry point returns None or False for "use the ordinary path".
+The values are written as literals no value can end, whatever the session's settings (see
+`literals.py`, the only module that writes them). This module is the only one that knows the
+server-side PREPAREs, the generations drawn ahead and the fallback to inlined text when prepared
+statements do not stay with a pool's connections (PgBouncer). Each entry point returns None or
+False for "use the ordinary path".
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
-import math
-import re
 import time
 import weakref
 from collections import deque
@@ -37,88 +30,12 @@ from ...errors import ClaimBusy, NotFusable, StoreError
 from ..base import Claimed, RecordKey
 from . import compat
 from .convert import _Q
+from .literals import _inline, _literals, arguments
 
 logger = logging.getLogger("idem_middleware.store")
 
 #: A response body up to this size is inlined into the completion (hex doubles it).
 FUSE_MAX_BODY = 64 * 1024
-_PLACEHOLDER = re.compile(r"\$(\d+)")
-
-
-def _literal(value: Any, utf8: bool = True) -> str:
-    """`value` as an SQL expression whose text means the same whatever the session's settings.
-
-    Text without a `$` is dollar-quoted (`$v$...$v$::text`): a dollar-quoted string has no
-    escapes under any setting, and with no `$` inside nothing can end it early. Other text is
-    `convert_from(decode('<utf-8 hex>', 'hex'), 'UTF8')`, bytes `$v$\\x<hex>$v$::bytea` (hex
-    digits only), numbers their digits (in parentheses when negative). NUL and lone surrogates
-    are refused (the ordinary path reports them). `utf8=False` (the client encoding is not
-    UTF-8): text and bytes only as hex the server decodes, `decode('<hex>', 'hex')` for bytes,
-    which mean the same in any client encoding."""
-    return _literals((value,), utf8)[0]
-
-
-def _literals(values: Sequence[Any], utf8: bool = True) -> list[str]:
-    """`_literal` of each of `values`, written in one loop: a call per value (fifteen per
-    transactional request) cost more than most values' literals."""
-    out: list[str] = []
-    for value in values:
-        kind = type(value)
-        if kind is str:
-            # Most text is plain ASCII with no `$` (and no NUL): one pass of each test, then
-            # quoted.
-            if utf8 and value.isascii() and "$" not in value and "\x00" not in value:
-                out.append("$v$" + value + "$v$::text")
-            else:
-                out.append(_text(value, utf8))
-        elif kind is bytes:
-            if utf8:
-                out.append("$v$\\x" + value.hex() + "$v$::bytea")
-            else:
-                out.append("decode('" + value.hex() + "', 'hex')")
-        elif value is None:
-            out.append("NULL")
-        elif kind is bool:
-            out.append("true" if value else "false")
-        elif kind is int:
-            # A leading minus in parentheses: glued to an operator's `-` it would start a
-            # comment.
-            out.append(str(value) if value >= 0 else f"({value})")
-        else:
-            out.append(_number(value))
-    return out
-
-
-def _number(value: Any) -> str:
-    """`_literal` of a float; NotFusable for anything else `_literals` does not write."""
-    if type(value) is not float:
-        # Anything else (a str subclass a tenant resolver returned, say) takes the ordinary path.
-        raise NotFusable(f"no literal for {type(value).__name__}")
-    if not math.isfinite(value):
-        raise NotFusable("a non-finite number")
-    number = repr(value)  # digits, `.`, `e`, a sign: the shortest text of exactly this value
-    return f"({number})" if number.startswith("-") else number
-
-
-def _text(text: str, utf8: bool) -> str:
-    """`_literal` of text that is not plain ASCII, holds a `$` or a NUL, or whose connection's
-    client encoding is not UTF-8."""
-    if "\x00" in text:
-        raise NotFusable("a NUL character")  # PostgreSQL text cannot hold one
-    try:
-        data = text.encode()
-    except UnicodeEncodeError as exc:  # a lone surrogate
-        raise NotFusable("not encodable as UTF-8") from exc
-    if "$" in text or not utf8:
-        return "convert_from(decode('" + data.hex() + "', 'hex'), 'UTF8')"
-    return "$v$" + text + "$v$::text"
-
-
-def _inline(query: str, args: Sequence[Any], utf8: bool = True) -> str:
-    """`query` with each `$n` replaced by the literal of `args[n-1]` (our own queries only: they
-    have no `$` inside string literals or comments)."""
-    literals = _literals(args, utf8)
-    return _PLACEHOLDER.sub(lambda m: literals[int(m.group(1)) - 1], query)
 
 
 def _utf8(conn: Any) -> bool:
@@ -210,7 +127,10 @@ _MISSED = asyncpg.exceptions.DivisionByZeroError
 def _execute(name: str, args: Sequence[Any], utf8: bool = True) -> str:
     """`EXECUTE name (literals)`: what `_inline` would make of `EXECUTE name ($1, ...)`, without
     the regular expression (this runs twice per request)."""
-    return f"EXECUTE {name} (" + ", ".join(_literals(args, utf8)) + ")"
+    written = arguments(args) if utf8 else None
+    if written is None:
+        written = ", ".join(_literals(args, utf8))
+    return f"EXECUTE {name} ({written})"
 
 
 class FusingSession(Protocol):
