@@ -1,23 +1,21 @@
-"""The fast path's planned argument lists (`literals.arguments`) write exactly what the literals
-written one by one (`_literals`) write, or leave the values to them; never anything else.
+"""The fast path's `EXECUTE` is the statement its literals inline: for any values, hostile text
+included, in either client encoding, or refused alike.
 
-`_literals` is the reference: its own tests (test_fused.py, test_sql_safety.py) read its literals
-back through PostgreSQL under every setting that could bend them.
+The literals themselves are read back through PostgreSQL under every setting that could bend
+them in test_fused.py and test_sql_safety.py.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import pytest
-from hypothesis import example, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from idem_middleware.errors import NotFusable
-from idem_middleware.store.postgres import literals
 from idem_middleware.store.postgres.fused import _execute
-from idem_middleware.store.postgres.literals import _inline, _literals, arguments
+from idem_middleware.store.postgres.literals import _inline
 
 
 class Tenant(str):
@@ -43,34 +41,6 @@ _VALUE = st.one_of(
 )
 
 
-def _reference(values: Any) -> str | type[NotFusable]:
-    try:
-        return ", ".join(_literals(values))
-    except NotFusable:
-        return NotFusable
-
-
-@settings(max_examples=2000, deadline=None)
-@given(st.lists(_VALUE, max_size=14))
-@example(["t$", "op", "k", -1])
-@example(["tenant-a", "POST /x/{id}", "k", -5, b"\x00\xff", 60.0, None, True])
-@example(["t", float("nan")])
-@example([Tenant("t"), "op"])
-def test_planned_arguments_are_the_literals_or_nothing(values: list[Any]) -> None:
-    try:
-        written = arguments(values)
-    except NotFusable:
-        assert _reference(values) is NotFusable
-        return
-    if written is not None:
-        assert written == _reference(values)
-    else:  # left to `_literals`: text that is not plain, or a type without a plan
-        plain = all(
-            type(v) is not str or (v.isascii() and "$" not in v and "\x00" not in v) for v in values
-        )
-        assert not plain or any(type(v) not in literals._WRITTEN for v in values)
-
-
 @given(st.lists(_VALUE, max_size=8), st.booleans())
 @settings(max_examples=500, deadline=None)
 def test_an_execute_is_the_inlined_statement(values: list[Any], utf8: bool) -> None:
@@ -83,32 +53,3 @@ def test_an_execute_is_the_inlined_statement(values: list[Any], utf8: bool) -> N
             _execute("idem_x", values, utf8)
         return
     assert _execute("idem_x", values, utf8) == expected
-
-
-@pytest.mark.parametrize(
-    "values",
-    [
-        ("tenant-a", "POST /accounts/{account_id}/credits", "k-1", -4_611_686_018_427_387_904),
-        ("tenant-a", "POST /accounts/{account_id}/credits", "k-1", 7),
-        ("t", "op", "k", b"\x01" * 32, 5, 86400.0, "succeeded", 201, b"ab", b"{}", None),
-        ("t", "op", "k", 5, "pending", "unknown", None, 500, b"", b"", "streaming", None),
-    ],
-    ids=["claim", "claim-positive-lock", "completion", "settlement"],
-)
-def test_the_fast_paths_own_arguments_take_the_plan(values: tuple[Any, ...]) -> None:
-    """The claim's and the completion's arguments, as the stores send them, are planned (a
-    plan never taken would pass the test above)."""
-    written = arguments(values)
-    assert written is not None
-    assert written == ", ".join(_literals(values))
-
-
-def test_plans_are_kept_for_a_bounded_number_of_type_sequences() -> None:
-    for n in range(1, 200):
-        assert arguments((1,) * n) == ", ".join(["1"] * n)
-    assert len(literals._PLANS) <= literals._MAX_PLANS
-
-
-def test_a_non_finite_number_is_refused_as_the_literals_refuse_it() -> None:
-    with pytest.raises(NotFusable, match="non-finite"):
-        arguments(("t", math.inf))

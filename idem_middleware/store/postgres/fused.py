@@ -30,7 +30,7 @@ from ...errors import ClaimBusy, NotFusable, StoreError
 from ..base import Claimed, RecordKey
 from . import compat
 from .convert import _Q
-from .literals import _inline, _literals, arguments
+from .literals import _inline, _literals
 
 logger = logging.getLogger("idem_middleware.store")
 
@@ -127,10 +127,7 @@ _MISSED = asyncpg.exceptions.DivisionByZeroError
 def _execute(name: str, args: Sequence[Any], utf8: bool = True) -> str:
     """`EXECUTE name (literals)`: what `_inline` would make of `EXECUTE name ($1, ...)`, without
     the regular expression (this runs twice per request)."""
-    written = arguments(args) if utf8 else None
-    if written is None:
-        written = ", ".join(_literals(args, utf8))
-    return f"EXECUTE {name} ({written})"
+    return f"EXECUTE {name} (" + ", ".join(_literals(args, utf8)) + ")"
 
 
 class FusingSession(Protocol):

@@ -7,18 +7,17 @@ settings (a handler may change them between the claim and the completion:
 the server); bytes are hex digits. The server parses a dollar-quoted constant once, where a
 decoded one costs two function calls per value (about a third of the completion's server time).
 
-`_literals` writes values one by one, each checked on its own. `arguments` writes the argument
-list of an `EXECUTE` (twice per request) the same way, quicker: it checks all of the text at
-once, and writes the literals with a format string made once per sequence of types; whatever it
-does not write so (text that is not plain, a type it has no plan for) it leaves to `_literals`.
+`_literals` writes values one by one, each checked on its own. (A format string made once per
+sequence of types, with all of the text checked at once, executed a third of the bytecodes and
+took as long: the time is in C, in `str.format` and the type checks, not in the loop. See
+docs/performance.md.)
 """
 
 from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable, Sequence
-from operator import itemgetter
+from collections.abc import Sequence
 from typing import Any
 
 from ...errors import NotFusable
@@ -100,72 +99,3 @@ def _inline(query: str, args: Sequence[Any], utf8: bool = True) -> str:
     have no `$` inside string literals or comments)."""
     literals = _literals(args, utf8)
     return _PLACEHOLDER.sub(lambda m: literals[int(m.group(1)) - 1], query)
-
-
-#: A format string writing every literal of one sequence of types, joined by ", "; what picks
-#: the text out of the values (None: no text); and the positions of the bytes, the ints and the
-#: other numbers (floats, bools), whose literals depend on their values.
-_Positions = tuple[int, ...]
-_Plan = tuple[str, Callable[[Sequence[Any]], Any] | None, _Positions, _Positions, _Positions]
-#: The types `arguments` plans for (exactly these: a str subclass, say, is left to `_literals`).
-_WRITTEN = frozenset({str, bytes, int, float, bool, type(None)})
-#: The sequences of types `arguments` has no plan for.
-_NO_PLAN: _Plan = ("", None, (), (), ())
-_PLANS: dict[tuple[type, ...], _Plan] = {}
-#: Plans kept, at most: a statement's types vary only with its optional values (None or not).
-_MAX_PLANS = 64
-
-
-def _plan(kinds: tuple[type, ...]) -> _Plan:
-    if not _WRITTEN.issuperset(kinds):
-        return _NO_PLAN
-    parts: list[str] = []
-    texts: list[int] = []
-    hexed: list[int] = []
-    ints: list[int] = []
-    others: list[int] = []
-    for i, kind in enumerate(kinds):
-        if kind is str:
-            parts.append(f"$v${{{i}}}$v$::text")
-            texts.append(i)
-        elif kind is bytes:
-            parts.append(f"$v$\\x{{{i}}}$v$::bytea")
-            hexed.append(i)
-        elif kind is type(None):
-            parts.append("NULL")
-        else:
-            parts.append(f"{{{i}}}")
-            (ints if kind is int else others).append(i)
-    getter = itemgetter(*texts) if texts else None
-    return ", ".join(parts), getter, tuple(hexed), tuple(ints), tuple(others)
-
-
-def arguments(values: Sequence[Any]) -> str | None:
-    """`", ".join(_literals(values))` for a UTF-8 connection, when all of the values' text is
-    plain (ASCII without a `$` or a NUL) and every value has a type with a plan; None otherwise
-    (then write them with `_literals`, which also says why a value cannot be written)."""
-    kinds = tuple(map(type, values))
-    plan = _PLANS.get(kinds)
-    if plan is None:
-        if len(_PLANS) >= _MAX_PLANS:
-            _PLANS.clear()
-        plan = _PLANS[kinds] = _plan(kinds)
-    if plan is _NO_PLAN:
-        return None
-    template, texts_of, hexed, ints, others = plan
-    if texts_of is not None:
-        # One search of all the text: a `$`, a NUL or a non-ASCII character is in the joined
-        # text exactly when it is in one of the values (each is a single character). (One
-        # value's getter returns the str itself, whose join is itself.)
-        text = "".join(texts_of(values))
-        if not text.isascii() or "$" in text or "\x00" in text:
-            return None
-    written = list(values)
-    for i in hexed:
-        written[i] = values[i].hex()
-    for i in ints:
-        if values[i] < 0:
-            written[i] = f"({values[i]})"  # (see `_literals`)
-    for i in others:  # floats and bools, one or none per statement
-        written[i] = _literals((values[i],))[0]
-    return template.format(*written)
