@@ -114,3 +114,25 @@ async def test_the_last_content_type_decides_whether_a_response_streams(as_list:
         await capture(start)
         assert capture.passthrough is streams
         assert r.settled == (["streaming"] if streams else [])
+
+
+async def test_a_capture_without_an_owner_settles_early_by_its_own_method() -> None:
+    """A subclass that is its own owner (the transactional attempt) overrides `settle_early`;
+    a plain capture made without an owner cannot settle, and says so before any byte leaves."""
+    r = Recorder()
+
+    class Own(ResponseCapture):
+        async def settle_early(self, reason: str) -> None:
+            r.settled.append("own " + reason)
+
+    own = Own(r.send, 1)
+    await own(START)
+    await own(body(b"too large", more=True))
+    assert r.settled == ["own too-large"]
+    assert r.sent == [START, body(b"too large", more=True)]
+
+    bare = ResponseCapture(r.send, 0)
+    await bare(START)
+    with pytest.raises(TypeError, match="must override settle_early"):
+        await bare(body(b"x"))
+    assert len(r.sent) == 2  # nothing more left
