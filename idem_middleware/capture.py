@@ -42,8 +42,10 @@ class ResponseCapture(Answer):
         "_cap",
         "_owner",
         "_send",
+        "body",
         "chunks",
         "complete",
+        "last",
         "passthrough",
         "size",
         "start",
@@ -54,9 +56,13 @@ class ResponseCapture(Answer):
         self._cap = cap
         self._owner = owner
         self.start: Message | None = None
-        # Made with the first chunk: most handlers send their body once, at the end, so while
-        # they run there is one object fewer for the garbage collector to pass over.
+        # The body held: its first chunk, and all of them in a list made with the second. Most
+        # handlers send their body in one message, which is then sent on as it came (`last`):
+        # no list and no message of the capture's own, objects the collector would pass over.
+        self.body = b""
         self.chunks: list[bytes] | None = None
+        #: The message that completed the body.
+        self.last: Message | None = None
         self.size = 0
         self.complete = False
         self.passthrough = False
@@ -94,8 +100,10 @@ class ResponseCapture(Answer):
         more = message.get("more_body", False)
         self.size += len(chunk)
         if chunk:
-            if self.chunks is None:
-                self.chunks = [chunk]
+            if not self.body:
+                self.body = chunk
+            elif self.chunks is None:
+                self.chunks = [self.body, chunk]
             else:
                 self.chunks.append(chunk)
         if self.size > self._cap:
@@ -103,6 +111,7 @@ class ResponseCapture(Answer):
             return
         if not more:
             self.complete = True
+            self.last = message
 
     def settle_early(self, reason: str) -> Awaitable[None]:
         """Record the outcome before the first byte of a response that cannot be held: the
@@ -129,7 +138,7 @@ class ResponseCapture(Answer):
         return StoredResponse(  # (status, headers, body, body_omitted: positional is quicker)
             self.start["status"],
             storable_headers(self.start.get("headers", ())),
-            b"" if omitted or self.chunks is None else b"".join(self.chunks),
+            b"" if omitted else self.body if self.chunks is None else b"".join(self.chunks),
             omitted,
         )
 
@@ -137,7 +146,11 @@ class ResponseCapture(Answer):
         """Send the held response (start and the body so far)."""
         assert self.start is not None
         await self._send(self.start)
-        chunks = self.chunks
-        body = b"" if chunks is None else chunks[0] if len(chunks) == 1 else b"".join(chunks)
-        self.chunks = None
+        chunks, body, last = self.chunks, self.body, self.last
+        self.chunks, self.body, self.last = None, b"", None
+        if chunks is None and last is not None and not more_body and last.get("body", b"") is body:
+            await self._send(last)  # the whole body, in the handler's own message
+            return
+        if chunks is not None:
+            body = b"".join(chunks)
         await self._send({"type": "http.response.body", "body": body, "more_body": more_body})

@@ -69,6 +69,7 @@ class Exchange:
         "by_name",
         "disconnected",
         "fingerprinter",
+        "message",
         "mw",
         "operation",
         "policy",
@@ -101,6 +102,8 @@ class Exchange:
         self.policy = policy
         self.operation = operation  # the route's, named once per route (the middleware's cache)
         self.body = b""
+        #: The server's message that brought the whole body, handed to the app as it is.
+        self.message: Message | None = None
         self.started = False  # whether anything reached the client
         # While a transactional handler runs under the client watch: the app's receive() after
         # its body waits for `disconnected` (made when first needed) instead of the server's.
@@ -321,13 +324,21 @@ class Exchange:
                     chunks.append(chunk)
             if not message.get("more_body", False):
                 break
-        return content_type, body if chunks is None else b"".join(chunks)
+        if chunks is None:
+            if chunk is body and message["type"] == "http.request":
+                self.message = message  # the whole body in one message: the app gets it
+            return content_type, body
+        return content_type, b"".join(chunks)
 
     async def __call__(self) -> Message:
         """The exchange is the `receive` the app gets (no bound method made per request): the
         buffered body, then the client's disconnect."""
         if not self.body_delivered:
             self.body_delivered = True
+            message = self.message
+            if message is not None:
+                self.message = None  # as it came, once: a second run gets a message of its own
+                return message
             return {"type": "http.request", "body": self.body, "more_body": False}
         if self.watched:
             await self.disconnect_event().wait()

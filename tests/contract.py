@@ -115,8 +115,7 @@ class MemoryHarness:
 
     async def hold_key_lock(self, session: Any, k: RecordKey) -> None:
         """Make `session` hold the key as an uncommitted claim does (until it ends)."""
-        session._store._owners[k] = None
-        session._held.add(k)
+        session.hold(k)
 
     async def lapse(self, k: RecordKey) -> None:
         """End the lease of one record now (the store's clock stays where it is)."""

@@ -136,3 +136,61 @@ async def test_a_capture_without_an_owner_settles_early_by_its_own_method() -> N
     with pytest.raises(TypeError, match="must override settle_early"):
         await bare(body(b"x"))
     assert len(r.sent) == 2  # nothing more left
+
+
+@pytest.mark.parametrize(
+    "messages",
+    [
+        [body(b"abc")],  # the usual: the whole body at once
+        [body(b"", more=True), body(b"abc")],  # an empty chunk first
+        [{"type": "http.response.body", "body": b"abc"}],  # more_body left out
+        [{"type": "http.response.body"}],  # no body at all
+    ],
+)
+async def test_a_body_sent_in_one_message_is_held_and_sent_on_as_that_message(
+    messages: list[dict[str, Any]],
+) -> None:
+    """No list and no message of the capture's own for the usual response: the handler's
+    message completing the body is what the server gets, its body what is stored."""
+    r = Recorder()
+    capture = ResponseCapture(r.send, 100, r)
+    await capture(START)
+    for message in messages:
+        await capture(message)
+    assert capture.complete
+    assert capture.chunks is None
+    expected = messages[-1].get("body", b"")
+    assert capture.stored().body == expected
+    await capture.flush()
+    assert r.sent[0] is START
+    assert r.sent[1] is messages[-1]
+    assert len(r.sent) == 2
+
+
+async def test_a_body_in_pieces_is_joined_and_sent_in_a_message_of_the_captures_own() -> None:
+    r = Recorder()
+    capture = ResponseCapture(r.send, 100, r)
+    last = body(b"c")
+    await capture(START)
+    await capture(body(b"a", more=True))
+    await capture(body(b"", more=True))
+    await capture(body(b"b", more=True))
+    await capture(last)
+    assert capture.stored().body == b"abc"
+    await capture.flush()
+    assert r.sent == [START, body(b"abc")]
+    assert r.sent[1] is not last
+    # Flushed once: what it held is let go.
+    assert (capture.body, capture.chunks, capture.last) == (b"", None, None)
+
+
+async def test_a_held_body_in_one_message_that_turns_out_too_large_streams_in_pieces() -> None:
+    """A body over the cap after a first held chunk is not the held message: the held chunk
+    is sent (more to come), then the rest as it comes."""
+    r = Recorder()
+    capture = ResponseCapture(r.send, 3, r)
+    await capture(START)
+    await capture(body(b"ab", more=True))
+    await capture(body(b"cd"))
+    assert r.settled == ["too-large"]
+    assert r.sent == [START, body(b"abcd")]

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from idem_middleware.errors import ClaimBusy
 from idem_middleware.store.base import Claimed, Existing, Record, RecordKey, State, StoredResponse
 from idem_middleware.store.memory import MemoryStore, _Row
 
@@ -191,3 +192,28 @@ async def test_a_transaction_claiming_twice_sees_its_own_claim_and_commits_both(
     assert (pending.retention, pending.created_at, pending.mode) == (60.0, 1000.0, "transactional")
     assert store._rows[second].state is State.SUCCEEDED
     assert list(store._rows._packed) == [tuple(first), tuple(second)]  # in the order claimed
+
+
+async def test_a_transaction_claiming_one_key_makes_no_container_for_it() -> None:
+    """The usual transaction claims one key: it is kept in fields, and a dictionary of held
+    keys is made only for a second one (which then commits as the pending record it is)."""
+    store = MemoryStore(clock=_Clock())
+    first, second = (RecordKey("tenant", "POST /things", k) for k in ("k1", "k2"))
+    async with store.transaction(acquire_timeout=1.0) as tx:
+        assert isinstance(
+            await tx.claim(first, b"fp", retention_seconds=60.0, wait_seconds=1.0), Claimed
+        )
+        assert tx._earlier is None
+        assert tx._claimed == first
+        await tx.finish(State.SUCCEEDED, StoredResponse(201, HEADERS, b"{}", None))
+        assert first not in store._owners
+    assert store._rows[first].state is State.SUCCEEDED
+    async with store.transaction(acquire_timeout=1.0) as tx:
+        tx.hold(second)
+        assert tx._earlier == {second: None}
+        other = store.transaction(acquire_timeout=1.0)
+        with pytest.raises(ClaimBusy):
+            await other.claim(second, b"fp", retention_seconds=60.0, wait_seconds=1.0)
+        await tx.abandon()
+    assert second not in store._owners
+    assert second not in store._rows

@@ -3,6 +3,8 @@ fenced session whose settlements apply when it ends cleanly, as a commit would."
 
 from __future__ import annotations
 
+from typing import Any
+
 from ...errors import StoreError
 from ..base import (
     Claim,
@@ -19,20 +21,24 @@ from .tables import MemoryTables, _Pending, pending_row
 
 
 class _MemoryTransaction:
-    """A claim's transaction: what it stages applies at `finish`, as a commit would."""
+    """A claim's transaction: what it stages applies at `finish`, as a commit would.
 
-    __slots__ = ("_claimed", "_consumed", "_held", "_staged", "_store", "active")
+    Almost every transaction claims one key: that claim is kept in two fields (`_claimed`,
+    `_pending`), and a dictionary is made only for a transaction holding more than one key, so a
+    request allocates no container for its claim (each is an object for the collector)."""
+
+    __slots__ = ("_claimed", "_consumed", "_earlier", "_pending", "_store", "active")
 
     def __init__(self, store: MemoryTables) -> None:
         self._store = store
-        #: The records this transaction's claims stage, committed at `finish` (see `_Pending`).
-        self._staged: dict[RecordKey, _Pending] = {}
-        #: The keys this transaction claims (their entries in the store's `_owners`).
-        self._held: set[RecordKey] = set()
+        #: The key this transaction claimed last (what `finish` records the outcome of), and the
+        #: record its claim stages, committed at `finish` (see `_Pending`).
+        self._claimed: RecordKey | None = None
+        self._pending: _Pending | None = None
+        #: Keys held before the last claim: their staged records (None: held, nothing staged).
+        self._earlier: dict[RecordKey, _Pending | None] | None = None
         #: Tokens this transaction's claims consume, marked at commit (made when there is one).
         self._consumed: set[tuple[str, bytes]] | None = None
-        #: The key this transaction claimed last (what `finish` records the outcome of).
-        self._claimed: RecordKey | None = None
         self.active = False
 
     async def __aenter__(self) -> _MemoryTransaction:
@@ -52,6 +58,25 @@ class _MemoryTransaction:
         """Begin before the claim (the claim otherwise does): for tests that hold a key first."""
         self.active = True
 
+    def hold(self, key: RecordKey) -> None:
+        """Hold `key` as an uncommitted claim does, staging nothing (for tests)."""
+        self._store._owners[key] = None
+        self._hold_earlier()[key] = None
+
+    def _hold_earlier(self) -> dict[RecordKey, _Pending | None]:
+        """The keys held before the last claim, the last claim's moved among them."""
+        earlier = self._earlier
+        if earlier is None:
+            earlier = self._earlier = {}
+        if self._claimed is not None:
+            earlier[self._claimed] = self._pending
+            self._claimed = self._pending = None
+        return earlier
+
+    def _holds(self, key: RecordKey) -> bool:
+        earlier = self._earlier
+        return key == self._claimed or (earlier is not None and key in earlier)
+
     async def abandon(self) -> None:
         self._end()
 
@@ -60,17 +85,22 @@ class _MemoryTransaction:
             self._end()
 
     def _end(self) -> None:
-        self._staged.clear()
         self._consumed = None
-        if self._held:
-            owners = self._store._owners
-            for key in self._held:
-                event = owners.pop(key)
-                if event is not None:
-                    event.set()
-            self._held.clear()
-        self._claimed = None
+        owners = self._store._owners
+        if self._claimed is not None:
+            self._release(owners, self._claimed)
+            self._claimed = self._pending = None
+        if self._earlier is not None:
+            for key in self._earlier:
+                self._release(owners, key)
+            self._earlier = None
         self.active = False
+
+    @staticmethod
+    def _release(owners: dict[RecordKey, Any], key: RecordKey) -> None:
+        event = owners.pop(key)
+        if event is not None:
+            event.set()
 
     async def claim(
         self,
@@ -84,14 +114,17 @@ class _MemoryTransaction:
         self.active = True
         store = self._store
         now = store.clock()
-        staged = self._staged.get(key)
+        if key == self._claimed:
+            staged = self._pending
+        else:
+            staged = None if self._earlier is None else self._earlier.get(key)
         current = store._rows.get(key) if staged is None else pending_row(staged)
         if current is not None:
             record = current.record(key, now)
             if not record.expired:
                 self._settled()
                 return Existing(record)  # a replay: no wait, no lock
-        if key in store._owners and key not in self._held:
+        if key in store._owners and not self._holds(key):
             # Another transaction is claiming it: never wait here (see ClaimBusy).
             self._end()
             raise ClaimBusy("another transaction is claiming this key")
@@ -104,33 +137,33 @@ class _MemoryTransaction:
                 self._consumed = set()
             self._consumed.add((key.tenant, token_hash))
         generation = next(store._generations)
-        self._staged[key] = (fingerprint, generation, retention_seconds, now)
+        if self._claimed is not None and key != self._claimed:
+            self._hold_earlier()  # a second key in one transaction: the first one moves aside
+        if self._earlier is not None:
+            self._earlier.pop(key, None)  # claimed again: it is the last claim now
+        self._pending = (fingerprint, generation, retention_seconds, now)
         store._owners[key] = None  # an event is made only if a lease claim waits
-        self._held.add(key)
         self._claimed = key
         return Claimed(generation, generation)  # a fresh record: its epoch
 
     def _settled(self) -> None:
         """A claim that did not claim ends the transaction, unless it holds an earlier claim."""
-        if not self._held:
+        if self._claimed is None and not self._earlier:
             self._end()
 
     async def finish(self, state: State, response: StoredResponse) -> None:
-        key = self._claimed
-        pending = None if key is None else self._staged.get(key)
+        key, pending = self._claimed, self._pending
         if key is None or pending is None:
             raise StoreError("completion matched no pending record")
         now = self._store.clock()
         rows = self._store._rows
-        staged = self._staged
-        if len(staged) == 1:
-            rows.put_completed(key, pending, state, now, response)
-        else:  # the transaction's earlier claims commit too, as the pending records they are
-            for other, claimed in staged.items():
-                if other == key:
-                    rows.put_completed(key, pending, state, now, response)
-                else:
+        if self._earlier is not None:
+            # The transaction's earlier claims commit too, as the pending records they are (in
+            # the order claimed, as the rows of one commit would be).
+            for other, claimed in self._earlier.items():
+                if claimed is not None:
                     rows.put(other, pending_row(claimed))
+        rows.put_completed(key, pending, state, now, response)
         if self._consumed is not None:
             for token in self._consumed:
                 self._store._consume(token, True)
