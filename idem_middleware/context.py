@@ -110,9 +110,11 @@ class IdempotencyContext:
         self.declared = outcome
 
 
-_current: ContextVar[IdempotencyContext | None] = ContextVar(
-    "idem_middleware_context", default=None
-)
+#: The context of the claim running in this task (`current_context`). Entered and left by
+#: `enter_context` and `leave_context`; the transactional attempt, once per request, does the
+#: same inline (two calls fewer).
+CURRENT: ContextVar[IdempotencyContext | None] = ContextVar("idem_middleware_context", default=None)
+_current = CURRENT
 
 
 def current_context() -> IdempotencyContext | None:
@@ -137,7 +139,7 @@ def claimed_context(
     A class called with keywords first packs them into a dict for its `__init__`; its
     `__init__` called as a function takes them as they are (about half the cost here)."""
     context = _new(IdempotencyContext)
-    IdempotencyContext.__init__(
+    _init(
         context,
         tenant=tenant,
         operation=operation,
@@ -152,6 +154,7 @@ def claimed_context(
 
 
 _new = object.__new__
+_init = IdempotencyContext.__init__
 
 
 def enter_context(scope: MutableMapping[str, Any], context: IdempotencyContext) -> Token[Any]:

@@ -25,13 +25,17 @@ from .lease import LeaseRun
 from .observe import UNTIMED, Event
 from .policy import MIDDLEWARE_ACTIVE, Mode, Policy
 from .responses import send_accepted, send_problem, send_replay
-from .store.base import RecordKey, Store, StoredResponse
+from .store.base import RecordKey, Store, StoredResponse, new_record_key
 from .transactional import RETRIED, Attempt, run_transactional
 
 if TYPE_CHECKING:
     from .middleware import IdempotencyMiddleware
 
 logger = logging.getLogger("idem_middleware")
+
+#: Every loop is bounded: a body in more messages than this is refused (a server sends a body in
+#: pieces of 64 KiB or so: a capped body is far fewer).
+_MAX_BODY_MESSAGES = 1_000_000
 
 _PROBLEM_EVENTS = {
     ProblemKind.KEY_REUSED: Event.MISMATCH,
@@ -160,9 +164,20 @@ class Exchange:
             )
             return
         try:
-            content_type, body = await self.read_body()
-            if body is None:
-                return  # the client left before sending its body: nothing was claimed
+            content_type = self.body_headers()
+            # Read here, not in a coroutine of its own: most bodies come in one message.
+            message = await self.receive()
+            body = message.get("body", b"")
+            if (
+                message.get("more_body", False)
+                or message["type"] != "http.request"
+                or len(body) > policy.max_body_bytes
+            ):
+                body = await self.read_rest(message)
+                if body is None:
+                    return  # the client left before sending its body: nothing was claimed
+            else:
+                self.message = message  # the whole body in one message: the app gets it
             self.body = body
             scope = self.scope
             fingerprint = self.fingerprinter(
@@ -171,7 +186,7 @@ class Exchange:
         except RequestRejected as exc:
             await self.problem(exc.kind, exc.detail)
             return
-        record_key = self.record_key = RecordKey(tenant, self.operation, key)
+        record_key = self.record_key = new_record_key((tenant, self.operation, key))
         self.token_hash = token_hash(key) if policy.require_token else None
         try:
             if policy.mode is Mode.TRANSACTIONAL:
@@ -278,10 +293,9 @@ class Exchange:
 
     # -- the request ---------------------------------------------------------------------------
 
-    async def read_body(self) -> tuple[bytes | None, bytes | None]:
-        """The Content-Type, and the whole request body (capped by the policy); None for the
-        body if the client left first."""
-        cap = self.policy.max_body_bytes
+    def body_headers(self) -> bytes | None:
+        """The request's Content-Type; a Content-Length that is not a number, or is over the
+        policy's cap, is refused before a byte of the body is read."""
         by_name = self.by_name
         if by_name is not None:
             content_type = by_name.get(b"content-type")
@@ -298,37 +312,39 @@ class Exchange:
             # HTTP's 1*DIGIT, nothing else (int() would also take "+5", " 7" or "1_000").
             if not declared.isdigit():
                 raise RequestRejected(ProblemKind.BODY_INVALID, "Content-Length is not a number.")
-            if int(declared) > cap:
-                raise RequestRejected(
-                    ProblemKind.BODY_TOO_LARGE, f"The body may be at most {cap} bytes."
-                )
-        body = b""
-        chunks: list[bytes] | None = None  # made only for a body sent in pieces
+            if int(declared) > self.policy.max_body_bytes:
+                raise self._too_large()
+        return content_type
+
+    async def read_body(self) -> tuple[bytes | None, bytes | None]:
+        """The Content-Type, and the whole request body (capped by the policy); None for the
+        body if the client left first."""
+        content_type = self.body_headers()
+        return content_type, await self.read_rest(await self.receive())
+
+    async def read_rest(self, message: Message) -> bytes | None:
+        """The whole body, from its first message (received already) on; None if the client
+        left first."""
+        cap = self.policy.max_body_bytes
+        chunks: list[bytes] = []
         size = 0
-        while True:
-            message = await self.receive()
+        for _ in range(_MAX_BODY_MESSAGES):
             if message["type"] == "http.disconnect":
-                return content_type, None
+                return None
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > cap:
-                raise RequestRejected(
-                    ProblemKind.BODY_TOO_LARGE, f"The body may be at most {cap} bytes."
-                )
+                raise self._too_large()
             if chunk:
-                if not body:
-                    body = chunk
-                elif chunks is None:
-                    chunks = [body, chunk]
-                else:
-                    chunks.append(chunk)
+                chunks.append(chunk)
             if not message.get("more_body", False):
-                break
-        if chunks is None:
-            if chunk is body and message["type"] == "http.request":
-                self.message = message  # the whole body in one message: the app gets it
-            return content_type, body
-        return content_type, b"".join(chunks)
+                return b"".join(chunks)  # (one chunk: that very object)
+            message = await self.receive()
+        raise RequestRejected(ProblemKind.BODY_INVALID, "The body came in too many pieces.")
+
+    def _too_large(self) -> RequestRejected:
+        cap = self.policy.max_body_bytes
+        return RequestRejected(ProblemKind.BODY_TOO_LARGE, f"The body may be at most {cap} bytes.")
 
     async def __call__(self) -> Message:
         """The exchange is the `receive` the app gets (no bound method made per request): the

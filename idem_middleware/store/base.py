@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol, cast
 
 # Defined in errors.py with the library's other exceptions; importable from here as before.
 from ..errors import ClaimBusy as ClaimBusy
@@ -29,12 +30,19 @@ FINAL_STATES = frozenset({State.SUCCEEDED, State.FAILED_FINAL})
 class RecordKey(NamedTuple):
     """The key space: tenant first, so the table can be distributed by tenant.
 
-    A named tuple (immutable, hashed and built in C): every request makes one and looks it up
-    several times."""
+    A named tuple (immutable, and hashed in C): every request makes one and looks it up several
+    times. (Its `__new__` is a Python function; `new_record_key` builds one without it.)"""
 
     tenant: str
     operation: str
     key: str
+
+
+#: `new_record_key((tenant, operation, key))` is `RecordKey(tenant, operation, key)` built in C: the
+#: named tuple's own `__new__` is a Python function (a frame, and an argument tuple) per request.
+new_record_key = cast(
+    "Callable[[tuple[str, str, str]], RecordKey]", functools.partial(tuple.__new__, RecordKey)
+)
 
 
 @quick_init  # (built once per request: see frozen.py)

@@ -114,3 +114,35 @@ async def test_a_handler_run_again_gets_the_body_anew_whatever_its_first_run_did
     assert first is server_message
     assert second is not server_message
     assert second == {"type": "http.request", "body": BODY, "more_body": False}
+
+
+async def test_a_body_in_more_pieces_than_the_bound_is_refused_before_any_claim(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every loop is bounded: past the bound on a body's messages the request is refused (400),
+    nothing is claimed and the handler never runs."""
+    monkeypatch.setattr("idem_middleware.exchange._MAX_BODY_MESSAGES", 3)
+    handler = Handler()
+    store = MemoryStore()
+    pieces = [{"type": "http.request", "body": b"", "more_body": True}] * 3
+    pieces.append({"type": "http.request", "body": BODY, "more_body": False})
+    sent = await _serve(_app(handler, store), pieces, "k1")
+    assert sent[0]["status"] == 400
+    assert b"too many pieces" in sent[1]["body"]
+    assert handler.received == []
+    assert len(store._rows) == 0
+    # Within the bound, the same pieces make one body.
+    monkeypatch.setattr("idem_middleware.exchange._MAX_BODY_MESSAGES", 4)
+    sent = await _serve(_app(handler, store), pieces, "k2")
+    assert sent[0]["status"] == 201
+    assert handler.received == [{"type": "http.request", "body": BODY, "more_body": False}]
+
+
+async def test_a_record_key_built_in_c_is_the_named_tuple() -> None:
+    from idem_middleware.store.base import RecordKey, new_record_key
+
+    key = new_record_key(("tenant", "POST /things", "k1"))
+    assert type(key) is RecordKey
+    assert key == RecordKey("tenant", "POST /things", "k1")
+    assert (key.tenant, key.operation, key.key) == ("tenant", "POST /things", "k1")
+    assert hash(key) == hash(RecordKey("tenant", "POST /things", "k1"))

@@ -3,8 +3,6 @@ fenced session whose settlements apply when it ends cleanly, as a commit would."
 
 from __future__ import annotations
 
-from typing import Any
-
 from ...errors import StoreError
 from ..base import (
     Claim,
@@ -44,7 +42,7 @@ class _MemoryTransaction:
     async def __aenter__(self) -> _MemoryTransaction:
         return self
 
-    async def __aexit__(self, *exc: object) -> None:
+    async def __aexit__(self, exc_type: object, exc: object, tb: object) -> None:
         if self.active:
             self._end()
 
@@ -88,19 +86,17 @@ class _MemoryTransaction:
         self._consumed = None
         owners = self._store._owners
         if self._claimed is not None:
-            self._release(owners, self._claimed)
+            event = owners.pop(self._claimed)
+            if event is not None:  # (an event is made only if a lease claim waits)
+                event.set()
             self._claimed = self._pending = None
         if self._earlier is not None:
             for key in self._earlier:
-                self._release(owners, key)
+                event = owners.pop(key)
+                if event is not None:
+                    event.set()
             self._earlier = None
         self.active = False
-
-    @staticmethod
-    def _release(owners: dict[RecordKey, Any], key: RecordKey) -> None:
-        event = owners.pop(key)
-        if event is not None:
-            event.set()
 
     async def claim(
         self,
