@@ -80,14 +80,10 @@ class ResponseCapture(Answer):
         kind = message["type"]
         if kind == "http.response.start":
             self.start = message
-            headers = message.get("headers", ())
-            if type(headers) is list:
-                content_type = dict(headers).get(b"content-type", b"")  # the last one
-            else:
-                content_type = b""
-                for name, value in headers:
-                    if name == b"content-type":
-                        content_type = value  # the last one, as the dict above has it
+            content_type = b""
+            for name, value in message.get("headers", ()):
+                if name == b"content-type":
+                    content_type = value  # the last one
             if content_type.startswith(b"text/event-stream"):
                 await self._go_passthrough("streaming", more_body=True)
             return

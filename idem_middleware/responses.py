@@ -156,7 +156,13 @@ async def send_accepted(send: Send, location: str, retry_after: int) -> None:
 
 
 def storable_headers(headers: Sequence[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
-    return [(n, v) for n, v in headers if n.lower() not in _DROPPED_HEADERS]
+    """The headers a replay may repeat, as tuples (an app's own tuples kept as they are: a loop,
+    not a comprehension, which is a function call of its own on Python 3.11)."""
+    kept = []
+    for pair in headers:
+        if pair[0].lower() not in _DROPPED_HEADERS:
+            kept.append(pair if type(pair) is tuple else (pair[0], pair[1]))
+    return kept
 
 
 async def hooked_response(

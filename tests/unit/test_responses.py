@@ -75,6 +75,16 @@ def test_per_connection_and_per_response_headers_are_never_stored() -> None:
     assert storable_headers(headers) == [(b"Content-Type", b"application/json"), (b"x-kept", b"1")]
 
 
+def test_stored_headers_are_tuples_whatever_pairs_the_app_sent() -> None:
+    """An app may send its header pairs as lists; the stored ones are tuples (a record is
+    immutable), and an app's own tuples are kept as they are."""
+    kept = (b"x-kept", b"1")
+    stored = storable_headers([[b"content-type", b"a/b"], kept, [b"Date", b"today"]])
+    assert stored == [(b"content-type", b"a/b"), (b"x-kept", b"1")]
+    assert all(type(pair) is tuple for pair in stored)
+    assert stored[1] is kept
+
+
 async def test_a_replay_is_marked_and_framed() -> None:
     sent = Sent()
     stored = StoredResponse(201, [(b"content-type", b"application/json")], b'{"a":1}')
