@@ -114,7 +114,6 @@ class IdempotencyContext:
 #: `enter_context` and `leave_context`; the transactional attempt, once per request, does the
 #: same inline (two calls fewer).
 CURRENT: ContextVar[IdempotencyContext | None] = ContextVar("idem_middleware_context", default=None)
-_current = CURRENT
 
 
 def current_context() -> IdempotencyContext | None:
@@ -122,7 +121,7 @@ def current_context() -> IdempotencyContext | None:
 
     Lets code far from the request (an HTTP client hook, say) find the downstream key.
     """
-    return _current.get()
+    return CURRENT.get()
 
 
 def claimed_context(
@@ -159,12 +158,12 @@ _init = IdempotencyContext.__init__
 
 def enter_context(scope: MutableMapping[str, Any], context: IdempotencyContext) -> Token[Any]:
     scope[SCOPE_KEY] = context
-    return _current.set(context)
+    return CURRENT.set(context)
 
 
 def leave_context(scope: MutableMapping[str, Any], token: Token[Any]) -> None:
     scope.pop(SCOPE_KEY, None)
-    _current.reset(token)
+    CURRENT.reset(token)
 
 
 def get_context(scope_or_request: Mapping[str, Any] | Any) -> IdempotencyContext:

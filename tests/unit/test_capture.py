@@ -184,9 +184,9 @@ async def test_a_body_in_pieces_is_joined_and_sent_in_a_message_of_the_captures_
     assert (capture.body, capture.chunks, capture.last) == (b"", None, None)
 
 
-async def test_a_held_body_in_one_message_that_turns_out_too_large_streams_in_pieces() -> None:
-    """A body over the cap after a first held chunk is not the held message: the held chunk
-    is sent (more to come), then the rest as it comes."""
+async def test_a_body_going_over_the_cap_with_its_last_message_is_settled_and_sent_whole() -> None:
+    """The message that takes the body over the cap settles it as too large; what was held
+    (its chunks joined) is sent at once, as the end of the body."""
     r = Recorder()
     capture = ResponseCapture(r.send, 3, r)
     await capture(START)

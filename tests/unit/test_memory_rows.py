@@ -217,3 +217,17 @@ async def test_a_transaction_claiming_one_key_makes_no_container_for_it() -> Non
         await tx.abandon()
     assert second not in store._owners
     assert second not in store._rows
+
+
+async def test_a_key_held_after_a_claim_leaves_that_claim_the_one_completed() -> None:
+    """Holding another key (as a test harness does) never moves the transaction's own claim
+    aside: `finish` still completes it, and the held key is released uncommitted."""
+    store = MemoryStore(clock=_Clock())
+    claimed, held = (RecordKey("tenant", "POST /things", k) for k in ("k1", "k2"))
+    async with store.transaction(acquire_timeout=1.0) as tx:
+        await tx.claim(claimed, b"fp", retention_seconds=60.0, wait_seconds=1.0)
+        tx.hold(held)
+        await tx.finish(State.SUCCEEDED, StoredResponse(201, HEADERS, b"{}", None))
+    assert store._rows[claimed].state is State.SUCCEEDED
+    assert held not in store._rows
+    assert held not in store._owners

@@ -57,19 +57,16 @@ class _MemoryTransaction:
         self.active = True
 
     def hold(self, key: RecordKey) -> None:
-        """Hold `key` as an uncommitted claim does, staging nothing (for tests)."""
+        """Hold `key` as an uncommitted claim does, staging nothing (for tests). The last
+        claim stays the one `finish` completes."""
         self._store._owners[key] = None
-        self._hold_earlier()[key] = None
+        if key != self._claimed:
+            self._earlier_keys()[key] = None
 
-    def _hold_earlier(self) -> dict[RecordKey, _Pending | None]:
-        """The keys held before the last claim, the last claim's moved among them."""
-        earlier = self._earlier
-        if earlier is None:
-            earlier = self._earlier = {}
-        if self._claimed is not None:
-            earlier[self._claimed] = self._pending
-            self._claimed = self._pending = None
-        return earlier
+    def _earlier_keys(self) -> dict[RecordKey, _Pending | None]:
+        if self._earlier is None:
+            self._earlier = {}
+        return self._earlier
 
     def _holds(self, key: RecordKey) -> bool:
         earlier = self._earlier
@@ -134,7 +131,8 @@ class _MemoryTransaction:
             self._consumed.add((key.tenant, token_hash))
         generation = next(store._generations)
         if self._claimed is not None and key != self._claimed:
-            self._hold_earlier()  # a second key in one transaction: the first one moves aside
+            # A second key in one transaction: the first claim moves among the earlier ones.
+            self._earlier_keys()[self._claimed] = self._pending
         if self._earlier is not None:
             self._earlier.pop(key, None)  # claimed again: it is the last claim now
         self._pending = (fingerprint, generation, retention_seconds, now)
