@@ -7,12 +7,14 @@ the caller's context), and prints a Markdown table. `python -m bench` includes t
 
 Counted: every statement asyncpg sends on the app's pool (BEGIN, COMMIT and ROLLBACK included).
 The pool's reset query on release (`SELECT pg_advisory_unlock_all(); CLOSE ALL; ...`) is counted
-apart, as "resets": the bare app pays it too. Not counted: the lease mode's one LISTEN connection
-per process (opened once, outside the pool). "COMMIT" counts explicit commits; "autocommit" counts
-statements run outside a transaction, each its own implicit transaction. "write transactions" is
-measured on the server: how far its XID counter moved (only a transaction that writes gets an
-XID, and each one that commits is a WAL flush); for an in-flight duplicate the original's count
-(a fresh claim's, measured just before) is taken off the pair's.
+apart, as "resets": the bare app pays it too (the store's own pool sends it after the COMMIT, in
+the message that commits: a reset, but no round trip of its own). Not counted: the lease mode's
+one LISTEN connection per process (opened once, outside the pool). "COMMIT" counts explicit
+commits; "autocommit" counts statements run outside a transaction, each its own implicit
+transaction. "write transactions" is measured on the server: how far its XID counter moved (only
+a transaction that writes gets an XID, and each one that commits is a WAL flush); for an
+in-flight duplicate the original's count (a fresh claim's, measured just before) is taken off the
+pair's.
 """
 
 from __future__ import annotations
@@ -83,6 +85,9 @@ _WRITES = frozenset(
 )
 
 
+_RESET = "SELECT pg_advisory_unlock_all()"
+
+
 def _kind(statement: str) -> str:
     for prefix, name in _KINDS:
         if statement.startswith(prefix):
@@ -94,9 +99,12 @@ def kind_of(query: str) -> str:
     """A short name for one message to the server; a simple-query message carrying several
     statements (the store's `BEGIN; INSERT ...`, its `...; COMMIT`) is named `a+b`."""
     q = " ".join(query.split())
-    if q.startswith("SELECT pg_advisory_unlock_all()"):
+    if q.startswith(_RESET):
         return "reset"  # one message of several statements, but asyncpg's own
-    return "+".join(_kind(part.strip()) for part in q.split("; ") if part.strip(" ;"))
+    # The store's own pool: the reset travels after the COMMIT, in the message that commits.
+    head, fused, _ = q.partition("; " + _RESET)
+    kinds = "+".join(_kind(part.strip()) for part in head.split("; ") if part.strip(" ;"))
+    return kinds + "+reset" if fused else kinds
 
 
 @dataclass
@@ -151,6 +159,9 @@ def cost(variant: str, path: str, entries: list[Logged], status: int | None) -> 
             continue
         sequence.append(e.kind)
         for kind in e.kind.split("+"):
+            if kind == "reset":  # after a COMMIT, in its message (no round trip of its own)
+                resets += 1
+                continue
             statements += 1
             if kind == "BEGIN":
                 in_tx[e.conn] = True

@@ -16,7 +16,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Mount, Route
 
-from idem_middleware import IdempotencyMiddleware, Outcome, Policy, get_context, not_idempotent
+from idem_middleware import (
+    IdempotencyMiddleware,
+    Outcome,
+    Policy,
+    PostgresStore,
+    get_context,
+    not_idempotent,
+)
 from idem_middleware.status import status_route
 from idem_middleware.store.base import Store
 from tests.apps.clients import BearerBackend
@@ -48,6 +55,18 @@ async def logged_pool(dsn: str, log: QueryLog, **pool_options: Any) -> AsyncIter
         yield pool
     finally:
         await pool.close()
+
+
+def logged_store(dsn: str, log: QueryLog, **connect: Any) -> PostgresStore:
+    """A store with a pool of its own, of one connection (whatever a request leaves on it, the
+    next acquisition gets), whose messages are logged into `log`."""
+    return PostgresStore(
+        dsn=dsn,
+        min_size=1,
+        max_size=1,
+        listen=False,
+        connect_kwargs={"init": log.attach, **connect},
+    )
 
 
 class Probe:

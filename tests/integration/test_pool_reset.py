@@ -1,7 +1,8 @@
 """The store's own pool resets a connection on release only if code other than the store's had
 it (store/postgres/store.py `_reset_connection`): the store's statements leave no session state, so
 their reset query would be a round trip for nothing. A handler's connection, and any connection
-taken from `store.pool` directly, is still reset."""
+taken from `store.pool` directly, is still reset: on the fast path by the message that commits
+(the reset query after the COMMIT, store/postgres/fused.py), otherwise on release."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from idem_middleware import IdempotencyMiddleware, Mode, Policy, PostgresStore, get_context
-from tests.apps import BearerBackend, QueryLog, client, key
+from tests.apps import BearerBackend, QueryLog, client, key, logged_store
 
 RESET = "SELECT pg_advisory_unlock_all()"
 LEAKED = "SELECT current_setting('idem_test.leak', true)"
@@ -43,20 +44,11 @@ def _app(store: PostgresStore, mode: Mode) -> Starlette:
 
 class Log(QueryLog):
     def resets(self) -> int:
+        """Reset queries sent as messages of their own (on release), since the last call."""
         n = sum(q.startswith(RESET) for q in self.queries)
+        self.fused = sum(RESET in q and q.startswith("EXECUTE") for q in self.queries)
         self.queries.clear()
         return n
-
-
-def _store(db_dsn: str, log: Log, **connect: Any) -> PostgresStore:
-    # One connection: whatever a release leaves behind, the next request gets.
-    return PostgresStore(
-        dsn=db_dsn,
-        min_size=1,
-        max_size=1,
-        listen=False,
-        connect_kwargs={"init": log.attach, **connect},
-    )
 
 
 async def _leak(store: PostgresStore) -> str | None:
@@ -67,12 +59,15 @@ async def _leak(store: PostgresStore) -> str | None:
 
 async def test_transactional_mode_resets_only_the_handlers_connection(db_dsn: str) -> None:
     log = Log()
-    async with _store(db_dsn, log) as store:
+    async with logged_store(db_dsn, log) as store:
         async with client(_app(store, Mode.TRANSACTIONAL)) as c:
             first = await c.post("/leaky", json={}, headers=key("tx-reset"))
-            assert log.resets() == 1  # the handler had the connection
+            # The handler had the connection: reset by the message that commits, not after it.
+            assert (log.resets(), log.fused) == (0, 1)
+            assert await _leak(store) in (None, "")
+            log.resets()
             again = await c.post("/leaky", json={}, headers=key("tx-reset"))
-            assert log.resets() == 0  # a replay: only the store's statements ran on it
+            assert (log.resets(), log.fused) == (0, 0)  # a replay: only the store's statements
         assert await _leak(store) in (None, "")
     assert first.status_code == 201
     assert again.headers["idempotent-replayed"] == "true"
@@ -80,14 +75,16 @@ async def test_transactional_mode_resets_only_the_handlers_connection(db_dsn: st
 
 async def test_lease_mode_resets_only_the_fenced_connection(db_dsn: str) -> None:
     log = Log()
-    async with _store(db_dsn, log) as store:
+    async with logged_store(db_dsn, log) as store:
         async with client(_app(store, Mode.LEASE)) as c:
             first = await c.post("/leaky", json={}, headers=key("lease-reset"))
-            # The claim and the settlement's own statements: no reset; the fenced connection
-            # the handler wrote on: reset.
-            assert log.resets() == 1
+            # The claim's own statements: no reset; the fenced connection the handler wrote on:
+            # reset, by the message that settles and commits.
+            assert (log.resets(), log.fused) == (0, 1)
+            assert await _leak(store) in (None, "")
+            log.resets()
             again = await c.post("/leaky", json={}, headers=key("lease-reset"))
-            assert log.resets() == 0
+            assert (log.resets(), log.fused) == (0, 0)
         assert await _leak(store) in (None, "")
     assert first.status_code == 201
     assert again.headers["idempotent-replayed"] == "true"
@@ -95,7 +92,7 @@ async def test_lease_mode_resets_only_the_fenced_connection(db_dsn: str) -> None
 
 async def test_a_connection_taken_from_the_stores_pool_is_reset(db_dsn: str) -> None:
     log = Log()
-    async with _store(db_dsn, log) as store:
+    async with logged_store(db_dsn, log) as store:
         async with store.pool.acquire() as conn:
             await conn.execute("SELECT set_config('idem_test.leak', 'user', false)")
         assert log.resets() == 1
@@ -110,8 +107,10 @@ async def test_a_reset_of_the_callers_own_is_kept(db_dsn: str) -> None:
         calls.append(conn)
         await conn.reset()
 
-    store = _store(db_dsn, log, reset=reset)
+    store = logged_store(db_dsn, log, reset=reset)
     async with store, client(_app(store, Mode.TRANSACTIONAL)) as c:
         await c.post("/leaky", json={}, headers=key("own-reset"))
         await c.post("/leaky", json={}, headers=key("own-reset"))
     assert len(calls) >= 2  # every release, the store's own statements' too
+    log.resets()
+    assert log.fused == 0  # the caller's reset is the one that runs, on release

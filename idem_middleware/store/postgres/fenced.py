@@ -9,6 +9,7 @@ from ...errors import StaleGeneration, StoreError
 from ..base import RecordKey, Settlement, State
 from .convert import _Q, ACQUIRE_ERRORS, CONNECTION_ERRORS, TRANSLATED, settle_args, translate
 from .fused import FastPath
+from .runner import give_back
 
 
 class PgFenced:
@@ -118,7 +119,7 @@ class Fencing:
                     except TRANSLATED as error:
                         raise translate(error) from error
         finally:
-            await self._pool.release(session.connection)
+            await give_back(self._pool, session.connection)
 
     async def _open(self, conn: Any) -> tuple[Any, bool, FastPath | None]:
         """BEGIN and lock the record under the generation: (transaction, held, fast). The fast

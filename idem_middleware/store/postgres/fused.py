@@ -20,7 +20,7 @@ import logging
 import time
 import weakref
 from collections import deque
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from operator import itemgetter
 from typing import Any, Protocol
 
@@ -29,7 +29,7 @@ import asyncpg
 from ...errors import ClaimBusy, NotFusable, StoreError
 from ..base import Claimed, RecordKey
 from . import compat
-from .convert import _Q
+from .convert import _Q, CONNECTION_ERRORS, SERVER_ERROR
 from .literals import _inline, _literals
 
 logger = logging.getLogger("idem_middleware.store")
@@ -122,6 +122,13 @@ _PREPARED_MISMATCH: tuple[type[BaseException], ...] = (
 )
 #: How the `_checked` statements say they matched nothing (see queries.sql).
 _MISSED = asyncpg.exceptions.DivisionByZeroError
+#: What each completing statement wrote, by its arguments' positions: (generation, state, the
+#: state it replaced or None). `_recorded` reads the record back to see whether it holds them.
+_WRITES: dict[str, tuple[int, int, int | None]] = {
+    "insert_final": (4, 6, None),
+    "complete_checked": (3, 4, None),
+    "settle_checked": (3, 5, 4),
+}
 
 
 def _execute(name: str, args: Sequence[Any], utf8: bool = True) -> str:
@@ -157,10 +164,15 @@ class FastPath:
     preparing and inlines the statements' text instead, for good.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, mark_clean: Callable[[Any], None] | None = None) -> None:
         self.generations = Generations()
         self.prepared: weakref.WeakSet[Any] = weakref.WeakSet()
         self.use_prepared = True
+        #: The store's, when the store's pool resets connections by the store's own hook: the
+        #: message that commits then carries the connection's reset query too, after the
+        #: COMMIT, and the connection is marked clean, so its release sends none (a round trip
+        #: fewer). None: the pool's reset is someone else's (a pool passed in, a `reset` given).
+        self.mark_clean = mark_clean
 
     def message(
         self,
@@ -271,18 +283,39 @@ class FastPath:
         in one message on the adopted transaction `tx`; False when it cannot be fused."""
         if body_size > FUSE_MAX_BODY:
             return False
+        mark_clean = self.mark_clean
+        reset = "" if mark_clean is None else _reset_query(conn)
         try:
             # A handler may have changed the client encoding since the claim: then hex only.
             message = self.message(
-                conn, query, args, begin=False, tail=";\nCOMMIT", utf8=_utf8(conn)
+                conn, query, args, begin=False, tail=";\nCOMMIT" + reset, utf8=_utf8(conn)
             )
         except NotFusable:
             return False
         try:
             await conn.execute(message)
-        except _MISSED as exc:
-            raise StoreError(missed) from exc
+        except SERVER_ERROR as exc:
+            # With the reset after the COMMIT, an error no longer means that the COMMIT did not
+            # run. Unless the transaction is still open (aborted before its COMMIT), the record
+            # tells: it holds what the completion wrote only if the COMMIT went through.
+            if (
+                reset
+                and not isinstance(exc, CONNECTION_ERRORS)
+                and not conn.is_in_transaction()
+                and await _recorded(conn, query, args, exc)
+            ):
+                logger.warning(
+                    "a connection's reset failed after its commit; the pool resets it again",
+                    exc_info=True,
+                )
+                compat.committed(tx)
+                return True
+            if isinstance(exc, _MISSED):
+                raise StoreError(missed) from exc
+            raise
         compat.committed(tx)
+        if reset and mark_clean is not None:
+            mark_clean(conn)  # reset already: its release sends nothing
         return True
 
     async def open_fence(self, conn: Any, args: Sequence[Any]) -> tuple[Any, bool] | None:
@@ -304,3 +337,30 @@ class FastPath:
                 continue
             return tx, status == "SELECT 1"
         return None
+
+
+def _reset_query(conn: Any) -> str:
+    """The connection's reset query, to follow a COMMIT in its message: what the pool would
+    otherwise send on release, as a round trip of its own."""
+    query: str = conn.get_reset_query()
+    return ";\n" + query if query else ""
+
+
+async def _recorded(conn: Any, query: str, args: Sequence[Any], error: BaseException) -> bool:
+    """After the message of a completion, its COMMIT and the connection's reset failed with the
+    transaction over: whether the COMMIT went through, so the error came from the reset after
+    it. The record holds what the completion wrote (its generation and state) only if it did.
+    StoreError when that cannot be told: the outcome is then unknown, as after a lost
+    connection."""
+    generation_at, state_at, replaced_at = _WRITES[query]
+    if replaced_at is not None and args[replaced_at] == args[state_at]:
+        raise StoreError("the outcome of the commit is not known") from error
+    try:
+        row = await conn.fetchrow(_Q["get"], args[0], args[1], args[2])
+    except SERVER_ERROR as exc:
+        raise StoreError("the outcome of the commit is not known") from exc
+    return (
+        row is not None
+        and row["generation"] == args[generation_at]
+        and row["state"] == args[state_at]
+    )

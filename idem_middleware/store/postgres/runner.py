@@ -3,6 +3,7 @@ they ran only the store's statements."""
 
 from __future__ import annotations
 
+import logging
 import weakref
 from typing import Any
 
@@ -11,6 +12,18 @@ import asyncpg
 from ...errors import StoreError
 from . import compat
 from .convert import SERVER_ERROR, TRANSLATED, translate
+
+logger = logging.getLogger("idem_middleware.store")
+
+
+async def give_back(pool: Any, conn: Any) -> None:
+    """`pool.release(conn)`, for a connection whose transaction is over (committed or rolled
+    back). A reset query the server refuses on the way is logged, not raised: asyncpg closes that
+    connection (the pool opens another when it needs one), and the request's outcome stands."""
+    try:
+        await pool.release(conn)
+    except SERVER_ERROR:
+        logger.warning("a connection's reset failed on its way back to the pool", exc_info=True)
 
 
 class PoolStatements:

@@ -28,6 +28,7 @@ from .convert import (
     translate,
 )
 from .fused import FastPath
+from .runner import give_back
 
 logger = logging.getLogger("idem_middleware.store")
 
@@ -180,7 +181,7 @@ class PgTransaction:
                 if not self.lent:
                     self._lender._mark_clean(conn)  # a replay, say: the handler never had it
             finally:
-                await pool.release(conn)  # even when cancelled during the rollback
+                await give_back(pool, conn)  # even when cancelled during the rollback
         finally:
             deadline.discard(self)
 

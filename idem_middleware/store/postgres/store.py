@@ -76,7 +76,6 @@ class PostgresStore(OffPathStatements):
         self._listener = Listener(
             enabled=listen, connect=self._listen_connection, release=self._release
         )
-        self._fast = FastPath() if fast_path else None
         self._locks = ClaimLocks()
         #: The deadlines of transaction sessions' waits for the pool, one per acquire timeout.
         self._deadlines: dict[float, Delayed] = {}
@@ -89,6 +88,10 @@ class PostgresStore(OffPathStatements):
         }
         self._clean = weakref.WeakSet()  # see PoolStatements
         self._pool_kwargs.setdefault("reset", self._reset_connection)
+        # The fast path's COMMIT carries the reset of a connection a handler had, when the
+        # reset is ours to skip at release (a pool of our own, no `reset` of the caller's).
+        own_reset = pool is None and self._pool_kwargs["reset"] == self._reset_connection
+        self._fast = FastPath(self._mark_clean if own_reset else None) if fast_path else None
 
     async def _reset_connection(self, conn: Any) -> None:
         """The reset of our own pool (asyncpg has already rolled back any open transaction and
