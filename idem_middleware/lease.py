@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Awaitable
 from typing import TYPE_CHECKING
 
 from .answers import TENANT_BUSY, WAITERS_FULL, Answer, InFlight, Problem
@@ -181,6 +182,8 @@ class LeaseRun:
 
     # -- the executor --------------------------------------------------------------------------
 
-    async def execute(self, generation: int, epoch: int | None) -> Answer:
-        """Run the handler under `generation` (see lease_executor.py)."""
-        return await LeaseExecution(self.ex, self.key, generation, epoch).run()
+    def execute(self, generation: int, epoch: int | None) -> Awaitable[Answer]:
+        """Run the handler under `generation` (see lease_executor.py): the execution's own
+        coroutine, returned (no coroutine of this method's sits above every await of the
+        handler)."""
+        return LeaseExecution(self.ex, self.key, generation, epoch).run()

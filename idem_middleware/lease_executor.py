@@ -106,7 +106,68 @@ class LeaseExecution:
         self.fence = fence
         capture = self.capture = ResponseCapture(ex.send, policy.max_response_bytes, self)
         try:
-            return await self._execute(context, fence, capture)
+            # (The execution itself, in this frame: each await of the handler passes through
+            # every frame between it and the task.)
+            ex.emit(Event.CLAIMED, generation)
+            # The heartbeat task starts only when the first renewal is due (a third of the
+            # lease): most handlers are done sooner, and a task (or a timer) per request is not
+            # free.
+            self.context = context
+            renewals = _renewals(policy.lease_seconds)
+            renewals.add(self)
+            token = enter_context(ex.scope, context)
+            try:
+                try:
+                    await ex.app(ex.scope, ex, capture)  # ex: the app's receive
+                except StaleGeneration:
+                    if capture.passthrough:
+                        raise
+                    # The handler let its fenced write's refusal escape: this generation no
+                    # longer holds the record (a takeover, or the lease lapsed), so nothing of
+                    # ours can be settled. The same answer as a refused completion: retry for
+                    # the outcome.
+                    await fence.close()
+                    logger.warning(
+                        "a stale executor's fenced write was refused",
+                        extra=log_extra(key, generation, "stale"),
+                    )
+                    settled = False
+                except BaseException:
+                    # Clean up, then re-raise. Whatever the handler did outside the database
+                    # may have happened: unknown, unless it declared the request did nothing.
+                    if not capture.passthrough:
+                        await fence.close()
+                        if context.declared is Outcome.RELEASE:
+                            await self.store.release(key, generation)
+                            ex.emit(Event.RELEASED, generation)
+                        else:
+                            await self.store.settle(
+                                key, generation, State.PENDING, Settlement(State.UNKNOWN)
+                            )
+                            ex.emit(Event.UNRESOLVED, generation)
+                    raise
+                else:
+                    if capture.passthrough:
+                        return SENT
+                    if capture.start is None or not capture.complete:
+                        await fence.close()
+                        await self.store.settle(
+                            key, generation, State.PENDING, Settlement(State.UNKNOWN)
+                        )
+                        raise RuntimeError("the application returned without a complete response")
+                    self._stop_renewing(renewals)  # no new renewals once settling starts
+                    settled = await self._settle(context, fence, capture)
+            finally:
+                leave_context(ex.scope, token)
+                # Stopped by awaiting, never cancelled mid-write: a renewal in flight finishes
+                # (after the settlement, if it waited on the fenced transaction's row lock), and
+                # it cannot change a settled record (it only renews a pending one).
+                self._stop_renewing(renewals)
+                if self.heartbeat is not None:
+                    await self.heartbeat
+            if settled:
+                return capture  # held: the exchange flushes it
+            return Problem(ProblemKind.IN_FLIGHT, _LOST_CLAIM, policy.retry_after_seconds)
         finally:
             capture.close()  # this execution and its capture refer to each other
 
@@ -121,74 +182,6 @@ class LeaseExecution:
         if not await self._settle(self.context, self.fence, self.capture, omitted=reason):
             raise StaleGeneration("this execution's early settlement was refused")
         self.ex.started = True
-
-    async def _execute(
-        self,
-        context: IdempotencyContext,
-        fence: Fence,
-        capture: ResponseCapture,
-    ) -> Answer:
-        ex = self.ex
-        policy = self.policy
-        generation = context.generation
-        ex.emit(Event.CLAIMED, generation)
-        # The heartbeat task starts only when the first renewal is due (a third of the lease):
-        # most handlers are done sooner, and a task (or a timer) per request is not free.
-        self.context = context
-        renewals = _renewals(policy.lease_seconds)
-        renewals.add(self)
-        token = enter_context(ex.scope, context)
-        try:
-            try:
-                await ex.app(ex.scope, ex, capture)  # ex: the app's receive
-            except StaleGeneration:
-                if capture.passthrough:
-                    raise
-                # The handler let its fenced write's refusal escape: this generation no longer
-                # holds the record (a takeover, or the lease lapsed), so nothing of ours can be
-                # settled. The same answer as a refused completion: retry for the outcome.
-                await fence.close()
-                logger.warning(
-                    "a stale executor's fenced write was refused",
-                    extra=log_extra(self.key, generation, "stale"),
-                )
-                settled = False
-            except BaseException:
-                # Clean up, then re-raise. Whatever the handler did outside the database may
-                # have happened: unknown, unless it declared the request did nothing.
-                if not capture.passthrough:
-                    await fence.close()
-                    if context.declared is Outcome.RELEASE:
-                        await self.store.release(self.key, generation)
-                        ex.emit(Event.RELEASED, generation)
-                    else:
-                        await self.store.settle(
-                            self.key, generation, State.PENDING, Settlement(State.UNKNOWN)
-                        )
-                        ex.emit(Event.UNRESOLVED, generation)
-                raise
-            else:
-                if capture.passthrough:
-                    return SENT
-                if capture.start is None or not capture.complete:
-                    await fence.close()
-                    await self.store.settle(
-                        self.key, generation, State.PENDING, Settlement(State.UNKNOWN)
-                    )
-                    raise RuntimeError("the application returned without a complete response")
-                self._stop_renewing(renewals)  # no new renewals once settling starts
-                settled = await self._settle(context, fence, capture)
-        finally:
-            leave_context(ex.scope, token)
-            # Stopped by awaiting, never cancelled mid-write: a renewal in flight finishes (after
-            # the settlement, if it waited on the fenced transaction's row lock), and it cannot
-            # change a settled record (it only renews a pending one).
-            self._stop_renewing(renewals)
-            if self.heartbeat is not None:
-                await self.heartbeat
-        if settled:
-            return capture  # held: the exchange flushes it
-        return Problem(ProblemKind.IN_FLIGHT, _LOST_CLAIM, policy.retry_after_seconds)
 
     async def _settle(
         self,
