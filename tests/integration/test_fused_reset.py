@@ -18,7 +18,7 @@ from starlette.routing import Route
 
 from idem_middleware import IdempotencyMiddleware, Mode, Policy, PostgresStore, get_context
 from idem_middleware.errors import StoreError
-from idem_middleware.store.postgres.fused import _recorded
+from idem_middleware.store.postgres.fused import _recorded, _utf8
 from tests.apps import BearerBackend, QueryLog, client, key, logged_store
 
 _RESET = "SELECT pg_advisory_unlock_all()"
@@ -164,3 +164,36 @@ async def test_a_settlement_that_keeps_its_state_cannot_be_told_committed_by_the
     args = ("t", "POST /x", "k", 7, "unknown", "unknown", None, None, None, None, "n", "tok")
     with pytest.raises(StoreError, match="not known"):
         await _recorded(None, "settle_checked", args, RuntimeError("after the commit"))
+
+
+class _Settings:
+    def __init__(self, client_encoding: object) -> None:
+        self.client_encoding = client_encoding
+
+
+class _Reports:
+    def __init__(self, client_encoding: object) -> None:
+        self.settings = _Settings(client_encoding)
+
+    def get_settings(self) -> _Settings:
+        return self.settings
+
+
+@pytest.mark.parametrize(
+    ("reported", "utf8"),
+    [
+        ("UTF8", True),
+        ("'utf-8'", True),  # PgBouncer passes on asyncpg's own spelling
+        ("utf_8", True),
+        ("Unicode", True),
+        ("LATIN1", False),
+        ("SQL_ASCII", False),
+        ("'utf-16'", False),
+        ("utf8mb4", False),
+        (None, False),
+    ],
+)
+def test_the_fast_path_takes_a_client_encoding_as_postgresql_reads_its_name(
+    reported: object, utf8: bool
+) -> None:
+    assert _utf8(_Reports(reported)) is utf8

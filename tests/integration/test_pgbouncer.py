@@ -65,3 +65,26 @@ async def test_lease_waiter_completes_by_polling_behind_pgbouncer(
     assert (r1.status_code, r2.status_code) == (201, 201)
     assert r2.headers["idempotent-replayed"] == "true"
     assert probe.calls == 1
+
+
+async def test_the_fast_path_runs_behind_pgbouncer_and_resets_in_the_message_that_commits(
+    db_target: tuple[str, dict[str, Any]], pool: asyncpg.Pool[Any]
+) -> None:
+    """The fast path behind PgBouncer (which reports the client encoding as the client spelled
+    it, `'utf-8'`), and the reset after the COMMIT in one message, through transaction pooling:
+    answered, replayed, and the handler's writes committed once."""
+    from tests.apps import QueryLog, build_app, client
+
+    dsn, options = db_target
+    log = QueryLog()
+    store = PostgresStore(dsn=dsn, listen=False, connect_kwargs={**options, "init": log.attach})
+    async with store, client(build_app(store)) as c:
+        body, headers = {"amount": 3}, {"idempotency-key": "bounced"}
+        first = await c.post("/accounts/pbr/credits", json=body, headers=headers)
+        again = await c.post("/accounts/pbr/credits", json=body, headers=headers)
+    assert first.status_code == 201
+    assert again.headers["idempotent-replayed"] == "true"
+    # (Prepared or inlined: PgBouncer moves the session between server connections.)
+    assert any("; COMMIT; SELECT pg_advisory_unlock_all()" in q for q in log.queries)
+    balance = await pool.fetchval("SELECT balance FROM test_accounts WHERE account_id = 'pbr'")
+    assert balance == 3

@@ -39,11 +39,19 @@ FUSE_MAX_BODY = 64 * 1024
 
 
 def _utf8(conn: Any) -> bool:
-    """Whether the connection's client encoding is UTF-8 (the message's text is sent in it)."""
+    """Whether the connection's client encoding is UTF-8 (the message's text is sent in it). The
+    server reports it as `UTF8`; PgBouncer passes on the client's own spelling (asyncpg's
+    `'utf-8'`), which the server reads as PostgreSQL does any encoding name: letters and digits
+    only, in any case (`utf8`, or its alias `unicode`)."""
     try:
-        return getattr(conn.get_settings(), "client_encoding", None) == "UTF8"
+        encoding = getattr(conn.get_settings(), "client_encoding", None)
     except Exception:
         return False
+    if encoding == "UTF8":
+        return True
+    if not isinstance(encoding, str):
+        return False
+    return "".join(c for c in encoding.lower() if c.isalnum()) in ("utf8", "unicode")
 
 
 def fusable(conn: Any) -> bool:
