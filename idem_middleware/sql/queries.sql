@@ -225,8 +225,9 @@ FOR UPDATE;
 
 -- name: settle
 -- Lease mode and operators: move a record from an expected state under a generation to its
--- outcome, and wake the waiters (NOTIFY is delivered at commit). A final state gets its response
--- and its retention clock; unknown gets neither.
+-- outcome, and wake the waiters (NOTIFY is delivered at commit) if any is registered in
+-- `idem_waiters` (a NOTIFY wakes every listening process: most settlements have no waiter). A
+-- final state gets its response and its retention clock; unknown gets neither.
 -- $1 tenant, $2 operation, $3 key, $4 generation, $5 expected state, $6 new state, $7 status,
 -- $8 headers, $9 body, $10 body_omitted, $11 note, $12 notification payload
 WITH settled AS (
@@ -238,7 +239,12 @@ WITH settled AS (
     WHERE tenant = $1 AND operation = $2 AND idem_key = $3 AND generation = $4 AND state = $5
     RETURNING 1
 )
-SELECT count(*) AS settled, pg_notify('idem_middleware', $12) AS notified FROM settled;
+SELECT count(*) AS settled, (
+    SELECT count(*) FROM (
+        SELECT pg_notify('idem_middleware', $12) FROM idem_waiters WHERE token = $12 LIMIT 1
+    ) AS woken
+) AS notified
+FROM settled;
 
 -- name: settle_checked
 -- `settle` for the message that also carries the COMMIT, at the end of a fenced transaction. The
@@ -255,7 +261,12 @@ WITH settled AS (
     WHERE tenant = $1 AND operation = $2 AND idem_key = $3 AND generation = $4 AND state = $5
     RETURNING 1
 )
-SELECT 1 / count(*) AS settled, pg_notify('idem_middleware', $12) AS notified FROM settled;
+SELECT 1 / count(*) AS settled, (
+    SELECT count(*) FROM (
+        SELECT pg_notify('idem_middleware', $12) FROM idem_waiters WHERE token = $12 LIMIT 1
+    ) AS woken
+) AS notified
+FROM settled;
 
 -- name: release
 -- Forget a claim whose request did nothing (a 4xx meaning "fix and retry"), and wake waiters.
@@ -325,6 +336,26 @@ SET expires_at = CASE
 END
 RETURNING t.token_hash, t.expires_at, t.request_digest,
           t.consumed_at IS NOT NULL AND t.expires_at <= now() AS spent;
+
+-- name: watch_begin
+-- A lease-mode duplicate starts waiting for a record: settlements of it notify from now on.
+-- $1 the record's notification payload, $2 this wait's random id
+INSERT INTO idem_waiters (token, waiter) VALUES ($1, $2) ON CONFLICT DO NOTHING;
+
+-- name: watch_end
+-- The wait is over. $1 the record's notification payload, $2 this wait's id
+DELETE FROM idem_waiters WHERE token = $1 AND waiter = $2;
+
+-- name: purge_waiters
+-- Delete one batch of waits left behind by processes that died (a wait lasts seconds; an hour
+-- is far past any). $1 batch size
+DELETE FROM idem_waiters w
+USING (
+    SELECT token, waiter FROM idem_waiters
+    WHERE since < now() - interval '1 hour'
+    LIMIT $1
+) AS old
+WHERE w.token = old.token AND w.waiter = old.waiter;
 
 -- name: purge_tokens
 -- Delete one batch of expired tokens, except the consumed tokens of an intent: those stay as

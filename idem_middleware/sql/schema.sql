@@ -190,3 +190,14 @@ CREATE TABLE idem_inbox (
     received_at  timestamptz NOT NULL DEFAULT now(),
     CONSTRAINT idem_inbox_pkey PRIMARY KEY (consumer, event_id)
 );
+
+-- Lease-mode waiters, a row per wait (the record's notification payload, a random id): a
+-- settlement notifies only when one waits. UNLOGGED: a crash empties it, and waiters poll.
+CREATE UNLOGGED TABLE idem_waiters (
+    token  text        NOT NULL,
+    waiter bigint      NOT NULL,
+    since  timestamptz NOT NULL DEFAULT now(),
+    CONSTRAINT idem_waiters_pkey PRIMARY KEY (token, waiter)
+);
+
+CREATE INDEX idem_waiters_since_idx ON idem_waiters (since);

@@ -214,7 +214,7 @@ class OffPathStatements(PoolStatements):
 
     async def purge(self, *, batch_size: int = 1000, max_batches: int = 1000) -> int:
         """Delete finished records past their retention, one short transaction per batch, and
-        then expired one-time tokens the same way.
+        then expired one-time tokens and waits left behind by dead processes the same way.
 
         Never touches pending or unknown records. Returns how many records were deleted.
         """
@@ -222,6 +222,7 @@ class OffPathStatements(PoolStatements):
             raise ValueError("batch_size and max_batches must be positive")
         deleted = await self._purge_batches(_Q["purge_batch"], batch_size, max_batches)
         await self._purge_batches(_Q["purge_tokens"], batch_size, max_batches)
+        await self._purge_batches(_Q["purge_waiters"], batch_size, max_batches)
         return deleted
 
     async def _purge_batches(self, query: str, batch_size: int, max_batches: int) -> int:

@@ -1,19 +1,21 @@
-"""The LISTEN connection: change notifications for the records waiters watch."""
+"""The LISTEN connection: change notifications for the records waiters watch, and the waits
+registered in `idem_waiters` (a settlement notifies only a record someone waits on)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
+import random
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from contextlib import asynccontextmanager
 from typing import Any
 
 import asyncpg
 
-from ...errors import StoreError
+from ...errors import RetryableConflict, StoreError
 from ..base import EventWatch, RecordKey
-from .convert import CONNECTION_ERRORS, NOTIFY_CHANNEL, notify_token
+from .convert import _Q, CONNECTION_ERRORS, NOTIFY_CHANNEL, notify_token
 
 logger = logging.getLogger("idem_middleware.store")
 
@@ -23,6 +25,7 @@ CONNECT_SECONDS = 5.0
 RETRY_SECONDS = 5.0
 _ERRORS: tuple[type[BaseException], ...] = (*CONNECTION_ERRORS, asyncpg.PostgresError, StoreError)
 _CONNECT_ERRORS: tuple[type[BaseException], ...] = (*_ERRORS, TimeoutError)
+_REGISTER_ERRORS: tuple[type[BaseException], ...] = (*_CONNECT_ERRORS, RetryableConflict)
 
 
 class Listener:
@@ -43,12 +46,15 @@ class Listener:
         enabled: bool,
         connect: Callable[[], Awaitable[tuple[Any, bool]]],
         release: Callable[[Any], Coroutine[Any, Any, None]],
+        execute: Callable[..., Awaitable[Any]],
     ) -> None:
         # `connect` returns a connection and whether it is the pool's (then `release` gives it
-        # back); otherwise it is our own, and closed.
+        # back); otherwise it is our own, and closed. `execute(query, *args)` runs a statement
+        # on a pooled connection (the waits' registrations).
         self._enabled = enabled
         self._open_connection = connect
         self._release = release
+        self._execute = execute
         self._conn: Any = None
         self._pooled = False
         self._connecting: asyncio.Task[None] | None = None
@@ -109,10 +115,16 @@ class Listener:
 
     @asynccontextmanager
     async def watch(self, key: RecordKey) -> AsyncIterator[EventWatch]:
+        """Woken by the record's notifications while the block runs. The wait is registered in
+        `idem_waiters` too (after the event, so no notification slips between): settlements
+        notify only records someone waits on. A registration that fails, or that a settlement
+        running at that moment does not see yet, costs a wake-up: the waiter polls, as it does
+        whenever no notification comes."""
         token = notify_token(key)
         event = asyncio.Event()
         self.ensure()
         self._waiters.setdefault(token, set()).add(event)
+        waiter = await self._register(token) if self._enabled else None
         try:
             yield EventWatch(event, self.connected)
         finally:
@@ -121,6 +133,23 @@ class Listener:
                 waiters.discard(event)
                 if not waiters:
                     del self._waiters[token]
+            if waiter is not None:
+                await self._unregister(token, waiter)
+
+    async def _register(self, token: str) -> int | None:
+        waiter = random.getrandbits(63)
+        try:
+            await self._execute(_Q["watch_begin"], token, waiter)
+        except _REGISTER_ERRORS as exc:
+            logger.debug("could not register a wait, polling: %r", exc)
+            return None
+        return waiter
+
+    async def _unregister(self, token: str, waiter: int) -> None:
+        try:
+            await self._execute(_Q["watch_end"], token, waiter)
+        except _REGISTER_ERRORS as exc:  # (`purge` removes it within the hour)
+            logger.debug("could not remove a wait's registration: %r", exc)
 
     async def close(self) -> None:
         connecting, self._connecting = self._connecting, None

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import weakref
+from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any
 
 import asyncpg
@@ -74,7 +75,10 @@ class PostgresStore(OffPathStatements):
         self._listen = listen
         self._listen_dsn = listen_dsn or dsn
         self._listener = Listener(
-            enabled=listen, connect=self._listen_connection, release=self._release
+            enabled=listen,
+            connect=self._listen_connection,
+            release=self._release,
+            execute=self._execute_statement,
         )
         self._locks = ClaimLocks()
         #: The deadlines of transaction sessions' waits for the pool, one per acquire timeout.
@@ -269,6 +273,9 @@ class PostgresStore(OffPathStatements):
 
     def watch(self, key: RecordKey) -> Any:
         return self._listener.watch(key)
+
+    def _execute_statement(self, query: str, *args: Any) -> Awaitable[Any]:
+        return self._run("execute", query, *args)
 
 
 if TYPE_CHECKING:

@@ -1,0 +1,124 @@
+"""Lease-mode waits registered in `idem_waiters`: a settlement notifies (wakes every listening
+process) only when someone waits on the record; the registrations come and go with the waits,
+and `purge` removes those a dead process left behind."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import asyncpg
+import pytest
+
+from idem_middleware import PostgresStore
+from idem_middleware.store.base import Claimed, RecordKey, Settlement, State, StoredResponse
+from idem_middleware.store.postgres.convert import NOTIFY_CHANNEL, notify_token
+
+pytestmark = pytest.mark.needs_listen
+
+
+@pytest.fixture
+async def store(db_dsn: str) -> AsyncIterator[PostgresStore]:
+    async with PostgresStore(dsn=db_dsn, min_size=1, max_size=4) as store:
+        await store.pool.execute("TRUNCATE idem_requests, idem_waiters")
+        yield store
+
+
+@pytest.fixture
+async def heard(db_dsn: str) -> AsyncIterator[list[str]]:
+    """Every notification on the store's channel, as another process's listener hears it."""
+    payloads: list[str] = []
+    conn = await asyncpg.connect(db_dsn)
+    await conn.add_listener(NOTIFY_CHANNEL, lambda *args: payloads.append(args[3]))
+    try:
+        yield payloads
+    finally:
+        await conn.close()
+
+
+async def _claim(store: PostgresStore, key: RecordKey) -> int:
+    claim = await store.claim_lease(key, b"f", retention_seconds=60, lease_seconds=30)
+    assert isinstance(claim, Claimed)
+    return claim.generation
+
+
+def _done() -> Settlement:
+    return Settlement(State.SUCCEEDED, StoredResponse(201, [], b"{}"))
+
+
+async def _registered(store: PostgresStore, key: RecordKey) -> int:
+    n: int = await store.pool.fetchval(
+        "SELECT count(*) FROM idem_waiters WHERE token = $1", notify_token(key)
+    )
+    return n
+
+
+async def test_a_settlement_nobody_waits_for_notifies_nobody(
+    store: PostgresStore, heard: list[str]
+) -> None:
+    key = RecordKey("t1", "POST /pay", "unwatched")
+    assert await store.settle(key, await _claim(store, key), State.PENDING, _done())
+    await asyncio.sleep(0.2)  # (a notification would have arrived by now)
+    assert heard == []
+
+
+async def test_a_fenced_settlement_nobody_waits_for_notifies_nobody(
+    store: PostgresStore, heard: list[str]
+) -> None:
+    """The executor's own path: the settlement in the message that commits its fenced
+    transaction (the fast path's `settle_checked`)."""
+    key = RecordKey("t1", "POST /pay", "fenced")
+    async with store.fenced(key, await _claim(store, key)) as session:
+        assert await session.settle(_done())
+    record = await store.get(key)
+    assert record is not None
+    assert record.state is State.SUCCEEDED
+    await asyncio.sleep(0.2)
+    assert heard == []
+
+
+async def test_a_settlement_of_a_watched_record_wakes_its_waiter_and_only_its_waiter(
+    store: PostgresStore, heard: list[str]
+) -> None:
+    key, other = RecordKey("t1", "POST /pay", "watched"), RecordKey("t1", "POST /pay", "not")
+    generation, bystander = await _claim(store, key), await _claim(store, other)
+    async with store.watch(key) as watch:
+        for _ in range(500):  # the LISTEN connection comes up in the background
+            if watch.listening:
+                break
+            await asyncio.sleep(0.01)
+        assert watch.listening
+        assert await _registered(store, key) == 1
+        assert await store.settle(key, generation, State.PENDING, _done())
+        assert await store.settle(other, bystander, State.PENDING, _done())
+        assert await watch.wait(5)
+    assert await _registered(store, key) == 0  # the wait is over: so is its registration
+    await asyncio.sleep(0.1)
+    assert heard == [notify_token(key)]
+
+
+async def test_without_listen_a_wait_registers_nothing(db_dsn: str) -> None:
+    key = RecordKey("t1", "POST /pay", "polled")
+    async with PostgresStore(dsn=db_dsn, listen=False) as store, store.watch(key):
+        assert await _registered(store, key) == 0  # it polls: no notification is for it
+
+
+async def test_a_wait_that_cannot_register_still_waits_by_polling(store: PostgresStore) -> None:
+    key = RecordKey("t1", "POST /pay", "unregistered")
+    await store.pool.execute("ALTER TABLE idem_waiters RENAME TO idem_waiters_away")
+    try:
+        async with store.watch(key) as watch:
+            assert not await watch.wait(0.05)  # entered, and waits (its caller polls)
+    finally:
+        await store.pool.execute("ALTER TABLE idem_waiters_away RENAME TO idem_waiters")
+
+
+async def test_purge_removes_registrations_left_behind_an_hour_ago(store: PostgresStore) -> None:
+    await store.pool.execute(
+        "INSERT INTO idem_waiters (token, waiter, since) VALUES"
+        " ('left-behind', 1, now() - interval '2 hours'), ('current', 2, now())"
+    )
+    await store.purge()
+    left: list[Any] = await store.pool.fetch("SELECT token FROM idem_waiters ORDER BY token")
+    assert [r["token"] for r in left] == ["current"]
