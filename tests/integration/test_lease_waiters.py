@@ -122,3 +122,35 @@ async def test_purge_removes_registrations_left_behind_an_hour_ago(store: Postgr
     await store.purge()
     left: list[Any] = await store.pool.fetch("SELECT token FROM idem_waiters ORDER BY token")
     assert [r["token"] for r in left] == ["current"]
+
+
+async def test_a_wait_cancelled_while_it_registers_leaves_no_waiter_behind() -> None:
+    """The in-process side of a wait is undone even when its registration never finishes (the
+    request was cancelled meanwhile): no event is left for notifications to set."""
+    from idem_middleware.store.postgres.listener import Listener
+
+    registering = asyncio.Event()
+
+    async def never_answers(query: str, *args: Any) -> None:
+        registering.set()
+        await asyncio.Event().wait()
+
+    async def no_connection() -> tuple[Any, bool]:
+        raise OSError("no server in this test")
+
+    async def release(conn: Any) -> None:
+        pass
+
+    listener = Listener(enabled=True, connect=no_connection, release=release, execute=never_answers)
+
+    async def wait() -> None:
+        async with listener.watch(RecordKey("t1", "POST /pay", "cancelled")):
+            pass
+
+    task = asyncio.create_task(wait())
+    await asyncio.wait_for(registering.wait(), 5)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert listener._waiters == {}
+    await listener.close()

@@ -124,8 +124,10 @@ class Listener:
         event = asyncio.Event()
         self.ensure()
         self._waiters.setdefault(token, set()).add(event)
-        waiter = await self._register(token) if self._enabled else None
+        waiter: int | None = None
         try:
+            if self._enabled:
+                waiter = await self._register(token)
             yield EventWatch(event, self.connected)
         finally:
             waiters = self._waiters.get(token)
