@@ -47,6 +47,8 @@ from .paired import measure_paired, paired_markdown
 #: target that is gone is skipped with a note; a stage none of whose targets ran shows 0 calls.
 STAGES: dict[str, tuple[tuple[str, str], ...]] = {
     "key parse": (
+        # (the headers by name, which the key, the host and the body's headers are read from)
+        ("idem_middleware.middleware", "header_map"),
         ("idem_middleware.exchange", "parse_idempotency_key"),
         ("idem_middleware.exchange", "parse_key_value"),
     ),
@@ -57,7 +59,9 @@ STAGES: dict[str, tuple[tuple[str, str], ...]] = {
         ("idem_middleware.middleware", "IdempotencyMiddleware.policy_for"),
     ),
     "body read": (
+        ("idem_middleware.exchange", "Exchange.body_headers"),
         ("idem_middleware.exchange", "Exchange.read_body"),
+        ("idem_middleware.exchange", "Exchange.read_rest"),
         ("idem_middleware.exchange", "Exchange.__call__"),
     ),
     "fingerprint": (("idem_middleware.fingerprint", "Fingerprinter.__call__"),),
@@ -65,10 +69,8 @@ STAGES: dict[str, tuple[tuple[str, str], ...]] = {
         ("idem_middleware.store.memory", "MemoryStore.transaction"),
         ("idem_middleware.store.memory", "_MemoryTransaction.claim"),
     ),
-    "context": (
-        ("idem_middleware.transactional", "enter_context"),
-        ("idem_middleware.transactional", "leave_context"),
-    ),
+    # (its ContextVar's set and reset are inline in Attempt.run: "rest of the middleware")
+    "context": (("idem_middleware.transactional", "claimed_context"),),
     "disconnect watch": (
         ("idem_middleware.delayed", "Delayed.add"),
         ("idem_middleware.delayed", "Delayed.discard"),
