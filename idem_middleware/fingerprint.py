@@ -252,6 +252,11 @@ def _framed_cached(text: str, cache: dict[str, bytes], head: bytes = b"") -> byt
     return framed
 
 
+#: The shortest head (`Fingerprinter`) whose hashed state is kept: one SHA-256 block. A shorter
+#: head leaves no block hashed, and copying the state would cost more than hashing it again.
+_HEAD_STATE_MIN = 64
+
+
 class Fingerprinter:
     """compute_fingerprint for the requests of one path: its operation and path parameters are
     framed once (the middleware keeps one per path it matched, with the route's policy as its
@@ -259,7 +264,7 @@ class Fingerprinter:
     the common case, goes straight to canonical_json_fast (the tag and bytes canonical_body
     gives)."""
 
-    __slots__ = ("_head", "_settings", "_whole_body")
+    __slots__ = ("_head", "_head_state", "_settings", "_tail_room", "_whole_body")
 
     def __init__(
         self, operation: str, path_params: Mapping[str, object], settings: FingerprintSettings
@@ -275,6 +280,12 @@ class Fingerprinter:
             value = str(path_params[name])
             head += (_NAMES.get(name) or _framed_cached(name, _NAMES), _framed_text(value))
         self._head = b"".join(head)
+        # The head is the same in every request of the path: a head of a whole SHA-256 block or
+        # more is hashed once, here, and each request hashes only what follows it, in a copy of
+        # that state (the same digest; see `_HEAD_STATE_MIN`).
+        size = len(self._head)
+        self._head_state = sha256(self._head) if _HEAD_STATE_MIN <= size <= SHORT_INPUT else None
+        self._tail_room = SHORT_INPUT - size
         self._settings = settings
         self._whole_body = not (settings.exclude_fields or settings.include_fields)
 
@@ -312,7 +323,8 @@ class Fingerprinter:
         include_headers = settings.include_headers
         # (Built whole, hashed once; the parts are framed inline, as a call per part would cost
         # more than the framing.)
-        stream = [self._head]
+        head_state = self._head_state
+        stream = [] if head_state is not None else [self._head]
         if query_string:
             query = canonical_pairs(
                 query_string, what="The query string", max_fields=settings.max_fields
@@ -326,6 +338,12 @@ class Fingerprinter:
             stream += _header_parts(headers, include_headers)
         stream += (_U64(len(media_tag)), media_tag, _U64(len(canonical)), canonical)
         data = b"".join(stream)
+        if head_state is not None:
+            if len(data) <= self._tail_room:
+                hashed = head_state.copy()
+                hashed.update(data)
+                return hashed.digest()
+            data = self._head + data  # a long stream: OpenSSL's, from the start
         # (Written out, not sha256_digest: a call more per request.)
         return (sha256 if len(data) <= SHORT_INPUT else long_sha256)(data).digest()
 

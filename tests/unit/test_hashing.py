@@ -62,7 +62,9 @@ def test_a_fingerprint_hashes_a_short_stream_with_the_builtin_and_a_long_one_wit
 
         return construct
 
-    fingerprinter = fp.Fingerprinter("POST /p/{id}", {"id": "7"}, Policy())
+    # (A head shorter than a block: every stream is hashed whole, per request.)
+    fingerprinter = fp.Fingerprinter("POST /p", {}, Policy())
+    assert fingerprinter._head_state is None
     bodies = [b'{"memo": "' + b"x" * size + b'"}' for size in (1, 100, 1_000, 100_000)]
     # What hashlib alone makes of them:
     monkeypatch.setattr(fp, "sha256", hashlib.sha256)
@@ -75,3 +77,88 @@ def test_a_fingerprint_hashes_a_short_stream_with_the_builtin_and_a_long_one_wit
         name, length = used[-1]
         assert name == ("builtin" if length <= hashing.SHORT_INPUT else "openssl"), used
     assert [name for name, _ in used] == ["builtin", "builtin", "openssl", "openssl"]
+
+
+#: Fingerprints of four requests as every version so far has computed them: stored records are
+#: compared with fingerprints computed by later versions, so the bytes hashed must never change.
+#: (The long route's head is a whole SHA-256 block and more, the short one's less; the third
+#: body makes the stream too long for the builtin; the fourth adds a query and a header.)
+_PINNED = [
+    ("POST /accounts/{account_id}/credits", {"account_id": "acc-1"}, (), b"", b'{"amount": 5}',
+     "dda1083f1eaa5e1cec728b2fff03cbdb6ce8352a4bc502418997bd3c27885806"),
+    ("POST /payments", {}, (), b"", b'{"amount": 5}',
+     "64861b1167a7a8cdffe15b348b8e1cf32aacc562d5aab90289b5f16df96c47ed"),
+    ("POST /accounts/{account_id}/credits", {"account_id": "acc-1"}, (), b"",
+     b'{"memo": "' + b"x" * 300 + b'"}',
+     "77eb6adec012fc499fbc8b46756328189b76e47b644137787e2ccdf1f2f60bf2"),
+    ("POST /accounts/{account_id}/credits", {"account_id": "acc-1"}, ("X-Tenant-Region",),
+     b"b=2&a=1", b'{"amount": 5}',
+     "9a582d53f9c46164d34fd8c09a94495f7ee90fd921f764289489362aba4b8212"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("operation", "params", "headers", "query", "body", "expected"), _PINNED)
+def test_the_fingerprints_of_known_requests_do_not_change(
+    operation: str,
+    params: dict[str, str],
+    headers: tuple[str, ...],
+    query: bytes,
+    body: bytes,
+    expected: str,
+) -> None:
+    from idem_middleware import Policy
+    from idem_middleware.fingerprint import Fingerprinter
+
+    fingerprinter = Fingerprinter(operation, params, Policy(include_headers=list(headers)))
+    sent = [(b"x-tenant-region", b"eu")]
+    assert fingerprinter(query, sent, b"application/json", body).hex() == expected
+
+
+def test_a_long_head_is_hashed_once_per_path_and_gives_the_same_digests(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A path's operation and parameters (its head) are the same in every request: a head of a
+    whole block or more is hashed when the path is first matched, and each request hashes only
+    its own part, in a copy of that state, with the same digest as the whole stream hashed anew.
+    Heads on both sides of a block, streams on both sides of SHORT_INPUT."""
+    from idem_middleware import Policy
+    from idem_middleware import fingerprint as fp
+
+    rng = random.Random(5)
+    cases = []
+    for _ in range(150):
+        name = "x" * rng.randrange(1, 160)
+        params = {f"p{i}": "v" * rng.randrange(0, 40) for i in range(rng.randrange(0, 3))}
+        body = b'{"memo": "' + b"m" * rng.randrange(0, 320) + b'"}'
+        cases.append((f"POST /{name}", params, body))
+    ours = [fp.Fingerprinter(op, params, Policy()) for op, params, _ in cases]
+    kept = fp.Fingerprinter("POST /" + "x" * 100, {}, Policy())
+    assert any(f._head_state is not None for f in ours)
+    assert any(f._head_state is None for f in ours)
+    # The same requests with no head ever kept: the whole stream hashed per request.
+    monkeypatch.setattr(fp, "_HEAD_STATE_MIN", 10**9)
+    plain = [fp.Fingerprinter(op, params, Policy()) for op, params, _ in cases]
+    assert all(f._head_state is None for f in plain)
+    for (_, _, body), kept, whole in zip(cases, ours, plain, strict=True):
+        assert kept(b"", [], b"application/json", body) == whole(b"", [], b"application/json", body)
+
+    # Per request, a short stream behind a kept head is not hashed from its start.
+    hashed: list[tuple[str, int]] = []
+
+    def counting(name: str) -> Any:
+        def construct(data: bytes) -> Any:
+            hashed.append((name, len(data)))
+            return hashlib.sha256(data)
+
+        return construct
+
+    assert kept._head_state is not None
+    monkeypatch.setattr(fp, "sha256", counting("builtin"))
+    monkeypatch.setattr(fp, "long_sha256", counting("openssl"))
+    kept(b"", [], b"application/json", b'{"amount": 5}')
+    assert hashed == []
+    # A long one is OpenSSL's, from the head on (its per-byte speed wins).
+    kept(b"", [], b"application/json", b'{"memo": "' + b"m" * 300 + b'"}')
+    [(name, size)] = hashed
+    assert name == "openssl"
+    assert size > hashing.SHORT_INPUT
