@@ -111,8 +111,8 @@ def settle_args(key: RecordKey, generation: int, expected: State, s: Settlement)
         key.operation,
         key.key,
         generation,
-        expected.value,
-        s.state.value,
+        str(expected),  # (a StrEnum's text; `.value` is a Python property of Enum's)
+        str(s.state),
         None if r is None else r.status,
         None if r is None else encode_headers(r.headers),
         None if r is None else r.body,

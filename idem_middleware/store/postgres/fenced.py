@@ -7,6 +7,7 @@ from typing import Any
 
 from ...errors import StaleGeneration, StoreError
 from ..base import RecordKey, Settlement, State
+from . import compat
 from .convert import _Q, ACQUIRE_ERRORS, CONNECTION_ERRORS, TRANSLATED, settle_args, translate
 from .fused import FastPath
 from .runner import give_back
@@ -41,7 +42,9 @@ class PgFenced:
         if self._fast is not None:
             body = b"" if s.response is None else s.response.body
             try:
-                done = await self._fast.settle_and_commit(self._conn, self._tx, args, len(body))
+                # (on the connection behind the pool's proxy: a Python call of asyncpg's fewer each)
+                raw = compat.raw_connection(self._conn)
+                done = await self._fast.settle_and_commit(raw, self._tx, args, len(body))
             except TRANSLATED as exc:
                 raise translate(exc) from exc
             if done:
@@ -125,9 +128,9 @@ class Fencing:
         """BEGIN and lock the record under the generation: (transaction, held, fast). The fast
         way sends both in one message; its status line says whether the row was locked."""
         key = self._key
-        args = (key.tenant, key.operation, key.key, self._generation, self._expected.value)
+        args = (key.tenant, key.operation, key.key, self._generation, str(self._expected))
         if self._fast is not None:
-            opened = await self._fast.open_fence(conn, args)
+            opened = await self._fast.open_fence(compat.raw_connection(conn), args)
             if opened is not None:
                 return (*opened, self._fast)
         tx = conn.transaction()

@@ -82,10 +82,12 @@ class _Internal:
         self._conn: Any = None
 
     async def __aenter__(self) -> Any:
+        """The connection behind the pool's proxy, for the block's statements: each call through
+        the proxy is a Python function of asyncpg's more. The proxy is what goes back."""
         pool = self._owner.pool
         self._conn = await pool.acquire()
         self._pool = pool
-        return self._conn
+        return compat.raw_connection(self._conn)
 
     async def __aexit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
         conn = self._conn

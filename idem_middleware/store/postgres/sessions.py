@@ -70,6 +70,7 @@ class PgTransaction:
         "_lender",
         "_locks",
         "_pool",
+        "_raw",
         "_task",
         "_tx",
         "lent",
@@ -79,7 +80,10 @@ class PgTransaction:
         self._lender = lender  # the store: its pool, and which connections need no reset
         self._deadline = deadline  # bounds the waits for the pool: checkout, and return
         self._pool: Any = None  # the pool the connection came from
-        self._conn: Any = None
+        self._conn: Any = None  # the pool's proxy: what the handler gets, and what goes back
+        # The connection behind the proxy, for the store's own statements while the session
+        # holds it: each call through the proxy is a Python function of asyncpg's more.
+        self._raw: Any = None
         self._task: asyncio.Task[Any] | None = None  # while it waits for a connection
         self._expired = False
         self._locks = lender._locks  # the store's: computes each key's claim lock
@@ -106,6 +110,7 @@ class PgTransaction:
         deadline.add(self)
         try:
             self._conn = await pool.acquire()
+            self._raw = compat.raw_connection(self._conn)
             self._pool = pool  # (set only with a connection: `release` gives back what was had)
         except asyncio.CancelledError:
             if self._expired and task is not None and task.uncancel() == 0:
@@ -142,19 +147,19 @@ class PgTransaction:
 
     @property
     def driver(self) -> Any:
-        return self._conn
+        return self._raw
 
     def conflict(self, exc: BaseException) -> bool:
         return is_conflict(exc)
 
     def fusing(self, *, begins: bool) -> None:
         if begins:
-            self._tx = compat.adopt(self._conn)
+            self._tx = compat.adopt(self._raw)
         self._fused = True
 
     async def begin(self) -> None:
         """BEGIN the ordinary way (the claim does this; tests may begin before the claim)."""
-        tx = self._conn.transaction()
+        tx = self._raw.transaction()
         try:
             await tx.start()
         except CONNECTION_ERRORS as exc:
@@ -171,6 +176,7 @@ class PgTransaction:
         if pool is None:
             return
         conn = self._conn
+        self._raw = None  # (given back below: no statement of ours runs on it from here on)
         deadline = self._deadline
         self._expired = False
         deadline.add(self)
@@ -243,7 +249,7 @@ class PgTransaction:
         try:
             locks = self._locks
             if not locks.loaded:
-                await locks.load(self._conn)  # the store's `open` could not reach the server
+                await locks.load(self._raw)  # the store's `open` could not reach the server
             lock = locks.of(key)
             if self._tx is None:
                 if self._fast is not None and token_hash is None:
@@ -256,13 +262,13 @@ class PgTransaction:
                 else:
                     # The key is taken (a replay, most likely): read the record. `claim`
                     # decides the rarer cases (it expired, or vanished since).
-                    row = await self._conn.fetchrow(_Q["get"], *args[:3], timeout=timeout)
+                    row = await self._raw.fetchrow(_Q["get"], *args[:3], timeout=timeout)
                     if row is not None:
                         record = to_record(key, row)
                         if not record.expired:
                             return Existing(record)
             await self._lock_key(key, lock, timeout)
-            return await claim(self._conn, key, args, token_hash, timeout)
+            return await claim(self._raw, key, args, token_hash, timeout)
         except ClaimBusy:
             await self.rollback()
             raise
@@ -280,7 +286,7 @@ class PgTransaction:
         """The ordinary path's claim takes the key's advisory lock too (without waiting), so
         its INSERT never queues behind another transaction's uncommitted claim of the key. (A
         lock this transaction holds already is taken again: advisory locks nest.)"""
-        found = await self._conn.fetchval(
+        found = await self._raw.fetchval(
             _Q["claim_key_count"], key.tenant, key.operation, key.key, lock, timeout=timeout
         )
         if found == 2:
@@ -295,7 +301,7 @@ class PgTransaction:
         if self._fused and fast is not None:
             try:
                 done = await fast.complete_and_commit(
-                    self._conn, self._tx, name, args, len(response.body)
+                    self._raw, self._tx, name, args, len(response.body)
                 )
             except UNIQUE_VIOLATION as exc:
                 raise await self._lost_the_key(exc) from exc
@@ -306,7 +312,7 @@ class PgTransaction:
                 return
         query = _Q["insert_final"] if name == "insert_final" else _Q["complete"]
         try:
-            status = await self._conn.execute(query, *args)
+            status = await self._raw.execute(query, *args)
         except UNIQUE_VIOLATION as exc:
             raise await self._lost_the_key(exc) from exc
         except TRANSLATED as exc:
@@ -334,7 +340,7 @@ class PgTransaction:
                 key.operation,
                 key.key,
                 generation,
-                state.value,
+                str(state),  # (its text: `.value` is a Python property of Enum's)
                 response.status,
                 headers,
                 response.body,
@@ -348,7 +354,7 @@ class PgTransaction:
             fingerprint,
             generation,
             retention_seconds,
-            state.value,
+            str(state),
             response.status,
             headers,
             response.body,

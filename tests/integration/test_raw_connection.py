@@ -1,0 +1,89 @@
+"""The store's own statements on a session's connection go to the connection behind the pool's
+proxy: each call through asyncpg's proxy is a Python function more (it checks the proxy was not
+released, then calls the connection's method), several per request on the fast path. The handler
+still gets the proxy, which goes dead when the connection goes back to the pool."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import asyncpg
+import pytest
+from asyncpg.pool import PoolConnectionProxy
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.middleware.authentication import AuthenticationMiddleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from idem_middleware import IdempotencyMiddleware, Mode, Policy, PostgresStore, get_context
+from tests.apps import BearerBackend, client, key
+
+#: The connection methods the fast path uses (a message, the settings, the transaction state).
+_METHODS = (
+    "execute",
+    "fetch",
+    "fetchrow",
+    "fetchval",
+    "get_settings",
+    "get_reset_query",
+    "is_in_transaction",
+    "transaction",
+)
+
+kept: list[Any] = []
+
+
+async def quiet(request: Request) -> Response:
+    """Touches no connection: whatever goes through the proxy is the store's."""
+    ctx = get_context(request)
+    kept.append(ctx.connection if ctx.mode is Mode.TRANSACTIONAL else None)
+    return JSONResponse({"ok": True}, status_code=201)
+
+
+def _app(store: PostgresStore, mode: Mode) -> Starlette:
+    return Starlette(
+        routes=[Route("/quiet", quiet, methods=["POST"])],
+        middleware=[
+            Middleware(AuthenticationMiddleware, backend=BearerBackend()),
+            Middleware(IdempotencyMiddleware, store=store, default_policy=Policy(mode=mode)),
+        ],
+    )
+
+
+@contextmanager
+def _proxy_calls(monkeypatch: pytest.MonkeyPatch) -> Iterator[Counter[str]]:
+    calls: Counter[str] = Counter()
+    for name in _METHODS:
+        method = getattr(PoolConnectionProxy, name)
+
+        def counted(self: Any, *args: Any, __name: str = name, __m: Any = method, **kw: Any) -> Any:
+            calls[__name] += 1
+            return __m(self, *args, **kw)
+
+        monkeypatch.setattr(PoolConnectionProxy, name, counted)
+    yield calls
+
+
+@pytest.mark.parametrize("mode", [Mode.TRANSACTIONAL, Mode.LEASE])
+async def test_the_fast_path_sends_its_statements_past_the_pools_proxy(
+    db_dsn: str, mode: Mode, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    kept.clear()
+    store = PostgresStore(dsn=db_dsn, min_size=1, max_size=2)
+    async with store, client(_app(store, mode)) as c:
+        await c.post("/quiet", json={}, headers=key("raw-warm"))  # (prepares its statements)
+        with _proxy_calls(monkeypatch) as calls:
+            first = await c.post("/quiet", json={}, headers=key(f"raw-{mode}"))
+            again = await c.post("/quiet", json={}, headers=key(f"raw-{mode}"))
+    assert first.status_code == 201
+    assert again.headers["idempotent-replayed"] == "true"
+    assert calls == Counter()
+    if mode is Mode.TRANSACTIONAL:
+        # The handler had the proxy, and it is dead now that its connection is back in the pool.
+        with pytest.raises(asyncpg.InterfaceError):
+            await kept[-1].fetchval("SELECT 1")
