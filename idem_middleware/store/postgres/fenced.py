@@ -39,11 +39,12 @@ class PgFenced:
 
     async def settle(self, s: Settlement) -> bool:
         args = settle_args(self._key, self._generation, self._expected, s)
-        if self._fast is not None:
+        # The connection behind the pool's proxy (each call through the proxy is a Python
+        # function more); None once given back, when the ordinary path below reports it.
+        raw = compat.raw_connection(self._conn)
+        if self._fast is not None and raw is not None:
             body = b"" if s.response is None else s.response.body
             try:
-                # (on the connection behind the pool's proxy: a Python call of asyncpg's fewer each)
-                raw = compat.raw_connection(self._conn)
                 done = await self._fast.settle_and_commit(raw, self._tx, args, len(body))
             except TRANSLATED as exc:
                 raise translate(exc) from exc
