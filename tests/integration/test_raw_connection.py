@@ -21,6 +21,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from idem_middleware import IdempotencyMiddleware, Mode, Policy, PostgresStore, get_context
+from idem_middleware.errors import StoreError
+from idem_middleware.store.base import Claimed, RecordKey, Settlement, State, StoredResponse
 from tests.apps import BearerBackend, client, key
 
 #: The connection methods the fast path uses (a message, the settings, the transaction state).
@@ -87,3 +89,38 @@ async def test_the_fast_path_sends_its_statements_past_the_pools_proxy(
         # The handler had the proxy, and it is dead now that its connection is back in the pool.
         with pytest.raises(asyncpg.InterfaceError):
             await kept[-1].fetchval("SELECT 1")
+
+
+async def test_a_fenced_settlement_on_a_connection_given_back_reports_the_release(
+    db_dsn: str,
+) -> None:
+    """The fast path sends on the connection behind the proxy only while the session holds it:
+    once the proxy was given back (a handler that released it itself), the settlement takes the
+    ordinary path, whose call through the proxy reports the release, and nothing is settled."""
+    key = RecordKey("t1", "POST /pay", "given-back")
+    async with PostgresStore(dsn=db_dsn, min_size=1, max_size=2) as store:
+        claim = await store.claim_lease(key, b"f", retention_seconds=60, lease_seconds=30)
+        assert isinstance(claim, Claimed)
+
+        settling: list[BaseException] = []  # what the settlement itself raised
+
+        async def settle_given_back() -> None:
+            async with store.fenced(key, claim.generation) as session:
+                await store.pool.release(session.connection)
+                try:
+                    await session.settle(
+                        Settlement(State.SUCCEEDED, StoredResponse(201, [], b"{}"))
+                    )
+                except Exception as exc:
+                    settling.append(exc)
+                    raise
+
+        # (On the way out the fence's rollback may say it too, in asyncpg's words.)
+        with pytest.raises((StoreError, asyncpg.InterfaceError), match="released back to the pool"):
+            await settle_given_back()
+        [error] = settling
+        assert isinstance(error, StoreError)
+        assert "released back to the pool" in str(error)
+        record = await store.get(key)
+    assert record is not None
+    assert record.state is State.PENDING
