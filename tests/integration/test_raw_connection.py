@@ -124,3 +124,38 @@ async def test_a_fenced_settlement_on_a_connection_given_back_reports_the_releas
         record = await store.get(key)
     assert record is not None
     assert record.state is State.PENDING
+
+
+async def test_a_handler_that_gives_its_connection_back_records_nothing(db_dsn: str) -> None:
+    """A handler that hands the claim's connection back to the pool itself (the pool rolls its
+    transaction back, the handler's write with it) must not have its outcome recorded: the
+    completion goes past the proxy only while the session holds the connection, so it cannot
+    run outside that transaction, or in the transaction of whoever takes the connection next."""
+    store = PostgresStore(dsn=db_dsn, min_size=1, max_size=1)
+
+    async def gives_back(request: Request) -> Response:
+        conn = get_context(request).connection
+        await conn.execute(
+            "INSERT INTO test_ledger (tenant, account_id, amount) VALUES ('t', 'given-back', 1)"
+        )
+        await store.pool.release(conn)
+        return JSONResponse({"ok": True}, status_code=201)
+
+    app = Starlette(
+        routes=[Route("/gives-back", gives_back, methods=["POST"])],
+        middleware=[
+            Middleware(AuthenticationMiddleware, backend=BearerBackend()),
+            Middleware(IdempotencyMiddleware, store=store),
+        ],
+    )
+    async with store, client(app) as c:
+        answer = await c.post("/gives-back", json={}, headers=key("gives-back"))
+        rows = await store.pool.fetchval(
+            "SELECT count(*) FROM test_ledger WHERE account_id = 'given-back'"
+        )
+        recorded = await store.pool.fetchval(
+            "SELECT count(*) FROM idem_requests WHERE idem_key = 'gives-back'"
+        )
+    assert rows == 0  # the pool rolled the handler's write back
+    assert recorded == 0
+    assert answer.status_code >= 500

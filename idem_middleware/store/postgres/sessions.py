@@ -298,11 +298,14 @@ class PgTransaction:
         key, generation = self._claimed
         name, args = self._completion(key, generation, state, response)
         fast = self._fast
-        if self._fused and fast is not None:
+        # The connection behind the proxy read again, not the session's copy: the handler had the
+        # proxy and may have given it back to the pool (then None, and the proxy's own call below
+        # reports it). Sent past a proxy given back, the completion would commit outside the
+        # claim's transaction (rolled back by the pool), or inside its next owner's.
+        raw = compat.raw_connection(self._conn)
+        if self._fused and fast is not None and raw is not None:
             try:
-                done = await fast.complete_and_commit(
-                    self._raw, self._tx, name, args, len(response.body)
-                )
+                done = await fast.complete_and_commit(raw, self._tx, name, args, len(response.body))
             except UNIQUE_VIOLATION as exc:
                 raise await self._lost_the_key(exc) from exc
             except TRANSLATED as exc:
@@ -312,7 +315,7 @@ class PgTransaction:
                 return
         query = _Q["insert_final"] if name == "insert_final" else _Q["complete"]
         try:
-            status = await self._raw.execute(query, *args)
+            status = await self._conn.execute(query, *args)  # (the proxy: see above)
         except UNIQUE_VIOLATION as exc:
             raise await self._lost_the_key(exc) from exc
         except TRANSLATED as exc:
