@@ -70,7 +70,6 @@ class PgTransaction:
         "_lender",
         "_locks",
         "_pool",
-        "_raw",
         "_task",
         "_tx",
         "lent",
@@ -81,9 +80,6 @@ class PgTransaction:
         self._deadline = deadline  # bounds the waits for the pool: checkout, and return
         self._pool: Any = None  # the pool the connection came from
         self._conn: Any = None  # the pool's proxy: what the handler gets, and what goes back
-        # The connection behind the proxy, for the store's own statements while the session
-        # holds it: each call through the proxy is a Python function of asyncpg's more.
-        self._raw: Any = None
         self._task: asyncio.Task[Any] | None = None  # while it waits for a connection
         self._expired = False
         self._locks = lender._locks  # the store's: computes each key's claim lock
@@ -110,7 +106,6 @@ class PgTransaction:
         deadline.add(self)
         try:
             self._conn = await pool.acquire()
-            self._raw = compat.raw_connection(self._conn)
             self._pool = pool  # (set only with a connection: `release` gives back what was had)
         except asyncio.CancelledError:
             if self._expired and task is not None and task.uncancel() == 0:
@@ -147,19 +142,23 @@ class PgTransaction:
 
     @property
     def driver(self) -> Any:
-        return self._raw
+        """The connection behind the pool's proxy, for the store's own statements (each call
+        through the proxy is a Python function of asyncpg's more). Read from the proxy each time,
+        never kept: once the proxy is given back (by the session, or by a handler that had it)
+        this is None, and nothing of ours can reach the connection's next owner."""
+        return compat.raw_connection(self._conn)
 
     def conflict(self, exc: BaseException) -> bool:
         return is_conflict(exc)
 
     def fusing(self, *, begins: bool) -> None:
         if begins:
-            self._tx = compat.adopt(self._raw)
+            self._tx = compat.adopt(self.driver)
         self._fused = True
 
     async def begin(self) -> None:
         """BEGIN the ordinary way (the claim does this; tests may begin before the claim)."""
-        tx = self._raw.transaction()
+        tx = self.driver.transaction()
         try:
             await tx.start()
         except CONNECTION_ERRORS as exc:
@@ -176,7 +175,6 @@ class PgTransaction:
         if pool is None:
             return
         conn = self._conn
-        self._raw = None  # (given back below: no statement of ours runs on it from here on)
         deadline = self._deadline
         self._expired = False
         deadline.add(self)
@@ -249,7 +247,7 @@ class PgTransaction:
         try:
             locks = self._locks
             if not locks.loaded:
-                await locks.load(self._raw)  # the store's `open` could not reach the server
+                await locks.load(self.driver)  # the store's `open` could not reach the server
             lock = locks.of(key)
             if self._tx is None:
                 if self._fast is not None and token_hash is None:
@@ -262,13 +260,13 @@ class PgTransaction:
                 else:
                     # The key is taken (a replay, most likely): read the record. `claim`
                     # decides the rarer cases (it expired, or vanished since).
-                    row = await self._raw.fetchrow(_Q["get"], *args[:3], timeout=timeout)
+                    row = await self.driver.fetchrow(_Q["get"], *args[:3], timeout=timeout)
                     if row is not None:
                         record = to_record(key, row)
                         if not record.expired:
                             return Existing(record)
             await self._lock_key(key, lock, timeout)
-            return await claim(self._raw, key, args, token_hash, timeout)
+            return await claim(self.driver, key, args, token_hash, timeout)
         except ClaimBusy:
             await self.rollback()
             raise
@@ -286,7 +284,7 @@ class PgTransaction:
         """The ordinary path's claim takes the key's advisory lock too (without waiting), so
         its INSERT never queues behind another transaction's uncommitted claim of the key. (A
         lock this transaction holds already is taken again: advisory locks nest.)"""
-        found = await self._raw.fetchval(
+        found = await self.driver.fetchval(
             _Q["claim_key_count"], key.tenant, key.operation, key.key, lock, timeout=timeout
         )
         if found == 2:
@@ -298,11 +296,10 @@ class PgTransaction:
         key, generation = self._claimed
         name, args = self._completion(key, generation, state, response)
         fast = self._fast
-        # The connection behind the proxy read again, not the session's copy: the handler had the
-        # proxy and may have given it back to the pool (then None, and the proxy's own call below
-        # reports it). Sent past a proxy given back, the completion would commit outside the
-        # claim's transaction (rolled back by the pool), or inside its next owner's.
-        raw = compat.raw_connection(self._conn)
+        # The handler had the proxy and may have given it back to the pool: then `driver` is None
+        # and the proxy's own call below reports it (sent past it, the completion would commit
+        # outside the claim's transaction, rolled back by the pool, or inside the next owner's).
+        raw = self.driver
         if self._fused and fast is not None and raw is not None:
             try:
                 done = await fast.complete_and_commit(raw, self._tx, name, args, len(response.body))
