@@ -15,6 +15,7 @@ False for "use the ordinary path".
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import time
@@ -49,8 +50,13 @@ def _utf8(conn: Any) -> bool:
         return False
     if encoding == "UTF8":
         return True
-    if not isinstance(encoding, str):
-        return False
+    return isinstance(encoding, str) and _utf8_name(encoding)
+
+
+@functools.lru_cache(maxsize=64)
+def _utf8_name(encoding: str) -> bool:
+    """`encoding` names UTF-8 as PostgreSQL reads the name. Kept per spelling: behind PgBouncer
+    the same `'utf-8'` comes with every claim and every completion."""
     return "".join(c for c in encoding.lower() if c.isalnum()) in ("utf8", "unicode")
 
 
