@@ -13,17 +13,13 @@ from typing import Any
 import asyncpg
 import pytest
 from asyncpg.pool import PoolConnectionProxy
-from starlette.applications import Starlette
-from starlette.middleware import Middleware
-from starlette.middleware.authentication import AuthenticationMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
 
-from idem_middleware import IdempotencyMiddleware, Mode, Policy, PostgresStore, get_context
+from idem_middleware import Mode, Policy, PostgresStore, get_context
 from idem_middleware.errors import StoreError
 from idem_middleware.store.base import Claimed, RecordKey, Settlement, State, StoredResponse
-from tests.apps import BearerBackend, client, key
+from tests.apps import client, key, one_route_app
 
 #: The connection methods the fast path uses (a message, the settings, the transaction state).
 _METHODS = (
@@ -47,16 +43,6 @@ async def quiet(request: Request) -> Response:
     return JSONResponse({"ok": True}, status_code=201)
 
 
-def _app(store: PostgresStore, mode: Mode) -> Starlette:
-    return Starlette(
-        routes=[Route("/quiet", quiet, methods=["POST"])],
-        middleware=[
-            Middleware(AuthenticationMiddleware, backend=BearerBackend()),
-            Middleware(IdempotencyMiddleware, store=store, default_policy=Policy(mode=mode)),
-        ],
-    )
-
-
 @contextmanager
 def _proxy_calls(monkeypatch: pytest.MonkeyPatch) -> Iterator[Counter[str]]:
     calls: Counter[str] = Counter()
@@ -77,7 +63,8 @@ async def test_the_fast_path_sends_its_statements_past_the_pools_proxy(
 ) -> None:
     kept.clear()
     store = PostgresStore(dsn=db_dsn, min_size=1, max_size=2)
-    async with store, client(_app(store, mode)) as c:
+    app = one_route_app("/quiet", quiet, store=store, default_policy=Policy(mode=mode))
+    async with store, client(app) as c:
         await c.post("/quiet", json={}, headers=key("raw-warm"))  # (prepares its statements)
         with _proxy_calls(monkeypatch) as calls:
             first = await c.post("/quiet", json={}, headers=key(f"raw-{mode}"))
@@ -141,13 +128,7 @@ async def test_a_handler_that_gives_its_connection_back_records_nothing(db_dsn: 
         await store.pool.release(conn)
         return JSONResponse({"ok": True}, status_code=201)
 
-    app = Starlette(
-        routes=[Route("/gives-back", gives_back, methods=["POST"])],
-        middleware=[
-            Middleware(AuthenticationMiddleware, backend=BearerBackend()),
-            Middleware(IdempotencyMiddleware, store=store),
-        ],
-    )
+    app = one_route_app("/gives-back", gives_back, store=store)
     async with store, client(app) as c:
         answer = await c.post("/gives-back", json={}, headers=key("gives-back"))
         rows = await store.pool.fetchval(
