@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import math
 import os
 import sys
 from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
@@ -29,7 +30,7 @@ from .policy import (
     operation_name,
 )
 from .responses import DEFAULT_PROBLEM_BASE, send_problem
-from .routing import Unresolved, match_route, routes_of
+from .routing import Trace, Unresolved, match_route, routed_above, routes_of
 from .startup import SAFE_METHODS, check_app
 from .store.base import Store
 from .tenant import TenantResolver as TenantResolver
@@ -45,8 +46,63 @@ KILL_SWITCH_ENV = "IDEM_MIDDLEWARE_DISABLED"
 _DEFAULT_METHODS = frozenset({"POST", "PATCH"})
 
 
+_SWITCH_ON = frozenset({"1", "true", "yes", "on"})
+_SWITCH_OFF = frozenset({"", "0", "false", "no", "off"})
+
+
 def _kill_switch_on() -> bool:
-    return os.environ.get(KILL_SWITCH_ENV, "").strip().lower() in {"1", "true", "yes", "on"}
+    value = os.environ.get(KILL_SWITCH_ENV, "").strip().lower()
+    if value in _SWITCH_ON:
+        return True
+    if value in _SWITCH_OFF:
+        return False
+    raise ConfigurationError(
+        f"{KILL_SWITCH_ENV}={value!r} is neither on (1, true, yes, on) nor off (0, false, no, "
+        "off, or unset)"
+    )
+
+
+def _check_arguments(
+    store: object,
+    default_policy: object,
+    tenant_resolver: object,
+    acquire_timeout: object,
+    enabled: object,
+    status_path: object,
+    problem_base: object,
+    observers: object,
+) -> None:
+    """What the constructor can tell is wrong, told now: each of these failed every request."""
+    if not callable(getattr(store, "transaction", None)):
+        raise ConfigurationError(f"store must be a PostgresStore or a MemoryStore, not {store!r}")
+    if default_policy is not None and not isinstance(default_policy, Policy):
+        raise ConfigurationError(f"default_policy must be a Policy, not {default_policy!r}")
+    if not callable(tenant_resolver):
+        raise ConfigurationError(f"tenant_resolver must be a function, not {tenant_resolver!r}")
+    if (
+        isinstance(acquire_timeout, bool)
+        or not isinstance(acquire_timeout, int | float)
+        or not 0 < acquire_timeout < math.inf
+    ):
+        raise ConfigurationError(
+            f"acquire_timeout must be a positive number of seconds, not {acquire_timeout!r}"
+        )
+    if enabled is not None and not isinstance(enabled, bool):
+        raise ConfigurationError(f"enabled must be True, False or None, not {enabled!r}")
+    if not isinstance(status_path, str) or not status_path.startswith("/"):
+        raise ConfigurationError(f"status_path must be a path ('/...'), not {status_path!r}")
+    if not isinstance(problem_base, str):
+        raise ConfigurationError(f"problem_base must be a str, not {problem_base!r}")
+    if observers is None:
+        return
+    for observer in observers if isinstance(observers, Sequence) else (observers,):
+        if not (
+            callable(getattr(observer, "event", None))
+            and callable(getattr(observer, "timed", None))
+        ):
+            raise ConfigurationError(
+                f"observers: {observer!r} is not an Observer (it needs event() and timed())"
+            )
 
 
 #: Resolved routes kept per (app, method, root path, path, host): a request to a path seen
@@ -115,6 +171,16 @@ class IdempotencyMiddleware:
         max_waiters: int = 1024,
         max_tenant_connections: int | None = None,
     ) -> None:
+        _check_arguments(
+            store,
+            default_policy,
+            tenant_resolver,
+            acquire_timeout,
+            enabled,
+            status_path,
+            problem_base,
+            observers,
+        )
         self.app = app
         self.store = store
         self.default_policy = default_policy or Policy()
@@ -147,7 +213,9 @@ class IdempotencyMiddleware:
         # The startup check runs once; a failed one fails every request after it too.
         self._checked = False
         self._check_error: ConfigurationError | None = None
-        self._routes: dict[tuple[Any, ...], _Guarded] = {}
+        #: Per (app, method, root path, path, Host): the resolution, the route lists it walked
+        #: and their lengths then.
+        self._routes: dict[tuple[Any, ...], tuple[_Guarded, tuple[Any, ...], tuple[int, ...]]] = {}
 
     @_marked_coroutine_function
     def __call__(self, scope: Scope, receive: Receive, send: Send) -> Awaitable[None]:
@@ -173,13 +241,12 @@ class IdempotencyMiddleware:
             by_name = header_map(scope["headers"])
             host = _host(scope) if by_name is None else by_name.get(b"host")
             cache_key = (app, method, scope.get("root_path", ""), scope["path"], host)
-            guarded = self._routes.get(cache_key)
-            if guarded is None:
-                guarded = self._resolve(app, method, scope)
-                if guarded is not None:
-                    if len(self._routes) >= _ROUTE_CACHE_SIZE:
-                        self._routes.clear()  # many distinct paths (ids in them): start over
-                    self._routes[cache_key] = guarded
+            cached = self._routes.get(cache_key)
+            # (A cached match holds while the route lists it walked keep their lengths.)
+            if cached is not None and tuple(map(len, cached[1])) == cached[2]:
+                guarded = cached[0]
+            else:
+                guarded = self._route(app, method, scope, cache_key)
         if guarded is _UNGUARDED:
             return self._pass_on(scope, receive, send)
         if guarded is None:
@@ -202,12 +269,28 @@ class IdempotencyMiddleware:
         finally:
             MIDDLEWARE_ACTIVE.reset(active)
 
-    def _resolve(self, app: Any, method: str, scope: Scope) -> _Guarded | None:
+    def _route(self, app: Any, method: str, scope: Scope, cache_key: tuple[Any, ...]) -> Any:
+        """`_resolve`, kept in the route cache with the route lists it depended on, unless it
+        depended on more than the cache's key (a custom route class: see routing.Trace)."""
+        trace = Trace()
+        guarded = self._resolve(app, method, scope, trace)
+        if guarded is not None and not trace.volatile:
+            if len(self._routes) >= _ROUTE_CACHE_SIZE:
+                self._routes.clear()  # many distinct paths (ids in them): start over
+            lists = tuple(trace.lists)
+            self._routes[cache_key] = (guarded, lists, tuple(map(len, lists)))
+        return guarded
+
+    def _resolve(
+        self, app: Any, method: str, scope: Scope, trace: Trace | None = None
+    ) -> _Guarded | None:
         """The route a request matches, the policy guarding it and its operation's name, the
         way the router will find it; `_UNGUARDED` for a request the middleware passes on, None
         for a route that would be guarded but cannot be named (refused)."""
         routes = routes_of(app if app is not None else self.app)
-        match = match_route(routes, scope) if routes is not None else None
+        match = match_route(routes, scope, "", trace) if routes is not None else None
+        if isinstance(match, RouteMatch) and "router" in scope:
+            match = routed_above(scope, match, trace)  # this app is mounted in another's router
         if isinstance(match, Unresolved):
             policy = endpoint_policy(match.endpoint)
             if policy is None and method in self.methods:
@@ -253,6 +336,9 @@ class IdempotencyMiddleware:
         except ConfigurationError as exc:
             logger.error("idempotency: %s", exc)
             self._check_error = exc
+        except Exception as exc:  # a check that cannot run fails every request, as a failed one
+            logger.error("idempotency: the startup check failed", exc_info=True)
+            self._check_error = ConfigurationError(f"the startup check failed: {exc!r}")
 
     async def _lifespan(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Check the app when the server starts it; a failed check fails the startup."""

@@ -39,6 +39,61 @@ def _plain_matches() -> frozenset[Any]:
 
 
 _PLAIN_MATCHES = _plain_matches()
+
+
+def _pure_matches() -> frozenset[Any]:
+    """The `matches` whose answer depends only on what the middleware's route cache keys on (the
+    method, the path and root path, the Host header). A custom route class's may read anything
+    in the scope (a version header, say): a request matched past one is resolved every time."""
+    found: set[Any] = {Route.matches, Mount.matches, Host.matches, WebSocketRoute.matches}
+    try:
+        from fastapi import routing
+    except ImportError:  # pragma: no cover - FastAPI is optional
+        return frozenset(found)
+    for name in ("APIRoute", "APIWebSocketRoute", "_IncludedRouter"):
+        matches = getattr(getattr(routing, name, None), "matches", None)
+        if matches is not None:
+            found.add(matches)
+    return frozenset(found)
+
+
+_PURE_MATCHES = _pure_matches()
+
+
+class Trace:
+    """What a match depended on, for the route cache: the route lists it walked (the match
+    holds while their lengths do: a route added or removed at run time resolves the paths
+    under it again), and whether it asked a route whose answer may change with more than the
+    cache's key (`volatile`: the match is not cached)."""
+
+    __slots__ = ("lists", "volatile")
+
+    def __init__(self) -> None:
+        self.lists: list[Sequence[Any]] = []
+        self.volatile = False
+
+    def walked(self, routes: Sequence[Any]) -> None:
+        if not any(seen is routes for seen in self.lists):
+            self.lists.append(routes)
+
+    def asked(self, route: Any) -> None:
+        if type(route).matches not in _PURE_MATCHES:
+            self.volatile = True
+        elif hasattr(route, "original_router"):
+            self.included(route)  # matched or not: a route added to it may match next time
+
+    def included(self, route: Any, depth: int = 0) -> None:
+        """An included FastAPI router's lists: its router's and those of routers it includes."""
+        routes = getattr(getattr(route, "original_router", None), "routes", None)
+        if routes is None:
+            self.volatile = True  # a FastAPI whose included routers look otherwise
+            return
+        self.walked(routes)
+        for inner in routes:
+            if hasattr(inner, "original_router") and depth < _MAX_WRAPPERS:
+                self.included(inner, depth + 1)
+
+
 #: Per list of routes and method: the routes a request with that method can match FULL, in order.
 _CANDIDATES: dict[tuple[int, str], tuple[Sequence[BaseRoute], int, tuple[BaseRoute, ...]]] = {}
 
@@ -138,48 +193,72 @@ def _included(route: BaseRoute) -> list[Any] | None:
 
 
 def _match_included(
-    contexts: list[Any], scope: Scope, prefix: str
+    contexts: list[Any], scope: Scope, prefix: str, trace: Trace | None
 ) -> RouteMatch | Unresolved | None:
     for context in contexts:
         match, child = context.matches(scope)
         if match is not Match.FULL:
             continue
         if context.starlette_route is not None:  # a Starlette route or mount, prefixed
-            return match_route([context.starlette_route], scope, prefix)
+            return match_route([context.starlette_route], scope, prefix, trace)
         return RouteMatch(prefix + context.path, child["path_params"], child["endpoint"])
     return None
 
 
 def match_route(
-    routes: Sequence[BaseRoute], scope: Scope, prefix: str = ""
+    routes: Sequence[BaseRoute], scope: Scope, prefix: str = "", trace: Trace | None = None
 ) -> RouteMatch | Unresolved | None:
     """The route the router will dispatch to, found the way Starlette's router finds it.
 
     Only a FULL match counts: a path whose route rejects the method is the app's 405, not ours.
     None: nothing matches, or the request goes to an application whose routes cannot be seen.
-    Routes whose methods exclude the request's are not asked (`_candidates`).
+    Routes whose methods exclude the request's are not asked (`_candidates`). `trace` collects
+    what the answer depended on (see Trace).
     """
+    if trace is not None:
+        trace.walked(routes)
     for route in _candidates(routes, scope):
+        if trace is not None:
+            trace.asked(route)
         match, child = route.matches(scope)
         if match is not Match.FULL:
             continue
         if isinstance(route, Route):
             return RouteMatch(prefix + route.path, child["path_params"], child["endpoint"])
         if (contexts := _included(route)) is not None:
-            return _match_included(contexts, scope, prefix)
+            return _match_included(contexts, scope, prefix, trace)
         if isinstance(route, Mount | Host):
             inner = routes_of(route.app)
             if inner is None:
                 return None
             if isinstance(route, Mount):
-                return match_route(inner, {**scope, **child}, prefix + route.path)
-            return match_route(inner, {**scope, **child}, _host_prefix(route) + prefix)
+                return match_route(inner, {**scope, **child}, prefix + route.path, trace)
+            return match_route(inner, {**scope, **child}, _host_prefix(route) + prefix, trace)
         endpoint = child.get("endpoint", getattr(route, "endpoint", None))
         path = getattr(route, "path", None)
         if isinstance(path, str):
             return RouteMatch(prefix + path, child.get("path_params", {}), endpoint)
         return Unresolved(f"a {type(route).__name__} under {prefix or '/'}", endpoint)
     return None
+
+
+def routed_above(scope: Scope, found: RouteMatch, trace: Trace | None = None) -> RouteMatch:
+    """`found`, matched in the app this middleware wraps, named as the router above it routed
+    the request: a sub-app with its own middleware, mounted at `/v1` (or under a `Host`), sees
+    only its own `/pay`, and two such sub-apps must not share the operation `POST /pay`.
+    Starlette's first router leaves itself in `scope["router"]` and the root path it started
+    from in `app_root_path`; the match is made again from there. When that router's view does
+    not reach this app (a wrapper that hides it), the concrete path the mounts took is the
+    prefix: more operations than templates, never one for two routes."""
+    routes = getattr(scope.get("router"), "routes", None)
+    root_path = scope.get("root_path", "")
+    app_root_path = scope.get("app_root_path", root_path)
+    if routes is not None:
+        top = match_route(routes, {**scope, "root_path": app_root_path}, "", trace)
+        if isinstance(top, RouteMatch) and top.endpoint is found.endpoint:
+            return top
+    mounted = root_path[len(app_root_path) :] if root_path.startswith(app_root_path) else ""
+    return RouteMatch(mounted + found.template, found.path_params, found.endpoint)
 
 
 def walk(
