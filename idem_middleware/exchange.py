@@ -147,9 +147,13 @@ class Exchange:
             finally:
                 MIDDLEWARE_ACTIVE.reset(active)
             return
-        tenant = self.mw.tenants.resolve(self.scope, allow_anonymous=policy.allow_anonymous)
-        if tenant is not None and not isinstance(tenant, str):
-            tenant = await tenant  # an asynchronous resolver's
+        try:
+            tenant = self.mw.tenants.resolve(self.scope, allow_anonymous=policy.allow_anonymous)
+            if tenant is not None and not isinstance(tenant, str):
+                tenant = await tenant  # an asynchronous resolver's
+        except RequestRejected as exc:  # a resolver that names no one (500, never unscoped)
+            await self.problem(exc.kind, exc.detail)
+            return
         if tenant is None:
             await self.problem(
                 ProblemKind.UNAUTHENTICATED, "This operation needs an authenticated caller."
@@ -312,6 +316,8 @@ class Exchange:
             # HTTP's 1*DIGIT, nothing else (int() would also take "+5", " 7" or "1_000").
             if not declared.isdigit():
                 raise RequestRejected(ProblemKind.BODY_INVALID, "Content-Length is not a number.")
+            if len(declared) > 30:  # (int() refuses over 4,300 digits; leading zeros say nothing)
+                declared = declared.lstrip(b"0")[:31] or b"0"  # 31 digits: over any cap
             if int(declared) > self.policy.max_body_bytes:
                 raise self._too_large()
         return content_type

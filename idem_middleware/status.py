@@ -23,9 +23,13 @@ from .responses import DEFAULT_PROBLEM_BASE, problem_response
 from .store.base import RecordKey, Store
 from .tenant import TenantResolver, Tenants, authenticated_user_tenant, route_tenant
 
-# An operation is `METHOD /template` (policy.operation_name); the bound keeps a probe cheap.
-_OPERATION = re.compile(r"[A-Z]{1,32} /[^\x00-\x1f\x7f]{0,2000}")
-_BAD_OPERATION = "The operation is `METHOD /path-template`, as the Location of a 202 gives it."
+# An operation is `METHOD /template`, or `METHOD host/template` under a `Host` route
+# (policy.operation_name); the bounds keep a probe cheap.
+_OPERATION = re.compile(r"[A-Z]{1,32} [^/\x00-\x20\x7f]{0,255}/[^\x00-\x1f\x7f]{0,2000}")
+_BAD_OPERATION = (
+    "The operation is `METHOD /path-template` (under a Host route `METHOD host/path-template`),"
+    " as the Location of a 202 gives it."
+)
 
 
 def status_route(

@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable
 from starlette.responses import Response
 from starlette.types import Scope
 
-from .errors import ProblemKind
+from .errors import ProblemKind, RequestRejected
 from .responses import problem_response
 
 logger = logging.getLogger("idem_middleware")
@@ -30,27 +30,51 @@ AUTH_FIX = (
 )
 
 
+class Unidentified(RequestRejected):
+    """The default resolver's answer for an authenticated user it cannot name: a user class
+    without an `identity` (its `display_name` is not unique: two users would share their
+    records), or one whose identity is not a string or an integer (None is no one's). The
+    request is refused (500), never run in a tenant two callers share."""
+
+    def __init__(self, why: str) -> None:
+        super().__init__(ProblemKind.MISCONFIGURED, _CANNOT_IDENTIFY)
+        self.why = why
+
+
+_CANNOT_IDENTIFY = (
+    "The server cannot identify the caller. The server is misconfigured; the request was not "
+    "processed."
+)
+
+
 def authenticated_user_tenant(scope: Scope) -> str | None:
-    """The default tenant: the identity of the user Starlette's AuthenticationMiddleware set."""
+    """The default tenant: the identity of the user Starlette's AuthenticationMiddleware set
+    (an integer identity as its decimal digits). Raises `Unidentified` for a user it cannot
+    name."""
     user = scope.get("user")
     if user is None or not getattr(user, "is_authenticated", False):
         return None
     try:
         identity = user.identity
     except NotImplementedError:
-        identity = user.display_name
-    return str(identity) or None
+        raise Unidentified(f"the user class {type(user).__name__} implements no identity") from None
+    if type(identity) is str:
+        return identity or None
+    if isinstance(identity, int) and not isinstance(identity, bool):
+        return str(identity)
+    raise Unidentified(f"the user's identity is a {type(identity).__name__}, not a str or an int")
 
 
 class Tenants:
     """A tenant resolver as an edge uses it. One per middleware or route, made at setup."""
 
-    __slots__ = ("_default", "_logged", "resolver")
+    __slots__ = ("_default", "_logged", "_refusal_logged", "resolver")
 
     def __init__(self, resolver: TenantResolver = authenticated_user_tenant) -> None:
         self.resolver = resolver
         self._default = resolver is authenticated_user_tenant
         self._logged = False
+        self._refusal_logged = False
 
     def unidentifiable(self, scope: Scope, *, allow_anonymous: bool = False) -> bool:
         """True when the default resolver can never name a caller here: nothing set
@@ -73,18 +97,40 @@ class Tenants:
         """The caller's tenant; "" for an anonymous caller when allowed; None: refuse (401).
         From a resolver that returns an awaitable, an awaitable of that answer: the caller
         awaits what is neither a str nor None (a synchronous resolver costs no coroutine)."""
-        resolved = self.resolver(scope)
-        if resolved is not None and not isinstance(resolved, str) and inspect.isawaitable(resolved):
-            return self._awaited(resolved, allow_anonymous)  # (str first: isawaitable is an ABC)
+        try:
+            resolved = self.resolver(scope)
+        except Unidentified as exc:
+            raise self._refused(exc.why) from None
+        if resolved is not None and not isinstance(resolved, str):
+            if inspect.isawaitable(resolved):  # (str first: isawaitable is an ABC)
+                return self._awaited(resolved, allow_anonymous)
+            raise self._refused(f"the tenant resolver answered {resolved!r}, not a str or None")
         if resolved:
             return resolved
         return "" if allow_anonymous else None
 
-    async def _awaited(self, resolved: Awaitable[str | None], allow_anonymous: bool) -> str | None:
-        tenant = await resolved
+    async def _awaited(self, resolved: Awaitable[object], allow_anonymous: bool) -> str | None:
+        try:
+            tenant = await resolved
+        except Unidentified as exc:
+            raise self._refused(exc.why) from None
+        if tenant is not None and not isinstance(tenant, str):
+            raise self._refused(f"the tenant resolver answered {tenant!r}, not a str or None")
         if tenant:
             return tenant
         return "" if allow_anonymous else None
+
+    def _refused(self, why: str) -> RequestRejected:
+        """No tenant can be trusted: the request is refused (500, logged once with why), never
+        run unscoped."""
+        if not self._refusal_logged:
+            self._refusal_logged = True
+            logger.error(
+                "idempotency: no tenant: %s. Guarded requests are refused with 500 until it is "
+                "fixed: give the user class a unique str identity, or pass tenant_resolver=",
+                why,
+            )
+        return RequestRejected(ProblemKind.MISCONFIGURED, _CANNOT_IDENTIFY)
 
 
 async def route_tenant(tenants: Tenants, scope: Scope, *, problem_base: str) -> str | Response:
@@ -97,9 +143,12 @@ async def route_tenant(tenants: Tenants, scope: Scope, *, problem_base: str) -> 
             "was not processed.",
             base=problem_base,
         )
-    tenant = tenants.resolve(scope)
-    if tenant is not None and not isinstance(tenant, str):
-        tenant = await tenant
+    try:
+        tenant = tenants.resolve(scope)
+        if tenant is not None and not isinstance(tenant, str):
+            tenant = await tenant
+    except RequestRejected as exc:
+        return problem_response(exc.kind, exc.detail, base=problem_base)
     if tenant is None:
         return problem_response(
             ProblemKind.UNAUTHENTICATED, "This resource needs authentication.", base=problem_base

@@ -837,14 +837,18 @@ def chunked(draw: st.DrawFn) -> dict[str, Any]:
     mode = draw(st.sampled_from(["complete", "complete", "leave-mid-body", "leave-after-body"]))
     leave_after = draw(st.integers(0, len(chunks) - 1)) if mode == "leave-mid-body" else None
     declared = draw(
-        st.sampled_from(["none", "none", "exact", "smaller", "over-cap", "huge", "garbage", "odd"])
+        st.sampled_from(
+            ["none", "none", "exact", "padded", "smaller", "over-cap", "huge", "garbage", "odd"]
+        )
     )
     length: bytes | None = {
         "none": None,
         "exact": str(len(body)).encode(),
+        # Leading zeros are 1*DIGIT too, and more than int() reads (4,300 digits) at once.
+        "padded": b"0" * draw(st.integers(1, 6000)) + str(len(body)).encode(),
         "smaller": str(max(len(body) - 1, 0)).encode(),
         "over-cap": str(CAP + 1 + draw(st.integers(0, 10**6))).encode(),
-        "huge": b"9" * draw(st.integers(13, 40)),
+        "huge": b"9" * draw(st.one_of(st.integers(13, 40), st.integers(4300, 6000))),
         "garbage": draw(st.sampled_from(_GARBAGE_LENGTHS)),
         "odd": draw(st.sampled_from(_ODD_LENGTHS)),
     }[declared]
@@ -856,6 +860,14 @@ def chunked(draw: st.DrawFn) -> dict[str, Any]:
         "declared": declared,
         "length": length,
     }
+
+
+def _declared_length(raw: bytes | None) -> int | None:
+    """What a Content-Length of 1*DIGIT says (any number of digits); None for anything else."""
+    if raw is None or not raw.isdigit():
+        return None
+    digits = raw.lstrip(b"0") or b"0"
+    return CAP + 1 if len(digits) > 30 else int(digits)
 
 
 def _check_chunked(hostile: Hostile, scenario: str, case: dict[str, Any]) -> None:
@@ -883,10 +895,7 @@ def _check_chunked(hostile: Hostile, scenario: str, case: dict[str, Any]) -> Non
     declared = case["declared"]
     body: bytes = case["body"]
     received = sum(len(m.get("body", b"")) for m in messages)
-    try:
-        length = None if case["length"] is None else int(case["length"])
-    except ValueError:
-        length = None
+    length = _declared_length(case["length"])
     if declared in ("garbage", "odd"):
         # Content-Length must be HTTP's 1*DIGIT; anything else ("+5", " 7", "1_000") is refused
         # before a byte of the body is read.
@@ -939,3 +948,29 @@ def test_empty_body_declared_json_is_400_body_invalid(hostile: Hostile, content_
     }
     reply, _ = hostile.exchange("empty-json-body", hostile.via_httpx(headers=headers, content=b""))
     assert_refused(reply, "body-invalid", 400)
+
+
+@pytest.mark.parametrize(
+    ("length", "refused"),
+    [(b"0" * 5000 + b"11", None), (b"9" * 5000, "body-too-large"), (b"0" * 5000, None)],
+)
+def test_a_content_length_of_thousands_of_digits_is_read_as_a_number(
+    hostile: Hostile, length: bytes, refused: str | None
+) -> None:
+    """Found by probing: int() refuses more than 4,300 digits, and the ValueError was a 500.
+    Leading zeros change nothing; a number that long is over any cap."""
+    body = b'{"amount":5}' if length.strip(b"0") else b""
+    headers = [
+        *auth("demo-a"),
+        (b"content-type", b"application/json"),
+        (b"idempotency-key", fresh_key().encode()),
+        (b"content-length", length),
+    ]
+    messages = [{"type": "http.request", "body": body, "more_body": False}]
+    reply, kind = hostile.exchange("long-length", hostile.raw(headers=headers, messages=messages))
+    if refused is not None:
+        assert_refused(reply, refused, 413)
+    elif body:
+        assert kind == "executed", (kind, reply.status, reply.body[:200])
+    else:
+        assert_refused(reply, "body-invalid", 400)  # an empty body is not JSON

@@ -7,10 +7,18 @@ import asyncio
 from typing import Any
 
 import pytest
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.middleware.authentication import AuthenticationMiddleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Host, Route, Router
 
-from idem_middleware import Policy, PostgresStore
+from idem_middleware import IdempotencyMiddleware, Policy, PostgresStore
+from idem_middleware.status import status_route
 from tests.apps import (
     BOUND,
+    BearerBackend,
     Held,
     QueryLog,
     assert_problem,
@@ -131,3 +139,34 @@ async def test_another_tenants_committed_record_is_not_found(logged: Any) -> Non
         ours = await a.get(STATUS, params={"operation": CREDIT_OP, "key": "shared"})
     assert_problem(theirs, 404, "record-not-found")
     assert ours.json()["state"] == "succeeded"
+
+
+async def test_an_operation_under_a_host_route_is_looked_up(logged: Any) -> None:
+    """Found by probing: a Host route's operation (`POST api.example/pay`, as a 202's Location
+    names it) was refused as not `METHOD /template`."""
+
+    async def pay(request: Request) -> Response:
+        return JSONResponse({}, status_code=201)
+
+    pool, _ = logged
+    store = PostgresStore(pool=pool)
+    app = Starlette(
+        routes=[
+            Host("api.example", app=Router([Route("/pay", pay, methods=["POST"])])),
+            status_route(store),
+        ],
+        middleware=[
+            Middleware(AuthenticationMiddleware, backend=BearerBackend()),
+            Middleware(IdempotencyMiddleware, store=store),
+        ],
+    )
+    async with client(app) as c:
+        made = await c.post("http://api.example/pay", json={}, headers=key("on-a-host"))
+        assert made.status_code == 201, made.text
+        operation = "POST api.example/pay"
+        r = await c.get(STATUS, params={"operation": operation, "key": "on-a-host"})
+        assert r.status_code == 200, r.text
+        assert r.json() == {"operation": operation, "state": "succeeded", "response_status": 201}
+        for refused in ("POST api.example", "POST a b/pay", "post /pay"):
+            bad = await c.get(STATUS, params={"operation": refused, "key": "on-a-host"})
+            assert_problem(bad, 400, "invalid-key")

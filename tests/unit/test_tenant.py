@@ -7,10 +7,25 @@ import logging
 from typing import Any
 
 import pytest
-from starlette.authentication import SimpleUser, UnauthenticatedUser
+from starlette.applications import Starlette
+from starlette.authentication import (
+    AuthCredentials,
+    AuthenticationBackend,
+    BaseUser,
+    SimpleUser,
+    UnauthenticatedUser,
+)
+from starlette.middleware import Middleware
+from starlette.middleware.authentication import AuthenticationMiddleware
+from starlette.requests import HTTPConnection, Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
 
+from idem_middleware import IdempotencyMiddleware, MemoryStore
+from idem_middleware.errors import ProblemKind, RequestRejected
 from idem_middleware.middleware import TenantResolver, authenticated_user_tenant
 from idem_middleware.tenant import Tenants
+from tests.apps import assert_problem, client, key
 
 
 async def resolve(tenants: Tenants, scope: dict[str, Any], **options: bool) -> str | None:
@@ -66,3 +81,91 @@ def test_a_scope_without_a_user_is_unidentifiable_and_logged_once(
     assert not tenants.unidentifiable({}, allow_anonymous=True)
     custom: TenantResolver = lambda scope: None  # noqa: E731
     assert not Tenants(custom).unidentifiable({})  # a custom resolver reads what it reads
+
+
+class NamedOnly(BaseUser):
+    """An authenticated user class with a display name and no identity."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    @property
+    def is_authenticated(self) -> bool:
+        return True
+
+    @property
+    def display_name(self) -> str:
+        return self.name
+
+
+class WithIdentity(SimpleUser):
+    def __init__(self, identity: object) -> None:
+        super().__init__("shown")
+        self._identity = identity
+
+    @property
+    def identity(self) -> Any:
+        return self._identity
+
+
+@pytest.mark.parametrize(
+    "user",
+    [NamedOnly("Alice"), WithIdentity(None), WithIdentity(True), WithIdentity(b"tenant")],
+    ids=["no-identity", "identity-none", "identity-bool", "identity-bytes"],
+)
+async def test_a_user_the_default_cannot_name_is_refused_not_shared(
+    user: BaseUser, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Found by probing: a user class without `identity` fell back to its display name (two
+    users called Alice shared records and replays), and an identity of None became "None"."""
+    tenants = Tenants()
+    for _ in range(2):
+        with pytest.raises(RequestRejected) as refused:
+            await resolve(tenants, {"user": user})
+        assert refused.value.kind is ProblemKind.MISCONFIGURED
+    assert len([r for r in caplog.records if r.levelno == logging.ERROR]) == 1
+
+
+async def test_an_integer_identity_is_its_digits() -> None:
+    assert await resolve(Tenants(), {"user": WithIdentity(42)}) == "42"
+    assert await resolve(Tenants(), {"user": WithIdentity("")}) is None  # no one: 401
+
+
+@pytest.mark.parametrize("answer", [42, b"tenant", ["tenant"], object()])
+@pytest.mark.parametrize("asynchronous", [False, True])
+async def test_a_resolver_answering_neither_a_str_nor_none_is_refused(
+    answer: object, asynchronous: bool
+) -> None:
+    async def async_resolver(scope: object) -> object:
+        return answer
+
+    tenants = Tenants(async_resolver if asynchronous else lambda scope: answer)  # type: ignore[arg-type,return-value]
+    with pytest.raises(RequestRejected) as refused:
+        await resolve(tenants, {})
+    assert refused.value.kind is ProblemKind.MISCONFIGURED
+
+
+async def test_two_users_without_identities_never_share_a_replay() -> None:
+    """End to end: the second Alice gets a 500 problem, not the first Alice's response."""
+    calls: list[str] = []
+
+    async def pay(request: Request) -> Response:
+        calls.append("ran")
+        return JSONResponse({"secret": 1}, status_code=201)
+
+    class NamedOnlyBackend(AuthenticationBackend):
+        async def authenticate(self, conn: HTTPConnection) -> tuple[AuthCredentials, BaseUser]:
+            return AuthCredentials(["authenticated"]), NamedOnly("Alice")
+
+    app = Starlette(
+        routes=[Route("/pay", pay, methods=["POST"])],
+        middleware=[
+            Middleware(AuthenticationMiddleware, backend=NamedOnlyBackend()),
+            Middleware(IdempotencyMiddleware, store=MemoryStore()),
+        ],
+    )
+    async with client(app) as http:
+        for _ in range(2):
+            reply = await http.post("/pay", json={}, headers=key("k"))
+            assert_problem(reply, 500, "server-misconfigured")
+    assert calls == []
