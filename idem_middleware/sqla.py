@@ -12,7 +12,11 @@ with it. The session's own transaction is a savepoint inside that transaction (a
 
 The engine is made once per `ClaimSessions`; every checkout hands out the connection of the claim
 running in the current task (see `current_context`), wrapped once per connection so SQLAlchemy's
-prepared-statement cache survives between requests. Install with the `[sqlalchemy]` extra.
+prepared-statement cache survives between requests. The wrapper is bound to the claim's
+acquisition (the pool's proxy): once the claim gives the connection back (a stream's first byte,
+the end of the request), every statement the session sends raises asyncpg's InterfaceError, as
+the released proxy would, and never reaches the request that holds the connection next.
+Install with the `[sqlalchemy]` extra.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from contextlib import asynccontextmanager
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Annotated, Any
 
+from asyncpg import InterfaceError
 from sqlalchemy import util as _sa_util
 from sqlalchemy.dialects import registry
 from sqlalchemy.dialects.postgresql import json as _pg_json
@@ -49,16 +54,23 @@ __all__ = [
 # `await_only` is the name SQLAlchemy 2.0 exports; 2.1 calls it `await_` (the old name goes in 2.2).
 _await: Any = getattr(_sa_util, "await_", None) or _sa_util.await_only
 
-# The driver connection a checkout is creating a DBAPI wrapper for (read by `_creator`).
-_connecting: ContextVar[Any] = ContextVar("idem_middleware_sqla_connecting", default=None)
+# The driver connection a checkout is creating a DBAPI wrapper for, and the acquisition (the
+# pool's proxy) it is lent under (read by `_creator`).
+_connecting: ContextVar[tuple[Any, Any] | None] = ContextVar(
+    "idem_middleware_sqla_connecting", default=None
+)
 
 
-def _driver_connection(connection: Any) -> Any:
-    # A pool hands out a proxy per acquisition (and `_Statements` wraps the connection behind
-    # one): the adapter is kept per real connection.
-    if isinstance(connection, _Statements):
-        return connection.driver
-    return raw_connection(connection) or connection
+def _released() -> InterfaceError:
+    return InterfaceError(
+        "the claim's connection has been released back to the pool: writes after the response "
+        "started (or after the claim ended) are outside the claim; use a connection of your own"
+    )
+
+
+def _statements(record: ConnectionPoolEntry) -> _Statements | None:
+    statements = record.driver_connection if record.dbapi_connection is not None else None
+    return statements if isinstance(statements, _Statements) else None
 
 
 class ClaimDialect(PGDialect_asyncpg):
@@ -101,7 +113,7 @@ class ClaimPool(Pool):
     def __init__(self, creator: Any, **kw: Any) -> None:
         super().__init__(creator, **kw)
         self._records: dict[Any, ConnectionPoolEntry] = {}  # driver connection -> its entry
-        self._out: set[Any] = set()  # driver connections checked out right now
+        self._out: dict[Any, ConnectionPoolEntry] = {}  # ... -> its entry, while checked out
 
     def _do_get(self) -> ConnectionPoolEntry:
         context = current_context()
@@ -115,39 +127,59 @@ class ClaimPool(Pool):
             raise ConfigurationError(
                 "this claim has no database connection: SQLAlchemy sessions need PostgresStore"
             )
-        driver = _driver_connection(connection)
-        if driver in self._out:
-            raise RuntimeError(
-                "the claim's connection is already in use by another SQLAlchemy connection: "
-                "use one session per request (a FastAPI dependency gives every dependant the "
-                "same one)"
-            )
+        driver = raw_connection(connection)  # the connection behind the claim's proxy
+        if driver is None:  # the claim gave it back already (a stream's session, say)
+            raise _released()
+        held = self._out.get(driver)
+        if held is not None:
+            lent = _statements(held)
+            if lent is not None and lent.proxy is connection:
+                raise RuntimeError(
+                    "the claim's connection is already in use by another SQLAlchemy connection: "
+                    "use one session per request (a FastAPI dependency gives every dependant the "
+                    "same one)"
+                )
+            # Still held by the session of a claim that has ended (a streaming response's): that
+            # entry stays bound to its released proxy (its statements fail); this claim gets one
+            # of its own.
+            del self._out[driver]
+            if self._records.get(driver) is held:
+                del self._records[driver]
         record = self._records.get(driver)
-        if record is None or record.dbapi_connection is None:
+        statements = _statements(record) if record is not None else None
+        if record is None or statements is None:
             # A connection the pool has not seen: forget the closed ones first.
             for old in [c for c in self._records if c.is_closed()]:
                 del self._records[old]
-            token = _connecting.set(driver)
+            token = _connecting.set((driver, connection))
             try:
                 record = self._create_connection()
             finally:
                 _connecting.reset(token)
             self._records[driver] = record
-        self._out.add(driver)
+        else:
+            statements.proxy = connection  # this claim's acquisition from now on
+        self._out[driver] = record
         return record
 
     def _do_return_conn(self, record: ConnectionPoolEntry) -> None:
-        dbapi_connection = record.dbapi_connection
-        if dbapi_connection is not None:
-            self._out.discard(_driver_connection(record.driver_connection))
+        # (An entry replaced while out, see `_do_get`, no longer stands for its connection.)
+        statements = _statements(record)
+        if statements is not None:
+            if self._out.get(statements.driver) is record:
+                del self._out[statements.driver]
         else:  # invalidated: its driver connection is no longer known
-            self._out = {c for c in self._out if self._records.get(c) is not record}
+            self._out = {c: r for c, r in self._out.items() if r is not record}
 
     def _close_connection(self, connection: Any, *, terminate: bool = False) -> None:
-        # The store owns the connection: SQLAlchemy only forgets its wrapper.
-        driver = _driver_connection(self._dialect.get_driver_connection(connection))
-        self._records.pop(driver, None)
-        self._out.discard(driver)
+        # The store owns the connection: SQLAlchemy only forgets its wrapper (if it is still
+        # the one kept for that connection).
+        statements = self._dialect.get_driver_connection(connection)
+        driver = getattr(statements, "driver", statements)
+        for entries in (self._records, self._out):
+            entry = entries.get(driver)
+            if entry is not None and entry.dbapi_connection is connection:
+                del entries[driver]
 
     def status(self) -> str:
         return f"ClaimPool: {len(self._records)} connections seen, {len(self._out)} in use"
@@ -168,21 +200,40 @@ class ClaimPool(Pool):
 
 class _Statements:
     """What SQLAlchemy's asyncpg adapter sees of a claim's connection: the connection, except
-    that `prepare` takes statements from asyncpg's own per-connection cache.
+    that `prepare` takes statements from asyncpg's own per-connection cache, and that it is the
+    connection only while the claim's acquisition (`proxy`) holds it.
 
     A PreparedStatement that `prepare` returns dies when its connection goes back to the pool,
     so the adapter's own statement cache (turned off) would be useless across requests; asyncpg's
     cache outlives releases, is shared with the store's statements, and follows
     `statement_cache_size` (0 for PgBouncer: unnamed statements).
+
+    Every use goes through `_live`: once the proxy was released (the claim ended, or its stream
+    started), the connection may already serve another request, and a statement raises
+    InterfaceError instead of running in that request's transaction.
     """
 
-    __slots__ = ("driver",)
+    __slots__ = ("driver", "proxy")
 
-    def __init__(self, connection: Any) -> None:
-        self.driver = connection
+    def __init__(self, driver: Any, proxy: Any) -> None:
+        self.driver = driver  # the real connection (the pool's entry is kept per one)
+        self.proxy = proxy  # the acquisition lent to the current checkout
+
+    def _live(self) -> Any:
+        if raw_connection(self.proxy) is not self.driver:
+            raise _released()
+        return self.driver
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self.driver, name)
+        return getattr(self._live(), name)
+
+    def is_closed(self) -> bool:
+        # Not for a released proxy: SQLAlchemy would invalidate the session's connection, and
+        # its end (commit or rollback, nothing left to do, see `_Savepoint`) would raise too.
+        return bool(self.driver.is_closed())
+
+    def transaction(self, **options: Any) -> _Savepoint:
+        return _Savepoint(self, self._live().transaction(**options))
 
     async def prepare(
         self,
@@ -191,14 +242,41 @@ class _Statements:
         name: str | None = None,
         timeout: float | None = None,  # noqa: ASYNC109 - asyncpg's signature
     ) -> Any:
-        return await prepare_cached(self.driver, query, timeout)
+        return await prepare_cached(self._live(), query, timeout)
+
+
+class _Savepoint:
+    """The session's transaction (a savepoint in the claim's). Once the claim's connection was
+    given back, the claim's transaction has ended with everything the session wrote in it:
+    committing or rolling back the savepoint then has nothing left to do (a write still pending
+    in the session fails at its flush)."""
+
+    __slots__ = ("_driver", "_proxy", "_tx")
+
+    def __init__(self, statements: _Statements, tx: Any) -> None:
+        self._proxy, self._tx = statements.proxy, tx
+        self._driver = statements.driver
+
+    def _held(self) -> bool:
+        return raw_connection(self._proxy) is self._driver
+
+    async def start(self) -> None:
+        await self._tx.start()
+
+    async def commit(self) -> None:
+        if self._held():
+            await self._tx.commit()
+
+    async def rollback(self) -> None:
+        if self._held():
+            await self._tx.rollback()
 
 
 async def _creator() -> Any:
-    driver = _connecting.get()
-    if driver is None:
+    connecting = _connecting.get()
+    if connecting is None:
         raise RuntimeError("a claim engine opens no connections of its own")
-    return _Statements(driver)
+    return _Statements(*connecting)
 
 
 def create_claim_engine(**options: Any) -> AsyncEngine:
