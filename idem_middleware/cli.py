@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import os
 import sys
 from collections.abc import Sequence
@@ -28,6 +29,34 @@ def _env_default(name: str, fallback: str | None = None) -> str | None:
     return os.environ.get(name, fallback)
 
 
+class _FromEnv(str):
+    """An option's default read from an environment variable, still text.
+
+    argparse converts a text default with the option's `type` only when the option is not
+    given, and turns a failure into a usage error (exit 2). A type function names the variable
+    when the text came from one.
+    """
+
+    env: str
+
+    def __new__(cls, text: str, env: str) -> _FromEnv:
+        self = super().__new__(cls, text)
+        self.env = env
+        return self
+
+
+def _env_typed(name: str, fallback: object) -> object:
+    """The default of an option with a `type`: the variable's text if it is set (not empty),
+    converted and checked by argparse when the option is not given; else `fallback`."""
+    text = os.environ.get(name, "")
+    return _FromEnv(text, name) if text.strip() else fallback
+
+
+def _shown(text: str) -> str:
+    """The argument in a type function's message: where it came from, if from the environment."""
+    return f"{text!r} (from {text.env})" if isinstance(text, _FromEnv) else repr(text)
+
+
 def _env_flag(name: str) -> bool:
     return os.environ.get(name, "").lower() in {"1", "true", "yes"}
 
@@ -36,10 +65,37 @@ def _positive_int(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        raise argparse.ArgumentTypeError(f"{_shown(text)} is not a whole number") from None
     if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+        raise argparse.ArgumentTypeError(f"{_shown(text)} must be at least 1")
     return value
+
+
+def _seconds(text: str, *, zero: bool) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{_shown(text)} is not a number of seconds") from None
+    if not math.isfinite(value) or value < 0 or (value == 0 and not zero):
+        least = "0 or more" if zero else "more than 0"
+        raise argparse.ArgumentTypeError(f"{_shown(text)} must be a finite number, {least}")
+    return value
+
+
+def _positive_seconds(text: str) -> float:
+    """Seconds, finite and > 0 (a bound, or a pause: 0 would be a busy loop)."""
+    return _seconds(text, zero=False)
+
+
+def _margin_seconds(text: str) -> float:
+    """Seconds, finite and >= 0."""
+    return _seconds(text, zero=True)
+
+
+def _audit_note(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an audit note is required (it goes into the audit trail)")
+    return text
 
 
 def _version() -> str:
@@ -96,13 +152,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--batch-size",
         type=_positive_int,
-        default=int(_env_default("IDEM_PURGE_BATCH_SIZE", "1000") or 1000),
+        default=_env_typed("IDEM_PURGE_BATCH_SIZE", 1000),
         help="rows per delete transaction (env IDEM_PURGE_BATCH_SIZE, default 1000)",
     )
     p.add_argument(
         "--max-batches",
         type=_positive_int,
-        default=int(_env_default("IDEM_PURGE_MAX_BATCHES", "1000") or 1000),
+        default=_env_typed("IDEM_PURGE_MAX_BATCHES", 1000),
         help="stop after this many batches (env IDEM_PURGE_MAX_BATCHES, default 1000)",
     )
 
@@ -160,7 +216,9 @@ def _parser() -> argparse.ArgumentParser:
         help="succeeded: it happened (2xx/3xx); failed_final: it was refused (4xx); retry: it "
         "did not happen, the client's next retry runs it again (lease mode only)",
     )
-    r.add_argument("--note", required=True, help="why: kept in the record's audit trail")
+    r.add_argument(
+        "--note", required=True, type=_audit_note, help="why: kept in the record's audit trail"
+    )
     r.add_argument(
         "--status", type=int, help="succeeded/failed_final: the status retries get (required)"
     )
@@ -182,7 +240,9 @@ def _parser() -> argparse.ArgumentParser:
         "get 409 outcome-unknown until it is resolved or reconciled",
     )
     record_options(ro)
-    ro.add_argument("--note", required=True, help="why: kept in the record's audit trail")
+    ro.add_argument(
+        "--note", required=True, type=_audit_note, help="why: kept in the record's audit trail"
+    )
 
     o = command("outbox", "publish, list and requeue outbox events")
     outbox_commands = o.add_subparsers(
@@ -202,24 +262,27 @@ def _parser() -> argparse.ArgumentParser:
     pub.add_argument(
         "--max-attempts",
         type=_positive_int,
-        default=int(_env_default("IDEM_OUTBOX_MAX_ATTEMPTS", "8") or 8),
+        default=_env_typed("IDEM_OUTBOX_MAX_ATTEMPTS", 8),
         help="park an event after this many failed sends (env IDEM_OUTBOX_MAX_ATTEMPTS)",
     )
     pub.add_argument(
-        "--send-timeout", type=float, default=10.0, help="seconds per send (default 10)"
+        "--send-timeout",
+        type=_positive_seconds,
+        default=10.0,
+        help="seconds per send, more than 0 (default 10)",
     )
     pub.add_argument(
         "--reservation-margin",
-        type=float,
+        type=_margin_seconds,
         default=5.0,
-        help="an event being sent is reserved for --send-timeout plus this; a publisher killed "
-        "mid-send leaves it to be sent again after that",
+        help="an event being sent is reserved for --send-timeout plus this (0 or more, default "
+        "5); a publisher killed mid-send leaves it to be sent again after that",
     )
     pub.add_argument(
         "--idle-seconds",
-        type=float,
+        type=_positive_seconds,
         default=1.0,
-        help="pause when nothing is due (default 1)",
+        help="pause when nothing is due, more than 0 (default 1)",
     )
     pub.add_argument("--once", action="store_true", help="publish one batch and exit")
     ol = action("list", "unsent events, oldest first")
@@ -241,7 +304,10 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--operation", default=None, help="one operation only")
     c.add_argument("--limit", type=_positive_int, default=100, help="records per run (default 100)")
     c.add_argument(
-        "--seconds", type=float, default=10.0, help="bound on each reconciler call (default 10)"
+        "--seconds",
+        type=_positive_seconds,
+        default=10.0,
+        help="bound on each reconciler call, more than 0 (default 10)",
     )
     return parser
 
@@ -277,7 +343,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # interpreter's own flush at exit does not fail again.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
-    except ValueError as exc:
+    except run.UsageError as exc:
         parser.error(str(exc))  # exits 2, like any other bad argument
     except (IdempotencyError, OSError, asyncpg.PostgresError, ImportError) as exc:
         print(f"idem-middleware: {exc}", file=sys.stderr)

@@ -1,8 +1,8 @@
 """What each `idem-middleware` command does and prints (the parser is in cli.py).
 
 Each command prints for a person by default and one JSON object (lists: one per line) with
-`--json`. A ValueError is a usage error (exit 2); IdempotencyError, OSError and database errors
-exit 1.
+`--json`. A UsageError is a bad argument (exit 2, with the usage); IdempotencyError, OSError and
+database errors exit 1. Any other exception is a bug and shows its traceback.
 """
 
 from __future__ import annotations
@@ -36,6 +36,11 @@ from .store.migrations import pending_versions
 from .store.postgres import PostgresStore
 
 Handler = Callable[[PostgresStore, argparse.Namespace], Awaitable[int]]
+
+
+class UsageError(Exception):
+    """An argument argparse could not check alone (it depends on another, or on an import):
+    exit 2 with the message, like any other bad argument."""
 
 
 def emit(args: argparse.Namespace, data: Mapping[str, Any], text: str) -> None:
@@ -142,7 +147,7 @@ def _key(args: argparse.Namespace) -> RecordKey:
         try:
             parsed = parse_idempotency_key([(b"idempotency-key", text.encode("latin-1"))])
         except Exception as exc:
-            raise ValueError(f"--key {text}: {exc}") from None
+            raise UsageError(f"--key {text}: {exc}") from None
         assert parsed is not None
         text = parsed
     return RecordKey(args.tenant, args.operation, text)
@@ -199,14 +204,16 @@ def _report(args: argparse.Namespace, verb: str, move: Move) -> None:
 
 async def resolve(store: PostgresStore, args: argparse.Namespace) -> int:
     to = Resolution(args.to)
+    key = _key(args)
     response = None
     if to is not Resolution.RETRY:
         if args.status is None:
-            raise ValueError("--status is required to resolve to succeeded or failed_final")
-        response = operator_response(to, args.status, args.body.encode(), args.content_type)
-    move = await resolve_record(
-        store, _key(args), to, note=args.note, response=response, again=args.again
-    )
+            raise UsageError("--status is required to resolve to succeeded or failed_final")
+        try:  # what retries would be served is checked before the record is read
+            response = operator_response(to, args.status, args.body.encode(), args.content_type)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+    move = await resolve_record(store, key, to, note=args.note, response=response, again=args.again)
     _report(args, "resolved", move)
     return 0
 
@@ -220,13 +227,13 @@ def load_app(spec: str) -> Any:
     """Import `module:attribute` as uvicorn does: from the current directory first."""
     module_name, sep, attribute = spec.partition(":")
     if not sep or not module_name or not attribute:
-        raise ValueError(f"--app {spec!r} is not module:attribute")
+        raise UsageError(f"--app {spec!r} is not module:attribute")
     if "" not in sys.path and os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     try:
         module = importlib.import_module(module_name)
     except Exception as exc:
-        raise ValueError(
+        raise UsageError(
             f"--app {spec}: cannot import {module_name!r} (from {os.getcwd()}): "
             f"{type(exc).__name__}: {exc}"
         ) from None
@@ -235,13 +242,13 @@ def load_app(spec: str) -> Any:
         try:
             target = getattr(target, part)
         except AttributeError:
-            raise ValueError(f"--app {spec}: module {module_name!r} has no {attribute!r}") from None
+            raise UsageError(f"--app {spec}: module {module_name!r} has no {attribute!r}") from None
     return target() if callable(target) and not hasattr(target, "router") else target
 
 
 async def reconcile(store: PostgresStore, args: argparse.Namespace) -> int:
     if not args.app:
-        raise ValueError("reconcile needs --app (or IDEM_APP) to find the reconcilers")
+        raise UsageError("reconcile needs --app (or IDEM_APP) to find the reconcilers")
     reconcilers = collect_reconcilers(load_app(args.app))
     report = await reconcile_unknown(
         store,
@@ -256,6 +263,7 @@ async def reconcile(store: PostgresStore, args: argparse.Namespace) -> int:
         "expired_leases": report.expired_leases,
         "verdicts": report.verdicts,
         "unreconcilable": report.unreconcilable,
+        "by_hand": report.by_hand,
     }
     lines = [
         f"examined {report.examined} unknown records; "
@@ -263,6 +271,10 @@ async def reconcile(store: PostgresStore, args: argparse.Namespace) -> int:
     ]
     lines += [f"  {verdict}: {n}" for verdict, n in sorted(report.verdicts.items())]
     lines += [f"  no reconciler for {op}: {n}" for op, n in sorted(report.unreconcilable.items())]
+    lines += [
+        f"  transactional, not reconciled (settle with resolve) for {op}: {n}"
+        for op, n in sorted(report.by_hand.items())
+    ]
     emit(args, data, "\n".join(lines))
     return 0
 
@@ -280,7 +292,7 @@ async def outbox(store: PostgresStore, args: argparse.Namespace) -> int:
         emit(args, {"requeued": requeued}, f"requeued {requeued} parked events")
         return 0
     if not args.url:
-        raise ValueError("outbox publish needs --url (or IDEM_OUTBOX_URL)")
+        raise UsageError("outbox publish needs --url (or IDEM_OUTBOX_URL)")
     import httpx  # the extra `httpx`; only the webhook publisher needs it
 
     async with httpx.AsyncClient(timeout=args.send_timeout) as client:

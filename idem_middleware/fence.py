@@ -5,18 +5,26 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-from .context import derive_downstream_key, key_digest, outcome_for_status
+from .context import derive_downstream_key, key_digest
 from .errors import FenceRollback, StaleGeneration
+from .outcomes import Outcome, outcome_for_status
 from .policy import Mode
 from .reconcile import Happened, NotHappened, ReconcileContext, Reconciler, StillUnknown
 from .store.base import RecordKey, Settlement, State, Store, StoredResponse
 
 logger = logging.getLogger("idem_middleware")
+
+#: What a client's retry is told when the reconciler failed (raised, timed out, or gave no usable
+#: answer): the record stays unknown.
+_FAILED = "Asking the downstream system failed; retry later."
+#: The record's state after a `Happened` answer, by the outcome its status means.
+_HAPPENED = {Outcome.SUCCEEDED: State.SUCCEEDED, Outcome.FAILED_FINAL: State.FAILED_FINAL}
 
 
 class Fence:
@@ -76,7 +84,7 @@ class Verdict(StrEnum):
     #: Did not happen: the caller may run it again (or allow the client's retry to).
     NOT_HAPPENED = "not-happened"
     STILL_UNKNOWN = "still-unknown"
-    #: The reconciler raised or ran out of time.
+    #: The reconciler raised, ran out of time, or returned no usable answer.
     FAILED = "failed"
     #: The record moved on meanwhile (someone else resolved it).
     CHANGED = "changed"
@@ -124,7 +132,7 @@ async def run_reconciler(
     except Exception:
         await fence.close()
         logger.warning("reconciler failed", extra=log, exc_info=True)
-        return ReconcileResult(Verdict.FAILED, "Asking the downstream system failed; retry later.")
+        return ReconcileResult(Verdict.FAILED, _FAILED)
     except BaseException:
         await fence.close()
         raise
@@ -136,17 +144,44 @@ async def run_reconciler(
     if isinstance(result, NotHappened):
         await fence.close()
         return ReconcileResult(Verdict.NOT_HAPPENED)
-    if not isinstance(result, Happened):
+    state = _settles_to(result)
+    if not isinstance(state, State):  # (State is a StrEnum: test for it, not for str)
+        # A reconciler's bug, handled as if it had raised: its writes roll back, the record
+        # stays unknown, and the batch (or the client's retry) goes on.
         await fence.close()
-        raise TypeError(f"a reconciler returned {result!r}")
-    state = {"succeeded": State.SUCCEEDED, "failed_final": State.FAILED_FINAL}.get(
-        outcome_for_status(result.status, Mode.LEASE).value
-    )
-    if state is None:
-        await fence.close()
-        raise ValueError(f"a reconciler cannot answer Happened({result.status})")
+        logger.warning("reconciler gave no usable answer: %s", state, extra=log)
+        return ReconcileResult(Verdict.FAILED, _FAILED)
+    assert isinstance(result, Happened)  # (_settles_to checked it)
     stored = StoredResponse(result.status, list(result.headers), result.body)
     if not await fence.settle(Settlement(state, stored, note="reconciled")):
         return ReconcileResult(Verdict.CHANGED)
     logger.info("reconciled as happened", extra={**log, "outcome": state.value})
     return ReconcileResult(Verdict.SETTLED)
+
+
+def _settles_to(result: object) -> State | str:
+    """The state a `Happened` answer settles the record to, or why the answer cannot be used.
+
+    The reason is logged: it names the type or the status a reconciler returned, never a body.
+    """
+    if not isinstance(result, Happened):
+        returned = "None" if result is None else type(result).__qualname__
+        return f"it returned {returned}, not Happened, NotHappened or StillUnknown"
+    status = result.status
+    if isinstance(status, bool) or not isinstance(status, int) or not 100 <= status <= 599:
+        return f"Happened({status!r:.40}): not an HTTP status"
+    state = _HAPPENED.get(outcome_for_status(status, Mode.LEASE)) if status >= 200 else None
+    if state is None:
+        return f"Happened({status}): not a final outcome (a 2xx, a 3xx or a final 4xx)"
+    if not isinstance(result.body, bytes):
+        return f"Happened({status}): its body is a {type(result.body).__qualname__}, not bytes"
+    headers = result.headers
+    if not isinstance(headers, Sequence) or not all(
+        isinstance(pair, tuple | list)
+        and len(pair) == 2
+        and isinstance(pair[0], bytes)
+        and isinstance(pair[1], bytes)
+        for pair in headers
+    ):
+        return f"Happened({status}): its headers are not (bytes, bytes) pairs"
+    return state

@@ -209,6 +209,10 @@ class ReconcileReport:
     verdicts: dict[str, int] = field(default_factory=dict)
     #: Operations that had unknown records but no reconciler.
     unreconcilable: dict[str, int] = field(default_factory=dict)
+    #: Operations whose unknown records are transactional-mode (reopened by an operator): no
+    #: reconciler runs on them, since a transactional record's writes committed with its
+    #: outcome and cannot be released for a retry; settle them with `resolve`.
+    by_hand: dict[str, int] = field(default_factory=dict)
 
 
 async def reconcile_unknown(
@@ -223,6 +227,7 @@ async def reconcile_unknown(
     """Settle unknown records (and pending ones whose lease lapsed) by asking their reconcilers.
 
     `Happened` settles the record; `NotHappened` lets the client's next retry run it again.
+    Only lease-mode records are reconciled: transactional ones are counted in `by_hand`.
     """
     report = ReconcileReport()
     stale = await store.list_records(
@@ -236,17 +241,22 @@ async def reconcile_unknown(
     )
     for summary in unknown:
         report.examined += 1
-        reconciler = reconcilers.get(summary.key.operation)
+        op = summary.key.operation
+        if summary.mode != "lease":
+            report.by_hand[op] = report.by_hand.get(op, 0) + 1
+            continue
+        reconciler = reconcilers.get(op)
         if reconciler is None:
-            op = summary.key.operation
             report.unreconcilable[op] = report.unreconcilable.get(op, 0) + 1
             continue
         result = await run_reconciler(
             store, summary.key, summary.generation, reconciler, seconds=seconds, epoch=summary.epoch
         )
         verdict = result.verdict
-        if verdict is Verdict.NOT_HAPPENED:
-            await store.allow_retry(summary.key, summary.generation, "reconciled: not happened")
+        if verdict is Verdict.NOT_HAPPENED and not await store.allow_retry(
+            summary.key, summary.generation, "reconciled: not happened"
+        ):
+            verdict = Verdict.CHANGED  # someone else moved it meanwhile
         report.verdicts[verdict.value] = report.verdicts.get(verdict.value, 0) + 1
     return report
 

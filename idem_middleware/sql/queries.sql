@@ -287,13 +287,15 @@ SELECT count(*) AS released, pg_notify('idem_middleware', $5) AS notified FROM r
 -- name: allow_retry
 -- An operator (or a reconciler run by the CLI) decided an unknown request did not happen: it
 -- becomes claimable by the client's next retry, under a new generation and with no lease.
+-- Lease mode only: a transactional record's writes committed with its outcome, and no
+-- transactional claim would take a pending record over (it would stay pending for good).
 -- $1 tenant, $2 operation, $3 key, $4 generation, $5 note, $6 notification payload
 WITH moved AS (
     UPDATE idem_requests
     SET state = 'pending', generation = nextval('idem_generation_seq'), updated_at = now(),
         lease_expires_at = NULL, note = $5
     WHERE tenant = $1 AND operation = $2 AND idem_key = $3 AND generation = $4
-      AND state = 'unknown'
+      AND state = 'unknown' AND mode = 'lease'
     RETURNING 1
 )
 SELECT count(*) AS moved, pg_notify('idem_middleware', $6) AS notified FROM moved;

@@ -293,7 +293,9 @@ class Store(Protocol):
         """Delete a pending claim whose request did nothing; wake waiters."""
 
     async def allow_retry(self, key: RecordKey, generation: int, note: str) -> bool:
-        """unknown -> pending without a lease: the client's next retry takes it over."""
+        """unknown -> pending without a lease, lease mode only (a transactional record committed
+        its handler's writes with its outcome): the client's next retry takes it over. False when
+        nothing moved."""
 
     async def amend(self, key: RecordKey, generation: int, expected: State, s: Settlement) -> bool:
         """An operator's move from `expected` under `generation`: like `settle`, but `s.note` is

@@ -157,7 +157,7 @@ class MemoryStore(OffPathOperations):
     async def allow_retry(self, key: RecordKey, generation: int, note: str) -> bool:
         async with self._row_lock(key):
             row = self._current(key, generation, State.UNKNOWN)
-            if row is None:
+            if row is None or row.mode != "lease":  # lease mode only, as on PostgreSQL
                 return False
             self._rows[key] = replace(
                 row,
