@@ -157,7 +157,11 @@ async def resolve(
             raise ValueError(f"resolving to {to.value} needs the status to replay")
         check_response(to, response)
     record = await _record(store, key)
-    if record.state is State.PENDING:
+    # A transactional record is committed with its outcome, never pending: one that reads
+    # pending was released for a retry by an older version's reconcile, and nothing else can
+    # ever settle it (no lease lapses), so an operator may, to an outcome (never a retry).
+    wedged = record.state is State.PENDING and record.mode != "lease"
+    if record.state is State.PENDING and not wedged:
         raise ResolveError(
             "only unknown records can be resolved; this one is pending (a request is running "
             "it, or it is released for the client's retry)"
@@ -174,7 +178,7 @@ async def resolve(
         )
     after = State.PENDING if to is Resolution.RETRY else State(to.value)
     status = None if response is None else response.status
-    action = "resolve" if record.state is State.UNKNOWN else "re-resolve"
+    action = "re-resolve" if record.state in FINAL_STATES else "resolve"
     line = _audit_line(action, record, after, status, text)
     if not await store.amend(
         key, record.generation, record.state, Settlement(after, response, note=line)

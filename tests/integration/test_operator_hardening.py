@@ -18,7 +18,14 @@ from starlette.responses import JSONResponse
 from idem_middleware import Mode, cli_commands, idempotent
 from idem_middleware import cli as cli_module
 from idem_middleware.fence import Verdict, run_reconciler
-from idem_middleware.ops import Resolution, operator_response, reconcile_unknown, reopen, resolve
+from idem_middleware.ops import (
+    Resolution,
+    ResolveError,
+    operator_response,
+    reconcile_unknown,
+    reopen,
+    resolve,
+)
 from idem_middleware.reconcile import Happened, NotHappened, ReconcileContext, Reconciliation
 from idem_middleware.store import Claimed
 from idem_middleware.store.base import RecordKey, Settlement, State, Store, StoredResponse
@@ -102,6 +109,58 @@ async def test_reconcile_leaves_a_reopened_transactional_record_to_resolve(store
         replay = await c.post("/txpay", headers=HEADERS, json={"a": 1})
         assert (replay.status_code, replay.headers.get("idempotent-replayed")) == (201, "true")
     assert ran == [1]
+
+
+async def test_a_transactional_record_an_older_reconcile_left_pending_can_be_resolved(
+    pg_store: Store, pool: Any
+) -> None:
+    """A transactional record that reads pending (committed) can only be one an older version's
+    reconcile released: no lease lapses to free it, and every retry was 409. An operator may
+    settle it to an outcome, never release it for a retry (its writes committed)."""
+    ran: list[int] = []
+
+    async def pay(request: Request) -> JSONResponse:
+        await request.body()
+        ran.append(1)
+        return JSONResponse({"n": len(ran)}, status_code=201)
+
+    app = one_route_app("/txpay", idempotent()(pay), store=pg_store)
+    record_key = RecordKey("tenant-a", "POST /txpay", "k")
+    async with client(app) as c:
+        assert (await c.post("/txpay", headers=HEADERS, json={"a": 1})).status_code == 201
+        # What reopen, then the old reconcile's allow_retry, did to it:
+        await reopen(pg_store, record_key, note="the bank lost it")
+        await pool.execute(
+            "UPDATE idem_requests SET state = 'pending', lease_expires_at = NULL, "
+            "generation = nextval('idem_generation_seq') WHERE idem_key = 'k'"
+        )
+        assert_problem(
+            await c.post("/txpay", headers=HEADERS, json={"a": 1}), 409, "request-in-flight"
+        )
+        with pytest.raises(ResolveError, match="cannot be released for a retry"):
+            await resolve(pg_store, record_key, Resolution.RETRY, note="try again")
+        created = operator_response(Resolution.SUCCEEDED, 201, b'{"n": 1}')
+        await resolve(pg_store, record_key, Resolution.SUCCEEDED, note="it ran", response=created)
+        replay = await c.post("/txpay", headers=HEADERS, json={"a": 1})
+        assert (replay.status_code, replay.headers.get("idempotent-replayed")) == (201, "true")
+    assert ran == [1]
+
+
+async def test_a_lease_record_in_flight_is_still_not_resolved(pg_store: Store, pool: Any) -> None:
+    await pool.execute(
+        "INSERT INTO idem_requests (tenant, operation, idem_key, fingerprint, state, mode, "
+        "retention, lease_expires_at) VALUES ('t', 'POST /payouts', 'running', '\\x00', "
+        "'pending', 'lease', interval '1 day', now() + interval '1 minute')"
+    )
+    created = operator_response(Resolution.SUCCEEDED, 201, b"{}")
+    with pytest.raises(ResolveError, match="pending"):
+        await resolve(
+            pg_store,
+            RecordKey("t", "POST /payouts", "running"),
+            Resolution.SUCCEEDED,
+            note="no",
+            response=created,
+        )
 
 
 async def test_cli_reconcile_reports_transactional_records_to_resolve(
