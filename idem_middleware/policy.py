@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import math
+import numbers
 from collections.abc import Callable, Collection, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -100,30 +102,33 @@ class Policy:
     replay_hook: ReplayHook | None = None
 
     def __post_init__(self) -> None:
-        if self.max_body_bytes < 0 or self.max_response_bytes < 0:
-            raise ConfigurationError("body caps must not be negative")
-        if self.max_fields < 1 or self.max_json_values < 1:
-            raise ConfigurationError("max_fields and max_json_values must be at least 1")
-        if self.wait_seconds < 0:
-            raise ConfigurationError("wait_seconds must not be negative")
-        if self.retention_seconds <= 0:
-            raise ConfigurationError("retention_seconds must be positive")
-        if self.lease_seconds <= 0:
-            raise ConfigurationError("lease_seconds must be positive")
-        if self.retry_after_seconds < 0:
-            raise ConfigurationError("retry_after_seconds must not be negative")
-        if self.reconcile_timeout_seconds <= 0:
-            raise ConfigurationError("reconcile_timeout_seconds must be positive")
-        if self.max_serialization_retries < 0:
-            raise ConfigurationError("max_serialization_retries must not be negative")
-        object.__setattr__(self, "exclude_fields", names(self.exclude_fields, "exclude_fields"))
-        include = names(self.include_fields, "include_fields")
-        for pointer in include:
-            if pointer.startswith("/") and not is_json_pointer(pointer):
+        # Values from a config file arrive as strings and floats: each option is checked (and an
+        # enum's value turned into its member) here, so a mistake fails now, not on a request.
+        for option in _FLAGS:
+            _flag(self, option)
+        object.__setattr__(self, "mode", _member(Mode, self.mode, "mode"))
+        object.__setattr__(
+            self, "on_lease_expiry", _member(LeaseExpiry, self.on_lease_expiry, "on_lease_expiry")
+        )
+        for option, low, high in _COUNTS:
+            object.__setattr__(self, option, _count(getattr(self, option), option, low, high))
+        for option, positive in _DURATIONS:
+            object.__setattr__(self, option, _seconds(getattr(self, option), option, positive))
+        if self.reconciler is not None:
+            if not callable(self.reconciler):
                 raise ConfigurationError(
-                    f"include_fields: {pointer!r} is not a JSON Pointer (~ must be ~0 or ~1)"
+                    f"reconciler must be an async function of a ReconcileContext, "
+                    f"not {self.reconciler!r}"
                 )
-        object.__setattr__(self, "include_fields", include)
+            if self.mode is not Mode.LEASE:
+                raise ConfigurationError(
+                    "reconciler is a lease-mode option, and this policy is transactional: a "
+                    "transactional request's outcome is never unknown (its writes commit or roll "
+                    "back with the claim), so there is nothing to reconcile. Set "
+                    "mode=Mode.LEASE for effects outside the database, or drop the reconciler"
+                )
+        object.__setattr__(self, "exclude_fields", fields(self.exclude_fields, "exclude_fields"))
+        object.__setattr__(self, "include_fields", fields(self.include_fields, "include_fields"))
         object.__setattr__(self, "key_source", as_key_source(self.key_source))
         if self.replay_hook is not None and not callable(self.replay_hook):
             raise ConfigurationError(f"replay_hook must be callable, not {self.replay_hook!r}")
@@ -150,6 +155,92 @@ def names(value: Any, option: str) -> tuple[str, ...]:
         if not isinstance(item, str):
             raise ConfigurationError(f"{option} must hold strings; {item!r} is not one")
     return items
+
+
+def fields(value: Any, option: str) -> tuple[str, ...]:
+    """`include_fields` or `exclude_fields`: names, or JSON Pointers that must be well formed."""
+    items = names(value, option)
+    for item in items:
+        if item.startswith("/") and not is_json_pointer(item):
+            raise ConfigurationError(
+                f"{option}: {item!r} is not a JSON Pointer (~ must be ~0 or ~1): write ~0 for "
+                f"a ~ and ~1 for a / inside a member's name"
+            )
+    return items
+
+
+#: The longest duration a policy takes, in seconds: 100 years (365-day years). Far past any
+#: sensible setting, and well inside what PostgreSQL's interval and timestamp arithmetic holds
+#: (`now() + retention`; its timestamps end in the year 294276).
+MAX_SECONDS = 100 * 365 * 24 * 3600
+
+_FLAGS = ("guard", "key_required", "allow_anonymous", "accept_while_in_flight", "require_token")
+#: The integer options: name, least value, greatest value (None: no bound).
+_COUNTS: tuple[tuple[str, int, int | None], ...] = (
+    ("max_body_bytes", 0, None),
+    ("max_response_bytes", 0, None),
+    ("max_fields", 1, None),
+    ("max_json_values", 1, None),
+    ("retry_after_seconds", 0, MAX_SECONDS),
+    ("max_serialization_retries", 0, None),
+)
+#: The durations, in seconds: name, and whether zero is refused.
+_DURATIONS = (
+    ("wait_seconds", False),
+    ("retention_seconds", True),
+    ("lease_seconds", True),
+    ("reconcile_timeout_seconds", True),
+)
+
+E = TypeVar("E", Mode, LeaseExpiry)
+
+
+def _flag(policy: Policy, option: str) -> None:
+    value = getattr(policy, option)
+    if not isinstance(value, bool):
+        raise ConfigurationError(f"{option} must be True or False, not {value!r}")
+
+
+def _member(enum: type[E], value: Any, option: str) -> E:
+    """An enum option: its member, or its value as a string (from a config file)."""
+    if isinstance(value, enum):
+        return value
+    if isinstance(value, str):
+        try:
+            return enum(value)
+        except ValueError:
+            pass
+    choices = ", ".join(f"{m.value!r} ({enum.__name__}.{m.name})" for m in enum)
+    raise ConfigurationError(f"{option} must be one of {choices}; not {value!r}")
+
+
+def _count(value: Any, option: str, low: int, high: int | None) -> int:
+    """An integer option (a bool or a float is a mistake, not a number of bytes or fields)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ConfigurationError(f"{option} must be an integer (int), not {value!r}")
+    number = int(value)
+    if number < low or (high is not None and number > high):
+        bound = f"at least {low}" if high is None else f"from {low} to {high}"
+        raise ConfigurationError(f"{option} must be {bound}, not {number}")
+    return number
+
+
+def _seconds(value: Any, option: str, positive: bool) -> float:
+    """A duration: a finite number of seconds, positive or not negative, at most MAX_SECONDS."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ConfigurationError(f"{option} must be a number of seconds, not {value!r}")
+    number = value if isinstance(value, int | float) else float(value)
+    if not math.isfinite(number):
+        raise ConfigurationError(f"{option} must be a finite number of seconds, not {value!r}")
+    if positive and number <= 0:
+        raise ConfigurationError(f"{option} must be positive, not {value!r}")
+    if number < 0:
+        raise ConfigurationError(f"{option} must not be negative, not {value!r}")
+    if number > MAX_SECONDS:
+        raise ConfigurationError(
+            f"{option} must be at most {MAX_SECONDS} seconds (100 years), not {value!r}"
+        )
+    return number
 
 
 def idempotent(policy: Policy | None = None, /, **options: Any) -> Callable[[F], F]:

@@ -9,11 +9,11 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from starlette.routing import BaseRoute
+from starlette.routing import BaseRoute, Host, Match, Mount
 
 from .errors import ConfigurationError
 from .policy import Mode, Policy, endpoint_policy, operation_name
-from .routing import Found, Hidden, routes_of, walk
+from .routing import Found, Hidden, match_route, routes_of, walk
 from .tenant import AUTH_FIX, authenticated_user_tenant
 
 if TYPE_CHECKING:
@@ -75,6 +75,7 @@ def check_app(mw: IdempotencyMiddleware, app: Any) -> None:
         logger.warning("idempotency: policies[%r] matches no route; it can never apply", name)
     if guarded and app is not None:
         _check_authentication(mw, app, [p for _, p in guarded])
+    errors.extend(_status_route_errors(mw, routes, guarded))
     if errors:
         raise ConfigurationError("; ".join(errors))
 
@@ -137,31 +138,113 @@ def _dependency_calls(dependant: Any) -> Iterator[Callable[..., Any]]:
         yield from _dependency_calls(dependency)
 
 
-def _dependency_errors(item: Found, per_method: dict[str, Policy | None]) -> list[str]:
-    """A FastAPI route that takes the claim's context or connection must be guarded for every
-    method it accepts, with the key required (and, for the connection, in transactional mode):
-    otherwise it fails on every such request."""
+def _claim_dependency(calls: set[Callable[..., Any]]) -> tuple[str, bool] | None:
+    """The claim dependency a route declares, if any: its name, and whether it needs
+    transactional mode. Each is recognised by identity, from its module if it was imported (a
+    route cannot declare one whose module was not): nothing optional is imported here."""
     fastapi_wiring = sys.modules.get("idem_middleware.fastapi")
+    if fastapi_wiring is not None and fastapi_wiring.transaction_connection in calls:
+        return "IdempotencyConnection", True
+    sqla = sys.modules.get("idem_middleware.sqla")
+    if sqla is not None and any(_is_claim_session(sqla, call) for call in calls):
+        return "ClaimSession", False
+    if fastapi_wiring is not None and fastapi_wiring.idempotency_context in calls:
+        return "Idempotency", False
+    return None
+
+
+def _is_claim_session(sqla: Any, call: Callable[..., Any]) -> bool:
+    """`claim_session` (what `ClaimSession` depends on), or a `ClaimSessions(...).dependency`."""
+    if call is getattr(sqla, "claim_session", None):
+        return True
+    sessions = getattr(sqla, "ClaimSessions", None)
+    owner = getattr(call, "__self__", None)
+    return (
+        sessions is not None
+        and isinstance(owner, sessions)
+        and getattr(call, "__name__", None) == "dependency"
+    )
+
+
+def _dependency_errors(item: Found, per_method: dict[str, Policy | None]) -> list[str]:
+    """A FastAPI route that takes the claim's context, connection or SQLAlchemy session must be
+    guarded for every method it accepts, with the key required (and, for the connection, in
+    transactional mode): otherwise it fails on every such request."""
     dependant = getattr(item.route, "dependant", None)
-    if fastapi_wiring is None or dependant is None:
+    if dependant is None:
         return []
-    calls = set(_dependency_calls(dependant))
-    wants_connection = fastapi_wiring.transaction_connection in calls
-    if not wants_connection and fastapi_wiring.idempotency_context not in calls:
+    wanted = _claim_dependency(set(_dependency_calls(dependant)))
+    if wanted is None:
         return []
-    what = "IdempotencyConnection" if wants_connection else "Idempotency"
+    what, transactional_only = wanted
     errors = []
     for method, policy in per_method.items():
         if policy is None:
             problem = "is not guarded"
         elif not policy.key_required:
             problem = "lets a request without a key through (key_required=False)"
-        elif wants_connection and policy.mode is not Mode.TRANSACTIONAL:
+        elif transactional_only and policy.mode is not Mode.TRANSACTIONAL:
             problem = "is in lease mode (use Idempotency and idem.fenced_connection())"
         else:
             continue
         errors.append(f"{operation_name(method, item.template)} declares {what} but {problem}")
     return errors
+
+
+def _status_route_errors(
+    mw: IdempotencyMiddleware, routes: Sequence[BaseRoute], guarded: list[tuple[str, Policy]]
+) -> list[str]:
+    """A policy with `accept_while_in_flight` answers a duplicate with 202 + Location of the
+    status resource: some route of the app must serve it, or the client polls a 404 (and may
+    take it for "unknown request" and send it again under a new key)."""
+    accepting = [name for name, policy in guarded if policy.accept_while_in_flight]
+    if not accepting:
+        return []
+    path = mw.status_path
+    served = _serves(routes, {"type": "http", "method": "GET", "path": path, "headers": []})
+    if served:
+        return []
+    which = ", ".join(accepting)
+    if served is None:
+        logger.warning(
+            "idempotency: accept_while_in_flight on %s answers a duplicate in flight with 202 + "
+            "Location %s, a path that goes to a mounted application whose routes cannot be "
+            "seen: make sure it serves idem_middleware.status.status_route(store)",
+            which,
+            path,
+        )
+        return []
+    return [
+        f"accept_while_in_flight=True on {which} answers a duplicate in flight with 202 + "
+        f"Location {path}?..., but no route of the app serves GET {path}: add "
+        f"idem_middleware.status.status_route(store) to the app's routes (its path must be the "
+        f"middleware's status_path, {path!r}), or set status_path to where it is served"
+    ]
+
+
+def _serves(routes: Sequence[BaseRoute], scope: dict[str, Any]) -> bool | None:
+    """Whether a GET of `scope["path"]` reaches a route, as the router would find it; None when
+    it may reach a mounted application whose routes cannot be seen. A `Host`'s routes count
+    whatever the host: the Location keeps the one the client used."""
+    unknown = False
+    for route in routes:
+        found: bool | None
+        if isinstance(route, Host):
+            inner = routes_of(route.app)
+            found = None if inner is None else _serves(inner, scope)
+        elif isinstance(route, Mount):
+            match, child = route.matches(scope)
+            if match is not Match.FULL:
+                continue
+            inner = routes_of(route.app)
+            # The router hands the request to the first mount that matches, found or not.
+            return None if inner is None else _serves(inner, {**scope, **child})
+        else:
+            found = match_route([route], scope) is not None
+        if found:
+            return True
+        unknown = unknown or found is None
+    return None if unknown else False
 
 
 def _check_authentication(mw: IdempotencyMiddleware, app: Any, policies: list[Policy]) -> None:

@@ -35,6 +35,7 @@ from idem_middleware.reconcile import (
     Reconciler,
     Reconciliation,
 )
+from idem_middleware.status import status_route
 from idem_middleware.store.base import Store
 from tests.apps.clients import BearerBackend
 from tests.apps.transactional import LEDGER_INSERT
@@ -192,7 +193,7 @@ def build_lease_app(
 ) -> Starlette:
     """`POST /payouts` under `policy`; `pool` is the bank's (the downstream table's) connection."""
     app = Starlette(
-        routes=[Route(PAYOUTS, payout, methods=["POST"])],
+        routes=[Route(PAYOUTS, payout, methods=["POST"]), status_route(store)],
         middleware=[
             Middleware(AuthenticationMiddleware, backend=BearerBackend()),
             Middleware(
