@@ -34,7 +34,7 @@ from .jobs_spec import JobSpec
 from .jobs_spec import KeyOf as KeyOf
 from .jobs_transactional import run_transactional
 from .keys import MAX_KEY_LENGTH
-from .policy import LeaseExpiry, Mode
+from .policy import LeaseExpiry, Mode, Policy, seconds_option
 from .store.base import RecordKey, Store
 
 __all__ = [
@@ -105,8 +105,17 @@ def idempotent_job(
     """
     if not operation:
         raise ConfigurationError("a job needs an operation name")
-    if mode is Mode.LEASE and lease_seconds <= 0:
-        raise ConfigurationError("lease_seconds must be positive")
+    # The options a Policy shares with a job are checked (and a mode given as a string turned
+    # into its member) as a Policy checks them.
+    checked = Policy(
+        mode=mode,
+        retention_seconds=retention_seconds,
+        wait_seconds=wait_seconds,
+        lease_seconds=lease_seconds,
+        on_lease_expiry=on_lease_expiry,
+        max_serialization_retries=max_serialization_retries,
+    )
+    acquire_timeout = seconds_option(acquire_timeout, "acquire_timeout", positive=True)
 
     def decorate(fn: Callable[..., Awaitable[R]]) -> Callable[..., Awaitable[Any]]:
         job = JobSpec(
@@ -115,13 +124,13 @@ def idempotent_job(
             operation=operation,
             key_of=_key_function(key),
             tenant_of=tenant if callable(tenant) else (lambda *a, **k: tenant),
-            mode=mode,
-            retention_seconds=retention_seconds,
-            wait_seconds=wait_seconds,
-            lease_seconds=lease_seconds,
-            on_lease_expiry=on_lease_expiry,
+            mode=checked.mode,
+            retention_seconds=checked.retention_seconds,
+            wait_seconds=checked.wait_seconds,
+            lease_seconds=checked.lease_seconds,
+            on_lease_expiry=checked.on_lease_expiry,
             acquire_timeout=acquire_timeout,
-            max_serialization_retries=max_serialization_retries,
+            max_serialization_retries=checked.max_serialization_retries,
         )
 
         @functools.wraps(fn)

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
-import math
 import os
 import sys
 from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
@@ -28,6 +27,7 @@ from .policy import (
     endpoint_policy,
     names,
     operation_name,
+    seconds_option,
 )
 from .responses import DEFAULT_PROBLEM_BASE, send_problem
 from .routing import Trace, Unresolved, match_route, routed_above, routes_of
@@ -79,14 +79,7 @@ def _check_arguments(
         raise ConfigurationError(f"default_policy must be a Policy, not {default_policy!r}")
     if not callable(tenant_resolver):
         raise ConfigurationError(f"tenant_resolver must be a function, not {tenant_resolver!r}")
-    if (
-        isinstance(acquire_timeout, bool)
-        or not isinstance(acquire_timeout, int | float)
-        or not 0 < acquire_timeout < math.inf
-    ):
-        raise ConfigurationError(
-            f"acquire_timeout must be a positive number of seconds, not {acquire_timeout!r}"
-        )
+    seconds_option(acquire_timeout, "acquire_timeout", positive=True)
     if enabled is not None and not isinstance(enabled, bool):
         raise ConfigurationError(f"enabled must be True, False or None, not {enabled!r}")
     if not isinstance(status_path, str) or not status_path.startswith("/"):

@@ -113,7 +113,9 @@ class Policy:
         for option, low, high in _COUNTS:
             object.__setattr__(self, option, _count(getattr(self, option), option, low, high))
         for option, positive in _DURATIONS:
-            object.__setattr__(self, option, _seconds(getattr(self, option), option, positive))
+            object.__setattr__(
+                self, option, seconds_option(getattr(self, option), option, positive=positive)
+            )
         if self.reconciler is not None:
             if not callable(self.reconciler):
                 raise ConfigurationError(
@@ -225,7 +227,7 @@ def _count(value: Any, option: str, low: int, high: int | None) -> int:
     return number
 
 
-def _seconds(value: Any, option: str, positive: bool) -> float:
+def seconds_option(value: Any, option: str, *, positive: bool) -> float:
     """A duration: a finite number of seconds, positive or not negative, at most MAX_SECONDS."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ConfigurationError(f"{option} must be a number of seconds, not {value!r}")

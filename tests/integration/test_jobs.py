@@ -8,7 +8,8 @@ from typing import Any
 import asyncpg
 import pytest
 
-from idem_middleware import IdempotencyContext, Mode, Outcome
+from idem_middleware import IdempotencyContext, MemoryStore, Mode, Outcome
+from idem_middleware.errors import ConfigurationError
 from idem_middleware.jobs import JobInProgress, JobKeyReused, JobOutcomeUnknown, idempotent_job
 from idem_middleware.store.base import RecordKey, State, Store
 from idem_middleware.store.postgres import PostgresStore
@@ -141,3 +142,34 @@ async def test_a_job_writes_through_a_claim_session(pool: asyncpg.Pool[Any]) -> 
             assert await write(k=f"{mode.value}-ok", fail=False) == f"{mode.value}-ok"
         rows = [r["account_id"] for r in await pool.fetch("SELECT account_id FROM test_ledger")]
         assert sorted(rows) == ["lease-ok", "transactional-ok"]
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"mode": "bogus"},
+        {"retention_seconds": float("nan")},
+        {"wait_seconds": float("inf")},
+        {"lease_seconds": 0},
+        {"acquire_timeout": -1},
+        {"max_serialization_retries": 1.5},
+    ],
+)
+def test_a_job_with_an_option_that_cannot_work_is_refused_when_decorated(
+    options: dict[str, Any],
+) -> None:
+    with pytest.raises(ConfigurationError, match=next(iter(options))):
+        idempotent_job(MemoryStore(), operation="charge", key="id", **options)
+
+
+async def test_a_jobs_mode_given_as_its_value_is_the_mode() -> None:
+    store = MemoryStore()
+
+    @idempotent_job(store, operation="charge", key="id", mode="lease")  # type: ignore[arg-type]
+    async def charge(ctx: IdempotencyContext, id: str) -> int:
+        return 1
+
+    assert await charge(id="x") == 1
+    summary = await store.describe(RecordKey("", "charge", "x"))
+    assert summary is not None
+    assert summary.mode == "lease"
