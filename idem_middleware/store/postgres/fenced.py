@@ -3,6 +3,7 @@ generation that fenced the record (in one message on the fast path, see fused.py
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from ...errors import StaleGeneration, StoreError
@@ -10,7 +11,9 @@ from ..base import RecordKey, Settlement, State
 from . import compat
 from .convert import _Q, ACQUIRE_ERRORS, CONNECTION_ERRORS, TRANSLATED, settle_args, translate
 from .fused import FastPath
-from .runner import give_back
+from .runner import discard, give_back
+
+logger = logging.getLogger("idem_middleware.store")
 
 
 class PgFenced:
@@ -97,13 +100,13 @@ class Fencing:
             except CONNECTION_ERRORS as exc:
                 raise StoreError(str(exc)) from exc
             if not held:
-                await tx.rollback()
+                await _roll_back(tx, conn)
                 raise StaleGeneration(
                     f"generation {self._generation} no longer holds the record; its writes are "
                     "refused"
                 )
         except BaseException:
-            await self._pool.release(conn)
+            await give_back(self._pool, conn)
             raise
         session = self._session = PgFenced(
             conn, tx, fast, self._key, self._generation, self._expected
@@ -116,7 +119,7 @@ class Fencing:
         try:
             if not session.committed:
                 if exc_type is not None:
-                    await session._tx.rollback()
+                    await _roll_back(session._tx, session.connection)
                 else:
                     try:
                         await session._tx.commit()
@@ -138,3 +141,14 @@ class Fencing:
         await tx.start()
         held = await conn.fetchval(_Q["fence"], *args)
         return tx, held is not None, None
+
+
+async def _roll_back(tx: Any, conn: Any) -> None:
+    """Roll the fenced transaction back. On a lost connection the server rolled it back already:
+    the connection is terminated (its release then sends nothing to a dead connection) and the
+    error that ended the block, if any, is the one that stands."""
+    try:
+        await tx.rollback()
+    except CONNECTION_ERRORS:
+        logger.debug("rollback on a lost connection", exc_info=True)
+        discard(conn)

@@ -11,19 +11,41 @@ import asyncpg
 
 from ...errors import StoreError
 from . import compat
-from .convert import SERVER_ERROR, TRANSLATED, translate
+from .convert import CONNECTION_ERRORS, SERVER_ERROR, TRANSLATED, translate
 
 logger = logging.getLogger("idem_middleware.store")
 
 
+#: What a release may raise for a connection that cannot be reused: a reset the server refuses,
+#: or a connection that is gone (dropped by the server or the network after its last statement:
+#: asyncpg then reports an OSError, an InterfaceError or an InternalClientError).
+RELEASE_ERRORS: tuple[type[BaseException], ...] = (SERVER_ERROR, *CONNECTION_ERRORS)
+
+
 async def give_back(pool: Any, conn: Any) -> None:
     """`pool.release(conn)`, for a connection whose transaction is over (committed or rolled
-    back). A reset query the server refuses on the way is logged, not raised: asyncpg closes that
-    connection (the pool opens another when it needs one), and the request's outcome stands."""
+    back). A reset that fails on the way (the server refuses it, or the connection is gone) is
+    logged, not raised: the connection is terminated, so the pool discards it (and opens another
+    when it needs one), and the request's outcome stands. A cancellation is not caught."""
     try:
         await pool.release(conn)
-    except SERVER_ERROR:
+    except RELEASE_ERRORS:
         logger.warning("a connection's reset failed on its way back to the pool", exc_info=True)
+        discard(conn)
+
+
+def discard(conn: Any) -> None:
+    """Terminate the connection behind `conn` unless it is closed or given back already (asyncpg
+    terminates it itself when a reset fails; this covers the errors raised before the reset).
+    Its pool takes the terminated connection's slot back and opens a new one when needed."""
+    raw = compat.raw_connection(conn)
+    if raw is None:
+        return  # given back: the proxy no longer reaches it, and it is someone else's now
+    try:
+        if not raw.is_closed():
+            raw.terminate()
+    except CONNECTION_ERRORS:
+        logger.debug("terminating a lost connection failed", exc_info=True)
 
 
 class PoolStatements:
@@ -95,4 +117,4 @@ class _Internal:
             if exc_type is None:
                 self._owner._mark_clean(conn)
         finally:
-            await self._pool.release(conn)
+            await give_back(self._pool, conn)  # (a lost connection: the block's error stands)
