@@ -30,6 +30,10 @@ class Delayed:
         self._timer: asyncio.TimerHandle | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
+    @property
+    def delay(self) -> float:
+        return self._delay
+
     def add(self, item: Due) -> None:
         loop = asyncio.get_running_loop()
         if loop is not self._loop:

@@ -176,6 +176,10 @@ class IdempotencyMiddleware:
         )
         self.app = app
         self.store = store
+        # The store's own checkouts (lease mode's) wait no longer for the pool than claims do.
+        bound_checkouts = getattr(store, "bound_checkouts", None)
+        if callable(bound_checkouts):
+            bound_checkouts(acquire_timeout)
         self.default_policy = default_policy or Policy()
         self.methods = frozenset(m.upper() for m in names(methods, "methods"))
         if self.methods & SAFE_METHODS:

@@ -12,9 +12,12 @@ import signal
 from collections.abc import AsyncIterator
 
 import pytest
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
 
-from idem_middleware import PostgresStore, RecordKey, StoreError
+from idem_middleware import Mode, Policy, PostgresStore, RecordKey, StoreError
 from idem_middleware.store.base import Claimed
+from tests.apps import assert_problem, client, key, one_route_app
 
 BOUND = 10.0
 DEADLINE = 0.3
@@ -150,3 +153,59 @@ async def test_a_session_cancelled_on_its_way_back_still_returns_its_connection(
     finally:
         store.pool.terminate()  # (a leaked connection would keep a close waiting)
         await store.close()
+
+
+async def test_the_stores_own_checkouts_give_up_at_its_deadline(db_dsn: str) -> None:
+    """Found by probing: lease mode's statements and fences waited for the pool without a bound.
+    They wait no longer than the store's bound, which a middleware lowers to its own."""
+    async with PostgresStore(
+        dsn=db_dsn, min_size=1, max_size=1, listen=False, acquire_timeout=BOUND
+    ) as store:
+        store.bound_checkouts(DEADLINE)  # what IdempotencyMiddleware(acquire_timeout=0.3) does
+        store.bound_checkouts(BOUND)  # a larger bound changes nothing
+        held = await store.pool.acquire()
+        try:
+            with pytest.raises(StoreError, match="no database connection"):
+                await asyncio.wait_for(store.get(_key("x")), BOUND)
+            with pytest.raises(StoreError, match="no database connection"):
+                await asyncio.wait_for(
+                    store.claim_lease(_key("x"), b"f" * 32, lease_seconds=5, retention_seconds=60),
+                    BOUND,
+                )
+
+            async def fence() -> None:
+                async with store.fenced(_key("x"), 1):
+                    raise AssertionError("no connection was free")  # pragma: no cover
+
+            with pytest.raises(StoreError, match="no database connection"):
+                await asyncio.wait_for(fence(), BOUND)
+        finally:
+            await store.pool.release(held)
+        assert await store.get(_key("x")) is None  # the deadlines left nothing behind
+
+
+async def test_a_lease_request_is_answered_503_at_the_middlewares_deadline(
+    db_dsn: str,
+) -> None:
+    ran: list[int] = []
+
+    async def handler(request: Request) -> Response:
+        ran.append(1)
+        return JSONResponse({}, status_code=201)
+
+    async with PostgresStore(dsn=db_dsn, min_size=1, max_size=1, listen=False) as store:
+        app = one_route_app(
+            "/x",
+            handler,
+            store=store,
+            acquire_timeout=DEADLINE,
+            default_policy=Policy(mode=Mode.LEASE),
+        )
+        held = await store.pool.acquire()
+        try:
+            async with client(app) as http:
+                reply = await asyncio.wait_for(http.post("/x", json={}, headers=key("k")), BOUND)
+            assert_problem(reply, 503, "store-unavailable")
+        finally:
+            await store.pool.release(held)
+    assert ran == []

@@ -27,7 +27,7 @@ from .convert import (
     settle_args,
     translate,
 )
-from .runner import PoolStatements
+from .runner import PoolStatements, checkout
 
 
 def _summary(r: Any) -> RecordSummary:
@@ -159,7 +159,7 @@ class OffPathStatements(PoolStatements):
     @asynccontextmanager
     async def outbox_connection(self) -> AsyncIterator[OutboxConnection]:
         try:
-            conn = await self.pool.acquire()
+            conn = await checkout(self.pool, self._checkouts)
         except ACQUIRE_ERRORS as exc:
             raise translate(exc) from exc
         try:

@@ -6,12 +6,13 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from ...delayed import Delayed
 from ...errors import StaleGeneration, StoreError
 from ..base import RecordKey, Settlement, State
 from . import compat
 from .convert import _Q, ACQUIRE_ERRORS, CONNECTION_ERRORS, TRANSLATED, settle_args, translate
 from .fused import FastPath
-from .runner import discard, give_back
+from .runner import checkout, discard, give_back
 
 logger = logging.getLogger("idem_middleware.store")
 
@@ -72,17 +73,19 @@ class Fencing:
     and the connection back to the pool. A class, not a generator's context manager: that one's
     machinery cost more than the fence's own work, once per lease request."""
 
-    __slots__ = ("_expected", "_fast", "_generation", "_key", "_pool", "_session")
+    __slots__ = ("_deadline", "_expected", "_fast", "_generation", "_key", "_pool", "_session")
 
     def __init__(
         self,
         pool: Any,
+        deadline: Delayed,
         fast: FastPath | None,
         key: RecordKey,
         generation: int,
         expected: State,
     ) -> None:
         self._pool = pool
+        self._deadline = deadline  # bounds the wait for the pool (see runner.checkout)
         self._fast = fast  # None: the fast path is off
         self._key = key
         self._generation = generation
@@ -91,7 +94,7 @@ class Fencing:
 
     async def __aenter__(self) -> PgFenced:
         try:
-            conn = await self._pool.acquire()
+            conn = await checkout(self._pool, self._deadline)
         except ACQUIRE_ERRORS as exc:
             raise StoreError(f"no database connection: {type(exc).__name__}") from exc
         try:

@@ -3,12 +3,14 @@ they ran only the store's statements."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import weakref
 from typing import Any
 
 import asyncpg
 
+from ...delayed import Delayed
 from ...errors import StoreError
 from . import compat
 from .convert import CONNECTION_ERRORS, SERVER_ERROR, TRANSLATED, translate
@@ -48,10 +50,45 @@ def discard(conn: Any) -> None:
         logger.debug("terminating a lost connection failed", exc_info=True)
 
 
+class _Waiting:
+    """A checkout waiting for the pool: the deadline cancels its task when it is due."""
+
+    __slots__ = ("expired", "task")
+
+    def __init__(self, task: asyncio.Task[Any] | None) -> None:
+        self.task = task
+        self.expired = False
+
+    def due(self) -> None:
+        self.expired = True
+        if self.task is not None:
+            self.task.cancel()
+
+
+async def checkout(pool: Any, deadline: Delayed) -> Any:
+    """`pool.acquire()`, waited for at most the deadline's delay, then StoreError (a 503): as a
+    transactional session's checkout (sessions.py), one timer serves every waiting checkout. A
+    cancellation from anyone else goes on."""
+    task = asyncio.current_task()
+    waiting = _Waiting(task)
+    deadline.add(waiting)
+    try:
+        return await pool.acquire()
+    except asyncio.CancelledError:
+        if waiting.expired and task is not None and task.uncancel() == 0:
+            raise StoreError("no database connection: TimeoutError") from None
+        raise
+    finally:
+        deadline.discard(waiting)
+
+
 class PoolStatements:
     """Runs the store's statements on the pool, translating driver errors."""
 
     _pool: asyncpg.Pool[Any] | None
+    #: Bounds the wait for a connection of each checkout the store makes itself (lease mode's
+    #: statements and fences, status lookups, operators' commands).
+    _checkouts: Delayed
     # Connections that ran only the store's own statements since they were acquired: they
     # carry no session state (ours is all transaction-scoped), so the pool of our own skips
     # their reset query, a round trip per release. Any other connection is reset as usual.
@@ -106,8 +143,9 @@ class _Internal:
     async def __aenter__(self) -> Any:
         """The connection behind the pool's proxy, for the block's statements: each call through
         the proxy is a Python function of asyncpg's more. The proxy is what goes back."""
-        pool = self._owner.pool
-        self._conn = await pool.acquire()
+        owner = self._owner
+        pool = owner.pool
+        self._conn = await checkout(pool, owner._checkouts)
         self._pool = pool
         return compat.raw_connection(self._conn)
 

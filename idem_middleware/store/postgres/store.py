@@ -5,6 +5,7 @@ middleware. The sessions it hands out are in sessions.py, the fast path in fused
 from __future__ import annotations
 
 import logging
+import math
 import weakref
 from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any
@@ -12,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import asyncpg
 
 from ...delayed import Delayed
-from ...errors import StoreError
+from ...errors import ConfigurationError, StoreError
 from ..base import (
     Claim,
     Record,
@@ -66,9 +67,19 @@ class PostgresStore(OffPathStatements):
         listen: bool = True,
         listen_dsn: str | None = None,
         fast_path: bool = True,
+        acquire_timeout: float = 10.0,
     ) -> None:
         if (pool is None) == (dsn is None):
             raise ValueError("pass exactly one of pool= or dsn=")
+        if (
+            isinstance(acquire_timeout, bool)
+            or not isinstance(acquire_timeout, int | float)
+            or not 0 < acquire_timeout < math.inf
+        ):
+            raise ConfigurationError(
+                f"acquire_timeout must be a positive number of seconds, not {acquire_timeout!r}"
+            )
+        self._checkouts = Delayed(acquire_timeout)
         self._pool = pool
         self._owns_pool = pool is None
         self._dsn = dsn
@@ -142,6 +153,13 @@ class PostgresStore(OffPathStatements):
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+    def bound_checkouts(self, acquire_timeout: float) -> None:
+        """Wait at most `acquire_timeout` for a connection in the store's own checkouts too (lease
+        mode's, the status resource's): an IdempotencyMiddleware gives the store its own bound
+        (the smallest, if several share the store)."""
+        if acquire_timeout < self._checkouts.delay:
+            self._checkouts = Delayed(acquire_timeout)
 
     def transaction(self, *, acquire_timeout: float) -> PgTransaction:
         deadline = self._deadlines.get(acquire_timeout)
@@ -255,7 +273,7 @@ class PostgresStore(OffPathStatements):
         return bool(row["moved"])
 
     def fenced(self, key: RecordKey, generation: int, expected: State = State.PENDING) -> Fencing:
-        return Fencing(self.pool, self._fast, key, generation, expected)
+        return Fencing(self.pool, self._checkouts, self._fast, key, generation, expected)
 
     async def _release(self, conn: Any) -> None:
         await self.pool.release(conn)
