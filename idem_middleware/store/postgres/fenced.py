@@ -3,6 +3,7 @@ generation that fenced the record (in one message on the fast path, see fused.py
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
@@ -12,7 +13,7 @@ from ..base import RecordKey, Settlement, State
 from . import compat
 from .convert import _Q, ACQUIRE_ERRORS, CONNECTION_ERRORS, TRANSLATED, settle_args, translate
 from .fused import FastPath
-from .runner import checkout, discard, give_back
+from .runner import Bounded, discard, give_back
 
 logger = logging.getLogger("idem_middleware.store")
 
@@ -66,7 +67,7 @@ class PgFenced:
         return True
 
 
-class Fencing:
+class Fencing(Bounded):
     """`PostgresStore.fenced(...)`: a connection from the pool, BEGIN and the record locked under
     the generation (StaleGeneration if it no longer holds it), then the session; at the end a
     commit (unless the session committed with its settlement), a rollback if the block raised,
@@ -84,8 +85,9 @@ class Fencing:
         generation: int,
         expected: State,
     ) -> None:
+        Bounded.__init__(self)
         self._pool = pool
-        self._deadline = deadline  # bounds the wait for the pool (see runner.checkout)
+        self._deadline = deadline  # bounds the wait for the pool (see runner.Bounded)
         self._fast = fast  # None: the fast path is off
         self._key = key
         self._generation = generation
@@ -93,10 +95,20 @@ class Fencing:
         self._session: PgFenced | None = None  # entered: it holds the connection
 
     async def __aenter__(self) -> PgFenced:
+        deadline = self._deadline
+        self.task = asyncio.current_task()
+        deadline.add(self)
         try:
-            conn = await checkout(self._pool, self._deadline)
+            conn = await self._pool.acquire()
+        except asyncio.CancelledError:
+            if self.timed_out():
+                raise StoreError("no database connection: TimeoutError") from None
+            raise
         except ACQUIRE_ERRORS as exc:
             raise StoreError(f"no database connection: {type(exc).__name__}") from exc
+        finally:
+            deadline.discard(self)
+            self.task = None
         try:
             try:
                 tx, held, fast = await self._open(conn)

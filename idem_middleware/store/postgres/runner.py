@@ -50,13 +50,15 @@ def discard(conn: Any) -> None:
         logger.debug("terminating a lost connection failed", exc_info=True)
 
 
-class _Waiting:
-    """A checkout waiting for the pool: the deadline cancels its task when it is due."""
+class Bounded:
+    """A checkout waiting for the pool at most a deadline's delay (one timer serves every waiting
+    checkout, as for a transactional session's in sessions.py): `due` cancels its task, and the
+    checkout reports the timeout as StoreError (a 503). A cancellation from anyone else goes on."""
 
     __slots__ = ("expired", "task")
 
-    def __init__(self, task: asyncio.Task[Any] | None) -> None:
-        self.task = task
+    def __init__(self) -> None:
+        self.task: asyncio.Task[Any] | None = None
         self.expired = False
 
     def due(self) -> None:
@@ -64,18 +66,21 @@ class _Waiting:
         if self.task is not None:
             self.task.cancel()
 
+    def timed_out(self) -> bool:
+        """Whether a cancellation was only the deadline's (then it is taken back)."""
+        task = self.task
+        return self.expired and task is not None and task.uncancel() == 0
+
 
 async def checkout(pool: Any, deadline: Delayed) -> Any:
-    """`pool.acquire()`, waited for at most the deadline's delay, then StoreError (a 503): as a
-    transactional session's checkout (sessions.py), one timer serves every waiting checkout. A
-    cancellation from anyone else goes on."""
-    task = asyncio.current_task()
-    waiting = _Waiting(task)
+    """`pool.acquire()`, bounded by `deadline` (see Bounded)."""
+    waiting = Bounded()
+    waiting.task = asyncio.current_task()
     deadline.add(waiting)
     try:
         return await pool.acquire()
     except asyncio.CancelledError:
-        if waiting.expired and task is not None and task.uncancel() == 0:
+        if waiting.timed_out():
             raise StoreError("no database connection: TimeoutError") from None
         raise
     finally:
@@ -128,14 +133,17 @@ class PoolStatements:
             raise translate(exc) from exc
 
 
-class _Internal:
-    """`async with store._internal() as conn`: a pooled connection, given back to the pool it
-    came from; marked clean (no reset) unless the block raised. (A class, not a generator
-    wrapped by `asynccontextmanager`: lease mode takes one on every request.)"""
+class _Internal(Bounded):
+    """`async with store._internal() as conn`: a pooled connection (waited for at most the
+    store's bound, see Bounded), given back to the pool it came from; marked clean (no reset)
+    unless the block raised. (A class, not a generator wrapped by `asynccontextmanager`, and
+    its own deadline item, with the checkout and the release inline: lease mode takes one on
+    every request.)"""
 
     __slots__ = ("_conn", "_owner", "_pool")
 
     def __init__(self, owner: PoolStatements) -> None:
+        Bounded.__init__(self)
         self._owner = owner
         self._pool: Any = None
         self._conn: Any = None
@@ -145,7 +153,18 @@ class _Internal:
         the proxy is a Python function of asyncpg's more. The proxy is what goes back."""
         owner = self._owner
         pool = owner.pool
-        self._conn = await checkout(pool, owner._checkouts)
+        deadline = owner._checkouts
+        self.task = asyncio.current_task()
+        deadline.add(self)
+        try:
+            self._conn = await pool.acquire()
+        except asyncio.CancelledError:
+            if self.timed_out():
+                raise StoreError("no database connection: TimeoutError") from None
+            raise
+        finally:
+            deadline.discard(self)
+            self.task = None
         self._pool = pool
         return compat.raw_connection(self._conn)
 
@@ -155,4 +174,11 @@ class _Internal:
             if exc_type is None:
                 self._owner._mark_clean(conn)
         finally:
-            await give_back(self._pool, conn)  # (a lost connection: the block's error stands)
+            # (give_back, inline: a lost connection is logged, and the block's error stands)
+            try:
+                await self._pool.release(conn)
+            except RELEASE_ERRORS:
+                logger.warning(
+                    "a connection's reset failed on its way back to the pool", exc_info=True
+                )
+                discard(conn)
