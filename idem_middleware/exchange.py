@@ -10,7 +10,7 @@ import asyncio
 import logging
 from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlencode
+from urllib.parse import quote, urlencode
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -269,8 +269,11 @@ class Exchange:
             return
         assert self.record_key is not None
         query = urlencode({"operation": self.record_key.operation, "key": self.record_key.key})
-        # Under the app's root path (a proxy's prefix), as the client addressed it.
-        location = f"{self.scope.get('root_path', '')}{self.mw.status_path}?{query}"
+        # Under the app's root path (a proxy's prefix, or the mounts' path), as the client
+        # addressed it: the scope holds it decoded, so it is percent-encoded again (a `%0D%0A` in
+        # a mount's parameter must not become a line break in the header).
+        root_path = quote(self.scope.get("root_path", ""), safe="/")
+        location = f"{root_path}{self.mw.status_path}?{query}"
         self.started = True
         self.emit(Event.IN_FLIGHT)
         await send_accepted(self.send, location, self.policy.retry_after_seconds)

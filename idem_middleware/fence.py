@@ -122,7 +122,12 @@ async def run_reconciler(
         generation=generation,
         _fence=fence.connection,
     )
-    log = {"operation": key.operation, "key_digest": key_digest(key.key), "generation": generation}
+    log = {
+        "tenant": key.tenant,
+        "operation": key.operation,
+        "key_digest": key_digest(key.key),
+        "generation": generation,
+    }
     try:
         async with asyncio.timeout(seconds):
             result = await reconciler(context)

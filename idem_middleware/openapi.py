@@ -162,10 +162,9 @@ def document_openapi(
             else:
                 responses[status] = problem
             if _RETRY_AFTER.intersection(kinds):
-                responses[status]["headers"] = {
-                    "Retry-After": {
-                        "description": "Seconds to wait before retrying",
-                        "schema": {"type": "integer"},
-                    }
+                # (Added to the headers the app documents for this status, never in their place.)
+                responses[status].setdefault("headers", {})["Retry-After"] = {
+                    "description": "Seconds to wait before retrying",
+                    "schema": {"type": "integer"},
                 }
     return schema

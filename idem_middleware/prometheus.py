@@ -5,7 +5,10 @@
     ...
     observer.update_from_stats(await store.stats())   # e.g. every 30 s, for the gauges
 
-Labels are the operation and the outcome only: tenants and keys never become label values.
+Labels are the operation and the outcome only: tenants and keys never become label values. An
+operation's method is the client's to choose (a route whose endpoint takes any method is guarded
+for any method but the safe ones): one outside HTTP's own is labelled `OTHER`, so a client cannot
+make series without end.
 """
 
 from __future__ import annotations
@@ -19,6 +22,19 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histo
 
 from .observe import Event
 from .store.base import StoreStats
+
+#: The methods of HTTP's own (RFC 9110, and PATCH): any other is labelled OTHER.
+_METHODS = frozenset(
+    {"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "TRACE", "CONNECT"}
+)
+
+
+def operation_label(operation: str) -> str:
+    """`operation` as a label value: its route template (one of the app's), and its method, or
+    OTHER for a method of the client's invention."""
+    method, space, template = operation.partition(" ")
+    return operation if method in _METHODS else f"OTHER{space}{template}"
+
 
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
 
@@ -63,7 +79,7 @@ class PrometheusObserver:
         )
 
     def event(self, event: Event, attributes: Mapping[str, Any]) -> None:
-        self.requests.labels(attributes.get("operation", ""), event.value).inc()
+        self.requests.labels(operation_label(attributes.get("operation", "")), event.value).inc()
 
     @contextlib.contextmanager
     def timed(self, name: str, attributes: Mapping[str, Any]) -> Iterator[None]:
@@ -73,7 +89,8 @@ class PrometheusObserver:
         finally:
             elapsed = time.perf_counter() - start
             if name == "wait":
-                self.wait_seconds.labels(attributes.get("operation", "")).observe(elapsed)
+                operation = operation_label(attributes.get("operation", ""))
+                self.wait_seconds.labels(operation).observe(elapsed)
             else:
                 self.store_seconds.labels(name).observe(elapsed)
 

@@ -223,6 +223,10 @@ def _malformed(result: object) -> str | None:
     return None
 
 
+#: What a stored response's headers say of its body, dropped with the body itself.
+_BODY_CLAIMS = frozenset({b"content-type", b"content-encoding", b"content-range", b"digest"})
+
+
 async def send_replay(
     send: Send,
     response: StoredResponse,
@@ -236,8 +240,9 @@ async def send_replay(
     body = response.body
     if response.body_omitted is not None:
         # The original body was never kept (see the README, "Large and streaming responses"):
-        # the status and headers say what happened; the empty body must not claim a type.
-        headers = [(n, v) for n, v in headers if n != b"content-type"]
+        # the status and headers say what happened; the empty body must not claim a type, nor
+        # an encoding (an empty body is no gzip stream).
+        headers = [(n, v) for n, v in headers if n not in _BODY_CLAIMS]
         headers.append((b"idempotency-body-omitted", response.body_omitted.encode()))
         body = b""
     if not (response.status < 200 or response.status in (204, 304)):

@@ -10,6 +10,7 @@ import asyncio
 import json
 from collections.abc import AsyncIterator
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 import pytest
@@ -232,6 +233,40 @@ async def test_the_202_location_carries_the_apps_root_path(pg_store, pool):
     assert httpx.URL(accepted.headers["location"]).path == "/api/idempotency/status"
     assert status.status_code == 200, status.text
     assert status.json()["state"] == "succeeded"
+
+
+@pytest.mark.parametrize(
+    "root_path",
+    ["/shop/a\r\nX-Injected: 1", "/shop/\u6771", "/shop/a b?c#d%"],
+    ids=["crlf", "not-latin-1", "query-and-fragment-characters"],
+)
+async def test_the_202_location_percent_encodes_the_root_path(pg_store, pool, root_path):
+    """Found by probing: the scope's root path is decoded (a mount's parameter, say), and went
+    into the Location raw: a line break in a header, a 500 for a character latin-1 lacks, or a
+    URL whose `?` cut the path short."""
+    app = build_app(pg_store, default_policy=Policy(wait_seconds=0.2, accept_while_in_flight=True))
+    probe = app.state.probe
+    prefixed = httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app, root_path=root_path, raise_app_exceptions=False),
+        base_url="http://test",
+        headers={"authorization": "Bearer demo-a"},
+    )
+    path = "http://test" + quote(root_path + CREDIT, safe="/")
+    async with prefixed as c, Held(probe) as held:
+        first = held.start(c.post(path, json=BODY, headers=key("k1")))
+        await wait_entered(probe)
+        accepted = await asyncio.wait_for(c.post(path, json=BODY, headers=key("k1")), BOUND)
+        held.release()
+        r1 = await asyncio.wait_for(first, BOUND)
+        status = await c.get(accepted.headers["location"])
+    assert (accepted.status_code, r1.status_code) == (202, 201)
+    raw = accepted.headers.raw
+    [location] = [value for name, value in raw if name.lower() == b"location"]
+    assert location.isascii()
+    assert b"\r" not in location
+    assert b"\n" not in location
+    assert httpx.URL(location.decode()).path == root_path + "/idempotency/status"
+    assert status.status_code == 200, status.text
 
 
 async def test_status_resource_of_a_202_reports_the_request_once_it_commits(pg_store, pool):

@@ -12,12 +12,19 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client import CollectorRegistry
+from starlette.applications import Starlette
+from starlette.endpoints import HTTPEndpoint
+from starlette.middleware import Middleware
+from starlette.middleware.authentication import AuthenticationMiddleware
+from starlette.requests import Request
+from starlette.responses import PlainTextResponse, Response
+from starlette.routing import Route
 
-from idem_middleware import Policy
+from idem_middleware import IdempotencyMiddleware, MemoryStore, Policy, idempotent
 from idem_middleware.observe import LoggingObserver
 from idem_middleware.otel import OpenTelemetryObserver
 from idem_middleware.prometheus import PrometheusObserver
-from tests.apps import build_app, client
+from tests.apps import BearerBackend, build_app, client, post_scope
 
 OP = "POST /accounts/{account_id}/credits"
 SECRET_KEY = "raw-key-that-must-not-be-logged"
@@ -121,3 +128,54 @@ async def test_logs_are_structured_and_never_carry_raw_keys_or_bodies(
             text = record.getMessage() + str(record.__dict__)
             assert SECRET_KEY not in text
             assert '"amount"' not in text
+
+
+async def _body_once() -> dict[str, Any]:
+    return {"type": "http.request", "body": b""}
+
+
+def sent_to(sent: list[dict[str, Any]]) -> Any:
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    return send
+
+
+async def test_a_method_of_the_clients_invention_makes_no_new_label() -> None:
+    """Found by probing: a route whose endpoint takes any method is guarded for any method but
+    the safe ones, and each invented method (`X0001 /things`) was a Prometheus series of its own.
+    Such methods are labelled OTHER; the records keep their own operation."""
+
+    @idempotent()
+    class Things(HTTPEndpoint):
+        async def post(self, request: Request) -> Response:
+            return PlainTextResponse("made", 201)
+
+    registry = CollectorRegistry()
+    app = Starlette(
+        routes=[Route("/things", Things)],  # any method
+        middleware=[
+            Middleware(AuthenticationMiddleware, backend=BearerBackend()),
+            Middleware(
+                IdempotencyMiddleware,
+                store=MemoryStore(),
+                observers=[PrometheusObserver(registry=registry)],
+            ),
+        ],
+    )
+    for method in [f"X{i:03d}" for i in range(20)] + ["POST"]:
+        scope = post_scope(
+            "/things",
+            [(b"authorization", b"Bearer demo-a"), (b"idempotency-key", method.encode())],
+        )
+        scope["method"] = method
+        sent: list[dict[str, Any]] = []
+        await app(scope, _body_once, sent_to(sent))
+        assert sent[0]["type"] == "http.response.start"
+    labels = {
+        sample.labels["operation"]
+        for metric in registry.collect()
+        for sample in metric.samples
+        if "operation" in sample.labels
+    }
+    assert labels == {"OTHER /things", "POST /things"}

@@ -202,3 +202,21 @@ def test_the_key_parameter_follows_the_key_source() -> None:
     assert "/event/id" in paths["/webhook-body"]["post"]["description"]
     assert headers("/computed") == []
     assert "the key is taken from the request" in paths["/computed"]["post"]["description"]
+
+
+def test_retry_after_is_added_to_the_headers_an_app_documents() -> None:
+    """Found by probing: the Retry-After documentation replaced the app's own headers."""
+    from fastapi import FastAPI
+
+    from idem_middleware.fastapi import install
+
+    app = FastAPI()
+    conflict = {"description": "mine", "headers": {"X-Conflict-Id": {"schema": {"type": "string"}}}}
+
+    @app.post("/orders", status_code=201, responses={409: conflict})
+    async def orders() -> dict[str, str]:
+        return {}
+
+    install(app, store=MemoryStore())
+    headers = app.openapi()["paths"]["/orders"]["post"]["responses"]["409"]["headers"]
+    assert sorted(headers) == ["Retry-After", "X-Conflict-Id"]

@@ -104,6 +104,20 @@ async def test_a_replay_without_its_body_says_so_and_claims_no_type() -> None:
     assert sent[1]["body"] == b""
 
 
+async def test_a_replay_without_its_body_claims_no_encoding_either() -> None:
+    """Found by probing: a gzipped response too large to keep was replayed with
+    `Content-Encoding: gzip` on an empty body, which is no gzip stream."""
+    sent = Sent()
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-encoding", b"gzip"),
+        (b"vary", b"Accept-Encoding"),
+    ]
+    await send_replay(sent, StoredResponse(200, headers, b"", "too-large"))
+    assert b"content-encoding" not in sent.headers
+    assert sent.headers[b"vary"] == b"Accept-Encoding"  # what the body is not about stays
+
+
 @pytest.mark.parametrize("status", [204, 304])
 async def test_a_replay_without_content_has_no_content_length(status: int) -> None:
     sent = Sent()
