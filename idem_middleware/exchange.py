@@ -30,6 +30,7 @@ from .transactional import RETRIED, Attempt, run_transactional
 
 if TYPE_CHECKING:
     from .middleware import IdempotencyMiddleware
+    from .waiting import Slot
 
 logger = logging.getLogger("idem_middleware")
 
@@ -81,6 +82,7 @@ class Exchange:
         "record_key",
         "scope",
         "send",
+        "slot",
         "started",
         "token_hash",
         "watched",
@@ -116,6 +118,8 @@ class Exchange:
         self.body_delivered = False
         self.record_key: RecordKey | None = None
         self.token_hash: bytes | None = None
+        #: The tenant slot the attempt holds, with a cap (`max_tenant_connections`) only.
+        self.slot: Slot | None = None
 
     @property
     def app(self) -> ASGIApp:

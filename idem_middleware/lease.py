@@ -20,6 +20,7 @@ from .lease_executor import LeaseExecution, log_extra
 from .outcomes import duplicate_answer, settled_answer
 from .policy import LeaseExpiry
 from .store.base import Claim, Claimed, Record, RecordKey, State, TokenRefused
+from .waiting import FREE_SLOT, Slot
 
 if TYPE_CHECKING:
     from .exchange import Exchange
@@ -33,6 +34,8 @@ _MAX_POLL = 1.0
 _MAX_ROUNDS = 10_000
 #: The least a duplicate waits for a record an executor's fenced transaction holds.
 _MIN_LOCK_WAIT = 0.05
+#: The first pause of a duplicate waiting for its tenant's slot (doubling, up to _MAX_POLL).
+_FIRST_SLOT_PAUSE = 0.005
 
 
 _NO_RECONCILER = "No reconciler can tell what happened."
@@ -63,9 +66,9 @@ class LeaseRun:
     async def run(self) -> Answer:
         # The tenant's slot is held while this request may hold a connection: its claim, and
         # its execution (the handler may open a fenced transaction). Not while it waits.
-        slots = self.ex.mw.tenant_slots
-        if not slots.take(self.key.tenant):
-            return Problem(ProblemKind.TENANT_BUSY, TENANT_BUSY, self.policy.retry_after_seconds)
+        slot = self._slot()
+        if slot is None:
+            return self._busy()
         try:
             try:
                 claiming = self._claim()
@@ -79,7 +82,7 @@ class LeaseRun:
             if isinstance(claim, Claimed):
                 return await self.execute(claim.generation, claim.epoch)
         finally:
-            slots.give_back(self.key.tenant)
+            slot.give_back()
         if isinstance(claim, TokenRefused):
             return Problem(ProblemKind.TOKEN_INVALID, claim.reason)
         return await self.duplicate(claim.record)
@@ -97,9 +100,15 @@ class LeaseRun:
         async with store.watch(self.key) as watch, contextlib.AsyncExitStack() as waiting:
             for _ in range(_MAX_ROUNDS):
                 if record is None or record.expired:
-                    claim = await self._claim()
-                    if isinstance(claim, Claimed):
-                        return await self.execute(claim.generation, claim.epoch)
+                    slot = await self._slot_by(deadline)
+                    if slot is None:
+                        return self._busy()
+                    try:
+                        claim = await self._claim()
+                        if isinstance(claim, Claimed):
+                            return await self.execute(claim.generation, claim.epoch)
+                    finally:
+                        slot.give_back()
                     if isinstance(claim, TokenRefused):
                         return Problem(ProblemKind.TOKEN_INVALID, claim.reason)
                     record = claim.record
@@ -107,26 +116,32 @@ class LeaseRun:
                 if answer is not None:
                     return answer  # another request's key (422), or the replay
                 if record.state is State.UNKNOWN:
-                    answer = await self.reconcile(record)
+                    answer = await self.reconcile(record, deadline)
                     if answer is not None:
                         return answer
                 elif record.retry_allowed or (
                     record.lease_expired and policy.on_lease_expiry is LeaseExpiry.TAKEOVER
                 ):
+                    slot = await self._slot_by(deadline)
+                    if slot is None:
+                        return self._busy()
                     try:
-                        async with asyncio.timeout(_lock_wait(deadline - loop.time())):
-                            generation = await store.takeover(
-                                self.key, record.generation, State.PENDING, policy.lease_seconds
+                        try:
+                            async with asyncio.timeout(_lock_wait(deadline - loop.time())):
+                                generation = await store.takeover(
+                                    self.key, record.generation, State.PENDING, policy.lease_seconds
+                                )
+                        except TimeoutError:
+                            # The executor is still in its fenced transaction, past its lease.
+                            return InFlight()
+                        if generation is not None:
+                            logger.info(
+                                "took over a lapsed claim",
+                                extra=log_extra(self.key, generation, "takeover"),
                             )
-                    except TimeoutError:
-                        # The executor is still in its fenced transaction, past its lease.
-                        return InFlight()
-                    if generation is not None:
-                        logger.info(
-                            "took over a lapsed claim",
-                            extra=log_extra(self.key, generation, "takeover"),
-                        )
-                        return await self.execute(generation, record.epoch)  # the same life
+                            return await self.execute(generation, record.epoch)  # the same life
+                    finally:
+                        slot.give_back()
                 elif record.lease_expired:
                     try:
                         async with asyncio.timeout(_lock_wait(deadline - loop.time())):
@@ -150,7 +165,7 @@ class LeaseRun:
                 record = await store.get(self.key)
         raise RuntimeError("the record kept changing; giving up")  # pragma: no cover
 
-    async def reconcile(self, record: Record) -> Answer | None:
+    async def reconcile(self, record: Record, deadline: float) -> Answer | None:
         """Ask the route's reconciler about an unknown record: the answer, or None when the
         record changed and the caller should read it again."""
         policy = self.policy
@@ -165,20 +180,55 @@ class LeaseRun:
             epoch=record.epoch,
         )
         if result.verdict is Verdict.NOT_HAPPENED:
-            # (No fenced transaction can hold an unknown record: a fence needs it pending.)
-            generation = await self.store.takeover(
-                self.key, record.generation, State.UNKNOWN, policy.lease_seconds
-            )
-            if generation is None:
-                return None
-            logger.info(
-                "reconciled as not happened; running again",
-                extra=log_extra(self.key, generation, "reconciled-retry"),
-            )
-            return await self.execute(generation, record.epoch)
+            slot = await self._slot_by(deadline)
+            if slot is None:
+                return self._busy()
+            try:
+                # (No fenced transaction can hold an unknown record: a fence needs it pending.)
+                generation = await self.store.takeover(
+                    self.key, record.generation, State.UNKNOWN, policy.lease_seconds
+                )
+                if generation is None:
+                    return None
+                logger.info(
+                    "reconciled as not happened; running again",
+                    extra=log_extra(self.key, generation, "reconciled-retry"),
+                )
+                return await self.execute(generation, record.epoch)
+            finally:
+                slot.give_back()
         if result.verdict in (Verdict.STILL_UNKNOWN, Verdict.FAILED):
             return duplicate_answer(record, self.fingerprint, result.reason)
         return None  # settled (by us or by someone else): read it again and replay
+
+    # -- the tenant's slot ----------------------------------------------------------------------
+
+    def _slot(self) -> Slot | None:
+        """The tenant's slot, held while this request may hold a connection: a claim, a
+        takeover, an execution (the handler may open a fenced transaction), never a wait. The
+        exchange keeps it, so an execution whose response streams gives it back as the stream
+        starts (its outcome is committed). With no cap: a slot that holds nothing."""
+        slots = self.ex.mw.tenant_slots
+        slot = self.ex.slot = slots.hold(self.key.tenant) if slots.limit is not None else FREE_SLOT
+        return slot
+
+    async def _slot_by(self, deadline: float) -> Slot | None:
+        """A duplicate's slot, to claim or run: waited for (with no connection held) until the
+        duplicate's own deadline, since the request that held it is often just ending (its
+        settlement woke this one before it gave its slot back); None at the deadline."""
+        loop = asyncio.get_running_loop()
+        pause = _FIRST_SLOT_PAUSE
+        for _ in range(_MAX_ROUNDS):
+            slot = self._slot()
+            remaining = deadline - loop.time()
+            if slot is not None or remaining <= 0:
+                return slot
+            await asyncio.sleep(min(pause, remaining))
+            pause = min(pause * 2, _MAX_POLL)
+        return None  # pragma: no cover
+
+    def _busy(self) -> Problem:
+        return Problem(ProblemKind.TENANT_BUSY, TENANT_BUSY, self.policy.retry_after_seconds)
 
     # -- the executor --------------------------------------------------------------------------
 

@@ -182,6 +182,8 @@ class LeaseExecution:
         if not await self._settle(self.context, self.fence, self.capture, omitted=reason):
             raise StaleGeneration("this execution's early settlement was refused")
         self.ex.started = True
+        if self.ex.slot is not None:
+            self.ex.slot.give_back()  # the stream holds no connection, nor the tenant's slot
 
     async def _settle(
         self,

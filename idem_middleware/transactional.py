@@ -170,9 +170,12 @@ class Attempt(ResponseCapture):
         policy = ex.policy
         record_key = self.record_key
         slots = ex.mw.tenant_slots
-        limited = slots.limit is not None
-        if limited and not slots.take(record_key.tenant):
-            return Problem(ProblemKind.TENANT_BUSY, TENANT_BUSY, policy.retry_after_seconds)
+        slot = None
+        if slots.limit is not None:
+            # (Given back at the end, or when a stream starts: see `settle_early`.)
+            slot = ex.slot = slots.hold(record_key.tenant)
+            if slot is None:
+                return Problem(ProblemKind.TENANT_BUSY, TENANT_BUSY, policy.retry_after_seconds)
         try:
             async with ex.mw.store.transaction(acquire_timeout=ex.mw.acquire_timeout) as tx:
                 self.tx = tx
@@ -254,8 +257,8 @@ class Attempt(ResponseCapture):
             # The transaction is over and the connection is back in the pool: now the client.
             return self  # the response held: the exchange flushes it
         finally:
-            if limited:
-                slots.give_back(record_key.tenant)
+            if slot is not None:
+                slot.give_back()
             if self.claimed:
                 ex.mw.waiters.wake(record_key)
 
@@ -308,6 +311,8 @@ class Attempt(ResponseCapture):
         # handler makes from here on are outside the claim, on a connection of its own.
         await self.tx.release()
         self.ex.mw.waiters.wake(self.record_key)
+        if self.ex.slot is not None:
+            self.ex.slot.give_back()  # nor the tenant's slot: the stream holds no connection
 
     def _settle(self, omitted: str | None = None) -> Awaitable[None]:
         """Complete (or abandon) the record with the held response's outcome: the store's own

@@ -28,7 +28,9 @@ class Waiters:
             raise ConfigurationError("max_waiters must be a whole number, 0 or more")
         self.limit = limit
         self.count = 0
-        self._events: dict[Hashable, asyncio.Event] = {}
+        #: Per key someone here waits on: its event and how many wait on it. The last waiter
+        #: to leave removes it, woken or not (a holder in another process never wakes it).
+        self._events: dict[Hashable, _Waiting] = {}
 
     def enter(self) -> bool:
         """Take a waiting place; False when all `limit` are taken."""
@@ -42,18 +44,33 @@ class Waiters:
 
     async def wait(self, key: Hashable, seconds: float) -> None:
         """Sleep until the holder of `key` in this process ends, or `seconds` pass."""
-        event = self._events.get(key)
-        if event is None:
-            event = self._events[key] = asyncio.Event()
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(event.wait(), seconds)
+        events = self._events
+        waiting = events.get(key)
+        if waiting is None:
+            waiting = events[key] = _Waiting()
+        waiting.count += 1
+        try:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(waiting.event.wait(), seconds)
+        finally:
+            waiting.count -= 1
+            if not waiting.count and events.get(key) is waiting:
+                del events[key]
 
     def wake(self, key: Hashable) -> None:
         """The holder of `key` ended (committed or rolled back): its waiters here claim again."""
         if self._events:
-            event = self._events.pop(key, None)
-            if event is not None:
-                event.set()
+            waiting = self._events.pop(key, None)
+            if waiting is not None:
+                waiting.event.set()
+
+
+class _Waiting:
+    __slots__ = ("count", "event")
+
+    def __init__(self) -> None:
+        self.event = asyncio.Event()
+        self.count = 0
 
 
 class TenantSlots:
@@ -72,6 +89,10 @@ class TenantSlots:
         self.limit = limit
         self._held: dict[str, int] = {}
 
+    def hold(self, tenant: str) -> Slot | None:
+        """A slot of `tenant`'s, held until given back (once); None when all are taken."""
+        return Slot(self, tenant) if self.take(tenant) else None
+
     def take(self, tenant: str) -> bool:
         if self.limit is None:
             return True
@@ -89,3 +110,24 @@ class TenantSlots:
             self._held[tenant] = held
         else:
             del self._held[tenant]
+
+
+class Slot:
+    """One tenant slot a request holds, given back once: early, when the request stops holding a
+    connection before it ends (a response that streams after its outcome is committed), or at
+    its end, whichever comes first."""
+
+    __slots__ = ("_slots", "_tenant")
+
+    def __init__(self, slots: TenantSlots | None, tenant: str) -> None:
+        self._slots = slots  # None: given back (or a slot of no cap's)
+        self._tenant = tenant
+
+    def give_back(self) -> None:
+        slots, self._slots = self._slots, None
+        if slots is not None:
+            slots.give_back(self._tenant)
+
+
+#: The slot of a request when no cap is set: it holds nothing.
+FREE_SLOT = Slot(None, "")

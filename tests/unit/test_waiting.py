@@ -44,6 +44,33 @@ async def test_a_waiter_returns_when_its_time_runs_out() -> None:
     await asyncio.wait_for(Waiters(1).wait("k1", 0.01), 5)
 
 
+async def test_a_key_nobody_waits_on_any_more_is_forgotten() -> None:
+    """Found by probing: the event per key was removed only by a wake from a holder in this
+    process; a holder in another process (or one that ended first) left it for good, about a
+    kilobyte per key."""
+    waiters = Waiters(8)
+    # Nobody here wakes them: they run out of time.
+    await asyncio.gather(
+        waiters.wait("k1", 0.01), waiters.wait("k1", 0.03), waiters.wait("k2", 0.02)
+    )
+    assert waiters._events == {}
+    # Woken, and one waiting again before the others have left.
+    first = asyncio.ensure_future(waiters.wait("k3", 30))
+    second = asyncio.ensure_future(waiters.wait("k3", 30))
+    await asyncio.sleep(0)
+    waiters.wake("k3")
+    again = asyncio.ensure_future(waiters.wait("k3", 0.01))
+    await asyncio.wait_for(asyncio.gather(first, second, again), 5)
+    assert waiters._events == {}
+    # Cancelled waiters leave too.
+    cancelled = asyncio.ensure_future(waiters.wait("k4", 30))
+    await asyncio.sleep(0)
+    cancelled.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await cancelled
+    assert waiters._events == {}
+
+
 def test_tenant_slots_cap_each_tenant_apart() -> None:
     slots = TenantSlots(2)
     assert slots.take("a")
