@@ -127,3 +127,33 @@ class Held:
             if task.done() and not task.cancelled():
                 task.exception()  # retrieved: a failure is the test's to report, not asyncio's
         self.probe.gate = None
+
+
+async def until(predicate: Any) -> None:
+    """Wait (at most BOUND) until `predicate()` holds."""
+    for _ in range(int(BOUND / 0.005)):
+        if predicate():
+            return
+        await asyncio.sleep(0.005)
+    raise AssertionError("condition never became true")
+
+
+class NeverReads:
+    """A client that sends its request (`body`) and never reads the response: its `send` blocks
+    on the first body message (as a full socket buffer would), and it never disconnects."""
+
+    def __init__(self, body: bytes = b"{}") -> None:
+        self.started = asyncio.Event()
+        self._body: bytes | None = body
+
+    async def receive(self) -> dict[str, Any]:
+        body, self._body = self._body, None
+        if body is not None:
+            return {"type": "http.request", "body": body, "more_body": False}
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
+
+    async def send(self, message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.body":
+            self.started.set()
+            await asyncio.Event().wait()

@@ -30,6 +30,7 @@ from tests.apps import (
     idle_in_transaction,
     key,
     records,
+    until,
     wait_entered,
     wait_for_waiters,
 )
@@ -310,14 +311,6 @@ def connection_closed(conn: Any) -> bool:
     except asyncpg.InterfaceError:  # the pool already took the dead connection back
         return True
     return closed
-
-
-async def until(predicate: Any) -> None:
-    for _ in range(int(BOUND / 0.005)):
-        if predicate():
-            return
-        await asyncio.sleep(0.005)
-    raise AssertionError("condition never became true")
 
 
 async def test_connection_lost_before_commit_is_503_and_nothing_committed(pg_store, pool):

@@ -14,6 +14,7 @@ from idem_middleware import Policy, PostgresStore
 from tests.apps import (
     BOUND,
     Held,
+    NeverReads,
     asgi_request,
     assert_problem,
     assert_replay_of,
@@ -66,27 +67,6 @@ def _scope(path: str, idem_key: str, token: str = "demo-a") -> dict[str, Any]:
     return asgi_request(route, f'"{idem_key}"', 2, token=token, query=query.encode())
 
 
-class _NeverReads:
-    """A client that sends its request and never reads the response: its `send` blocks on the
-    first body message (as a full socket buffer would), and it never disconnects."""
-
-    def __init__(self) -> None:
-        self.started = asyncio.Event()
-        self._delivered = False
-
-    async def receive(self) -> dict[str, Any]:
-        if not self._delivered:
-            self._delivered = True
-            return {"type": "http.request", "body": b"{}", "more_body": False}
-        await asyncio.Event().wait()
-        raise AssertionError("unreachable")
-
-    async def send(self, message: dict[str, Any]) -> None:
-        if message["type"] == "http.response.body":
-            self.started.set()
-            await asyncio.Event().wait()
-
-
 @pytest.mark.parametrize("path", ["/stream", "/big?size=50000"])
 async def test_clients_that_never_read_a_stream_hold_no_connection(
     small_store: PostgresStore, pool: asyncpg.Pool[Any], path: str
@@ -96,7 +76,7 @@ async def test_clients_that_never_read_a_stream_hold_no_connection(
     app = build_app(
         small_store, default_policy=Policy(max_response_bytes=10_000), acquire_timeout=2
     )
-    stuck = [_NeverReads() for _ in range(4)]
+    stuck = [NeverReads() for _ in range(4)]
     tasks = [
         asyncio.ensure_future(app(_scope(path, f"stuck-{i}"), c.receive, c.send))
         for i, c in enumerate(stuck)

@@ -19,6 +19,7 @@ import pytest
 from idem_middleware import Mode, Policy, PostgresStore
 from tests.apps import (
     BOUND,
+    NeverReads,
     Step,
     asgi_request,
     assert_problem,
@@ -27,6 +28,7 @@ from tests.apps import (
     client,
     key,
     reset_downstream,
+    until,
 )
 
 PAYOUT = {"account": "acc-1", "amount": 5}
@@ -36,14 +38,6 @@ PAYOUT = {"account": "acc-1", "amount": 5}
 async def bank(pool: asyncpg.Pool[Any]) -> asyncpg.Pool[Any]:
     await reset_downstream(pool)
     return pool
-
-
-async def _until(check: Any) -> None:
-    for _ in range(int(BOUND / 0.02)):
-        if check():
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError("the condition never held")
 
 
 async def test_a_lease_duplicate_that_runs_the_handler_holds_its_tenants_slot(
@@ -58,14 +52,14 @@ async def test_a_lease_duplicate_that_runs_the_handler_holds_its_tenants_slot(
     probe.steps = [Step(status=409, gate=gates[0]), Step(gate=gates[1]), Step(gate=gates[2])]
     async with client(app) as http:
         original = asyncio.ensure_future(http.post("/payouts", json=PAYOUT, headers=key("k1")))
-        await _until(lambda: probe.calls == 1)
+        await until(lambda: probe.calls == 1)
         duplicate = asyncio.ensure_future(http.post("/payouts", json=PAYOUT, headers=key("k1")))
         await asyncio.sleep(0.2)  # the duplicate waits, holding no slot
         gates[0].set()
         assert (await asyncio.wait_for(original, BOUND)).status_code == 409
-        await _until(lambda: probe.calls == 2)  # the duplicate runs the handler now
+        await until(lambda: probe.calls == 2)  # the duplicate runs the handler now
         beside = asyncio.ensure_future(http.post("/payouts", json=PAYOUT, headers=key("k2")))
-        await _until(lambda: probe.calls == 3)
+        await until(lambda: probe.calls == 3)
         # Two of the tenant's requests run: the duplicate holds the second slot.
         busy = await asyncio.wait_for(http.post("/payouts", json=PAYOUT, headers=key("k3")), BOUND)
         assert_problem(busy, 429, "tenant-busy")
@@ -74,27 +68,6 @@ async def test_a_lease_duplicate_that_runs_the_handler_holds_its_tenants_slot(
         assert (await asyncio.wait_for(duplicate, BOUND)).status_code == 201
         assert (await asyncio.wait_for(beside, BOUND)).status_code == 201
     assert probe.calls == 3
-
-
-class _NeverReads:
-    """Sends its request, then never reads the response (its `send` blocks on the first body
-    message, as a full socket buffer would) and never disconnects."""
-
-    def __init__(self, body: bytes) -> None:
-        self.started = asyncio.Event()
-        self._body: bytes | None = body
-
-    async def receive(self) -> dict[str, Any]:
-        body, self._body = self._body, None
-        if body is not None:
-            return {"type": "http.request", "body": body, "more_body": False}
-        await asyncio.Event().wait()
-        raise AssertionError("unreachable")
-
-    async def send(self, message: dict[str, Any]) -> None:
-        if message["type"] == "http.response.body":
-            self.started.set()
-            await asyncio.Event().wait()
 
 
 @pytest.fixture
@@ -110,7 +83,7 @@ async def _stuck_streams(
     app: Any, path: str, body: bytes, count: int, spawned: list[asyncio.Future[Any]]
 ) -> None:
     for i in range(count):
-        reader = _NeverReads(body)
+        reader = NeverReads(body)
         scope = asgi_request(path, f"stuck-{i}", len(body))
         spawned.append(asyncio.ensure_future(app(scope, reader.receive, reader.send)))
         await asyncio.wait_for(reader.started.wait(), BOUND)
