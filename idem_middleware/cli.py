@@ -19,6 +19,7 @@ import asyncpg
 from . import cli_commands as run
 from .errors import IdempotencyError
 from .ops import Resolution
+from .policy import MAX_SECONDS
 from .store.base import State
 
 _DSN_ENV = "IDEM_DATABASE_URL"
@@ -61,13 +62,17 @@ def _env_flag(name: str) -> bool:
     return os.environ.get(name, "").lower() in {"1", "true", "yes"}
 
 
+#: The largest count an option takes: the database's counters are 32-bit integers.
+_MAX_COUNT = 2**31 - 1
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{_shown(text)} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{_shown(text)} must be at least 1")
+    if not 1 <= value <= _MAX_COUNT:
+        raise argparse.ArgumentTypeError(f"{_shown(text)} must be from 1 to {_MAX_COUNT}")
     return value
 
 
@@ -76,9 +81,11 @@ def _seconds(text: str, *, zero: bool) -> float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{_shown(text)} is not a number of seconds") from None
-    if not math.isfinite(value) or value < 0 or (value == 0 and not zero):
+    if not math.isfinite(value) or value < 0 or (value == 0 and not zero) or value > MAX_SECONDS:
         least = "0 or more" if zero else "more than 0"
-        raise argparse.ArgumentTypeError(f"{_shown(text)} must be a finite number, {least}")
+        raise argparse.ArgumentTypeError(
+            f"{_shown(text)} must be a finite number, {least}, at most {MAX_SECONDS} (100 years)"
+        )
     return value
 
 

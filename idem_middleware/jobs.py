@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import math
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -54,7 +55,27 @@ def _fingerprint(operation: str, args: tuple[Any, ...], kwargs: dict[str, Any]) 
         raise ConfigurationError(
             f"{operation}: the job's arguments must be JSON-serialisable to be fingerprinted"
         ) from exc
+    # orjson writes NaN and the infinities as null: refused, or `v=inf` and `v=-inf` would be
+    # the same call. (Looked for only where a null was written.)
+    if b"null" in payload and _non_finite([args, kwargs]):
+        raise ConfigurationError(
+            f"{operation}: the job's arguments hold NaN or an infinity, which JSON cannot tell "
+            "apart from null: pass them as strings"
+        )
     return hashlib.sha256(operation.encode() + b"\x00" + payload).digest()
+
+
+def _non_finite(value: Any, depth: int = 0) -> bool:
+    """Whether a float in `value` (lists, tuples and dicts, as orjson walks them) is not finite."""
+    if isinstance(value, float):
+        return not math.isfinite(value)
+    if depth > 256:  # (orjson refuses deeper nesting anyway)
+        return False
+    if isinstance(value, list | tuple):
+        return any(_non_finite(item, depth + 1) for item in value)
+    if isinstance(value, dict):
+        return any(_non_finite(item, depth + 1) for item in value.values())
+    return False
 
 
 def _key_function(key: str | KeyOf) -> KeyOf:
@@ -72,8 +93,11 @@ def _key_function(key: str | KeyOf) -> KeyOf:
 
 async def _call(job: JobSpec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     key = job.key_of(*args, **kwargs)
-    if not isinstance(key, str) or not 0 < len(key) <= MAX_KEY_LENGTH:
-        raise ValueError(f"an idempotency key is 1 to {MAX_KEY_LENGTH} characters: {key!r}")
+    # (Counted in UTF-8 bytes, as the database counts them: 128 "é" are 256.)
+    if not isinstance(key, str) or not 0 < len(key.encode("utf-8", "surrogatepass")) <= (
+        MAX_KEY_LENGTH
+    ):
+        raise ValueError(f"an idempotency key is 1 to {MAX_KEY_LENGTH} bytes of UTF-8: {key!r}")
     record_key = RecordKey(str(job.tenant_of(*args, **kwargs)), job.operation, key)
     fingerprint = _fingerprint(job.operation, args, kwargs)
     if job.mode is Mode.TRANSACTIONAL:

@@ -69,6 +69,8 @@ async def _transaction(
                 retention_seconds=job.retention_seconds,
                 wait_seconds=job.wait_seconds,
             )
+        except ClaimBusy:
+            raise  # another run's transaction holds the key: `run_transactional` waits for it
         except ClaimTimeout:
             raise JobInProgress(f"{job.operation}: another run holds this key") from None
         if not isinstance(claim, Claimed):

@@ -111,7 +111,10 @@ class Publisher:
         self.reservation_margin_seconds = reservation_margin_seconds
 
     def backoff(self, attempts: int) -> float:
-        return float(min(self.base_backoff_seconds * 2**attempts, self.max_backoff_seconds))
+        # (The exponent is capped first: 2**1024 is no float, and any cap is reached by then.)
+        return float(
+            min(self.base_backoff_seconds * 2 ** min(attempts, 64), self.max_backoff_seconds)
+        )
 
     @property
     def reservation_seconds(self) -> float:

@@ -173,3 +173,61 @@ async def test_a_jobs_mode_given_as_its_value_is_the_mode() -> None:
     summary = await store.describe(RecordKey("", "charge", "x"))
     assert summary is not None
     assert summary.mode == "lease"
+
+
+async def test_a_concurrent_repeat_waits_for_the_first_runs_transaction(store: Store) -> None:
+    """Found by probing: a concurrent repeat of a transactional job raised JobInProgress at once
+    (the claim's "busy" is a kind of timeout, and was caught as one) instead of waiting up to
+    `wait_seconds` for the first run."""
+    runs: list[int] = []
+    entered = asyncio.Event()
+
+    @idempotent_job(store, operation="slow", key="k", wait_seconds=5)
+    async def slow(ctx: IdempotencyContext, k: str, v: int) -> int:
+        runs.append(v)
+        entered.set()
+        await asyncio.sleep(0.3)
+        return v
+
+    first = asyncio.ensure_future(slow(k="a", v=1))
+    await asyncio.wait_for(entered.wait(), 5)
+    same = asyncio.ensure_future(slow(k="a", v=1))
+    other = asyncio.ensure_future(slow(k="a", v=2))
+    assert await asyncio.wait_for(first, 5) == 1
+    assert await asyncio.wait_for(same, 5) == 1  # the stored result, after the wait
+    with pytest.raises(JobKeyReused):
+        await asyncio.wait_for(other, 5)
+    assert runs == [1]
+
+
+@pytest.mark.parametrize("mode", [Mode.TRANSACTIONAL, Mode.LEASE])
+async def test_a_key_is_counted_in_bytes_as_the_database_counts_it(
+    store: Store, mode: Mode
+) -> None:
+    """Found by probing: 128 "é" are 128 characters and 256 bytes; the job ran on every call
+    and its record was refused at commit."""
+    runs: list[str] = []
+
+    @idempotent_job(store, operation="send", key="k", mode=mode)
+    async def send(ctx: IdempotencyContext, k: str) -> int:
+        runs.append(k)
+        return 1
+
+    with pytest.raises(ValueError, match="bytes"):
+        await send(k="\u00e9" * 128)
+    assert await send(k="\u00e9" * 127) == 1
+    assert await send(k="\u00e9" * 127) == 1
+    assert runs == ["\u00e9" * 127]
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+async def test_arguments_json_cannot_tell_from_null_are_refused(value: float) -> None:
+    """orjson writes NaN and the infinities as null: `v=inf` and `v=-inf` would be one call."""
+
+    @idempotent_job(MemoryStore(), operation="f", key="k")
+    async def f(ctx: IdempotencyContext, k: str, v: Any) -> int:
+        return 1
+
+    with pytest.raises(ConfigurationError, match="NaN"):
+        await f(k="i", v={"nested": [value]})
+    assert await f(k="j", v=None) == 1  # a null of its own is fine

@@ -401,9 +401,14 @@ RECONCILE = ["reconcile", "--app", "tests.cli_app:app"]
             (PUBLISH, "--send-timeout"),
             (PUBLISH, "--idle-seconds"),
         ]
-        for value in ("-1", "0", "nan", "inf", "-inf", "soon")
+        for value in ("-1", "0", "nan", "inf", "-inf", "soon", "1e308")
     ]
-    + [(PUBLISH, "--reservation-margin", value) for value in ("-1", "nan", "inf", "soon")],
+    + [(PUBLISH, "--reservation-margin", value) for value in ("-1", "nan", "inf", "soon", "1e308")]
+    + [
+        (PUBLISH, "--max-attempts", "99999999999"),
+        (PUBLISH, "--batch-size", "2147483648"),
+        (["list"], "--limit", "99999999999999999999"),
+    ],
 )
 def test_seconds_out_of_range_are_a_usage_error(
     argv: list[str], option: str, value: str, capsys: pytest.CaptureFixture[str]

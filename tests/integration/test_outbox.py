@@ -372,3 +372,15 @@ async def test_the_outbox_tools_raise_the_librarys_errors(db_dsn: str, pool: Any
 
 async def _never(event: OutboxEvent) -> bool:
     raise AssertionError("nothing is sent")
+
+
+def test_the_backoff_of_any_attempt_is_a_number_within_its_cap(pool: Any) -> None:
+    """Found by probing: from the 1025th attempt, 2**attempts was no float (OverflowError), and
+    the batch died without recording the failure."""
+    publisher = Publisher(pool, _never_sent, max_attempts=5000, max_backoff_seconds=300.0)
+    assert publisher.backoff(0) == 1.0
+    assert publisher.backoff(1024) == publisher.backoff(10**6) == 300.0
+
+
+async def _never_sent(event: Any) -> None:
+    raise AssertionError("not sent")  # pragma: no cover
