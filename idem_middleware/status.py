@@ -25,7 +25,7 @@ from .tenant import TenantResolver, Tenants, authenticated_user_tenant, route_te
 
 # An operation is `METHOD /template`, or `METHOD host/template` under a `Host` route
 # (policy.operation_name); the bounds keep a probe cheap.
-_OPERATION = re.compile(r"[A-Z]{1,32} [^/\x00-\x20\x7f]{0,255}/[^\x00-\x1f\x7f]{0,2000}")
+OPERATION_SHAPE = re.compile(r"[A-Z]{1,32} [^/\x00-\x20\x7f]{0,255}/[^\x00-\x1f\x7f]{0,2000}")
 _BAD_OPERATION = (
     "The operation is `METHOD /path-template` (under a Host route `METHOD host/path-template`),"
     " as the Location of a 202 gives it."
@@ -64,7 +64,7 @@ def status_route(
             check_key(key)  # exactly the header's rule: a 400, never a query with a bad value
         except RequestRejected as exc:
             return _problem(exc.kind, exc.detail)
-        if _OPERATION.fullmatch(operation) is None:
+        if OPERATION_SHAPE.fullmatch(operation) is None:
             return _problem(ProblemKind.INVALID_KEY, _BAD_OPERATION)
         record = await store.get(RecordKey(tenant, operation, key))
         if record is None or record.expired:

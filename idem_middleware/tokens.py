@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import hmac
+import math
 import secrets
 from dataclasses import dataclass
 from datetime import datetime
@@ -22,12 +23,38 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from .context import token_hash
-from .errors import ProblemKind
+from .errors import ProblemKind, StatementRefused
 from .errors import TokenConflict as TokenConflict
+from .policy import not_idempotent
 from .responses import DEFAULT_PROBLEM_BASE, problem_response
+from .status import OPERATION_SHAPE  # the operations the status resource accepts
 from .tenant import TenantResolver, Tenants, authenticated_user_tenant, route_tenant
 
 _PREFIX = "it_"
+#: How many times `issue` reads again after a concurrent issue of the same intent won the race
+#: on the token's primary key (the second attempt already sees the winner's row).
+_ISSUE_ATTEMPTS = 4
+#: The longest `intent_id` the token route accepts (characters).
+MAX_INTENT_ID = 255
+_BAD_BODY = (
+    'Expected {"operation": "METHOD /path-template", "intent_id": str?} (an intent_id of at most'
+    f" {MAX_INTENT_ID} characters, without NUL or unpaired surrogates)."
+)
+
+
+def _unique_violation(exc: StatementRefused) -> bool:
+    return getattr(exc.__cause__, "sqlstate", None) == "23505" or "UniqueViolation" in str(exc)
+
+
+def _clean_text(value: str) -> bool:
+    """No NUL (PostgreSQL text refuses it) and no lone surrogate (not encodable as UTF-8)."""
+    if "\x00" in value:
+        return False
+    try:
+        value.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,8 +82,8 @@ class TokenIssuer:
     def __init__(self, store: Any, *, secret: bytes, ttl_seconds: float = 3600.0) -> None:
         if len(secret) < 32:
             raise ValueError("the token secret must be at least 32 bytes")
-        if ttl_seconds <= 0:
-            raise ValueError("ttl_seconds must be positive")
+        if not (math.isfinite(ttl_seconds) and ttl_seconds > 0):
+            raise ValueError("ttl_seconds must be positive and finite")
         self.store = store
         self._secret = secret
         self.ttl_seconds = ttl_seconds
@@ -79,22 +106,44 @@ class TokenIssuer:
         request_digest: bytes | None = None,
         ttl_seconds: float | None = None,
     ) -> IssuedToken:
-        """A token for `operation` (e.g. "POST /payouts"), bound to `request_digest` if given."""
+        """A token for `operation` (e.g. "POST /payouts"), bound to `request_digest` if given.
+
+        Asking again for an intent returns its token only for the same `request_digest` (None,
+        unbound, included): any other digest is TokenConflict. Concurrent calls for one intent
+        all return the same token. `ttl_seconds`, if given, must be positive and finite.
+        """
+        if ttl_seconds is None:
+            ttl_seconds = self.ttl_seconds
+        elif not (math.isfinite(ttl_seconds) and ttl_seconds > 0):
+            raise ValueError("ttl_seconds must be positive and finite")
         token = self._token_for(tenant, operation, intent_id)
         hashed = token_hash(token)
-        row = await self.store.issue_token(
-            tenant,
-            hashed,
-            operation,
-            request_digest=request_digest,
-            intent_id=intent_id,
-            ttl_seconds=ttl_seconds or self.ttl_seconds,
-        )
+        for attempt in range(_ISSUE_ATTEMPTS):
+            try:
+                row = await self.store.issue_token(
+                    tenant,
+                    hashed,
+                    operation,
+                    request_digest=request_digest,
+                    intent_id=intent_id,
+                    ttl_seconds=ttl_seconds,
+                )
+                break
+            except StatementRefused as exc:
+                # Two first issues of one intent insert the same token: the loser may collide
+                # on the token's primary key rather than on the intent's key that ON CONFLICT
+                # names. The winner's row is committed by now, so asking again returns it.
+                if (
+                    intent_id is None
+                    or not _unique_violation(exc)
+                    or attempt == _ISSUE_ATTEMPTS - 1
+                ):
+                    raise
         if row.token_hash != hashed:
             raise TokenConflict("this intent was issued a token under another secret")
         if row.spent:
             raise TokenConflict("this intent's token was already used; it is not issued again")
-        if row.request_digest is not None and row.request_digest != request_digest:
+        if row.request_digest != request_digest:
             raise TokenConflict("this intent was issued a token for a different request")
         return IssuedToken(token, row.expires_at)
 
@@ -109,9 +158,15 @@ def token_route(
     """`POST path` with `{"operation": "POST /payouts", "intent_id": "..."?}` issues a token to
     the authenticated tenant: 201 `{"token", "expires_at"}` (the same token for the same intent).
     Refusals are problem+json under `problem_base` (pass the middleware's if it has its own).
+    The route is `not_idempotent`: the middleware never guards it (a client needs no key, and no
+    token, to get its first token; asking again for an intent is already idempotent).
     """
     tenants = Tenants(tenant_resolver)
 
+    def bad_body() -> Response:
+        return problem_response(ProblemKind.BODY_INVALID, _BAD_BODY, base=problem_base)
+
+    @not_idempotent
     async def issue(request: Request) -> Response:
         tenant = await route_tenant(tenants, request.scope, problem_base=problem_base)
         if isinstance(tenant, Response):
@@ -125,15 +180,23 @@ def token_route(
             ):
                 raise TypeError
         except (orjson.JSONDecodeError, KeyError, TypeError, AttributeError):
-            return problem_response(
-                ProblemKind.BODY_INVALID,
-                'Expected {"operation": str, "intent_id": str?}.',
-                base=problem_base,
+            return bad_body()
+        if (
+            not _clean_text(operation)
+            or OPERATION_SHAPE.fullmatch(operation) is None
+            or (
+                intent_id is not None
+                and (len(intent_id) > MAX_INTENT_ID or not _clean_text(intent_id))
             )
+        ):
+            return bad_body()
         try:
             issued = await issuer.issue(tenant, operation, intent_id=intent_id)
         except TokenConflict as exc:
             return problem_response(ProblemKind.TOKEN_CONFLICT, f"{exc}.", base=problem_base)
+        except StatementRefused:
+            # The database refused these values (the checks above should leave nothing here).
+            return bad_body()
         body = {"token": issued.token, "expires_at": issued.expires_at.isoformat()}
         return Response(orjson.dumps(body), 201, media_type="application/json")
 

@@ -12,6 +12,7 @@ import pytest
 from idem_middleware import Mode, Policy, PostgresStore
 from idem_middleware.context import token_hash
 from idem_middleware.errors import StoreError
+from idem_middleware.fingerprint import compute_fingerprint
 from idem_middleware.tokens import TokenConflict, TokenIssuer, token_route
 from tests.apps import assert_problem, build_app, client
 
@@ -120,7 +121,7 @@ async def test_consume_then_crash_is_answered_by_the_state_machine(
         "interval '1 day', now() - interval '1 second')",
         OP,
         token,
-        await fingerprint_of(pg_store, token),
+        digest(b'{"amount":5}'),
     )
     app = token_app(pg_store, Mode.LEASE)
     async with client(app) as c:
@@ -130,9 +131,8 @@ async def test_consume_then_crash_is_answered_by_the_state_machine(
     assert app.state.probe.calls == 0
 
 
-async def fingerprint_of(store: Any, token: str) -> bytes:
-    from idem_middleware.fingerprint import compute_fingerprint
-
+def digest(body: bytes) -> bytes:
+    """The request digest a token bound to the credit route's request with `body` carries."""
     return compute_fingerprint(
         operation=OP,
         path_params={"account_id": "t1"},
@@ -140,7 +140,7 @@ async def fingerprint_of(store: Any, token: str) -> bytes:
         headers=[],
         include_headers=(),
         content_type=b"application/json",
-        body=b'{"amount":5}',
+        body=body,
     )
 
 

@@ -1,0 +1,198 @@
+"""One-time tokens, hardened: digest binding on re-issue, concurrent first issues, the token
+route under the middleware, and the route's validation of what it stores."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from typing import Any
+
+import httpx
+import pytest
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.middleware.authentication import AuthenticationMiddleware
+
+from idem_middleware import Policy, PostgresStore
+from idem_middleware.errors import StatementRefused
+from idem_middleware.tokens import TokenConflict, TokenIssuer, token_route
+from tests.apps import BearerBackend, assert_problem, build_app, client
+from tests.integration.test_tokens import OP, digest
+
+SECRET = b"s" * 32
+
+URL = "/accounts/t1/credits"
+TOKENS = "/idempotency/tokens"
+MAX_INTENT_ID = 255  # the documented longest intent_id
+
+
+@pytest.fixture
+def issuer(pg_store: PostgresStore) -> TokenIssuer:
+    return TokenIssuer(pg_store, secret=SECRET, ttl_seconds=600)
+
+
+def route_only_app(issuer: TokenIssuer) -> Starlette:
+    return Starlette(
+        routes=[token_route(issuer)],
+        middleware=[Middleware(AuthenticationMiddleware, backend=BearerBackend())],
+    )
+
+
+def route_client(app: Starlette) -> httpx.AsyncClient:
+    transport = httpx.ASGITransport(app=app)
+    return httpx.AsyncClient(
+        transport=transport, base_url="http://t", headers={"authorization": "Bearer demo-a"}
+    )
+
+
+# -- 1. a re-issue for another request digest, None included, is a conflict ----------------------
+
+
+async def test_an_unbound_intent_is_not_handed_out_as_bound(
+    pg_store: PostgresStore, pool: Any, issuer: TokenIssuer
+) -> None:
+    five, six = digest(b'{"amount": 5}'), digest(b'{"amount": 6}')
+    await issuer.issue("tenant-a", OP, intent_id="unbound")
+    with pytest.raises(TokenConflict, match="different request"):
+        await issuer.issue("tenant-a", OP, intent_id="unbound", request_digest=five)
+    stored = await pool.fetchval(
+        "SELECT request_digest FROM idem_tokens WHERE intent_id = 'unbound'"
+    )
+    assert stored is None
+    # the other directions, as documented
+    await issuer.issue("tenant-a", OP, intent_id="bound", request_digest=five)
+    with pytest.raises(TokenConflict, match="different request"):
+        await issuer.issue("tenant-a", OP, intent_id="bound")
+    with pytest.raises(TokenConflict, match="different request"):
+        await issuer.issue("tenant-a", OP, intent_id="bound", request_digest=six)
+    # the same digest (or the same None) is the same token
+    bound = await issuer.issue("tenant-a", OP, intent_id="bound", request_digest=five)
+    again = await issuer.issue("tenant-a", OP, intent_id="bound", request_digest=five)
+    assert bound.token == again.token
+    unbound = await issuer.issue("tenant-a", OP, intent_id="unbound")
+    assert unbound.token == (await issuer.issue("tenant-a", OP, intent_id="unbound")).token
+
+
+# -- 2. concurrent first issues of one intent -----------------------------------------------------
+
+
+async def test_concurrent_issues_of_one_intent_return_one_token(
+    pg_store: PostgresStore, pool: Any, issuer: TokenIssuer
+) -> None:
+    for round_ in range(30):
+        results = await asyncio.gather(
+            *(issuer.issue("tenant-a", OP, intent_id=f"race-{round_}") for _ in range(16)),
+            return_exceptions=True,
+        )
+        errors = [r for r in results if isinstance(r, BaseException)]
+        assert errors == [], errors
+        assert len({r.token for r in results if not isinstance(r, BaseException)}) == 1
+    assert await pool.fetchval("SELECT count(*) FROM idem_tokens") == 30
+
+
+class LosesTheRaceOnce:
+    """Delegates to the real store, but the first issue raises what the loser of a concurrent
+    first issue gets: a unique violation on the token's primary key."""
+
+    def __init__(self, store: PostgresStore, error: str) -> None:
+        self._store = store
+        self._error = error
+        self.calls = 0
+
+    async def issue_token(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls += 1
+        if self.calls == 1:
+            await self._store.issue_token(*args, **kwargs)  # the winner's row
+            raise StatementRefused(self._error)
+        return await self._store.issue_token(*args, **kwargs)
+
+
+async def test_issue_reads_again_after_losing_the_primary_key_race(
+    pg_store: PostgresStore,
+) -> None:
+    store = LosesTheRaceOnce(
+        pg_store,
+        'UniqueViolationError: duplicate key value violates unique constraint "idem_tokens_pkey"',
+    )
+    issued = await TokenIssuer(store, secret=SECRET).issue("tenant-a", OP, intent_id="lost")
+    assert store.calls == 2
+    assert (
+        issued.token
+        == (
+            await TokenIssuer(pg_store, secret=SECRET).issue("tenant-a", OP, intent_id="lost")
+        ).token
+    )
+    # any other refusal is not retried
+    other = LosesTheRaceOnce(pg_store, "CheckViolationError: no")
+    with pytest.raises(StatementRefused):
+        await TokenIssuer(other, secret=SECRET).issue("tenant-a", OP, intent_id="other")
+    assert other.calls == 1
+
+
+# -- 3. the token route is never guarded by the middleware ----------------------------------------
+
+
+@pytest.mark.parametrize("default", [Policy(), Policy(require_token=True)], ids=["key", "token"])
+async def test_the_token_route_is_not_guarded_by_the_middleware(
+    pg_store: PostgresStore, pool: Any, issuer: TokenIssuer, default: Policy
+) -> None:
+    app = build_app(pg_store, default_policy=default, policies={OP: Policy(require_token=True)})
+    app.router.routes.append(token_route(issuer))
+    async with client(app) as c:
+        first = await c.post(TOKENS, json={"operation": OP, "intent_id": "first"})
+        again = await c.post(TOKENS, json={"operation": OP, "intent_id": "first"})
+        assert first.status_code == again.status_code == 201, first.text
+        assert first.json()["token"] == again.json()["token"]
+        token = first.json()["token"]
+        spent = await c.post(URL, json={"amount": 5}, headers={"idempotency-key": token})
+    assert spent.status_code == 201, spent.text
+    assert await pool.fetchval("SELECT count(*) FROM idem_requests") == 1  # only the credit
+
+
+# -- 4. the route validates what it would store ---------------------------------------------------
+
+
+async def test_the_token_route_refuses_strings_the_database_cannot_keep(
+    pg_store: PostgresStore, pool: Any, issuer: TokenIssuer
+) -> None:
+    bodies = [
+        {"operation": "POST /x\u0000", "intent_id": "i"},
+        {"operation": OP, "intent_id": "a\u0000b"},
+        {"operation": OP, "intent_id": "x" * 100_000},
+        {"operation": OP, "intent_id": "x" * (MAX_INTENT_ID + 1)},
+        {"operation": "payouts"},
+        {"operation": "post /payouts"},
+        {"operation": ""},
+    ]
+    async with route_client(route_only_app(issuer)) as c:
+        for body in bodies:
+            assert_problem(await c.post(TOKENS, json=body), 400, "body-invalid")
+        for raw in (b'{"operation": "POST /x", "intent_id": "\\ud800"}',):
+            assert_problem(await c.post(TOKENS, content=raw), 400, "body-invalid")
+        longest = await c.post(TOKENS, json={"operation": OP, "intent_id": "x" * MAX_INTENT_ID})
+        host = await c.post(TOKENS, json={"operation": "POST api.example/x", "intent_id": "é"})
+    assert longest.status_code == host.status_code == 201
+    assert await pool.fetchval("SELECT count(*) FROM idem_tokens") == 2
+
+
+class Refuses:
+    async def issue_token(self, *args: Any, **kwargs: Any) -> Any:
+        raise StatementRefused("CharacterNotInRepertoireError: invalid byte sequence")
+
+
+async def test_a_refused_issue_is_a_bad_request_not_a_server_error() -> None:
+    async with route_client(route_only_app(TokenIssuer(Refuses(), secret=SECRET))) as c:
+        r = await c.post(TOKENS, json={"operation": OP, "intent_id": "i"})
+    assert_problem(r, 400, "body-invalid")
+
+
+# -- the per-call time to live --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("ttl", [0, -1.0, math.nan, math.inf, -math.inf])
+async def test_issue_refuses_a_time_to_live_that_is_not_positive_and_finite(
+    pg_store: PostgresStore, pool: Any, issuer: TokenIssuer, ttl: float
+) -> None:
+    with pytest.raises(ValueError, match="ttl_seconds"):
+        await issuer.issue("tenant-a", OP, ttl_seconds=ttl)
+    assert await pool.fetchval("SELECT count(*) FROM idem_tokens") == 0
