@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import math
 import os
 import sys
 from collections.abc import Sequence
@@ -17,9 +16,9 @@ from importlib import metadata
 import asyncpg
 
 from . import cli_commands as run
-from .errors import IdempotencyError
+from .errors import ConfigurationError, IdempotencyError
 from .ops import Resolution
-from .policy import MAX_SECONDS
+from .policy import seconds_option
 from .store.base import State
 
 _DSN_ENV = "IDEM_DATABASE_URL"
@@ -81,12 +80,10 @@ def _seconds(text: str, *, zero: bool) -> float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{_shown(text)} is not a number of seconds") from None
-    if not math.isfinite(value) or value < 0 or (value == 0 and not zero) or value > MAX_SECONDS:
-        least = "0 or more" if zero else "more than 0"
-        raise argparse.ArgumentTypeError(
-            f"{_shown(text)} must be a finite number, {least}, at most {MAX_SECONDS} (100 years)"
-        )
-    return value
+    try:
+        return seconds_option(value, "it", positive=not zero)  # (a Policy's duration rule)
+    except ConfigurationError as exc:
+        raise argparse.ArgumentTypeError(f"{_shown(text)}: {exc}") from None
 
 
 def _positive_seconds(text: str) -> float:

@@ -13,7 +13,7 @@ from typing import Any
 
 from .context import derive_downstream_key, key_digest
 from .errors import FenceRollback, StaleGeneration
-from .outcomes import Outcome, outcome_for_status
+from .outcomes import FINAL_STATE, outcome_for_status
 from .policy import Mode
 from .reconcile import Happened, NotHappened, ReconcileContext, Reconciler, StillUnknown
 from .store.base import RecordKey, Settlement, State, Store, StoredResponse
@@ -23,8 +23,6 @@ logger = logging.getLogger("idem_middleware")
 #: What a client's retry is told when the reconciler failed (raised, timed out, or gave no usable
 #: answer): the record stays unknown.
 _FAILED = "Asking the downstream system failed; retry later."
-#: The record's state after a `Happened` answer, by the outcome its status means.
-_HAPPENED = {Outcome.SUCCEEDED: State.SUCCEEDED, Outcome.FAILED_FINAL: State.FAILED_FINAL}
 
 
 class Fence:
@@ -175,7 +173,7 @@ def _settles_to(result: object) -> State | str:
     status = result.status
     if isinstance(status, bool) or not isinstance(status, int) or not 100 <= status <= 599:
         return f"Happened({status!r:.40}): not an HTTP status"
-    state = _HAPPENED.get(outcome_for_status(status, Mode.LEASE)) if status >= 200 else None
+    state = FINAL_STATE.get(outcome_for_status(status, Mode.LEASE)) if status >= 200 else None
     if state is None:
         return f"Happened({status}): not a final outcome (a 2xx, a 3xx or a final 4xx)"
     if not isinstance(result.body, bytes):
