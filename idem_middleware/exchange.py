@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Coroutine
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote, urlencode
 
@@ -231,8 +231,8 @@ class Exchange:
                     "with the same Idempotency-Key.",
                     retry_after=1,
                 )
-        except ClientGone:
-            logger.debug("client disconnected; the claim was rolled back")
+        except ClientGone as exc:
+            logger.debug("client disconnected: %s", exc)
 
     # -- what the client is told ---------------------------------------------------------------
 
@@ -373,6 +373,34 @@ class Exchange:
             await self.disconnect_event().wait()
             return {"type": "http.disconnect"}
         return await self.receive()
+
+    async def until_disconnect(self) -> None:
+        """Returns once the client has left. After its body, an ASGI server's receive() yields
+        only http.disconnect; anything else is skipped (boundedly), never taken for a departed
+        client."""
+        for _ in range(100):
+            if (await self.receive())["type"] == "http.disconnect":
+                return
+        await asyncio.Event().wait()  # a server that keeps talking: never a disconnect
+
+    async def wait_present(self, waiting: Coroutine[Any, Any, object]) -> None:
+        """A waiting duplicate's `waiting` (for the key's holder to end), cut short by its
+        client leaving: then ClientGone. Nothing is claimed while a duplicate waits, so nothing is
+        lost, and its waiting place goes back at once, not when its wait would have run out."""
+        inner = asyncio.ensure_future(waiting)
+        watch = asyncio.ensure_future(self.until_disconnect())
+        try:
+            done, _ = await asyncio.wait((inner, watch), return_when=asyncio.FIRST_COMPLETED)
+            if watch in done:
+                if watch.exception() is None:
+                    raise ClientGone("the client left while its request waited for another")
+                logger.debug(
+                    "the client watch of a waiting duplicate failed: %r", watch.exception()
+                )
+            await inner  # (its own error, if it raised; or the rest of the wait)
+        finally:
+            inner.cancel()
+            watch.cancel()
 
     def disconnect_event(self) -> asyncio.Event:
         """Set when the watched client left; made when first needed (most requests never are)."""

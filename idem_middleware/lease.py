@@ -160,7 +160,7 @@ class LeaseRun:
                             )
                         waiting.callback(waiters.leave)
                         waiting.enter_context(self.ex.timed("wait"))
-                    await watch.wait(min(remaining, poll))
+                    await self.ex.wait_present(watch.wait(min(remaining, poll)))
                     poll = min(poll * 2, _MAX_POLL)
                 record = await store.get(self.key)
         raise RuntimeError("the record kept changing; giving up")  # pragma: no cover

@@ -95,7 +95,7 @@ async def run_transactional(
                 remaining = deadline - now
                 if remaining <= 0:
                     return InFlight()
-                await waiters.wait(record_key, min(remaining, poll))
+                await ex.wait_present(waiters.wait(record_key, min(remaining, poll)))
                 poll = min(poll * 2, _MAX_POLL)
                 continue
             if isinstance(exc, ClaimTimeout):
@@ -276,12 +276,12 @@ class Attempt(ResponseCapture):
         if not self.uncancelled:
             task.uncancel()  # the handler swallowed our cancellation and returned
         if not self.passthrough:
-            raise ClientGone
+            raise ClientGone("the client left while the handler ran; its work was rolled back")
 
     def due(self) -> None:
         """The handler has run `DISCONNECT_WATCH_AFTER` seconds: watch its client."""
         if self.running and self.task is not None:
-            self.watcher = self.task.get_loop().create_task(self._until_disconnect())
+            self.watcher = self.task.get_loop().create_task(self.ex.until_disconnect())
             self.watcher.add_done_callback(self._client_left)
 
     def _client_left(self, watched: asyncio.Task[None]) -> None:
@@ -290,14 +290,6 @@ class Attempt(ResponseCapture):
             self.ex.disconnect_event().set()  # the app's own receive() reports it too
             assert self.task is not None
             self.task.cancel()
-
-    async def _until_disconnect(self) -> None:
-        # After the body, an ASGI server's receive() yields only http.disconnect; anything else
-        # is skipped (boundedly), never taken for a departed client.
-        for _ in range(100):
-            if (await self.ex.receive())["type"] == "http.disconnect":
-                return
-        await asyncio.Event().wait()  # a server that keeps talking: never a disconnect
 
     async def settle_early(self, reason: str) -> None:
         """Before the first byte of a response that cannot be held (see ResponseCapture)."""

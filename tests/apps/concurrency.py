@@ -157,3 +157,26 @@ class NeverReads:
         if message["type"] == "http.response.body":
             self.started.set()
             await asyncio.Event().wait()
+
+
+class Leaves:
+    """A client that sends its request (`body`), then disconnects when `leave()` is called; what
+    it was sent is kept in `sent`."""
+
+    def __init__(self, body: bytes = b"{}") -> None:
+        self._body: bytes | None = body
+        self._left = asyncio.Event()
+        self.sent: list[dict[str, Any]] = []
+
+    def leave(self) -> None:
+        self._left.set()
+
+    async def receive(self) -> dict[str, Any]:
+        body, self._body = self._body, None
+        if body is not None:
+            return {"type": "http.request", "body": body, "more_body": False}
+        await self._left.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(self, message: dict[str, Any]) -> None:
+        self.sent.append(message)

@@ -13,15 +13,23 @@ import pytest
 from idem_middleware import Policy, PostgresStore
 from tests.apps import (
     BOUND,
+    LEASE_POLICY,
+    PAYOUTS,
     Held,
+    Leaves,
     NeverReads,
+    Step,
     asgi_request,
     assert_problem,
     assert_replay_of,
     build_app,
+    build_lease_app,
     client,
+    idempotency_middleware,
     idle_in_transaction,
     key,
+    reset_downstream,
+    until,
     wait_entered,
     wait_for_waiters,
 )
@@ -123,6 +131,70 @@ async def test_past_the_waiter_bound_a_duplicate_is_answered_at_once(
         for reply in await asyncio.wait_for(asyncio.gather(*waiting), BOUND):
             assert_replay_of(reply, r1)
     assert probe.calls == 1
+
+
+async def _leave_while_waiting(app: Any, path: str, body: bytes) -> None:
+    """A duplicate (key "k1") of the request held on `path` waits; its client leaves. Its waiting
+    place is free again at once, its request ends quietly, and it was sent nothing."""
+    waiters = idempotency_middleware(app).waiters
+    leaving = Leaves(body)
+    scope = asgi_request(path, '"k1"', len(body))
+    gone = asyncio.ensure_future(app(scope, leaving.receive, leaving.send))
+    try:
+        await wait_for_waiters(app, 1)
+        leaving.leave()
+        await until(lambda: waiters.count == 0)
+        await asyncio.wait_for(gone, BOUND)
+    finally:
+        gone.cancel()
+    assert leaving.sent == []
+
+
+async def test_a_duplicate_whose_client_leaves_stops_waiting(
+    pg_store: PostgresStore, pool: asyncpg.Pool[Any]
+) -> None:
+    """Transactional mode: a waiting duplicate whose client disconnects gives its waiting place
+    back at once (not when its minute of waiting runs out), and is sent nothing; the place then
+    serves the next duplicate, which gets the replay."""
+    app = build_app(pg_store, default_policy=Policy(wait_seconds=60), max_waiters=1)
+    probe = app.state.probe
+    async with client(app) as a, Held(probe) as held:
+        first = held.start(a.post(CREDIT, json=BODY, headers=key("k1")))
+        await wait_entered(probe)
+        await _leave_while_waiting(app, CREDIT, b'{"amount": 5}')
+        second = held.start(a.post(CREDIT, json=BODY, headers=key("k1")))
+        await wait_for_waiters(app, 1)  # not "409: too many waiting"
+        held.release()
+        r1 = await asyncio.wait_for(first, BOUND)
+        assert_replay_of(await asyncio.wait_for(second, BOUND), r1)
+    assert probe.calls == 1
+
+
+async def test_a_lease_duplicate_whose_client_leaves_stops_waiting(
+    pg_store: PostgresStore, pool: asyncpg.Pool[Any]
+) -> None:
+    """Lease mode: the same, for a duplicate waiting on a record another request executes."""
+    await reset_downstream(pool)
+    policy = Policy(mode=LEASE_POLICY.mode, lease_seconds=5.0, wait_seconds=60)
+    app = build_lease_app(pg_store, pool, policy, max_waiters=1)
+    gate = asyncio.Event()
+    app.state.probe.steps = [Step(gate=gate)]
+    payout = {"account": "acc-1", "amount": 100}
+    async with client(app) as a:
+        first = asyncio.ensure_future(a.post(PAYOUTS, json=payout, headers=key("k1")))
+        try:
+            await asyncio.wait_for(app.state.probe.entered.wait(), BOUND)
+            await _leave_while_waiting(app, PAYOUTS, b'{"account": "acc-1", "amount": 100}')
+            second = asyncio.ensure_future(a.post(PAYOUTS, json=payout, headers=key("k1")))
+            await wait_for_waiters(app, 1)
+            gate.set()
+            r1 = await asyncio.wait_for(first, BOUND)
+            assert r1.status_code == 201, r1.text
+            assert_replay_of(await asyncio.wait_for(second, BOUND), r1)
+        finally:
+            gate.set()
+            await asyncio.wait_for(asyncio.gather(first, return_exceptions=True), BOUND)
+    assert app.state.probe.calls == 1
 
 
 async def test_past_the_tenant_cap_a_request_is_refused_with_nothing_claimed(
