@@ -12,7 +12,7 @@ from collections.abc import Awaitable, Coroutine
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote, urlencode
 
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from .answers import Answer, InFlight, Problem, Replay, Sent
 from .capture import ResponseCapture
@@ -120,10 +120,6 @@ class Exchange:
         self.token_hash: bytes | None = None
         #: The tenant slot the attempt holds, with a cap (`max_tenant_connections`) only.
         self.slot: Slot | None = None
-
-    @property
-    def app(self) -> ASGIApp:
-        return self.mw.app
 
     @property
     def store(self) -> Store:
@@ -330,14 +326,12 @@ class Exchange:
         return content_type
 
     async def read_body(self) -> tuple[bytes | None, bytes | None]:
-        """The Content-Type, and the whole request body (capped by the policy); None for the
-        body if the client left first."""
+        """The Content-Type, and the whole body (capped); None for the body if the client left."""
         content_type = self.body_headers()
         return content_type, await self.read_rest(await self.receive())
 
     async def read_rest(self, message: Message) -> bytes | None:
-        """The whole body, from its first message (received already) on; None if the client
-        left first."""
+        """The whole body from its first message (received already); None if the client left."""
         cap = self.policy.max_body_bytes
         chunks: list[bytes] = []
         size = 0
@@ -375,18 +369,15 @@ class Exchange:
         return await self.receive()
 
     async def until_disconnect(self) -> None:
-        """Returns once the client has left. After its body, an ASGI server's receive() yields
-        only http.disconnect; anything else is skipped (boundedly), never taken for a departed
-        client."""
+        """Returns once the client has left (after the body, receive() yields only that)."""
         for _ in range(100):
             if (await self.receive())["type"] == "http.disconnect":
                 return
         await asyncio.Event().wait()  # a server that keeps talking: never a disconnect
 
     async def wait_present(self, waiting: Coroutine[Any, Any, object]) -> None:
-        """A waiting duplicate's `waiting` (for the key's holder to end), cut short by its
-        client leaving: then ClientGone. Nothing is claimed while a duplicate waits, so nothing is
-        lost, and its waiting place goes back at once, not when its wait would have run out."""
+        """A duplicate's `waiting`, cut short by its client leaving (ClientGone: it holds no
+        claim, and its waiting place goes back now, not when its wait would have run out)."""
         inner = asyncio.ensure_future(waiting)
         watch = asyncio.ensure_future(self.until_disconnect())
         try:

@@ -118,7 +118,7 @@ class LeaseExecution:
             token = enter_context(ex.scope, context)
             try:
                 try:
-                    await ex.app(ex.scope, ex, capture)  # ex: the app's receive
+                    await ex.mw.app(ex.scope, ex, capture)  # ex: the app's receive
                 except StaleGeneration:
                     if capture.passthrough:
                         raise
