@@ -50,7 +50,7 @@ def key_digest(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
-@dataclass(slots=True, eq=False, kw_only=True)
+@dataclass(slots=True, eq=False, kw_only=True, repr=False)
 class IdempotencyContext:
     tenant: str
     operation: str
@@ -67,6 +67,15 @@ class IdempotencyContext:
     _fence: Callable[[], Awaitable[Any]] | None = field(default=None, repr=False)
     _lease_lost: asyncio.Event | None = field(default=None, repr=False)
     _downstream_key: str | None = field(default=None, repr=False)
+
+    def __repr__(self) -> str:
+        # The raw key may carry personal data (an order or an e-mail): a context logged or shown
+        # in a traceback names it by its digest, as the middleware's own logs do.
+        return (
+            f"IdempotencyContext(tenant={self.tenant!r}, operation={self.operation!r}, "
+            f"key_digest={key_digest(self.key)!r}, generation={self.generation!r}, "
+            f"mode={self.mode!r}, epoch={self.epoch!r}, declared={self.declared!r})"
+        )
 
     @property
     def downstream_key(self) -> str:

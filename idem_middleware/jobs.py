@@ -97,7 +97,8 @@ async def _call(job: JobSpec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
     if not isinstance(key, str) or not 0 < len(key.encode("utf-8", "surrogatepass")) <= (
         MAX_KEY_LENGTH
     ):
-        raise ValueError(f"an idempotency key is 1 to {MAX_KEY_LENGTH} bytes of UTF-8: {key!r}")
+        got = f"{len(key)} characters" if isinstance(key, str) else type(key).__name__
+        raise ValueError(f"an idempotency key is 1 to {MAX_KEY_LENGTH} bytes of UTF-8, not {got}")
     record_key = RecordKey(str(job.tenant_of(*args, **kwargs)), job.operation, key)
     fingerprint = _fingerprint(job.operation, args, kwargs)
     if job.mode is Mode.TRANSACTIONAL:

@@ -46,7 +46,7 @@ class ReconcileContext:
 
     tenant: str
     operation: str
-    key: str
+    key: str = field(repr=False)  # (it may carry personal data: the downstream key stands in)
     downstream_key: str
     #: The generation of the unknown record (the last executor's fencing token).
     generation: int

@@ -7,8 +7,14 @@ import dataclasses
 import pytest
 
 from idem_middleware import IdempotencyContext, Mode, Outcome, derive_downstream_key
-from idem_middleware.context import RELEASE_STATUSES, claimed_context, outcome_for_status
+from idem_middleware.context import (
+    RELEASE_STATUSES,
+    claimed_context,
+    key_digest,
+    outcome_for_status,
+)
 from idem_middleware.errors import ConfigurationError
+from idem_middleware.reconcile import ReconcileContext
 
 
 @pytest.mark.parametrize("mode", list(Mode))
@@ -112,3 +118,34 @@ def test_a_claimed_context_is_the_context_its_keywords_make(mode: Mode) -> None:
     for f in dataclasses.fields(IdempotencyContext):
         assert getattr(built, f.name) is getattr(expected, f.name), f.name
     assert claimed_context("t", "op", "k", 1, mode, None, None)._fence is None
+
+
+def test_a_context_shown_or_logged_names_its_key_by_digest_only() -> None:
+    """Raw keys may carry personal data: a context in a log line or a traceback shows the key's
+    digest (the one the middleware's own logs use), never the key."""
+    raw = "alice@example.com/order-77"
+    ctx = _context(key=raw)
+    for shown in (repr(ctx), str(ctx), f"{ctx}", f"{ctx}"):
+        assert raw not in shown
+        assert key_digest(raw) in shown
+        assert "POST /payouts" in shown
+        assert "generation=3" in shown
+
+
+def test_a_reconcile_context_shown_or_logged_omits_the_raw_key() -> None:
+    raw = "alice@example.com/order-77"
+
+    async def fence() -> None:
+        return None
+
+    ctx = ReconcileContext(
+        tenant="t",
+        operation="POST /payouts",
+        key=raw,
+        downstream_key="d" * 64,
+        generation=2,
+        _fence=fence,
+    )
+    assert raw not in repr(ctx)
+    assert "d" * 64 in repr(ctx)
+    assert ctx.key == raw  # the reconciler still has it
