@@ -98,6 +98,10 @@ class TokenConflict(IdempotencyError):
     its token was used and has expired (a used token is never renewed)."""
 
 
+class EventConflict(IdempotencyError):
+    """An outbox event id added again with another tenant, topic or payload."""
+
+
 class JobInProgress(IdempotencyError):
     """Another run holds the key and did not finish within `wait_seconds`: retry later."""
 

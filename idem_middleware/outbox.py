@@ -25,6 +25,7 @@ from typing import Any
 
 import orjson
 
+from .errors import EventConflict as EventConflict
 from .errors import RetryableConflict, StatementRefused
 from .store.postgres import PostgresStore
 from .store.postgres.edges import OutboxConnection, add_event, record_consumed
@@ -63,7 +64,9 @@ async def add(
     """Write an event in the caller's transaction; returns its id (a UUID unless given).
 
     Pass a deterministic `event_id` (derived from the idempotency key, say) if the same logical
-    event could be added twice by different requests.
+    event could be added twice by different requests: adding it again with the same tenant, topic
+    and payload does nothing (it is sent once), and with anything else raises `EventConflict`
+    (the caller's transaction goes on; what it does with the error is its business).
     """
     event_id = event_id or str(uuid.uuid4())
     await add_event(conn, event_id, tenant, topic, orjson.dumps(payload).decode())

@@ -14,10 +14,11 @@ from pathlib import Path
 from typing import Any
 
 import asyncpg
+import orjson
 import pytest
 
 from idem_middleware import Policy, PostgresStore, get_context
-from idem_middleware.errors import StatementRefused, StoreError
+from idem_middleware.errors import EventConflict, StatementRefused, StoreError
 from idem_middleware.outbox import (
     OutboxEvent,
     Publisher,
@@ -71,6 +72,50 @@ async def test_an_event_exists_iff_its_transaction_committed(pool: Any) -> None:
             await failing_business_write(conn)
     ids = [r["event_id"] for r in await pool.fetch("SELECT event_id FROM idem_outbox")]
     assert ids == [committed]
+
+
+async def test_an_event_added_again_under_its_id_is_kept_once(pool: Any) -> None:
+    """A deterministic event id added again, by a later transaction or the same one, with the
+    same tenant, topic and payload is a no-op (the event is sent once, and the caller's
+    transaction carries on); with anything else it is EventConflict, and the first event stands."""
+    async with pool.acquire() as conn:
+        async with conn.transaction():
+            await add(conn, "credit", {"amount": 5, "to": "acc-1"}, event_id="e1", tenant="t")
+            await add(conn, "credit", {"to": "acc-1", "amount": 5}, event_id="e1", tenant="t")
+        async with conn.transaction():
+            assert (
+                await add(conn, "credit", {"amount": 5, "to": "acc-1"}, event_id="e1", tenant="t")
+                == "e1"
+            )
+            await conn.execute("SELECT 1")  # the transaction is still usable
+        for topic, payload, tenant in [
+            ("credit", {"amount": 6, "to": "acc-1"}, "t"),
+            ("debit", {"amount": 5, "to": "acc-1"}, "t"),
+            ("credit", {"amount": 5, "to": "acc-1"}, "other"),
+            ("credit", {"amount": 5, "to": "acc-1"}, None),
+        ]:
+            async with conn.transaction():
+                with pytest.raises(EventConflict):
+                    await add(conn, topic, payload, event_id="e1", tenant=tenant)
+                await conn.execute("SELECT 1")  # still usable: the caller decides
+    rows = await pool.fetch("SELECT event_id, tenant, topic, payload FROM idem_outbox")
+    assert [(r["event_id"], r["tenant"], r["topic"]) for r in rows] == [("e1", "t", "credit")]
+    assert orjson.loads(rows[0]["payload"]) == {"amount": 5, "to": "acc-1"}
+
+
+async def test_an_event_added_by_two_transactions_at_once_is_kept_once(pool: Any) -> None:
+    """The second waits for the first to commit (the primary key), then finds the same event."""
+    async with pool.acquire() as first, pool.acquire() as second:
+        tx1 = first.transaction()
+        await tx1.start()
+        await add(first, "credit", {"amount": 5}, event_id="e2")
+        tx2 = second.transaction()
+        await tx2.start()
+        adding = asyncio.ensure_future(add(second, "credit", {"amount": 5}, event_id="e2"))
+        await tx1.commit()
+        assert await asyncio.wait_for(adding, 5) == "e2"
+        await tx2.commit()
+    assert await pool.fetchval("SELECT count(*) FROM idem_outbox") == 1
 
 
 async def test_events_commit_with_the_idempotent_handler_or_not_at_all(

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from ...errors import StoreError
+from ...errors import EventConflict, StoreError
 from ..base import RecordKey, RecordSummary, Settlement, State, StoreStats
 from .convert import (
     _Q,
@@ -72,8 +72,15 @@ class ReservedEvent:
 async def add_event(
     executor: Any, event_id: str, tenant: str | None, topic: str, payload: str
 ) -> None:
-    """Write an outbox event (`payload` is JSON text) on the caller's connection."""
-    await executor.execute(_Q["outbox_add"], event_id, tenant, topic, payload)
+    """Write an outbox event (`payload` is JSON text) on the caller's connection. An event of
+    the same id added before (by this transaction or a committed one) is left as it is when it
+    says the same; EventConflict when it says something else."""
+    if await executor.fetchval(_Q["outbox_add"], event_id, tenant, topic, payload):
+        return
+    if not await executor.fetchval(_Q["outbox_same"], event_id, tenant, topic, payload):
+        raise EventConflict(
+            f"outbox event {event_id!r} exists with another tenant, topic or payload"
+        )
 
 
 async def record_consumed(executor: Any, consumer: str, event_id: str) -> bool:
