@@ -47,13 +47,22 @@ def emit(args: argparse.Namespace, data: Mapping[str, Any], text: str) -> None:
     print(json.dumps(data, default=str, sort_keys=True) if args.json else text)
 
 
+# No named prepared statements: the DSN may be PgBouncer's in transaction pooling mode, where
+# a server connection keeps an earlier process's `__asyncpg_stmt_1__` and the next command's
+# fails with "already exists". An operator's command runs a few statements; the cache saves
+# nothing there.
+_NO_STATEMENT_CACHE = 0
+
+
 async def with_store(args: argparse.Namespace, handler: Handler) -> int:
-    async with PostgresStore(dsn=args.dsn, min_size=1, max_size=2) as store:
+    async with PostgresStore(
+        dsn=args.dsn, min_size=1, max_size=2, statement_cache_size=_NO_STATEMENT_CACHE
+    ) as store:
         return await handler(store, args)
 
 
 async def migrate(args: argparse.Namespace) -> int:
-    conn = await asyncpg.connect(args.dsn)
+    conn = await asyncpg.connect(args.dsn, statement_cache_size=_NO_STATEMENT_CACHE)
     try:
         if args.check:
             pending = await pending_versions(conn)
