@@ -11,9 +11,17 @@ from ...delayed import Delayed
 from ...errors import StaleGeneration, StoreError
 from ..base import RecordKey, Settlement, State
 from . import compat
-from .convert import _Q, ACQUIRE_ERRORS, CONNECTION_ERRORS, TRANSLATED, settle_args, translate
+from .convert import (
+    _Q,
+    ACQUIRE_ERRORS,
+    CONNECTION_ERRORS,
+    RETRYABLE,
+    TRANSLATED,
+    settle_args,
+    translate,
+)
 from .fused import FastPath
-from .runner import Bounded, discard, give_back
+from .runner import ALONE_ATTEMPTS, Bounded, discard, give_back
 
 logger = logging.getLogger("idem_middleware.store")
 
@@ -112,8 +120,8 @@ class Fencing(Bounded):
         try:
             try:
                 tx, held, fast = await self._open(conn)
-            except CONNECTION_ERRORS as exc:
-                raise StoreError(str(exc)) from exc
+            except TRANSLATED as exc:
+                raise translate(exc) from exc
             if not held:
                 await _roll_back(tx, conn)
                 raise StaleGeneration(
@@ -144,8 +152,22 @@ class Fencing(Bounded):
             await give_back(self._pool, session.connection)
 
     async def _open(self, conn: Any) -> tuple[Any, bool, FastPath | None]:
+        """`_open_once`, again while the server refuses the lock for a serialization failure:
+        under REPEATABLE READ or SERIALIZABLE (a database's or role's default) the lock fails
+        when a heartbeat committed a newer version of the row after the transaction's snapshot.
+        The lock is the transaction's first statement, so nothing was done yet: it is rolled
+        back, and a new transaction with a new snapshot tries again."""
+        for _ in range(ALONE_ATTEMPTS - 1):
+            try:
+                return await self._open_once(conn)
+            except RETRYABLE:
+                continue
+        return await self._open_once(conn)
+
+    async def _open_once(self, conn: Any) -> tuple[Any, bool, FastPath | None]:
         """BEGIN and lock the record under the generation: (transaction, held, fast). The fast
-        way sends both in one message; its status line says whether the row was locked."""
+        way sends both in one message; its status line says whether the row was locked. On a
+        serialization failure the transaction is rolled back before it is raised."""
         key = self._key
         args = (key.tenant, key.operation, key.key, self._generation, str(self._expected))
         if self._fast is not None:
@@ -154,7 +176,11 @@ class Fencing(Bounded):
                 return (*opened, self._fast)
         tx = conn.transaction()
         await tx.start()
-        held = await conn.fetchval(_Q["fence"], *args)
+        try:
+            held = await conn.fetchval(_Q["fence"], *args)
+        except RETRYABLE:
+            await tx.rollback()
+            raise
         return tx, held is not None, None
 
 

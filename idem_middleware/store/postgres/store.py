@@ -39,6 +39,7 @@ from .edges import OffPathStatements
 from .fenced import Fencing
 from .fused import FastPath
 from .listener import Listener
+from .runner import alone
 from .sessions import PgTransaction
 
 logger = logging.getLogger("idem_middleware.store")
@@ -170,7 +171,7 @@ class PostgresStore(OffPathStatements):
     async def get(self, key: RecordKey) -> Record | None:
         try:
             async with self._internal() as conn:
-                row = await conn.fetchrow(_Q["get"], key.tenant, key.operation, key.key)
+                row = await alone(conn.fetchrow, _Q["get"], key.tenant, key.operation, key.key)
         except CONNECTION_ERRORS as exc:
             raise StoreError(str(exc)) from exc
         return None if row is None else to_record(key, row)
@@ -197,7 +198,7 @@ class PostgresStore(OffPathStatements):
         )
         try:
             async with self._internal() as conn:
-                return await claim(conn, key, args, token_hash, None)
+                return await alone(claim, conn, key, args, token_hash, None)
         except TRANSLATED as exc:
             raise translate(exc) from exc
 
