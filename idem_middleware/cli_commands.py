@@ -55,9 +55,13 @@ _NO_STATEMENT_CACHE = 0
 
 
 async def with_store(args: argparse.Namespace, handler: Handler) -> int:
-    async with PostgresStore(
+    store = PostgresStore(
         dsn=args.dsn, min_size=1, max_size=2, statement_cache_size=_NO_STATEMENT_CACHE
-    ) as store:
+    )
+    # `stats`, `list` and `show` work on a standby or as a read-only role; a command that
+    # writes there fails with the server's own message.
+    store._needs_writes = False
+    async with store:
         return await handler(store, args)
 
 

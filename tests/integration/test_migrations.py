@@ -346,3 +346,28 @@ async def test_migrate_into_a_schema_whose_name_needs_quoting(
         await conn.close()
     async with PostgresStore(dsn=dsn, connect_kwargs={"server_settings": settings}) as store:
         assert await store.get(RecordKey("t", "POST /x", "k")) is None
+
+
+async def test_opening_a_store_on_read_only_sessions_names_the_fix(
+    new_database: NewDatabase,
+) -> None:
+    """A role or database whose sessions default to read-only: every guarded request failed
+    with a 500 when it wrote its record; now the store refuses to open and says why. The
+    command line's reports still run there."""
+    from tests.integration.test_cli import cli
+
+    dsn = await new_database()
+    conn = await asyncpg.connect(dsn)
+    try:
+        await migrate(conn)
+        name = await conn.fetchval("SELECT current_database()")
+        await conn.execute(f'ALTER DATABASE "{name}" SET default_transaction_read_only = on')
+    finally:
+        await conn.close()
+    with pytest.raises(ConfigurationError, match="default_transaction_read_only"):
+        await PostgresStore(dsn=dsn).open()
+    writable = {"server_settings": {"default_transaction_read_only": "off"}}
+    async with PostgresStore(dsn=dsn, connect_kwargs=writable) as store:
+        assert await store.get(RecordKey("t", "POST /x", "k")) is None
+    stats = cli("stats", dsn=dsn)
+    assert stats.returncode == 0, stats.stderr
