@@ -252,6 +252,20 @@ def test_no_database_is_a_usage_error() -> None:
     assert "no database" in result.stderr
 
 
+@pytest.mark.parametrize("command", ["migrate", "stats"])
+@pytest.mark.parametrize(
+    "dsn",
+    ["nonsense", "postgresql://u@h:notaport/db", "postgresql://u@127.0.0.1/db?sslmode=bogus"],
+)
+def test_a_dsn_that_cannot_be_parsed_is_a_bad_argument(command: str, dsn: str) -> None:
+    """Exit 2 with the parser's message; migrate (and every command, for a bad port) showed
+    asyncpg's traceback."""
+    result = cli(command, dsn=dsn)
+    assert result.returncode == 2, result.stderr
+    assert "error: --dsn: " in result.stderr
+    assert "Traceback" not in result.stderr
+
+
 def test_unreachable_database_exits_1() -> None:
     result = cli("stats", dsn="postgresql://nobody@127.0.0.1:9/none")
     assert result.returncode == 1
