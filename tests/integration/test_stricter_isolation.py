@@ -2,7 +2,8 @@
 statements that commit on their own, and lease mode's fence, meet a concurrent write with a
 serialization failure where READ COMMITTED would have waited and read the new row. Each is run
 again (it changed nothing), so a claim, a settlement and a fence answer as they would under
-READ COMMITTED instead of failing the request.
+READ COMMITTED instead of failing the request. Under SERIALIZABLE, a fenced transaction the server
+refuses at its settlement cannot run again: it is reported as the store's failure (a 503).
 
 Each test holds a conflicting write open on a connection of its own, lets the store's statement
 queue behind it, then commits it: the statement's snapshot is then older than the row it meets.
@@ -18,6 +19,7 @@ import asyncpg
 import pytest
 
 from idem_middleware import PostgresStore
+from idem_middleware.errors import StoreError
 from idem_middleware.store.base import Existing, RecordKey, Settlement, State, StoredResponse
 from tests.apps import BOUND, wait_for_lock_waiters
 
@@ -113,3 +115,34 @@ async def test_a_fence_that_meets_a_heartbeat_holds_the_record(
         assert await _behind(pool, heartbeat, KEY.key, work=fenced_write()) is True
     assert await pool.fetchval("SELECT state FROM idem_requests") == "succeeded"
     assert await pool.fetchval("SELECT count(*) FROM test_ledger") == 1
+
+
+@pytest.mark.parametrize("fast_path", [True, False], ids=["fast", "ordinary"])
+async def test_a_fenced_settlement_refused_under_serializable_is_a_store_error(
+    db_dsn: str, pool: asyncpg.Pool[Any], fast_path: bool
+) -> None:
+    """Two fenced transactions at once under SERIALIZABLE meet on `idem_requests`' pages and
+    the server refuses the second at its settlement. It cannot run again (its handler ran): it
+    is a StoreError, a 503 whose outcome is unknown, as for a lost connection (it was a
+    RetryableConflict, which nothing on the lease path handles: a plain 500)."""
+    other = RecordKey(KEY.tenant, KEY.operation, "k2")
+    for key in (KEY, other):
+        await pool.execute(INSERT, *key, "pending")
+    settings = {"default_transaction_isolation": "serializable"}
+    done = Settlement(State.SUCCEEDED, StoredResponse(201, [], b"{}"))
+    async with (
+        PostgresStore(
+            dsn=db_dsn,
+            listen=False,
+            fast_path=fast_path,
+            connect_kwargs={"server_settings": settings},
+        ) as store,
+        store.fenced(KEY, 7) as first,
+        store.fenced(other, 7) as second,
+    ):
+        assert await first.settle(done) is True
+        with pytest.raises(StoreError) as refused:
+            await second.settle(done)
+    assert isinstance(refused.value.__cause__, asyncpg.SerializationError)
+    states = await pool.fetch("SELECT idem_key, state FROM idem_requests ORDER BY idem_key")
+    assert [tuple(r) for r in states] == [("k", "succeeded"), ("k2", "pending")]

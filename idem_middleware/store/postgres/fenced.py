@@ -59,6 +59,8 @@ class PgFenced:
             body = b"" if s.response is None else s.response.body
             try:
                 done = await self._fast.settle_and_commit(raw, self._tx, args, len(body))
+            except RETRYABLE as exc:
+                raise _refused(exc) from exc
             except TRANSLATED as exc:
                 raise translate(exc) from exc
             if done:
@@ -69,10 +71,21 @@ class PgFenced:
             if not row["settled"]:
                 return False  # the session's end rolls back
             await self._tx.commit()
+        except RETRYABLE as exc:
+            raise _refused(exc) from exc
         except TRANSLATED as exc:
             raise translate(exc) from exc
         self.committed = True
         return True
+
+
+def _refused(exc: BaseException) -> StoreError:
+    """A fenced transaction the server refused at its settlement (a serialization failure or a
+    deadlock: under SERIALIZABLE, concurrent ones meet on `idem_requests`' index pages). It
+    cannot be run again (the handler ran, its downstream call was made): its outcome is not
+    recorded, as when the connection is lost, and the client is answered 503 (was a plain 500).
+    The record stays pending until its lease lapses."""
+    return StoreError(f"the fenced transaction was refused at its settlement: {exc}")
 
 
 class Fencing(Bounded):
