@@ -9,17 +9,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import importlib
 import json
 import os
 import signal
 import sys
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from typing import Any
 
 import asyncpg
 
 from . import outbox as outbox_ops
+from .errors import StoreError
 from .keys import parse_idempotency_key
 from .ops import (
     Move,
@@ -47,13 +49,46 @@ def emit(args: argparse.Namespace, data: Mapping[str, Any], text: str) -> None:
     print(json.dumps(data, default=str, sort_keys=True) if args.json else text)
 
 
+# No named prepared statements: the DSN may be PgBouncer's in transaction pooling mode, where
+# a server connection keeps an earlier process's `__asyncpg_stmt_1__` and the next command's
+# fails with "already exists". An operator's command runs a few statements; the cache saves
+# nothing there.
+_NO_STATEMENT_CACHE = 0
+
+
+@contextlib.contextmanager
+def _checked_dsn() -> Iterator[None]:
+    """A DSN asyncpg cannot parse (`nonsense`, a port that is not a number, an unknown
+    `sslmode`) is a bad argument, exit 2, not a traceback. asyncpg reports it as a ValueError
+    (`ClientConfigurationError` is one too), which the store wraps in StoreError."""
+    try:
+        yield
+    except StoreError as exc:
+        if isinstance(exc.__cause__, ValueError):
+            raise UsageError(f"--dsn: {exc.__cause__}") from None
+        raise
+    except ValueError as exc:
+        raise UsageError(f"--dsn: {exc}") from None
+
+
 async def with_store(args: argparse.Namespace, handler: Handler) -> int:
-    async with PostgresStore(dsn=args.dsn, min_size=1, max_size=2) as store:
+    store = PostgresStore(
+        dsn=args.dsn, min_size=1, max_size=2, statement_cache_size=_NO_STATEMENT_CACHE
+    )
+    # `stats`, `list` and `show` work on a standby or as a read-only role; a command that
+    # writes there fails with the server's own message.
+    store._needs_writes = False
+    with _checked_dsn():
+        await store.open()
+    try:
         return await handler(store, args)
+    finally:
+        await store.close()
 
 
 async def migrate(args: argparse.Namespace) -> int:
-    conn = await asyncpg.connect(args.dsn)
+    with _checked_dsn():
+        conn = await asyncpg.connect(args.dsn, statement_cache_size=_NO_STATEMENT_CACHE)
     try:
         if args.check:
             pending = await pending_versions(conn)

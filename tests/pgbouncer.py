@@ -26,7 +26,9 @@ def binary() -> str | None:
 
 
 class PgBouncer:
-    def __init__(self, upstream_dsn: str) -> None:
+    def __init__(
+        self, upstream_dsn: str, *, pool_size: int = 20, server_idle_timeout: int = 1
+    ) -> None:
         parts = urlsplit(upstream_dsn)
         query = parse_qs(parts.query)
         self.upstream_host = query.get("host", [parts.hostname or "127.0.0.1"])[0]
@@ -35,6 +37,8 @@ class PgBouncer:
         self.port = free_port()
         self.folder = Path(tempfile.mkdtemp(prefix="idem-pgbouncer-"))
         self.proc: subprocess.Popen[bytes] | None = None
+        self.pool_size = pool_size
+        self.server_idle_timeout = server_idle_timeout
 
     def dsn(self, database: str = "postgres") -> str:
         return f"postgresql://{self.user}@127.0.0.1:{self.port}/{database}"
@@ -54,11 +58,11 @@ class PgBouncer:
             "auth_type = any\n"
             "pool_mode = transaction\n"
             "max_client_conn = 500\n"
-            "default_pool_size = 20\n"
+            f"default_pool_size = {self.pool_size}\n"
             # Idle server connections go back to PostgreSQL at once: held for the default
             # 600 s, they used up max_connections for tests that came after (a storm test's
             # worker processes, say), so the suite passed only in one order.
-            "server_idle_timeout = 1\n"
+            f"server_idle_timeout = {self.server_idle_timeout}\n"
             "ignore_startup_parameters = extra_float_digits,application_name\n"
             f"logfile = {self.folder / 'pgbouncer.log'}\n"
         )

@@ -17,9 +17,12 @@ async def applied_versions(conn: asyncpg.Connection[Any]) -> set[int]:
     # Read pg_class with this statement's snapshot, not to_regclass(): to_regclass takes no lock, so
     # a backend that looked the name up before (and cached "absent") does not see the table a
     # concurrent migrator committed while this one waited on the lock, and creates it again.
+    # The schema is matched by name, not cast with ::regnamespace, which parses its text as an
+    # identifier: a schema that needs quoting ("Idem", "my schema") was not found.
     exists = await conn.fetchval(
-        "SELECT EXISTS (SELECT FROM pg_catalog.pg_class WHERE relname = 'idem_schema_migrations'"
-        " AND relnamespace = current_schema()::regnamespace)"
+        "SELECT EXISTS (SELECT FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n"
+        " ON n.oid = c.relnamespace"
+        " WHERE c.relname = 'idem_schema_migrations' AND n.nspname = current_schema())"
     )
     if not exists:
         return set()

@@ -252,6 +252,20 @@ def test_no_database_is_a_usage_error() -> None:
     assert "no database" in result.stderr
 
 
+@pytest.mark.parametrize("command", ["migrate", "stats"])
+@pytest.mark.parametrize(
+    "dsn",
+    ["nonsense", "postgresql://u@h:notaport/db", "postgresql://u@127.0.0.1/db?sslmode=bogus"],
+)
+def test_a_dsn_that_cannot_be_parsed_is_a_bad_argument(command: str, dsn: str) -> None:
+    """Exit 2 with the parser's message; migrate (and every command, for a bad port) showed
+    asyncpg's traceback."""
+    result = cli(command, dsn=dsn)
+    assert result.returncode == 2, result.stderr
+    assert "error: --dsn: " in result.stderr
+    assert "Traceback" not in result.stderr
+
+
 def test_unreachable_database_exits_1() -> None:
     result = cli("stats", dsn="postgresql://nobody@127.0.0.1:9/none")
     assert result.returncode == 1
@@ -457,3 +471,48 @@ def test_every_option_has_help_naming_its_environment_variable() -> None:
         ("idem-middleware reconcile --app", "IDEM_APP"),
     ]:
         assert env in helps[option], option
+
+
+@pytest.fixture
+def one_server_bouncer(pg_dsn: str, db_dsn: str) -> Iterator[Any]:
+    """PgBouncer in transaction mode with one server connection, kept while idle: each command
+    gets the server session the one before it used, as a busy production bouncer hands out."""
+    from tests.pgbouncer import PgBouncer, binary
+
+    if binary() is None:
+        pytest.skip("pgbouncer is not installed (apt-get install -y pgbouncer)")
+    bouncer = PgBouncer(pg_dsn, pool_size=1, server_idle_timeout=600).start()
+    try:
+        yield bouncer
+    finally:
+        bouncer.stop()
+
+
+async def test_every_command_runs_again_and_again_through_pgbouncer(
+    one_server_bouncer: Any, pool: Any
+) -> None:
+    """The commands name no prepared statements: behind PgBouncer in transaction mode a server
+    session outlives the command that prepared on it, and asyncpg's `__asyncpg_stmt_1__` of the
+    previous command made every later one fail with "already exists"."""
+    dsn = one_server_bouncer.dsn("idem_test")
+    await insert(pool, "u1", "unknown")
+    record = ("--tenant", "t", "--operation", "POST /payouts")
+    runs = [
+        ("migrate",),
+        ("migrate",),
+        ("migrate", "--check"),
+        ("stats",),
+        ("stats",),
+        ("list",),
+        ("show", *record, "--key", "u1"),
+        ("resolve", *record, "--key", "u1", "--to", "succeeded", "--status", "201"),
+        ("reopen", *record, "--key", "u1"),
+        ("purge",),
+        ("outbox", "list"),
+        ("outbox", "list"),
+    ]
+    for args in runs:
+        note = ("--note", "checked") if args[0] in ("resolve", "reopen") else ()
+        result = cli(*args, *note, dsn=dsn)
+        assert result.returncode == 0, (args, result.stderr)
+    assert await pool.fetchval("SELECT state FROM idem_requests WHERE idem_key = 'u1'") == "unknown"

@@ -319,3 +319,55 @@ async def test_opening_a_store_on_an_unmigrated_database_names_the_command(
             assert await store.get(RecordKey("t", "POST /x", "k")) is None
     finally:
         await conn.close()
+
+
+@pytest.mark.parametrize("schema", ["Idem", "idem store", 'a"b'])
+async def test_migrate_into_a_schema_whose_name_needs_quoting(
+    new_database: NewDatabase, schema: str
+) -> None:
+    """The migrations table is looked up by the schema's name: `current_schema()::regnamespace`
+    parsed the name as an identifier, so `Idem` was looked for as `idem` ("does not exist") and
+    `idem store` was "invalid name syntax": neither migrate nor a store could start there."""
+    dsn = await new_database()
+    quoted = '"' + schema.replace('"', '""') + '"'
+    settings = {"search_path": quoted}
+    conn = await asyncpg.connect(dsn, server_settings=settings)
+    try:
+        await conn.execute(f"CREATE SCHEMA {quoted}")
+        assert await pending_versions(conn) == ALL_VERSIONS
+        assert await migrate(conn) == ALL_VERSIONS
+        assert await migrate(conn) == []
+        assert await pending_versions(conn) == []
+        assert await conn.fetchval(
+            "SELECT count(*) FROM pg_tables WHERE schemaname = $1 AND tablename = 'idem_requests'",
+            schema,
+        )
+    finally:
+        await conn.close()
+    async with PostgresStore(dsn=dsn, connect_kwargs={"server_settings": settings}) as store:
+        assert await store.get(RecordKey("t", "POST /x", "k")) is None
+
+
+async def test_opening_a_store_on_read_only_sessions_names_the_fix(
+    new_database: NewDatabase,
+) -> None:
+    """A role or database whose sessions default to read-only: every guarded request failed
+    with a 500 when it wrote its record; now the store refuses to open and says why. The
+    command line's reports still run there."""
+    from tests.integration.test_cli import cli
+
+    dsn = await new_database()
+    conn = await asyncpg.connect(dsn)
+    try:
+        await migrate(conn)
+        name = await conn.fetchval("SELECT current_database()")
+        await conn.execute(f'ALTER DATABASE "{name}" SET default_transaction_read_only = on')
+    finally:
+        await conn.close()
+    with pytest.raises(ConfigurationError, match="default_transaction_read_only"):
+        await PostgresStore(dsn=dsn).open()
+    writable = {"server_settings": {"default_transaction_read_only": "off"}}
+    async with PostgresStore(dsn=dsn, connect_kwargs=writable) as store:
+        assert await store.get(RecordKey("t", "POST /x", "k")) is None
+    stats = cli("stats", dsn=dsn)
+    assert stats.returncode == 0, stats.stderr

@@ -11,9 +11,17 @@ from ...delayed import Delayed
 from ...errors import StaleGeneration, StoreError
 from ..base import RecordKey, Settlement, State
 from . import compat
-from .convert import _Q, ACQUIRE_ERRORS, CONNECTION_ERRORS, TRANSLATED, settle_args, translate
+from .convert import (
+    _Q,
+    ACQUIRE_ERRORS,
+    CONNECTION_ERRORS,
+    RETRYABLE,
+    TRANSLATED,
+    settle_args,
+    translate,
+)
 from .fused import FastPath
-from .runner import Bounded, discard, give_back
+from .runner import ALONE_ATTEMPTS, Bounded, discard, give_back
 
 logger = logging.getLogger("idem_middleware.store")
 
@@ -51,6 +59,8 @@ class PgFenced:
             body = b"" if s.response is None else s.response.body
             try:
                 done = await self._fast.settle_and_commit(raw, self._tx, args, len(body))
+            except RETRYABLE as exc:
+                raise _refused(exc) from exc
             except TRANSLATED as exc:
                 raise translate(exc) from exc
             if done:
@@ -61,10 +71,21 @@ class PgFenced:
             if not row["settled"]:
                 return False  # the session's end rolls back
             await self._tx.commit()
+        except RETRYABLE as exc:
+            raise _refused(exc) from exc
         except TRANSLATED as exc:
             raise translate(exc) from exc
         self.committed = True
         return True
+
+
+def _refused(exc: BaseException) -> StoreError:
+    """A fenced transaction the server refused at its settlement (a serialization failure or a
+    deadlock: under SERIALIZABLE, concurrent ones meet on `idem_requests`' index pages). It
+    cannot be run again (the handler ran, its downstream call was made): its outcome is not
+    recorded, as when the connection is lost, and the client is answered 503 (was a plain 500).
+    The record stays pending until its lease lapses."""
+    return StoreError(f"the fenced transaction was refused at its settlement: {exc}")
 
 
 class Fencing(Bounded):
@@ -112,8 +133,8 @@ class Fencing(Bounded):
         try:
             try:
                 tx, held, fast = await self._open(conn)
-            except CONNECTION_ERRORS as exc:
-                raise StoreError(str(exc)) from exc
+            except TRANSLATED as exc:
+                raise translate(exc) from exc
             if not held:
                 await _roll_back(tx, conn)
                 raise StaleGeneration(
@@ -144,8 +165,22 @@ class Fencing(Bounded):
             await give_back(self._pool, session.connection)
 
     async def _open(self, conn: Any) -> tuple[Any, bool, FastPath | None]:
+        """`_open_once`, again while the server refuses the lock for a serialization failure:
+        under REPEATABLE READ or SERIALIZABLE (a database's or role's default) the lock fails
+        when a heartbeat committed a newer version of the row after the transaction's snapshot.
+        The lock is the transaction's first statement, so nothing was done yet: it is rolled
+        back, and a new transaction with a new snapshot tries again."""
+        for _ in range(ALONE_ATTEMPTS - 1):
+            try:
+                return await self._open_once(conn)
+            except RETRYABLE:
+                continue
+        return await self._open_once(conn)
+
+    async def _open_once(self, conn: Any) -> tuple[Any, bool, FastPath | None]:
         """BEGIN and lock the record under the generation: (transaction, held, fast). The fast
-        way sends both in one message; its status line says whether the row was locked."""
+        way sends both in one message; its status line says whether the row was locked. On a
+        serialization failure the transaction is rolled back before it is raised."""
         key = self._key
         args = (key.tenant, key.operation, key.key, self._generation, str(self._expected))
         if self._fast is not None:
@@ -154,7 +189,11 @@ class Fencing(Bounded):
                 return (*opened, self._fast)
         tx = conn.transaction()
         await tx.start()
-        held = await conn.fetchval(_Q["fence"], *args)
+        try:
+            held = await conn.fetchval(_Q["fence"], *args)
+        except RETRYABLE:
+            await tx.rollback()
+            raise
         return tx, held is not None, None
 
 

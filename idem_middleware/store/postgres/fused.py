@@ -30,7 +30,7 @@ import asyncpg
 from ...errors import ClaimBusy, NotFusable, StoreError
 from ..base import Claimed, RecordKey
 from . import compat
-from .convert import _Q, CONNECTION_ERRORS, SERVER_ERROR
+from .convert import _Q, CONNECTION_ERRORS, RETRYABLE, SERVER_ERROR
 from .literals import _inline, _literals
 
 logger = logging.getLogger("idem_middleware.store")
@@ -349,6 +349,9 @@ class FastPath:
                 self.stop_preparing()
                 await tx.rollback()
                 continue
+            except RETRYABLE:
+                await tx.rollback()  # nothing is open when it raises (the caller opens again)
+                raise
             return tx, status == "SELECT 1"
         return None
 

@@ -5,15 +5,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import weakref
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 import asyncpg
 
 from ...delayed import Delayed
 from ...errors import StoreError
 from . import compat
-from .convert import CONNECTION_ERRORS, SERVER_ERROR, TRANSLATED, translate
+from .convert import CONNECTION_ERRORS, RETRYABLE, SERVER_ERROR, TRANSLATED, translate
 
 logger = logging.getLogger("idem_middleware.store")
 
@@ -48,6 +50,31 @@ def discard(conn: Any) -> None:
             raw.terminate()
     except CONNECTION_ERRORS:
         logger.debug("terminating a lost connection failed", exc_info=True)
+
+
+#: How many times a statement that is its own transaction runs before its serialization failure
+#: or deadlock is reported (see `alone`).
+ALONE_ATTEMPTS = 8
+
+_T = TypeVar("_T")
+
+
+async def alone(call: Callable[..., Awaitable[_T]], *args: Any) -> _T:
+    """`await call(*args)`: one or more statements each committed on its own (no transaction
+    around them), run again while the server refuses one for a serialization failure or a
+    deadlock. A refused statement changed nothing, so running it again is safe. Under the
+    default READ COMMITTED this never happens; a database or role whose
+    `default_transaction_isolation` is REPEATABLE READ or SERIALIZABLE refuses them when they
+    meet a concurrent write (a claim whose key another request just inserted, a settlement
+    beside another's), and a lease-mode request whose downstream call was made was answered
+    500 with its record left pending."""
+    for attempt in range(ALONE_ATTEMPTS - 1):
+        try:
+            return await call(*args)
+        except RETRYABLE:
+            # A little apart, so that two statements refused for each other do not meet again.
+            await asyncio.sleep(random.uniform(0, 0.001 * 2**attempt))
+    return await call(*args)
 
 
 class Bounded:
@@ -116,11 +143,12 @@ class PoolStatements:
         return _Internal(self)
 
     async def _run(self, method: str, query: str, *args: Any) -> Any:
-        """`conn.<method>(query, *args)` on a connection of our own; connection errors and
-        serialization failures translated (StoreError, RetryableConflict)."""
+        """`conn.<method>(query, *args)` on a connection of our own, in a transaction of its own
+        (run again on a serialization failure, see `alone`); connection errors and serialization
+        failures translated (StoreError, RetryableConflict)."""
         try:
             async with self._internal() as conn:
-                return await getattr(conn, method)(query, *args)
+                return await alone(getattr(conn, method), query, *args)
         except TRANSLATED as exc:
             raise translate(exc) from exc
 

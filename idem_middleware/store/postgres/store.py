@@ -39,6 +39,7 @@ from .edges import OffPathStatements
 from .fenced import Fencing
 from .fused import FastPath
 from .listener import Listener
+from .runner import alone
 from .sessions import PgTransaction
 
 logger = logging.getLogger("idem_middleware.store")
@@ -92,6 +93,9 @@ class PostgresStore(OffPathStatements):
             execute=self._execute_statement,
         )
         self._locks = ClaimLocks()
+        #: Whether `open` refuses a server that takes no writes (the command line's reports run
+        #: on a standby or as a read-only role as well).
+        self._needs_writes = True
         #: The deadlines of transaction sessions' waits for the pool, one per acquire timeout.
         self._deadlines: dict[float, Delayed] = {}
         self._pool_kwargs: dict[str, Any] = {
@@ -120,9 +124,10 @@ class PostgresStore(OffPathStatements):
 
     async def open(self) -> PostgresStore:
         """Create the pool (unless one was given), and check that the database has every
-        migration this version needs: ConfigurationError, naming the command, if not. A server
-        that cannot be reached yet is no reason to refuse (requests answer 503 until it is):
-        the check is then skipped, with a warning."""
+        migration this version needs and takes writes (not a standby, sessions not read-only):
+        ConfigurationError, naming the fix, if not. A server that cannot be reached yet is no
+        reason to refuse (requests answer 503 until it is): the check is then skipped, with a
+        warning."""
         created = self._pool is None
         if self._pool is None:
             try:
@@ -132,6 +137,8 @@ class PostgresStore(OffPathStatements):
         try:
             async with self._internal() as conn:
                 await require_migrated(conn)
+                if self._needs_writes:
+                    await _require_writable(conn)
                 await self._locks.load(conn)
         except ACQUIRE_ERRORS as exc:
             logger.warning("cannot check the idempotency schema now: %s", exc)
@@ -170,7 +177,7 @@ class PostgresStore(OffPathStatements):
     async def get(self, key: RecordKey) -> Record | None:
         try:
             async with self._internal() as conn:
-                row = await conn.fetchrow(_Q["get"], key.tenant, key.operation, key.key)
+                row = await alone(conn.fetchrow, _Q["get"], key.tenant, key.operation, key.key)
         except CONNECTION_ERRORS as exc:
             raise StoreError(str(exc)) from exc
         return None if row is None else to_record(key, row)
@@ -197,7 +204,7 @@ class PostgresStore(OffPathStatements):
         )
         try:
             async with self._internal() as conn:
-                return await claim(conn, key, args, token_hash, None)
+                return await alone(claim, conn, key, args, token_hash, None)
         except TRANSLATED as exc:
             raise translate(exc) from exc
 
@@ -294,6 +301,28 @@ class PostgresStore(OffPathStatements):
 
     def _execute_statement(self, query: str, *args: Any) -> Awaitable[Any]:
         return self._run("execute", query, *args)
+
+
+async def _require_writable(conn: Any) -> None:
+    """ConfigurationError on a server that takes no writes: a standby, or sessions that default
+    to read-only (`ALTER ROLE ... SET default_transaction_read_only = on`). Every guarded
+    request would fail there, each with a 500, when it records its outcome."""
+    row = await conn.fetchrow(
+        "SELECT pg_is_in_recovery() AS standby,"
+        " current_setting('default_transaction_read_only') = 'on' AS read_only"
+    )
+    if row["standby"]:
+        raise ConfigurationError(
+            "the idempotency store's database is a standby (in recovery): it takes no writes; "
+            "give the store the primary's address"
+        )
+    if row["read_only"]:
+        raise ConfigurationError(
+            "the idempotency store's sessions are read-only (default_transaction_read_only is "
+            "on for this role or database): the store writes every request's record; turn it "
+            "off for the store's role, or pass connect_kwargs={'server_settings': "
+            "{'default_transaction_read_only': 'off'}}"
+        )
 
 
 if TYPE_CHECKING:
