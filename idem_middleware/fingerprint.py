@@ -176,9 +176,8 @@ def canonical_body(
         )
         return b"form:" + content_type, canonical
     if media_type.startswith(b"multipart/"):
-        boundary = multipart_boundary(params.get(b"boundary"))
-        # The boundary's text must appear once in the header, so cutting it out is unambiguous.
-        if boundary is not None and content_type.count(boundary) == 1:
+        boundary = multipart_boundary(content_type, params.get(b"boundary"))
+        if boundary is not None:
             before, _, after = content_type.partition(boundary)
             tag = b"multipart:" + _U64(len(before)) + before + after
             parts = canonical_multipart(body, boundary, max_fields=max_fields)

@@ -422,6 +422,55 @@ def test_ambiguous_boundaries_are_hashed_raw(boundary: bytes) -> None:
     assert canonical_body(content_type, b"--x") == (b"raw:" + content_type, b"--x")
 
 
+def test_a_header_two_readers_take_different_boundaries_from_is_hashed_raw() -> None:
+    # python-multipart (Starlette's form parser) takes the last of two boundary parameters; the
+    # fingerprint took the first. Bodies split on Y, with lines of the first boundary in a value,
+    # canonicalised alike for any first boundary, while the form's "amount" differed.
+    def digest(first: bytes) -> bytes:
+        body = (
+            b'--Y\r\nContent-Disposition: form-data; name="amount"\r\n\r\n5\r\n--'
+            + first
+            + b"\r\nmore\r\n--Y--\r\n--"
+            + first
+            + b"--\r\n"
+        )
+        return fingerprint(
+            content_type=b"multipart/form-data; boundary=" + first + b"; boundary=Y", body=body
+        )
+
+    assert digest(b"AAA") != digest(b"BBB")
+
+
+@pytest.mark.parametrize(
+    "content_type",
+    [
+        b"multipart/form-data; boundary=X; boundary=Y",
+        b"multipart/form-data; boundary=X; BOUNDARY=",
+        b"multipart/form-data; boundary*=utf-8''Y; boundary=X",
+        b'multipart/form-data; boundary="\\X"',  # python-multipart keeps the backslash
+        b'multipart/form-data; boundary="X"\t"',  # ... and what follows the closing quote
+        b"multipart/form-data; boundary=X, charset=utf-8",
+    ],
+)
+def test_boundaries_readers_could_read_otherwise_are_hashed_raw(content_type: bytes) -> None:
+    body = multipart(b"X", b"v")
+    assert canonical_body(content_type, body) == (b"raw:" + content_type, body)
+
+
+@pytest.mark.parametrize(
+    "content_type",
+    [
+        b"multipart/form-data; boundary=----WebKitFormBoundary7MA4YWxkTrZu0gW",
+        b"multipart/form-data;boundary=X ; charset=utf-8",
+        b'Multipart/Form-Data; charset="utf-8"; boundary="X"',
+    ],
+)
+def test_plain_headers_still_have_their_boundary_cut_out(content_type: bytes) -> None:
+    boundary = content_type.rsplit(b"=", 1)[1].strip(b' "') if b"Web" in content_type else b"X"
+    tag, _ = canonical_body(content_type, multipart(boundary, b"v"))
+    assert tag.startswith(b"multipart:")
+
+
 def test_raw_bodies() -> None:
     assert fingerprint(content_type=b"text/plain", body=b"abc") != fingerprint(
         content_type=b"text/plain", body=b"abd"
