@@ -103,18 +103,19 @@ def _selected_json_fields(value: object, include_fields: Sequence[str]) -> dict[
 
 
 def _remove_json_fields(value: object, exclude_fields: Sequence[str]) -> None:
-    if not isinstance(value, dict):
-        return
+    elements: dict[tuple[int, int], list[object]] = {}  # (id of the list, index): the list
     for field in exclude_fields:
-        if not field.startswith("/"):
-            value.pop(field, None)
-            continue
-        *path, last = _pointer_tokens(field)
-        target: object = value
-        for token in path:
-            target = target.get(token) if isinstance(target, dict) else None
+        # As _selected_json_fields reads them: a plain name is a pointer of one token.
+        pointer = field_pointer(field)
+        parent, last = pointer[: pointer.rfind("/")], _pointer_tokens(pointer)[-1]
+        target = json_member(value, parent)[1] if parent else value
         if isinstance(target, dict):
             target.pop(last, None)
+        elif isinstance(target, list) and _ARRAY_INDEX.fullmatch(last) and int(last) < len(target):
+            elements[id(target), int(last)] = target
+    # Only once all are found, each list's last first: removing one shifts those after it.
+    for key in sorted(elements, reverse=True):
+        del elements[key][key[1]]
 
 
 def canonical_body(

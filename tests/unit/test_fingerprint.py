@@ -317,6 +317,30 @@ def test_excluded_fields_do_not_change_the_digest() -> None:
     assert base != digest(b'{"amount":5,"trace/id":1,"meta":{"kind":"x"}}')
 
 
+def test_excluded_pointers_reach_into_arrays() -> None:
+    # They were silently ignored past an array: a retry whose line's trace id differed got 422.
+    excluded = ["/lines/0/trace", "/lines/1/trace", "/tags/0", "/tags/2", "/tags/9", "/tags/-"]
+
+    def digest(body: bytes) -> bytes:
+        return fingerprint(body=body, exclude_fields=excluded)
+
+    base = digest(b'{"lines":[{"sku":1,"trace":"a"},{"sku":2,"trace":"b"}],"tags":[0,1,2,3]}')
+    assert base == digest(b'{"lines":[{"sku":1,"trace":"c"},{"sku":2}],"tags":[9,1,9,3]}')
+    assert base != digest(
+        b'{"lines":[{"sku":1,"trace":"a"},{"sku":3,"trace":"b"}],"tags":[0,1,2,3]}'
+    )
+    # Elements are found before any is removed: "/tags/2" is the third of those sent.
+    assert base != digest(b'{"lines":[{"sku":1},{"sku":2}],"tags":[0,1,2,4]}')
+    assert canonical_body(JSON, b"[[1,2],3]", ["/0/1", "/1", "/0/0"]) == (JSON_TAG, b"[[]]")
+    # A plain name is a pointer of one token, as include_fields reads it.
+    assert canonical_body(JSON, b"[1,2]", ["1"]) == (JSON_TAG, b"[1]")
+    # Include, then exclude, inside an array too.
+    selected = canonical_body(
+        JSON, b'{"lines":[{"sku":1,"trace":"a"}]}', ["/lines/0/trace"], include_fields=["/lines"]
+    )
+    assert selected == (b"json-fields:application/json", b'{"/lines":[{"sku":1}]}')
+
+
 def test_excluded_fields_on_non_object_bodies_are_ignored() -> None:
     assert canonical_body(JSON, b"[1,2]", ["a", "/a"]) == (JSON_TAG, b"[1,2]")
     assert canonical_body(JSON, b'"a"', ["a"]) == (JSON_TAG, b'"a"')
