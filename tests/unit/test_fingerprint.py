@@ -334,7 +334,18 @@ def test_excluded_pointers_reach_into_arrays() -> None:
     assert canonical_body(JSON, b"[[1,2],3]", ["/0/1", "/1", "/0/0"]) == (JSON_TAG, b"[[]]")
     # A plain name is a pointer of one token, as include_fields reads it.
     assert canonical_body(JSON, b"[1,2]", ["1"]) == (JSON_TAG, b"[1]")
-    # Include, then exclude, inside an array too.
+
+    # Include, then exclude: an included index is an element as sent, whatever is excluded.
+    def chosen(body: bytes) -> bytes:
+        return fingerprint(body=body, include_fields=["/tags/1"], exclude_fields=["/tags/0"])
+
+    assert chosen(b'{"tags":["a","X","c"]}') != chosen(b'{"tags":["a","Y","c"]}')
+    assert chosen(b'{"tags":["a","X","c"]}') == chosen(b'{"tags":["b","X","c"]}')
+    covered = ["/tags/1", "/tags/1/x", "/tags/0"]
+    assert canonical_body(JSON, b'{"tags":[1,{"x":2}]}', ["/tags/1"], include_fields=covered) == (
+        b"json-fields:application/json",
+        b'{"/tags/0":1}',
+    )
     selected = canonical_body(
         JSON, b'{"lines":[{"sku":1,"trace":"a"}]}', ["/lines/0/trace"], include_fields=["/lines"]
     )
