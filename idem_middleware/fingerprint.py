@@ -4,7 +4,6 @@ What each part covers, and what the fingerprint guarantees, is in docs/fingerpri
 
 from __future__ import annotations
 
-import re
 import struct
 from collections.abc import Mapping, Sequence
 from functools import lru_cache
@@ -12,6 +11,7 @@ from typing import NamedTuple, Protocol
 
 from .errors import ProblemKind, RequestRejected
 from .fingerprint_fast import canonical_json_fast, canonical_json_sorted
+from .fingerprint_fields import is_json_pointer, json_fields, json_member
 from .fingerprint_forms import (
     canonical_multipart,
     canonical_pairs,
@@ -29,6 +29,8 @@ __all__ = [
     "canonical_body",
     "canonical_json",
     "compute_fingerprint",
+    "is_json_pointer",
+    "json_member",
     "parse_json_strict",
 ]
 
@@ -47,74 +49,6 @@ _U64_PAIR = struct.Struct(">QQ").pack
 _BAD_CHARSET = "JSON request bodies must be encoded in UTF-8."
 _EMPTY_JSON = "The request body is empty; a JSON content type needs a JSON value."
 _FORM_NOT_UTF8 = "The form body is not valid UTF-8."
-
-
-@lru_cache(maxsize=256)
-def _pointer_tokens(pointer: str) -> tuple[str, ...]:
-    # RFC 6901: "~1" must be decoded before "~0", or "~01" would wrongly become "/".
-    return tuple(t.replace("~1", "/").replace("~0", "~") for t in pointer[1:].split("/"))
-
-
-# RFC 6901: "/" then reference tokens, in which "~" only starts "~0" or "~1".
-_POINTER = re.compile(r"(?:/(?:[^~/]|~[01])*)*", re.DOTALL)
-_ARRAY_INDEX = re.compile(r"0|[1-9][0-9]*")
-
-
-def is_json_pointer(text: str) -> bool:
-    """Whether `text` is a non-empty RFC 6901 JSON Pointer."""
-    return text.startswith("/") and _POINTER.fullmatch(text) is not None
-
-
-def field_pointer(field: str) -> str:
-    """A configured field as a JSON Pointer: pointers as they are, a plain name escaped."""
-    if field.startswith("/"):
-        return field
-    return "/" + field.replace("~", "~0").replace("/", "~1")
-
-
-def json_member(value: object, pointer: str) -> tuple[bool, object]:
-    """(True, the value) at `pointer` in a parsed JSON value, or (False, None) where there is
-    none: a missing member, an index past the end, or a step into a scalar."""
-    target = value
-    for token in _pointer_tokens(pointer):
-        if isinstance(target, dict):
-            if token not in target:
-                return False, None
-            target = target[token]
-        elif isinstance(target, list) and _ARRAY_INDEX.fullmatch(token) is not None:
-            index = int(token)
-            if index >= len(target):
-                return False, None
-            target = target[index]
-        else:
-            return False, None
-    return True, target
-
-
-def _selected_json_fields(value: object, include_fields: Sequence[str]) -> dict[str, object]:
-    # Keyed by pointer: a member that is absent has no entry, one that is null has a null.
-    selected: dict[str, object] = {}
-    for field in include_fields:
-        pointer = field_pointer(field)
-        found, member = json_member(value, pointer)
-        if found:
-            selected[pointer] = member
-    return selected
-
-
-def _remove_json_fields(value: object, exclude_fields: Sequence[str]) -> None:
-    if not isinstance(value, dict):
-        return
-    for field in exclude_fields:
-        if not field.startswith("/"):
-            value.pop(field, None)
-            continue
-        *path, last = _pointer_tokens(field)
-        target: object = value
-        for token in path:
-            target = target.get(token) if isinstance(target, dict) else None
-        if isinstance(target, dict):
-            target.pop(last, None)
 
 
 def canonical_body(
@@ -151,12 +85,10 @@ def canonical_body(
             return b"json:" + media_type, fast[1]
         else:
             value, write = fast[0], canonical_json_sorted
-        if exclude_fields:
-            # Both parsers return a fresh tree, so editing it in place is safe.
-            _remove_json_fields(value, exclude_fields)
-        if include_fields:
+        # Both parsers return a fresh tree, so editing it in place is safe.
+        selected = json_fields(value, include_fields, exclude_fields)
+        if selected is not None:
             # Its own tag: a selection never equals a whole body that happens to look like one.
-            selected = _selected_json_fields(value, include_fields)
             if not all(map(str.isascii, selected)):
                 # A configured pointer's characters might sort differently in orjson.
                 write = canonical_json
@@ -176,9 +108,8 @@ def canonical_body(
         )
         return b"form:" + content_type, canonical
     if media_type.startswith(b"multipart/"):
-        boundary = multipart_boundary(params.get(b"boundary"))
-        # The boundary's text must appear once in the header, so cutting it out is unambiguous.
-        if boundary is not None and content_type.count(boundary) == 1:
+        boundary = multipart_boundary(content_type, params.get(b"boundary"))
+        if boundary is not None:
             before, _, after = content_type.partition(boundary)
             tag = b"multipart:" + _U64(len(before)) + before + after
             parts = canonical_multipart(body, boundary, max_fields=max_fields)

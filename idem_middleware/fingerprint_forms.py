@@ -41,6 +41,20 @@ _MEDIA_PARAM = re.compile(
     re.DOTALL,
 )
 _QUOTED_PAIR = re.compile(rb"\\(.)", re.DOTALL)
+_TOKEN = rb"[!#$%&'*+.^_`|~0-9A-Za-z-]+"
+# A Content-Type that readers cannot split differently (RFC 9110's syntax less quoted-pairs, which
+# python-multipart keeps and parse_media_type unescapes): a media type, then parameters, each a
+# token or a quoted string without a backslash, and nothing after them but spaces.
+_PLAIN_MEDIA_TYPE = re.compile(
+    _TOKEN
+    + rb"/"
+    + _TOKEN
+    + rb"(?:[ \t]*;[ \t]*"
+    + _TOKEN
+    + rb"=(?:"
+    + _TOKEN
+    + rb'|"[\t\x20\x21\x23-\x5b\x5d-\x7e]*"))*[ \t]*'
+)
 
 
 def parse_media_type(content_type: bytes) -> tuple[bytes, dict[bytes, bytes]]:
@@ -121,11 +135,21 @@ def _has_border(delimiter: bytes) -> bool:
     return any(delimiter[:k] == delimiter[-k:] for k in range(1, len(delimiter)))
 
 
-def multipart_boundary(boundary: bytes | None) -> bytes | None:
-    """The boundary if the body can be split on it unambiguously, else None (hash it raw)."""
+def multipart_boundary(content_type: bytes, boundary: bytes | None) -> bytes | None:
+    """The boundary if the body can be split on it unambiguously, else None (hash it raw).
+
+    The header must also name it so that every reader finds the same one: in plain syntax, in
+    one `boundary` parameter (of two, python-multipart takes the last and parse_media_type the
+    first), and its text must appear once, so that cutting it out of the header is unambiguous.
+    """
     if boundary is None or _BOUNDARY.fullmatch(boundary) is None:
         return None
-    return None if _has_border(b"--" + boundary) else boundary
+    if _has_border(b"--" + boundary) or content_type.count(boundary) != 1:
+        return None
+    before, _, after = content_type.partition(boundary)
+    if (before + after).lower().count(b"boundary") != 1:
+        return None
+    return boundary if _PLAIN_MEDIA_TYPE.fullmatch(content_type) is not None else None
 
 
 def canonical_multipart(body: bytes, boundary: bytes, *, max_fields: int) -> bytes | None:

@@ -317,6 +317,41 @@ def test_excluded_fields_do_not_change_the_digest() -> None:
     assert base != digest(b'{"amount":5,"trace/id":1,"meta":{"kind":"x"}}')
 
 
+def test_excluded_pointers_reach_into_arrays() -> None:
+    # They were silently ignored past an array: a retry whose line's trace id differed got 422.
+    excluded = ["/lines/0/trace", "/lines/1/trace", "/tags/0", "/tags/2", "/tags/9", "/tags/-"]
+
+    def digest(body: bytes) -> bytes:
+        return fingerprint(body=body, exclude_fields=excluded)
+
+    base = digest(b'{"lines":[{"sku":1,"trace":"a"},{"sku":2,"trace":"b"}],"tags":[0,1,2,3]}')
+    assert base == digest(b'{"lines":[{"sku":1,"trace":"c"},{"sku":2}],"tags":[9,1,9,3]}')
+    assert base != digest(
+        b'{"lines":[{"sku":1,"trace":"a"},{"sku":3,"trace":"b"}],"tags":[0,1,2,3]}'
+    )
+    # Elements are found before any is removed: "/tags/2" is the third of those sent.
+    assert base != digest(b'{"lines":[{"sku":1},{"sku":2}],"tags":[0,1,2,4]}')
+    assert canonical_body(JSON, b"[[1,2],3]", ["/0/1", "/1", "/0/0"]) == (JSON_TAG, b"[[]]")
+    # A plain name is a pointer of one token, as include_fields reads it.
+    assert canonical_body(JSON, b"[1,2]", ["1"]) == (JSON_TAG, b"[1]")
+
+    # Include, then exclude: an included index is an element as sent, whatever is excluded.
+    def chosen(body: bytes) -> bytes:
+        return fingerprint(body=body, include_fields=["/tags/1"], exclude_fields=["/tags/0"])
+
+    assert chosen(b'{"tags":["a","X","c"]}') != chosen(b'{"tags":["a","Y","c"]}')
+    assert chosen(b'{"tags":["a","X","c"]}') == chosen(b'{"tags":["b","X","c"]}')
+    covered = ["/tags/1", "/tags/1/x", "/tags/0"]
+    assert canonical_body(JSON, b'{"tags":[1,{"x":2}]}', ["/tags/1"], include_fields=covered) == (
+        b"json-fields:application/json",
+        b'{"/tags/0":1}',
+    )
+    selected = canonical_body(
+        JSON, b'{"lines":[{"sku":1,"trace":"a"}]}', ["/lines/0/trace"], include_fields=["/lines"]
+    )
+    assert selected == (b"json-fields:application/json", b'{"/lines":[{"sku":1}]}')
+
+
 def test_excluded_fields_on_non_object_bodies_are_ignored() -> None:
     assert canonical_body(JSON, b"[1,2]", ["a", "/a"]) == (JSON_TAG, b"[1,2]")
     assert canonical_body(JSON, b'"a"', ["a"]) == (JSON_TAG, b'"a"')
@@ -420,6 +455,55 @@ def test_multipart_field_values_cannot_imitate_the_boundary() -> None:
 def test_ambiguous_boundaries_are_hashed_raw(boundary: bytes) -> None:
     content_type = b'multipart/form-data; boundary="' + boundary + b'"'
     assert canonical_body(content_type, b"--x") == (b"raw:" + content_type, b"--x")
+
+
+def test_a_header_two_readers_take_different_boundaries_from_is_hashed_raw() -> None:
+    # python-multipart (Starlette's form parser) takes the last of two boundary parameters; the
+    # fingerprint took the first. Bodies split on Y, with lines of the first boundary in a value,
+    # canonicalised alike for any first boundary, while the form's "amount" differed.
+    def digest(first: bytes) -> bytes:
+        body = (
+            b'--Y\r\nContent-Disposition: form-data; name="amount"\r\n\r\n5\r\n--'
+            + first
+            + b"\r\nmore\r\n--Y--\r\n--"
+            + first
+            + b"--\r\n"
+        )
+        return fingerprint(
+            content_type=b"multipart/form-data; boundary=" + first + b"; boundary=Y", body=body
+        )
+
+    assert digest(b"AAA") != digest(b"BBB")
+
+
+@pytest.mark.parametrize(
+    "content_type",
+    [
+        b"multipart/form-data; boundary=X; boundary=Y",
+        b"multipart/form-data; boundary=X; BOUNDARY=",
+        b"multipart/form-data; boundary*=utf-8''Y; boundary=X",
+        b'multipart/form-data; boundary="\\X"',  # python-multipart keeps the backslash
+        b'multipart/form-data; boundary="X"\t"',  # ... and what follows the closing quote
+        b"multipart/form-data; boundary=X, charset=utf-8",
+    ],
+)
+def test_boundaries_readers_could_read_otherwise_are_hashed_raw(content_type: bytes) -> None:
+    body = multipart(b"X", b"v")
+    assert canonical_body(content_type, body) == (b"raw:" + content_type, body)
+
+
+@pytest.mark.parametrize(
+    "content_type",
+    [
+        b"multipart/form-data; boundary=----WebKitFormBoundary7MA4YWxkTrZu0gW",
+        b"multipart/form-data;boundary=X ; charset=utf-8",
+        b'Multipart/Form-Data; charset="utf-8"; boundary="X"',
+    ],
+)
+def test_plain_headers_still_have_their_boundary_cut_out(content_type: bytes) -> None:
+    boundary = content_type.rsplit(b"=", 1)[1].strip(b' "') if b"Web" in content_type else b"X"
+    tag, _ = canonical_body(content_type, multipart(boundary, b"v"))
+    assert tag.startswith(b"multipart:")
 
 
 def test_raw_bodies() -> None:
