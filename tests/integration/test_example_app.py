@@ -167,3 +167,30 @@ async def test_embedded_default_survives_a_crash_and_keeps_stored_responses(
     finally:
         app.cleanup()
         stop_embedded_postgres(tmp_path / ".example_app" / "pgdata")
+
+
+async def test_a_second_app_on_the_same_embedded_database_does_not_stop_it_under_the_first(
+    tmp_path: Path,
+) -> None:
+    """Found by probing: `python -m example_app` started again in the same directory (another
+    port, or the same one by mistake: it cannot bind and exits) stopped the embedded PostgreSQL
+    at exit, under the app still running on it. The last app to exit stops it."""
+    pgdata = tmp_path / ".example_app" / "pgdata"
+    first = ServerProcess("example_app", cwd=tmp_path, unset=["DATABASE_URL"], ready_path="/")
+    second = ServerProcess("example_app", cwd=tmp_path, unset=["DATABASE_URL"], ready_path="/")
+    try:
+        first.start(timeout=90)
+        second.start(timeout=90)
+        second.stop()  # SIGTERM: its exit hooks run
+        async with httpx.AsyncClient(base_url=first.url, timeout=30) as c:
+            credit = await c.post(
+                "/accounts/s1/credits", json={"amount": 2}, headers={**A, **key()}
+            )
+        assert credit.status_code == 201, credit.text
+        assert (pgdata / "postmaster.pid").exists()
+        first.stop()
+        assert not (pgdata / "postmaster.pid").exists()  # the last one out stopped it
+    finally:
+        first.cleanup()
+        second.cleanup()
+        stop_embedded_postgres(pgdata)
