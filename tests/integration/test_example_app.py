@@ -194,3 +194,63 @@ async def test_a_second_app_on_the_same_embedded_database_does_not_stop_it_under
         first.cleanup()
         second.cleanup()
         stop_embedded_postgres(pgdata)
+
+
+async def test_values_the_database_cannot_keep_are_422_and_release_the_key(
+    http: httpx.AsyncClient,
+) -> None:
+    """Found by probing: a NUL in the account id or the memo, an account id longer than the
+    accounts' index takes, or an amount past bigint reached PostgreSQL and answered 500; and
+    `true` or `"5"` were taken as amounts. Each is a 422 now, and the key stays free."""
+    cases = [
+        ("/accounts/a%00b/credits", {"amount": 1}),
+        ("/accounts/acc-v/credits", {"amount": 1, "memo": "a\x00b"}),
+        (f"/accounts/{uuid.uuid4().hex * 100}/credits", {"amount": 1}),
+        ("/accounts/acc-v/credits", {"amount": 2**63}),
+        ("/accounts/acc-v/credits", {"amount": True}),
+        ("/accounts/acc-v/credits", {"amount": "5"}),
+    ]
+    for path, body in cases:
+        h = {**A, **key()}
+        refused = await http.post(path, json=body, headers=h)
+        assert refused.status_code == 422, (path, body, refused.text)
+        fixed = await http.post("/accounts/acc-v/credits", json={"amount": 1}, headers=h)
+        assert fixed.status_code == 201, (path, body, fixed.text)
+        assert "idempotent-replayed" not in fixed.headers
+    assert (await http.get("/accounts/a%00b", headers=A)).status_code == 422
+    account = f"acc-{uuid.uuid4().hex[:8]}"
+    full = await http.post(
+        f"/accounts/{account}/credits", json={"amount": 2**63 - 1}, headers={**A, **key()}
+    )
+    assert full.status_code == 201, full.text
+    h = {**A, **key()}
+    overflow = await http.post(f"/accounts/{account}/credits", json={"amount": 1}, headers=h)
+    assert overflow.status_code == 422, overflow.text
+    assert overflow.headers["content-type"] == "application/problem+json"
+    after = (await http.get(f"/accounts/{account}", headers=A)).json()
+    assert (after["balance"], after["credits"]) == (2**63 - 1, 1)  # the credit rolled back
+    fixed = await http.post("/accounts/acc-v/credits", json={"amount": 1}, headers=h)
+    assert fixed.status_code == 201, fixed.text
+
+
+async def test_reading_an_account_while_the_database_is_unreachable_is_a_503() -> None:
+    """Found by probing: GET /accounts/{id} answered a bare text/plain 500 while PostgreSQL was
+    restarting; the guarded routes answer 503 problem+json with Retry-After, and so does it."""
+    from example_app.app import create_app
+    from idem_middleware.ops import find_middleware
+
+    free = ServerProcess("example_app").port  # a port nothing listens on
+    app = create_app(f"postgresql://postgres@127.0.0.1:{free}/none")
+    middleware = find_middleware(app)
+    assert middleware is not None
+    # The store's pool, as if the server went away after startup (min_size 0: opened lazily).
+    middleware.store._pool = await asyncpg.create_pool(  # type: ignore[attr-defined]
+        f"postgresql://postgres@127.0.0.1:{free}/none", min_size=0
+    )
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+        r = await c.get("/accounts/acc-1", headers=A)
+    assert r.status_code == 503, r.text
+    assert r.headers["content-type"] == "application/problem+json"
+    assert r.headers["retry-after"] == "1"
+    assert r.json()["status"] == 503

@@ -364,3 +364,21 @@ def test_a_schema_built_before_install_is_documented() -> None:
     app.openapi()  # cached by FastAPI, before the middleware was installed
     install(app, store=MemoryStore())
     assert _header(app.openapi()["paths"]["/x"]["post"]) is not None
+
+
+def test_the_example_documents_its_own_problems_as_it_sends_them(schema: dict[str, Any]) -> None:
+    """Found by probing: the app's 402/404/502 were documented as application/json with the
+    Problem schema, and application/problem+json with none; it sends only the latter."""
+    for path, method, status in [
+        ("/payouts", "post", "402"),
+        ("/payouts", "post", "502"),
+        ("/accounts/{account_id}", "get", "404"),
+        ("/accounts/{account_id}", "get", "503"),
+    ]:
+        content = schema["paths"][path][method]["responses"][status]["content"]
+        assert list(content) == ["application/problem+json"], (path, status)
+        assert set(content["application/problem+json"]["schema"]["required"]) == {
+            "type",
+            "title",
+            "status",
+        }
