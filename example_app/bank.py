@@ -66,6 +66,15 @@ class Bank:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
 
+def _status(value: Any) -> int | None:
+    """A fault's status: null, or one HTTP can send (another would break the bank's answers)."""
+    if value is None:
+        return None
+    if type(value) is not int or not 100 <= value <= 599:
+        raise ValueError(f"{value!r} is not an HTTP status")
+    return value
+
+
 def _error(status: int, detail: str) -> JSONResponse:
     return JSONResponse({"error": detail}, status_code=status)
 
@@ -168,8 +177,8 @@ def create_bank_app(*, loopback_only: bool = False) -> Starlette:
         try:
             bank.faults = Faults(
                 delay_ms=int(body.get("delay_ms") or 0),
-                fail_after_record=body.get("fail_after_record"),
-                fail_status=body.get("fail_status"),
+                fail_after_record=_status(body.get("fail_after_record")),
+                fail_status=_status(body.get("fail_status")),
                 webhook_delay_ms=int(body.get("webhook_delay_ms") or 0),
             )
         except (TypeError, ValueError, AttributeError):
