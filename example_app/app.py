@@ -142,9 +142,12 @@ def problems(*statuses: int) -> dict[int | str, dict[str, Any]]:
     """Document the app's own error responses, so the OpenAPI schema matches what it sends: only
     application/problem+json (a `model` would be documented as the route's application/json)."""
     schema = Problem.model_json_schema()
-    return {
-        status: {"content": {"application/problem+json": {"schema": schema}}} for status in statuses
-    }
+    documented: dict[int | str, dict[str, Any]] = {}
+    for status in statuses:
+        documented[status] = {"content": {"application/problem+json": {"schema": schema}}}
+        if status == 503:  # (the database is away: see `account`)
+            documented[status]["headers"] = {"Retry-After": {"schema": {"type": "integer"}}}
+    return documented
 
 
 class AccountOut(BaseModel):

@@ -382,3 +382,7 @@ def test_the_example_documents_its_own_problems_as_it_sends_them(schema: dict[st
             "title",
             "status",
         }
+    assert (
+        "Retry-After"
+        in schema["paths"]["/accounts/{account_id}"]["get"]["responses"]["503"]["headers"]
+    )
