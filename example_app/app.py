@@ -34,6 +34,7 @@ from idem_middleware.reconcile import (
 )
 
 from .bank import create_bank_app
+from .supervisor import stop_when_orphaned
 
 DEFAULT_TOKENS = "demo-a:tenant-a,demo-b:tenant-b"
 #: A read of the accounts that meets these is a 503: the database is unreachable or restarting.
@@ -227,22 +228,30 @@ def create_app(database_url: str | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        async with store, bank:
-            if not run_publisher:
+        orphaned = asyncio.create_task(stop_when_orphaned())
+        try:
+            async with store, bank, publishing():
                 yield
-                return
-            # The outbox publisher: one per worker process; SKIP LOCKED keeps them apart.
-            stop = asyncio.Event()
-            publisher = outbox.Publisher(store.pool, outbox.webhook_sender(bank, "/webhooks"))
-            task = asyncio.create_task(publish(publisher, stop))
-            try:
-                yield
-            finally:
-                stop.set()
-                # A batch in flight gets a few seconds; cancelled, its transaction rolls back
-                # and its events are sent again later.
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(task, PUBLISHER_STOP_SECONDS)
+        finally:
+            orphaned.cancel()
+
+    @asynccontextmanager
+    async def publishing() -> AsyncIterator[None]:
+        if not run_publisher:
+            yield
+            return
+        # The outbox publisher: one per worker process; SKIP LOCKED keeps them apart.
+        stop = asyncio.Event()
+        publisher = outbox.Publisher(store.pool, outbox.webhook_sender(bank, "/webhooks"))
+        task = asyncio.create_task(publish(publisher, stop))
+        try:
+            yield
+        finally:
+            stop.set()
+            # A batch in flight gets a few seconds; cancelled, its transaction rolls back
+            # and its events are sent again later.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(task, PUBLISHER_STOP_SECONDS)
 
     async def send_money(account: str, amount: int) -> dict[str, Any] | None:
         """POST the transfer; None when the bank's answer is lost (timeout or error)."""

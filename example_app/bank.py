@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import ipaddress
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +37,8 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from idem_middleware import not_idempotent
+
+from .supervisor import stop_when_orphaned
 
 
 def _loopback(scope: Scope) -> bool:
@@ -211,7 +215,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8001)
     args = parser.parse_args(argv)
-    uvicorn.run(create_bank_app(), host=args.host, port=args.port, log_level="warning")
+    app = create_bank_app()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        orphaned = asyncio.create_task(stop_when_orphaned())  # started by a supervisor
+        try:
+            yield
+        finally:
+            orphaned.cancel()
+
+    app.router.lifespan_context = lifespan
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
 
 
 if __name__ == "__main__":

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import signal
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -10,6 +13,7 @@ from typing import Any
 
 import asyncpg
 import httpx
+import psutil
 import pytest
 
 from example_app.launcher import ServerProcess, stop_embedded_postgres
@@ -254,3 +258,26 @@ async def test_reading_an_account_while_the_database_is_unreachable_is_a_503() -
     assert r.headers["content-type"] == "application/problem+json"
     assert r.headers["retry-after"] == "1"
     assert r.json()["status"] == 503
+
+
+def test_workers_of_a_sigkilled_supervisor_stop_and_free_the_port(app_db: str) -> None:
+    """Found by probing: `kill -9` of `python -m example_app --workers 2` (the PID it prints,
+    not its process group) left both workers serving the port and the bank running, and a
+    restart failed with "address already in use". They notice, and stop themselves."""
+    app = ServerProcess(
+        "example_app", "--workers", "2", env={"DATABASE_URL": app_db}, ready_path="/accounts/x"
+    )
+    try:
+        app.start()
+        children = psutil.Process(app.pid).children(recursive=True)
+        assert len(children) >= 3  # two workers and the bank (and multiprocessing's tracker)
+        os.kill(app.pid, signal.SIGKILL)  # the supervisor only
+        app.proc.wait(10)  # type: ignore[union-attr]
+        _, alive = psutil.wait_procs(children, timeout=30)
+        assert alive == [], alive
+        with pytest.raises(httpx.TransportError):
+            httpx.get(f"{app.url}/accounts/x", timeout=2)
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # whatever is left of the group
+            os.killpg(app.pid, signal.SIGKILL)
+        app.cleanup()
