@@ -22,6 +22,7 @@ import httpx
 import uvicorn
 
 from .database import resolve_database_url
+from .supervisor import SUPERVISOR_ENV
 
 
 def _start_bank(host: str) -> str:
@@ -76,6 +77,9 @@ def main(argv: list[str] | None = None) -> None:
     # The workers read the URL from the environment; an embedded server is started once, here.
     os.environ["DATABASE_URL"] = resolve_database_url()
     print(_where(os.environ["DATABASE_URL"]), flush=True)
+    if args.workers > 1:
+        # Its workers and its bank stop themselves if this process is SIGKILLed (supervisor.py).
+        os.environ[SUPERVISOR_ENV] = str(os.getpid())
     if args.workers > 1 and not os.environ.get("BANK_URL"):
         # An in-process bank would be one bank per worker: a retry landing on another worker
         # would ask a bank that never saw the transfer. N workers share one bank process.

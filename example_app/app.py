@@ -13,10 +13,11 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Annotated, Any
 
+import asyncpg
 import httpx
-from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi import Depends, FastAPI, HTTPException, Path, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 from starlette.authentication import AuthCredentials, AuthenticationBackend, SimpleUser
 from starlette.middleware.authentication import AuthenticationMiddleware
 from starlette.requests import HTTPConnection
@@ -33,8 +34,18 @@ from idem_middleware.reconcile import (
 )
 
 from .bank import create_bank_app
+from .supervisor import stop_when_orphaned
 
 DEFAULT_TOKENS = "demo-a:tenant-a,demo-b:tenant-b"
+#: A read of the accounts that meets these is a 503: the database is unreachable or restarting.
+DATABASE_DOWN = (
+    OSError,
+    TimeoutError,
+    asyncpg.PostgresConnectionError,
+    asyncpg.InterfaceError,
+    asyncpg.CannotConnectNowError,
+    asyncpg.AdminShutdownError,
+)
 #: How long shutdown waits for the publisher's batch in flight before cancelling it.
 PUBLISHER_STOP_SECONDS = 5.0
 
@@ -76,10 +87,29 @@ async def tenant_of(request: Request) -> str:
 
 Tenant = Annotated[str, Depends(tenant_of)]
 
+# What the tables can keep: PostgreSQL text holds no NUL, a key of the accounts' index must stay
+# well under its 2,704-byte limit, and amounts and balances are bigint. Anything else is a 422,
+# not a 500 from the database (which, for a payout, would leave its outcome unknown).
+NO_NUL = r"^[^\x00]*$"
+MAX_ACCOUNT_ID = 255
+MAX_AMOUNT = 2**63 - 1
+AccountPath = Annotated[str, Path(min_length=1, max_length=MAX_ACCOUNT_ID, pattern=NO_NUL)]
 
-class CreditIn(BaseModel):
-    amount: int = Field(gt=0)
-    memo: str | None = None
+
+class Amount(BaseModel):
+    amount: int = Field(gt=0, le=MAX_AMOUNT)
+
+    @field_validator("amount", mode="before")
+    @classmethod
+    def _json_integer(cls, value: Any) -> Any:
+        # Not `true` for 1 nor `"5"` for 5: an amount of money is a JSON number.
+        if isinstance(value, bool | str):
+            raise ValueError("the amount must be a JSON integer")
+        return value
+
+
+class CreditIn(Amount):
+    memo: str | None = Field(default=None, pattern=NO_NUL)
 
 
 class CreditOut(BaseModel):
@@ -89,9 +119,8 @@ class CreditOut(BaseModel):
     balance: int
 
 
-class PayoutIn(BaseModel):
-    account_id: str
-    amount: int = Field(gt=0)
+class PayoutIn(Amount):
+    account_id: str = Field(min_length=1, max_length=MAX_ACCOUNT_ID, pattern=NO_NUL)
 
 
 class PayoutOut(BaseModel):
@@ -111,11 +140,15 @@ class Problem(BaseModel):
 
 
 def problems(*statuses: int) -> dict[int | str, dict[str, Any]]:
-    """Document the app's own error responses, so the OpenAPI schema matches what it sends."""
-    return {
-        status: {"model": Problem, "content": {"application/problem+json": {}}}
-        for status in statuses
-    }
+    """Document the app's own error responses, so the OpenAPI schema matches what it sends: only
+    application/problem+json (a `model` would be documented as the route's application/json)."""
+    schema = Problem.model_json_schema()
+    documented: dict[int | str, dict[str, Any]] = {}
+    for status in statuses:
+        documented[status] = {"content": {"application/problem+json": {"schema": schema}}}
+        if status == 503:  # (the database is away: see `account`)
+            documented[status]["headers"] = {"Retry-After": {"schema": {"type": "integer"}}}
+    return documented
 
 
 class AccountOut(BaseModel):
@@ -195,22 +228,30 @@ def create_app(database_url: str | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        async with store, bank:
-            if not run_publisher:
+        orphaned = asyncio.create_task(stop_when_orphaned())
+        try:
+            async with store, bank, publishing():
                 yield
-                return
-            # The outbox publisher: one per worker process; SKIP LOCKED keeps them apart.
-            stop = asyncio.Event()
-            publisher = outbox.Publisher(store.pool, outbox.webhook_sender(bank, "/webhooks"))
-            task = asyncio.create_task(publish(publisher, stop))
-            try:
-                yield
-            finally:
-                stop.set()
-                # A batch in flight gets a few seconds; cancelled, its transaction rolls back
-                # and its events are sent again later.
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(task, PUBLISHER_STOP_SECONDS)
+        finally:
+            orphaned.cancel()
+
+    @asynccontextmanager
+    async def publishing() -> AsyncIterator[None]:
+        if not run_publisher:
+            yield
+            return
+        # The outbox publisher: one per worker process; SKIP LOCKED keeps them apart.
+        stop = asyncio.Event()
+        publisher = outbox.Publisher(store.pool, outbox.webhook_sender(bank, "/webhooks"))
+        task = asyncio.create_task(publish(publisher, stop))
+        try:
+            yield
+        finally:
+            stop.set()
+            # A batch in flight gets a few seconds; cancelled, its transaction rolls back
+            # and its events are sent again later.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(task, PUBLISHER_STOP_SECONDS)
 
     async def send_money(account: str, amount: int) -> dict[str, Any] | None:
         """POST the transfer; None when the bank's answer is lost (timeout or error)."""
@@ -220,8 +261,10 @@ def create_app(database_url: str | None = None) -> FastAPI:
                 r = await bank.post("/transfers", json={"account": account, "amount": amount})
         except (TimeoutError, httpx.HTTPError):
             return None
+        if r.status_code != 201:  # (a proxy's error page is not JSON: read nothing else)
+            return None
         transfer: dict[str, Any] = r.json()
-        return transfer if r.status_code == 201 else None
+        return transfer
 
     async def reconcile_payout(ctx: ReconcileContext) -> Reconciliation:
         """A retry met an unknown payout: ask the bank about the downstream key."""
@@ -235,9 +278,13 @@ def create_app(database_url: str | None = None) -> FastAPI:
         if r.status_code != 200:
             return StillUnknown(f"the bank answered {r.status_code}")
         transfer = r.json()
+        # The bank's account is "<tenant>:<account id>"; a tenant may contain ":" itself.
+        owner, account_id = f"{ctx.tenant}:", transfer["account"]
+        if not account_id.startswith(owner):
+            return StillUnknown("the bank's transfer is for another tenant's account")
+        account_id = account_id.removeprefix(owner)
         # The money moved: record the debit now, in the transaction that settles the record.
         conn = await ctx.fenced_connection()
-        account_id = transfer["account"].partition(":")[2]
         payout = await debit(conn, ctx.tenant, account_id, transfer["amount"], transfer)
         return Happened.json(201, payout.model_dump())
 
@@ -256,11 +303,12 @@ def create_app(database_url: str | None = None) -> FastAPI:
             {"type": "about:blank", "title": exc.detail, "status": exc.status_code},
             status_code=exc.status_code,
             media_type="application/problem+json",
+            headers=exc.headers,
         )
 
     @app.post("/accounts/{account_id}/credits", status_code=201)
     async def credit(
-        account_id: str,
+        account_id: AccountPath,
         body: CreditIn,
         tenant: Tenant,
         conn: IdempotencyConnection,
@@ -284,15 +332,19 @@ def create_app(database_url: str | None = None) -> FastAPI:
         await outbox.add(
             conn, "credit.created", event, event_id=f"credit:{credit_id}", tenant=tenant
         )
-        balance = await conn.fetchval(
-            "INSERT INTO ex_accounts AS a (tenant, account_id, balance, credits) "
-            "VALUES ($1, $2, $3, 1) ON CONFLICT (tenant, account_id) DO UPDATE "
-            "SET balance = a.balance + EXCLUDED.balance, credits = a.credits + 1 "
-            "RETURNING balance",
-            tenant,
-            account_id,
-            body.amount,
-        )
+        try:
+            balance = await conn.fetchval(
+                "INSERT INTO ex_accounts AS a (tenant, account_id, balance, credits) "
+                "VALUES ($1, $2, $3, 1) ON CONFLICT (tenant, account_id) DO UPDATE "
+                "SET balance = a.balance + EXCLUDED.balance, credits = a.credits + 1 "
+                "RETURNING balance",
+                tenant,
+                account_id,
+                body.amount,
+            )
+        except asyncpg.NumericValueOutOfRangeError:
+            # A 422 releases the key: the claim's transaction rolls back, credit row and all.
+            raise HTTPException(422, "the balance would exceed the largest one kept") from None
         return CreditOut(
             credit_id=credit_id, account_id=account_id, amount=body.amount, balance=balance
         )
@@ -335,13 +387,17 @@ def create_app(database_url: str | None = None) -> FastAPI:
             )
         return await debit(conn, tenant, body.account_id, body.amount, transfer)
 
-    @app.get("/accounts/{account_id}", responses=problems(401, 404))
-    async def account(account_id: str, tenant: Tenant) -> AccountOut:
-        row: Any = await store.pool.fetchrow(
-            "SELECT balance, credits FROM ex_accounts WHERE tenant = $1 AND account_id = $2",
-            tenant,
-            account_id,
-        )
+    @app.get("/accounts/{account_id}", responses=problems(401, 404, 503))
+    async def account(account_id: AccountPath, tenant: Tenant) -> AccountOut:
+        try:
+            row: Any = await store.pool.fetchrow(
+                "SELECT balance, credits FROM ex_accounts WHERE tenant = $1 AND account_id = $2",
+                tenant,
+                account_id,
+            )
+        except DATABASE_DOWN:
+            # As the middleware answers its own routes when the database is away.
+            raise HTTPException(503, "the database is unavailable", {"Retry-After": "1"}) from None
         if row is None:
             raise HTTPException(404, "no such account")
         return AccountOut(account_id=account_id, balance=row["balance"], credits=row["credits"])

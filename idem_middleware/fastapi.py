@@ -2,21 +2,29 @@
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Annotated, Any, TypeAlias
 
 import asyncpg
 from fastapi import Depends, FastAPI, Request
+from starlette.routing import Host, Mount
 
 from .context import IdempotencyContext, get_context
 from .middleware import IdempotencyMiddleware
 from .openapi import document_openapi
+from .ops import find_middleware
 from .policy import idempotent, not_idempotent
+from .routing import routes_of
 from .store.base import Store
 
 if TYPE_CHECKING:
     Connection: TypeAlias = asyncpg.Connection[Any]
 else:  # asyncpg's Connection is generic only in its type stubs
     Connection = asyncpg.Connection
+
+_CONVERTER = re.compile(r":\w+}")
+_MAX_DEPTH = 32
 
 __all__ = [
     "Idempotency",
@@ -64,18 +72,60 @@ IdempotencyConnection = Annotated[Connection, Depends(transaction_connection)]
 
 def document(app: FastAPI) -> None:
     """Document every guarded operation in `app.openapi()`: the Idempotency-Key header, the
-    problem responses (RFC 9457) and the replay header. Idempotent; `install` calls it."""
+    problem responses (RFC 9457) and the replay header; and in the OpenAPI of each FastAPI app
+    mounted in `app` (its own `/docs`), for the operations `app`'s middleware guards there.
+    Idempotent; `install` calls it. An app that replaces `app.openapi` afterwards calls it
+    again."""
+    _document_mounted(app)
     if getattr(app.openapi, "__idem_documented__", False):
         return
+    _wrap_openapi(app, lambda schema: document_openapi(schema, app))
+    # Sub-apps are usually mounted after `install`: look again once every route is there, when
+    # the app first runs (lifespan or first request), whether or not the server sends lifespan.
+    build = app.build_middleware_stack
+
+    def build_and_document() -> Any:
+        _document_mounted(app)
+        return build()
+
+    app.build_middleware_stack = build_and_document  # type: ignore[method-assign]
+
+
+def _wrap_openapi(app: FastAPI, add: Callable[[dict[str, Any]], dict[str, Any]]) -> None:
     original = app.openapi
+    app.openapi_schema = None  # a schema cached before now has none of the additions
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
-            app.openapi_schema = document_openapi(original(), app)
+            app.openapi_schema = add(original())
         return app.openapi_schema
 
     openapi.__idem_documented__ = True  # type: ignore[attr-defined]
     app.openapi = openapi  # type: ignore[method-assign]
+
+
+def _document_mounted(app: FastAPI) -> None:
+    """Wrap the `openapi` of each FastAPI app mounted (at any depth) in `app` and served by its
+    middleware; one with an IdempotencyMiddleware of its own is documented by its own."""
+    for sub, prefix in _mounted(routes_of(app) or (), "", 0):
+        if getattr(sub.openapi, "__idem_documented__", False) or find_middleware(sub):
+            continue
+
+        def add(schema: dict[str, Any], prefix: str = prefix) -> dict[str, Any]:
+            return document_openapi(schema, app, mount=prefix)
+
+        _wrap_openapi(sub, add)
+
+
+def _mounted(routes: Sequence[Any], prefix: str, depth: int) -> Iterator[tuple[FastAPI, str]]:
+    for route in routes:
+        if not isinstance(route, Mount | Host) or depth >= _MAX_DEPTH:
+            continue
+        # OpenAPI paths carry no host, and no converters (`/t/{tenant}`).
+        path = prefix + _CONVERTER.sub("}", route.path) if isinstance(route, Mount) else prefix
+        if isinstance(route.app, FastAPI):
+            yield route.app, path
+        yield from _mounted(routes_of(route.app) or (), path, depth + 1)
 
 
 def install(app: FastAPI, *, store: Store, **options: Any) -> None:

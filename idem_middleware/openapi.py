@@ -8,9 +8,11 @@ import copy
 from typing import Any
 
 from .errors import ProblemKind
+from .keys import MAX_KEY_LENGTH
 from .keysource import KeyFromHeader, as_key_source
 from .middleware import IdempotencyMiddleware
 from .ops import find_middleware, guarded_operations
+from .outcomes import RELEASE_STATUSES
 from .policy import Policy
 from .responses import DEFAULT_PROBLEM_BASE, problem_status, problem_title
 
@@ -63,6 +65,31 @@ def _retention(seconds: float) -> str:
     return f"{seconds:g} seconds"
 
 
+# The header's value as keys.parse_key_value accepts it: an sf-string of 1-255 characters (each
+# printable ASCII, `"` and `\\` escaped, so up to 2 + 2 * 255 long), or a bare token.
+_KEY_PATTERN = (
+    rf'^(?:"(?:[ !#-\[\]-~]|\\["\\]){{1,{MAX_KEY_LENGTH}}}"|[!#-~]{{1,{MAX_KEY_LENGTH}}})$'
+)
+_REPLAYED_HEADER = {
+    "description": "`true`: the stored response of an earlier request with the same key",
+    "schema": {"type": "string", "enum": ["true"]},
+}
+_RETRY_AFTER_HEADER = {
+    "description": "Seconds to wait before retrying",
+    "schema": {"type": "integer"},
+}
+
+
+def _replayable(status: str) -> bool:
+    """A documented status a replay can answer: success, redirect, and the final 4xx refusals
+    (402, 410 ...) that are stored; "nothing happened" statuses and 5xx are never stored."""
+    if status in ("2XX", "3XX", "4XX"):
+        return True
+    if not (len(status) == 3 and status.isdigit()):
+        return False  # "default", "5XX"
+    return 200 <= int(status) < 500 and int(status) not in RELEASE_STATUSES
+
+
 def header_parameter(policy: Policy, name: str = "Idempotency-Key") -> dict[str, Any]:
     required = policy.key_required
     return {
@@ -78,7 +105,12 @@ def header_parameter(policy: Policy, name: str = "Idempotency-Key") -> dict[str,
             f"Outcomes are kept for {_retention(policy.retention_seconds)}."
             + ("" if required else " Optional: without it the request is not deduplicated.")
         ),
-        "schema": {"type": "string", "minLength": 1, "maxLength": 257},
+        "schema": {
+            "type": "string",
+            "minLength": 1,
+            "maxLength": 2 + 2 * MAX_KEY_LENGTH,
+            "pattern": _KEY_PATTERN,
+        },
     }
 
 
@@ -104,6 +136,25 @@ def _document_key(operation: dict[str, Any], policy: Policy) -> None:
     operation["description"] = "\n\n".join(filter(None, [operation.get("description"), line]))
 
 
+# What responses.send_accepted sends.
+_ACCEPTED = {
+    "description": "The original request is still running; its status is at `Location`.",
+    "headers": {"Location": {"schema": {"type": "string"}}, "Retry-After": _RETRY_AFTER_HEADER},
+    "content": {
+        "application/json": {
+            "schema": {
+                "type": "object",
+                "properties": {
+                    "status": {"type": "string", "enum": ["processing"]},
+                    "location": {"type": "string"},
+                },
+                "required": ["status", "location"],
+            }
+        }
+    },
+}
+
+
 def _problem_response(kinds: list[ProblemKind], base: str) -> dict[str, Any]:
     described = "; ".join(f"`{base}{k.value}`: {problem_title(k)}" for k in kinds)
     return {
@@ -113,11 +164,12 @@ def _problem_response(kinds: list[ProblemKind], base: str) -> dict[str, Any]:
 
 
 def document_openapi(
-    schema: dict[str, Any], app: Any, *, problem_base: str | None = None
+    schema: dict[str, Any], app: Any, *, problem_base: str | None = None, mount: str = ""
 ) -> dict[str, Any]:
     """Add the idempotency documentation to every guarded operation of `app` in `schema`.
-    `problem_base` defaults to the app's IdempotencyMiddleware's."""
-    operations = guarded_operations(app)
+    `problem_base` defaults to the app's IdempotencyMiddleware's. `mount`: `schema` is that of
+    an application mounted in `app` at this path (`/v1`), whose own paths omit it."""
+    operations = [op for op in guarded_operations(app) if op.path_format.startswith(mount + "/")]
     if not operations:
         return schema
     mw = find_middleware(app)
@@ -132,24 +184,18 @@ def document_openapi(
                 # YAML docstrings (Starlette's SchemaGenerator) give integer status keys.
                 operation["responses"] = {str(k): v for k, v in operation["responses"].items()}
     for op in operations:
-        operation = paths.get(op.path_format, {}).get(op.method.lower())
+        operation = paths.get(op.path_format[len(mount) :], {}).get(op.method.lower())
         if operation is None:
             continue
         _document_key(operation, op.policy)
         responses = operation.setdefault("responses", {})
         for status, response in responses.items():
-            if status.startswith(("2", "3")):
-                response.setdefault("headers", {})["Idempotent-Replayed"] = {
-                    "description": "`true` when this is the stored response of an earlier "
-                    "request with the same key",
-                    "schema": {"type": "string", "enum": ["true"]},
-                }
+            if _replayable(status):
+                response.setdefault("headers", {})["Idempotent-Replayed"] = copy.deepcopy(
+                    _REPLAYED_HEADER
+                )
         if op.policy.accept_while_in_flight:
-            responses["202"] = {
-                "description": "The original request is still running; its status is at "
-                "`Location`.",
-                "headers": {"Location": {"schema": {"type": "string"}}},
-            }
+            responses["202"] = copy.deepcopy(_ACCEPTED)
         for status, kinds in _problems(op.policy, mw).items():
             problem = _problem_response(kinds, problem_base)
             if status in responses:
@@ -163,8 +209,7 @@ def document_openapi(
                 responses[status] = problem
             if _RETRY_AFTER.intersection(kinds):
                 # (Added to the headers the app documents for this status, never in their place.)
-                responses[status].setdefault("headers", {})["Retry-After"] = {
-                    "description": "Seconds to wait before retrying",
-                    "schema": {"type": "integer"},
-                }
+                responses[status].setdefault("headers", {})["Retry-After"] = copy.deepcopy(
+                    _RETRY_AFTER_HEADER
+                )
     return schema

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import signal
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -10,6 +13,7 @@ from typing import Any
 
 import asyncpg
 import httpx
+import psutil
 import pytest
 
 from example_app.launcher import ServerProcess, stop_embedded_postgres
@@ -167,3 +171,113 @@ async def test_embedded_default_survives_a_crash_and_keeps_stored_responses(
     finally:
         app.cleanup()
         stop_embedded_postgres(tmp_path / ".example_app" / "pgdata")
+
+
+async def test_a_second_app_on_the_same_embedded_database_does_not_stop_it_under_the_first(
+    tmp_path: Path,
+) -> None:
+    """Found by probing: `python -m example_app` started again in the same directory (another
+    port, or the same one by mistake: it cannot bind and exits) stopped the embedded PostgreSQL
+    at exit, under the app still running on it. The last app to exit stops it."""
+    pgdata = tmp_path / ".example_app" / "pgdata"
+    first = ServerProcess("example_app", cwd=tmp_path, unset=["DATABASE_URL"], ready_path="/")
+    second = ServerProcess("example_app", cwd=tmp_path, unset=["DATABASE_URL"], ready_path="/")
+    try:
+        first.start(timeout=90)
+        second.start(timeout=90)
+        second.stop()  # SIGTERM: its exit hooks run
+        async with httpx.AsyncClient(base_url=first.url, timeout=30) as c:
+            credit = await c.post(
+                "/accounts/s1/credits", json={"amount": 2}, headers={**A, **key()}
+            )
+        assert credit.status_code == 201, credit.text
+        assert (pgdata / "postmaster.pid").exists()
+        first.stop()
+        assert not (pgdata / "postmaster.pid").exists()  # the last one out stopped it
+    finally:
+        first.cleanup()
+        second.cleanup()
+        stop_embedded_postgres(pgdata)
+
+
+async def test_values_the_database_cannot_keep_are_422_and_release_the_key(
+    http: httpx.AsyncClient,
+) -> None:
+    """Found by probing: a NUL in the account id or the memo, an account id longer than the
+    accounts' index takes, or an amount past bigint reached PostgreSQL and answered 500; and
+    `true` or `"5"` were taken as amounts. Each is a 422 now, and the key stays free."""
+    cases = [
+        ("/accounts/a%00b/credits", {"amount": 1}),
+        ("/accounts/acc-v/credits", {"amount": 1, "memo": "a\x00b"}),
+        (f"/accounts/{uuid.uuid4().hex * 100}/credits", {"amount": 1}),
+        ("/accounts/acc-v/credits", {"amount": 2**63}),
+        ("/accounts/acc-v/credits", {"amount": True}),
+        ("/accounts/acc-v/credits", {"amount": "5"}),
+    ]
+    for path, body in cases:
+        h = {**A, **key()}
+        refused = await http.post(path, json=body, headers=h)
+        assert refused.status_code == 422, (path, body, refused.text)
+        fixed = await http.post("/accounts/acc-v/credits", json={"amount": 1}, headers=h)
+        assert fixed.status_code == 201, (path, body, fixed.text)
+        assert "idempotent-replayed" not in fixed.headers
+    assert (await http.get("/accounts/a%00b", headers=A)).status_code == 422
+    account = f"acc-{uuid.uuid4().hex[:8]}"
+    full = await http.post(
+        f"/accounts/{account}/credits", json={"amount": 2**63 - 1}, headers={**A, **key()}
+    )
+    assert full.status_code == 201, full.text
+    h = {**A, **key()}
+    overflow = await http.post(f"/accounts/{account}/credits", json={"amount": 1}, headers=h)
+    assert overflow.status_code == 422, overflow.text
+    assert overflow.headers["content-type"] == "application/problem+json"
+    after = (await http.get(f"/accounts/{account}", headers=A)).json()
+    assert (after["balance"], after["credits"]) == (2**63 - 1, 1)  # the credit rolled back
+    fixed = await http.post("/accounts/acc-v/credits", json={"amount": 1}, headers=h)
+    assert fixed.status_code == 201, fixed.text
+
+
+async def test_reading_an_account_while_the_database_is_unreachable_is_a_503() -> None:
+    """Found by probing: GET /accounts/{id} answered a bare text/plain 500 while PostgreSQL was
+    restarting; the guarded routes answer 503 problem+json with Retry-After, and so does it."""
+    from example_app.app import create_app
+    from idem_middleware.ops import find_middleware
+
+    free = ServerProcess("example_app").port  # a port nothing listens on
+    app = create_app(f"postgresql://postgres@127.0.0.1:{free}/none")
+    middleware = find_middleware(app)
+    assert middleware is not None
+    # The store's pool, as if the server went away after startup (min_size 0: opened lazily).
+    middleware.store._pool = await asyncpg.create_pool(  # type: ignore[attr-defined]
+        f"postgresql://postgres@127.0.0.1:{free}/none", min_size=0
+    )
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+        r = await c.get("/accounts/acc-1", headers=A)
+    assert r.status_code == 503, r.text
+    assert r.headers["content-type"] == "application/problem+json"
+    assert r.headers["retry-after"] == "1"
+    assert r.json()["status"] == 503
+
+
+def test_workers_of_a_sigkilled_supervisor_stop_and_free_the_port(app_db: str) -> None:
+    """Found by probing: `kill -9` of `python -m example_app --workers 2` (the PID it prints,
+    not its process group) left both workers serving the port and the bank running, and a
+    restart failed with "address already in use". They notice, and stop themselves."""
+    app = ServerProcess(
+        "example_app", "--workers", "2", env={"DATABASE_URL": app_db}, ready_path="/accounts/x"
+    )
+    try:
+        app.start()
+        children = psutil.Process(app.pid).children(recursive=True)
+        assert len(children) >= 3  # two workers and the bank (and multiprocessing's tracker)
+        os.kill(app.pid, signal.SIGKILL)  # the supervisor only
+        app.proc.wait(10)  # type: ignore[union-attr]
+        _, alive = psutil.wait_procs(children, timeout=30)
+        assert alive == [], alive
+        with pytest.raises(httpx.TransportError):
+            httpx.get(f"{app.url}/accounts/x", timeout=2)
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # whatever is left of the group
+            os.killpg(app.pid, signal.SIGKILL)
+        app.cleanup()

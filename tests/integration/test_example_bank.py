@@ -34,3 +34,18 @@ async def test_the_standalone_bank_answers_its_network() -> None:
     """Run as its own process (docker compose), the app reaches it from another address."""
     async with client(create_bank_app(), "172.18.0.3") as c:
         assert (await c.get("/transfers")).status_code == 200
+
+
+@pytest.mark.parametrize("status", ["abc", 99, 600, 1.5, True])
+@pytest.mark.parametrize("fault", ["fail_status", "fail_after_record"])
+async def test_a_fault_status_http_cannot_send_is_refused(fault: str, status: object) -> None:
+    """Found by probing: `{"fail_status": "abc"}` (or 99, or true) was accepted, and every
+    transfer after it was a 500 or a dropped connection instead of the injected status."""
+    async with client(create_bank_app(), "127.0.0.1") as c:
+        refused = await c.post("/_faults", json={fault: status})
+        assert refused.status_code == 400, refused.text
+        transfer = await c.post(
+            "/transfers", json={"account": "a", "amount": 1}, headers={"idempotency-key": "k"}
+        )
+        assert transfer.status_code == 201  # the refused fault changed nothing
+        assert (await c.post("/_faults", json={fault: 503})).status_code == 200

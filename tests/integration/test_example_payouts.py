@@ -23,6 +23,9 @@ from tests.conftest import _fresh_database
 
 A = {"authorization": "Bearer demo-a"}
 B = {"authorization": "Bearer demo-b"}
+#: A tenant whose name has a colon, like the bank's "<tenant>:<account>".
+C = {"authorization": "Bearer demo-c"}
+TOKENS = "demo-a:tenant-a,demo-b:tenant-b,demo-c:org:acme"
 LEASE_SECONDS = 1.5
 BANK_TIMEOUT = 0.5
 
@@ -56,6 +59,7 @@ def app_env(app_db: str, bank: ServerProcess, **extra: str) -> dict[str, str]:
         "EXAMPLE_LEASE_SECONDS": str(LEASE_SECONDS),
         "EXAMPLE_WAIT_SECONDS": "0.5",
         "EXAMPLE_BANK_TIMEOUT": str(BANK_TIMEOUT),
+        "EXAMPLE_TOKENS": TOKENS,
         **extra,
     }
 
@@ -453,3 +457,35 @@ async def test_a_key_reused_after_its_retention_is_a_new_payout_at_the_bank_too(
     assert await ledger.counts("tenant-a", account) == (2, 2), "one debit per transfer"
     assert await balance(http, account) == 800
     assert_replay_of(await payout(http, account, 100, k), second)
+
+
+async def test_a_tenant_with_a_colon_is_reconciled_on_its_own_account(
+    http: httpx.AsyncClient, bank_http: httpx.AsyncClient, ledger: Ledger
+) -> None:
+    """Found by probing: the reconciler read the account from the bank's "<tenant>:<account>"
+    by splitting at the first colon. For tenant `org:acme` that named account `acme:x`: the
+    reconciled payout debited another account of the tenant, or (none such) failed on every
+    retry and left the money moved and the record unknown."""
+    acc = account_id()
+    other = f"acme:{acc}"
+    await fund(http, acc, 100, C)
+    await fund(http, other, 100, C)
+    k = key()
+    await set_faults(bank_http, fail_after_record=500)
+    assert (await payout(http, acc, 30, k, C)).status_code == 502
+    reconciled = await payout(http, acc, 30, k, C)
+    assert reconciled.status_code == 201, reconciled.text
+    assert await ledger.counts("org:acme", acc) == (1, 1)
+    assert await ledger.debits("org:acme", other) == 0
+    assert (await balance(http, acc, C), await balance(http, other, C)) == (70, 100)
+
+
+async def test_an_account_id_the_database_cannot_keep_is_422_not_unknown(
+    http: httpx.AsyncClient, ledger: Ledger
+) -> None:
+    """Found by probing: a NUL in the payout's account id was a 500 from PostgreSQL, so in lease
+    mode the record became unknown, and every retry asked the bank and failed again."""
+    k = key()
+    refused = await payout(http, "acc\x00", 5, k)
+    assert refused.status_code == 422, refused.text
+    assert await ledger.record_state("tenant-a", k) is None  # released

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import json
+import re
 from typing import Any
 
+import jsonschema
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from openapi_spec_validator import validate
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
@@ -220,3 +225,164 @@ def test_retry_after_is_added_to_the_headers_an_app_documents() -> None:
     install(app, store=MemoryStore())
     headers = app.openapi()["paths"]["/orders"]["post"]["responses"]["409"]["headers"]
     assert sorted(headers) == ["Retry-After", "X-Conflict-Id"]
+
+
+# --- found by probing the example app's contract ------------------------------------------
+
+
+@given(
+    st.one_of(
+        st.text(st.characters(min_codepoint=0x20, max_codepoint=0x7E), min_size=1, max_size=260),
+        st.text(st.sampled_from('a"\\ !~'), max_size=260).map(lambda s: f'"{s}"'),
+        st.just('"' + "\\\\" * 255 + '"'),  # the longest valid value: 255 escaped characters
+    ).filter(lambda v: v == v.strip(" "))  # HTTP servers strip the whitespace around values
+)
+@settings(max_examples=400, deadline=None)
+def test_the_key_schema_admits_exactly_the_header_values_the_parser_accepts(value: str) -> None:
+    """The header was documented with maxLength 257, but 255 escaped characters are 512."""
+    from idem_middleware.errors import RequestRejected
+    from idem_middleware.keys import parse_key_value
+    from idem_middleware.openapi import header_parameter
+
+    schema = header_parameter(Policy())["schema"]
+    try:
+        parse_key_value(value.encode("ascii"))
+        accepted = True
+    except RequestRejected:
+        accepted = False
+    documented = bool(re.fullmatch(schema["pattern"], value)) and (
+        schema["minLength"] <= len(value) <= schema["maxLength"]
+    )
+    assert documented == accepted, value
+
+
+async def test_the_202_documents_the_body_and_headers_it_sends() -> None:
+    from fastapi import FastAPI
+
+    from idem_middleware.fastapi import install
+    from idem_middleware.responses import send_accepted
+
+    app = FastAPI()
+    install(app, store=MemoryStore())
+
+    @app.post("/jobs")
+    @idempotent(accept_while_in_flight=True)
+    async def jobs() -> dict[str, str]:
+        return {}
+
+    documented = app.openapi()["paths"]["/jobs"]["post"]["responses"]["202"]
+    validate(app.openapi())
+    sent: list[dict[str, Any]] = []
+
+    async def send(message: Any) -> None:
+        sent.append(message)
+
+    await send_accepted(send, "/idempotency/status?key=k", 2)
+    headers = {name.decode().lower() for name, _ in sent[0]["headers"]}
+    assert headers - {"content-type", "content-length"} == {
+        name.lower() for name in documented["headers"]
+    }
+    content_type = dict(sent[0]["headers"])[b"content-type"].decode()
+    jsonschema.validate(json.loads(sent[1]["body"]), documented["content"][content_type]["schema"])
+
+
+def test_stored_refusals_are_documented_as_replayed() -> None:
+    """A 402 (failed_final) is replayed with Idempotent-Replayed like a 2xx; a 404 or a 5xx
+    never is (released, or not stored)."""
+    from fastapi import FastAPI
+
+    from idem_middleware.fastapi import install
+
+    app = FastAPI()
+    install(app, store=MemoryStore())
+
+    @app.post(
+        "/pay",
+        status_code=201,
+        responses={402: {"description": "declined"}, 404: {}, 502: {}, "4XX": {}, "default": {}},
+    )
+    async def pay() -> dict[str, str]:
+        return {}
+
+    responses = app.openapi()["paths"]["/pay"]["post"]["responses"]
+    replayed = {
+        status for status, r in responses.items() if "Idempotent-Replayed" in r.get("headers", {})
+    }
+    assert replayed == {"201", "402", "4XX"}
+
+
+async def test_a_mounted_fastapi_app_documents_what_the_parent_guards() -> None:
+    """The parent's middleware guards the sub-app's POST, but the sub-app's own /openapi.json
+    (its /docs) said nothing of the required key. Mounted after install, as usual."""
+    import httpx
+    from fastapi import FastAPI
+
+    from idem_middleware.fastapi import install
+
+    app = FastAPI()
+    install(app, store=MemoryStore(), default_policy=Policy(allow_anonymous=True))
+
+    @app.post("/top")
+    async def top() -> dict[str, str]:
+        return {}
+
+    sub = FastAPI()
+
+    @sub.post("/orders/{order_id}")
+    async def order(order_id: int) -> dict[str, str]:
+        return {}
+
+    @sub.get("/orders")
+    async def orders() -> list[str]:
+        return []
+
+    app.mount("/v{version:int}", sub)
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+        refused = await client.post("/v2/orders/1")
+        spec = (await client.get("/v2/openapi.json")).json()
+        parent = (await client.get("/openapi.json")).json()
+    assert refused.status_code == 400  # guarded: the key is missing
+    validate(spec)
+    assert _header(spec["paths"]["/orders/{order_id}"]["post"]) is not None
+    assert _header(spec["paths"]["/orders"]["get"]) is None
+    assert _header(parent["paths"]["/top"]["post"]) is not None
+    assert "/v{version}/orders/{order_id}" not in parent["paths"]
+
+
+def test_a_schema_built_before_install_is_documented() -> None:
+    from fastapi import FastAPI
+
+    from idem_middleware.fastapi import install
+
+    app = FastAPI()
+
+    @app.post("/x")
+    async def x() -> dict[str, str]:
+        return {}
+
+    app.openapi()  # cached by FastAPI, before the middleware was installed
+    install(app, store=MemoryStore())
+    assert _header(app.openapi()["paths"]["/x"]["post"]) is not None
+
+
+def test_the_example_documents_its_own_problems_as_it_sends_them(schema: dict[str, Any]) -> None:
+    """Found by probing: the app's 402/404/502 were documented as application/json with the
+    Problem schema, and application/problem+json with none; it sends only the latter."""
+    for path, method, status in [
+        ("/payouts", "post", "402"),
+        ("/payouts", "post", "502"),
+        ("/accounts/{account_id}", "get", "404"),
+        ("/accounts/{account_id}", "get", "503"),
+    ]:
+        content = schema["paths"][path][method]["responses"][status]["content"]
+        assert list(content) == ["application/problem+json"], (path, status)
+        assert set(content["application/problem+json"]["schema"]["required"]) == {
+            "type",
+            "title",
+            "status",
+        }
+    assert (
+        "Retry-After"
+        in schema["paths"]["/accounts/{account_id}"]["get"]["responses"]["503"]["headers"]
+    )
