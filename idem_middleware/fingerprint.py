@@ -47,6 +47,8 @@ _U64 = struct.Struct(">Q").pack
 _U64_PAIR = struct.Struct(">QQ").pack
 
 _BAD_CHARSET = "JSON request bodies must be encoded in UTF-8."
+#: UTF-8's names as clients send them (lower-cased): "utf8" is how MySQL and Java spell it.
+_UTF8 = frozenset((b"utf-8", b"utf8"))
 _EMPTY_JSON = "The request body is empty; a JSON content type needs a JSON value."
 _FORM_NOT_UTF8 = "The form body is not valid UTF-8."
 
@@ -72,7 +74,7 @@ def canonical_body(
     media_type, params, is_json = read_media_type(content_type)
     if is_json:
         charset = params.get(b"charset")
-        if charset is not None and charset.lower() != b"utf-8":
+        if charset is not None and charset.lower() not in _UTF8:
             raise RequestRejected(ProblemKind.BODY_INVALID, _BAD_CHARSET)
         if not body:
             # Not a JSON value: a handler reading it as JSON fails, so it never reaches one.
@@ -141,7 +143,7 @@ def _json_tag(content_type: bytes) -> bytes | None:
     None for any other (canonical_body then decides, and refuses what it refuses)."""
     media_type, params, is_json = read_media_type(content_type)
     charset = params.get(b"charset")
-    if not is_json or (charset is not None and charset.lower() != b"utf-8"):
+    if not is_json or (charset is not None and charset.lower() not in _UTF8):
         return None
     return b"json:" + media_type
 

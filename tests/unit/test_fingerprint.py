@@ -556,6 +556,8 @@ def test_empty_body_with_a_json_content_type_is_invalid(content_type: bytes) -> 
         b"Application/JSON",
         b"application/json; charset=utf-8",
         b'application/json;charset="UTF-8"',
+        b"application/json; charset=utf8",
+        b"application/json; charset=UTF8",
         b"application/problem+json",
         b"application/vnd.api+json; ext=x",
     ],
@@ -901,3 +903,15 @@ def test_one_fingerprinter_serves_every_request_of_its_path() -> None:
             body=body,
         )
         assert fingerprinter(query, [], b"application/json", body) == expected
+
+
+def test_utf8_spelled_without_its_hyphen_is_utf8_on_every_path() -> None:
+    """`charset=utf8` (MySQL's and Java's spelling) names UTF-8: the request is the one sent with
+    `charset=utf-8`, through the middleware's per-path fingerprinter as through the reference."""
+    from idem_middleware.fingerprint import Fingerprinter
+
+    fingerprinter = Fingerprinter("POST /p", {}, Policy())
+    plain = fingerprinter(b"", [], b"application/json; charset=utf-8", b'{"a": 1}')
+    for spelled in (b"application/json; charset=utf8", b'application/json; charset="UTF8"'):
+        assert fingerprinter(b"", [], spelled, b'{"a":1}') == plain
+        assert fingerprint(content_type=spelled, operation="POST /p") == plain
