@@ -206,6 +206,10 @@ async def reopen(store: Store, key: RecordKey, *, note: str) -> Move:
     return Move(record.state, State.UNKNOWN)
 
 
+#: The most unknown records one `reconcile_unknown` looks at (every loop is bounded).
+_MAX_SCANNED = 1_000_000
+
+
 @dataclass
 class ReconcileReport:
     examined: int = 0
@@ -240,29 +244,51 @@ async def reconcile_unknown(
     for summary in stale:
         if summary.lease_expired and await store.expire_lease(summary.key, summary.generation):
             report.expired_leases += 1
-    unknown = await store.list_records(
-        states=[State.UNKNOWN], tenant=tenant, operation=operation, limit=limit
-    )
-    for summary in unknown:
-        report.examined += 1
-        op = summary.key.operation
-        if summary.mode != "lease":
-            report.by_hand[op] = report.by_hand.get(op, 0) + 1
-            continue
-        reconciler = reconcilers.get(op)
-        if reconciler is None:
-            report.unreconcilable[op] = report.unreconcilable.get(op, 0) + 1
-            continue
-        result = await run_reconciler(
-            store, summary.key, summary.generation, reconciler, seconds=seconds, epoch=summary.epoch
+    # `limit` bounds the reconcilers run, not the records looked at: records no reconciler can
+    # settle (transactional ones, operations without one) are passed over, oldest first, so that
+    # however many of them wait for an operator they never keep the others from their turn.
+    seen: set[RecordKey] = set()
+    runs = 0
+    window = limit
+    while runs < limit and window <= _MAX_SCANNED:
+        unknown = await store.list_records(
+            states=[State.UNKNOWN], tenant=tenant, operation=operation, limit=window
         )
-        verdict = result.verdict
-        if verdict is Verdict.NOT_HAPPENED and not await store.allow_retry(
-            summary.key, summary.generation, "reconciled: not happened"
-        ):
-            verdict = Verdict.CHANGED  # someone else moved it meanwhile
-        report.verdicts[verdict.value] = report.verdicts.get(verdict.value, 0) + 1
+        fresh = [summary for summary in unknown if summary.key not in seen]
+        for summary in fresh:
+            if runs == limit:
+                break
+            seen.add(summary.key)
+            report.examined += 1
+            op = summary.key.operation
+            if summary.mode != "lease":
+                report.by_hand[op] = report.by_hand.get(op, 0) + 1
+                continue
+            reconciler = reconcilers.get(op)
+            if reconciler is None:
+                report.unreconcilable[op] = report.unreconcilable.get(op, 0) + 1
+                continue
+            runs += 1
+            verdict = await _reconcile_one(store, summary, reconciler, seconds)
+            report.verdicts[verdict.value] = report.verdicts.get(verdict.value, 0) + 1
+        if not fresh or len(unknown) < window:
+            break  # every unknown record has been looked at
+        # Settled ones leave the list; the next window reaches past those passed over.
+        window = len(seen) + limit
     return report
+
+
+async def _reconcile_one(
+    store: Store, summary: RecordSummary, reconciler: Reconciler, seconds: float
+) -> Verdict:
+    result = await run_reconciler(
+        store, summary.key, summary.generation, reconciler, seconds=seconds, epoch=summary.epoch
+    )
+    if result.verdict is Verdict.NOT_HAPPENED and not await store.allow_retry(
+        summary.key, summary.generation, "reconciled: not happened"
+    ):
+        return Verdict.CHANGED  # someone else moved it meanwhile
+    return result.verdict
 
 
 @dataclass(frozen=True, slots=True)

@@ -75,6 +75,42 @@ async def test_allow_retry_moves_only_lease_mode_records(store: Store) -> None:
     assert await store.allow_retry(other, claim.generation, "reconciled: not happened") is True
 
 
+async def test_records_no_reconciler_can_settle_never_keep_others_from_their_turn(
+    store: Store,
+) -> None:
+    """`limit` bounds the reconcilers run: however many older unknown records wait for an
+    operator (an operation without a reconciler), the batch reaches the ones it can settle."""
+
+    async def unknown(operation: str, key: str) -> None:
+        record_key = RecordKey("t", operation, key)
+        claim = await store.claim_lease(record_key, b"f", retention_seconds=60, lease_seconds=30)
+        assert isinstance(claim, Claimed)
+        assert await store.settle(
+            record_key, claim.generation, State.PENDING, Settlement(State.UNKNOWN)
+        )
+
+    for i in range(5):
+        await unknown("POST /by-hand", f"old-{i}")
+    for i in range(2):
+        await unknown("POST /payouts", f"new-{i}")
+
+    async def happened(ctx: ReconcileContext) -> Reconciliation:
+        return Happened(201, b"{}")
+
+    report = await reconcile_unknown(store, {"POST /payouts": happened}, limit=2)
+    assert report.verdicts == {"settled": 2}
+    assert report.unreconcilable == {"POST /by-hand": 5}
+    for i in range(2):
+        record = await store.get(RecordKey("t", "POST /payouts", f"new-{i}"))
+        assert record is not None
+        assert record.state is State.SUCCEEDED
+    # Past the budget, nothing more is asked: 3 more to settle, a budget of 1.
+    for i in range(3):
+        await unknown("POST /payouts", f"later-{i}")
+    report = await reconcile_unknown(store, {"POST /payouts": happened}, limit=1)
+    assert report.verdicts == {"settled": 1}
+
+
 async def test_reconcile_leaves_a_reopened_transactional_record_to_resolve(store: Store) -> None:
     ran: list[int] = []
 
