@@ -22,7 +22,7 @@ def run(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
     # Only the plugins named here: an installed entry point must not load it a second time.
     pytester.makeini("[pytest]\nasyncio_default_fixture_loop_scope = function\n")
     return pytester.runpytest_subprocess(
-        "-p", "idem_middleware.pytest_plugin", "-p", "pytest_asyncio.plugin", *args
+        "-p", "idem_middleware.pytest_plugin", "-p", "pytest_asyncio.plugin", *args, timeout=120
     )
 
 
@@ -94,3 +94,97 @@ def test_the_plugin_is_a_pytest11_entry_point() -> None:
     assert project["entry-points"]["pytest11"] == {
         "idem_middleware": "idem_middleware.pytest_plugin"
     }
+
+
+def test_each_xdist_worker_gets_a_database_of_its_own(
+    pytester: pytest.Pytester, inner_env: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """pytest-xdist's workers run at the same time: with one database for all, each worker's
+    start dropped the database under the others (or failed creating it), and each test emptied
+    the records of the tests running beside it."""
+    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw3")
+    pytester.makepyfile(
+        test_worker="""
+from urllib.parse import urlsplit
+
+def test_worker_database(idem_postgres_dsn):
+    assert urlsplit(idem_postgres_dsn).path == "/idem_pytest_gw3"
+"""
+    )
+    run(pytester).assert_outcomes(passed=1)
+
+
+SYNC_AND_FORGOTTEN = """
+import httpx
+import pytest
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+from idem_middleware import IdempotencyMiddleware, MemoryStore
+
+def make_app(guarded):
+    app = FastAPI()
+
+    @app.post("/orders")
+    async def create(order: dict[str, int]) -> dict[str, int]:
+        return order
+
+    if guarded:
+        app.add_middleware(IdempotencyMiddleware, store=MemoryStore(), tenant_resolver=str)
+    return app
+
+def test_sync_client_guarded(idem_replay):
+    with TestClient(make_app(True)) as client:
+        first, second = idem_replay(client, "POST", "/orders", json={"amount": 1})
+    assert first.json() == second.json() == {"amount": 1}
+
+def test_sync_client_unguarded(idem_replay):
+    with TestClient(make_app(False)) as client:
+        idem_replay(client, "POST", "/orders", json={"amount": 1})
+
+@pytest.mark.asyncio
+async def test_async_client_not_awaited(idem_replay):
+    transport = httpx.ASGITransport(app=make_app(False))
+    async with httpx.AsyncClient(transport=transport, base_url="http://t") as http:
+        idem_replay(http, "POST", "/orders", json={"amount": 1})
+"""
+
+
+def test_the_replay_helper_never_passes_without_checking(
+    pytester: pytest.Pytester, inner_env: Path
+) -> None:
+    """With a synchronous client (Starlette's TestClient) or without `await`, `idem_replay`
+    returned a coroutine nobody ran: the test passed, having checked nothing. A synchronous
+    client is now replayed on the spot; an async client's replay never awaited fails the test."""
+    pytester.makepyfile(test_sync=SYNC_AND_FORGOTTEN)
+    result = run(pytester)
+    result.assert_outcomes(passed=2, failed=1, errors=1)
+    result.stdout.fnmatch_lines(
+        [
+            "*ERROR at teardown of test_async_client_not_awaited*",
+            "idem_replay(...) with an async client was never awaited, so it checked nothing*",
+            "*_ test_sync_client_unguarded _*",
+            "*the second response is not a replay*",
+        ]
+    )
+
+
+def test_a_connection_left_in_use_fails_the_test_instead_of_hanging_the_run(
+    pytester: pytest.Pytester, inner_env: Path
+) -> None:
+    """asyncpg's pool.close() waits without end for its connections: a test leaving one in use
+    (a handler still blocked, a connection never released) hung the whole run at its end."""
+    pytester.makeconftest(
+        "import idem_middleware.pytest_plugin as plugin\nplugin._CLOSE_SECONDS = 0.5\n"
+    )
+    pytester.makepyfile(
+        test_leak="""
+import pytest
+
+@pytest.mark.asyncio
+async def test_leaks_a_connection(idem_store):
+    await idem_store.pool.acquire()
+"""
+    )
+    result = run(pytester)
+    result.assert_outcomes(passed=1, errors=1)
+    result.stdout.fnmatch_lines(["*still in use 0.5 s after the test ended*"])
