@@ -114,9 +114,34 @@ def idem_postgres_dsn() -> Iterator[str]:
         shutil.rmtree(parent, ignore_errors=True)
 
 
+def _other_loop(request: pytest.FixtureRequest) -> str | None:
+    """Why the test runs in another event loop than its function-scoped async fixtures, if it
+    does: asyncpg's pool belongs to the loop it was made in, and the test then fails with
+    "attached to a different loop" errors that name neither setting."""
+    marker = request.node.get_closest_marker("asyncio")
+    if marker is None:  # not an asyncio test: nothing of the store runs in it
+        return None
+    config = request.config
+    test = marker.kwargs.get("loop_scope") or config.getini("asyncio_default_test_loop_scope")
+    fixture = config.getini("asyncio_default_fixture_loop_scope")
+    fixture = "function" if fixture in (None, "", "fixture-scope") else fixture
+    if (test or "function") == fixture:
+        return None
+    return (
+        f"idem_store is made in the {fixture}-scoped event loop (asyncio_default_fixture_loop_"
+        f"scope) but this test runs in the {test}-scoped one: asyncpg's pool works only in the "
+        "loop that made it. Give both the same scope (both unset: function)"
+    )
+
+
 @pytest_asyncio.fixture
-async def idem_store(idem_postgres_dsn: str) -> AsyncIterator[PostgresStore]:
+async def idem_store(
+    idem_postgres_dsn: str, request: pytest.FixtureRequest
+) -> AsyncIterator[PostgresStore]:
     """An open PostgresStore on the test database, with no records, tokens or outbox events."""
+    mismatch = _other_loop(request)
+    if mismatch is not None:
+        pytest.fail(mismatch, pytrace=False)
     pool = await asyncpg.create_pool(idem_postgres_dsn, min_size=1, max_size=10)
     try:
         await pool.execute(f"TRUNCATE {_TABLES}")

@@ -188,3 +188,18 @@ async def test_leaks_a_connection(idem_store):
     result = run(pytester)
     result.assert_outcomes(passed=1, errors=1)
     result.stdout.fnmatch_lines(["*still in use 0.5 s after the test ended*"])
+
+
+def test_a_test_in_another_event_loop_than_the_store_is_told_why(
+    pytester: pytest.Pytester, inner_env: Path
+) -> None:
+    """With asyncio_default_fixture_loop_scope = session and tests in their own loops (the
+    default), the store's pool belonged to another loop: every test failed with "attached to a
+    different loop", naming neither setting."""
+    pytester.makepyfile(test_example=docs_example())
+    pytester.makeini("[pytest]\nasyncio_default_fixture_loop_scope = session\n")
+    result = pytester.runpytest_subprocess(
+        "-p", "idem_middleware.pytest_plugin", "-p", "pytest_asyncio.plugin", timeout=120
+    )
+    result.assert_outcomes(passed=1, errors=1)  # the test without a database still passes
+    result.stdout.fnmatch_lines(["*idem_store is made in the session-scoped event loop*"])
