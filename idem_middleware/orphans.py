@@ -1,7 +1,7 @@
-"""Embedded PostgreSQL servers left behind by test runs that were killed (SIGKILL, a CI timeout):
-each run writes its PID next to its server's data directory, and the next run stops the servers
-whose owner is gone (checking, by its command line, that the PID is still that server) and
-removes their directories."""
+"""Embedded PostgreSQL servers left behind by test runs that were killed (SIGKILL, a CI timeout),
+the pytest plugin's and this repository's own: each run writes its PID next to its server's data
+directory, and the next run stops the servers whose owner is gone (checking, by its command line,
+that the PID is still that server) and removes their directories."""
 
 from __future__ import annotations
 
