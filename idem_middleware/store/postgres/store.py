@@ -39,6 +39,7 @@ from .edges import OffPathStatements
 from .fenced import Fencing
 from .fused import FastPath
 from .listener import Listener
+from .privileges import require_privileges
 from .runner import alone
 from .sessions import PgTransaction
 
@@ -138,6 +139,7 @@ class PostgresStore(OffPathStatements):
             async with self._internal() as conn:
                 await require_migrated(conn)
                 if self._needs_writes:
+                    await require_privileges(conn)
                     await _require_writable(conn)
                 await self._locks.load(conn)
         except ACQUIRE_ERRORS as exc:
