@@ -27,7 +27,12 @@ def binary() -> str | None:
 
 class PgBouncer:
     def __init__(
-        self, upstream_dsn: str, *, pool_size: int = 20, server_idle_timeout: int = 1
+        self,
+        upstream_dsn: str,
+        *,
+        pool_size: int = 20,
+        server_idle_timeout: int = 1,
+        pool_mode: str = "transaction",
     ) -> None:
         parts = urlsplit(upstream_dsn)
         query = parse_qs(parts.query)
@@ -39,6 +44,7 @@ class PgBouncer:
         self.proc: subprocess.Popen[bytes] | None = None
         self.pool_size = pool_size
         self.server_idle_timeout = server_idle_timeout
+        self.pool_mode = pool_mode
 
     def dsn(self, database: str = "postgres") -> str:
         return f"postgresql://{self.user}@127.0.0.1:{self.port}/{database}"
@@ -56,7 +62,7 @@ class PgBouncer:
             f"listen_port = {self.port}\n"
             f"unix_socket_dir = {self.folder}\n"
             "auth_type = any\n"
-            "pool_mode = transaction\n"
+            f"pool_mode = {self.pool_mode}\n"
             "max_client_conn = 500\n"
             f"default_pool_size = {self.pool_size}\n"
             # Idle server connections go back to PostgreSQL at once: held for the default

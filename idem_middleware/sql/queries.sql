@@ -82,6 +82,30 @@ SELECT count(*) FROM idem_claim_key($1, $2, $3, $4);
 -- that computes the claim lock itself (store/postgres/claim_lock.py).
 SELECT inner_key, outer_key FROM idem_lock_secret;
 
+-- name: privileges
+-- Whether the session's role holds each privilege its requests need (checked when a store
+-- opens): $1 the kinds ('table', 'sequence' or 'function'), $2 the objects' names as the
+-- store's statements name them (found on the search_path), $3 the privileges, one per row.
+-- `object` is the schema-qualified name, NULL (and `held` too) for an object that is not there.
+SELECT t.kind, t.name, t.privilege, o.object,
+       CASE t.kind
+           WHEN 'table' THEN has_table_privilege(o.oid, t.privilege)
+           WHEN 'sequence' THEN has_sequence_privilege(o.oid, t.privilege)
+           ELSE has_function_privilege(o.oid, t.privilege)
+       END AS held,
+       quote_ident(current_user) AS role
+FROM unnest($1::text[], $2::text[], $3::text[]) AS t(kind, name, privilege)
+LEFT JOIN LATERAL (
+    SELECT c.oid, quote_ident(n.nspname) || '.' || quote_ident(c.relname) AS object
+    FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace
+    WHERE t.kind <> 'function' AND c.oid = to_regclass(t.name)
+    UNION ALL
+    SELECT p.oid, quote_ident(n.nspname) || '.' || quote_ident(p.proname)
+               || '(' || pg_catalog.pg_get_function_identity_arguments(p.oid) || ')'
+    FROM pg_catalog.pg_proc p JOIN pg_catalog.pg_namespace n ON n.oid = p.pronamespace
+    WHERE t.kind = 'function' AND p.oid = to_regprocedure(t.name)
+) o ON true;
+
 -- name: insert_final
 -- The record of a `claim_key` claim, written once with its outcome, sent with the COMMIT. A
 -- record that appeared meanwhile (written by a claim that took no advisory lock) makes this fail

@@ -9,6 +9,14 @@ import asyncpg
 from .. import sql
 from ..errors import ConfigurationError
 
+#: What a migration meets when its objects exist though it is not recorded.
+_ALREADY_THERE = (
+    asyncpg.DuplicateTableError,
+    asyncpg.DuplicateObjectError,
+    asyncpg.DuplicateFunctionError,
+    asyncpg.DuplicateColumnError,
+)
+
 # Concurrent migrators (several app hosts starting at once) queue on this transaction lock.
 _LOCK_ID = 0x1DE4_0001
 
@@ -19,14 +27,35 @@ async def applied_versions(conn: asyncpg.Connection[Any]) -> set[int]:
     # concurrent migrator committed while this one waited on the lock, and creates it again.
     # The schema is matched by name, not cast with ::regnamespace, which parses its text as an
     # identifier: a schema that needs quoting ("Idem", "my schema") was not found.
-    exists = await conn.fetchval(
-        "SELECT EXISTS (SELECT FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n"
+    found: Any = await conn.fetchrow(
+        "SELECT current_schema() AS schema, quote_ident(current_user) AS role,"
+        " current_setting('search_path') AS search_path,"
+        " EXISTS (SELECT FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n"
         " ON n.oid = c.relnamespace"
-        " WHERE c.relname = 'idem_schema_migrations' AND n.nspname = current_schema())"
+        " WHERE c.relname = 'idem_schema_migrations' AND n.nspname = current_schema()) AS found"
     )
-    if not exists:
+    if found["schema"] is None:
+        # No schema on the path exists or is usable by this role: a role without USAGE on the
+        # store's schema was told its (migrated) database lacked every migration.
+        raise ConfigurationError(
+            f"no schema on the search_path ({found['search_path']}) exists or is usable by the "
+            f"role {found['role']}: grant it USAGE on the idempotency schema, as the schema's "
+            f"owner (GRANT USAGE ON SCHEMA public TO {found['role']}, or the schema it was "
+            "migrated into), or set its search_path"
+        )
+    if not found["found"]:
         return set()
-    return {r["version"] for r in await conn.fetch("SELECT version FROM idem_schema_migrations")}
+    try:
+        rows = await conn.fetch("SELECT version FROM idem_schema_migrations")
+    except asyncpg.InsufficientPrivilegeError as exc:
+        schema = await conn.fetchval("SELECT quote_ident(current_schema())")
+        raise ConfigurationError(
+            f"the role {found['role']} cannot read {schema}.idem_schema_migrations ({exc}): "
+            f"grant it the idempotency schema's privileges, as the schema's owner (GRANT "
+            f"SELECT ON {schema}.idem_schema_migrations TO {found['role']}; the store "
+            "names the rest when it opens)"
+        ) from exc
+    return {r["version"] for r in rows}
 
 
 async def migrate(conn: asyncpg.Connection[Any]) -> list[int]:
@@ -38,7 +67,25 @@ async def migrate(conn: asyncpg.Connection[Any]) -> list[int]:
         for version, name, text in sql.migrations():
             if version in done:
                 continue
-            await conn.execute(text)
+            try:
+                await conn.execute(text)
+            except asyncpg.InsufficientPrivilegeError as exc:
+                # Creating in the schema, or altering or dropping what an earlier migration
+                # made, which only the objects' owner may do.
+                raise ConfigurationError(
+                    f"migration {version:04d}_{name} was refused: {exc}; run `idem-middleware "
+                    "migrate` as the role that owns the idempotency schema's objects (the one "
+                    "that ran the earlier migrations) or one that may create in its schema"
+                ) from exc
+            except _ALREADY_THERE as exc:
+                raise ConfigurationError(
+                    f"migration {version:04d}_{name} is not recorded in idem_schema_migrations, "
+                    f"but what it creates is there already ({exc}): the schema was made some "
+                    "other way (schema.sql applied by hand, a copy of the tables?). Drop the "
+                    "idem_ tables, sequence and functions and run migrate again, or, if the "
+                    "schema is complete up to a version, record those versions in "
+                    "idem_schema_migrations"
+                ) from exc
             await conn.execute(
                 "INSERT INTO idem_schema_migrations (version, name) VALUES ($1, $2)", version, name
             )

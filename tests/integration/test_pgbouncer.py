@@ -10,12 +10,14 @@ lease-mode waiters are woken by polling alone. Tests that assert a NOTIFY wake-u
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import asyncpg
 import pytest
 
 from idem_middleware import Mode, Policy, PostgresStore
+from idem_middleware.errors import ConfigurationError
 from tests.pgbouncer import PgBouncer, binary
 
 pytestmark = [
@@ -88,3 +90,54 @@ async def test_the_fast_path_runs_behind_pgbouncer_and_resets_in_the_message_tha
     assert any("; COMMIT; SELECT pg_advisory_unlock_all()" in q for q in log.queries)
     balance = await pool.fetchval("SELECT balance FROM test_accounts WHERE account_id = 'pbr'")
     assert balance == 3
+
+
+@pytest.mark.parametrize("given", [False, True], ids=["own-pool", "given-pool"])
+async def test_a_statement_cache_through_transaction_pooling_is_refused_when_the_store_opens(
+    bouncer: PgBouncer, db_route: str, given: bool
+) -> None:
+    """asyncpg's default `statement_cache_size=100` through transaction pooling: the store
+    opened, then a third of concurrent requests failed with 'prepared statement
+    "__asyncpg_stmt_..." does not exist' (a plain 500) and the rest passed. Now the store
+    refuses to open, naming `statement_cache_size=0`."""
+    dsn = bouncer.dsn("idem_test")
+    pool = await asyncpg.create_pool(dsn, min_size=1, max_size=4) if given else None
+    try:
+        store = PostgresStore(pool=pool) if pool else PostgresStore(dsn=dsn, listen=False)
+        with pytest.raises(ConfigurationError) as refused:
+            await store.open()
+        assert "statement_cache_size=0" in str(refused.value)
+        assert "statement_cache_size=100" in str(refused.value)
+        assert "HINT" not in str(refused.value)  # (asyncpg's page of advice left out)
+    finally:
+        if pool is not None:
+            assert not pool._closed  # a given pool is the caller's to close
+            await pool.close()
+    async with PostgresStore(dsn=dsn, listen=False, statement_cache_size=0):
+        pass
+
+
+async def test_a_statement_cache_through_session_pooling_is_left_alone(
+    pg_dsn: str, db_dsn: str, db_route: str
+) -> None:
+    """In session mode each client connection keeps its server session, and its statements:
+    the cache works there, and the store opens with it."""
+    from tests.apps import build_app, client
+
+    session = PgBouncer(pg_dsn, pool_mode="session").start()
+    try:
+        store = PostgresStore(dsn=session.dsn("idem_test"), listen=False)
+        async with store, client(build_app(store)) as c:
+            answers = await asyncio.gather(
+                *(
+                    c.post(
+                        f"/accounts/s{i}/credits",
+                        json={"amount": 1},
+                        headers={"idempotency-key": f"session-{i}"},
+                    )
+                    for i in range(8)
+                )
+            )
+    finally:
+        session.stop()
+    assert [r.status_code for r in answers] == [201] * 8

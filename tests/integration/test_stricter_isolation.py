@@ -146,3 +146,24 @@ async def test_a_fenced_settlement_refused_under_serializable_is_a_store_error(
     assert isinstance(refused.value.__cause__, asyncpg.SerializationError)
     states = await pool.fetch("SELECT idem_key, state FROM idem_requests ORDER BY idem_key")
     assert [tuple(r) for r in states] == [("k", "succeeded"), ("k2", "pending")]
+
+
+async def test_an_outbox_send_recorded_behind_a_concurrent_write_is_marked_sent(
+    rr_store: PostgresStore, pool: asyncpg.Pool[Any]
+) -> None:
+    """A publisher's statements commit on their own, like the store's: one that meets a
+    concurrent write of its event (another publisher's reservation once this one's lapsed, an
+    operator's requeue) runs again. The mark of a delivered event was refused instead: logged,
+    the event left reserved and sent again once that lapsed; a refused reservation failed the
+    whole batch into the publisher's backoff (2 s, then 4 s...)."""
+    from idem_middleware import outbox
+
+    async with pool.acquire() as conn:
+        event_id = await outbox.add(conn, "payouts", {"n": 1})
+    async with rr_store.outbox_connection() as publisher:
+        reserved = await publisher.reserve(10.0, 8)
+        assert reserved is not None
+        assert reserved.event_id == event_id
+        touch = "UPDATE idem_outbox SET last_error = 'touched' WHERE event_id = $1"
+        await _behind(pool, touch, event_id, work=publisher.mark_sent(event_id))
+    assert await pool.fetchval("SELECT sent_at IS NOT NULL FROM idem_outbox") is True

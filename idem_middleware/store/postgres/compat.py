@@ -51,3 +51,11 @@ async def prepare_cached(
     """A PreparedStatement from the connection's own statement cache (the one `fetch` uses,
     which follows `statement_cache_size`), where `conn.prepare` would make a new one."""
     return await conn._prepare(query, timeout=timeout, use_cache=True)
+
+
+def statement_cache_size(conn: Any) -> int | None:
+    """How many prepared statements the connection behind `conn` caches (its
+    `statement_cache_size`); None if this asyncpg keeps it elsewhere."""
+    cache = getattr(raw_connection(conn), "_stmt_cache", None)
+    size = getattr(cache, "get_max_size", None)
+    return size() if callable(size) else None

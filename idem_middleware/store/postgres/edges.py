@@ -27,7 +27,7 @@ from .convert import (
     settle_args,
     translate,
 )
-from .runner import PoolStatements, checkout
+from .runner import PoolStatements, alone, checkout
 
 
 def _summary(r: Any) -> RecordSummary:
@@ -97,8 +97,11 @@ class OutboxConnection:
         self._conn = conn
 
     async def _call(self, method: str, query: str, *args: Any) -> Any:
+        # Each statement commits on its own: one refused for a serialization failure (another
+        # publisher's reservation, under a REPEATABLE READ or SERIALIZABLE default) changed
+        # nothing and runs again, rather than failing the batch into the publisher's backoff.
         try:
-            return await getattr(self._conn, method)(query, *args)
+            return await alone(getattr(self._conn, method), query, *args)
         except (*TRANSLATED, SERVER_ERROR) as exc:
             raise translate(exc) from exc
 

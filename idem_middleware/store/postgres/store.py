@@ -23,6 +23,7 @@ from ..base import (
     Store,
 )
 from ..migrations import require_migrated
+from . import compat
 from .claim import claim
 from .claim_lock import ClaimLocks
 from .convert import (
@@ -39,6 +40,9 @@ from .edges import OffPathStatements
 from .fenced import Fencing
 from .fused import FastPath
 from .listener import Listener
+from .poolers import PREPARED_MISMATCH, refusal
+from .poolers import check as check_pooler
+from .privileges import require_privileges
 from .runner import alone
 from .sessions import PgTransaction
 
@@ -135,11 +139,16 @@ class PostgresStore(OffPathStatements):
             except CONNECTION_ERRORS as exc:
                 raise StoreError(f"cannot connect: {exc}") from exc
         try:
+            await check_pooler(self.pool, self._checkouts.delay)
             async with self._internal() as conn:
-                await require_migrated(conn)
-                if self._needs_writes:
-                    await _require_writable(conn)
-                await self._locks.load(conn)
+                try:
+                    await require_migrated(conn)
+                    if self._needs_writes:
+                        await require_privileges(conn)
+                        await _require_writable(conn)
+                    await self._locks.load(conn)
+                except PREPARED_MISMATCH as exc:  # what the pooler check may not have seen
+                    raise refusal(compat.statement_cache_size(conn), exc) from exc
         except ACQUIRE_ERRORS as exc:
             logger.warning("cannot check the idempotency schema now: %s", exc)
         except BaseException:

@@ -1,0 +1,75 @@
+"""A pooler in transaction mode in front of a pool whose connections cache prepared statements.
+
+asyncpg names the statements it caches per client connection (`__asyncpg_stmt_1__`, ...).
+PgBouncer in transaction pooling mode hands each transaction of a client connection to whichever
+server session is free: a cached statement is then missing ("prepared statement ... does not
+exist"), or another client's of the same name is there ("already exists"). Through PgBouncer
+1.18 with the default `statement_cache_size=100`, about a third of concurrent requests failed
+so, each a plain 500, the rest passing. `check` finds it when the store opens.
+
+The evidence is the failure itself, so nothing else is refused: two of the pool's connections
+prepare a statement of one fresh name, one after the other. Directly, or through a pooler in
+session mode (each client connection keeps its server session), both succeed; so they do through
+a pooler that tracks prepared statements (PgBouncer 1.21 and later with
+`max_prepared_statements`), which renames them per server session. Only when the two connections
+share a server session whose names are the clients' own does the second fail. Under load the
+pooler may hand the second connection another session; the test is then inconclusive, and the
+store opens as before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import uuid
+from typing import Any
+
+import asyncpg
+
+from ...errors import ConfigurationError
+from . import compat
+
+#: What a client connection's prepared statement meets on a server session it does not own.
+PREPARED_MISMATCH: tuple[type[BaseException], ...] = (
+    asyncpg.exceptions.InvalidSQLStatementNameError,
+    asyncpg.exceptions.DuplicatePreparedStatementError,
+)
+
+#: How many pairs of statements are tried (each pair: two round trips).
+_ROUNDS = 3
+
+
+def refusal(cache_size: int | None, cause: BaseException | None = None) -> ConfigurationError:
+    # (The server's message alone: asyncpg appends a page of advice to these errors.)
+    seen = f" ({getattr(cause, 'message', cause)})" if cause is not None else ""
+    return ConfigurationError(
+        "the store's connections go through a pooler in transaction mode (PgBouncer's "
+        "pool_mode = transaction) that shares server sessions between them, and asyncpg "
+        f"caches prepared statements on them (statement_cache_size={cache_size}): requests "
+        "would fail at random with 'prepared statement \"__asyncpg_stmt_...\" does not exist' "
+        f"or 'already exists'{seen}. Pass statement_cache_size=0 (to PostgresStore, or to "
+        "the asyncpg pool given to it), or let the pooler track prepared statements "
+        "(PgBouncer 1.21 or later: max_prepared_statements > 0)"
+    )
+
+
+async def check(pool: Any, timeout: float) -> None:  # noqa: ASYNC109 - asyncpg's acquire
+    """ConfigurationError if the pool's connections cache prepared statements and two of them
+    are seen sharing a server session that does not keep their statements apart."""
+    if pool.get_max_size() < 2:
+        return  # (two connections at once would wait for each other)
+    async with pool.acquire(timeout=timeout) as first, pool.acquire(timeout=timeout) as second:
+        cache_size = compat.statement_cache_size(first)
+        if not cache_size:
+            return
+        for _ in range(_ROUNDS):
+            name = f"idem_pooler_probe_{uuid.uuid4().hex}"
+            await first.prepare("SELECT 1", name=name)
+            try:
+                await second.prepare("SELECT 1", name=name)
+            except asyncpg.exceptions.DuplicatePreparedStatementError as exc:
+                raise refusal(cache_size, exc) from exc
+            finally:
+                # (Not there: the other connection's session had it, or it was never made.)
+                for conn in (first, second):
+                    with contextlib.suppress(asyncpg.exceptions.InvalidSQLStatementNameError):
+                        await conn.execute(f"DEALLOCATE {name}")

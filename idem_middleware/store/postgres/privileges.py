@@ -1,0 +1,59 @@
+"""What the store's role must be allowed to do, checked when a store opens.
+
+A role that cannot write `idem_requests`, draw from `idem_generation_seq`, call `idem_claim_key`
+or take an advisory lock opened a store without complaint, then failed every guarded request
+with a 500. So does a schema whose migrations are recorded but one of whose objects is gone
+(dropped by hand, left out of a restore). Both are found here, once, and named with the fix.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ...errors import ConfigurationError
+from .convert import _Q
+
+#: (kind, name as the store's statements name it, privilege): what a request may use, in
+#: either mode. The claim names idem_tokens even for a key that is not a token; release
+#: deletes a record; the fence locks one (UPDATE); a lease-mode wait registers in idem_waiters;
+#: a settlement notifies waiters; a transactional claim takes an advisory lock.
+NEEDED: tuple[tuple[str, str, str], ...] = (
+    *(("table", "idem_requests", p) for p in ("SELECT", "INSERT", "UPDATE", "DELETE")),
+    ("table", "idem_tokens", "SELECT"),
+    ("table", "idem_tokens", "UPDATE"),
+    ("table", "idem_lock_secret", "SELECT"),
+    *(("table", "idem_waiters", p) for p in ("SELECT", "INSERT", "DELETE")),
+    ("sequence", "idem_generation_seq", "USAGE"),
+    ("function", "idem_claim_key(text, text, text, bigint)", "EXECUTE"),
+    ("function", "pg_catalog.pg_try_advisory_xact_lock(bigint)", "EXECUTE"),
+    ("function", "pg_catalog.pg_notify(text, text)", "EXECUTE"),
+)
+
+_GRANT_ON = {"table": "", "sequence": "SEQUENCE ", "function": "FUNCTION "}
+
+
+async def require_privileges(conn: Any) -> None:
+    """ConfigurationError, naming what is missing and the statements that fix it, unless the
+    session's role holds every privilege in NEEDED on objects that are all there."""
+    kinds, names, privileges = zip(*NEEDED, strict=True)
+    rows = await conn.fetch(_Q["privileges"], list(kinds), list(names), list(privileges))
+    absent = sorted({r["name"] for r in rows if r["object"] is None})
+    if absent:
+        raise ConfigurationError(
+            f"the idempotency schema lacks {', '.join(absent)} although its migrations are "
+            "recorded as applied (dropped by hand, or left out of a restore?): restore them "
+            "(the numbered migrations in idem_middleware/sql/migrations create them), or check "
+            "the store's search_path"
+        )
+    grants: dict[str, list[str]] = {}
+    role = ""
+    for r in rows:
+        role = r["role"]
+        if not r["held"]:
+            grants.setdefault(_GRANT_ON[r["kind"]] + r["object"], []).append(r["privilege"])
+    if grants:
+        fix = "; ".join(f"GRANT {', '.join(p)} ON {on} TO {role}" for on, p in grants.items())
+        raise ConfigurationError(
+            f"the role {role} lacks privileges every guarded request needs: run, as the "
+            f"objects' owner, {fix}"
+        )
