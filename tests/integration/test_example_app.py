@@ -124,6 +124,19 @@ async def test_bad_requests_are_refused_and_not_stored(http: httpx.AsyncClient) 
     assert "idempotent-replayed" not in fixed.headers
 
 
+async def test_the_routers_own_refusals_are_problems_too(http: httpx.AsyncClient) -> None:
+    """A path no route serves, and a method a route does not take, answer in the RFC 9457 shape
+    the app's own refusals use (they were FastAPI's plain `{"detail": ...}`)."""
+    for response, status in [
+        (await http.get("/no/such/path", headers=A), 404),
+        (await http.delete("/accounts/acc-x/credits", headers=A), 405),
+    ]:
+        assert response.status_code == status
+        assert response.headers["content-type"] == "application/problem+json"
+        assert response.json()["status"] == status
+    assert "allow" in response.headers  # (405's Allow kept)
+
+
 async def test_authentication_and_tenant_isolation(http: httpx.AsyncClient) -> None:
     anonymous = await http.post("/accounts/acc-t/credits", json={"amount": 1}, headers=key())
     assert anonymous.status_code == 401
