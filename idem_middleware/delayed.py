@@ -14,44 +14,20 @@ class Due(Protocol):
         """The delay has passed and the item is still registered."""
 
 
-class Delayed:
-    """Calls `item.due()` for each item still registered `delay` seconds after `add(item)`.
+class _Serving:
+    """The items and the timer of one event loop."""
 
-    The delay is the same for every item, so items fall due in the order they were added: one
-    timer, set for the oldest, serves them all. Touched only from the event loop; an app served
-    by another event loop later (a test client's, say) starts afresh on that loop.
-    """
+    __slots__ = ("delay", "items", "loop", "timer")
 
-    __slots__ = ("_delay", "_items", "_loop", "_timer")
+    def __init__(self, loop: asyncio.AbstractEventLoop, delay: float) -> None:
+        self.loop = loop
+        self.delay = delay
+        self.items: dict[Due, float] = {}  # insertion order is due order
+        self.timer: asyncio.TimerHandle | None = None
 
-    def __init__(self, delay: float) -> None:
-        self._delay = delay
-        self._items: dict[Due, float] = {}  # insertion order is due order
-        self._timer: asyncio.TimerHandle | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-
-    @property
-    def delay(self) -> float:
-        return self._delay
-
-    def add(self, item: Due) -> None:
-        loop = asyncio.get_running_loop()
-        if loop is not self._loop:
-            # Items and timer of another loop are that loop's business (and it is usually gone).
-            self._loop, self._items, self._timer = loop, {}, None
-        self._items[item] = time.monotonic() + self._delay
-        if self._timer is None:
-            self._timer = loop.call_later(self._delay, self._fire)
-
-    def discard(self, item: Due) -> None:
-        self._items.pop(item, None)
-
-    def _fire(self) -> None:
-        loop = asyncio.get_running_loop()
-        if loop is not self._loop:
-            return  # a timer of a loop this no longer serves
-        self._timer = None
-        items = self._items
+    def fire(self) -> None:
+        self.timer = None
+        items = self.items
         now = time.monotonic()
         due = []
         for item, at in items.items():
@@ -62,6 +38,64 @@ class Delayed:
             del items[item]
         if items:
             at = next(iter(items.values()))
-            self._timer = loop.call_later(max(at - now, 0.0), self._fire)
+            self.timer = self.loop.call_later(max(at - now, 0.0), self.fire)
         for item in due:
             item.due()
+
+
+class Delayed:
+    """Calls `item.due()` for each item still registered `delay` seconds after `add(item)`.
+
+    The delay is the same for every item, so items fall due in the order they were added: one
+    timer, set for the oldest, serves them all. Touched only from an event loop. Each loop has
+    its own items and timer: an app served by another loop later (a test client's, say) starts
+    afresh, and the loops of several threads (each app with its own store) share a module's
+    Delayed without taking it from each other (the second loop's first item used to drop the
+    first loop's items: lease mode's heartbeats never started).
+    """
+
+    __slots__ = ("_delay", "_main", "_others")
+
+    def __init__(self, delay: float) -> None:
+        self._delay = delay
+        #: The loop served first (or after it closed, the next one); any other loop's, by loop.
+        self._main: _Serving | None = None
+        self._others: dict[asyncio.AbstractEventLoop, _Serving] | None = None
+
+    @property
+    def delay(self) -> float:
+        return self._delay
+
+    def add(self, item: Due) -> None:
+        loop = asyncio.get_running_loop()
+        serving = self._main
+        if serving is None or serving.loop is not loop:
+            serving = self._serving(loop)
+        serving.items[item] = time.monotonic() + self._delay
+        if serving.timer is None:
+            serving.timer = loop.call_later(self._delay, serving.fire)
+
+    def discard(self, item: Due) -> None:
+        # (An item is only in the items of the loop that added it: popping it from another's
+        # changes nothing there.)
+        main = self._main
+        if main is not None:
+            main.items.pop(item, None)
+        if self._others:
+            for serving in tuple(self._others.values()):
+                serving.items.pop(item, None)
+
+    def _serving(self, loop: asyncio.AbstractEventLoop) -> _Serving:
+        main = self._main
+        if main is None or main.loop.is_closed():
+            # Items and timer of a closed loop are gone with it.
+            serving = self._main = _Serving(loop, self._delay)
+            return serving
+        others = self._others or {}
+        found = others.get(loop)
+        if found is not None:
+            return found
+        others = {other: s for other, s in others.items() if not other.is_closed()}
+        serving = others[loop] = _Serving(loop, self._delay)
+        self._others = others  # (a new dict: another thread may be reading the old one)
+        return serving

@@ -225,7 +225,7 @@ class IdempotencyMiddleware:
         if scope["type"] != "http":
             return self.app(scope, receive, send)
         if not self._checked:
-            self._check(scope.get("app"))
+            self._check(scope.get("app"), scope)
         if self._check_error is not None:
             raise self._check_error
         method = scope["method"]
@@ -326,10 +326,10 @@ class IdempotencyMiddleware:
             base=self.problem_base,
         )
 
-    def _check(self, app: Any) -> None:
+    def _check(self, app: Any, scope: Scope | None = None) -> None:
         self._checked = True
         try:
-            check_app(self, app)
+            check_app(self, app, scope)
         except ConfigurationError as exc:
             logger.error("idempotency: %s", exc)
             self._check_error = exc

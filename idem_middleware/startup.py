@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from starlette.routing import BaseRoute, Host, Match, Mount
+from starlette.types import Scope
 
 from .errors import ConfigurationError
 from .policy import Mode, Policy, endpoint_policy, operation_name
@@ -26,9 +27,10 @@ SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "TRACE"})
 _UNSAFE_METHODS = ("DELETE", "PATCH", "POST", "PUT")
 
 
-def check_app(mw: IdempotencyMiddleware, app: Any) -> None:
+def check_app(mw: IdempotencyMiddleware, app: Any, scope: Scope | None = None) -> None:
     """Log every guarded operation (info, one line each) and every policy that can never apply
-    (warning); raise ConfigurationError for a route that cannot work as configured."""
+    (warning); raise ConfigurationError for a route that cannot work as configured. `scope`:
+    the first request's, when the check runs then (a mounted sub-app gets no lifespan)."""
     routes = routes_of(app) if app is not None else None
     if routes is None:
         routes = routes_of(mw.app)
@@ -39,7 +41,8 @@ def check_app(mw: IdempotencyMiddleware, app: Any) -> None:
         logger.warning("idempotency: the middleware is disabled (kill switch); nothing is guarded")
     errors: list[str] = []
     reachable: set[str] = set()
-    for item in walk(routes):
+    items = _named_above(routes, scope)
+    for item in items:
         if isinstance(item, Hidden):
             _report_hidden(mw, item)
             continue
@@ -67,7 +70,7 @@ def check_app(mw: IdempotencyMiddleware, app: Any) -> None:
         errors.extend(_dependency_errors(item, per_method))
     guarded = [
         (operation_name(method, item.template), policy)
-        for item, method, policy in guarded_routes(routes, mw.policy_for)
+        for item, method, policy in guarded_routes(routes, mw.policy_for, items)
     ]
     for name, policy in guarded:
         logger.info("idempotency: guarding %s (%s)", name, describe(policy))
@@ -81,17 +84,48 @@ def check_app(mw: IdempotencyMiddleware, app: Any) -> None:
 
 
 def guarded_routes(
-    routes: Sequence[BaseRoute], policy_for: Callable[[str, Found], Policy | None]
+    routes: Sequence[BaseRoute],
+    policy_for: Callable[[str, Found], Policy | None],
+    items: Sequence[Found | Hidden] | None = None,
 ) -> Iterator[tuple[Found, str, Policy]]:
     """Every operation guarded among `routes` (in the router's order, methods sorted) with its
     policy, as `policy_for` (the middleware's `policy_for`) resolves it. What startup lists, and
-    what the CLI and OpenAPI read: one resolution, so they cannot disagree."""
-    for item in walk(routes):
+    what the CLI and OpenAPI read: one resolution, so they cannot disagree. `items`: the routes
+    as `walk` lists them, named otherwise (see `_named_above`)."""
+    for item in walk(routes) if items is None else items:
         if isinstance(item, Found):
             for method in _methods(item):
                 policy = None if method in SAFE_METHODS else policy_for(method, item)
                 if policy is not None:
                     yield item, method, policy
+
+
+def _named_above(routes: Sequence[BaseRoute], scope: Scope | None) -> list[Found | Hidden]:
+    """The app's routes named as its requests are (`routing.routed_above`): a sub-app with its
+    own middleware, mounted at `/api` by an app without one, sees its own `/pay`, and its
+    requests are `POST /api/pay`; its check runs at its first request, whose scope holds the
+    router above. Named as that router lists them (each mount of the sub-app), or, where it
+    cannot see into the sub-app, with the path the mounts took."""
+    items = list(walk(routes))
+    above = getattr((scope or {}).get("router"), "routes", None)
+    if above is None or above is routes:
+        return items
+    own = [item for item in items if isinstance(item, Found)]
+    named: list[Found | Hidden] = [
+        item
+        for item in walk(above)
+        if isinstance(item, Found)
+        and any(
+            item.endpoint is mine.endpoint and item.template.endswith(mine.template) for mine in own
+        )
+    ]
+    if named or not own:
+        return named + [item for item in items if isinstance(item, Hidden)]
+    assert scope is not None
+    root_path = scope.get("root_path", "")
+    app_root_path = scope.get("app_root_path", root_path)
+    mounted = root_path[len(app_root_path) :] if root_path.startswith(app_root_path) else ""
+    return list(walk(routes, mounted))
 
 
 def _methods(item: Found) -> list[str]:

@@ -28,6 +28,7 @@ from idem_middleware import (
     idempotent,
 )
 from idem_middleware.fastapi import Idempotency, IdempotencyConnection, install
+from idem_middleware.store import MemoryStore
 from idem_middleware.store.postgres import PostgresStore
 from tests.apps import BearerBackend, assert_problem, assert_replay_of, key
 
@@ -215,6 +216,55 @@ async def test_startup_lists_every_guarded_operation_and_warns_about_unreachable
     warnings = messages(caplog, logging.WARNING)
     assert any("policies['POST /v1/pay'] matches no route" in m for m in warnings), warnings
     assert any("policy on /read can never apply" in m for m in warnings), warnings
+
+
+def sub_app_with_its_own_middleware(policies: dict[str, Policy]) -> Starlette:
+    """A sub-app that installs the middleware itself, mounted at /api by an app without it (no
+    lifespan reaches it: its check runs at its first request)."""
+
+    async def pay(request: Request) -> Response:
+        return JSONResponse({}, 201)
+
+    sub = Starlette(
+        routes=[Route("/pay", pay, methods=["POST"])],
+        middleware=[
+            Middleware(AuthenticationMiddleware, backend=BearerBackend()),
+            Middleware(IdempotencyMiddleware, store=MemoryStore(), policies=policies),
+        ],
+    )
+    return Starlette(routes=[Mount("/api", app=sub)])
+
+
+async def test_a_mounted_sub_apps_check_names_its_routes_as_its_requests_are_named(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Its requests are named `POST /api/pay` (the mount's prefix, as the router above names
+    them), so that is the key its `policies` must use. The check named the route `POST /pay`: it
+    warned that the right key matched no route and listed the route under the default policy,
+    and with the key `POST /pay` it listed a lease-mode route that its requests never got."""
+    lease = Policy(mode=Mode.LEASE)
+    app = sub_app_with_its_own_middleware({"POST /api/pay": lease})
+    with caplog.at_level(logging.INFO, logger="idem_middleware"):
+        async with client(app) as c:
+            r = await c.post("/api/pay", json={}, headers=key("k"))
+    assert r.status_code == 201, r.text
+    assert (
+        "idempotency: guarding POST /api/pay (lease, key required, wait 5s, lease 30s, "
+        "unknown on expiry)" in messages(caplog, logging.INFO)
+    )
+    assert messages(caplog, logging.WARNING) == []
+
+    caplog.clear()
+    app = sub_app_with_its_own_middleware({"POST /pay": lease})
+    with caplog.at_level(logging.INFO, logger="idem_middleware"):
+        async with client(app) as c:
+            r = await c.post("/api/pay", json={}, headers=key("k"))
+    assert r.status_code == 201, r.text
+    info = messages(caplog, logging.INFO)
+    assert "idempotency: guarding POST /api/pay (transactional, key required, wait 5s)" in info
+    assert not any("(lease" in m for m in info), info
+    warnings = messages(caplog, logging.WARNING)
+    assert any("policies['POST /pay'] matches no route" in m for m in warnings), warnings
 
 
 # -- IdempotencyConnection on a route that is not guarded ---------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 from idem_middleware.delayed import Delayed
 
@@ -54,3 +55,36 @@ def test_another_event_loop_starts_afresh() -> None:
     asyncio.run(first())
     asyncio.run(second())
     assert fired == ["second"]
+
+
+def test_event_loops_of_two_threads_each_get_their_items_due() -> None:
+    """Two threads, each running its own event loop (each app with its own store), share the
+    module-wide timers (lease mode's heartbeats, the client watches). The second thread's first
+    item took the timer over and dropped the first thread's items: their heartbeats never
+    started, and the leases of handlers still running lapsed."""
+    delayed = Delayed(0.05)
+    added = threading.Event()
+    fired: dict[str, list[str]] = {"one": [], "two": []}
+
+    async def serve(name: str) -> None:
+        delayed.add(Item(name, fired[name]))
+        added.set()
+        for _ in range(500):  # bounded: 5 s
+            if fired[name]:
+                return
+            await asyncio.sleep(0.01)
+
+    def thread(name: str, after: threading.Event | None) -> None:
+        if after is not None:
+            after.wait(5)
+        asyncio.run(serve(name))
+
+    threads = [
+        threading.Thread(target=thread, args=("one", None)),
+        threading.Thread(target=thread, args=("two", added)),
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert fired == {"one": ["one"], "two": ["two"]}

@@ -81,7 +81,7 @@ async def test_a_startup_check_that_cannot_run_fails_every_request(
     """Not only a ConfigurationError: a check that breaks (a policy value it cannot describe,
     say) fails each request as a failed check does, instead of being skipped after the first."""
 
-    def broken(mw: object, app: object) -> None:
+    def broken(mw: object, app: object, scope: object = None) -> None:
         raise AttributeError("'str' object has no attribute 'value'")
 
     monkeypatch.setattr(middleware_module, "check_app", broken)
