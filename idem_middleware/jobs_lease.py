@@ -47,13 +47,16 @@ async def run_leased(
             if record.retry_allowed or (
                 record.lease_expired and job.on_lease_expiry is LeaseExpiry.TAKEOVER
             ):
-                generation = await store.takeover(
-                    key, record.generation, State.PENDING, job.lease_seconds
-                )
+                # (Bounded by the job's wait: a run past its lease may still hold its fence.)
+                async with _waiting_for(job, deadline - loop.time()):
+                    generation = await store.takeover(
+                        key, record.generation, State.PENDING, job.lease_seconds
+                    )
                 if generation is not None:
                     return await _execute(job, key, generation, record.epoch, args, kwargs)
             elif record.lease_expired:
-                await store.expire_lease(key, record.generation)
+                async with _waiting_for(job, deadline - loop.time()):
+                    await store.expire_lease(key, record.generation)
             else:
                 remaining = deadline - loop.time()
                 if remaining <= 0:
@@ -61,6 +64,21 @@ async def run_leased(
                 await watch.wait(min(remaining, 0.5))
             record = await store.get(key)
     raise RuntimeError("the record kept changing; giving up")  # pragma: no cover
+
+
+@contextlib.asynccontextmanager
+async def _waiting_for(job: JobSpec, remaining: float) -> Any:
+    """JobInProgress when the record's row lock is not had within the job's wait (at least
+    `_MIN_LOCK_WAIT`): the run that holds it is still in its fenced transaction."""
+    try:
+        async with asyncio.timeout(max(remaining, _MIN_LOCK_WAIT)):
+            yield
+    except TimeoutError:
+        raise JobInProgress(f"{job.operation}: another run holds this key") from None
+
+
+#: The least a job waits for the record's row lock (as a request does, lease.py).
+_MIN_LOCK_WAIT = 0.05
 
 
 async def _execute(

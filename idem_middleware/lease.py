@@ -184,7 +184,8 @@ class LeaseRun:
             if slot is None:
                 return self._busy()
             try:
-                # (No fenced transaction can hold an unknown record: a fence needs it pending.)
+                # (Another reconciler's fence may hold the record: the takeover waits for it, at
+                # most as long as that reconciler may run; a settled record is then not taken.)
                 generation = await self.store.takeover(
                     self.key, record.generation, State.UNKNOWN, policy.lease_seconds
                 )

@@ -11,6 +11,7 @@ import pytest
 from idem_middleware import IdempotencyContext, MemoryStore, Mode, Outcome
 from idem_middleware.errors import ConfigurationError
 from idem_middleware.jobs import JobInProgress, JobKeyReused, JobOutcomeUnknown, idempotent_job
+from idem_middleware.store import Claimed
 from idem_middleware.store.base import RecordKey, State, Store
 from idem_middleware.store.postgres import PostgresStore
 
@@ -231,3 +232,34 @@ async def test_arguments_json_cannot_tell_from_null_are_refused(value: float) ->
     with pytest.raises(ConfigurationError, match="NaN"):
         await f(k="i", v={"nested": [value]})
     assert await f(k="j", v=None) == 1  # a null of its own is fine
+
+
+async def test_a_takeover_waits_for_a_fenced_run_no_longer_than_the_jobs_wait(
+    pg_store: PostgresStore,
+) -> None:
+    """A run whose lease lapsed may still hold its fenced transaction (the record's row lock):
+    the job's next call gives up after its `wait_seconds` with JobInProgress, as a request
+    does, instead of waiting as long as that transaction lasts."""
+    from idem_middleware.jobs import _fingerprint
+    from idem_middleware.policy import LeaseExpiry
+
+    @idempotent_job(
+        pg_store,
+        operation="payout",
+        key="ref",
+        mode=Mode.LEASE,
+        wait_seconds=0.3,
+        on_lease_expiry=LeaseExpiry.TAKEOVER,
+    )
+    async def payout(job: IdempotencyContext, *, ref: str) -> str:
+        return "paid"
+
+    key = RecordKey("", "payout", "r1")
+    fingerprint = _fingerprint("payout", (), {"ref": "r1"})
+    claim = await pg_store.claim_lease(key, fingerprint, retention_seconds=60, lease_seconds=0.1)
+    assert isinstance(claim, Claimed)
+    async with pg_store.fenced(key, claim.generation, State.PENDING):
+        await asyncio.sleep(0.2)  # the lease lapses; the fenced transaction holds the row
+        with pytest.raises(JobInProgress):
+            await asyncio.wait_for(payout(ref="r1"), 10)
+    assert await payout(ref="r1") == "paid"  # the fence gone, the takeover goes through
