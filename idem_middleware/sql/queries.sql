@@ -82,6 +82,12 @@ SELECT count(*) FROM idem_claim_key($1, $2, $3, $4);
 -- that computes the claim lock itself (store/postgres/claim_lock.py).
 SELECT inner_key, outer_key FROM idem_lock_secret;
 
+-- name: writable
+-- Whether the server takes the store's writes (checked when a store opens): a standby does not,
+-- nor do sessions that default to read-only. No parameters.
+SELECT pg_is_in_recovery() AS standby,
+       current_setting('default_transaction_read_only') = 'on' AS read_only;
+
 -- name: privileges
 -- Whether the session's role holds each privilege its requests need (checked when a store
 -- opens): $1 the kinds ('table', 'sequence' or 'function'), $2 the objects' names as the

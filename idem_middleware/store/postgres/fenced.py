@@ -21,7 +21,7 @@ from .convert import (
     translate,
 )
 from .fused import FastPath
-from .runner import ALONE_ATTEMPTS, Bounded, discard, give_back
+from .runner import Bounded, alone, discard, give_back
 
 logger = logging.getLogger("idem_middleware.store")
 
@@ -169,13 +169,8 @@ class Fencing(Bounded):
         under REPEATABLE READ or SERIALIZABLE (a database's or role's default) the lock fails
         when a heartbeat committed a newer version of the row after the transaction's snapshot.
         The lock is the transaction's first statement, so nothing was done yet: it is rolled
-        back, and a new transaction with a new snapshot tries again."""
-        for _ in range(ALONE_ATTEMPTS - 1):
-            try:
-                return await self._open_once(conn)
-            except RETRYABLE:
-                continue
-        return await self._open_once(conn)
+        back, and a new transaction with a new snapshot tries again (`runner.alone`)."""
+        return await alone(self._open_once, conn)
 
     async def _open_once(self, conn: Any) -> tuple[Any, bool, FastPath | None]:
         """BEGIN and lock the record under the generation: (transaction, held, fast). The fast

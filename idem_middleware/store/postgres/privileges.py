@@ -3,7 +3,8 @@
 A role that cannot write `idem_requests`, draw from `idem_generation_seq`, call `idem_claim_key`
 or take an advisory lock opened a store without complaint, then failed every guarded request
 with a 500. So does a schema whose migrations are recorded but one of whose objects is gone
-(dropped by hand, left out of a restore). Both are found here, once, and named with the fix.
+(dropped by hand, left out of a restore), and a server that takes no writes at all (a standby,
+read-only sessions). Each is found here, once, and named with the fix.
 """
 
 from __future__ import annotations
@@ -56,4 +57,23 @@ async def require_privileges(conn: Any) -> None:
         raise ConfigurationError(
             f"the role {role} lacks privileges every guarded request needs: run, as the "
             f"objects' owner, {fix}"
+        )
+
+
+async def require_writable(conn: Any) -> None:
+    """ConfigurationError on a server that takes no writes: a standby, or sessions that default
+    to read-only (`ALTER ROLE ... SET default_transaction_read_only = on`). Every guarded
+    request would fail there, each with a 500, when it records its outcome."""
+    row = await conn.fetchrow(_Q["writable"])
+    if row["standby"]:
+        raise ConfigurationError(
+            "the idempotency store's database is a standby (in recovery): it takes no writes; "
+            "give the store the primary's address"
+        )
+    if row["read_only"]:
+        raise ConfigurationError(
+            "the idempotency store's sessions are read-only (default_transaction_read_only is "
+            "on for this role or database): the store writes every request's record; turn it "
+            "off for the store's role, or pass connect_kwargs={'server_settings': "
+            "{'default_transaction_read_only': 'off'}}"
         )

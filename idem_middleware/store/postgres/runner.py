@@ -54,7 +54,7 @@ def discard(conn: Any) -> None:
 
 #: How many times a statement that is its own transaction runs before its serialization failure
 #: or deadlock is reported (see `alone`).
-ALONE_ATTEMPTS = 8
+_ATTEMPTS = 8
 
 _T = TypeVar("_T")
 
@@ -68,7 +68,7 @@ async def alone(call: Callable[..., Awaitable[_T]], *args: Any) -> _T:
     meet a concurrent write (a claim whose key another request just inserted, a settlement
     beside another's), and a lease-mode request whose downstream call was made was answered
     500 with its record left pending."""
-    for attempt in range(ALONE_ATTEMPTS - 1):
+    for attempt in range(_ATTEMPTS - 1):
         try:
             return await call(*args)
         except RETRYABLE:

@@ -42,7 +42,7 @@ from .fused import FastPath
 from .listener import Listener
 from .poolers import PREPARED_MISMATCH, refusal
 from .poolers import check as check_pooler
-from .privileges import require_privileges
+from .privileges import require_privileges, require_writable
 from .runner import alone
 from .sessions import PgTransaction
 
@@ -145,7 +145,7 @@ class PostgresStore(OffPathStatements):
                     await require_migrated(conn)
                     if self._needs_writes:
                         await require_privileges(conn)
-                        await _require_writable(conn)
+                        await require_writable(conn)
                     await self._locks.load(conn)
                 except PREPARED_MISMATCH as exc:  # what the pooler check may not have seen
                     raise refusal(compat.statement_cache_size(conn), exc) from exc
@@ -310,28 +310,6 @@ class PostgresStore(OffPathStatements):
 
     def _execute_statement(self, query: str, *args: Any) -> Awaitable[Any]:
         return self._run("execute", query, *args)
-
-
-async def _require_writable(conn: Any) -> None:
-    """ConfigurationError on a server that takes no writes: a standby, or sessions that default
-    to read-only (`ALTER ROLE ... SET default_transaction_read_only = on`). Every guarded
-    request would fail there, each with a 500, when it records its outcome."""
-    row = await conn.fetchrow(
-        "SELECT pg_is_in_recovery() AS standby,"
-        " current_setting('default_transaction_read_only') = 'on' AS read_only"
-    )
-    if row["standby"]:
-        raise ConfigurationError(
-            "the idempotency store's database is a standby (in recovery): it takes no writes; "
-            "give the store the primary's address"
-        )
-    if row["read_only"]:
-        raise ConfigurationError(
-            "the idempotency store's sessions are read-only (default_transaction_read_only is "
-            "on for this role or database): the store writes every request's record; turn it "
-            "off for the store's role, or pass connect_kwargs={'server_settings': "
-            "{'default_transaction_read_only': 'off'}}"
-        )
 
 
 if TYPE_CHECKING:
