@@ -17,6 +17,7 @@ from .jobs_spec import JSON_HEADERS, MAX_ROUNDS, JobSpec
 from .outcomes import FINAL_STATE
 from .policy import LeaseExpiry
 from .store.base import Claimed, Existing, Record, RecordKey, Settlement, State, StoredResponse
+from .waiting import lock_wait
 
 logger = logging.getLogger("idem_middleware")
 
@@ -68,17 +69,13 @@ async def run_leased(
 
 @contextlib.asynccontextmanager
 async def _waiting_for(job: JobSpec, remaining: float) -> Any:
-    """JobInProgress when the record's row lock is not had within the job's wait (at least
-    `_MIN_LOCK_WAIT`): the run that holds it is still in its fenced transaction."""
+    """JobInProgress when the record's row lock is not had within the job's wait (`lock_wait`):
+    the run that holds it is still in its fenced transaction."""
     try:
-        async with asyncio.timeout(max(remaining, _MIN_LOCK_WAIT)):
+        async with asyncio.timeout(lock_wait(remaining)):
             yield
     except TimeoutError:
         raise JobInProgress(f"{job.operation}: another run holds this key") from None
-
-
-#: The least a job waits for the record's row lock (as a request does, lease.py).
-_MIN_LOCK_WAIT = 0.05
 
 
 async def _execute(

@@ -20,7 +20,7 @@ from .lease_executor import LeaseExecution, log_extra
 from .outcomes import duplicate_answer, settled_answer
 from .policy import LeaseExpiry
 from .store.base import Claim, Claimed, Record, RecordKey, State, TokenRefused
-from .waiting import FREE_SLOT, Slot
+from .waiting import FREE_SLOT, Slot, lock_wait
 
 if TYPE_CHECKING:
     from .exchange import Exchange
@@ -32,18 +32,11 @@ _FIRST_POLL = 0.05
 _MAX_POLL = 1.0
 # Every loop is bounded: a record changing this often under one request is a bug, not load.
 _MAX_ROUNDS = 10_000
-#: The least a duplicate waits for a record an executor's fenced transaction holds.
-_MIN_LOCK_WAIT = 0.05
 #: The first pause of a duplicate waiting for its tenant's slot (doubling, up to _MAX_POLL).
 _FIRST_SLOT_PAUSE = 0.005
 
 
 _NO_RECONCILER = "No reconciler can tell what happened."
-
-
-def _lock_wait(remaining: float) -> float:
-    """How long a duplicate may wait for the record's row lock: what is left of its wait."""
-    return max(remaining, _MIN_LOCK_WAIT)
 
 
 class LeaseRun:
@@ -127,7 +120,7 @@ class LeaseRun:
                         return self._busy()
                     try:
                         try:
-                            async with asyncio.timeout(_lock_wait(deadline - loop.time())):
+                            async with asyncio.timeout(lock_wait(deadline - loop.time())):
                                 generation = await store.takeover(
                                     self.key, record.generation, State.PENDING, policy.lease_seconds
                                 )
@@ -144,7 +137,7 @@ class LeaseRun:
                         slot.give_back()
                 elif record.lease_expired:
                     try:
-                        async with asyncio.timeout(_lock_wait(deadline - loop.time())):
+                        async with asyncio.timeout(lock_wait(deadline - loop.time())):
                             await store.expire_lease(self.key, record.generation)
                     except TimeoutError:
                         # The executor is still in its fenced transaction, past its lease.

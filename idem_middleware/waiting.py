@@ -12,6 +12,15 @@ from collections.abc import Hashable
 
 from .errors import ConfigurationError
 
+#: The least a duplicate waits for a record an executor's fenced transaction holds.
+_MIN_LOCK_WAIT = 0.05
+
+
+def lock_wait(remaining: float) -> float:
+    """How long a duplicate (a request's or a job's) may wait for the record's row lock: what is
+    left of its wait, and at least `_MIN_LOCK_WAIT`."""
+    return max(remaining, _MIN_LOCK_WAIT)
+
 
 class Waiters:
     """Duplicates waiting for a key that another request of this process, or of another, holds.
