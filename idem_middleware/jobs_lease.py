@@ -13,7 +13,7 @@ import orjson
 from .context import IdempotencyContext, Outcome, key_digest
 from .errors import JobInProgress, StaleGeneration
 from .fence import Fence
-from .jobs_spec import JSON_HEADERS, MAX_ROUNDS, JobSpec
+from .jobs_spec import JSON_HEADERS, MAX_ROUNDS, UNSETTLED, JobSpec
 from .outcomes import FINAL_STATE
 from .policy import LeaseExpiry
 from .store.base import Claimed, Existing, Record, RecordKey, Settlement, State, StoredResponse
@@ -43,7 +43,7 @@ async def run_leased(
                 assert isinstance(claim, Existing)  # a job's key is never a token
                 record = claim.record
             answer = job.answer(record, fingerprint)
-            if answer is not None:
+            if answer is not UNSETTLED:
                 return answer
             if record.retry_allowed or (
                 record.lease_expired and job.on_lease_expiry is LeaseExpiry.TAKEOVER

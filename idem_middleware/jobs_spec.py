@@ -19,6 +19,10 @@ from .store.base import Record, RecordKey, State, Store
 JSON_HEADERS = ((b"content-type", b"application/json"),)
 MAX_ROUNDS = 10_000
 
+#: `JobSpec.answer` for a record not settled yet. (Not None: a job that returned None stored
+#: `null`, and a repeat's answer is that None.)
+UNSETTLED: Any = object()
+
 KeyOf = Callable[..., str]
 
 
@@ -61,8 +65,8 @@ class JobSpec:
             ) from exc
 
     def answer(self, record: Record, fingerprint: bytes) -> Any:
-        """What a repeat gets from a record it cannot claim (None: wait and look again): the
-        same rules as an HTTP duplicate's (outcomes.settled_answer), as values or errors."""
+        """What a repeat gets from a record it cannot claim (UNSETTLED: wait and look again):
+        the same rules as an HTTP duplicate's (outcomes.settled_answer), as values or errors."""
         settled = settled_answer(record, fingerprint)
         if isinstance(settled, Replay):
             return orjson.loads(settled.response.body)
@@ -72,4 +76,4 @@ class JobSpec:
             raise JobOutcomeUnknown(
                 f"{self.operation}: an earlier run's outcome is unknown; resolve it first"
             )
-        return None
+        return UNSETTLED

@@ -10,7 +10,7 @@ import orjson
 
 from .context import Outcome
 from .errors import JobInProgress
-from .jobs_spec import JSON_HEADERS, MAX_ROUNDS, JobSpec
+from .jobs_spec import JSON_HEADERS, MAX_ROUNDS, UNSETTLED, JobSpec
 from .outcomes import FINAL_STATE
 from .store.base import (
     ClaimBusy,
@@ -76,7 +76,7 @@ async def _transaction(
         if not isinstance(claim, Claimed):
             assert isinstance(claim, Existing)  # a job's key is never a token
             answer = job.answer(claim.record, fingerprint)
-            if answer is None:  # pragma: no cover - a committed transactional record is final
+            if answer is UNSETTLED:  # pragma: no cover - a committed transactional record is final
                 raise JobInProgress(f"{job.operation}: another run holds this key")
             return answer
         context = job.context(key, claim.generation, claim.epoch, tx.connection, None)

@@ -263,3 +263,19 @@ async def test_a_takeover_waits_for_a_fenced_run_no_longer_than_the_jobs_wait(
         with pytest.raises(JobInProgress):
             await asyncio.wait_for(payout(ref="r1"), 10)
     assert await payout(ref="r1") == "paid"  # the fence gone, the takeover goes through
+
+
+@pytest.mark.parametrize("mode", [Mode.TRANSACTIONAL, Mode.LEASE])
+async def test_a_repeat_of_a_job_that_returned_none_returns_none(store: Store, mode: Mode) -> None:
+    """Found by probing: a job that returned None stored `null`, and a repeat read that None as
+    "not settled yet": JobInProgress at once (transactional), or after `wait_seconds` (lease),
+    on every redelivery, instead of the stored result."""
+    runs: list[str] = []
+
+    @idempotent_job(store, operation="notify", key="k", mode=mode, wait_seconds=0.2)
+    async def notify(job: IdempotencyContext, *, k: str) -> None:
+        runs.append(k)
+
+    assert await notify(k="n1") is None
+    assert await asyncio.wait_for(notify(k="n1"), 10) is None
+    assert runs == ["n1"]
