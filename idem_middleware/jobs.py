@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import math
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -34,6 +33,7 @@ from .jobs_lease import run_leased
 from .jobs_spec import JobSpec
 from .jobs_spec import KeyOf as KeyOf
 from .jobs_transactional import run_transactional
+from .jsonvalues import non_finite
 from .keys import MAX_KEY_LENGTH
 from .policy import LeaseExpiry, Mode, Policy, seconds_option
 from .store.base import RecordKey, Store
@@ -57,25 +57,12 @@ def _fingerprint(operation: str, args: tuple[Any, ...], kwargs: dict[str, Any]) 
         ) from exc
     # orjson writes NaN and the infinities as null: refused, or `v=inf` and `v=-inf` would be
     # the same call. (Looked for only where a null was written.)
-    if b"null" in payload and _non_finite([args, kwargs]):
+    if b"null" in payload and non_finite([args, kwargs]):
         raise ConfigurationError(
             f"{operation}: the job's arguments hold NaN or an infinity, which JSON cannot tell "
             "apart from null: pass them as strings"
         )
     return hashlib.sha256(operation.encode() + b"\x00" + payload).digest()
-
-
-def _non_finite(value: Any, depth: int = 0) -> bool:
-    """Whether a float in `value` (lists, tuples and dicts, as orjson walks them) is not finite."""
-    if isinstance(value, float):
-        return not math.isfinite(value)
-    if depth > 256:  # (orjson refuses deeper nesting anyway)
-        return False
-    if isinstance(value, list | tuple):
-        return any(_non_finite(item, depth + 1) for item in value)
-    if isinstance(value, dict):
-        return any(_non_finite(item, depth + 1) for item in value.values())
-    return False
 
 
 def _key_function(key: str | KeyOf) -> KeyOf:
@@ -86,7 +73,10 @@ def _key_function(key: str | KeyOf) -> KeyOf:
     def by_name(*args: Any, **kwargs: Any) -> str:
         if name not in kwargs:
             raise TypeError(f"pass the idempotency key argument {name!r} by keyword")
-        return str(kwargs[name])
+        value = kwargs[name]
+        if value is None:  # (as str, "None": every call without a key would share one)
+            raise ValueError(f"the idempotency key argument {name!r} is None")
+        return str(value)
 
     return by_name
 
@@ -99,7 +89,14 @@ async def _call(job: JobSpec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
     ):
         got = f"{len(key)} characters" if isinstance(key, str) else type(key).__name__
         raise ValueError(f"an idempotency key is 1 to {MAX_KEY_LENGTH} bytes of UTF-8, not {got}")
-    record_key = RecordKey(str(job.tenant_of(*args, **kwargs)), job.operation, key)
+    tenant = job.tenant_of(*args, **kwargs)
+    if tenant is None:
+        raise ValueError(f"{job.operation}: the job's tenant is None")
+    tenant = str(tenant)
+    # (PostgreSQL refuses NUL in text, as a driver error; refused here, on either store.)
+    if "\x00" in key or "\x00" in tenant:
+        raise ValueError(f"{job.operation}: a job's key or tenant holds a NUL character")
+    record_key = RecordKey(tenant, job.operation, key)
     fingerprint = _fingerprint(job.operation, args, kwargs)
     if job.mode is Mode.TRANSACTIONAL:
         return await run_transactional(job, record_key, fingerprint, args, kwargs)
@@ -130,6 +127,10 @@ def idempotent_job(
     """
     if not operation:
         raise ConfigurationError("a job needs an operation name")
+    if not callable(key) and not (isinstance(key, str) and key):
+        raise ConfigurationError(f"{operation}: key= is an argument's name or a function")
+    if not callable(tenant) and not isinstance(tenant, str):
+        raise ConfigurationError(f"{operation}: tenant= is a str or a function, not {tenant!r}")
     # The options a Policy shares with a job are checked (and a mode given as a string turned
     # into its member) as a Policy checks them.
     checked = Policy(

@@ -279,3 +279,39 @@ async def test_a_repeat_of_a_job_that_returned_none_returns_none(store: Store, m
     assert await notify(k="n1") is None
     assert await asyncio.wait_for(notify(k="n1"), 10) is None
     assert runs == ["n1"]
+
+
+async def test_a_key_or_tenant_that_cannot_be_one_is_refused_before_the_claim(
+    store: Store,
+) -> None:
+    """Found by probing: a key argument that was None became the key "None" (every call without
+    a key shared one record: the second got the first's result, or JobKeyReused); a tenant
+    function's None became the tenant "None"; a NUL in the key or the tenant reached
+    PostgreSQL as a raw driver error."""
+    runs: list[Any] = []
+
+    @idempotent_job(store, operation="send", key="k", tenant=lambda **kw: kw["account"])
+    async def send(ctx: IdempotencyContext, *, k: Any, account: Any) -> int:
+        runs.append(k)
+        return len(runs)
+
+    with pytest.raises(ValueError, match="is None"):
+        await send(k=None, account="a")
+    with pytest.raises(ValueError, match="tenant is None"):
+        await send(k="k1", account=None)
+    for k, account in (("a\x00b", "a"), ("k1", "a\x00")):
+        with pytest.raises(ValueError, match="NUL"):
+            await send(k=k, account=account)
+    assert runs == []
+    assert await send(k=7, account="a") == 1  # an int is its digits, as ever
+    assert await send(k=7, account="a") == 1
+
+
+@pytest.mark.parametrize("options", [{"key": ""}, {"key": 5}, {"tenant": None}, {"tenant": 3}])
+def test_a_job_whose_key_or_tenant_cannot_work_is_refused_when_decorated(
+    options: dict[str, Any],
+) -> None:
+    """Found by probing: `key=""` failed every call ("pass the idempotency key argument ''"),
+    and `tenant=None` put every call in the tenant "None"."""
+    with pytest.raises(ConfigurationError, match=next(iter(options))):
+        idempotent_job(MemoryStore(), **{"operation": "charge", "key": "id", **options})

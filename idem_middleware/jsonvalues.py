@@ -1,0 +1,56 @@
+"""What JSON cannot carry as given, and PostgreSQL cannot store: looked for in a value before it
+is written, so the caller gets a clear error instead of a changed value or a refused statement.
+
+- NaN and the infinities: orjson writes them as null, so `inf` and `-inf` would be one value.
+- NUL in a string or a key: valid JSON (`\\u0000`), but neither `text` nor `jsonb` stores it, and
+  the refused statement aborts the caller's transaction.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import orjson
+
+_DEEPEST = 256  # (orjson refuses deeper nesting anyway)
+
+
+def non_finite(value: Any, depth: int = 0) -> bool:
+    """Whether a float in `value` (lists, tuples and dicts, as orjson walks them) is not finite."""
+    if isinstance(value, float):
+        return not math.isfinite(value)
+    if depth > _DEEPEST:
+        return False
+    if isinstance(value, list | tuple):
+        return any(non_finite(item, depth + 1) for item in value)
+    if isinstance(value, dict):
+        return any(non_finite(item, depth + 1) for item in value.values())
+    return False
+
+
+def holds_nul(decoded: Any, depth: int = 0) -> bool:
+    """Whether a string or a key in `decoded` (a value as orjson.loads returns it) holds NUL."""
+    if isinstance(decoded, str):
+        return "\x00" in decoded
+    if depth > _DEEPEST:
+        return False
+    if isinstance(decoded, list):
+        return any(holds_nul(item, depth + 1) for item in decoded)
+    if isinstance(decoded, dict):
+        return any("\x00" in k or holds_nul(v, depth + 1) for k, v in decoded.items())
+    return False
+
+
+def json_text(value: Any, what: str) -> bytes:
+    """`value` as JSON, refused (ValueError) when it holds NaN, an infinity or a NUL; a value
+    JSON cannot hold at all is orjson's TypeError, as it raised it."""
+    data = orjson.dumps(value)
+    # (Each looked for only where the output shows it may be there.)
+    if b"null" in data and non_finite(value):
+        raise ValueError(
+            f"{what} holds NaN or an infinity, which JSON would carry as null: pass it as a string"
+        )
+    if b"\\u0000" in data and holds_nul(orjson.loads(data)):
+        raise ValueError(f"{what} holds a NUL character, which PostgreSQL cannot store")
+    return data
