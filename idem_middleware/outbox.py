@@ -27,10 +27,15 @@ import orjson
 
 from .errors import EventConflict as EventConflict
 from .errors import RetryableConflict, StatementRefused
+from .jsonvalues import json_text
 from .store.postgres import PostgresStore
 from .store.postgres.edges import OutboxConnection, add_event, record_consumed
 
 logger = logging.getLogger("idem_middleware.outbox")
+
+#: An event id is the outbox's primary key, and a consumer's: kept well within what a key's
+#: index holds (about 2,700 bytes).
+MAX_EVENT_ID_BYTES = 1024
 
 
 def _store(pool: Any) -> PostgresStore:
@@ -67,10 +72,38 @@ async def add(
     event could be added twice by different requests: adding it again with the same tenant, topic
     and payload does nothing (it is sent once), and with anything else raises `EventConflict`
     (the caller's transaction goes on; what it does with the error is its business).
+
+    What the database would refuse, or JSON would change, is refused before any statement, the
+    caller's transaction untouched: a payload with NaN, an infinity or a NUL, an empty
+    `event_id` or one over MAX_EVENT_ID_BYTES, a NUL in the id, topic or tenant (ValueError);
+    a value that is not a str, or a payload JSON cannot hold (TypeError).
     """
-    event_id = event_id or str(uuid.uuid4())
-    await add_event(conn, event_id, tenant, topic, orjson.dumps(payload).decode())
+    # Refused here, before any statement: one the database refused would abort the caller's
+    # transaction, its business write with it.
+    if event_id is None:
+        event_id = str(uuid.uuid4())
+    else:
+        _check_text(event_id, "event_id")
+        if not 0 < len(event_id.encode()) <= MAX_EVENT_ID_BYTES:
+            raise ValueError(f"an event_id is 1 to {MAX_EVENT_ID_BYTES} bytes of UTF-8")
+    _check_text(topic, "topic")
+    if tenant is not None:
+        _check_text(tenant, "tenant")
+    data = json_text(payload, "the event's payload")
+    await add_event(conn, event_id, tenant, topic, data.decode())
     return event_id
+
+
+def _check_text(value: Any, name: str) -> None:
+    """A str PostgreSQL's `text` stores as it is: no NUL, no unpaired surrogate."""
+    if not isinstance(value, str):
+        raise TypeError(f"an event's {name} is a str, not {type(value).__name__}")
+    if "\x00" in value:
+        raise ValueError(f"an event's {name} holds a NUL character, which PostgreSQL cannot store")
+    try:
+        value.encode()
+    except UnicodeEncodeError:
+        raise ValueError(f"an event's {name} holds an unpaired surrogate") from None
 
 
 async def consume_once(conn: Any, consumer: str, event_id: str) -> bool:

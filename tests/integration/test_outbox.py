@@ -429,3 +429,38 @@ def test_the_backoff_of_any_attempt_is_a_number_within_its_cap(pool: Any) -> Non
 
 async def _never_sent(event: Any) -> None:
     raise AssertionError("not sent")  # pragma: no cover
+
+
+@pytest.mark.parametrize(
+    ("topic", "payload", "options", "error"),
+    [
+        ("t", {"memo": "a\x00b"}, {}, ValueError),
+        ("t", {"a\x00": 1}, {}, ValueError),
+        ("t", {"amount": float("nan")}, {}, ValueError),
+        ("t", [float("-inf")], {}, ValueError),
+        ("t", 1, {"event_id": ""}, ValueError),
+        ("t", 1, {"event_id": "e\x00"}, ValueError),
+        ("t", 1, {"event_id": "e" * 1025}, ValueError),
+        ("t", 1, {"event_id": 5}, TypeError),
+        ("t\x00", 1, {}, ValueError),
+        (None, 1, {}, TypeError),
+        ("t", 1, {"tenant": "a\x00"}, ValueError),
+        ("t", {1, 2}, {}, TypeError),
+    ],
+)
+async def test_an_event_the_database_would_refuse_or_json_change_is_refused_at_add(
+    pool: Any, topic: Any, payload: Any, options: dict[str, Any], error: type[Exception]
+) -> None:
+    """Found by probing: a NUL (in the payload, the id, the topic or the tenant), a missing
+    topic or an over-long id reached the database, whose refusal aborted the caller's transaction
+    and its business write with it; NaN and the infinities were stored as null; an empty
+    event_id was silently replaced by a random one (two adds, two events). Each is refused
+    before any statement, and the caller's transaction carries on."""
+    async with pool.acquire() as conn, conn.transaction():
+        with pytest.raises(error):
+            await add(conn, topic, payload, **options)
+        await add(conn, "t", {"memo": "\\u0000 as text"}, event_id="fine")  # still usable
+    rows = await pool.fetch("SELECT event_id, payload FROM idem_outbox")
+    assert [(r["event_id"], orjson.loads(r["payload"])) for r in rows] == [
+        ("fine", {"memo": "\\u0000 as text"})
+    ]
