@@ -25,9 +25,10 @@ from typing import Any
 
 import orjson
 
+from .errors import ConfigurationError, RetryableConflict, StatementRefused
 from .errors import EventConflict as EventConflict
-from .errors import RetryableConflict, StatementRefused
 from .jsonvalues import json_text
+from .policy import seconds_option
 from .store.postgres import PostgresStore
 from .store.postgres.edges import OutboxConnection, add_event, record_consumed
 
@@ -112,6 +113,17 @@ async def consume_once(conn: Any, consumer: str, event_id: str) -> bool:
     return await record_consumed(conn, consumer, event_id)
 
 
+_MAX_INT = 2**31 - 1  # (an attempt count is a PostgreSQL integer)
+
+
+def _seconds(value: float, name: str, positive: bool) -> float:
+    """A finite duration (positive, or not negative): ValueError otherwise."""
+    try:
+        return seconds_option(value, name, positive=positive)
+    except ConfigurationError as exc:
+        raise ValueError(str(exc)) from None
+
+
 @dataclass
 class PublishReport:
     sent: int = 0
@@ -132,19 +144,22 @@ class Publisher:
         send_timeout_seconds: float = 10.0,
         reservation_margin_seconds: float = 5.0,
     ) -> None:
-        if batch_size < 1 or max_attempts < 1:
-            raise ValueError("batch_size and max_attempts must be at least 1")
-        if send_timeout_seconds <= 0 or reservation_margin_seconds < 0:
-            raise ValueError("send_timeout_seconds must be positive, the margin not negative")
+        # Checked here: a duration the database cannot add to now() (NaN, an infinity) failed
+        # every batch, and `run` retried it for ever without publishing anything.
+        for name, count in (("batch_size", batch_size), ("max_attempts", max_attempts)):
+            if isinstance(count, bool) or not isinstance(count, int) or not 0 < count <= _MAX_INT:
+                raise ValueError(f"{name} must be an integer from 1 to {_MAX_INT}, not {count!r}")
         self.pool = pool
         self._store = _store(pool)
         self.sender = sender
         self.batch_size = batch_size
         self.max_attempts = max_attempts
-        self.base_backoff_seconds = base_backoff_seconds
-        self.max_backoff_seconds = max_backoff_seconds
-        self.send_timeout_seconds = send_timeout_seconds
-        self.reservation_margin_seconds = reservation_margin_seconds
+        self.base_backoff_seconds = _seconds(base_backoff_seconds, "base_backoff_seconds", False)
+        self.max_backoff_seconds = _seconds(max_backoff_seconds, "max_backoff_seconds", False)
+        self.send_timeout_seconds = _seconds(send_timeout_seconds, "send_timeout_seconds", True)
+        self.reservation_margin_seconds = _seconds(
+            reservation_margin_seconds, "reservation_margin_seconds", False
+        )
 
     def backoff(self, attempts: int) -> float:
         # (The exponent is capped first: 2**1024 is no float, and any cap is reached by then.)
@@ -246,6 +261,7 @@ class Publisher:
         batches: int | None = None,
     ) -> PublishReport:
         """Publish until `stop` is set or `batches` batches ran; idle: sleep `idle_seconds`."""
+        _seconds(idle_seconds, "idle_seconds", True)  # (0 would poll the database in a loop)
         total = PublishReport()
         stop = stop or asyncio.Event()
         done = 0

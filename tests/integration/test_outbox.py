@@ -464,3 +464,38 @@ async def test_an_event_the_database_would_refuse_or_json_change_is_refused_at_a
     assert [(r["event_id"], orjson.loads(r["payload"])) for r in rows] == [
         ("fine", {"memo": "\\u0000 as text"})
     ]
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"send_timeout_seconds": float("nan")},
+        {"send_timeout_seconds": float("inf")},
+        {"send_timeout_seconds": 1e20},
+        {"reservation_margin_seconds": float("nan")},
+        {"base_backoff_seconds": -5},
+        {"base_backoff_seconds": float("nan")},
+        {"max_backoff_seconds": float("inf")},
+        {"max_backoff_seconds": -1},
+        {"batch_size": 2.5},
+        {"max_attempts": True},
+        {"max_attempts": 2**31},
+    ],
+)
+def test_a_publisher_whose_options_cannot_work_is_refused_when_made(
+    pool: Any, options: dict[str, Any]
+) -> None:
+    """Found by probing: a send timeout or margin the database cannot add to now() (NaN, an
+    infinity, 1e20 s) or an attempt cap over PostgreSQL's integer failed every batch, and `run`
+    retried for ever without publishing anything; a negative backoff burnt every attempt of a
+    failing event in one batch; a fractional batch size failed every batch."""
+    with pytest.raises(ValueError, match=next(iter(options))):
+        Publisher(pool, _never_sent, **options)
+
+
+@pytest.mark.parametrize("idle", [0, -1.0, float("nan")])
+async def test_a_publisher_that_would_poll_in_a_loop_is_refused(pool: Any, idle: float) -> None:
+    """Found by probing: `run(idle_seconds=0)` asked the database for due events in a tight loop
+    while there were none."""
+    with pytest.raises(ValueError, match="idle_seconds"):
+        await Publisher(pool, _never_sent).run(idle_seconds=idle, batches=1)
