@@ -113,6 +113,18 @@ async def consume_once(conn: Any, consumer: str, event_id: str) -> bool:
     return await record_consumed(conn, consumer, event_id)
 
 
+def _error_text(exc: Exception) -> str:
+    """A failed send's error as `last_error` can hold it: 500 characters of text PostgreSQL
+    stores (no NUL, no unpaired surrogate). Anything else and the failure went unrecorded: no
+    backoff, and the event parked in the end as one no publisher finished sending."""
+    try:
+        text = f"{type(exc).__name__}: {exc}"
+    except Exception:  # an exception whose str() fails
+        text = type(exc).__name__
+    text = text[:500].replace("\x00", "\\x00")
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 _MAX_INT = 2**31 - 1  # (an attempt count is a PostgreSQL integer)
 
 
@@ -215,7 +227,7 @@ class Publisher:
                         attempt,
                         extra={"event_id": event.event_id, "topic": event.topic},
                     )
-                await self._mark(conn, event, error[:500], attempt)
+                await self._mark(conn, event, error, attempt)
         return report
 
     async def _mark(
@@ -250,7 +262,7 @@ class Publisher:
             async with asyncio.timeout(self.send_timeout_seconds):
                 accepted = await self.sender(event)
         except Exception as exc:  # the receiver's failure is data here, not our crash
-            return f"{type(exc).__name__}: {exc}"
+            return _error_text(exc)
         return None if accepted is not False else "the sender reported failure"
 
     async def run(

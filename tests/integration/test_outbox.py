@@ -499,3 +499,40 @@ async def test_a_publisher_that_would_poll_in_a_loop_is_refused(pool: Any, idle:
     while there were none."""
     with pytest.raises(ValueError, match="idle_seconds"):
         await Publisher(pool, _never_sent).run(idle_seconds=idle, batches=1)
+
+
+class _Unprintable(Exception):
+    def __str__(self) -> str:
+        raise RuntimeError("no text")
+
+
+@pytest.mark.parametrize(
+    ("error", "stored"),
+    [
+        (RuntimeError("body: a\x00b"), "RuntimeError: body: a\\x00b"),
+        (RuntimeError("body: \ud800"), "RuntimeError: body: \\ud800"),
+        (RuntimeError("x" * 1000), "RuntimeError: " + "x" * 486),
+        (_Unprintable(), "_Unprintable"),
+    ],
+)
+async def test_a_send_error_postgresql_cannot_store_is_recorded_all_the_same(
+    pool: Any, error: Exception, stored: str
+) -> None:
+    """Found by probing: a sender's error holding a NUL or an unpaired surrogate (a receiver's
+    body quoted in it, say) could not be written to `last_error`: the failure went unrecorded,
+    with no backoff, and the event was parked in the end as one "no publisher finished sending",
+    the real error lost. An exception whose str() raised ended the batch."""
+
+    async def failing(event: OutboxEvent) -> bool:
+        raise error
+
+    async with pool.acquire() as conn:
+        await add(conn, "t", 1, event_id="e")
+    report = await Publisher(pool, failing, base_backoff_seconds=60).publish_batch()
+    assert (report.sent, report.failed) == (0, 1)
+    row = await pool.fetchrow(
+        "SELECT last_error, next_attempt_at > now() + interval '30 seconds' AS backed_off"
+        " FROM idem_outbox"
+    )
+    assert row["last_error"] == stored
+    assert row["backed_off"]
