@@ -141,6 +141,8 @@ async def _heartbeat(job: JobSpec, context: IdempotencyContext, stop: asyncio.Ev
             logger.warning("job heartbeat failed", exc_info=True)
             continue
         if not alive:
+            if stop.is_set():  # settled while this renewal waited (on the fence's row lock)
+                return
             context.lease_lost.set()
             logger.warning(
                 "job lease lost",

@@ -315,3 +315,28 @@ def test_a_job_whose_key_or_tenant_cannot_work_is_refused_when_decorated(
     and `tenant=None` put every call in the tenant "None"."""
     with pytest.raises(ConfigurationError, match=next(iter(options))):
         idempotent_job(MemoryStore(), **{"operation": "charge", "key": "id", **options})
+
+
+async def test_a_renewal_waiting_on_the_jobs_own_fence_is_no_lost_lease(
+    pg_store: PostgresStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Found by probing: a job writing on its fenced connection holds the record's row lock, so
+    a renewal due meanwhile waits for it; the run settled, the renewal matched nothing, and a
+    successful job logged "job lease lost" (and set `lease_lost`), as the HTTP executor does
+    not."""
+    seen: list[IdempotencyContext] = []
+
+    @idempotent_job(pg_store, operation="fenced", key="k", mode=Mode.LEASE, lease_seconds=0.3)
+    async def write(job: IdempotencyContext, *, k: str) -> str:
+        seen.append(job)
+        conn = await job.fenced_connection()
+        await conn.execute(
+            "INSERT INTO test_ledger (tenant, account_id, amount) VALUES ('', $1, 1)", k
+        )
+        await asyncio.sleep(0.25)  # past the first renewal (a third of the lease)
+        return k
+
+    with caplog.at_level("WARNING", logger="idem_middleware"):
+        assert await write(k="f1") == "f1"
+    assert not [r for r in caplog.records if "lease lost" in r.getMessage()]
+    assert not seen[0].lease_lost.is_set()
