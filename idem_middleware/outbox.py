@@ -113,7 +113,7 @@ async def consume_once(conn: Any, consumer: str, event_id: str) -> bool:
     return await record_consumed(conn, consumer, event_id)
 
 
-def _error_text(exc: Exception) -> str:
+def _error_text(exc: BaseException) -> str:
     """A failed send's error as `last_error` can hold it: 500 characters of text PostgreSQL
     stores (no NUL, no unpaired surrogate). Anything else and the failure went unrecorded: no
     backoff, and the event parked in the end as one no publisher finished sending."""
@@ -263,6 +263,13 @@ class Publisher:
                 accepted = await self.sender(event)
         except Exception as exc:  # the receiver's failure is data here, not our crash
             return _error_text(exc)
+        except asyncio.CancelledError as exc:
+            # The sender's own CancelledError (a cancel scope of its client's, say), not this
+            # task's cancellation: a failed send, or it would end `run` at every such event.
+            task = asyncio.current_task()
+            if task is None or task.cancelling():
+                raise
+            return _error_text(exc) + " (raised by the sender)"
         return None if accepted is not False else "the sender reported failure"
 
     async def run(

@@ -536,3 +536,32 @@ async def test_a_send_error_postgresql_cannot_store_is_recorded_all_the_same(
     )
     assert row["last_error"] == stored
     assert row["backed_off"]
+
+
+async def test_a_sender_raising_cancelled_error_of_its_own_is_a_failed_send(pool: Any) -> None:
+    """Found by probing: a sender that raised CancelledError while the publisher was not being
+    cancelled ended `run` (an application's publisher task stopped publishing), the event left
+    reserved. It is a failed send now; cancelling the publisher itself still cancels it."""
+
+    async def cancels(event: OutboxEvent) -> bool:
+        raise asyncio.CancelledError
+
+    async with pool.acquire() as conn:
+        await add(conn, "t", 1, event_id="e")
+    report = await asyncio.wait_for(Publisher(pool, cancels).run(batches=1, idle_seconds=1), 10)
+    assert (report.sent, report.failed) == (0, 1)
+    assert "CancelledError" in await pool.fetchval("SELECT last_error FROM idem_outbox")
+
+    entered = asyncio.Event()
+
+    async def hangs(event: OutboxEvent) -> bool:
+        entered.set()
+        await asyncio.Event().wait()
+        return True
+
+    await pool.execute("UPDATE idem_outbox SET next_attempt_at = now()")
+    task = asyncio.ensure_future(Publisher(pool, hangs).run(batches=1, idle_seconds=1))
+    await asyncio.wait_for(entered.wait(), 10)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
