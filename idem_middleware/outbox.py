@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ import orjson
 from .errors import ConfigurationError, RetryableConflict, StatementRefused
 from .errors import EventConflict as EventConflict
 from .jsonvalues import json_text
+from .keys import MAX_KEY_LENGTH
 from .policy import seconds_option
 from .store.postgres import PostgresStore
 from .store.postgres.edges import OutboxConnection, add_event, record_consumed
@@ -109,7 +111,16 @@ def _check_text(value: Any, name: str) -> None:
 
 async def consume_once(conn: Any, consumer: str, event_id: str) -> bool:
     """In the consumer's transaction: True the first time this consumer sees the event, False
-    for a redelivery (apply nothing then). Commits or rolls back with the consumer's own writes."""
+    for a redelivery (apply nothing then). Commits or rolls back with the consumer's own writes.
+
+    An `event_id` (often from a webhook's body) or a `consumer` that `text` cannot store (a
+    NUL, an unpaired surrogate, not a str) or that is empty or over MAX_EVENT_ID_BYTES is
+    refused before any statement (ValueError, TypeError): the consumer's transaction stays
+    usable."""
+    for value, name in ((consumer, "consumer"), (event_id, "event_id")):
+        _check_text(value, name)
+        if not 0 < len(value.encode()) <= MAX_EVENT_ID_BYTES:
+            raise ValueError(f"a {name} is 1 to {MAX_EVENT_ID_BYTES} bytes of UTF-8")
     return await record_consumed(conn, consumer, event_id)
 
 
@@ -124,6 +135,9 @@ def _error_text(exc: BaseException) -> str:
     text = text[:500].replace("\x00", "\\x00")
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
+
+#: An event id `webhook_sender` can send as the Idempotency-Key header as it is (a bare token).
+_HEADER_KEY = re.compile(rf"[\x21\x23-\x7e]{{1,{MAX_KEY_LENGTH}}}")
 
 _MAX_INT = 2**31 - 1  # (an attempt count is a PostgreSQL integer)
 
@@ -339,10 +353,17 @@ def webhook_sender(client: Any, url: str) -> Sender:
     """A Sender that POSTs `{"event_id", "topic", "payload"}` to `url` with an httpx AsyncClient.
 
     The event id travels as the body's `event_id` and as the `Idempotency-Key` header, so the
-    receiver can deduplicate. Any 2xx is delivered; anything else is retried.
+    receiver can deduplicate. Any 2xx is delivered; anything else is retried. An id that cannot
+    travel as that header as it is (1 to 255 printable ASCII characters, no space or `"`) fails
+    its sends with a ValueError saying so (the event is parked after its attempts).
     """
 
     async def send(event: OutboxEvent) -> bool:
+        if _HEADER_KEY.fullmatch(event.event_id) is None:
+            raise ValueError(
+                "this event's id cannot be sent as an Idempotency-Key header (1 to "
+                f"{MAX_KEY_LENGTH} printable ASCII characters, no space or '\"')"
+            )
         response = await client.post(
             url,
             json={"event_id": event.event_id, "topic": event.topic, "payload": event.payload},

@@ -28,6 +28,7 @@ from idem_middleware.outbox import (
     outbox_stats,
     purge_sent,
     requeue,
+    webhook_sender,
 )
 from tests.evidence import record
 
@@ -565,3 +566,52 @@ async def test_a_sender_raising_cancelled_error_of_its_own_is_a_failed_send(pool
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
+
+
+@pytest.mark.parametrize(
+    ("consumer", "event_id", "error"),
+    [
+        ("ledger", "e\x00", ValueError),
+        ("ledger", "", ValueError),
+        ("ledger", "e" * 1025, ValueError),
+        ("ledger", "\ud800", ValueError),
+        ("ledger", 5, TypeError),
+        ("led\x00ger", "e", ValueError),
+        (None, "e", TypeError),
+    ],
+)
+async def test_an_event_id_the_database_would_refuse_is_refused_by_consume_once(
+    pool: Any, consumer: Any, event_id: Any, error: type[Exception]
+) -> None:
+    """Found by probing: a NUL in an event id from a hostile webhook body reached the database,
+    whose refusal aborted the consumer's transaction. It is refused before any statement, and
+    the transaction goes on."""
+    async with pool.acquire() as conn, conn.transaction():
+        with pytest.raises(error):
+            await consume_once(conn, consumer, event_id)
+        assert await consume_once(conn, "ledger", "fine")  # the transaction is still usable
+    assert await pool.fetchval("SELECT count(*) FROM idem_inbox") == 1
+
+
+class _Client:
+    def __init__(self) -> None:
+        self.posts: list[dict[str, Any]] = []
+
+    async def post(self, url: str, **options: Any) -> Any:
+        self.posts.append(options)
+        return type("Answer", (), {"status_code": 201})()
+
+
+@pytest.mark.parametrize("event_id", ["café", "with space", 'a"b', "k" * 256])
+async def test_webhook_sender_says_which_event_ids_cannot_be_a_key_header(event_id: str) -> None:
+    """Found by probing: an event id that cannot travel as the Idempotency-Key header as it is
+    failed in the HTTP client (UnicodeEncodeError) or was refused by the receiver (400), attempt
+    after attempt, with nothing saying why. The sender now says so, without sending."""
+    client = _Client()
+    send = webhook_sender(client, "http://127.0.0.1:1/events")
+    event = OutboxEvent(event_id, None, "t", 1, 1)
+    with pytest.raises(ValueError, match="Idempotency-Key header"):
+        await send(event)
+    assert client.posts == []
+    assert await send(OutboxEvent("credit:42", None, "t", 1, 1))
+    assert client.posts[0]["headers"] == {"Idempotency-Key": "credit:42"}
