@@ -11,6 +11,10 @@ from .answers import Answer
 from .responses import storable_headers
 from .store.base import StoredResponse
 
+#: Messages that go straight through, the response held or not: early hints (103) and the
+#: test client's debug information (Starlette's templates send it before the start).
+_ASIDE = frozenset({"http.response.early_hint", "http.response.debug"})
+
 
 class SettlesEarly(Protocol):
     """What a capture's owner does before the first byte of a response it cannot hold."""
@@ -88,8 +92,12 @@ class ResponseCapture(Answer):
                 await self._go_passthrough("streaming", more_body=True)
             return
         if kind != "http.response.body":
-            # Trailers, pathsend and the like cannot be held faithfully.
-            await self._go_passthrough("streaming", more_body=True)
+            if kind in _ASIDE:  # a 103's links, a test client's debug info: not the response
+                await self._send(message)
+                return
+            # Trailers, pathsend and the like cannot be held faithfully. (A body the handler
+            # completed before its trailers is sent completed.)
+            await self._go_passthrough("streaming", more_body=not self.complete)
             await self._send(message)
             return
         chunk = message.get("body", b"")
@@ -142,6 +150,8 @@ class ResponseCapture(Answer):
         """Send the held response (start and the body so far)."""
         assert self.start is not None
         await self._send(self.start)
+        if more_body and not self.size:
+            return  # nothing held: no empty body before a pathsend (servers refuse it)
         chunks, body, last = self.chunks, self.body, self.last
         self.chunks, self.body, self.last = None, b"", None
         if chunks is None and last is not None and not more_body and last.get("body", b"") is body:
