@@ -83,9 +83,14 @@ class ResponseCapture(Answer):
             return
         kind = message["type"]
         if kind == "http.response.start":
+            headers = message.get("headers", ())
+            if type(headers) is not list and type(headers) is not tuple:
+                # Any iterable, a generator too: read once here, kept for the server and the record.
+                headers = list(headers)
+                message = {**message, "headers": headers}
             self.start = message
             content_type = b""
-            for name, value in message.get("headers", ()):
+            for name, value in headers:
                 if name == b"content-type":
                     content_type = value  # the last one
             if content_type.startswith(b"text/event-stream"):
