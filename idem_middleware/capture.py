@@ -11,9 +11,9 @@ from .answers import Answer
 from .responses import storable_headers
 from .store.base import StoredResponse
 
-#: Messages that go straight through, the response held or not: early hints (103) and the
-#: test client's debug information (Starlette's templates send it before the start).
-_ASIDE = frozenset({"http.response.early_hint", "http.response.debug"})
+#: Messages that go straight through, the response held or not: early hints (103), HTTP/2
+#: push promises, and the test client's debug information (Starlette's templates send it first).
+_ASIDE = frozenset({"http.response.early_hint", "http.response.push", "http.response.debug"})
 
 
 class SettlesEarly(Protocol):
@@ -97,7 +97,7 @@ class ResponseCapture(Answer):
                 await self._go_passthrough("streaming", more_body=True)
             return
         if kind != "http.response.body":
-            if kind in _ASIDE:  # a 103's links, a test client's debug info: not the response
+            if kind in _ASIDE:  # a 103's links, a push promise, debug info: not the response
                 await self._send(message)
                 return
             # Trailers, pathsend and the like cannot be held faithfully. (A body the handler

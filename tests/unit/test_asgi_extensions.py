@@ -1,9 +1,10 @@
 """ASGI response extensions a guarded handler may use when its server offers them: what its
 client gets must follow the protocol as the handler sent it, and a retry gets the record.
 
-- early hints (`http.response.early_hint`, a 103 before the response: hypercorn on HTTP/2) and
-  the test client's debug information (`http.response.debug`, Starlette's templates under its
-  TestClient) are not the response: they go straight through, the response is held as usual;
+- early hints (`http.response.early_hint`, a 103 before the response), push promises
+  (`http.response.push`; both hypercorn's on HTTP/2) and the test client's debug information
+  (`http.response.debug`, Starlette's templates under its TestClient) are not the response:
+  they go straight through, and the response is held as usual;
 - trailers after a completed body, and a file sent by path (`http.response.pathsend`: Starlette's
   FileResponse under Granian) cannot be held: the outcome is settled before the first byte, as
   for a stream, and the messages reach the server in the order the handler sent them (no body
@@ -33,6 +34,9 @@ BODY = b'{"amount": 5}'
 FILE_TEXT = b"file contents\n" * 10
 
 
+_INFORMATIONAL = ("http.response.early_hint", "http.response.push", "http.response.debug")
+
+
 class Server:
     """A strict server's side of one response (the rules hypercorn, Granian and Starlette's
     TestClient enforce): informational messages only before the start; a path sent only right
@@ -46,7 +50,7 @@ class Server:
     async def send(self, message: Message) -> None:
         kind, state = message["type"], self.state
         self.sent.append(message)
-        if kind in ("http.response.early_hint", "http.response.debug") and state == "before":
+        if kind in _INFORMATIONAL and state == "before":
             return
         if kind == "http.response.start" and state == "before":
             self.state, self.trailers = "started", message.get("trailers", False)
@@ -91,6 +95,11 @@ def _app(mode: Mode, file: Path, runs: list[str]) -> Starlette:
         await request.send_early_hints("</style.css>; rel=preload")
         return JSONResponse({"ok": True}, status_code=201)
 
+    async def push(request: Request) -> Response:
+        runs.append("push")
+        await request.send_push_promise("/style.css")
+        return JSONResponse({"ok": True}, status_code=201)
+
     async def page(request: Request) -> Response:
         runs.append("page")
         return TemplateLike("<p>paid</p>", status_code=201)
@@ -102,6 +111,7 @@ def _app(mode: Mode, file: Path, runs: list[str]) -> Starlette:
     return Starlette(
         routes=[
             Route("/hints", hints, methods=["POST"]),
+            Route("/push", push, methods=["POST"]),
             Route("/page", page, methods=["POST"]),
             Route("/file", download, methods=["POST"]),
             Route("/trailers", Trailers(runs), methods=["POST"]),
@@ -148,6 +158,11 @@ def _response(sent: list[Message]) -> tuple[int, dict[bytes, bytes], bytes]:
             "/hints",
             "http.response.early_hint",
             {"type": "http.response.early_hint", "links": [b"</style.css>; rel=preload"]},
+        ),
+        (
+            "/push",
+            "http.response.push",
+            {"type": "http.response.push", "path": "/style.css", "headers": []},
         ),
         (
             "/page",
