@@ -11,6 +11,10 @@ from .answers import Answer
 from .responses import storable_headers
 from .store.base import StoredResponse
 
+#: Messages that go straight through, the response held or not: early hints (103), HTTP/2
+#: push promises, and the test client's debug information (Starlette's templates send it first).
+_ASIDE = frozenset({"http.response.early_hint", "http.response.push", "http.response.debug"})
+
 
 class SettlesEarly(Protocol):
     """What a capture's owner does before the first byte of a response it cannot hold."""
@@ -79,17 +83,26 @@ class ResponseCapture(Answer):
             return
         kind = message["type"]
         if kind == "http.response.start":
+            headers = message.get("headers", ())
+            if type(headers) is not list and type(headers) is not tuple:
+                # Any iterable, a generator too: read once here, kept for the server and the record.
+                headers = list(headers)
+                message = {**message, "headers": headers}
             self.start = message
             content_type = b""
-            for name, value in message.get("headers", ()):
+            for name, value in headers:
                 if name == b"content-type":
                     content_type = value  # the last one
             if content_type.startswith(b"text/event-stream"):
                 await self._go_passthrough("streaming", more_body=True)
             return
         if kind != "http.response.body":
-            # Trailers, pathsend and the like cannot be held faithfully.
-            await self._go_passthrough("streaming", more_body=True)
+            if kind in _ASIDE:  # a 103's links, a push promise, debug info: not the response
+                await self._send(message)
+                return
+            # Trailers, pathsend and the like cannot be held faithfully. (A body the handler
+            # completed before its trailers is sent completed.)
+            await self._go_passthrough("streaming", more_body=not self.complete)
             await self._send(message)
             return
         chunk = message.get("body", b"")
@@ -142,6 +155,8 @@ class ResponseCapture(Answer):
         """Send the held response (start and the body so far)."""
         assert self.start is not None
         await self._send(self.start)
+        if more_body and not self.size:
+            return  # nothing held: no empty body before a pathsend (servers refuse it)
         chunks, body, last = self.chunks, self.body, self.last
         self.chunks, self.body, self.last = None, b"", None
         if chunks is None and last is not None and not more_body and last.get("body", b"") is body:

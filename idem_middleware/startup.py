@@ -78,6 +78,7 @@ def check_app(mw: IdempotencyMiddleware, app: Any, scope: Scope | None = None) -
         logger.warning("idempotency: policies[%r] matches no route; it can never apply", name)
     if guarded and app is not None:
         _check_authentication(mw, app, [p for _, p in guarded])
+        _check_outer_middleware(app)
     errors.extend(_status_route_errors(mw, routes, guarded))
     if errors:
         raise ConfigurationError("; ".join(errors))
@@ -305,6 +306,35 @@ def _check_authentication(mw: IdempotencyMiddleware, app: Any, policies: list[Po
             "requests have no tenant and are refused (500): %s",
             AUTH_FIX,
         )
+
+
+#: Middleware whose work on a response depends on the request it answers: inside ours, what it
+#: made for the first request is stored and replayed to every retry.
+_OUTSIDE = {
+    "GZipMiddleware": "responses are stored compressed as the first request accepted, and "
+    "replayed so to every retry, whatever its Accept-Encoding",
+    "CORSMiddleware": "the middleware's own answers (400, 409, 422...) carry no CORS headers, "
+    "and a replay carries those made for the first request's Origin",
+}
+
+
+def _check_outer_middleware(app: Any) -> None:
+    """Compression and CORS belong outside the middleware (warned, as the order can be read)."""
+    stack = [entry.cls for entry in getattr(app, "user_middleware", ())]
+    ours = next((i for i, cls in enumerate(stack) if _named(cls, "IdempotencyMiddleware")), None)
+    if ours is None:
+        return
+    for name, harm in _OUTSIDE.items():
+        if any(_named(cls, name) for cls in stack[ours + 1 :]):
+            logger.warning(
+                "idempotency: %s runs after IdempotencyMiddleware, so %s: add it after "
+                "installing IdempotencyMiddleware (app.add_middleware(%s, ...) after "
+                "install(...): the middleware added last runs first; in a middleware=[...] "
+                "list, before it)",
+                name,
+                harm,
+                name,
+            )
 
 
 def _named(cls: Any, name: str) -> bool:

@@ -240,7 +240,8 @@ class Attempt(ResponseCapture):
                 except BaseException as exc:
                     # Clean up, then re-raise: abandoning the transaction releases the key.
                     await tx.abandon()
-                    ex.emit(Event.RELEASED, self.context.generation)
+                    if not self.passthrough:  # (a stream's outcome committed before its start)
+                        ex.emit(Event.RELEASED, self.context.generation)
                     if tx.conflict(exc):
                         # The database refused the handler's writes: the attempt may run again.
                         raise RetryableConflict(str(exc), from_handler=True) from exc

@@ -20,7 +20,7 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
-from idem_middleware import IdempotencyMiddleware, MemoryStore, Policy, idempotent
+from idem_middleware import IdempotencyMiddleware, MemoryStore, Mode, Policy, idempotent
 from idem_middleware.observe import LoggingObserver
 from idem_middleware.otel import OpenTelemetryObserver
 from idem_middleware.prometheus import PrometheusObserver
@@ -179,3 +179,46 @@ async def test_a_method_of_the_clients_invention_makes_no_new_label() -> None:
         if "operation" in sample.labels
     }
     assert labels == {"OTHER /things", "POST /things"}
+
+
+class _BrokenStream:
+    """A stream that fails after its first event: its outcome was settled before its start."""
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        await receive()
+        start = {"type": "http.response.start", "status": 200}
+        await send({**start, "headers": [(b"content-type", b"text/event-stream")]})
+        await send({"type": "http.response.body", "body": b"data: 1\n\n", "more_body": True})
+        raise RuntimeError("the stream broke")
+
+
+@pytest.mark.parametrize("mode", [Mode.TRANSACTIONAL, Mode.LEASE])
+async def test_a_stream_that_fails_after_its_settlement_is_counted_as_settled_only(
+    mode: Mode,
+) -> None:
+    """Its record says succeeded (a retry gets the replay), so no `released` is counted too."""
+    registry = CollectorRegistry()
+    app = Starlette(
+        routes=[Route("/stream", _BrokenStream(), methods=["POST"])],
+        middleware=[
+            Middleware(
+                IdempotencyMiddleware,
+                store=MemoryStore(),
+                default_policy=Policy(mode=mode),
+                tenant_resolver=lambda scope: "tenant-a",
+                observers=[PrometheusObserver(registry=registry)],
+            )
+        ],
+    )
+    async with client(app) as c:
+        first = await c.post("/stream", json={}, headers={"idempotency-key": "k"})
+        retry = await c.post("/stream", json={}, headers={"idempotency-key": "k"})
+    assert first.content == b"data: 1\n\n"
+    assert retry.headers["idempotency-body-omitted"] == "streaming"
+
+    def count(outcome: str) -> float:
+        labels = {"operation": "POST /stream", "outcome": outcome}
+        return registry.get_sample_value("idem_requests_total", labels) or 0.0
+
+    counted = {o: count(o) for o in ("claimed", "succeeded", "released", "replayed")}
+    assert counted == {"claimed": 1, "succeeded": 1, "released": 0, "replayed": 1}

@@ -194,3 +194,22 @@ async def test_a_body_going_over_the_cap_with_its_last_message_is_settled_and_se
     await capture(body(b"cd"))
     assert r.settled == ["too-large"]
     assert r.sent == [START, body(b"abcd")]
+
+
+@pytest.mark.parametrize("kind", ["generator", "dict items", "map"])
+async def test_headers_in_any_iterable_reach_the_client_and_the_record(kind: str) -> None:
+    """ASGI allows any iterable of pairs: one read once (a generator) is read once, and what it
+    held goes to the server and into the stored response alike."""
+    pairs = [(b"content-type", b"a/b"), (b"x-a", b"1")]
+    headers: Any = {
+        "generator": (pair for pair in pairs),
+        "dict items": dict(pairs).items(),
+        "map": map(tuple, pairs),
+    }[kind]
+    r = Recorder()
+    capture = ResponseCapture(r.send, 100, r)
+    await capture({**START, "headers": headers})
+    await capture(body(b"{}"))
+    assert capture.stored().headers == pairs
+    await capture.flush()
+    assert list(r.sent[0]["headers"]) == pairs
