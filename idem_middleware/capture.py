@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Awaitable
 from typing import Protocol
 
-from starlette.types import Message, Send
+from starlette.types import Message, Scope, Send
 
 from .answers import Answer
 from .responses import storable_headers
@@ -14,6 +14,23 @@ from .store.base import StoredResponse
 #: Messages that go straight through, the response held or not: early hints (103), HTTP/2
 #: push promises, and the test client's debug information (Starlette's templates send it first).
 _ASIDE = frozenset({"http.response.early_hint", "http.response.push", "http.response.debug"})
+
+
+#: Ways of sending a body that the server reads itself (a file by path, by descriptor). Hidden
+#: from a guarded handler's scope, so that its response is held and stored like any other
+#: (Starlette's FileResponse then sends the file's bytes): with them the body could not be held,
+#: and a retry would get the status without the file, on one server and not another.
+_SENT_BY_SERVER = ("http.response.pathsend", "http.response.zerocopy")
+
+
+def hide_sent_by_server(scope: Scope) -> None:
+    """Take the server's own ways of sending a body out of `scope`'s extensions (in place, as
+    the claim's context is put there: middleware outside sees what the handler saw)."""
+    extensions = scope["extensions"]
+    if extensions and any(name in extensions for name in _SENT_BY_SERVER):
+        scope["extensions"] = {
+            name: value for name, value in extensions.items() if name not in _SENT_BY_SERVER
+        }
 
 
 class SettlesEarly(Protocol):

@@ -15,6 +15,7 @@ from typing import Any, TypeVar, cast
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from .capture import hide_sent_by_server
 from .context import SCOPE_KEY
 from .errors import ConfigurationError, ProblemKind
 from .exchange import Exchange, header_map
@@ -254,6 +255,8 @@ class IdempotencyMiddleware:
             scope, allow_anonymous=policy.allow_anonymous
         ):
             return self._misconfigured(send, "The server cannot identify the caller.")
+        if "extensions" in scope:
+            hide_sent_by_server(scope)
         # A guarded request's endpoint runs under its claim's context, which decorated endpoints
         # accept as proof that the middleware handled the request (see policy.idempotent).
         return Exchange(self, scope, receive, send, fingerprinter, policy, operation, by_name).run()

@@ -5,10 +5,13 @@ client gets must follow the protocol as the handler sent it, and a retry gets th
   (`http.response.push`; both hypercorn's on HTTP/2) and the test client's debug information
   (`http.response.debug`, Starlette's templates under its TestClient) are not the response:
   they go straight through, and the response is held as usual;
-- trailers after a completed body, and a file sent by path (`http.response.pathsend`: Starlette's
-  FileResponse under Granian) cannot be held: the outcome is settled before the first byte, as
-  for a stream, and the messages reach the server in the order the handler sent them (no body
-  before a pathsend, the body completed before its trailers).
+- a server's own ways of sending a body (`http.response.pathsend`: Starlette's FileResponse under
+  Granian; `http.response.zerocopy`) are not offered to a guarded handler: its response is held
+  and stored whole, as under a server that offers neither;
+- trailers after a completed body, and a body sent by path anyway, cannot be held: the outcome
+  is settled before the first byte, as for a stream, and the messages reach the server in the
+  order the handler sent them (no body before a pathsend, the body completed before its
+  trailers).
 """
 
 from __future__ import annotations
@@ -187,21 +190,56 @@ async def test_informational_messages_go_through_and_the_response_is_held_and_st
     assert len(runs) == 1
 
 
+@pytest.mark.parametrize("extension", ["http.response.pathsend", "http.response.zerocopy"])
 @pytest.mark.parametrize("mode", [Mode.TRANSACTIONAL, Mode.LEASE])
-async def test_a_file_sent_by_path_follows_its_start_alone_and_is_never_run_again(
-    mode: Mode, tmp_path: Path
+async def test_a_file_response_is_held_and_replayed_whole_where_the_server_could_send_it(
+    mode: Mode, extension: str, tmp_path: Path
 ) -> None:
+    """A server offering to send a body itself (by path: Granian; by descriptor) is not offered
+    to a guarded handler: FileResponse sends the file's bytes, the response is held and stored,
+    and a retry gets the file, as under a server that offers neither (uvicorn). Offered, the
+    body could not be held, and a retry got the status without the file on one server only."""
     file = tmp_path / "file.txt"
     file.write_bytes(FILE_TEXT)
     runs: list[str] = []
     app = _app(mode, file, runs)
-    first = await _post(app, "/file", "http.response.pathsend")
+    first = await _post(app, "/file", extension)
+    assert "http.response.pathsend" not in [m["type"] for m in first]
+    status, _, body = _response(first)
+    assert (status, body) == (201, FILE_TEXT)
+    retry = await _post(app, "/file", extension)
+    status, headers, body = _response(retry)
+    assert (status, body, headers[b"idempotent-replayed"]) == (201, FILE_TEXT, b"true")
+    assert b"idempotency-body-omitted" not in headers
+    assert runs == ["file"]
+
+
+class PathSender:
+    """A raw ASGI endpoint that sends a file by path whatever its scope offers."""
+
+    def __init__(self, file: Path) -> None:
+        self.file = file
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await receive()
+        await send({"type": "http.response.start", "status": 201, "headers": []})
+        await send({"type": "http.response.pathsend", "path": str(self.file)})
+
+
+@pytest.mark.parametrize("mode", [Mode.TRANSACTIONAL, Mode.LEASE])
+async def test_a_body_sent_by_path_anyway_follows_its_start_alone_and_is_never_run_again(
+    mode: Mode, tmp_path: Path
+) -> None:
+    file = tmp_path / "file.txt"
+    file.write_bytes(FILE_TEXT)
+    app = _app(mode, file, [])
+    app.router.routes.append(Route("/raw-file", PathSender(file), methods=["POST"]))
+    first = await _post(app, "/raw-file", "http.response.pathsend")
     assert [m["type"] for m in first] == ["http.response.start", "http.response.pathsend"]
     assert first[1]["path"] == str(file)
-    retry = await _post(app, "/file", "http.response.pathsend")
+    retry = await _post(app, "/raw-file", "http.response.pathsend")
     status, headers, body = _response(retry)
     assert (status, body, headers[b"idempotency-body-omitted"]) == (201, b"", b"streaming")
-    assert runs == ["file"]
 
 
 @pytest.mark.parametrize("mode", [Mode.TRANSACTIONAL, Mode.LEASE])
