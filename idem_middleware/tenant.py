@@ -104,7 +104,7 @@ class Tenants:
         if resolved is not None and not isinstance(resolved, str):
             if inspect.isawaitable(resolved):  # (str first: isawaitable is an ABC)
                 return self._awaited(resolved, allow_anonymous)
-            raise self._refused(f"the tenant resolver answered {resolved!r}, not a str or None")
+            raise self._refused(_not_a_tenant(resolved))
         if resolved:
             return resolved
         return "" if allow_anonymous else None
@@ -115,7 +115,7 @@ class Tenants:
         except Unidentified as exc:
             raise self._refused(exc.why) from None
         if tenant is not None and not isinstance(tenant, str):
-            raise self._refused(f"the tenant resolver answered {tenant!r}, not a str or None")
+            raise self._refused(_not_a_tenant(tenant))
         if tenant:
             return tenant
         return "" if allow_anonymous else None
@@ -131,6 +131,12 @@ class Tenants:
                 why,
             )
         return RequestRejected(ProblemKind.MISCONFIGURED, _CANNOT_IDENTIFY)
+
+
+def _not_a_tenant(answer: object) -> str:
+    """Why a resolver's answer is refused, naming its type only: the value may be a credential
+    (a resolver that returned the Authorization header's bytes) or personal data."""
+    return f"the tenant resolver answered a {type(answer).__name__}, not a str or None"
 
 
 async def route_tenant(tenants: Tenants, scope: Scope, *, problem_base: str) -> str | Response:
