@@ -219,7 +219,10 @@ def _malformed(result: object) -> str | None:
             and _HEADER_NAME.fullmatch(header[0]) is not None
             and _HEADER_VALUE.fullmatch(header[1]) is not None
         ):
-            return f"the header {header!r} (headers are (bytes, bytes) pairs, as HTTP allows)"
+            # Named, never quoted: its value may carry what the stored response does.
+            name = header[0] if isinstance(header, tuple) and header else None
+            shown = repr(name[:64]) if isinstance(name, bytes | str) else type(header).__name__
+            return f"the header {shown} (headers are (bytes, bytes) pairs, as HTTP allows)"
     return None
 
 
