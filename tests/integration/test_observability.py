@@ -18,9 +18,10 @@ from starlette.middleware import Middleware
 from starlette.middleware.authentication import AuthenticationMiddleware
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
-from starlette.routing import Route
+from starlette.routing import Mount, Route
 
 from idem_middleware import IdempotencyMiddleware, MemoryStore, Policy, idempotent
+from idem_middleware.errors import ConfigurationError
 from idem_middleware.observe import LoggingObserver
 from idem_middleware.otel import OpenTelemetryObserver
 from idem_middleware.prometheus import PrometheusObserver
@@ -179,3 +180,58 @@ async def test_a_method_of_the_clients_invention_makes_no_new_label() -> None:
         if "operation" in sample.labels
     }
     assert labels == {"OTHER /things", "POST /things"}
+
+
+async def test_operations_named_by_a_concrete_path_make_no_series_without_end(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Found by probing: a sub-app mounted behind a wrapper the router above cannot see into
+    names its operations by the path the mounts took (`POST /tenants/bob0@example.com/pay`), so
+    every value a client put in the mount's parameter was a series of its own (and the path's
+    values, an email here, became label values). Past `max_operations`, the rest are OTHER."""
+
+    async def pay(request: Request) -> Response:
+        return PlainTextResponse("paid", 201)
+
+    registry = CollectorRegistry()
+    inner = Starlette(
+        routes=[Route("/pay", pay, methods=["POST"])],
+        middleware=[
+            Middleware(
+                IdempotencyMiddleware,
+                store=MemoryStore(),
+                tenant_resolver=lambda scope: "tenant-a",
+                observers=[PrometheusObserver(registry=registry, max_operations=3)],
+            )
+        ],
+    )
+
+    async def hiding(scope: Any, receive: Any, send: Any) -> None:  # no `.app` to look through
+        await inner(scope, receive, send)
+
+    outer = Starlette(routes=[Mount("/tenants/{tid}", app=hiding)])
+    with caplog.at_level(logging.WARNING, logger="idem_middleware"):
+        async with client(outer) as c:
+            for i in range(10):
+                url = f"/tenants/bob{i}@example.com/pay"
+                reply = await c.post(url, json={}, headers={"idempotency-key": f"k{i}"})
+                assert reply.status_code == 201, reply.text
+    labels = {
+        sample.labels["operation"]
+        for metric in registry.collect()
+        for sample in metric.samples
+        if "operation" in sample.labels
+    }
+    assert len(labels) == 4, labels  # three operations, then OTHER
+    assert "OTHER" in labels
+    claimed = registry.get_sample_value(
+        "idem_requests_total", {"operation": "OTHER", "outcome": "claimed"}
+    )
+    assert claimed == 7  # every request is still counted
+    assert len([r for r in caplog.records if "operations labelled" in r.getMessage()]) == 1
+
+
+@pytest.mark.parametrize("bound", [0, -1, 1.5, "10", True])
+def test_max_operations_is_checked_when_made(bound: Any) -> None:
+    with pytest.raises(ConfigurationError, match="max_operations"):
+        PrometheusObserver(registry=CollectorRegistry(), max_operations=bound)
