@@ -235,3 +235,35 @@ async def test_operations_named_by_a_concrete_path_make_no_series_without_end(
 def test_max_operations_is_checked_when_made(bound: Any) -> None:
     with pytest.raises(ConfigurationError, match="max_operations"):
         PrometheusObserver(registry=CollectorRegistry(), max_operations=bound)
+
+
+@pytest.mark.parametrize("record_tenant", [False, True])
+async def test_span_events_carry_the_tenant_only_when_asked(
+    pg_store: Any, record_tenant: bool
+) -> None:
+    """Found by probing: every decision's span event carried `idem.tenant`, the authenticated
+    caller's identity (an email, often), to the tracing backend. OpenTelemetry's conventions
+    leave an end user's id out unless asked for; so does the observer now."""
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    observer = OpenTelemetryObserver(tracer_provider=provider, record_tenant=record_tenant)
+    app = build_app(pg_store, default_policy=Policy(wait_seconds=0.2), observers=[observer])
+    with provider.get_tracer("test").start_as_current_span("request"):
+        await scripted(app)
+    (request,) = [s for s in exporter.get_finished_spans() if s.name == "request"]
+    events = [dict(event.attributes or {}) for event in request.events]
+    assert {event.get("idem.operation") for event in events} == {OP}
+    keyed = [e for e in events if "idem.key_digest" in e]
+    assert keyed  # the events of requests that reached a key name it by its digest
+    everything = [dict(span.attributes or {}) for span in exporter.get_finished_spans()]
+    everything += [
+        dict(e.attributes or {}) for s in exporter.get_finished_spans() for e in s.events
+    ]
+    assert SECRET_KEY not in str(everything)
+    with_tenant = [a for a in everything if "idem.tenant" in a]
+    if record_tenant:
+        assert with_tenant == keyed
+        assert {a["idem.tenant"] for a in with_tenant} == {"tenant-a"}
+    else:
+        assert with_tenant == []
