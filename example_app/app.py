@@ -72,6 +72,10 @@ def parse_tokens(spec: str) -> dict[str, str]:
     return tokens
 
 
+#: What every 401 answers in WWW-Authenticate: the one scheme this app accepts.
+CHALLENGE = "Bearer"
+
+
 class BearerTokens(AuthenticationBackend):
     """Demo authentication: a fixed bearer-token table. The tenant comes only from here."""
 
@@ -89,7 +93,10 @@ class BearerTokens(AuthenticationBackend):
 async def tenant_of(request: Request) -> str:
     # async: FastAPI runs a plain `def` dependency in a worker thread, which costs far more.
     if not request.user.is_authenticated:
-        raise HTTPException(401, "a valid bearer token is required")
+        # RFC 9110: a 401 names the scheme to authenticate with (the middleware's 401s too).
+        raise HTTPException(
+            401, "a valid bearer token is required", headers={"WWW-Authenticate": CHALLENGE}
+        )
     tenant: str = request.user.display_name
     return tenant
 
@@ -233,7 +240,12 @@ def create_app(database_url: str | None = None) -> FastAPI:
         app.mount("/bank", bank_app)
     # Starlette runs middleware outside-in in this order: authentication first, so the
     # idempotency middleware scopes every key by the authenticated tenant.
-    install(app, store=store, default_policy=Policy(wait_seconds=wait_seconds))
+    install(
+        app,
+        store=store,
+        default_policy=Policy(wait_seconds=wait_seconds),
+        www_authenticate=CHALLENGE,
+    )
     app.add_middleware(AuthenticationMiddleware, backend=BearerTokens(tokens))
 
     # (Starlette's HTTPException: the router's own 404 and 405 are problems too.)

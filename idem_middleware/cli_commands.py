@@ -60,14 +60,15 @@ _NO_STATEMENT_CACHE = 0
 def _checked_dsn() -> Iterator[None]:
     """A DSN asyncpg cannot parse (`nonsense`, a port that is not a number, an unknown
     `sslmode`) is a bad argument, exit 2, not a traceback. asyncpg reports it as a ValueError
-    (`ClientConfigurationError` is one too), which the store wraps in StoreError."""
+    (`ClientConfigurationError` is one too), which the store wraps in StoreError; a port out of
+    range only when connecting, as the socket's OverflowError."""
     try:
         yield
     except StoreError as exc:
-        if isinstance(exc.__cause__, ValueError):
+        if isinstance(exc.__cause__, ValueError | OverflowError):
             raise UsageError(f"--dsn: {exc.__cause__}") from None
         raise
-    except ValueError as exc:
+    except (ValueError, OverflowError) as exc:
         raise UsageError(f"--dsn: {exc}") from None
 
 

@@ -24,7 +24,7 @@ from .keysource import take_key
 from .lease import LeaseRun
 from .observe import UNTIMED, Event
 from .policy import MIDDLEWARE_ACTIVE, Mode, Policy
-from .responses import send_accepted, send_problem, send_replay
+from .responses import send_accepted, send_replay
 from .store.base import RecordKey, Store, StoredResponse, new_record_key
 from .transactional import RETRIED, Attempt, run_transactional
 
@@ -252,9 +252,7 @@ class Exchange:
     async def problem(self, kind: ProblemKind, detail: str, retry_after: int | None = None) -> None:
         self.started = True
         self.emit(_PROBLEM_EVENTS.get(kind, Event.REJECTED))
-        await send_problem(
-            self.send, kind, detail, base=self.mw.problem_base, retry_after=retry_after
-        )
+        await self.mw.send_problem(self.send, kind, detail, retry_after=retry_after)
 
     async def replay(self, response: StoredResponse) -> None:
         self.started = True

@@ -6,6 +6,7 @@ path). No SQL here and no FastAPI: the store does the former, `fastapi.py` the l
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import logging
 import os
@@ -164,6 +165,7 @@ class IdempotencyMiddleware:
         observers: Observer | Sequence[Observer] | None = None,
         max_waiters: int = 1024,
         max_tenant_connections: int | None = None,
+        www_authenticate: str | None = None,
     ) -> None:
         _check_arguments(
             store,
@@ -207,7 +209,11 @@ class IdempotencyMiddleware:
         #: Guarded requests of one tenant holding a store connection at once, in this process.
         self.tenant_slots = TenantSlots(max_tenant_connections)
         self.enabled = (not _kill_switch_on()) if enabled is None else enabled
-        self.tenants = Tenants(tenant_resolver)
+        self.tenants = Tenants(tenant_resolver, challenge=www_authenticate)
+        #: `send_problem` under this middleware's problem base, a 401 with its challenge.
+        self.send_problem = functools.partial(
+            send_problem, base=problem_base, challenge=self.tenants.challenge
+        )
         # The startup check runs once; a failed one fails every request after it too.
         self._checked = False
         self._check_error: ConfigurationError | None = None

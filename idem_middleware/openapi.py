@@ -207,6 +207,11 @@ def document_openapi(
                 )
             else:
                 responses[status] = problem
+            if ProblemKind.UNAUTHENTICATED in kinds and mw is not None and mw.tenants.challenge:
+                responses[status].setdefault("headers", {})["WWW-Authenticate"] = {
+                    "description": "The authentication challenge (RFC 9110)",
+                    "schema": {"type": "string", "example": mw.tenants.challenge.decode()},
+                }
             if _RETRY_AFTER.intersection(kinds):
                 # (Added to the headers the app documents for this status, never in their place.)
                 responses[status].setdefault("headers", {})["Retry-After"] = copy.deepcopy(

@@ -8,18 +8,23 @@
 Labels are the operation and the outcome only: tenants and keys never become label values. An
 operation's method is the client's to choose (a route whose endpoint takes any method is guarded
 for any method but the safe ones): one outside HTTP's own is labelled `OTHER`, so a client cannot
-make series without end.
+make series without end. Nor through the path: an operation is named by its route template, but a
+sub-app mounted behind a wrapper the router above cannot see through is named by the concrete
+path the mounts took (`POST /tenants/7/pay`), one per value; past `max_operations` operations, the
+rest are counted under `OTHER`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
+from .errors import ConfigurationError
 from .observe import Event
 from .store.base import StoreStats
 
@@ -36,11 +41,27 @@ def operation_label(operation: str) -> str:
     return operation if method in _METHODS else f"OTHER{space}{template}"
 
 
+#: The label of every operation past `max_operations`.
+OVERFLOW = "OTHER"
+
+logger = logging.getLogger("idem_middleware")
+
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
 
 
 class PrometheusObserver:
-    def __init__(self, registry: CollectorRegistry = REGISTRY, namespace: str = "idem") -> None:
+    def __init__(
+        self,
+        registry: CollectorRegistry = REGISTRY,
+        namespace: str = "idem",
+        *,
+        max_operations: int = 1000,
+    ) -> None:
+        if type(max_operations) is not int or max_operations < 1:
+            raise ConfigurationError(f"max_operations must be an int >= 1, not {max_operations!r}")
+        self.max_operations = max_operations
+        #: Each operation seen, by its label: at most `max_operations` of them.
+        self._labels: dict[str, str] = {}
         self.requests = Counter(
             "requests",
             "Guarded requests by operation and outcome",
@@ -78,8 +99,25 @@ class PrometheusObserver:
             registry=registry,
         )
 
+    def _label(self, operation: str) -> str:
+        label = self._labels.get(operation)
+        if label is not None:
+            return label
+        if len(self._labels) >= self.max_operations:
+            return OVERFLOW
+        label = self._labels[operation] = operation_label(operation)
+        if len(self._labels) == self.max_operations:
+            logger.warning(
+                "idempotency metrics: %d operations labelled; any further one is counted as "
+                "operation=%s (a sub-app mounted behind a wrapper the router cannot see through "
+                "names its operations by their concrete path)",
+                self.max_operations,
+                OVERFLOW,
+            )
+        return label
+
     def event(self, event: Event, attributes: Mapping[str, Any]) -> None:
-        self.requests.labels(operation_label(attributes.get("operation", "")), event.value).inc()
+        self.requests.labels(self._label(attributes.get("operation", "")), event.value).inc()
 
     @contextlib.contextmanager
     def timed(self, name: str, attributes: Mapping[str, Any]) -> Iterator[None]:
@@ -89,7 +127,7 @@ class PrometheusObserver:
         finally:
             elapsed = time.perf_counter() - start
             if name == "wait":
-                operation = operation_label(attributes.get("operation", ""))
+                operation = self._label(attributes.get("operation", ""))
                 self.wait_seconds.labels(operation).observe(elapsed)
             else:
                 self.store_seconds.labels(name).observe(elapsed)

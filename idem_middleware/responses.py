@@ -89,9 +89,11 @@ def build_problem(
     base: str = DEFAULT_PROBLEM_BASE,
     retry_after: int | None = None,
     instance: str | None = None,
+    challenge: bytes | None = None,
 ) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
     """The status, headers and body of an RFC 9457 problem+json response: the one place
-    refusals are built, whether the middleware sends them or one of the library's routes."""
+    refusals are built, whether the middleware sends them or one of the library's routes.
+    `challenge`: the `WWW-Authenticate` value a 401 carries (`tenant.www_authenticate`)."""
     status, title = _TITLES[kind]
     problem: dict[str, object] = {
         "type": base + kind.value,
@@ -108,6 +110,8 @@ def build_problem(
     ]
     if retry_after is not None:
         headers.append((b"retry-after", str(retry_after).encode()))
+    if challenge is not None and status == 401:
+        headers.append((b"www-authenticate", challenge))
     return status, headers, body
 
 
@@ -119,10 +123,11 @@ async def send_problem(
     base: str = DEFAULT_PROBLEM_BASE,
     retry_after: int | None = None,
     instance: str | None = None,
+    challenge: bytes | None = None,
 ) -> None:
     """Send the problem `build_problem` builds."""
     status, headers, body = build_problem(
-        kind, detail, base=base, retry_after=retry_after, instance=instance
+        kind, detail, base=base, retry_after=retry_after, instance=instance, challenge=challenge
     )
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
@@ -134,9 +139,12 @@ def problem_response(
     *,
     base: str = DEFAULT_PROBLEM_BASE,
     retry_after: int | None = None,
+    challenge: bytes | None = None,
 ) -> Response:
     """The problem `build_problem` builds, as a Starlette Response for the library's routes."""
-    status, headers, body = build_problem(kind, detail, base=base, retry_after=retry_after)
+    status, headers, body = build_problem(
+        kind, detail, base=base, retry_after=retry_after, challenge=challenge
+    )
     # Given every header (content type and length included), Starlette adds none of its own.
     fields = {name.decode("latin-1"): value.decode("latin-1") for name, value in headers}
     return Response(body, status, headers=fields)
@@ -219,7 +227,10 @@ def _malformed(result: object) -> str | None:
             and _HEADER_NAME.fullmatch(header[0]) is not None
             and _HEADER_VALUE.fullmatch(header[1]) is not None
         ):
-            return f"the header {header!r} (headers are (bytes, bytes) pairs, as HTTP allows)"
+            # Named, never quoted: its value may carry what the stored response does.
+            name = header[0] if isinstance(header, tuple) and header else None
+            shown = repr(name[:64]) if isinstance(name, bytes | str) else type(header).__name__
+            return f"the header {shown} (headers are (bytes, bytes) pairs, as HTTP allows)"
     return None
 
 

@@ -38,16 +38,17 @@ def status_route(
     path: str = "/idempotency/status",
     tenant_resolver: TenantResolver = authenticated_user_tenant,
     problem_base: str = DEFAULT_PROBLEM_BASE,
+    www_authenticate: str | None = None,
 ) -> Route:
     """`GET path?operation=POST%20/payouts&key=abc`: the state of the caller's own request.
 
     The tenant comes from authentication, as for the guarded routes: another tenant's record
     with the same key is simply not found. The key is checked as the Idempotency-Key header is,
     the operation's shape too (400 problem+json); the answer is read from the caller's own
-    committed record only (see the module's docstring). Pass the middleware's `problem_base`
-    and `tenant_resolver` if it has its own.
+    committed record only (see the module's docstring). Pass the middleware's `problem_base`,
+    `tenant_resolver` and `www_authenticate` (its 401's challenge) if it has its own.
     """
-    tenants = Tenants(tenant_resolver)
+    tenants = Tenants(tenant_resolver, challenge=www_authenticate)
 
     def _problem(kind: ProblemKind, detail: str) -> Response:
         return problem_response(kind, detail, base=problem_base)

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import inspect
 import logging
+import re
 from collections.abc import Awaitable, Callable
 
 from starlette.responses import Response
 from starlette.types import Scope
 
-from .errors import ProblemKind, RequestRejected
+from .errors import ConfigurationError, ProblemKind, RequestRejected
 from .responses import problem_response
 
 logger = logging.getLogger("idem_middleware")
@@ -28,6 +29,30 @@ AUTH_FIX = (
     "(app.add_middleware(AuthenticationMiddleware, backend=...) after install(...): the "
     "middleware added last runs first), or pass tenant_resolver= to IdempotencyMiddleware"
 )
+
+
+# RFC 9110 §11.6.1: `WWW-Authenticate = #challenge`, a challenge being an auth-scheme, then
+# optionally a token68 or auth-params (`name=token` or `name="quoted string"`).
+_TOKEN = r"[!#$%&'*+.^_`|~0-9A-Za-z-]+"
+_PARAM = rf'{_TOKEN}[ \t]*=[ \t]*(?:{_TOKEN}|"(?:[\t !#-\[\]-~]|\\[\t -~])*")'
+_CHALLENGE = rf"{_TOKEN}(?: +(?:[A-Za-z0-9._~+/-]+=*|{_PARAM}(?:[ \t]*,[ \t]*{_PARAM})*))?"
+_CHALLENGES = re.compile(rf"{_CHALLENGE}(?:[ \t]*,[ \t]*{_CHALLENGE})*")
+
+
+def www_authenticate(value: object) -> bytes | None:
+    """The `www_authenticate` option checked, as the header's bytes (None: no challenge).
+
+    RFC 9110 requires a 401 to carry a challenge, and only the app knows its scheme: `"Bearer"`,
+    `'Basic realm="api"'`, `'Bearer realm="api", Basic'`."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or _CHALLENGES.fullmatch(value) is None:
+        raise ConfigurationError(
+            f"www_authenticate must be the challenge a 401 carries in WWW-Authenticate "
+            f"(RFC 9110: an auth scheme, then optionally a token68 or auth-params), such as "
+            f"'Bearer' or 'Basic realm=\"api\"', not {value!r}"
+        )
+    return value.encode("ascii")
 
 
 class Unidentified(RequestRejected):
@@ -68,10 +93,14 @@ def authenticated_user_tenant(scope: Scope) -> str | None:
 class Tenants:
     """A tenant resolver as an edge uses it. One per middleware or route, made at setup."""
 
-    __slots__ = ("_default", "_logged", "_refusal_logged", "resolver")
+    __slots__ = ("_default", "_logged", "_refusal_logged", "challenge", "resolver")
 
-    def __init__(self, resolver: TenantResolver = authenticated_user_tenant) -> None:
+    def __init__(
+        self, resolver: TenantResolver = authenticated_user_tenant, *, challenge: object = None
+    ) -> None:
         self.resolver = resolver
+        #: What a 401 (no authenticated caller) carries in WWW-Authenticate; None: nothing.
+        self.challenge = www_authenticate(challenge)
         self._default = resolver is authenticated_user_tenant
         self._logged = False
         self._refusal_logged = False
@@ -104,7 +133,7 @@ class Tenants:
         if resolved is not None and not isinstance(resolved, str):
             if inspect.isawaitable(resolved):  # (str first: isawaitable is an ABC)
                 return self._awaited(resolved, allow_anonymous)
-            raise self._refused(f"the tenant resolver answered {resolved!r}, not a str or None")
+            raise self._refused(_not_a_tenant(resolved))
         if resolved:
             return resolved
         return "" if allow_anonymous else None
@@ -115,7 +144,7 @@ class Tenants:
         except Unidentified as exc:
             raise self._refused(exc.why) from None
         if tenant is not None and not isinstance(tenant, str):
-            raise self._refused(f"the tenant resolver answered {tenant!r}, not a str or None")
+            raise self._refused(_not_a_tenant(tenant))
         if tenant:
             return tenant
         return "" if allow_anonymous else None
@@ -131,6 +160,12 @@ class Tenants:
                 why,
             )
         return RequestRejected(ProblemKind.MISCONFIGURED, _CANNOT_IDENTIFY)
+
+
+def _not_a_tenant(answer: object) -> str:
+    """Why a resolver's answer is refused, naming its type only: the value may be a credential
+    (a resolver that returned the Authorization header's bytes) or personal data."""
+    return f"the tenant resolver answered a {type(answer).__name__}, not a str or None"
 
 
 async def route_tenant(tenants: Tenants, scope: Scope, *, problem_base: str) -> str | Response:
@@ -151,6 +186,9 @@ async def route_tenant(tenants: Tenants, scope: Scope, *, problem_base: str) -> 
         return problem_response(exc.kind, exc.detail, base=problem_base)
     if tenant is None:
         return problem_response(
-            ProblemKind.UNAUTHENTICATED, "This resource needs authentication.", base=problem_base
+            ProblemKind.UNAUTHENTICATED,
+            "This resource needs authentication.",
+            base=problem_base,
+            challenge=tenants.challenge,
         )
     return tenant

@@ -154,14 +154,16 @@ def token_route(
     path: str = "/idempotency/tokens",
     tenant_resolver: TenantResolver = authenticated_user_tenant,
     problem_base: str = DEFAULT_PROBLEM_BASE,
+    www_authenticate: str | None = None,
 ) -> Route:
     """`POST path` with `{"operation": "POST /payouts", "intent_id": "..."?}` issues a token to
     the authenticated tenant: 201 `{"token", "expires_at"}` (the same token for the same intent).
-    Refusals are problem+json under `problem_base` (pass the middleware's if it has its own).
+    Refusals are problem+json under `problem_base`, a 401 with `www_authenticate` as its
+    challenge (pass the middleware's, if it has its own).
     The route is `not_idempotent`: the middleware never guards it (a client needs no key, and no
     token, to get its first token; asking again for an intent is already idempotent).
     """
-    tenants = Tenants(tenant_resolver)
+    tenants = Tenants(tenant_resolver, challenge=www_authenticate)
 
     def bad_body() -> Response:
         return problem_response(ProblemKind.BODY_INVALID, _BAD_BODY, base=problem_base)

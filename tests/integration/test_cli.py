@@ -255,15 +255,22 @@ def test_no_database_is_a_usage_error() -> None:
 @pytest.mark.parametrize("command", ["migrate", "stats"])
 @pytest.mark.parametrize(
     "dsn",
-    ["nonsense", "postgresql://u@h:notaport/db", "postgresql://u@127.0.0.1/db?sslmode=bogus"],
+    [
+        "nonsense",
+        "postgresql://u:pw-secret@h:notaport/db",
+        "postgresql://u:pw-secret@127.0.0.1/db?sslmode=bogus",
+        "postgresql://u:pw-secret@127.0.0.1:99999/db",
+        "postgresql://u:pw-secret@127.0.0.1:-1/db",
+    ],
 )
 def test_a_dsn_that_cannot_be_parsed_is_a_bad_argument(command: str, dsn: str) -> None:
-    """Exit 2 with the parser's message; migrate (and every command, for a bad port) showed
-    asyncpg's traceback."""
+    """Exit 2 with the parser's message, never the password; migrate (and every command, for a
+    bad port; a port out of range was still a traceback) showed asyncpg's traceback."""
     result = cli(command, dsn=dsn)
     assert result.returncode == 2, result.stderr
     assert "error: --dsn: " in result.stderr
     assert "Traceback" not in result.stderr
+    assert "pw-secret" not in result.stderr + result.stdout
 
 
 def test_unreachable_database_exits_1() -> None:

@@ -146,7 +146,11 @@ async def test_authentication_and_tenant_isolation(http: httpx.AsyncClient) -> N
         headers={"authorization": "Bearer nope", **key()},
     )
     assert wrong.status_code == 401
-    assert (await http.get("/accounts/acc-t")).status_code == 401
+    read = await http.get("/accounts/acc-t")
+    assert read.status_code == 401
+    # The middleware's 401s (a guarded POST) and the app's own (a GET) name the same scheme.
+    for refused in (anonymous, wrong, read):
+        assert refused.headers.get_list("www-authenticate") == ["Bearer"]
     shared_key = key()
     a = await http.post("/accounts/acc-t/credits", json={"amount": 3}, headers={**A, **shared_key})
     b = await http.post("/accounts/acc-t/credits", json={"amount": 3}, headers={**B, **shared_key})

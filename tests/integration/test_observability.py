@@ -18,9 +18,10 @@ from starlette.middleware import Middleware
 from starlette.middleware.authentication import AuthenticationMiddleware
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
-from starlette.routing import Route
+from starlette.routing import Mount, Route
 
 from idem_middleware import IdempotencyMiddleware, MemoryStore, Mode, Policy, idempotent
+from idem_middleware.errors import ConfigurationError
 from idem_middleware.observe import LoggingObserver
 from idem_middleware.otel import OpenTelemetryObserver
 from idem_middleware.prometheus import PrometheusObserver
@@ -222,3 +223,90 @@ async def test_a_stream_that_fails_after_its_settlement_is_counted_as_settled_on
 
     counted = {o: count(o) for o in ("claimed", "succeeded", "released", "replayed")}
     assert counted == {"claimed": 1, "succeeded": 1, "released": 0, "replayed": 1}
+
+
+async def test_operations_named_by_a_concrete_path_make_no_series_without_end(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Found by probing: a sub-app mounted behind a wrapper the router above cannot see into
+    names its operations by the path the mounts took (`POST /tenants/bob0@example.com/pay`), so
+    every value a client put in the mount's parameter was a series of its own (and the path's
+    values, an email here, became label values). Past `max_operations`, the rest are OTHER."""
+
+    async def pay(request: Request) -> Response:
+        return PlainTextResponse("paid", 201)
+
+    registry = CollectorRegistry()
+    inner = Starlette(
+        routes=[Route("/pay", pay, methods=["POST"])],
+        middleware=[
+            Middleware(
+                IdempotencyMiddleware,
+                store=MemoryStore(),
+                tenant_resolver=lambda scope: "tenant-a",
+                observers=[PrometheusObserver(registry=registry, max_operations=3)],
+            )
+        ],
+    )
+
+    async def hiding(scope: Any, receive: Any, send: Any) -> None:  # no `.app` to look through
+        await inner(scope, receive, send)
+
+    outer = Starlette(routes=[Mount("/tenants/{tid}", app=hiding)])
+    with caplog.at_level(logging.WARNING, logger="idem_middleware"):
+        async with client(outer) as c:
+            for i in range(10):
+                url = f"/tenants/bob{i}@example.com/pay"
+                reply = await c.post(url, json={}, headers={"idempotency-key": f"k{i}"})
+                assert reply.status_code == 201, reply.text
+    labels = {
+        sample.labels["operation"]
+        for metric in registry.collect()
+        for sample in metric.samples
+        if "operation" in sample.labels
+    }
+    assert len(labels) == 4, labels  # three operations, then OTHER
+    assert "OTHER" in labels
+    claimed = registry.get_sample_value(
+        "idem_requests_total", {"operation": "OTHER", "outcome": "claimed"}
+    )
+    assert claimed == 7  # every request is still counted
+    assert len([r for r in caplog.records if "operations labelled" in r.getMessage()]) == 1
+
+
+@pytest.mark.parametrize("bound", [0, -1, 1.5, "10", True])
+def test_max_operations_is_checked_when_made(bound: Any) -> None:
+    with pytest.raises(ConfigurationError, match="max_operations"):
+        PrometheusObserver(registry=CollectorRegistry(), max_operations=bound)
+
+
+@pytest.mark.parametrize("record_tenant", [False, True])
+async def test_span_events_carry_the_tenant_only_when_asked(
+    pg_store: Any, record_tenant: bool
+) -> None:
+    """Found by probing: every decision's span event carried `idem.tenant`, the authenticated
+    caller's identity (an email, often), to the tracing backend. OpenTelemetry's conventions
+    leave an end user's id out unless asked for; so does the observer now."""
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    observer = OpenTelemetryObserver(tracer_provider=provider, record_tenant=record_tenant)
+    app = build_app(pg_store, default_policy=Policy(wait_seconds=0.2), observers=[observer])
+    with provider.get_tracer("test").start_as_current_span("request"):
+        await scripted(app)
+    (request,) = [s for s in exporter.get_finished_spans() if s.name == "request"]
+    events = [dict(event.attributes or {}) for event in request.events]
+    assert {event.get("idem.operation") for event in events} == {OP}
+    keyed = [e for e in events if "idem.key_digest" in e]
+    assert keyed  # the events of requests that reached a key name it by its digest
+    everything = [dict(span.attributes or {}) for span in exporter.get_finished_spans()]
+    everything += [
+        dict(e.attributes or {}) for s in exporter.get_finished_spans() for e in s.events
+    ]
+    assert SECRET_KEY not in str(everything)
+    with_tenant = [a for a in everything if "idem.tenant" in a]
+    if record_tenant:
+        assert with_tenant == keyed
+        assert {a["idem.tenant"] for a in with_tenant} == {"tenant-a"}
+    else:
+        assert with_tenant == []

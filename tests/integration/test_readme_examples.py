@@ -114,6 +114,7 @@ async def test_examples_run_and_replay(
     assert again.headers["idempotent-replayed"] == "true"
     assert again.json() == first.json()
     assert anonymous.status_code == 401
+    assert anonymous.headers["www-authenticate"] == "Bearer"  # RFC 9110's challenge
     rows = await pool.fetch("SELECT tenant, item FROM orders")
     assert [tuple(r) for r in rows] == [("tenant-a", "book")]
 

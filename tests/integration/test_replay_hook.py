@@ -112,7 +112,27 @@ def _returns_a_bad_header(response: StoredResponse, scope: Scope) -> StoredRespo
     return dataclasses.replace(response, headers=[(b"x-bad", b"a\r\nset-cookie: s=1")])
 
 
-@pytest.mark.parametrize("hook", [_raises, _raises_async, _returns_a_dict, _returns_a_bad_header])
+def _returns_a_str_header(response: StoredResponse, scope: Scope) -> StoredResponse:
+    """Found by probing: the refusal's message (logged with its traceback) quoted the header
+    whole, and a header value may carry what the body does (a card, a session)."""
+    return dataclasses.replace(response, headers=[(b"x-card", "4242-secret")])
+
+
+def _returns_a_header_with_a_line_break(response: StoredResponse, scope: Scope) -> StoredResponse:
+    return dataclasses.replace(response, headers=[(b"x-card", b"4242-secret\r\nx-bad: 1")])
+
+
+@pytest.mark.parametrize(
+    "hook",
+    [
+        _raises,
+        _raises_async,
+        _returns_a_dict,
+        _returns_a_bad_header,
+        _returns_a_str_header,
+        _returns_a_header_with_a_line_break,
+    ],
+)
 async def test_a_failing_hook_is_logged_and_the_stored_response_replayed(
     store: Store, hook: Any, caplog: pytest.LogCaptureFixture
 ) -> None:

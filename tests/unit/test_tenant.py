@@ -145,6 +145,28 @@ async def test_a_resolver_answering_neither_a_str_nor_none_is_refused(
     assert refused.value.kind is ProblemKind.MISCONFIGURED
 
 
+@pytest.mark.parametrize("asynchronous", [False, True])
+async def test_a_refused_resolver_answer_is_logged_by_its_type_not_its_value(
+    asynchronous: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Found by probing: a resolver that returned the Authorization header's bytes (instead of
+    decoding them) had the bearer token written into the error log with the answer's repr."""
+    credential = b"Bearer sk_live_do_not_log"
+
+    async def async_resolver(scope: object) -> object:
+        return credential
+
+    tenants = Tenants(async_resolver if asynchronous else lambda scope: credential)  # type: ignore[arg-type,return-value]
+    with (
+        caplog.at_level(logging.DEBUG, logger="idem_middleware"),
+        pytest.raises(RequestRejected) as refused,
+    ):
+        await resolve(tenants, {})
+    logged = [r.getMessage() for r in caplog.records]
+    assert any("answered a bytes, not a str or None" in text for text in logged), logged
+    assert not any("sk_live" in text for text in [*logged, str(refused.value)])
+
+
 async def test_two_users_without_identities_never_share_a_replay() -> None:
     """End to end: the second Alice gets a 500 problem, not the first Alice's response."""
     calls: list[str] = []
