@@ -20,6 +20,7 @@ from .errors import ConfigurationError, IdempotencyError
 from .ops import Resolution
 from .policy import seconds_option
 from .store.base import State
+from .store.migrations import LOCK_TIMEOUT_SECONDS
 
 _DSN_ENV = "IDEM_DATABASE_URL"
 _DSN_ENVS = (_DSN_ENV, "DATABASE_URL")
@@ -150,6 +151,15 @@ def _parser() -> argparse.ArgumentParser:
     m = command("migrate", "apply the numbered schema migrations")
     m.add_argument(
         "--check", action="store_true", help="apply nothing; exit 1 if migrations are pending"
+    )
+    m.add_argument(
+        "--lock-timeout",
+        type=_positive_seconds,
+        default=_env_typed("IDEM_MIGRATE_LOCK_TIMEOUT", LOCK_TIMEOUT_SECONDS),
+        metavar="SECONDS",
+        help="the longest a migration waits for a table that open transactions use, requests "
+        "queueing behind it meanwhile; then nothing is applied and it exits 1 "
+        f"(env IDEM_MIGRATE_LOCK_TIMEOUT, default {LOCK_TIMEOUT_SECONDS:g})",
     )
 
     p = command("purge", "delete finished records past their retention (never pending/unknown)")

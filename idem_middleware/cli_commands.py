@@ -96,7 +96,7 @@ async def migrate(args: argparse.Namespace) -> int:
             text = f"pending migrations: {pending}" if pending else "schema is up to date"
             emit(args, {"pending": pending}, text)
             return 1 if pending else 0
-        applied = await apply_migrations(conn)
+        applied = await apply_migrations(conn, lock_timeout=args.lock_timeout)
         text = f"applied migrations: {applied}" if applied else "schema is up to date"
         emit(args, {"applied": applied}, text)
         return 0

@@ -9,7 +9,7 @@ from contextvars import ContextVar, Token
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import ConfigurationError
+from .errors import ConfigurationError, StaleGeneration
 from .keys import token_hash as token_hash
 from .outcomes import RELEASE_STATUSES as RELEASE_STATUSES
 from .outcomes import Outcome as Outcome
@@ -96,11 +96,16 @@ class IdempotencyContext:
         """
         if self._fence is None:
             return self.connection
-        return await self._fence()
+        try:
+            return await self._fence()
+        except StaleGeneration:
+            self.lease_lost.set()  # (a heartbeat may not have noticed yet, or never will)
+            raise
 
     @property
     def lease_lost(self) -> asyncio.Event:
-        """Lease mode: set when a heartbeat found this generation no longer holds the claim."""
+        """Lease mode: set when this generation was found no longer to hold the claim (by a
+        heartbeat, or by a fenced write refused with StaleGeneration)."""
         if self._lease_lost is None:  # made on demand: most requests never look at it
             self._lease_lost = asyncio.Event()
         return self._lease_lost

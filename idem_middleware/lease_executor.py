@@ -132,20 +132,31 @@ class LeaseExecution:
                         extra=log_extra(key, generation, "stale"),
                     )
                     settled = False
-                except BaseException:
+                except BaseException as exc:
                     # Clean up, then re-raise. Whatever the handler did outside the database
                     # may have happened: unknown, unless it declared the request did nothing.
-                    if not capture.passthrough:
-                        await fence.close()
-                        if context.declared is Outcome.RELEASE:
-                            await self.store.release(key, generation)
-                            ex.emit(Event.RELEASED, generation)
-                        else:
-                            await self.store.settle(
-                                key, generation, State.PENDING, Settlement(State.UNKNOWN)
-                            )
-                            ex.emit(Event.UNRESOLVED, generation)
-                    raise
+                    if capture.passthrough:
+                        raise
+                    await fence.close()
+                    if context.declared is Outcome.RELEASE:
+                        moved, event = await self.store.release(key, generation), Event.RELEASED
+                    else:
+                        moved = await self.store.settle(
+                            key, generation, State.PENDING, Settlement(State.UNKNOWN)
+                        )
+                        event = Event.UNRESOLVED
+                    if moved:
+                        ex.emit(event, generation)
+                    if moved or not isinstance(exc, Exception):
+                        raise
+                    # Another execution owns the record now: answered as a stale executor
+                    # that returned is (retry for the outcome), not with a plain 500.
+                    logger.warning(
+                        "a stale executor's handler raised",
+                        exc_info=True,
+                        extra=log_extra(key, generation, "stale"),
+                    )
+                    settled = False
                 else:
                     if capture.passthrough:
                         return SENT
@@ -180,6 +191,7 @@ class LeaseExecution:
         assert self.fence is not None
         assert self.capture is not None
         if not await self._settle(self.context, self.fence, self.capture, omitted=reason):
+            self.context.lease_lost.set()
             raise StaleGeneration("this execution's early settlement was refused")
         self.ex.started = True
         if self.ex.slot is not None:

@@ -7,7 +7,7 @@ from typing import Any
 import asyncpg
 
 from .. import sql
-from ..errors import ConfigurationError
+from ..errors import ConfigurationError, StoreError
 
 #: What a migration meets when its objects exist though it is not recorded.
 _ALREADY_THERE = (
@@ -19,6 +19,9 @@ _ALREADY_THERE = (
 
 # Concurrent migrators (several app hosts starting at once) queue on this transaction lock.
 _LOCK_ID = 0x1DE4_0001
+
+#: How long a migration waits for a lock on a table it alters (`lock_timeout`).
+LOCK_TIMEOUT_SECONDS = 5.0
 
 
 async def applied_versions(conn: asyncpg.Connection[Any]) -> set[int]:
@@ -58,39 +61,91 @@ async def applied_versions(conn: asyncpg.Connection[Any]) -> set[int]:
     return {r["version"] for r in rows}
 
 
-async def migrate(conn: asyncpg.Connection[Any]) -> list[int]:
-    """Apply the migrations this database lacks, in one transaction; return those applied."""
+async def migrate(
+    conn: asyncpg.Connection[Any], *, lock_timeout: float | None = LOCK_TIMEOUT_SECONDS
+) -> list[int]:
+    """Apply the migrations this database lacks, in one transaction; return those applied.
+
+    A migration that alters a table waits for the transactions using it (a transactional
+    handler holds one for its whole run) and, while it waits, every request that reads the
+    table queues behind it. It waits at most `lock_timeout` seconds (None: for ever): then
+    nothing is applied, the queued requests go on, and StoreError names the sessions that held
+    the table."""
     applied: list[int] = []
-    async with conn.transaction():
-        await conn.execute("SELECT pg_advisory_xact_lock($1)", _LOCK_ID)
-        done = await applied_versions(conn)
-        for version, name, text in sql.migrations():
-            if version in done:
-                continue
-            try:
-                await conn.execute(text)
-            except asyncpg.InsufficientPrivilegeError as exc:
-                # Creating in the schema, or altering or dropping what an earlier migration
-                # made, which only the objects' owner may do.
-                raise ConfigurationError(
-                    f"migration {version:04d}_{name} was refused: {exc}; run `idem-middleware "
-                    "migrate` as the role that owns the idempotency schema's objects (the one "
-                    "that ran the earlier migrations) or one that may create in its schema"
-                ) from exc
-            except _ALREADY_THERE as exc:
-                raise ConfigurationError(
-                    f"migration {version:04d}_{name} is not recorded in idem_schema_migrations, "
-                    f"but what it creates is there already ({exc}): the schema was made some "
-                    "other way (schema.sql applied by hand, a copy of the tables?). Drop the "
-                    "idem_ tables, sequence and functions and run migrate again, or, if the "
-                    "schema is complete up to a version, record those versions in "
-                    "idem_schema_migrations"
-                ) from exc
-            await conn.execute(
-                "INSERT INTO idem_schema_migrations (version, name) VALUES ($1, $2)", version, name
-            )
-            applied.append(version)
+    failed = ""
+    try:
+        async with conn.transaction():
+            await conn.execute("SELECT pg_advisory_xact_lock($1)", _LOCK_ID)
+            if lock_timeout is not None:
+                # After the migrators' lock: a second migrate waits for the first as long as
+                # it takes. Local to this transaction.
+                await conn.execute(
+                    "SELECT set_config('lock_timeout', $1, true)",
+                    f"{max(1, round(lock_timeout * 1000))}ms",
+                )
+            done = await applied_versions(conn)
+            for version, name, text in sql.migrations():
+                if version in done:
+                    continue
+                failed = f"{version:04d}_{name}"
+                await _apply(conn, failed, text)
+                await conn.execute(
+                    "INSERT INTO idem_schema_migrations (version, name) VALUES ($1, $2)",
+                    version,
+                    name,
+                )
+                applied.append(version)
+    except asyncpg.LockNotAvailableError as exc:
+        raise StoreError(
+            f"migration {failed} waited more than {lock_timeout:g} s for a lock ({exc}) and "
+            f"nothing was applied: {await _holders(conn)}. Run `idem-middleware migrate` again "
+            "when they are over (requests went on meanwhile), or give it longer (--lock-timeout)"
+        ) from exc
     return applied
+
+
+async def _apply(conn: asyncpg.Connection[Any], migration: str, text: str) -> None:
+    try:
+        await conn.execute(text)
+    except asyncpg.InsufficientPrivilegeError as exc:
+        # Creating in the schema, or altering or dropping what an earlier migration
+        # made, which only the objects' owner may do.
+        raise ConfigurationError(
+            f"migration {migration} was refused: {exc}; run `idem-middleware "
+            "migrate` as the role that owns the idempotency schema's objects (the one "
+            "that ran the earlier migrations) or one that may create in its schema"
+        ) from exc
+    except _ALREADY_THERE as exc:
+        raise ConfigurationError(
+            f"migration {migration} is not recorded in idem_schema_migrations, "
+            f"but what it creates is there already ({exc}): the schema was made some "
+            "other way (schema.sql applied by hand, a copy of the tables?). Drop the "
+            "idem_ tables, sequence and functions and run migrate again, or, if the "
+            "schema is complete up to a version, record those versions in "
+            "idem_schema_migrations"
+        ) from exc
+
+
+async def _holders(conn: asyncpg.Connection[Any]) -> str:
+    """The oldest transactions open in this database (those the migration waited for are
+    among them), as far as this role may see them."""
+    rows = await conn.fetch(
+        "SELECT pid, application_name, state,"
+        " round(extract(epoch FROM clock_timestamp() - xact_start)) AS age"
+        " FROM pg_catalog.pg_stat_activity"
+        " WHERE datname = current_database() AND pid <> pg_backend_pid()"
+        " AND xact_start IS NOT NULL ORDER BY xact_start LIMIT 5"
+    )
+    if not rows:
+        return (
+            "no open transaction this role may see (pg_stat_activity shows other roles' "
+            "sessions to members of pg_read_all_stats)"
+        )
+    return "transactions open in this database: " + "; ".join(
+        f"pid {r['pid']} ({r['application_name'] or 'no application_name'}, "
+        f"{r['state']}, for {r['age']} s)"
+        for r in rows
+    )
 
 
 async def pending_versions(conn: asyncpg.Connection[Any]) -> list[int]:

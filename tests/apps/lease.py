@@ -97,7 +97,8 @@ class Step:
 
     status: int = 201
     downstream: bool = True
-    #: Raise DownstreamError "before" or "after" the downstream effect.
+    #: Raise DownstreamError "before" or "after" the downstream effect, or "late": after the
+    #: hold and the fenced write (when the lease may have been taken over meanwhile).
     fail: str | None = None
     #: Write a test_ledger row on the fenced connection "before" the downstream call or "after"
     #: the hold (a StaleGeneration there is caught and recorded in `LeaseProbe.stale`), or
@@ -163,6 +164,8 @@ async def payout(request: Request) -> Response:
             probe.stale.append(ctx.generation)
     elif step.fence == "after, uncaught":
         await fenced_ledger(ctx, account, amount)
+    if step.fail == "late":
+        raise DownstreamError("the bank answered 500 to the late call")
     if step.poison:
         conn = await ctx.fenced_connection()
         with contextlib.suppress(Exception):

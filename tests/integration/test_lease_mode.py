@@ -12,8 +12,9 @@ is in test_lease_process.py, with a real SIGKILL.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import replace
 from typing import Any
@@ -376,6 +377,61 @@ async def test_seed_late_stale_executor_is_fenced_out_after_a_takeover(
             assert_replay_of(retry, b)
     assert probe_a.calls == 1
     assert probe_b.calls == 1
+
+
+class EventLog:
+    """An observer that keeps each decision's event and generation."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, Any]] = []
+
+    def event(self, event: Any, attributes: Any) -> None:
+        self.events.append((str(event), attributes.get("generation")))
+
+    @contextlib.contextmanager
+    def timed(self, name: str, attributes: Any) -> Iterator[None]:
+        yield
+
+
+@pytest.mark.parametrize("declare", [None, Outcome.RELEASE])
+async def test_a_stale_executor_whose_handler_raises_is_told_another_execution_owns_the_key(
+    pool: asyncpg.Pool[Any], pg_store: PostgresStore, bank: asyncpg.Pool[Any], declare: Any
+) -> None:
+    """A is paused past its lease; B takes over and completes; A's fenced write is refused and
+    its handler then raises (its own error, as a handler that gives up does). A's client got a
+    plain 500 and an `unresolved` event was counted for a record nobody marked unknown (B's
+    outcome stood); a stale executor that returned got 409 request-in-flight. Both now get the
+    409 (retry for the outcome), and the fenced write's refusal sets `lease_lost`, which only a
+    heartbeat did (and a paused process's heartbeat never notices)."""
+    policy = LEASE_POLICY.replace(lease_seconds=0.6, on_lease_expiry=LeaseExpiry.TAKEOVER)
+    events = EventLog()
+    async with PausedHeartbeatStore(pool=pool, listen=False) as paused:
+        app_a = build_lease_app(paused, bank, policy, observers=[events])
+        app_b = build_lease_app(pg_store, bank, policy)
+        probe_a = probe_of(app_a)
+        gate = asyncio.Event()
+        probe_a.steps = [Step(gate=gate, fence="after", fail="late", declare=declare)]
+        async with client(app_a) as ca, client(app_b) as cb:
+            task_a = spawn(post(ca))
+            await asyncio.wait_for(probe_a.entered.wait(), BOUND)
+            gen_a = probe_a.contexts[0].generation
+            await lease_lapsed(bank)
+            b = await asyncio.wait_for(post(cb), BOUND)
+            assert b.status_code == 201, b.text
+            gate.set()
+            a = await finish(task_a)
+            assert_problem(a, 409, "request-in-flight")
+            assert a.headers["retry-after"] == "1"
+            assert probe_a.stale == [gen_a]
+            assert probe_a.contexts[0].lease_lost.is_set()
+            after = await row(bank)
+            assert after is not None
+            assert after["state"] == "succeeded"
+            assert after["response_body"] == b.content
+            retry = await post(ca)
+            assert_replay_of(retry, b)
+    assert ("claimed", gen_a) in events.events
+    assert [e for e in events.events if e[1] == gen_a and e[0] != "claimed"] == []
 
 
 async def test_stale_executor_holding_its_fence_blocks_the_takeover_and_wins(

@@ -13,7 +13,7 @@ import asyncpg
 import pytest
 
 from idem_middleware import PostgresStore, sql
-from idem_middleware.errors import ConfigurationError
+from idem_middleware.errors import ConfigurationError, StoreError
 from idem_middleware.store.base import RecordKey
 from idem_middleware.store.migrations import _LOCK_ID, migrate, pending_versions
 from tests.conftest import dsn_for
@@ -172,6 +172,84 @@ async def test_migrate_is_idempotent_and_safe_to_run_concurrently(
     finally:
         for conn in (blocker, first, second):
             await conn.close()
+
+
+async def _waiting_on(conn: asyncpg.Connection[Any], event: str, count: int = 1) -> None:
+    """Until `count` sessions of this database wait on a lock of this kind (bounded)."""
+    for _ in range(500):
+        waiting = await conn.fetchval(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+            " AND wait_event_type = 'Lock' AND wait_event = $1",
+            event,
+        )
+        if waiting >= count:
+            return
+        await asyncio.sleep(0.01)
+    pytest.fail(f"no session waited on a lock of kind {event}")
+
+
+async def test_a_migration_gives_up_on_a_table_lock_instead_of_stalling_every_request(
+    new_database: NewDatabase,
+) -> None:
+    """Migration 0005 alters idem_requests. A transaction that read the table (a transactional
+    handler mid-run, of the version being upgraded) kept it waiting, and every request's read
+    queued behind it, for as long as that transaction lasted: without end for one left idle.
+    It now gives up after its lock timeout, applies nothing and names the session; once that
+    is over, migrate applies everything."""
+    dsn = await new_database()
+    migrator = await asyncpg.connect(dsn)
+    handler = await asyncpg.connect(dsn)
+    try:
+        async with migrator.transaction():  # the database of a version at 0004
+            for version, name, text in sql.migrations():
+                if version <= 4:
+                    await migrator.execute(text)
+                    await migrator.execute(
+                        "INSERT INTO idem_schema_migrations (version, name) VALUES ($1, $2)",
+                        version,
+                        name,
+                    )
+        await handler.execute("BEGIN; SELECT count(*) FROM idem_requests")
+        pid = await handler.fetchval("SELECT pg_backend_pid()")
+
+        with pytest.raises(StoreError) as refused:
+            await asyncio.wait_for(migrate(migrator, lock_timeout=0.2), 30)
+        message = str(refused.value)
+        assert "0005_epoch_and_consumed_tokens" in message
+        assert f"pid {pid} " in message
+        assert "idle in transaction" in message
+        assert "nothing was applied" in message
+        assert "--lock-timeout" in message
+        assert await pending_versions(migrator) == [v for v in ALL_VERSIONS if v > 4]
+        # The transaction goes on (its lock was never taken from it).
+        assert await handler.fetchval("SELECT count(*) FROM idem_requests") == 0
+
+        await handler.execute("ROLLBACK")
+        assert await migrate(migrator, lock_timeout=0.2) == [v for v in ALL_VERSIONS if v > 4]
+    finally:
+        await migrator.close()
+        await handler.close()
+
+
+async def test_the_lock_timeout_does_not_cut_short_the_wait_for_another_migrator(
+    new_database: NewDatabase,
+) -> None:
+    dsn = await new_database()
+    blocker = await asyncpg.connect(dsn)
+    migrator = await asyncpg.connect(dsn)
+    try:
+        await blocker.execute("SELECT pg_advisory_lock($1)", _LOCK_ID)  # another migrate
+        running = asyncio.ensure_future(migrate(migrator, lock_timeout=0.05))
+        try:
+            await _waiting_on(blocker, "advisory")
+            await asyncio.sleep(0.2)  # past its lock timeout
+            assert not running.done()
+        finally:
+            await blocker.execute("SELECT pg_advisory_unlock($1)", _LOCK_ID)
+        assert await asyncio.wait_for(running, 30) == ALL_VERSIONS
+    finally:
+        await blocker.close()
+        await migrator.close()
 
 
 # --- the named queries --------------------------------------------------------------------------
