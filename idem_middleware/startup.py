@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from starlette.routing import BaseRoute, Host, Match, Mount
 from starlette.types import Scope
 
-from .errors import ConfigurationError
+from .errors import NOT_OPEN, OPEN_IN_LIFESPAN, ConfigurationError
 from .policy import Mode, Policy, endpoint_policy, operation_name
 from .routing import Found, Hidden, match_route, routes_of, walk
 from .tenant import AUTH_FIX, authenticated_user_tenant
@@ -39,6 +39,8 @@ def check_app(mw: IdempotencyMiddleware, app: Any, scope: Scope | None = None) -
         return
     if not mw.enabled:
         logger.warning("idempotency: the middleware is disabled (kill switch); nothing is guarded")
+    elif scope is not None and not getattr(mw.store, "is_open", True):  # (no lifespan ran)
+        logger.error("idempotency: %s (until then guarded requests answer 503)", NOT_OPEN)
     errors: list[str] = []
     reachable: set[str] = set()
     items = _named_above(routes, scope)
@@ -81,6 +83,18 @@ def check_app(mw: IdempotencyMiddleware, app: Any, scope: Scope | None = None) -
     errors.extend(_status_route_errors(mw, routes, guarded))
     if errors:
         raise ConfigurationError("; ".join(errors))
+
+
+def unopened_store(mw: IdempotencyMiddleware) -> ConfigurationError | None:
+    """When the app's lifespan startup completes: a store still not open would answer every
+    guarded request 503 (logged; None when it is open, or the middleware is switched off)."""
+    if not mw.enabled or getattr(mw.store, "is_open", True):
+        return None
+    error = ConfigurationError(
+        f"the app's lifespan startup completed without opening the store: {OPEN_IN_LIFESPAN}"
+    )
+    logger.error("idempotency: %s", error)
+    return error
 
 
 def guarded_routes(

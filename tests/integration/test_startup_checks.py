@@ -25,6 +25,7 @@ from idem_middleware import (
     IdempotencyMiddleware,
     Mode,
     Policy,
+    StoreError,
     idempotent,
 )
 from idem_middleware.fastapi import Idempotency, IdempotencyConnection, install
@@ -361,3 +362,95 @@ async def test_no_authentication_before_the_middleware_is_a_500_that_says_why(
     assert "add Starlette's AuthenticationMiddleware after installing" in startup_warnings[0]
     errors = [m for m in messages(caplog, logging.ERROR) if "no 'user'" in m]
     assert len(errors) == 1, "logged once, not per request"
+
+
+# -- a store the app's lifespan does not open ----------------------------------------------------
+
+
+def store_app(store: PostgresStore, *, opens: bool, enabled: bool = True) -> FastAPI:
+    """A FastAPI app whose lifespan opens `store`, or (the newcomer's mistake) does not."""
+    closed: list[bool] = []
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> Any:
+        try:
+            async with contextlib.AsyncExitStack() as stack:
+                if opens:
+                    await stack.enter_async_context(store)
+                yield
+        finally:
+            closed.append(True)
+
+    app = FastAPI(lifespan=lifespan)
+    app.state.closed = closed
+    install(app, store=store, enabled=enabled, tenant_resolver=lambda scope: "t")
+
+    @app.post("/pay")
+    async def pay() -> dict[str, bool]:
+        return {"ok": True}
+
+    return app
+
+
+async def test_a_lifespan_that_does_not_open_the_store_fails_the_startup(
+    db_dsn: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Before, the server started and answered every guarded request 503 store-unavailable
+    ("retry it with the same Idempotency-Key"), for as long as it ran."""
+    app = store_app(PostgresStore(dsn=db_dsn), opens=False)
+    with caplog.at_level(logging.ERROR, logger="idem_middleware"):
+        sent = await startup(app)
+    assert [m["type"] for m in sent] == ["lifespan.startup.failed"]
+    assert "without opening the store" in sent[0]["message"]
+    assert "lifespan=store_lifespan(store)" in sent[0]["message"]
+    assert any("without opening the store" in m for m in messages(caplog, logging.ERROR))
+    assert app.state.closed == [True]  # the app's own lifespan was unwound, not left running
+
+
+async def test_a_store_the_lifespan_opens_or_a_given_pool_starts(
+    db_dsn: str, pool: asyncpg.Pool[Any]
+) -> None:
+    app = store_app(PostgresStore(dsn=db_dsn), opens=True)
+    sent = await startup(app)
+    assert [m["type"] for m in sent] == [
+        "lifespan.startup.complete",
+        "lifespan.shutdown.complete",
+    ]
+    # A pool of the app's own serves without open(); so does the kill switch, which uses no store.
+    for app in (
+        store_app(PostgresStore(pool=pool), opens=False),
+        store_app(PostgresStore(dsn=db_dsn), opens=False, enabled=False),
+        store_app(MemoryStore(), opens=False),  # type: ignore[arg-type]
+    ):
+        sent = await startup(app)
+        assert sent[0]["type"] == "lifespan.startup.complete", sent
+
+
+async def test_without_a_lifespan_an_unopened_store_says_how_to_open_it(
+    db_dsn: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """httpx's ASGITransport (or a TestClient outside `with`) runs no lifespan: the first
+    request's check logs the fix, and the 503's log says it too (before: 'call `await
+    store.open()` first', which a FastAPI app never calls)."""
+    app = store_app(PostgresStore(dsn=db_dsn), opens=True)
+    with caplog.at_level(logging.WARNING, logger="idem_middleware"):
+        async with client(app) as c:
+            r = await c.post("/pay", json={}, headers=key("k"))
+    assert_problem(r, 503, "store-unavailable")
+    (error,) = messages(caplog, logging.ERROR)
+    assert "the store is not open" in error
+    assert "`with TestClient(app) as client:`" in error
+    logged = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert logged
+    assert logged[0].exc_info is not None
+    assert "`with TestClient(app) as client:`" in str(logged[0].exc_info[1])
+
+
+async def test_a_closed_store_says_it_is_closed(db_dsn: str) -> None:
+    store = PostgresStore(dsn=db_dsn)
+    assert not store.is_open
+    async with store:
+        assert store.is_open
+    assert not store.is_open
+    with pytest.raises(StoreError, match="the store is closed"):
+        _ = store.pool
