@@ -13,7 +13,7 @@ from starlette.routing import BaseRoute, Host, Match, Mount
 from starlette.types import Scope
 
 from .errors import NOT_OPEN, OPEN_IN_LIFESPAN, ConfigurationError
-from .policy import Mode, Policy, endpoint_policy, operation_name
+from .policy import WRAPPER_ATTRIBUTE, Mode, Policy, endpoint_policy, operation_name
 from .routing import Found, Hidden, match_route, routes_of, walk
 from .tenant import AUTH_FIX, authenticated_user_tenant
 
@@ -44,10 +44,14 @@ def check_app(mw: IdempotencyMiddleware, app: Any, scope: Scope | None = None) -
     errors: list[str] = []
     reachable: set[str] = set()
     items = _named_above(routes, scope)
+    endpoints = {id(item.endpoint) for item in items if isinstance(item, Found)}
     for item in items:
         if isinstance(item, Hidden):
             _report_hidden(mw, item)
             continue
+        wrapper = getattr(item.endpoint, WRAPPER_ATTRIBUTE, None)
+        if wrapper is not None and id(wrapper) not in endpoints:
+            errors.append(_decorated_above(item))
         explicit = endpoint_policy(item.endpoint)
         methods = _methods(item)
         unsafe = [m for m in methods if m not in SAFE_METHODS]
@@ -144,6 +148,15 @@ def _named_above(routes: Sequence[BaseRoute], scope: Scope | None) -> list[Found
 
 def _methods(item: Found) -> list[str]:
     return sorted(item.methods) if item.methods is not None else list(_UNSAFE_METHODS)
+
+
+def _decorated_above(item: Found) -> str:
+    name = getattr(item.endpoint, "__qualname__", repr(item.endpoint))
+    return (
+        f"{name} ({item.template}) has @idempotent above its route decorator, which registered "
+        "the function without it: its policy never applies. Put @idempotent below the route "
+        "decorator (@app.post(...), then @idempotent(...), then the def)"
+    )
 
 
 def describe(policy: Policy) -> str:

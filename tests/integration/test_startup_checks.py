@@ -454,3 +454,53 @@ async def test_a_closed_store_says_it_is_closed(db_dsn: str) -> None:
     assert not store.is_open
     with pytest.raises(StoreError, match="the store is closed"):
         _ = store.pool
+
+
+# -- @idempotent above the route decorator -------------------------------------------------------
+
+
+def decorated_above_app() -> FastAPI:
+    app = FastAPI()
+    install(app, store=MemoryStore(), methods=(), tenant_resolver=lambda scope: "t")
+
+    @idempotent(mode=Mode.LEASE)  # the newcomer's order: FastAPI registered `payout` itself
+    @app.post("/payouts")
+    async def payout() -> dict[str, bool]:
+        return {"ok": True}
+
+    @app.post("/orders")
+    @idempotent()
+    async def order() -> dict[str, bool]:
+        return {"ok": True}
+
+    return app
+
+
+async def test_idempotent_above_the_route_decorator_fails_the_startup() -> None:
+    """Before, the route was registered without its policy and nothing said so: with
+    `methods=()` it ran unguarded, and otherwise under the default policy (transactional, where
+    the decorator asked for lease mode)."""
+    sent = await startup(decorated_above_app())
+    assert [m["type"] for m in sent] == ["lifespan.startup.failed"], sent
+    message = sent[0]["message"]
+    assert "payout (/payouts) has @idempotent above its route decorator" in message
+    assert "order" not in message.replace("decorator", "")  # the right order is fine
+
+
+async def test_idempotent_above_the_route_decorator_refuses_requests_without_a_lifespan() -> None:
+    async with client(decorated_above_app()) as c:
+        r = await c.post("/payouts", json={}, headers=key("k"))
+    assert r.status_code == 500
+
+
+async def test_an_endpoint_registered_both_with_and_without_idempotent_is_no_mistake() -> None:
+    app = FastAPI()
+
+    async def pay() -> dict[str, bool]:
+        return {"ok": True}
+
+    app.post("/guarded")(idempotent()(pay))
+    app.post("/plain")(pay)
+    install(app, store=MemoryStore(), tenant_resolver=lambda scope: "t")
+    sent = await startup(app)
+    assert sent[0]["type"] == "lifespan.startup.complete", sent
