@@ -4,6 +4,7 @@ that can never apply, and refuses a configuration that cannot work."""
 
 from __future__ import annotations
 
+import difflib
 import logging
 import sys
 from collections.abc import Callable, Iterator, Sequence
@@ -80,8 +81,10 @@ def check_app(mw: IdempotencyMiddleware, app: Any, scope: Scope | None = None) -
     ]
     for name, policy in guarded:
         logger.info("idempotency: guarding %s (%s)", name, describe(policy))
-    for name in sorted(set(mw.policies) - reachable):
-        logger.warning("idempotency: policies[%r] matches no route; it can never apply", name)
+    for name in sorted(set(mw.policies) - reachable):  # a typo, or a prefix left out
+        close = difflib.get_close_matches(name, sorted(reachable), n=1, cutoff=0.5)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        errors.append(f"policies[{name!r}] matches no route, so it can never apply{hint}")
     if guarded and app is not None:
         _check_authentication(mw, app, [p for _, p in guarded])
     errors.extend(_status_route_errors(mw, routes, guarded))

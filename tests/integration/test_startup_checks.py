@@ -206,7 +206,7 @@ def mounted_app(store: PostgresStore, **options: Any) -> Starlette:
 async def test_startup_lists_every_guarded_operation_and_warns_about_unreachable_policies(
     pg_store: PostgresStore, caplog: pytest.LogCaptureFixture
 ) -> None:
-    app = mounted_app(pg_store, policies={"POST /v1/pay": Policy()})
+    app = mounted_app(pg_store)
     with caplog.at_level(logging.INFO, logger="idem_middleware"):
         sent = await startup(app)
     assert sent[0]["type"] == "lifespan.startup.complete"
@@ -215,8 +215,25 @@ async def test_startup_lists_every_guarded_operation_and_warns_about_unreachable
         m.startswith("idempotency: guarding POST /v2/pay (lease, key required") for m in info
     )
     warnings = messages(caplog, logging.WARNING)
-    assert any("policies['POST /v1/pay'] matches no route" in m for m in warnings), warnings
     assert any("policy on /read can never apply" in m for m in warnings), warnings
+
+
+async def test_a_policies_key_that_names_no_route_fails_the_startup(
+    pg_store: PostgresStore,
+) -> None:
+    """A typo or a prefix left out (`POST /v1/pay` for `/v2/pay`). Before, a warning, and the
+    route it meant ran under the default policy, or unguarded with `methods=()`."""
+    for methods in ({"POST", "PATCH"}, ()):
+        app = mounted_app(pg_store, policies={"POST /v1/pay": Policy()}, methods=methods)
+        sent = await startup(app)
+        assert [m["type"] for m in sent] == ["lifespan.startup.failed"], sent
+        assert (
+            "policies['POST /v1/pay'] matches no route, so it can never apply (did you mean "
+            "'POST /v2/pay'?)" in sent[0]["message"]
+        )
+    app = mounted_app(pg_store, policies={"DELETE /nothing/like/it": Policy()})
+    sent = await startup(app)
+    assert sent[0]["message"].endswith("matches no route, so it can never apply")
 
 
 def sub_app_with_its_own_middleware(policies: dict[str, Policy]) -> Starlette:
@@ -240,9 +257,11 @@ async def test_a_mounted_sub_apps_check_names_its_routes_as_its_requests_are_nam
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     """Its requests are named `POST /api/pay` (the mount's prefix, as the router above names
-    them), so that is the key its `policies` must use. The check named the route `POST /pay`: it
-    warned that the right key matched no route and listed the route under the default policy,
-    and with the key `POST /pay` it listed a lease-mode route that its requests never got."""
+    them), so that is the key its `policies` must use. The check once named the route `POST
+    /pay`: it warned that the right key matched no route and listed the route under the default
+    policy, and with the key `POST /pay` it listed a lease-mode route that its requests never
+    got. The key `POST /pay` now matches no route, which refuses its requests (500), naming the
+    right key."""
     lease = Policy(mode=Mode.LEASE)
     app = sub_app_with_its_own_middleware({"POST /api/pay": lease})
     with caplog.at_level(logging.INFO, logger="idem_middleware"):
@@ -260,12 +279,15 @@ async def test_a_mounted_sub_apps_check_names_its_routes_as_its_requests_are_nam
     with caplog.at_level(logging.INFO, logger="idem_middleware"):
         async with client(app) as c:
             r = await c.post("/api/pay", json={}, headers=key("k"))
-    assert r.status_code == 201, r.text
+    assert r.status_code == 500, r.text  # refused, not run under the default policy
     info = messages(caplog, logging.INFO)
-    assert "idempotency: guarding POST /api/pay (transactional, key required, wait 5s)" in info
     assert not any("(lease" in m for m in info), info
-    warnings = messages(caplog, logging.WARNING)
-    assert any("policies['POST /pay'] matches no route" in m for m in warnings), warnings
+    errors = messages(caplog, logging.ERROR)
+    assert any(
+        "policies['POST /pay'] matches no route, so it can never apply (did you mean "
+        "'POST /api/pay'?)" in m
+        for m in errors
+    ), errors
 
 
 # -- IdempotencyConnection on a route that is not guarded ---------------------------------------
