@@ -45,6 +45,18 @@ class StoreError(IdempotencyError):
     """The store could not do what was asked (connection lost, server gone)."""
 
 
+#: How to open the store, and what a store that was never opened says.
+OPEN_IN_LIFESPAN = (
+    "open it in the app's lifespan (lifespan=store_lifespan(store), or `async with store:` "
+    "around the lifespan's yield)"
+)
+NOT_OPEN = (
+    f"the store is not open: {OPEN_IN_LIFESPAN} and let the lifespan run (Starlette's TestClient "
+    "runs it only as a context manager, `with TestClient(app) as client:`; httpx's ASGITransport "
+    "never does), or `await store.open()` first"
+)
+
+
 class StaleGeneration(IdempotencyError):
     """A completion, heartbeat or fenced write under a generation that is no longer current."""
 

@@ -33,7 +33,7 @@ from .policy import (
 )
 from .responses import DEFAULT_PROBLEM_BASE, send_problem
 from .routing import Trace, Unresolved, match_route, routed_above, routes_of
-from .startup import SAFE_METHODS, check_app
+from .startup import SAFE_METHODS, check_app, unopened_store
 from .store.base import Store
 from .tenant import TenantResolver as TenantResolver
 from .tenant import Tenants
@@ -367,6 +367,13 @@ class IdempotencyMiddleware:
             return message
 
         async def quiet_send(message: Message) -> None:
+            nonlocal failed
+            if message["type"] == "lifespan.startup.complete" and (error := unopened_store(self)):
+                failed = True  # the app's lifespan did not open the store
+                await send(
+                    {"type": "lifespan.startup.failed", "message": f"idem_middleware: {error}"}
+                )
+                raise error
             # After our startup.failed, the app's own report of the same failure is not sent.
             if not (failed and message["type"].startswith("lifespan.startup")):
                 await send(message)

@@ -22,6 +22,9 @@ if TYPE_CHECKING:
     from .responses import ReplayHook
 
 POLICY_ATTRIBUTE = "__idempotency_policy__"
+#: On a function `@idempotent` wrapped: the wrapper that carries its policy. A route registered
+#: with the function itself (the decorator above `@app.post`) has no policy (see startup).
+WRAPPER_ATTRIBUTE = "__idempotency_wrapper__"
 
 #: Set by IdempotencyMiddleware around a request it passes to the app unguarded; a guarded
 #: request's endpoint runs under its claim's context instead. A decorated endpoint called with
@@ -259,7 +262,9 @@ def idempotent(policy: Policy | None = None, /, **options: Any) -> Callable[[F],
 
     def decorate(endpoint: F) -> F:
         if chosen.guard and inspect.isfunction(endpoint):
-            endpoint = _require_middleware(endpoint)
+            wrapper = _require_middleware(endpoint)
+            setattr(endpoint, WRAPPER_ATTRIBUTE, wrapper)
+            endpoint = wrapper
         setattr(endpoint, POLICY_ATTRIBUTE, chosen)
         return endpoint
 

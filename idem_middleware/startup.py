@@ -4,6 +4,7 @@ that can never apply, and refuses a configuration that cannot work."""
 
 from __future__ import annotations
 
+import difflib
 import logging
 import sys
 from collections.abc import Callable, Iterator, Sequence
@@ -12,8 +13,8 @@ from typing import TYPE_CHECKING, Any
 from starlette.routing import BaseRoute, Host, Match, Mount
 from starlette.types import Scope
 
-from .errors import ConfigurationError
-from .policy import Mode, Policy, endpoint_policy, operation_name
+from .errors import NOT_OPEN, OPEN_IN_LIFESPAN, ConfigurationError
+from .policy import WRAPPER_ATTRIBUTE, Mode, Policy, endpoint_policy, operation_name
 from .routing import Found, Hidden, match_route, routes_of, walk
 from .tenant import AUTH_FIX, authenticated_user_tenant
 
@@ -39,13 +40,19 @@ def check_app(mw: IdempotencyMiddleware, app: Any, scope: Scope | None = None) -
         return
     if not mw.enabled:
         logger.warning("idempotency: the middleware is disabled (kill switch); nothing is guarded")
+    elif scope is not None and not getattr(mw.store, "is_open", True):  # (no lifespan ran)
+        logger.error("idempotency: %s (until then guarded requests answer 503)", NOT_OPEN)
     errors: list[str] = []
     reachable: set[str] = set()
     items = _named_above(routes, scope)
+    endpoints = {id(item.endpoint) for item in items if isinstance(item, Found)}
     for item in items:
         if isinstance(item, Hidden):
             _report_hidden(mw, item)
             continue
+        wrapper = getattr(item.endpoint, WRAPPER_ATTRIBUTE, None)
+        if wrapper is not None and id(wrapper) not in endpoints:
+            errors.append(_decorated_above(item))
         explicit = endpoint_policy(item.endpoint)
         methods = _methods(item)
         unsafe = [m for m in methods if m not in SAFE_METHODS]
@@ -74,14 +81,28 @@ def check_app(mw: IdempotencyMiddleware, app: Any, scope: Scope | None = None) -
     ]
     for name, policy in guarded:
         logger.info("idempotency: guarding %s (%s)", name, describe(policy))
-    for name in sorted(set(mw.policies) - reachable):
-        logger.warning("idempotency: policies[%r] matches no route; it can never apply", name)
+    for name in sorted(set(mw.policies) - reachable):  # a typo, or a prefix left out
+        close = difflib.get_close_matches(name, sorted(reachable), n=1, cutoff=0.5)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        errors.append(f"policies[{name!r}] matches no route, so it can never apply{hint}")
     if guarded and app is not None:
         _check_authentication(mw, app, [p for _, p in guarded])
         _check_outer_middleware(app)
     errors.extend(_status_route_errors(mw, routes, guarded))
     if errors:
         raise ConfigurationError("; ".join(errors))
+
+
+def unopened_store(mw: IdempotencyMiddleware) -> ConfigurationError | None:
+    """When the app's lifespan startup completes: a store still not open would answer every
+    guarded request 503 (logged; None when it is open, or the middleware is switched off)."""
+    if not mw.enabled or getattr(mw.store, "is_open", True):
+        return None
+    error = ConfigurationError(
+        f"the app's lifespan startup completed without opening the store: {OPEN_IN_LIFESPAN}"
+    )
+    logger.error("idempotency: %s", error)
+    return error
 
 
 def guarded_routes(
@@ -131,6 +152,15 @@ def _named_above(routes: Sequence[BaseRoute], scope: Scope | None) -> list[Found
 
 def _methods(item: Found) -> list[str]:
     return sorted(item.methods) if item.methods is not None else list(_UNSAFE_METHODS)
+
+
+def _decorated_above(item: Found) -> str:
+    name = getattr(item.endpoint, "__qualname__", repr(item.endpoint))
+    return (
+        f"{name} ({item.template}) has @idempotent above its route decorator, which registered "
+        "the function without it: its policy never applies. Put @idempotent below the route "
+        "decorator (@app.post(...), then @idempotent(...), then the def)"
+    )
 
 
 def describe(policy: Policy) -> str:

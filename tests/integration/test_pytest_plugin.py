@@ -244,3 +244,46 @@ def test_uses_db(idem_postgres_dsn):
     run(pytester).assert_outcomes(passed=1)
     assert not orphan.exists()
     assert not list(tmp.glob("idem-pytest-pg-*"))  # its own removed at its end
+
+
+SYNC_CLIENT_WITH_A_STORE = """
+import asyncpg
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+from idem_middleware import PostgresStore, store_lifespan
+from idem_middleware.fastapi import IdempotencyConnection, install
+
+
+def make_app(store):
+    app = FastAPI(lifespan=store_lifespan(store))
+
+    @app.post("/notes")
+    async def create(note: dict[str, str], conn: IdempotencyConnection) -> dict[str, int]:
+        return {"n": await conn.fetchval("SELECT 1")}
+
+    install(app, store=store, tenant_resolver=lambda scope: "t")
+    return app
+
+
+def test_own_store(idem_postgres_dsn, idem_store, idem_replay):
+    with TestClient(make_app(PostgresStore(dsn=idem_postgres_dsn))) as client:
+        first, _ = idem_replay(client, "POST", "/notes", json={"a": "b"})
+    assert first.json() == {"n": 1}
+
+
+def test_given_idem_store(idem_store, idem_replay):
+    with TestClient(make_app(idem_store)) as client:
+        idem_replay(client, "POST", "/notes", json={"a": "b"})
+"""
+
+
+def test_a_sync_client_needs_a_store_of_the_apps_own(
+    pytester: pytest.Pytester, inner_env: Path
+) -> None:
+    """docs/testing.md: with Starlette's TestClient (its own event loop), an app on a store of
+    its own passes; an app handed `idem_store` fails ("attached to a different loop")."""
+    pytester.makepyfile(test_sync_store=SYNC_CLIENT_WITH_A_STORE)
+    result = run(pytester, "-W", "ignore::DeprecationWarning")
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(["*test_given_idem_store*"])
+    assert "different loop" in result.stdout.str()

@@ -34,6 +34,10 @@ EXAMPLES = {"sqlalchemy": "FastAPI with SQLAlchemy"}
 #: Apps on other pages: name -> (page, heading).
 PAGE_EXAMPLES = {
     "fastapi": ("docs/fastapi.md", "Minimal FastAPI app"),
+    "fastapi_own_auth": (
+        "docs/fastapi.md",
+        "Adding it to an app with its own authentication and pool",
+    ),
     "starlette": ("docs/starlette.md", "Minimal Starlette app"),
 }
 #: The README's test of its SQLAlchemy app (which it imports as `app`).
@@ -204,3 +208,25 @@ def test_the_readme_test_fails_against_a_broken_app(
     pytester.makepyfile(app=app)
     result = run(pytester)
     result.assert_outcomes(failed=1)
+
+
+async def test_the_own_auth_example_answers_a_bad_token_401_before_any_claim(
+    example_files: dict[str, Path], db_dsn: str, pool: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """docs/fastapi.md: the resolver's None for a bad credential is a 401 problem, not a 500,
+    and the handler does not run."""
+    await pool.execute(
+        "CREATE TABLE IF NOT EXISTS orders (id serial PRIMARY KEY, tenant text, item text)"
+    )
+    await pool.execute("TRUNCATE orders")
+    monkeypatch.setenv("DATABASE_URL", db_dsn)
+    app = load(example_files["fastapi_own_auth"]).app
+    headers = {"authorization": "Bearer secret-b", "idempotency-key": "bad-token"}
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+            r = await c.post("/orders", json={"item": "book"}, headers=headers)
+    assert r.status_code == 401
+    assert r.headers["content-type"] == "application/problem+json"
+    assert r.json()["type"].endswith(":unauthenticated")
+    assert await pool.fetchval("SELECT count(*) FROM orders") == 0

@@ -25,6 +25,7 @@ from idem_middleware import (
     IdempotencyMiddleware,
     Mode,
     Policy,
+    StoreError,
     idempotent,
 )
 from idem_middleware.fastapi import Idempotency, IdempotencyConnection, install
@@ -205,7 +206,7 @@ def mounted_app(store: PostgresStore, **options: Any) -> Starlette:
 async def test_startup_lists_every_guarded_operation_and_warns_about_unreachable_policies(
     pg_store: PostgresStore, caplog: pytest.LogCaptureFixture
 ) -> None:
-    app = mounted_app(pg_store, policies={"POST /v1/pay": Policy()})
+    app = mounted_app(pg_store)
     with caplog.at_level(logging.INFO, logger="idem_middleware"):
         sent = await startup(app)
     assert sent[0]["type"] == "lifespan.startup.complete"
@@ -214,8 +215,25 @@ async def test_startup_lists_every_guarded_operation_and_warns_about_unreachable
         m.startswith("idempotency: guarding POST /v2/pay (lease, key required") for m in info
     )
     warnings = messages(caplog, logging.WARNING)
-    assert any("policies['POST /v1/pay'] matches no route" in m for m in warnings), warnings
     assert any("policy on /read can never apply" in m for m in warnings), warnings
+
+
+async def test_a_policies_key_that_names_no_route_fails_the_startup(
+    pg_store: PostgresStore,
+) -> None:
+    """A typo or a prefix left out (`POST /v1/pay` for `/v2/pay`). Before, a warning, and the
+    route it meant ran under the default policy, or unguarded with `methods=()`."""
+    for methods in ({"POST", "PATCH"}, ()):
+        app = mounted_app(pg_store, policies={"POST /v1/pay": Policy()}, methods=methods)
+        sent = await startup(app)
+        assert [m["type"] for m in sent] == ["lifespan.startup.failed"], sent
+        assert (
+            "policies['POST /v1/pay'] matches no route, so it can never apply (did you mean "
+            "'POST /v2/pay'?)" in sent[0]["message"]
+        )
+    app = mounted_app(pg_store, policies={"DELETE /nothing/like/it": Policy()})
+    sent = await startup(app)
+    assert sent[0]["message"].endswith("matches no route, so it can never apply")
 
 
 def sub_app_with_its_own_middleware(policies: dict[str, Policy]) -> Starlette:
@@ -239,9 +257,11 @@ async def test_a_mounted_sub_apps_check_names_its_routes_as_its_requests_are_nam
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     """Its requests are named `POST /api/pay` (the mount's prefix, as the router above names
-    them), so that is the key its `policies` must use. The check named the route `POST /pay`: it
-    warned that the right key matched no route and listed the route under the default policy,
-    and with the key `POST /pay` it listed a lease-mode route that its requests never got."""
+    them), so that is the key its `policies` must use. The check once named the route `POST
+    /pay`: it warned that the right key matched no route and listed the route under the default
+    policy, and with the key `POST /pay` it listed a lease-mode route that its requests never
+    got. The key `POST /pay` now matches no route, which refuses its requests (500), naming the
+    right key."""
     lease = Policy(mode=Mode.LEASE)
     app = sub_app_with_its_own_middleware({"POST /api/pay": lease})
     with caplog.at_level(logging.INFO, logger="idem_middleware"):
@@ -259,12 +279,15 @@ async def test_a_mounted_sub_apps_check_names_its_routes_as_its_requests_are_nam
     with caplog.at_level(logging.INFO, logger="idem_middleware"):
         async with client(app) as c:
             r = await c.post("/api/pay", json={}, headers=key("k"))
-    assert r.status_code == 201, r.text
+    assert r.status_code == 500, r.text  # refused, not run under the default policy
     info = messages(caplog, logging.INFO)
-    assert "idempotency: guarding POST /api/pay (transactional, key required, wait 5s)" in info
     assert not any("(lease" in m for m in info), info
-    warnings = messages(caplog, logging.WARNING)
-    assert any("policies['POST /pay'] matches no route" in m for m in warnings), warnings
+    errors = messages(caplog, logging.ERROR)
+    assert any(
+        "policies['POST /pay'] matches no route, so it can never apply (did you mean "
+        "'POST /api/pay'?)" in m
+        for m in errors
+    ), errors
 
 
 # -- IdempotencyConnection on a route that is not guarded ---------------------------------------
@@ -361,3 +384,145 @@ async def test_no_authentication_before_the_middleware_is_a_500_that_says_why(
     assert "add Starlette's AuthenticationMiddleware after installing" in startup_warnings[0]
     errors = [m for m in messages(caplog, logging.ERROR) if "no 'user'" in m]
     assert len(errors) == 1, "logged once, not per request"
+
+
+# -- a store the app's lifespan does not open ----------------------------------------------------
+
+
+def store_app(store: PostgresStore, *, opens: bool, enabled: bool = True) -> FastAPI:
+    """A FastAPI app whose lifespan opens `store`, or (the newcomer's mistake) does not."""
+    closed: list[bool] = []
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> Any:
+        try:
+            async with contextlib.AsyncExitStack() as stack:
+                if opens:
+                    await stack.enter_async_context(store)
+                yield
+        finally:
+            closed.append(True)
+
+    app = FastAPI(lifespan=lifespan)
+    app.state.closed = closed
+    install(app, store=store, enabled=enabled, tenant_resolver=lambda scope: "t")
+
+    @app.post("/pay")
+    async def pay() -> dict[str, bool]:
+        return {"ok": True}
+
+    return app
+
+
+async def test_a_lifespan_that_does_not_open_the_store_fails_the_startup(
+    db_dsn: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Before, the server started and answered every guarded request 503 store-unavailable
+    ("retry it with the same Idempotency-Key"), for as long as it ran."""
+    app = store_app(PostgresStore(dsn=db_dsn), opens=False)
+    with caplog.at_level(logging.ERROR, logger="idem_middleware"):
+        sent = await startup(app)
+    assert [m["type"] for m in sent] == ["lifespan.startup.failed"]
+    assert "without opening the store" in sent[0]["message"]
+    assert "lifespan=store_lifespan(store)" in sent[0]["message"]
+    assert any("without opening the store" in m for m in messages(caplog, logging.ERROR))
+    assert app.state.closed == [True]  # the app's own lifespan was unwound, not left running
+
+
+async def test_a_store_the_lifespan_opens_or_a_given_pool_starts(
+    db_dsn: str, pool: asyncpg.Pool[Any]
+) -> None:
+    app = store_app(PostgresStore(dsn=db_dsn), opens=True)
+    sent = await startup(app)
+    assert [m["type"] for m in sent] == [
+        "lifespan.startup.complete",
+        "lifespan.shutdown.complete",
+    ]
+    # A pool of the app's own serves without open(); so does the kill switch, which uses no store.
+    for app in (
+        store_app(PostgresStore(pool=pool), opens=False),
+        store_app(PostgresStore(dsn=db_dsn), opens=False, enabled=False),
+        store_app(MemoryStore(), opens=False),  # type: ignore[arg-type]
+    ):
+        sent = await startup(app)
+        assert sent[0]["type"] == "lifespan.startup.complete", sent
+
+
+async def test_without_a_lifespan_an_unopened_store_says_how_to_open_it(
+    db_dsn: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """httpx's ASGITransport (or a TestClient outside `with`) runs no lifespan: the first
+    request's check logs the fix, and the 503's log says it too (before: 'call `await
+    store.open()` first', which a FastAPI app never calls)."""
+    app = store_app(PostgresStore(dsn=db_dsn), opens=True)
+    with caplog.at_level(logging.WARNING, logger="idem_middleware"):
+        async with client(app) as c:
+            r = await c.post("/pay", json={}, headers=key("k"))
+    assert_problem(r, 503, "store-unavailable")
+    (error,) = messages(caplog, logging.ERROR)
+    assert "the store is not open" in error
+    assert "`with TestClient(app) as client:`" in error
+    logged = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert logged
+    assert logged[0].exc_info is not None
+    assert "`with TestClient(app) as client:`" in str(logged[0].exc_info[1])
+
+
+async def test_a_closed_store_says_it_is_closed(db_dsn: str) -> None:
+    store = PostgresStore(dsn=db_dsn)
+    assert not store.is_open
+    async with store:
+        assert store.is_open
+    assert not store.is_open
+    with pytest.raises(StoreError, match="the store is closed"):
+        _ = store.pool
+
+
+# -- @idempotent above the route decorator -------------------------------------------------------
+
+
+def decorated_above_app() -> FastAPI:
+    app = FastAPI()
+    install(app, store=MemoryStore(), methods=(), tenant_resolver=lambda scope: "t")
+
+    @idempotent(mode=Mode.LEASE)  # the newcomer's order: FastAPI registered `payout` itself
+    @app.post("/payouts")
+    async def payout() -> dict[str, bool]:
+        return {"ok": True}
+
+    @app.post("/orders")
+    @idempotent()
+    async def order() -> dict[str, bool]:
+        return {"ok": True}
+
+    return app
+
+
+async def test_idempotent_above_the_route_decorator_fails_the_startup() -> None:
+    """Before, the route was registered without its policy and nothing said so: with
+    `methods=()` it ran unguarded, and otherwise under the default policy (transactional, where
+    the decorator asked for lease mode)."""
+    sent = await startup(decorated_above_app())
+    assert [m["type"] for m in sent] == ["lifespan.startup.failed"], sent
+    message = sent[0]["message"]
+    assert "payout (/payouts) has @idempotent above its route decorator" in message
+    assert "order" not in message.replace("decorator", "")  # the right order is fine
+
+
+async def test_idempotent_above_the_route_decorator_refuses_requests_without_a_lifespan() -> None:
+    async with client(decorated_above_app()) as c:
+        r = await c.post("/payouts", json={}, headers=key("k"))
+    assert r.status_code == 500
+
+
+async def test_an_endpoint_registered_both_with_and_without_idempotent_is_no_mistake() -> None:
+    app = FastAPI()
+
+    async def pay() -> dict[str, bool]:
+        return {"ok": True}
+
+    app.post("/guarded")(idempotent()(pay))
+    app.post("/plain")(pay)
+    install(app, store=MemoryStore(), tenant_resolver=lambda scope: "t")
+    sent = await startup(app)
+    assert sent[0]["type"] == "lifespan.startup.complete", sent

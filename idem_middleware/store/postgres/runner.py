@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 import asyncpg
 
 from ...delayed import Delayed
-from ...errors import StoreError
+from ...errors import NOT_OPEN, StoreError
 from . import compat
 from .convert import CONNECTION_ERRORS, RETRYABLE, SERVER_ERROR, TRANSLATED, translate
 
@@ -118,6 +118,8 @@ class PoolStatements:
     """Runs the store's statements on the pool, translating driver errors."""
 
     _pool: asyncpg.Pool[Any] | None
+    #: Whether close() ran since the last open() (a store never opened says how to open it).
+    _closed: bool = False
     #: Bounds the wait for a connection of each checkout the store makes itself (lease mode's
     #: statements and fences, status lookups, operators' commands).
     _checkouts: Delayed
@@ -129,8 +131,13 @@ class PoolStatements:
     @property
     def pool(self) -> asyncpg.Pool[Any]:
         if self._pool is None:
-            raise StoreError("the store is not open: call `await store.open()` first")
+            raise StoreError("the store is closed" if self._closed else NOT_OPEN)
         return self._pool
+
+    @property
+    def is_open(self) -> bool:
+        """Whether the store has a pool: opened and not closed since, or given a pool."""
+        return self._pool is not None
 
     def _mark_clean(self, conn: Any) -> None:
         """`conn` (a pool's proxy) ran only our statements and is not in a transaction."""

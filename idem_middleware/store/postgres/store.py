@@ -133,6 +133,7 @@ class PostgresStore(OffPathStatements):
         reason to refuse (requests answer 503 until it is): the check is then skipped, with a
         warning."""
         created = self._pool is None
+        self._closed = False
         if self._pool is None:
             try:
                 self._pool = await asyncpg.create_pool(self._dsn, **self._pool_kwargs)
@@ -159,6 +160,7 @@ class PostgresStore(OffPathStatements):
         return self
 
     async def close(self) -> None:
+        self._closed = True
         await self._listener.close()
         if self._owns_pool and self._pool is not None:
             pool, self._pool = self._pool, None
