@@ -177,11 +177,17 @@ class LeaseRun:
             if slot is None:
                 return self._busy()
             try:
-                # (Another reconciler's fence may hold the record: the takeover waits for it, at
-                # most as long as that reconciler may run; a settled record is then not taken.)
-                generation = await self.store.takeover(
-                    self.key, record.generation, State.UNKNOWN, policy.lease_seconds
-                )
+                # Another reconciler's fence (another process's, however long it runs) may hold
+                # the record: waited for no longer than what is left of this request's wait.
+                try:
+                    async with asyncio.timeout(
+                        lock_wait(deadline - asyncio.get_running_loop().time())
+                    ):
+                        generation = await self.store.takeover(
+                            self.key, record.generation, State.UNKNOWN, policy.lease_seconds
+                        )
+                except TimeoutError:
+                    return InFlight()
                 if generation is None:
                     return None
                 logger.info(
