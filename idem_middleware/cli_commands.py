@@ -300,12 +300,15 @@ async def reconcile(store: PostgresStore, args: argparse.Namespace) -> int:
         "verdicts": report.verdicts,
         "unreconcilable": report.unreconcilable,
         "by_hand": report.by_hand,
+        "held": report.held,
     }
     lines = [
         f"examined {report.examined} unknown records; "
         f"{report.expired_leases} lapsed leases turned unknown"
     ]
     lines += [f"  {verdict}: {n}" for verdict, n in sorted(report.verdicts.items())]
+    if report.held:
+        lines.append(f"  held by another session, passed over (run again later): {report.held}")
     lines += [f"  no reconciler for {op}: {n}" for op, n in sorted(report.unreconcilable.items())]
     lines += [
         f"  transactional, not reconciled (settle with resolve) for {op}: {n}"

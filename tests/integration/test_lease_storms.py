@@ -17,7 +17,16 @@ import pytest
 
 from idem_middleware import PostgresStore, RecordKey
 from idem_middleware.fence import Verdict, run_reconciler
-from idem_middleware.reconcile import ReconcileContext, Reconciliation, StillUnknown
+from idem_middleware.ops import reconcile_unknown
+from idem_middleware.reconcile import (
+    Happened,
+    NotHappened,
+    ReconcileContext,
+    Reconciliation,
+    StillUnknown,
+)
+from idem_middleware.store import Claimed
+from idem_middleware.store.base import Settlement, State
 from tests.apps import (
     BOUND,
     LEASE_POLICY,
@@ -115,3 +124,73 @@ async def test_a_not_happened_takeover_waits_no_longer_than_the_clients_wait_for
     assert again.status_code == 201, again.text
     assert probe.calls == 2
     assert await downstream_rows(bank) == 1
+
+
+# -- `idem-middleware reconcile` passes over a record another session holds ---------------------
+
+
+async def _happened(rc: ReconcileContext) -> Reconciliation:
+    return Happened(201, b"{}")
+
+
+async def _not_happened(rc: ReconcileContext) -> Reconciliation:
+    return NotHappened()
+
+
+async def _claimed(store: PostgresStore, key: RecordKey, lease_seconds: float = 30.0) -> int:
+    claim = await store.claim_lease(key, b"f", retention_seconds=60, lease_seconds=lease_seconds)
+    assert isinstance(claim, Claimed)
+    return claim.generation
+
+
+async def _unknown(store: PostgresStore, key: RecordKey) -> int:
+    generation = await _claimed(store, key)
+    assert await store.settle(key, generation, State.PENDING, Settlement(State.UNKNOWN))
+    return generation
+
+
+@pytest.mark.parametrize("held", ["executor past its lease", "another reconciler"])
+async def test_reconcile_passes_over_a_record_another_session_holds(
+    pg_store: PostgresStore, bank: asyncpg.Pool[Any], held: str
+) -> None:
+    """An executor holding its fenced transaction past its lease (or paused while it holds it),
+    or another reconciler, holds the record's row: the batch waited for it (for good, if that
+    process was stopped), and settled nothing else meanwhile. It passes it over now, counts it
+    `held`, settles the others, and a later run takes the record up again."""
+    busy = rkey("busy")
+    if held == "executor past its lease":
+        generation = await _claimed(pg_store, busy, lease_seconds=0.05)
+        expected, reconciler = State.PENDING, _happened
+
+        async def lapsed() -> bool:
+            summary = await pg_store.describe(busy)
+            return summary is not None and bool(summary.lease_expired)
+
+        for _ in range(int(BOUND / 0.01)):
+            if await lapsed():
+                break
+            await asyncio.sleep(0.01)
+    else:
+        generation = await _unknown(pg_store, busy)
+        expected, reconciler = State.UNKNOWN, _not_happened
+    await _unknown(pg_store, rkey("free"))
+    async with pg_store.fenced(busy, generation, expected):
+        report = await asyncio.wait_for(
+            reconcile_unknown(pg_store, {OPERATION: reconciler}, seconds=BOUND), BOUND
+        )
+        assert report.held == 1
+        assert report.verdicts == {"settled" if reconciler is _happened else "not-happened": 1}
+        record_of_busy = await pg_store.get(busy)
+        assert record_of_busy is not None
+        assert (record_of_busy.state, record_of_busy.generation) == (expected, generation)
+    again = await asyncio.wait_for(
+        reconcile_unknown(pg_store, {OPERATION: reconciler}, seconds=BOUND), BOUND
+    )
+    assert again.held == 0
+    settled = await pg_store.get(busy)
+    assert settled is not None
+    if reconciler is _happened:
+        assert again.expired_leases == 1
+        assert settled.state is State.SUCCEEDED
+    else:
+        assert settled.retry_allowed
