@@ -26,12 +26,13 @@ from .keys import parse_idempotency_key
 from .ops import (
     Move,
     Resolution,
-    collect_reconcilers,
+    collect_policies,
     operator_response,
     reconcile_unknown,
 )
 from .ops import reopen as reopen_record
 from .ops import resolve as resolve_record
+from .policy import LeaseExpiry, Mode
 from .store.base import RecordKey, RecordSummary, State
 from .store.migrations import migrate as apply_migrations
 from .store.migrations import pending_versions
@@ -285,14 +286,19 @@ def load_app(spec: str) -> Any:
 async def reconcile(store: PostgresStore, args: argparse.Namespace) -> int:
     if not args.app:
         raise UsageError("reconcile needs --app (or IDEM_APP) to find the reconcilers")
-    reconcilers = collect_reconcilers(load_app(args.app))
+    policies = collect_policies(load_app(args.app))
     report = await reconcile_unknown(
         store,
-        reconcilers,
+        {name: p.reconciler for name, p in policies.items() if p.reconciler is not None},
         tenant=args.tenant,
         operation=args.operation,
         limit=args.limit,
         seconds=args.seconds,
+        takeover=[
+            name
+            for name, p in policies.items()
+            if p.mode is Mode.LEASE and p.on_lease_expiry is LeaseExpiry.TAKEOVER
+        ],
     )
     data = {
         "examined": report.examined,

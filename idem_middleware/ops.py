@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import re
-from collections.abc import Awaitable, Mapping
+from collections.abc import Awaitable, Collection, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, TypeVar
@@ -252,11 +252,15 @@ async def reconcile_unknown(
     operation: str | None = None,
     limit: int = 100,
     seconds: float = 10.0,
+    takeover: Collection[str] = (),
 ) -> ReconcileReport:
     """Settle unknown records (and pending ones whose lease lapsed) by asking their reconcilers.
 
     `Happened` settles the record; `NotHappened` lets the client's next retry run it again.
     Only lease-mode records are reconciled: transactional ones are counted in `by_hand`.
+    `takeover` names the operations whose lapsed leases the client's retry takes over
+    (`LeaseExpiry.TAKEOVER`): without a reconciler, theirs are left pending for it, since
+    `unknown` would refuse that retry until an operator came.
     """
     report = ReconcileReport()
     # A record another session holds is passed over, not waited for: an executor holding its
@@ -266,7 +270,8 @@ async def reconcile_unknown(
         states=[State.PENDING], tenant=tenant, operation=operation, limit=limit, stale_only=True
     )
     for summary in stale:
-        if not summary.lease_expired:
+        op = summary.key.operation
+        if not summary.lease_expired or (op in takeover and op not in reconcilers):
             continue
         try:
             if await _unless_held(store.expire_lease(summary.key, summary.generation), held_wait):
