@@ -26,12 +26,13 @@ from .keys import parse_idempotency_key
 from .ops import (
     Move,
     Resolution,
-    collect_reconcilers,
+    collect_policies,
     operator_response,
     reconcile_unknown,
 )
 from .ops import reopen as reopen_record
 from .ops import resolve as resolve_record
+from .policy import LeaseExpiry, Mode
 from .store.base import RecordKey, RecordSummary, State
 from .store.migrations import migrate as apply_migrations
 from .store.migrations import pending_versions
@@ -285,14 +286,19 @@ def load_app(spec: str) -> Any:
 async def reconcile(store: PostgresStore, args: argparse.Namespace) -> int:
     if not args.app:
         raise UsageError("reconcile needs --app (or IDEM_APP) to find the reconcilers")
-    reconcilers = collect_reconcilers(load_app(args.app))
+    policies = collect_policies(load_app(args.app))
     report = await reconcile_unknown(
         store,
-        reconcilers,
+        {name: p.reconciler for name, p in policies.items() if p.reconciler is not None},
         tenant=args.tenant,
         operation=args.operation,
         limit=args.limit,
         seconds=args.seconds,
+        takeover=[
+            name
+            for name, p in policies.items()
+            if p.mode is Mode.LEASE and p.on_lease_expiry is LeaseExpiry.TAKEOVER
+        ],
     )
     data = {
         "examined": report.examined,
@@ -300,12 +306,15 @@ async def reconcile(store: PostgresStore, args: argparse.Namespace) -> int:
         "verdicts": report.verdicts,
         "unreconcilable": report.unreconcilable,
         "by_hand": report.by_hand,
+        "held": report.held,
     }
     lines = [
         f"examined {report.examined} unknown records; "
         f"{report.expired_leases} lapsed leases turned unknown"
     ]
     lines += [f"  {verdict}: {n}" for verdict, n in sorted(report.verdicts.items())]
+    if report.held:
+        lines.append(f"  held by another session, passed over (run again later): {report.held}")
     lines += [f"  no reconciler for {op}: {n}" for op, n in sorted(report.unreconcilable.items())]
     lines += [
         f"  transactional, not reconciled (settle with resolve) for {op}: {n}"

@@ -164,44 +164,55 @@ class LeaseRun:
         policy = self.policy
         if policy.reconciler is None:
             return duplicate_answer(record, self.fingerprint, _NO_RECONCILER)
-        result = await run_reconciler(
-            self.store,
-            self.key,
-            record.generation,
-            policy.reconciler,
-            seconds=policy.reconcile_timeout_seconds,
-            epoch=record.epoch,
-        )
-        if result.verdict is Verdict.NOT_HAPPENED:
-            slot = await self._slot_by(deadline)
-            if slot is None:
-                return self._busy()
-            try:
-                # (Another reconciler's fence may hold the record: the takeover waits for it, at
-                # most as long as that reconciler may run; a settled record is then not taken.)
-                generation = await self.store.takeover(
-                    self.key, record.generation, State.UNKNOWN, policy.lease_seconds
-                )
-                if generation is None:
-                    return None
-                logger.info(
-                    "reconciled as not happened; running again",
-                    extra=log_extra(self.key, generation, "reconciled-retry"),
-                )
-                return await self.execute(generation, record.epoch)
-            finally:
-                slot.give_back()
+        # The reconciler may open its fenced transaction (a connection): it holds the tenant's
+        # slot meanwhile, as an execution does, and keeps it to run the request again.
+        slot = await self._slot_by(deadline)
+        if slot is None:
+            return self._busy()
+        try:
+            result = await run_reconciler(
+                self.store,
+                self.key,
+                record.generation,
+                policy.reconciler,
+                seconds=policy.reconcile_timeout_seconds,
+                epoch=record.epoch,
+            )
+            if result.verdict is Verdict.NOT_HAPPENED:
+                return await self._run_again(record, deadline)
+        finally:
+            slot.give_back()
         if result.verdict in (Verdict.STILL_UNKNOWN, Verdict.FAILED):
             return duplicate_answer(record, self.fingerprint, result.reason)
         return None  # settled (by us or by someone else): read it again and replay
+
+    async def _run_again(self, record: Record, deadline: float) -> Answer | None:
+        """Take over an unknown record reconciled as not happened, and run it (or None when the
+        record changed meanwhile)."""
+        # Another reconciler's fence (another process's, however long it runs) may hold the
+        # record: waited for no longer than what is left of this request's wait.
+        try:
+            async with asyncio.timeout(lock_wait(deadline - asyncio.get_running_loop().time())):
+                generation = await self.store.takeover(
+                    self.key, record.generation, State.UNKNOWN, self.policy.lease_seconds
+                )
+        except TimeoutError:
+            return InFlight()
+        if generation is None:
+            return None
+        logger.info(
+            "reconciled as not happened; running again",
+            extra=log_extra(self.key, generation, "reconciled-retry"),
+        )
+        return await self.execute(generation, record.epoch)
 
     # -- the tenant's slot ----------------------------------------------------------------------
 
     def _slot(self) -> Slot | None:
         """The tenant's slot, held while this request may hold a connection: a claim, a
-        takeover, an execution (the handler may open a fenced transaction), never a wait. The
-        exchange keeps it, so an execution whose response streams gives it back as the stream
-        starts (its outcome is committed). With no cap: a slot that holds nothing."""
+        takeover, a reconciliation or an execution (either may open a fenced transaction), never
+        a wait. The exchange keeps it, so an execution whose response streams gives it back as
+        the stream starts (its outcome is committed). With no cap: a slot that holds nothing."""
         slots = self.ex.mw.tenant_slots
         slot = self.ex.slot = slots.hold(self.key.tenant) if slots.limit is not None else FREE_SLOT
         return slot

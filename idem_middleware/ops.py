@@ -5,11 +5,12 @@ The CLI is a thin adapter over these; they work on any Store.
 
 from __future__ import annotations
 
+import asyncio
 import re
-from collections.abc import Mapping
+from collections.abc import Awaitable, Collection, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 
@@ -208,6 +209,23 @@ async def reopen(store: Store, key: RecordKey, *, note: str) -> Move:
 
 #: The most unknown records one `reconcile_unknown` looks at (every loop is bounded).
 _MAX_SCANNED = 1_000_000
+#: The longest `reconcile_unknown` waits for a record another session holds (an executor's or a
+#: reconciler's fenced transaction, or a process paused holding one) before passing it over.
+_HELD_WAIT = 1.0
+
+_T = TypeVar("_T")
+
+
+class _Held(Exception):
+    """Another session held the record's row for longer than `_HELD_WAIT`."""
+
+
+async def _unless_held(move: Awaitable[_T], seconds: float) -> _T:
+    try:
+        async with asyncio.timeout(seconds):
+            return await move
+    except TimeoutError:
+        raise _Held from None
 
 
 @dataclass
@@ -221,6 +239,9 @@ class ReconcileReport:
     #: reconciler runs on them, since a transactional record's writes committed with its
     #: outcome and cannot be released for a retry; settle them with `resolve`.
     by_hand: dict[str, int] = field(default_factory=dict)
+    #: Records passed over because another session held them (an executor or a reconciler at
+    #: work, or a process paused while it held one): the next run looks at them again.
+    held: int = 0
 
 
 async def reconcile_unknown(
@@ -231,19 +252,32 @@ async def reconcile_unknown(
     operation: str | None = None,
     limit: int = 100,
     seconds: float = 10.0,
+    takeover: Collection[str] = (),
 ) -> ReconcileReport:
     """Settle unknown records (and pending ones whose lease lapsed) by asking their reconcilers.
 
     `Happened` settles the record; `NotHappened` lets the client's next retry run it again.
     Only lease-mode records are reconciled: transactional ones are counted in `by_hand`.
+    `takeover` names the operations whose lapsed leases the client's retry takes over
+    (`LeaseExpiry.TAKEOVER`): without a reconciler, theirs are left pending for it, since
+    `unknown` would refuse that retry until an operator came.
     """
     report = ReconcileReport()
+    # A record another session holds is passed over, not waited for: an executor holding its
+    # fenced transaction past its lease, or paused with it, would stop the whole batch.
+    held_wait = min(seconds, _HELD_WAIT)
     stale = await store.list_records(
         states=[State.PENDING], tenant=tenant, operation=operation, limit=limit, stale_only=True
     )
     for summary in stale:
-        if summary.lease_expired and await store.expire_lease(summary.key, summary.generation):
-            report.expired_leases += 1
+        op = summary.key.operation
+        if not summary.lease_expired or (op in takeover and op not in reconcilers):
+            continue
+        try:
+            if await _unless_held(store.expire_lease(summary.key, summary.generation), held_wait):
+                report.expired_leases += 1
+        except _Held:
+            report.held += 1
     # `limit` bounds the reconcilers run, not the records looked at: records no reconciler can
     # settle (transactional ones, operations without one) are passed over, oldest first, so that
     # however many of them wait for an operator they never keep the others from their turn.
@@ -269,7 +303,11 @@ async def reconcile_unknown(
                 report.unreconcilable[op] = report.unreconcilable.get(op, 0) + 1
                 continue
             runs += 1
-            verdict = await _reconcile_one(store, summary, reconciler, seconds)
+            try:
+                verdict = await _reconcile_one(store, summary, reconciler, seconds, held_wait)
+            except _Held:
+                report.held += 1
+                continue
             report.verdicts[verdict.value] = report.verdicts.get(verdict.value, 0) + 1
         if not fresh or len(unknown) < window:
             break  # every unknown record has been looked at
@@ -279,15 +317,15 @@ async def reconcile_unknown(
 
 
 async def _reconcile_one(
-    store: Store, summary: RecordSummary, reconciler: Reconciler, seconds: float
+    store: Store, summary: RecordSummary, reconciler: Reconciler, seconds: float, held_wait: float
 ) -> Verdict:
     result = await run_reconciler(
         store, summary.key, summary.generation, reconciler, seconds=seconds, epoch=summary.epoch
     )
-    if result.verdict is Verdict.NOT_HAPPENED and not await store.allow_retry(
-        summary.key, summary.generation, "reconciled: not happened"
-    ):
-        return Verdict.CHANGED  # someone else moved it meanwhile
+    if result.verdict is Verdict.NOT_HAPPENED:
+        retry = store.allow_retry(summary.key, summary.generation, "reconciled: not happened")
+        if not await _unless_held(retry, held_wait):
+            return Verdict.CHANGED  # someone else moved it meanwhile
     return result.verdict
 
 

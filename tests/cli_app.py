@@ -8,7 +8,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from idem_middleware import IdempotencyMiddleware, MemoryStore, Mode, idempotent
+from idem_middleware import IdempotencyMiddleware, LeaseExpiry, MemoryStore, Mode, idempotent
 from idem_middleware.reconcile import (
     Happened,
     NotHappened,
@@ -32,7 +32,16 @@ async def payouts(request: Request) -> JSONResponse:
     return JSONResponse({}, status_code=201)
 
 
+# A route whose lapsed leases the client's retry takes over; it has no reconciler.
+@idempotent(mode=Mode.LEASE, on_lease_expiry=LeaseExpiry.TAKEOVER)
+async def transfers(request: Request) -> JSONResponse:
+    return JSONResponse({}, status_code=201)
+
+
 app = Starlette(
-    routes=[Route("/payouts", payouts, methods=["POST"])],
+    routes=[
+        Route("/payouts", payouts, methods=["POST"]),
+        Route("/transfers", transfers, methods=["POST"]),
+    ],
     middleware=[Middleware(IdempotencyMiddleware, store=MemoryStore())],
 )

@@ -36,7 +36,7 @@ async def insert(pool: Any, key: str, state: str, **columns: Any) -> None:
     await pool.execute(
         "INSERT INTO idem_requests (tenant, operation, idem_key, fingerprint, state, mode, "
         "retention, expires_at, response_status, lease_expires_at, updated_at) "
-        "VALUES ('t', 'POST /payouts', $1, '\\x00', $2, 'lease', interval '1 day', $3, $4, $5, "
+        "VALUES ('t', $7, $1, '\\x00', $2, 'lease', interval '1 day', $3, $4, $5, "
         "now() - make_interval(secs => $6))",
         key,
         state,
@@ -44,6 +44,7 @@ async def insert(pool: Any, key: str, state: str, **columns: Any) -> None:
         201 if final else None,
         columns.get("lease_expires_at"),
         float(columns.get("age", 0)),
+        columns.get("operation", "POST /payouts"),
     )
 
 
@@ -179,11 +180,12 @@ async def test_reconcile_runs_the_apps_reconcilers(db_dsn: str, pool: Any) -> No
 
     await insert(pool, "happened", "unknown")
     await insert(pool, "not-happened", "unknown")
+    lapsed = datetime.now(UTC) - timedelta(seconds=1)
+    await insert(pool, "lapsed", "pending", lease_expires_at=lapsed)
+    # A route whose lapsed leases the client's retry takes over, with no reconciler: left
+    # pending for that retry (unknown would refuse it until an operator came).
     await insert(
-        pool,
-        "lapsed",
-        "pending",
-        lease_expires_at=datetime.now(UTC) - timedelta(seconds=1),
+        pool, "taken-over", "pending", lease_expires_at=lapsed, operation="POST /transfers"
     )
     result = cli("reconcile", "--app", "tests.cli_app:app", "--json", dsn=db_dsn)
     assert result.returncode == 0, result.stderr
@@ -199,6 +201,7 @@ async def test_reconcile_runs_the_apps_reconcilers(db_dsn: str, pool: Any) -> No
         "happened": ("succeeded", 201),
         "not-happened": ("pending", None),
         "lapsed": ("unknown", None),
+        "taken-over": ("pending", None),
     }
 
 

@@ -3,6 +3,7 @@ a store connection, and nothing else (found by probing):
 
 - in lease mode, a duplicate that ends up running the handler (the key was released, taken
   over, or reconciled as not happened) holds a slot like any execution;
+- a retry that runs the route's reconciler (which may open its fenced transaction) holds one;
 - a response that streams after its outcome is committed holds no connection, and gives its
   slot back as it starts, in both modes: a client that never reads does not lock its tenant out.
 """
@@ -17,6 +18,7 @@ import asyncpg
 import pytest
 
 from idem_middleware import Mode, Policy, PostgresStore
+from idem_middleware.reconcile import Happened, ReconcileContext, Reconciliation
 from tests.apps import (
     BOUND,
     NeverReads,
@@ -114,3 +116,43 @@ async def test_a_lease_stream_gives_its_slot_back_as_it_starts(
         reply = await asyncio.wait_for(http.post("/payouts", json=PAYOUT, headers=key("k")), BOUND)
     assert reply.status_code == 201, reply.text
     assert not any(task.done() for task in spawned)
+
+
+async def test_a_reconciler_a_retry_runs_holds_its_tenants_slot(
+    pg_store: PostgresStore, bank: asyncpg.Pool[Any]
+) -> None:
+    """A retry of an unknown record runs the route's reconciler, which may open its fenced
+    transaction (a pooled connection, held while it asks the bank): it holds a slot of its
+    tenant's meanwhile, as an execution does. It took none, so a tenant's retries of many
+    unknown keys could hold as many connections as they liked, past the cap, and take the
+    pool from every other tenant."""
+    gate = asyncio.Event()
+    asking: list[str] = []
+
+    async def ask_the_bank(rc: ReconcileContext) -> Reconciliation:
+        await rc.fenced_connection()
+        asking.append(rc.key)
+        await gate.wait()
+        return Happened.json(201, {"reconciled": True})
+
+    policy = Policy(mode=Mode.LEASE, lease_seconds=5.0, wait_seconds=0.3, reconciler=ask_the_bank)
+    app = build_lease_app(pg_store, bank, policy, max_tenant_connections=1)
+    app.state.probe.steps = [Step(fail="after"), Step(fail="after")]
+    async with client(app) as http:
+        for k in ("k1", "k2"):  # two unknown records of the tenant's
+            failed = await http.post("/payouts", json=PAYOUT, headers=key(k))
+            assert failed.status_code == 500
+        first = asyncio.ensure_future(http.post("/payouts", json=PAYOUT, headers=key("k1")))
+        try:
+            await until(lambda: asking == ["k1"])
+            second = await asyncio.wait_for(
+                http.post("/payouts", json=PAYOUT, headers=key("k2")), BOUND
+            )
+        finally:
+            gate.set()
+        assert_problem(second, 429, "tenant-busy")
+        assert (await asyncio.wait_for(first, BOUND)).status_code == 201
+        assert asking == ["k1"]
+        again = await http.post("/payouts", json=PAYOUT, headers=key("k2"))
+    assert again.status_code == 201, again.text
+    assert asking == ["k1", "k2"]

@@ -1,0 +1,196 @@
+"""Lease mode's recovery paths meeting each other on one key: a reconciler's verdict racing
+another reconciler (a duplicate's, or `idem-middleware reconcile`'s), a takeover, an operator's
+move, and storms of duplicates of many keys whose leases lapse at once under a tenant cap.
+
+The route is tests/apps/lease.py's `POST /payouts` (its "bank" deduplicates by downstream key).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any
+
+import asyncpg
+import httpx
+import pytest
+
+from idem_middleware import PostgresStore, RecordKey
+from idem_middleware.fence import Verdict, run_reconciler
+from idem_middleware.ops import reconcile_unknown
+from idem_middleware.reconcile import (
+    Happened,
+    NotHappened,
+    ReconcileContext,
+    Reconciliation,
+    StillUnknown,
+)
+from idem_middleware.store import Claimed
+from idem_middleware.store.base import Settlement, State
+from tests.apps import (
+    BOUND,
+    LEASE_POLICY,
+    PAYOUTS,
+    LeaseProbe,
+    Step,
+    assert_problem,
+    build_lease_app,
+    client,
+    downstream_reconciler,
+    downstream_rows,
+    idle_in_transaction,
+    reset_downstream,
+    wait_for_lock_waiters,
+)
+
+BODY = {"account": "acc-1", "amount": 100}
+OPERATION = f"POST {PAYOUTS}"
+
+
+def rkey(idem_key: str = "k1") -> RecordKey:
+    return RecordKey("tenant-a", OPERATION, idem_key)
+
+
+@pytest.fixture
+async def bank(pool: asyncpg.Pool[Any]) -> AsyncIterator[asyncpg.Pool[Any]]:
+    await reset_downstream(pool)
+    yield pool
+    assert await idle_in_transaction(pool) == 0, "a transaction was left open"
+
+
+def post(c: httpx.AsyncClient, idem_key: str = "k1") -> Awaitable[httpx.Response]:
+    return c.post(PAYOUTS, json=BODY, headers={"idempotency-key": idem_key})
+
+
+async def record(pool: asyncpg.Pool[Any], idem_key: str = "k1") -> asyncpg.Record:
+    row = await pool.fetchrow(
+        "SELECT state, generation FROM idem_requests WHERE idem_key = $1", idem_key
+    )
+    assert row is not None
+    return row
+
+
+async def test_a_not_happened_takeover_waits_no_longer_than_the_clients_wait_for_another_reconciler(
+    pg_store: PostgresStore, bank: asyncpg.Pool[Any]
+) -> None:
+    """Another reconciler (an operator's `reconcile`, or a duplicate elsewhere) holds the unknown
+    record's fence while it asks the bank. A retry whose own reconciler says "did not happen"
+    must take the record over, which needs that lock: it waits at most what is left of its
+    `wait_seconds`, answers 409 request-in-flight, and runs nothing (it waited for as long as
+    the other reconciler ran, however long)."""
+    policy = LEASE_POLICY.replace(
+        wait_seconds=0.3,
+        reconcile_timeout_seconds=4 * BOUND,
+        reconciler=downstream_reconciler(bank),
+    )
+    app = build_lease_app(pg_store, bank, policy)
+    probe: LeaseProbe = app.state.probe
+    probe.steps = [Step(fail="before")]  # nothing reached the bank: the record is unknown
+    gate = asyncio.Event()
+    holding = asyncio.Event()
+
+    async def slow_reconciler(rc: ReconcileContext) -> Reconciliation:
+        await rc.fenced_connection()
+        holding.set()
+        await gate.wait()
+        return StillUnknown("the bank has not answered")
+
+    async with client(app) as c:
+        assert (await post(c)).status_code == 500
+        unknown = await record(bank)
+        assert unknown["state"] == "unknown"
+        other = asyncio.ensure_future(
+            run_reconciler(
+                pg_store, rkey(), unknown["generation"], slow_reconciler, seconds=4 * BOUND
+            )
+        )
+        try:
+            await asyncio.wait_for(holding.wait(), BOUND)
+            retry = asyncio.ensure_future(post(c))
+            try:
+                await wait_for_lock_waiters(bank)  # its takeover, on the other's fence
+                answered = await asyncio.wait_for(asyncio.shield(retry), BOUND)
+            finally:
+                gate.set()
+                await asyncio.wait_for(retry, BOUND)
+        finally:
+            gate.set()
+            result = await asyncio.wait_for(other, BOUND)
+        assert_problem(answered, 409, "request-in-flight")
+        assert result.verdict is Verdict.STILL_UNKNOWN
+        assert probe.calls == 1
+        # The fence is gone: the next retry's reconciler takes the record over and runs it.
+        again = await post(c)
+    assert again.status_code == 201, again.text
+    assert probe.calls == 2
+    assert await downstream_rows(bank) == 1
+
+
+# -- `idem-middleware reconcile` passes over a record another session holds ---------------------
+
+
+async def _happened(rc: ReconcileContext) -> Reconciliation:
+    return Happened(201, b"{}")
+
+
+async def _not_happened(rc: ReconcileContext) -> Reconciliation:
+    return NotHappened()
+
+
+async def _claimed(store: PostgresStore, key: RecordKey, lease_seconds: float = 30.0) -> int:
+    claim = await store.claim_lease(key, b"f", retention_seconds=60, lease_seconds=lease_seconds)
+    assert isinstance(claim, Claimed)
+    return claim.generation
+
+
+async def _unknown(store: PostgresStore, key: RecordKey) -> int:
+    generation = await _claimed(store, key)
+    assert await store.settle(key, generation, State.PENDING, Settlement(State.UNKNOWN))
+    return generation
+
+
+@pytest.mark.parametrize("held", ["executor past its lease", "another reconciler"])
+async def test_reconcile_passes_over_a_record_another_session_holds(
+    pg_store: PostgresStore, bank: asyncpg.Pool[Any], held: str
+) -> None:
+    """An executor holding its fenced transaction past its lease (or paused while it holds it),
+    or another reconciler, holds the record's row: the batch waited for it (for good, if that
+    process was stopped), and settled nothing else meanwhile. It passes it over now, counts it
+    `held`, settles the others, and a later run takes the record up again."""
+    busy = rkey("busy")
+    if held == "executor past its lease":
+        generation = await _claimed(pg_store, busy, lease_seconds=0.05)
+        expected, reconciler = State.PENDING, _happened
+
+        async def lapsed() -> bool:
+            summary = await pg_store.describe(busy)
+            return summary is not None and bool(summary.lease_expired)
+
+        for _ in range(int(BOUND / 0.01)):
+            if await lapsed():
+                break
+            await asyncio.sleep(0.01)
+    else:
+        generation = await _unknown(pg_store, busy)
+        expected, reconciler = State.UNKNOWN, _not_happened
+    await _unknown(pg_store, rkey("free"))
+    async with pg_store.fenced(busy, generation, expected):
+        report = await asyncio.wait_for(
+            reconcile_unknown(pg_store, {OPERATION: reconciler}, seconds=BOUND), BOUND
+        )
+        assert report.held == 1
+        assert report.verdicts == {"settled" if reconciler is _happened else "not-happened": 1}
+        record_of_busy = await pg_store.get(busy)
+        assert record_of_busy is not None
+        assert (record_of_busy.state, record_of_busy.generation) == (expected, generation)
+    again = await asyncio.wait_for(
+        reconcile_unknown(pg_store, {OPERATION: reconciler}, seconds=BOUND), BOUND
+    )
+    assert again.held == 0
+    settled = await pg_store.get(busy)
+    assert settled is not None
+    if reconciler is _happened:
+        assert again.expired_leases == 1
+        assert settled.state is State.SUCCEEDED
+    else:
+        assert settled.retry_allowed
