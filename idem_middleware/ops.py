@@ -5,20 +5,21 @@ The CLI is a thin adapter over these; they work on any Store.
 
 from __future__ import annotations
 
-import asyncio
 import re
-from collections.abc import Awaitable, Collection, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Awaitable
+from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any, TypeVar
+from typing import Any
 
 import orjson
 
 from .errors import ResolveError as ResolveError
-from .fence import Verdict, run_reconciler
 from .middleware import IdempotencyMiddleware
 from .policy import Policy, endpoint_policy, operation_name
 from .reconcile import Reconciler
+from .reconcile_batch import Held, unless_held
+from .reconcile_batch import ReconcileReport as ReconcileReport
+from .reconcile_batch import reconcile_unknown as reconcile_unknown
 from .routing import Found, routes_of
 from .startup import guarded_routes
 from .store.base import (
@@ -137,6 +138,23 @@ async def _record(store: Store, key: RecordKey) -> RecordSummary:
     return summary
 
 
+#: The longest `resolve` and `reopen` wait for a record another session holds.
+_BUSY_WAIT = 5.0
+
+
+async def _unless_busy(amend: Awaitable[bool]) -> bool:
+    """An operator's move, waiting at most `_BUSY_WAIT` for the record's row: a reconciler's
+    fenced transaction holds it while it asks the downstream service, and a process paused
+    holding one would hold it for good."""
+    try:
+        return await unless_held(amend, _BUSY_WAIT)
+    except Held:
+        raise ResolveError(
+            f"another session held this record for over {_BUSY_WAIT:g} s (a request or a "
+            "reconciler working on it): look at it again (show) and retry"
+        ) from None
+
+
 async def resolve(
     store: Store,
     key: RecordKey,
@@ -181,9 +199,10 @@ async def resolve(
     status = None if response is None else response.status
     action = "re-resolve" if record.state in FINAL_STATES else "resolve"
     line = _audit_line(action, record, after, status, text)
-    if not await store.amend(
+    amend = store.amend(
         key, record.generation, record.state, Settlement(after, response, note=line)
-    ):
+    )
+    if not await _unless_busy(amend):
         raise ResolveError("the record changed while it was being resolved; look at it again")
     return Move(record.state, after, status)
 
@@ -199,134 +218,10 @@ async def reopen(store: Store, key: RecordKey, *, note: str) -> Move:
             f"{record.state.value}"
         )
     line = _audit_line("reopen", record, State.UNKNOWN, None, text)
-    moved = await store.amend(
-        key, record.generation, record.state, Settlement(State.UNKNOWN, None, note=line)
-    )
-    if not moved:
+    amend = store.amend(key, record.generation, record.state, Settlement(State.UNKNOWN, note=line))
+    if not await _unless_busy(amend):
         raise ResolveError("the record changed while it was being reopened; look at it again")
     return Move(record.state, State.UNKNOWN)
-
-
-#: The most unknown records one `reconcile_unknown` looks at (every loop is bounded).
-_MAX_SCANNED = 1_000_000
-#: The longest `reconcile_unknown` waits for a record another session holds (an executor's or a
-#: reconciler's fenced transaction, or a process paused holding one) before passing it over.
-_HELD_WAIT = 1.0
-
-_T = TypeVar("_T")
-
-
-class _Held(Exception):
-    """Another session held the record's row for longer than `_HELD_WAIT`."""
-
-
-async def _unless_held(move: Awaitable[_T], seconds: float) -> _T:
-    try:
-        async with asyncio.timeout(seconds):
-            return await move
-    except TimeoutError:
-        raise _Held from None
-
-
-@dataclass
-class ReconcileReport:
-    examined: int = 0
-    expired_leases: int = 0
-    verdicts: dict[str, int] = field(default_factory=dict)
-    #: Operations that had unknown records but no reconciler.
-    unreconcilable: dict[str, int] = field(default_factory=dict)
-    #: Operations whose unknown records are transactional-mode (reopened by an operator): no
-    #: reconciler runs on them, since a transactional record's writes committed with its
-    #: outcome and cannot be released for a retry; settle them with `resolve`.
-    by_hand: dict[str, int] = field(default_factory=dict)
-    #: Records passed over because another session held them (an executor or a reconciler at
-    #: work, or a process paused while it held one): the next run looks at them again.
-    held: int = 0
-
-
-async def reconcile_unknown(
-    store: Store,
-    reconcilers: Mapping[str, Reconciler],
-    *,
-    tenant: str | None = None,
-    operation: str | None = None,
-    limit: int = 100,
-    seconds: float = 10.0,
-    takeover: Collection[str] = (),
-) -> ReconcileReport:
-    """Settle unknown records (and pending ones whose lease lapsed) by asking their reconcilers.
-
-    `Happened` settles the record; `NotHappened` lets the client's next retry run it again.
-    Only lease-mode records are reconciled: transactional ones are counted in `by_hand`.
-    `takeover` names the operations whose lapsed leases the client's retry takes over
-    (`LeaseExpiry.TAKEOVER`): without a reconciler, theirs are left pending for it, since
-    `unknown` would refuse that retry until an operator came.
-    """
-    report = ReconcileReport()
-    # A record another session holds is passed over, not waited for: an executor holding its
-    # fenced transaction past its lease, or paused with it, would stop the whole batch.
-    held_wait = min(seconds, _HELD_WAIT)
-    stale = await store.list_records(
-        states=[State.PENDING], tenant=tenant, operation=operation, limit=limit, stale_only=True
-    )
-    for summary in stale:
-        op = summary.key.operation
-        if not summary.lease_expired or (op in takeover and op not in reconcilers):
-            continue
-        try:
-            if await _unless_held(store.expire_lease(summary.key, summary.generation), held_wait):
-                report.expired_leases += 1
-        except _Held:
-            report.held += 1
-    # `limit` bounds the reconcilers run, not the records looked at: records no reconciler can
-    # settle (transactional ones, operations without one) are passed over, oldest first, so that
-    # however many of them wait for an operator they never keep the others from their turn.
-    seen: set[RecordKey] = set()
-    runs = 0
-    window = limit
-    while runs < limit and window <= _MAX_SCANNED:
-        unknown = await store.list_records(
-            states=[State.UNKNOWN], tenant=tenant, operation=operation, limit=window
-        )
-        fresh = [summary for summary in unknown if summary.key not in seen]
-        for summary in fresh:
-            if runs == limit:
-                break
-            seen.add(summary.key)
-            report.examined += 1
-            op = summary.key.operation
-            if summary.mode != "lease":
-                report.by_hand[op] = report.by_hand.get(op, 0) + 1
-                continue
-            reconciler = reconcilers.get(op)
-            if reconciler is None:
-                report.unreconcilable[op] = report.unreconcilable.get(op, 0) + 1
-                continue
-            runs += 1
-            try:
-                verdict = await _reconcile_one(store, summary, reconciler, seconds, held_wait)
-            except _Held:
-                report.held += 1
-                continue
-            report.verdicts[verdict.value] = report.verdicts.get(verdict.value, 0) + 1
-        if not fresh or len(unknown) < window:
-            break  # every unknown record has been looked at
-        # Settled ones leave the list; the next window reaches past those passed over.
-        window = len(seen) + limit
-    return report
-
-
-async def _reconcile_one(
-    store: Store, summary: RecordSummary, reconciler: Reconciler, seconds: float, held_wait: float
-) -> Verdict:
-    result = await run_reconciler(
-        store, summary.key, summary.generation, reconciler, seconds=seconds, epoch=summary.epoch
-    )
-    if result.verdict is Verdict.NOT_HAPPENED:
-        retry = store.allow_retry(summary.key, summary.generation, "reconciled: not happened")
-        if not await _unless_held(retry, held_wait):
-            return Verdict.CHANGED  # someone else moved it meanwhile
-    return result.verdict
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,9 +15,10 @@ import asyncpg
 import httpx
 import pytest
 
-from idem_middleware import PostgresStore, RecordKey
+from idem_middleware import PostgresStore, RecordKey, ops
+from idem_middleware.errors import ResolveError
 from idem_middleware.fence import Verdict, run_reconciler
-from idem_middleware.ops import reconcile_unknown
+from idem_middleware.ops import Resolution, reconcile_unknown
 from idem_middleware.reconcile import (
     Happened,
     NotHappened,
@@ -26,7 +27,7 @@ from idem_middleware.reconcile import (
     StillUnknown,
 )
 from idem_middleware.store import Claimed
-from idem_middleware.store.base import Settlement, State
+from idem_middleware.store.base import Settlement, State, StoredResponse
 from tests.apps import (
     BOUND,
     LEASE_POLICY,
@@ -194,3 +195,64 @@ async def test_reconcile_passes_over_a_record_another_session_holds(
         assert settled.state is State.SUCCEEDED
     else:
         assert settled.retry_allowed
+
+
+@pytest.mark.parametrize("move", ["resolve", "reopen"])
+async def test_an_operators_move_on_a_record_a_reconciler_holds_gives_up_and_says_so(
+    pg_store: PostgresStore, bank: asyncpg.Pool[Any], monkeypatch: pytest.MonkeyPatch, move: str
+) -> None:
+    """A reconciler's fenced transaction holds the record's row while it asks the bank (for good
+    if its process is paused): `resolve` and `reopen` waited for it with no bound. They now give
+    up after a while with a ResolveError saying why, and the record is as it was."""
+    monkeypatch.setattr(ops, "_BUSY_WAIT", 0.2)
+    key = rkey("held")
+    generation = await _unknown(pg_store, key)
+    if move == "reopen":
+        response = StoredResponse(201, ((b"content-type", b"application/json"),), b"{}")
+        await ops.resolve(pg_store, key, Resolution.SUCCEEDED, note="n", response=response)
+        state = State.SUCCEEDED
+    else:
+        state = State.UNKNOWN
+    async with pg_store.fenced(key, generation, state):
+        moved = (
+            ops.resolve(pg_store, key, Resolution.RETRY, note="by hand")
+            if move == "resolve"
+            else ops.reopen(pg_store, key, note="by hand")
+        )
+        with pytest.raises(ResolveError, match="another session held this record"):
+            await asyncio.wait_for(moved, BOUND)
+    after = await pg_store.get(key)
+    assert after is not None
+    assert (after.state, after.generation) == (state, generation)
+
+
+async def test_lapsed_leases_left_for_a_takeover_never_keep_others_from_their_turn(
+    pg_store: PostgresStore, bank: asyncpg.Pool[Any]
+) -> None:
+    """A takeover route's lapsed leases are left pending for the client's retry; they are the
+    oldest here, as many as the batch's `limit`. The batch looked only at the `limit` oldest
+    lapsed leases, so it turned none unknown and reconciled nothing; the window now reaches
+    past those it passes over."""
+    takeover_op = "POST /takeover"
+    for i in range(3):
+        await _claimed(pg_store, RecordKey("tenant-a", takeover_op, f"old-{i}"), 0.05)
+    await _claimed(pg_store, rkey("new"), 0.05)
+    for _ in range(int(BOUND / 0.01)):
+        summary = await pg_store.describe(rkey("new"))
+        if summary is not None and summary.lease_expired:
+            break
+        await asyncio.sleep(0.01)
+    report = await asyncio.wait_for(
+        reconcile_unknown(
+            pg_store, {OPERATION: _happened}, limit=2, takeover={takeover_op}, seconds=BOUND
+        ),
+        BOUND,
+    )
+    assert (report.expired_leases, report.verdicts) == (1, {"settled": 1})
+    settled = await pg_store.get(rkey("new"))
+    assert settled is not None
+    assert settled.state is State.SUCCEEDED
+    for i in range(3):
+        left = await pg_store.get(RecordKey("tenant-a", takeover_op, f"old-{i}"))
+        assert left is not None
+        assert left.state is State.PENDING

@@ -1,0 +1,169 @@
+"""The operators' batch reconciliation (`idem-middleware reconcile`): lapsed leases turned
+`unknown`, and unknown records settled by asking their reconcilers, in bounded passes that no
+record another session holds can stop."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Collection, Mapping
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from .fence import Verdict, run_reconciler
+from .reconcile import Reconciler
+from .store.base import RecordKey, RecordSummary, State, Store
+
+#: The most unknown records one `reconcile_unknown` looks at (every loop is bounded).
+_MAX_SCANNED = 1_000_000
+#: The longest `reconcile_unknown` waits for a record another session holds (an executor's or a
+#: reconciler's fenced transaction, or a process paused holding one) before passing it over.
+_HELD_WAIT = 1.0
+
+_T = TypeVar("_T")
+
+
+class Held(Exception):
+    """Another session held the record's row for longer than `_HELD_WAIT`."""
+
+
+async def unless_held(move: Awaitable[_T], seconds: float) -> _T:
+    """`move`'s result, or Held when it waited `seconds` (for a row another session holds)."""
+    try:
+        async with asyncio.timeout(seconds):
+            return await move
+    except TimeoutError:
+        raise Held from None
+
+
+@dataclass
+class ReconcileReport:
+    examined: int = 0
+    expired_leases: int = 0
+    verdicts: dict[str, int] = field(default_factory=dict)
+    #: Operations that had unknown records but no reconciler.
+    unreconcilable: dict[str, int] = field(default_factory=dict)
+    #: Operations whose unknown records are transactional-mode (reopened by an operator): no
+    #: reconciler runs on them, since a transactional record's writes committed with its
+    #: outcome and cannot be released for a retry; settle them with `resolve`.
+    by_hand: dict[str, int] = field(default_factory=dict)
+    #: Records passed over because another session held them (an executor or a reconciler at
+    #: work, or a process paused while it held one): the next run looks at them again.
+    held: int = 0
+
+
+async def reconcile_unknown(
+    store: Store,
+    reconcilers: Mapping[str, Reconciler],
+    *,
+    tenant: str | None = None,
+    operation: str | None = None,
+    limit: int = 100,
+    seconds: float = 10.0,
+    takeover: Collection[str] = (),
+) -> ReconcileReport:
+    """Settle unknown records (and pending ones whose lease lapsed) by asking their reconcilers.
+
+    `Happened` settles the record; `NotHappened` lets the client's next retry run it again.
+    Only lease-mode records are reconciled: transactional ones are counted in `by_hand`.
+    `takeover` names the operations whose lapsed leases the client's retry takes over
+    (`LeaseExpiry.TAKEOVER`): without a reconciler, theirs are left pending for it, since
+    `unknown` would refuse that retry until an operator came.
+    """
+    report = ReconcileReport()
+    # A record another session holds is passed over, not waited for: an executor holding its
+    # fenced transaction past its lease, or paused with it, would stop the whole batch.
+    held_wait = min(seconds, _HELD_WAIT)
+    await _expire_leases(store, report, reconcilers, tenant, operation, limit, held_wait, takeover)
+    # `limit` bounds the reconcilers run, not the records looked at: records no reconciler can
+    # settle (transactional ones, operations without one) are passed over, oldest first, so that
+    # however many of them wait for an operator they never keep the others from their turn.
+    seen: set[RecordKey] = set()
+    runs = 0
+    window = limit
+    while runs < limit and window <= _MAX_SCANNED:
+        unknown = await store.list_records(
+            states=[State.UNKNOWN], tenant=tenant, operation=operation, limit=window
+        )
+        fresh = [summary for summary in unknown if summary.key not in seen]
+        for summary in fresh:
+            if runs == limit:
+                break
+            seen.add(summary.key)
+            report.examined += 1
+            op = summary.key.operation
+            if summary.mode != "lease":
+                report.by_hand[op] = report.by_hand.get(op, 0) + 1
+                continue
+            reconciler = reconcilers.get(op)
+            if reconciler is None:
+                report.unreconcilable[op] = report.unreconcilable.get(op, 0) + 1
+                continue
+            runs += 1
+            try:
+                verdict = await _reconcile_one(store, summary, reconciler, seconds, held_wait)
+            except Held:
+                report.held += 1
+                continue
+            report.verdicts[verdict.value] = report.verdicts.get(verdict.value, 0) + 1
+        if not fresh or len(unknown) < window:
+            break  # every unknown record has been looked at
+        # Settled ones leave the list; the next window reaches past those passed over.
+        window = len(seen) + limit
+    return report
+
+
+async def _expire_leases(
+    store: Store,
+    report: ReconcileReport,
+    reconcilers: Mapping[str, Reconciler],
+    tenant: str | None,
+    operation: str | None,
+    limit: int,
+    held_wait: float,
+    takeover: Collection[str],
+) -> None:
+    """Turn lapsed leases `unknown`: at most `limit` tries (each may wait `held_wait`). Leases
+    left for the client's takeover cost none, and the window reaches past them, so however many
+    of them there are they never keep the others from their turn."""
+    seen: set[RecordKey] = set()
+    tries = 0
+    window = limit
+    while tries < limit and window <= _MAX_SCANNED:
+        stale = await store.list_records(
+            states=[State.PENDING],
+            tenant=tenant,
+            operation=operation,
+            limit=window,
+            stale_only=True,
+        )
+        fresh = [summary for summary in stale if summary.key not in seen]
+        for summary in fresh:
+            if tries == limit:
+                break
+            seen.add(summary.key)
+            op = summary.key.operation
+            if not summary.lease_expired or (op in takeover and op not in reconcilers):
+                continue
+            tries += 1
+            try:
+                move = store.expire_lease(summary.key, summary.generation)
+                if await unless_held(move, held_wait):
+                    report.expired_leases += 1
+            except Held:
+                report.held += 1
+        if not fresh or len(stale) < window:
+            break  # every lapsed lease has been looked at
+        window = len(seen) + limit
+
+
+async def _reconcile_one(
+    store: Store, summary: RecordSummary, reconciler: Reconciler, seconds: float, held_wait: float
+) -> Verdict:
+    result = await run_reconciler(
+        store, summary.key, summary.generation, reconciler, seconds=seconds, epoch=summary.epoch
+    )
+    if result.verdict is Verdict.NOT_HAPPENED:
+        retry = store.allow_retry(summary.key, summary.generation, "reconciled: not happened")
+        if not await unless_held(retry, held_wait):
+            return Verdict.CHANGED  # someone else moved it meanwhile
+    return result.verdict
