@@ -159,7 +159,10 @@ class Listener:
             logger.debug("a wait's registration failed: %r", task.exception())
 
     async def _end(self, token: str, registering: asyncio.Task[int | None]) -> None:
-        waiter = await registering
+        await asyncio.wait((registering,))  # (its error, if any, was its waiter's to see)
+        if registering.cancelled() or registering.exception() is not None:
+            return
+        waiter = registering.result()
         if waiter is not None:
             await self._unregister(token, waiter)
 
