@@ -5,7 +5,9 @@ as most are) costs a heap entry and a handle each time; this costs a dictionary 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import time
+from collections.abc import Callable
 from typing import Protocol
 
 
@@ -38,9 +40,20 @@ class _Serving:
             del items[item]
         if items:
             at = next(iter(items.values()))
-            self.timer = self.loop.call_later(max(at - now, 0.0), self.fire)
+            self.timer = _arm(self.loop, max(at - now, 0.0), self.fire)
         for item in due:
             item.due()
+
+
+def _arm(
+    loop: asyncio.AbstractEventLoop, delay: float, fire: Callable[[], None]
+) -> asyncio.TimerHandle:
+    """A timer that runs in a context of its own, empty. `call_later` would copy the context of
+    whichever request armed it, and every timer after it re-arms from there: that request's
+    context variables (its IdempotencyContext, its connection, an outer middleware's request id
+    or trace span) stayed alive as long as the chain ran, and each item's `due` ran under them,
+    so a heartbeat or a client watch started for one request ran as another's."""
+    return loop.call_later(delay, fire, context=contextvars.Context())
 
 
 class Delayed:
@@ -73,7 +86,7 @@ class Delayed:
             serving = self._serving(loop)
         serving.items[item] = time.monotonic() + self._delay
         if serving.timer is None:
-            serving.timer = loop.call_later(self._delay, serving.fire)
+            serving.timer = _arm(loop, self._delay, serving.fire)
 
     def discard(self, item: Due) -> None:
         # (An item is only in the items of the loop that added it: popping it from another's

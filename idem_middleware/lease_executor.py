@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
 from typing import TYPE_CHECKING
 
@@ -69,6 +70,7 @@ class LeaseExecution:
         "heartbeat",
         "key",
         "policy",
+        "request_context",
         "stop",
         "store",
     )
@@ -86,6 +88,7 @@ class LeaseExecution:
         self.stop: asyncio.Event | None = None
         self.fence: Fence | None = None
         self.capture: ResponseCapture | None = None
+        self.request_context: contextvars.Context | None = None
 
     async def run(self) -> Answer:
         ex = self.ex
@@ -114,6 +117,8 @@ class LeaseExecution:
             # free.
             self.context = context
             renewals = _renewals(policy.lease_seconds)
+            # (The heartbeat runs in this request's context, not the shared timer's.)
+            self.request_context = contextvars.copy_context()
             renewals.add(self)
             token = enter_context(ex.scope, context)
             try:
@@ -232,7 +237,7 @@ class LeaseExecution:
         if self.context is not None and self.stop is None:
             self.stop = asyncio.Event()
             self.heartbeat = asyncio.get_running_loop().create_task(
-                self._heartbeat(self.context, self.stop)
+                self._heartbeat(self.context, self.stop), context=self.request_context
             )
 
     def _stop_renewing(self, renewals: Delayed) -> None:

@@ -104,6 +104,11 @@ def _check_arguments(
 #: before skips the route walk. Cleared when full (paths with ids in them are all distinct).
 _ROUTE_CACHE_SIZE = 1024
 
+#: The longest root path, path and Host header, together, whose resolution is kept: ids in paths
+#: are short, and a server takes paths of 64 KB (uvicorn with httptools): cached, 1,024 of them,
+#: each kept twice (the key, the fingerprinter's parameters), held 130 MB of a worker for good.
+_CACHED_KEY_LENGTH = 1024
+
 #: A guarded path as the cache keeps it: its requests' fingerprinter (the path's parameters in
 #: it), its policy and its operation's name.
 _Guarded = tuple[Fingerprinter, Policy, str]
@@ -280,7 +285,8 @@ class IdempotencyMiddleware:
         depended on more than the cache's key (a custom route class: see routing.Trace)."""
         trace = Trace()
         guarded = self._resolve(app, method, scope, trace)
-        if guarded is not None and not trace.volatile:
+        length = len(cache_key[2]) + len(cache_key[3]) + len(cache_key[4] or b"")
+        if guarded is not None and not trace.volatile and length <= _CACHED_KEY_LENGTH:
             if len(self._routes) >= _ROUTE_CACHE_SIZE:
                 self._routes.clear()  # many distinct paths (ids in them): start over
             lists = tuple(trace.lists)

@@ -1,11 +1,12 @@
 """Lease-mode waits registered in `idem_waiters`: a settlement notifies (wakes every listening
-process) only when someone waits on the record; the registrations come and go with the waits,
-and `purge` removes those a dead process left behind."""
+process) only when someone waits on the record; the registrations come and go with the waits
+(a watch that never waits registers nothing; a cancelled one leaves nothing), and `purge`
+removes those a dead process left behind."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import asyncpg
@@ -54,6 +55,14 @@ async def _registered(store: PostgresStore, key: RecordKey) -> int:
     return n
 
 
+async def _until(count: Callable[[], Awaitable[int]], expected: int) -> None:
+    for _ in range(500):  # bounded: 5 s
+        if await count() == expected:
+            return
+        await asyncio.sleep(0.01)
+    assert await count() == expected
+
+
 async def test_a_settlement_nobody_waits_for_notifies_nobody(
     store: PostgresStore, heard: list[str]
 ) -> None:
@@ -89,10 +98,12 @@ async def test_a_settlement_of_a_watched_record_wakes_its_waiter_and_only_its_wa
                 break
             await asyncio.sleep(0.01)
         assert watch.listening
-        assert await _registered(store, key) == 1
+        assert await _registered(store, key) == 0  # not waiting yet: nothing to notify
+        waiting = asyncio.ensure_future(watch.wait(5))
+        await _until(lambda: _registered(store, key), 1)
         assert await store.settle(key, generation, State.PENDING, _done())
         assert await store.settle(other, bystander, State.PENDING, _done())
-        assert await watch.wait(5)
+        assert await waiting
     assert await _registered(store, key) == 0  # the wait is over: so is its registration
     await asyncio.sleep(0.1)
     assert heard == [notify_token(key)]
@@ -100,7 +111,8 @@ async def test_a_settlement_of_a_watched_record_wakes_its_waiter_and_only_its_wa
 
 async def test_without_listen_a_wait_registers_nothing(db_dsn: str) -> None:
     key = RecordKey("t1", "POST /pay", "polled")
-    async with PostgresStore(dsn=db_dsn, listen=False) as store, store.watch(key):
+    async with PostgresStore(dsn=db_dsn, listen=False) as store, store.watch(key) as watch:
+        assert not await watch.wait(0.01)
         assert await _registered(store, key) == 0  # it polls: no notification is for it
 
 
@@ -129,11 +141,11 @@ async def test_a_wait_cancelled_while_it_registers_leaves_no_waiter_behind() -> 
     request was cancelled meanwhile): no event is left for notifications to set."""
     from idem_middleware.store.postgres.listener import Listener
 
-    registering = asyncio.Event()
+    registering, answer = asyncio.Event(), asyncio.Event()
 
     async def never_answers(query: str, *args: Any) -> None:
         registering.set()
-        await asyncio.Event().wait()
+        await answer.wait()
 
     async def no_connection() -> tuple[Any, bool]:
         raise OSError("no server in this test")
@@ -144,8 +156,8 @@ async def test_a_wait_cancelled_while_it_registers_leaves_no_waiter_behind() -> 
     listener = Listener(enabled=True, connect=no_connection, release=release, execute=never_answers)
 
     async def wait() -> None:
-        async with listener.watch(RecordKey("t1", "POST /pay", "cancelled")):
-            pass
+        async with listener.watch(RecordKey("t1", "POST /pay", "cancelled")) as watch:
+            await watch.wait(5)
 
     task = asyncio.create_task(wait())
     await asyncio.wait_for(registering.wait(), 5)
@@ -153,4 +165,69 @@ async def test_a_wait_cancelled_while_it_registers_leaves_no_waiter_behind() -> 
     with pytest.raises(asyncio.CancelledError):
         await task
     assert listener._waiters == {}
+    answer.set()  # (the registration, and its removal, end before the listener closes)
     await listener.close()
+    assert listener._pending == set()
+
+
+class Gated:
+    """The store's registration statements, one of them held at a gate: `before` its statement
+    runs, or `after` it has committed (a cancellation then arrives as the connection goes back
+    to the pool, say)."""
+
+    def __init__(self, store: PostgresStore, verb: str, where: str) -> None:
+        self.listener = store._listener
+        self.run = self.listener._execute
+        self.verb, self.where = verb, where
+        self.held, self.gate = asyncio.Event(), asyncio.Event()
+        self.statements: list[str] = []
+        self.listener._execute = self
+
+    async def __call__(self, query: str, *args: Any) -> Any:
+        verb = query.split()[0]
+        self.statements.append(verb)
+        if verb == self.verb and self.where == "before":
+            self.held.set()
+            await self.gate.wait()
+        result = await self.run(query, *args)
+        if verb == self.verb and self.where == "after":
+            self.held.set()
+            await self.gate.wait()
+        return result
+
+
+@pytest.mark.parametrize(("verb", "where"), [("INSERT", "after"), ("DELETE", "before")])
+async def test_a_wait_cancelled_while_it_registers_or_unregisters_leaves_no_row(
+    store: PostgresStore, verb: str, where: str
+) -> None:
+    """A waiter cancelled (its client left, its server shut down) after its INSERT committed but
+    before the statement returned never knew its row existed; one cancelled during its DELETE
+    never deleted it. Either row stayed behind for an hour (until a purge), notifying each
+    settlement of its record: 40 of 300 lease duplicates cancelled at random left one."""
+    key = RecordKey("t1", "POST /pay", "cancelled-" + verb + where)
+    gated = Gated(store, verb, where)
+
+    async def wait() -> None:
+        async with store.watch(key) as watch:
+            await watch.wait(0.01 if verb == "DELETE" else 5)
+
+    task = asyncio.create_task(wait())
+    await asyncio.wait_for(gated.held.wait(), 5)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    gated.gate.set()  # the statement goes on (or returns) after the waiter is gone
+    await _until(lambda: _registered(store, key), 0)
+    assert gated.statements == ["INSERT", "DELETE"]
+
+
+async def test_a_watch_answered_without_waiting_registers_nothing(store: PostgresStore) -> None:
+    """A lease-mode duplicate that finds the outcome (a replay), or runs the handler itself,
+    never waits: it registered and unregistered its wait all the same, two statements (two
+    connections from the pool) on every replay of a lease-mode request."""
+    key = RecordKey("t1", "POST /pay", "replayed")
+    gated = Gated(store, "none", "")
+    for _ in range(3):
+        async with store.watch(key):
+            pass
+    assert gated.statements == []

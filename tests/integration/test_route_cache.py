@@ -56,6 +56,30 @@ async def test_each_path_keeps_its_own_parameters_and_the_cache_stays_bounded() 
     assert len(idempotency_middleware(app)._routes) <= _ROUTE_CACHE_SIZE
 
 
+async def test_long_paths_and_hosts_are_resolved_but_not_kept() -> None:
+    """A server takes paths of 64 KB (uvicorn with httptools), and any client could send them:
+    kept, 1,024 such paths (each answered 400 for want of a key) held 130 MB of the worker until
+    the cache was next cleared. They are resolved each time instead, and guarded as before."""
+    app = _app()
+    account = "a" * 2000
+    async with client(app) as c:
+        for i in range(3):
+            path = f"/accounts/{account}{i}/credits"
+            assert (await c.post(path, json={"amount": 1})).status_code == 400  # no key
+            first = await c.post(path, json={"amount": 1}, headers=key(f"k{i}"))
+            assert first.status_code == 201, first.text
+            assert first.json()["account"] == f"{account}{i}"
+            again = await c.post(path, json={"amount": 1}, headers=key(f"k{i}"))
+            assert again.headers["idempotent-replayed"] == "true"
+        long_host = {"host": "h" * 2000, **key("host")}
+        assert (await c.post("/accounts/a/credits", json={}, headers=long_host)).status_code == 201
+        assert (
+            await c.post("/accounts/a/credits", json={}, headers=key("short"))
+        ).status_code == 201
+    kept = idempotency_middleware(app)._routes
+    assert [k[3] for k in kept] == ["/accounts/a/credits"]
+
+
 async def test_a_key_sent_again_on_another_path_of_the_route_is_another_request() -> None:
     """Each cached path has its own fingerprinter, its path's parameters in it: the same key
     and body on another account is refused as a reused key, and the first path still replays."""

@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import gc
 import threading
+import weakref
 
 from idem_middleware.delayed import Delayed
+
+#: A request's own context variable, as an outer middleware sets one (a request id, a span).
+REQUEST: contextvars.ContextVar[object] = contextvars.ContextVar("request")
 
 
 class Item:
@@ -88,3 +94,55 @@ def test_event_loops_of_two_threads_each_get_their_items_due() -> None:
     for t in threads:
         t.join(10)
     assert fired == {"one": ["one"], "two": ["two"]}
+
+
+class Request:
+    """What a request keeps in a context variable (weakly referable, to see whether it lives)."""
+
+
+class Seen:
+    def __init__(self) -> None:
+        self.seen: list[object] = []
+
+    def due(self) -> None:
+        self.seen.append(REQUEST.get(None))
+
+
+async def _request(delayed: Delayed, item: Seen, request: Request) -> None:
+    REQUEST.set(request)
+    delayed.add(item)  # the first item since the timer was idle: this arms it
+
+
+async def test_the_timer_keeps_nothing_of_the_request_that_armed_it() -> None:
+    """The timer was armed with `call_later`, which copies the context it is called from: the
+    first request's context, and every timer the chain re-armed after it. That request's
+    context variables (its IdempotencyContext and connection, an outer middleware's request id
+    or span) stayed alive for as long as other requests kept the timer busy."""
+    delayed = Delayed(3600.0)  # (never falls due during the test)
+    item = Seen()
+    request = Request()
+    done = weakref.ref(request)
+    await asyncio.create_task(_request(delayed, item, request))
+    del request
+    for _ in range(3):  # (the finished task's last callbacks let go of it)
+        await asyncio.sleep(0)
+    gc.collect()
+    try:
+        assert done() is None, "the shared timer keeps the context of the request that armed it"
+    finally:
+        delayed.discard(item)
+
+
+async def test_items_fall_due_outside_the_context_of_the_request_that_armed_the_timer() -> None:
+    """Each item's `due` ran in the first request's context: a lease heartbeat or a client
+    watch started for one request ran as another (its logs, its spans)."""
+    delayed = Delayed(0.01)
+    first, second = Seen(), Seen()
+    await asyncio.create_task(_request(delayed, first, Request()))
+    await asyncio.create_task(_request(delayed, second, Request()))
+    for _ in range(500):  # bounded: 5 s
+        if first.seen and second.seen:
+            break
+        await asyncio.sleep(0.01)
+    assert first.seen == [None]
+    assert second.seen == [None]

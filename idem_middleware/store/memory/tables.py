@@ -232,6 +232,37 @@ def _summary(key: RecordKey, row: _Row, now: float) -> RecordSummary:
     )
 
 
+class _RowLock:
+    """One record's row lock, kept only while someone holds it or waits for it: the last to
+    leave removes it. (Kept for good, every key a lease-mode request, a fenced session or an
+    operator's amendment ever touched left a lock behind, past its record's purge.)"""
+
+    __slots__ = ("_key", "_lock", "_locks", "_users")
+
+    def __init__(self, locks: dict[RecordKey, _RowLock], key: RecordKey) -> None:
+        self._locks = locks
+        self._key = key
+        self._lock = asyncio.Lock()
+        self._users = 0
+
+    async def __aenter__(self) -> None:
+        self._users += 1
+        try:
+            await self._lock.acquire()
+        except BaseException:  # cancelled while waiting for it
+            self._leave()
+            raise
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._lock.release()
+        self._leave()
+
+    def _leave(self) -> None:
+        self._users -= 1
+        if not self._users and self._locks.get(self._key) is self:
+            del self._locks[self._key]
+
+
 class MemoryTables:
     """The state of one in-memory store. `clock` is the store's notion of the database's `now()`."""
 
@@ -242,7 +273,8 @@ class MemoryTables:
         self._owners: dict[RecordKey, asyncio.Event | None] = {}
         self._generations = itertools.count(1)
         self._watchers: dict[RecordKey, set[asyncio.Event]] = {}
-        self._fence_locks: dict[RecordKey, asyncio.Lock] = {}
+        #: The row locks held or waited for now (see `_RowLock`).
+        self._fence_locks: dict[RecordKey, _RowLock] = {}
         self._tokens: dict[tuple[str, bytes], _Token] = {}
 
     def _current(self, key: RecordKey, generation: int, state: State) -> _Row | None:
@@ -252,10 +284,15 @@ class MemoryTables:
             return None
         return row
 
-    def _row_lock(self, key: RecordKey) -> asyncio.Lock:
-        """The record's row lock: a fenced session holds it, and every write to the record waits
-        for it, as an UPDATE or DELETE waits on PostgreSQL's `SELECT ... FOR UPDATE`."""
-        return self._fence_locks.setdefault(key, asyncio.Lock())
+    def _row_lock(self, key: RecordKey) -> _RowLock:
+        """The record's row lock (`async with`): a fenced session holds it, and every write to
+        the record waits for it, as an UPDATE or DELETE waits on PostgreSQL's `SELECT ... FOR
+        UPDATE`."""
+        locks = self._fence_locks
+        found = locks.get(key)
+        if found is None:
+            found = locks[key] = _RowLock(locks, key)
+        return found
 
     def _changed(self, key: RecordKey) -> None:
         for event in self._watchers.get(key, ()):

@@ -9,7 +9,7 @@ import logging
 import random
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 import asyncpg
 
@@ -26,6 +26,7 @@ RETRY_SECONDS = 5.0
 _ERRORS: tuple[type[BaseException], ...] = (*CONNECTION_ERRORS, asyncpg.PostgresError, StoreError)
 _CONNECT_ERRORS: tuple[type[BaseException], ...] = (*_ERRORS, TimeoutError)
 _REGISTER_ERRORS: tuple[type[BaseException], ...] = (*_CONNECT_ERRORS, RetryableConflict)
+_T = TypeVar("_T")
 
 
 class Listener:
@@ -60,6 +61,8 @@ class Listener:
         self._connecting: asyncio.Task[None] | None = None
         self._waiters: dict[str, set[asyncio.Event]] = {}
         self._retry_at = 0.0
+        #: Registrations (`idem_waiters`) being made or removed (see `_spawn`).
+        self._pending: set[asyncio.Task[Any]] = set()
 
     def connected(self) -> bool:
         return self._conn is not None and not self._conn.is_closed()
@@ -115,28 +118,53 @@ class Listener:
 
     @asynccontextmanager
     async def watch(self, key: RecordKey) -> AsyncIterator[EventWatch]:
-        """Woken by the record's notifications while the block runs. The wait is registered in
-        `idem_waiters` too (after the event, so no notification slips between): settlements
-        notify only records someone waits on. A registration that fails, or that a settlement
-        running at that moment does not see yet, costs a wake-up: the waiter polls, as it does
-        whenever no notification comes."""
+        """Woken by the record's notifications while the block runs. Before its first wait the
+        wait is registered in `idem_waiters` too (after the event, so no notification slips
+        between): settlements notify only records someone waits on. A registration that fails,
+        or that a settlement running at that moment does not see yet, costs a wake-up: the
+        waiter polls, as it does whenever no notification comes."""
         token = notify_token(key)
         event = asyncio.Event()
         self.ensure()
         self._waiters.setdefault(token, set()).add(event)
-        waiter: int | None = None
+        watch = _Registered(self, token, event)
+        cancelled = False
         try:
-            if self._enabled:
-                waiter = await self._register(token)
-            yield EventWatch(event, self.connected)
+            yield watch
+        except asyncio.CancelledError:
+            cancelled = True
+            raise
         finally:
             waiters = self._waiters.get(token)
             if waiters is not None:
                 waiters.discard(event)
                 if not waiters:
                     del self._waiters[token]
-            if waiter is not None:
-                await self._unregister(token, waiter)
+            ending = watch.end()
+            if ending is not None and not cancelled:
+                await asyncio.shield(ending)  # (cancelled meanwhile: it ends in the background)
+
+    def _spawn(self, coro: Coroutine[Any, Any, _T]) -> asyncio.Task[_T]:
+        """A registration's statements, in a task of their own: a cancelled waiter (its client
+        left, its server shuts down) never cuts one short, so no row outlives its wait. Kept
+        until done (the loop holds tasks only weakly); `close` waits for them."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._pending.add(task)
+        task.add_done_callback(self._finished)
+        return task
+
+    def _finished(self, task: asyncio.Task[Any]) -> None:
+        self._pending.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            logger.debug("a wait's registration failed: %r", task.exception())
+
+    async def _end(self, token: str, registering: asyncio.Task[int | None]) -> None:
+        await asyncio.wait((registering,))  # (its error, if any, was its waiter's to see)
+        if registering.cancelled() or registering.exception() is not None:
+            return
+        waiter = registering.result()
+        if waiter is not None:
+            await self._unregister(token, waiter)
 
     async def _register(self, token: str) -> int | None:
         waiter = random.getrandbits(63)
@@ -154,6 +182,10 @@ class Listener:
             logger.debug("could not remove a wait's registration: %r", exc)
 
     async def close(self) -> None:
+        if self._pending:  # registrations still ending (their waiters were cancelled)
+            await asyncio.wait(tuple(self._pending), timeout=CONNECT_SECONDS)
+            for task in tuple(self._pending):  # (a server that does not answer: `purge`'s)
+                task.cancel()
         connecting, self._connecting = self._connecting, None
         if connecting is not None:
             connecting.cancel()
@@ -174,3 +206,34 @@ class Listener:
             await self._release(conn)
         else:
             await conn.close()
+
+
+class _Registered(EventWatch):
+    """A watch whose wait is registered in `idem_waiters` before it first waits: a duplicate
+    answered from the record it read (a replay, a takeover) never waits, and registers nothing
+    (the registration and its removal were two statements on every lease-mode replay)."""
+
+    __slots__ = ("_listener", "_registering", "_token")
+
+    def __init__(self, listener: Listener, token: str, event: asyncio.Event) -> None:
+        super().__init__(event, listener.connected)
+        self._listener = listener
+        self._token = token
+        self._registering: asyncio.Task[int | None] | None = None
+
+    async def wait(self, seconds: float) -> bool:
+        listener = self._listener
+        if self._registering is None and listener._enabled:
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            self._registering = listener._spawn(listener._register(self._token))
+            await asyncio.shield(self._registering)
+            seconds -= loop.time() - started
+        return await super().wait(seconds)
+
+    def end(self) -> asyncio.Task[None] | None:
+        """Remove the registration (once it is made), in a task of its own; None: none made."""
+        registering, self._registering = self._registering, None
+        if registering is None:
+            return None
+        return self._listener._spawn(self._listener._end(self._token, registering))
