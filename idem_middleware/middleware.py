@@ -32,7 +32,7 @@ from .policy import (
     seconds_option,
 )
 from .responses import DEFAULT_PROBLEM_BASE, send_problem
-from .routing import Trace, Unresolved, match_route, routed_above, routes_of
+from .routing import Trace, Unresolved, app_below, match_route, routed_above, routes_of
 from .startup import SAFE_METHODS, check_app, unopened_store
 from .store.base import Store
 from .tenant import TenantResolver as TenantResolver
@@ -237,7 +237,7 @@ class IdempotencyMiddleware:
         if scope["type"] != "http":
             return self.app(scope, receive, send)
         if not self._checked:
-            self._check(scope.get("app"), scope)
+            self._check(app_below(self, scope.get("app")), scope)
         if self._check_error is not None:
             raise self._check_error
         method = scope["method"]
@@ -299,7 +299,7 @@ class IdempotencyMiddleware:
         """The route a request matches, the policy guarding it and its operation's name, the
         way the router will find it; `_UNGUARDED` for a request the middleware passes on, None
         for a route that would be guarded but cannot be named (refused)."""
-        routes = routes_of(app if app is not None else self.app)
+        routes = routes_of(app_below(self, app))
         match = match_route(routes, scope, "", trace) if routes is not None else None
         if isinstance(match, RouteMatch) and "router" in scope:
             match = routed_above(scope, match, trace)  # this app is mounted in another's router
@@ -360,7 +360,7 @@ class IdempotencyMiddleware:
             nonlocal failed
             message = await receive()
             if message["type"] == "lifespan.startup" and not self._checked:
-                self._check(scope.get("app"))
+                self._check(app_below(self, scope.get("app")))
                 if self._check_error is not None:
                     failed = True
                     await send(

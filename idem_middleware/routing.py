@@ -175,6 +175,22 @@ def routes_of(app: Any) -> Sequence[BaseRoute] | None:
     return None
 
 
+def app_below(middleware: Any, app: Any) -> Any:
+    """The app whose routes `middleware` guards: the request's app (`scope["app"]`) when the
+    middleware is in that app's own stack, else the app it wraps (`middleware.app`). Never an
+    app that mounts the middleware (`Mount("/v1", app=IdempotencyMiddleware(sub))`): that
+    app's router is above it, none of its routes match, and nothing was guarded."""
+    if app is not None:
+        inner = getattr(app, "middleware_stack", None)
+        for _ in range(_MAX_WRAPPERS):
+            if inner is None or inner is middleware:
+                break
+            inner = getattr(inner, "app", None)
+        if inner is middleware:
+            return app
+    return middleware.app
+
+
 def _no_converters(path: str) -> str:
     """`/users/{id:int}` as OpenAPI writes it: `/users/{id}` (a Mount's `path_format` has its
     `/{path}` tail)."""

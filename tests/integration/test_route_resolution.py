@@ -95,6 +95,45 @@ async def test_sub_apps_with_their_own_middleware_are_named_by_their_mounts() ->
     assert calls == Counter({"v1": 1, "v2": 1, "by-tenant": 1, "host": 1, "hidden": 1})
 
 
+def wrapped_app(name: str, store: MemoryStore, calls: Counter[str]) -> ASGIApp:
+    """A sub-app wrapped by the middleware itself, not through its `middleware=[...]`."""
+    inner = Starlette(routes=[Route("/pay", named(name, calls), methods=["POST"])])
+    return AuthenticationMiddleware(
+        IdempotencyMiddleware(inner, store=store), backend=BearerBackend()
+    )
+
+
+async def test_sub_apps_wrapped_by_the_middleware_itself_are_guarded_under_their_mounts() -> None:
+    """`Mount("/v1", app=IdempotencyMiddleware(sub))`: the middleware resolved the request
+    against the app that mounts it (`scope["app"]`), whose router is above it, so no route
+    matched and nothing was guarded: a retry ran the handler again, a POST without a key went
+    through. It resolves against the app it wraps now, named as the router above routed it."""
+    store, calls = MemoryStore(), Counter[str]()
+    app = Starlette(
+        routes=[
+            Mount("/v1", app=wrapped_app("v1", store, calls)),
+            Mount("/tenants/{tid}", app=wrapped_app("by-tenant", store, calls)),
+            Host("api.example", app=wrapped_app("host", store, calls)),
+        ]
+    )
+    expected = [
+        ("http://test", "/v1/pay", "POST /v1/pay"),
+        ("http://test", "/tenants/7/pay", "POST /tenants/{tid}/pay"),
+        ("http://api.example", "/pay", "POST api.example/pay"),
+    ]
+    async with client(app) as http:
+        for base_url, path, operation in expected:
+            first = await http.post(base_url + path, json={"x": 1}, headers=key("same"))
+            assert first.status_code == 201, first.text
+            assert first.json()["operation"] == operation
+            again = await http.post(base_url + path, json={"x": 1}, headers=key("same"))
+            assert again.headers.get("idempotent-replayed") == "true"
+            assert again.json() == first.json()
+            keyless = await http.post(base_url + path, json={"x": 1})
+            assert_problem(keyless, 400, "missing-key")
+    assert calls == Counter({"v1": 1, "by-tenant": 1, "host": 1})
+
+
 async def test_a_route_added_on_a_path_seen_before_is_guarded() -> None:
     calls: Counter[str] = Counter()
     app = Starlette(
