@@ -211,9 +211,7 @@ class Listener:
 class _Registered(EventWatch):
     """A watch whose wait is registered in `idem_waiters` before it first waits: a duplicate
     answered from the record it read (a replay, a takeover) never waits, and registers nothing
-    (the registration and its removal were two statements on every lease-mode replay). The
-    first wait only registers, and answers True: read the record again (a settlement between
-    the caller's read and the registration notified nobody)."""
+    (the registration and its removal were two statements on every lease-mode replay)."""
 
     __slots__ = ("_listener", "_registering", "_token")
 
@@ -229,12 +227,8 @@ class _Registered(EventWatch):
             loop = asyncio.get_running_loop()
             started = loop.time()
             self._registering = listener._spawn(listener._register(self._token))
-            if await asyncio.shield(self._registering) is not None:
-                # A settlement that committed after the caller read the record and before this
-                # registration notified nobody: True, so that the caller reads the record again
-                # now rather than at its next poll.
-                return True
-            seconds -= loop.time() - started  # (not registered: it polls)
+            await asyncio.shield(self._registering)
+            seconds -= loop.time() - started
         return await super().wait(seconds)
 
     def end(self) -> asyncio.Task[None] | None:
