@@ -51,7 +51,12 @@ class Executions:
     async def unwound(self, seconds: float) -> None:
         """Wait (at most `seconds`) for the cancelled executions to finish."""
         current = asyncio.current_task()
-        unwinding = [t for t in self._tasks if t is not current and not t.done() and t.cancelling()]
+        loop = asyncio.get_running_loop()
+        unwinding = [
+            t
+            for t in self._tasks
+            if t is not current and t.get_loop() is loop and not t.done() and t.cancelling()
+        ]
         if not unwinding:
             return
         _, pending = await asyncio.wait(unwinding, timeout=seconds)
