@@ -181,9 +181,12 @@ class Listener:
         except _REGISTER_ERRORS as exc:  # (`purge` removes it within the hour)
             logger.debug("could not remove a wait's registration: %r", exc)
 
-    async def close(self) -> None:
+    async def close(self, seconds: float = CONNECT_SECONDS) -> None:
+        """Stop listening: each wait (for the registrations still ending, for the server's
+        goodbye) takes at most `seconds` (and `CONNECT_SECONDS`)."""
+        seconds = min(seconds, CONNECT_SECONDS)
         if self._pending:  # registrations still ending (their waiters were cancelled)
-            await asyncio.wait(tuple(self._pending), timeout=CONNECT_SECONDS)
+            await asyncio.wait(tuple(self._pending), timeout=seconds)
             for task in tuple(self._pending):  # (a server that does not answer: `purge`'s)
                 task.cancel()
         connecting, self._connecting = self._connecting, None
@@ -195,6 +198,15 @@ class Listener:
         if conn is None or conn.is_closed():
             return
         conn.remove_termination_listener(self._lost)
+        try:
+            # (Bounded: a server that does not answer never acknowledges the goodbye.)
+            async with asyncio.timeout(seconds):
+                await self._say_goodbye(conn)
+        except TimeoutError:
+            logger.warning("the LISTEN connection did not close in time; terminated it")
+            conn.terminate()
+
+    async def _say_goodbye(self, conn: Any) -> None:
         if self._pooled:
             # Back to the pool without our callback. asyncpg warns about a listener left on a
             # released connection; where warnings are errors that aborts the release, and the

@@ -16,6 +16,7 @@ from ...delayed import Delayed
 from ...errors import ConfigurationError, StoreError
 from ..base import (
     Claim,
+    Claimed,
     Record,
     RecordKey,
     Settlement,
@@ -23,7 +24,7 @@ from ..base import (
     Store,
 )
 from ..migrations import require_migrated
-from . import compat
+from . import closing, compat
 from .claim import claim
 from .claim_lock import ClaimLocks
 from .convert import (
@@ -97,6 +98,7 @@ class PostgresStore(OffPathStatements):
             execute=self._execute_statement,
         )
         self._locks = ClaimLocks()
+        self._executions = closing.Executions()
         #: Whether `open` refuses a server that takes no writes (the command line's reports run
         #: on a standby or as a read-only role as well).
         self._needs_writes = True
@@ -160,11 +162,15 @@ class PostgresStore(OffPathStatements):
         return self
 
     async def close(self) -> None:
+        """Close the listener and the pool (if the store created it). Lease-mode executions
+        that a shutdown cancelled settle first; all of it within `closing.CLOSE_SECONDS`."""
         self._closed = True
-        await self._listener.close()
+        budget = closing.Budget()
+        await self._executions.unwound(budget.left())
+        await self._listener.close(budget.left())
         if self._owns_pool and self._pool is not None:
             pool, self._pool = self._pool, None
-            await pool.close()
+            await closing.close_pool(pool, budget.left())
 
     async def __aenter__(self) -> PostgresStore:
         return await self.open()
@@ -215,9 +221,12 @@ class PostgresStore(OffPathStatements):
         )
         try:
             async with self._internal() as conn:
-                return await alone(claim, conn, key, args, token_hash, None)
+                claimed = await alone(claim, conn, key, args, token_hash, None)
         except TRANSLATED as exc:
             raise translate(exc) from exc
+        if isinstance(claimed, Claimed):
+            self._executions.add()  # its settlement comes before the store's close
+        return claimed
 
     async def heartbeat(self, key: RecordKey, generation: int, lease_seconds: float) -> bool:
         status = await self._run(
@@ -259,6 +268,8 @@ class PostgresStore(OffPathStatements):
             expected.value,
             lease_seconds,
         )
+        if new is not None:
+            self._executions.add()
         return new
 
     async def settle(self, key: RecordKey, generation: int, expected: State, s: Settlement) -> bool:
