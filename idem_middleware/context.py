@@ -67,6 +67,8 @@ class IdempotencyContext:
     _fence: Callable[[], Awaitable[Any]] | None = field(default=None, repr=False)
     _lease_lost: asyncio.Event | None = field(default=None, repr=False)
     _downstream_key: str | None = field(default=None, repr=False)
+    #: What writes claim sessions still hold (`hold_writes`), flushed before an early settlement.
+    _held_writes: list[Callable[[], Awaitable[object]]] | None = field(default=None, repr=False)
 
     def __repr__(self) -> str:
         # The raw key may carry personal data (an order or an e-mail): a context logged or shown
@@ -101,6 +103,22 @@ class IdempotencyContext:
         except StaleGeneration:
             self.lease_lost.set()  # (a heartbeat may not have noticed yet, or never will)
             raise
+
+    def hold_writes(self, flush: Callable[[], Awaitable[object]]) -> Callable[[], None]:
+        """Register a session's `flush`, run before the outcome is recorded early (a response
+        that streams, or is over the size cap, is settled before its first byte, when a FastAPI
+        dependency's end has not committed the session yet). Returns its removal."""
+        if self._held_writes is None:
+            self._held_writes = []
+        held = self._held_writes
+        held.append(flush)
+        return lambda: held.remove(flush)
+
+    async def flush_held_writes(self) -> None:
+        """Before an early settlement: write what the registered sessions still hold, into the
+        transaction that commits with the outcome (a failure here fails the request instead)."""
+        for flush in list(self._held_writes or ()):
+            await flush()
 
     @property
     def lease_lost(self) -> asyncio.Event:

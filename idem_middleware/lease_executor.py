@@ -195,6 +195,7 @@ class LeaseExecution:
         assert self.context is not None
         assert self.fence is not None
         assert self.capture is not None
+        await self.context.flush_held_writes()  # (claim sessions' writes: see sqla.py)
         if not await self._settle(self.context, self.fence, self.capture, omitted=reason):
             self.context.lease_lost.set()
             raise StaleGeneration("this execution's early settlement was refused")

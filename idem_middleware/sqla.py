@@ -76,21 +76,29 @@ class ClaimSessions:
         """
         if request is not None:
             try:
-                get_context(request)
+                context = get_context(request)
             except LookupError:
                 raise RuntimeError(
                     "this endpoint uses a claim session, but no idempotency claim is active: is "
                     "IdempotencyMiddleware installed, the route guarded and its key required?"
                 ) from None
-        elif current_context() is None:
-            raise RuntimeError("no idempotency claim is running in this task")
+        else:
+            running = current_context()
+            if running is None:
+                raise RuntimeError("no idempotency claim is running in this task")
+            context = running
         session = self.factory()
+        # A FastAPI dependency ends after the response was sent: one that cannot be held (a
+        # stream, or over the size cap) is settled before its first byte, so what the session
+        # still holds is flushed then, or it would be lost while the outcome says it succeeded.
+        forget = context.hold_writes(session.flush)
         try:
             yield session
             transaction = session.get_transaction()
             if transaction is not None and transaction.is_active:
                 await session.commit()
         finally:
+            forget()
             await session.close()
 
     async def dependency(self, request: Request) -> AsyncIterator[Any]:

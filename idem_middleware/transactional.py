@@ -296,6 +296,8 @@ class Attempt(ResponseCapture):
         """Before the first byte of a response that cannot be held (see ResponseCapture)."""
         if not self.running:  # a send from a task the handler left behind
             raise RuntimeError("the response was sent after the request ended")
+        assert self.context is not None
+        await self.context.flush_held_writes()  # (claim sessions' writes: see sqla.py)
         await self._settle(omitted=reason)
         # The outcome is committed and the first byte follows: from here on nothing may run the
         # attempt again (a serialization failure while streaming ends the response instead).

@@ -33,6 +33,7 @@ class PgBouncer:
         pool_size: int = 20,
         server_idle_timeout: int = 1,
         pool_mode: str = "transaction",
+        settings: dict[str, object] | None = None,
     ) -> None:
         parts = urlsplit(upstream_dsn)
         query = parse_qs(parts.query)
@@ -45,6 +46,7 @@ class PgBouncer:
         self.pool_size = pool_size
         self.server_idle_timeout = server_idle_timeout
         self.pool_mode = pool_mode
+        self.settings = settings or {}  # more [pgbouncer] settings (query_wait_timeout, ...)
 
     def dsn(self, database: str = "postgres") -> str:
         return f"postgresql://{self.user}@127.0.0.1:{self.port}/{database}"
@@ -71,6 +73,7 @@ class PgBouncer:
             f"server_idle_timeout = {self.server_idle_timeout}\n"
             "ignore_startup_parameters = extra_float_digits,application_name\n"
             f"logfile = {self.folder / 'pgbouncer.log'}\n"
+            + "".join(f"{name} = {value}\n" for name, value in self.settings.items())
         )
         os.chmod(self.folder, 0o777)
         for path in self.folder.iterdir():

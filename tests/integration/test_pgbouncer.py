@@ -141,3 +141,44 @@ async def test_a_statement_cache_through_session_pooling_is_left_alone(
     finally:
         session.stop()
     assert [r.status_code for r in answers] == [201] * 8
+
+
+@pytest.mark.parametrize("mode", [Mode.TRANSACTIONAL, Mode.LEASE])
+async def test_a_claim_waiting_inside_pgbouncer_past_its_query_wait_timeout_is_a_503(
+    pg_dsn: str, db_dsn: str, db_route: str, mode: Mode
+) -> None:
+    """PgBouncer's server pool is full (one server connection, held by a transaction): the
+    store's pool hands out a client connection at once, so `acquire_timeout` never fires, and the
+    claim waits inside PgBouncer. PgBouncer's `query_wait_timeout` bounds that wait (what
+    docs/operating.md tells operators to set); its error is answered 503 store-unavailable,
+    nothing ran, and the same key succeeds once a server connection is free."""
+    from tests.apps import assert_problem, build_app, client
+
+    full = PgBouncer(pg_dsn, pool_size=1, settings={"query_wait_timeout": 1}).start()
+    try:
+        dsn = full.dsn("idem_test")
+        store = PostgresStore(dsn=dsn, listen=False, statement_cache_size=0, max_size=2)
+        app = build_app(store, default_policy=Policy(mode=mode))
+        path = f"/accounts/qwt-{mode.value}/credits"
+        headers = {"idempotency-key": f"qwt-{mode.value}"}
+        async with store, client(app) as c:
+            holder = await asyncpg.connect(dsn, statement_cache_size=0)
+            try:
+                holding = holder.transaction()
+                await holding.start()
+                await holder.execute("SELECT 1")  # the only server connection is this one's
+                waited = await asyncio.wait_for(
+                    c.post(path, json={"amount": 1}, headers=headers),
+                    30,  # (a hang bound, not a timing: PgBouncer's own timeout answers first)
+                )
+                await holding.rollback()
+            finally:
+                await holder.close()
+            assert app.state.probe.calls == 0
+            again = await c.post(path, json={"amount": 1}, headers=headers)
+    finally:
+        full.stop()
+    assert_problem(waited, 503, "store-unavailable")
+    assert waited.headers["retry-after"]
+    assert again.status_code == 201, again.text
+    assert app.state.probe.calls == 1

@@ -5,6 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from fastapi import FastAPI
+from sqlalchemy import text
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.requests import Request
@@ -12,6 +14,8 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from idem_middleware import IdempotencyMiddleware, Policy, PostgresStore, get_context
+from idem_middleware.fastapi import install
+from idem_middleware.sqla import ClaimSession
 from tests.apps import client
 
 # A real server-side error with the SQLSTATE PostgreSQL uses for these conflicts.
@@ -67,3 +71,32 @@ async def test_retries_are_bounded(pg_store: PostgresStore, pool: Any) -> None:
     assert app.state.calls["n"] == 3
     assert await pool.fetchval("SELECT count(*) FROM test_ledger") == 0
     assert await pool.fetchval("SELECT count(*) FROM idem_requests") == 0
+
+
+@pytest.mark.parametrize("code", ["40001", "40P01"])
+async def test_a_conflict_met_through_a_claim_session_reruns_the_transaction(
+    pg_store: PostgresStore, pool: Any, code: str
+) -> None:
+    """SQLAlchemy wraps the server's error (twice: its DBAPI adapter's error, then
+    `sqlalchemy.exc.DBAPIError`), raised from asyncpg's: it is the same conflict, and the
+    attempt runs again (it was answered 500)."""
+    calls = {"n": 0}
+    app = FastAPI()
+
+    @app.post("/w", status_code=201)
+    async def handler(session: ClaimSession) -> dict[str, int]:
+        calls["n"] += 1
+        insert = "INSERT INTO test_ledger (tenant, account_id, amount) VALUES ('t', 'a', 1)"
+        await session.execute(text(insert))
+        if calls["n"] <= 2:
+            await session.execute(text(RAISE.format(code=code)))
+        return {"call": calls["n"]}
+
+    install(app, store=pg_store, tenant_resolver=lambda scope: "t")
+    async with client(app, token=None) as c:  # type: ignore[arg-type]
+        r = await c.post("/w", json={}, headers={"idempotency-key": "k"})
+        again = await c.post("/w", json={}, headers={"idempotency-key": "k"})
+    assert r.status_code == 201, r.text
+    assert r.json() == {"call": 3}
+    assert again.headers["idempotent-replayed"] == "true"
+    assert await pool.fetchval("SELECT count(*) FROM test_ledger") == 1

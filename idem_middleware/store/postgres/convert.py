@@ -45,8 +45,22 @@ SERVER_ERROR: type[BaseException] = asyncpg.PostgresError
 
 
 def is_conflict(exc: BaseException) -> bool:
-    """Whether the server refused a transaction in a way that running it again may clear."""
-    return isinstance(exc, (RetryableConflict, *RETRYABLE))
+    """Whether the server refused a transaction in a way that running it again may clear: the
+    error itself, or one it was raised from (SQLAlchemy raises its own errors from asyncpg's,
+    through its adapter's: a conflict met in a claim session is one too)."""
+    cause: BaseException | None = exc
+    for _ in range(_CAUSES):
+        if cause is None:
+            return False
+        if isinstance(cause, _CONFLICTS):
+            return True
+        cause = cause.__cause__
+    return False
+
+
+_CONFLICTS: tuple[type[BaseException], ...] = (RetryableConflict, *RETRYABLE)
+#: How far down an error's causes `is_conflict` looks (SQLAlchemy's is two down; bounded).
+_CAUSES = 8
 
 
 def translate(exc: BaseException) -> BaseException:
