@@ -54,6 +54,14 @@ def status_route(
         return problem_response(kind, detail, base=problem_base)
 
     async def status(request: Request) -> Response:
+        response = await _answer(request)
+        # A state that changes: no cache (a browser's, a proxy's) may answer the next poll with
+        # this one, not even with the 404 of a request that has not committed yet (a 404 is
+        # heuristically cacheable, like a 200).
+        response.headers["cache-control"] = "no-store"
+        return response
+
+    async def _answer(request: Request) -> Response:
         tenant = await route_tenant(tenants, request.scope, problem_base=problem_base)
         if isinstance(tenant, Response):
             return tenant

@@ -200,6 +200,8 @@ def token_route(
             # The database refused these values (the checks above should leave nothing here).
             return bad_body()
         body = {"token": issued.token, "expires_at": issued.expires_at.isoformat()}
-        return Response(orjson.dumps(body), 201, media_type="application/json")
+        # A token is a one-time credential: no cache keeps it (as for OAuth's token responses).
+        headers = {"cache-control": "no-store"}
+        return Response(orjson.dumps(body), 201, headers=headers, media_type="application/json")
 
     return Route(path, issue, methods=["POST"], name="idempotency_tokens")

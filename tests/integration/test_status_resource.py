@@ -170,3 +170,25 @@ async def test_an_operation_under_a_host_route_is_looked_up(logged: Any) -> None
         for refused in ("POST api.example", "POST a b/pay", "post /pay"):
             bad = await c.get(STATUS, params={"operation": refused, "key": "on-a-host"})
             assert_problem(bad, 400, "invalid-key")
+
+
+async def test_no_answer_of_the_status_resource_may_be_cached(logged: Any) -> None:
+    """Found by probing: its answers carried no Cache-Control, so a cache could keep the 404 of
+    a request that had not committed yet (a 404 is heuristically cacheable, as a 200 is) and
+    answer every later poll with it, or keep a `pending` past the outcome."""
+    pool, _ = logged
+    app = build_app(PostgresStore(pool=pool))
+    params = {"operation": CREDIT_OP, "key": "polled"}
+    async with client(app) as c:
+        missing = await c.get(STATUS, params=params)
+        await c.post(CREDIT, json={"amount": 5}, headers=key("polled"))
+        found = await c.get(STATUS, params=params)
+        bad = await c.get(STATUS, params={"operation": "payouts", "key": "polled"})
+    async with client(app, token=None) as anonymous:
+        unauthenticated = await anonymous.get(STATUS, params=params)
+    assert_problem(missing, 404, "record-not-found")
+    assert found.json()["state"] == "succeeded"
+    assert_problem(bad, 400, "invalid-key")
+    assert_problem(unauthenticated, 401, "unauthenticated")
+    for answer in (missing, found, bad, unauthenticated):
+        assert answer.headers.get_list("cache-control") == ["no-store"]
