@@ -54,3 +54,27 @@ async def test_a_token_claims_outcome_is_kept_its_whole_retention(
     token = await TokenIssuer(pg_store, secret=b"s" * 32).issue("tenant-a", "POST /things")
     policy = Policy(require_token=True, retention_seconds=RETENTION)
     assert await _expiry_after_handler(pg_store, pool, policy, token.token) >= RETENTION
+
+
+@pytest.mark.parametrize(
+    "limits",
+    [
+        {"batch_size": 0},
+        {"batch_size": -1},  # the twin sliced its records with it
+        {"max_batches": -5},
+        {"batch_size": 1.5},  # sent to the server as a LIMIT
+        {"batch_size": True},
+        {"batch_size": "10"},
+        {"max_batches": None},
+        {"batch_size": 2**63},  # asyncpg's DataError escaped
+    ],
+    ids=repr,
+)
+async def test_purge_refuses_limits_that_are_not_whole_numbers_of_rows(
+    store: Any, limits: dict[str, Any]
+) -> None:
+    """Found by probing: the twin took 0 or a negative count as it came (a slice of its
+    records), the real store sent a fraction to the server, and each refused other values with a
+    different error, if at all. Both now refuse the same values, before touching a row."""
+    with pytest.raises(ValueError, match="whole number from 1 to 2147483647"):
+        await store.purge(**limits)

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from datetime import UTC, datetime
 
-from ..base import RecordKey, RecordSummary, Settlement, State
+from ..base import RecordKey, RecordSummary, Settlement, State, check_purge_limits
 from .tables import MemoryTables, _summary, _Token
 
 
@@ -72,6 +72,7 @@ class OffPathOperations(MemoryTables):
         return found[:limit]
 
     async def purge(self, *, batch_size: int = 1000, max_batches: int = 1000) -> int:
+        check_purge_limits(batch_size, max_batches)
         now = self.clock()
         doomed = [
             key

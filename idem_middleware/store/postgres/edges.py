@@ -17,7 +17,7 @@ from datetime import datetime
 from typing import Any
 
 from ...errors import EventConflict, StoreError
-from ..base import RecordKey, RecordSummary, Settlement, State, StoreStats
+from ..base import RecordKey, RecordSummary, Settlement, State, StoreStats, check_purge_limits
 from .convert import (
     _Q,
     ACQUIRE_ERRORS,
@@ -228,8 +228,7 @@ class OffPathStatements(PoolStatements):
 
         Never touches pending or unknown records. Returns how many records were deleted.
         """
-        if batch_size < 1 or max_batches < 1:
-            raise ValueError("batch_size and max_batches must be positive")
+        check_purge_limits(batch_size, max_batches)
         deleted = await self._purge_batches(_Q["purge_batch"], batch_size, max_batches)
         await self._purge_batches(_Q["purge_tokens"], batch_size, max_batches)
         await self._purge_batches(_Q["purge_waiters"], batch_size, max_batches)
