@@ -17,7 +17,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from .errors import ProblemKind, RequestRejected
+from .errors import ProblemKind, RequestRejected, StoreError
 from .keys import check_key
 from .responses import DEFAULT_PROBLEM_BASE, problem_response
 from .store.base import RecordKey, Store
@@ -75,7 +75,16 @@ def status_route(
             return _problem(exc.kind, exc.detail)
         if OPERATION_SHAPE.fullmatch(operation) is None:
             return _problem(ProblemKind.INVALID_KEY, _BAD_OPERATION)
-        record = await store.get(RecordKey(tenant, operation, key))
+        try:
+            record = await store.get(RecordKey(tenant, operation, key))
+        except StoreError:
+            # As the guarded routes answer it: a 503 to retry, not a bare 500.
+            return problem_response(
+                ProblemKind.STORE_UNAVAILABLE,
+                "The request's status cannot be read right now; ask again.",
+                base=problem_base,
+                retry_after=1,
+            )
         if record is None or record.expired:
             return _problem(
                 ProblemKind.RECORD_NOT_FOUND,

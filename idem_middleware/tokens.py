@@ -23,7 +23,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from .context import token_hash
-from .errors import ProblemKind, StatementRefused
+from .errors import ProblemKind, StatementRefused, StoreError
 from .errors import TokenConflict as TokenConflict
 from .policy import not_idempotent
 from .responses import DEFAULT_PROBLEM_BASE, problem_response
@@ -36,6 +36,10 @@ _PREFIX = "it_"
 _ISSUE_ATTEMPTS = 4
 #: The longest `intent_id` the token route accepts (characters).
 MAX_INTENT_ID = 255
+#: The largest body the token route reads (bytes): the longest operation and intent, every
+#: character escaped, fit many times over, so a value too long is still told apart (400). The
+#: middleware never guards the route, so its `max_body_bytes` does not apply.
+MAX_TOKEN_REQUEST_BYTES = 1024 * 1024
 _BAD_BODY = (
     'Expected {"operation": "METHOD /path-template", "intent_id": str?} (an intent_id of at most'
     f" {MAX_INTENT_ID} characters, without NUL or unpaired surrogates)."
@@ -148,6 +152,18 @@ class TokenIssuer:
         return IssuedToken(token, row.expires_at)
 
 
+async def _capped_body(request: Request) -> bytes | None:
+    """The body, or None once it passes MAX_TOKEN_REQUEST_BYTES (read no further)."""
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_TOKEN_REQUEST_BYTES:
+            return None
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 def token_route(
     issuer: TokenIssuer,
     *,
@@ -173,8 +189,15 @@ def token_route(
         tenant = await route_tenant(tenants, request.scope, problem_base=problem_base)
         if isinstance(tenant, Response):
             return tenant
+        raw = await _capped_body(request)
+        if raw is None:
+            return problem_response(
+                ProblemKind.BODY_TOO_LARGE,
+                f"The body may be at most {MAX_TOKEN_REQUEST_BYTES} bytes.",
+                base=problem_base,
+            )
         try:
-            body = orjson.loads(await request.body())
+            body = orjson.loads(raw)
             operation = body["operation"]
             intent_id = body.get("intent_id")
             if not isinstance(operation, str) or not (
@@ -199,6 +222,15 @@ def token_route(
         except StatementRefused:
             # The database refused these values (the checks above should leave nothing here).
             return bad_body()
+        except StoreError:
+            # As the guarded routes answer it: a 503 to retry (asking again for an intent is
+            # idempotent), not a bare 500.
+            return problem_response(
+                ProblemKind.STORE_UNAVAILABLE,
+                "No token can be issued right now; ask again.",
+                base=problem_base,
+                retry_after=1,
+            )
         body = {"token": issued.token, "expires_at": issued.expires_at.isoformat()}
         # A token is a one-time credential: no cache keeps it (as for OAuth's token responses).
         headers = {"cache-control": "no-store"}

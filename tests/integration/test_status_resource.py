@@ -4,7 +4,7 @@ from the caller's own committed record (never from a claim's lock)."""
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Any, cast
 
 import pytest
 from starlette.applications import Starlette
@@ -15,6 +15,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Host, Route, Router
 
 from idem_middleware import IdempotencyMiddleware, Policy, PostgresStore
+from idem_middleware.errors import StoreError
 from idem_middleware.status import status_route
 from tests.apps import (
     BOUND,
@@ -192,3 +193,22 @@ async def test_no_answer_of_the_status_resource_may_be_cached(logged: Any) -> No
     assert_problem(unauthenticated, 401, "unauthenticated")
     for answer in (missing, found, bad, unauthenticated):
         assert answer.headers.get_list("cache-control") == ["no-store"]
+
+
+class Unreachable:
+    async def get(self, key: Any) -> Any:
+        raise StoreError("no database connection: ConnectionRefusedError")
+
+
+async def test_an_unreachable_store_is_a_503_to_retry_not_a_server_error() -> None:
+    """Found by probing: the store's error went out as a bare `500 Internal Server Error`
+    (text/plain), where the guarded routes answer `503 store-unavailable` + Retry-After."""
+    app = Starlette(
+        routes=[status_route(cast(Any, Unreachable()))],
+        middleware=[Middleware(AuthenticationMiddleware, backend=BearerBackend())],
+    )
+    async with client(app) as c:
+        r = await c.get(STATUS, params={"operation": CREDIT_OP, "key": "k"})
+    assert_problem(r, 503, "store-unavailable")
+    assert r.headers["retry-after"] == "1"
+    assert r.headers["cache-control"] == "no-store"

@@ -14,7 +14,7 @@ from starlette.middleware import Middleware
 from starlette.middleware.authentication import AuthenticationMiddleware
 
 from idem_middleware import Policy, PostgresStore
-from idem_middleware.errors import StatementRefused
+from idem_middleware.errors import StatementRefused, StoreError
 from idem_middleware.tokens import TokenConflict, TokenIssuer, token_route
 from tests.apps import BearerBackend, assert_problem, build_app, client
 from tests.integration.test_tokens import OP, digest
@@ -24,6 +24,7 @@ SECRET = b"s" * 32
 URL = "/accounts/t1/credits"
 TOKENS = "/idempotency/tokens"
 MAX_INTENT_ID = 255  # the documented longest intent_id
+MAX_BODY = 1024 * 1024  # the documented largest body the route reads
 
 
 @pytest.fixture
@@ -184,6 +185,32 @@ async def test_a_refused_issue_is_a_bad_request_not_a_server_error() -> None:
     async with route_client(route_only_app(TokenIssuer(Refuses(), secret=SECRET))) as c:
         r = await c.post(TOKENS, json={"operation": OP, "intent_id": "i"})
     assert_problem(r, 400, "body-invalid")
+
+
+class Unreachable:
+    async def issue_token(self, *args: Any, **kwargs: Any) -> Any:
+        raise StoreError("no database connection: ConnectionRefusedError")
+
+
+async def test_an_unreachable_store_is_a_503_to_retry_not_a_server_error() -> None:
+    """Found by probing: the route let the store's error out, a bare `500 Internal Server
+    Error` (text/plain), where the guarded routes answer `503 store-unavailable` + Retry-After."""
+    async with route_client(route_only_app(TokenIssuer(Unreachable(), secret=SECRET))) as c:
+        r = await c.post(TOKENS, json={"operation": OP, "intent_id": "i"})
+    assert_problem(r, 503, "store-unavailable")
+    assert r.headers["retry-after"] == "1"
+
+
+async def test_the_token_route_reads_no_more_than_a_bounded_body(
+    pg_store: PostgresStore, pool: Any, issuer: TokenIssuer
+) -> None:
+    """Found by probing: the route (never guarded by the middleware, so no `max_body_bytes`)
+    read a body of any size into memory before parsing it."""
+    padding = "x" * MAX_BODY
+    async with route_client(route_only_app(issuer)) as c:
+        r = await c.post(TOKENS, json={"operation": OP, "padding": padding})
+    assert_problem(r, 413, "body-too-large")
+    assert await pool.fetchval("SELECT count(*) FROM idem_tokens") == 0
 
 
 # -- the per-call time to live --------------------------------------------------------------------
