@@ -20,7 +20,7 @@ from starlette.routing import Route
 from .errors import ProblemKind, RequestRejected, StoreError
 from .keys import check_key
 from .responses import DEFAULT_PROBLEM_BASE, problem_response
-from .store.base import RecordKey, Store
+from .store.base import RecordKey, State, Store
 from .tenant import TenantResolver, Tenants, authenticated_user_tenant, route_tenant
 
 # An operation is `METHOD /template`, or `METHOD host/template` under a `Host` route
@@ -96,6 +96,11 @@ def status_route(
             "operation": operation,
             "state": record.state.value,
             "response_status": None if record.response is None else record.response.status,
+            # Pending, and nothing but the client's own retry will move it: its executor's lease
+            # lapsed, or it was released for a retry (found not to have happened). A client
+            # polling for a change would otherwise poll a `pending` for good.
+            "retry": record.state is State.PENDING
+            and (record.lease_expired or record.retry_allowed),
         }
         return Response(orjson.dumps(body), 200, media_type="application/json")
 
