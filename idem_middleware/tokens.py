@@ -13,6 +13,7 @@ import hashlib
 import hmac
 import math
 import secrets
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -81,25 +82,56 @@ class TokenIssuer:
     intents as tombstones: an intent's token is the same every time, so only that row tells a
     re-issue from a first issue. Delete them yourself only for intents that can never be asked
     for again (`DELETE FROM idem_tokens WHERE consumed_at < ...`): those intents reopen.
+
+    To rotate the secret, pass the old one in `previous_secrets`: tokens already issued are
+    consumed as before (a claim looks a token up by its hash, never by the secret), and asking
+    again for an intent issued under an old secret returns that intent's token, instead of a
+    TokenConflict, for as long as the old secret is listed.
     """
 
-    def __init__(self, store: Any, *, secret: bytes, ttl_seconds: float = 3600.0) -> None:
-        if len(secret) < 32:
-            raise ValueError("the token secret must be at least 32 bytes")
+    def __init__(
+        self,
+        store: Any,
+        *,
+        secret: bytes,
+        ttl_seconds: float = 3600.0,
+        previous_secrets: Sequence[bytes] = (),
+    ) -> None:
+        if isinstance(previous_secrets, (bytes, str)):
+            raise TypeError("previous_secrets is a sequence of secrets, not one secret")
+        for given in (secret, *previous_secrets):
+            if not isinstance(given, (bytes, bytearray)):
+                raise TypeError(f"a token secret is bytes (encode it), not {type(given).__name__}")
+            if len(given) < 32:
+                raise ValueError("the token secret must be at least 32 bytes")
         if not (math.isfinite(ttl_seconds) and ttl_seconds > 0):
             raise ValueError("ttl_seconds must be positive and finite")
         self.store = store
-        self._secret = secret
+        self._secret = bytes(secret)
+        self._previous = tuple(bytes(old) for old in previous_secrets)
         self.ttl_seconds = ttl_seconds
 
-    def _token_for(self, tenant: str, operation: str, intent_id: str | None) -> str:
+    def _token_for(
+        self, tenant: str, operation: str, intent_id: str | None, secret: bytes | None = None
+    ) -> str:
         if intent_id is None:
             raw = secrets.token_bytes(32)
         else:
             parts = ("idem-token-1", tenant, operation, intent_id)
             message = b"\x00".join(p.encode() for p in parts)
-            raw = hmac.new(self._secret, message, hashlib.sha256).digest()
+            key = self._secret if secret is None else secret
+            raw = hmac.new(key, message, hashlib.sha256).digest()
         return _PREFIX + base64.urlsafe_b64encode(raw).rstrip(b"=").decode()
+
+    def _under_previous(
+        self, stored: bytes, tenant: str, operation: str, intent_id: str | None
+    ) -> str | None:
+        """The intent's token under the old secret it was issued with, if one is listed."""
+        for old in self._previous:
+            token = self._token_for(tenant, operation, intent_id, old)
+            if hmac.compare_digest(token_hash(token), stored):
+                return token
+        return None
 
     async def issue(
         self,
@@ -144,7 +176,14 @@ class TokenIssuer:
                 ):
                     raise
         if row.token_hash != hashed:
-            raise TokenConflict("this intent was issued a token under another secret")
+            older = (
+                None
+                if intent_id is None
+                else self._under_previous(row.token_hash, tenant, operation, intent_id)
+            )
+            if older is None:
+                raise TokenConflict("this intent was issued a token under another secret")
+            token = older
         if row.spent:
             raise TokenConflict("this intent's token was already used; it is not issued again")
         if row.request_digest != request_digest:

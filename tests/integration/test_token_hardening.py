@@ -223,3 +223,51 @@ async def test_issue_refuses_a_time_to_live_that_is_not_positive_and_finite(
     with pytest.raises(ValueError, match="ttl_seconds"):
         await issuer.issue("tenant-a", OP, ttl_seconds=ttl)
     assert await pool.fetchval("SELECT count(*) FROM idem_tokens") == 0
+
+
+# -- rotating the secret --------------------------------------------------------------------------
+
+
+async def test_a_rotated_secret_still_hands_out_the_intents_issued_before_it(
+    pg_store: PostgresStore, pool: Any, issuer: TokenIssuer
+) -> None:
+    """Found by probing: the secret could not be rotated with tokens in flight. A client whose
+    response to "give me a token" was lost, asking again after the rotation, was refused (409
+    "issued under another secret") for as long as its intent's token lived, and a used one's
+    tombstone refused it for good. Listed in `previous_secrets`, the old secret's intents get
+    their token back, and that token is consumed as any other."""
+    before = await issuer.issue("tenant-a", OP, intent_id="i-1")
+    new = b"n" * 32
+    with pytest.raises(TokenConflict, match="another secret"):
+        await TokenIssuer(pg_store, secret=new).issue("tenant-a", OP, intent_id="i-1")
+    rotated = TokenIssuer(pg_store, secret=new, previous_secrets=[SECRET])
+    again = await rotated.issue("tenant-a", OP, intent_id="i-1")
+    fresh = await rotated.issue("tenant-a", OP, intent_id="i-2")
+    assert again == before
+    # A new intent's token is the new secret's.
+    assert fresh == await TokenIssuer(pg_store, secret=new).issue("tenant-a", OP, intent_id="i-2")
+    app = build_app(pg_store, policies={OP: Policy(require_token=True)})
+    async with client(app) as c:
+        used = await c.post(URL, json={"amount": 5}, headers={"idempotency-key": again.token})
+    assert used.status_code == 201
+    assert (
+        await pool.fetchval("SELECT count(*) FROM idem_tokens WHERE consumed_at IS NOT NULL") == 1
+    )
+
+
+@pytest.mark.parametrize(
+    ("options", "error"),
+    [
+        ({"secret": "s" * 32}, TypeError),  # an environment variable not encoded
+        ({"secret": SECRET, "previous_secrets": [b"short"]}, ValueError),
+        ({"secret": SECRET, "previous_secrets": SECRET}, TypeError),  # one secret, not a list
+    ],
+    ids=["str-secret", "short-previous", "previous-not-a-list"],
+)
+def test_a_secret_that_cannot_sign_is_refused_when_the_issuer_is_made(
+    options: dict[str, Any], error: type[Exception]
+) -> None:
+    """Found by probing: a `str` secret was accepted, and failed each issue for an intent with
+    a TypeError (a 500 from the token route) instead of failing where it is configured."""
+    with pytest.raises(error):
+        TokenIssuer(object(), **options)
