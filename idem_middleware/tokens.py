@@ -12,6 +12,7 @@ import base64
 import hashlib
 import hmac
 import math
+import numbers
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -26,7 +27,7 @@ from starlette.routing import Route
 from .context import token_hash
 from .errors import ProblemKind, StatementRefused, StoreError
 from .errors import TokenConflict as TokenConflict
-from .policy import not_idempotent
+from .policy import MAX_SECONDS, not_idempotent
 from .responses import DEFAULT_PROBLEM_BASE, problem_response
 from .status import OPERATION_SHAPE  # the operations the status resource accepts
 from .tenant import TenantResolver, Tenants, authenticated_user_tenant, route_tenant
@@ -60,6 +61,19 @@ def _clean_text(value: str) -> bool:
     except UnicodeEncodeError:
         return False
     return True
+
+
+def _time_to_live(value: Any) -> float:
+    """A token's time to live: seconds, positive, finite and at most MAX_SECONDS (past it,
+    `now() + ttl` leaves PostgreSQL's range and every issue would be refused)."""
+    real = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    number = float(value) if real else None
+    if number is None or not (math.isfinite(number) and 0 < number <= MAX_SECONDS):
+        raise ValueError(
+            f"ttl_seconds must be positive, finite and at most {MAX_SECONDS} seconds (100 years),"
+            f" not {value!r}"
+        )
+    return number
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,8 +118,7 @@ class TokenIssuer:
                 raise TypeError(f"a token secret is bytes (encode it), not {type(given).__name__}")
             if len(given) < 32:
                 raise ValueError("the token secret must be at least 32 bytes")
-        if not (math.isfinite(ttl_seconds) and ttl_seconds > 0):
-            raise ValueError("ttl_seconds must be positive and finite")
+        ttl_seconds = _time_to_live(ttl_seconds)
         self.store = store
         self._secret = bytes(secret)
         self._previous = tuple(bytes(old) for old in previous_secrets)
@@ -146,12 +159,10 @@ class TokenIssuer:
 
         Asking again for an intent returns its token only for the same `request_digest` (None,
         unbound, included): any other digest is TokenConflict. Concurrent calls for one intent
-        all return the same token. `ttl_seconds`, if given, must be positive and finite.
+        all return the same token. `ttl_seconds`, if given, must be positive and finite (at most
+        100 years, as a Policy's durations).
         """
-        if ttl_seconds is None:
-            ttl_seconds = self.ttl_seconds
-        elif not (math.isfinite(ttl_seconds) and ttl_seconds > 0):
-            raise ValueError("ttl_seconds must be positive and finite")
+        ttl_seconds = self.ttl_seconds if ttl_seconds is None else _time_to_live(ttl_seconds)
         token = self._token_for(tenant, operation, intent_id)
         hashed = token_hash(token)
         for attempt in range(_ISSUE_ATTEMPTS):

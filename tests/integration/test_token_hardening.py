@@ -216,12 +216,16 @@ async def test_the_token_route_reads_no_more_than_a_bounded_body(
 # -- the per-call time to live --------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("ttl", [0, -1.0, math.nan, math.inf, -math.inf])
+@pytest.mark.parametrize("ttl", [0, -1.0, math.nan, math.inf, -math.inf, 1e300, True, "60"])
 async def test_issue_refuses_a_time_to_live_that_is_not_positive_and_finite(
     pg_store: PostgresStore, pool: Any, issuer: TokenIssuer, ttl: float
 ) -> None:
+    # (1e300 seconds: `now() + ttl` is out of PostgreSQL's range, and every issue was refused
+    # with a StatementRefused, which the token route answered as a client's bad body)
     with pytest.raises(ValueError, match="ttl_seconds"):
         await issuer.issue("tenant-a", OP, ttl_seconds=ttl)
+    with pytest.raises(ValueError, match="ttl_seconds"):
+        TokenIssuer(pg_store, secret=SECRET, ttl_seconds=ttl)
     assert await pool.fetchval("SELECT count(*) FROM idem_tokens") == 0
 
 
