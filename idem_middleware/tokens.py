@@ -119,6 +119,12 @@ class TokenIssuer:
             if len(given) < 32:
                 raise ValueError("the token secret must be at least 32 bytes")
         ttl_seconds = _time_to_live(ttl_seconds)
+        if not callable(getattr(store, "issue_token", None)):
+            # (The in-memory store has `add_token` for tests instead.)
+            raise TypeError(
+                f"TokenIssuer issues through the PostgreSQL store, which {type(store).__name__}"
+                " is not: on the MemoryStore, record tokens with `store.add_token(...)`"
+            )
         self.store = store
         self._secret = bytes(secret)
         self._previous = tuple(bytes(old) for old in previous_secrets)

@@ -13,7 +13,7 @@ from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.middleware.authentication import AuthenticationMiddleware
 
-from idem_middleware import Policy, PostgresStore
+from idem_middleware import MemoryStore, Policy, PostgresStore
 from idem_middleware.errors import StatementRefused, StoreError
 from idem_middleware.tokens import TokenConflict, TokenIssuer, token_route
 from tests.apps import BearerBackend, assert_problem, build_app, client
@@ -275,3 +275,10 @@ def test_a_secret_that_cannot_sign_is_refused_when_the_issuer_is_made(
     a TypeError (a 500 from the token route) instead of failing where it is configured."""
     with pytest.raises(error):
         TokenIssuer(object(), **options)
+
+
+def test_an_issuer_on_a_store_that_cannot_issue_is_refused_when_made() -> None:
+    """Found by probing: an issuer on the MemoryStore (an app's test setup) was accepted, and
+    each issue failed with an AttributeError: a 500 from the token route."""
+    with pytest.raises(TypeError, match="add_token"):
+        TokenIssuer(MemoryStore(), secret=SECRET)
