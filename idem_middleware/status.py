@@ -21,7 +21,13 @@ from .errors import ProblemKind, RequestRejected, StoreError
 from .keys import check_key
 from .responses import DEFAULT_PROBLEM_BASE, problem_response
 from .store.base import RecordKey, State, Store
-from .tenant import TenantResolver, Tenants, authenticated_user_tenant, route_tenant
+from .tenant import (
+    ROUTE_RESOLVER_ATTRIBUTE,
+    TenantResolver,
+    Tenants,
+    authenticated_user_tenant,
+    route_tenant,
+)
 
 # An operation is `METHOD /template`, or `METHOD host/template` under a `Host` route
 # (policy.operation_name); the bounds keep a probe cheap.
@@ -104,4 +110,5 @@ def status_route(
         }
         return Response(orjson.dumps(body), 200, media_type="application/json")
 
+    setattr(status, ROUTE_RESOLVER_ATTRIBUTE, tenant_resolver)  # (see startup's check)
     return Route(path, status, methods=["GET"], name="idempotency_status")

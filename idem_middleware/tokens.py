@@ -30,7 +30,13 @@ from .errors import TokenConflict as TokenConflict
 from .policy import MAX_SECONDS, not_idempotent
 from .responses import DEFAULT_PROBLEM_BASE, problem_response
 from .status import OPERATION_SHAPE  # the operations the status resource accepts
-from .tenant import TenantResolver, Tenants, authenticated_user_tenant, route_tenant
+from .tenant import (
+    ROUTE_RESOLVER_ATTRIBUTE,
+    TenantResolver,
+    Tenants,
+    authenticated_user_tenant,
+    route_tenant,
+)
 
 _PREFIX = "it_"
 #: How many times `issue` reads again after a concurrent issue of the same intent won the race
@@ -292,4 +298,5 @@ def token_route(
         headers = {"cache-control": "no-store"}
         return Response(orjson.dumps(body), 201, headers=headers, media_type="application/json")
 
+    setattr(issue, ROUTE_RESOLVER_ATTRIBUTE, tenant_resolver)  # (see startup's check)
     return Route(path, issue, methods=["POST"], name="idempotency_tokens")
