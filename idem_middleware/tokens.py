@@ -89,7 +89,8 @@ class IssuedToken:
 
 
 class TokenIssuer:
-    """Issues tokens through the PostgreSQL store (`store.issue_token`).
+    """Issues tokens through the store (`store.issue_token`: PostgreSQL's, or the in-memory
+    twin's).
 
     `secret` (at least 32 bytes; keep it like any signing key) makes issuance idempotent: a
     token for an `intent_id` is an HMAC of the tenant, operation and intent, so asking again for
@@ -126,10 +127,9 @@ class TokenIssuer:
                 raise ValueError("the token secret must be at least 32 bytes")
         ttl_seconds = _time_to_live(ttl_seconds)
         if not callable(getattr(store, "issue_token", None)):
-            # (The in-memory store has `add_token` for tests instead.)
             raise TypeError(
-                f"TokenIssuer issues through the PostgreSQL store, which {type(store).__name__}"
-                " is not: on the MemoryStore, record tokens with `store.add_token(...)`"
+                f"TokenIssuer issues through a store's issue_token (PostgresStore's, or the"
+                f" MemoryStore's), which {type(store).__name__} has not"
             )
         self.store = store
         self._secret = bytes(secret)

@@ -7,6 +7,7 @@ import functools
 from collections.abc import Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
+from datetime import datetime
 from enum import StrEnum
 from typing import Any, NamedTuple, Protocol, cast
 
@@ -247,6 +248,17 @@ class FencedSession(Protocol):
         """Record the outcome as the session's last act, and commit it with the writes made on
         `connection` (PostgreSQL: one message). False, and nothing committed, if the generation
         is no longer current."""
+
+
+@dataclass(frozen=True, slots=True)
+class TokenRow:
+    """The token an intent holds after `issue_token` (see queries.sql `issue_token`): `spent`
+    when it was consumed and has expired (never renewed then)."""
+
+    token_hash: bytes
+    expires_at: datetime
+    request_digest: bytes | None
+    spent: bool
 
 
 #: The most rows a purge batch, or batches a purge, may be given (`LIMIT` takes more, but the

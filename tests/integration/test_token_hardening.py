@@ -278,7 +278,38 @@ def test_a_secret_that_cannot_sign_is_refused_when_the_issuer_is_made(
 
 
 def test_an_issuer_on_a_store_that_cannot_issue_is_refused_when_made() -> None:
-    """Found by probing: an issuer on the MemoryStore (an app's test setup) was accepted, and
-    each issue failed with an AttributeError: a 500 from the token route."""
-    with pytest.raises(TypeError, match="add_token"):
-        TokenIssuer(MemoryStore(), secret=SECRET)
+    with pytest.raises(TypeError, match="issue_token"):
+        TokenIssuer(object(), secret=SECRET)
+
+
+async def test_the_memory_store_issues_tokens_as_the_real_one_does() -> None:
+    """Found by probing: a TokenIssuer on the MemoryStore (an app's test setup) was accepted,
+    and each issue failed with an AttributeError, a 500 from the token route. The twin now
+    issues as queries.sql `issue_token` does: one token per intent, renewed while unused, never
+    once used and expired, and kept through purge as a tombstone."""
+    now = [1000.0]
+    store = MemoryStore(clock=lambda: now[0])
+    issuer = TokenIssuer(store, secret=SECRET, ttl_seconds=60)
+    first = await issuer.issue("tenant-a", OP, intent_id="i-1")
+    assert await issuer.issue("tenant-a", OP, intent_id="i-1") == first
+    now[0] += 120  # expired unused: renewed, the same token
+    renewed = await issuer.issue("tenant-a", OP, intent_id="i-1")
+    assert (renewed.token, renewed.expires_at > first.expires_at) == (first.token, True)
+    with pytest.raises(TokenConflict, match="different request"):
+        await issuer.issue("tenant-a", OP, intent_id="i-1", request_digest=b"d" * 32)
+    app = build_app(store, policies={OP: Policy(require_token=True)})
+    async with client(app) as c:
+        used = await c.post(URL, json={"amount": 5}, headers={"idempotency-key": first.token})
+        assert used.status_code == 201
+        assert await issuer.issue("tenant-a", OP, intent_id="i-1") == renewed  # live: handed out
+        now[0] += 120
+        await store.purge()
+        with pytest.raises(TokenConflict, match="already used"):
+            await issuer.issue("tenant-a", OP, intent_id="i-1")  # the tombstone
+        replay = await c.post(URL, json={"amount": 5}, headers={"idempotency-key": first.token})
+        now[0] += 2 * 86400  # past the record's retention, and purged: the token stays used
+        await store.purge()
+        again = await c.post(URL, json={"amount": 5}, headers={"idempotency-key": first.token})
+    assert replay.headers["idempotent-replayed"] == "true"
+    assert "already used" in assert_problem(again, 400, "token-invalid")["detail"]
+    assert app.state.probe.calls == 1

@@ -13,11 +13,18 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from datetime import datetime
 from typing import Any
 
 from ...errors import EventConflict, StoreError
-from ..base import RecordKey, RecordSummary, Settlement, State, StoreStats, check_purge_limits
+from ..base import (
+    RecordKey,
+    RecordSummary,
+    Settlement,
+    State,
+    StoreStats,
+    TokenRow,
+    check_purge_limits,
+)
 from .convert import (
     _Q,
     ACQUIRE_ERRORS,
@@ -45,16 +52,6 @@ def _summary(r: Any) -> RecordSummary:
         lease_expired=bool(r["lease_expired"]),
         epoch=r["epoch"],
     )
-
-
-@dataclass(frozen=True, slots=True)
-class TokenRow:
-    """The token an intent holds after `issue_token` (see queries.sql `issue_token`)."""
-
-    token_hash: bytes
-    expires_at: datetime
-    request_digest: bytes | None
-    spent: bool
 
 
 @dataclass(frozen=True, slots=True)
