@@ -16,7 +16,7 @@ from starlette.types import Scope
 from .errors import NOT_OPEN, OPEN_IN_LIFESPAN, ConfigurationError
 from .policy import WRAPPER_ATTRIBUTE, Mode, Policy, endpoint_policy, operation_name
 from .routing import Found, Hidden, match_route, routes_of, walk
-from .tenant import AUTH_FIX, authenticated_user_tenant
+from .tenant import AUTH_FIX, ROUTE_RESOLVER_ATTRIBUTE, authenticated_user_tenant
 
 if TYPE_CHECKING:
     from .middleware import IdempotencyMiddleware
@@ -53,6 +53,7 @@ def check_app(mw: IdempotencyMiddleware, app: Any, scope: Scope | None = None) -
         wrapper = getattr(item.endpoint, WRAPPER_ATTRIBUTE, None)
         if wrapper is not None and id(wrapper) not in endpoints:
             errors.append(_decorated_above(item))
+        _check_route_tenant(mw, item)
         explicit = endpoint_policy(item.endpoint)
         methods = _methods(item)
         unsafe = [m for m in methods if m not in SAFE_METHODS]
@@ -310,6 +311,21 @@ def _serves(routes: Sequence[BaseRoute], scope: dict[str, Any]) -> bool | None:
             return True
         unknown = unknown or found is None
     return None if unknown else False
+
+
+def _check_route_tenant(mw: IdempotencyMiddleware, item: Found) -> None:
+    """The status and token routes must name the caller's tenant as the middleware does: given
+    another resolver, every token is refused as not the caller's and every status is a 404."""
+    resolver = getattr(item.endpoint, ROUTE_RESOLVER_ATTRIBUTE, None)
+    if resolver is not None and resolver is not mw.tenant_resolver:
+        logger.warning(
+            "idempotency: %s resolves tenants with %r, the middleware with %r: unless both name "
+            "the same tenant, its answers are about nobody's requests; pass the middleware's "
+            "tenant_resolver to it",
+            item.template,
+            resolver,
+            mw.tenant_resolver,
+        )
 
 
 def _check_authentication(mw: IdempotencyMiddleware, app: Any, policies: list[Policy]) -> None:

@@ -17,11 +17,17 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from .errors import ProblemKind, RequestRejected
+from .errors import ProblemKind, RequestRejected, StoreError
 from .keys import check_key
 from .responses import DEFAULT_PROBLEM_BASE, problem_response
-from .store.base import RecordKey, Store
-from .tenant import TenantResolver, Tenants, authenticated_user_tenant, route_tenant
+from .store.base import RecordKey, State, Store
+from .tenant import (
+    ROUTE_RESOLVER_ATTRIBUTE,
+    TenantResolver,
+    Tenants,
+    authenticated_user_tenant,
+    route_tenant,
+)
 
 # An operation is `METHOD /template`, or `METHOD host/template` under a `Host` route
 # (policy.operation_name); the bounds keep a probe cheap.
@@ -54,6 +60,14 @@ def status_route(
         return problem_response(kind, detail, base=problem_base)
 
     async def status(request: Request) -> Response:
+        response = await _answer(request)
+        # A state that changes: no cache (a browser's, a proxy's) may answer the next poll with
+        # this one, not even with the 404 of a request that has not committed yet (a 404 is
+        # heuristically cacheable, like a 200).
+        response.headers["cache-control"] = "no-store"
+        return response
+
+    async def _answer(request: Request) -> Response:
         tenant = await route_tenant(tenants, request.scope, problem_base=problem_base)
         if isinstance(tenant, Response):
             return tenant
@@ -67,7 +81,16 @@ def status_route(
             return _problem(exc.kind, exc.detail)
         if OPERATION_SHAPE.fullmatch(operation) is None:
             return _problem(ProblemKind.INVALID_KEY, _BAD_OPERATION)
-        record = await store.get(RecordKey(tenant, operation, key))
+        try:
+            record = await store.get(RecordKey(tenant, operation, key))
+        except StoreError:
+            # As the guarded routes answer it: a 503 to retry, not a bare 500.
+            return problem_response(
+                ProblemKind.STORE_UNAVAILABLE,
+                "The request's status cannot be read right now; ask again.",
+                base=problem_base,
+                retry_after=1,
+            )
         if record is None or record.expired:
             return _problem(
                 ProblemKind.RECORD_NOT_FOUND,
@@ -79,7 +102,13 @@ def status_route(
             "operation": operation,
             "state": record.state.value,
             "response_status": None if record.response is None else record.response.status,
+            # Pending, and nothing but the client's own retry will move it: its executor's lease
+            # lapsed, or it was released for a retry (found not to have happened). A client
+            # polling for a change would otherwise poll a `pending` for good.
+            "retry": record.state is State.PENDING
+            and (record.lease_expired or record.retry_allowed),
         }
         return Response(orjson.dumps(body), 200, media_type="application/json")
 
+    setattr(status, ROUTE_RESOLVER_ATTRIBUTE, tenant_resolver)  # (see startup's check)
     return Route(path, status, methods=["GET"], name="idempotency_status")

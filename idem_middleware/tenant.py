@@ -24,6 +24,10 @@ logger = logging.getLogger("idem_middleware")
 #: `scope -> tenant`, sync or async; None or "" when the caller is not authenticated.
 TenantResolver = Callable[[Scope], "Awaitable[str | None] | str | None"]
 
+#: Set on the endpoints of the library's own routes (status, tokens) to the resolver they were
+#: given, so that the middleware's startup check can compare it with its own.
+ROUTE_RESOLVER_ATTRIBUTE = "__idem_tenant_resolver__"
+
 AUTH_FIX = (
     "add Starlette's AuthenticationMiddleware after installing IdempotencyMiddleware "
     "(app.add_middleware(AuthenticationMiddleware, backend=...) after install(...): the "

@@ -12,7 +12,9 @@ import base64
 import hashlib
 import hmac
 import math
+import numbers
 import secrets
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -23,12 +25,18 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from .context import token_hash
-from .errors import ProblemKind, StatementRefused
+from .errors import ProblemKind, StatementRefused, StoreError
 from .errors import TokenConflict as TokenConflict
-from .policy import not_idempotent
+from .policy import MAX_SECONDS, not_idempotent
 from .responses import DEFAULT_PROBLEM_BASE, problem_response
 from .status import OPERATION_SHAPE  # the operations the status resource accepts
-from .tenant import TenantResolver, Tenants, authenticated_user_tenant, route_tenant
+from .tenant import (
+    ROUTE_RESOLVER_ATTRIBUTE,
+    TenantResolver,
+    Tenants,
+    authenticated_user_tenant,
+    route_tenant,
+)
 
 _PREFIX = "it_"
 #: How many times `issue` reads again after a concurrent issue of the same intent won the race
@@ -36,6 +44,10 @@ _PREFIX = "it_"
 _ISSUE_ATTEMPTS = 4
 #: The longest `intent_id` the token route accepts (characters).
 MAX_INTENT_ID = 255
+#: The largest body the token route reads (bytes): the longest operation and intent, every
+#: character escaped, fit many times over, so a value too long is still told apart (400). The
+#: middleware never guards the route, so its `max_body_bytes` does not apply.
+MAX_TOKEN_REQUEST_BYTES = 1024 * 1024
 _BAD_BODY = (
     'Expected {"operation": "METHOD /path-template", "intent_id": str?} (an intent_id of at most'
     f" {MAX_INTENT_ID} characters, without NUL or unpaired surrogates)."
@@ -57,6 +69,19 @@ def _clean_text(value: str) -> bool:
     return True
 
 
+def _time_to_live(value: Any) -> float:
+    """A token's time to live: seconds, positive, finite and at most MAX_SECONDS (past it,
+    `now() + ttl` leaves PostgreSQL's range and every issue would be refused)."""
+    real = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    number = float(value) if real else None
+    if number is None or not (math.isfinite(number) and 0 < number <= MAX_SECONDS):
+        raise ValueError(
+            f"ttl_seconds must be positive, finite and at most {MAX_SECONDS} seconds (100 years),"
+            f" not {value!r}"
+        )
+    return number
+
+
 @dataclass(frozen=True, slots=True)
 class IssuedToken:
     token: str
@@ -64,7 +89,8 @@ class IssuedToken:
 
 
 class TokenIssuer:
-    """Issues tokens through the PostgreSQL store (`store.issue_token`).
+    """Issues tokens through the store (`store.issue_token`: PostgreSQL's, or the in-memory
+    twin's).
 
     `secret` (at least 32 bytes; keep it like any signing key) makes issuance idempotent: a
     token for an `intent_id` is an HMAC of the tenant, operation and intent, so asking again for
@@ -77,25 +103,60 @@ class TokenIssuer:
     intents as tombstones: an intent's token is the same every time, so only that row tells a
     re-issue from a first issue. Delete them yourself only for intents that can never be asked
     for again (`DELETE FROM idem_tokens WHERE consumed_at < ...`): those intents reopen.
+
+    To rotate the secret, pass the old one in `previous_secrets`: tokens already issued are
+    consumed as before (a claim looks a token up by its hash, never by the secret), and asking
+    again for an intent issued under an old secret returns that intent's token, instead of a
+    TokenConflict, for as long as the old secret is listed.
     """
 
-    def __init__(self, store: Any, *, secret: bytes, ttl_seconds: float = 3600.0) -> None:
-        if len(secret) < 32:
-            raise ValueError("the token secret must be at least 32 bytes")
-        if not (math.isfinite(ttl_seconds) and ttl_seconds > 0):
-            raise ValueError("ttl_seconds must be positive and finite")
+    def __init__(
+        self,
+        store: Any,
+        *,
+        secret: bytes,
+        ttl_seconds: float = 3600.0,
+        previous_secrets: Sequence[bytes] = (),
+    ) -> None:
+        if isinstance(previous_secrets, (bytes, str)):
+            raise TypeError("previous_secrets is a sequence of secrets, not one secret")
+        for given in (secret, *previous_secrets):
+            if not isinstance(given, (bytes, bytearray)):
+                raise TypeError(f"a token secret is bytes (encode it), not {type(given).__name__}")
+            if len(given) < 32:
+                raise ValueError("the token secret must be at least 32 bytes")
+        ttl_seconds = _time_to_live(ttl_seconds)
+        if not callable(getattr(store, "issue_token", None)):
+            raise TypeError(
+                f"TokenIssuer issues through a store's issue_token (PostgresStore's, or the"
+                f" MemoryStore's), which {type(store).__name__} has not"
+            )
         self.store = store
-        self._secret = secret
+        self._secret = bytes(secret)
+        self._previous = tuple(bytes(old) for old in previous_secrets)
         self.ttl_seconds = ttl_seconds
 
-    def _token_for(self, tenant: str, operation: str, intent_id: str | None) -> str:
+    def _token_for(
+        self, tenant: str, operation: str, intent_id: str | None, secret: bytes | None = None
+    ) -> str:
         if intent_id is None:
             raw = secrets.token_bytes(32)
         else:
             parts = ("idem-token-1", tenant, operation, intent_id)
             message = b"\x00".join(p.encode() for p in parts)
-            raw = hmac.new(self._secret, message, hashlib.sha256).digest()
+            key = self._secret if secret is None else secret
+            raw = hmac.new(key, message, hashlib.sha256).digest()
         return _PREFIX + base64.urlsafe_b64encode(raw).rstrip(b"=").decode()
+
+    def _under_previous(
+        self, stored: bytes, tenant: str, operation: str, intent_id: str | None
+    ) -> str | None:
+        """The intent's token under the old secret it was issued with, if one is listed."""
+        for old in self._previous:
+            token = self._token_for(tenant, operation, intent_id, old)
+            if hmac.compare_digest(token_hash(token), stored):
+                return token
+        return None
 
     async def issue(
         self,
@@ -110,12 +171,10 @@ class TokenIssuer:
 
         Asking again for an intent returns its token only for the same `request_digest` (None,
         unbound, included): any other digest is TokenConflict. Concurrent calls for one intent
-        all return the same token. `ttl_seconds`, if given, must be positive and finite.
+        all return the same token. `ttl_seconds`, if given, must be positive and finite (at most
+        100 years, as a Policy's durations).
         """
-        if ttl_seconds is None:
-            ttl_seconds = self.ttl_seconds
-        elif not (math.isfinite(ttl_seconds) and ttl_seconds > 0):
-            raise ValueError("ttl_seconds must be positive and finite")
+        ttl_seconds = self.ttl_seconds if ttl_seconds is None else _time_to_live(ttl_seconds)
         token = self._token_for(tenant, operation, intent_id)
         hashed = token_hash(token)
         for attempt in range(_ISSUE_ATTEMPTS):
@@ -140,12 +199,31 @@ class TokenIssuer:
                 ):
                     raise
         if row.token_hash != hashed:
-            raise TokenConflict("this intent was issued a token under another secret")
+            older = (
+                None
+                if intent_id is None
+                else self._under_previous(row.token_hash, tenant, operation, intent_id)
+            )
+            if older is None:
+                raise TokenConflict("this intent was issued a token under another secret")
+            token = older
         if row.spent:
             raise TokenConflict("this intent's token was already used; it is not issued again")
         if row.request_digest != request_digest:
             raise TokenConflict("this intent was issued a token for a different request")
         return IssuedToken(token, row.expires_at)
+
+
+async def _capped_body(request: Request) -> bytes | None:
+    """The body, or None once it passes MAX_TOKEN_REQUEST_BYTES (read no further)."""
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_TOKEN_REQUEST_BYTES:
+            return None
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def token_route(
@@ -173,8 +251,15 @@ def token_route(
         tenant = await route_tenant(tenants, request.scope, problem_base=problem_base)
         if isinstance(tenant, Response):
             return tenant
+        raw = await _capped_body(request)
+        if raw is None:
+            return problem_response(
+                ProblemKind.BODY_TOO_LARGE,
+                f"The body may be at most {MAX_TOKEN_REQUEST_BYTES} bytes.",
+                base=problem_base,
+            )
         try:
-            body = orjson.loads(await request.body())
+            body = orjson.loads(raw)
             operation = body["operation"]
             intent_id = body.get("intent_id")
             if not isinstance(operation, str) or not (
@@ -199,7 +284,19 @@ def token_route(
         except StatementRefused:
             # The database refused these values (the checks above should leave nothing here).
             return bad_body()
+        except StoreError:
+            # As the guarded routes answer it: a 503 to retry (asking again for an intent is
+            # idempotent), not a bare 500.
+            return problem_response(
+                ProblemKind.STORE_UNAVAILABLE,
+                "No token can be issued right now; ask again.",
+                base=problem_base,
+                retry_after=1,
+            )
         body = {"token": issued.token, "expires_at": issued.expires_at.isoformat()}
-        return Response(orjson.dumps(body), 201, media_type="application/json")
+        # A token is a one-time credential: no cache keeps it (as for OAuth's token responses).
+        headers = {"cache-control": "no-store"}
+        return Response(orjson.dumps(body), 201, headers=headers, media_type="application/json")
 
+    setattr(issue, ROUTE_RESOLVER_ATTRIBUTE, tenant_resolver)  # (see startup's check)
     return Route(path, issue, methods=["POST"], name="idempotency_tokens")

@@ -1,5 +1,8 @@
 -- Named queries. Each block starts with "-- name: <name>" and lists its parameters.
 -- All times are the database's: now() is the transaction's start, never the application's clock.
+-- A retention clock starts at clock_timestamp(), when the outcome is written: a transaction (a
+-- transactional claim, a fenced one) may have begun as long before as its handler ran, and an
+-- outcome is replayed for its full retention after it finished.
 
 -- name: claim
 -- Claim a key, or return the record that holds it, in one round trip.
@@ -122,7 +125,7 @@ INSERT INTO idem_requests
     (tenant, operation, idem_key, fingerprint, state, mode, generation, epoch, retention,
      expires_at, response_status, response_headers, response_body, body_omitted)
 VALUES ($1, $2, $3, $4, $7, 'transactional', $5, $5, make_interval(secs => $6::float8),
-        now() + make_interval(secs => $6::float8), $8, $9, $10, $11);
+        clock_timestamp() + make_interval(secs => $6::float8), $8, $9, $10, $11);
 
 -- name: draw_generations
 -- Generations for the fast claim (a simple query returns no rows, so `claim_key` cannot return
@@ -169,8 +172,9 @@ WHERE tenant = $1 AND operation = $2 AND idem_key = $3;
 -- $1 tenant, $2 operation, $3 key, $4 generation, $5 state, $6 status, $7 headers, $8 body,
 -- $9 body_omitted
 UPDATE idem_requests
-SET state = $5, updated_at = now(), expires_at = now() + retention, lease_expires_at = NULL,
-    response_status = $6, response_headers = $7, response_body = $8, body_omitted = $9
+SET state = $5, updated_at = now(), expires_at = clock_timestamp() + retention,
+    lease_expires_at = NULL, response_status = $6, response_headers = $7, response_body = $8,
+    body_omitted = $9
 WHERE tenant = $1 AND operation = $2 AND idem_key = $3
   AND generation = $4 AND state = 'pending';
 
@@ -182,8 +186,9 @@ WHERE tenant = $1 AND operation = $2 AND idem_key = $3
 -- $9 body_omitted
 WITH completed AS (
     UPDATE idem_requests
-    SET state = $5, updated_at = now(), expires_at = now() + retention, lease_expires_at = NULL,
-        response_status = $6, response_headers = $7, response_body = $8, body_omitted = $9
+    SET state = $5, updated_at = now(), expires_at = clock_timestamp() + retention,
+        lease_expires_at = NULL, response_status = $6, response_headers = $7,
+        response_body = $8, body_omitted = $9
     WHERE tenant = $1 AND operation = $2 AND idem_key = $3
       AND generation = $4 AND state = 'pending'
     RETURNING 1
@@ -263,7 +268,8 @@ FOR UPDATE;
 WITH settled AS (
     UPDATE idem_requests
     SET state = $6, updated_at = now(), lease_expires_at = NULL,
-        expires_at = CASE WHEN $6 IN ('succeeded', 'failed_final') THEN now() + retention END,
+        expires_at = CASE WHEN $6 IN ('succeeded', 'failed_final')
+                          THEN clock_timestamp() + retention END,
         response_status = $7, response_headers = $8, response_body = $9, body_omitted = $10,
         note = coalesce($11, note)
     WHERE tenant = $1 AND operation = $2 AND idem_key = $3 AND generation = $4 AND state = $5
@@ -285,7 +291,8 @@ FROM settled;
 WITH settled AS (
     UPDATE idem_requests
     SET state = $6, updated_at = now(), lease_expires_at = NULL,
-        expires_at = CASE WHEN $6 IN ('succeeded', 'failed_final') THEN now() + retention END,
+        expires_at = CASE WHEN $6 IN ('succeeded', 'failed_final')
+                          THEN clock_timestamp() + retention END,
         response_status = $7, response_headers = $8, response_body = $9, body_omitted = $10,
         note = coalesce($11, note)
     WHERE tenant = $1 AND operation = $2 AND idem_key = $3 AND generation = $4 AND state = $5
@@ -512,7 +519,8 @@ WITH amended AS (
     SET state = $6, updated_at = now(), lease_expires_at = NULL,
         generation = CASE WHEN $6 = 'pending' THEN nextval('idem_generation_seq')
                           ELSE generation END,
-        expires_at = CASE WHEN $6 IN ('succeeded', 'failed_final') THEN now() + retention END,
+        expires_at = CASE WHEN $6 IN ('succeeded', 'failed_final')
+                          THEN clock_timestamp() + retention END,
         response_status = $7, response_headers = $8, response_body = $9, body_omitted = $10,
         note = concat_ws(E'\n', note,
                          to_char(now() AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS"Z "') || $11)

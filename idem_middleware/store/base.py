@@ -7,6 +7,7 @@ import functools
 from collections.abc import Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
+from datetime import datetime
 from enum import StrEnum
 from typing import Any, NamedTuple, Protocol, cast
 
@@ -247,6 +248,33 @@ class FencedSession(Protocol):
         """Record the outcome as the session's last act, and commit it with the writes made on
         `connection` (PostgreSQL: one message). False, and nothing committed, if the generation
         is no longer current."""
+
+
+@dataclass(frozen=True, slots=True)
+class TokenRow:
+    """The token an intent holds after `issue_token` (see queries.sql `issue_token`): `spent`
+    when it was consumed and has expired (never renewed then)."""
+
+    token_hash: bytes
+    expires_at: datetime
+    request_digest: bytes | None
+    spent: bool
+
+
+#: The most rows a purge batch, or batches a purge, may be given (`LIMIT` takes more, but the
+#: command line's counts stop here too).
+MAX_PURGE_COUNT = 2**31 - 1
+
+
+def check_purge_limits(batch_size: object, max_batches: object) -> None:
+    """Both stores' `purge` take the same counts: whole numbers from 1 to MAX_PURGE_COUNT.
+    Anything else is refused before any row is touched (ValueError), rather than read as no
+    limit, as a negative slice, or sent to the server as a LIMIT it rejects."""
+    for name, value in (("batch_size", batch_size), ("max_batches", max_batches)):
+        if type(value) is not int or not 1 <= value <= MAX_PURGE_COUNT:
+            raise ValueError(
+                f"purge: {name} must be a whole number from 1 to {MAX_PURGE_COUNT}, not {value!r}"
+            )
 
 
 class Store(Protocol):

@@ -205,7 +205,12 @@ async def test_in_flight_duplicate_gets_202_with_location_when_the_policy_says_s
     assert r1.status_code == 201
     # Once the original has committed, the status resource reports its outcome.
     assert status.status_code == 200
-    assert status.json() == {"operation": CREDIT_OP, "state": "succeeded", "response_status": 201}
+    assert status.json() == {
+        "operation": CREDIT_OP,
+        "state": "succeeded",
+        "response_status": 201,
+        "retry": False,
+    }
     assert probe.calls == 1
     await assert_effects(pool, ledger=1, bal=5, recs=1)
 

@@ -41,6 +41,7 @@ from idem_middleware.policy import MAX_SECONDS
 from idem_middleware.sqla import ClaimSession, ClaimSessions, claim_session
 from idem_middleware.status import status_route
 from idem_middleware.store.postgres import PostgresStore
+from idem_middleware.tokens import TokenIssuer, token_route
 from tests.apps import BearerBackend, assert_replay_of, client, key, records
 from tests.integration.test_startup_checks import messages, startup
 
@@ -412,3 +413,41 @@ async def test_a_fastapi_app_needs_the_status_route_too() -> None:
     message = failure(await startup(fastapi_accepting(with_status=False)))
     assert "accept_while_in_flight=True on POST /pay" in message
     assert started(await startup(fastapi_accepting(with_status=True)))
+
+
+# -- the library's routes resolve tenants as the middleware does --------------------------------
+
+
+def org_tenant(scope: Scope) -> str | None:
+    return dict(scope["headers"]).get(b"x-org", b"").decode() or None
+
+
+async def order(request: Request) -> Response:
+    return JSONResponse({}, status_code=201)
+
+
+async def test_a_library_route_resolving_tenants_otherwise_is_warned_at_startup(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Found by probing: the status and token routes take their own tenant_resolver (default:
+    the authenticated user), and an app whose middleware named tenants otherwise got tokens no
+    claim ever accepted (every one `400 token-invalid`, "not a token issued to you") and a
+    status resource that found nothing, without a word at startup."""
+    store = MemoryStore()
+    issuer = TokenIssuer(PostgresStore(dsn="postgresql://127.0.0.1:1/never"), secret=b"s" * 32)
+    routes: list[BaseRoute] = [
+        Route("/orders", order, methods=["POST"]),
+        status_route(store),
+        token_route(issuer),
+        Mount("/same", routes=[status_route(store, tenant_resolver=org_tenant)]),
+    ]
+    app = starlette_app(routes, store=store, tenant_resolver=org_tenant)
+    with caplog.at_level(logging.WARNING, logger="idem_middleware"):
+        sent = await startup(app)
+    assert sent[0]["type"] == "lifespan.startup.complete"
+    warned = [m for m in messages(caplog, logging.WARNING) if "resolves tenants" in m]
+    assert [m.split(" resolves")[0] for m in warned] == [
+        "idempotency: /idempotency/status",
+        "idempotency: /idempotency/tokens",
+    ]
+    assert "pass the middleware's tenant_resolver to it" in warned[0]

@@ -4,7 +4,7 @@ from the caller's own committed record (never from a claim's lock)."""
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Any, cast
 
 import pytest
 from starlette.applications import Starlette
@@ -15,7 +15,9 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Host, Route, Router
 
 from idem_middleware import IdempotencyMiddleware, Policy, PostgresStore
+from idem_middleware.errors import StoreError
 from idem_middleware.status import status_route
+from idem_middleware.store.base import Claimed, RecordKey, Settlement, State
 from tests.apps import (
     BOUND,
     BearerBackend,
@@ -71,7 +73,12 @@ async def test_the_longest_key_the_header_allows_is_looked_up(logged: Any) -> No
         await c.post(CREDIT, json={"amount": 5}, headers=key(long_key))
         r = await c.get(STATUS, params={"operation": CREDIT_OP, "key": long_key})
     assert r.status_code == 200, r.text
-    assert r.json() == {"operation": CREDIT_OP, "state": "succeeded", "response_status": 201}
+    assert r.json() == {
+        "operation": CREDIT_OP,
+        "state": "succeeded",
+        "response_status": 201,
+        "retry": False,
+    }
 
 
 async def test_a_probe_is_one_select_and_writes_nothing(logged: Any) -> None:
@@ -166,7 +173,93 @@ async def test_an_operation_under_a_host_route_is_looked_up(logged: Any) -> None
         operation = "POST api.example/pay"
         r = await c.get(STATUS, params={"operation": operation, "key": "on-a-host"})
         assert r.status_code == 200, r.text
-        assert r.json() == {"operation": operation, "state": "succeeded", "response_status": 201}
+        assert r.json() == {
+            "operation": operation,
+            "state": "succeeded",
+            "response_status": 201,
+            "retry": False,
+        }
         for refused in ("POST api.example", "POST a b/pay", "post /pay"):
             bad = await c.get(STATUS, params={"operation": refused, "key": "on-a-host"})
             assert_problem(bad, 400, "invalid-key")
+
+
+async def test_no_answer_of_the_status_resource_may_be_cached(logged: Any) -> None:
+    """Found by probing: its answers carried no Cache-Control, so a cache could keep the 404 of
+    a request that had not committed yet (a 404 is heuristically cacheable, as a 200 is) and
+    answer every later poll with it, or keep a `pending` past the outcome."""
+    pool, _ = logged
+    app = build_app(PostgresStore(pool=pool))
+    params = {"operation": CREDIT_OP, "key": "polled"}
+    async with client(app) as c:
+        missing = await c.get(STATUS, params=params)
+        await c.post(CREDIT, json={"amount": 5}, headers=key("polled"))
+        found = await c.get(STATUS, params=params)
+        bad = await c.get(STATUS, params={"operation": "payouts", "key": "polled"})
+    async with client(app, token=None) as anonymous:
+        unauthenticated = await anonymous.get(STATUS, params=params)
+    assert_problem(missing, 404, "record-not-found")
+    assert found.json()["state"] == "succeeded"
+    assert_problem(bad, 400, "invalid-key")
+    assert_problem(unauthenticated, 401, "unauthenticated")
+    for answer in (missing, found, bad, unauthenticated):
+        assert answer.headers.get_list("cache-control") == ["no-store"]
+
+
+class Unreachable:
+    async def get(self, key: Any) -> Any:
+        raise StoreError("no database connection: ConnectionRefusedError")
+
+
+async def test_an_unreachable_store_is_a_503_to_retry_not_a_server_error() -> None:
+    """Found by probing: the store's error went out as a bare `500 Internal Server Error`
+    (text/plain), where the guarded routes answer `503 store-unavailable` + Retry-After."""
+    app = Starlette(
+        routes=[status_route(cast(Any, Unreachable()))],
+        middleware=[Middleware(AuthenticationMiddleware, backend=BearerBackend())],
+    )
+    async with client(app) as c:
+        r = await c.get(STATUS, params={"operation": CREDIT_OP, "key": "k"})
+    assert_problem(r, 503, "store-unavailable")
+    assert r.headers["retry-after"] == "1"
+    assert r.headers["cache-control"] == "no-store"
+
+
+async def test_a_pending_request_only_a_retry_can_move_says_so(
+    pg_store: PostgresStore, pool: Any
+) -> None:
+    """Found by probing: a lease-mode request whose executor died (its lease lapsed), or that a
+    reconciler or an operator released for a retry, read `pending` like one still running, and
+    only the client's own retry moves either: a client polling the 202's Location for a change
+    polled for good. It now reads `"retry": true`."""
+    store = pg_store
+    op = "POST /payouts"
+
+    async def claim(name: str) -> int:
+        claimed = await store.claim_lease(
+            RecordKey("tenant-a", op, name), b"fp", retention_seconds=60.0, lease_seconds=30.0
+        )
+        assert isinstance(claimed, Claimed)
+        return claimed.generation
+
+    await claim("running")
+    await claim("lapsed")
+    await pool.execute(
+        "UPDATE idem_requests SET lease_expires_at = now() - interval '1 second'"
+        " WHERE idem_key = 'lapsed'"
+    )
+    released = await claim("released")
+    key = RecordKey("tenant-a", op, "released")
+    assert await store.settle(key, released, State.PENDING, Settlement(State.UNKNOWN, None))
+    assert await store.allow_retry(key, released, "the bank has no such payout")
+    app = build_app(store)
+    async with client(app) as c:
+        seen = {
+            name: (await c.get(STATUS, params={"operation": op, "key": name})).json()
+            for name in ("running", "lapsed", "released")
+        }
+    assert {name: (body["state"], body["retry"]) for name, body in seen.items()} == {
+        "running": ("pending", False),
+        "lapsed": ("pending", True),
+        "released": ("pending", True),
+    }

@@ -13,8 +13,8 @@ from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.middleware.authentication import AuthenticationMiddleware
 
-from idem_middleware import Policy, PostgresStore
-from idem_middleware.errors import StatementRefused
+from idem_middleware import MemoryStore, Policy, PostgresStore
+from idem_middleware.errors import StatementRefused, StoreError
 from idem_middleware.tokens import TokenConflict, TokenIssuer, token_route
 from tests.apps import BearerBackend, assert_problem, build_app, client
 from tests.integration.test_tokens import OP, digest
@@ -24,6 +24,7 @@ SECRET = b"s" * 32
 URL = "/accounts/t1/credits"
 TOKENS = "/idempotency/tokens"
 MAX_INTENT_ID = 255  # the documented longest intent_id
+MAX_BODY = 1024 * 1024  # the documented largest body the route reads
 
 
 @pytest.fixture
@@ -186,13 +187,129 @@ async def test_a_refused_issue_is_a_bad_request_not_a_server_error() -> None:
     assert_problem(r, 400, "body-invalid")
 
 
+class Unreachable:
+    async def issue_token(self, *args: Any, **kwargs: Any) -> Any:
+        raise StoreError("no database connection: ConnectionRefusedError")
+
+
+async def test_an_unreachable_store_is_a_503_to_retry_not_a_server_error() -> None:
+    """Found by probing: the route let the store's error out, a bare `500 Internal Server
+    Error` (text/plain), where the guarded routes answer `503 store-unavailable` + Retry-After."""
+    async with route_client(route_only_app(TokenIssuer(Unreachable(), secret=SECRET))) as c:
+        r = await c.post(TOKENS, json={"operation": OP, "intent_id": "i"})
+    assert_problem(r, 503, "store-unavailable")
+    assert r.headers["retry-after"] == "1"
+
+
+async def test_the_token_route_reads_no_more_than_a_bounded_body(
+    pg_store: PostgresStore, pool: Any, issuer: TokenIssuer
+) -> None:
+    """Found by probing: the route (never guarded by the middleware, so no `max_body_bytes`)
+    read a body of any size into memory before parsing it."""
+    padding = "x" * MAX_BODY
+    async with route_client(route_only_app(issuer)) as c:
+        r = await c.post(TOKENS, json={"operation": OP, "padding": padding})
+    assert_problem(r, 413, "body-too-large")
+    assert await pool.fetchval("SELECT count(*) FROM idem_tokens") == 0
+
+
 # -- the per-call time to live --------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("ttl", [0, -1.0, math.nan, math.inf, -math.inf])
+@pytest.mark.parametrize("ttl", [0, -1.0, math.nan, math.inf, -math.inf, 1e300, True, "60"])
 async def test_issue_refuses_a_time_to_live_that_is_not_positive_and_finite(
     pg_store: PostgresStore, pool: Any, issuer: TokenIssuer, ttl: float
 ) -> None:
+    # (1e300 seconds: `now() + ttl` is out of PostgreSQL's range, and every issue was refused
+    # with a StatementRefused, which the token route answered as a client's bad body)
     with pytest.raises(ValueError, match="ttl_seconds"):
         await issuer.issue("tenant-a", OP, ttl_seconds=ttl)
+    with pytest.raises(ValueError, match="ttl_seconds"):
+        TokenIssuer(pg_store, secret=SECRET, ttl_seconds=ttl)
     assert await pool.fetchval("SELECT count(*) FROM idem_tokens") == 0
+
+
+# -- rotating the secret --------------------------------------------------------------------------
+
+
+async def test_a_rotated_secret_still_hands_out_the_intents_issued_before_it(
+    pg_store: PostgresStore, pool: Any, issuer: TokenIssuer
+) -> None:
+    """Found by probing: the secret could not be rotated with tokens in flight. A client whose
+    response to "give me a token" was lost, asking again after the rotation, was refused (409
+    "issued under another secret") for as long as its intent's token lived, and a used one's
+    tombstone refused it for good. Listed in `previous_secrets`, the old secret's intents get
+    their token back, and that token is consumed as any other."""
+    before = await issuer.issue("tenant-a", OP, intent_id="i-1")
+    new = b"n" * 32
+    with pytest.raises(TokenConflict, match="another secret"):
+        await TokenIssuer(pg_store, secret=new).issue("tenant-a", OP, intent_id="i-1")
+    rotated = TokenIssuer(pg_store, secret=new, previous_secrets=[SECRET])
+    again = await rotated.issue("tenant-a", OP, intent_id="i-1")
+    fresh = await rotated.issue("tenant-a", OP, intent_id="i-2")
+    assert again == before
+    # A new intent's token is the new secret's.
+    assert fresh == await TokenIssuer(pg_store, secret=new).issue("tenant-a", OP, intent_id="i-2")
+    app = build_app(pg_store, policies={OP: Policy(require_token=True)})
+    async with client(app) as c:
+        used = await c.post(URL, json={"amount": 5}, headers={"idempotency-key": again.token})
+    assert used.status_code == 201
+    assert (
+        await pool.fetchval("SELECT count(*) FROM idem_tokens WHERE consumed_at IS NOT NULL") == 1
+    )
+
+
+@pytest.mark.parametrize(
+    ("options", "error"),
+    [
+        ({"secret": "s" * 32}, TypeError),  # an environment variable not encoded
+        ({"secret": SECRET, "previous_secrets": [b"short"]}, ValueError),
+        ({"secret": SECRET, "previous_secrets": SECRET}, TypeError),  # one secret, not a list
+    ],
+    ids=["str-secret", "short-previous", "previous-not-a-list"],
+)
+def test_a_secret_that_cannot_sign_is_refused_when_the_issuer_is_made(
+    options: dict[str, Any], error: type[Exception]
+) -> None:
+    """Found by probing: a `str` secret was accepted, and failed each issue for an intent with
+    a TypeError (a 500 from the token route) instead of failing where it is configured."""
+    with pytest.raises(error):
+        TokenIssuer(object(), **options)
+
+
+def test_an_issuer_on_a_store_that_cannot_issue_is_refused_when_made() -> None:
+    with pytest.raises(TypeError, match="issue_token"):
+        TokenIssuer(object(), secret=SECRET)
+
+
+async def test_the_memory_store_issues_tokens_as_the_real_one_does() -> None:
+    """Found by probing: a TokenIssuer on the MemoryStore (an app's test setup) was accepted,
+    and each issue failed with an AttributeError, a 500 from the token route. The twin now
+    issues as queries.sql `issue_token` does: one token per intent, renewed while unused, never
+    once used and expired, and kept through purge as a tombstone."""
+    now = [1000.0]
+    store = MemoryStore(clock=lambda: now[0])
+    issuer = TokenIssuer(store, secret=SECRET, ttl_seconds=60)
+    first = await issuer.issue("tenant-a", OP, intent_id="i-1")
+    assert await issuer.issue("tenant-a", OP, intent_id="i-1") == first
+    now[0] += 120  # expired unused: renewed, the same token
+    renewed = await issuer.issue("tenant-a", OP, intent_id="i-1")
+    assert (renewed.token, renewed.expires_at > first.expires_at) == (first.token, True)
+    with pytest.raises(TokenConflict, match="different request"):
+        await issuer.issue("tenant-a", OP, intent_id="i-1", request_digest=b"d" * 32)
+    app = build_app(store, policies={OP: Policy(require_token=True)})
+    async with client(app) as c:
+        used = await c.post(URL, json={"amount": 5}, headers={"idempotency-key": first.token})
+        assert used.status_code == 201
+        assert await issuer.issue("tenant-a", OP, intent_id="i-1") == renewed  # live: handed out
+        now[0] += 120
+        await store.purge()
+        with pytest.raises(TokenConflict, match="already used"):
+            await issuer.issue("tenant-a", OP, intent_id="i-1")  # the tombstone
+        replay = await c.post(URL, json={"amount": 5}, headers={"idempotency-key": first.token})
+        now[0] += 2 * 86400  # past the record's retention, and purged: the token stays used
+        await store.purge()
+        again = await c.post(URL, json={"amount": 5}, headers={"idempotency-key": first.token})
+    assert replay.headers["idempotent-replayed"] == "true"
+    assert "already used" in assert_problem(again, 400, "token-invalid")["detail"]
+    assert app.state.probe.calls == 1

@@ -210,6 +210,8 @@ async def test_the_token_route(pg_store: PostgresStore, issuer: TokenIssuer) -> 
         bad = await c.post("/idempotency/tokens", content=b"[]", headers=auth)
     assert first.status_code == again.status_code == 201
     assert first.json()["token"] == again.json()["token"]
+    # A one-time credential: no cache may keep it (was: no Cache-Control at all).
+    assert first.headers["cache-control"] == "no-store"
     assert_problem(anonymous, 401, "unauthenticated")
     assert_problem(bad, 400, "body-invalid")
 

@@ -1,5 +1,6 @@
-"""The twin's operations off the request path: one-time tokens (the PostgreSQL store's
-TokenIssuer writes them in SQL), and the operators' listing, amendments and purge."""
+"""The twin's operations off the request path: one-time tokens (issued as queries.sql
+`issue_token` does, for a TokenIssuer, or recorded as they are by tests), and the operators'
+listing, amendments and purge."""
 
 from __future__ import annotations
 
@@ -7,7 +8,15 @@ from collections.abc import Sequence
 from dataclasses import replace
 from datetime import UTC, datetime
 
-from ..base import RecordKey, RecordSummary, Settlement, State
+from ...errors import StatementRefused
+from ..base import (
+    RecordKey,
+    RecordSummary,
+    Settlement,
+    State,
+    TokenRow,
+    check_purge_limits,
+)
 from .tables import MemoryTables, _summary, _Token
 
 
@@ -23,9 +32,39 @@ class OffPathOperations(MemoryTables):
         ttl_seconds: float,
         request_digest: bytes | None = None,
     ) -> None:
-        """Record an issued token (the PostgreSQL store's TokenIssuer does this in SQL)."""
+        """Record an issued token as it is (a test's shortcut past `issue_token`)."""
         expires_at = self.clock() + ttl_seconds
         self._tokens[(tenant, token_hash)] = _Token(operation, request_digest, expires_at)
+
+    async def issue_token(
+        self,
+        tenant: str,
+        token_hash: bytes,
+        operation: str,
+        *,
+        request_digest: bytes | None,
+        intent_id: str | None,
+        ttl_seconds: float,
+    ) -> TokenRow:
+        """Issue a token, or return the one the intent holds, renewed if it expired unused (as
+        queries.sql `issue_token`; TokenIssuer decides what a held token means)."""
+        now = self.clock()
+        expires_at = now + ttl_seconds
+        intent = None if intent_id is None else (tenant, operation, intent_id)
+        held = None if intent is None else self._intents.get(intent)
+        if held is not None:
+            token = self._tokens[(tenant, held)]
+            if token.expires_at <= now and not token.consumed:
+                token = self._tokens[(tenant, held)] = replace(token, expires_at=expires_at)
+            spent = token.consumed and token.expires_at <= now
+            return TokenRow(held, _timestamp(token.expires_at), token.request_digest, spent)
+        if (tenant, token_hash) in self._tokens:  # the primary key
+            raise StatementRefused("UniqueViolationError: idem_tokens_pkey")
+        fresh = _Token(operation, request_digest, expires_at, intent_id=intent_id)
+        self._tokens[(tenant, token_hash)] = fresh
+        if intent is not None:
+            self._intents[intent] = token_hash
+        return TokenRow(token_hash, _timestamp(expires_at), request_digest, False)
 
     # -- operators -------------------------------------------------------------------------------
 
@@ -72,6 +111,7 @@ class OffPathOperations(MemoryTables):
         return found[:limit]
 
     async def purge(self, *, batch_size: int = 1000, max_batches: int = 1000) -> int:
+        check_purge_limits(batch_size, max_batches)
         now = self.clock()
         doomed = [
             key
@@ -80,9 +120,14 @@ class OffPathOperations(MemoryTables):
         ][: batch_size * max_batches]
         for key in doomed:
             del self._rows[key]
-        # This store's tokens carry no intent, so none needs a tombstone once it has expired
-        # (see queries.sql `purge_tokens`): an expired token is refused, a deleted one too.
+        # The consumed tokens of intents stay as tombstones (see queries.sql `purge_tokens`).
         for token, found in list(self._tokens.items()):
-            if found.expires_at <= now:
+            if found.expires_at <= now and not (found.consumed and found.intent_id is not None):
                 del self._tokens[token]
+                if found.intent_id is not None:
+                    del self._intents[(token[0], found.operation, found.intent_id)]
         return len(doomed)
+
+
+def _timestamp(seconds: float) -> datetime:
+    return datetime.fromtimestamp(seconds, UTC)

@@ -23,6 +23,7 @@ class _Token:
     request_digest: bytes | None
     expires_at: float
     consumed: bool = False
+    intent_id: str | None = None
 
 
 @dataclass(slots=True)
@@ -276,6 +277,8 @@ class MemoryTables:
         #: The row locks held or waited for now (see `_RowLock`).
         self._fence_locks: dict[RecordKey, _RowLock] = {}
         self._tokens: dict[tuple[str, bytes], _Token] = {}
+        #: The token each (tenant, operation, intent) was issued (the table's unique key).
+        self._intents: dict[tuple[str, str, str], bytes] = {}
 
     def _current(self, key: RecordKey, generation: int, state: State) -> _Row | None:
         """The committed row, if it is in `state` under `generation`."""

@@ -13,11 +13,18 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from datetime import datetime
 from typing import Any
 
 from ...errors import EventConflict, StoreError
-from ..base import RecordKey, RecordSummary, Settlement, State, StoreStats
+from ..base import (
+    RecordKey,
+    RecordSummary,
+    Settlement,
+    State,
+    StoreStats,
+    TokenRow,
+    check_purge_limits,
+)
 from .convert import (
     _Q,
     ACQUIRE_ERRORS,
@@ -45,16 +52,6 @@ def _summary(r: Any) -> RecordSummary:
         lease_expired=bool(r["lease_expired"]),
         epoch=r["epoch"],
     )
-
-
-@dataclass(frozen=True, slots=True)
-class TokenRow:
-    """The token an intent holds after `issue_token` (see queries.sql `issue_token`)."""
-
-    token_hash: bytes
-    expires_at: datetime
-    request_digest: bytes | None
-    spent: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -228,8 +225,7 @@ class OffPathStatements(PoolStatements):
 
         Never touches pending or unknown records. Returns how many records were deleted.
         """
-        if batch_size < 1 or max_batches < 1:
-            raise ValueError("batch_size and max_batches must be positive")
+        check_purge_limits(batch_size, max_batches)
         deleted = await self._purge_batches(_Q["purge_batch"], batch_size, max_batches)
         await self._purge_batches(_Q["purge_tokens"], batch_size, max_batches)
         await self._purge_batches(_Q["purge_waiters"], batch_size, max_batches)
