@@ -334,11 +334,10 @@ class IdempotencyMiddleware:
         return policy if policy is not None and policy.guard else None
 
     async def _misconfigured(self, send: Send, detail: str) -> None:
-        await send_problem(
+        await self.send_problem(
             send,
             ProblemKind.MISCONFIGURED,
             f"{detail} The server is misconfigured; the request was not processed.",
-            base=self.problem_base,
         )
 
     def _check(self, app: Any, scope: Scope | None = None) -> None:

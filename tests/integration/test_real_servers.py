@@ -24,6 +24,7 @@ from starlette.types import Receive, Scope, Send
 
 from idem_middleware import IdempotencyMiddleware, MemoryStore
 from tests.apps import BOUND, build_app, count, records
+from tests.apps.servers import port_of, uvicorn_in_loop
 
 pytestmark = pytest.mark.asyncio
 
@@ -35,18 +36,8 @@ PATH = "/accounts/a1/credits"
 async def uvicorn_serving(app: Any, http: str) -> AsyncIterator[int]:
     """`app` served by uvicorn (`http`: its HTTP/1.1 implementation) in this loop; its port."""
     config = uvicorn.Config(app, host="127.0.0.1", port=0, http=http, log_level="warning")
-    server = uvicorn.Server(config)
-    task = asyncio.ensure_future(server._serve())  # (serve() would take the signal handlers)
-    try:
-        for _ in range(500):
-            if server.started or task.done():
-                break
-            await asyncio.sleep(0.01)
-        assert server.started, "uvicorn did not start"
-        yield server.servers[0].sockets[0].getsockname()[1]
-    finally:
-        server.should_exit = True
-        await asyncio.wait_for(task, BOUND)
+    async with uvicorn_in_loop(config, BOUND) as server:
+        yield port_of(server)
 
 
 def request(key: str | None, body: bytes = BODY, *, version: bytes = b"1.1") -> bytes:

@@ -34,6 +34,7 @@ from idem_middleware import (
 )
 from idem_middleware.store.postgres import closing, listener
 from tests.apps import PROBLEM_BASE
+from tests.apps.servers import port_of, uvicorn_in_loop
 
 BOUND = 20.0
 HANDLER_SECONDS = 60.0  # longer than any test: the server's shutdown cuts it short
@@ -69,19 +70,8 @@ async def serving(app: Any, *, graceful: int) -> AsyncIterator[tuple[uvicorn.Ser
     config = uvicorn.Config(
         app, host="127.0.0.1", port=0, log_level="critical", timeout_graceful_shutdown=graceful
     )
-    server = uvicorn.Server(config)
-    task = asyncio.ensure_future(server._serve())  # (serve() would take the signal handlers)
-    try:
-        for _ in range(500):
-            if server.started or task.done():
-                break
-            await asyncio.sleep(0.01)
-        assert server.started, "uvicorn did not start"
-        port = server.servers[0].sockets[0].getsockname()[1]
-        yield server, f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        await asyncio.wait_for(task, BOUND)
+    async with uvicorn_in_loop(config, BOUND) as server:
+        yield server, f"http://127.0.0.1:{port_of(server)}"
 
 
 async def test_lease_requests_cut_short_by_a_graceful_timeout_are_left_unknown(
