@@ -256,8 +256,11 @@ async def send_replay(
         headers = [(n, v) for n, v in headers if n not in _BODY_CLAIMS]
         headers.append((b"idempotency-body-omitted", response.body_omitted.encode()))
         body = b""
-    if not (response.status < 200 or response.status in (204, 304)):
-        # RFC 9110 §8.6: never on a 1xx or 204; on a 304 it would describe the 200's body.
+    if response.status < 200 or response.status in (204, 304):
+        # No content, whatever the handler sent (servers sent the first client none, and refuse
+        # a replay's). No Content-Length: never on a 204; on a 304 it describes the 200's body.
+        body = b""
+    else:
         headers.append((b"content-length", str(len(body)).encode()))
     headers.append(REPLAYED_HEADER)
     await send({"type": "http.response.start", "status": response.status, "headers": headers})

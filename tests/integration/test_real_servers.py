@@ -10,11 +10,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-import uvicorn
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.requests import Request
@@ -24,20 +22,12 @@ from starlette.types import Receive, Scope, Send
 
 from idem_middleware import IdempotencyMiddleware, MemoryStore
 from tests.apps import BOUND, build_app, count, records
-from tests.apps.servers import port_of, uvicorn_in_loop
+from tests.apps.servers import connection, read_response, uvicorn_serving
 
 pytestmark = pytest.mark.asyncio
 
 BODY = b'{"amount": 5}'
 PATH = "/accounts/a1/credits"
-
-
-@contextlib.asynccontextmanager
-async def uvicorn_serving(app: Any, http: str) -> AsyncIterator[int]:
-    """`app` served by uvicorn (`http`: its HTTP/1.1 implementation) in this loop; its port."""
-    config = uvicorn.Config(app, host="127.0.0.1", port=0, http=http, log_level="warning")
-    async with uvicorn_in_loop(config, BOUND) as server:
-        yield port_of(server)
 
 
 def request(key: str | None, body: bytes = BODY, *, version: bytes = b"1.1") -> bytes:
@@ -50,29 +40,6 @@ def request(key: str | None, body: bytes = BODY, *, version: bytes = b"1.1") -> 
         b"content-length: %d" % len(body),  # (last: the chunked request replaces it)
     ]
     return b"\r\n".join(lines) + b"\r\n\r\n" + body
-
-
-async def read_response(reader: asyncio.StreamReader) -> tuple[int, dict[bytes, bytes], bytes]:
-    """One response (all of the middleware's and the app's have a Content-Length)."""
-    head = await reader.readuntil(b"\r\n\r\n")
-    status_line, *lines = head[:-4].split(b"\r\n")
-    headers = {}
-    for line in lines:
-        name, _, value = line.partition(b":")
-        headers[name.strip().lower()] = value.strip()
-    body = await reader.readexactly(int(headers.get(b"content-length", b"0")))
-    return int(status_line.split()[1]), headers, body
-
-
-@contextlib.asynccontextmanager
-async def connection(port: int) -> AsyncIterator[tuple[asyncio.StreamReader, asyncio.StreamWriter]]:
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    try:
-        yield reader, writer
-    finally:
-        writer.close()
-        with contextlib.suppress(ConnectionError):
-            await writer.wait_closed()
 
 
 @pytest.mark.parametrize("http", ["h11", "httptools"])

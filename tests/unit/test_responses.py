@@ -125,6 +125,19 @@ async def test_a_replay_without_content_has_no_content_length(status: int) -> No
     assert b"content-length" not in sent.headers
 
 
+@pytest.mark.parametrize("status", [204, 304])
+async def test_a_replay_without_content_sends_none_whatever_the_handler_sent(status: int) -> None:
+    """Found by probing: `Response(b"x", status_code=204)` is stored with its body; uvicorn
+    sends the first client none, but every replay sent it, and uvicorn raised on each (h11:
+    "Too much data for declared Content-Length"; httptools: "Response content longer than
+    Content-Length"), an error logged per retry."""
+    sent = Sent()
+    await send_replay(sent, StoredResponse(status, [(b"x-done", b"yes")], b"xyz"))
+    assert sent[1]["body"] == b""
+    assert b"content-length" not in sent.headers
+    assert sent.headers[b"x-done"] == b"yes"
+
+
 async def test_a_replay_hook_changes_the_replay_and_a_failing_one_does_not() -> None:
     stored = StoredResponse(201, [(b"x-a", b"1")], b"body")
 
