@@ -18,7 +18,7 @@ from .answers import Answer, InFlight, Problem, Replay, Sent
 from .capture import ResponseCapture
 from .context import key_digest, token_hash
 from .errors import ClientGone, ProblemKind, RequestRejected, StoreError
-from .fingerprint import Fingerprinter
+from .fingerprint import Fingerprinter, compressed_body_hint
 from .keys import KEY_HEADER, parse_idempotency_key, parse_key_value
 from .keysource import take_key
 from .lease import LeaseRun
@@ -188,7 +188,8 @@ class Exchange:
                 scope.get("query_string", b""), scope["headers"], content_type, body
             )
         except RequestRejected as exc:
-            await self.problem(exc.kind, exc.detail)
+            hint = compressed_body_hint(exc.kind, self.scope["headers"]) if self.body else ""
+            await self.problem(exc.kind, exc.detail + hint)
             return
         record_key = self.record_key = new_record_key((tenant, self.operation, key))
         self.token_hash = token_hash(key) if policy.require_token else None

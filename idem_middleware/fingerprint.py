@@ -334,3 +334,25 @@ def compute_fingerprint(
     )
     fingerprinter = Fingerprinter(operation, path_params, settings)
     return fingerprinter(query_string, headers, content_type, body)
+
+
+_COMPRESSED = (
+    " It was sent with a Content-Encoding, which this server does not decode: send the body"
+    " uncompressed."
+)
+
+
+def compressed_body_hint(kind: ProblemKind, headers: Sequence[tuple[bytes, bytes]]) -> str:
+    """What a refusal of a body as invalid adds when the body came compressed: bodies count as
+    they arrive (a decompressing middleware goes outside this one), so gzip bytes under a JSON
+    type are refused as not UTF-8 or not JSON, which alone would send the client looking for a
+    defect in the document it compressed."""
+    if kind is not ProblemKind.BODY_INVALID:
+        return ""
+    for name, value in headers:
+        if name.lower() == b"content-encoding" and value.strip(b" \t").lower() not in (
+            b"",
+            b"identity",
+        ):
+            return _COMPRESSED
+    return ""

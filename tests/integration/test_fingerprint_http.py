@@ -3,6 +3,10 @@ replayed for each other, and the caps refuse before anything is claimed."""
 
 from __future__ import annotations
 
+import gzip
+import zlib
+from collections.abc import Callable
+
 import pytest
 
 from idem_middleware import Policy
@@ -64,3 +68,33 @@ async def test_an_empty_json_body_is_400_body_invalid(pg_store, pool, content_ty
     # Without a JSON content type an empty body is just empty: a body-less POST.
     assert bare.status_code == 201
     assert app.state.probe.calls == 1
+
+
+@pytest.mark.parametrize(
+    ("content_type", "encoding", "compress"),
+    [
+        ("application/json", "gzip", gzip.compress),
+        ("application/json", "deflate", zlib.compress),
+        ("application/x-www-form-urlencoded", "gzip", gzip.compress),
+    ],
+    ids=["json-gzip", "json-deflate", "form-gzip"],
+)
+async def test_a_compressed_body_is_refused_saying_it_was_not_decoded(
+    pg_store, pool, content_type: str, encoding: str, compress: Callable[[bytes], bytes]
+) -> None:
+    """Found by probing: a gzipped JSON body was refused as "not valid UTF-8", and a deflated
+    one as not JSON, which sent the client looking for a defect in the document it had
+    compressed. Bodies count as they arrive (docs/fingerprint.md); the refusal now says the
+    Content-Encoding was not decoded."""
+    app = build_app(pg_store)
+    document = b'{"amount": 5}' if content_type == "application/json" else b"amount=5"
+    headers = {"content-type": content_type, "content-encoding": encoding, **key("k1")}
+    async with client(app) as c:
+        r = await c.post("/items", content=compress(document), headers=headers)
+        # Not compressed, or said to be as sent: a defect is only the document's.
+        identity = {**JSON, "content-encoding": "identity", **key("k2")}
+        broken = await c.post("/items", content=b'{"amount": }', headers=identity)
+    assert "Content-Encoding" in assert_problem(r, 400, "body-invalid")["detail"]
+    assert "Content-Encoding" not in assert_problem(broken, 400, "body-invalid")["detail"]
+    assert app.state.probe.calls == 0
+    assert await count(pool, "idem_requests") == 0
