@@ -227,3 +227,43 @@ async def test_a_replay_of_a_response_without_content_sends_none(
     assert inner.state.calls == 1
     [record] = await records(pool)
     assert (record["state"], record["response_status"]) == ("succeeded", status)
+
+
+def chunked(key: bytes, pieces: list[bytes], *, last: bool = True) -> bytes:
+    """A guarded POST whose body is `pieces` as chunks, ended (or not) by the last chunk."""
+    head = (
+        b"POST " + PATH + b" HTTP/1.1\r\nhost: test\r\nauthorization: Bearer demo-a\r\n"
+        b"idempotency-key: " + key + b"\r\ncontent-type: application/json\r\n"
+        b"transfer-encoding: chunked\r\n\r\n"
+    )
+    body = b"".join(b"%x\r\n%s\r\n" % (len(piece), piece) for piece in pieces)
+    return head + body + (b"0\r\n\r\n" if last else b"")
+
+
+@SERVERS
+async def test_chunked_bodies_over_the_cap_or_left_unfinished_claim_nothing(
+    pg_store: Any, pool: Any, http: str
+) -> None:
+    """A chunked body declares no length: one over the cap, in one-byte chunks, is refused
+    with `413` once the cap is passed; one whose client leaves before its last chunk claims
+    nothing. Each key's retry, whole, runs once."""
+    app = build_app(pg_store, default_policy=Policy(max_body_bytes=CAP))
+    over = b'{"amount": 5, "pad": "' + b"p" * CAP + b'"}'
+    async with uvicorn_serving(app, http) as port:
+        async with connection(port) as (reader, writer):
+            writer.write(chunked(b"over", [bytes([byte]) for byte in over]))
+            status, headers, body = await asyncio.wait_for(read_response(reader), BOUND)
+        assert (status, problem_kind(headers, body)) == (413, "body-too-large")
+
+        async with connection(port) as (reader, writer):
+            writer.write(chunked(b"left", [BODY[:4], BODY[4:8]], last=False))
+            await writer.drain()
+        assert await count(pool, "idem_requests") == 0
+
+        for key in (b"over", b"left"):
+            async with connection(port) as (reader, writer):
+                writer.write(chunked(key, [BODY[:4], BODY[4:]]))
+                assert (await asyncio.wait_for(read_response(reader), BOUND))[0] == 201
+
+    assert app.state.probe.calls == await count(pool, "test_ledger") == 2
+    assert sorted(r["idem_key"] for r in await records(pool)) == ["left", "over"]
