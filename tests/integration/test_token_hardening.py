@@ -150,6 +150,48 @@ async def test_the_token_route_is_not_guarded_by_the_middleware(
     assert await pool.fetchval("SELECT count(*) FROM idem_requests") == 1  # only the credit
 
 
+@pytest.mark.parametrize(
+    ("operation", "why"),
+    [
+        ("POST /items", "takes no token"),  # guarded, with a key: any key does
+        ("POST /nowhere", "is no guarded operation"),
+        ("POST /accounts/t1/credits", "Did you mean 'POST /accounts/{account_id}/credits'?"),
+        ("GET /accounts/{account_id}", "is no guarded operation"),  # never guarded
+    ],
+)
+async def test_the_token_route_issues_only_for_operations_that_take_tokens(
+    pg_store: PostgresStore, pool: Any, issuer: TokenIssuer, operation: str, why: str
+) -> None:
+    """Found by probing: the route issued a token for any operation of the right shape, one
+    that needs none, one that does not exist, or the request's path where its template was
+    meant; the client learnt of it only when the token was refused as another operation's at
+    its first use (or never, on a route that takes any key). Such an operation is now a 400
+    that says which operations take tokens, and nothing is issued."""
+    app = build_app(pg_store, policies={OP: Policy(require_token=True)})
+    app.router.routes.append(token_route(issuer))
+    async with client(app) as c:
+        refused = await c.post(TOKENS, json={"operation": operation, "intent_id": "i"})
+        issued = await c.post(TOKENS, json={"operation": OP, "intent_id": "i"})
+    assert why in assert_problem(refused, 400, "body-invalid")["detail"]
+    assert issued.status_code == 201, issued.text
+    assert await pool.fetchval("SELECT array_agg(operation) FROM idem_tokens") == [OP]
+
+
+async def test_a_token_route_where_nothing_takes_tokens_refuses_and_startup_says_so(
+    pg_store: PostgresStore, pool: Any, issuer: TokenIssuer, caplog: pytest.LogCaptureFixture
+) -> None:
+    app = build_app(pg_store)
+    app.router.routes.append(token_route(issuer))
+    async with client(app) as c:
+        r = await c.post(TOKENS, json={"operation": OP})
+    assert (
+        "No operation of this server takes tokens"
+        in assert_problem(r, 400, "body-invalid")["detail"]
+    )
+    assert any("no guarded operation has it" in m for m in caplog.messages)
+    assert await pool.fetchval("SELECT count(*) FROM idem_tokens") == 0
+
+
 # -- 4. the route validates what it would store ---------------------------------------------------
 
 
