@@ -16,7 +16,16 @@ from starlette.middleware.authentication import AuthenticationMiddleware
 from idem_middleware import MemoryStore, Policy, PostgresStore
 from idem_middleware.errors import StatementRefused, StoreError
 from idem_middleware.tokens import TokenConflict, TokenIssuer, token_route
-from tests.apps import BearerBackend, assert_problem, build_app, client
+from tests.apps import (
+    BOUND,
+    BearerBackend,
+    Held,
+    assert_problem,
+    build_app,
+    client,
+    key,
+    wait_entered,
+)
 from tests.integration.test_tokens import OP, digest
 
 SECRET = b"s" * 32
@@ -190,6 +199,38 @@ async def test_a_token_route_where_nothing_takes_tokens_refuses_and_startup_says
     )
     assert any("no guarded operation has it" in m for m in caplog.messages)
     assert await pool.fetchval("SELECT count(*) FROM idem_tokens") == 0
+
+
+async def test_a_202_keeps_the_token_out_of_its_location(
+    pg_store: PostgresStore, pool: Any, issuer: TokenIssuer
+) -> None:
+    """Found by probing: a duplicate in flight on a token route got a 202 whose Location named
+    the token in its query, and every poll of it wrote the token into the server's access log
+    (uvicorn's, at INFO) and any proxy's; a token a release gives back is live again. The
+    Location now names the operation only, and the client sends the token in the
+    Idempotency-Key header, as it sent the request."""
+    policy = Policy(require_token=True, wait_seconds=0.2, accept_while_in_flight=True)
+    app = build_app(pg_store, policies={OP: policy})
+    app.router.routes.append(token_route(issuer))
+    probe = app.state.probe
+    async with client(app) as c, Held(probe) as held:
+        token = (await c.post(TOKENS, json={"operation": OP})).json()["token"]
+        first = held.start(c.post(URL, json={"amount": 5}, headers=key(token)))
+        await wait_entered(probe)
+        accepted = await asyncio.wait_for(
+            c.post(URL, json={"amount": 5}, headers=key(token)), BOUND
+        )
+        held.release()
+        assert (await asyncio.wait_for(first, BOUND)).status_code == 201
+        location = accepted.headers["location"]
+        status = await c.get(location, headers=key(token))
+        without = await c.get(location)
+    assert accepted.status_code == 202
+    assert token not in location
+    assert token not in accepted.text
+    assert dict(httpx.URL(location).params) == {"operation": OP}
+    assert status.json()["state"] == "succeeded", status.text
+    assert "Idempotency-Key header" in assert_problem(without, 400, "invalid-key")["detail"]
 
 
 # -- 4. the route validates what it would store ---------------------------------------------------
