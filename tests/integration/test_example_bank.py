@@ -1,12 +1,13 @@
 """The example app's in-process bank simulator is a test double: under `/bank` it answers
-loopback clients only, and the app's idempotency middleware leaves it alone."""
+loopback clients only, and the app's idempotency middleware leaves it alone; what it and the
+app's settings (EXAMPLE_TOKENS) accept."""
 
 from __future__ import annotations
 
 import httpx
 import pytest
 
-from example_app.app import create_app
+from example_app.app import create_app, parse_tokens
 from example_app.bank import create_bank_app
 
 
@@ -100,3 +101,11 @@ async def test_a_transfer_is_a_string_account_and_an_integer_amount(body: object
         listed = (await c.get("/transfers")).json()
     assert refused.status_code == 400, refused.text
     assert listed == []
+
+
+def test_a_token_named_twice_in_example_tokens_is_refused() -> None:
+    """Found by probing: `EXAMPLE_TOKENS="t:tenant-a,t:tenant-b"` started, and `t` was tenant-b's
+    without a word (the last entry won); the app now refuses to start."""
+    assert parse_tokens("a:tenant-a, b:tenant-b") == {"a": "tenant-a", "b": "tenant-b"}
+    with pytest.raises(ValueError, match="twice"):
+        parse_tokens("t:tenant-a,t:tenant-b")
