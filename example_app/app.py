@@ -68,6 +68,8 @@ def parse_tokens(spec: str) -> dict[str, str]:
         token, sep, tenant = item.strip().partition(":")
         if not sep or not token or not tenant:
             raise ValueError(f"EXAMPLE_TOKENS entry {item!r} is not token:tenant")
+        if token in tokens:  # one token, two tenants: the last would win without a word
+            raise ValueError(f"EXAMPLE_TOKENS names the token of {item!r} twice")
         tokens[token] = tenant
     return tokens
 

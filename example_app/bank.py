@@ -24,6 +24,7 @@ import argparse
 import asyncio
 import contextlib
 import ipaddress
+import json
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -70,13 +71,39 @@ class Bank:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
 
+#: Final statuses that carry no body: the bank's error body would break the answer.
+_BODILESS = frozenset({204, 205, 304})
+
+
 def _status(value: Any) -> int | None:
-    """A fault's status: null, or one HTTP can send (another would break the bank's answers)."""
+    """A fault's status: null, or a final one HTTP can send with the bank's error body (another
+    would break the bank's answers: a 1xx is no final answer, a 204 has no body)."""
     if value is None:
         return None
-    if type(value) is not int or not 100 <= value <= 599:
-        raise ValueError(f"{value!r} is not an HTTP status")
+    if type(value) is not int or not 200 <= value <= 599 or value in _BODILESS:
+        raise ValueError(f"{value!r} is not an HTTP status the bank can answer with")
     return value
+
+
+def _milliseconds(value: Any) -> int:
+    """A fault's delay: a JSON integer, 0 or more (null or absent: 0)."""
+    if value is None:
+        return 0
+    if type(value) is not int or value < 0:
+        raise ValueError(f"{value!r} is not a delay in milliseconds")
+    return value
+
+
+async def _json_object(request: Request) -> dict[str, Any] | None:
+    """The body as a JSON object ({} for an empty one); None if it is not one."""
+    raw = await request.body()
+    if not raw.strip():
+        return {}
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        return None
+    return body if isinstance(body, dict) else None
 
 
 def _error(status: int, detail: str) -> JSONResponse:
@@ -117,10 +144,10 @@ def create_bank_app(*, loopback_only: bool = False) -> Starlette:
         key = request.headers.get("idempotency-key")
         if not key:
             return _error(400, "Idempotency-Key is required")
-        try:
-            body = await request.json()
-            account, amount = str(body["account"]), int(body["amount"])
-        except (ValueError, KeyError, TypeError):
+        body = await _json_object(request)
+        account, amount = (body or {}).get("account"), (body or {}).get("amount")
+        # (Not int() of anything: 1.9 was a transfer of 1, and `true` one of 1.)
+        if type(account) is not str or type(amount) is not int:
             return _error(400, 'expected {"account": str, "amount": int}')
         faults = bank.faults
         if faults.fail_status is not None:
@@ -177,15 +204,17 @@ def create_bank_app(*, loopback_only: bool = False) -> Starlette:
         return JSONResponse({"deliveries": bank.deliveries, "applied": bank.applied})
 
     async def set_faults(request: Request) -> Response:
-        body = await request.json() if await request.body() else {}
+        body = await _json_object(request)
         try:
+            if body is None:
+                raise ValueError("not a JSON object")
             bank.faults = Faults(
-                delay_ms=int(body.get("delay_ms") or 0),
+                delay_ms=_milliseconds(body.get("delay_ms")),
                 fail_after_record=_status(body.get("fail_after_record")),
                 fail_status=_status(body.get("fail_status")),
-                webhook_delay_ms=int(body.get("webhook_delay_ms") or 0),
+                webhook_delay_ms=_milliseconds(body.get("webhook_delay_ms")),
             )
-        except (TypeError, ValueError, AttributeError):
+        except ValueError:
             return _error(
                 400, "expected {delay_ms, fail_after_record, fail_status, webhook_delay_ms}"
             )

@@ -267,7 +267,9 @@ class Exchange:
             await self.problem(ProblemKind.IN_FLIGHT, detail, self.policy.retry_after_seconds)
             return
         assert self.record_key is not None
-        query = urlencode({"operation": self.record_key.operation, "key": self.record_key.key})
+        # A one-time token stays out of the URL (access logs print URLs): sent as a header.
+        fields = [("operation", self.record_key.operation), ("key", self.record_key.key)]
+        query = urlencode(fields[:1] if self.policy.require_token else fields)
         # Under the app's root path (a proxy's prefix, or the mounts' path), as the client
         # addressed it: the scope holds it decoded, so it is percent-encoded again (a `%0D%0A` in
         # a mount's parameter must not become a line break in the header).

@@ -139,7 +139,11 @@ def _document_key(operation: dict[str, Any], policy: Policy) -> None:
 # What responses.send_accepted sends.
 _ACCEPTED = {
     "description": "The original request is still running; its status is at `Location`.",
-    "headers": {"Location": {"schema": {"type": "string"}}, "Retry-After": _RETRY_AFTER_HEADER},
+    "headers": {
+        "Location": {"schema": {"type": "string"}},
+        "Retry-After": _RETRY_AFTER_HEADER,
+        "Cache-Control": {"schema": {"type": "string", "enum": ["no-store"]}},
+    },
     "content": {
         "application/json": {
             "schema": {

@@ -158,6 +158,8 @@ async def send_accepted(send: Send, location: str, retry_after: int) -> None:
         (b"content-length", str(len(body)).encode()),
         (b"location", location.encode("latin-1")),
         (b"retry-after", str(retry_after).encode()),
+        # A state of the moment, as the status resource's own answers are: no cache keeps it.
+        (b"cache-control", b"no-store"),
     ]
     await send({"type": "http.response.start", "status": 202, "headers": headers})
     await send({"type": "http.response.body", "body": body})

@@ -14,6 +14,7 @@ from starlette.routing import BaseRoute, Host, Match, Mount
 from starlette.types import Scope
 
 from .errors import NOT_OPEN, OPEN_IN_LIFESPAN, ConfigurationError
+from .library_routes import tell_library_routes
 from .policy import WRAPPER_ATTRIBUTE, Mode, Policy, endpoint_policy, operation_name
 from .routing import Found, Hidden, match_route, routes_of, walk
 from .tenant import AUTH_FIX, ROUTE_RESOLVER_ATTRIBUTE, authenticated_user_tenant
@@ -82,6 +83,7 @@ def check_app(mw: IdempotencyMiddleware, app: Any, scope: Scope | None = None) -
     ]
     for name, policy in guarded:
         logger.info("idempotency: guarding %s (%s)", name, describe(policy))
+    tell_library_routes(items, guarded)  # the status and token routes' view of the app
     for name in sorted(set(mw.policies) - reachable):  # a typo, or a prefix left out
         close = difflib.get_close_matches(name, sorted(reachable), n=1, cutoff=0.5)
         hint = f" (did you mean {close[0]!r}?)" if close else ""

@@ -18,7 +18,9 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from .errors import ProblemKind, RequestRejected, StoreError
-from .keys import check_key
+from .keys import check_key, parse_idempotency_key
+from .library_routes import ROUTE_OPERATIONS_ATTRIBUTE, GuardedOperations
+from .policy import Policy
 from .responses import DEFAULT_PROBLEM_BASE, problem_response
 from .store.base import RecordKey, State, Store
 from .tenant import (
@@ -37,6 +39,35 @@ _BAD_OPERATION = (
     " as the Location of a 202 gives it."
 )
 
+_NO_KEY = "Pass the operation, and the key in the query or in the Idempotency-Key header."
+_TWO_KEYS = "The key in the query and the one in the Idempotency-Key header differ."
+
+
+def _detail(state: State, retry: bool, policy: Policy | None) -> str:
+    """What the client should do next, in a sentence."""
+    if state is State.PENDING:
+        if retry:
+            return "Nothing runs this request any more: send it again with the same key."
+        return "The request is running: ask again later, or send it again with the same key."
+    if state is not State.UNKNOWN:
+        return "The request has finished: send it again with the same key for its response."
+    if retry:
+        return (
+            "Its outcome was lost. Send it again with the same key: the server asks the system"
+            " it called what happened, then answers with the outcome or runs it again."
+        )
+    if policy is None:  # (no middleware's startup check has told this route about it)
+        return (
+            "Its outcome was lost. Sending it again with the same key settles it where the"
+            " operation can ask the system it called; otherwise that answers 409 outcome-unknown"
+            " until an operator resolves it. Never send it under a new key: it may have happened."
+        )
+    return (
+        "Its outcome was lost, and this operation cannot find out what happened: an operator"
+        " resolves it, and until then the same key answers 409 outcome-unknown. Never send it"
+        " under a new key: it may have happened."
+    )
+
 
 def status_route(
     store: Store,
@@ -51,10 +82,16 @@ def status_route(
     The tenant comes from authentication, as for the guarded routes: another tenant's record
     with the same key is simply not found. The key is checked as the Idempotency-Key header is,
     the operation's shape too (400 problem+json); the answer is read from the caller's own
-    committed record only (see the module's docstring). Pass the middleware's `problem_base`,
+    committed record only (see the module's docstring). The key may come in the
+    Idempotency-Key header instead (a token route's 202 leaves its token out of the URL).
+    `"retry": true` marks a request only the client's retry with the same key moves: a pending
+    one nothing runs any more, an unknown one whose route has a reconciler (as the middleware's
+    startup check told this route); `detail` says what to do. Pass the middleware's `problem_base`,
     `tenant_resolver` and `www_authenticate` (its 401's challenge) if it has its own.
     """
     tenants = Tenants(tenant_resolver, challenge=www_authenticate)
+    # Filled by the middleware's startup check: whether an operation's route has a reconciler.
+    operations = GuardedOperations("status")
 
     def _problem(kind: ProblemKind, detail: str) -> Response:
         return problem_response(kind, detail, base=problem_base)
@@ -73,9 +110,15 @@ def status_route(
             return tenant
         operation = request.query_params.get("operation")
         key = request.query_params.get("key")
-        if not operation or not key:
-            return _problem(ProblemKind.INVALID_KEY, "Pass the operation and the key.")
         try:
+            # A one-time token is not put in a URL (a 202's Location leaves it out): the client
+            # sends it as it sent the request, in the Idempotency-Key header.
+            sent = parse_idempotency_key(request.scope["headers"])
+            if key is not None and sent is not None and key != sent:
+                return _problem(ProblemKind.INVALID_KEY, _TWO_KEYS)
+            key = key or sent
+            if not operation or not key:
+                return _problem(ProblemKind.INVALID_KEY, _NO_KEY)
             check_key(key)  # exactly the header's rule: a 400, never a query with a bad value
         except RequestRejected as exc:
             return _problem(exc.kind, exc.detail)
@@ -98,17 +141,28 @@ def status_route(
                 " in a transaction shows here once it commits; sending it again with the same"
                 " key is always safe.",
             )
+        policy = operations.policy(operation)
+        if record.state is State.PENDING:
+            # Nothing but the client's own retry will move it: its executor's lease lapsed, or
+            # it was released for a retry (found not to have happened). A client polling for a
+            # change would otherwise poll a `pending` for good.
+            retry = record.lease_expired or record.retry_allowed
+        else:
+            # An unknown outcome: the retry runs the route's reconciler, if it has one.
+            retry = (
+                record.state is State.UNKNOWN
+                and policy is not None
+                and policy.reconciler is not None
+            )
         body = {
             "operation": operation,
             "state": record.state.value,
             "response_status": None if record.response is None else record.response.status,
-            # Pending, and nothing but the client's own retry will move it: its executor's lease
-            # lapsed, or it was released for a retry (found not to have happened). A client
-            # polling for a change would otherwise poll a `pending` for good.
-            "retry": record.state is State.PENDING
-            and (record.lease_expired or record.retry_allowed),
+            "retry": retry,
+            "detail": _detail(record.state, retry, policy),
         }
         return Response(orjson.dumps(body), 200, media_type="application/json")
 
     setattr(status, ROUTE_RESOLVER_ATTRIBUTE, tenant_resolver)  # (see startup's check)
+    setattr(status, ROUTE_OPERATIONS_ATTRIBUTE, operations)
     return Route(path, status, methods=["GET"], name="idempotency_status")

@@ -27,6 +27,7 @@ from starlette.routing import Route
 from .context import token_hash
 from .errors import ProblemKind, StatementRefused, StoreError
 from .errors import TokenConflict as TokenConflict
+from .library_routes import ROUTE_OPERATIONS_ATTRIBUTE, GuardedOperations
 from .policy import MAX_SECONDS, not_idempotent
 from .responses import DEFAULT_PROBLEM_BASE, problem_response
 from .status import OPERATION_SHAPE  # the operations the status resource accepts
@@ -239,12 +240,16 @@ def token_route(
     Refusals are problem+json under `problem_base`, a 401 with `www_authenticate` as its
     challenge (pass the middleware's, if it has its own).
     The route is `not_idempotent`: the middleware never guards it (a client needs no key, and no
-    token, to get its first token; asking again for an intent is already idempotent).
+    token, to get its first token; asking again for an intent is already idempotent). Once the
+    middleware's startup check has seen it, an operation that takes no token (not guarded, or
+    without `require_token`) is 400 body-invalid, and nothing is issued.
     """
     tenants = Tenants(tenant_resolver, challenge=www_authenticate)
+    # Filled by the middleware's startup check: which operations take tokens.
+    operations = GuardedOperations("tokens")
 
-    def bad_body() -> Response:
-        return problem_response(ProblemKind.BODY_INVALID, _BAD_BODY, base=problem_base)
+    def bad_body(detail: str = _BAD_BODY) -> Response:
+        return problem_response(ProblemKind.BODY_INVALID, detail, base=problem_base)
 
     @not_idempotent
     async def issue(request: Request) -> Response:
@@ -277,6 +282,10 @@ def token_route(
             )
         ):
             return bad_body()
+        # A token for an operation that takes none would never be asked for (or, for a typo,
+        # be refused as another operation's at its first use): say so now, nothing issued.
+        if (refused := operations.takes_tokens(operation)) is not None:
+            return bad_body(refused)
         try:
             issued = await issuer.issue(tenant, operation, intent_id=intent_id)
         except TokenConflict as exc:
@@ -299,4 +308,5 @@ def token_route(
         return Response(orjson.dumps(body), 201, headers=headers, media_type="application/json")
 
     setattr(issue, ROUTE_RESOLVER_ATTRIBUTE, tenant_resolver)  # (see startup's check)
+    setattr(issue, ROUTE_OPERATIONS_ATTRIBUTE, operations)
     return Route(path, issue, methods=["POST"], name="idempotency_tokens")

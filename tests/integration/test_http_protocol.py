@@ -198,6 +198,9 @@ async def test_in_flight_duplicate_gets_202_with_location_when_the_policy_says_s
         status = await c.get(accepted.headers["location"])
     assert accepted.status_code == 202
     assert accepted.headers["retry-after"] == "2"
+    # A state of the moment, as the status resource's answers: no cache may keep it (was: no
+    # Cache-Control at all).
+    assert accepted.headers.get_list("cache-control") == ["no-store"]
     assert "idempotent-replayed" not in accepted.headers
     location = httpx.URL(accepted.headers["location"])
     assert location.path == "/idempotency/status"
@@ -210,6 +213,7 @@ async def test_in_flight_duplicate_gets_202_with_location_when_the_policy_says_s
         "state": "succeeded",
         "response_status": 201,
         "retry": False,
+        "detail": "The request has finished: send it again with the same key for its response.",
     }
     assert probe.calls == 1
     await assert_effects(pool, ledger=1, bal=5, recs=1)

@@ -14,7 +14,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Host, Route, Router
 
-from idem_middleware import IdempotencyMiddleware, Policy, PostgresStore
+from idem_middleware import IdempotencyMiddleware, Mode, Policy, PostgresStore, idempotent
 from idem_middleware.errors import StoreError
 from idem_middleware.status import status_route
 from idem_middleware.store.base import Claimed, RecordKey, Settlement, State
@@ -34,6 +34,7 @@ from tests.apps import (
 CREDIT = "/accounts/a1/credits"
 CREDIT_OP = "POST /accounts/{account_id}/credits"
 STATUS = "/idempotency/status"
+FINISHED = "The request has finished: send it again with the same key for its response."
 
 
 @pytest.fixture
@@ -78,6 +79,7 @@ async def test_the_longest_key_the_header_allows_is_looked_up(logged: Any) -> No
         "state": "succeeded",
         "response_status": 201,
         "retry": False,
+        "detail": FINISHED,
     }
 
 
@@ -178,6 +180,7 @@ async def test_an_operation_under_a_host_route_is_looked_up(logged: Any) -> None
             "state": "succeeded",
             "response_status": 201,
             "retry": False,
+            "detail": FINISHED,
         }
         for refused in ("POST api.example", "POST a b/pay", "post /pay"):
             bad = await c.get(STATUS, params={"operation": refused, "key": "on-a-host"})
@@ -263,3 +266,76 @@ async def test_a_pending_request_only_a_retry_can_move_says_so(
         "lapsed": ("pending", True),
         "released": ("pending", True),
     }
+
+
+async def test_an_unknown_outcome_says_whether_a_retry_can_settle_it(
+    pg_store: PostgresStore, pool: Any
+) -> None:
+    """Found by probing: an `unknown` request read `"retry": false` whether or not its route
+    has a reconciler, and said nothing of what to do. With one, the client's retry with the same
+    key is exactly what settles it (the reconciler asks the other system); without one, only an
+    operator can, and a client told nothing may well send it again under a new key. The answer
+    now says which (`retry`), and `detail` says what to do."""
+
+    async def reconcile(ctx: Any) -> Any:
+        raise AssertionError("a status read never reconciles")
+
+    async def pay(request: Request) -> Response:
+        return JSONResponse({}, status_code=201)
+
+    store, lease = pg_store, {"mode": Mode.LEASE}
+    app = Starlette(
+        routes=[
+            Route("/payouts", idempotent(**lease, reconciler=reconcile)(pay), methods=["POST"]),
+            Route("/refunds", idempotent(**lease)(pay), methods=["POST"]),
+            status_route(store),
+        ],
+        middleware=[
+            Middleware(AuthenticationMiddleware, backend=BearerBackend()),
+            Middleware(IdempotencyMiddleware, store=store),
+        ],
+    )
+    for op in ("POST /payouts", "POST /refunds", "POST /elsewhere"):
+        lost = RecordKey("tenant-a", op, "lost")
+        claimed = await store.claim_lease(lost, b"fp", retention_seconds=60.0, lease_seconds=30.0)
+        assert isinstance(claimed, Claimed)
+        settled = Settlement(State.UNKNOWN, None)
+        assert await store.settle(lost, claimed.generation, State.PENDING, settled)
+    async with client(app) as c:
+        seen = {
+            op: (await c.get(STATUS, params={"operation": op, "key": "lost"})).json()
+            for op in ("POST /payouts", "POST /refunds", "POST /elsewhere")
+        }
+    assert {op: (body["state"], body["retry"]) for op, body in seen.items()} == {
+        "POST /payouts": ("unknown", True),
+        "POST /refunds": ("unknown", False),
+        "POST /elsewhere": ("unknown", False),  # no route of this app: nothing known of it
+    }
+    assert "asks the system it called" in seen["POST /payouts"]["detail"]
+    assert "an operator resolves it" in seen["POST /refunds"]["detail"]
+    assert "Never send it under a new key" in seen["POST /refunds"]["detail"]
+    assert "where the operation can ask" in seen["POST /elsewhere"]["detail"]
+    assert await pool.fetchval("SELECT count(*) FROM idem_requests WHERE state = 'unknown'") == 3
+
+
+async def test_the_key_may_come_in_the_idempotency_key_header(logged: Any) -> None:
+    """A token route's 202 leaves the token out of its Location; the client sends it as it sent
+    the request. The query's key and the header's must then agree."""
+    pool, _ = logged
+    app = build_app(PostgresStore(pool=pool))
+    async with client(app) as c:
+        await c.post(CREDIT, json={"amount": 5}, headers=key("in-a-header"))
+        found = await c.get(STATUS, params={"operation": CREDIT_OP}, headers=key("in-a-header"))
+        both = await c.get(
+            STATUS,
+            params={"operation": CREDIT_OP, "key": "in-a-header"},
+            headers=key("in-a-header"),
+        )
+        differ = await c.get(
+            STATUS, params={"operation": CREDIT_OP, "key": "other"}, headers=key("in-a-header")
+        )
+        bad = await c.get(STATUS, params={"operation": CREDIT_OP}, headers=key(""))
+    assert found.status_code == both.status_code == 200, found.text
+    assert found.json()["state"] == "succeeded"
+    assert "differ" in assert_problem(differ, 400, "invalid-key")["detail"]
+    assert_problem(bad, 400, "invalid-key")

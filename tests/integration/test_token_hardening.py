@@ -16,7 +16,16 @@ from starlette.middleware.authentication import AuthenticationMiddleware
 from idem_middleware import MemoryStore, Policy, PostgresStore
 from idem_middleware.errors import StatementRefused, StoreError
 from idem_middleware.tokens import TokenConflict, TokenIssuer, token_route
-from tests.apps import BearerBackend, assert_problem, build_app, client
+from tests.apps import (
+    BOUND,
+    BearerBackend,
+    Held,
+    assert_problem,
+    build_app,
+    client,
+    key,
+    wait_entered,
+)
 from tests.integration.test_tokens import OP, digest
 
 SECRET = b"s" * 32
@@ -148,6 +157,80 @@ async def test_the_token_route_is_not_guarded_by_the_middleware(
         spent = await c.post(URL, json={"amount": 5}, headers={"idempotency-key": token})
     assert spent.status_code == 201, spent.text
     assert await pool.fetchval("SELECT count(*) FROM idem_requests") == 1  # only the credit
+
+
+@pytest.mark.parametrize(
+    ("operation", "why"),
+    [
+        ("POST /items", "takes no token"),  # guarded, with a key: any key does
+        ("POST /nowhere", "is no guarded operation"),
+        ("POST /accounts/t1/credits", "Did you mean 'POST /accounts/{account_id}/credits'?"),
+        ("GET /accounts/{account_id}", "is no guarded operation"),  # never guarded
+    ],
+)
+async def test_the_token_route_issues_only_for_operations_that_take_tokens(
+    pg_store: PostgresStore, pool: Any, issuer: TokenIssuer, operation: str, why: str
+) -> None:
+    """Found by probing: the route issued a token for any operation of the right shape, one
+    that needs none, one that does not exist, or the request's path where its template was
+    meant; the client learnt of it only when the token was refused as another operation's at
+    its first use (or never, on a route that takes any key). Such an operation is now a 400
+    that says which operations take tokens, and nothing is issued."""
+    app = build_app(pg_store, policies={OP: Policy(require_token=True)})
+    app.router.routes.append(token_route(issuer))
+    async with client(app) as c:
+        refused = await c.post(TOKENS, json={"operation": operation, "intent_id": "i"})
+        issued = await c.post(TOKENS, json={"operation": OP, "intent_id": "i"})
+    assert why in assert_problem(refused, 400, "body-invalid")["detail"]
+    assert issued.status_code == 201, issued.text
+    assert await pool.fetchval("SELECT array_agg(operation) FROM idem_tokens") == [OP]
+
+
+async def test_a_token_route_where_nothing_takes_tokens_refuses_and_startup_says_so(
+    pg_store: PostgresStore, pool: Any, issuer: TokenIssuer, caplog: pytest.LogCaptureFixture
+) -> None:
+    app = build_app(pg_store)
+    app.router.routes.append(token_route(issuer))
+    async with client(app) as c:
+        r = await c.post(TOKENS, json={"operation": OP})
+    assert (
+        "No operation of this server takes tokens"
+        in assert_problem(r, 400, "body-invalid")["detail"]
+    )
+    assert any("no guarded operation has it" in m for m in caplog.messages)
+    assert await pool.fetchval("SELECT count(*) FROM idem_tokens") == 0
+
+
+async def test_a_202_keeps_the_token_out_of_its_location(
+    pg_store: PostgresStore, pool: Any, issuer: TokenIssuer
+) -> None:
+    """Found by probing: a duplicate in flight on a token route got a 202 whose Location named
+    the token in its query, and every poll of it wrote the token into the server's access log
+    (uvicorn's, at INFO) and any proxy's; a token a release gives back is live again. The
+    Location now names the operation only, and the client sends the token in the
+    Idempotency-Key header, as it sent the request."""
+    policy = Policy(require_token=True, wait_seconds=0.2, accept_while_in_flight=True)
+    app = build_app(pg_store, policies={OP: policy})
+    app.router.routes.append(token_route(issuer))
+    probe = app.state.probe
+    async with client(app) as c, Held(probe) as held:
+        token = (await c.post(TOKENS, json={"operation": OP})).json()["token"]
+        first = held.start(c.post(URL, json={"amount": 5}, headers=key(token)))
+        await wait_entered(probe)
+        accepted = await asyncio.wait_for(
+            c.post(URL, json={"amount": 5}, headers=key(token)), BOUND
+        )
+        held.release()
+        assert (await asyncio.wait_for(first, BOUND)).status_code == 201
+        location = accepted.headers["location"]
+        status = await c.get(location, headers=key(token))
+        without = await c.get(location)
+    assert accepted.status_code == 202
+    assert token not in location
+    assert token not in accepted.text
+    assert dict(httpx.URL(location).params) == {"operation": OP}
+    assert status.json()["state"] == "succeeded", status.text
+    assert "Idempotency-Key header" in assert_problem(without, 400, "invalid-key")["detail"]
 
 
 # -- 4. the route validates what it would store ---------------------------------------------------

@@ -1,0 +1,86 @@
+"""What the library's own routes (the status resource, the token route) learn from the
+middleware's startup check: the operations it guards, with their policies.
+
+Neither route is guarded, and neither can see the middleware's configuration by itself (its
+`policies` and `default_policy` live on the middleware). The check, which walks every route of
+the app anyway, hands each of them the guarded operations it found: the token route then refuses
+a token for an operation that takes none (no route, or one without `require_token`), and the
+status resource says whether a retry of an `unknown` request can settle it (the route has a
+reconciler). A route no middleware's check has seen knows nothing, and refuses nothing for it.
+"""
+
+from __future__ import annotations
+
+import difflib
+import logging
+from collections.abc import Iterable, Mapping
+from types import MappingProxyType
+from typing import Any
+
+from .policy import Policy
+
+logger = logging.getLogger("idem_middleware")
+
+#: Set on the endpoints of the library's own routes to their `GuardedOperations`.
+ROUTE_OPERATIONS_ATTRIBUTE = "__idem_guarded_operations__"
+
+
+class GuardedOperations:
+    """The operations guarded around one library route, by name (`METHOD /template`); None until
+    a middleware's startup check has seen the route. Filled once per middleware (several
+    middlewares that each see the route add up), never changed by a request."""
+
+    __slots__ = ("kind", "policies")
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind  # "status" or "tokens", for the startup log
+        self.policies: Mapping[str, Policy] | None = None
+
+    def learn(self, guarded: Iterable[tuple[str, Policy]]) -> None:
+        merged = dict(self.policies or {})
+        for name, policy in guarded:
+            merged.setdefault(name, policy)
+        self.policies = MappingProxyType(merged)
+
+    def policy(self, operation: str) -> Policy | None:
+        return None if self.policies is None else self.policies.get(operation)
+
+    def takes_tokens(self, operation: str) -> str | None:
+        """None when `operation` may be issued a token (or nothing is known); otherwise why not,
+        with the nearest operation that takes tokens, for a typo."""
+        if self.policies is None:
+            return None
+        policy = self.policies.get(operation)
+        if policy is not None and policy.require_token:
+            return None
+        takers = self.token_operations()
+        if not takers:
+            return "No operation of this server takes tokens (require_token)."
+        close = difflib.get_close_matches(operation, takers, n=1, cutoff=0.5)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        what = "takes no token" if policy is not None else "is no guarded operation of this server"
+        return (
+            f"The operation {what}; tokens are issued for the operations with require_token,"
+            f" named `METHOD /path-template` as the route declares it.{hint}"
+        )
+
+    def token_operations(self) -> list[str]:
+        return sorted(name for name, p in (self.policies or {}).items() if p.require_token)
+
+
+def tell_library_routes(items: Iterable[Any], guarded: Iterable[tuple[str, Policy]]) -> None:
+    """Give every library route among `items` (the routes startup walked) the operations the
+    middleware guards; warn for a token route when no operation takes tokens."""
+    guarded = list(guarded)
+    for item in items:
+        operations = getattr(getattr(item, "endpoint", None), ROUTE_OPERATIONS_ATTRIBUTE, None)
+        if not isinstance(operations, GuardedOperations):
+            continue
+        operations.learn(guarded)
+        if operations.kind == "tokens" and not operations.token_operations():
+            logger.warning(
+                "idempotency: the token route %s issues tokens for the operations with "
+                "require_token=True, and no guarded operation has it: every request to it is "
+                "refused (400)",
+                item.template,
+            )
