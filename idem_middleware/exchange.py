@@ -188,8 +188,7 @@ class Exchange:
                 scope.get("query_string", b""), scope["headers"], content_type, body
             )
         except RequestRejected as exc:
-            hint = compressed_body_hint(exc.kind, self.scope["headers"]) if self.body else ""
-            await self.problem(exc.kind, exc.detail + hint)
+            await self.problem(exc.kind, exc.detail + compressed_body_hint(exc, self.scope))
             return
         record_key = self.record_key = new_record_key((tenant, self.operation, key))
         self.token_hash = token_hash(key) if policy.require_token else None
@@ -270,9 +269,8 @@ class Exchange:
         # A one-time token stays out of the URL (access logs print URLs): sent as a header.
         fields = [("operation", self.record_key.operation), ("key", self.record_key.key)]
         query = urlencode(fields[:1] if self.policy.require_token else fields)
-        # Under the app's root path (a proxy's prefix, or the mounts' path), as the client
-        # addressed it: the scope holds it decoded, so it is percent-encoded again (a `%0D%0A` in
-        # a mount's parameter must not become a line break in the header).
+        # Under the app's root path as the client addressed it, percent-encoded again (the scope
+        # holds it decoded: a `%0D%0A` in a mount's parameter is no line break in the header).
         root_path = quote(self.scope.get("root_path", ""), safe="/")
         location = f"{root_path}{self.mw.status_path}?{query}"
         self.started = True

@@ -7,7 +7,7 @@ from __future__ import annotations
 import struct
 from collections.abc import Mapping, Sequence
 from functools import lru_cache
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from .errors import ProblemKind, RequestRejected
 from .fingerprint_fast import canonical_json_fast, canonical_json_sorted
@@ -49,7 +49,6 @@ _U64_PAIR = struct.Struct(">QQ").pack
 _BAD_CHARSET = "JSON request bodies must be encoded in UTF-8."
 #: UTF-8's names as clients send them (lower-cased): "utf8" is how MySQL and Java spell it.
 _UTF8 = frozenset((b"utf-8", b"utf8"))
-_EMPTY_JSON = "The request body is empty; a JSON content type needs a JSON value."
 _FORM_NOT_UTF8 = "The form body is not valid UTF-8."
 
 
@@ -69,16 +68,17 @@ def canonical_body(
     With `include_fields`, a JSON body counts only by the members they name (less those
     `exclude_fields` removes), a sorted form only by the fields they name.
     """
+    if not body:
+        # Nothing sent, whatever the type: an endpoint that takes no body serves it (clients send
+        # a JSON type on bodyless POSTs too), and one that needs a body refuses it itself.
+        return b"empty", b""
     if content_type is None:
-        return (b"empty" if not body else b"none"), body
+        return b"none", body
     media_type, params, is_json = read_media_type(content_type)
     if is_json:
         charset = params.get(b"charset")
         if charset is not None and charset.lower() not in _UTF8:
             raise RequestRejected(ProblemKind.BODY_INVALID, _BAD_CHARSET)
-        if not body:
-            # Not a JSON value: a handler reading it as JSON fails, so it never reaches one.
-            raise RequestRejected(ProblemKind.BODY_INVALID, _EMPTY_JSON)
         fast = canonical_json_fast(body, max_json_values)
         if fast is None:
             value = parse_json_strict(body, max_values=max_json_values)
@@ -96,8 +96,6 @@ def canonical_body(
                 write = canonical_json
             return b"json-fields:" + media_type, write(selected)
         return b"json:" + media_type, write(value)
-    if not body:
-        return b"empty", b""
     if media_type == b"application/x-www-form-urlencoded":
         try:
             body.decode("utf-8")
@@ -342,14 +340,14 @@ _COMPRESSED = (
 )
 
 
-def compressed_body_hint(kind: ProblemKind, headers: Sequence[tuple[bytes, bytes]]) -> str:
+def compressed_body_hint(refused: RequestRejected, scope: Mapping[str, Any]) -> str:
     """What a refusal of a body as invalid adds when the body came compressed: bodies count as
     they arrive (a decompressing middleware goes outside this one), so gzip bytes under a JSON
     type are refused as not UTF-8 or not JSON, which alone would send the client looking for a
     defect in the document it compressed."""
-    if kind is not ProblemKind.BODY_INVALID:
+    if refused.kind is not ProblemKind.BODY_INVALID:
         return ""
-    for name, value in headers:
+    for name, value in scope["headers"]:
         if name.lower() == b"content-encoding" and value.strip(b" \t").lower() not in (
             b"",
             b"identity",

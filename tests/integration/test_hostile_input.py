@@ -788,11 +788,9 @@ def _check_body(
         content_type in JSON_TYPES or content_type == "application/json; charset=latin-1"
     )
     if doc.defects == {"empty"}:
-        # An empty body is not a JSON value; with another type (or none) it is just empty.
-        if declared_json:
-            assert_refused(reply, "body-invalid", 400)
-        else:
-            assert kind in ("executed", "handler-failed"), (kind, reply.status)
+        # Nothing sent, under any type (or none): the request reaches the app, whose handler
+        # reads it as JSON and fails (its 500 rolls back, and nothing claimed stays).
+        assert kind in ("executed", "handler-failed"), (kind, reply.status)
         return
     if content_type == "application/json; charset=latin-1" or (declared_json and doc.defects):
         assert_refused(reply, "body-invalid", 400)
@@ -938,16 +936,21 @@ def test_hostile_chunked_and_truncated_bodies_heavy(
 
 
 @pytest.mark.parametrize("content_type", ["application/json", "application/merge-patch+json"])
-def test_empty_body_declared_json_is_400_body_invalid(hostile: Hostile, content_type: str) -> None:
-    """Changed: an empty body used to pass as "empty" and reach the handler (FastAPI answered
-    its own 422). It is not a JSON value, so it is refused like any other invalid JSON body."""
+def test_empty_body_declared_json_reaches_the_app(hostile: Hostile, content_type: str) -> None:
+    """Changed twice: an empty body passed as "empty", was then refused as not a JSON value
+    (400), and now passes again, since nothing was sent and clients put a JSON type on bodyless
+    POSTs: this app's handler reads it as JSON and fails, its 500 rolls back, and nothing stays
+    claimed (the exchange's invariants). A FastAPI endpoint needing a body answers its own 422;
+    one that takes none serves it (test_fingerprint_http.py)."""
     headers = {
         "authorization": "Bearer demo-a",
         "idempotency-key": fresh_key(),
         "content-type": content_type,
     }
-    reply, _ = hostile.exchange("empty-json-body", hostile.via_httpx(headers=headers, content=b""))
-    assert_refused(reply, "body-invalid", 400)
+    reply, kind = hostile.exchange(
+        "empty-json-body", hostile.via_httpx(headers=headers, content=b"")
+    )
+    assert (kind, reply.status) == ("handler-failed", 500), (kind, reply.status)
 
 
 @pytest.mark.parametrize(
@@ -973,4 +976,4 @@ def test_a_content_length_of_thousands_of_digits_is_read_as_a_number(
     elif body:
         assert kind == "executed", (kind, reply.status, reply.body[:200])
     else:
-        assert_refused(reply, "body-invalid", 400)  # an empty body is not JSON
+        assert (kind, reply.status) == ("handler-failed", 500)  # its handler reads JSON
