@@ -160,7 +160,7 @@ def create_app(database_url: str | None = None) -> FastAPI:
     bank_timeout = float(os.environ.get("EXAMPLE_BANK_TIMEOUT", "2"))
     bank_url = os.environ.get("BANK_URL")
     run_publisher = os.environ.get("EXAMPLE_PUBLISH", "1") != "0"
-    tokens = parse_tokens(os.environ.get("EXAMPLE_TOKENS") or DEFAULT_TOKENS)
+    tokens = parse_tokens(os.environ.get("EXAMPLE_TOKENS", DEFAULT_TOKENS))  # "": refused
     store = PostgresStore(dsn=dsn, min_size=2, max_size=20)
 
     # The bank: a separate service (BANK_URL), or the simulator mounted in-process under /bank.

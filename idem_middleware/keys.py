@@ -34,7 +34,10 @@ _BARE_TOKEN = re.compile(rb"[\x21\x23-\x7e]{1,%d}" % MAX_KEY_LENGTH)
 
 _DUPLICATE = "The Idempotency-Key header must be sent only once."
 _MALFORMED = "The Idempotency-Key header is not a valid structured-field string."
-_BAD_KEY = f"The Idempotency-Key must be 1 to {MAX_KEY_LENGTH} printable ASCII characters."
+_BAD_KEY = (
+    f"The Idempotency-Key must be 1 to {MAX_KEY_LENGTH} printable ASCII characters; a key with a"
+    ' space or a `"` is sent quoted, as a structured-field string ("a b").'
+)
 
 
 def parse_idempotency_key(headers: Sequence[tuple[bytes, bytes]]) -> str | None:

@@ -109,3 +109,11 @@ def test_a_token_named_twice_in_example_tokens_is_refused() -> None:
     assert parse_tokens("a:tenant-a, b:tenant-b") == {"a": "tenant-a", "b": "tenant-b"}
     with pytest.raises(ValueError, match="twice"):
         parse_tokens("t:tenant-a,t:tenant-b")
+
+
+def test_example_tokens_set_but_empty_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`EXAMPLE_TOKENS=""` (a deployment's variable left blank) served the demo tokens without a
+    word; set but empty is now refused at startup, as any other entry that is not token:tenant."""
+    monkeypatch.setenv("EXAMPLE_TOKENS", "")
+    with pytest.raises(ValueError, match="not token:tenant"):
+        create_app("postgresql://127.0.0.1:1/none")

@@ -182,3 +182,12 @@ def test_bare_token_with_a_quote_after_its_start_is_rejected(
     at = data.draw(st.integers(min_value=1, max_value=len(token)))
     with pytest.raises(RequestRejected):
         parse_idempotency_key(headers_with((token[:at] + '"' + token[at:]).encode()))
+
+
+def test_a_bare_key_with_a_space_is_told_to_quote_it() -> None:
+    """A space is printable ASCII, so "must be printable ASCII" alone sent the client looking
+    for a wrong character; the detail says how such a key is sent, and that form is taken."""
+    with pytest.raises(RequestRejected) as caught:
+        parse_idempotency_key([(b"idempotency-key", b"order 42")])
+    assert "quoted" in caught.value.detail
+    assert parse_idempotency_key([(b"idempotency-key", b'"order 42"')]) == "order 42"
