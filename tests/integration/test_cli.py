@@ -249,6 +249,22 @@ def test_bad_arguments_exit_2_with_a_message(args: tuple[str, ...], db_dsn: str)
     assert "error:" in result.stderr
 
 
+@pytest.mark.parametrize("url", ["nonsense", "example.com/hook", "ftp://example.com/", "http://"])
+async def test_a_webhook_url_that_cannot_be_sent_to_is_refused_before_any_send(
+    url: str, db_dsn: str, pool: Any
+) -> None:
+    """Before, each send failed (UnsupportedProtocol), its attempt counted, until every due
+    event was parked; now nothing is reserved and the command exits 2."""
+    from idem_middleware.outbox import add
+
+    async with pool.acquire() as conn, conn.transaction():
+        await add(conn, "t", {"n": 1}, event_id="due-1")
+    result = cli("outbox", "publish", "--url", url, "--once", dsn=db_dsn)
+    assert result.returncode == 2, (result.stdout, result.stderr)
+    assert "is not an http:// or https:// URL" in result.stderr
+    assert await pool.fetchval("SELECT attempts FROM idem_outbox WHERE event_id = 'due-1'") == 0
+
+
 def test_no_database_is_a_usage_error() -> None:
     result = cli("stats")
     assert result.returncode == 2
@@ -343,6 +359,10 @@ def test_reconcile_imports_the_app_from_the_current_directory(
         ("no_such_module_here:app", "cannot import 'no_such_module_here'"),
         ("tests.cli_app:nothing", "has no 'nothing'"),
         (":app", "is not module:attribute"),
+        # Not an app: before, a silent "examined 0" (its reconcilers never ran) ...
+        ("os:path", "module is not a Starlette or FastAPI app"),
+        # ... or a factory that cannot be called: before, a traceback.
+        ("json:loads", "calling 'loads' failed: TypeError"),
     ],
 )
 def test_a_bad_app_reference_is_a_message_and_status_2(app: str, message: str, db_dsn: str) -> None:
