@@ -298,3 +298,24 @@ def test_workers_of_a_sigkilled_supervisor_stop_and_free_the_port(app_db: str) -
         with contextlib.suppress(ProcessLookupError):  # whatever is left of the group
             os.killpg(app.pid, signal.SIGKILL)
         app.cleanup()
+
+
+@pytest.mark.parametrize("module", ["example_app", "example_app.bank"])
+@pytest.mark.parametrize("port", ["99999", "-5"])
+def test_a_port_out_of_range_is_a_usage_error(module: str, port: str, tmp_path: Path) -> None:
+    """Before, uvicorn bound 99999 as 34463 while announcing "running on ...:99999" (and -5
+    was a resolver's error, exit 3)."""
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-m", module, "--port", port],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        stdin=subprocess.DEVNULL,
+        cwd=tmp_path,  # (an app that got past its arguments puts its database there)
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
+    )
+    assert result.returncode == 2, result.stderr
+    assert f"argument --port: '{port}' is not a port number (0 to 65535)" in result.stderr
