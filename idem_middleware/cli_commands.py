@@ -116,7 +116,7 @@ async def purge(store: PostgresStore, args: argparse.Namespace) -> int:
 async def stats(store: PostgresStore, args: argparse.Namespace) -> int:
     counts = await store.stats()
     events = await outbox_ops.outbox_stats(store.pool)
-    if args.json or os.environ.get("IDEM_STATS_JSON", "") in {"1", "true", "yes"}:
+    if args.json:  # (or IDEM_STATS_JSON, read by the parser)
         data = {
             "counts": counts.counts,
             "oldest_age_seconds": counts.oldest_age_seconds,

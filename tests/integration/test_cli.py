@@ -265,6 +265,31 @@ async def test_a_webhook_url_that_cannot_be_sent_to_is_refused_before_any_send(
     assert await pool.fetchval("SELECT attempts FROM idem_outbox WHERE event_id = 'due-1'") == 0
 
 
+@pytest.mark.parametrize(
+    ("env", "json_out"),
+    [
+        ({"IDEM_JSON": "on"}, True),  # before: text (only 1/true/yes counted)
+        ({"IDEM_STATS_JSON": "TRUE"}, True),  # before: text (its case counted)
+        ({"IDEM_JSON": "off"}, False),
+        ({"IDEM_JSON": "2"}, None),  # before: text, silently
+        ({"IDEM_STATS_JSON": "json"}, None),
+    ],
+)
+def test_a_flag_variable_reads_as_the_kill_switch_does(
+    env: dict[str, str], json_out: bool | None, db_dsn: str
+) -> None:
+    """On (1, true, yes, on) or off (0, false, no, off, empty), in any case; anything else is a
+    usage error naming the variable, not the text a JSON reader then fails on."""
+    result = cli("stats", dsn=db_dsn, env=env)
+    if json_out is None:
+        assert result.returncode == 2, result.stdout
+        name, value = next(iter(env.items()))
+        assert f"{name}={value!r} is neither on" in result.stderr
+        return
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("{") is json_out
+
+
 def test_no_database_is_a_usage_error() -> None:
     result = cli("stats")
     assert result.returncode == 2
