@@ -125,8 +125,11 @@ async def main() -> None:
     parser.add_argument("--dsn", default=os.environ.get("IDEM_TEST_DSN"))
     parser.add_argument("--requests", type=int, default=2000)
     parser.add_argument("--concurrency", type=int, default=16)
-    parser.add_argument("--variants", nargs="+", default=["asyncpg", "sqla-orm", "sqla-text"])
+    variants = ["asyncpg", "sqla-orm", "sqla-text"]
+    parser.add_argument("--variants", nargs="+", choices=variants, default=variants)
     args = parser.parse_args()
+    if not 1 <= args.concurrency <= args.requests:
+        parser.error("--concurrency must be at least 1, and --requests at least --concurrency")
     server = None
     dsn = args.dsn
     if dsn is None:

@@ -21,6 +21,7 @@ from urllib.parse import urlsplit, urlunsplit
 import httpx
 import uvicorn
 
+from .bank import port_number
 from .database import resolve_database_url
 from .supervisor import SUPERVISOR_ENV
 
@@ -62,7 +63,7 @@ def _exit_on_signal(signum: int, frame: object) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m example_app", description=__doc__)
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--port", type=port_number, default=8000)
     parser.add_argument(
         "--workers",
         type=int,

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -59,6 +60,30 @@ DATABASE_DOWN = (
 PUBLISHER_STOP_SECONDS = 5.0
 
 logger = logging.getLogger("example_app")
+
+
+def env_seconds(name: str, default: float, *, zero: bool = False) -> float:
+    """A number of seconds from the environment (more than 0, or 0 too), or a ValueError
+    naming the variable (before: float()'s message, which did not say which)."""
+    text = os.environ.get(name, "").strip()
+    try:
+        value = float(text) if text else default
+    except ValueError:
+        value = math.nan
+    if not (value >= 0 if zero else value > 0) or value == math.inf:
+        raise ValueError(
+            f"{name}={text!r} is not a number of seconds (more than 0{', or 0' if zero else ''})"
+        )
+    return value
+
+
+def env_publish() -> bool:
+    """EXAMPLE_PUBLISH: 1 (each worker runs a publisher) or 0 (none); before, anything but 0
+    (`false`, `no`) ran one."""
+    text = os.environ.get("EXAMPLE_PUBLISH", "").strip() or "1"
+    if text not in ("0", "1"):
+        raise ValueError(f"EXAMPLE_PUBLISH={text!r} is 1 (each worker publishes) or 0 (none)")
+    return text == "1"
 
 
 def parse_tokens(spec: str) -> dict[str, str]:
@@ -155,11 +180,11 @@ async def debit(
 def create_app(database_url: str | None = None) -> FastAPI:
     """Build the app. `database_url` defaults to $DATABASE_URL (set by `python -m example_app`)."""
     dsn = database_url or os.environ["DATABASE_URL"]
-    wait_seconds = float(os.environ.get("EXAMPLE_WAIT_SECONDS", "5"))
-    lease_seconds = float(os.environ.get("EXAMPLE_LEASE_SECONDS", "30"))
-    bank_timeout = float(os.environ.get("EXAMPLE_BANK_TIMEOUT", "2"))
+    wait_seconds = env_seconds("EXAMPLE_WAIT_SECONDS", 5, zero=True)
+    lease_seconds = env_seconds("EXAMPLE_LEASE_SECONDS", 30)
+    bank_timeout = env_seconds("EXAMPLE_BANK_TIMEOUT", 2)
     bank_url = os.environ.get("BANK_URL")
-    run_publisher = os.environ.get("EXAMPLE_PUBLISH", "1") != "0"
+    run_publisher = env_publish()
     tokens = parse_tokens(os.environ.get("EXAMPLE_TOKENS", DEFAULT_TOKENS))  # "": refused
     store = PostgresStore(dsn=dsn, min_size=2, max_size=20)
 

@@ -237,12 +237,24 @@ def create_bank_app(*, loopback_only: bool = False) -> Starlette:
     return app
 
 
+def port_number(text: str) -> int:
+    """A TCP port for `--port` (0: any free one). Else a usage error: uvicorn would bind
+    99999 as 34463 while announcing 99999, and fail on -5 with a resolver's error."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number (0 to 65535)")
+    return port
+
+
 def main(argv: list[str] | None = None) -> None:
     import uvicorn
 
     parser = argparse.ArgumentParser(prog="python -m example_app.bank", description=__doc__)
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8001)
+    parser.add_argument("--port", type=port_number, default=8001)
     args = parser.parse_args(argv)
     app = create_bank_app()
 

@@ -58,8 +58,26 @@ def _shown(text: str) -> str:
     return f"{text!r} (from {text.env})" if isinstance(text, _FromEnv) else repr(text)
 
 
-def _env_flag(name: str) -> bool:
-    return os.environ.get(name, "").lower() in {"1", "true", "yes"}
+_FLAG_ON = frozenset({"1", "true", "yes", "on"})
+_FLAG_OFF = frozenset({"", "0", "false", "no", "off"})
+
+
+def _env_flag(name: str) -> bool | _FromEnv:
+    """On or off, as the kill switch reads its variable; anything else is kept (a _FromEnv)
+    for `main` to refuse, so that `--help` still works whatever the variable holds."""
+    value = os.environ.get(name, "").strip().lower()
+    if value in _FLAG_ON or value in _FLAG_OFF:
+        return value in _FLAG_ON
+    return _FromEnv(value, name)
+
+
+def _checked_flag(parser: argparse.ArgumentParser, value: object) -> bool:
+    if isinstance(value, _FromEnv):  # (before: IDEM_JSON=on printed text for a JSON reader)
+        parser.error(
+            f"{value.env}={str(value)!r} is neither on (1, true, yes, on) nor off (0, false, "
+            "no, off, or empty)"
+        )
+    return bool(value)
 
 
 #: The largest count an option takes: the database's counters are 32-bit integers.
@@ -341,6 +359,9 @@ _HANDLERS = {
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
+    args.json = _checked_flag(parser, args.json)
+    if args.command == "stats":
+        args.json = _checked_flag(parser, _env_flag("IDEM_STATS_JSON")) or args.json
     if not args.dsn:
         parser.error(
             "no database: pass --dsn URL or set " + " or ".join(_DSN_ENVS) + " (in that order)"

@@ -17,6 +17,7 @@ import signal
 import sys
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from typing import Any
+from urllib.parse import urlsplit
 
 import asyncpg
 
@@ -33,6 +34,7 @@ from .ops import (
 from .ops import reopen as reopen_record
 from .ops import resolve as resolve_record
 from .policy import LeaseExpiry, Mode
+from .routing import routes_of
 from .store.base import RecordKey, RecordSummary, State
 from .store.migrations import migrate as apply_migrations
 from .store.migrations import pending_versions
@@ -114,7 +116,7 @@ async def purge(store: PostgresStore, args: argparse.Namespace) -> int:
 async def stats(store: PostgresStore, args: argparse.Namespace) -> int:
     counts = await store.stats()
     events = await outbox_ops.outbox_stats(store.pool)
-    if args.json or os.environ.get("IDEM_STATS_JSON", "") in {"1", "true", "yes"}:
+    if args.json:  # (or IDEM_STATS_JSON, read by the parser)
         data = {
             "counts": counts.counts,
             "oldest_age_seconds": counts.oldest_age_seconds,
@@ -280,7 +282,19 @@ def load_app(spec: str) -> Any:
             target = getattr(target, part)
         except AttributeError:
             raise UsageError(f"--app {spec}: module {module_name!r} has no {attribute!r}") from None
-    return target() if callable(target) and not hasattr(target, "router") else target
+    if routes_of(target) is None and callable(target):  # a factory (not an app behind wrappers)
+        try:
+            target = target()
+        except Exception as exc:
+            raise UsageError(
+                f"--app {spec}: calling {attribute!r} failed: {type(exc).__name__}: {exc}"
+            ) from None
+    if routes_of(target) is None:  # nothing to find reconcilers in: not a silent no-op
+        raise UsageError(
+            f"--app {spec}: {type(target).__name__} is not a Starlette or FastAPI app "
+            "(nor a factory of one)"
+        )
+    return target
 
 
 async def reconcile(store: PostgresStore, args: argparse.Namespace) -> int:
@@ -338,6 +352,10 @@ async def outbox(store: PostgresStore, args: argparse.Namespace) -> int:
         return 0
     if not args.url:
         raise UsageError("outbox publish needs --url (or IDEM_OUTBOX_URL)")
+    url = urlsplit(args.url)
+    if url.scheme not in ("http", "https") or not url.hostname:
+        # Else every send fails, each a counted attempt, until every due event is parked.
+        raise UsageError(f"--url {args.url!r} is not an http:// or https:// URL with a host")
     import httpx  # the extra `httpx`; only the webhook publisher needs it
 
     async with httpx.AsyncClient(timeout=args.send_timeout) as client:

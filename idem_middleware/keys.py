@@ -36,7 +36,7 @@ _DUPLICATE = "The Idempotency-Key header must be sent only once."
 _MALFORMED = "The Idempotency-Key header is not a valid structured-field string."
 _BAD_KEY = (
     f"The Idempotency-Key must be 1 to {MAX_KEY_LENGTH} printable ASCII characters; a key with a"
-    ' space or a `"` is sent quoted, as a structured-field string ("a b").'
+    " space or a double quote is sent quoted, as a structured-field string."
 )
 
 

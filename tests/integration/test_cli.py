@@ -249,6 +249,47 @@ def test_bad_arguments_exit_2_with_a_message(args: tuple[str, ...], db_dsn: str)
     assert "error:" in result.stderr
 
 
+@pytest.mark.parametrize("url", ["nonsense", "example.com/hook", "ftp://example.com/", "http://"])
+async def test_a_webhook_url_that_cannot_be_sent_to_is_refused_before_any_send(
+    url: str, db_dsn: str, pool: Any
+) -> None:
+    """Before, each send failed (UnsupportedProtocol), its attempt counted, until every due
+    event was parked; now nothing is reserved and the command exits 2."""
+    from idem_middleware.outbox import add
+
+    async with pool.acquire() as conn, conn.transaction():
+        await add(conn, "t", {"n": 1}, event_id="due-1")
+    result = cli("outbox", "publish", "--url", url, "--once", dsn=db_dsn)
+    assert result.returncode == 2, (result.stdout, result.stderr)
+    assert "is not an http:// or https:// URL" in result.stderr
+    assert await pool.fetchval("SELECT attempts FROM idem_outbox WHERE event_id = 'due-1'") == 0
+
+
+@pytest.mark.parametrize(
+    ("env", "json_out"),
+    [
+        ({"IDEM_JSON": "on"}, True),  # before: text (only 1/true/yes counted)
+        ({"IDEM_STATS_JSON": "TRUE"}, True),  # before: text (its case counted)
+        ({"IDEM_JSON": "off"}, False),
+        ({"IDEM_JSON": "2"}, None),  # before: text, silently
+        ({"IDEM_STATS_JSON": "json"}, None),
+    ],
+)
+def test_a_flag_variable_reads_as_the_kill_switch_does(
+    env: dict[str, str], json_out: bool | None, db_dsn: str
+) -> None:
+    """On (1, true, yes, on) or off (0, false, no, off, empty), in any case; anything else is a
+    usage error naming the variable, not the text a JSON reader then fails on."""
+    result = cli("stats", dsn=db_dsn, env=env)
+    if json_out is None:
+        assert result.returncode == 2, result.stdout
+        name, value = next(iter(env.items()))
+        assert f"{name}={value!r} is neither on" in result.stderr
+        return
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("{") is json_out
+
+
 def test_no_database_is_a_usage_error() -> None:
     result = cli("stats")
     assert result.returncode == 2
@@ -343,6 +384,10 @@ def test_reconcile_imports_the_app_from_the_current_directory(
         ("no_such_module_here:app", "cannot import 'no_such_module_here'"),
         ("tests.cli_app:nothing", "has no 'nothing'"),
         (":app", "is not module:attribute"),
+        # Not an app: before, a silent "examined 0" (its reconcilers never ran) ...
+        ("os:path", "module is not a Starlette or FastAPI app"),
+        # ... or a factory that cannot be called: before, a traceback.
+        ("json:loads", "calling 'loads' failed: TypeError"),
     ],
 )
 def test_a_bad_app_reference_is_a_message_and_status_2(app: str, message: str, db_dsn: str) -> None:

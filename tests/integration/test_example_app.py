@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 import signal
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -298,3 +299,57 @@ def test_workers_of_a_sigkilled_supervisor_stop_and_free_the_port(app_db: str) -
         with contextlib.suppress(ProcessLookupError):  # whatever is left of the group
             os.killpg(app.pid, signal.SIGKILL)
         app.cleanup()
+
+
+@pytest.mark.parametrize("module", ["example_app", "example_app.bank"])
+@pytest.mark.parametrize("port", ["99999", "-5"])
+def test_a_port_out_of_range_is_a_usage_error(module: str, port: str, tmp_path: Path) -> None:
+    """Before, uvicorn bound 99999 as 34463 while announcing "running on ...:99999" (and -5
+    was a resolver's error, exit 3)."""
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-m", module, "--port", port],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        stdin=subprocess.DEVNULL,
+        cwd=tmp_path,  # (an app that got past its arguments puts its database there)
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
+    )
+    assert result.returncode == 2, result.stderr
+    assert f"argument --port: '{port}' is not a port number (0 to 65535)" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "message"),
+    [
+        # Before, `false` (anything but 0) ran a publisher in every worker.
+        ("EXAMPLE_PUBLISH", "false", "EXAMPLE_PUBLISH='false' is 1 (each worker publishes) or 0"),
+        # Before, float()'s message, naming no variable.
+        ("EXAMPLE_LEASE_SECONDS", "abc", "EXAMPLE_LEASE_SECONDS='abc' is not a number of seconds"),
+        ("EXAMPLE_BANK_TIMEOUT", "0", "EXAMPLE_BANK_TIMEOUT='0' is not a number of seconds"),
+    ],
+)
+def test_a_setting_the_app_cannot_use_is_refused_naming_it(
+    name: str, value: str, message: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from example_app.app import create_app
+
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        create_app("postgresql://unused/x")
+
+
+def test_the_documented_settings_are_accepted(monkeypatch: pytest.MonkeyPatch) -> None:
+    from example_app.app import create_app
+
+    for name, value in [
+        ("EXAMPLE_PUBLISH", "0"),
+        ("EXAMPLE_WAIT_SECONDS", "0"),
+        ("EXAMPLE_LEASE_SECONDS", "2.5"),
+        ("EXAMPLE_BANK_TIMEOUT", "2"),
+    ]:
+        monkeypatch.setenv(name, value)
+    create_app("postgresql://unused/x")

@@ -77,3 +77,52 @@ def test_the_docs_index_lists_every_page() -> None:
         p.name for p in DOCS.glob("*.md") if p.name != "README.md" and f"({p.name})" not in index
     ]
     assert not missing
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation but `-` and `_` dropped."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def _anchors(page: Path) -> set[str]:
+    text = re.sub(r"```.*?```", "", page.read_text(), flags=re.DOTALL)
+    seen: dict[str, int] = {}
+    anchors = set()
+    for heading in re.findall(r"^#+ (.*)$", text, re.MULTILINE):
+        slug = _slug(heading)
+        anchors.add(f"{slug}-{seen[slug]}" if slug in seen else slug)
+        seen[slug] = seen.get(slug, 0) + 1
+    return anchors
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_links_anchor_is_a_heading_of_its_page(page: Path) -> None:
+    text = re.sub(r"```.*?```", "", page.read_text(), flags=re.DOTALL)
+    broken = []
+    for target in LINK.findall(text):
+        path, _, anchor = target.partition("#")
+        if not anchor or re.match(r"[a-z]+:", target):
+            continue
+        linked = (page.parent / path) if path else page
+        if linked.suffix == ".md" and anchor not in _anchors(linked):
+            broken.append(target)
+    assert not broken
+
+
+#: `test_x.py::test_name`, and a following `::test_other` of the same file.
+_CITED_TEST = re.compile(r"(?:(test_\w+)\.py)?::(test_\w+)")
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_cited_test_exists(page: Path) -> None:
+    """A page that names a test as its evidence names one that is there (a renamed test left
+    docs/protocol.md citing one that was not)."""
+    missing = []
+    for line in page.read_text().splitlines():
+        module = None
+        for match in _CITED_TEST.finditer(line):
+            module = match.group(1) or module
+            files = list((ROOT / "tests").rglob(f"{module}.py")) if module else []
+            if not files or f"def {match.group(2)}(" not in files[0].read_text():
+                missing.append(f"{module}.py::{match.group(2)}")
+    assert not missing
