@@ -55,6 +55,11 @@ NOT_OPEN = (
     "runs it only as a context manager, `with TestClient(app) as client:`; httpx's ASGITransport "
     "never does), or `await store.open()` first"
 )
+#: The end of the error an endpoint needing a claim raises when none is active.
+NO_CLAIM_HINT = (
+    "is IdempotencyMiddleware installed and enabled (not switched off by "
+    "IDEM_MIDDLEWARE_DISABLED or enabled=False), the route guarded and its key required?"
+)
 
 
 class StaleGeneration(IdempotencyError):

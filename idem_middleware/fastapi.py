@@ -11,6 +11,7 @@ from fastapi import Depends, FastAPI, Request
 from starlette.routing import Host, Mount
 
 from .context import IdempotencyContext, get_context
+from .errors import NO_CLAIM_HINT
 from .middleware import IdempotencyMiddleware
 from .openapi import document_openapi
 from .ops import find_middleware
@@ -49,8 +50,7 @@ def _claimed(request: Request) -> IdempotencyContext:
         return get_context(request)
     except LookupError:
         raise RuntimeError(
-            "this endpoint depends on an idempotency claim, but none is active: is "
-            "IdempotencyMiddleware installed, the route guarded and its key required?"
+            "this endpoint depends on an idempotency claim, but none is active: " + NO_CLAIM_HINT
         ) from None
 
 

@@ -24,7 +24,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 from starlette.requests import Request
 
 from .context import current_context, get_context
-from .errors import ConfigurationError
+from .errors import NO_CLAIM_HINT, ConfigurationError
 from .sqla_engine import ClaimPool, create_claim_engine
 
 __all__ = [
@@ -79,8 +79,8 @@ class ClaimSessions:
                 context = get_context(request)
             except LookupError:
                 raise RuntimeError(
-                    "this endpoint uses a claim session, but no idempotency claim is active: is "
-                    "IdempotencyMiddleware installed, the route guarded and its key required?"
+                    "this endpoint uses a claim session, but no idempotency claim is active: "
+                    + NO_CLAIM_HINT
                 ) from None
         else:
             running = current_context()

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import httpx
 import pytest
+from fastapi import FastAPI
 
-from idem_middleware import MemoryStore, Policy
+from idem_middleware import IdempotencyMiddleware, MemoryStore, Policy, idempotent
+from idem_middleware.fastapi import IdempotencyConnection
 from idem_middleware.store import RecordKey, State
 from tests.apps import (
     Held,
@@ -223,3 +226,21 @@ async def test_the_middleware_as_the_outermost_app_is_served_as_an_asgi3_app() -
     assert first.status_code == 201
     assert_replay_of(again, first)
     assert calls == [{"a": 1}]
+
+
+async def test_an_endpoint_needing_a_claim_under_the_kill_switch_says_it_is_switched_off() -> None:
+    """Switched off, the middleware passes requests through, so `IdempotencyConnection` finds
+    no claim: its error asked only whether the middleware was installed, which it is. It names
+    the switch too."""
+    app = FastAPI()
+
+    @app.post("/pay")
+    @idempotent()
+    async def pay(conn: IdempotencyConnection) -> dict[str, str]:
+        return {"ran": "yes"}
+
+    app.add_middleware(IdempotencyMiddleware, store=MemoryStore(), enabled=False)
+    transport = httpx.ASGITransport(app=app)  # (raises the app's exception)
+    with pytest.raises(RuntimeError, match="IDEM_MIDDLEWARE_DISABLED or enabled=False"):
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
+            await c.post("/pay", json={"a": 1}, headers=key("k1"))
