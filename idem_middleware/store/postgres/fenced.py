@@ -16,6 +16,7 @@ from .convert import (
     ACQUIRE_ERRORS,
     CONNECTION_ERRORS,
     RETRYABLE,
+    STALE_STATEMENT,
     TRANSLATED,
     settle_args,
     translate,
@@ -73,6 +74,9 @@ class PgFenced:
             await self._tx.commit()
         except RETRYABLE as exc:
             raise _refused(exc) from exc
+        except STALE_STATEMENT:
+            compat.forget_statements(self._conn)  # (the handler dropped them): for whoever is next
+            raise
         except TRANSLATED as exc:
             raise translate(exc) from exc
         self.committed = True
@@ -170,7 +174,7 @@ class Fencing(Bounded):
         when a heartbeat committed a newer version of the row after the transaction's snapshot.
         The lock is the transaction's first statement, so nothing was done yet: it is rolled
         back, and a new transaction with a new snapshot tries again (`runner.alone`)."""
-        return await alone(self._open_once, conn)
+        return await alone(self._open_once, conn, on=conn)
 
     async def _open_once(self, conn: Any) -> tuple[Any, bool, FastPath | None]:
         """BEGIN and lock the record under the generation: (transaction, held, fast). The fast
@@ -186,8 +190,8 @@ class Fencing(Bounded):
         await tx.start()
         try:
             held = await conn.fetchval(_Q["fence"], *args)
-        except RETRYABLE:
-            await tx.rollback()
+        except (*RETRYABLE, STALE_STATEMENT):
+            await tx.rollback()  # (`alone` runs it again)
             raise
         return tx, held is not None, None
 
