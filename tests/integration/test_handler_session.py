@@ -6,6 +6,7 @@ the next request (the pools here have one connection: whatever a request leaves,
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import pytest
@@ -25,14 +26,18 @@ async def _connection(request: Request) -> Any:
     return await ctx.fenced_connection() if ctx.mode is Mode.LEASE else ctx.connection
 
 
+_THEN = {"deallocate": "DEALLOCATE ALL", "commit": "COMMIT", "rollback": "ROLLBACK"}
+
+
 async def write(request: Request) -> Response:
     """One ledger row (a statement asyncpg prepares and caches on the connection), then the
     statements the query string names (`?then=deallocate`)."""
     ctx = get_context(request)
     conn = await _connection(request)
     await conn.execute(LEDGER_INSERT, ctx.tenant, "handler", 1)
-    if request.query_params.get("then") == "deallocate":
-        await conn.execute("DEALLOCATE ALL")
+    then = request.query_params.get("then")
+    if then is not None:
+        await conn.execute(_THEN[then])
     return JSONResponse({"ok": True}, status_code=201)
 
 
@@ -84,3 +89,28 @@ async def test_a_handler_dropping_the_sessions_prepared_statements_harms_no_late
         assert first.status_code >= 500
         assert await _state(pool, f"drop-{mode}") in ("pending", "unknown")
     assert await count(pool, "test_ledger") == (4 if mode is Mode.TRANSACTIONAL else 3)
+
+
+@pytest.mark.parametrize("mode", [Mode.TRANSACTIONAL, Mode.LEASE])
+@pytest.mark.parametrize("then", ["commit", "rollback"])
+async def test_a_handler_ending_its_transaction_itself_is_reported_and_its_outcome_recorded(
+    db_dsn: str, pool: Any, mode: Mode, then: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A COMMIT (or ROLLBACK) of the handler's own ends the transaction its outcome was to
+    commit with: what it wrote until then is committed (or undone) whatever the outcome, and the
+    key's claim is gone with the transaction. The outcome is still recorded (the writes may
+    stand: a retry must not run them again), and the error is logged: it was silent."""
+    caplog.set_level(logging.ERROR, logger="idem_middleware.store")
+    store = logged_store(db_dsn, QueryLog())
+    async with store, client(_app(store, mode)) as c:
+        first = await c.post(f"/write?then={then}", json={}, headers=key(f"{then}-{mode}"))
+        again = await c.post(f"/write?then={then}", json={}, headers=key(f"{then}-{mode}"))
+        later = await c.post("/write", json={}, headers=key(f"after-{then}-{mode}"))
+    assert first.status_code == 201, first.text
+    assert again.headers.get("idempotent-replayed") == "true"
+    assert later.status_code == 201, later.text
+    assert await _state(pool, f"{then}-{mode}") == "succeeded"
+    # Run once: the write stands if the handler committed it, not if it rolled it back.
+    assert await count(pool, "test_ledger") == (2 if then == "commit" else 1)
+    ended = [r for r in caplog.records if "ended" in r.getMessage()]
+    assert len(ended) == 1, [r.getMessage() for r in caplog.records]

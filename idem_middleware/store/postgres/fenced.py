@@ -22,7 +22,7 @@ from .convert import (
     translate,
 )
 from .fused import FastPath
-from .runner import Bounded, alone, discard, give_back
+from .runner import Bounded, alone, discard, give_back, warn_ended
 
 logger = logging.getLogger("idem_middleware.store")
 
@@ -56,6 +56,8 @@ class PgFenced:
         # The connection behind the pool's proxy (each call through the proxy is a Python
         # function more); None once given back, when the ordinary path below reports it.
         raw = compat.raw_connection(self._conn)
+        if raw is not None and not raw.is_in_transaction():
+            warn_ended(self._key, "the fenced")
         if self._fast is not None and raw is not None:
             body = b"" if s.response is None else s.response.body
             try:

@@ -45,6 +45,21 @@ async def give_back(pool: Any, conn: Any) -> None:
         discard(conn)
 
 
+def warn_ended(key: Any, which: str) -> None:
+    """The handler ended `which` transaction itself before its outcome was recorded: a COMMIT,
+    ROLLBACK or PREPARE TRANSACTION of its own on the connection it was given. Its writes up to
+    then committed (or rolled back) without the outcome, and the key's claim (or the record's
+    fence) was released with them; the outcome is recorded on its own, as the best account of
+    what happened. Never silent: nothing else shows it."""
+    logger.error(
+        "the handler ended %s transaction itself (a COMMIT, ROLLBACK or PREPARE TRANSACTION on "
+        "its connection): its writes did not commit with the outcome, and the key was not "
+        "guarded from then on; use conn.transaction() (a savepoint) instead",
+        which,
+        extra={"tenant": key.tenant, "operation": key.operation},
+    )
+
+
 def discard(conn: Any) -> None:
     """Terminate the connection behind `conn` unless it is closed or given back already (asyncpg
     terminates it itself when a reset fails; this covers the errors raised before the reset).

@@ -29,7 +29,7 @@ from .convert import (
     translate,
 )
 from .fused import FastPath
-from .runner import give_back
+from .runner import give_back, warn_ended
 
 logger = logging.getLogger("idem_middleware.store")
 
@@ -309,6 +309,8 @@ class PgTransaction:
         # and the proxy's own call below reports it (sent past it, the completion would commit
         # outside the claim's transaction, rolled back by the pool, or inside the next owner's).
         raw = self.driver
+        if raw is not None and not raw.is_in_transaction():
+            warn_ended(key, "the claim's")
         if self._fused and fast is not None and raw is not None:
             try:
                 done = await fast.complete_and_commit(raw, self._tx, name, args, len(response.body))
