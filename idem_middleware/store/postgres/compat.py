@@ -53,6 +53,18 @@ async def prepare_cached(
     return await conn._prepare(query, timeout=timeout, use_cache=True)
 
 
+def forget_statements(conn: Any) -> None:
+    """Empty asyncpg's cache of prepared statements on the connection behind `conn` (None, or
+    given back: nothing). For a session whose statements are gone although asyncpg still names
+    them (a handler's `DEALLOCATE ALL`): each of them would fail, on every later use of the
+    connection, with "prepared statement ... does not exist". (What `reload_schema_state`
+    does for every connection of a pool, for one.)"""
+    raw = raw_connection(conn)
+    drop = getattr(raw, "_drop_local_statement_cache", None)
+    if callable(drop):
+        drop()
+
+
 def statement_cache_size(conn: Any) -> int | None:
     """How many prepared statements the connection behind `conn` caches (its
     `statement_cache_size`); None if this asyncpg keeps it elsewhere."""

@@ -40,6 +40,9 @@ WAIT_EXCEEDED: tuple[type[BaseException], ...] = (
     asyncpg.exceptions.QueryCanceledError,
 )
 UNIQUE_VIOLATION: type[BaseException] = asyncpg.exceptions.UniqueViolationError
+#: A statement prepared on the session is gone: a handler dropped the session's statements
+#: (`DEALLOCATE ALL`) while asyncpg's cache (or the fast path) still names them.
+STALE_STATEMENT: type[BaseException] = asyncpg.exceptions.InvalidSQLStatementNameError
 #: Any error the server reports for one statement.
 SERVER_ERROR: type[BaseException] = asyncpg.PostgresError
 

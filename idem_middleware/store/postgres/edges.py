@@ -98,7 +98,7 @@ class OutboxConnection:
         # publisher's reservation, under a REPEATABLE READ or SERIALIZABLE default) changed
         # nothing and runs again, rather than failing the batch into the publisher's backoff.
         try:
-            return await alone(getattr(self._conn, method), query, *args)
+            return await alone(getattr(self._conn, method), query, *args, on=self._conn)
         except (*TRANSLATED, SERVER_ERROR) as exc:
             raise translate(exc) from exc
 

@@ -16,12 +16,13 @@ from .convert import (
     ACQUIRE_ERRORS,
     CONNECTION_ERRORS,
     RETRYABLE,
+    STALE_STATEMENT,
     TRANSLATED,
     settle_args,
     translate,
 )
 from .fused import FastPath
-from .runner import Bounded, alone, discard, give_back
+from .runner import Bounded, alone, discard, give_back, warn_ended
 
 logger = logging.getLogger("idem_middleware.store")
 
@@ -55,6 +56,8 @@ class PgFenced:
         # The connection behind the pool's proxy (each call through the proxy is a Python
         # function more); None once given back, when the ordinary path below reports it.
         raw = compat.raw_connection(self._conn)
+        if raw is not None and not raw.is_in_transaction():
+            warn_ended(self._key, "the fenced")
         if self._fast is not None and raw is not None:
             body = b"" if s.response is None else s.response.body
             try:
@@ -73,6 +76,9 @@ class PgFenced:
             await self._tx.commit()
         except RETRYABLE as exc:
             raise _refused(exc) from exc
+        except STALE_STATEMENT:
+            compat.forget_statements(self._conn)  # (the handler dropped them): for whoever is next
+            raise
         except TRANSLATED as exc:
             raise translate(exc) from exc
         self.committed = True
@@ -170,7 +176,7 @@ class Fencing(Bounded):
         when a heartbeat committed a newer version of the row after the transaction's snapshot.
         The lock is the transaction's first statement, so nothing was done yet: it is rolled
         back, and a new transaction with a new snapshot tries again (`runner.alone`)."""
-        return await alone(self._open_once, conn)
+        return await alone(self._open_once, conn, on=conn)
 
     async def _open_once(self, conn: Any) -> tuple[Any, bool, FastPath | None]:
         """BEGIN and lock the record under the generation: (transaction, held, fast). The fast
@@ -186,8 +192,8 @@ class Fencing(Bounded):
         await tx.start()
         try:
             held = await conn.fetchval(_Q["fence"], *args)
-        except RETRYABLE:
-            await tx.rollback()
+        except (*RETRYABLE, STALE_STATEMENT):
+            await tx.rollback()  # (`alone` runs it again)
             raise
         return tx, held is not None, None
 

@@ -30,7 +30,7 @@ import asyncpg
 from ...errors import ClaimBusy, NotFusable, StoreError
 from ..base import Claimed, RecordKey
 from . import compat
-from .convert import _Q, CONNECTION_ERRORS, RETRYABLE, SERVER_ERROR
+from .convert import _Q, CONNECTION_ERRORS, RETRYABLE, SERVER_ERROR, STALE_STATEMENT
 from .literals import _inline, _literals
 
 logger = logging.getLogger("idem_middleware.store")
@@ -256,6 +256,7 @@ class FastPath:
                 status = await conn.execute(query, timeout=timeout)
             except _PREPARED_MISMATCH:
                 self.stop_preparing()
+                compat.forget_statements(conn)  # (asyncpg's are as gone as ours)
                 await session.rollback()
                 continue
             if status == "SELECT 0":  # no record holds the key
@@ -326,6 +327,12 @@ class FastPath:
                 return True
             if isinstance(exc, _MISSED):
                 raise StoreError(missed) from exc
+            if isinstance(exc, STALE_STATEMENT):
+                # Gone since the claim used them: the handler dropped them (DEALLOCATE ALL),
+                # and asyncpg's with them. Nothing committed; inlined from now on, as when a
+                # pool's reset drops them.
+                self.stop_preparing()
+                compat.forget_statements(conn)
             raise
         compat.committed(tx)
         if reset and mark_clean is not None:
@@ -347,6 +354,7 @@ class FastPath:
                 status = await conn.execute(query)
             except _PREPARED_MISMATCH:
                 self.stop_preparing()
+                compat.forget_statements(conn)  # (asyncpg's are as gone as ours)
                 await tx.rollback()
                 continue
             except RETRYABLE:

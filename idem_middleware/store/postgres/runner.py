@@ -15,7 +15,14 @@ import asyncpg
 from ...delayed import Delayed
 from ...errors import NOT_OPEN, StoreError
 from . import compat
-from .convert import CONNECTION_ERRORS, RETRYABLE, SERVER_ERROR, TRANSLATED, translate
+from .convert import (
+    CONNECTION_ERRORS,
+    RETRYABLE,
+    SERVER_ERROR,
+    STALE_STATEMENT,
+    TRANSLATED,
+    translate,
+)
 
 logger = logging.getLogger("idem_middleware.store")
 
@@ -36,6 +43,21 @@ async def give_back(pool: Any, conn: Any) -> None:
     except RELEASE_ERRORS:
         logger.warning("a connection's reset failed on its way back to the pool", exc_info=True)
         discard(conn)
+
+
+def warn_ended(key: Any, which: str) -> None:
+    """The handler ended `which` transaction itself before its outcome was recorded: a COMMIT,
+    ROLLBACK or PREPARE TRANSACTION of its own on the connection it was given. Its writes up to
+    then committed (or rolled back) without the outcome, and the key's claim (or the record's
+    fence) was released with them; the outcome is recorded on its own, as the best account of
+    what happened. Never silent: nothing else shows it."""
+    logger.error(
+        "the handler ended %s transaction itself (a COMMIT, ROLLBACK or PREPARE TRANSACTION on "
+        "its connection): its writes did not commit with the outcome, and the key was not "
+        "guarded from then on; use conn.transaction() (a savepoint) instead",
+        which,
+        extra={"tenant": key.tenant, "operation": key.operation},
+    )
 
 
 def discard(conn: Any) -> None:
@@ -59,21 +81,31 @@ _ATTEMPTS = 8
 _T = TypeVar("_T")
 
 
-async def alone(call: Callable[..., Awaitable[_T]], *args: Any) -> _T:
-    """`await call(*args)`: one or more statements each committed on its own (no transaction
-    around them), run again while the server refuses one for a serialization failure or a
-    deadlock. A refused statement changed nothing, so running it again is safe. Under the
-    default READ COMMITTED this never happens; a database or role whose
+async def alone(call: Callable[..., Awaitable[_T]], *args: Any, on: Any) -> _T:
+    """`await call(*args)`: statements on the connection `on`, each committed on its own (no
+    transaction around them), run again while the server refuses one for a serialization
+    failure or a deadlock. A refused statement changed nothing, so running it again is safe.
+    Under the default READ COMMITTED this never happens; a database or role whose
     `default_transaction_isolation` is REPEATABLE READ or SERIALIZABLE refuses them when they
     meet a concurrent write (a claim whose key another request just inserted, a settlement
     beside another's), and a lease-mode request whose downstream call was made was answered
-    500 with its record left pending."""
+    500 with its record left pending.
+
+    Run again once, too, when a statement asyncpg prepared earlier is gone from the session (a
+    handler that had the connection ran `DEALLOCATE ALL`): it never ran, and asyncpg prepares
+    it again once its cache is emptied. Every later request on that connection failed so."""
+    healed = False
     for attempt in range(_ATTEMPTS - 1):
         try:
             return await call(*args)
         except RETRYABLE:
             # A little apart, so that two statements refused for each other do not meet again.
             await asyncio.sleep(random.uniform(0, 0.001 * 2**attempt))
+        except STALE_STATEMENT:
+            if healed:
+                raise
+            healed = True
+            compat.forget_statements(on)
     return await call(*args)
 
 
@@ -155,7 +187,7 @@ class PoolStatements:
         failures translated (StoreError, RetryableConflict)."""
         try:
             async with self._internal() as conn:
-                return await alone(getattr(conn, method), query, *args)
+                return await alone(getattr(conn, method), query, *args, on=conn)
         except TRANSLATED as exc:
             raise translate(exc) from exc
 

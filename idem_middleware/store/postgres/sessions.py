@@ -19,6 +19,7 @@ from .convert import (
     _Q,
     ACQUIRE_ERRORS,
     CONNECTION_ERRORS,
+    STALE_STATEMENT,
     TRANSLATED,
     UNIQUE_VIOLATION,
     WAIT_EXCEEDED,
@@ -28,7 +29,7 @@ from .convert import (
     translate,
 )
 from .fused import FastPath
-from .runner import give_back
+from .runner import give_back, warn_ended
 
 logger = logging.getLogger("idem_middleware.store")
 
@@ -149,6 +150,12 @@ class PgTransaction:
         return compat.raw_connection(self._conn)
 
     def conflict(self, exc: BaseException) -> bool:
+        if isinstance(exc, STALE_STATEMENT):
+            # One of asyncpg's statements had been dropped from the session (a handler before
+            # this one ran DEALLOCATE ALL): the handler's writes rolled back with the claim, and
+            # the attempt runs again with the connection's cache emptied.
+            compat.forget_statements(self._conn)
+            return True
         return is_conflict(exc)
 
     def fusing(self, *, begins: bool) -> None:
@@ -270,6 +277,8 @@ class PgTransaction:
         except ClaimBusy:
             await self.rollback()
             raise
+        except STALE_STATEMENT as exc:
+            raise await self._stale(exc) from exc
         except WAIT_EXCEEDED as exc:
             raise ClaimTimeout("waited too long for a concurrent claim") from exc
         except TRANSLATED as exc:
@@ -300,11 +309,15 @@ class PgTransaction:
         # and the proxy's own call below reports it (sent past it, the completion would commit
         # outside the claim's transaction, rolled back by the pool, or inside the next owner's).
         raw = self.driver
+        if raw is not None and not raw.is_in_transaction():
+            warn_ended(key, "the claim's")
         if self._fused and fast is not None and raw is not None:
             try:
                 done = await fast.complete_and_commit(raw, self._tx, name, args, len(response.body))
             except UNIQUE_VIOLATION as exc:
                 raise await self._lost_the_key(exc) from exc
+            except STALE_STATEMENT as exc:
+                raise await self._stale(exc) from exc
             except TRANSLATED as exc:
                 raise translate(exc) from exc
             if done:
@@ -315,6 +328,8 @@ class PgTransaction:
             status = await self._conn.execute(query, *args)  # (the proxy: see above)
         except UNIQUE_VIOLATION as exc:
             raise await self._lost_the_key(exc) from exc
+        except STALE_STATEMENT as exc:
+            raise await self._stale(exc) from exc
         except TRANSLATED as exc:
             raise translate(exc) from exc
         if status not in ("UPDATE 1", "INSERT 0 1"):
@@ -369,3 +384,12 @@ class PgTransaction:
         logger.debug("the key was recorded by another claim first", exc_info=exc)
         await self.rollback()
         return RetryableConflict("the key was recorded by a concurrent claim")
+
+    async def _stale(self, exc: BaseException) -> RetryableConflict:
+        """A statement the session had prepared is gone (the handler, or one before it on this
+        connection, ran DEALLOCATE ALL): it did not run, and the transaction is over. The
+        connection's cache is emptied and the attempt runs again (nothing of it committed)."""
+        logger.warning("a prepared statement was dropped from the claim's session; running again")
+        compat.forget_statements(self._conn)
+        await self.rollback()
+        return RetryableConflict(f"a prepared statement was dropped from the session: {exc}")

@@ -194,7 +194,9 @@ class PostgresStore(OffPathStatements):
     async def get(self, key: RecordKey) -> Record | None:
         try:
             async with self._internal() as conn:
-                row = await alone(conn.fetchrow, _Q["get"], key.tenant, key.operation, key.key)
+                row = await alone(
+                    conn.fetchrow, _Q["get"], key.tenant, key.operation, key.key, on=conn
+                )
         except CONNECTION_ERRORS as exc:
             raise StoreError(str(exc)) from exc
         return None if row is None else to_record(key, row)
@@ -221,7 +223,7 @@ class PostgresStore(OffPathStatements):
         )
         try:
             async with self._internal() as conn:
-                claimed = await alone(claim, conn, key, args, token_hash, None)
+                claimed = await alone(claim, conn, key, args, token_hash, None, on=conn)
         except TRANSLATED as exc:
             raise translate(exc) from exc
         if isinstance(claimed, Claimed):
