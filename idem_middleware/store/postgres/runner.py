@@ -16,6 +16,7 @@ from ...delayed import Delayed
 from ...errors import NOT_OPEN, StoreError
 from . import compat
 from .convert import CONNECTION_ERRORS, RETRYABLE, SERVER_ERROR, TRANSLATED, translate
+from .lifecycle import check_loop
 
 logger = logging.getLogger("idem_middleware.store")
 
@@ -130,9 +131,11 @@ class PoolStatements:
 
     @property
     def pool(self) -> asyncpg.Pool[Any]:
-        if self._pool is None:
+        pool = self._pool
+        if pool is None:
             raise StoreError("the store is closed" if self._closed else NOT_OPEN)
-        return self._pool
+        check_loop(pool)
+        return pool
 
     @property
     def is_open(self) -> bool:
