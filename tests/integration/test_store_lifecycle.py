@@ -24,14 +24,14 @@ from idem_middleware.errors import ConfigurationError
 BOUND = 10.0
 
 
-def counting_app(store: PostgresStore, calls: list[int]) -> Starlette:
+def counting_app(store: PostgresStore, calls: list[int], *, opens: bool = True) -> Starlette:
     async def create(request: Request) -> JSONResponse:
         calls.append(1)
         return JSONResponse({"n": len(calls)}, status_code=201)
 
     return Starlette(
         routes=[Route("/orders", create, methods=["POST"])],
-        lifespan=store_lifespan(store),
+        lifespan=store_lifespan(store) if opens else None,
         middleware=[
             Middleware(IdempotencyMiddleware, store=store, tenant_resolver=lambda scope: "t")
         ],
@@ -172,3 +172,21 @@ def test_an_app_whose_lifespan_runs_twice_opens_its_store_again(db_dsn: str) -> 
             assert response.status_code == 201
         assert not store.is_open
     assert len(calls) == 2
+
+
+@pytest.mark.filterwarnings("ignore:Using `httpx` with `starlette.testclient`")
+def test_an_app_started_with_a_store_open_in_another_loop_fails_its_startup(db_dsn: str) -> None:
+    """`asyncio.run(store.open())` before the server starts, or a test fixture's store given to
+    an app served by TestClient: the startup passed, and every guarded request answered 503.
+    The startup now fails, saying why."""
+    from starlette.testclient import TestClient
+
+    loop = asyncio.new_event_loop()
+    try:
+        store = loop.run_until_complete(PostgresStore(dsn=db_dsn, min_size=1, max_size=2).open())
+        client = TestClient(counting_app(store, [], opens=False))
+        with pytest.raises(ConfigurationError, match="belongs to another event loop"), client:
+            pass
+        loop.run_until_complete(asyncio.wait_for(store.close(), BOUND))
+    finally:
+        loop.close()

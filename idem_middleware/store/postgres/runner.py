@@ -16,7 +16,7 @@ from ...delayed import Delayed
 from ...errors import NOT_OPEN, StoreError
 from . import compat
 from .convert import CONNECTION_ERRORS, RETRYABLE, SERVER_ERROR, TRANSLATED, translate
-from .lifecycle import check_loop
+from .lifecycle import check_loop, other_loop
 
 logger = logging.getLogger("idem_middleware.store")
 
@@ -141,6 +141,12 @@ class PoolStatements:
     def is_open(self) -> bool:
         """Whether the store has a pool: opened and not closed since, or given a pool."""
         return self._pool is not None
+
+    @property
+    def in_another_loop(self) -> bool:
+        """Whether the store's pool belongs to another event loop than the running one, which
+        it then cannot serve (see lifecycle.py): the app's startup checks this."""
+        return self._pool is not None and other_loop(self._pool)
 
     def _mark_clean(self, conn: Any) -> None:
         """`conn` (a pool's proxy) ran only our statements and is not in a transaction."""
