@@ -5,11 +5,13 @@ app's lifespan), and a store opened in one event loop and used or opened in anot
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 from collections.abc import Coroutine
 from typing import Any
 
+import asyncpg
 import httpx
 import pytest
 from starlette.applications import Starlette
@@ -190,3 +192,24 @@ def test_an_app_started_with_a_store_open_in_another_loop_fails_its_startup(db_d
         loop.run_until_complete(asyncio.wait_for(store.close(), BOUND))
     finally:
         loop.close()
+
+
+async def test_a_wait_that_begins_after_the_close_opens_no_listen_connection(db_dsn: str) -> None:
+    """A duplicate whose claim read the record just before the store's close, and waited after
+    it, made the store's LISTEN connection again, and nothing closed it: on a pool of the app's
+    own, a connection never given back (the app's `pool.close()` then waited for it for ever)."""
+    pool = await asyncpg.create_pool(db_dsn, min_size=1, max_size=2)
+    try:
+        store = await PostgresStore(pool=pool).open()
+        await store.close()
+        async with store.watch(RecordKey("t", "POST /orders", "after-close")) as watch:
+            assert not await watch.wait(0.01)
+            assert store._listener._connecting is None  # no attempt to connect was started
+            assert not store._listener.connected()
+        # Opened again, it listens again.
+        async with store, store.watch(RecordKey("t", "POST /orders", "reopened")):
+            assert store._listener._connecting is not None
+    finally:
+        # (A close cut short terminates the pool.)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(pool.close(), BOUND)

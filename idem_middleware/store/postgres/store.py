@@ -156,6 +156,7 @@ class PostgresStore(OffPathStatements):
     async def _open(self) -> None:
         created = self._pool is None
         self._closed = False
+        self._listener.resume()
         if self._pool is None:
             try:
                 self._pool = await asyncpg.create_pool(self._dsn, **self._pool_kwargs)
