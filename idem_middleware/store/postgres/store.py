@@ -40,6 +40,7 @@ from .convert import (
 from .edges import OffPathStatements
 from .fenced import Fencing
 from .fused import FastPath
+from .lifecycle import Turns, refuse_other_loop
 from .listener import Listener
 from .poolers import PREPARED_MISMATCH, refusal
 from .poolers import check as check_pooler
@@ -99,6 +100,9 @@ class PostgresStore(OffPathStatements):
         )
         self._locks = ClaimLocks()
         self._executions = closing.Executions()
+        self._turns = Turns()
+        #: How many opens the closes still owe (see `open`).
+        self._opens = 0
         #: Whether `open` refuses a server that takes no writes (the command line's reports run
         #: on a standby or as a read-only role as well).
         self._needs_writes = True
@@ -133,9 +137,26 @@ class PostgresStore(OffPathStatements):
         migration this version needs and takes writes (not a standby, sessions not read-only):
         ConfigurationError, naming the fix, if not. A server that cannot be reached yet is no
         reason to refuse (requests answer 503 until it is): the check is then skipped, with a
-        warning."""
+        warning.
+
+        Opens nest: an open store opened again (a test's fixture, then the app's lifespan) is
+        only counted, and each open needs its close; the last closes it. An open store is
+        opened again only in the event loop of its pool (ConfigurationError otherwise, see
+        lifecycle.py). An open and a close wait for the one under way."""
+        async with self._turns():
+            if self._pool is not None:
+                refuse_other_loop(self._pool, "open the store")
+            if self._opens:
+                self._opens += 1
+                return self
+            await self._open()
+            self._opens = 1
+        return self
+
+    async def _open(self) -> None:
         created = self._pool is None
         self._closed = False
+        self._listener.resume()
         if self._pool is None:
             try:
                 self._pool = await asyncpg.create_pool(self._dsn, **self._pool_kwargs)
@@ -159,11 +180,20 @@ class PostgresStore(OffPathStatements):
                 pool, self._pool = self._pool, None
                 await pool.close()
             raise
-        return self
 
     async def close(self) -> None:
         """Close the listener and the pool (if the store created it). Lease-mode executions
-        that a shutdown cancelled settle first; all of it within `closing.CLOSE_SECONDS`."""
+        that a shutdown cancelled settle first; all of it within `closing.CLOSE_SECONDS`. The
+        close of a nested open only counts it (see `open`). A close waits for the open or the
+        close under way (a second close returns once the pool is closed)."""
+        async with self._turns():
+            if self._opens > 1:
+                self._opens -= 1
+                return
+            self._opens = 0
+            await self._close()
+
+    async def _close(self) -> None:
         self._closed = True
         budget = closing.Budget()
         await self._executions.unwound(budget.left())
