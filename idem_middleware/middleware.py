@@ -358,9 +358,10 @@ class IdempotencyMiddleware:
         async def checked_receive() -> Message:
             nonlocal failed
             message = await receive()
-            if message["type"] == "lifespan.startup" and not self._checked:
-                self._check(app_below(self, scope.get("app")))
-                if self._check_error is not None:
+            if message["type"] == "lifespan.startup":
+                if not self._checked:
+                    self._check(app_below(self, scope.get("app")))
+                if self._check_error is not None:  # (a second lifespan too: still misconfigured)
                     failed = True
                     await send(
                         {

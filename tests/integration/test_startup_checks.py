@@ -231,6 +231,10 @@ async def test_a_policies_key_that_names_no_route_fails_the_startup(
             "policies['POST /v1/pay'] matches no route, so it can never apply (did you mean "
             "'POST /v2/pay'?)" in sent[0]["message"]
         )
+        # A second lifespan (a second `with TestClient(app)`) fails as the first did: it
+        # started, and only its requests answered the misconfiguration.
+        again = await startup(app)
+        assert [m["type"] for m in again] == ["lifespan.startup.failed"], again
     app = mounted_app(pg_store, policies={"DELETE /nothing/like/it": Policy()})
     sent = await startup(app)
     assert sent[0]["message"].endswith("matches no route, so it can never apply")
