@@ -341,6 +341,13 @@ def _parser() -> argparse.ArgumentParser:
         default=10.0,
         help="bound on each reconciler call, more than 0 (default 10)",
     )
+    c.add_argument(
+        "--no-lifespan",
+        dest="lifespan",
+        action="store_false",
+        help="do not run the app's lifespan around the reconcilers (by default its startup "
+        "runs first and its shutdown last, as a server runs them)",
+    )
     return parser
 
 

@@ -21,6 +21,7 @@ from urllib.parse import urlsplit
 
 import asyncpg
 
+from . import app_lifespan
 from . import outbox as outbox_ops
 from .errors import StoreError
 from .keys import parse_idempotency_key
@@ -300,20 +301,26 @@ def load_app(spec: str) -> Any:
 async def reconcile(store: PostgresStore, args: argparse.Namespace) -> int:
     if not args.app:
         raise UsageError("reconcile needs --app (or IDEM_APP) to find the reconcilers")
-    policies = collect_policies(load_app(args.app))
-    report = await reconcile_unknown(
-        store,
-        {name: p.reconciler for name, p in policies.items() if p.reconciler is not None},
-        tenant=args.tenant,
-        operation=args.operation,
-        limit=args.limit,
-        seconds=args.seconds,
-        takeover=[
-            name
-            for name, p in policies.items()
-            if p.mode is Mode.LEASE and p.on_lease_expiry is LeaseExpiry.TAKEOVER
-        ],
-    )
+    app = load_app(args.app)
+    policies = collect_policies(app)
+    try:
+        # Its reconcilers use what its lifespan opens (a client, a pool), as they do when served.
+        async with app_lifespan.running(app) if args.lifespan else contextlib.nullcontext():
+            report = await reconcile_unknown(
+                store,
+                {name: p.reconciler for name, p in policies.items() if p.reconciler is not None},
+                tenant=args.tenant,
+                operation=args.operation,
+                limit=args.limit,
+                seconds=args.seconds,
+                takeover=[
+                    name
+                    for name, p in policies.items()
+                    if p.mode is Mode.LEASE and p.on_lease_expiry is LeaseExpiry.TAKEOVER
+                ],
+            )
+    except app_lifespan.LifespanFailed as exc:
+        raise UsageError(f"--app {args.app}: {exc}") from None
     data = {
         "examined": report.examined,
         "expired_leases": report.expired_leases,

@@ -571,3 +571,77 @@ async def test_every_command_runs_again_and_again_through_pgbouncer(
         result = cli(*args, *note, dsn=dsn)
         assert result.returncode == 0, (args, result.stderr)
     assert await pool.fetchval("SELECT state FROM idem_requests WHERE idem_key = 'u1'") == "unknown"
+
+
+LIFESPAN_APP = """
+import contextlib, pathlib, sys
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+from idem_middleware import IdempotencyMiddleware, MemoryStore, Mode, idempotent
+from idem_middleware.reconcile import Happened, ReconcileContext, Reconciliation
+
+BANK = {}  # what the lifespan opens: the reconciler's way to the downstream system
+MARKS = pathlib.Path(__file__).with_name("marks.txt")
+
+
+async def reconcile(ctx: ReconcileContext) -> Reconciliation:
+    return Happened.json(201, {"bank": BANK["client"]})  # KeyError without the lifespan
+
+
+@idempotent(mode=Mode.LEASE, reconciler=reconcile)
+async def payouts(request):
+    return JSONResponse({}, status_code=201)
+
+
+@contextlib.asynccontextmanager
+async def lifespan(app):
+    BANK["client"] = "open"
+    yield
+    MARKS.write_text("shut down")
+
+
+app = Starlette(
+    routes=[Route("/payouts", payouts, methods=["POST"])],
+    middleware=[
+        Middleware(IdempotencyMiddleware, store=MemoryStore(), tenant_resolver=lambda s: "t")
+    ],
+    lifespan=lifespan,
+)
+"""
+
+
+async def test_reconcile_runs_the_apps_lifespan_around_its_reconcilers(
+    db_dsn: str, pool: Any, tmp_path: Path
+) -> None:
+    """A reconciler that asks its bank through a client the app's lifespan opens. The command
+    ran no lifespan: every such reconciler raised, each record counted `failed` and stayed
+    unknown (the test suite's own lease app, whose reconciler reads the app's store, too)."""
+    (tmp_path / "lifespan_app.py").write_text(LIFESPAN_APP)
+    env = {"PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}"}
+    await insert(pool, "skipped", "unknown")
+    skipped = cli(
+        "reconcile", "--app", "lifespan_app:app", "--no-lifespan", "--json", dsn=db_dsn, env=env
+    )
+    assert skipped.returncode == 0, skipped.stderr
+    assert json.loads(skipped.stdout)["verdicts"] == {"failed": 1}
+    assert not (tmp_path / "marks.txt").exists()
+
+    result = cli("reconcile", "--app", "lifespan_app:app", "--json", dsn=db_dsn, env=env)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["verdicts"] == {"settled": 1}
+    row = await pool.fetchrow("SELECT state, response_body FROM idem_requests")
+    assert row["state"] == "succeeded"
+    assert json.loads(bytes(row["response_body"])) == {"bank": "open"}
+    assert (tmp_path / "marks.txt").read_text() == "shut down"
+
+
+def test_an_app_whose_lifespan_fails_is_a_message_and_status_2(db_dsn: str, tmp_path: Path) -> None:
+    failing = LIFESPAN_APP.replace('BANK["client"] = "open"', 'raise RuntimeError("no bank")')
+    (tmp_path / "failing_app.py").write_text(failing)
+    env = {"PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}"}
+    result = cli("reconcile", "--app", "failing_app:app", dsn=db_dsn, env=env)
+    assert result.returncode == 2, result.stderr
+    assert "lifespan's startup failed" in result.stderr
+    assert "--no-lifespan" in result.stderr
