@@ -313,9 +313,14 @@ def connection_closed(conn: Any) -> bool:
     return closed
 
 
-async def test_connection_lost_before_commit_is_503_and_nothing_committed(pg_store, pool):
+async def test_connection_lost_before_commit_is_503_and_nothing_committed(
+    pg_store, pool, caplog: pytest.LogCaptureFixture
+):
     """The claim's connection dies while the handler runs: the server rolled everything back,
-    so the client is told to retry (503), and the retry runs once."""
+    so the client is told to retry (503), and the retry runs once. The log says the connection
+    was lost and nothing committed (it quoted asyncpg's "released back to the pool", as if the
+    handler had given it back)."""
+    caplog.set_level(logging.WARNING, logger="idem_middleware")
     app = build_app(pg_store)
     probe = app.state.probe
     async with client(app) as c:
@@ -335,6 +340,9 @@ async def test_connection_lost_before_commit_is_503_and_nothing_committed(pg_sto
             r = await asyncio.wait_for(first, BOUND)
         assert_problem(r, 503, "store-unavailable")
         assert r.headers["retry-after"] == "1"
+        logged = " ".join(str(r.exc_info[1]) for r in caplog.records if r.exc_info)
+        assert "connection was lost" in logged, logged
+        assert "nothing of the attempt committed" in logged
         await assert_released_then_retry_runs_once(app, pool, c)
 
 

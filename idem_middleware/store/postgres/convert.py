@@ -43,6 +43,12 @@ UNIQUE_VIOLATION: type[BaseException] = asyncpg.exceptions.UniqueViolationError
 #: A statement prepared on the session is gone: a handler dropped the session's statements
 #: (`DEALLOCATE ALL`) while asyncpg's cache (or the fast path) still names them.
 STALE_STATEMENT: type[BaseException] = asyncpg.exceptions.InvalidSQLStatementNameError
+#: A claim's completion whose connection is gone: lost (asyncpg then says "released back to
+#: the pool" too), or released back to the pool by the handler; its transaction rolled back.
+CLAIM_CONNECTION_GONE = (
+    "the claim's connection was lost, or released back to the pool by the handler, before the "
+    "outcome was recorded: nothing of the attempt committed"
+)
 #: Any error the server reports for one statement.
 SERVER_ERROR: type[BaseException] = asyncpg.PostgresError
 

@@ -18,6 +18,7 @@ from .claim_lock import ClaimLocks
 from .convert import (
     _Q,
     ACQUIRE_ERRORS,
+    CLAIM_CONNECTION_GONE,
     CONNECTION_ERRORS,
     STALE_STATEMENT,
     TRANSLATED,
@@ -331,6 +332,8 @@ class PgTransaction:
         except STALE_STATEMENT as exc:
             raise await self._stale(exc) from exc
         except TRANSLATED as exc:
+            if raw is None:  # (asyncpg says "released back to the pool" of a lost one too)
+                raise StoreError(CLAIM_CONNECTION_GONE) from exc
             raise translate(exc) from exc
         if status not in ("UPDATE 1", "INSERT 0 1"):
             # Our own uncommitted row: only a bug (or a hand edit) makes this miss.
