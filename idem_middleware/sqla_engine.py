@@ -82,6 +82,27 @@ class ClaimDialect(PGDialect_asyncpg):
     async def setup_asyncpg_jsonb_codec(self, conn: Any) -> None:
         return None
 
+    # The session's transaction is a savepoint, which takes none of a transaction's
+    # characteristics: AUTOCOMMIT would skip it (`session.rollback()` undoing nothing), READ ONLY
+    # would be dropped without a word, another isolation level fails on every statement.
+    def set_isolation_level(self, dbapi_connection: Any, level: Any) -> None:
+        raise _characteristic("isolation_level", level)
+
+    def set_readonly(self, connection: Any, value: Any) -> None:
+        if value:
+            raise _characteristic("postgresql_readonly", value)
+
+    def set_deferrable(self, connection: Any, value: Any) -> None:
+        if value:
+            raise _characteristic("postgresql_deferrable", value)
+
+
+def _characteristic(name: str, value: Any) -> ConfigurationError:
+    return ConfigurationError(
+        f"a claim session cannot take {name}={value!r}: its transaction is a savepoint in the "
+        "claim's, whose characteristics are the database's defaults"
+    )
+
 
 registry.register("postgresql.idem_claim", __name__, "ClaimDialect")
 
@@ -274,6 +295,11 @@ _CLAIM_DECIDES = frozenset(
     {"url", "creator", "async_creator", "connect_args", "poolclass", "pool", "isolation_level"}
 )
 
+# Execution options that would set the session transaction's characteristics (see ClaimDialect).
+_TRANSACTION_OPTIONS = frozenset(
+    {"isolation_level", "postgresql_readonly", "postgresql_deferrable"}
+)
+
 
 def create_claim_engine(**options: Any) -> AsyncEngine:
     """An AsyncEngine whose every connection is the running claim's transaction.
@@ -287,6 +313,18 @@ def create_claim_engine(**options: Any) -> AsyncEngine:
             f"create_claim_engine() does not take {', '.join(chosen)}: its connection is the "
             "claim's, in the claim's transaction (an engine of your own would write outside it)"
         )
+    # SQLAlchemy would close a connection past pool_recycle and open one of its own (it cannot:
+    # every checkout after it failed), and ping one the claim has just used (three round trips).
+    if options.get("pool_recycle", -1) != -1 or options.get("pool_pre_ping"):
+        raise ConfigurationError(
+            "create_claim_engine() does not take pool_recycle or pool_pre_ping: the store's pool "
+            "owns the connections (PostgresStore's connect_kwargs, e.g. "
+            "max_inactive_connection_lifetime)"
+        )
+    execution = options.get("execution_options") or {}
+    for name in sorted(_TRANSACTION_OPTIONS.intersection(execution)):
+        if name == "isolation_level" or execution[name]:
+            raise _characteristic(name, execution[name])
 
     def creator() -> Any:
         # What `async_creator` does, plus turning the adapter's statement cache off.

@@ -24,6 +24,10 @@ from idem_middleware.sqla import ClaimSession, ClaimSessions, open_claim_session
 from idem_middleware.store.postgres import PostgresStore
 from tests.apps import BearerBackend
 
+# Also through PgBouncer (statement_cache_size=0): the session's statements are asyncpg's
+# unnamed ones there, inside the claim's transaction.
+pytestmark = pytest.mark.db_routes("pgbouncer")
+
 AUTH = {"Authorization": "Bearer demo-a"}
 
 

@@ -25,20 +25,40 @@ async def test_an_engine_of_ones_own_is_refused() -> None:
 
 
 @pytest.mark.parametrize(
-    "options",
+    ("options", "named"),
     [
-        {"poolclass": NullPool},
-        {"creator": lambda: None},
-        {"isolation_level": "SERIALIZABLE"},
-        {"connect_args": {"server_settings": {"application_name": "x"}}},
+        ({"poolclass": NullPool}, "poolclass"),
+        ({"creator": lambda: None}, "creator"),
+        ({"isolation_level": "SERIALIZABLE"}, "isolation_level"),
+        ({"connect_args": {"server_settings": {"application_name": "x"}}}, "connect_args"),
+        # SQLAlchemy recycled a connection by opening one of its own: every request then failed.
+        ({"pool_recycle": 3600}, "pool_recycle"),
+        ({"pool_pre_ping": True}, "pool_pre_ping"),  # three round trips on a live connection
+        # A savepoint takes no isolation level: AUTOCOMMIT skipped it (session.rollback() undid
+        # nothing), SERIALIZABLE failed every statement, READ ONLY was dropped.
+        ({"execution_options": {"isolation_level": "AUTOCOMMIT"}}, "isolation_level"),
+        ({"execution_options": {"postgresql_readonly": True}}, "postgresql_readonly"),
     ],
-    ids=["poolclass", "creator", "isolation_level", "connect_args"],
+    ids=[
+        "poolclass",
+        "creator",
+        "isolation_level",
+        "connect_args",
+        "pool_recycle",
+        "pool_pre_ping",
+        "autocommit",
+        "readonly",
+    ],
 )
-def test_options_that_choose_the_connection_are_refused(options: dict[str, Any]) -> None:
-    with pytest.raises(ConfigurationError, match=next(iter(options))):
+def test_options_that_choose_the_connection_are_refused(
+    options: dict[str, Any], named: str
+) -> None:
+    with pytest.raises(ConfigurationError, match=named):
         create_claim_engine(**options)
 
 
 async def test_a_claim_engine_with_options_of_its_own_is_accepted() -> None:
-    sessions = ClaimSessions(engine=create_claim_engine(echo=False, pool_pre_ping=False))
+    sessions = ClaimSessions(
+        engine=create_claim_engine(echo=False, pool_pre_ping=False, pool_recycle=-1)
+    )
     await sessions.engine.dispose()
