@@ -182,3 +182,39 @@ async def test_a_claim_waiting_inside_pgbouncer_past_its_query_wait_timeout_is_a
     assert waited.headers["retry-after"]
     assert again.status_code == 201, again.text
     assert app.state.probe.calls == 1
+
+
+@pytest.mark.parametrize("given", [False, True], ids=["own-pool", "given-pool"])
+async def test_a_store_behind_statement_pooling_is_refused_when_it_opens(
+    pg_dsn: str, db_dsn: str, db_route: str, given: bool
+) -> None:
+    """PgBouncer in statement mode closes a client connection that leaves a transaction open:
+    the store opened, then every transactional request was answered 503 (its claim's BEGIN
+    refused). Now the store refuses to open, naming the pool mode."""
+    statement = PgBouncer(pg_dsn, pool_mode="statement").start()
+    try:
+        dsn = statement.dsn("idem_test")
+        pool = (
+            await asyncpg.create_pool(dsn, min_size=1, max_size=4, statement_cache_size=0)
+            if given
+            else None
+        )
+        try:
+            store = (
+                PostgresStore(pool=pool)
+                if pool
+                else PostgresStore(dsn=dsn, listen=False, statement_cache_size=0)
+            )
+            with pytest.raises(ConfigurationError) as refused:
+                await store.open()
+        finally:
+            if pool is not None:
+                await pool.close()
+        # Whatever the statement cache: the pool mode is named, not the cache.
+        with pytest.raises(ConfigurationError) as cached:
+            await PostgresStore(dsn=dsn, listen=False).open()
+    finally:
+        statement.stop()
+    for error in (refused.value, cached.value):
+        assert "pool_mode = statement" in str(error)
+        assert "transaction blocks not allowed" in str(error)  # PgBouncer's own words
