@@ -182,3 +182,85 @@ async def test_a_claim_waiting_inside_pgbouncer_past_its_query_wait_timeout_is_a
     assert waited.headers["retry-after"]
     assert again.status_code == 201, again.text
     assert app.state.probe.calls == 1
+
+
+@pytest.mark.parametrize("given", [False, True], ids=["own-pool", "given-pool"])
+async def test_a_store_behind_statement_pooling_is_refused_when_it_opens(
+    pg_dsn: str, db_dsn: str, db_route: str, given: bool
+) -> None:
+    """PgBouncer in statement mode closes a client connection that leaves a transaction open:
+    the store opened, then every transactional request was answered 503 (its claim's BEGIN
+    refused). Now the store refuses to open, naming the pool mode."""
+    statement = PgBouncer(pg_dsn, pool_mode="statement").start()
+    try:
+        dsn = statement.dsn("idem_test")
+        pool = (
+            await asyncpg.create_pool(dsn, min_size=1, max_size=4, statement_cache_size=0)
+            if given
+            else None
+        )
+        try:
+            store = (
+                PostgresStore(pool=pool)
+                if pool
+                else PostgresStore(dsn=dsn, listen=False, statement_cache_size=0)
+            )
+            with pytest.raises(ConfigurationError) as refused:
+                await store.open()
+        finally:
+            if pool is not None:
+                await pool.close()
+        # Whatever the statement cache: the pool mode is named, not the cache.
+        with pytest.raises(ConfigurationError) as cached:
+            await PostgresStore(dsn=dsn, listen=False).open()
+    finally:
+        statement.stop()
+    for error in (refused.value, cached.value):
+        assert "pool_mode = statement" in str(error)
+        assert "transaction blocks not allowed" in str(error)  # PgBouncer's own words
+
+
+async def test_two_client_connections_meeting_on_one_server_session_fall_back_to_inlining(
+    pg_dsn: str, db_dsn: str, db_route: str, pool: asyncpg.Pool[Any]
+) -> None:
+    """PgBouncer with one server connection behind two of the store's: the first claim PREPAREs
+    the fast statements on that server session; the other client connection's first claim
+    PREPAREs them again there and meets 'already exists'. The store inlines from then on, and
+    every request is answered as if nothing happened (its handler's writes committed once)."""
+    from tests.apps import QueryLog, build_app, client
+
+    one = PgBouncer(pg_dsn, pool_size=1).start()
+    log = QueryLog()
+    try:
+        store = PostgresStore(
+            dsn=one.dsn("idem_test"),
+            listen=False,
+            statement_cache_size=0,
+            min_size=2,
+            max_size=2,
+            connect_kwargs={"init": log.attach},
+        )
+        async with store, client(build_app(store)) as c:
+
+            async def post(k: str) -> Any:
+                body = {"amount": 1}
+                return await c.post(
+                    "/accounts/met/credits", json=body, headers={"idempotency-key": k}
+                )
+
+            answers = [await post("m1")]
+            # The connection that prepared is held (in no transaction: that holds no server
+            # session in transaction mode), so the next request has the other one.
+            async with store.pool.acquire():
+                answers.append(await post("m2"))
+            answers += [await post("m3"), await post("m1")]
+    finally:
+        one.stop()
+    assert [r.status_code for r in answers] == [201] * 4
+    assert answers[-1].headers["idempotent-replayed"] == "true"
+    claims = [q for q in log.queries if "idem_claim_key" in q]
+    assert claims[0].startswith("PREPARE ")  # the first client connection's
+    assert claims[1].startswith("PREPARE ")  # the second's, on the same server session: refused
+    assert claims[2].startswith("BEGIN; SELECT * FROM idem_claim_key(")  # sent again, inlined
+    assert all(not q.startswith(("PREPARE", "EXECUTE")) for q in claims[3:])
+    assert await pool.fetchval("SELECT balance FROM test_accounts WHERE account_id = 'met'") == 3

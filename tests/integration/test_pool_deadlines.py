@@ -11,6 +11,7 @@ import os
 import signal
 from collections.abc import AsyncIterator
 
+import asyncpg
 import pytest
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -209,3 +210,48 @@ async def test_a_lease_request_is_answered_503_at_the_middlewares_deadline(
         finally:
             await store.pool.release(held)
     assert ran == []
+
+
+@pytest.mark.parametrize("fast_path", [True, False], ids=["fast", "ordinary"])
+async def test_a_fresh_claim_the_server_does_not_answer_in_time_is_a_503(
+    db_dsn: str, fast_path: bool
+) -> None:
+    """The claim's statements get the policy's wait as their timeout. A fresh key whose claim
+    ran out of it waiting for the server, not for another claim (here the table is locked by
+    DDL; behind PgBouncer, no server connection was free) was answered 409 'A request is
+    outstanding for this Idempotency-Key' with nothing outstanding. It is 503
+    store-unavailable (nothing ran).
+
+    The fast claim was the connection's first message, so it carried the PREPAREs, and was
+    cancelled half-way: the claim's was made, the completion's not (it waits for the table).
+    The store took them all for made, and every fresh request on that connection then failed
+    at its completion ('prepared statement ... does not exist', a 500, its handler's writes
+    rolled back). Now they are sent again, and the requests are answered."""
+    ran: list[int] = []
+
+    async def handler(request: Request) -> Response:
+        ran.append(1)
+        return JSONResponse({}, status_code=201)
+
+    store = PostgresStore(dsn=db_dsn, min_size=1, max_size=1, listen=False, fast_path=fast_path)
+    app = one_route_app("/x", handler, store=store, default_policy=Policy(wait_seconds=0.2))
+    keys = [f"late-{fast_path}-{i}" for i in range(3)]
+    ddl = await asyncpg.connect(db_dsn)
+    try:
+        async with store, client(app) as http:
+            locking = ddl.transaction()
+            await locking.start()
+            await ddl.execute("LOCK TABLE idem_requests IN ACCESS EXCLUSIVE MODE")
+            try:
+                posting = http.post("/x", json={}, headers=key(keys[0]))
+                reply = await asyncio.wait_for(posting, BOUND)
+            finally:
+                await locking.rollback()
+            assert_problem(reply, 503, "store-unavailable")
+            assert ran == []
+            # (One connection: each of these runs on the one the cancelled claim had.)
+            again = [await http.post("/x", json={}, headers=key(k)) for k in keys]
+    finally:
+        await ddl.close()
+    assert [r.status_code for r in again] == [201, 201, 201], again[-1].text
+    assert ran == [1, 1, 1]

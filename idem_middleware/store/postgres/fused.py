@@ -210,8 +210,17 @@ class FastPath:
             raise NotFusable("the connection is gone")  # the ordinary path reports it
         if raw in self.prepared:
             return begin_sql + statement
-        self.prepared.add(raw)  # prepared by this very message (it fails as a whole if not)
+        self.prepared.add(raw)  # prepared by this very message (`unsure` if it fails)
         return _PREPARE + begin_sql + statement
+
+    def unsure(self, conn: Any, message: str, error: BaseException) -> None:
+        """The message failed. A PREPARE is not undone with the message's transaction: if it
+        carried them, some may be there and some not (cancelled half-way), and a statement
+        used later would be missing. They are sent again on the connection's next use (one
+        that is there answers 'already exists': the store inlines from then on). A
+        serialization failure or deadlock comes from the statement after them."""
+        if message.startswith("PREPARE") and not isinstance(error, RETRYABLE):
+            self.prepared.discard(compat.raw_connection(conn))
 
     def stop_preparing(self) -> None:
         # A statement missing where we prepared it, or present where we did not: server
@@ -259,6 +268,9 @@ class FastPath:
                 compat.forget_statements(conn)  # (asyncpg's are as gone as ours)
                 await session.rollback()
                 continue
+            except BaseException as exc:
+                self.unsure(conn, query, exc)
+                raise
             if status == "SELECT 0":  # no record holds the key
                 return Claimed(generation, generation)  # a fresh record's epoch
             if status == _KEY_BUSY:
@@ -359,6 +371,9 @@ class FastPath:
                 continue
             except RETRYABLE:
                 await tx.rollback()  # nothing is open when it raises (the caller opens again)
+                raise
+            except BaseException as exc:
+                self.unsure(conn, query, exc)
                 raise
             return tx, status == "SELECT 1"
         return None

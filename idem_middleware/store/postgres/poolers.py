@@ -15,6 +15,11 @@ a pooler that tracks prepared statements (PgBouncer 1.21 and later with
 share a server session whose names are the clients' own does the second fail. Under load the
 pooler may hand the second connection another session; the test is then inconclusive, and the
 store opens as before.
+
+A pooler in statement mode (PgBouncer's `pool_mode = statement`) hands out a server session per
+statement and closes a client connection that leaves a transaction open at the end of one:
+every transactional claim and lease-mode fence then failed, each request answered 503, while
+the store opened without a word. `require_transactions` opens one when the store opens.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import asyncpg
 
 from ...errors import ConfigurationError
 from . import compat
+from .convert import CONNECTION_ERRORS
 
 #: What a client connection's prepared statement meets on a server session it does not own.
 PREPARED_MISMATCH: tuple[type[BaseException], ...] = (
@@ -73,3 +79,23 @@ async def check(pool: Any, timeout: float) -> None:  # noqa: ASYNC109 - asyncpg'
                 for conn in (first, second):
                     with contextlib.suppress(asyncpg.exceptions.InvalidSQLStatementNameError):
                         await conn.execute(f"DEALLOCATE {name}")
+
+
+async def require_transactions(conn: Any) -> None:
+    """ConfigurationError if the connection cannot keep a transaction open from one statement
+    to the next (a pooler in statement mode closes it at the BEGIN, saying why)."""
+    tx = conn.transaction()
+    try:
+        await tx.start()
+    except CONNECTION_ERRORS as exc:
+        # (The connection is gone; the pooler's own words come as the cause.)
+        said = exc.__cause__
+        if not isinstance(said, asyncpg.exceptions.ProtocolViolationError):
+            raise
+        raise ConfigurationError(
+            "the store's connections cannot hold a transaction open "
+            f"({getattr(said, 'message', said)}): a pooler in statement mode (PgBouncer's "
+            "pool_mode = statement) refuses what every transactional claim and lease-mode fence "
+            "needs. Use pool_mode = transaction (or session) for the store's database"
+        ) from exc
+    await tx.rollback()

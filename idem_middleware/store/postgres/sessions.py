@@ -274,14 +274,20 @@ class PgTransaction:
                         if not record.expired:
                             return Existing(record)
             await self._lock_key(key, lock, timeout)
-            return await claim(self.driver, key, args, token_hash, timeout)
+            try:
+                return await claim(self.driver, key, args, token_hash, timeout)
+            except WAIT_EXCEEDED as exc:
+                raise ClaimTimeout("waited too long for a concurrent claim") from exc
         except ClaimBusy:
             await self.rollback()
             raise
         except STALE_STATEMENT as exc:
             raise await self._stale(exc) from exc
         except WAIT_EXCEEDED as exc:
-            raise ClaimTimeout("waited too long for a concurrent claim") from exc
+            # Only `claim` waits for a lock (a concurrent claim's row); everything before it
+            # tries the key's lock without waiting. Out of time there, the claim waited for the
+            # server (a pooler with none free, a table locked by DDL): the store's trouble.
+            raise StoreError("the database did not answer the claim in time") from exc
         except TRANSLATED as exc:
             raise translate(exc) from exc
 

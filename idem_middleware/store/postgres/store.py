@@ -42,7 +42,7 @@ from .fenced import Fencing
 from .fused import FastPath
 from .lifecycle import Turns, refuse_other_loop
 from .listener import Listener
-from .poolers import PREPARED_MISMATCH, refusal
+from .poolers import PREPARED_MISMATCH, refusal, require_transactions
 from .poolers import check as check_pooler
 from .privileges import require_privileges, require_writable
 from .runner import alone
@@ -135,7 +135,8 @@ class PostgresStore(OffPathStatements):
     async def open(self) -> PostgresStore:
         """Create the pool (unless one was given), and check that the database has every
         migration this version needs and takes writes (not a standby, sessions not read-only):
-        ConfigurationError, naming the fix, if not. A server that cannot be reached yet is no
+        ConfigurationError, naming the fix, if not (a pooler in statement mode, which refuses
+        transactions, too). A server that cannot be reached yet is no
         reason to refuse (requests answer 503 until it is): the check is then skipped, with a
         warning.
 
@@ -163,6 +164,9 @@ class PostgresStore(OffPathStatements):
             except CONNECTION_ERRORS as exc:
                 raise StoreError(f"cannot connect: {exc}") from exc
         try:
+            if self._needs_writes:
+                async with self._internal() as conn:
+                    await require_transactions(conn)  # (a pooler in statement mode: refused)
             await check_pooler(self.pool, self._checkouts.delay)
             async with self._internal() as conn:
                 try:
