@@ -226,7 +226,8 @@ async def test_a_fresh_claim_the_server_does_not_answer_in_time_is_a_503(
     cancelled half-way: the claim's was made, the completion's not (it waits for the table).
     The store took them all for made, and every fresh request on that connection then failed
     at its completion ('prepared statement ... does not exist', a 500, its handler's writes
-    rolled back). Now they are sent again, and the requests are answered."""
+    rolled back). Now that connection's statements are inlined, and the requests are answered;
+    the store's other connections keep theirs (it does not stop preparing altogether)."""
     ran: list[int] = []
 
     async def handler(request: Request) -> Response:
@@ -255,3 +256,6 @@ async def test_a_fresh_claim_the_server_does_not_answer_in_time_is_a_503(
         await ddl.close()
     assert [r.status_code for r in again] == [201, 201, 201], again[-1].text
     assert ran == [1, 1, 1]
+    if fast_path:
+        assert store._fast is not None
+        assert store._fast.use_prepared  # one doubtful connection inlines, not the store

@@ -126,6 +126,45 @@ def notify_token(key: RecordKey) -> str:
     return hashlib.sha256(raw).hexdigest()[:32]
 
 
+def completion_args(
+    key: RecordKey,
+    generation: int,
+    state: State,
+    response: StoredResponse,
+    deferred: tuple[bytes, float] | None,
+) -> tuple[str, tuple[Any, ...]]:
+    """A transactional claim's completing statement and its parameters: the pending record's
+    UPDATE (`complete`), or for a claim that wrote nothing yet (`deferred`: the fingerprint and
+    retention its record is inserted with) the record's one INSERT (`insert_final`)."""
+    headers = encode_headers(response.headers)
+    if deferred is None:
+        return "complete", (
+            key.tenant,
+            key.operation,
+            key.key,
+            generation,
+            str(state),  # (its text: `.value` is a Python property of Enum's)
+            response.status,
+            headers,
+            response.body,
+            response.body_omitted,
+        )
+    fingerprint, retention_seconds = deferred
+    return "insert_final", (
+        key.tenant,
+        key.operation,
+        key.key,
+        fingerprint,
+        generation,
+        retention_seconds,
+        str(state),
+        response.status,
+        headers,
+        response.body,
+        response.body_omitted,
+    )
+
+
 def settle_args(key: RecordKey, generation: int, expected: State, s: Settlement) -> tuple[Any, ...]:
     """The parameters of `settle` (and of the fused `settle_checked`)."""
     r = s.response

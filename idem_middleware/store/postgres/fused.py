@@ -18,11 +18,8 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
-import time
 import weakref
-from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
-from operator import itemgetter
 from typing import Any, Protocol
 
 import asyncpg
@@ -31,6 +28,7 @@ from ...errors import ClaimBusy, NotFusable, StoreError
 from ..base import Claimed, RecordKey
 from . import compat
 from .convert import _Q, CONNECTION_ERRORS, RETRYABLE, SERVER_ERROR, STALE_STATEMENT
+from .generations import Generations
 from .literals import _inline, _literals
 
 logger = logging.getLogger("idem_middleware.store")
@@ -68,35 +66,6 @@ def fusable(conn: Any) -> bool:
     character another encoding lacks: one rule for both keeps a tenant or key that only one of
     them could write from being claimed one way and looked up the other."""
     return compat.supported(conn) and _utf8(conn) and not conn.is_in_transaction()
-
-
-class Generations:
-    """Generations drawn from `idem_generation_seq` ahead of use, for the fused claim (a simple
-    query returns no rows, so the claim cannot RETURNING its generation).
-
-    Each drawn value is handed out at most once, so generations are still never reused; values
-    older than `max_age` are dropped, so generations keep roughly the order of the claims.
-    """
-
-    def __init__(self, batch: int = 32, max_age: float = 1.0) -> None:
-        self._batch = batch
-        self._max_age = max_age
-        self._values: deque[int] = deque()
-        self._drawn_at = 0.0
-
-    def take_ready(self) -> int | None:
-        """A drawn generation, or None: then `draw` (inside the claim's transaction)."""
-        if self._values and time.monotonic() - self._drawn_at <= self._max_age:
-            return self._values.popleft()
-        return None
-
-    async def draw(self, conn: Any) -> int:
-        """Draw a batch (in the caller's transaction, so it costs no commit of its own) and
-        take one. A concurrent draw may replace the batch; each value is still taken once."""
-        rows = await conn.fetch(_Q["draw_generations"], self._batch)
-        values = self._values = deque(map(itemgetter(0), rows))
-        self._drawn_at = time.monotonic()
-        return values.popleft()
 
 
 def _prepared_name(base: str, query: str) -> str:
@@ -181,6 +150,7 @@ class FastPath:
     def __init__(self, mark_clean: Callable[[Any], None] | None = None) -> None:
         self.generations = Generations()
         self.prepared: weakref.WeakSet[Any] = weakref.WeakSet()
+        self.doubtful: weakref.WeakSet[Any] = weakref.WeakSet()  # see `unsure`
         self.use_prepared = True
         #: The store's, when the store's pool resets connections by the store's own hook: the
         #: message that commits then carries the connection's reset query too, after the
@@ -210,17 +180,20 @@ class FastPath:
             raise NotFusable("the connection is gone")  # the ordinary path reports it
         if raw in self.prepared:
             return begin_sql + statement
+        if raw in self.doubtful:
+            return begin_sql + _inline(_FAST[query][0], args, utf8) + tail
         self.prepared.add(raw)  # prepared by this very message (`unsure` if it fails)
         return _PREPARE + begin_sql + statement
 
     def unsure(self, conn: Any, message: str, error: BaseException) -> None:
         """The message failed. A PREPARE is not undone with the message's transaction: if it
-        carried them, some may be there and some not (cancelled half-way), and a statement
-        used later would be missing. They are sent again on the connection's next use (one
-        that is there answers 'already exists': the store inlines from then on). A
-        serialization failure or deadlock comes from the statement after them."""
+        carried them, some may be there and some not (cancelled half-way), so this connection's
+        statements are inlined from now on; the store's others keep theirs. (A serialization
+        failure or deadlock comes from the statement after them: all were made.)"""
         if message.startswith("PREPARE") and not isinstance(error, RETRYABLE):
-            self.prepared.discard(compat.raw_connection(conn))
+            raw = compat.raw_connection(conn)
+            self.prepared.discard(raw)
+            self.doubtful.add(raw)
 
     def stop_preparing(self) -> None:
         # A statement missing where we prepared it, or present where we did not: server

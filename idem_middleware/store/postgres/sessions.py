@@ -24,7 +24,7 @@ from .convert import (
     TRANSLATED,
     UNIQUE_VIOLATION,
     WAIT_EXCEEDED,
-    encode_headers,
+    completion_args,
     is_conflict,
     to_record,
     translate,
@@ -310,7 +310,7 @@ class PgTransaction:
         if self._claimed is None:
             raise StoreError("finish without a claim")
         key, generation = self._claimed
-        name, args = self._completion(key, generation, state, response)
+        name, args = completion_args(key, generation, state, response, self._deferred)
         fast = self._fast
         # The handler had the proxy and may have given it back to the pool: then `driver` is None
         # and the proxy's own call below reports it (sent past it, the completion would commit
@@ -351,39 +351,6 @@ class PgTransaction:
         self._tx = None
         self._deferred = None
         self._claimed = None
-
-    def _completion(
-        self, key: RecordKey, generation: int, state: State, response: StoredResponse
-    ) -> tuple[str, tuple[Any, ...]]:
-        """The completing statement and its arguments: the pending record's UPDATE
-        (`complete`), or, for a claim that wrote nothing yet, the record's one INSERT."""
-        headers = encode_headers(response.headers)
-        if self._deferred is None:
-            return "complete", (
-                key.tenant,
-                key.operation,
-                key.key,
-                generation,
-                str(state),  # (its text: `.value` is a Python property of Enum's)
-                response.status,
-                headers,
-                response.body,
-                response.body_omitted,
-            )
-        fingerprint, retention_seconds = self._deferred
-        return "insert_final", (
-            key.tenant,
-            key.operation,
-            key.key,
-            fingerprint,
-            generation,
-            retention_seconds,
-            str(state),
-            response.status,
-            headers,
-            response.body,
-            response.body_omitted,
-        )
 
     async def _lost_the_key(self, exc: BaseException) -> RetryableConflict:
         """A record for the key appeared while the handler ran: a claim that took no advisory
