@@ -100,3 +100,43 @@ async def test_a_conflict_met_through_a_claim_session_reruns_the_transaction(
     assert r.json() == {"call": 3}
     assert again.headers["idempotent-replayed"] == "true"
     assert await pool.fetchval("SELECT count(*) FROM test_ledger") == 1
+
+
+async def test_a_statement_plan_a_migration_invalidated_reruns_the_transaction(
+    db_dsn: str, pool: Any
+) -> None:
+    """A migration while the app serves (here `ALTER TABLE ... ADD COLUMN` under a `SELECT *`):
+    the next use of a statement the connection had prepared fails once with asyncpg's
+    InvalidCachedStatementError, which asyncpg re-prepares by itself only outside a transaction.
+    In the claim's transaction it was a 500 per pooled connection; the attempt's writes rolled
+    back, so it now runs again, as after a serialization failure, and the request is served."""
+    await pool.execute("DROP TABLE IF EXISTS migrating; CREATE TABLE migrating (id int, v int)")
+    calls: list[str] = []
+
+    async def handler(request: Request) -> JSONResponse:
+        conn = get_context(request).connection
+        calls.append(request.headers["idempotency-key"])
+        rows = await conn.fetch("SELECT * FROM migrating")
+        await conn.execute("INSERT INTO migrating (id, v) VALUES ($1, 1)", len(calls))
+        return JSONResponse({"rows": len(rows)}, status_code=201)
+
+    store = PostgresStore(dsn=db_dsn, min_size=1, max_size=1, listen=False)
+    app = Starlette(
+        routes=[Route("/m", handler, methods=["POST"])],
+        middleware=[
+            Middleware(
+                IdempotencyMiddleware, store=store, default_policy=Policy(allow_anonymous=True)
+            )
+        ],
+    )
+    try:
+        async with store, client(app, token=None) as c:
+            first = await c.post("/m", json={}, headers={"idempotency-key": "before"})
+            await pool.execute("ALTER TABLE migrating ADD COLUMN w int")
+            after = await c.post("/m", json={}, headers={"idempotency-key": "after"})
+        assert first.status_code == 201
+        assert after.status_code == 201, after.text
+        assert calls == ["before", "after", "after"]  # the invalidated attempt, then its rerun
+        assert await pool.fetchval("SELECT count(*) FROM migrating") == 2
+    finally:
+        await pool.execute("DROP TABLE IF EXISTS migrating")

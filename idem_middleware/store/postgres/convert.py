@@ -67,7 +67,13 @@ def is_conflict(exc: BaseException) -> bool:
     return False
 
 
-_CONFLICTS: tuple[type[BaseException], ...] = (RetryableConflict, *RETRYABLE)
+_CONFLICTS: tuple[type[BaseException], ...] = (
+    RetryableConflict,
+    *RETRYABLE,
+    # A statement plan a migration invalidated (ALTER TABLE under a cached `SELECT *`): asyncpg
+    # re-prepares it by itself only outside a transaction, and has dropped it from its cache.
+    asyncpg.exceptions.InvalidCachedStatementError,
+)
 #: How far down an error's causes `is_conflict` looks (SQLAlchemy's is two down; bounded).
 _CAUSES = 8
 
