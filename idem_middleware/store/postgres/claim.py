@@ -6,7 +6,7 @@ from typing import Any
 
 from ...errors import ClaimTimeout
 from ..base import Claim, Claimed, Existing, RecordKey, TokenRefused
-from .convert import _Q, to_record, token_problem
+from .convert import _Q, SERVER_ERROR, scrub, to_record, token_problem
 
 # How often a claim re-reads a record that vanished between the INSERT and the SELECT (a
 # concurrent claim rolled back, or a purge ran). Each pass makes progress, so a few suffice.
@@ -19,6 +19,22 @@ def _claimed(row: Any) -> Claimed:
 
 
 async def claim(
+    executor: Any,
+    key: RecordKey,
+    args: tuple[Any, ...],
+    token_hash: bytes | None,
+    timeout: float | None,  # noqa: ASYNC109 - asyncpg's own per-statement timeout
+) -> Claim:
+    """`_claim`; a statement the server refuses (a constraint, a trigger) without its DETAIL,
+    which quotes the row (see convert.scrub)."""
+    try:
+        return await _claim(executor, key, args, token_hash, timeout)
+    except SERVER_ERROR as exc:
+        scrub(exc)
+        raise
+
+
+async def _claim(
     executor: Any,
     key: RecordKey,
     args: tuple[Any, ...],

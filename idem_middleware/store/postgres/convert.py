@@ -4,6 +4,7 @@ library's."""
 from __future__ import annotations
 
 import hashlib
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -15,6 +16,7 @@ from ...errors import RetryableConflict, StatementRefused, StoreError
 from ..base import Record, RecordKey, Settlement, State, StoredResponse
 
 _Q = sql.queries()
+logger = logging.getLogger("idem_middleware.store")
 
 CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
     OSError,
@@ -78,7 +80,21 @@ _CONFLICTS: tuple[type[BaseException], ...] = (
 _CAUSES = 8
 
 
+def scrub(exc: BaseException) -> BaseException:
+    """Drop PostgreSQL's DETAIL from an error of one of the store's own statements: it quotes
+    the row refused (`Failing row contains (tenant, operation, key, ..., \\x<body>...)`, or a
+    unique violation's `Key (...)=(...)`), and asyncpg makes it part of the error's text, which
+    a server logs with the traceback at ERROR. The SQLSTATE, constraint, table and message
+    stay; the DETAIL goes to a DEBUG line (docs/security.md)."""
+    detail = getattr(exc, "detail", None)
+    if isinstance(exc, SERVER_ERROR) and detail:
+        logger.debug("the server's detail of %s: %s", type(exc).__name__, detail)
+        exc.detail = None  # type: ignore[attr-defined]
+    return exc
+
+
 def translate(exc: BaseException) -> BaseException:
+    scrub(exc)
     if isinstance(exc, RETRYABLE):
         return RetryableConflict(str(exc))
     if isinstance(exc, CONNECTION_ERRORS):

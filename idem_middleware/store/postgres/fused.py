@@ -27,7 +27,7 @@ import asyncpg
 from ...errors import ClaimBusy, NotFusable, StoreError
 from ..base import Claimed, RecordKey
 from . import compat
-from .convert import _Q, CONNECTION_ERRORS, RETRYABLE, SERVER_ERROR, STALE_STATEMENT
+from .convert import _Q, CONNECTION_ERRORS, RETRYABLE, SERVER_ERROR, STALE_STATEMENT, scrub
 from .generations import Generations
 from .literals import _inline, _literals
 
@@ -295,6 +295,7 @@ class FastPath:
         try:
             await conn.execute(message)
         except SERVER_ERROR as exc:
+            scrub(exc)  # (a constraint, a trigger: its DETAIL quotes the row)
             # With the reset after the COMMIT, an error no longer means that the COMMIT did not
             # run. Unless the transaction is still open (aborted before its COMMIT), the record
             # tells: it holds what the completion wrote only if the COMMIT went through.

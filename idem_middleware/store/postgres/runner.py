@@ -21,6 +21,7 @@ from .convert import (
     SERVER_ERROR,
     STALE_STATEMENT,
     TRANSLATED,
+    scrub,
     translate,
 )
 from .lifecycle import check_loop, other_loop
@@ -84,6 +85,14 @@ _T = TypeVar("_T")
 
 
 async def alone(call: Callable[..., Awaitable[_T]], *args: Any, on: Any) -> _T:
+    try:
+        return await _alone(call, *args, on=on)
+    except SERVER_ERROR as exc:
+        scrub(exc)  # (its DETAIL quotes the row: never in a message a server logs)
+        raise
+
+
+async def _alone(call: Callable[..., Awaitable[_T]], *args: Any, on: Any) -> _T:
     """`await call(*args)`: statements on the connection `on`, each committed on its own (no
     transaction around them), run again while the server refuses one for a serialization
     failure or a deadlock. A refused statement changed nothing, so running it again is safe.

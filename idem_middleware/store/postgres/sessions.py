@@ -12,7 +12,7 @@ from typing import Any, Protocol
 from ...delayed import Delayed
 from ...errors import ClaimBusy, ClaimTimeout, RetryableConflict, StoreError
 from ..base import Claim, Claimed, Existing, RecordKey, State, StoredResponse
-from . import compat
+from . import compat, convert
 from .claim import claim
 from .claim_lock import ClaimLocks
 from .convert import (
@@ -341,6 +341,8 @@ class PgTransaction:
             if raw is None:  # (asyncpg says "released back to the pool" of a lost one too)
                 raise StoreError(CLAIM_CONNECTION_GONE) from exc
             raise translate(exc) from exc
+        except convert.SERVER_ERROR as exc:  # a constraint, a trigger: DETAIL quotes the row
+            raise convert.scrub(exc)  # noqa: B904 - the same error, re-raised
         if status not in ("UPDATE 1", "INSERT 0 1"):
             # Our own uncommitted row: only a bug (or a hand edit) makes this miss.
             raise StoreError(f"completion matched no pending record ({status})")
@@ -357,7 +359,7 @@ class PgTransaction:
         lock (the ordinary path, a token claim, or a lease-mode claim of the same operation)
         committed it first. Nothing of ours is committed; the attempt runs again, and its
         claim finds that record."""
-        logger.debug("the key was recorded by another claim first", exc_info=exc)
+        logger.debug("the key was recorded by another claim first", exc_info=convert.scrub(exc))
         await self.rollback()
         return RetryableConflict("the key was recorded by a concurrent claim")
 
