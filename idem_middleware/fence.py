@@ -16,6 +16,7 @@ from .errors import FenceRollback, StaleGeneration
 from .outcomes import FINAL_STATE, outcome_for_status
 from .policy import Mode
 from .reconcile import Happened, NotHappened, ReconcileContext, Reconciler, StillUnknown
+from .responses import storable_headers
 from .store.base import RecordKey, Settlement, State, Store, StoredResponse
 
 logger = logging.getLogger("idem_middleware")
@@ -155,7 +156,9 @@ async def run_reconciler(
         logger.warning("reconciler gave no usable answer: %s", state, extra=log)
         return ReconcileResult(Verdict.FAILED, _FAILED)
     assert isinstance(result, Happened)  # (_settles_to checked it)
-    stored = StoredResponse(result.status, list(result.headers), result.body)
+    # Kept as a handler's headers are: a reconciler that hands over the downstream's own
+    # (Content-Length, Transfer-Encoding, Date ...) would otherwise break every replay.
+    stored = StoredResponse(result.status, storable_headers(result.headers), result.body)
     if not await fence.settle(Settlement(state, stored, note="reconciled")):
         return ReconcileResult(Verdict.CHANGED)
     logger.info("reconciled as happened", extra={**log, "outcome": state.value})
