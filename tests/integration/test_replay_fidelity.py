@@ -7,14 +7,26 @@ and docs/decisions.md ("Responses").
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
 
 from idem_middleware import Mode, Policy
 from idem_middleware.reconcile import Happened, ReconcileContext, Reconciliation
 from idem_middleware.store.postgres import decode_headers
-from tests.apps import BOUND, PAYOUTS, Step, build_lease_app, reset_downstream
+from tests.apps import (
+    BOUND,
+    PAYOUTS,
+    Step,
+    build_lease_app,
+    client,
+    key,
+    one_route_app,
+    reset_downstream,
+)
 from tests.apps.servers import connection, uvicorn_serving
 
 PAYOUT = b'{"account": "acc-1", "amount": 100}'
@@ -101,3 +113,26 @@ async def test_a_reconciled_response_is_stored_as_a_handlers_would_be(
         b"content-type",
         b"x-bank-reference",
     }
+
+
+async def refilled_buffer(request: Request) -> Response:
+    """Streams one buffer, refilled between chunks (as a reader with `readinto` would)."""
+    buffer = bytearray(b"AAAA")
+
+    async def chunks() -> AsyncIterator[memoryview]:
+        for fill in (b"AAAA", b"BBBB", b"CCCC"):
+            buffer[:] = fill
+            yield memoryview(buffer)
+
+    return StreamingResponse(chunks(), media_type="application/octet-stream")
+
+
+async def test_a_stream_of_views_of_one_buffer_is_held_and_replayed_as_sent(pg_store: Any) -> None:
+    """Found by probing: each chunk was held by reference, so the first client and every
+    replay got `CCCCCCCCCCCC`."""
+    app = one_route_app("/export", refilled_buffer, store=pg_store, default_policy=Policy())
+    async with client(app) as c:
+        first = await c.post("/export", headers=key("k1"))
+        replay = await c.post("/export", headers=key("k1"))
+    assert first.content == replay.content == b"AAAABBBBCCCC"
+    assert replay.headers["idempotent-replayed"] == "true"
