@@ -16,6 +16,7 @@ from starlette.responses import Response, StreamingResponse
 
 from idem_middleware import Mode, Policy
 from idem_middleware.reconcile import Happened, ReconcileContext, Reconciliation
+from idem_middleware.store.base import StoredResponse
 from idem_middleware.store.postgres import decode_headers
 from tests.apps import (
     BOUND,
@@ -136,3 +137,34 @@ async def test_a_stream_of_views_of_one_buffer_is_held_and_replayed_as_sent(pg_s
         replay = await c.post("/export", headers=key("k1"))
     assert first.content == replay.content == b"AAAABBBBCCCC"
     assert replay.headers["idempotent-replayed"] == "true"
+
+
+async def two_cookies(request: Request) -> Response:
+    response = Response(b"ok", media_type="text/plain", headers={"x-order": "o-1"})
+    response.set_cookie("session", "first-client")
+    response.set_cookie("csrf", "t-1")
+    return response
+
+
+def fresh_cookie(stored: StoredResponse, scope: Any) -> StoredResponse:
+    return StoredResponse(
+        stored.status, [*stored.headers, (b"set-cookie", b"csrf=t-2")], stored.body
+    )
+
+
+@pytest.mark.parametrize("hook", [None, fresh_cookie], ids=["no-hook", "hook"])
+async def test_a_replay_sets_no_cookie_of_the_first_clients(pg_store: Any, hook: Any) -> None:
+    """docs/decisions.md, "A replay has no Set-Cookie": none of the first response's cookies,
+    however many; a replay hook may set one made for the retry."""
+    policy = Policy(replay_hook=hook)
+    app = one_route_app("/orders", two_cookies, store=pg_store, default_policy=policy)
+    async with client(app) as c:
+        first = await c.post("/orders", headers=key("k1"))
+        replay = await c.post("/orders", headers=key("k1"))
+    assert first.headers.get_list("set-cookie") == [
+        "session=first-client; Path=/; SameSite=lax",
+        "csrf=t-1; Path=/; SameSite=lax",
+    ]
+    expected = [] if hook is None else ["csrf=t-2"]
+    assert replay.headers.get_list("set-cookie") == expected
+    assert (replay.content, replay.headers["x-order"]) == (b"ok", "o-1")
