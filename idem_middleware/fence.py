@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 from collections.abc import Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
@@ -24,6 +25,10 @@ logger = logging.getLogger("idem_middleware")
 #: What a client's retry is told when the reconciler failed (raised, timed out, or gave no usable
 #: answer): the record stays unknown.
 _FAILED = "Asking the downstream system failed; retry later."
+
+# RFC 9110: a field name is a token; a value has no CR, LF or NUL (servers refuse to send them).
+_HEADER_NAME = re.compile(rb"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+_HEADER_VALUE = re.compile(rb"[^\r\n\x00]*")
 
 
 class Fence:
@@ -190,4 +195,9 @@ def _settles_to(result: object) -> State | str:
         for pair in headers
     ):
         return f"Happened({status}): its headers are not (bytes, bytes) pairs"
+    for name, value in headers:
+        # Stored, a header the server refuses to send would break every replay for the whole
+        # retention: refused now, the record stays unknown. Named, never quoted (see above).
+        if _HEADER_NAME.fullmatch(name) is None or _HEADER_VALUE.fullmatch(value) is None:
+            return f"Happened({status}): the header {name[:64]!r} is not valid in HTTP"
     return state
