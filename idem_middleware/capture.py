@@ -123,6 +123,10 @@ class ResponseCapture(Answer):
             await self._send(message)
             return
         chunk = message.get("body", b"")
+        if type(chunk) is not bytes:
+            # A view of the app's buffer (Starlette streams memoryviews as they come), which the
+            # app may refill once this send returns: what is held must be a copy.
+            chunk = bytes(chunk)
         more = message.get("more_body", False)
         self.size += len(chunk)
         if chunk:

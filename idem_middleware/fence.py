@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 from collections.abc import Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ from .errors import FenceRollback, StaleGeneration
 from .outcomes import FINAL_STATE, outcome_for_status
 from .policy import Mode
 from .reconcile import Happened, NotHappened, ReconcileContext, Reconciler, StillUnknown
+from .responses import storable_headers
 from .store.base import RecordKey, Settlement, State, Store, StoredResponse
 
 logger = logging.getLogger("idem_middleware")
@@ -23,6 +25,10 @@ logger = logging.getLogger("idem_middleware")
 #: What a client's retry is told when the reconciler failed (raised, timed out, or gave no usable
 #: answer): the record stays unknown.
 _FAILED = "Asking the downstream system failed; retry later."
+
+# RFC 9110: a field name is a token; a value has no CR, LF or NUL (servers refuse to send them).
+_HEADER_NAME = re.compile(rb"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+_HEADER_VALUE = re.compile(rb"[^\r\n\x00]*")
 
 
 class Fence:
@@ -155,7 +161,9 @@ async def run_reconciler(
         logger.warning("reconciler gave no usable answer: %s", state, extra=log)
         return ReconcileResult(Verdict.FAILED, _FAILED)
     assert isinstance(result, Happened)  # (_settles_to checked it)
-    stored = StoredResponse(result.status, list(result.headers), result.body)
+    # Kept as a handler's headers are: a reconciler that hands over the downstream's own
+    # (Content-Length, Transfer-Encoding, Date ...) would otherwise break every replay.
+    stored = StoredResponse(result.status, storable_headers(result.headers), result.body)
     if not await fence.settle(Settlement(state, stored, note="reconciled")):
         return ReconcileResult(Verdict.CHANGED)
     logger.info("reconciled as happened", extra={**log, "outcome": state.value})
@@ -187,4 +195,9 @@ def _settles_to(result: object) -> State | str:
         for pair in headers
     ):
         return f"Happened({status}): its headers are not (bytes, bytes) pairs"
+    for name, value in headers:
+        # Stored, a header the server refuses to send would break every replay for the whole
+        # retention: refused now, the record stays unknown. Named, never quoted (see above).
+        if _HEADER_NAME.fullmatch(name) is None or _HEADER_VALUE.fullmatch(value) is None:
+            return f"Happened({status}): the header {name[:64]!r} is not valid in HTTP"
     return state

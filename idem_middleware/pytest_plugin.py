@@ -235,8 +235,15 @@ def _checked(first: Any, second: Any) -> tuple[Any, Any]:
         f"the second response is not a replay (status {second.status_code}): was the "
         "route guarded and the first response stored?"
     )
-    assert second.status_code == first.status_code
-    assert second.content == first.content
+    assert second.status_code == first.status_code, (
+        f"the replay's status is {second.status_code}, the first response's {first.status_code}"
+    )
+    omitted = second.headers.get("idempotency-body-omitted")
+    assert omitted is None, (
+        f"the replay has no body (Idempotency-Body-Omitted: {omitted}): the first response was "
+        "a stream or over max_response_bytes, so its body was never stored"
+    )
+    assert second.content == first.content, "the replay's body differs from the first response's"
     return first, second
 
 

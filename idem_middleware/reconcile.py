@@ -14,6 +14,8 @@ class Happened:
     """The effect happened: here is the response the original request should have had.
 
     A 2xx/3xx status is stored as succeeded, another final 4xx (402 ...) as failed_final.
+    The headers are stored as a handler's are: framing (Content-Length, Transfer-Encoding),
+    hop-by-hop headers, Date, Server and Set-Cookie are left out; each replay adds its own.
     """
 
     status: int

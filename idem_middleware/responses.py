@@ -236,8 +236,23 @@ def _malformed(result: object) -> str | None:
     return None
 
 
-#: What a stored response's headers say of its body, dropped with the body itself.
-_BODY_CLAIMS = frozenset({b"content-type", b"content-encoding", b"content-range", b"digest"})
+#: What a stored response's headers say of its body, dropped with the body itself: its type,
+#: coding, range, language, checksums (RFC 3230, RFC 9530, Content-MD5: a client checking one
+#: would reject the empty body as corrupt) and disposition (a browser saves the empty body as
+#: the named file). ETag and Last-Modified stay: they name the resource's state, not the bytes.
+_BODY_CLAIMS = frozenset(
+    {
+        b"content-type",
+        b"content-encoding",
+        b"content-range",
+        b"content-language",
+        b"content-disposition",
+        b"content-md5",
+        b"digest",
+        b"content-digest",
+        b"repr-digest",
+    }
+)
 
 
 async def send_replay(
@@ -255,7 +270,7 @@ async def send_replay(
         # The original body was never kept (see the README, "Large and streaming responses"):
         # the status and headers say what happened; the empty body must not claim a type, nor
         # an encoding (an empty body is no gzip stream).
-        headers = [(n, v) for n, v in headers if n not in _BODY_CLAIMS]
+        headers = [(n, v) for n, v in headers if n.lower() not in _BODY_CLAIMS]
         headers.append((b"idempotency-body-omitted", response.body_omitted.encode()))
         body = b""
     if response.status < 200 or response.status in (204, 304):

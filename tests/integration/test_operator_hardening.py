@@ -248,6 +248,17 @@ WRONG_ANSWERS = [
     pytest.param(_happened("201"), "Happened('201'): not an HTTP status", id="text-status"),
     pytest.param(_happened(201, "secret-body"), "body is a str", id="text-body"),
     pytest.param(_happened(201, b"", [("a", "b")]), "not (bytes, bytes) pairs", id="text-headers"),
+    # Found by probing: stored, each made every replay a dropped connection for the retention.
+    pytest.param(
+        Happened(201, b"", [(b"x-note", b"secret-body\r\nx-injected: 1")]),
+        "the header b'x-note' is not valid in HTTP",
+        id="line-break-in-a-value",
+    ),
+    pytest.param(
+        Happened(201, b"", [(b"x note", b"secret-body")]),
+        "the header b'x note' is not valid in HTTP",
+        id="space-in-a-name",
+    ),
 ]
 
 

@@ -84,6 +84,40 @@ async def test_unguarded(idem_store, idem_replay):
     result.stdout.fnmatch_lines(["*the second response is not a replay*"])
 
 
+def test_replay_helper_says_why_a_streams_replay_has_no_body(
+    pytester: pytest.Pytester, inner_env: Path
+) -> None:
+    """A stream's body is never stored: its replay has none. The helper failed on a bare
+    `assert b'' == b'data: 1...'`; it now says the body was never stored, and why."""
+    pytester.makepyfile(
+        test_stream="""
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+from starlette.responses import StreamingResponse
+from idem_middleware import IdempotencyMiddleware, MemoryStore
+
+app = FastAPI()
+
+@app.post("/events")
+async def events():
+    async def lines():
+        yield b"data: 1\\n\\n"
+    return StreamingResponse(lines(), media_type="text/event-stream")
+
+app.add_middleware(IdempotencyMiddleware, store=MemoryStore(), tenant_resolver=str)
+
+def test_stream(idem_replay):
+    with TestClient(app) as client:
+        idem_replay(client, "POST", "/events")
+"""
+    )
+    result = run(pytester)
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(
+        ["*the replay has no body (Idempotency-Body-Omitted: streaming)*never stored*"]
+    )
+
+
 def test_a_run_that_uses_no_fixture_starts_no_database(
     pytester: pytest.Pytester, inner_env: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

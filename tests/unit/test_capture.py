@@ -213,3 +213,20 @@ async def test_headers_in_any_iterable_reach_the_client_and_the_record(kind: str
     assert capture.stored().headers == pairs
     await capture.flush()
     assert list(r.sent[0]["headers"]) == pairs
+
+
+async def test_a_held_chunk_is_a_copy_of_a_buffer_the_app_refills() -> None:
+    """Found by probing: a stream of memoryviews of one buffer the app refills (Starlette passes
+    them on as they come) was held by reference, so the client and every replay got the last
+    chunk's bytes in place of the earlier ones (`BBBBBBBB`, not `AAAABBBB`)."""
+    r = Recorder()
+    capture = ResponseCapture(r.send, 100, r)
+    buffer = bytearray(b"AAAA")
+    await capture(START)
+    await capture(body(memoryview(buffer), more=True))  # type: ignore[arg-type]
+    buffer[:] = b"BBBB"
+    await capture(body(memoryview(buffer)))  # type: ignore[arg-type]
+    buffer[:] = b"CCCC"
+    assert capture.stored().body == b"AAAABBBB"
+    await capture.flush()
+    assert b"".join(bytes(m["body"]) for m in r.sent[1:]) == b"AAAABBBB"

@@ -156,3 +156,32 @@ async def test_a_replay_hook_changes_the_replay_and_a_failing_one_does_not() -> 
     assert changed[1]["body"] == b"new"
     assert unchanged[0]["status"] == 201
     assert unchanged[1]["body"] == b"body"
+
+
+async def test_a_replay_without_its_body_drops_every_claim_about_it() -> None:
+    """Found by probing: a file too large to keep was replayed with its `Content-Digest` (a
+    client checking RFC 9530 digests rejects the empty body as corrupt) and its
+    `Content-Disposition: attachment` (a browser saves an empty report.csv); and a raw ASGI app's
+    `Content-Type` kept its type on the empty body, as its name was not lower-case."""
+    sent = Sent()
+    headers = [
+        (b"Content-Type", b"text/csv"),
+        (b"content-disposition", b'attachment; filename="report.csv"'),
+        (b"content-digest", b"sha-256=:RK/0qy18MlBSVnWgjwz6lZEWjP/lF5HF9bvEF8FabDg=:"),
+        (b"repr-digest", b"sha-256=:RK/0qy18MlBSVnWgjwz6lZEWjP/lF5HF9bvEF8FabDg=:"),
+        (b"content-md5", b"Q2hlY2sgSW50ZWdyaXR5IQ=="),
+        (b"content-language", b"en"),
+        (b"etag", b'"v7"'),
+        (b"last-modified", b"Tue, 01 Jul 2025 12:00:00 GMT"),
+        (b"content-location", b"/reports/7"),
+    ]
+    await send_replay(sent, StoredResponse(200, headers, b"", "too-large"))
+    assert [name for name, _ in sent[0]["headers"]] == [
+        b"etag",
+        b"last-modified",
+        b"content-location",
+        b"idempotency-body-omitted",
+        b"content-length",
+        b"idempotent-replayed",
+    ]
+    assert sent.headers[b"content-length"] == b"0"
