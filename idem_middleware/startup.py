@@ -15,9 +15,10 @@ from starlette.types import Scope
 
 from .errors import NOT_OPEN, OPEN_IN_LIFESPAN, OTHER_LOOP, ConfigurationError
 from .library_routes import tell_library_routes
+from .middleware_order import check_authentication, check_outer_middleware
 from .policy import WRAPPER_ATTRIBUTE, Mode, Policy, endpoint_policy, operation_name
 from .routing import Found, Hidden, match_route, routes_of, walk
-from .tenant import AUTH_FIX, ROUTE_RESOLVER_ATTRIBUTE, authenticated_user_tenant
+from .tenant import ROUTE_RESOLVER_ATTRIBUTE
 
 if TYPE_CHECKING:
     from .middleware import IdempotencyMiddleware
@@ -89,8 +90,8 @@ def check_app(mw: IdempotencyMiddleware, app: Any, scope: Scope | None = None) -
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         errors.append(f"policies[{name!r}] matches no route, so it can never apply{hint}")
     if guarded and app is not None:
-        _check_authentication(mw, app, [p for _, p in guarded])
-        _check_outer_middleware(app)
+        check_authentication(mw, app, [p for _, p in guarded])
+        check_outer_middleware(app)
     errors.extend(_status_route_errors(mw, routes, guarded))
     if errors:
         raise ConfigurationError("; ".join(errors))
@@ -335,62 +336,3 @@ def _check_route_tenant(mw: IdempotencyMiddleware, item: Found) -> None:
             resolver,
             mw.tenant_resolver,
         )
-
-
-def _check_authentication(mw: IdempotencyMiddleware, app: Any, policies: list[Policy]) -> None:
-    """With the default tenant resolver, Starlette's AuthenticationMiddleware must run first."""
-    if mw.tenant_resolver is not authenticated_user_tenant:
-        return
-    if all(p.allow_anonymous for p in policies):
-        return
-    stack = [entry.cls for entry in getattr(app, "user_middleware", ())]
-    ours = next((i for i, cls in enumerate(stack) if _named(cls, "IdempotencyMiddleware")), None)
-    auth = [i for i, cls in enumerate(stack) if _named(cls, "AuthenticationMiddleware")]
-    if ours is None:
-        return  # not added through the app: its order cannot be read here
-    if not auth:
-        logger.warning(
-            "idempotency: no AuthenticationMiddleware runs before IdempotencyMiddleware, so "
-            "guarded requests have no tenant and are refused (500), unless another middleware "
-            "sets scope['user']: %s",
-            AUTH_FIX,
-        )
-    elif all(i > ours for i in auth):
-        logger.warning(
-            "idempotency: AuthenticationMiddleware runs after IdempotencyMiddleware, so guarded "
-            "requests have no tenant and are refused (500): %s",
-            AUTH_FIX,
-        )
-
-
-#: Middleware whose work on a response depends on the request it answers: inside ours, what it
-#: made for the first request is stored and replayed to every retry.
-_OUTSIDE = {
-    "GZipMiddleware": "responses are stored compressed as the first request accepted, and "
-    "replayed so to every retry, whatever its Accept-Encoding",
-    "CORSMiddleware": "the middleware's own answers (400, 409, 422...) carry no CORS headers, "
-    "and a replay carries those made for the first request's Origin",
-}
-
-
-def _check_outer_middleware(app: Any) -> None:
-    """Compression and CORS belong outside the middleware (warned, as the order can be read)."""
-    stack = [entry.cls for entry in getattr(app, "user_middleware", ())]
-    ours = next((i for i, cls in enumerate(stack) if _named(cls, "IdempotencyMiddleware")), None)
-    if ours is None:
-        return
-    for name, harm in _OUTSIDE.items():
-        if any(_named(cls, name) for cls in stack[ours + 1 :]):
-            logger.warning(
-                "idempotency: %s runs after IdempotencyMiddleware, so %s: add it after "
-                "installing IdempotencyMiddleware (app.add_middleware(%s, ...) after "
-                "install(...): the middleware added last runs first; in a middleware=[...] "
-                "list, before it)",
-                name,
-                harm,
-                name,
-            )
-
-
-def _named(cls: Any, name: str) -> bool:
-    return any(base.__name__ == name for base in getattr(cls, "__mro__", ()))

@@ -13,13 +13,18 @@ import httpx
 import pytest
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
+from starlette.middleware.authentication import AuthenticationMiddleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.middleware.gzip import GZipMiddleware
+from starlette.middleware.httpsredirect import HTTPSRedirectMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from idem_middleware import IdempotencyMiddleware, MemoryStore
+from idem_middleware import IdempotencyMiddleware, MemoryStore, Policy
+from idem_middleware.tenant import authenticated_user_tenant
+from tests.apps.clients import TOKENS, BearerBackend
 
 pytestmark = pytest.mark.asyncio
 
@@ -85,3 +90,97 @@ async def test_inside_ours_gzip_replays_compressed_bytes_to_a_client_that_took_n
         headers = {"idempotency-key": "k", "accept-encoding": "identity"}
         retry = await client.post("/pay", headers=headers, content=b"{}")
     assert retry.headers["content-encoding"] == "gzip"
+
+
+# -- redirects, request IDs and authentication inside ours ----------------------------------------
+
+
+def _one_route(inner: Middleware, **options: object) -> Starlette:
+    ours = Middleware(
+        IdempotencyMiddleware,
+        store=MemoryStore(),
+        **({"tenant_resolver": lambda s: "t"} | options),
+    )
+    return Starlette(routes=[Route("/pay", pay, methods=["POST"])], middleware=[ours, inner])
+
+
+async def test_https_redirect_inside_ours_is_warned_of_as_it_stores_a_redirect_to_itself(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Its 307 is a 3xx (stored): the client follows it with the same key, to the same
+    operation, and is replayed the redirect to where it already is, for the key's retention."""
+    app = _one_route(Middleware(HTTPSRedirectMiddleware))
+    with caplog.at_level(logging.WARNING, logger="idem_middleware"):
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://t"
+        ) as client:
+            headers = {"idempotency-key": "k"}
+            first = await client.post("http://t/pay", headers=headers, content=b"{}")
+            followed = await client.post(first.headers["location"], headers=headers, content=b"{}")
+    assert (first.status_code, first.headers["location"]) == (307, "https://t/pay")
+    assert followed.status_code == 307, "what the warning is about"
+    assert followed.headers["location"] == "https://t/pay"
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 1
+    assert warned[0].startswith("idempotency: HTTPSRedirectMiddleware runs after Idempo")
+
+
+class CorrelationIdMiddleware:
+    """A stand-in for asgi-correlation-id's: echoes the request's X-Request-ID (warned of by
+    its class name, whichever package it comes from)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        sent = dict(scope.get("headers", ())).get(b"x-request-id", b"fresh")
+
+        async def with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", ()), (b"x-request-id", sent)]
+            await send(message)
+
+        await self.app(scope, receive, with_id)
+
+
+async def test_a_request_id_middleware_inside_ours_replays_the_first_id_and_is_warned_of(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    app = _one_route(Middleware(CorrelationIdMiddleware))
+    with caplog.at_level(logging.WARNING, logger="idem_middleware"):
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://t"
+        ) as client:
+            for request_id in ("first", "retry"):
+                headers = {"idempotency-key": "k", "x-request-id": request_id}
+                answer = await client.post("/pay", headers=headers, content=b"{}")
+    assert answer.headers["idempotent-replayed"] == "true"
+    assert answer.headers["x-request-id"] == "first", "the retry sent its own"
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 1
+    assert warned[0].startswith("idempotency: CorrelationIdMiddleware runs after Idempo")
+
+
+async def test_authentication_inside_ours_on_an_anonymous_route_is_warned_of(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Authentication that runs after the middleware leaves every caller anonymous to it: on a
+    route that allows anonymous callers, every authenticated caller shares one key space, and
+    one is replayed another's response. Nothing at a request can tell; startup can."""
+    app = _one_route(
+        Middleware(AuthenticationMiddleware, backend=BearerBackend()),
+        tenant_resolver=authenticated_user_tenant,
+        policies={"POST /pay": Policy(allow_anonymous=True)},
+    )
+    with caplog.at_level(logging.WARNING, logger="idem_middleware"):
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://t"
+        ) as client:
+            for token in TOKENS:
+                headers = {"idempotency-key": "k", "authorization": f"Bearer {token}"}
+                answer = await client.post("/pay", headers=headers, content=b"{}")
+    assert answer.headers["idempotent-replayed"] == "true", "another caller's response"
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 1
+    assert warned[0].startswith("idempotency: AuthenticationMiddleware runs after Idempo")
+    assert "share the anonymous tenant" in warned[0]

@@ -1,0 +1,95 @@
+"""The order of the app's own middleware around IdempotencyMiddleware, read at startup from the
+app's middleware list: what must run before it (authentication), and what makes wrong replays
+when it runs after it (compression, CORS, an HTTPS redirect, a request ID). Only warned: a
+middleware added otherwise cannot be seen, and another may do the same work under its own name."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from .policy import Policy
+from .tenant import AUTH_FIX, authenticated_user_tenant
+
+if TYPE_CHECKING:
+    from .middleware import IdempotencyMiddleware
+
+logger = logging.getLogger("idem_middleware")
+
+
+def check_authentication(mw: IdempotencyMiddleware, app: Any, policies: list[Policy]) -> None:
+    """With the default tenant resolver, Starlette's AuthenticationMiddleware must run first."""
+    if mw.tenant_resolver is not authenticated_user_tenant:
+        return
+    stack = [entry.cls for entry in getattr(app, "user_middleware", ())]
+    ours = next((i for i, cls in enumerate(stack) if _named(cls, "IdempotencyMiddleware")), None)
+    auth = [i for i, cls in enumerate(stack) if _named(cls, "AuthenticationMiddleware")]
+    if ours is None:
+        return  # not added through the app: its order cannot be read here
+    anonymous = sum(p.allow_anonymous for p in policies)
+    if not auth:
+        if anonymous == len(policies):
+            return  # an app with anonymous routes only needs no authentication
+        logger.warning(
+            "idempotency: no AuthenticationMiddleware runs before IdempotencyMiddleware, so "
+            "guarded requests have no tenant and are refused (500), unless another middleware "
+            "sets scope['user']: %s",
+            AUTH_FIX,
+        )
+    elif all(i > ours for i in auth):
+        # Every caller is anonymous to the middleware: on a route that allows anonymous
+        # callers, authenticated ones share one key space, and no request can tell.
+        harm = {
+            0: "guarded requests have no tenant and are refused (500)",
+            len(policies): "every caller of the routes that allow anonymous callers is guarded "
+            "as anonymous: all share the anonymous tenant, and one can be replayed another's "
+            "response",
+        }.get(
+            anonymous,
+            "guarded requests have no tenant: those of routes that allow anonymous callers "
+            "all share the anonymous tenant (one can be replayed another's response), the "
+            "others are refused (500)",
+        )
+        logger.warning(
+            "idempotency: AuthenticationMiddleware runs after IdempotencyMiddleware, so %s: %s",
+            harm,
+            AUTH_FIX,
+        )
+
+
+#: Middleware whose work on a response depends on the request it answers: inside ours, what it
+#: made for the first request is stored and replayed to every retry.
+_OUTSIDE = {
+    "GZipMiddleware": "responses are stored compressed as the first request accepted, and "
+    "replayed so to every retry, whatever its Accept-Encoding",
+    "CORSMiddleware": "the middleware's own answers (400, 409, 422...) carry no CORS headers, "
+    "and a replay carries those made for the first request's Origin",
+    "HTTPSRedirectMiddleware": "its redirect of a plain-HTTP request is stored as a success, "
+    "and the client following it with the same key is replayed the redirect to where it "
+    "already is, never reaching the handler",
+    # asgi-correlation-id's, or any of that name
+    "CorrelationIdMiddleware": "a replay carries the first request's X-Request-ID, not the retry's",
+}
+
+
+def check_outer_middleware(app: Any) -> None:
+    """Compression and CORS belong outside the middleware (warned, as the order can be read)."""
+    stack = [entry.cls for entry in getattr(app, "user_middleware", ())]
+    ours = next((i for i, cls in enumerate(stack) if _named(cls, "IdempotencyMiddleware")), None)
+    if ours is None:
+        return
+    for name, harm in _OUTSIDE.items():
+        if any(_named(cls, name) for cls in stack[ours + 1 :]):
+            logger.warning(
+                "idempotency: %s runs after IdempotencyMiddleware, so %s: add it after "
+                "installing IdempotencyMiddleware (app.add_middleware(%s, ...) after "
+                "install(...): the middleware added last runs first; in a middleware=[...] "
+                "list, before it)",
+                name,
+                harm,
+                name,
+            )
+
+
+def _named(cls: Any, name: str) -> bool:
+    return any(base.__name__ == name for base in getattr(cls, "__mro__", ()))
