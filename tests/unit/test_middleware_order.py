@@ -1,4 +1,5 @@
-"""Compression and CORS inside the idempotency middleware make wrong replays: startup says so.
+"""Compression, CORS, an HTTPS redirect and a request ID inside the idempotency middleware make
+wrong replays, and authentication inside it leaves it no tenant: startup says so.
 
 Inside it, GZipMiddleware compresses the response before it is stored, for the first request's
 Accept-Encoding, and every retry gets those bytes; CORSMiddleware's headers are missing from the
