@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-import time
 from collections.abc import Callable
 from typing import Protocol
 
@@ -30,7 +29,7 @@ class _Serving:
     def fire(self) -> None:
         self.timer = None
         items = self.items
-        now = time.monotonic()
+        now = self.loop.time()
         due = []
         for item, at in items.items():
             if at > now:
@@ -84,7 +83,10 @@ class Delayed:
         serving = self._main
         if serving is None or serving.loop is not loop:
             serving = self._serving(loop)
-        serving.items[item] = time.monotonic() + self._delay
+        # The loop's own clock, the one its timer keeps: another (time.monotonic) may run at
+        # another pace in a test (frozen, or the loop's clock faked), and the timer then re-armed
+        # itself for ever without an item falling due, or spun.
+        serving.items[item] = loop.time() + self._delay
         if serving.timer is None:
             serving.timer = _arm(loop, self._delay, serving.fire)
 

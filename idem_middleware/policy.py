@@ -10,6 +10,7 @@ import numbers
 from collections.abc import Callable, Collection, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass
+from datetime import timedelta
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -232,6 +233,10 @@ def _count(value: Any, option: str, low: int, high: int | None) -> int:
 
 def seconds_option(value: Any, option: str, *, positive: bool) -> float:
     """A duration: a finite number of seconds, positive or not negative, at most MAX_SECONDS."""
+    if isinstance(value, timedelta):
+        raise ConfigurationError(
+            f"{option} must be a number of seconds, not {value!r}: pass {value.total_seconds()!r}"
+        )
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ConfigurationError(f"{option} must be a number of seconds, not {value!r}")
     number = value if isinstance(value, int | float) else float(value)

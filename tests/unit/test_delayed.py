@@ -6,7 +6,10 @@ import asyncio
 import contextvars
 import gc
 import threading
+import time
 import weakref
+
+import pytest
 
 from idem_middleware.delayed import Delayed
 
@@ -146,3 +149,21 @@ async def test_items_fall_due_outside_the_context_of_the_request_that_armed_the_
         await asyncio.sleep(0.01)
     assert first.seen == [None]
     assert second.seen == [None]
+
+
+async def test_items_fall_due_by_the_loops_clock(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A test suite's clock tool may stop `time.monotonic` while the event loop's clock runs
+    (or fake the loop's clock alone): the items were timed by `time.monotonic` and the timer by
+    the loop, so the timer re-armed itself for ever and nothing fell due (lease mode's
+    heartbeats never started, a wait for the pool was never cut off)."""
+    loop = asyncio.get_running_loop()
+    monkeypatch.setattr(loop, "time", time.monotonic)  # the loop's clock keeps running
+    monkeypatch.setattr(time, "monotonic", lambda: 1000.0)  # another clock, frozen
+    fired: list[str] = []
+    delayed = Delayed(0.01)
+    delayed.add(Item("a", fired))
+    for _ in range(200):  # bounded: 2 s
+        if fired:
+            break
+        await asyncio.sleep(0.01)
+    assert fired == ["a"]

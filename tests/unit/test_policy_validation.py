@@ -5,6 +5,7 @@ wrong, never a policy that misbehaves on the request path."""
 from __future__ import annotations
 
 import math
+from datetime import timedelta
 from fractions import Fraction
 from typing import Any
 
@@ -145,6 +146,15 @@ def test_a_duration_must_be_finite(option: str, value: float) -> None:
 @pytest.mark.parametrize("value", [True, "5", None, b"5", 1j])
 def test_a_duration_must_be_a_real_number(option: str, value: Any) -> None:
     assert refused(**{option: value}) == f"{option} must be a number of seconds, not {value!r}"
+
+
+@pytest.mark.parametrize("option", DURATIONS)
+def test_a_timedelta_is_refused_with_its_seconds_named(option: str) -> None:
+    """A `timedelta` reads naturally for a duration; the refusal says the number to write."""
+    value = timedelta(hours=1)
+    assert refused(**{option: value}) == (
+        f"{option} must be a number of seconds, not {value!r}: pass 3600.0"
+    )
 
 
 @pytest.mark.parametrize("option", DURATIONS)

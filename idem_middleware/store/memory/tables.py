@@ -264,10 +264,16 @@ class _RowLock:
             del self._locks[self._key]
 
 
+def _wall_clock() -> float:
+    """`time.time()`, looked up at each call: a clock a test patches (freezegun's) is followed.
+    A default of `time.time` itself kept the function found at import, and ignored it."""
+    return time.time()
+
+
 class MemoryTables:
     """The state of one in-memory store. `clock` is the store's notion of the database's `now()`."""
 
-    def __init__(self, *, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, *, clock: Callable[[], float] = _wall_clock) -> None:
         self.clock = clock
         self._rows = _Rows()
         #: Keys a transaction is claiming, with the event a waiter for it made (None: no waiter).
