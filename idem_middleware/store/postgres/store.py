@@ -30,7 +30,6 @@ from .claim_lock import ClaimLocks
 from .convert import (
     _Q,
     ACQUIRE_ERRORS,
-    CONNECTION_ERRORS,
     TRANSLATED,
     notify_token,
     settle_args,
@@ -161,7 +160,7 @@ class PostgresStore(OffPathStatements):
         if self._pool is None:
             try:
                 self._pool = await asyncpg.create_pool(self._dsn, **self._pool_kwargs)
-            except CONNECTION_ERRORS as exc:
+            except ACQUIRE_ERRORS as exc:
                 raise StoreError(f"cannot connect: {exc}") from exc
         try:
             if self._needs_writes:
@@ -231,7 +230,7 @@ class PostgresStore(OffPathStatements):
                 row = await alone(
                     conn.fetchrow, _Q["get"], key.tenant, key.operation, key.key, on=conn
                 )
-        except CONNECTION_ERRORS as exc:
+        except ACQUIRE_ERRORS as exc:
             raise StoreError(str(exc)) from exc
         return None if row is None else to_record(key, row)
 
