@@ -8,6 +8,8 @@ the retry runs once.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -135,3 +137,55 @@ async def test_a_server_refusing_connections_answers_503_and_recovers(own: Own, 
             assert first.status_code == 201, first.text
             assert_replay_of(await c.post("/charges", json={}, headers=headers), first)
         assert len(runs) == 1
+
+
+async def test_a_claim_the_server_ends_for_idling_answers_503_and_runs_once_on_retry(
+    own: Own, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`idle_in_transaction_session_timeout` on the database (a common managed default): a
+    transactional handler that waits past it between two statements has its session ended by
+    the server. Its next statement failed with asyncpg's "connection has been released back to
+    the pool", a 500 from the app; now it is a 503 whose log names the timeout. Nothing
+    committed, and the retry runs once."""
+    await own.run("ALTER DATABASE \"{name}\" SET idle_in_transaction_session_timeout = '100ms'")
+    runs: list[int] = []
+    watcher = await asyncpg.connect(own.admin)
+
+    async def charge(request: Request) -> Response:
+        ctx = get_context(request)
+        runs.append(1)
+        conn = ctx.connection
+        assert conn is not None
+        if len(runs) == 1:  # the first run waits (on an HTTP call, say) until the server ended it
+            pid = conn.get_server_pid()
+            for _ in range(400):
+                if not await watcher.fetchval(
+                    "SELECT count(*) FROM pg_stat_activity WHERE pid = $1", pid
+                ):
+                    break
+                await asyncio.sleep(0.025)
+            else:
+                raise AssertionError("the server did not end the idle session")
+        await conn.execute("SELECT 1")
+        return JSONResponse({"run": len(runs)}, status_code=201)
+
+    try:
+        async with PostgresStore(dsn=own.dsn, min_size=1, max_size=2, listen=False) as store:
+            app = one_route_app(
+                "/charges",
+                charge,
+                store=store,
+                policies={"POST /charges": POLICIES["transactional"]},
+            )
+            headers = {"Idempotency-Key": "idle"}
+            async with client(app) as c:
+                with caplog.at_level(logging.WARNING, logger="idem_middleware"):
+                    assert_unavailable(await c.post("/charges", json={}, headers=headers))
+                assert "idle_in_transaction_session_timeout" in caplog.text
+                assert await store.get(RecordKey("tenant-a", "POST /charges", "idle")) is None
+                first = await c.post("/charges", json={}, headers=headers)
+                assert first.status_code == 201, first.text
+                assert_replay_of(await c.post("/charges", json={}, headers=headers), first)
+    finally:
+        await watcher.close()
+    assert len(runs) == 2

@@ -105,6 +105,9 @@ class PostgresStore(OffPathStatements):
         #: Whether `open` refuses a server that takes no writes (the command line's reports run
         #: on a standby or as a read-only role as well).
         self._needs_writes = True
+        #: The sessions' idle_in_transaction_session_timeout as `open` found it (seconds; 0:
+        #: none), named when a claim's connection is lost.
+        self.idle_in_transaction = 0.0
         #: The deadlines of transaction sessions' waits for the pool, one per acquire timeout.
         self._deadlines: dict[float, Delayed] = {}
         self._pool_kwargs: dict[str, Any] = {
@@ -172,7 +175,7 @@ class PostgresStore(OffPathStatements):
                     await require_migrated(conn)
                     if self._needs_writes:
                         await require_privileges(conn)
-                        await require_writable(conn)
+                        self.idle_in_transaction = await require_writable(conn)
                     await self._locks.load(conn)
                 except PREPARED_MISMATCH as exc:  # what the pooler check may not have seen
                     raise refusal(compat.statement_cache_size(conn), exc) from exc
