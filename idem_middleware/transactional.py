@@ -245,6 +245,8 @@ class Attempt(ResponseCapture):
                     if tx.conflict(exc):
                         # The database refused the handler's writes: the attempt may run again.
                         raise RetryableConflict(str(exc), from_handler=True) from exc
+                    if isinstance(exc, Exception) and (gone := tx.lost()) is not None:
+                        raise gone from exc  # (idle_in_transaction_session_timeout, say): a 503
                     raise
                 finally:
                     scope.pop(SCOPE_KEY, None)

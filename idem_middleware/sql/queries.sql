@@ -87,9 +87,12 @@ SELECT inner_key, outer_key FROM idem_lock_secret;
 
 -- name: writable
 -- Whether the server takes the store's writes (checked when a store opens): a standby does not,
--- nor do sessions that default to read-only. No parameters.
+-- nor do sessions that default to read-only; and after how many milliseconds idle in a
+-- transaction the server ends a session (0: never). No parameters.
 SELECT pg_is_in_recovery() AS standby,
-       current_setting('default_transaction_read_only') = 'on' AS read_only;
+       current_setting('default_transaction_read_only') = 'on' AS read_only,
+       (SELECT setting::bigint FROM pg_settings
+         WHERE name = 'idle_in_transaction_session_timeout') AS idle_ms;
 
 -- name: privileges
 -- Whether the session's role holds each privilege its requests need (checked when a store

@@ -15,6 +15,7 @@ from typing import Any, NamedTuple, Protocol, cast
 from ..errors import ClaimBusy as ClaimBusy
 from ..errors import ClaimTimeout as ClaimTimeout
 from ..errors import RetryableConflict as RetryableConflict
+from ..errors import StoreError
 from ..frozen import quick_init
 
 
@@ -172,6 +173,11 @@ class TransactionSession(Protocol):
     def conflict(self, exc: BaseException) -> bool:
         """Whether `exc`, raised by the handler's writes on `connection`, is the database
         refusing the transaction (serialization failure, deadlock): running it again may pass."""
+
+    def lost(self) -> StoreError | None:
+        """After the handler raised: the error to answer with when `connection` is gone (the
+        server ended the session, the network dropped it, the handler gave it back), and so
+        nothing of the attempt committed; None while it is there."""
 
 
 @dataclass(frozen=True, slots=True)

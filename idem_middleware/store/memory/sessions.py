@@ -52,6 +52,9 @@ class _MemoryTransaction:
     def conflict(self, exc: BaseException) -> bool:
         return False  # the twin never refuses a transaction
 
+    def lost(self) -> StoreError | None:
+        return None  # nor loses its connection
+
     async def begin(self) -> None:
         """Begin before the claim (the claim otherwise does): for tests that hold a key first."""
         self.active = True

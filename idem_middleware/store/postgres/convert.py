@@ -28,14 +28,28 @@ CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
     # A connection killed mid-operation can leave asyncpg's protocol in a state it reports this
     # way ("cannot switch to state ..."): the connection is gone all the same.
     asyncpg.exceptions.InternalClientError,
+    # The server ending the session itself (FATAL): its crash recovery, the database dropped,
+    # and `idle_session_timeout` or `idle_in_transaction_session_timeout` of the role or database.
+    asyncpg.exceptions.CrashShutdownError,
+    asyncpg.exceptions.DatabaseDroppedError,
+    asyncpg.exceptions.IdleSessionTimeoutError,
+    asyncpg.exceptions.IdleInTransactionSessionTimeoutError,
 )
-ACQUIRE_ERRORS: tuple[type[BaseException], ...] = (TimeoutError, *CONNECTION_ERRORS)
+#: A server that is up but cannot serve the store for now: it takes no writes (a hot standby the
+#: DSN reaches after a failover, or `default_transaction_read_only` set for maintenance), or it
+#: is out of resources (class 53: `max_connections` or a role's or database's connection limit
+#: reached, a full disk, out of memory). Nothing was written; the request may run later.
+UNAVAILABLE: tuple[type[BaseException], ...] = (
+    asyncpg.exceptions.ReadOnlySQLTransactionError,
+    asyncpg.exceptions.InsufficientResourcesError,
+)
+ACQUIRE_ERRORS: tuple[type[BaseException], ...] = (TimeoutError, *CONNECTION_ERRORS, *UNAVAILABLE)
 RETRYABLE: tuple[type[BaseException], ...] = (
     asyncpg.exceptions.SerializationError,
     asyncpg.exceptions.DeadlockDetectedError,
 )
 #: What `translate` turns into StoreError or RetryableConflict.
-TRANSLATED: tuple[type[BaseException], ...] = (*CONNECTION_ERRORS, *RETRYABLE)
+TRANSLATED: tuple[type[BaseException], ...] = (*CONNECTION_ERRORS, *UNAVAILABLE, *RETRYABLE)
 WAIT_EXCEEDED: tuple[type[BaseException], ...] = (
     TimeoutError,
     asyncpg.exceptions.LockNotAvailableError,
@@ -99,6 +113,10 @@ def translate(exc: BaseException) -> BaseException:
         return RetryableConflict(str(exc))
     if isinstance(exc, CONNECTION_ERRORS):
         return StoreError(f"{type(exc).__name__}: {exc}")
+    if isinstance(exc, asyncpg.exceptions.ReadOnlySQLTransactionError):
+        return StoreError(f"the database takes no writes (a standby, or read-only sessions): {exc}")
+    if isinstance(exc, UNAVAILABLE):
+        return StoreError(f"the database is out of resources: {type(exc).__name__}: {exc}")
     if isinstance(exc, SERVER_ERROR):
         return StatementRefused(f"{type(exc).__name__}: {exc}")
     return exc

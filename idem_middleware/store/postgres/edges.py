@@ -28,7 +28,6 @@ from ..base import (
 from .convert import (
     _Q,
     ACQUIRE_ERRORS,
-    CONNECTION_ERRORS,
     SERVER_ERROR,
     TRANSLATED,
     settle_args,
@@ -244,7 +243,7 @@ class OffPathStatements(PoolStatements):
     async def stats(self) -> StoreStats:
         try:
             rows = await self.pool.fetch(_Q["stats"])
-        except CONNECTION_ERRORS as exc:
+        except ACQUIRE_ERRORS as exc:
             raise StoreError(str(exc)) from exc
         counts = {state.value: 0 for state in State}
         oldest: dict[str, float | None] = {state.value: None for state in State}

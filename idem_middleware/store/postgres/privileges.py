@@ -9,10 +9,13 @@ read-only sessions). Each is found here, once, and named with the fix.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from ...errors import ConfigurationError
 from .convert import _Q
+
+logger = logging.getLogger("idem_middleware.store")
 
 #: (kind, name as the store's statements name it, privilege): what a request may use, in
 #: either mode. The claim names idem_tokens even for a key that is not a token; release
@@ -60,10 +63,12 @@ async def require_privileges(conn: Any) -> None:
         )
 
 
-async def require_writable(conn: Any) -> None:
+async def require_writable(conn: Any) -> float:
     """ConfigurationError on a server that takes no writes: a standby, or sessions that default
     to read-only (`ALTER ROLE ... SET default_transaction_read_only = on`). Every guarded
-    request would fail there, each with a 500, when it records its outcome."""
+    request would fail there when it records its outcome. Returns the sessions'
+    `idle_in_transaction_session_timeout` in seconds (0: none), logged: a transactional handler
+    idle in its transaction longer than that loses its connection."""
     row = await conn.fetchrow(_Q["writable"])
     if row["standby"]:
         raise ConfigurationError(
@@ -77,3 +82,13 @@ async def require_writable(conn: Any) -> None:
             "off for the store's role, or pass connect_kwargs={'server_settings': "
             "{'default_transaction_read_only': 'off'}}"
         )
+    idle = float(row["idle_ms"] or 0) / 1000
+    if idle:
+        logger.info(
+            "idle_in_transaction_session_timeout is %g s for the idempotency store's sessions: "
+            "a transactional handler that waits longer than that between two statements (an "
+            "HTTP call, say) loses its connection, and its request is answered 503 with nothing "
+            "committed",
+            idle,
+        )
+    return idle

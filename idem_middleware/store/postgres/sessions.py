@@ -43,6 +43,7 @@ class Lender(Protocol):
 
     _fast: FastPath | None
     _locks: ClaimLocks
+    idle_in_transaction: float
 
     @property
     def pool(self) -> Any: ...
@@ -158,6 +159,25 @@ class PgTransaction:
             compat.forget_statements(self._conn)
             return True
         return is_conflict(exc)
+
+    def lost(self) -> StoreError | None:
+        if self._pool is None:
+            return None  # released by us (a stream's, settled before its first byte)
+        raw = self.driver  # (None: asyncpg detached the handler's proxy when it was lost)
+        if raw is not None and not raw.is_closed():
+            return None
+        return StoreError(self._gone())
+
+    def _gone(self) -> str:
+        """Why a claim's connection is gone, as far as the store can tell."""
+        idle = self._lender.idle_in_transaction
+        if not idle:
+            return CLAIM_CONNECTION_GONE
+        return (
+            f"{CLAIM_CONNECTION_GONE} (the server ends a session idle in a transaction for {idle:g}"
+            " s, idle_in_transaction_session_timeout: a handler waiting longer between two "
+            "statements loses its connection)"
+        )
 
     def fusing(self, *, begins: bool) -> None:
         if begins:
@@ -339,7 +359,7 @@ class PgTransaction:
             raise await self._stale(exc) from exc
         except TRANSLATED as exc:
             if raw is None:  # (asyncpg says "released back to the pool" of a lost one too)
-                raise StoreError(CLAIM_CONNECTION_GONE) from exc
+                raise StoreError(self._gone()) from exc
             raise translate(exc) from exc
         except convert.SERVER_ERROR as exc:  # a constraint, a trigger: DETAIL quotes the row
             raise convert.scrub(exc)  # noqa: B904 - the same error, re-raised

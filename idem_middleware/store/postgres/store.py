@@ -30,7 +30,6 @@ from .claim_lock import ClaimLocks
 from .convert import (
     _Q,
     ACQUIRE_ERRORS,
-    CONNECTION_ERRORS,
     TRANSLATED,
     notify_token,
     settle_args,
@@ -106,6 +105,9 @@ class PostgresStore(OffPathStatements):
         #: Whether `open` refuses a server that takes no writes (the command line's reports run
         #: on a standby or as a read-only role as well).
         self._needs_writes = True
+        #: The sessions' idle_in_transaction_session_timeout as `open` found it (seconds; 0:
+        #: none), named when a claim's connection is lost.
+        self.idle_in_transaction = 0.0
         #: The deadlines of transaction sessions' waits for the pool, one per acquire timeout.
         self._deadlines: dict[float, Delayed] = {}
         self._pool_kwargs: dict[str, Any] = {
@@ -161,7 +163,7 @@ class PostgresStore(OffPathStatements):
         if self._pool is None:
             try:
                 self._pool = await asyncpg.create_pool(self._dsn, **self._pool_kwargs)
-            except CONNECTION_ERRORS as exc:
+            except ACQUIRE_ERRORS as exc:
                 raise StoreError(f"cannot connect: {exc}") from exc
         try:
             if self._needs_writes:
@@ -173,7 +175,7 @@ class PostgresStore(OffPathStatements):
                     await require_migrated(conn)
                     if self._needs_writes:
                         await require_privileges(conn)
-                        await require_writable(conn)
+                        self.idle_in_transaction = await require_writable(conn)
                     await self._locks.load(conn)
                 except PREPARED_MISMATCH as exc:  # what the pooler check may not have seen
                     raise refusal(compat.statement_cache_size(conn), exc) from exc
@@ -231,7 +233,7 @@ class PostgresStore(OffPathStatements):
                 row = await alone(
                     conn.fetchrow, _Q["get"], key.tenant, key.operation, key.key, on=conn
                 )
-        except CONNECTION_ERRORS as exc:
+        except ACQUIRE_ERRORS as exc:
             raise StoreError(str(exc)) from exc
         return None if row is None else to_record(key, row)
 
