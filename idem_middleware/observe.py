@@ -156,5 +156,19 @@ def combine(observers: Observer | Sequence[Observer] | None) -> Observer | None:
     return Observers(observers) if observers else None
 
 
+#: The longest text of a client's that a log message shows whole.
+SHOWN_CHARS = 200
+
+
+def shown(text: str, limit: int = SHOWN_CHARS) -> str:
+    """`text` as a log message may show it: as it is when printable, escaped (`repr`) when it
+    holds a line break, an escape sequence or another control character, and cut at `limit`.
+    For what may come from a client: an operation named by the concrete path a request took (a
+    sub-app behind a wrapper the router cannot see through), whose `%0D%0A` the server decoded
+    into a line break that would forge a log line of its own."""
+    text = text if text.isprintable() else repr(text)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
 #: What `timed` returns when nothing observes: a context manager that does nothing.
 UNTIMED = contextlib.nullcontext()
