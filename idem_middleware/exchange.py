@@ -258,7 +258,8 @@ class Exchange:
         self.started = True
         self.emit(Event.REPLAYED)
         with self.timed("replay"):
-            await send_replay(self.send, response, self.policy.replay_hook, self.scope)
+            hook = self.policy.replay_hook
+            await send_replay(self.send, response, hook, self.scope, self.operation)
 
     async def _in_flight(self, detail: str) -> None:
         """409 + Retry-After, or 202 + Location of the status resource if the policy says so."""

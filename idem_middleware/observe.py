@@ -13,7 +13,7 @@ import logging
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from enum import StrEnum
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from .context import Outcome
 
@@ -77,31 +77,97 @@ class LoggingObserver:
 
 
 class Observers:
-    """Fans each call out to several observers."""
+    """Fans each call out to several observers, and keeps their failures to themselves.
+
+    An observer is a bystander: one that raises (a collector, a tracer, a logging handler that
+    fails) must not change the request's answer, and above all must not come between a claim and
+    its settlement (a lease-mode claim left pending, an outcome recorded but answered 500). Its
+    exception is logged (the first with its traceback at WARNING, the rest at DEBUG) and the
+    request goes on; the other observers are still called. Only `Exception` is caught: a
+    cancellation goes through, and a timer never swallows the step's own exception.
+    """
 
     def __init__(self, observers: Sequence[Observer]) -> None:
         self.observers = tuple(observers)
+        self._failed: set[int] = set()
 
     def event(self, event: Event, attributes: Mapping[str, Any]) -> None:
         for observer in self.observers:
-            observer.event(event, attributes)
+            try:
+                observer.event(event, attributes)
+            except Exception:
+                self.failed(observer, f"event {event.value}")
 
-    @contextlib.contextmanager
-    def timed(self, name: str, attributes: Mapping[str, Any]) -> Iterator[None]:
-        with contextlib.ExitStack() as stack:
-            for observer in self.observers:
-                stack.enter_context(observer.timed(name, attributes))
-            yield
+    def timed(self, name: str, attributes: Mapping[str, Any]) -> AbstractContextManager[None]:
+        return _Timers(self, name, attributes)
+
+    def failed(self, observer: Observer, where: str) -> None:
+        first = id(observer) not in self._failed
+        self._failed.add(id(observer))
+        # (not even this line may fail the request: the failing observer may be the logs' own)
+        with contextlib.suppress(Exception):
+            logger.log(
+                logging.WARNING if first else logging.DEBUG,
+                "idempotency: the observer %s failed (%s); the request goes on%s",
+                type(observer).__name__,
+                where,
+                "" if first else " (logged at WARNING the first time only)",
+                exc_info=True,
+            )
+
+
+class _Timers:
+    """Each observer's timer around one step; one that fails to start or to stop is left out."""
+
+    __slots__ = ("attributes", "entered", "fan", "name")
+
+    def __init__(self, fan: Observers, name: str, attributes: Mapping[str, Any]) -> None:
+        self.fan = fan
+        self.name = name
+        self.attributes = attributes
+        self.entered: list[tuple[Observer, AbstractContextManager[None]]] = []
+
+    def __enter__(self) -> None:
+        for observer in self.fan.observers:
+            try:
+                timer = observer.timed(self.name, self.attributes)
+                timer.__enter__()
+            except Exception:
+                self.fan.failed(observer, f"starting {self.name}")
+            else:
+                self.entered.append((observer, timer))
+
+    def __exit__(self, *exc_info: Any) -> Literal[False]:
+        while self.entered:
+            observer, timer = self.entered.pop()
+            try:
+                timer.__exit__(*exc_info)
+            except Exception as exc:
+                if exc is not exc_info[1]:  # (one that re-raises the step's own: not its failure)
+                    self.fan.failed(observer, f"ending {self.name}")
+        return False  # the step's exception, if any, goes on: an observer never swallows it
 
 
 def combine(observers: Observer | Sequence[Observer] | None) -> Observer | None:
     if observers is None:
         return None
-    if isinstance(observers, Sequence):
-        if not observers:
-            return None
-        return observers[0] if len(observers) == 1 else Observers(observers)
-    return observers
+    if not isinstance(observers, Sequence):
+        observers = (observers,)
+    return Observers(observers) if observers else None
+
+
+#: The longest text of a client's that a log message shows whole.
+SHOWN_CHARS = 200
+
+
+def shown(text: str, limit: int = SHOWN_CHARS) -> str:
+    """`text` as a log message may show it: as it is when printable, escaped (`repr`) when it
+    holds a line break, an escape sequence or another control character, and cut at `limit`.
+    For what may come from a client: an operation named by the concrete path a request took (a
+    sub-app behind a wrapper the router cannot see through), whose `%0D%0A` the server decoded
+    into a line break that would forge a log line of its own."""
+    text = text if text.isprintable() else repr(text)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 #: What `timed` returns when nothing observes: a context manager that does nothing.

@@ -11,7 +11,9 @@ for any method but the safe ones): one outside HTTP's own is labelled `OTHER`, s
 make series without end. Nor through the path: an operation is named by its route template, but a
 sub-app mounted behind a wrapper the router above cannot see through is named by the concrete
 path the mounts took (`POST /tenants/7/pay`), one per value; past `max_operations` operations, the
-rest are counted under `OTHER`.
+rest are counted under `OTHER`, and so is an operation longer than `MAX_LABEL_CHARS` or holding a
+control character (a path's decoded `%0D%0A`): no template is, and a label is written out in each
+of its operation's series at every scrape.
 """
 
 from __future__ import annotations
@@ -34,15 +36,23 @@ _METHODS = frozenset(
 )
 
 
+#: The label of every operation past `max_operations`, and of one no template could name.
+OVERFLOW = "OTHER"
+#: The longest operation labelled as itself: a route template is far shorter; a concrete path
+#: (below) may be as long as the server lets a path be, and the label is written out in every
+#: series of that operation at every scrape.
+MAX_LABEL_CHARS = 256
+
+
 def operation_label(operation: str) -> str:
     """`operation` as a label value: its route template (one of the app's), and its method, or
-    OTHER for a method of the client's invention."""
+    OTHER for a method of the client's invention; OTHER for an operation no template names (one
+    too long, or with a control character: a concrete path's decoded `%0D%0A`)."""
+    if len(operation) > MAX_LABEL_CHARS or not operation.isprintable():
+        return OVERFLOW
     method, space, template = operation.partition(" ")
     return operation if method in _METHODS else f"OTHER{space}{template}"
 
-
-#: The label of every operation past `max_operations`.
-OVERFLOW = "OTHER"
 
 logger = logging.getLogger("idem_middleware")
 
@@ -105,7 +115,10 @@ class PrometheusObserver:
             return label
         if len(self._labels) >= self.max_operations:
             return OVERFLOW
-        label = self._labels[operation] = operation_label(operation)
+        label = operation_label(operation)
+        if label == OVERFLOW:
+            return label  # (not kept: no template names it, and it may be 64 KB long)
+        self._labels[operation] = label
         if len(self._labels) == self.max_operations:
             logger.warning(
                 "idempotency metrics: %d operations labelled; any further one is counted as "

@@ -13,6 +13,7 @@ from starlette.responses import Response
 from starlette.types import Scope, Send
 
 from .errors import ProblemKind
+from .observe import shown
 from .store.base import StoredResponse
 
 #: The `type` URIs are this prefix plus the kind (see ProblemKind); they never change.
@@ -176,7 +177,7 @@ def storable_headers(headers: Sequence[tuple[bytes, bytes]]) -> list[tuple[bytes
 
 
 async def hooked_response(
-    hook: ReplayHook, response: StoredResponse, scope: Scope
+    hook: ReplayHook, response: StoredResponse, scope: Scope, operation: str = ""
 ) -> StoredResponse:
     """What `hook` makes of a stored response about to be replayed.
 
@@ -199,11 +200,12 @@ async def hooked_response(
         if problem is not None:
             raise TypeError(f"replay_hook returned {problem}")
     except Exception:
+        # Named by the operation (its route template), not the path: the path is the client's,
+        # and a `%0D%0A` in it is a line break once the server has decoded it (and an operation
+        # named by a concrete path is shown escaped).
         logger.error(
-            "idempotency: the replay hook failed on %s %s; the stored response was replayed "
-            "unchanged",
-            scope.get("method"),
-            scope.get("path"),
+            "idempotency: the replay hook failed on %s; the stored response was replayed unchanged",
+            shown(operation),
             exc_info=True,
         )
         return response
@@ -260,10 +262,13 @@ async def send_replay(
     response: StoredResponse,
     hook: ReplayHook | None = None,
     scope: Scope | None = None,
+    operation: str = "",
 ) -> None:
     """Replay a stored response, marked `Idempotent-Replayed: true`, through `hook` if any."""
     if hook is not None:
-        response = await hooked_response(hook, response, scope if scope is not None else {})
+        response = await hooked_response(
+            hook, response, scope if scope is not None else {}, operation
+        )
     headers = list(response.headers)
     body = response.body
     if response.body_omitted is not None:

@@ -16,6 +16,7 @@ from starlette.types import Scope
 from .errors import NOT_OPEN, OPEN_IN_LIFESPAN, OTHER_LOOP, ConfigurationError
 from .library_routes import tell_library_routes
 from .middleware_order import check_authentication, check_outer_middleware
+from .observe import shown
 from .policy import WRAPPER_ATTRIBUTE, Mode, Policy, endpoint_policy, operation_name
 from .routing import Found, Hidden, match_route, routes_of, walk
 from .tenant import ROUTE_RESOLVER_ATTRIBUTE
@@ -62,7 +63,7 @@ def check_app(mw: IdempotencyMiddleware, app: Any, scope: Scope | None = None) -
         if explicit is not None and explicit.guard and not unsafe:
             logger.warning(
                 "idempotency: the policy on %s can never apply: %s requests are never guarded",
-                item.template,
+                shown(item.template),
                 "/".join(methods),
             )
         per_method: dict[str, Policy | None] = {}
@@ -83,7 +84,9 @@ def check_app(mw: IdempotencyMiddleware, app: Any, scope: Scope | None = None) -
         for item, method, policy in guarded_routes(routes, mw.policy_for, items)
     ]
     for name, policy in guarded:
-        logger.info("idempotency: guarding %s (%s)", name, describe(policy))
+        # (shown: under a wrapper the router cannot see into, the first request's concrete path
+        # names the operation, and its decoded `%0D%0A` would forge a log line)
+        logger.info("idempotency: guarding %s (%s)", shown(name), describe(policy))
     tell_library_routes(items, guarded)  # the status and token routes' view of the app
     for name in sorted(set(mw.policies) - reachable):  # a typo, or a prefix left out
         close = difflib.get_close_matches(name, sorted(reachable), n=1, cutoff=0.5)
@@ -191,7 +194,7 @@ def _report_hidden(mw: IdempotencyMiddleware, item: Hidden) -> None:
     if not item.unresolvable:
         logger.info(
             "idempotency: %s: its routes cannot be seen; its requests are not guarded",
-            item.where,
+            shown(item.where),
         )
         return
     policy = endpoint_policy(item.endpoint)
@@ -202,7 +205,7 @@ def _report_hidden(mw: IdempotencyMiddleware, item: Hidden) -> None:
             "idempotency: %s has no path the middleware can name; its %s requests are refused "
             "(500) rather than run unguarded. Give the route a `path`, or mark its endpoint "
             "@not_idempotent",
-            item.where,
+            shown(item.where),
             "non-safe" if policy is not None else "/".join(sorted(mw.methods)),
         )
 
@@ -332,7 +335,7 @@ def _check_route_tenant(mw: IdempotencyMiddleware, item: Found) -> None:
             "idempotency: %s resolves tenants with %r, the middleware with %r: unless both name "
             "the same tenant, its answers are about nobody's requests; pass the middleware's "
             "tenant_resolver to it",
-            item.template,
+            shown(item.template),
             resolver,
             mw.tenant_resolver,
         )

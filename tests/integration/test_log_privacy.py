@@ -29,7 +29,7 @@ from starlette.middleware import Middleware
 from starlette.middleware.authentication import AuthenticationMiddleware
 from starlette.requests import HTTPConnection, Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
+from starlette.routing import Mount, Route
 
 from idem_middleware import IdempotencyMiddleware, Mode, Policy, PostgresStore, cli_commands
 from idem_middleware import cli as cli_module
@@ -164,6 +164,12 @@ def _texts(record: logging.LogRecord) -> Iterator[tuple[str, str]]:
     yield "args", repr(record.args)
     if record.exc_info:
         yield "exc_info", logging.Formatter().formatException(record.exc_info)
+        # What an error tracker records beyond the text: each exception's attributes (asyncpg's
+        # `detail`, `hint` and `context`, which is not in the text), down the chain.
+        error, seen = record.exc_info[1], 0
+        while error is not None and seen < 8:
+            yield f"attributes of {type(error).__name__}", repr(vars(error))
+            error, seen = error.__cause__ or error.__context__, seen + 1
     if record.exc_text:
         yield "exc_text", record.exc_text
     if record.stack_info:
@@ -371,28 +377,47 @@ async def test_a_store_that_is_down(logs: Any, observed: Any) -> None:
     assert_nothing_leaked(logs, registry, app=app)
 
 
+#: A constraint a DBA added, refusing the claim's insert, or only the settlement's update.
+REFUSING = {
+    "claim": "idem_key NOT LIKE '%REFUSE%'",
+    "settlement": "state = 'pending' OR idem_key NOT LIKE '%REFUSE%'",
+}
+
+
 @pytest.mark.parametrize("fast_path", [True, False], indirect=True)
+@pytest.mark.parametrize("refused", sorted(REFUSING))
 async def test_statements_the_database_refuses(
-    pg_store: PostgresStore, pool: Any, logs: Any, observed: Any, fast_path: bool
+    db_target: Any, pool: Any, logs: Any, observed: Any, fast_path: bool, refused: str
 ) -> None:
     """PostgreSQL's DETAIL quotes the row it refused (`Failing row contains (...)`), the key,
     the tenant and the body's bytes in it: a constraint or trigger a DBA added, a partition
-    missing. A 503, and nothing of the row in a log line."""
-    observers, registry, _ = observed
-    issuer = TokenIssuer(pg_store, secret=b"s" * 32)
+    missing. A 500 or 503, and nothing of the row in a log line or a span. With the server's
+    `log_parameter_max_length_on_error` set, its CONTEXT quotes every parameter too (found by
+    probing: not in the error's text, but in the `context` attribute an error tracker reads)."""
+    observers, registry, exporter = observed
+    dsn, options = db_target
     await pool.execute(
-        "ALTER TABLE idem_requests ADD CONSTRAINT privacy_probe "
-        "CHECK (idem_key NOT LIKE '%REFUSE%') NOT VALID"
+        f"ALTER TABLE idem_requests ADD CONSTRAINT privacy_probe CHECK ({REFUSING[refused]}) "
+        "NOT VALID"
     )
+    quoting = await asyncpg.create_pool(
+        dsn, min_size=1, max_size=4, server_settings={"log_parameter_max_length_on_error": "-1"},
+        **options,
+    )  # fmt: skip
     try:
-        app = build(pg_store, issuer, observers=observers)
-        async with client(app) as c:
-            for url in (T_PAY, L_PAY):
-                r = await c.post(url, json=body(), headers={"idempotency-key": f"{KEY}-REFUSE"})
-                assert r.status_code in (500, 503), r.text
+        async with PostgresStore(pool=quoting, fast_path=fast_path) as store:
+            issuer = TokenIssuer(store, secret=b"s" * 32)
+            app = build(store, issuer, observers=observers)
+            async with client(app) as c:
+                for url in (T_PAY, L_PAY):
+                    key = {"idempotency-key": f"{KEY}-REFUSE"}
+                    r = await c.post(url, json=body(), headers=key)
+                    assert r.status_code in (500, 503), r.text
     finally:
+        await quoting.close()
         await pool.execute("ALTER TABLE idem_requests DROP CONSTRAINT privacy_probe")
-    assert_nothing_leaked(logs, registry, app=app)
+    assert_nothing_leaked(logs, registry, exporter, app=app)
+    assert any("privacy_probe" in "".join(t for _, t in _texts(r)) for r in app.raised)
 
 
 def test_a_translated_unique_violation_names_no_key() -> None:
@@ -472,3 +497,51 @@ async def test_startup_warnings(pg_store: PostgresStore, logs: Any) -> None:
         await c.post(T_PAY, json=body(), headers={"idempotency-key": KEY})
     assert any("guarding" in r.getMessage() for r in logs)
     assert_nothing_leaked(logs, app=app)
+
+
+#: Values a client puts in a path, percent-encoded as sent: a line break that would forge a log
+#: line of its own, a terminal escape sequence, a long value, bytes that are not UTF-8.
+HOSTILE = ["a%0D%0AFORGED%20line", "%1B%5B31mred%1B%5B0m", "x" * 3000, "%C3%28", "%7F%08"]
+
+
+def broken_hook(response: Any, scope: Any) -> Any:
+    raise RuntimeError("the replay hook failed")
+
+
+async def test_what_a_client_put_in_a_path_forges_no_log_line(
+    pg_store: PostgresStore, logs: Any
+) -> None:
+    """Found by probing: a replay hook's failure was logged at ERROR with the request's path as
+    the server decoded it, so `%0D%0A` in a path parameter forged a log line of its own (and a
+    path of any length was logged whole). It is named by its operation now, shown escaped and
+    cut where it is a concrete path (a sub-app behind a wrapper the router cannot see into)."""
+    hooked = Policy(replay_hook=broken_hook, wait_seconds=0.2)
+    guarded = {"store": pg_store, "default_policy": hooked, "tenant_resolver": lambda s: TENANT}
+    inner = Starlette(
+        routes=[Route("/pay", pay, methods=["POST"])],
+        middleware=[Middleware(IdempotencyMiddleware, **guarded)],  # type: ignore[arg-type]
+    )
+
+    async def hiding(scope: Any, receive: Any, send: Any) -> None:  # no `.app` to look into
+        await inner(scope, receive, send)
+
+    app = Starlette(
+        routes=[Route("/items/{name}", pay, methods=["POST"]), Mount("/w/{name}", app=hiding)],
+        middleware=[Middleware(IdempotencyMiddleware, **guarded)],  # type: ignore[arg-type]
+    )
+    app.state.gate = inner.state.gate = Gate()
+    async with client(app) as c:
+        for n, value in enumerate(HOSTILE):
+            for path in (f"/items/{value}", f"/w/{value}/pay"):
+                for _ in range(2):  # the second is a replay: the hook fails
+                    k = {"idempotency-key": f"{KEY}-{n}-{len(path)}"}
+                    r = await c.post(path, json=body(), headers=k)
+                    assert r.status_code == 201, r.text
+    failed = [r for r in logs if "replay hook failed" in r.getMessage()]
+    assert len(failed) == 2 * len(HOSTILE)
+    for record in logs:
+        if record.name.startswith("idem_middleware"):
+            message = record.getMessage()
+            assert message.isprintable(), message
+            assert len(message) < 500, message
+    assert_nothing_leaked(logs)

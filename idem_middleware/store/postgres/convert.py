@@ -13,6 +13,7 @@ import orjson
 
 from ... import sql
 from ...errors import RetryableConflict, StatementRefused, StoreError
+from ...observe import shown
 from ..base import Record, RecordKey, Settlement, State, StoredResponse
 
 _Q = sql.queries()
@@ -90,6 +91,8 @@ _CONFLICTS: tuple[type[BaseException], ...] = (
     # re-prepares it by itself only outside a transaction, and has dropped it from its cache.
     asyncpg.exceptions.InvalidCachedStatementError,
 )
+#: How much of a DETAIL or CONTEXT the DEBUG line shows (a refused row's body can be megabytes).
+_SHOWN_CHARS = 2000
 #: How far down an error's causes `is_conflict` looks (SQLAlchemy's is two down; bounded).
 _CAUSES = 8
 
@@ -99,11 +102,23 @@ def scrub(exc: BaseException) -> BaseException:
     the row refused (`Failing row contains (tenant, operation, key, ..., \\x<body>...)`, or a
     unique violation's `Key (...)=(...)`), and asyncpg makes it part of the error's text, which
     a server logs with the traceback at ERROR. The SQLSTATE, constraint, table and message
-    stay; the DETAIL goes to a DEBUG line (docs/security.md)."""
-    detail = getattr(exc, "detail", None)
-    if isinstance(exc, SERVER_ERROR) and detail:
-        logger.debug("the server's detail of %s: %s", type(exc).__name__, detail)
-        exc.detail = None  # type: ignore[attr-defined]
+    stay; the DETAIL goes to a DEBUG line (docs/security.md). So does the CONTEXT (asyncpg's
+    `context`), which quotes every parameter of the statement (`unnamed portal with parameters:
+    $1 = 'tenant', $2 = ...`) where the server's `log_parameter_max_length_on_error` is set: not
+    in the error's text, but in the attributes an error tracker records. asyncpg's `query`,
+    which it sets on an error of a statement sent as text (the fast path's, its values inlined
+    as literals), is dropped without a trace: the statement is the library's own."""
+    if not isinstance(exc, SERVER_ERROR):
+        return exc
+    for field in ("detail", "context"):
+        value = getattr(exc, field, None)
+        if value:
+            # (escaped: a tenant's line break forges no log line of its own)
+            shown_value = shown(str(value), _SHOWN_CHARS)
+            logger.debug("the server's %s of %s: %s", field, type(exc).__name__, shown_value)
+            setattr(exc, field, None)
+    if getattr(exc, "query", None) is not None:
+        exc.query = None  # type: ignore[attr-defined]
     return exc
 
 
