@@ -274,6 +274,10 @@ def routed_above(scope: Scope, found: RouteMatch, trace: Trace | None = None) ->
         if isinstance(top, RouteMatch) and top.endpoint is found.endpoint:
             return top
     mounted = root_path[len(app_root_path) :] if root_path.startswith(app_root_path) else ""
+    if "\x00" in mounted or "\\" in mounted:
+        # A client's `%00` would reach PostgreSQL's `text`, which refuses NUL: escaped, with the
+        # backslash the escape starts with, so that no two paths share a name.
+        mounted = mounted.replace("\\", "\\\\").replace("\x00", "\\0")
     return RouteMatch(mounted + found.template, found.path_params, found.endpoint)
 
 

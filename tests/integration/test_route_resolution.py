@@ -216,3 +216,41 @@ async def test_a_route_that_matches_on_a_header_is_matched_for_every_request() -
     assert v2[0].status_code == 201
     assert v2[1].headers.get("idempotent-replayed") == "true"
     assert calls == Counter({"v1": 1, "v2": 1})
+
+
+async def test_a_nul_in_the_concrete_path_of_a_hidden_mount_is_named_not_refused_by_the_store(
+    pg_store: Any,
+) -> None:
+    """Found by probing: behind a wrapper the router cannot see into, the operation is named by
+    the concrete path the mounts took, and a `%00` there reached PostgreSQL's `text`, which
+    refused it: a 500 for the client, for a request the sub-app serves. The name now escapes
+    NUL (and the backslash its escape starts with, so that no two paths share a name)."""
+    calls: Counter[str] = Counter()
+    inner = Starlette(
+        routes=[Route("/pay", named("inner", calls), methods=["POST"])],
+        middleware=[
+            Middleware(
+                IdempotencyMiddleware,  # type: ignore[arg-type]
+                store=pg_store,
+                tenant_resolver=lambda scope: "tenant-a",
+            )
+        ],
+    )
+
+    async def hiding(scope: Scope, receive: Receive, send: Send) -> None:  # no `.app`
+        await inner(scope, receive, send)
+
+    app = Starlette(routes=[Mount("/w/{name}", app=hiding)])
+    async with client(app) as c:
+        names = {}
+        for path in ("/w/a%00b/pay", "/w/a%5C0b/pay", "/w/a%5C%00b/pay"):
+            first = await c.post(path, json={}, headers=key("nul"))
+            again = await c.post(path, json={}, headers=key("nul"))
+            assert first.status_code == 201, first.text
+            assert again.status_code == 201
+            assert again.headers["idempotent-replayed"] == "true"
+            names[path] = first.json()["operation"]
+    # Three paths, three operations: one run each, none replaying another's answer.
+    assert len(set(names.values())) == 3, names
+    assert calls["inner"] == 3
+    assert all("\x00" not in name for name in names.values())
