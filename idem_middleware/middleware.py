@@ -21,7 +21,7 @@ from .context import SCOPE_KEY
 from .errors import ConfigurationError, ProblemKind
 from .exchange import Exchange, header_map
 from .fingerprint import Fingerprinter
-from .observe import Observer, combine
+from .observe import Observer, combine, shown
 from .policy import (
     MIDDLEWARE_ACTIVE,
     Policy,
@@ -310,8 +310,8 @@ class IdempotencyMiddleware:
             if policy is not None and policy.guard:
                 logger.error(
                     "idempotency: refused %s to %s: the middleware cannot name its route",
-                    method,
-                    match.where,
+                    shown(method),  # (any token a client sends, of any length)
+                    shown(match.where),
                 )
                 return None
             return _UNGUARDED

@@ -25,7 +25,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Host, Match, Mount, Route, Router
 from starlette.types import Receive, Scope, Send
 
-from idem_middleware import IdempotencyMiddleware, not_idempotent
+from idem_middleware import IdempotencyMiddleware, idempotent, not_idempotent
 from idem_middleware.fastapi import install
 from idem_middleware.store.postgres import PostgresStore
 from tests.apps import BearerBackend, assert_problem, assert_replay_of, key
@@ -230,6 +230,25 @@ async def test_a_route_the_middleware_cannot_name_is_refused_not_run_unguarded(
     assert CALLS["custom"] == 1
     startup = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
     assert any("CatchAll under /" in m and "@not_idempotent" in m for m in startup), startup
+
+
+async def test_a_refusal_logs_a_clients_method_cut_short(
+    pg_store: PostgresStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Found by probing: an endpoint's own policy guards any method a route lets through, and
+    the refusal's ERROR line showed the client's method whole, at any length, on every request."""
+    CALLS.clear()
+    app = catch_all_app(pg_store, idempotent()(starlette_handler("custom")))
+    method = "PURGE" + "X" * 5000  # a token: any length the server lets in
+    with caplog.at_level(logging.INFO, logger="idem_middleware"):
+        async with client(app, "http://test") as c:
+            r = await c.request(method, "/anything", json={}, headers=key("k1"))
+            assert_problem(r, 500, "server-misconfigured")
+    refused = [m for r in caplog.records if "refused PURGE" in (m := r.getMessage())]
+    assert len(refused) == 1
+    assert "PURGEXXX" in refused[0]
+    assert len(refused[0]) < 500, len(refused[0])
+    assert CALLS["custom"] == 0
 
 
 async def test_an_exempted_route_the_middleware_cannot_name_passes_through(
