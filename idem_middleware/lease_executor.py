@@ -172,7 +172,11 @@ class LeaseExecution:
                         )
                         raise RuntimeError("the application returned without a complete response")
                     self._stop_renewing(renewals)  # no new renewals once settling starts
-                    settled = await self._settle(context, fence, capture)
+                    try:
+                        settled = await self._settle(context, fence, capture)
+                    except Exception:
+                        await self._unresolved(context)
+                        raise
             finally:
                 leave_context(ex.scope, token)
                 # Stopped by awaiting, never cancelled mid-write: a renewal in flight finishes
@@ -232,6 +236,30 @@ class LeaseExecution:
                 extra=log_extra(self.key, generation, "stale"),
             )
         return settled
+
+    async def _unresolved(self, context: IdempotencyContext) -> None:
+        """The settlement failed (the database refused its transaction, or lost its
+        connection): what the handler did outside the database may have happened, so the
+        record is `unknown` now, as when the handler raises, not `pending` until the lease
+        lapses. A settlement that committed after all (its connection lost after the COMMIT)
+        held the record's row lock until then, and this changes nothing."""
+        key, generation = self.key, self.generation
+        try:
+            if context.declared is Outcome.RELEASE:
+                moved, event = await self.store.release(key, generation), Event.RELEASED
+            else:
+                pending, unknown = State.PENDING, Settlement(State.UNKNOWN)
+                moved = await self.store.settle(key, generation, pending, unknown)
+                event = Event.UNRESOLVED
+        except Exception:
+            logger.warning(
+                "a failed settlement's record stays pending until its lease lapses",
+                exc_info=True,
+                extra=log_extra(key, generation, "unsettled"),
+            )
+            return
+        if moved:
+            self.ex.emit(event, generation)
 
     def due(self) -> None:
         """The first renewal is due and the handler still runs: start the heartbeat."""

@@ -158,6 +158,31 @@ async def test_a_commit_that_fails_with_the_reset_behind_it_is_not_taken_for_don
     assert await _children(db_dsn) == 0
 
 
+@pytest.mark.usefixtures("tables")
+async def test_a_lease_settlement_the_database_refuses_leaves_the_record_unknown_at_once(
+    db_dsn: str,
+) -> None:
+    """Found by probing: a fenced settlement the database refused (here a deferred foreign key
+    failing at its COMMIT) rolled back, and the record stayed `pending` until its lease lapsed:
+    every retry meanwhile was told the request was still running. What the handler did outside
+    the database may have happened, so the record is `unknown` at once, as when the handler
+    itself raises."""
+    log = QueryLog()
+    k = key("orphan-unknown")
+    async with logged_store(db_dsn, log) as store, client(_app(store, Mode.LEASE)) as c:
+        first = await c.post("/orphan", json={}, headers=k)
+        async with store.pool.acquire() as conn:
+            recorded = await conn.fetchval(
+                "SELECT state FROM idem_requests WHERE idem_key = $1", k["idempotency-key"]
+            )
+        again = await c.post("/orphan", json={}, headers=k)
+    assert first.status_code >= 500
+    assert recorded == "unknown"
+    # Told the outcome is unknown (a reconciler or an operator settles it), not "still running".
+    assert again.json()["type"].endswith(":outcome-unknown"), again.text
+    assert await _children(db_dsn) == 0
+
+
 async def test_a_settlement_that_keeps_its_state_cannot_be_told_committed_by_the_record() -> None:
     """A settlement from a state to the same state leaves nothing the record could show: after
     an error behind its COMMIT, the outcome is unknown (StoreError), never guessed."""
