@@ -178,3 +178,71 @@ def test_the_operating_guide_documents_every_command() -> None:
             for option in action.option_strings:
                 if option != "-h":
                     assert option in guide, f"{parser.prog} {option}"
+
+
+#: Each optional module, the extra that installs what it needs, and the packages it imports.
+EXTRAS = {
+    "idem_middleware.fastapi": ("fastapi", "fastapi"),
+    "idem_middleware.sqla": ("sqlalchemy", "sqlalchemy"),
+    "idem_middleware.sqla_engine": ("sqlalchemy", "sqlalchemy"),
+    "idem_middleware.downstream": ("httpx", "httpx"),
+    "idem_middleware.prometheus": ("metrics", "prometheus_client"),
+    "idem_middleware.otel": ("otel", "opentelemetry"),
+}
+
+_WALK = """
+import importlib, json, pkgutil, idem_middleware
+seen = {}
+for info in pkgutil.walk_packages(idem_middleware.__path__, "idem_middleware."):
+    if info.name.endswith("__main__"):
+        continue
+    try:
+        importlib.import_module(info.name)
+        seen[info.name] = None
+    except ImportError as exc:
+        seen[info.name] = str(exc)
+try:
+    from idem_middleware.sqla import ClaimSession
+except ImportError as exc:
+    seen["ClaimSession"] = str(exc)
+print(json.dumps(seen))
+"""
+
+
+def _imports_without(packages: set[str], tmp_path: Path) -> tuple[dict[str, str | None], str]:
+    """{module: its ImportError or None} with `packages` missing, and `--help`'s output."""
+    import json
+
+    (tmp_path / "sitecustomize.py").write_text(
+        f"import sys\nsys.modules.update(dict.fromkeys({sorted(packages)!r}))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}"}
+    result = subprocess.run(
+        [sys.executable, "-c", _WALK], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert result.returncode == 0, result.stderr
+    command = [sys.executable, "-m", "idem_middleware", "--help"]
+    shown = subprocess.run(command, capture_output=True, text=True, timeout=60, env=env)
+    assert shown.returncode == 0, shown.stderr
+    seen: dict[str, str | None] = json.loads(result.stdout)
+    return seen, shown.stdout
+
+
+def test_without_extras_every_module_imports_or_names_its_extra(tmp_path: Path) -> None:
+    """With no extra installed, `import idem_middleware.fastapi` said only "No module named
+    'fastapi'"; it now names the extra and the command that installs it."""
+    blocked = {"pytest_asyncio", *(package for _, package in EXTRAS.values())}
+    seen, help_text = _imports_without(blocked, tmp_path)
+    failed = {name: error for name, error in seen.items() if error is not None}
+    expected = {name: extra for name, (extra, _) in EXTRAS.items()}
+    assert set(failed) == {*expected, "ClaimSession"}, failed
+    for name, extra in expected.items():
+        assert f"pip install 'idem-middleware[{extra}]'" in str(failed[name]), failed[name]
+    assert seen["idem_middleware.pytest_plugin"] is None  # loads in every pytest run
+    assert "migrate" in help_text
+
+
+def test_claim_session_without_fastapi_names_the_extra(tmp_path: Path) -> None:
+    seen, _ = _imports_without({"fastapi"}, tmp_path)
+    assert seen["idem_middleware.sqla"] is None  # Starlette's open_claim_session needs no FastAPI
+    assert "pip install 'idem-middleware[fastapi,sqlalchemy]'" in str(seen["ClaimSession"])
