@@ -246,3 +246,25 @@ def test_claim_session_without_fastapi_names_the_extra(tmp_path: Path) -> None:
     seen, _ = _imports_without({"fastapi"}, tmp_path)
     assert seen["idem_middleware.sqla"] is None  # Starlette's open_claim_session needs no FastAPI
     assert "pip install 'idem-middleware[fastapi,sqlalchemy]'" in str(seen["ClaimSession"])
+
+
+#: The lowest versions a guarded request was seen to work with, in fresh virtualenvs from the
+#: wheel (the README's app and test, a Starlette app on MemoryStore and PostgresStore), and what
+#: broke on the release before: pyproject's bounds allowed those releases.
+LOWEST_WORKING = {
+    "starlette": "0.37",  # 0.37.0 (SimpleUser's identity is its username before 1.7: tenant.py)
+    "asyncpg": "0.30",  # 0.29: create_pool() has no `reset` (TypeError at the store's open)
+    "orjson": "3.9",
+    "fastapi": "0.110.1",  # 0.110.0 requires starlette<0.37: no install resolves
+    "sqlalchemy[asyncio]": "2.0.40",  # 2.0.39: AsyncSession.get_transaction() NotImplementedError
+}
+
+
+def test_dependency_bounds_are_the_lowest_versions_seen_working() -> None:
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    listed = [*project["dependencies"], *project["optional-dependencies"]["fastapi"]]
+    listed += project["optional-dependencies"]["sqlalchemy"]
+    bounds = dict(requirement.split(">=") for requirement in listed)
+    assert bounds == LOWEST_WORKING
