@@ -38,10 +38,13 @@ ALL_EXAMPLES = {
 }
 
 
-def test_the_wheel_installs_no_example_app(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> zipfile.ZipFile:
+    """The wheel pip builds from what a checkout holds (built once for the module)."""
+    tmp_path = tmp_path_factory.mktemp("wheel")
     source = tmp_path / "src"
     source.mkdir()
-    for name in ("pyproject.toml", "README.md"):
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
         shutil.copy(ROOT / name, source / name)
     for package in ("idem_middleware", "example_app"):
         shutil.copytree(ROOT / package, source / package, ignore=shutil.ignore_patterns("__py*"))
@@ -52,14 +55,47 @@ def test_the_wheel_installs_no_example_app(tmp_path: Path) -> None:
         timeout=300,
     )
     assert result.returncode == 0, result.stdout + result.stderr
-    (wheel,) = tmp_path.glob("*.whl")
-    names = zipfile.ZipFile(wheel).namelist()
+    (built,) = tmp_path.glob("*.whl")
+    return zipfile.ZipFile(built)
+
+
+def test_the_wheel_installs_no_example_app(wheel: zipfile.ZipFile) -> None:
+    names = wheel.namelist()
     assert {name.split("/")[0] for name in names} == {
         "idem_middleware",
         "idem_middleware-0.1.0.dist-info",
     }
     assert "idem_middleware/__main__.py" in names
     assert "idem_middleware/sql/migrations/0001_initial.sql" in names
+
+
+def test_the_wheel_carries_its_licence_types_and_entry_points(wheel: zipfile.ZipFile) -> None:
+    """The MIT licence's text was in neither the wheel nor the sdist (the licence asks that it
+    go with every copy), and the metadata had no classifiers."""
+    names = set(wheel.namelist())
+    info = "idem_middleware-0.1.0.dist-info"
+    assert f"{info}/licenses/LICENSE" in names
+    assert "idem_middleware/py.typed" in names
+    migrations = {p.name for p in (ROOT / "idem_middleware" / "sql" / "migrations").glob("*.sql")}
+    assert {f"idem_middleware/sql/migrations/{name}" for name in migrations} <= names
+    entry_points = wheel.read(f"{info}/entry_points.txt").decode()
+    assert "idem-middleware = idem_middleware.cli:main" in entry_points
+    assert "idem_middleware = idem_middleware.pytest_plugin" in entry_points
+    metadata = wheel.read(f"{info}/METADATA").decode()
+    assert "License-Expression: MIT" in metadata
+    assert "Requires-Python: >=3.11" in metadata
+    assert "Classifier: Typing :: Typed" in metadata
+    assert "Classifier: Framework :: Pytest" in metadata
+
+
+def test_the_build_backend_bound_can_build_the_project() -> None:
+    """`license = "MIT"` (an SPDX expression) needs setuptools 77: with the old bound, 69, a
+    build on setuptools 69-76 failed ("project.license must be valid exactly by one
+    definition")."""
+    import tomllib
+
+    requires = tomllib.loads((ROOT / "pyproject.toml").read_text())["build-system"]["requires"]
+    assert requires == ["setuptools>=77"]
 
 
 def test_the_example_app_runs_from_a_checkout() -> None:
