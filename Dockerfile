@@ -8,8 +8,9 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 
 WORKDIR /src
-# Only what the package build needs (pyproject names README.md as its readme).
-COPY pyproject.toml README.md ./
+# Only what the package build needs (pyproject names README.md as its readme and LICENSE as its
+# licence file, which the installed package carries).
+COPY pyproject.toml README.md LICENSE ./
 COPY idem_middleware ./idem_middleware
 COPY example_app ./example_app
 RUN pip install ".[example]"

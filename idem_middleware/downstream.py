@@ -10,7 +10,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import httpx
+try:
+    import httpx
+except ModuleNotFoundError as exc:  # installed without the extra
+    from .errors import missing_extra
+
+    raise missing_extra(__name__, "httpx", exc) from exc
 
 from .context import current_context
 

@@ -158,3 +158,14 @@ class FenceRollback(Exception):
 class NotFusable(Exception):
     """A value the fast path cannot inline, or a connection it cannot use: the store takes the
     ordinary path instead (store/postgres/fused.py)."""
+
+
+def missing_extra(module: str, extra: str, exc: ImportError) -> ModuleNotFoundError:
+    """The error for `module` imported without its extra: Python's own ("No module named
+    'fastapi'") named neither the extra nor the command that installs it."""
+    package = (exc.name or "missing").split(".")[0]
+    return ModuleNotFoundError(
+        f"{module} needs the {package} package, which the {extra!r} extra installs: "
+        f"pip install 'idem-middleware[{extra}]'",
+        name=exc.name,
+    )

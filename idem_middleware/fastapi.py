@@ -7,7 +7,13 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Annotated, Any, TypeAlias
 
 import asyncpg
-from fastapi import Depends, FastAPI, Request
+
+try:
+    from fastapi import Depends, FastAPI, Request
+except ModuleNotFoundError as exc:  # installed without the extra
+    from .errors import missing_extra
+
+    raise missing_extra(__name__, "fastapi", exc) from exc
 from starlette.routing import Host, Mount
 
 from .context import IdempotencyContext, get_context

@@ -15,7 +15,12 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
-from opentelemetry import trace
+try:
+    from opentelemetry import trace
+except ModuleNotFoundError as exc:  # installed without the extra
+    from .errors import missing_extra
+
+    raise missing_extra(__name__, "otel", exc) from exc
 
 from .observe import Event
 

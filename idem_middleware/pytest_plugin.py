@@ -11,8 +11,9 @@ point; nothing happens unless a test asks for one of its fixtures).
   twice with one Idempotency-Key and asserts the second is a replay with the same status and body
   (with a synchronous client such as Starlette's TestClient, without `await`).
 
-Async fixtures need pytest-asyncio. Fixture names carry the `idem_` prefix so they never clash
-with a project's own.
+`idem_store` is async: it runs under pytest-asyncio, or under anyio's plugin (`@pytest.mark.anyio`);
+neither is needed for the plugin to load, so a project without them runs its tests as before.
+Fixture names carry the `idem_` prefix so they never clash with a project's own.
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
 import pytest
-import pytest_asyncio
 
 from .orphans import mark_owner, reap_orphans
 from .responses import REPLAYED_HEADER
@@ -40,6 +40,11 @@ from .store.migrations import migrate
 from .store.postgres import PostgresStore
 
 __all__ = ["DSN_ENV", "Replay", "idem_postgres_dsn", "idem_replay", "idem_store"]
+
+try:  # the async fixture's decorator: pytest-asyncio's, else pytest's (anyio's plugin runs it)
+    from pytest_asyncio import fixture as _async_fixture
+except ModuleNotFoundError:  # this module loads in every pytest run of a project with the package
+    _async_fixture = pytest.fixture  # type: ignore[assignment]
 
 #: The environment variable naming an existing server to test against.
 DSN_ENV = "IDEM_TEST_DSN"
@@ -182,6 +187,8 @@ def _other_loop(request: pytest.FixtureRequest) -> str | None:
     """Why the test runs in another event loop than its function-scoped async fixtures, if it
     does: asyncpg's pool belongs to the loop it was made in, and the test then fails with
     "attached to a different loop" errors that name neither setting."""
+    if "anyio_backend" in request.fixturenames:  # an anyio test (`@pytest.mark.anyio`)
+        return _under_anyio(request)
     marker = request.node.get_closest_marker("asyncio")
     if marker is None:  # not an asyncio test: nothing of the store runs in it
         return None
@@ -198,7 +205,28 @@ def _other_loop(request: pytest.FixtureRequest) -> str | None:
     )
 
 
-@pytest_asyncio.fixture
+def _under_anyio(request: pytest.FixtureRequest) -> str | None:
+    """Why an anyio test cannot use idem_store, if it cannot. Under pytest-asyncio's auto mode
+    the fixture ran in pytest-asyncio's loop and the test in anyio's: the test failed on the
+    store's pool with a message about loop scopes, which are not the cause."""
+    backend = request.getfixturevalue("anyio_backend")
+    name = backend if isinstance(backend, str) else backend[0]
+    if name != "asyncio":
+        return f"idem_store needs asyncio (asyncpg runs on nothing else); this test runs on {name}"
+    try:
+        mode = request.config.getini("asyncio_mode")
+    except ValueError:  # pytest-asyncio is not installed
+        return None
+    if str(mode) != "auto":
+        return None
+    return (
+        "this test runs in anyio's event loop, while pytest-asyncio's asyncio_mode = auto makes "
+        "idem_store in a loop of its own: asyncpg's pool works only in the loop that made it. "
+        "Mark the test @pytest.mark.asyncio instead of anyio, or set asyncio_mode = strict"
+    )
+
+
+@_async_fixture
 async def idem_store(
     idem_postgres_dsn: str, request: pytest.FixtureRequest
 ) -> AsyncIterator[PostgresStore]:

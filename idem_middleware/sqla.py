@@ -20,7 +20,12 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Annotated, Any
 
-from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
+try:
+    from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
+except ModuleNotFoundError as exc:  # installed without the extra
+    from .errors import missing_extra
+
+    raise missing_extra(__name__, "sqlalchemy", exc) from exc
 from starlette.requests import Request
 
 from .context import current_context, get_context
@@ -135,8 +140,17 @@ async def claim_session(request: Request) -> AsyncIterator[AsyncSession]:
 
 try:
     from fastapi import Depends
-except ImportError:  # pragma: no cover - Starlette without FastAPI
-    pass
+except ImportError:  # Starlette without FastAPI: `open_claim_session` serves
+
+    def __getattr__(name: str) -> Any:
+        if name == "ClaimSession":  # `from idem_middleware.sqla import ClaimSession`
+            raise ImportError(
+                "idem_middleware.sqla.ClaimSession is a FastAPI dependency and FastAPI is not "
+                "installed: pip install 'idem-middleware[fastapi,sqlalchemy]' (Starlette alone: "
+                "`async with open_claim_session(request) as session`)",
+                name="fastapi",
+            )
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 else:
     #: `session: ClaimSession` in a FastAPI endpoint.
     ClaimSession = Annotated[AsyncSession, Depends(claim_session)]

@@ -15,13 +15,19 @@ from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 
 from asyncpg import InterfaceError
-from sqlalchemy import util as _sa_util
-from sqlalchemy.dialects import registry
-from sqlalchemy.dialects.postgresql import json as _pg_json
-from sqlalchemy.dialects.postgresql.asyncpg import PGDialect_asyncpg
-from sqlalchemy.ext.asyncio import AsyncEngine
-from sqlalchemy.ext.asyncio import create_async_engine as _create_async_engine
-from sqlalchemy.pool import Pool
+
+try:
+    from sqlalchemy import util as _sa_util
+    from sqlalchemy.dialects import registry
+    from sqlalchemy.dialects.postgresql import json as _pg_json
+    from sqlalchemy.dialects.postgresql.asyncpg import PGDialect_asyncpg
+    from sqlalchemy.ext.asyncio import AsyncEngine
+    from sqlalchemy.ext.asyncio import create_async_engine as _create_async_engine
+    from sqlalchemy.pool import Pool
+except ModuleNotFoundError as exc:  # installed without the extra
+    from .errors import missing_extra
+
+    raise missing_extra(__name__, "sqlalchemy", exc) from exc
 
 from .context import current_context
 from .errors import ConfigurationError

@@ -13,6 +13,7 @@ import logging
 import re
 from collections.abc import Awaitable, Callable
 
+from starlette.authentication import SimpleUser
 from starlette.responses import Response
 from starlette.types import Scope
 
@@ -86,7 +87,10 @@ def authenticated_user_tenant(scope: Scope) -> str | None:
     try:
         identity = user.identity
     except NotImplementedError:
-        raise Unidentified(f"the user class {type(user).__name__} implements no identity") from None
+        if type(user) is not SimpleUser:
+            why = f"the user class {type(user).__name__} implements no identity"
+            raise Unidentified(why) from None
+        identity = user.username  # Starlette before 1.7 gave it none; since, it is its username
     if type(identity) is str:
         return identity or None
     if isinstance(identity, int) and not isinstance(identity, bool):

@@ -38,10 +38,13 @@ ALL_EXAMPLES = {
 }
 
 
-def test_the_wheel_installs_no_example_app(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> zipfile.ZipFile:
+    """The wheel pip builds from what a checkout holds (built once for the module)."""
+    tmp_path = tmp_path_factory.mktemp("wheel")
     source = tmp_path / "src"
     source.mkdir()
-    for name in ("pyproject.toml", "README.md"):
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
         shutil.copy(ROOT / name, source / name)
     for package in ("idem_middleware", "example_app"):
         shutil.copytree(ROOT / package, source / package, ignore=shutil.ignore_patterns("__py*"))
@@ -52,14 +55,47 @@ def test_the_wheel_installs_no_example_app(tmp_path: Path) -> None:
         timeout=300,
     )
     assert result.returncode == 0, result.stdout + result.stderr
-    (wheel,) = tmp_path.glob("*.whl")
-    names = zipfile.ZipFile(wheel).namelist()
+    (built,) = tmp_path.glob("*.whl")
+    return zipfile.ZipFile(built)
+
+
+def test_the_wheel_installs_no_example_app(wheel: zipfile.ZipFile) -> None:
+    names = wheel.namelist()
     assert {name.split("/")[0] for name in names} == {
         "idem_middleware",
         "idem_middleware-0.1.0.dist-info",
     }
     assert "idem_middleware/__main__.py" in names
     assert "idem_middleware/sql/migrations/0001_initial.sql" in names
+
+
+def test_the_wheel_carries_its_licence_types_and_entry_points(wheel: zipfile.ZipFile) -> None:
+    """The MIT licence's text was in neither the wheel nor the sdist (the licence asks that it
+    go with every copy), and the metadata had no classifiers."""
+    names = set(wheel.namelist())
+    info = "idem_middleware-0.1.0.dist-info"
+    assert f"{info}/licenses/LICENSE" in names
+    assert "idem_middleware/py.typed" in names
+    migrations = {p.name for p in (ROOT / "idem_middleware" / "sql" / "migrations").glob("*.sql")}
+    assert {f"idem_middleware/sql/migrations/{name}" for name in migrations} <= names
+    entry_points = wheel.read(f"{info}/entry_points.txt").decode()
+    assert "idem-middleware = idem_middleware.cli:main" in entry_points
+    assert "idem_middleware = idem_middleware.pytest_plugin" in entry_points
+    metadata = wheel.read(f"{info}/METADATA").decode()
+    assert "License-Expression: MIT" in metadata
+    assert "Requires-Python: >=3.11" in metadata
+    assert "Classifier: Typing :: Typed" in metadata
+    assert "Classifier: Framework :: Pytest" in metadata
+
+
+def test_the_build_backend_bound_can_build_the_project() -> None:
+    """`license = "MIT"` (an SPDX expression) needs setuptools 77: with the old bound, 69, a
+    build on setuptools 69-76 failed ("project.license must be valid exactly by one
+    definition")."""
+    import tomllib
+
+    requires = tomllib.loads((ROOT / "pyproject.toml").read_text())["build-system"]["requires"]
+    assert requires == ["setuptools>=77"]
 
 
 def test_the_example_app_runs_from_a_checkout() -> None:
@@ -178,3 +214,93 @@ def test_the_operating_guide_documents_every_command() -> None:
             for option in action.option_strings:
                 if option != "-h":
                     assert option in guide, f"{parser.prog} {option}"
+
+
+#: Each optional module, the extra that installs what it needs, and the packages it imports.
+EXTRAS = {
+    "idem_middleware.fastapi": ("fastapi", "fastapi"),
+    "idem_middleware.sqla": ("sqlalchemy", "sqlalchemy"),
+    "idem_middleware.sqla_engine": ("sqlalchemy", "sqlalchemy"),
+    "idem_middleware.downstream": ("httpx", "httpx"),
+    "idem_middleware.prometheus": ("metrics", "prometheus_client"),
+    "idem_middleware.otel": ("otel", "opentelemetry"),
+}
+
+_WALK = """
+import importlib, json, pkgutil, idem_middleware
+seen = {}
+for info in pkgutil.walk_packages(idem_middleware.__path__, "idem_middleware."):
+    if info.name.endswith("__main__"):
+        continue
+    try:
+        importlib.import_module(info.name)
+        seen[info.name] = None
+    except ImportError as exc:
+        seen[info.name] = str(exc)
+try:
+    from idem_middleware.sqla import ClaimSession
+except ImportError as exc:
+    seen["ClaimSession"] = str(exc)
+print(json.dumps(seen))
+"""
+
+
+def _imports_without(packages: set[str], tmp_path: Path) -> tuple[dict[str, str | None], str]:
+    """{module: its ImportError or None} with `packages` missing, and `--help`'s output."""
+    import json
+
+    (tmp_path / "sitecustomize.py").write_text(
+        f"import sys\nsys.modules.update(dict.fromkeys({sorted(packages)!r}))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}"}
+    result = subprocess.run(
+        [sys.executable, "-c", _WALK], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert result.returncode == 0, result.stderr
+    command = [sys.executable, "-m", "idem_middleware", "--help"]
+    shown = subprocess.run(command, capture_output=True, text=True, timeout=60, env=env)
+    assert shown.returncode == 0, shown.stderr
+    seen: dict[str, str | None] = json.loads(result.stdout)
+    return seen, shown.stdout
+
+
+def test_without_extras_every_module_imports_or_names_its_extra(tmp_path: Path) -> None:
+    """With no extra installed, `import idem_middleware.fastapi` said only "No module named
+    'fastapi'"; it now names the extra and the command that installs it."""
+    blocked = {"pytest_asyncio", *(package for _, package in EXTRAS.values())}
+    seen, help_text = _imports_without(blocked, tmp_path)
+    failed = {name: error for name, error in seen.items() if error is not None}
+    expected = {name: extra for name, (extra, _) in EXTRAS.items()}
+    assert set(failed) == {*expected, "ClaimSession"}, failed
+    for name, extra in expected.items():
+        assert f"pip install 'idem-middleware[{extra}]'" in str(failed[name]), failed[name]
+    assert seen["idem_middleware.pytest_plugin"] is None  # loads in every pytest run
+    assert "migrate" in help_text
+
+
+def test_claim_session_without_fastapi_names_the_extra(tmp_path: Path) -> None:
+    seen, _ = _imports_without({"fastapi"}, tmp_path)
+    assert seen["idem_middleware.sqla"] is None  # Starlette's open_claim_session needs no FastAPI
+    assert "pip install 'idem-middleware[fastapi,sqlalchemy]'" in str(seen["ClaimSession"])
+
+
+#: The lowest versions a guarded request was seen to work with, in fresh virtualenvs from the
+#: wheel (the README's app and test, a Starlette app on MemoryStore and PostgresStore), and what
+#: broke on the release before: pyproject's bounds allowed those releases.
+LOWEST_WORKING = {
+    "starlette": "0.37",  # 0.37.0 (SimpleUser's identity is its username before 1.7: tenant.py)
+    "asyncpg": "0.30",  # 0.29: create_pool() has no `reset` (TypeError at the store's open)
+    "orjson": "3.9",
+    "fastapi": "0.110.1",  # 0.110.0 requires starlette<0.37: no install resolves
+    "sqlalchemy[asyncio]": "2.0.40",  # 2.0.39: AsyncSession.get_transaction() NotImplementedError
+}
+
+
+def test_dependency_bounds_are_the_lowest_versions_seen_working() -> None:
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    listed = [*project["dependencies"], *project["optional-dependencies"]["fastapi"]]
+    listed += project["optional-dependencies"]["sqlalchemy"]
+    bounds = dict(requirement.split(">=") for requirement in listed)
+    assert bounds == LOWEST_WORKING

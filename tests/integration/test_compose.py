@@ -165,10 +165,10 @@ def test_dockerfile_builds_a_python_311_image_with_the_example_extra(
     assert any(re.fullmatch(r'RUN pip install ["\']?\.\[example\]["\']?', line) for line in lines)
     assert "example" in pyproject["project"]["optional-dependencies"]
     copied = {part for line in lines if line.startswith("COPY ") for part in line.split()[1:-1]}
-    # What `pip install .` needs: the build config, the readme it names, both packages.
-    assert {"pyproject.toml", pyproject["project"]["readme"], "idem_middleware", "example_app"} <= (
-        copied
-    )
+    # What `pip install .` needs: the build config, the readme and licence files it names (a
+    # missing licence file is silently left out of the install), both packages.
+    needed = {"pyproject.toml", pyproject["project"]["readme"], "idem_middleware", "example_app"}
+    assert needed | set(pyproject["project"].get("license-files", [])) <= copied
 
 
 def test_docker_compose_config_if_available() -> None:

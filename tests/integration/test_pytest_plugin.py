@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -387,3 +388,70 @@ def test_two_runs_at_once_on_one_server_each_get_a_database(
         (pytester.path / "b_done").write_text("")
         output, _ = first.communicate(timeout=120)
     assert first.returncode == 0, output
+
+
+ANYIO_TEST = """
+import httpx, pytest
+from starlette.applications import Starlette
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+from idem_middleware import IdempotencyMiddleware
+
+async def handler(request):
+    return JSONResponse({"ok": True}, status_code=201)
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
+
+def test_plain():
+    assert 1 + 1 == 2
+
+@pytest.mark.anyio
+async def test_anyio(idem_store, idem_replay):
+    app = Starlette(routes=[Route("/x", handler, methods=["POST"])])
+    app.add_middleware(IdempotencyMiddleware, store=idem_store, tenant_resolver=lambda s: "t")
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://t") as http:
+        await idem_replay(http, "POST", "/x", json={})
+"""
+
+
+def test_a_project_without_pytest_asyncio_runs_its_tests(
+    pytester: pytest.Pytester, inner_env: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The plugin loads in every pytest run of a project that installed the package; it
+    imported pytest_asyncio, so a project without it could run no test at all
+    ("Error while loading plugin pytest11 ... No module named 'pytest_asyncio'"). Now
+    idem_store runs under anyio's plugin there."""
+    hide = pytester.path / "hide"
+    hide.mkdir()
+    (hide / "sitecustomize.py").write_text("import sys\nsys.modules['pytest_asyncio'] = None\n")
+    monkeypatch.setenv("PYTHONPATH", f"{hide}{os.pathsep}{ROOT}")
+    pytester.makepyfile(test_anyio=ANYIO_TEST)
+    result = pytester.runpytest_subprocess(
+        "-p", "idem_middleware.pytest_plugin", "-p", "anyio.pytest_plugin", timeout=120
+    )
+    result.assert_outcomes(passed=2)
+
+
+@pytest.mark.parametrize("mode", ["strict", "auto"])
+def test_an_anyio_test_gets_the_store_or_is_told_why(
+    pytester: pytest.Pytester, inner_env: Path, mode: str
+) -> None:
+    """FastAPI's guide tests with `@pytest.mark.anyio`. Beside pytest-asyncio in auto mode the
+    store was made in pytest-asyncio's loop and the test ran in anyio's: it failed on the pool
+    with advice about loop scopes, which were not the cause."""
+    pytester.makepyfile(test_anyio=ANYIO_TEST)
+    pytester.makeini(
+        f"[pytest]\nasyncio_mode = {mode}\nasyncio_default_fixture_loop_scope = function\n"
+    )
+    result = pytester.runpytest_subprocess(
+        "-p", "idem_middleware.pytest_plugin", "-p", "pytest_asyncio.plugin",
+        "-p", "anyio.pytest_plugin", timeout=120,
+    )  # fmt: skip
+    if mode == "strict":
+        result.assert_outcomes(passed=2)
+    else:
+        result.assert_outcomes(passed=1, errors=1)
+        result.stdout.fnmatch_lines(["*asyncio_mode = auto makes idem_store in a loop of its own*"])

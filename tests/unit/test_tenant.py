@@ -126,6 +126,23 @@ async def test_a_user_the_default_cannot_name_is_refused_not_shared(
     assert len([r for r in caplog.records if r.levelno == logging.ERROR]) == 1
 
 
+def test_simple_user_is_its_username_on_a_starlette_before_1_7(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Starlette gave SimpleUser an identity (its username) in 1.7 only; before, the README's
+    and the guides' apps (SimpleUser(tenant), the default resolver) refused every guarded
+    request with 500 server-misconfigured, though pyproject allows starlette>=0.37."""
+    monkeypatch.delattr(SimpleUser, "identity")  # BaseUser's: NotImplementedError, as before 1.7
+    scope = {"user": SimpleUser("tenant-a")}
+    assert authenticated_user_tenant(scope) == "tenant-a"
+
+    class Named(SimpleUser):  # a subclass may mean something else by its username
+        pass
+
+    with pytest.raises(RequestRejected):
+        authenticated_user_tenant({"user": Named("x")})
+
+
 async def test_an_integer_identity_is_its_digits() -> None:
     assert await resolve(Tenants(), {"user": WithIdentity(42)}) == "42"
     assert await resolve(Tenants(), {"user": WithIdentity("")}) is None  # no one: 401
