@@ -120,6 +120,14 @@ class Policy:
             object.__setattr__(
                 self, option, seconds_option(getattr(self, option), option, positive=positive)
             )
+        if self.lease_seconds < MIN_LEASE_SECONDS:
+            raise ConfigurationError(
+                f"lease_seconds must be at least {MIN_LEASE_SECONDS} seconds, not "
+                f"{self.lease_seconds!r}: a lease is renewed every third of it, each renewal a "
+                "round trip to the database, so a shorter one lapses under a running handler "
+                "(another request then takes it over or marks it unknown). Use seconds (the "
+                "default is 30)"
+            )
         if self.reconciler is not None:
             if not callable(self.reconciler):
                 raise ConfigurationError(
@@ -179,6 +187,10 @@ def fields(value: Any, option: str) -> tuple[str, ...]:
 #: sensible setting, and well inside what PostgreSQL's interval and timestamp arithmetic holds
 #: (`now() + retention`; its timestamps end in the year 294276).
 MAX_SECONDS = 100 * 365 * 24 * 3600
+
+#: The shortest lease a policy takes: its heartbeat renews it every third of it, so a lease of
+#: microseconds lapsed at once (PostgreSQL's timestamps end there) and renewed without a pause.
+MIN_LEASE_SECONDS = 0.1
 
 _FLAGS = ("guard", "key_required", "allow_anonymous", "accept_while_in_flight", "require_token")
 #: The integer options: name, least value, greatest value (None: no bound).

@@ -260,3 +260,15 @@ def test_the_defaults_are_still_valid() -> None:
     assert policy.on_lease_expiry is LeaseExpiry.UNKNOWN
     assert policy.max_body_bytes == 1024 * 1024
     assert policy.retention_seconds == 24 * 3600.0
+
+
+@pytest.mark.parametrize("value", [1e-7, 0.01, 0.099])
+def test_a_lease_shorter_than_a_tenth_of_a_second_is_refused(value: float) -> None:
+    """A lease is renewed every third of it: one of 1e-7 s was lapsed when its claim committed
+    (a duplicate took it over at once, with `LeaseExpiry.TAKEOVER`: two executions), and its
+    heartbeat renewed it back to back, a round trip after another."""
+    message = refused(mode=Mode.LEASE, lease_seconds=value)
+    assert message.startswith(f"lease_seconds must be at least 0.1 seconds, not {value!r}: ")
+    assert "Use seconds (the default is 30)" in message
+    assert Policy(mode=Mode.LEASE, lease_seconds=0.1).lease_seconds == 0.1
+    assert Policy(mode=Mode.LEASE, lease_seconds=MAX_SECONDS).lease_seconds == MAX_SECONDS

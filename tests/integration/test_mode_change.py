@@ -1,0 +1,147 @@
+"""A route's mode changed by a rolling deploy (docs/lease-mode.md, "Changing a route's mode"):
+processes of the old version and of the new one answer the same key on one database at once.
+
+`POST /payouts` (tests/apps/lease.py) is served transactional by one app and in lease mode by
+the other; its fenced write (a `test_ledger` row) is the claim's connection in transactional
+mode, the fence in lease mode. Each key must be executed (its ledger row committed) once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import asyncpg
+import pytest
+
+from idem_middleware import Mode, PostgresStore, RecordKey
+from idem_middleware.store.base import Claimed
+from tests.apps import (
+    BOUND,
+    LEASE_POLICY,
+    PAYOUTS,
+    Step,
+    assert_problem,
+    assert_replay_of,
+    build_lease_app,
+    client,
+    count,
+)
+from tests.integration.test_lease_mode import (
+    bank,  # noqa: F401 (a fixture)
+    finish,
+    post,
+    probe_of,
+    row,
+    spawn,
+)
+
+pytestmark = pytest.mark.db_routes("pgbouncer")
+
+TRANSACTIONAL = LEASE_POLICY.replace(mode=Mode.TRANSACTIONAL)
+
+
+async def test_a_lease_claim_during_an_old_transactional_execution_runs_once(
+    pool: asyncpg.Pool[Any],
+    pg_store: PostgresStore,
+    bank: asyncpg.Pool[Any],  # noqa: F811
+) -> None:
+    """Old version transactional, new version lease mode. The transactional claim writes no row
+    until it commits (an advisory lock holds the key), so the lease claim does not wait: it
+    commits and runs. The transactional commit then meets the lease record on the primary key:
+    its writes roll back and it answers from that record (the replay). One ledger row."""
+    async with PostgresStore(pool=pool) as new_store:
+        old = build_lease_app(pg_store, bank, TRANSACTIONAL)
+        new = build_lease_app(new_store, bank, LEASE_POLICY)
+        probe_old, probe_new = probe_of(old), probe_of(new)
+        gate = asyncio.Event()
+        probe_old.steps = [Step(downstream=False, fence="before", gate=gate)]
+        probe_new.steps = [Step(fence="before")]
+        async with client(old) as c_old, client(new) as c_new:
+            task_old = spawn(post(c_old))
+            await asyncio.wait_for(probe_old.entered.wait(), BOUND)
+            fresh = await asyncio.wait_for(post(c_new), BOUND)
+            assert fresh.status_code == 201, fresh.text
+            gate.set()
+            answered = await finish(task_old)
+    assert_replay_of(answered, fresh)
+    assert probe_new.calls == 1
+    assert await count(bank, "test_ledger") == 1  # the old execution's write rolled back
+    record = await row(bank)
+    assert record is not None
+    assert (record["state"], record["mode"]) == ("succeeded", "lease")
+
+
+async def test_an_old_lease_execution_is_in_flight_for_a_new_transactional_request(
+    pool: asyncpg.Pool[Any],
+    pg_store: PostgresStore,
+    bank: asyncpg.Pool[Any],  # noqa: F811
+) -> None:
+    """Old version lease mode, new version transactional (a deploy rolled back, say): the lease
+    record is `pending`, and the transactional request answers 409 at once and runs nothing;
+    its retry gets the lease execution's replay, and a record written transactionally is
+    replayed to a lease-mode request in turn (the fingerprint does not depend on the mode)."""
+    async with PostgresStore(pool=pool) as new_store:
+        old = build_lease_app(pg_store, bank, LEASE_POLICY)
+        new = build_lease_app(new_store, bank, TRANSACTIONAL)
+        probe_old, probe_new = probe_of(old), probe_of(new)
+        gate = asyncio.Event()
+        probe_old.steps = [Step(fence="before", gate=gate)]
+        probe_new.steps = [Step(downstream=False, fence="before")]
+        async with client(old) as c_old, client(new) as c_new:
+            task_old = spawn(post(c_old))
+            await asyncio.wait_for(probe_old.entered.wait(), BOUND)
+            busy = await asyncio.wait_for(post(c_new), BOUND)
+            assert_problem(busy, 409, "request-in-flight")
+            gate.set()
+            first = await finish(task_old)
+            assert first.status_code == 201, first.text
+            assert_replay_of(await post(c_new), first)
+
+            # The other way round: the transactional record answers the lease-mode request.
+            fresh = await post(c_new, "k2")
+            assert fresh.status_code == 201, fresh.text
+            assert_replay_of(await post(c_old, "k2"), fresh)
+    assert probe_new.calls == 1  # k2 only
+    assert probe_old.calls == 1
+    assert await count(bank, "test_ledger") == 2  # one per key
+
+
+async def test_a_lapsed_lease_is_never_run_by_a_transactional_request(
+    pool: asyncpg.Pool[Any],
+    pg_store: PostgresStore,
+    bank: asyncpg.Pool[Any],  # noqa: F811
+) -> None:
+    """An old lease-mode process died mid-request in the deploy; the new version serves the
+    route transactionally. Its effect may have happened at the bank: the transactional request
+    never runs it again. It answers 409 request-in-flight while the record is `pending` (what
+    moves it is `idem-middleware reconcile`, which turns a lapsed lease `unknown`), then 409
+    outcome-unknown, for an operator to resolve."""
+    key = RecordKey("tenant-a", f"POST {PAYOUTS}", "k1")
+    claim = await pg_store.claim_lease(key, b"-", retention_seconds=60, lease_seconds=60)
+    assert isinstance(claim, Claimed)
+    await bank.execute(
+        "UPDATE idem_requests SET lease_expires_at = now() - interval '1 second'"
+    )  # the old process's lease lapsed
+    new = build_lease_app(pg_store, bank, TRANSACTIONAL)
+    async with client(new) as c:
+        await bank.execute(
+            "UPDATE idem_requests SET fingerprint = $1", await _fingerprint_of(c, bank)
+        )
+        assert_problem(await post(c), 409, "request-in-flight")
+        assert await pg_store.expire_lease(key, claim.generation)  # the CLI's step
+        assert_problem(await post(c), 409, "outcome-unknown")
+    assert probe_of(new).calls == 1  # the "probe" key's, none for k1
+    assert await count(bank, "test_ledger") == 0
+
+
+async def _fingerprint_of(c: Any, pool: asyncpg.Pool[Any]) -> bytes:
+    """The fingerprint this app computes for the test's request: read from a record it writes
+    for another key (then deleted)."""
+    response = await post(c, "probe")
+    assert response.status_code == 201, response.text
+    value: bytes = await pool.fetchval(
+        "DELETE FROM idem_requests WHERE idem_key = 'probe' RETURNING fingerprint"
+    )
+    await pool.execute("DELETE FROM test_ledger")
+    return value
