@@ -110,7 +110,20 @@ async def migrate(args: argparse.Namespace) -> int:
 
 async def purge(store: PostgresStore, args: argparse.Namespace) -> int:
     deleted = await store.purge(batch_size=args.batch_size, max_batches=args.max_batches)
-    emit(args, {"purged": deleted}, f"purged {deleted} expired records")
+    # Every batch was full: it stopped at its limit, and expired records may be left. Said
+    # aloud, since a purge that deletes less each run than expires meanwhile never catches up.
+    limited = deleted >= args.batch_size * args.max_batches
+    emit(
+        args, {"purged": deleted, "stopped_at_limit": limited}, f"purged {deleted} expired records"
+    )
+    if limited:
+        print(
+            f"purge stopped at --max-batches ({args.max_batches} batches of {args.batch_size}):"
+            " expired records may be left. Run it again now, run it more often, or raise"
+            " --max-batches (IDEM_PURGE_MAX_BATCHES): a purge that deletes less each run than"
+            " expires between runs falls further behind every time.",
+            file=sys.stderr,
+        )
     return 0
 
 

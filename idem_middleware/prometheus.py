@@ -3,7 +3,8 @@
     observer = PrometheusObserver()
     app.add_middleware(IdempotencyMiddleware, store=store, observers=[observer])
     ...
-    observer.update_from_stats(await store.stats())   # e.g. every 30 s, for the gauges
+    observer.update_from_stats(await store.stats())   # the gauges: from one process, every few
+    # minutes (stats counts every record: docs/operating.md, Maintenance at scale)
 
 Labels are the operation and the outcome only: tenants and keys never become label values. An
 operation's method is the client's to choose (a route whose endpoint takes any method is guarded

@@ -183,6 +183,10 @@ CREATE TABLE idem_outbox (
 CREATE INDEX idem_outbox_due_idx ON idem_outbox (next_attempt_at)
     WHERE sent_at IS NULL AND parked_at IS NULL;
 
+-- Purge picks events sent long enough ago.
+CREATE INDEX idem_outbox_sent_idx ON idem_outbox (sent_at)
+    WHERE sent_at IS NOT NULL;
+
 -- A consumer records each event it applied, in its own transaction, so a redelivery is skipped.
 CREATE TABLE idem_inbox (
     consumer     text        NOT NULL,

@@ -645,3 +645,23 @@ def test_an_app_whose_lifespan_fails_is_a_message_and_status_2(db_dsn: str, tmp_
     assert result.returncode == 2, result.stderr
     assert "lifespan's startup failed" in result.stderr
     assert "--no-lifespan" in result.stderr
+
+
+async def test_purge_says_when_it_stopped_at_its_limit_with_records_left(
+    db_dsn: str, pool: Any
+) -> None:
+    """Found by probing at scale: at its defaults purge deletes at most a million records a run
+    and said only how many it deleted, so a purge run hourly under more than 280 requests a
+    second fell further behind every hour with nothing to show it."""
+    from datetime import datetime, timedelta
+
+    past = datetime.now(UTC) - timedelta(hours=1)
+    for key in ("old-1", "old-2", "old-3"):
+        await insert(pool, key, "succeeded", expires_at=past)
+    limited = cli("purge", "--batch-size", "1", "--max-batches", "2", dsn=db_dsn)
+    assert limited.returncode == 0, limited.stderr
+    assert "purged 2 expired records" in limited.stdout
+    assert "stopped at --max-batches (2 batches of 1)" in limited.stderr
+    rest = cli("--json", "purge", "--batch-size", "2", "--max-batches", "2", dsn=db_dsn)
+    assert json.loads(rest.stdout) == {"purged": 1, "stopped_at_limit": False}
+    assert rest.stderr == ""

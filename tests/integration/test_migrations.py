@@ -449,3 +449,24 @@ async def test_opening_a_store_on_read_only_sessions_names_the_fix(
         assert await store.get(RecordKey("t", "POST /x", "k")) is None
     stats = cli("stats", dsn=dsn)
     assert stats.returncode == 0, stats.stderr
+
+
+async def test_the_outbox_purge_index_built_concurrently_beforehand_is_kept(
+    new_database: NewDatabase,
+) -> None:
+    """docs/operating.md: on a large outbox, build 0009's index by hand with CREATE INDEX
+    CONCURRENTLY first; the migration then keeps it rather than refusing to run."""
+    conn = await asyncpg.connect(await new_database())
+    try:
+        await migrate(conn)
+        await conn.execute("DROP INDEX idem_outbox_sent_idx")
+        await conn.execute("DELETE FROM idem_schema_migrations WHERE version = 9")
+        await conn.execute(
+            "CREATE INDEX CONCURRENTLY idem_outbox_sent_idx ON idem_outbox (sent_at)"
+            " WHERE sent_at IS NOT NULL"
+        )
+        assert await migrate(conn) == [9]
+        count = "SELECT count(*) FROM pg_indexes WHERE indexname = 'idem_outbox_sent_idx'"
+        assert await conn.fetchval(count) == 1
+    finally:
+        await conn.close()
