@@ -10,9 +10,10 @@ from typing import Any
 
 import orjson
 
-from .context import IdempotencyContext, Outcome, key_digest
+from .context import Outcome
 from .errors import JobInProgress, StaleGeneration
 from .fence import Fence
+from .heartbeat import keep_lease
 from .jobs_spec import JSON_HEADERS, MAX_ROUNDS, UNSETTLED, JobSpec
 from .outcomes import FINAL_STATE
 from .policy import LeaseExpiry
@@ -85,7 +86,16 @@ async def _execute(
     fence = Fence(store, key, generation, State.PENDING)
     context = job.context(key, generation, epoch, None, fence.connection)
     stop = asyncio.Event()
-    heartbeat = asyncio.get_running_loop().create_task(_heartbeat(job, context, stop))
+    loop = asyncio.get_running_loop()
+    renewing = keep_lease(
+        store,
+        context,
+        job.lease_seconds,
+        stop,
+        held_until=loop.time() + job.lease_seconds,
+        renew_now=False,
+    )
+    heartbeat = loop.create_task(renewing)
     try:
         try:
             body = await job.run(context, args, kwargs)
@@ -122,30 +132,3 @@ async def _execute(
             f"{job.operation}: generation {generation} lost its claim; nothing was recorded"
         )
     return orjson.loads(body)
-
-
-async def _heartbeat(job: JobSpec, context: IdempotencyContext, stop: asyncio.Event) -> None:
-    interval = job.lease_seconds / 3
-    while True:
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), interval)
-        if stop.is_set():
-            return
-        try:
-            alive = await job.store.heartbeat(
-                RecordKey(context.tenant, context.operation, context.key),
-                context.generation,
-                job.lease_seconds,
-            )
-        except Exception:
-            logger.warning("job heartbeat failed", exc_info=True)
-            continue
-        if not alive:
-            if stop.is_set():  # settled while this renewal waited (on the fence's row lock)
-                return
-            context.lease_lost.set()
-            logger.warning(
-                "job lease lost",
-                extra={"operation": context.operation, "key_digest": key_digest(context.key)},
-            )
-            return

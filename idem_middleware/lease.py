@@ -14,7 +14,7 @@ from collections.abc import Awaitable
 from typing import TYPE_CHECKING
 
 from .answers import TENANT_BUSY, WAITERS_FULL, Answer, InFlight, Problem
-from .errors import ClaimTimeout, ProblemKind
+from .errors import ClaimTimeout, ProblemKind, StoreError
 from .fence import Verdict, run_reconciler
 from .lease_executor import LeaseExecution, log_extra
 from .outcomes import duplicate_answer, settled_answer
@@ -155,7 +155,13 @@ class LeaseRun:
                         waiting.enter_context(self.ex.timed("wait"))
                     await self.ex.wait_present(watch.wait(min(remaining, poll)))
                     poll = min(poll * 2, _MAX_POLL)
-                record = await store.get(self.key)
+                try:
+                    record = await store.get(self.key)
+                except StoreError:
+                    # The server went away while this duplicate waited (a restart): it holds
+                    # nothing, so it polls on, for what is left of its wait.
+                    if poll == _FIRST_POLL or loop.time() >= deadline:
+                        raise
         raise RuntimeError("the record kept changing; giving up")  # pragma: no cover
 
     async def reconcile(self, record: Record, deadline: float) -> Answer | None:

@@ -7,7 +7,6 @@ is settled by compare-and-set (or in the fenced transaction); a stale executor i
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import contextvars
 import logging
 from typing import TYPE_CHECKING
@@ -18,6 +17,7 @@ from .context import IdempotencyContext, claimed_context, enter_context, key_dig
 from .delayed import Delayed
 from .errors import ProblemKind, StaleGeneration
 from .fence import Fence
+from .heartbeat import keep_lease
 from .observe import SETTLED_EVENTS, Event
 from .outcomes import FINAL_STATE, Outcome, outcome_for_status
 from .policy import Mode
@@ -276,23 +276,8 @@ class LeaseExecution:
             self.stop.set()
 
     async def _heartbeat(self, context: IdempotencyContext, stop: asyncio.Event) -> None:
-        """Renew the lease now (started when the first renewal is due), then every third of it."""
-        interval = self.policy.lease_seconds / 3
-        while not stop.is_set():
-            try:
-                alive = await self.store.heartbeat(
-                    self.key, context.generation, self.policy.lease_seconds
-                )
-            except Exception:
-                logger.warning("heartbeat failed", exc_info=True)
-                alive = True  # unknown: try again at the next renewal
-            if not alive:
-                if not stop.is_set():
-                    context.lease_lost.set()
-                    logger.warning(
-                        "lease lost: this execution can no longer complete",
-                        extra=log_extra(self.key, context.generation, "lease-lost"),
-                    )
-                return
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), interval)
+        """Renew the lease now (started when the first renewal is due, a third of the lease
+        after the claim), then every third of it (see heartbeat.py)."""
+        lease = self.policy.lease_seconds
+        held_until = asyncio.get_running_loop().time() + lease * 2 / 3
+        await keep_lease(self.store, context, lease, stop, held_until=held_until, renew_now=True)
