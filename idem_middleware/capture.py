@@ -9,6 +9,7 @@ from starlette.types import Message, Scope, Send
 
 from .answers import Answer
 from .responses import storable_headers
+from .sendable import refuse_status
 from .store.base import StoredResponse
 
 #: Messages that go straight through, the response held or not: early hints (103), HTTP/2
@@ -100,11 +101,16 @@ class ResponseCapture(Answer):
             return
         kind = message["type"]
         if kind == "http.response.start":
+            if self.start is not None:
+                raise RuntimeError("http.response.start sent twice")
             headers = message.get("headers", ())
             if type(headers) is not list and type(headers) is not tuple:
                 # Any iterable, a generator too: read once here, kept for the server and the record.
                 headers = list(headers)
                 message = {**message, "headers": headers}
+            status = message["status"]
+            if type(status) is not int or not 199 < status < 600:
+                refuse_status(status)  # as the server would, before any outcome is recorded
             self.start = message
             content_type = b""
             for name, value in headers:
@@ -122,6 +128,12 @@ class ResponseCapture(Answer):
             await self._go_passthrough("streaming", more_body=not self.complete)
             await self._send(message)
             return
+        if self.start is None or self.complete:  # (as servers refuse them, not stored)
+            raise RuntimeError(
+                "response body sent before http.response.start"
+                if self.start is None
+                else "response body sent after the response was complete"
+            )
         chunk = message.get("body", b"")
         if type(chunk) is not bytes:
             # A view of the app's buffer (Starlette streams memoryviews as they come), which the

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-import re
 from collections.abc import Awaitable, Callable, Sequence
 
 import orjson
@@ -14,6 +13,7 @@ from starlette.types import Scope, Send
 
 from .errors import ProblemKind
 from .observe import shown
+from .sendable import head_problem, sendable_headers
 from .store.base import StoredResponse
 
 #: The `type` URIs are this prefix plus the kind (see ProblemKind); they never change.
@@ -69,10 +69,6 @@ ReplayHook = Callable[
 _HOOK_DROPPED = frozenset({b"content-length", b"transfer-encoding", b"idempotent-replayed"})
 
 logger = logging.getLogger("idem_middleware")
-
-# RFC 9110: a field name is a token; a value has no CR, LF or NUL.
-_HEADER_NAME = re.compile(rb"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
-_HEADER_VALUE = re.compile(rb"[^\r\n\x00]*")
 
 
 def problem_status(kind: ProblemKind) -> int:
@@ -222,20 +218,9 @@ def _malformed(result: object) -> str | None:
         return "a body that is not bytes"
     if result.body_omitted is not None and not isinstance(result.body_omitted, str):
         return f"body_omitted={result.body_omitted!r}"
-    for header in result.headers:
-        if not (
-            isinstance(header, tuple)
-            and len(header) == 2
-            and isinstance(header[0], bytes)
-            and isinstance(header[1], bytes)
-            and _HEADER_NAME.fullmatch(header[0]) is not None
-            and _HEADER_VALUE.fullmatch(header[1]) is not None
-        ):
-            # Named, never quoted: its value may carry what the stored response does.
-            name = header[0] if isinstance(header, tuple) and header else None
-            shown = repr(name[:64]) if isinstance(name, bytes | str) else type(header).__name__
-            return f"the header {shown} (headers are (bytes, bytes) pairs, as HTTP allows)"
-    return None
+    # Named, never quoted: a value may carry what the stored response does. The rule is the
+    # one a handler's own response meets (sendable.py): what servers send.
+    return head_problem(result.status, result.headers)
 
 
 #: What a stored response's headers say of its body, dropped with the body itself: its type,
@@ -269,7 +254,16 @@ async def send_replay(
         response = await hooked_response(
             hook, response, scope if scope is not None else {}, operation
         )
-    headers = list(response.headers)
+    # A record stored before handlers' heads were checked may hold one a server refuses: left
+    # in, every retry would be dropped for the whole retention.
+    headers, refused = sendable_headers(response.headers)
+    if refused:
+        logger.warning(
+            "idempotency: the stored response of %s has headers no server sends, left out of "
+            "its replay: %s",
+            shown(operation),  # (the operation, not the path a client wrote: see observe.shown)
+            shown("; ".join(refused)),
+        )
     body = response.body
     if response.body_omitted is not None:
         # The original body was never kept (see the README, "Large and streaming responses"):

@@ -259,6 +259,17 @@ WRONG_ANSWERS = [
         "the header b'x note' is not valid in HTTP",
         id="space-in-a-name",
     ),
+    # Also found by probing: httptools refuses every control character, h11 an edge space.
+    pytest.param(
+        Happened(201, b"", [(b"x-note", b"secret\x01body")]),
+        "the header b'x-note' is not valid in HTTP",
+        id="control-character-in-a-value",
+    ),
+    pytest.param(
+        Happened(201, b"", [(b"x-note", b"secret-body ")]),
+        "the header b'x-note' is not valid in HTTP",
+        id="trailing-space-in-a-value",
+    ),
 ]
 
 
