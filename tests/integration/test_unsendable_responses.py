@@ -114,6 +114,7 @@ async def test_a_header_the_server_refuses_is_left_out_of_the_replay(
     assert app.state.calls == 2  # once per key
     assert "content-disposition" in caplog.text
     assert "secret" not in caplog.text
+    assert f"POST {path}" in caplog.text  # named by its operation
     assert (clean[0], again[0], again[2]) == (201, 201, clean[2])
     assert again[1][b"content-disposition"] == b'attachment; filename="b.csv"'
     assert [(r["idem_key"], r["state"]) for r in await records(pool)] == [
