@@ -22,12 +22,20 @@ except ModuleNotFoundError as exc:  # installed without the extra
 
     raise missing_extra(__name__, "otel", exc) from exc
 
-from .observe import Event
+from .observe import Event, shown
+
+#: The longest text attribute set whole. A route template is far shorter; an operation named by
+#: the concrete path a request took (a sub-app behind a wrapper the router cannot see through)
+#: is as long as the server lets a path be, and went on every span and event of the request
+#: (OpenTelemetry's SDK sets no length limit unless configured).
+MAX_ATTRIBUTE_CHARS = 256
 
 
 def _attributes(attributes: Mapping[str, Any], tenant: bool = False) -> dict[str, Any]:
+    """The `idem.*` attributes; a text one escaped when it holds a control character (a decoded
+    `%0D%0A`) and cut at MAX_ATTRIBUTE_CHARS, as a log message shows it (`observe.shown`)."""
     return {
-        f"idem.{k}": v
+        f"idem.{k}": shown(v, MAX_ATTRIBUTE_CHARS) if isinstance(v, str) else v
         for k, v in attributes.items()
         if isinstance(v, (str, int, float)) and (tenant or k != "tenant")
     }

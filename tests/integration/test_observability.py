@@ -23,7 +23,7 @@ from starlette.routing import Mount, Route
 from idem_middleware import IdempotencyMiddleware, MemoryStore, Mode, Policy, idempotent
 from idem_middleware.errors import ConfigurationError
 from idem_middleware.observe import LoggingObserver
-from idem_middleware.otel import OpenTelemetryObserver
+from idem_middleware.otel import MAX_ATTRIBUTE_CHARS, OpenTelemetryObserver
 from idem_middleware.prometheus import MAX_LABEL_CHARS, PrometheusObserver
 from tests.apps import BearerBackend, build_app, client, post_scope
 
@@ -353,3 +353,49 @@ async def test_span_events_carry_the_tenant_only_when_asked(
         assert {a["idem.tenant"] for a in with_tenant} == {"tenant-a"}
     else:
         assert with_tenant == []
+
+
+async def test_span_attributes_from_a_concrete_path_are_bounded() -> None:
+    """Found by probing: an operation named by the concrete path a request took (a sub-app
+    behind a wrapper the router cannot see into) went whole into `idem.operation` on every span
+    and span event of the request, as long as the server let a path be (OpenTelemetry's SDK
+    sets no length limit unless told), with the path's decoded `%0D%0A`. It is escaped and cut
+    at MAX_ATTRIBUTE_CHARS, as a log message shows it."""
+
+    async def pay(request: Request) -> Response:
+        return PlainTextResponse("paid", 201)
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    inner = Starlette(
+        routes=[Route("/pay", pay, methods=["POST"])],
+        middleware=[
+            Middleware(
+                IdempotencyMiddleware,
+                store=MemoryStore(),
+                tenant_resolver=lambda scope: "tenant-a",
+                observers=[OpenTelemetryObserver(tracer_provider=provider)],
+            )
+        ],
+    )
+
+    async def hiding(scope: Any, receive: Any, send: Any) -> None:
+        await inner(scope, receive, send)
+
+    outer = Starlette(routes=[Mount("/t/{tid}", app=hiding)])
+    long_name = "x" * 16_000
+    async with client(outer) as c:
+        with provider.get_tracer("test").start_as_current_span("request"):
+            for i, name in enumerate([long_name, "a%0D%0Ab"]):
+                url = f"/t/{name}/pay"
+                reply = await c.post(url, json={}, headers={"idempotency-key": f"k{i}"})
+                assert reply.status_code == 201, reply.text
+    spans = exporter.get_finished_spans()
+    values = [dict(s.attributes or {}) for s in spans]
+    values += [dict(e.attributes or {}) for s in spans for e in s.events]
+    operations = {a["idem.operation"] for a in values if "idem.operation" in a}
+    assert len(operations) == 2, operations
+    assert all(len(op) <= MAX_ATTRIBUTE_CHARS + 40 for op in operations), operations
+    assert all(op.isprintable() for op in operations), operations
+    assert any("(16012 characters)" in op for op in operations), operations
