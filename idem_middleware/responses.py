@@ -37,8 +37,9 @@ _TITLES: dict[ProblemKind, tuple[int, str]] = {
     ProblemKind.TOKEN_CONFLICT: (409, "This intent's token cannot be issued"),
 }
 
-# Never stored or replayed: per-connection (hop-by-hop), per-response (Date, Server), framing
-# that is recomputed (Content-Length), and credentials (Set-Cookie).
+# Never stored or replayed: per-connection (hop-by-hop), per-response (Date, Server, and how long
+# the first response took: a replay's would be false), framing that is recomputed
+# (Content-Length), and credentials (Set-Cookie).
 _DROPPED_HEADERS = frozenset(
     {
         b"connection",
@@ -52,6 +53,10 @@ _DROPPED_HEADERS = frozenset(
         b"set-cookie",
         b"date",
         b"server",
+        b"server-timing",
+        b"x-response-time",
+        b"x-process-time",  # (FastAPI's documentation's example middleware sets it)
+        b"x-runtime",
         b"content-length",
         b"idempotent-replayed",
     }

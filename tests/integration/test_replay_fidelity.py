@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
@@ -168,3 +169,37 @@ async def test_a_replay_sets_no_cookie_of_the_first_clients(pg_store: Any, hook:
     expected = [] if hook is None else ["csrf=t-2"]
     assert replay.headers.get_list("set-cookie") == expected
     assert (replay.content, replay.headers["x-order"]) == (b"ok", "o-1")
+
+
+async def test_a_replay_carries_no_timing_of_the_first_response(pg_store: Any) -> None:
+    """docs/decisions.md, "Date and Server are the replay's own": a timing middleware inside
+    (FastAPI's documented `X-Process-Time` one, `Server-Timing`) timed the first response; its
+    headers were stored and every retry was told the first response's time. A replay carries
+    none (one outside times each attempt, the replay included)."""
+
+    async def timed(request: Request) -> Response:
+        return Response(b"ok", 201, headers={"server-timing": "db;dur=53", "x-order": "o-1"})
+
+    class Timing:
+        def __init__(self, app: Any) -> None:
+            self.app = app
+
+        async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+            async def timed_send(message: Any) -> None:
+                if message["type"] == "http.response.start":
+                    message["headers"] = [*message["headers"], (b"x-process-time", b"0.120")]
+                await send(message)
+
+            await self.app(scope, receive, timed_send)
+
+    app = one_route_app("/orders", timed, store=pg_store)
+    app.user_middleware.append(Middleware(Timing))  # the innermost
+    async with client(app) as c:
+        first = await c.post("/orders", headers=key("k1"))
+        replay = await c.post("/orders", headers=key("k1"))
+    assert first.headers["x-process-time"] == "0.120"
+    assert first.headers["server-timing"] == "db;dur=53"
+    assert replay.headers["idempotent-replayed"] == "true"
+    assert "x-process-time" not in replay.headers
+    assert "server-timing" not in replay.headers
+    assert (replay.status_code, replay.content, replay.headers["x-order"]) == (201, b"ok", "o-1")

@@ -75,6 +75,21 @@ def test_per_connection_and_per_response_headers_are_never_stored() -> None:
     assert storable_headers(headers) == [(b"Content-Type", b"application/json"), (b"x-kept", b"1")]
 
 
+def test_how_long_the_first_response_took_is_never_stored() -> None:
+    """Found by probing: a timing a middleware inside sets (`Server-Timing`, `X-Response-Time`,
+    FastAPI's example `X-Process-Time`, `X-Runtime`) was stored and replayed for the whole
+    retention: every retry was told it took the first response's time, as false as the stored
+    `Date` would be (docs/decisions.md, "Date and Server are the replay's own")."""
+    headers = [
+        (b"Server-Timing", b"db;dur=53"),
+        (b"x-response-time", b"120ms"),
+        (b"X-Process-Time", b"0.120"),
+        (b"x-runtime", b"0.120"),
+        (b"x-kept", b"1"),
+    ]
+    assert storable_headers(headers) == [(b"x-kept", b"1")]
+
+
 def test_stored_headers_are_tuples_whatever_pairs_the_app_sent() -> None:
     """An app may send its header pairs as lists; the stored ones are tuples (a record is
     immutable), and an app's own tuples are kept as they are."""
