@@ -180,8 +180,8 @@ class LeaseExecution:
             finally:
                 leave_context(ex.scope, token)
                 # Stopped by awaiting, never cancelled mid-write: a renewal in flight finishes
-                # (after the settlement, if it waited on the fenced transaction's row lock), and
-                # it cannot change a settled record (it only renews a pending one).
+                # (it never waits on the fenced transaction's row lock), and it cannot change a
+                # settled record (it only renews a pending one).
                 self._stop_renewing(renewals)
                 if self.heartbeat is not None:
                     await self.heartbeat
