@@ -62,7 +62,7 @@ _KINDS = (
     ("SELECT 1 FROM idem_requests", "fence"),
     ("WITH settled AS", "settle"),
     ("WITH released AS", "release"),
-    ("UPDATE idem_requests SET lease_expires_at", "heartbeat"),
+    ("WITH renewable AS", "heartbeat"),
     ("UPDATE idem_requests", "update-record"),
     ("INSERT INTO bench_ledger", "ledger-insert"),
     ("INSERT INTO bench_accounts", "balance-upsert"),

@@ -30,6 +30,10 @@ _FAILED = "Asking the downstream system failed; retry later."
 class Fence:
     """The fenced transaction of one execution or reconciliation, opened on first use."""
 
+    #: Whether a fenced transaction was opened (set on the instance then): its writes commit
+    #: with the settlement or not at all, so a failed settlement cannot be sent again alone.
+    opened = False
+
     def __init__(self, store: Store, key: RecordKey, generation: int, expected: State) -> None:
         self.store = store
         self.key = key
@@ -46,6 +50,7 @@ class Fence:
             fenced = self.store.fenced(self.key, self.generation, self.expected)
             self._session = await fenced.__aenter__()
             self._fenced = fenced  # (only once entered: `close` leaves what was entered)
+            self.opened = True
         return self._session.connection
 
     async def settle(self, settlement: Settlement) -> bool:

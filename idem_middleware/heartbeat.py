@@ -6,6 +6,11 @@ database restarting, failing over, or out of connections): past its end another 
 take the record over at any moment, so the execution stops believing it holds it. Either way
 `lease_lost` is set and the renewals stop; the settlement's compare-and-set decides what is
 recorded.
+
+While the execution's own fenced transaction holds the record's row lock, a renewal does not
+wait for it (nor hold a second connection meanwhile) and renews nothing: the lock keeps every
+takeover and expiry out, however long the lease has lapsed. If that transaction ends without a
+settlement (its connection died), the next renewal renews the lease again.
 """
 
 from __future__ import annotations
@@ -61,7 +66,7 @@ async def keep_lease(
             pause = max(min(interval, held_until - loop.time()), 0.0)
             continue
         if not alive:
-            if not stop.is_set():  # (settled while this renewal waited on the fence's row lock)
+            if not stop.is_set():  # (settled while this renewal ran)
                 _lost(context, stop, "its generation no longer holds the record")
             return
         failures = 0

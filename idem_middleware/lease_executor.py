@@ -21,6 +21,7 @@ from .heartbeat import keep_lease
 from .observe import SETTLED_EVENTS, Event
 from .outcomes import FINAL_STATE, Outcome, outcome_for_status
 from .policy import Mode
+from .resettle import blip, settle_again
 from .store.base import RecordKey, Settlement, State
 
 if TYPE_CHECKING:
@@ -174,14 +175,16 @@ class LeaseExecution:
                     self._stop_renewing(renewals)  # no new renewals once settling starts
                     try:
                         settled = await self._settle(context, fence, capture)
-                    except Exception:
-                        await self._unresolved(context)
-                        raise
+                    except Exception as exc:
+                        if fence.opened or not blip(exc):
+                            await self._unresolved(context)
+                            raise
+                        settled = await settle_again(self, context, capture, exc)
             finally:
                 leave_context(ex.scope, token)
                 # Stopped by awaiting, never cancelled mid-write: a renewal in flight finishes
-                # (after the settlement, if it waited on the fenced transaction's row lock), and
-                # it cannot change a settled record (it only renews a pending one).
+                # (it never waits on the fenced transaction's row lock), and it cannot change a
+                # settled record (it only renews a pending one).
                 self._stop_renewing(renewals)
                 if self.heartbeat is not None:
                     await self.heartbeat

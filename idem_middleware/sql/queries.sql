@@ -221,13 +221,32 @@ FROM idem_requests
 GROUP BY state;
 
 -- name: heartbeat
--- Renew the lease of the claim held under a generation. Matches nothing once the generation is
--- stale or the record is settled, so a renewal can never land after a completion or a takeover.
+-- Renew the lease of the claim held under a generation; true while that generation holds a
+-- pending claim. Matches nothing once the generation is stale or the record is settled, so a
+-- renewal can never land after a completion or a takeover. It never waits for the record's row
+-- lock: the executor's own fenced transaction holds it for as long as the handler keeps it open
+-- (a slow downstream call), and a renewal waiting there held a second connection all along and
+-- renewed nothing. A locked record is left as it is and answered from its last committed
+-- version: no takeover or expiry can change it while the lock is held (each locks the row
+-- first), and once the lock is gone the next renewal renews it.
 -- $1 tenant, $2 operation, $3 key, $4 generation, $5 lease (seconds)
-UPDATE idem_requests
-SET lease_expires_at = now() + make_interval(secs => $5::float8)
-WHERE tenant = $1 AND operation = $2 AND idem_key = $3
-  AND generation = $4 AND state = 'pending';
+WITH renewable AS (
+    SELECT FROM idem_requests
+    WHERE tenant = $1 AND operation = $2 AND idem_key = $3
+      AND generation = $4 AND state = 'pending'
+    FOR UPDATE SKIP LOCKED
+), renewed AS (
+    UPDATE idem_requests r
+    SET lease_expires_at = now() + make_interval(secs => $5::float8)
+    FROM renewable
+    WHERE r.tenant = $1 AND r.operation = $2 AND r.idem_key = $3
+    RETURNING 1
+)
+SELECT EXISTS (SELECT FROM renewed) OR EXISTS (
+    SELECT FROM idem_requests
+    WHERE tenant = $1 AND operation = $2 AND idem_key = $3
+      AND generation = $4 AND state = 'pending'
+) AS alive;
 
 -- name: expire_lease
 -- A pending record whose lease lapsed becomes unknown: a lost lease does not prove the effect

@@ -310,7 +310,9 @@ class Store(Protocol):
         key (`Existing`), or why the token was refused (`TokenRefused`)."""
 
     async def heartbeat(self, key: RecordKey, generation: int, lease_seconds: float) -> bool:
-        """Renew the lease; False if this generation no longer holds a pending claim."""
+        """Renew the lease; False if this generation no longer holds a pending claim. Never
+        waits for the record's row lock: while a fenced session holds it (the executor's own),
+        the record is answered from its last committed version and left as it is."""
 
     async def expire_lease(self, key: RecordKey, generation: int) -> bool:
         """pending with a lapsed lease -> unknown; False if that is not the record's state."""

@@ -86,6 +86,30 @@ async def test_contract_claim_and_heartbeat(harness: Harness) -> None:
     assert not await store.heartbeat(k, g1, 30.0)
 
 
+async def test_contract_a_renewal_never_waits_on_the_generations_own_fenced_session(
+    harness: Harness,
+) -> None:
+    """While the executor's fenced session holds the record's row lock (its handler keeps it
+    open across a slow downstream call, past its lease), a renewal answers at once: alive, the
+    lease left as it is (nobody can take the record over meanwhile). It waited on that lock for
+    as long as the session lasted, holding a second connection, and renewed nothing. Once the
+    session ends without settling, the next renewal renews."""
+    store = harness.store
+    k = rkey()
+    g1 = await claim_lease(harness)
+    await harness.lapse(k)
+    async with store.fenced(k, g1):
+        assert await asyncio.wait_for(store.heartbeat(k, g1, 30.0), BOUND)
+        assert not await asyncio.wait_for(store.heartbeat(k, g1 + 1000, 30.0), BOUND)
+        record = await store.get(k)
+        assert record is not None
+        assert record.lease_expired  # left as it is: the lock holds the record
+    assert await store.heartbeat(k, g1, 30.0)  # the session ended: renewed now
+    record = await store.get(k)
+    assert record is not None
+    assert not record.lease_expired
+
+
 async def test_contract_expire_lease_only_after_the_lease_lapsed(harness: Harness) -> None:
     store = harness.store
     k = rkey()

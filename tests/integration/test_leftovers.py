@@ -87,12 +87,13 @@ async def test_the_memory_stores_row_locks_go_when_nobody_holds_them() -> None:
     claim = await store.claim_lease(key, b"f", retention_seconds=60, lease_seconds=30)
     assert isinstance(claim, Claimed)
     async with store.fenced(key, claim.generation):
-        renewing = asyncio.ensure_future(store.heartbeat(key, claim.generation, 30))
-        cancelled = asyncio.ensure_future(store.heartbeat(key, claim.generation, 30))
+        # (A renewal does not wait for it: see queries.sql `heartbeat`. An expiry does.)
+        expiring = asyncio.ensure_future(store.expire_lease(key, claim.generation))
+        cancelled = asyncio.ensure_future(store.expire_lease(key, claim.generation))
         await asyncio.sleep(0)
-        assert not renewing.done()  # it waits for the fenced session's row lock
+        assert not expiring.done()  # it waits for the fenced session's row lock
         cancelled.cancel()
         await asyncio.gather(cancelled, return_exceptions=True)
         assert len(store._fence_locks) == 1
-    assert await renewing
+    assert not await expiring  # (its lease has not lapsed)
     assert store._fence_locks == {}

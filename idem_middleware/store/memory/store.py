@@ -89,6 +89,11 @@ class MemoryStore(OffPathOperations):
         return Claimed(generation, generation)  # a fresh record: its epoch
 
     async def heartbeat(self, key: RecordKey, generation: int, lease_seconds: float) -> bool:
+        held = self._fence_locks.get(key)
+        if held is not None and held.locked():
+            # Never waited for (queries.sql `heartbeat`): the executor's own fenced session
+            # holds it while its handler runs, and nobody can change the record meanwhile.
+            return self._current(key, generation, State.PENDING) is not None
         async with self._row_lock(key):
             row = self._current(key, generation, State.PENDING)
             if row is None:

@@ -246,6 +246,9 @@ class _RowLock:
         self._lock = asyncio.Lock()
         self._users = 0
 
+    def locked(self) -> bool:
+        return self._lock.locked()
+
     async def __aenter__(self) -> None:
         self._users += 1
         try:

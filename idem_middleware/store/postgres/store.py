@@ -267,8 +267,8 @@ class PostgresStore(OffPathStatements):
         return claimed
 
     async def heartbeat(self, key: RecordKey, generation: int, lease_seconds: float) -> bool:
-        status = await self._run(
-            "execute",
+        alive = await self._run(
+            "fetchval",
             _Q["heartbeat"],
             key.tenant,
             key.operation,
@@ -276,7 +276,7 @@ class PostgresStore(OffPathStatements):
             generation,
             lease_seconds,
         )
-        return bool(status == "UPDATE 1")
+        return bool(alive)
 
     async def expire_lease(self, key: RecordKey, generation: int) -> bool:
         moved = await self._run(

@@ -1,0 +1,133 @@
+"""A lease-mode settlement that failed on a blip (its connection lost, the server restarting or
+out of connections), sent again, so the client gets the outcome its handler produced rather
+than a 503 and a record left `unknown` (or `pending` until its lease lapses).
+
+Only a settlement that is a compare-and-set of its own: when the handler opened no fenced
+transaction. With one, a failed COMMIT rolled the handler's writes back, and what the
+compare-and-set would record is no longer what happened.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING, TypeGuard
+
+from .context import IdempotencyContext, key_digest
+from .errors import StatementRefused, StoreError
+from .observe import SETTLED_EVENTS
+from .outcomes import FINAL_STATE, Outcome, outcome_for_status
+from .policy import Mode
+from .store.base import RecordKey, Settlement, State, Store
+
+if TYPE_CHECKING:
+    from .capture import ResponseCapture
+    from .lease_executor import LeaseExecution
+
+logger = logging.getLogger("idem_middleware")
+
+_FIRST_PAUSE = 0.05
+_MAX_PAUSE = 1.0
+#: However short the time allowed, the settlement is sent again at least this many times.
+_MIN_ATTEMPTS = 2
+
+
+def blip(error: BaseException) -> TypeGuard[StoreError]:
+    """Whether sending the statement again may succeed: the store could not be reached, not a
+    statement the database refused (a constraint, a trigger), which it would refuse again."""
+    return isinstance(error, StoreError) and not isinstance(error, StatementRefused)
+
+
+async def settle_again(
+    execution: LeaseExecution,
+    context: IdempotencyContext,
+    capture: ResponseCapture,
+    error: StoreError,
+) -> bool:
+    """The execution's settlement failed with `error`: sent again for up to a third of the lease
+    (at least that much of it is left when settling starts, since renewals come every third;
+    past it the compare-and-set still decides). True once recorded, False if the generation no
+    longer holds the record (answered as a stale executor). If the store stays out of reach,
+    the record is marked `unknown` if it can be, and the last error stands (a 503)."""
+    outcome = context.declared or outcome_for_status(capture.status, Mode.LEASE)
+    state = FINAL_STATE.get(outcome)
+    settlement: Settlement | None = Settlement(State.UNKNOWN)
+    if state is not None:
+        settlement = Settlement(state, capture.stored())
+    elif outcome is Outcome.RELEASE:
+        settlement = None
+    key, generation = execution.key, execution.generation
+    try:
+        settled = await send_again(
+            execution.store,
+            key,
+            generation,
+            settlement,
+            seconds=execution.policy.lease_seconds / 3,
+            error=error,
+        )
+    except Exception:
+        await execution._unresolved(context)
+        raise
+    extra = {
+        "tenant": key.tenant,
+        "operation": key.operation,
+        "key_digest": key_digest(key.key),
+        "generation": generation,
+        "outcome": "settled-again" if settled else "stale",
+    }
+    if settled:
+        logger.info("a settlement that failed on a blip was recorded on a later try", extra=extra)
+        execution.ex.emit(SETTLED_EVENTS[outcome], generation)
+    else:
+        logger.warning("a stale executor's completion was refused", extra=extra)
+    return settled
+
+
+async def send_again(
+    store: Store,
+    key: RecordKey,
+    generation: int,
+    settlement: Settlement | None,
+    *,
+    seconds: float,
+    error: StoreError,
+) -> bool:
+    """Send a settlement of a pending record that failed with `error` again, with backoff and
+    no connection held between attempts, for up to `seconds` (and at least twice): True once
+    it is recorded, False if the generation no longer holds the record. `settlement` None is a
+    release. Raises the last error if the store could not be reached all along.
+
+    An attempt that failed may have committed (the connection lost after the server committed,
+    before it answered): a later attempt then finds no pending record, and the record itself
+    says whether the settlement was this one."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + seconds
+    pause = _FIRST_PAUSE
+    for attempt in range(1_000):  # (bounded by the deadline long before)
+        remaining = deadline - loop.time()
+        if attempt >= _MIN_ATTEMPTS and remaining <= 0:
+            break
+        await asyncio.sleep(min(pause, max(remaining, 0.0)))
+        pause = min(pause * 2, _MAX_PAUSE)
+        try:
+            if settlement is None:
+                done = await store.release(key, generation)
+            else:
+                done = await store.settle(key, generation, State.PENDING, settlement)
+            if done:
+                return True
+            record = await store.get(key)
+        except StoreError as exc:
+            if not blip(exc):
+                raise
+            error = exc
+            continue
+        if settlement is None:
+            return record is None  # (a record claimed since is answered as a stale one)
+        return (
+            record is not None
+            and record.generation == generation
+            and record.state is settlement.state
+        )
+    raise error

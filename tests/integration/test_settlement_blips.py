@@ -1,0 +1,181 @@
+"""A lease-mode settlement that fails on a blip (resettle.py): the store's PostgreSQL stopped and
+started again while the settlement is sent, on a server of this module's own (tests/restarts.py),
+or the answer to a settlement that committed lost. Every wait ends on a condition, in bounded
+loops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import asyncpg
+import pytest
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from idem_middleware import Policy, PostgresStore, get_context
+from idem_middleware.errors import StoreError
+from idem_middleware.policy import Mode
+from idem_middleware.store.base import RecordKey, Settlement, State
+from idem_middleware.store.migrations import migrate
+from tests.apps import assert_problem, assert_replay_of, client, one_route_app
+from tests.conftest import _fresh_database
+from tests.restarts import OwnServer
+
+#: The most any condition is waited for (a bound, not a timing: each wait ends on its condition).
+BOUND = 30.0
+
+KEY = RecordKey("tenant-a", "POST /charges", "blip")
+HEADERS = {"Idempotency-Key": "blip"}
+#: Long enough that a third of it (the settlement's time to try again) covers a restart.
+POLICY = Policy(mode=Mode.LEASE, lease_seconds=60.0, wait_seconds=0.3)
+
+
+@pytest.fixture(scope="module")
+def own_server() -> Iterator[OwnServer]:
+    server = OwnServer()
+    try:
+        yield server
+    finally:
+        server.cleanup()
+
+
+@pytest.fixture
+async def own_dsn(own_server: OwnServer) -> str:
+    if not own_server.running:  # (a test that failed with the server down)
+        await asyncio.to_thread(own_server.start)
+    dsn = await _fresh_database(own_server.uri, f"idem_blip_{uuid.uuid4().hex[:8]}")
+    conn = await asyncpg.connect(dsn)
+    try:
+        await migrate(conn)
+    finally:
+        await conn.close()
+    return dsn
+
+
+class SettleLog(PostgresStore):
+    """Notes each compare-and-set settlement: its state, and whether it raised."""
+
+    settlements: list[tuple[State, bool]]
+    #: Raise after the first settlement committed, as if its answer were lost on the way back.
+    lose_first_answer = False
+
+    async def settle(self, key: RecordKey, generation: int, expected: State, s: Settlement) -> bool:
+        try:
+            settled = await super().settle(key, generation, expected, s)
+        except StoreError:
+            self.settlements.append((s.state, False))
+            raise
+        if self.lose_first_answer and not self.settlements:
+            self.settlements.append((s.state, False))
+            raise StoreError("ConnectionDoesNotExistError: connection was closed")
+        self.settlements.append((s.state, True))
+        return settled
+
+
+async def until(predicate: Any, what: str) -> None:
+    for _ in range(int(BOUND / 0.01)):
+        if predicate():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"never: {what}")
+
+
+def charges(fence: bool) -> tuple[Any, asyncio.Event, asyncio.Event]:
+    entered, release = asyncio.Event(), asyncio.Event()
+
+    async def charge(request: Request) -> Response:
+        ctx = get_context(request)
+        if fence:
+            conn = await ctx.fenced_connection()
+            await conn.execute("SELECT 1")
+        entered.set()
+        await asyncio.wait_for(release.wait(), BOUND)
+        return JSONResponse({"charged": True}, status_code=201)
+
+    return charge, entered, release
+
+
+async def test_a_settlement_sent_while_the_server_restarts_is_recorded_once_it_is_back(
+    own_server: OwnServer, own_dsn: str
+) -> None:
+    """The handler (no fenced transaction) answers 201 while the server is down: its settlement
+    fails. It was marked `unknown` at once (or, with the server still down, left `pending` until
+    its lease lapsed) and its client answered 503, though the charge happened. Now the same
+    compare-and-set is sent again, with no connection held between tries, and once the server
+    is back the outcome is recorded and the client gets its 201; a retry replays it."""
+    charge, entered, release = charges(fence=False)
+    async with SettleLog(dsn=own_dsn, min_size=1, max_size=2, listen=False) as store:
+        store.settlements = []
+        app = one_route_app("/charges", charge, store=store, policies={"POST /charges": POLICY})
+        async with client(app) as c:
+            first = asyncio.create_task(c.post("/charges", json={}, headers=HEADERS))
+            await asyncio.wait_for(entered.wait(), BOUND)
+            await asyncio.to_thread(own_server.stop)
+            try:
+                release.set()
+                await until(lambda: store.settlements, "a settlement tried with the server down")
+            finally:
+                await asyncio.to_thread(own_server.start)
+            response = await asyncio.wait_for(first, BOUND)
+            assert response.status_code == 201, response.text
+            assert store.settlements[0] == (State.SUCCEEDED, False)
+            assert store.settlements[-1] == (State.SUCCEEDED, True)
+            assert {state for state, _ in store.settlements} == {State.SUCCEEDED}
+            record = await store.get(KEY)
+            assert record is not None
+            assert record.state is State.SUCCEEDED
+            assert_replay_of(await c.post("/charges", json={}, headers=HEADERS), response)
+
+
+async def test_a_settlement_whose_answer_was_lost_after_it_committed_is_the_clients_answer(
+    own_dsn: str,
+) -> None:
+    """The settlement committed, and its answer was lost (the connection died on the way back):
+    the executor marked the record `unknown`, which changed nothing (it was settled), and
+    answered 503 for a request whose outcome was recorded. Sent again, the compare-and-set finds
+    no pending record, and the record shows this settlement: the client gets its 201."""
+    charge, _, release = charges(fence=False)
+    release.set()
+    async with SettleLog(dsn=own_dsn, min_size=1, max_size=2, listen=False) as store:
+        store.settlements = []
+        store.lose_first_answer = True
+        app = one_route_app("/charges", charge, store=store, policies={"POST /charges": POLICY})
+        async with client(app) as c:
+            response = await asyncio.wait_for(c.post("/charges", json={}, headers=HEADERS), BOUND)
+            assert response.status_code == 201, response.text
+            assert store.settlements == [(State.SUCCEEDED, False), (State.SUCCEEDED, True)]
+            record = await store.get(KEY)
+            assert record is not None
+            assert record.state is State.SUCCEEDED
+            assert_replay_of(await c.post("/charges", json={}, headers=HEADERS), response)
+
+
+async def test_a_fenced_settlement_that_failed_is_not_sent_again(
+    own_server: OwnServer, own_dsn: str
+) -> None:
+    """With a fenced transaction, the failed settlement's COMMIT took the handler's writes with
+    it: the outcome is not recorded alone. The client is answered 503 and the record is left
+    for `unknown` (here the server is down: `pending`, until its lease lapses)."""
+    charge, entered, release = charges(fence=True)
+    async with SettleLog(dsn=own_dsn, min_size=1, max_size=2, listen=False) as store:
+        store.settlements = []
+        app = one_route_app("/charges", charge, store=store, policies={"POST /charges": POLICY})
+        async with client(app) as c:
+            first = asyncio.create_task(c.post("/charges", json={}, headers=HEADERS))
+            await asyncio.wait_for(entered.wait(), BOUND)
+            await asyncio.to_thread(own_server.stop)
+            try:
+                release.set()
+                response = await asyncio.wait_for(first, BOUND)
+            finally:
+                await asyncio.to_thread(own_server.start)
+            assert_problem(response, 503, "store-unavailable")
+            # Only the one try to mark it unknown, with the server down: never the 201 alone.
+            assert store.settlements == [(State.UNKNOWN, False)]
+            record = await store.get(KEY)
+            assert record is not None
+            assert record.state is State.PENDING

@@ -1,0 +1,97 @@
+"""Sending a failed lease-mode settlement again (resettle.py), on a faulty in-memory store."""
+
+from __future__ import annotations
+
+import pytest
+
+from idem_middleware.errors import StatementRefused, StoreError
+from idem_middleware.resettle import send_again
+from idem_middleware.store import Claimed
+from idem_middleware.store.base import RecordKey, Settlement, State, StoredResponse
+from idem_middleware.store.memory import MemoryStore
+
+KEY = RecordKey("t", "POST /pay", "k")
+DONE = Settlement(State.SUCCEEDED, StoredResponse(201, [], b"{}"))
+DOWN = StoreError("ConnectionRefusedError: the server is down")
+
+
+class Flaky(MemoryStore):
+    """Its first `failures` settlements (and releases) fail with `error`, after committing if
+    `committed`; reads fail while settlements do."""
+
+    def __init__(self, failures: int, error: StoreError = DOWN, committed: bool = False) -> None:
+        super().__init__()
+        self.failures = failures
+        self.error = error
+        self.committed = committed
+        self.tries = 0
+
+    async def _fault(self) -> None:
+        self.tries += 1
+        if self.tries <= self.failures:
+            raise self.error
+
+    async def settle(self, key: RecordKey, generation: int, expected: State, s: Settlement) -> bool:
+        if self.committed and self.tries < self.failures:
+            await super().settle(key, generation, expected, s)
+        await self._fault()
+        return await super().settle(key, generation, expected, s)
+
+    async def release(self, key: RecordKey, generation: int) -> bool:
+        if self.committed and self.tries < self.failures:
+            await super().release(key, generation)
+        await self._fault()
+        return await super().release(key, generation)
+
+
+async def claimed(store: MemoryStore) -> int:
+    claim = await store.claim_lease(KEY, b"f" * 32, retention_seconds=60, lease_seconds=30)
+    assert isinstance(claim, Claimed)
+    return claim.generation
+
+
+async def test_sent_until_the_store_answers() -> None:
+    store = Flaky(failures=3)
+    generation = await claimed(store)
+    assert await send_again(store, KEY, generation, DONE, seconds=5.0, error=DOWN)
+    assert store.tries == 4
+    record = await store.get(KEY)
+    assert record is not None
+    assert record.state is State.SUCCEEDED
+
+
+@pytest.mark.parametrize("settlement", [DONE, None], ids=["settle", "release"])
+async def test_an_attempt_that_committed_before_its_answer_was_lost_counts(
+    settlement: Settlement | None,
+) -> None:
+    store = Flaky(failures=1, committed=True)
+    generation = await claimed(store)
+    assert await send_again(store, KEY, generation, settlement, seconds=5.0, error=DOWN)
+
+
+async def test_a_record_another_settled_meanwhile_is_not_this_settlement() -> None:
+    """Marked `unknown` under this generation (a duplicate found its lease lapsed), or taken
+    over: the settlement is refused, and the record is not this settlement's."""
+    store = MemoryStore()
+    generation = await claimed(store)
+    assert await store.settle(KEY, generation, State.PENDING, Settlement(State.UNKNOWN))
+    assert not await send_again(store, KEY, generation, DONE, seconds=5.0, error=DOWN)
+    assert not await send_again(store, KEY, generation + 1, DONE, seconds=5.0, error=DOWN)
+
+
+async def test_bounded_and_the_last_error_stands() -> None:
+    store = Flaky(failures=1_000)
+    generation = await claimed(store)
+    with pytest.raises(StoreError) as raised:
+        await send_again(store, KEY, generation, DONE, seconds=0.0, error=DOWN)
+    assert store.tries == 2  # at least twice, however little time is left
+    assert raised.value is DOWN
+
+
+async def test_a_statement_the_database_refused_is_not_sent_again() -> None:
+    refused = StatementRefused("RaiseError: a trigger said no")
+    store = Flaky(failures=1, error=refused)
+    generation = await claimed(store)
+    with pytest.raises(StatementRefused):
+        await send_again(store, KEY, generation, DONE, seconds=5.0, error=DOWN)
+    assert store.tries == 1
