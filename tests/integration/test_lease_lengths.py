@@ -37,6 +37,21 @@ from tests.integration.test_lease_mode import (
 pytestmark = pytest.mark.db_routes("pgbouncer")
 
 
+class HeldSettlementStore(PausedHeartbeatStore):
+    """A's store: its heartbeats never reach the database, and its settlements (the `unknown` it
+    marks once its handler failed) wait for `release`. A's rollback lets the row go to B's
+    waiting takeover and to A's own marking at once, and either may take it first (both are
+    safe: one execution at a time); the test needs B's."""
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**options)
+        self.release = asyncio.Event()
+
+    async def settle(self, *args: Any, **kwargs: Any) -> bool:
+        await asyncio.wait_for(self.release.wait(), BOUND)
+        return await super().settle(*args, **kwargs)
+
+
 async def test_a_takeover_that_waited_on_the_row_lock_gets_a_whole_lease(
     pool: asyncpg.Pool[Any],
     pg_store: PostgresStore,
@@ -51,7 +66,7 @@ async def test_a_takeover_that_waited_on_the_row_lock_gets_a_whole_lease(
     policy = LEASE_POLICY.replace(
         lease_seconds=lease, wait_seconds=3.0, on_lease_expiry=LeaseExpiry.TAKEOVER
     )
-    async with PausedHeartbeatStore(pool=pool, listen=False) as paused:
+    async with HeldSettlementStore(pool=pool, listen=False) as paused:
         app_a = build_lease_app(paused, bank, policy)
         app_b = build_lease_app(pg_store, bank, policy)
         app_c = build_lease_app(pg_store, bank, policy.replace(wait_seconds=0.3))
@@ -68,8 +83,9 @@ async def test_a_takeover_that_waited_on_the_row_lock_gets_a_whole_lease(
             await wait_for_lock_waiters(bank)  # B's takeover, on A's row lock
             await asyncio.sleep(lease * 1.5)  # B waits longer than a whole lease
             gate_a.set()  # A fails: its fenced transaction rolls back, B's takeover goes on
-            a = await finish(task_a)
             await asyncio.wait_for(probe_b.entered.wait(), BOUND)
+            paused.release.set()  # A marks its record unknown: refused, B's generation holds it
+            a = await finish(task_a)
             taken = await row(bank)
             assert taken is not None
             assert taken["generation"] == probe_b.contexts[0].generation
