@@ -14,10 +14,17 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Host, Route, Router
 
-from idem_middleware import IdempotencyMiddleware, Mode, Policy, PostgresStore, idempotent
+from idem_middleware import (
+    IdempotencyMiddleware,
+    LeaseExpiry,
+    Mode,
+    Policy,
+    PostgresStore,
+    idempotent,
+)
 from idem_middleware.errors import StoreError
 from idem_middleware.status import status_route
-from idem_middleware.store.base import Claimed, RecordKey, Settlement, State
+from idem_middleware.store.base import Claimed, RecordKey, Settlement, State, StoredResponse
 from tests.apps import (
     BOUND,
     BearerBackend,
@@ -339,3 +346,79 @@ async def test_the_key_may_come_in_the_idempotency_key_header(logged: Any) -> No
     assert found.json()["state"] == "succeeded"
     assert "differ" in assert_problem(differ, 400, "invalid-key")["detail"]
     assert_problem(bad, 400, "invalid-key")
+
+
+async def test_every_answer_is_true_of_the_routes_policy_as_it_is_now(
+    pg_store: PostgresStore, pool: Any
+) -> None:
+    """Found by probing: a lapsed lease under a route now transactional (a rolling deploy moved
+    it) read `"retry": true` and "send it again", but a transactional retry answered `409
+    request-in-flight` for good; and a lapsed lease with no way to learn its outcome read the
+    same as one the retry takes over. Each (state, route policy) now says what the retry does."""
+
+    async def reconcile(ctx: Any) -> Any:
+        raise AssertionError("a status read never reconciles")
+
+    async def pay(request: Request) -> Response:
+        return JSONResponse({}, status_code=201)
+
+    lease = {"mode": Mode.LEASE}
+    routes = {
+        "/transactional": idempotent()(pay),
+        "/no-reconciler": idempotent(**lease)(pay),
+        "/reconciler": idempotent(**lease, reconciler=reconcile)(pay),
+        "/takeover": idempotent(**lease, on_lease_expiry=LeaseExpiry.TAKEOVER)(pay),
+    }
+    store = pg_store
+    app = Starlette(
+        routes=[*(Route(p, f, methods=["POST"]) for p, f in routes.items()), status_route(store)],
+        middleware=[
+            Middleware(AuthenticationMiddleware, backend=BearerBackend()),
+            Middleware(IdempotencyMiddleware, store=store),
+        ],
+    )
+    for path in routes:
+        for name in ("running", "lapsed", "released", "unknown", "done"):
+            k = RecordKey("tenant-a", f"POST {path}", name)
+            claimed = await store.claim_lease(k, b"fp", retention_seconds=60, lease_seconds=30)
+            assert isinstance(claimed, Claimed)
+            g = claimed.generation
+            if name in ("released", "unknown"):
+                assert await store.settle(k, g, State.PENDING, Settlement(State.UNKNOWN))
+            if name == "released":
+                assert await store.allow_retry(k, g, "not at the bank")
+            if name == "done":
+                done = Settlement(State.SUCCEEDED, StoredResponse(201, [], b"{}"))
+                assert await store.settle(k, g, State.PENDING, done)
+    await pool.execute(
+        "UPDATE idem_requests SET lease_expires_at = now() - interval '1 second'"
+        " WHERE idem_key = 'lapsed'"
+    )
+    async with client(app) as c:
+        seen = {
+            (path, name): (
+                await c.get(STATUS, params={"operation": f"POST {path}", "key": name})
+            ).json()
+            for path in routes
+            for name in ("running", "lapsed", "released", "unknown", "done")
+        }
+    told = {at: (body["retry"], body["detail"]) for at, body in seen.items()}
+    for path in routes:
+        assert told[path, "running"] == (
+            False,
+            "The request is running: ask again later, or send it again with the same key.",
+        )
+        assert told[path, "released"][0] is True
+        assert told[path, "done"] == (False, FINISHED)
+    lapsed = {path: told[path, "lapsed"] for path in routes}
+    assert all(retry for retry, _ in lapsed.values())  # each retry moves it
+    assert "to run it" in lapsed["/takeover"][1]
+    assert "asks the system it called" in lapsed["/reconciler"][1]
+    for path in ("/transactional", "/no-reconciler"):
+        assert "409 outcome-unknown, and an operator resolves it" in lapsed[path][1]
+        assert "Never send it under a new key" in lapsed[path][1]
+    unknown = {path: told[path, "unknown"] for path in routes}
+    assert unknown["/reconciler"][0] is True
+    for path in ("/transactional", "/no-reconciler", "/takeover"):
+        assert unknown[path][0] is False
+        assert "an operator resolves it" in unknown[path][1]
