@@ -41,6 +41,7 @@ _BAD_OPERATION = (
 
 _NO_KEY = "Pass the operation, and the key in the query or in the Idempotency-Key header."
 _TWO_KEYS = "The key in the query and the one in the Idempotency-Key header differ."
+_REPEATED = "Pass the operation and the key once each."
 
 
 _RUNNING = "The request is running: ask again later, or send it again with the same key."
@@ -143,8 +144,12 @@ def status_route(
         tenant = await route_tenant(tenants, request.scope, problem_base=problem_base)
         if isinstance(tenant, Response):
             return tenant
-        operation = request.query_params.get("operation")
-        key = request.query_params.get("key")
+        query = request.query_params
+        if len(query.getlist("operation")) > 1 or len(query.getlist("key")) > 1:
+            # (The last one would be read: a client could be told of another request than its.)
+            return _problem(ProblemKind.INVALID_KEY, _REPEATED)
+        operation = query.get("operation")
+        key = query.get("key")
         try:
             # A one-time token is not put in a URL (a 202's Location leaves it out): the client
             # sends it as it sent the request, in the Idempotency-Key header.

@@ -25,6 +25,7 @@ from idem_middleware import (
 from idem_middleware.errors import StoreError
 from idem_middleware.status import status_route
 from idem_middleware.store.base import Claimed, RecordKey, Settlement, State, StoredResponse
+from idem_middleware.tokens import TokenIssuer, token_route
 from tests.apps import (
     BOUND,
     BearerBackend,
@@ -422,3 +423,47 @@ async def test_every_answer_is_true_of_the_routes_policy_as_it_is_now(
     for path in ("/transactional", "/no-reconciler", "/takeover"):
         assert unknown[path][0] is False
         assert "an operator resolves it" in unknown[path][1]
+
+
+async def test_a_repeated_key_or_operation_is_a_400_not_the_last_one_looked_up(
+    logged: Any,
+) -> None:
+    """Found by probing: `?key=a&key=b` answered with b's record (the last one read), so a
+    client (or a proxy that appends a parameter) could be told of another request than its own."""
+    pool, log = logged
+    app = build_app(PostgresStore(pool=pool))
+    async with client(app) as c:
+        await c.post(CREDIT, json={"amount": 5}, headers=key("b"))
+        log.queries.clear()
+        for query in (
+            f"operation={CREDIT_OP}&key=a&key=b",
+            f"operation=POST%20/x&operation={CREDIT_OP}&key=b",
+        ):
+            r = await c.get(f"{STATUS}?{query}")
+            assert "once each" in assert_problem(r, 400, "invalid-key")["detail"]
+    assert log.queries == []  # refused before any query
+
+
+@pytest.mark.parametrize("tenant", ["a\x00b", "\ud800"], ids=["nul", "lone-surrogate"])
+async def test_a_tenant_the_store_cannot_hold_is_a_misconfiguration_problem(
+    logged: Any, tenant: str
+) -> None:
+    """Found by probing: a tenant resolver answering a str PostgreSQL text cannot hold made the
+    status resource a bare `500 Internal Server Error` (text/plain, the driver's error), and the
+    token route a `400 body-invalid` that blamed the client's body. Both now answer the server's
+    `500 server-misconfigured` problem, on either store."""
+    pool, log = logged
+    issuer = TokenIssuer(PostgresStore(pool=pool), secret=b"s" * 32)
+    store = PostgresStore(pool=pool)
+    app = Starlette(
+        routes=[
+            status_route(store, tenant_resolver=lambda scope: tenant),
+            token_route(issuer, tenant_resolver=lambda scope: tenant),
+        ]
+    )
+    async with client(app) as c:
+        status = await c.get(STATUS, params={"operation": CREDIT_OP, "key": "k"})
+        token = await c.post("/idempotency/tokens", json={"operation": CREDIT_OP})
+    assert_problem(status, 500, "server-misconfigured")
+    assert_problem(token, 500, "server-misconfigured")
+    assert log.queries == []
