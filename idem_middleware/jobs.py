@@ -37,6 +37,7 @@ from .jsonvalues import non_finite
 from .keys import MAX_KEY_LENGTH
 from .policy import LeaseExpiry, Mode, Policy, seconds_option
 from .store.base import RecordKey, Store
+from .tenant import storable_text
 
 __all__ = [
     "JobInProgress",
@@ -93,9 +94,12 @@ async def _call(job: JobSpec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
     if tenant is None:
         raise ValueError(f"{job.operation}: the job's tenant is None")
     tenant = str(tenant)
-    # (PostgreSQL refuses NUL in text, as a driver error; refused here, on either store.)
-    if "\x00" in key or "\x00" in tenant:
-        raise ValueError(f"{job.operation}: a job's key or tenant holds a NUL character")
+    # (PostgreSQL text holds neither, and the driver refuses them with an error of its own:
+    # refused here, on either store.)
+    if not (storable_text(key) and storable_text(tenant)):
+        raise ValueError(
+            f"{job.operation}: a job's key or tenant holds a NUL character or an unpaired surrogate"
+        )
     record_key = RecordKey(tenant, job.operation, key)
     fingerprint = _fingerprint(job.operation, args, kwargs)
     if job.mode is Mode.TRANSACTIONAL:
@@ -127,6 +131,10 @@ def idempotent_job(
     """
     if not operation:
         raise ConfigurationError("a job needs an operation name")
+    if not isinstance(operation, str) or not storable_text(operation):
+        raise ConfigurationError(
+            f"a job's operation is a str without NUL or unpaired surrogates, not {operation!r}"
+        )
     if not callable(key) and not (isinstance(key, str) and key):
         raise ConfigurationError(f"{operation}: key= is an argument's name or a function")
     if not callable(tenant) and not isinstance(tenant, str):

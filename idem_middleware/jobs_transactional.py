@@ -76,7 +76,9 @@ async def _transaction(
         if not isinstance(claim, Claimed):
             assert isinstance(claim, Existing)  # a job's key is never a token
             answer = job.answer(claim.record, fingerprint)
-            if answer is UNSETTLED:  # pragma: no cover - a committed transactional record is final
+            if answer is UNSETTLED:
+                # A lease-mode run's live claim (the job was in lease mode until a deploy):
+                # never run again here (its effect may have happened elsewhere).
                 raise JobInProgress(f"{job.operation}: another run holds this key")
             return answer
         context = job.context(key, claim.generation, claim.epoch, tx.connection, None)

@@ -20,9 +20,9 @@ from starlette.routing import Route
 from .errors import ProblemKind, RequestRejected, StoreError
 from .keys import check_key, parse_idempotency_key
 from .library_routes import ROUTE_OPERATIONS_ATTRIBUTE, GuardedOperations
-from .policy import Policy
+from .policy import LeaseExpiry, Mode, Policy
 from .responses import DEFAULT_PROBLEM_BASE, problem_response
-from .store.base import RecordKey, State, Store
+from .store.base import Record, RecordKey, State, Store
 from .tenant import (
     ROUTE_RESOLVER_ATTRIBUTE,
     TenantResolver,
@@ -41,32 +41,68 @@ _BAD_OPERATION = (
 
 _NO_KEY = "Pass the operation, and the key in the query or in the Idempotency-Key header."
 _TWO_KEYS = "The key in the query and the one in the Idempotency-Key header differ."
+_REPEATED = "Pass the operation and the key once each."
 
 
-def _detail(state: State, retry: bool, policy: Policy | None) -> str:
-    """What the client should do next, in a sentence."""
-    if state is State.PENDING:
-        if retry:
-            return "Nothing runs this request any more: send it again with the same key."
-        return "The request is running: ask again later, or send it again with the same key."
-    if state is not State.UNKNOWN:
-        return "The request has finished: send it again with the same key for its response."
-    if retry:
-        return (
-            "Its outcome was lost. Send it again with the same key: the server asks the system"
-            " it called what happened, then answers with the outcome or runs it again."
-        )
+_RUNNING = "The request is running: ask again later, or send it again with the same key."
+_NOTHING_RUNS = "Nothing runs this request any more: send it again with the same key."
+_FINISHED = "The request has finished: send it again with the same key for its response."
+_ASKS = (
+    " Send it again with the same key: the server asks the system it called what happened, then"
+    " answers with the outcome or runs it again."
+)
+_NEW_KEY = " Never send it under a new key: it may have happened."
+
+
+def _lapsed(policy: Policy | None) -> str:
+    """A pending request whose lease lapsed: what its retry does under the route's policy now
+    (a route may have changed its mode since the request was claimed)."""
     if policy is None:  # (no middleware's startup check has told this route about it)
+        return _NOTHING_RUNS
+    if policy.mode is Mode.LEASE and policy.on_lease_expiry is LeaseExpiry.TAKEOVER:
+        return "Nothing runs this request any more: send it again with the same key to run it."
+    if policy.mode is Mode.LEASE and policy.reconciler is not None:
+        return "Nothing runs this request any more, and its outcome was lost." + _ASKS
+    # Transactional now, or no reconciler: the retry marks it unknown (409 outcome-unknown).
+    return (
+        "Nothing runs this request any more, and its outcome was lost: sending it again with"
+        " the same key answers 409 outcome-unknown, and an operator resolves it." + _NEW_KEY
+    )
+
+
+def _unknown(retry: bool, policy: Policy | None) -> str:
+    if retry:
+        return "Its outcome was lost." + _ASKS
+    if policy is None:
         return (
             "Its outcome was lost. Sending it again with the same key settles it where the"
             " operation can ask the system it called; otherwise that answers 409 outcome-unknown"
-            " until an operator resolves it. Never send it under a new key: it may have happened."
+            " until an operator resolves it." + _NEW_KEY
         )
     return (
         "Its outcome was lost, and this operation cannot find out what happened: an operator"
-        " resolves it, and until then the same key answers 409 outcome-unknown. Never send it"
-        " under a new key: it may have happened."
+        " resolves it, and until then the same key answers 409 outcome-unknown." + _NEW_KEY
     )
+
+
+def _retry_and_detail(record: Record, policy: Policy | None) -> tuple[bool, str]:
+    """Whether only the client's retry with the same key moves the request, and what the client
+    should do next, in a sentence: both true of the route's policy as it is now."""
+    state = record.state
+    if state is State.PENDING:
+        # Nothing but the client's own retry will move these (in either mode: a transactional
+        # claim takes a released record over, and marks a lapsed one unknown). A client polling
+        # for a change would otherwise poll a `pending` for good.
+        if record.retry_allowed:
+            return True, _NOTHING_RUNS
+        if record.lease_expired:
+            return True, _lapsed(policy)
+        return False, _RUNNING
+    if state is State.UNKNOWN:
+        # The retry runs the route's reconciler, if it has one (lease mode only).
+        retry = policy is not None and policy.reconciler is not None
+        return retry, _unknown(retry, policy)
+    return False, _FINISHED
 
 
 def status_route(
@@ -108,8 +144,12 @@ def status_route(
         tenant = await route_tenant(tenants, request.scope, problem_base=problem_base)
         if isinstance(tenant, Response):
             return tenant
-        operation = request.query_params.get("operation")
-        key = request.query_params.get("key")
+        query = request.query_params
+        if len(query.getlist("operation")) > 1 or len(query.getlist("key")) > 1:
+            # (The last one would be read: a client could be told of another request than its.)
+            return _problem(ProblemKind.INVALID_KEY, _REPEATED)
+        operation = query.get("operation")
+        key = query.get("key")
         try:
             # A one-time token is not put in a URL (a 202's Location leaves it out): the client
             # sends it as it sent the request, in the Idempotency-Key header.
@@ -141,25 +181,13 @@ def status_route(
                 " in a transaction shows here once it commits; sending it again with the same"
                 " key is always safe.",
             )
-        policy = operations.policy(operation)
-        if record.state is State.PENDING:
-            # Nothing but the client's own retry will move it: its executor's lease lapsed, or
-            # it was released for a retry (found not to have happened). A client polling for a
-            # change would otherwise poll a `pending` for good.
-            retry = record.lease_expired or record.retry_allowed
-        else:
-            # An unknown outcome: the retry runs the route's reconciler, if it has one.
-            retry = (
-                record.state is State.UNKNOWN
-                and policy is not None
-                and policy.reconciler is not None
-            )
+        retry, detail = _retry_and_detail(record, operations.policy(operation))
         body = {
             "operation": operation,
             "state": record.state.value,
             "response_status": None if record.response is None else record.response.status,
             "retry": retry,
-            "detail": _detail(record.state, retry, policy),
+            "detail": detail,
         }
         return Response(orjson.dumps(body), 200, media_type="application/json")
 

@@ -170,6 +170,18 @@ class Tenants:
         return RequestRejected(ProblemKind.MISCONFIGURED, _CANNOT_IDENTIFY)
 
 
+def storable_text(value: str | None) -> bool:
+    """Whether PostgreSQL text can hold `value` (None: nothing to hold): no NUL, and no unpaired
+    surrogate (not encodable as UTF-8). The driver refuses either, as an error of its own."""
+    if value is None or value.isascii():
+        return value is None or "\x00" not in value
+    try:
+        value.encode()
+    except UnicodeEncodeError:
+        return False
+    return "\x00" not in value
+
+
 def _not_a_tenant(answer: object) -> str:
     """Why a resolver's answer is refused, naming its type only: the value may be a credential
     (a resolver that returned the Authorization header's bytes) or personal data."""
@@ -192,6 +204,13 @@ async def route_tenant(tenants: Tenants, scope: Scope, *, problem_base: str) -> 
             tenant = await tenant
     except RequestRejected as exc:
         return problem_response(exc.kind, exc.detail, base=problem_base)
+    if not storable_text(tenant):
+        # The resolver's fault, not the caller's: as a tenant no one can be identified by.
+        refused = tenants._refused(
+            "the tenant resolver answered a str PostgreSQL text cannot hold (it has a NUL or "
+            "an unpaired surrogate)"
+        )
+        return problem_response(refused.kind, refused.detail, base=problem_base)
     if tenant is None:
         return problem_response(
             ProblemKind.UNAUTHENTICATED,

@@ -161,6 +161,45 @@ WITH reclaimed AS (
 )
 SELECT generation, epoch FROM reclaimed;
 
+-- name: reclaim_released
+-- Transactional mode's claim of a lease-mode record released for the client's retry (found not
+-- to have happened) after its route moved to transactional mode: the claim's transaction takes
+-- it over as its own, under a new generation and a new life. Rolled back, the record is the
+-- released one again; committed, `complete` settles it. Matches only the same request.
+-- $1 tenant, $2 operation, $3 key, $4 fingerprint, $5 the released record's generation,
+-- $6 retention (seconds)
+UPDATE idem_requests
+SET mode = 'transactional', generation = g.v, epoch = g.v, updated_at = now(),
+    retention = make_interval(secs => $6::float8)
+FROM (SELECT nextval('idem_generation_seq') AS v) g
+WHERE tenant = $1 AND operation = $2 AND idem_key = $3 AND fingerprint = $4
+  AND generation = $5 AND state = 'pending' AND mode = 'lease' AND lease_expires_at IS NULL
+RETURNING g.v AS generation, g.v AS epoch;
+
+-- name: expire_lapsed
+-- `expire_lease` for a transactional claim that found a lapsed lease-mode record of the same
+-- request (its route moved to transactional mode): run on its own after the claim's transaction
+-- ended, and never waiting: a record whose row another session holds (its executor's fenced
+-- transaction, past its lease) is left as it is. Returns the record as `get` does, if it moved.
+-- $1 tenant, $2 operation, $3 key, $4 generation, $5 notification payload
+WITH locked AS (
+    SELECT FROM idem_requests
+    WHERE tenant = $1 AND operation = $2 AND idem_key = $3
+      AND generation = $4 AND state = 'pending' AND lease_expires_at <= now()
+    FOR UPDATE SKIP LOCKED
+), moved AS (
+    UPDATE idem_requests r
+    SET state = 'unknown', updated_at = now(), lease_expires_at = NULL, note = 'lease expired'
+    FROM locked
+    WHERE r.tenant = $1 AND r.operation = $2 AND r.idem_key = $3
+    RETURNING r.generation, r.epoch, r.fingerprint, r.state, r.response_status,
+              r.response_headers, r.response_body, r.body_omitted, r.expires_at
+)
+SELECT true AS found, generation, epoch, fingerprint, state, response_status,
+       response_headers, response_body, body_omitted, false AS expired,
+       false AS lease_expired, false AS retry_allowed, pg_notify('idem_middleware', $5) AS notified
+FROM moved;
+
 -- name: get
 -- $1 tenant, $2 operation, $3 key
 SELECT true AS found, generation, epoch, fingerprint, state,

@@ -152,6 +152,11 @@ class TransactionSession(Protocol):
         `TokenRefused`: with `token_hash`, the key is not a live token this request may
         consume; nothing claimed.
 
+        A lease-mode record of the same request (its route moved to transactional mode) is no
+        dead end: one released for a retry is claimed (taken over by this transaction, and
+        released again if it rolls back); one whose lease lapsed (`lapsed`) is returned
+        `unknown`, marked so after the transaction ended, unless another session holds its row.
+
         Never waits for a concurrent claim: raises ClaimBusy at once (the transaction is rolled
         back: the caller waits without its connection, then claims in a new transaction);
         `wait_seconds` only bounds the statements. Raises RetryableConflict when the database
@@ -178,6 +183,15 @@ class TransactionSession(Protocol):
         """After the handler raised: the error to answer with when `connection` is gone (the
         server ended the session, the network dropped it, the handler gave it back), and so
         nothing of the attempt committed; None while it is there."""
+
+
+def lapsed(record: Record, fingerprint: bytes) -> bool:
+    """A pending record of this request whose lease lapsed, as a transactional claim finds it:
+    the lease-mode executor died (its route moved to transactional mode since, say). Nothing
+    runs it, and a transactional request cannot take it over (its effect may have happened
+    elsewhere), so the claim marks it `unknown`, as a lease-mode retry or `reconcile` would."""
+    pending = record.state is State.PENDING
+    return pending and record.lease_expired and record.fingerprint == fingerprint
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,7 +15,7 @@ import asyncpg
 import pytest
 
 from idem_middleware import Mode, PostgresStore, RecordKey
-from idem_middleware.store.base import Claimed
+from idem_middleware.store.base import Claimed, Settlement, State
 from tests.apps import (
     BOUND,
     LEASE_POLICY,
@@ -114,9 +114,11 @@ async def test_a_lapsed_lease_is_never_run_by_a_transactional_request(
 ) -> None:
     """An old lease-mode process died mid-request in the deploy; the new version serves the
     route transactionally. Its effect may have happened at the bank: the transactional request
-    never runs it again. It answers 409 request-in-flight while the record is `pending` (what
-    moves it is `idem-middleware reconcile`, which turns a lapsed lease `unknown`), then 409
-    outcome-unknown, for an operator to resolve."""
+    never runs it again. Found by probing: it answered `409 request-in-flight` (with a
+    Retry-After, for a request nothing runs) until an operator ran `idem-middleware reconcile`,
+    and the status resource said `"retry": true` of a record no retry moved. The request that
+    finds the lapsed lease now marks it `unknown`, as a lease-mode retry does: `409
+    outcome-unknown`, for an operator to resolve."""
     key = RecordKey("tenant-a", f"POST {PAYOUTS}", "k1")
     claim = await pg_store.claim_lease(key, b"-", retention_seconds=60, lease_seconds=60)
     assert isinstance(claim, Claimed)
@@ -124,15 +126,58 @@ async def test_a_lapsed_lease_is_never_run_by_a_transactional_request(
         "UPDATE idem_requests SET lease_expires_at = now() - interval '1 second'"
     )  # the old process's lease lapsed
     new = build_lease_app(pg_store, bank, TRANSACTIONAL)
+    where = {"operation": f"POST {PAYOUTS}", "key": "k1"}
     async with client(new) as c:
         await bank.execute(
             "UPDATE idem_requests SET fingerprint = $1", await _fingerprint_of(c, bank)
         )
-        assert_problem(await post(c), 409, "request-in-flight")
-        assert await pg_store.expire_lease(key, claim.generation)  # the CLI's step
+        before = (await c.get("/idempotency/status", params=where)).json()
+        assert (before["state"], before["retry"]) == ("pending", True)
+        assert "operator" in before["detail"]
         assert_problem(await post(c), 409, "outcome-unknown")
+        after = (await c.get("/idempotency/status", params=where)).json()
+        assert_problem(await post(c), 409, "outcome-unknown")
+    assert (after["state"], after["retry"]) == ("unknown", False)
     assert probe_of(new).calls == 1  # the "probe" key's, none for k1
     assert await count(bank, "test_ledger") == 0
+    record = await row(bank)
+    assert record is not None
+    assert record["state"] == "unknown"
+
+
+async def test_a_record_released_for_a_retry_is_run_by_a_transactional_request(
+    pool: asyncpg.Pool[Any],
+    pg_store: PostgresStore,
+    bank: asyncpg.Pool[Any],  # noqa: F811
+) -> None:
+    """Found by probing: a lease-mode record an operator (or a reconciler) released for the
+    client's retry stayed `pending` for good once its route was transactional: every retry
+    answered `409 request-in-flight`, `reconcile` had no lapsed lease to act on, `resolve`
+    refused a pending record, and the status resource said `"retry": true`. The retry now runs
+    it, once; its writes and its outcome commit together."""
+    key = RecordKey("tenant-a", f"POST {PAYOUTS}", "k1")
+    claim = await pg_store.claim_lease(key, b"-", retention_seconds=60, lease_seconds=60)
+    assert isinstance(claim, Claimed)
+    assert await pg_store.settle(key, claim.generation, State.PENDING, Settlement(State.UNKNOWN))
+    assert await pg_store.allow_retry(key, claim.generation, "not at the bank")
+    new = build_lease_app(pg_store, bank, TRANSACTIONAL)
+    # The probe key's run, then k1's, each writing its ledger row in the claim's transaction.
+    probe_of(new).steps = [Step(downstream=False), Step(downstream=False, fence="before")]
+    where = {"operation": f"POST {PAYOUTS}", "key": "k1"}
+    async with client(new) as c:
+        await bank.execute(
+            "UPDATE idem_requests SET fingerprint = $1", await _fingerprint_of(c, bank)
+        )
+        seen = (await c.get("/idempotency/status", params=where)).json()
+        assert (seen["state"], seen["retry"]) == ("pending", True)
+        first = await post(c)
+        assert first.status_code == 201, first.text
+        assert_replay_of(await post(c), first)
+    assert probe_of(new).calls == 2  # the "probe" key's and k1's
+    assert await count(bank, "test_ledger") == 1
+    record = await row(bank)
+    assert record is not None
+    assert (record["state"], record["mode"]) == ("succeeded", "transactional")
 
 
 async def _fingerprint_of(c: Any, pool: asyncpg.Pool[Any]) -> bytes:

@@ -120,6 +120,8 @@ async def _cases(conn: Any) -> dict[str, list[tuple[Any, ...]]]:
         "claim_key_count": [(*fresh, 1)],
         "insert_final": [(*fresh, fp, 10**9, 86400.0, "succeeded", *answer)],
         "reclaim_expired": [(*expired, fp, *lease, None)],
+        "reclaim_released": [(*leased, fp, g_leased, 86400.0)],
+        "expire_lapsed": [(*lapsed, g_lapsed, "n")],
         "get": [live],
         "describe": [live],
         "complete": [(*leased, g_leased, "succeeded", *answer)],
@@ -158,6 +160,7 @@ async def _cases(conn: Any) -> dict[str, list[tuple[Any, ...]]]:
 #: after five runs when it costs no more than the custom ones) must use indexes as well.
 PER_REQUEST = {
     "claim", "claim_key", "claim_key_count", "insert_final", "reclaim_expired", "get",
+    "reclaim_released", "expire_lapsed",
     "describe", "complete", "complete_checked", "heartbeat", "expire_lease", "takeover", "fence",
     "settle", "settle_checked", "release", "allow_retry", "amend", "token_status", "issue_token",
     "outbox_add", "outbox_same", "outbox_claim", "outbox_sent", "outbox_failed",

@@ -14,10 +14,18 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Host, Route, Router
 
-from idem_middleware import IdempotencyMiddleware, Mode, Policy, PostgresStore, idempotent
+from idem_middleware import (
+    IdempotencyMiddleware,
+    LeaseExpiry,
+    Mode,
+    Policy,
+    PostgresStore,
+    idempotent,
+)
 from idem_middleware.errors import StoreError
 from idem_middleware.status import status_route
-from idem_middleware.store.base import Claimed, RecordKey, Settlement, State
+from idem_middleware.store.base import Claimed, RecordKey, Settlement, State, StoredResponse
+from idem_middleware.tokens import TokenIssuer, token_route
 from tests.apps import (
     BOUND,
     BearerBackend,
@@ -339,3 +347,123 @@ async def test_the_key_may_come_in_the_idempotency_key_header(logged: Any) -> No
     assert found.json()["state"] == "succeeded"
     assert "differ" in assert_problem(differ, 400, "invalid-key")["detail"]
     assert_problem(bad, 400, "invalid-key")
+
+
+async def test_every_answer_is_true_of_the_routes_policy_as_it_is_now(
+    pg_store: PostgresStore, pool: Any
+) -> None:
+    """Found by probing: a lapsed lease under a route now transactional (a rolling deploy moved
+    it) read `"retry": true` and "send it again", but a transactional retry answered `409
+    request-in-flight` for good; and a lapsed lease with no way to learn its outcome read the
+    same as one the retry takes over. Each (state, route policy) now says what the retry does."""
+
+    async def reconcile(ctx: Any) -> Any:
+        raise AssertionError("a status read never reconciles")
+
+    async def pay(request: Request) -> Response:
+        return JSONResponse({}, status_code=201)
+
+    lease = {"mode": Mode.LEASE}
+    routes = {
+        "/transactional": idempotent()(pay),
+        "/no-reconciler": idempotent(**lease)(pay),
+        "/reconciler": idempotent(**lease, reconciler=reconcile)(pay),
+        "/takeover": idempotent(**lease, on_lease_expiry=LeaseExpiry.TAKEOVER)(pay),
+    }
+    store = pg_store
+    app = Starlette(
+        routes=[*(Route(p, f, methods=["POST"]) for p, f in routes.items()), status_route(store)],
+        middleware=[
+            Middleware(AuthenticationMiddleware, backend=BearerBackend()),
+            Middleware(IdempotencyMiddleware, store=store),
+        ],
+    )
+    for path in routes:
+        for name in ("running", "lapsed", "released", "unknown", "done"):
+            k = RecordKey("tenant-a", f"POST {path}", name)
+            claimed = await store.claim_lease(k, b"fp", retention_seconds=60, lease_seconds=30)
+            assert isinstance(claimed, Claimed)
+            g = claimed.generation
+            if name in ("released", "unknown"):
+                assert await store.settle(k, g, State.PENDING, Settlement(State.UNKNOWN))
+            if name == "released":
+                assert await store.allow_retry(k, g, "not at the bank")
+            if name == "done":
+                done = Settlement(State.SUCCEEDED, StoredResponse(201, [], b"{}"))
+                assert await store.settle(k, g, State.PENDING, done)
+    await pool.execute(
+        "UPDATE idem_requests SET lease_expires_at = now() - interval '1 second'"
+        " WHERE idem_key = 'lapsed'"
+    )
+    async with client(app) as c:
+        seen = {
+            (path, name): (
+                await c.get(STATUS, params={"operation": f"POST {path}", "key": name})
+            ).json()
+            for path in routes
+            for name in ("running", "lapsed", "released", "unknown", "done")
+        }
+    told = {at: (body["retry"], body["detail"]) for at, body in seen.items()}
+    for path in routes:
+        assert told[path, "running"] == (
+            False,
+            "The request is running: ask again later, or send it again with the same key.",
+        )
+        assert told[path, "released"][0] is True
+        assert told[path, "done"] == (False, FINISHED)
+    lapsed = {path: told[path, "lapsed"] for path in routes}
+    assert all(retry for retry, _ in lapsed.values())  # each retry moves it
+    assert "to run it" in lapsed["/takeover"][1]
+    assert "asks the system it called" in lapsed["/reconciler"][1]
+    for path in ("/transactional", "/no-reconciler"):
+        assert "409 outcome-unknown, and an operator resolves it" in lapsed[path][1]
+        assert "Never send it under a new key" in lapsed[path][1]
+    unknown = {path: told[path, "unknown"] for path in routes}
+    assert unknown["/reconciler"][0] is True
+    for path in ("/transactional", "/no-reconciler", "/takeover"):
+        assert unknown[path][0] is False
+        assert "an operator resolves it" in unknown[path][1]
+
+
+async def test_a_repeated_key_or_operation_is_a_400_not_the_last_one_looked_up(
+    logged: Any,
+) -> None:
+    """Found by probing: `?key=a&key=b` answered with b's record (the last one read), so a
+    client (or a proxy that appends a parameter) could be told of another request than its own."""
+    pool, log = logged
+    app = build_app(PostgresStore(pool=pool))
+    async with client(app) as c:
+        await c.post(CREDIT, json={"amount": 5}, headers=key("b"))
+        log.queries.clear()
+        for query in (
+            f"operation={CREDIT_OP}&key=a&key=b",
+            f"operation=POST%20/x&operation={CREDIT_OP}&key=b",
+        ):
+            r = await c.get(f"{STATUS}?{query}")
+            assert "once each" in assert_problem(r, 400, "invalid-key")["detail"]
+    assert log.queries == []  # refused before any query
+
+
+@pytest.mark.parametrize("tenant", ["a\x00b", "\ud800"], ids=["nul", "lone-surrogate"])
+async def test_a_tenant_the_store_cannot_hold_is_a_misconfiguration_problem(
+    logged: Any, tenant: str
+) -> None:
+    """Found by probing: a tenant resolver answering a str PostgreSQL text cannot hold made the
+    status resource a bare `500 Internal Server Error` (text/plain, the driver's error), and the
+    token route a `400 body-invalid` that blamed the client's body. Both now answer the server's
+    `500 server-misconfigured` problem, on either store."""
+    pool, log = logged
+    issuer = TokenIssuer(PostgresStore(pool=pool), secret=b"s" * 32)
+    store = PostgresStore(pool=pool)
+    app = Starlette(
+        routes=[
+            status_route(store, tenant_resolver=lambda scope: tenant),
+            token_route(issuer, tenant_resolver=lambda scope: tenant),
+        ]
+    )
+    async with client(app) as c:
+        status = await c.get(STATUS, params={"operation": CREDIT_OP, "key": "k"})
+        token = await c.post("/idempotency/tokens", json={"operation": CREDIT_OP})
+    assert_problem(status, 500, "server-misconfigured")
+    assert_problem(token, 500, "server-misconfigured")
+    assert log.queries == []

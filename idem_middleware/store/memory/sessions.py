@@ -14,6 +14,7 @@ from ..base import (
     State,
     StoredResponse,
     TokenRefused,
+    lapsed,
 )
 from .tables import MemoryTables, _Pending, pending_row
 
@@ -115,16 +116,22 @@ class _MemoryTransaction:
         else:
             staged = None if self._earlier is None else self._earlier.get(key)
         current = store._rows.get(key) if staged is None else pending_row(staged)
+        released = False
         if current is not None:
             record = current.record(key, now)
-            if not record.expired:
+            # (A lease-mode record released for this request's retry is claimed: see the
+            # protocol's `claim`; its row is replaced at `finish`, left as it was otherwise.)
+            released = record.retry_allowed and record.fingerprint == fingerprint
+            if not (record.expired or released):
                 self._settled()
+                if lapsed(record, fingerprint):
+                    record = store._expire_lapsed(key, record)
                 return Existing(record)  # a replay: no wait, no lock
         if key in store._owners and not self._holds(key):
             # Another transaction is claiming it: never wait here (see ClaimBusy).
             self._end()
             raise ClaimBusy("another transaction is claiming this key")
-        if token_hash is not None:
+        if token_hash is not None and not released:  # (a released record spent its token)
             reason = store._token_problem(key, token_hash, fingerprint)
             if reason:
                 self._settled()

@@ -57,11 +57,7 @@ class MemoryStore(OffPathOperations):
     ) -> Claim:
         # A transaction still holding the key (a transactional claim) is waited for, as the
         # INSERT would wait on PostgreSQL; lease claims themselves commit at once.
-        if key in self._owners:
-            owner = self._owners[key]
-            if owner is None:
-                owner = self._owners[key] = asyncio.Event()  # made when someone waits
-            await owner.wait()
+        await self._unclaimed(key)
         now = self.clock()
         row = self._rows.get(key)
         if row is not None:
@@ -87,6 +83,14 @@ class MemoryStore(OffPathOperations):
         )
         self._rows[key] = fresh
         return Claimed(generation, generation)  # a fresh record: its epoch
+
+    async def _unclaimed(self, key: RecordKey) -> None:
+        """Wait for a transaction claiming `key` to end, if one is."""
+        if key in self._owners:
+            owner = self._owners[key]
+            if owner is None:
+                owner = self._owners[key] = asyncio.Event()  # made when someone waits
+            await owner.wait()
 
     async def heartbeat(self, key: RecordKey, generation: int, lease_seconds: float) -> bool:
         held = self._fence_locks.get(key)
@@ -123,6 +127,7 @@ class MemoryStore(OffPathOperations):
         if expected not in (State.PENDING, State.UNKNOWN):
             # A finished outcome is replayed, never run again.
             raise ValueError(f"only a pending or unknown record can be taken over, not {expected}")
+        await self._unclaimed(key)  # (a transaction claiming a released record holds its row)
         async with self._row_lock(key):
             row = self._current(key, generation, expected)
             now = self.clock()

@@ -306,6 +306,22 @@ class MemoryTables:
             found = locks[key] = _RowLock(locks, key)
         return found
 
+    def _expire_lapsed(self, key: RecordKey, record: Record) -> Record:
+        """`expire_lapsed`: a lapsed lease-mode record becomes `unknown` now, unless a session
+        holds (or waits for) its row lock, as SKIP LOCKED passes over a locked row."""
+        row = self._current(key, record.generation, State.PENDING)
+        if row is None or key in self._fence_locks:
+            return record
+        now = self.clock()
+        if row.lease_expires_at is None or row.lease_expires_at > now:
+            return record
+        row = replace(
+            row, state=State.UNKNOWN, lease_expires_at=None, updated_at=now, note="lease expired"
+        )
+        self._rows[key] = row
+        self._changed(key)
+        return row.record(key, now)
+
     def _changed(self, key: RecordKey) -> None:
         for event in self._watchers.get(key, ()):
             event.set()

@@ -5,12 +5,23 @@ from __future__ import annotations
 from typing import Any
 
 from ...errors import ClaimTimeout
-from ..base import Claim, Claimed, Existing, RecordKey, TokenRefused
-from .convert import _Q, SERVER_ERROR, scrub, to_record, token_problem
+from ..base import Claim, Claimed, Existing, Record, RecordKey, TokenRefused
+from .convert import (
+    _Q,
+    SERVER_ERROR,
+    TRANSLATED,
+    notify_token,
+    scrub,
+    to_record,
+    token_problem,
+    translate,
+)
 
 # How often a claim re-reads a record that vanished between the INSERT and the SELECT (a
 # concurrent claim rolled back, or a purge ran). Each pass makes progress, so a few suffice.
 _CLAIM_ATTEMPTS = 4
+# A statement told not to wait still needs time to run (as the session's claim does).
+_MIN_STATEMENT_TIMEOUT = 0.05
 
 
 def _claimed(row: Any) -> Claimed:
@@ -65,6 +76,15 @@ async def _claim(
                 # whether the token itself was refused).
                 continue
         record = to_record(key, row)
+        if record.retry_allowed and args[4] == "transactional" and record.fingerprint == args[3]:
+            # A lease-mode record released for this request's retry, its route transactional
+            # now: this transaction takes it over (rolled back, it is released again).
+            reclaimed = await executor.fetchrow(
+                _Q["reclaim_released"], *args[:4], record.generation, args[5], timeout=timeout
+            )
+            if reclaimed is not None:
+                return _claimed(reclaimed)
+            continue  # taken over meanwhile: claim again, and find who holds it
         if not record.expired:
             return Existing(record)
         if token_hash is not None:
@@ -90,3 +110,27 @@ async def _token_refusal(
         _Q["token_status"], key.tenant, token_hash, key.operation, fingerprint, timeout=timeout
     )
     return token_problem(status)
+
+
+async def expire_lapsed(
+    executor: Any,
+    record: Record,
+    timeout: float,  # noqa: ASYNC109 - asyncpg's own per-statement timeout
+) -> Existing:
+    """A lapsed lease-mode record a transactional claim found (`base.lapsed`) becomes `unknown`,
+    in a statement of its own (after the claim's transaction) that waits for no lock; the record
+    as it is then."""
+    key = record.key
+    try:
+        row = await executor.fetchrow(
+            _Q["expire_lapsed"],
+            key.tenant,
+            key.operation,
+            key.key,
+            record.generation,
+            notify_token(key),
+            timeout=max(timeout, _MIN_STATEMENT_TIMEOUT),
+        )
+    except TRANSLATED as exc:
+        raise translate(exc) from exc
+    return Existing(record if row is None else to_record(key, row))

@@ -11,9 +11,9 @@ from typing import Any, Protocol
 
 from ...delayed import Delayed
 from ...errors import ClaimBusy, ClaimTimeout, RetryableConflict, StoreError
-from ..base import Claim, Claimed, Existing, RecordKey, State, StoredResponse
+from ..base import Claim, Claimed, Existing, RecordKey, State, StoredResponse, lapsed
 from . import compat, convert
-from .claim import claim
+from .claim import claim, expire_lapsed
 from .claim_lock import ClaimLocks
 from .convert import (
     _Q,
@@ -252,6 +252,8 @@ class PgTransaction:
             self._claimed = (key, result.generation)
         elif self._claimed is None:
             await self.rollback()  # nothing claimed: the transaction has nothing to keep
+            if isinstance(result, Existing) and lapsed(result.record, fingerprint):
+                result = await expire_lapsed(self.driver, result.record, wait_seconds)
         return result
 
     async def _claim(
@@ -291,7 +293,7 @@ class PgTransaction:
                     row = await self.driver.fetchrow(_Q["get"], *args[:3], timeout=timeout)
                     if row is not None:
                         record = to_record(key, row)
-                        if not record.expired:
+                        if not (record.expired or record.retry_allowed):
                             return Existing(record)
             await self._lock_key(key, lock, timeout)
             try:

@@ -1,0 +1,161 @@
+"""The store contract of a transactional claim meeting a lease-mode record of its key: what a
+route moved from lease mode to transactional mode finds (docs/lease-mode.md, "Changing a route's
+mode"), on every store the contract harness offers (tests/contract.py).
+
+Found by probing: a record released for a retry stayed `pending` for good under a transactional
+route (every retry answered `409 request-in-flight`, and neither `reconcile` nor `resolve` would
+touch it), and a lapsed lease answered `409 request-in-flight` until an operator ran `reconcile`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from idem_middleware import RecordKey, State
+from idem_middleware.store import Claimed, Existing
+from idem_middleware.store.base import Settlement
+from tests.apps import BOUND, PAYOUTS
+from tests.contract import FP, OTHER_FP, RESPONSE, Harness, claim
+
+pytestmark = pytest.mark.db_routes("pgbouncer", "partitioned")
+
+OPERATION = f"POST {PAYOUTS}"
+
+
+def rkey(name: str = "k1") -> RecordKey:
+    return RecordKey("tenant-a", OPERATION, name)
+
+
+async def lease_claim(harness: Harness, k: RecordKey) -> int:
+    claimed = await harness.store.claim_lease(k, FP, retention_seconds=3600.0, lease_seconds=30.0)
+    assert isinstance(claimed, Claimed)
+    return claimed.generation
+
+
+async def released(harness: Harness, k: RecordKey) -> int:
+    """A lease-mode record an operator (or a reconciler) released for the client's retry."""
+    store = harness.store
+    generation = await lease_claim(harness, k)
+    assert await store.settle(k, generation, State.PENDING, Settlement(State.UNKNOWN))
+    assert await store.allow_retry(k, generation, "not at the bank")
+    record = await store.get(k)
+    assert record is not None
+    assert record.retry_allowed
+    return record.generation
+
+
+async def test_contract_a_released_lease_record_is_claimed_by_a_transaction(
+    harness: Harness,
+) -> None:
+    store = harness.store
+    k = rkey()
+    before = await released(harness, k)
+
+    # Rolled back: the record is the released one again, for the next retry.
+    async with harness.transaction() as session:
+        first = await claim(session, k)
+        assert isinstance(first, Claimed)
+        assert first.generation > before
+        await session.abandon()
+    record = await store.get(k)
+    assert record is not None
+    assert (record.state, record.generation, record.retry_allowed) == (State.PENDING, before, True)
+
+    async with harness.transaction() as session:
+        again = await claim(session, k)
+        assert isinstance(again, Claimed)
+        await harness.effect(session, k)
+        await session.finish(State.SUCCEEDED, RESPONSE)
+    record = await store.get(k)
+    assert record is not None
+    assert (record.state, record.generation) == (State.SUCCEEDED, again.generation)
+    assert record.response == RESPONSE
+    assert await harness.effects(k) == 1
+
+    async with harness.transaction() as session:
+        replayed = await claim(session, k)
+    assert isinstance(replayed, Existing)
+    assert replayed.record.state is State.SUCCEEDED
+
+
+async def test_contract_a_released_record_of_another_request_is_not_claimed(
+    harness: Harness,
+) -> None:
+    k = rkey()
+    generation = await released(harness, k)
+    async with harness.transaction() as session:
+        found = await claim(session, k, OTHER_FP)  # the caller answers 422 key-reused
+    assert isinstance(found, Existing)
+    assert (found.record.state, found.record.generation) == (State.PENDING, generation)
+
+
+async def test_contract_a_lease_takeover_waits_for_the_transaction_claiming_a_released_record(
+    harness: Harness,
+) -> None:
+    """An old lease-mode process's retry, in a rolling deploy: it takes the released record
+    over only if the transaction that claimed it rolls back; once it commits, never."""
+    store = harness.store
+    k = rkey()
+    generation = await released(harness, k)
+    async with harness.transaction() as session:
+        assert isinstance(await claim(session, k), Claimed)
+        takeover = asyncio.ensure_future(store.takeover(k, generation, State.PENDING, 30.0))
+        await harness.wait_until_blocked(takeover)
+        await session.finish(State.SUCCEEDED, RESPONSE)
+    assert await asyncio.wait_for(takeover, BOUND) is None
+    record = await store.get(k)
+    assert record is not None
+    assert record.state is State.SUCCEEDED
+
+
+async def test_contract_a_lapsed_lease_found_by_a_transactional_claim_becomes_unknown(
+    harness: Harness,
+) -> None:
+    store = harness.store
+    k, live, other = rkey(), rkey("live"), rkey("other")
+    generation = await lease_claim(harness, k)
+    await lease_claim(harness, live)
+    await lease_claim(harness, other)
+    await harness.lapse(k)
+    await harness.lapse(other)
+    async with harness.transaction() as session:
+        found = await claim(session, k)
+    assert isinstance(found, Existing)
+    assert (found.record.state, found.record.generation) == (State.UNKNOWN, generation)
+    record = await store.get(k)
+    assert record is not None
+    assert record.state is State.UNKNOWN
+
+    # A live lease is in flight: left as it is. So is another request's lapsed one (422).
+    async with harness.transaction() as session:
+        running = await claim(session, live)
+    async with harness.transaction() as session:
+        theirs = await claim(session, other, OTHER_FP)
+    for found, name in ((running, live), (theirs, other)):
+        assert isinstance(found, Existing)
+        assert found.record.state is State.PENDING
+        record = await store.get(name)
+        assert record is not None
+        assert record.state is State.PENDING
+
+
+async def test_contract_a_lapsed_lease_whose_executor_holds_its_fence_is_not_waited_for(
+    harness: Harness,
+) -> None:
+    """Its executor is still in its fenced transaction, past its lease: the claim neither waits
+    for it nor marks it; the record is in flight, and the executor's settlement stands."""
+    store = harness.store
+    k = rkey()
+    generation = await lease_claim(harness, k)
+    await harness.lapse(k)
+    async with store.fenced(k, generation) as fenced:
+        async with harness.transaction() as session:
+            found = await asyncio.wait_for(claim(session, k), BOUND)
+        assert isinstance(found, Existing)
+        assert found.record.state is State.PENDING
+        assert await fenced.settle(Settlement(State.SUCCEEDED, RESPONSE))
+    record = await store.get(k)
+    assert record is not None
+    assert record.state is State.SUCCEEDED
