@@ -16,6 +16,7 @@ from importlib import metadata
 import asyncpg
 
 from . import cli_commands as run
+from . import cli_reconcile
 from .errors import ConfigurationError, IdempotencyError
 from .ops import Resolution
 from .policy import seconds_option
@@ -358,7 +359,7 @@ _HANDLERS = {
     "show": run.show,
     "resolve": run.resolve,
     "reopen": run.reopen,
-    "reconcile": run.reconcile,
+    "reconcile": cli_reconcile.reconcile,
     "outbox": run.outbox,
 }
 
@@ -387,7 +388,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     except run.UsageError as exc:
         parser.error(str(exc))  # exits 2, like any other bad argument
-    except (IdempotencyError, OSError, asyncpg.PostgresError, ImportError) as exc:
+    except (IdempotencyError, OSError, asyncpg.PostgresError, ImportError, run.Interrupted) as exc:
         print(f"idem-middleware: {exc}", file=sys.stderr)
         return 1
 

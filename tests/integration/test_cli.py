@@ -323,6 +323,53 @@ def test_unreachable_database_exits_1() -> None:
     assert result.stderr.startswith("idem-middleware:")
 
 
+RECORD_ARGS = ("--tenant", "t", "--operation", "POST /payouts", "--key", "k")
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ("migrate",),
+        ("migrate", "--check"),
+        ("purge",),
+        ("stats",),
+        ("list",),
+        ("show", *RECORD_ARGS),
+        ("reopen", *RECORD_ARGS, "--note", "n"),
+        ("outbox", "list"),
+    ],
+)
+@pytest.mark.parametrize(
+    "dsn",
+    [
+        "postgresql://nobody:pw-secret@127.0.0.1:9/none",  # nothing listens
+        "postgresql://nobody:pw-secret@/none?host=/nonexistent-dir&password=pw-secret",
+    ],
+)
+def test_every_command_that_cannot_connect_says_so_alike(
+    command: tuple[str, ...], dsn: str
+) -> None:
+    """One line, the same for every command, naming the DSN tried without its password.
+    `migrate` said only "idem-middleware: [Errno 2] No such file or directory" (it connects
+    without the store), and no command named what it tried."""
+    result = cli(*command, dsn=dsn)
+    assert result.returncode == 1, result.stderr
+    shown = dsn.replace(":pw-secret@", "@").replace("password=pw-secret", "password=***")
+    assert result.stderr.startswith(f"idem-middleware: cannot connect to {shown}: "), result.stderr
+    assert result.stderr.count("\n") == 1
+    assert "pw-secret" not in result.stderr + result.stdout
+
+
+async def test_a_database_that_does_not_exist_cannot_be_connected_to(db_dsn: str) -> None:
+    missing = db_dsn.replace("/idem_test", "/idem_no_such_database")
+    for command in (("migrate",), ("stats",)):
+        result = cli(*command, dsn=missing)
+        assert result.returncode == 1
+        shown = missing.replace(":@", "@")  # (no password: the empty one is left out too)
+        assert result.stderr.startswith(f"idem-middleware: cannot connect to {shown}: ")
+        assert 'database "idem_no_such_database" does not exist' in result.stderr
+
+
 def test_help_names_the_environment_variables() -> None:
     top = cli("--help")
     assert "IDEM_DATABASE_URL" in top.stdout

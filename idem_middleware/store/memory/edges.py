@@ -4,7 +4,7 @@ listing, amendments and purge."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from datetime import UTC, datetime
 
@@ -110,7 +110,13 @@ class OffPathOperations(MemoryTables):
         found.sort(key=lambda r: r.updated_at)
         return found[:limit]
 
-    async def purge(self, *, batch_size: int = 1000, max_batches: int = 1000) -> int:
+    async def purge(
+        self,
+        *,
+        batch_size: int = 1000,
+        max_batches: int = 1000,
+        progress: Callable[[int], None] | None = None,
+    ) -> int:
         check_purge_limits(batch_size, max_batches)
         now = self.clock()
         doomed = [
@@ -126,6 +132,8 @@ class OffPathOperations(MemoryTables):
                 del self._tokens[token]
                 if found.intent_id is not None:
                     del self._intents[(token[0], found.operation, found.intent_id)]
+        if progress is not None:
+            progress(len(doomed))
         return len(doomed)
 
 

@@ -10,7 +10,7 @@ are that transaction's, and are left to the caller as asyncpg raised them.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -218,24 +218,40 @@ class OffPathStatements(PoolStatements):
         row = await self._run("fetchrow", _Q["describe"], key.tenant, key.operation, key.key)
         return None if row is None else _summary(row)
 
-    async def purge(self, *, batch_size: int = 1000, max_batches: int = 1000) -> int:
+    async def purge(
+        self,
+        *,
+        batch_size: int = 1000,
+        max_batches: int = 1000,
+        progress: Callable[[int], None] | None = None,
+    ) -> int:
         """Delete finished records past their retention, one short transaction per batch, and
         then expired one-time tokens and waits left behind by dead processes the same way.
 
-        Never touches pending or unknown records. Returns how many records were deleted.
+        Never touches pending or unknown records. Returns how many records were deleted;
+        `progress` is called with the count so far after each batch of records commits, so a
+        caller that the database fails partway (StoreError) still knows what was done.
         """
         check_purge_limits(batch_size, max_batches)
-        deleted = await self._purge_batches(_Q["purge_batch"], batch_size, max_batches)
+        deleted = await self._purge_batches(_Q["purge_batch"], batch_size, max_batches, progress)
         await self._purge_batches(_Q["purge_tokens"], batch_size, max_batches)
         await self._purge_batches(_Q["purge_waiters"], batch_size, max_batches)
         return deleted
 
-    async def _purge_batches(self, query: str, batch_size: int, max_batches: int) -> int:
+    async def _purge_batches(
+        self,
+        query: str,
+        batch_size: int,
+        max_batches: int,
+        progress: Callable[[int], None] | None = None,
+    ) -> int:
         deleted = 0
         for _ in range(max_batches):
             status = await self._run("execute", query, batch_size)
             count = int(status.rsplit(" ", 1)[-1])
             deleted += count
+            if progress is not None:
+                progress(deleted)
             if count < batch_size:
                 break
         return deleted
