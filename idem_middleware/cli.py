@@ -195,9 +195,16 @@ def _parser() -> argparse.ArgumentParser:
         help="stop after this many batches (env IDEM_PURGE_MAX_BATCHES, default 1000)",
     )
 
-    command(
+    st = command(
         "stats",
         "counts per state and the oldest unresolved record (--json also from IDEM_STATS_JSON=1)",
+    )
+    st.add_argument(
+        "--unresolved",
+        action="store_true",
+        help="count pending and unknown records only, from their index: milliseconds whatever "
+        "the table's size (without it every record and outbox event is counted, a read of both "
+        "tables whole)",
     )
 
     ls = command("list", "list records, unresolved ones by default, oldest first")

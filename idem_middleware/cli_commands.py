@@ -103,24 +103,28 @@ async def purge(store: PostgresStore, args: argparse.Namespace) -> int:
 
 
 async def stats(store: PostgresStore, args: argparse.Namespace) -> int:
-    counts = await store.stats()
-    events = await outbox_ops.outbox_stats(store.pool)
+    counts = await store.stats(unresolved_only=args.unresolved)
+    # (the outbox's counts read it whole too: not in the cheap mode)
+    events = None if args.unresolved else await outbox_ops.outbox_stats(store.pool)
     if args.json:  # (or IDEM_STATS_JSON, read by the parser)
         data = {
             "counts": counts.counts,
             "oldest_age_seconds": counts.oldest_age_seconds,
             "oldest_unresolved_age_seconds": counts.oldest_unresolved_age_seconds,
-            "outbox": events,
+            "lapsed_leases": counts.lapsed_leases,
         }
-        print(json.dumps(data, sort_keys=True))
+        print(json.dumps(data if events is None else {**data, "outbox": events}, sort_keys=True))
         return 0
     for state, count in counts.counts.items():
         age = counts.oldest_age_seconds[state]
         shown = "-" if age is None else f"{age:.0f}s"
         print(f"{state:<14}{count:>10}   oldest {shown}")
-    print(
-        f"outbox        unsent {events['unsent']}  parked {events['parked']}  sent {events['sent']}"
-    )
+    print(f"{'lapsed leases':<14}{counts.lapsed_leases:>10}")
+    if events is not None:
+        print(
+            f"outbox        unsent {events['unsent']}  parked {events['parked']}  "
+            f"sent {events['sent']}"
+        )
     return 0
 
 

@@ -91,6 +91,21 @@ async def test_stats_and_list(db_dsn: str, pool: Any) -> None:
     data = json.loads(stats.stdout)
     assert data["counts"] == {"pending": 2, "succeeded": 0, "failed_final": 0, "unknown": 1}
     assert 119 <= data["oldest_unresolved_age_seconds"] < 200
+    assert data["lapsed_leases"] == 1
+    assert set(data["outbox"]) >= {"unsent", "parked", "sent"}
+    cheap = cli("stats", "--unresolved", "--json", dsn=db_dsn)
+    assert cheap.returncode == 0, cheap.stderr
+    data = json.loads(cheap.stdout)
+    assert data["counts"] == {"pending": 2, "unknown": 1}  # (finished ones not counted)
+    assert data["lapsed_leases"] == 1
+    assert 119 <= data["oldest_unresolved_age_seconds"] < 200
+    assert "outbox" not in data  # (its counts read it whole)
+    text = cli("stats", "--unresolved", dsn=db_dsn).stdout.splitlines()
+    assert [line.split()[:2] for line in text] == [
+        ["pending", "2"],
+        ["unknown", "1"],
+        ["lapsed", "leases"],
+    ]
     listed = cli("list", "--json", dsn=db_dsn)
     rows = [json.loads(line) for line in listed.stdout.splitlines()]
     assert [r["key"] for r in rows] == ["u1", "p1", "p2"]  # oldest first

@@ -10,10 +10,12 @@ from datetime import UTC, datetime
 
 from ...errors import StatementRefused
 from ..base import (
+    UNRESOLVED_STATES,
     RecordKey,
     RecordSummary,
     Settlement,
     State,
+    StoreStats,
     TokenRow,
     check_purge_limits,
 )
@@ -109,6 +111,25 @@ class OffPathOperations(MemoryTables):
             found.append(_summary(key, row, now))
         found.sort(key=lambda r: r.updated_at)
         return found[:limit]
+
+    async def stats(self, *, unresolved_only: bool = False) -> StoreStats:
+        """As the PostgreSQL store counts: every row (expired ones not yet purged too), or the
+        pending and unknown ones alone."""
+        now = self.clock()
+        states = UNRESOLVED_STATES if unresolved_only else tuple(State)
+        counts = {state.value: 0 for state in states}
+        oldest: dict[str, float | None] = {state.value: None for state in states}
+        lapsed = 0
+        for _, row in self._rows.items():
+            if row.state not in states:
+                continue
+            counts[row.state.value] += 1
+            age = now - row.updated_at
+            seen = oldest[row.state.value]
+            oldest[row.state.value] = age if seen is None else max(seen, age)
+            if row.lease_expires_at is not None and row.lease_expires_at <= now:
+                lapsed += 1  # (only a pending record has a lease)
+        return StoreStats(counts=counts, oldest_age_seconds=oldest, lapsed_leases=lapsed)
 
     async def purge(
         self,

@@ -17,6 +17,7 @@ from typing import Any
 
 from ...errors import EventConflict, StoreError
 from ..base import (
+    UNRESOLVED_STATES,
     RecordKey,
     RecordSummary,
     Settlement,
@@ -256,14 +257,20 @@ class OffPathStatements(PoolStatements):
                 break
         return deleted
 
-    async def stats(self) -> StoreStats:
+    async def stats(self, *, unresolved_only: bool = False) -> StoreStats:
+        """Counts per state. The full count reads the whole table (a parallel scan: 0.45 s on 2
+        million records, and proportional beyond); `unresolved_only` counts pending and unknown
+        records from their partial index, milliseconds whatever the table's size."""
+        query = _Q["stats_unresolved" if unresolved_only else "stats"]
         try:
-            rows = await self.pool.fetch(_Q["stats"])
+            rows = await self.pool.fetch(query)
         except ACQUIRE_ERRORS as exc:
             raise StoreError(str(exc)) from exc
-        counts = {state.value: 0 for state in State}
-        oldest: dict[str, float | None] = {state.value: None for state in State}
+        states = UNRESOLVED_STATES if unresolved_only else tuple(State)
+        counts = {state.value: 0 for state in states}
+        oldest: dict[str, float | None] = {state.value: None for state in states}
         for row in rows:
             counts[row["state"]] = row["count"]
             oldest[row["state"]] = row["oldest_age_seconds"]
-        return StoreStats(counts=counts, oldest_age_seconds=oldest)
+        lapsed = sum(row["lapsed"] for row in rows if row["state"] == State.PENDING.value)
+        return StoreStats(counts=counts, oldest_age_seconds=oldest, lapsed_leases=lapsed)
