@@ -16,109 +16,25 @@ from importlib import metadata
 import asyncpg
 
 from . import cli_commands as run
-from .errors import ConfigurationError, IdempotencyError
+from . import cli_reconcile
+from .cli_values import (
+    audit_note,
+    checked_flag,
+    env_default,
+    env_flag,
+    env_typed,
+    margin_seconds,
+    positive_int,
+    positive_seconds,
+    utf8_text,
+)
+from .errors import IdempotencyError
 from .ops import Resolution
-from .policy import seconds_option
 from .store.base import State
 from .store.migrations import LOCK_TIMEOUT_SECONDS
 
 _DSN_ENV = "IDEM_DATABASE_URL"
 _DSN_ENVS = (_DSN_ENV, "DATABASE_URL")
-
-
-def _env_default(name: str, fallback: str | None = None) -> str | None:
-    return os.environ.get(name, fallback)
-
-
-class _FromEnv(str):
-    """An option's default read from an environment variable, still text.
-
-    argparse converts a text default with the option's `type` only when the option is not
-    given, and turns a failure into a usage error (exit 2). A type function names the variable
-    when the text came from one.
-    """
-
-    env: str
-
-    def __new__(cls, text: str, env: str) -> _FromEnv:
-        self = super().__new__(cls, text)
-        self.env = env
-        return self
-
-
-def _env_typed(name: str, fallback: object) -> object:
-    """The default of an option with a `type`: the variable's text if it is set (not empty),
-    converted and checked by argparse when the option is not given; else `fallback`."""
-    text = os.environ.get(name, "")
-    return _FromEnv(text, name) if text.strip() else fallback
-
-
-def _shown(text: str) -> str:
-    """The argument in a type function's message: where it came from, if from the environment."""
-    return f"{text!r} (from {text.env})" if isinstance(text, _FromEnv) else repr(text)
-
-
-_FLAG_ON = frozenset({"1", "true", "yes", "on"})
-_FLAG_OFF = frozenset({"", "0", "false", "no", "off"})
-
-
-def _env_flag(name: str) -> bool | _FromEnv:
-    """On or off, as the kill switch reads its variable; anything else is kept (a _FromEnv)
-    for `main` to refuse, so that `--help` still works whatever the variable holds."""
-    value = os.environ.get(name, "").strip().lower()
-    if value in _FLAG_ON or value in _FLAG_OFF:
-        return value in _FLAG_ON
-    return _FromEnv(value, name)
-
-
-def _checked_flag(parser: argparse.ArgumentParser, value: object) -> bool:
-    if isinstance(value, _FromEnv):  # (before: IDEM_JSON=on printed text for a JSON reader)
-        parser.error(
-            f"{value.env}={str(value)!r} is neither on (1, true, yes, on) nor off (0, false, "
-            "no, off, or empty)"
-        )
-    return bool(value)
-
-
-#: The largest count an option takes: the database's counters are 32-bit integers.
-_MAX_COUNT = 2**31 - 1
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{_shown(text)} is not a whole number") from None
-    if not 1 <= value <= _MAX_COUNT:
-        raise argparse.ArgumentTypeError(f"{_shown(text)} must be from 1 to {_MAX_COUNT}")
-    return value
-
-
-def _seconds(text: str, *, zero: bool) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{_shown(text)} is not a number of seconds") from None
-    try:
-        return seconds_option(value, "it", positive=not zero)  # (a Policy's duration rule)
-    except ConfigurationError as exc:
-        raise argparse.ArgumentTypeError(f"{_shown(text)}: {exc}") from None
-
-
-def _positive_seconds(text: str) -> float:
-    """Seconds, finite and > 0 (a bound, or a pause: 0 would be a busy loop)."""
-    return _seconds(text, zero=False)
-
-
-def _margin_seconds(text: str) -> float:
-    """Seconds, finite and >= 0."""
-    return _seconds(text, zero=True)
-
-
-def _audit_note(text: str) -> str:
-    if not text.strip():
-        raise argparse.ArgumentTypeError("an audit note is required (it goes into the audit trail)")
-    return text
 
 
 def _version() -> str:
@@ -145,7 +61,7 @@ def _common(top: bool) -> argparse.ArgumentParser:
     common.add_argument(
         "--json",
         action="store_true",
-        default=_env_flag("IDEM_JSON") if top else argparse.SUPPRESS,
+        default=env_flag("IDEM_JSON") if top else argparse.SUPPRESS,
         help="machine-readable output: a JSON object, or one per line for lists (env IDEM_JSON=1)",
     )
     return common
@@ -172,8 +88,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     m.add_argument(
         "--lock-timeout",
-        type=_positive_seconds,
-        default=_env_typed("IDEM_MIGRATE_LOCK_TIMEOUT", LOCK_TIMEOUT_SECONDS),
+        type=positive_seconds,
+        default=env_typed("IDEM_MIGRATE_LOCK_TIMEOUT", LOCK_TIMEOUT_SECONDS),
         metavar="SECONDS",
         help="the longest a migration waits for a table that open transactions use, requests "
         "queueing behind it meanwhile; then nothing is applied and it exits 1 "
@@ -183,20 +99,27 @@ def _parser() -> argparse.ArgumentParser:
     p = command("purge", "delete finished records past their retention (never pending/unknown)")
     p.add_argument(
         "--batch-size",
-        type=_positive_int,
-        default=_env_typed("IDEM_PURGE_BATCH_SIZE", 1000),
+        type=positive_int,
+        default=env_typed("IDEM_PURGE_BATCH_SIZE", 1000),
         help="rows per delete transaction (env IDEM_PURGE_BATCH_SIZE, default 1000)",
     )
     p.add_argument(
         "--max-batches",
-        type=_positive_int,
-        default=_env_typed("IDEM_PURGE_MAX_BATCHES", 1000),
+        type=positive_int,
+        default=env_typed("IDEM_PURGE_MAX_BATCHES", 1000),
         help="stop after this many batches (env IDEM_PURGE_MAX_BATCHES, default 1000)",
     )
 
-    command(
+    st = command(
         "stats",
         "counts per state and the oldest unresolved record (--json also from IDEM_STATS_JSON=1)",
+    )
+    st.add_argument(
+        "--unresolved",
+        action="store_true",
+        help="count pending and unknown records only, from their index: milliseconds whatever "
+        "the table's size (without it every record and outbox event is counted, a read of both "
+        "tables whole)",
     )
 
     ls = command("list", "list records, unresolved ones by default, oldest first")
@@ -207,26 +130,33 @@ def _parser() -> argparse.ArgumentParser:
         help="repeatable (default: pending and unknown)",
     )
     ls.add_argument(
-        "--tenant", default=_env_default("IDEM_TENANT"), help="one tenant only (env IDEM_TENANT)"
+        "--tenant",
+        type=utf8_text,
+        default=env_default("IDEM_TENANT"),
+        help="one tenant only (env IDEM_TENANT)",
     )
     ls.add_argument(
         "--operation",
-        default=_env_default("IDEM_OPERATION"),
+        type=utf8_text,
+        default=env_default("IDEM_OPERATION"),
         help='one operation only, for example "POST /payouts" (env IDEM_OPERATION)',
     )
     ls.add_argument(
         "--stale", action="store_true", help="pending records only if their lease lapsed"
     )
     ls.add_argument(
-        "--limit", type=_positive_int, default=100, help="at most this many (default 100)"
+        "--limit", type=positive_int, default=100, help="at most this many (default 100)"
     )
 
     def record_options(cmd: argparse.ArgumentParser) -> None:
-        cmd.add_argument("--tenant", required=True, help="the record's tenant")
-        cmd.add_argument("--operation", required=True, help='for example "POST /payouts"')
+        cmd.add_argument("--tenant", required=True, type=utf8_text, help="the record's tenant")
+        cmd.add_argument(
+            "--operation", required=True, type=utf8_text, help='for example "POST /payouts"'
+        )
         cmd.add_argument(
             "--key",
             required=True,
+            type=utf8_text,
             help="the Idempotency-Key, bare (payout-1) or quoted as the client sent it "
             '("payout-1")',
         )
@@ -249,7 +179,7 @@ def _parser() -> argparse.ArgumentParser:
         "did not happen, the client's next retry runs it again (lease mode only)",
     )
     r.add_argument(
-        "--note", required=True, type=_audit_note, help="why: kept in the record's audit trail"
+        "--note", required=True, type=audit_note, help="why: kept in the record's audit trail"
     )
     r.add_argument(
         "--status", type=int, help="succeeded/failed_final: the status retries get (required)"
@@ -273,7 +203,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     record_options(ro)
     ro.add_argument(
-        "--note", required=True, type=_audit_note, help="why: kept in the record's audit trail"
+        "--note", required=True, type=audit_note, help="why: kept in the record's audit trail"
     )
 
     o = command("outbox", "publish, list and requeue outbox events")
@@ -286,33 +216,33 @@ def _parser() -> argparse.ArgumentParser:
 
     pub = action("publish", "send due events to a webhook until stopped (SIGTERM/SIGINT)")
     pub.add_argument(
-        "--url", default=_env_default("IDEM_OUTBOX_URL"), help="webhook URL (env IDEM_OUTBOX_URL)"
+        "--url", default=env_default("IDEM_OUTBOX_URL"), help="webhook URL (env IDEM_OUTBOX_URL)"
     )
     pub.add_argument(
-        "--batch-size", type=_positive_int, default=50, help="events per batch (default 50)"
+        "--batch-size", type=positive_int, default=50, help="events per batch (default 50)"
     )
     pub.add_argument(
         "--max-attempts",
-        type=_positive_int,
-        default=_env_typed("IDEM_OUTBOX_MAX_ATTEMPTS", 8),
+        type=positive_int,
+        default=env_typed("IDEM_OUTBOX_MAX_ATTEMPTS", 8),
         help="park an event after this many failed sends (env IDEM_OUTBOX_MAX_ATTEMPTS)",
     )
     pub.add_argument(
         "--send-timeout",
-        type=_positive_seconds,
+        type=positive_seconds,
         default=10.0,
         help="seconds per send, more than 0 (default 10)",
     )
     pub.add_argument(
         "--reservation-margin",
-        type=_margin_seconds,
+        type=margin_seconds,
         default=5.0,
         help="an event being sent is reserved for --send-timeout plus this (0 or more, default "
         "5); a publisher killed mid-send leaves it to be sent again after that",
     )
     pub.add_argument(
         "--idle-seconds",
-        type=_positive_seconds,
+        type=positive_seconds,
         default=1.0,
         help="pause when nothing is due, more than 0 (default 1)",
     )
@@ -320,7 +250,7 @@ def _parser() -> argparse.ArgumentParser:
     ol = action("list", "unsent events, oldest first")
     ol.add_argument("--parked", action="store_true", help="parked events only")
     ol.add_argument(
-        "--limit", type=_positive_int, default=100, help="at most this many (default 100)"
+        "--limit", type=positive_int, default=100, help="at most this many (default 100)"
     )
     rq = action("requeue", "send parked events again")
     rq.add_argument("event_ids", nargs="+", help="the ids of the parked events")
@@ -328,16 +258,16 @@ def _parser() -> argparse.ArgumentParser:
     c = command("reconcile", "run the reconcilers on unknown and lapsed records nobody retries")
     c.add_argument(
         "--app",
-        default=_env_default("IDEM_APP"),
+        default=env_default("IDEM_APP"),
         help="module:attribute of the Starlette/FastAPI app (or a factory) whose route "
         "policies name the reconcilers, imported from the current directory (env IDEM_APP)",
     )
-    c.add_argument("--tenant", default=None, help="one tenant only")
-    c.add_argument("--operation", default=None, help="one operation only")
-    c.add_argument("--limit", type=_positive_int, default=100, help="records per run (default 100)")
+    c.add_argument("--tenant", type=utf8_text, default=None, help="one tenant only")
+    c.add_argument("--operation", type=utf8_text, default=None, help="one operation only")
+    c.add_argument("--limit", type=positive_int, default=100, help="records per run (default 100)")
     c.add_argument(
         "--seconds",
-        type=_positive_seconds,
+        type=positive_seconds,
         default=10.0,
         help="bound on each reconciler call, more than 0 (default 10)",
     )
@@ -358,7 +288,7 @@ _HANDLERS = {
     "show": run.show,
     "resolve": run.resolve,
     "reopen": run.reopen,
-    "reconcile": run.reconcile,
+    "reconcile": cli_reconcile.reconcile,
     "outbox": run.outbox,
 }
 
@@ -366,9 +296,9 @@ _HANDLERS = {
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
-    args.json = _checked_flag(parser, args.json)
+    args.json = checked_flag(parser, args.json)
     if args.command == "stats":
-        args.json = _checked_flag(parser, _env_flag("IDEM_STATS_JSON")) or args.json
+        args.json = checked_flag(parser, env_flag("IDEM_STATS_JSON")) or args.json
     if not args.dsn:
         parser.error(
             "no database: pass --dsn URL or set " + " or ".join(_DSN_ENVS) + " (in that order)"
@@ -387,7 +317,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     except run.UsageError as exc:
         parser.error(str(exc))  # exits 2, like any other bad argument
-    except (IdempotencyError, OSError, asyncpg.PostgresError, ImportError) as exc:
+    except (IdempotencyError, OSError, asyncpg.PostgresError, ImportError, run.Interrupted) as exc:
         print(f"idem-middleware: {exc}", file=sys.stderr)
         return 1
 

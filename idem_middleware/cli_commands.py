@@ -9,91 +9,45 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import importlib
 import json
-import os
 import signal
 import sys
-from collections.abc import Awaitable, Callable, Iterator, Mapping
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, NoReturn
 from urllib.parse import urlsplit
 
 import asyncpg
 
-from . import app_lifespan
 from . import outbox as outbox_ops
-from .errors import StoreError
+from .cli_connect import NO_STATEMENT_CACHE, connecting
+from .cli_connect import UsageError as UsageError
+from .cli_connect import with_store as with_store
+from .errors import IdempotencyError
 from .keys import parse_idempotency_key
 from .ops import (
     Move,
     Resolution,
-    collect_policies,
     operator_response,
-    reconcile_unknown,
 )
 from .ops import reopen as reopen_record
 from .ops import resolve as resolve_record
-from .policy import LeaseExpiry, Mode
-from .routing import routes_of
 from .store.base import RecordKey, RecordSummary, State
 from .store.migrations import migrate as apply_migrations
 from .store.migrations import pending_versions
 from .store.postgres import PostgresStore
-
-Handler = Callable[[PostgresStore, argparse.Namespace], Awaitable[int]]
-
-
-class UsageError(Exception):
-    """An argument argparse could not check alone (it depends on another, or on an import):
-    exit 2 with the message, like any other bad argument."""
 
 
 def emit(args: argparse.Namespace, data: Mapping[str, Any], text: str) -> None:
     print(json.dumps(data, default=str, sort_keys=True) if args.json else text)
 
 
-# No named prepared statements: the DSN may be PgBouncer's in transaction pooling mode, where
-# a server connection keeps an earlier process's `__asyncpg_stmt_1__` and the next command's
-# fails with "already exists". An operator's command runs a few statements; the cache saves
-# nothing there.
-_NO_STATEMENT_CACHE = 0
-
-
-@contextlib.contextmanager
-def _checked_dsn() -> Iterator[None]:
-    """A DSN asyncpg cannot parse (`nonsense`, a port that is not a number, an unknown
-    `sslmode`) is a bad argument, exit 2, not a traceback. asyncpg reports it as a ValueError
-    (`ClientConfigurationError` is one too), which the store wraps in StoreError; a port out of
-    range only when connecting, as the socket's OverflowError."""
-    try:
-        yield
-    except StoreError as exc:
-        if isinstance(exc.__cause__, ValueError | OverflowError):
-            raise UsageError(f"--dsn: {exc.__cause__}") from None
-        raise
-    except (ValueError, OverflowError) as exc:
-        raise UsageError(f"--dsn: {exc}") from None
-
-
-async def with_store(args: argparse.Namespace, handler: Handler) -> int:
-    store = PostgresStore(
-        dsn=args.dsn, min_size=1, max_size=2, statement_cache_size=_NO_STATEMENT_CACHE
-    )
-    # `stats`, `list` and `show` work on a standby or as a read-only role; a command that
-    # writes there fails with the server's own message.
-    store._needs_writes = False
-    with _checked_dsn():
-        await store.open()
-    try:
-        return await handler(store, args)
-    finally:
-        await store.close()
+class Interrupted(Exception):
+    """The database failed a command partway: the message says what was done (exit 1)."""
 
 
 async def migrate(args: argparse.Namespace) -> int:
-    with _checked_dsn():
-        conn = await asyncpg.connect(args.dsn, statement_cache_size=_NO_STATEMENT_CACHE)
+    with connecting(args.dsn):
+        conn = await asyncpg.connect(args.dsn, statement_cache_size=NO_STATEMENT_CACHE)
     try:
         if args.check:
             pending = await pending_versions(conn)
@@ -108,8 +62,29 @@ async def migrate(args: argparse.Namespace) -> int:
         await conn.close()
 
 
+def stopped(args: argparse.Namespace, data: dict[str, Any], done: str, exc: Exception) -> NoReturn:
+    """A command the database failed partway: its report so far (stdout, with --json), and one
+    line saying what was done and what failed (stderr, through main). Exit 1."""
+    if args.json:
+        print(json.dumps({**data, "error": str(exc)}, default=str, sort_keys=True))
+    raise Interrupted(f"{args.command} stopped after {done}: {exc}") from exc
+
+
 async def purge(store: PostgresStore, args: argparse.Namespace) -> int:
-    deleted = await store.purge(batch_size=args.batch_size, max_batches=args.max_batches)
+    progress = [0]
+
+    def committed(deleted: int) -> None:
+        progress[0] = deleted
+
+    try:
+        deleted = await store.purge(
+            batch_size=args.batch_size, max_batches=args.max_batches, progress=committed
+        )
+    except IdempotencyError as exc:
+        # Each batch committed on its own: what was deleted stays deleted, the rest is for the
+        # next run.
+        done = f"deleting {progress[0]} expired records (each batch is committed; run it again)"
+        stopped(args, {"purged": progress[0], "stopped_at_limit": False}, done, exc)
     # Every batch was full: it stopped at its limit, and expired records may be left. Said
     # aloud, since a purge that deletes less each run than expires meanwhile never catches up.
     limited = deleted >= args.batch_size * args.max_batches
@@ -128,24 +103,28 @@ async def purge(store: PostgresStore, args: argparse.Namespace) -> int:
 
 
 async def stats(store: PostgresStore, args: argparse.Namespace) -> int:
-    counts = await store.stats()
-    events = await outbox_ops.outbox_stats(store.pool)
+    counts = await store.stats(unresolved_only=args.unresolved)
+    # (the outbox's counts read it whole too: not in the cheap mode)
+    events = None if args.unresolved else await outbox_ops.outbox_stats(store.pool)
     if args.json:  # (or IDEM_STATS_JSON, read by the parser)
         data = {
             "counts": counts.counts,
             "oldest_age_seconds": counts.oldest_age_seconds,
             "oldest_unresolved_age_seconds": counts.oldest_unresolved_age_seconds,
-            "outbox": events,
+            "lapsed_leases": counts.lapsed_leases,
         }
-        print(json.dumps(data, sort_keys=True))
+        print(json.dumps(data if events is None else {**data, "outbox": events}, sort_keys=True))
         return 0
     for state, count in counts.counts.items():
         age = counts.oldest_age_seconds[state]
         shown = "-" if age is None else f"{age:.0f}s"
         print(f"{state:<14}{count:>10}   oldest {shown}")
-    print(
-        f"outbox        unsent {events['unsent']}  parked {events['parked']}  sent {events['sent']}"
-    )
+    print(f"{'lapsed leases':<14}{counts.lapsed_leases:>10}")
+    if events is not None:
+        print(
+            f"outbox        unsent {events['unsent']}  parked {events['parked']}  "
+            f"sent {events['sent']}"
+        )
     return 0
 
 
@@ -273,88 +252,6 @@ async def resolve(store: PostgresStore, args: argparse.Namespace) -> int:
 
 async def reopen(store: PostgresStore, args: argparse.Namespace) -> int:
     _report(args, "reopened", await reopen_record(store, _key(args), note=args.note))
-    return 0
-
-
-def load_app(spec: str) -> Any:
-    """Import `module:attribute` as uvicorn does: from the current directory first."""
-    module_name, sep, attribute = spec.partition(":")
-    if not sep or not module_name or not attribute:
-        raise UsageError(f"--app {spec!r} is not module:attribute")
-    if "" not in sys.path and os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as exc:
-        raise UsageError(
-            f"--app {spec}: cannot import {module_name!r} (from {os.getcwd()}): "
-            f"{type(exc).__name__}: {exc}"
-        ) from None
-    target = module
-    for part in attribute.split("."):
-        try:
-            target = getattr(target, part)
-        except AttributeError:
-            raise UsageError(f"--app {spec}: module {module_name!r} has no {attribute!r}") from None
-    if routes_of(target) is None and callable(target):  # a factory (not an app behind wrappers)
-        try:
-            target = target()
-        except Exception as exc:
-            raise UsageError(
-                f"--app {spec}: calling {attribute!r} failed: {type(exc).__name__}: {exc}"
-            ) from None
-    if routes_of(target) is None:  # nothing to find reconcilers in: not a silent no-op
-        raise UsageError(
-            f"--app {spec}: {type(target).__name__} is not a Starlette or FastAPI app "
-            "(nor a factory of one)"
-        )
-    return target
-
-
-async def reconcile(store: PostgresStore, args: argparse.Namespace) -> int:
-    if not args.app:
-        raise UsageError("reconcile needs --app (or IDEM_APP) to find the reconcilers")
-    app = load_app(args.app)
-    policies = collect_policies(app)
-    try:
-        # Its reconcilers use what its lifespan opens (a client, a pool), as they do when served.
-        async with app_lifespan.running(app) if args.lifespan else contextlib.nullcontext():
-            report = await reconcile_unknown(
-                store,
-                {name: p.reconciler for name, p in policies.items() if p.reconciler is not None},
-                tenant=args.tenant,
-                operation=args.operation,
-                limit=args.limit,
-                seconds=args.seconds,
-                takeover=[
-                    name
-                    for name, p in policies.items()
-                    if p.mode is Mode.LEASE and p.on_lease_expiry is LeaseExpiry.TAKEOVER
-                ],
-            )
-    except app_lifespan.LifespanFailed as exc:
-        raise UsageError(f"--app {args.app}: {exc}") from None
-    data = {
-        "examined": report.examined,
-        "expired_leases": report.expired_leases,
-        "verdicts": report.verdicts,
-        "unreconcilable": report.unreconcilable,
-        "by_hand": report.by_hand,
-        "held": report.held,
-    }
-    lines = [
-        f"examined {report.examined} unknown records; "
-        f"{report.expired_leases} lapsed leases turned unknown"
-    ]
-    lines += [f"  {verdict}: {n}" for verdict, n in sorted(report.verdicts.items())]
-    if report.held:
-        lines.append(f"  held by another session, passed over (run again later): {report.held}")
-    lines += [f"  no reconciler for {op}: {n}" for op, n in sorted(report.unreconcilable.items())]
-    lines += [
-        f"  transactional, not reconciled (settle with resolve) for {op}: {n}"
-        for op, n in sorted(report.by_hand.items())
-    ]
-    emit(args, data, "\n".join(lines))
     return 0
 
 

@@ -60,6 +60,7 @@ async def reconcile_unknown(
     limit: int = 100,
     seconds: float = 10.0,
     takeover: Collection[str] = (),
+    report: ReconcileReport | None = None,
 ) -> ReconcileReport:
     """Settle unknown records (and pending ones whose lease lapsed) by asking their reconcilers.
 
@@ -68,8 +69,12 @@ async def reconcile_unknown(
     `takeover` names the operations whose lapsed leases the client's retry takes over
     (`LeaseExpiry.TAKEOVER`): without a reconciler, theirs are left pending for it, since
     `unknown` would refuse that retry until an operator came.
+
+    `report`, if given, is filled in as the run goes: a caller that the database fails partway
+    (StoreError) still knows what was done.
     """
-    report = ReconcileReport()
+    if report is None:
+        report = ReconcileReport()
     # A record another session holds is passed over, not waited for: an executor holding its
     # fenced transaction past its lease, or paused with it, would stop the whole batch.
     held_wait = min(seconds, _HELD_WAIT)

@@ -252,11 +252,23 @@ WHERE r.tenant = doomed.tenant AND r.operation = doomed.operation
   AND r.idem_key = doomed.idem_key;
 
 -- name: stats
--- Counts per state, and the age of the oldest record in each (what an alert watches for
--- pending and unknown).
+-- Counts per state, the age of the oldest record in each (what an alert watches for pending
+-- and unknown), and the pending records whose lease lapsed. Reads the whole table.
 SELECT state, count(*) AS count,
-       EXTRACT(EPOCH FROM now() - min(updated_at))::float8 AS oldest_age_seconds
+       EXTRACT(EPOCH FROM now() - min(updated_at))::float8 AS oldest_age_seconds,
+       count(*) FILTER (WHERE lease_expires_at <= now()) AS lapsed
 FROM idem_requests
+GROUP BY state;
+
+-- name: stats_unresolved
+-- `stats` of pending and unknown records alone: the predicate is the partial index
+-- idem_requests_unresolved_idx's own, so only its entries are read (a few thousand, whatever
+-- the table's size) and the heap rows of pending ones, for their lease.
+SELECT state, count(*) AS count,
+       EXTRACT(EPOCH FROM now() - min(updated_at))::float8 AS oldest_age_seconds,
+       count(*) FILTER (WHERE lease_expires_at <= now()) AS lapsed
+FROM idem_requests
+WHERE state IN ('pending', 'unknown')
 GROUP BY state;
 
 -- name: heartbeat

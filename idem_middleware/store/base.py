@@ -27,6 +27,8 @@ class State(StrEnum):
 
 
 FINAL_STATES = frozenset({State.SUCCEEDED, State.FAILED_FINAL})
+#: The states of records not finished yet, in `State`'s order (what `stats` counts cheaply).
+UNRESOLVED_STATES = (State.PENDING, State.UNKNOWN)
 
 
 class RecordKey(NamedTuple):
@@ -112,10 +114,17 @@ Claim = Claimed | Existing | TokenRefused
 
 @dataclass(frozen=True, slots=True)
 class StoreStats:
-    """Counts per state and the age in seconds of the oldest record in each (None if empty)."""
+    """Counts per state and the age in seconds of the oldest record in each (None if empty).
+
+    `stats(unresolved_only=True)` counts pending and unknown records alone: `counts` and
+    `oldest_age_seconds` then have no succeeded or failed_final entry (not a zero: not counted).
+    """
 
     counts: dict[str, int]
     oldest_age_seconds: dict[str, float | None]
+    #: Pending records whose lease lapsed: their executor died or stalled, and nobody has taken
+    #: them on yet (the next `reconcile`, or the client's retry).
+    lapsed_leases: int = 0
 
     @property
     def oldest_unresolved_age_seconds(self) -> float | None:

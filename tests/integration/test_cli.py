@@ -91,6 +91,21 @@ async def test_stats_and_list(db_dsn: str, pool: Any) -> None:
     data = json.loads(stats.stdout)
     assert data["counts"] == {"pending": 2, "succeeded": 0, "failed_final": 0, "unknown": 1}
     assert 119 <= data["oldest_unresolved_age_seconds"] < 200
+    assert data["lapsed_leases"] == 1
+    assert set(data["outbox"]) >= {"unsent", "parked", "sent"}
+    cheap = cli("stats", "--unresolved", "--json", dsn=db_dsn)
+    assert cheap.returncode == 0, cheap.stderr
+    data = json.loads(cheap.stdout)
+    assert data["counts"] == {"pending": 2, "unknown": 1}  # (finished ones not counted)
+    assert data["lapsed_leases"] == 1
+    assert 119 <= data["oldest_unresolved_age_seconds"] < 200
+    assert "outbox" not in data  # (its counts read it whole)
+    text = cli("stats", "--unresolved", dsn=db_dsn).stdout.splitlines()
+    assert [line.split()[:2] for line in text] == [
+        ["pending", "2"],
+        ["unknown", "1"],
+        ["lapsed", "leases"],
+    ]
     listed = cli("list", "--json", dsn=db_dsn)
     rows = [json.loads(line) for line in listed.stdout.splitlines()]
     assert [r["key"] for r in rows] == ["u1", "p1", "p2"]  # oldest first
@@ -321,6 +336,53 @@ def test_unreachable_database_exits_1() -> None:
     result = cli("stats", dsn="postgresql://nobody@127.0.0.1:9/none")
     assert result.returncode == 1
     assert result.stderr.startswith("idem-middleware:")
+
+
+RECORD_ARGS = ("--tenant", "t", "--operation", "POST /payouts", "--key", "k")
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ("migrate",),
+        ("migrate", "--check"),
+        ("purge",),
+        ("stats",),
+        ("list",),
+        ("show", *RECORD_ARGS),
+        ("reopen", *RECORD_ARGS, "--note", "n"),
+        ("outbox", "list"),
+    ],
+)
+@pytest.mark.parametrize(
+    "dsn",
+    [
+        "postgresql://nobody:pw-secret@127.0.0.1:9/none",  # nothing listens
+        "postgresql://nobody:pw-secret@/none?host=/nonexistent-dir&password=pw-secret",
+    ],
+)
+def test_every_command_that_cannot_connect_says_so_alike(
+    command: tuple[str, ...], dsn: str
+) -> None:
+    """One line, the same for every command, naming the DSN tried without its password.
+    `migrate` said only "idem-middleware: [Errno 2] No such file or directory" (it connects
+    without the store), and no command named what it tried."""
+    result = cli(*command, dsn=dsn)
+    assert result.returncode == 1, result.stderr
+    shown = dsn.replace(":pw-secret@", "@").replace("password=pw-secret", "password=***")
+    assert result.stderr.startswith(f"idem-middleware: cannot connect to {shown}: "), result.stderr
+    assert result.stderr.count("\n") == 1
+    assert "pw-secret" not in result.stderr + result.stdout
+
+
+async def test_a_database_that_does_not_exist_cannot_be_connected_to(db_dsn: str) -> None:
+    missing = db_dsn.replace("/idem_test", "/idem_no_such_database")
+    for command in (("migrate",), ("stats",)):
+        result = cli(*command, dsn=missing)
+        assert result.returncode == 1
+        shown = missing.replace(":@", "@")  # (no password: the empty one is left out too)
+        assert result.stderr.startswith(f"idem-middleware: cannot connect to {shown}: ")
+        assert 'database "idem_no_such_database" does not exist' in result.stderr
 
 
 def test_help_names_the_environment_variables() -> None:

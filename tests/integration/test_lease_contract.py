@@ -423,3 +423,38 @@ async def test_contract_list_records_by_state_tenant_operation_and_staleness(
     assert names(done) == ["done"]
     assert done[0].response_status == 201
     assert done[0].expires_at is not None
+
+
+async def test_contract_stats_full_and_unresolved_only(harness: Harness) -> None:
+    """Both stores count alike: every record, or pending and unknown ones alone (what the
+    Prometheus gauges are fed from by default), with the pending records whose lease lapsed (not
+    one released for a retry: it has no lease) and the oldest of each state."""
+    store = harness.store
+    await claim_lease(harness, "live", lease=3600.0)  # (live once the clock moves a minute)
+    await claim_lease(harness, "lapsed")
+    await harness.lapse(rkey("lapsed"))
+    g_unknown = await claim_lease(harness, "unknown")
+    assert await store.settle(rkey("unknown"), g_unknown, State.PENDING, Settlement(State.UNKNOWN))
+    g_retry = await claim_lease(harness, "retry")
+    assert await store.settle(rkey("retry"), g_retry, State.PENDING, Settlement(State.UNKNOWN))
+    assert await store.allow_retry(rkey("retry"), g_retry, "operator")
+    for name in ("done-1", "done-2"):
+        assert await store.settle(rkey(name), await claim_lease(harness, name), State.PENDING, DONE)
+    await harness.age(60.0)  # (the memory store's clock: its leases age too)
+
+    full = await store.stats()
+    assert full.counts == {"pending": 3, "succeeded": 2, "failed_final": 0, "unknown": 1}
+    assert full.lapsed_leases == 1
+    assert full.oldest_age_seconds["failed_final"] is None
+    cheap = await store.stats(unresolved_only=True)
+    assert cheap.counts == {"pending": 3, "unknown": 1}
+    assert cheap.lapsed_leases == 1
+    assert set(cheap.oldest_age_seconds) == {"pending", "unknown"}
+    for stats in (full, cheap):
+        for state in ("pending", "unknown"):
+            age = stats.oldest_age_seconds[state]
+            assert age is not None
+            assert 60.0 <= age < 120.0, (state, age)
+        assert stats.oldest_unresolved_age_seconds == max(
+            age for state in ("pending", "unknown") if (age := stats.oldest_age_seconds[state])
+        )

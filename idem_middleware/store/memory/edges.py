@@ -4,16 +4,18 @@ listing, amendments and purge."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from datetime import UTC, datetime
 
 from ...errors import StatementRefused
 from ..base import (
+    UNRESOLVED_STATES,
     RecordKey,
     RecordSummary,
     Settlement,
     State,
+    StoreStats,
     TokenRow,
     check_purge_limits,
 )
@@ -110,7 +112,32 @@ class OffPathOperations(MemoryTables):
         found.sort(key=lambda r: r.updated_at)
         return found[:limit]
 
-    async def purge(self, *, batch_size: int = 1000, max_batches: int = 1000) -> int:
+    async def stats(self, *, unresolved_only: bool = False) -> StoreStats:
+        """As the PostgreSQL store counts: every row (expired ones not yet purged too), or the
+        pending and unknown ones alone."""
+        now = self.clock()
+        states = UNRESOLVED_STATES if unresolved_only else tuple(State)
+        counts = {state.value: 0 for state in states}
+        oldest: dict[str, float | None] = {state.value: None for state in states}
+        lapsed = 0
+        for _, row in self._rows.items():
+            if row.state not in states:
+                continue
+            counts[row.state.value] += 1
+            age = now - row.updated_at
+            seen = oldest[row.state.value]
+            oldest[row.state.value] = age if seen is None else max(seen, age)
+            if row.lease_expires_at is not None and row.lease_expires_at <= now:
+                lapsed += 1  # (only a pending record has a lease)
+        return StoreStats(counts=counts, oldest_age_seconds=oldest, lapsed_leases=lapsed)
+
+    async def purge(
+        self,
+        *,
+        batch_size: int = 1000,
+        max_batches: int = 1000,
+        progress: Callable[[int], None] | None = None,
+    ) -> int:
         check_purge_limits(batch_size, max_batches)
         now = self.clock()
         doomed = [
@@ -126,6 +153,8 @@ class OffPathOperations(MemoryTables):
                 del self._tokens[token]
                 if found.intent_id is not None:
                     del self._intents[(token[0], found.operation, found.intent_id)]
+        if progress is not None:
+            progress(len(doomed))
         return len(doomed)
 
 

@@ -10,13 +10,14 @@ are that transaction's, and are left to the caller as asyncpg raised them.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
 from ...errors import EventConflict, StoreError
 from ..base import (
+    UNRESOLVED_STATES,
     RecordKey,
     RecordSummary,
     Settlement,
@@ -218,36 +219,58 @@ class OffPathStatements(PoolStatements):
         row = await self._run("fetchrow", _Q["describe"], key.tenant, key.operation, key.key)
         return None if row is None else _summary(row)
 
-    async def purge(self, *, batch_size: int = 1000, max_batches: int = 1000) -> int:
+    async def purge(
+        self,
+        *,
+        batch_size: int = 1000,
+        max_batches: int = 1000,
+        progress: Callable[[int], None] | None = None,
+    ) -> int:
         """Delete finished records past their retention, one short transaction per batch, and
         then expired one-time tokens and waits left behind by dead processes the same way.
 
-        Never touches pending or unknown records. Returns how many records were deleted.
+        Never touches pending or unknown records. Returns how many records were deleted;
+        `progress` is called with the count so far after each batch of records commits, so a
+        caller that the database fails partway (StoreError) still knows what was done.
         """
         check_purge_limits(batch_size, max_batches)
-        deleted = await self._purge_batches(_Q["purge_batch"], batch_size, max_batches)
+        deleted = await self._purge_batches(_Q["purge_batch"], batch_size, max_batches, progress)
         await self._purge_batches(_Q["purge_tokens"], batch_size, max_batches)
         await self._purge_batches(_Q["purge_waiters"], batch_size, max_batches)
         return deleted
 
-    async def _purge_batches(self, query: str, batch_size: int, max_batches: int) -> int:
+    async def _purge_batches(
+        self,
+        query: str,
+        batch_size: int,
+        max_batches: int,
+        progress: Callable[[int], None] | None = None,
+    ) -> int:
         deleted = 0
         for _ in range(max_batches):
             status = await self._run("execute", query, batch_size)
             count = int(status.rsplit(" ", 1)[-1])
             deleted += count
+            if progress is not None:
+                progress(deleted)
             if count < batch_size:
                 break
         return deleted
 
-    async def stats(self) -> StoreStats:
+    async def stats(self, *, unresolved_only: bool = False) -> StoreStats:
+        """Counts per state. The full count reads the whole table (a parallel scan: 0.45 s on 2
+        million records, and proportional beyond); `unresolved_only` counts pending and unknown
+        records from their partial index, milliseconds whatever the table's size."""
+        query = _Q["stats_unresolved" if unresolved_only else "stats"]
         try:
-            rows = await self.pool.fetch(_Q["stats"])
+            rows = await self.pool.fetch(query)
         except ACQUIRE_ERRORS as exc:
             raise StoreError(str(exc)) from exc
-        counts = {state.value: 0 for state in State}
-        oldest: dict[str, float | None] = {state.value: None for state in State}
+        states = UNRESOLVED_STATES if unresolved_only else tuple(State)
+        counts = {state.value: 0 for state in states}
+        oldest: dict[str, float | None] = {state.value: None for state in states}
         for row in rows:
             counts[row["state"]] = row["count"]
             oldest[row["state"]] = row["oldest_age_seconds"]
-        return StoreStats(counts=counts, oldest_age_seconds=oldest)
+        lapsed = sum(row["lapsed"] for row in rows if row["state"] == State.PENDING.value)
+        return StoreStats(counts=counts, oldest_age_seconds=oldest, lapsed_leases=lapsed)

@@ -1,0 +1,120 @@
+"""What the command line's options take (cli.py builds the parser): type functions that check a
+value, each message naming the environment variable it came from, and defaults read from the
+environment."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from .errors import ConfigurationError
+from .policy import seconds_option
+
+
+def env_default(name: str, fallback: str | None = None) -> str | None:
+    return os.environ.get(name, fallback)
+
+
+class _FromEnv(str):
+    """An option's default read from an environment variable, still text.
+
+    argparse converts a text default with the option's `type` only when the option is not
+    given, and turns a failure into a usage error (exit 2). A type function names the variable
+    when the text came from one.
+    """
+
+    env: str
+
+    def __new__(cls, text: str, env: str) -> _FromEnv:
+        self = super().__new__(cls, text)
+        self.env = env
+        return self
+
+
+def env_typed(name: str, fallback: object) -> object:
+    """The default of an option with a `type`: the variable's text if it is set (not empty),
+    converted and checked by argparse when the option is not given; else `fallback`."""
+    text = os.environ.get(name, "")
+    return _FromEnv(text, name) if text.strip() else fallback
+
+
+def _shown(text: str) -> str:
+    """The argument in a type function's message: where it came from, if from the environment."""
+    return f"{text!r} (from {text.env})" if isinstance(text, _FromEnv) else repr(text)
+
+
+_FLAG_ON = frozenset({"1", "true", "yes", "on"})
+_FLAG_OFF = frozenset({"", "0", "false", "no", "off"})
+
+
+def env_flag(name: str) -> bool | _FromEnv:
+    """On or off, as the kill switch reads its variable; anything else is kept (a _FromEnv)
+    for `main` to refuse, so that `--help` still works whatever the variable holds."""
+    value = os.environ.get(name, "").strip().lower()
+    if value in _FLAG_ON or value in _FLAG_OFF:
+        return value in _FLAG_ON
+    return _FromEnv(value, name)
+
+
+def checked_flag(parser: argparse.ArgumentParser, value: object) -> bool:
+    if isinstance(value, _FromEnv):  # (before: IDEM_JSON=on printed text for a JSON reader)
+        parser.error(
+            f"{value.env}={str(value)!r} is neither on (1, true, yes, on) nor off (0, false, "
+            "no, off, or empty)"
+        )
+    return bool(value)
+
+
+#: The largest count an option takes: the database's counters are 32-bit integers.
+_MAX_COUNT = 2**31 - 1
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{_shown(text)} is not a whole number") from None
+    if not 1 <= value <= _MAX_COUNT:
+        raise argparse.ArgumentTypeError(f"{_shown(text)} must be from 1 to {_MAX_COUNT}")
+    return value
+
+
+def _seconds(text: str, *, zero: bool) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{_shown(text)} is not a number of seconds") from None
+    try:
+        return seconds_option(value, "it", positive=not zero)  # (a Policy's duration rule)
+    except ConfigurationError as exc:
+        raise argparse.ArgumentTypeError(f"{_shown(text)}: {exc}") from None
+
+
+def positive_seconds(text: str) -> float:
+    """Seconds, finite and > 0 (a bound, or a pause: 0 would be a busy loop)."""
+    return _seconds(text, zero=False)
+
+
+def margin_seconds(text: str) -> float:
+    """Seconds, finite and >= 0."""
+    return _seconds(text, zero=True)
+
+
+def utf8_text(text: str) -> str:
+    """Text the database can hold: bytes that are not UTF-8 (which Python reads from the command
+    line as lone surrogates) or a NUL would fail as a driver's error, exit 1, after connecting."""
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        raw = text.encode(errors="surrogateescape")
+        raise argparse.ArgumentTypeError(f"{raw!r} is not UTF-8 text") from None
+    if "\0" in text:
+        raise argparse.ArgumentTypeError(f"{_shown(text)} holds a NUL character") from None
+    return text
+
+
+def audit_note(text: str) -> str:
+    text = utf8_text(text)
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an audit note is required (it goes into the audit trail)")
+    return text
