@@ -261,7 +261,7 @@ class OffPathStatements(PoolStatements):
         """Counts per state. The full count reads the whole table (a parallel scan: 0.45 s on 2
         million records, and proportional beyond); `unresolved_only` counts pending and unknown
         records from their partial index, milliseconds whatever the table's size."""
-        query = _Q["stats_unresolved" if unresolved_only else "stats"]
+        query = _Q["stats_unresolved"] if unresolved_only else _Q["stats"]
         try:
             rows = await self.pool.fetch(query)
         except ACQUIRE_ERRORS as exc:
