@@ -9,9 +9,11 @@ tests that uses the database then runs once per route (see `pytest_generate_test
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import tempfile
+import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -25,6 +27,7 @@ from idem_middleware.store.postgres import PostgresStore
 from tests.contract import HARNESS_CASES
 from tests.contract import harness as harness  # the contract suites' fixture
 from tests.pgbouncer import PgBouncer, binary
+from tests.restarts import OwnServer
 
 BUSINESS_SCHEMA = """
 CREATE TABLE IF NOT EXISTS test_accounts (
@@ -215,3 +218,27 @@ def store(request: pytest.FixtureRequest) -> MemoryStore | PostgresStore:
         return MemoryStore()
     pg: PostgresStore = request.getfixturevalue("pg_store")
     return pg
+
+
+@pytest.fixture(scope="module")
+def own_server() -> Iterator[OwnServer]:
+    """A server of the test module's own, which its tests stop and start (tests/restarts.py)."""
+    server = OwnServer()
+    try:
+        yield server
+    finally:
+        server.cleanup()
+
+
+@pytest.fixture
+async def own_dsn(own_server: OwnServer) -> str:
+    """A fresh migrated database on the module's server, started again if a test left it down."""
+    if not own_server.running:  # (a test that failed with the server down)
+        await asyncio.to_thread(own_server.start)
+    dsn = await _fresh_database(own_server.uri, f"idem_restart_{uuid.uuid4().hex[:8]}")
+    conn = await asyncpg.connect(dsn)
+    try:
+        await migrate(conn)
+    finally:
+        await conn.close()
+    return dsn

@@ -11,8 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 import asyncpg
@@ -26,34 +25,10 @@ from idem_middleware import Policy, PostgresStore, cli_commands, cli_reconcile, 
 from idem_middleware.policy import Mode
 from idem_middleware.reconcile import Happened, ReconcileContext, Reconciliation
 from idem_middleware.reconcile_batch import reconcile_unknown
-from idem_middleware.store.migrations import migrate
-from tests.conftest import _fresh_database
 from tests.restarts import OwnServer
 
 RECORDS = 50
 OPERATION = "POST /payouts"
-
-
-@pytest.fixture(scope="module")
-def own_server() -> Iterator[OwnServer]:
-    server = OwnServer()
-    try:
-        yield server
-    finally:
-        server.cleanup()
-
-
-@pytest.fixture
-async def own_dsn(own_server: OwnServer) -> str:
-    if not own_server.running:  # (a test that failed with the server down)
-        await asyncio.to_thread(own_server.start)
-    dsn = await _fresh_database(own_server.uri, f"idem_ops_{uuid.uuid4().hex[:8]}")
-    conn = await asyncpg.connect(dsn)
-    try:
-        await migrate(conn)
-    finally:
-        await conn.close()
-    return dsn
 
 
 @pytest.fixture

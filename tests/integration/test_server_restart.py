@@ -7,11 +7,8 @@ the pool. Each test drives the restart itself on a server of this module's own
 from __future__ import annotations
 
 import asyncio
-import uuid
-from collections.abc import Iterator
 from typing import Any
 
-import asyncpg
 import pytest
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -19,36 +16,12 @@ from starlette.responses import JSONResponse, Response
 from idem_middleware import Policy, PostgresStore, get_context
 from idem_middleware.policy import Mode
 from idem_middleware.store.base import RecordKey, State
-from idem_middleware.store.migrations import migrate
 from tests.apps import assert_replay_of, client, one_route_app
 from tests.apps.concurrency import wait_for_waiters
-from tests.conftest import _fresh_database
 from tests.restarts import OwnServer
 
 #: The most any condition is waited for (a bound, not a timing: each wait ends on its condition).
 BOUND = 30.0
-
-
-@pytest.fixture(scope="module")
-def own_server() -> Iterator[OwnServer]:
-    server = OwnServer()
-    try:
-        yield server
-    finally:
-        server.cleanup()
-
-
-@pytest.fixture
-async def own_dsn(own_server: OwnServer) -> str:
-    if not own_server.running:  # (a test that failed with the server down)
-        await asyncio.to_thread(own_server.start)
-    dsn = await _fresh_database(own_server.uri, f"idem_restart_{uuid.uuid4().hex[:8]}")
-    conn = await asyncpg.connect(dsn)
-    try:
-        await migrate(conn)
-    finally:
-        await conn.close()
-    return dsn
 
 
 async def until(predicate: Any, what: str) -> None:

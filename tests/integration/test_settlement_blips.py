@@ -7,12 +7,8 @@ loops.
 from __future__ import annotations
 
 import asyncio
-import uuid
-from collections.abc import Iterator
 from typing import Any
 
-import asyncpg
-import pytest
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -20,9 +16,7 @@ from idem_middleware import Policy, PostgresStore, get_context
 from idem_middleware.errors import StoreError
 from idem_middleware.policy import Mode
 from idem_middleware.store.base import RecordKey, Settlement, State
-from idem_middleware.store.migrations import migrate
 from tests.apps import assert_problem, assert_replay_of, client, one_route_app
-from tests.conftest import _fresh_database
 from tests.restarts import OwnServer
 
 #: The most any condition is waited for (a bound, not a timing: each wait ends on its condition).
@@ -32,28 +26,6 @@ KEY = RecordKey("tenant-a", "POST /charges", "blip")
 HEADERS = {"Idempotency-Key": "blip"}
 #: Long enough that a third of it (the settlement's time to try again) covers a restart.
 POLICY = Policy(mode=Mode.LEASE, lease_seconds=60.0, wait_seconds=0.3)
-
-
-@pytest.fixture(scope="module")
-def own_server() -> Iterator[OwnServer]:
-    server = OwnServer()
-    try:
-        yield server
-    finally:
-        server.cleanup()
-
-
-@pytest.fixture
-async def own_dsn(own_server: OwnServer) -> str:
-    if not own_server.running:  # (a test that failed with the server down)
-        await asyncio.to_thread(own_server.start)
-    dsn = await _fresh_database(own_server.uri, f"idem_blip_{uuid.uuid4().hex[:8]}")
-    conn = await asyncpg.connect(dsn)
-    try:
-        await migrate(conn)
-    finally:
-        await conn.close()
-    return dsn
 
 
 class SettleLog(PostgresStore):
