@@ -13,7 +13,7 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING, TypeGuard
 
-from .context import IdempotencyContext, key_digest
+from .context import IdempotencyContext
 from .errors import StatementRefused, StoreError
 from .observe import SETTLED_EVENTS
 from .outcomes import FINAL_STATE, Outcome, outcome_for_status
@@ -69,13 +69,9 @@ async def settle_again(
     except Exception:
         await execution._unresolved(context)
         raise
-    extra = {
-        "tenant": key.tenant,
-        "operation": key.operation,
-        "key_digest": key_digest(key.key),
-        "generation": generation,
-        "outcome": "settled-again" if settled else "stale",
-    }
+    from .lease_executor import log_extra  # (it imports this module)
+
+    extra = log_extra(key, generation, "settled-again" if settled else "stale")
     if settled:
         logger.info("a settlement that failed on a blip was recorded on a later try", extra=extra)
         execution.ex.emit(SETTLED_EVENTS[outcome], generation)
