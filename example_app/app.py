@@ -17,6 +17,7 @@ from typing import Annotated, Any
 import asyncpg
 import httpx
 from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.authentication import AuthCredentials, AuthenticationBackend, SimpleUser
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -42,7 +43,9 @@ from .models import (
     CreditOut,
     PayoutIn,
     PayoutOut,
+    http_problem,
     problems,
+    validation_problem,
 )
 from .supervisor import stop_when_orphaned
 
@@ -275,18 +278,12 @@ def create_app(database_url: str | None = None) -> FastAPI:
     )
     app.add_middleware(AuthenticationMiddleware, backend=BearerTokens(tokens))
 
-    # (Starlette's HTTPException: the router's own 404 and 405 are problems too.)
-    @app.exception_handler(StarletteHTTPException)
-    async def problem(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        # The same RFC 9457 shape the middleware uses for its own refusals.
-        return JSONResponse(
-            {"type": "about:blank", "title": exc.detail, "status": exc.status_code},
-            status_code=exc.status_code,
-            media_type="application/problem+json",
-            headers=exc.headers,
-        )
+    # Every refusal is an RFC 9457 problem, in the shape the middleware uses for its own:
+    # Starlette's HTTPException (the router's own 404 and 405 too) and FastAPI's validation 422.
+    app.add_exception_handler(StarletteHTTPException, http_problem)
+    app.add_exception_handler(RequestValidationError, validation_problem)
 
-    @app.post("/accounts/{account_id}/credits", status_code=201)
+    @app.post("/accounts/{account_id}/credits", status_code=201, responses=problems(422))
     async def credit(
         account_id: AccountPath,
         body: CreditIn,
@@ -330,7 +327,10 @@ def create_app(database_url: str | None = None) -> FastAPI:
         )
 
     @app.post(
-        "/payouts", status_code=201, response_model=PayoutOut, responses=problems(402, 404, 502)
+        "/payouts",
+        status_code=201,
+        response_model=PayoutOut,
+        responses=problems(402, 404, 422, 502),
     )
     @idempotent(
         mode=Mode.LEASE,
@@ -367,7 +367,7 @@ def create_app(database_url: str | None = None) -> FastAPI:
             )
         return await debit(conn, tenant, body.account_id, body.amount, transfer)
 
-    @app.get("/accounts/{account_id}", responses=problems(401, 404, 503))
+    @app.get("/accounts/{account_id}", responses=problems(401, 404, 422, 503))
     async def account(account_id: AccountPath, tenant: Tenant) -> AccountOut:
         try:
             row: Any = await store.pool.fetchrow(

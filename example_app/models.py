@@ -4,8 +4,11 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import Path
+from fastapi import Path, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field, field_validator
+from starlette.exceptions import HTTPException
 
 # What the tables can keep: PostgreSQL text holds no NUL, a key of the accounts' index must stay
 # well under its 2,704-byte limit, and amounts and balances are bigint. Anything else is a 422,
@@ -59,12 +62,41 @@ class Problem(BaseModel):
     status: int
 
 
+class FieldError(BaseModel):
+    loc: list[str | int]
+    msg: str
+    type: str
+
+
+class ValidationProblem(Problem):
+    """A 422: from the request's validation, what is wrong field by field (`errors`); from the
+    handler (a balance past the largest kept), a problem without them."""
+
+    errors: list[FieldError] = Field(default_factory=list)
+
+
+def _inlined(schema: Any, defs: dict[str, Any] | None = None) -> Any:
+    """A model's JSON schema with its `$defs` written in place: a `#/$defs/...` reference would
+    point at the root of the OpenAPI document, which has none."""
+    if defs is None and isinstance(schema, dict):
+        defs = schema.get("$defs", {})
+    if isinstance(schema, dict):
+        ref = schema.get("$ref", "")
+        if ref.startswith("#/$defs/"):
+            return _inlined(defs[ref.removeprefix("#/$defs/")] if defs else {}, defs)
+        return {k: _inlined(v, defs) for k, v in schema.items() if k != "$defs"}
+    if isinstance(schema, list):
+        return [_inlined(v, defs) for v in schema]
+    return schema
+
+
 def problems(*statuses: int) -> dict[int | str, dict[str, Any]]:
     """Document the app's own error responses, so the OpenAPI schema matches what it sends: only
     application/problem+json (a `model` would be documented as the route's application/json)."""
-    schema = Problem.model_json_schema()
     documented: dict[int | str, dict[str, Any]] = {}
     for status in statuses:
+        model = ValidationProblem if status == 422 else Problem
+        schema = _inlined(model.model_json_schema())
         documented[status] = {"content": {"application/problem+json": {"schema": schema}}}
         if status == 503:  # (the database is away: see `account`)
             documented[status]["headers"] = {"Retry-After": {"schema": {"type": "integer"}}}
@@ -75,3 +107,34 @@ class AccountOut(BaseModel):
     account_id: str
     balance: int
     credits: int
+
+
+def http_problem(request: Request, exc: Exception) -> JSONResponse:
+    """An HTTPException (the app's own, or the router's 404 and 405) as a problem document."""
+    assert isinstance(exc, HTTPException)
+    return JSONResponse(
+        {"type": "about:blank", "title": exc.detail, "status": exc.status_code},
+        status_code=exc.status_code,
+        media_type="application/problem+json",
+        headers=exc.headers,
+    )
+
+
+def validation_problem(request: Request, exc: Exception) -> JSONResponse:
+    """FastAPI's validation error as a 422 problem document. Each error names where it is, what
+    is wrong and its kind; the value the client sent is not echoed back (it may be personal)."""
+    assert isinstance(exc, RequestValidationError)
+    errors = [
+        {"loc": list(error["loc"]), "msg": error["msg"], "type": error["type"]}
+        for error in exc.errors()
+    ]
+    return JSONResponse(
+        {
+            "type": "about:blank",
+            "title": "the request is not valid",
+            "status": 422,
+            "errors": errors,
+        },
+        status_code=422,
+        media_type="application/problem+json",
+    )

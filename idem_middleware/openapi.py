@@ -19,6 +19,7 @@ from .responses import DEFAULT_PROBLEM_BASE, problem_status, problem_title
 PROBLEM_SCHEMA = "IdempotencyProblem"
 _PROBLEM_REF = {"$ref": f"#/components/schemas/{PROBLEM_SCHEMA}"}
 
+_PROBLEM_TYPE = "application/problem+json"
 _PROBLEM_DETAILS = {
     "title": "ProblemDetails",
     "description": "An RFC 9457 problem. `type` is stable per kind of refusal.",
@@ -163,7 +164,7 @@ def _problem_response(kinds: list[ProblemKind], base: str) -> dict[str, Any]:
     described = "; ".join(f"`{base}{k.value}`: {problem_title(k)}" for k in kinds)
     return {
         "description": described,
-        "content": {"application/problem+json": {"schema": copy.deepcopy(_PROBLEM_REF)}},
+        "content": {_PROBLEM_TYPE: {"schema": copy.deepcopy(_PROBLEM_REF)}},
     }
 
 
@@ -203,9 +204,15 @@ def document_openapi(
         for status, kinds in _problems(op.policy, mw).items():
             problem = _problem_response(kinds, problem_base)
             if status in responses:
-                # Keep what the app documents (FastAPI's validation 422) and add the problem.
+                # Keep what the app documents (FastAPI's validation 422, or a problem of the
+                # app's own at this status: then either shape) and add the problem.
                 existing = responses[status]
-                existing.setdefault("content", {}).update(problem["content"])
+                content = existing.setdefault("content", {})
+                own = content.get(_PROBLEM_TYPE, {}).get("schema")
+                content.update(problem["content"])
+                if own is not None and own != _PROBLEM_REF:
+                    either = {"anyOf": [own, copy.deepcopy(_PROBLEM_REF)]}
+                    content[_PROBLEM_TYPE] = {"schema": either}
                 existing["description"] = (
                     f"{existing.get('description', '')} / {problem['description']}"
                 )

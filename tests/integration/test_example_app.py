@@ -118,8 +118,16 @@ async def test_bad_requests_are_refused_and_not_stored(http: httpx.AsyncClient) 
     assert bad.status_code == 400
     assert bad.json()["type"].endswith("invalid-key")
     h = {**A, **key()}
-    invalid = await http.post("/accounts/acc-x/credits", json={"amount": -1}, headers=h)
+    invalid = await http.post(
+        "/accounts/acc-x/credits", json={"amount": -1, "memo": "private"}, headers=h
+    )
     assert invalid.status_code == 422  # the app's validation error: not stored, key released
+    # A problem document, as every other refusal, naming the field, never echoing the value.
+    assert invalid.headers["content-type"] == "application/problem+json"
+    problem = invalid.json()
+    assert (problem["status"], problem["title"]) == (422, "the request is not valid")
+    assert [e["loc"] for e in problem["errors"]] == [["body", "amount"]]
+    assert "-1" not in invalid.text
     fixed = await http.post("/accounts/acc-x/credits", json={"amount": 1}, headers=h)
     assert fixed.status_code == 201
     assert "idempotent-replayed" not in fixed.headers

@@ -54,8 +54,10 @@ def test_guarded_operations_document_header_and_problems(
     assert "1 day" in header["description"]  # the retention window
     responses = operation["responses"]
     ref = {"$ref": f"#/components/schemas/{PROBLEM_SCHEMA}"}
-    for status in ("400", "409", "422"):
+    for status in ("400", "409"):
         assert responses[status]["content"]["application/problem+json"]["schema"] == ref
+    # (422: the app documents its validation problem there too; either, see below.)
+    assert ref in responses["422"]["content"]["application/problem+json"]["schema"]["anyOf"]
     assert "Retry-After" in responses["409"]["headers"]
     assert "Idempotent-Replayed" in responses["201"]["headers"]
     assert "202" not in responses  # the example's routes answer 409, not 202
@@ -386,3 +388,26 @@ def test_the_example_documents_its_own_problems_as_it_sends_them(schema: dict[st
         "Retry-After"
         in schema["paths"]["/accounts/{account_id}"]["get"]["responses"]["503"]["headers"]
     )
+
+
+def test_the_examples_validation_422_is_documented_as_the_problem_it_sends(
+    schema: dict[str, Any],
+) -> None:
+    """FastAPI documented (and sent) its validation 422 as application/json `{"detail": ...}`;
+    the example sends a problem with `errors`, and where the middleware can also answer 422 (a
+    reused key) either problem is documented, the app's own schema kept."""
+    for path, method in [
+        ("/accounts/{account_id}/credits", "post"),
+        ("/payouts", "post"),
+        ("/accounts/{account_id}", "get"),
+    ]:
+        content = schema["paths"][path][method]["responses"]["422"]["content"]
+        assert list(content) == ["application/problem+json"], path
+        shape = content["application/problem+json"]["schema"]
+        shapes = shape.get("anyOf", [shape])
+        own = [s for s in shapes if "errors" in s.get("properties", {})]
+        assert len(own) == 1, (path, shape)
+        assert own[0]["properties"]["errors"]["items"]["required"] == ["loc", "msg", "type"]
+        assert "$defs" not in json.dumps(shape), path  # (written in place: no dangling refs)
+        guarded = method == "post"
+        assert ({"$ref": f"#/components/schemas/{PROBLEM_SCHEMA}"} in shapes) == guarded, path
