@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import re
 import uuid
@@ -198,9 +199,10 @@ class Publisher:
         """How long a reserved event is left to this publisher: a send is cut off well before."""
         return self.send_timeout_seconds + self.reservation_margin_seconds
 
-    async def publish_batch(self) -> PublishReport:
+    async def publish_batch(self, *, stop: asyncio.Event | None = None) -> PublishReport:
         """Send up to `batch_size` due events, one at a time: reserve (the attempt counted, in a
         statement of its own), send, record the result. No transaction is open during a send.
+        Once `stop` is set, no further event is reserved: the batch ends after the current send.
 
         If this process dies mid-send, the event stays reserved until its reservation lapses,
         then any publisher sends it again; an event no publisher ever finishes sending is parked
@@ -209,6 +211,8 @@ class Publisher:
         report = PublishReport()
         async with self._store.outbox_connection() as conn:
             for _ in range(self.batch_size):
+                if stop is not None and stop.is_set():
+                    break  # (else a stopped publisher sent up to `batch_size` slow events more)
                 reserved = await conn.reserve(self.reservation_seconds, self.max_attempts)
                 if reserved is None:
                     break
@@ -222,13 +226,17 @@ class Publisher:
                     )
                     continue
                 event = OutboxEvent(
-                    reserved.event_id,
-                    reserved.tenant,
-                    reserved.topic,
-                    orjson.loads(reserved.payload),
-                    attempt - 1,  # the attempts before this one
-                )
-                error = await self._send(event)
+                    reserved.event_id, reserved.tenant, reserved.topic, None, attempt - 1
+                )  # (attempts: those before this one)
+                try:
+                    event = dataclasses.replace(event, payload=orjson.loads(reserved.payload))
+                except orjson.JSONDecodeError as exc:
+                    # A row not written by `add` (SQL, a trigger) with a number no float holds
+                    # (1e400): a failed send, backed off and parked with this error. Raised, it
+                    # ended every batch that reserved it, the events after it unsent.
+                    error: str | None = f"the payload cannot be decoded: {exc}"
+                else:
+                    error = await self._send(event)
                 if error is None:
                     if await self._mark(conn, event, None, attempt):
                         report.sent += 1
@@ -302,15 +310,19 @@ class Publisher:
         while not stop.is_set() and (batches is None or done < batches):
             done += 1
             try:
-                report = await self.publish_batch()
+                report = await self.publish_batch(stop=stop)
             except Exception:
                 # The database went away (a restart, a failover): an event being sent stays
                 # reserved and is sent again once that lapses. Keep going, backing off while the
-                # database stays down.
+                # database stays down: from `idle_seconds` at least, doubling, whatever the
+                # events' backoff (at 0 this was a loop logging a traceback per refused connect).
                 failures += 1
                 logger.warning("outbox batch failed; retrying", exc_info=True)
+                delay = max(
+                    self.backoff(min(failures, 6)), idle_seconds * 2 ** min(failures - 1, 6)
+                )
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), self.backoff(min(failures, 6)))
+                    await asyncio.wait_for(stop.wait(), delay)
                 continue
             failures = 0
             total.sent += report.sent

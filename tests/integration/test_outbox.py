@@ -370,18 +370,71 @@ async def test_the_publisher_survives_a_database_outage(pool: Any) -> None:
     real = publisher.publish_batch
     calls = 0
 
-    async def flaky() -> Any:
+    async def flaky(**options: Any) -> Any:
         nonlocal calls
         calls += 1
         if calls <= 2:
             raise ConnectionError("the database restarted")
-        return await real()
+        return await real(**options)
 
     publisher.publish_batch = flaky  # type: ignore[method-assign]
     report = await asyncio.wait_for(publisher.run(batches=3, idle_seconds=0.01), 10)
     assert calls == 3
     assert report.sent == 1
     assert len(sent) == 1
+
+
+async def test_a_stopped_publisher_reserves_no_further_event(pool: Any) -> None:
+    """`stop` set during a send ends the batch after that send: the other due events stay
+    unreserved, their attempts uncounted. The batch went on to `batch_size` events (50 sends of
+    up to 10 s each after a SIGTERM to `outbox publish`)."""
+    async with pool.acquire() as conn:
+        for i in range(5):
+            await add(conn, "t", {"i": i})
+    stop = asyncio.Event()
+    sent: list[Any] = []
+
+    async def stopping(event: OutboxEvent) -> bool:
+        sent.append(event.payload)
+        stop.set()  # (SIGTERM arrives while this event is being sent)
+        return True
+
+    report = await asyncio.wait_for(Publisher(pool, stopping).run(stop=stop), 30)
+    assert (report.sent, len(sent)) == (1, 1)
+    counts = await pool.fetchrow(
+        "SELECT count(*) FILTER (WHERE sent_at IS NULL AND attempts = 0) AS untouched,"
+        " count(*) FILTER (WHERE sent_at IS NOT NULL) AS sent FROM idem_outbox"
+    )
+    assert dict(counts) == {"untouched": 4, "sent": 1}
+
+
+async def test_an_event_whose_payload_cannot_be_decoded_fails_alone(pool: Any) -> None:
+    """A row not written by `add` (a trigger, hand-written SQL) whose number no float holds:
+    its send fails with an error saying so, backs off and is parked in the end, and the events
+    after it in the batch are sent. orjson's error ended the batch, nothing sent while it was
+    first in line, and it was parked as one "no publisher finished sending"."""
+    await pool.execute(
+        "INSERT INTO idem_outbox (event_id, topic, payload, next_attempt_at)"
+        " VALUES ('huge', 't', '{\"n\": 1e400}', now() - interval '1 hour')"
+    )
+    async with pool.acquire() as conn:
+        for i in range(3):
+            await add(conn, "t", {"i": i})
+    sent: list[Any] = []
+
+    async def sender(event: OutboxEvent) -> bool:
+        sent.append(event.payload)
+        return True
+
+    publisher = Publisher(pool, sender, max_attempts=1)
+    report = await publisher.publish_batch()
+    assert (report.sent, report.failed, report.parked) == (3, 1, 1)
+    assert sorted(p["i"] for p in sent) == [0, 1, 2]
+    row = await pool.fetchrow(
+        "SELECT parked_at, last_error FROM idem_outbox WHERE event_id = 'huge'"
+    )
+    assert row["parked_at"] is not None
+    assert row["last_error"].startswith("the payload cannot be decoded")
 
 
 async def test_the_outbox_tools_raise_the_librarys_errors(db_dsn: str, pool: Any) -> None:

@@ -7,6 +7,8 @@ the pool. Each test drives the restart itself on a server of this module's own
 from __future__ import annotations
 
 import asyncio
+import itertools
+import logging
 from typing import Any
 
 import pytest
@@ -14,6 +16,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from idem_middleware import Policy, PostgresStore, get_context
+from idem_middleware.outbox import OutboxEvent, Publisher, add
 from idem_middleware.policy import Mode
 from idem_middleware.store.base import RecordKey, State
 from tests.apps import assert_replay_of, client, one_route_app
@@ -155,3 +158,44 @@ async def test_a_burst_right_after_a_restart_is_served(
             await asyncio.to_thread(own_server.stop)
             await asyncio.to_thread(own_server.start)
             assert await burst("after") == [201] * 6
+
+
+async def test_an_outbox_publisher_backs_off_while_the_server_is_down_then_resumes(
+    own_server: OwnServer, own_dsn: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A running publisher whose server stops: each failed batch is logged, then waited after,
+    from `idle_seconds` doubling, and the same publisher sends again once the server is back.
+    With `base_backoff_seconds=0` (events retried at once) it retried at once too: a tight loop
+    logging a traceback per refused connection (some 1,000 a second)."""
+    caplog.set_level(logging.WARNING, "idem_middleware.outbox")
+    sent: list[Any] = []
+
+    async def sender(event: OutboxEvent) -> bool:
+        sent.append(event.payload)
+        return True
+
+    def failed() -> list[logging.LogRecord]:
+        return [r for r in caplog.records if r.getMessage() == "outbox batch failed; retrying"]
+
+    async with PostgresStore(dsn=own_dsn, min_size=1, max_size=2, listen=False) as store:
+        async with store.pool.acquire() as conn:
+            await add(conn, "t", {"n": 1})
+        stop = asyncio.Event()
+        publisher = Publisher(store, sender, base_backoff_seconds=0.0)
+        running = asyncio.create_task(publisher.run(stop=stop, idle_seconds=0.05))
+        try:
+            await until(lambda: sent, "the first event sent")
+            await asyncio.to_thread(own_server.stop)
+            await until(lambda: len(failed()) >= 4, "four failed batches")
+            await asyncio.to_thread(own_server.start)
+            async with store.pool.acquire() as conn:
+                await add(conn, "t", {"n": 2})
+            await until(lambda: len(sent) == 2, "the event added after the restart sent")
+        finally:
+            stop.set()
+            await asyncio.wait_for(running, BOUND)
+    assert sent == [{"n": 1}, {"n": 2}]
+    times = [r.created for r in failed()[:4]]
+    gaps = [later - earlier for earlier, later in itertools.pairwise(times)]
+    # (Lower bounds only: each wait is at least its backoff; 0.9 for the log's wall clock.)
+    assert all(gap >= 0.9 * 0.05 * 2**i for i, gap in enumerate(gaps)), gaps
