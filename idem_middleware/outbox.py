@@ -33,7 +33,7 @@ from .jsonvalues import json_text
 from .keys import MAX_KEY_LENGTH
 from .policy import seconds_option
 from .store.postgres import PostgresStore
-from .store.postgres.edges import OutboxConnection, add_event, record_consumed
+from .store.postgres.edges import add_event, record_consumed
 
 logger = logging.getLogger("idem_middleware.outbox")
 
@@ -201,7 +201,7 @@ class Publisher:
 
     async def publish_batch(self, *, stop: asyncio.Event | None = None) -> PublishReport:
         """Send up to `batch_size` due events, one at a time: reserve (the attempt counted, in a
-        statement of its own), send, record the result. No transaction is open during a send.
+        statement of its own), send, record the result. No connection is held during a send.
         Once `stop` is set, no further event is reserved: the batch ends after the current send.
 
         If this process dies mid-send, the event stays reserved until its reservation lapses,
@@ -209,67 +209,69 @@ class Publisher:
         after `max_attempts` attempts like one that keeps failing.
         """
         report = PublishReport()
-        async with self._store.outbox_connection() as conn:
-            for _ in range(self.batch_size):
-                if stop is not None and stop.is_set():
-                    break  # (else a stopped publisher sent up to `batch_size` slow events more)
+        outbox = self._store.outbox_connection
+        for _ in range(self.batch_size):
+            if stop is not None and stop.is_set():
+                break  # (else a stopped publisher sent up to `batch_size` slow events more)
+            # A pooled connection per statement, none during the send: a slow receiver held one
+            # of the app's connections for the whole batch (up to batch_size sends).
+            async with outbox() as conn:
                 reserved = await conn.reserve(self.reservation_seconds, self.max_attempts)
-                if reserved is None:
-                    break
-                attempt = reserved.attempts
-                if reserved.parked:
-                    report.parked += 1
-                    logger.warning(
-                        "outbox event parked: no publisher finished sending it in %d attempts",
-                        attempt,
-                        extra={"event_id": reserved.event_id, "topic": reserved.topic},
-                    )
-                    continue
-                event = OutboxEvent(
-                    reserved.event_id, reserved.tenant, reserved.topic, None, attempt - 1
-                )  # (attempts: those before this one)
-                try:
-                    event = dataclasses.replace(event, payload=orjson.loads(reserved.payload))
-                except orjson.JSONDecodeError as exc:
-                    # A row not written by `add` (SQL, a trigger) with a number no float holds
-                    # (1e400): a failed send, backed off and parked with this error. Raised, it
-                    # ended every batch that reserved it, the events after it unsent.
-                    error: str | None = f"the payload cannot be decoded: {exc}"
-                else:
-                    error = await self._send(event)
-                if error is None:
-                    if await self._mark(conn, event, None, attempt):
-                        report.sent += 1
-                    continue
-                report.failed += 1
-                if attempt >= self.max_attempts:
-                    report.parked += 1
-                    logger.warning(
-                        "outbox event parked after %d attempts",
-                        attempt,
-                        extra={"event_id": event.event_id, "topic": event.topic},
-                    )
-                await self._mark(conn, event, error, attempt)
+            if reserved is None:
+                break
+            attempt = reserved.attempts
+            if reserved.parked:
+                report.parked += 1
+                logger.warning(
+                    "outbox event parked: no publisher finished sending it in %d attempts",
+                    attempt,
+                    extra={"event_id": reserved.event_id, "topic": reserved.topic},
+                )
+                continue
+            event = OutboxEvent(
+                reserved.event_id, reserved.tenant, reserved.topic, None, attempt - 1
+            )  # (attempts: those before this one)
+            try:
+                event = dataclasses.replace(event, payload=orjson.loads(reserved.payload))
+            except orjson.JSONDecodeError as exc:
+                # A row not written by `add` (SQL, a trigger) with a number no float holds
+                # (1e400): a failed send, backed off and parked with this error. Raised, it
+                # ended every batch that reserved it, the events after it unsent.
+                error: str | None = f"the payload cannot be decoded: {exc}"
+            else:
+                error = await self._send(event)
+            if error is None:
+                if await self._mark(event, None, attempt):
+                    report.sent += 1
+                continue
+            report.failed += 1
+            if attempt >= self.max_attempts:
+                report.parked += 1
+                logger.warning(
+                    "outbox event parked after %d attempts",
+                    attempt,
+                    extra={"event_id": event.event_id, "topic": event.topic},
+                )
+            await self._mark(event, error, attempt)
         return report
 
-    async def _mark(
-        self, conn: OutboxConnection, event: OutboxEvent, error: str | None, attempt: int
-    ) -> bool:
+    async def _mark(self, event: OutboxEvent, error: str | None, attempt: int) -> bool:
         """Record a send's result: sent (`error` None), or failed. A statement the database
         refuses (a constraint, a trigger) is logged and ends nothing but this mark: the event
         stays reserved, and is sent again once its reservation lapses. A lost connection still
         ends the batch."""
         try:
-            if error is None:
-                await conn.mark_sent(event.event_id)
-            else:
-                await conn.mark_failed(
-                    event.event_id,
-                    error,
-                    self.backoff(event.attempts),
-                    self.max_attempts,
-                    attempt,
-                )
+            async with self._store.outbox_connection() as conn:
+                if error is None:
+                    await conn.mark_sent(event.event_id)
+                else:
+                    await conn.mark_failed(
+                        event.event_id,
+                        error,
+                        self.backoff(event.attempts),
+                        self.max_attempts,
+                        attempt,
+                    )
         except (StatementRefused, RetryableConflict):
             logger.error(
                 "recording an outbox send's result failed; it is sent again later",

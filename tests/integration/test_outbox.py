@@ -668,3 +668,26 @@ async def test_webhook_sender_says_which_event_ids_cannot_be_a_key_header(event_
     assert client.posts == []
     assert await send(OutboxEvent("credit:42", None, "t", 1, 1))
     assert client.posts[0]["headers"] == {"Idempotency-Key": "credit:42"}
+
+
+async def test_no_connection_is_held_while_a_receiver_takes_its_time(
+    pool: Any, db_target: tuple[str, dict[str, Any]]
+) -> None:
+    """A batch held one pooled connection from its first reservation to its last mark, through
+    every send: on an app's pool of one, nothing else could run while a receiver was slow. Each
+    statement now takes a connection of its own and gives it back before the send."""
+    async with pool.acquire() as conn:
+        for n in range(3):
+            await add(conn, "t", {"n": n})
+    dsn, options = db_target
+    async with asyncpg.create_pool(dsn, min_size=1, max_size=1, **options) as one:
+        reads: list[int] = []
+
+        async def reads_the_same_pool(event: OutboxEvent) -> bool:
+            # (The app's own work during a send: it needs the pool's only connection.)
+            async with one.acquire(timeout=3) as conn:
+                reads.append(await conn.fetchval("SELECT 1"))
+            return True
+
+        report = await Publisher(one, reads_the_same_pool, send_timeout_seconds=5).publish_batch()
+    assert (report.sent, report.failed, reads) == (3, 0, [1, 1, 1])
