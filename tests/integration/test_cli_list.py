@@ -153,3 +153,18 @@ async def test_list_and_show_print_stored_control_characters_escaped(
     assert "  checked\\x1b[8m hidden\n  second line\n" in shown.stdout
     exact = json.loads(cli("list", "--json", dsn=db_dsn).stdout)
     assert (exact["tenant"], exact["operation"], exact["key"]) == (tenant, operation, key)
+
+
+async def test_an_empty_tenant_variable_means_no_filter_and_the_anonymous_tenant_is_named(
+    db_dsn: str, pool: Any
+) -> None:
+    """Before, `IDEM_TENANT=` (left empty in an env file) filtered on the anonymous tenant `""`
+    and said "no records in state pending or unknown" with records of every tenant stuck."""
+    await pool.execute(_NEW, "k1", "unknown")
+    unset = cli("list", "--json", dsn=db_dsn, env={"IDEM_TENANT": "", "IDEM_OPERATION": ""})
+    assert unset.returncode == 0, unset.stderr
+    assert [json.loads(line)["key"] for line in unset.stdout.splitlines()] == ["k1"]
+    anonymous = cli("list", "--tenant", "", dsn=db_dsn)
+    assert anonymous.stdout.strip() == 'no records in state pending or unknown, tenant ""'
+    await pool.execute(_NEW.replace("'t'", "''"), "k2", "unknown")
+    assert "key=k2" in cli("list", "--tenant", "", dsn=db_dsn).stdout
