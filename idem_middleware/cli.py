@@ -320,6 +320,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         # interpreter's own flush at exit does not fail again.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    except KeyboardInterrupt:
+        # Ctrl-C (a long `list`, say): a line, not a traceback. What was committed stays so.
+        print("idem-middleware: interrupted", file=sys.stderr)
+        return 130
     except run.UsageError as exc:
         parser.error(str(exc))  # exits 2, like any other bad argument
     except (IdempotencyError, OSError, asyncpg.PostgresError, ImportError, run.Interrupted) as exc:

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -168,3 +172,30 @@ async def test_an_empty_tenant_variable_means_no_filter_and_the_anonymous_tenant
     assert anonymous.stdout.strip() == 'no records in state pending or unknown, tenant ""'
     await pool.execute(_NEW.replace("'t'", "''"), "k2", "unknown")
     assert "key=k2" in cli("list", "--tenant", "", dsn=db_dsn).stdout
+
+
+async def test_ctrl_c_during_a_listing_ends_it_with_a_line_not_a_traceback(
+    db_dsn: str, pool: Any
+) -> None:
+    """Before, Ctrl-C on a long `list` printed asyncpg's and asyncio's tracebacks, a screenful."""
+    await pool.execute(_ROWS, "unknown", 0.0, 6000)
+    returncode, stderr = _interrupted_listing(db_dsn)
+    assert (returncode, stderr) == (130, "idem-middleware: interrupted\n")
+
+
+def _interrupted_listing(dsn: str) -> tuple[int, str]:
+    """`idem-middleware list`, Ctrl-C once it has printed a line."""
+    env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "IDEM_DATABASE_URL")}
+    with subprocess.Popen(
+        [sys.executable, "-m", "idem_middleware", "--dsn", dsn, "list", "--limit", "6000"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+        # (a child started from a shell in the background may inherit SIGINT ignored)
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    ) as lister:
+        assert lister.stdout is not None
+        assert lister.stdout.readline().startswith(b"tenant=t")  # listing; the pipe fills up
+        lister.send_signal(signal.SIGINT)
+        _, stderr = lister.communicate(timeout=60)
+    return lister.returncode, stderr.decode()
