@@ -45,7 +45,7 @@ async def _fill(pool: Any) -> list[str]:
     return [r["idem_key"] for r in rows]
 
 
-@pytest.mark.db_routes("partitioned")  # (each partition's index read, merged)
+@pytest.mark.db_routes("partitioned", "pgbouncer")  # (partitions: each index read, merged)
 async def test_a_long_listing_is_read_in_bounded_pages_each_record_once_in_order(
     pool: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
