@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import io
 import os
 import sys
 from collections.abc import Sequence
@@ -16,7 +17,7 @@ from importlib import metadata
 import asyncpg
 
 from . import cli_commands as run
-from . import cli_reconcile
+from . import cli_list, cli_reconcile
 from .cli_values import (
     audit_note,
     checked_flag,
@@ -284,7 +285,7 @@ def _parser() -> argparse.ArgumentParser:
 _HANDLERS = {
     "purge": run.purge,
     "stats": run.stats,
-    "list": run.list_records,
+    "list": cli_list.list_records,
     "show": run.show,
     "resolve": run.resolve,
     "reopen": run.reopen,
@@ -294,6 +295,10 @@ _HANDLERS = {
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    if isinstance(sys.stdout, io.TextIOWrapper):
+        # A terminal or pipe whose encoding cannot show a stored tenant (`é` under
+        # PYTHONIOENCODING=ascii, a Latin-1 locale) gets `\xe9`, not a traceback midway.
+        sys.stdout.reconfigure(errors="backslashreplace")
     parser = _parser()
     args = parser.parse_args(argv)
     args.json = checked_flag(parser, args.json)
@@ -315,6 +320,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         # interpreter's own flush at exit does not fail again.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    except KeyboardInterrupt:
+        # Ctrl-C (a long `list`, say): a line, not a traceback. What was committed stays so.
+        print("idem-middleware: interrupted", file=sys.stderr)
+        return 130
     except run.UsageError as exc:
         parser.error(str(exc))  # exits 2, like any other bad argument
     except (IdempotencyError, OSError, asyncpg.PostgresError, ImportError, run.Interrupted) as exc:

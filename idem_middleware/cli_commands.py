@@ -22,6 +22,8 @@ from . import outbox as outbox_ops
 from .cli_connect import NO_STATEMENT_CACHE, connecting
 from .cli_connect import UsageError as UsageError
 from .cli_connect import with_store as with_store
+from .cli_list import printable
+from .cli_list import row as record_row
 from .errors import IdempotencyError
 from .keys import parse_idempotency_key
 from .ops import (
@@ -31,7 +33,7 @@ from .ops import (
 )
 from .ops import reopen as reopen_record
 from .ops import resolve as resolve_record
-from .store.base import RecordKey, RecordSummary, State
+from .store.base import RecordKey, State
 from .store.migrations import migrate as apply_migrations
 from .store.migrations import pending_versions
 from .store.postgres import PostgresStore
@@ -128,50 +130,6 @@ async def stats(store: PostgresStore, args: argparse.Namespace) -> int:
     return 0
 
 
-def _row(rec: RecordSummary) -> dict[str, Any]:
-    return {
-        "tenant": rec.key.tenant,
-        "operation": rec.key.operation,
-        "key": rec.key.key,
-        "state": rec.state.value,
-        "generation": rec.generation,
-        "mode": rec.mode,
-        "updated_at": str(rec.updated_at),
-        "lease_expired": rec.lease_expired,
-        "response_status": rec.response_status,
-        # The audit trail: one line per operator move (and the store's own notes), oldest first.
-        "note": rec.note,
-    }
-
-
-async def list_records(store: PostgresStore, args: argparse.Namespace) -> int:
-    states = args.state or ["pending", "unknown"]
-    records = await store.list_records(
-        states=[State(v) for v in states],
-        tenant=args.tenant,
-        operation=args.operation,
-        limit=args.limit,
-        stale_only=args.stale,
-    )
-    for rec in records:
-        row = _row(rec)
-        if args.json:
-            print(json.dumps(row, sort_keys=True))
-        else:
-            # The audit trail's lines are joined so that one record stays one line.
-            row["note"] = None if rec.note is None else " | ".join(rec.note.splitlines())
-            print("  ".join(f"{k}={v}" for k, v in row.items() if v is not None))
-    if not records and not args.json:
-        where = "".join(
-            f", {name} {value}"
-            for name, value in (("tenant", args.tenant), ("operation", args.operation))
-            if value
-        )
-        stale = "stale " if args.stale else ""
-        print(f"no {stale}records in state {' or '.join(states)}{where}")
-    return 0
-
-
 def _key(args: argparse.Namespace) -> RecordKey:
     """The key bare, or quoted as the client sent it (an sf-string: `"payout-1"`)."""
     text = args.key
@@ -190,7 +148,7 @@ async def show(store: PostgresStore, args: argparse.Namespace) -> int:
     if rec is None:
         emit(args, {"found": False}, "no record holds this key")
         return 1
-    row = _row(rec)
+    row = record_row(rec)
     row.update(
         created_at=str(rec.created_at),
         expires_at=None if rec.expires_at is None else str(rec.expires_at),
@@ -203,10 +161,10 @@ async def show(store: PostgresStore, args: argparse.Namespace) -> int:
     del row["note"]
     for name, value in row.items():
         if value is not None:
-            print(f"{name:<16}{value}")
+            print(f"{name:<16}{printable(str(value))}")
     print("audit trail" + ("" if trail else "     (empty)"))
     for line in trail:
-        print(f"  {line}")
+        print(f"  {printable(line)}")
     return 0
 
 

@@ -12,7 +12,10 @@ from .policy import seconds_option
 
 
 def env_default(name: str, fallback: str | None = None) -> str | None:
-    return os.environ.get(name, fallback)
+    """The variable's text; `fallback` when it is unset or empty, as for every variable (an
+    empty `IDEM_TENANT=` left in an env file once listed the anonymous tenant "" alone, and
+    said "no records")."""
+    return os.environ.get(name) or fallback
 
 
 class _FromEnv(str):

@@ -435,6 +435,33 @@ WHERE state = ANY($1::text[])
 ORDER BY updated_at
 LIMIT $4;
 
+-- name: list_page
+-- Operators (`idem-middleware list`): one page of one state's records, oldest first, after the
+-- last record of the page before (keyset paging: each page a short statement of its own, no
+-- transaction held between them). The order is total (updated_at, then the key), so a page
+-- starts exactly after the one before, whatever was inserted or deleted meanwhile. Records
+-- changed after the first page ($6) are left out: a record listed and then moved (a takeover, a
+-- lapsed lease turned unknown) is never listed twice. `listed_at` is the first page's bound.
+-- For pending and unknown each page reads idem_requests_unresolved_idx from the cursor on; the
+-- finished states have no such index, so each of their pages reads the table.
+-- $1 state, $2 tenant or NULL, $3 operation or NULL, $4 page size, $5 stale pending only,
+-- $6 changed at the latest (NULL on the first page: now), $7 updated_at, $8 tenant,
+-- $9 operation, $10 key of the last record listed (NULLs on the first page)
+SELECT tenant, operation, idem_key, state, generation, mode, created_at, updated_at,
+       lease_expires_at, expires_at, response_status, note,
+       lease_expires_at <= now() AS lease_expired, epoch,
+       coalesce($6::timestamptz, now()) AS listed_at
+FROM idem_requests
+WHERE state = $1::text
+  AND ($2::text IS NULL OR tenant = $2)
+  AND ($3::text IS NULL OR operation = $3)
+  AND (NOT $5 OR state <> 'pending' OR lease_expires_at IS NULL OR lease_expires_at <= now())
+  AND updated_at <= coalesce($6::timestamptz, now())
+  AND ($7::timestamptz IS NULL
+       OR updated_at >= $7 AND (updated_at, tenant, operation, idem_key) > ($7, $8, $9, $10))
+ORDER BY updated_at, tenant, operation, idem_key
+LIMIT $4;
+
 -- name: token_status
 -- Why a token was refused (another tenant's token is simply not found).
 -- $1 tenant, $2 token hash, $3 operation, $4 fingerprint

@@ -101,7 +101,7 @@ async def test_the_rebuild_carries_what_a_later_migration_adds(pg_dsn: str) -> N
 # -- every request-path statement touches one partition --------------------------------------------
 
 #: Statements that are not on a request's path: they may read every partition.
-NOT_REQUEST_PATH = {"purge_batch", "stats", "stats_unresolved", "list_records"}
+NOT_REQUEST_PATH = {"purge_batch", "stats", "stats_unresolved", "list_records", "list_page"}
 
 #: What a request sends that reads or writes idem_requests (named as in sql/queries.sql); each
 #: must be seen below, so the check cannot pass by not sending it.
@@ -231,6 +231,9 @@ async def _lease_operations(store: PostgresStore, bank: Any, other: str) -> None
     again = await store.claim_lease(k2, fp, retention_seconds=60, lease_seconds=30)
     assert await store.settle(k2, again.generation, State.PENDING, done)
     await store.list_records(states=[State.PENDING, State.UNKNOWN])
+    await store.list_page(
+        State.UNKNOWN, tenant=None, operation=None, stale_only=False, size=9, until=None, after=None
+    )
     await store.stats()
     await store.stats(unresolved_only=True)
     await store.purge()

@@ -107,6 +107,10 @@ async def _cases(conn: Any) -> dict[str, list[tuple[Any, ...]]]:
     *lapsed, g_lapsed = await _one(conn, "state = 'pending' AND lease_expires_at <= now()")
     *unknown, g_unknown = await _one(conn, "state = 'unknown'")
     token = await conn.fetchrow("SELECT tenant, token_hash, operation FROM idem_tokens LIMIT 1")
+    cursor = await conn.fetchrow(
+        "SELECT now(), updated_at, tenant, operation, idem_key FROM idem_requests "
+        "WHERE state = 'unknown' ORDER BY updated_at OFFSET 10 LIMIT 1"
+    )
     fresh = (live[0], live[1], "a-fresh-key")
     fp, answer = b"\x01" * 32, (201, b"h", b"b", None)
     lease = ("lease", 86400.0, 30.0)
@@ -153,6 +157,13 @@ async def _cases(conn: Any) -> dict[str, list[tuple[Any, ...]]]:
             (["pending"], None, None, 100, True),
             (["unknown"], live[0], None, 100, False),
         ],
+        # `idem-middleware list`: the first page of a state, then one after a cursor.
+        "list_page": [
+            ("unknown", None, None, 5000, False, None, None, None, None, None),
+            ("pending", None, None, 5000, True, None, None, None, None, None),
+            ("unknown", live[0], None, 5000, False, None, None, None, None, None),
+            ("unknown", None, None, 5000, False, *cursor),
+        ],
     }
 
 
@@ -168,7 +179,7 @@ PER_REQUEST = {
 }  # fmt: skip
 #: Batches: a parameter in a partial index's predicate or in a LIMIT makes their generic plans
 #: read the table whole, so their cost keeps asyncpg's plan cache on custom plans (checked below).
-PER_BATCH = {"purge_batch", "outbox_purge", "list_records"}
+PER_BATCH = {"purge_batch", "outbox_purge", "list_records", "list_page"}
 #: Off every path but an operator's or a metrics scrape: counted in docs/operating.md.
 ELSEWHERE = {
     "stats", "stats_unresolved", "outbox_stats", "outbox_list", "purge_tokens", "purge_waiters",
@@ -297,7 +308,7 @@ async def test_the_unresolved_count_reads_only_the_unresolved_index(plans_conn: 
 
 #: The batches over `idem_requests`. (The outbox's purge may get its generic plan: on an outbox
 #: as small as this one it costs no more; on 760,000 events its custom plan stayed.)
-RECORD_BATCHES = ("list_records", "purge_batch")
+RECORD_BATCHES = ("list_records", "list_page", "purge_batch")
 
 
 async def test_record_batches_keep_their_custom_plans_through_asyncpgs_statement_cache(

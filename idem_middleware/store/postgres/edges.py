@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 from ...errors import EventConflict, StoreError
@@ -209,6 +210,35 @@ class OffPathStatements(PoolStatements):
             stale_only,
         )
         return [_summary(r) for r in rows]
+
+    async def list_page(
+        self,
+        state: State,
+        *,
+        tenant: str | None,
+        operation: str | None,
+        stale_only: bool,
+        size: int,
+        until: datetime | None,
+        after: RecordSummary | None,
+    ) -> tuple[list[RecordSummary], datetime | None]:
+        """One page of `state`'s records, oldest first, after the record `after` (None: the
+        first page), changed at `until` at the latest (None: now). Returns the page and the
+        bound to pass as `until` for the next (None when the page is empty). See queries.sql
+        `list_page`; `listing.records` walks them."""
+        cursor = (None,) * 4 if after is None else (after.updated_at, *after.key)
+        rows = await self._run(
+            "fetch",
+            _Q["list_page"],
+            state.value,
+            tenant,
+            operation,
+            size,
+            stale_only,
+            until,
+            *cursor,
+        )
+        return [_summary(r) for r in rows], rows[0]["listed_at"] if rows else None
 
     async def amend(self, key: RecordKey, generation: int, expected: State, s: Settlement) -> bool:
         """An operator's move (see queries.sql `amend`): a settle whose note joins the trail."""
