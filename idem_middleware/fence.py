@@ -25,6 +25,8 @@ logger = logging.getLogger("idem_middleware")
 #: What a client's retry is told when the reconciler failed (raised, timed out, or gave no usable
 #: answer): the record stays unknown.
 _FAILED = "Asking the downstream system failed; retry later."
+#: What a client's retry of a transactional record an operator reopened is told.
+_BY_HAND = "An operator settles this request's outcome; no retry runs it again."
 
 
 class Fence:
@@ -93,6 +95,10 @@ class Verdict(StrEnum):
     FAILED = "failed"
     #: The record moved on meanwhile (someone else resolved it).
     CHANGED = "changed"
+    #: A transactional record (an operator reopened it): its writes committed with its outcome,
+    #: so no reconciler may run on it (a "not happened" would run it again, a `Happened` repeat
+    #: its writes). An operator resolves it; the record is left as it is.
+    BY_HAND = "by-hand"
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,7 +123,16 @@ async def run_reconciler(
 
     A `Happened` answer is settled in the reconciler's fenced transaction, together with any
     writes it made there. `NotHappened` changes nothing: the caller takes the record over.
+    A transactional-mode record is never given to the reconciler (`Verdict.BY_HAND`).
     """
+    # The record's mode is read first, under the same generation: a record keeps its mode while
+    # it stays unknown under one generation (only a claim or a takeover changes it, and each
+    # draws a new generation), so what is read here still holds when the fence locks the row.
+    summary = await store.describe(key)
+    if summary is None or (summary.generation, summary.state) != (generation, State.UNKNOWN):
+        return ReconcileResult(Verdict.CHANGED)
+    if summary.mode != Mode.LEASE.value:
+        return ReconcileResult(Verdict.BY_HAND, _BY_HAND)
     fence = Fence(store, key, generation, State.UNKNOWN)
     context = ReconcileContext(
         tenant=key.tenant,
