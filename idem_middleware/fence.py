@@ -12,7 +12,7 @@ from enum import StrEnum
 from typing import Any
 
 from .context import derive_downstream_key, key_digest
-from .errors import FenceRollback, StaleGeneration
+from .errors import FenceRollback, StaleGeneration, StoreError
 from .outcomes import FINAL_STATE, outcome_for_status
 from .policy import Mode
 from .reconcile import Happened, NotHappened, ReconcileContext, Reconciler, StillUnknown
@@ -154,6 +154,12 @@ async def run_reconciler(
     except StaleGeneration:
         await fence.close()
         return ReconcileResult(Verdict.CHANGED)
+    except StoreError:
+        # The store failed (no connection for the fence: the server is down), not the
+        # reconciler: raised, as every other store failure is (a batch stops and says so, a
+        # client's retry gets a 503), never counted as the reconciler's failure.
+        await fence.close()
+        raise
     except Exception:
         await fence.close()
         logger.warning("reconciler failed", extra=log, exc_info=True)
