@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from enum import StrEnum
@@ -35,6 +35,8 @@ class Fence:
     #: Whether a fenced transaction was opened (set on the instance then): its writes commit
     #: with the settlement or not at all, so a failed settlement cannot be sent again alone.
     opened = False
+    #: A reconciler's fence that waited its `held_wait` for the record (see `run_reconciler`).
+    held = False
 
     def __init__(self, store: Store, key: RecordKey, generation: int, expected: State) -> None:
         self.store = store
@@ -99,6 +101,9 @@ class Verdict(StrEnum):
     #: so no reconciler may run on it (a "not happened" would run it again, a `Happened` repeat
     #: its writes). An operator resolves it; the record is left as it is.
     BY_HAND = "by-hand"
+    #: Another session held the record (its fenced connection waited `held_wait` for it): the
+    #: reconciler's answer is not used, and the record is left for a later run.
+    HELD = "held"
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +120,7 @@ async def run_reconciler(
     *,
     seconds: float,
     epoch: int | None = None,
+    held_wait: float | None = None,
 ) -> ReconcileResult:
     """Run one reconciler, bounded by `seconds`, on an unknown record under `generation`.
 
@@ -124,6 +130,9 @@ async def run_reconciler(
     A `Happened` answer is settled in the reconciler's fenced transaction, together with any
     writes it made there. `NotHappened` changes nothing: the caller takes the record over.
     A transactional-mode record is never given to the reconciler (`Verdict.BY_HAND`).
+    With `held_wait`, the reconciler's fenced connection waits no longer than that for a record
+    another session holds (another reconciler at work, a process paused holding it): then
+    `Verdict.HELD`, whatever the reconciler made of it. Without, as long as `seconds` allows.
     """
     # The record's mode is read first, under the same generation: a record keeps its mode while
     # it stays unknown under one generation (only a claim or a takeover changes it, and each
@@ -140,7 +149,7 @@ async def run_reconciler(
         key=key.key,
         downstream_key=derive_downstream_key(key.tenant, key.operation, key.key, epoch),
         generation=generation,
-        _fence=fence.connection,
+        _fence=fence.connection if held_wait is None else _bounded(fence, held_wait),
     )
     log = {
         "tenant": key.tenant,
@@ -162,11 +171,17 @@ async def run_reconciler(
         raise
     except Exception:
         await fence.close()
+        if fence.held:
+            return ReconcileResult(Verdict.HELD)
         logger.warning("reconciler failed", extra=log, exc_info=True)
         return ReconcileResult(Verdict.FAILED, _FAILED)
     except BaseException:
         await fence.close()
         raise
+    if fence.held:
+        # Whatever the reconciler made of the TimeoutError, it answered without the record.
+        await fence.close()
+        return ReconcileResult(Verdict.HELD)
     if isinstance(result, StillUnknown):
         await fence.close()
         return ReconcileResult(
@@ -190,6 +205,21 @@ async def run_reconciler(
         return ReconcileResult(Verdict.CHANGED)
     logger.info("reconciled as happened", extra={**log, "outcome": state.value})
     return ReconcileResult(Verdict.SETTLED)
+
+
+def _bounded(fence: Fence, held_wait: float) -> Callable[[], Awaitable[Any]]:
+    """`fence.connection`, waiting at most `held_wait` (for the record's row lock, mostly):
+    past it, the TimeoutError is raised into the reconciler and the fence is marked held."""
+
+    async def connection() -> Any:
+        try:
+            async with asyncio.timeout(held_wait):
+                return await fence.connection()
+        except TimeoutError:
+            fence.held = True
+            raise
+
+    return connection
 
 
 def _settles_to(result: object) -> State | str:
