@@ -5,14 +5,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
 from .context import derive_downstream_key, key_digest
-from .errors import FenceRollback, StaleGeneration
+from .errors import FenceRollback, StaleGeneration, StoreError
 from .outcomes import FINAL_STATE, outcome_for_status
 from .policy import Mode
 from .reconcile import Happened, NotHappened, ReconcileContext, Reconciler, StillUnknown
@@ -25,6 +25,8 @@ logger = logging.getLogger("idem_middleware")
 #: What a client's retry is told when the reconciler failed (raised, timed out, or gave no usable
 #: answer): the record stays unknown.
 _FAILED = "Asking the downstream system failed; retry later."
+#: What a client's retry of a transactional record an operator reopened is told.
+_BY_HAND = "An operator settles this request's outcome; no retry runs it again."
 
 
 class Fence:
@@ -33,6 +35,8 @@ class Fence:
     #: Whether a fenced transaction was opened (set on the instance then): its writes commit
     #: with the settlement or not at all, so a failed settlement cannot be sent again alone.
     opened = False
+    #: A reconciler's fence that waited its `held_wait` for the record (see `run_reconciler`).
+    held = False
 
     def __init__(self, store: Store, key: RecordKey, generation: int, expected: State) -> None:
         self.store = store
@@ -93,6 +97,13 @@ class Verdict(StrEnum):
     FAILED = "failed"
     #: The record moved on meanwhile (someone else resolved it).
     CHANGED = "changed"
+    #: A transactional record (an operator reopened it): its writes committed with its outcome,
+    #: so no reconciler may run on it (a "not happened" would run it again, a `Happened` repeat
+    #: its writes). An operator resolves it; the record is left as it is.
+    BY_HAND = "by-hand"
+    #: Another session held the record (its fenced connection waited `held_wait` for it): the
+    #: reconciler's answer is not used, and the record is left for a later run.
+    HELD = "held"
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +120,7 @@ async def run_reconciler(
     *,
     seconds: float,
     epoch: int | None = None,
+    held_wait: float | None = None,
 ) -> ReconcileResult:
     """Run one reconciler, bounded by `seconds`, on an unknown record under `generation`.
 
@@ -117,7 +129,19 @@ async def run_reconciler(
 
     A `Happened` answer is settled in the reconciler's fenced transaction, together with any
     writes it made there. `NotHappened` changes nothing: the caller takes the record over.
+    A transactional-mode record is never given to the reconciler (`Verdict.BY_HAND`).
+    With `held_wait`, the reconciler's fenced connection waits no longer than that for a record
+    another session holds (another reconciler at work, a process paused holding it): then
+    `Verdict.HELD`, whatever the reconciler made of it. Without, as long as `seconds` allows.
     """
+    # The record's mode is read first, under the same generation: a record keeps its mode while
+    # it stays unknown under one generation (only a claim or a takeover changes it, and each
+    # draws a new generation), so what is read here still holds when the fence locks the row.
+    summary = await store.describe(key)
+    if summary is None or (summary.generation, summary.state) != (generation, State.UNKNOWN):
+        return ReconcileResult(Verdict.CHANGED)
+    if summary.mode != Mode.LEASE.value:
+        return ReconcileResult(Verdict.BY_HAND, _BY_HAND)
     fence = Fence(store, key, generation, State.UNKNOWN)
     context = ReconcileContext(
         tenant=key.tenant,
@@ -125,7 +149,7 @@ async def run_reconciler(
         key=key.key,
         downstream_key=derive_downstream_key(key.tenant, key.operation, key.key, epoch),
         generation=generation,
-        _fence=fence.connection,
+        _fence=fence.connection if held_wait is None else _bounded(fence, held_wait),
     )
     log = {
         "tenant": key.tenant,
@@ -139,13 +163,25 @@ async def run_reconciler(
     except StaleGeneration:
         await fence.close()
         return ReconcileResult(Verdict.CHANGED)
+    except StoreError:
+        # The store failed (no connection for the fence: the server is down), not the
+        # reconciler: raised, as every other store failure is (a batch stops and says so, a
+        # client's retry gets a 503), never counted as the reconciler's failure.
+        await fence.close()
+        raise
     except Exception:
         await fence.close()
+        if fence.held:
+            return ReconcileResult(Verdict.HELD)
         logger.warning("reconciler failed", extra=log, exc_info=True)
         return ReconcileResult(Verdict.FAILED, _FAILED)
     except BaseException:
         await fence.close()
         raise
+    if fence.held:
+        # Whatever the reconciler made of the TimeoutError, it answered without the record.
+        await fence.close()
+        return ReconcileResult(Verdict.HELD)
     if isinstance(result, StillUnknown):
         await fence.close()
         return ReconcileResult(
@@ -169,6 +205,21 @@ async def run_reconciler(
         return ReconcileResult(Verdict.CHANGED)
     logger.info("reconciled as happened", extra={**log, "outcome": state.value})
     return ReconcileResult(Verdict.SETTLED)
+
+
+def _bounded(fence: Fence, held_wait: float) -> Callable[[], Awaitable[Any]]:
+    """`fence.connection`, waiting at most `held_wait` (for the record's row lock, mostly):
+    past it, the TimeoutError is raised into the reconciler and the fence is marked held."""
+
+    async def connection() -> Any:
+        try:
+            async with asyncio.timeout(held_wait):
+                return await fence.connection()
+        except TimeoutError:
+            fence.held = True
+            raise
+
+    return connection
 
 
 def _settles_to(result: object) -> State | str:

@@ -188,7 +188,7 @@ class LeaseRun:
                 return await self._run_again(record, deadline)
         finally:
             slot.give_back()
-        if result.verdict in (Verdict.STILL_UNKNOWN, Verdict.FAILED):
+        if result.verdict in (Verdict.STILL_UNKNOWN, Verdict.FAILED, Verdict.BY_HAND):
             return duplicate_answer(record, self.fingerprint, result.reason)
         return None  # settled (by us or by someone else): read it again and replay
 

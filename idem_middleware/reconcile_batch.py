@@ -165,8 +165,16 @@ async def _reconcile_one(
     store: Store, summary: RecordSummary, reconciler: Reconciler, seconds: float, held_wait: float
 ) -> Verdict:
     result = await run_reconciler(
-        store, summary.key, summary.generation, reconciler, seconds=seconds, epoch=summary.epoch
+        store,
+        summary.key,
+        summary.generation,
+        reconciler,
+        seconds=seconds,
+        epoch=summary.epoch,
+        held_wait=held_wait,
     )
+    if result.verdict is Verdict.HELD:
+        raise Held  # (its fenced connection waited `held_wait` for the record)
     if result.verdict is Verdict.NOT_HAPPENED:
         retry = store.allow_retry(summary.key, summary.generation, "reconciled: not happened")
         if not await unless_held(retry, held_wait):

@@ -85,7 +85,9 @@ def _unknown(retry: bool, policy: Policy | None) -> str:
     )
 
 
-def _retry_and_detail(record: Record, policy: Policy | None) -> tuple[bool, str]:
+def _retry_and_detail(
+    record: Record, policy: Policy | None, by_hand: bool = False
+) -> tuple[bool, str]:
     """Whether only the client's retry with the same key moves the request, and what the client
     should do next, in a sentence: both true of the route's policy as it is now."""
     state = record.state
@@ -99,8 +101,9 @@ def _retry_and_detail(record: Record, policy: Policy | None) -> tuple[bool, str]
             return True, _lapsed(policy)
         return False, _RUNNING
     if state is State.UNKNOWN:
-        # The retry runs the route's reconciler, if it has one (lease mode only).
-        retry = policy is not None and policy.reconciler is not None
+        # The retry runs the route's reconciler, if it has one (lease mode only), never on a
+        # transactional record an operator reopened (`by_hand`).
+        retry = policy is not None and policy.reconciler is not None and not by_hand
         return retry, _unknown(retry, policy)
     return False, _FINISHED
 
@@ -164,8 +167,16 @@ def status_route(
             return _problem(exc.kind, exc.detail)
         if OPERATION_SHAPE.fullmatch(operation) is None:
             return _problem(ProblemKind.INVALID_KEY, _BAD_OPERATION)
+        policy = operations.policy(operation)
+        by_hand = False
         try:
             record = await store.get(RecordKey(tenant, operation, key))
+            reconciled = policy is not None and policy.reconciler is not None
+            if record is not None and record.state is State.UNKNOWN and reconciled:
+                # Only here is the mode asked for: a transactional record an operator reopened
+                # is not reconciled, whatever the route's policy now.
+                summary = await store.describe(record.key)
+                by_hand = summary is not None and summary.mode != Mode.LEASE.value
         except StoreError:
             # As the guarded routes answer it: a 503 to retry, not a bare 500.
             return problem_response(
@@ -181,7 +192,7 @@ def status_route(
                 " in a transaction shows here once it commits; sending it again with the same"
                 " key is always safe.",
             )
-        retry, detail = _retry_and_detail(record, operations.policy(operation))
+        retry, detail = _retry_and_detail(record, policy, by_hand)
         body = {
             "operation": operation,
             "state": record.state.value,

@@ -150,17 +150,19 @@ class Model:
     def takeover(self, key: Key, generation: int, expected: str, lease: float) -> int | None:
         """A new executor under a new generation: of a pending record whose lease lapsed (or
         that has none: released for a retry), or of an unknown one reconciled as "did not
-        happen". Nothing else can be taken over."""
+        happen". Nothing else can be taken over: not an unknown transactional record (an
+        operator reopened it; its writes committed with its outcome). What is taken over is a
+        lease-mode record from then on."""
         if expected not in (PENDING, UNKNOWN):
             return None
         e = self._current(key, generation, expected)
-        if e is None:
+        if e is None or (expected == UNKNOWN and e.mode != LEASE):
             return None
         if expected == PENDING and e.lease_expires is not None and e.lease_expires > self.now:
             return None
         new = self._new_generation()
         self.entries[key] = replace(
-            e, state=PENDING, generation=new, lease_expires=self.now + lease
+            e, state=PENDING, mode=LEASE, generation=new, lease_expires=self.now + lease
         )
         return new
 

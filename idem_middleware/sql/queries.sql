@@ -319,16 +319,19 @@ SELECT count(*) AS moved, pg_notify('idem_middleware', $5) AS notified FROM move
 -- executor's or reconciler's fenced transaction, and an UPDATE computes its new values before it
 -- waits for a row that transaction only locked (even clock_timestamp()), so a lease counted from
 -- there could lapse before its first renewal. The CTE takes the lock first; the values follow.
+-- An unknown transactional record (an operator reopened it) is never taken over: its writes
+-- committed with its outcome. A record taken over is a lease-mode record from then on.
 -- $1 tenant, $2 operation, $3 key, $4 expected generation, $5 expected state, $6 lease (seconds)
 WITH locked AS (
     SELECT FROM idem_requests
     WHERE tenant = $1 AND operation = $2 AND idem_key = $3 AND generation = $4 AND state = $5
       AND (state <> 'pending' OR lease_expires_at IS NULL OR lease_expires_at <= now())
+      AND (state = 'pending' OR mode = 'lease')
     FOR UPDATE
 )
 UPDATE idem_requests r
-SET generation = nextval('idem_generation_seq'), state = 'pending', updated_at = now(),
-    lease_expires_at = clock_timestamp() + make_interval(secs => $6::float8)
+SET generation = nextval('idem_generation_seq'), state = 'pending', mode = 'lease',
+    updated_at = now(), lease_expires_at = clock_timestamp() + make_interval(secs => $6::float8)
 FROM locked
 WHERE r.tenant = $1 AND r.operation = $2 AND r.idem_key = $3
 RETURNING r.generation;

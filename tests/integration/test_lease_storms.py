@@ -197,6 +197,41 @@ async def test_reconcile_passes_over_a_record_another_session_holds(
         assert settled.retry_allowed
 
 
+async def _fenced_happened(rc: ReconcileContext) -> Reconciliation:
+    conn = await rc.fenced_connection()  # (the documented shape: the debit commits with it)
+    await conn.execute("SELECT 1")
+    return Happened(201, b"{}")
+
+
+async def test_a_reconcilers_fence_on_a_record_another_session_holds_is_passed_over(
+    pg_store: PostgresStore, bank: asyncpg.Pool[Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Found by probing: the held record was passed over only when the batch's own moves met
+    the lock. A reconciler that opens its fenced connection (the documented shape) waited there
+    for the whole `--seconds` (10 s by default) for each record another session held (another
+    reconciler asking the bank, a process paused holding one), then counted it `failed` with a
+    'reconciler failed' warning. Its fence now waits as the batch's moves do (at most a second,
+    or `--seconds` if less): the record is counted `held`, nothing is logged as failed, and a
+    later run settles it."""
+    busy = rkey("busy")
+    generation = await _unknown(pg_store, busy)
+    await _unknown(pg_store, rkey("free"))
+    seconds = BOUND / 2  # (the reconciler's bound, shorter than the test's)
+    async with pg_store.fenced(busy, generation, State.UNKNOWN):
+        report = await asyncio.wait_for(
+            reconcile_unknown(pg_store, {OPERATION: _fenced_happened}, seconds=seconds), BOUND
+        )
+        busy_now = await pg_store.get(busy)
+    assert (report.held, report.verdicts) == (1, {"settled": 1})
+    assert not [r for r in caplog.records if r.getMessage() == "reconciler failed"]
+    assert busy_now is not None
+    assert (busy_now.state, busy_now.generation) == (State.UNKNOWN, generation)
+    again = await asyncio.wait_for(
+        reconcile_unknown(pg_store, {OPERATION: _fenced_happened}, seconds=seconds), BOUND
+    )
+    assert (again.held, again.verdicts) == (0, {"settled": 1})
+
+
 @pytest.mark.parametrize("move", ["resolve", "reopen"])
 async def test_an_operators_move_on_a_record_a_reconciler_holds_gives_up_and_says_so(
     pg_store: PostgresStore, bank: asyncpg.Pool[Any], monkeypatch: pytest.MonkeyPatch, move: str

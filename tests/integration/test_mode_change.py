@@ -15,6 +15,7 @@ import asyncpg
 import pytest
 
 from idem_middleware import Mode, PostgresStore, RecordKey
+from idem_middleware.ops import reopen
 from idem_middleware.store.base import Claimed, Settlement, State
 from tests.apps import (
     BOUND,
@@ -26,6 +27,7 @@ from tests.apps import (
     build_lease_app,
     client,
     count,
+    downstream_reconciler,
 )
 from tests.integration.test_lease_mode import (
     bank,  # noqa: F401 (a fixture)
@@ -190,3 +192,39 @@ async def _fingerprint_of(c: Any, pool: asyncpg.Pool[Any]) -> bytes:
     )
     await pool.execute("DELETE FROM test_ledger")
     return value
+
+
+async def test_a_reopened_transactional_record_is_never_reconciled_by_a_lease_route(
+    pool: asyncpg.Pool[Any],
+    pg_store: PostgresStore,
+    bank: asyncpg.Pool[Any],  # noqa: F811
+) -> None:
+    """Found by probing: a transactional request committed its write with its outcome; an
+    operator reopened the record (`idem-middleware reopen`) and the route then moved to lease
+    mode with a reconciler. The retry ran the reconciler, which (asking the bank about a
+    downstream key the transactional run never sent) answered "not happened": the takeover
+    took the record over and the handler ran again, a second ledger row. A transactional
+    record's outcome is known by construction: no reconciler runs on it, and the retry answers
+    `409 outcome-unknown` until an operator resolves it."""
+    old = build_lease_app(pg_store, bank, TRANSACTIONAL)
+    probe_of(old).steps = [Step(downstream=False, fence="before")]
+    async with client(old) as c:
+        first = await post(c)
+        assert first.status_code == 201, first.text
+    assert await count(bank, "test_ledger") == 1
+    key = RecordKey("tenant-a", f"POST {PAYOUTS}", "k1")
+    await reopen(pg_store, key, note="customer disputes it")
+    new = build_lease_app(
+        pg_store, bank, LEASE_POLICY.replace(reconciler=downstream_reconciler(bank))
+    )
+    where = {"operation": f"POST {PAYOUTS}", "key": "k1"}
+    async with client(new) as c:
+        seen = (await c.get("/idempotency/status", params=where)).json()
+        assert_problem(await post(c), 409, "outcome-unknown")
+        assert_problem(await post(c), 409, "outcome-unknown")
+    assert (seen["state"], seen["retry"]) == ("unknown", False)
+    assert probe_of(new).calls == 0
+    assert await count(bank, "test_ledger") == 1
+    record = await row(bank)
+    assert record is not None
+    assert (record["state"], record["mode"]) == ("unknown", "transactional")

@@ -14,6 +14,8 @@ import asyncio
 import pytest
 
 from idem_middleware import RecordKey, State
+from idem_middleware.fence import Verdict, run_reconciler
+from idem_middleware.reconcile import NotHappened, ReconcileContext, Reconciliation
 from idem_middleware.store import Claimed, Existing
 from idem_middleware.store.base import Settlement
 from tests.apps import BOUND, PAYOUTS
@@ -159,3 +161,46 @@ async def test_contract_a_lapsed_lease_whose_executor_holds_its_fence_is_not_wai
     record = await store.get(k)
     assert record is not None
     assert record.state is State.SUCCEEDED
+
+
+async def test_contract_a_reopened_transactional_record_is_never_taken_over_or_reconciled(
+    harness: Harness,
+) -> None:
+    """Found by probing: a transactional record an operator reopened (`unknown`) was taken over
+    by a lease-mode retry whose reconciler answered "not happened", and its handler ran again,
+    although its writes had committed with its outcome. The store refuses that takeover, and
+    `run_reconciler` gives such a record to no reconciler (an operator resolves it)."""
+    store = harness.store
+    k = rkey()
+    async with harness.transaction() as session:
+        assert isinstance(await claim(session, k), Claimed)
+        await harness.effect(session, k)
+        await session.finish(State.SUCCEEDED, RESPONSE)
+    record = await store.get(k)
+    assert record is not None
+    assert await store.amend(k, record.generation, State.SUCCEEDED, Settlement(State.UNKNOWN))
+    asked: list[str] = []
+
+    async def not_happened(ctx: ReconcileContext) -> Reconciliation:
+        asked.append(ctx.downstream_key)
+        return NotHappened()
+
+    result = await run_reconciler(store, k, record.generation, not_happened, seconds=BOUND)
+    assert result.verdict is Verdict.BY_HAND
+    assert asked == []
+    assert await store.takeover(k, record.generation, State.UNKNOWN, 30.0) is None
+    after = await store.get(k)
+    assert after is not None
+    assert (after.state, after.generation) == (State.UNKNOWN, record.generation)
+    assert await harness.effects(k) == 1
+
+    # A lease-mode record taken over is one, whatever it was: a transactional record released
+    # by an older version's reconcile (pending, no lease) is taken over and reconciled later.
+    await store.settle(k, record.generation, State.UNKNOWN, Settlement(State.PENDING))
+    released = await store.get(k)
+    assert released is not None
+    generation = await store.takeover(k, released.generation, State.PENDING, 30.0)
+    assert generation is not None
+    summary = await store.describe(k)
+    assert summary is not None
+    assert (summary.state, summary.mode) == (State.PENDING, "lease")

@@ -19,6 +19,7 @@ from starlette.responses import JSONResponse
 
 from idem_middleware import Mode, cli_commands, idempotent
 from idem_middleware import cli as cli_module
+from idem_middleware.errors import StoreError
 from idem_middleware.fence import Verdict, run_reconciler
 from idem_middleware.ops import (
     Resolution,
@@ -518,3 +519,46 @@ def test_text_that_is_not_utf8_is_a_usage_error(argv: list[Any], option: str) ->
     assert f"argument {option}: " in stderr
     assert "is not UTF-8 text" in stderr
     assert "Traceback" not in stderr
+
+
+async def test_a_store_outage_in_a_reconcilers_fence_is_not_the_reconcilers_failure(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by probing: a reconciler whose fenced connection could not be had (the database
+    down) was counted as a failed reconciler: a client's retry was told `409 outcome-unknown`
+    ("asking the downstream system failed"), and `reconcile` went on through every record. The
+    store's failure is raised as every other one is: the retry gets `503`, and the record is
+    left unknown for the next retry."""
+    ours = RecordKey("tenant-a", "POST /payouts", "k")  # (the client's tenant)
+    asked: list[str] = []
+
+    async def ask_then_write(ctx: ReconcileContext) -> Reconciliation:
+        asked.append(ctx.downstream_key)
+        await ctx.fenced_connection()
+        return Happened(201)
+
+    async def lost(request: Request) -> JSONResponse:
+        await request.body()
+        return JSONResponse({}, status_code=502)  # lease mode: the outcome is unknown
+
+    class Down:
+        async def __aenter__(self) -> Any:
+            raise StoreError("no database connection: ConnectionRefusedError")
+
+        async def __aexit__(self, *exc: object) -> None:
+            return None
+
+    handler = idempotent(mode=Mode.LEASE, reconciler=ask_then_write)(lost)
+    app = one_route_app("/payouts", handler, store=store)
+    async with client(app) as c:
+        assert (await c.post("/payouts", headers=HEADERS, json={})).status_code == 502
+        record = await store.get(ours)
+        assert record is not None
+        monkeypatch.setattr(store, "fenced", lambda *args: Down())
+        with pytest.raises(StoreError):
+            await run_reconciler(store, ours, record.generation, ask_then_write, seconds=5)
+        assert_problem(await c.post("/payouts", headers=HEADERS, json={}), 503, "store-unavailable")
+    assert len(asked) == 2
+    after = await store.get(ours)
+    assert after is not None
+    assert (after.state, after.generation) == (State.UNKNOWN, record.generation)

@@ -234,3 +234,54 @@ async def test_two_reconciles_at_once_settle_each_record_once(
     finally:
         await conn.close()
     assert all(r["note"] == "reconciled" for r in notes)
+
+
+async def _fenced_reconciler(ctx: ReconcileContext) -> Reconciliation:
+    """The documented shape: ask the downstream service, then write in the fenced transaction."""
+    if PLAN and PLAN.pop(0) == "stop":
+        SERVER[0].stop()
+    conn = await ctx.fenced_connection()
+    await conn.execute("SELECT 1")
+    return Happened(status=201, body=b"{}", headers=[(b"content-type", b"application/json")])
+
+
+@idempotent(Policy(mode=Mode.LEASE, reconciler=_fenced_reconciler))
+async def _fenced_payouts(request: Request) -> Response:
+    return Response(status_code=201)
+
+
+FENCED_APP = Starlette(routes=[Route("/payouts", _fenced_payouts, methods=["POST"])])
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+async def test_a_reconcile_whose_fence_meets_a_stopped_server_stops_and_says_so(
+    own_server: OwnServer,
+    own_dsn: str,
+    own_store: PostgresStore,
+    as_json: bool,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Found by probing: the server stopped while the third reconciler asked its downstream
+    service; its fenced connection could not be had, and the run counted that record `failed`
+    (as if the reconciler had failed), then went through every remaining record, each failing
+    the same way, and exited 0 ("failed: 3"): an outage of the store reported as three
+    reconcilers' bugs. The run now stops at the outage, exits 1 saying so, and counts no
+    reconciler failed; the records it did not settle stay unknown for the next run."""
+    await _fill(own_dsn, "unknown", 5)
+    PLAN[:] = ["ok", "ok", "stop"]
+    SERVER[:] = [own_server]
+    with pytest.raises(cli_commands.Interrupted) as stopped:
+        await cli_reconcile.reconcile(
+            own_store, _reconcile_args(app=f"{__name__}:FENCED_APP", json=as_json)
+        )
+    message = str(stopped.value)
+    assert message.startswith(
+        "reconcile stopped after examining 3 unknown records (settled 2) and turning 0 lapsed "
+        "leases unknown"
+    ), message
+    if as_json:
+        report = json.loads(capsys.readouterr().out)
+        assert report["verdicts"] == {"settled": 2}
+        assert report["error"]
+    await asyncio.to_thread(own_server.start)
+    assert await _states(own_dsn) == {"succeeded": 2, "unknown": 3}

@@ -131,8 +131,8 @@ class MemoryStore(OffPathOperations):
         async with self._row_lock(key):
             row = self._current(key, generation, expected)
             now = self.clock()
-            if row is None:
-                return None
+            if row is None or (expected is State.UNKNOWN and row.mode != "lease"):
+                return None  # (a reopened transactional record: its writes committed)
             if expected is State.PENDING and (
                 row.lease_expires_at is not None and row.lease_expires_at > now
             ):
@@ -141,6 +141,7 @@ class MemoryStore(OffPathOperations):
             self._rows[key] = replace(
                 row,
                 state=State.PENDING,
+                mode="lease",
                 generation=new,
                 lease_expires_at=now + lease_seconds,
                 updated_at=now,
