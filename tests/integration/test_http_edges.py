@@ -21,7 +21,19 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from idem_middleware import IdempotencyMiddleware, Policy
-from tests.apps import BOUND, BearerBackend, build_app, count, records, wait_entered
+from tests.apps import (
+    BOUND,
+    LEASE_POLICY,
+    PAYOUTS,
+    BearerBackend,
+    Step,
+    build_app,
+    build_lease_app,
+    count,
+    downstream_rows,
+    records,
+    reset_downstream,
+)
 from tests.apps.servers import connection, parse_head, read_response, uvicorn_serving
 
 pytestmark = pytest.mark.asyncio
@@ -33,10 +45,15 @@ SERVERS = pytest.mark.parametrize("http", ["h11", "httptools"])
 
 
 def head(
-    key: bytes | None, body: bytes, *, token: bytes = b"demo-a", length: int | None = None
+    key: bytes | None,
+    body: bytes,
+    *,
+    token: bytes = b"demo-a",
+    length: int | None = None,
+    path: bytes = PATH,
 ) -> bytes:
     """A guarded POST's head, asking `Expect: 100-continue`."""
-    lines = [b"POST " + PATH + b" HTTP/1.1", b"host: test", b"authorization: Bearer " + token]
+    lines = [b"POST " + path + b" HTTP/1.1", b"host: test", b"authorization: Bearer " + token]
     if key is not None:
         lines.append(b"idempotency-key: " + key)
     lines += [
@@ -69,48 +86,91 @@ def problem_kind(headers: dict[bytes, bytes], body: bytes) -> str:
     return str(json.loads(body)["type"]).rsplit(":", 1)[1]
 
 
+class Guarded:
+    """The guarded route in `mode`: transactional (`build_app`'s credit) or lease
+    (`build_lease_app`'s payout), both with this module's body cap and a duplicate waiting
+    50 ms for the holder."""
+
+    def __init__(self, mode: str, pg_store: Any, pool: Any) -> None:
+        self.mode, self.pool = mode, pool
+        if mode == "lease":
+            policy = LEASE_POLICY.replace(max_body_bytes=CAP, wait_seconds=0.05)
+            self.app = build_lease_app(pg_store, pool, policy)
+            self.path, self.body = PAYOUTS.encode(), b'{"account": "a1", "amount": 5}'
+        else:
+            self.app = build_app(
+                pg_store, default_policy=Policy(max_body_bytes=CAP, wait_seconds=0.05)
+            )
+            self.path, self.body = PATH, BODY
+        self.probe = self.app.state.probe
+
+    def hold_next(self, gate: asyncio.Event) -> None:
+        """The next execution stops inside its claim until `gate` is set; `probe.entered` is
+        cleared, so that it is set again by that execution and by no earlier one."""
+        self.probe.entered.clear()
+        if self.mode == "lease":
+            self.probe.steps = [Step(gate=gate)]
+        else:
+            self.probe.gate = gate
+
+    async def effects(self) -> int:
+        if self.mode == "lease":
+            return await downstream_rows(self.pool)
+        return await count(self.pool, "test_ledger")
+
+
 @SERVERS
+@pytest.mark.parametrize("mode", ["transactional", "lease"])
 async def test_expect_100_continue_asks_for_the_body_only_when_the_answer_needs_it(
-    pg_store: Any, pool: Any, http: str
+    pg_store: Any, pool: Any, http: str, mode: str
 ) -> None:
     """What is refused on the head alone (no key, a bad key, no caller, a declared length over
     the cap) is answered without a `100`, so the client never uploads a body that would be
     thrown away. Everything else needs the body: a fresh request runs on it, and a duplicate's
     fingerprint is taken from it, so the replay, the mismatch and the in-flight answer come
-    after the `100`, each as they do without `Expect`."""
-    app = build_app(pg_store, default_policy=Policy(max_body_bytes=CAP, wait_seconds=0.05))
-    probe = app.state.probe
-    async with uvicorn_serving(app, http) as port:
+    after the `100`, each as they do without `Expect`.
+
+    The in-flight duplicate is sent only once the held request is inside its claim: the probe's
+    `entered` is cleared first (the fresh request had set it), or the duplicate could race the
+    held request to the claim, win it, and be the one held (seen under CPU load)."""
+    if mode == "lease":
+        await reset_downstream(pool)
+    guarded = Guarded(mode, pg_store, pool)
+    path, body = guarded.path, guarded.body
+    async with uvicorn_serving(guarded.app, http) as port:
         refused = {
-            "missing-key": await ask(port, None),
-            "invalid-key": await ask(port, b'"unterminated'),
-            "unauthenticated": await ask(port, b"k", token=b"nobody"),
-            "body-too-large": await ask(port, b"k", b"x" * (CAP + 1)),
+            "missing-key": await ask(port, None, body, path=path),
+            "invalid-key": await ask(port, b'"unterminated', body, path=path),
+            "unauthenticated": await ask(port, b"k", body, token=b"nobody", path=path),
+            "body-too-large": await ask(port, b"k", b"x" * (CAP + 1), path=path),
         }
-        for kind, (continued, status, headers, body) in refused.items():
-            assert (continued, problem_kind(headers, body)) == (False, kind), (kind, status)
+        for kind, (continued, status, headers, answer) in refused.items():
+            assert (continued, problem_kind(headers, answer)) == (False, kind), (kind, status)
         assert await count(pool, "idem_requests") == 0
 
-        fresh = await ask(port, b"k")
-        replay = await ask(port, b"k")
-        mismatch = await ask(port, b"k", b'{"amount": 6}')
+        fresh = await ask(port, b"k", body, path=path)
+        replay = await ask(port, b"k", body, path=path)
+        mismatch = await ask(port, b"k", body.replace(b": 5", b": 6"), path=path)
         assert (fresh[0], fresh[1]) == (True, 201)
         assert (replay[0], replay[1], replay[3]) == (True, 201, fresh[3])
         assert replay[2][b"idempotent-replayed"] == b"true"
         assert (mismatch[0], problem_kind(mismatch[2], mismatch[3])) == (True, "key-reused")
 
-        probe.gate = asyncio.Event()
-        original = asyncio.ensure_future(ask(port, b"held"))
+        gate = asyncio.Event()
+        guarded.hold_next(gate)
+        original = asyncio.ensure_future(ask(port, b"held", body, path=path))
         try:
-            await wait_entered(probe)
-            in_flight = await ask(port, b"held")
+            await asyncio.wait_for(guarded.probe.entered.wait(), BOUND)
+            in_flight = await ask(port, b"held", body, path=path)
             assert (in_flight[0], in_flight[1]) == (True, 409)
             assert problem_kind(in_flight[2], in_flight[3]) == "request-in-flight"
         finally:
-            probe.gate.set()
-        assert (await asyncio.wait_for(original, BOUND))[:2] == (True, 201)
+            gate.set()
+            done, _ = await asyncio.wait({original}, timeout=BOUND)
+        assert original in done, "the held request did not finish"
+        assert original.result()[:2] == (True, 201)
 
-    assert probe.calls == await count(pool, "test_ledger") == 2
+    assert guarded.probe.calls == await guarded.effects() == 2
     assert sorted(r["idem_key"] for r in await records(pool)) == ["held", "k"]
 
 
