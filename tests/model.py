@@ -100,6 +100,19 @@ class Model:
         """
         assert key not in self.staged, "a claim on a key held by an open transaction blocks"
         current = self.entries.get(key)
+        same = current is not None and current.fingerprint == fingerprint
+        if mode == TRANSACTIONAL and same and current is not None:
+            # A lease-mode record of this very request, its route transactional now: released
+            # for the retry, the claim's transaction takes it over (rolled back, it is the
+            # released record again); its lease lapsed, the claim marks it unknown (nothing
+            # runs it, and its effect may have happened elsewhere) and answers that.
+            if self.retry_allowed(current):
+                fresh = Entry(fingerprint, PENDING, self._new_generation(), retention)
+                self.staged[key] = fresh
+                return True, fresh
+            if current.state == PENDING and self.lease_expired(current):
+                self.entries[key] = replace(current, state=UNKNOWN, lease_expires=None)
+                return False, self.entries[key]
         if current is not None and not self.expired(current):
             return False, current
         fresh = Entry(
