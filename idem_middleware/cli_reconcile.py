@@ -13,6 +13,7 @@ from typing import Any
 from . import app_lifespan
 from .cli_commands import emit, stopped
 from .cli_connect import UsageError
+from .cli_list import printable
 from .errors import IdempotencyError
 from .ops import ReconcileReport, collect_policies, reconcile_unknown
 from .policy import LeaseExpiry, Mode
@@ -96,9 +97,13 @@ async def reconcile(store: PostgresStore, args: argparse.Namespace) -> int:
     lines += [f"  {verdict}: {n}" for verdict, n in sorted(report.verdicts.items())]
     if report.held:
         lines.append(f"  held by another session, passed over (run again later): {report.held}")
-    lines += [f"  no reconciler for {op}: {n}" for op, n in sorted(report.unreconcilable.items())]
+    # (Operation names as stored: behind a mount the router cannot see into, a client's path.)
     lines += [
-        f"  transactional, not reconciled (settle with resolve) for {op}: {n}"
+        f"  no reconciler for {printable(op)}: {n}"
+        for op, n in sorted(report.unreconcilable.items())
+    ]
+    lines += [
+        f"  transactional, not reconciled (settle with resolve) for {printable(op)}: {n}"
         for op, n in sorted(report.by_hand.items())
     ]
     emit(args, data, "\n".join(lines))

@@ -202,6 +202,21 @@ async def test_a_lease_record_in_flight_is_still_not_resolved(pg_store: Store, p
         )
 
 
+async def test_cli_reconcile_prints_stored_operation_names_escaped(db_dsn: str, pool: Any) -> None:
+    """An operation name is stored as the request named it (behind a mount the router cannot
+    see into, the client's own path), and reconcile's text printed it raw: an ESC there is a
+    terminal escape sequence in the operator's terminal."""
+    await pool.execute(
+        "INSERT INTO idem_requests (tenant, operation, idem_key, fingerprint, state, mode, "
+        "retention) VALUES ('t', $1, 'k', '\\x00', 'unknown', 'lease', interval '1 day')",
+        "POST /hidden/\x1b]0;pwned\x07",
+    )
+    text = cli("reconcile", "--app", "tests.cli_app:app", dsn=db_dsn)
+    assert text.returncode == 0, text.stderr
+    assert "\x1b" not in text.stdout
+    assert "no reconciler for POST /hidden/\\x1b]0;pwned\\x07: 1" in text.stdout
+
+
 async def test_cli_reconcile_reports_transactional_records_to_resolve(
     db_dsn: str, pool: Any
 ) -> None:
