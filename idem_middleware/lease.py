@@ -183,11 +183,16 @@ class LeaseRun:
                 policy.reconciler,
                 seconds=policy.reconcile_timeout_seconds,
                 epoch=record.epoch,
+                # Another session's fence on the record (another reconciler asking): its own
+                # waited for no longer than this request's wait, as a takeover's lock is.
+                held_wait=lock_wait(deadline - asyncio.get_running_loop().time()),
             )
             if result.verdict is Verdict.NOT_HAPPENED:
                 return await self._run_again(record, deadline)
         finally:
             slot.give_back()
+        if result.verdict is Verdict.HELD:
+            return InFlight()
         if result.verdict in (Verdict.STILL_UNKNOWN, Verdict.FAILED, Verdict.BY_HAND):
             return duplicate_answer(record, self.fingerprint, result.reason)
         return None  # settled (by us or by someone else): read it again and replay

@@ -127,6 +127,33 @@ async def test_a_not_happened_takeover_waits_no_longer_than_the_clients_wait_for
     assert await downstream_rows(bank) == 1
 
 
+async def test_a_retrys_reconciler_meeting_another_fence_is_in_flight_within_the_wait(
+    pg_store: PostgresStore, bank: asyncpg.Pool[Any]
+) -> None:
+    """Another session holds the unknown record's fence (another reconciler asking the bank). A
+    retry whose reconciler opens its fenced connection (the documented shape) waited there for
+    the reconciler's whole bound, then answered 409 outcome-unknown ("asking failed"), although
+    the record was being asked about. It now waits no longer than its own `wait_seconds` and
+    answers 409 request-in-flight, the record untouched."""
+    policy = LEASE_POLICY.replace(
+        wait_seconds=0.3, reconcile_timeout_seconds=4 * BOUND, reconciler=_fenced_happened
+    )
+    app = build_lease_app(pg_store, bank, policy)
+    probe: LeaseProbe = app.state.probe
+    probe.steps = [Step(fail="before")]  # nothing reached the bank: the record is unknown
+    async with client(app) as c:
+        assert (await post(c)).status_code == 500
+        unknown = await record(bank)
+        assert unknown["state"] == "unknown"
+        async with pg_store.fenced(rkey(), unknown["generation"], State.UNKNOWN):
+            answered = await asyncio.wait_for(post(c), BOUND)
+        assert_problem(answered, 409, "request-in-flight")
+        assert tuple(await record(bank)) == ("unknown", unknown["generation"])
+        settled = await post(c)  # (the fence gone: the reconciler settles it, and it replays)
+    assert settled.status_code == 201, settled.text
+    assert probe.calls == 1
+
+
 # -- `idem-middleware reconcile` passes over a record another session holds ---------------------
 
 
