@@ -147,7 +147,12 @@ class Fencing(Bounded):
                     f"generation {self._generation} no longer holds the record; its writes are "
                     "refused"
                 )
-        except BaseException:
+        except BaseException as exc:
+            if isinstance(exc, asyncio.CancelledError):
+                # Cancelled in its lock wait (a bound on the wait for another session's fence,
+                # a client gone): the pool's reset would find the transaction open and log an
+                # ERROR for it. Terminated instead: a new connection is opened when needed.
+                discard(conn)
             await give_back(self._pool, conn)
             raise
         session = self._session = PgFenced(
