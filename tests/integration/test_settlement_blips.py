@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import pytest
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -130,8 +131,9 @@ async def test_a_fenced_settlement_that_failed_is_not_sent_again(
     own_server: OwnServer, own_dsn: str
 ) -> None:
     """With a fenced transaction, the failed settlement's COMMIT took the handler's writes with
-    it: the outcome is not recorded alone. The client is answered 503 and the record is left
-    for `unknown` (here the server is down: `pending`, until its lease lapses)."""
+    it: the outcome is not recorded alone. The client is answered 503 and the record is marked
+    `unknown`, that mark sent again until the server is back (it was tried once, and the record
+    left `pending` until its lease lapsed)."""
     charge, entered, release = charges(fence=True)
     async with SettleLog(dsn=own_dsn, min_size=1, max_size=2, listen=False) as store:
         store.settlements = []
@@ -142,12 +144,65 @@ async def test_a_fenced_settlement_that_failed_is_not_sent_again(
             await asyncio.to_thread(own_server.stop)
             try:
                 release.set()
-                response = await asyncio.wait_for(first, BOUND)
+                await until(lambda: store.settlements, "an unknown mark tried with the server down")
             finally:
                 await asyncio.to_thread(own_server.start)
+            response = await asyncio.wait_for(first, BOUND)
             assert_problem(response, 503, "store-unavailable")
-            # Only the one try to mark it unknown, with the server down: never the 201 alone.
-            assert store.settlements == [(State.UNKNOWN, False)]
+            # Only marks of `unknown`, never the 201 alone.
+            assert {state for state, _ in store.settlements} == {State.UNKNOWN}
+            assert store.settlements[-1] == (State.UNKNOWN, True)
             record = await store.get(KEY)
             assert record is not None
-            assert record.state is State.PENDING
+            assert record.state is State.UNKNOWN
+            retry = await c.post("/charges", json={}, headers=HEADERS)
+            assert_problem(retry, 409, "outcome-unknown")
+
+
+def raising(fence: bool) -> tuple[Any, asyncio.Event, asyncio.Event]:
+    """A handler that raises once released (after its fenced write, with `fence`)."""
+    entered, release = asyncio.Event(), asyncio.Event()
+
+    async def charge(request: Request) -> Response:
+        ctx = get_context(request)
+        if fence:
+            conn = await ctx.fenced_connection()
+            await conn.execute("SELECT 1")
+        entered.set()
+        await asyncio.wait_for(release.wait(), BOUND)
+        raise RuntimeError("the bank's answer was lost")
+
+    return charge, entered, release
+
+
+@pytest.mark.parametrize("fence", [False, True], ids=["no-fence", "fenced"])
+async def test_a_raising_handlers_unknown_mark_sent_while_the_server_restarts_is_recorded(
+    own_server: OwnServer, own_dsn: str, fence: bool
+) -> None:
+    """The handler raises while the server is down: the record must become `unknown` (the
+    charge may have happened). The one try to mark it failed, the store's error replaced the
+    handler's, and the record stayed `pending` until its lease lapsed: a retry was told
+    `request-in-flight` for a minute, not `outcome-unknown`. Now the mark is sent again, like a
+    settlement, and recorded once the server is back."""
+    charge, entered, release = raising(fence)
+    async with SettleLog(dsn=own_dsn, min_size=1, max_size=2, listen=False) as store:
+        store.settlements = []
+        app = one_route_app("/charges", charge, store=store, policies={"POST /charges": POLICY})
+        async with client(app) as c:
+            first = asyncio.create_task(c.post("/charges", json={}, headers=HEADERS))
+            await asyncio.wait_for(entered.wait(), BOUND)
+            await asyncio.to_thread(own_server.stop)
+            try:
+                release.set()
+                await until(lambda: store.settlements, "an unknown mark tried with the server down")
+            finally:
+                await asyncio.to_thread(own_server.start)
+            response = await asyncio.wait_for(first, BOUND)
+            assert response.status_code == 500, response.text  # the handler's own error
+            assert store.settlements[0] == (State.UNKNOWN, False)
+            assert store.settlements[-1] == (State.UNKNOWN, True)
+            record = await store.get(KEY)
+            assert record is not None
+            assert record.state is State.UNKNOWN
+            retry = await c.post("/charges", json={}, headers=HEADERS)
+            assert_problem(retry, 409, "outcome-unknown")
