@@ -13,8 +13,9 @@ import pytest
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from idem_middleware import Policy, PostgresStore, get_context
-from idem_middleware.errors import StoreError
+from idem_middleware import IdempotencyContext, Policy, PostgresStore, get_context
+from idem_middleware.errors import JobOutcomeUnknown, StoreError
+from idem_middleware.jobs import idempotent_job
 from idem_middleware.policy import Mode
 from idem_middleware.store.base import RecordKey, Settlement, State
 from tests.apps import assert_problem, assert_replay_of, client, one_route_app
@@ -206,3 +207,52 @@ async def test_a_raising_handlers_unknown_mark_sent_while_the_server_restarts_is
             assert record.state is State.UNKNOWN
             retry = await c.post("/charges", json={}, headers=HEADERS)
             assert_problem(retry, 409, "outcome-unknown")
+
+
+@pytest.mark.parametrize("raises", [False, True], ids=["returns", "raises"])
+async def test_a_lease_jobs_settlement_sent_while_the_server_restarts_is_recorded(
+    own_server: OwnServer, own_dsn: str, raises: bool
+) -> None:
+    """A lease-mode job (no fenced transaction) ends while the server is down: its result, or
+    the `unknown` its exception leaves, was tried once. The StoreError replaced the result (or
+    the job's own error), and the record stayed `pending` until its lease lapsed: the queue's
+    redelivery raised JobInProgress, then JobOutcomeUnknown (with TAKEOVER: the job ran
+    again) for a job that had done its work. Now the settlement is sent again, as a request's
+    is, and recorded once the server is back."""
+    entered, release = asyncio.Event(), asyncio.Event()
+    runs: list[str] = []
+    async with SettleLog(dsn=own_dsn, min_size=1, max_size=2, listen=False) as store:
+        store.settlements = []
+
+        @idempotent_job(store, operation="payout", key="ref", mode=Mode.LEASE, lease_seconds=60.0)
+        async def payout(job: IdempotencyContext, *, ref: str) -> dict[str, str]:
+            runs.append(ref)
+            entered.set()
+            await asyncio.wait_for(release.wait(), BOUND)
+            if raises:
+                raise RuntimeError("the bank's answer was lost")
+            return {"paid": ref}
+
+        first = asyncio.create_task(payout(ref="p1"))
+        await asyncio.wait_for(entered.wait(), BOUND)
+        await asyncio.to_thread(own_server.stop)
+        try:
+            release.set()
+            await until(lambda: store.settlements, "a settlement tried with the server down")
+        finally:
+            await asyncio.to_thread(own_server.start)
+        state = State.UNKNOWN if raises else State.SUCCEEDED
+        if raises:
+            with pytest.raises(RuntimeError, match="the bank's answer was lost"):
+                await asyncio.wait_for(first, BOUND)
+            with pytest.raises(JobOutcomeUnknown):
+                await payout(ref="p1")
+        else:
+            assert await asyncio.wait_for(first, BOUND) == {"paid": "p1"}
+            assert await payout(ref="p1") == {"paid": "p1"}
+        assert runs == ["p1"]
+        assert store.settlements[0] == (state, False)
+        assert store.settlements[-1] == (state, True)
+        record = await store.get(RecordKey("", "payout", "p1"))
+        assert record is not None
+        assert record.state is state
