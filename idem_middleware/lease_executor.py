@@ -21,7 +21,7 @@ from .heartbeat import keep_lease
 from .observe import SETTLED_EVENTS, Event
 from .outcomes import FINAL_STATE, Outcome, outcome_for_status
 from .policy import Mode
-from .resettle import blip, settle_again, unresolve
+from .resettle import blip, committed_after_all, settle_again, unresolve
 from .store.base import RecordKey, Settlement, State
 
 if TYPE_CHECKING:
@@ -174,8 +174,13 @@ class LeaseExecution:
                     except Exception as exc:
                         if fence.opened or not blip(exc):
                             await self._unresolved(context)
-                            raise
-                        settled = await settle_again(self, context, capture, exc)
+                            if not blip(exc) or not await committed_after_all(
+                                self, context, capture
+                            ):
+                                raise
+                            settled = True
+                        else:
+                            settled = await settle_again(self, context, capture, exc)
             finally:
                 leave_context(ex.scope, token)
                 # Stopped by awaiting, never cancelled mid-write: a renewal in flight finishes

@@ -82,6 +82,35 @@ async def settle_again(
     return settled
 
 
+async def committed_after_all(
+    execution: LeaseExecution, context: IdempotencyContext, capture: ResponseCapture
+) -> bool:
+    """A fenced settlement failed on a blip and the record was then marked `unknown` if it was
+    still pending: whether its COMMIT landed after all (the connection lost after the server
+    committed, before it answered). The record then holds this generation in the state the
+    settlement sent (only this execution settles under its generation; anyone else marks it
+    `unknown` or takes it over with a new one), and the client gets its outcome, not a 503."""
+    outcome = context.declared or outcome_for_status(capture.status, Mode.LEASE)
+    state = FINAL_STATE.get(outcome)
+    if state is None:
+        return False
+    try:
+        record = await execution.store.get(execution.key)
+    except StoreError:
+        return False
+    generation = execution.generation
+    if record is None or record.generation != generation or record.state is not state:
+        return False
+    from .lease_executor import log_extra  # (it imports this module)
+
+    logger.info(
+        "a fenced settlement whose answer was lost had committed",
+        extra=log_extra(execution.key, generation, "settled-again"),
+    )
+    execution.ex.emit(SETTLED_EVENTS[outcome], generation)
+    return True
+
+
 async def unresolve(
     store: Store,
     key: RecordKey,

@@ -256,3 +256,52 @@ async def test_a_lease_jobs_settlement_sent_while_the_server_restarts_is_recorde
         record = await store.get(RecordKey("", "payout", "p1"))
         assert record is not None
         assert record.state is state
+
+
+class LoseFencedAnswer(PostgresStore):
+    """Its fenced sessions' settlements commit, then raise as if the answer to the COMMIT was
+    lost on the way back (the connection died after the server committed)."""
+
+    def fenced(self, key: RecordKey, generation: int, expected: State) -> Any:
+        return _LosingFencing(super().fenced(key, generation, expected))
+
+
+class _LosingFencing:
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    async def __aenter__(self) -> Any:
+        return _LosingSession(await self.inner.__aenter__())
+
+    async def __aexit__(self, *exc: Any) -> Any:
+        return await self.inner.__aexit__(*exc)
+
+
+class _LosingSession:
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.connection = inner.connection
+
+    async def settle(self, s: Settlement) -> bool:
+        await self.inner.settle(s)
+        raise StoreError("ConnectionDoesNotExistError: connection was closed")
+
+
+async def test_a_fenced_settlement_whose_answer_was_lost_after_it_committed_is_the_clients_answer(
+    own_dsn: str,
+) -> None:
+    """The fenced transaction (the handler's writes and its outcome) committed, and the answer
+    to its COMMIT was lost: marking the record `unknown` changed nothing (it was settled), and
+    the client was answered 503 for a request whose writes and outcome were committed. Now the
+    record is read: it holds this generation's outcome, so the client gets its 201."""
+    charge, _, release = charges(fence=True)
+    release.set()
+    async with LoseFencedAnswer(dsn=own_dsn, min_size=1, max_size=2, listen=False) as store:
+        app = one_route_app("/charges", charge, store=store, policies={"POST /charges": POLICY})
+        async with client(app) as c:
+            response = await asyncio.wait_for(c.post("/charges", json={}, headers=HEADERS), BOUND)
+            assert response.status_code == 201, response.text
+            record = await store.get(KEY)
+            assert record is not None
+            assert record.state is State.SUCCEEDED
+            assert_replay_of(await c.post("/charges", json={}, headers=HEADERS), response)
