@@ -11,13 +11,23 @@ from typing import Any
 import orjson
 
 from .context import Outcome
-from .errors import JobInProgress, StaleGeneration
+from .errors import JobInProgress, StaleGeneration, StoreError
 from .fence import Fence
 from .heartbeat import keep_lease
 from .jobs_spec import JSON_HEADERS, MAX_ROUNDS, UNSETTLED, JobSpec
 from .outcomes import FINAL_STATE
 from .policy import LeaseExpiry
-from .store.base import Claimed, Existing, Record, RecordKey, Settlement, State, StoredResponse
+from .resettle import blip, send_again, unresolve
+from .store.base import (
+    Claimed,
+    Existing,
+    Record,
+    RecordKey,
+    Settlement,
+    State,
+    Store,
+    StoredResponse,
+)
 from .waiting import lock_wait
 
 logger = logging.getLogger("idem_middleware")
@@ -104,26 +114,30 @@ async def _execute(
             raise
         except BaseException:
             # Whatever the function did outside the database may have happened: unknown,
-            # unless it declared that it did nothing.
+            # unless it declared that it did nothing (sent again on a blip).
             await fence.close()
-            if context.declared is Outcome.RELEASE:
-                await store.release(key, generation)
-            else:
-                await store.settle(key, generation, State.PENDING, Settlement(State.UNKNOWN))
+            await unresolve(store, key, generation, context, seconds=job.lease_seconds / 3)
             raise
         stop.set()
         outcome = context.declared or Outcome.SUCCEEDED
         state = FINAL_STATE.get(outcome)
+        settlement: Settlement | None = Settlement(State.UNKNOWN)
         if state is not None:
-            settled = await fence.settle(Settlement(state, StoredResponse(200, JSON_HEADERS, body)))
-        else:
-            await fence.close()
-            if outcome is Outcome.RELEASE:
-                settled = await store.release(key, generation)
-            else:
-                settled = await store.settle(
-                    key, generation, State.PENDING, Settlement(State.UNKNOWN)
-                )
+            settlement = Settlement(state, StoredResponse(200, JSON_HEADERS, body))
+        elif outcome is Outcome.RELEASE:
+            settlement = None
+        try:
+            settled = await _settle(fence, store, key, generation, settlement)
+        except StoreError as exc:
+            if fence.opened or not blip(exc):
+                # The fenced COMMIT took the function's writes with it (or the database
+                # refused it): what it did elsewhere may have happened.
+                with contextlib.suppress(StoreError):
+                    await unresolve(store, key, generation, context, seconds=job.lease_seconds / 3)
+                raise
+            # (Renewals have stopped: at least two thirds of the lease are left.)
+            third = job.lease_seconds / 3
+            settled = await send_again(store, key, generation, settlement, seconds=third, error=exc)
     finally:
         stop.set()
         await heartbeat  # stopped by the event, never cancelled mid-write
@@ -132,3 +146,16 @@ async def _execute(
             f"{job.operation}: generation {generation} lost its claim; nothing was recorded"
         )
     return orjson.loads(body)
+
+
+async def _settle(
+    fence: Fence, store: Store, key: RecordKey, generation: int, settlement: Settlement | None
+) -> bool:
+    """The run's outcome: in its fenced transaction if it opened one, else a compare-and-set
+    (`settlement` None: a release)."""
+    if settlement is not None and settlement.state is not State.UNKNOWN:
+        return await fence.settle(settlement)
+    await fence.close()
+    if settlement is None:
+        return await store.release(key, generation)
+    return await store.settle(key, generation, State.PENDING, settlement)

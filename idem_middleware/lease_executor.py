@@ -21,7 +21,7 @@ from .heartbeat import keep_lease
 from .observe import SETTLED_EVENTS, Event
 from .outcomes import FINAL_STATE, Outcome, outcome_for_status
 from .policy import Mode
-from .resettle import blip, settle_again
+from .resettle import blip, committed_after_all, settle_again, unresolve
 from .store.base import RecordKey, Settlement, State
 
 if TYPE_CHECKING:
@@ -144,13 +144,9 @@ class LeaseExecution:
                     if capture.passthrough:
                         raise
                     await fence.close()
-                    if context.declared is Outcome.RELEASE:
-                        moved, event = await self.store.release(key, generation), Event.RELEASED
-                    else:
-                        moved = await self.store.settle(
-                            key, generation, State.PENDING, Settlement(State.UNKNOWN)
-                        )
-                        event = Event.UNRESOLVED
+                    moved, event = await unresolve(
+                        self.store, key, generation, context, seconds=policy.lease_seconds / 3
+                    )
                     if moved:
                         ex.emit(event, generation)
                     if moved or not isinstance(exc, Exception):
@@ -178,8 +174,13 @@ class LeaseExecution:
                     except Exception as exc:
                         if fence.opened or not blip(exc):
                             await self._unresolved(context)
-                            raise
-                        settled = await settle_again(self, context, capture, exc)
+                            if not blip(exc) or not await committed_after_all(
+                                self, context, capture
+                            ):
+                                raise
+                            settled = True
+                        else:
+                            settled = await settle_again(self, context, capture, exc)
             finally:
                 leave_context(ex.scope, token)
                 # Stopped by awaiting, never cancelled mid-write: a renewal in flight finishes
@@ -240,20 +241,18 @@ class LeaseExecution:
             )
         return settled
 
-    async def _unresolved(self, context: IdempotencyContext) -> None:
+    async def _unresolved(self, context: IdempotencyContext, seconds: float | None = None) -> None:
         """The settlement failed (the database refused its transaction, or lost its
         connection): what the handler did outside the database may have happened, so the
         record is `unknown` now, as when the handler raises, not `pending` until the lease
-        lapses. A settlement that committed after all (its connection lost after the COMMIT)
-        held the record's row lock until then, and this changes nothing."""
+        lapses (sent again on a blip for `seconds`, a third of the lease by default). A
+        settlement that committed after all (its connection lost after the COMMIT) held the
+        record's row lock until then, and this changes nothing."""
         key, generation = self.key, self.generation
+        if seconds is None:
+            seconds = self.policy.lease_seconds / 3
         try:
-            if context.declared is Outcome.RELEASE:
-                moved, event = await self.store.release(key, generation), Event.RELEASED
-            else:
-                pending, unknown = State.PENDING, Settlement(State.UNKNOWN)
-                moved = await self.store.settle(key, generation, pending, unknown)
-                event = Event.UNRESOLVED
+            moved, event = await unresolve(self.store, key, generation, context, seconds=seconds)
         except Exception:
             logger.warning(
                 "a failed settlement's record stays pending until its lease lapses",

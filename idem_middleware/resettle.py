@@ -4,7 +4,9 @@ than a 503 and a record left `unknown` (or `pending` until its lease lapses).
 
 Only a settlement that is a compare-and-set of its own: when the handler opened no fenced
 transaction. With one, a failed COMMIT rolled the handler's writes back, and what the
-compare-and-set would record is no longer what happened.
+compare-and-set would record is no longer what happened. Marking a record `unknown` (the
+handler raised, or its settlement failed) is sent again the same way (`unresolve`): left
+`pending`, every retry was told "in flight" until the lease lapsed.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import TYPE_CHECKING, TypeGuard
 
 from .context import IdempotencyContext
 from .errors import StatementRefused, StoreError
-from .observe import SETTLED_EVENTS
+from .observe import SETTLED_EVENTS, Event
 from .outcomes import FINAL_STATE, Outcome, outcome_for_status
 from .policy import Mode
 from .store.base import RecordKey, Settlement, State, Store
@@ -67,7 +69,7 @@ async def settle_again(
             error=error,
         )
     except Exception:
-        await execution._unresolved(context)
+        await execution._unresolved(context, seconds=0.0)  # (out of reach all along)
         raise
     from .lease_executor import log_extra  # (it imports this module)
 
@@ -78,6 +80,62 @@ async def settle_again(
     else:
         logger.warning("a stale executor's completion was refused", extra=extra)
     return settled
+
+
+async def committed_after_all(
+    execution: LeaseExecution, context: IdempotencyContext, capture: ResponseCapture
+) -> bool:
+    """A fenced settlement failed on a blip and the record was then marked `unknown` if it was
+    still pending: whether its COMMIT landed after all (the connection lost after the server
+    committed, before it answered). The record then holds this generation in the state the
+    settlement sent (only this execution settles under its generation; anyone else marks it
+    `unknown` or takes it over with a new one), and the client gets its outcome, not a 503."""
+    outcome = context.declared or outcome_for_status(capture.status, Mode.LEASE)
+    state = FINAL_STATE.get(outcome)
+    if state is None:
+        return False
+    try:
+        record = await execution.store.get(execution.key)
+    except StoreError:
+        return False
+    generation = execution.generation
+    if record is None or record.generation != generation or record.state is not state:
+        return False
+    from .lease_executor import log_extra  # (it imports this module)
+
+    logger.info(
+        "a fenced settlement whose answer was lost had committed",
+        extra=log_extra(execution.key, generation, "settled-again"),
+    )
+    execution.ex.emit(SETTLED_EVENTS[outcome], generation)
+    return True
+
+
+async def unresolve(
+    store: Store,
+    key: RecordKey,
+    generation: int,
+    context: IdempotencyContext,
+    *,
+    seconds: float,
+) -> tuple[bool, Event]:
+    """Mark the pending record `unknown` (or release it, if the handler declared it did
+    nothing): whether it moved, and the event that says so. On a blip, sent again for up to
+    `seconds` (`send_again`); raises the last error if the store stayed out of reach, or the
+    database refused the statement."""
+    if context.declared is Outcome.RELEASE:
+        settlement, event = None, Event.RELEASED
+    else:
+        settlement, event = Settlement(State.UNKNOWN), Event.UNRESOLVED
+    try:
+        if settlement is None:
+            return await store.release(key, generation), event
+        return await store.settle(key, generation, State.PENDING, settlement), event
+    except StoreError as exc:
+        if seconds <= 0 or not blip(exc):
+            raise
+        error = exc
+    return await send_again(store, key, generation, settlement, seconds=seconds, error=error), event
 
 
 async def send_again(
