@@ -11,6 +11,8 @@ import contextvars
 import logging
 from typing import TYPE_CHECKING
 
+from anyio import CancelScope
+
 from .answers import SENT, Answer, Problem
 from .capture import ResponseCapture
 from .context import IdempotencyContext, claimed_context, enter_context, key_digest, leave_context
@@ -143,10 +145,13 @@ class LeaseExecution:
                     # may have happened: unknown, unless it declared the request did nothing.
                     if capture.passthrough:
                         raise
-                    await fence.close()
-                    moved, event = await unresolve(
-                        self.store, key, generation, context, seconds=policy.lease_seconds / 3
-                    )
+                    # Shielded: an anyio cancel scope (BaseHTTPMiddleware's, at a shutdown)
+                    # cancels every await until the task ends, this cleanup's too.
+                    with CancelScope(shield=True):
+                        await fence.close()
+                        moved, event = await unresolve(
+                            self.store, key, generation, context, seconds=policy.lease_seconds / 3
+                        )
                     if moved:
                         ex.emit(event, generation)
                     if moved or not isinstance(exc, Exception):

@@ -19,6 +19,7 @@ import pytest
 import uvicorn
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
+from starlette.middleware.base import BaseHTTPMiddleware, RequestResponseEndpoint
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -41,7 +42,18 @@ HANDLER_SECONDS = 60.0  # longer than any test: the server's shutdown cuts it sh
 LEASE = Policy(mode=Mode.LEASE, lease_seconds=60, wait_seconds=1)
 
 
-def _lease_app(store: PostgresStore, runs: list[str], entered: asyncio.Event, n: int) -> Starlette:
+class Passing(BaseHTTPMiddleware):
+    """An `@app.middleware("http")` (logging, a request id): it runs the rest of the app in an
+    anyio task group, whose cancel scope cancels every await of a cancelled request until its
+    task ends, the middleware's cleanup too."""
+
+    async def dispatch(self, request: Request, call_next: RequestResponseEndpoint) -> Response:
+        return await call_next(request)
+
+
+def _lease_app(
+    store: PostgresStore, runs: list[str], entered: asyncio.Event, n: int, *, outer: bool = False
+) -> Starlette:
     async def payout(request: Request) -> Response:
         ctx = get_context(request)
         runs.append(ctx.key)
@@ -54,12 +66,13 @@ def _lease_app(store: PostgresStore, runs: list[str], entered: asyncio.Event, n:
     return Starlette(
         routes=[Route("/payouts", payout, methods=["POST"])],
         middleware=[
+            *([Middleware(Passing)] if outer else []),
             Middleware(
                 IdempotencyMiddleware,
                 store=store,
                 tenant_resolver=lambda scope: "tenant-a",
                 policies={"POST /payouts": LEASE},
-            )
+            ),
         ],
         lifespan=store_lifespan(store),
     )
@@ -74,19 +87,21 @@ async def serving(app: Any, *, graceful: int) -> AsyncIterator[tuple[uvicorn.Ser
         yield server, f"http://127.0.0.1:{port_of(server)}"
 
 
+@pytest.mark.parametrize("outer", [False, True], ids=["alone", "base-http-middleware-outside"])
 async def test_lease_requests_cut_short_by_a_graceful_timeout_are_left_unknown(
-    db_dsn: str, pool: Any
+    db_dsn: str, pool: Any, outer: bool
 ) -> None:
     """The cancelled executions mark their records `unknown` on their way out (their effects
     may have happened), so a retry gets `outcome-unknown` (or its reconciler) at once. Before,
     the store's close, run by the server right after cancelling them, took the pool away first:
     their settlements failed ("the store is closed"), and the records stayed `pending` under a
-    live lease, every retry answered 409 request-in-flight until the lease lapsed."""
+    live lease, every retry answered 409 request-in-flight until the lease lapsed. Behind a
+    `BaseHTTPMiddleware`, the same: its cancel scope cancelled the settlement itself, silently."""
     keys = ["cut-1", "cut-2", "cut-3"]
     runs: list[str] = []
     entered = asyncio.Event()
     store = PostgresStore(dsn=db_dsn, min_size=1, max_size=5)
-    app = _lease_app(store, runs, entered, len(keys))
+    app = _lease_app(store, runs, entered, len(keys), outer=outer)
     async with serving(app, graceful=1) as (server, url), httpx.AsyncClient(base_url=url) as c:
 
         async def pay(key: str) -> int | str:
