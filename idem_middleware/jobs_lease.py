@@ -9,6 +9,7 @@ import logging
 from typing import Any
 
 import orjson
+from anyio import CancelScope
 
 from .context import Outcome
 from .errors import JobInProgress, StaleGeneration, StoreError
@@ -114,9 +115,11 @@ async def _execute(
             raise
         except BaseException:
             # Whatever the function did outside the database may have happened: unknown,
-            # unless it declared that it did nothing (sent again on a blip).
-            await fence.close()
-            await unresolve(store, key, generation, context, seconds=job.lease_seconds / 3)
+            # unless it declared that it did nothing (sent again on a blip). Shielded: an anyio
+            # cancel scope cancels every await until the task ends, this cleanup's too.
+            with CancelScope(shield=True):
+                await fence.close()
+                await unresolve(store, key, generation, context, seconds=job.lease_seconds / 3)
             raise
         stop.set()
         outcome = context.declared or Outcome.SUCCEEDED

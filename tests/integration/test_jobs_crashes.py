@@ -7,6 +7,7 @@ import asyncio
 from dataclasses import replace
 from typing import Any
 
+import anyio
 import pytest
 
 from idem_middleware import IdempotencyContext, MemoryStore, Mode
@@ -60,6 +61,23 @@ async def test_a_job_cancelled_mid_run_is_never_wedged(store: Store, mode: Mode)
         with pytest.raises(JobOutcomeUnknown):
             await again(payout_id="p-1")
         assert len(runs) == 1
+
+
+async def test_a_lease_job_cancelled_by_an_anyio_task_group_is_unknown(store: Store) -> None:
+    """The same, run in an anyio task group (a worker built on anyio, Starlette's
+    BaseHTTPMiddleware) whose scope is cancelled: its cancel scope cancels every await until the
+    task ends, and it cut the `unknown` settlement short, silently; the record stayed `pending`
+    under its live lease, and every delivery was told the job is in progress until it lapsed."""
+    runs: list[int] = []
+    started = asyncio.Event()
+    async with anyio.create_task_group() as group:
+        group.start_soon(lambda: job(store, Mode.LEASE, runs, started)(payout_id="p-1"))
+        await asyncio.wait_for(started.wait(), BOUND)
+        group.cancel_scope.cancel()
+    assert await state_of(store) is State.UNKNOWN
+    with pytest.raises(JobOutcomeUnknown):
+        await job(store, Mode.LEASE, runs)(payout_id="p-1")
+    assert len(runs) == 1
 
 
 async def died_in_lease_mode(store: Store) -> int:
