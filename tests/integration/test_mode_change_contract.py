@@ -14,6 +14,7 @@ import asyncio
 import pytest
 
 from idem_middleware import RecordKey, State
+from idem_middleware.errors import ClaimBusy
 from idem_middleware.fence import Verdict, run_reconciler
 from idem_middleware.reconcile import NotHappened, ReconcileContext, Reconciliation
 from idem_middleware.store import Claimed, Existing
@@ -91,6 +92,39 @@ async def test_contract_a_released_record_of_another_request_is_not_claimed(
         found = await claim(session, k, OTHER_FP)  # the caller answers 422 key-reused
     assert isinstance(found, Existing)
     assert (found.record.state, found.record.generation) == (State.PENDING, generation)
+
+
+async def test_contract_another_request_is_not_answered_from_a_released_record_being_claimed(
+    harness: Harness,
+) -> None:
+    """While a transaction takes a released record over, a claim of another request with its
+    key is not answered from that record (found by the model-based test: PostgreSQL waited for
+    the transaction's row, the memory store answered at once from the record being taken
+    over). The memory store says ClaimBusy (the caller waits without a connection); PostgreSQL
+    waits for the row, bounded by the claim's lock timeout. Either way the caller's answer is
+    another request's 422, and once the transaction commits, a claim finds its outcome."""
+    k = rkey()
+    await released(harness, k)
+    async with harness.transaction() as holder:
+        assert isinstance(await claim(holder, k), Claimed)
+        async with harness.transaction() as other:
+            waiting = asyncio.ensure_future(claim(other, k, OTHER_FP, wait=BOUND))
+            if harness.kind == "memory":
+                with pytest.raises(ClaimBusy):
+                    await asyncio.wait_for(waiting, BOUND)
+            else:
+                await harness.wait_until_blocked(waiting)
+            await holder.finish(State.SUCCEEDED, RESPONSE)
+            if harness.kind != "memory":
+                # (Read as it was when the claim began: another request's, so the caller's
+                # answer, 422 key-reused, is the same before and after the commit.)
+                found = await asyncio.wait_for(waiting, BOUND)
+                assert isinstance(found, Existing)
+                assert found.record.fingerprint == FP
+    async with harness.transaction() as later:
+        after = await claim(later, k, OTHER_FP)
+    assert isinstance(after, Existing)
+    assert after.record.state is State.SUCCEEDED
 
 
 async def test_contract_a_lease_takeover_waits_for_the_transaction_claiming_a_released_record(

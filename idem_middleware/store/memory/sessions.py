@@ -122,7 +122,10 @@ class _MemoryTransaction:
             # (A lease-mode record released for this request's retry is claimed: see the
             # protocol's `claim`; its row is replaced at `finish`, left as it was otherwise.)
             released = record.retry_allowed and record.fingerprint == fingerprint
-            if not (record.expired or released):
+            # A released record another transaction is taking over is busy for any request, as
+            # on PostgreSQL, where that transaction holds its row.
+            reclaimed = record.retry_allowed and key in store._owners and not self._holds(key)
+            if not (record.expired or released or reclaimed):
                 self._settled()
                 if lapsed(record, fingerprint):
                     record = store._expire_lapsed(key, record)
