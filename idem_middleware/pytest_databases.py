@@ -1,0 +1,179 @@
+"""The pytest plugin's databases (idem_middleware.pytest_plugin): the name of a run's database
+and its reservation on a server given by `IDEM_TEST_DSN`, creating, migrating, emptying and
+dropping it, each from synchronous fixtures in an event loop of its own."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import threading
+from collections.abc import Coroutine
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import asyncpg
+import pytest
+
+from .store.migrations import migrate
+
+#: The environment variable naming an existing server to test against.
+DSN_ENV = "IDEM_TEST_DSN"
+_DATABASE = "idem_pytest"
+TABLES = "idem_requests, idem_tokens, idem_outbox, idem_inbox, idem_waiters"
+#: How long the reservation's connection may take to open or close.
+_WAIT = 10.0
+
+
+def database_name() -> str:
+    """The test database's name: one per pytest-xdist worker, which run at the same time (one
+    database for all, each worker dropped and truncated the others' while they ran)."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    return f"{_DATABASE}_{worker}" if re.fullmatch(r"[A-Za-z0-9_]{1,30}", worker) else _DATABASE
+
+
+def run_sync(coroutine: Coroutine[Any, Any, Any]) -> Any:
+    """Run a coroutine to completion from sync code, even if a loop runs in this thread."""
+    result: list[Any] = []
+    errors: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            result.append(asyncio.run(coroutine))
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=target, name="idem-pytest-setup")
+    thread.start()
+    thread.join()
+    if errors:
+        raise errors[0]
+    return result[0]
+
+
+#: How many runs at once may each have a database of their own on one server.
+_RUNS = 100
+#: The first key of the advisory locks a run holds on its database's name.
+_LOCK_CLASS = 0x1DE4
+
+
+class Reservation:
+    """The name of this run's database on a server given by `IDEM_TEST_DSN`, held for the run
+    by an advisory lock on a connection of its own (in an event loop of its own thread, as the
+    test's loops come and go). Two runs at once on one server (two terminals, two CI jobs)
+    shared the database: the second dropped it under the first (`WITH (FORCE)`), whose tests
+    then failed with "database does not exist". Now the second takes the next name
+    (`idem_pytest_1` ...). A run that was killed holds nothing: the next one drops its database
+    and reuses the name."""
+
+    def __init__(self, server_dsn: str) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="idem-pytest-database", daemon=True
+        )
+        self._thread.start()
+        self._conn: Any = None
+        try:
+            self.database = self._call(self._reserve(server_dsn))
+        except BaseException:
+            self.release()
+            raise
+
+    def _call(self, coroutine: Coroutine[Any, Any, Any]) -> Any:
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(_WAIT * 6)
+
+    async def _reserve(self, server_dsn: str) -> str:
+        self._conn = await asyncpg.connect(server_dsn)
+        base = database_name()
+        for n in range(_RUNS):
+            name = base if n == 0 else f"{base}_{n}"
+            if await self._conn.fetchval(
+                "SELECT pg_try_advisory_lock($1, hashtext($2))", _LOCK_CLASS, name
+            ):
+                return name
+        raise RuntimeError(f"{_RUNS} test runs hold a database on this server already")
+
+    def release(self) -> None:
+        """Close the connection (which releases the lock) and stop the thread."""
+        try:
+            if self._conn is not None:
+                conn, self._conn = self._conn, None
+                self._call(asyncio.wait_for(conn.close(), _WAIT))
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(_WAIT)
+            if not self._thread.is_alive():
+                self._loop.close()
+
+
+async def migrated_database(server_dsn: str, database: str) -> str:
+    conn = await asyncpg.connect(server_dsn)
+    refused = None
+    try:
+        await conn.execute(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)')
+        await conn.execute(f'CREATE DATABASE "{database}"')
+    except asyncpg.InsufficientPrivilegeError as exc:  # asyncpg's words named no way out
+        refused = str(exc)
+    finally:
+        await conn.close()
+    if refused is not None:
+        pytest.fail(
+            f"idem_postgres_dsn: {refused} (database {database!r}, on the server of {DSN_ENV}):"
+            " the plugin creates a database of its own there, and drops it at the run's end, "
+            f"never touching the one {DSN_ENV} names; give {DSN_ENV} a role with CREATEDB that "
+            f"may drop {database!r}, or unset it for a throwaway embedded server",
+            pytrace=False,
+        )
+    dsn = urlunsplit(urlsplit(server_dsn)._replace(path="/" + database))
+    conn = await asyncpg.connect(dsn)
+    try:
+        await migrate(conn)
+    finally:
+        await conn.close()
+    return dsn
+
+
+async def dropped(server_dsn: str, database: str) -> None:
+    conn = await asyncpg.connect(server_dsn)
+    try:  # FORCE: connections a test leaked would keep it
+        await conn.execute(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)')
+    finally:
+        await conn.close()
+
+
+#: The open transactions on the test database besides the asking connection.
+_HOLDERS = """
+SELECT pid, state, date_trunc('second', now() - xact_start) AS age, left(query, 120) AS query
+FROM pg_stat_activity
+WHERE datname = current_database() AND pid <> pg_backend_pid() AND xact_start IS NOT NULL
+ORDER BY xact_start
+"""
+
+
+async def emptied(dsn: str, seconds: float) -> None:
+    """Empty the library's tables. TRUNCATE waits for every transaction that touched one of
+    them: a transaction a test left open outside idem_store's pool (a connection of its own, a
+    server still running a request) hung the next test, and so the run, for ever."""
+    conn = await asyncpg.connect(dsn)
+    try:
+        try:
+            async with conn.transaction():
+                await conn.execute(f"SET LOCAL lock_timeout = {int(seconds * 1000)}")
+                await conn.execute(f"TRUNCATE {TABLES}")
+            return
+        except asyncpg.LockNotAvailableError:
+            pass
+        holders = "; ".join(
+            f"pid {row['pid']} ({row['state']}, in a transaction for {row['age']}): last "
+            f"statement {row['query']!r}"
+            for row in await conn.fetch(_HOLDERS)
+        )
+        pytest.fail(
+            f"the idempotency tables could not be emptied for this test: a transaction "
+            f"outside idem_store's pool held them {seconds:g} s (an earlier test or "
+            "fixture left a connection in a transaction, or a request still runs); open "
+            f"transactions: {holders or 'none left'}",
+            pytrace=False,
+        )
+    finally:
+        await conn.close()
