@@ -143,12 +143,15 @@ class LeaseExecution:
                     # may have happened: unknown, unless it declared the request did nothing.
                     if capture.passthrough:
                         raise
+                    gone = fence.lost(exc) if isinstance(exc, Exception) else None
                     await fence.close()
                     moved, event = await unresolve(
                         self.store, key, generation, context, seconds=policy.lease_seconds / 3
                     )
                     if moved:
                         ex.emit(event, generation)
+                    if moved and gone is not None:
+                        raise gone from exc  # (its fenced connection lost): a 503, not a 500
                     if moved or not isinstance(exc, Exception):
                         raise
                     # Another execution owns the record now: answered as a stale executor
