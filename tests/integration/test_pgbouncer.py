@@ -315,3 +315,46 @@ async def test_a_fenced_transaction_ended_by_idle_transaction_timeout_is_a_503_a
     assert ledger == 0
     assert_problem(again, 409, "outcome-unknown")
     assert calls == 1
+
+
+@pytest.mark.parametrize("given", [False, True], ids=["own-pool", "given-pool"])
+async def test_a_store_listening_through_transaction_pooling_is_refused_when_it_opens(
+    bouncer: PgBouncer, db_route: str, given: bool
+) -> None:
+    """`listen=True` (the default) with no `listen_dsn`, through PgBouncer in transaction mode:
+    the store opened, its LISTEN landed on whichever server session was free, and no waiter was
+    ever woken by a notification (each settlement still sent one, and PgBouncer logged `got
+    packet 'A' from server when not linked`); nothing said so. Now the store refuses to open,
+    naming listen=False and listen_dsn; with either it opens."""
+    dsn = bouncer.dsn("idem_test")
+    pool = (
+        await asyncpg.create_pool(dsn, min_size=1, max_size=4, statement_cache_size=0)
+        if given
+        else None
+    )
+    try:
+        store = (
+            PostgresStore(pool=pool)
+            if pool
+            else PostgresStore(dsn=dsn, statement_cache_size=0, max_size=4)
+        )
+        with pytest.raises(ConfigurationError) as refused:
+            await store.open()
+        assert "listen=False" in str(refused.value)
+        assert "listen_dsn" in str(refused.value)
+        if pool is not None:
+            assert not pool._closed  # a given pool is the caller's to close
+    finally:
+        if pool is not None:
+            await pool.close()
+    async with PostgresStore(dsn=dsn, statement_cache_size=0, listen=False):
+        pass
+
+
+async def test_a_store_listening_on_a_direct_listen_dsn_behind_pgbouncer_opens(
+    bouncer: PgBouncer, db_dsn: str, db_route: str
+) -> None:
+    """The fix the refusal names: the pool through PgBouncer, LISTEN on a direct connection."""
+    store = PostgresStore(dsn=bouncer.dsn("idem_test"), statement_cache_size=0, listen_dsn=db_dsn)
+    async with store:
+        pass
