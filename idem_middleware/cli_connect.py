@@ -88,8 +88,13 @@ def _cannot_connect(dsn: str, exc: BaseException) -> StoreError:
 
 
 async def with_store(args: argparse.Namespace, handler: Handler) -> int:
+    # No LISTEN: a command never waits for a notification (and the DSN may be PgBouncer's).
     store = PostgresStore(
-        dsn=args.dsn, min_size=1, max_size=2, statement_cache_size=NO_STATEMENT_CACHE
+        dsn=args.dsn,
+        min_size=1,
+        max_size=2,
+        statement_cache_size=NO_STATEMENT_CACHE,
+        listen=False,
     )
     # `stats`, `list` and `show` work on a standby or as a read-only role; a command that
     # writes there fails with the server's own message.

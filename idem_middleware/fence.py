@@ -57,6 +57,15 @@ class Fence:
             self.opened = True
         return self._session.connection
 
+    def lost(self, error: BaseException) -> StoreError | None:
+        """A StoreError if the handler's `error` reports the fenced transaction's connection
+        gone (PgBouncer's `idle_transaction_timeout`, a restart of the server or the pooler):
+        its writes rolled back, and the store failed, not the handler. None otherwise."""
+        lost = getattr(self._session, "lost", None)
+        if not callable(lost) or not lost(error):
+            return None
+        return StoreError("the fenced transaction's connection was lost while the handler ran")
+
     async def settle(self, settlement: Settlement) -> bool:
         """Record the outcome: inside the fenced transaction if one is open, then commit."""
         if self._session is None:

@@ -145,6 +145,7 @@ class LeaseExecution:
                     # may have happened: unknown, unless it declared the request did nothing.
                     if capture.passthrough:
                         raise
+                    gone = fence.lost(exc) if isinstance(exc, Exception) else None
                     # Shielded: an anyio cancel scope (BaseHTTPMiddleware's, at a shutdown)
                     # cancels every await until the task ends, this cleanup's too.
                     with CancelScope(shield=True):
@@ -154,6 +155,8 @@ class LeaseExecution:
                         )
                     if moved:
                         ex.emit(event, generation)
+                    if moved and gone is not None:
+                        raise gone from exc  # (its fenced connection lost): a 503, not a 500
                     if moved or not isinstance(exc, Exception):
                         raise
                     # Another execution owns the record now: answered as a stale executor

@@ -960,9 +960,9 @@ async def test_ancient_unresolved_record_is_never_rerun(
 
 
 async def test_seed_same_key_concurrency_one_execution(
-    pool: asyncpg.Pool[Any], bank: asyncpg.Pool[Any]
+    pool: asyncpg.Pool[Any], bank: asyncpg.Pool[Any], db_route: str
 ) -> None:
-    store = WatchRecorder(pool=pool)
+    store = WatchRecorder(pool=pool, listen=db_route != "pgbouncer")
     async with store:
         app = lease_app(store, bank, wait_seconds=BOUND)
         probe = probe_of(app)

@@ -47,12 +47,13 @@ async def test_a_lease_claim_during_an_old_transactional_execution_runs_once(
     pool: asyncpg.Pool[Any],
     pg_store: PostgresStore,
     bank: asyncpg.Pool[Any],  # noqa: F811
+    db_route: str,
 ) -> None:
     """Old version transactional, new version lease mode. The transactional claim writes no row
     until it commits (an advisory lock holds the key), so the lease claim does not wait: it
     commits and runs. The transactional commit then meets the lease record on the primary key:
     its writes roll back and it answers from that record (the replay). One ledger row."""
-    async with PostgresStore(pool=pool) as new_store:
+    async with PostgresStore(pool=pool, listen=db_route != "pgbouncer") as new_store:
         old = build_lease_app(pg_store, bank, TRANSACTIONAL)
         new = build_lease_app(new_store, bank, LEASE_POLICY)
         probe_old, probe_new = probe_of(old), probe_of(new)
@@ -78,12 +79,13 @@ async def test_an_old_lease_execution_is_in_flight_for_a_new_transactional_reque
     pool: asyncpg.Pool[Any],
     pg_store: PostgresStore,
     bank: asyncpg.Pool[Any],  # noqa: F811
+    db_route: str,
 ) -> None:
     """Old version lease mode, new version transactional (a deploy rolled back, say): the lease
     record is `pending`, and the transactional request answers 409 at once and runs nothing;
     its retry gets the lease execution's replay, and a record written transactionally is
     replayed to a lease-mode request in turn (the fingerprint does not depend on the mode)."""
-    async with PostgresStore(pool=pool) as new_store:
+    async with PostgresStore(pool=pool, listen=db_route != "pgbouncer") as new_store:
         old = build_lease_app(pg_store, bank, LEASE_POLICY)
         new = build_lease_app(new_store, bank, TRANSACTIONAL)
         probe_old, probe_new = probe_of(old), probe_of(new)

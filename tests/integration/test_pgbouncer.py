@@ -264,3 +264,97 @@ async def test_two_client_connections_meeting_on_one_server_session_fall_back_to
     assert claims[2].startswith("BEGIN; SELECT * FROM idem_claim_key(")  # sent again, inlined
     assert all(not q.startswith(("PREPARE", "EXECUTE")) for q in claims[3:])
     assert await pool.fetchval("SELECT balance FROM test_accounts WHERE account_id = 'met'") == 3
+
+
+async def test_a_fenced_transaction_ended_by_idle_transaction_timeout_is_a_503_and_unknown(
+    pg_dsn: str, db_dsn: str, db_route: str
+) -> None:
+    """PgBouncer's `idle_transaction_timeout` closes a lease-mode handler's fenced connection
+    while the handler waits (on a slow downstream call, say); its next fenced write raises
+    asyncpg's "connection was closed". The client was answered a plain 500 (the handler's
+    exception); the store failed, not the handler: now 503 store-unavailable, as a failed
+    fenced settlement is. The record is `unknown` (the downstream call may have happened), the
+    fenced writes rolled back, and a retry runs nothing."""
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse, Response
+
+    from idem_middleware import get_context
+    from tests.apps import LEDGER_INSERT, assert_problem, client, one_route_app, until
+
+    calls = 0
+
+    async def handler(request: Request) -> Response:
+        nonlocal calls
+        calls += 1
+        ctx = get_context(request)
+        conn = await ctx.fenced_connection()
+        await conn.execute(LEDGER_INSERT, ctx.tenant, "slow", 1)
+        # The downstream call takes longer than PgBouncer lets a transaction sit idle.
+        await until(conn.is_closed)
+        await conn.execute(LEDGER_INSERT, ctx.tenant, "slow", 1)
+        return JSONResponse({}, status_code=201)
+
+    idle = PgBouncer(pg_dsn, settings={"idle_transaction_timeout": 1}).start()
+    direct = await asyncpg.connect(db_dsn)
+    try:
+        await direct.execute("TRUNCATE idem_requests, test_ledger")
+        store = PostgresStore(dsn=idle.dsn("idem_test"), listen=False, statement_cache_size=0)
+        policy = Policy(mode=Mode.LEASE, lease_seconds=30, wait_seconds=0.2)
+        app = one_route_app("/slow", handler, store=store, default_policy=policy)
+        headers = {"idempotency-key": "idle-fence"}
+        async with store, client(app) as c:
+            first = await c.post("/slow", json={}, headers=headers)
+            again = await c.post("/slow", json={}, headers=headers)
+        state = await direct.fetchval("SELECT state FROM idem_requests")
+        ledger = await direct.fetchval("SELECT count(*) FROM test_ledger")
+    finally:
+        await direct.close()
+        idle.stop()
+    assert_problem(first, 503, "store-unavailable")
+    assert state == "unknown"
+    assert ledger == 0
+    assert_problem(again, 409, "outcome-unknown")
+    assert calls == 1
+
+
+@pytest.mark.parametrize("given", [False, True], ids=["own-pool", "given-pool"])
+async def test_a_store_listening_through_transaction_pooling_is_refused_when_it_opens(
+    bouncer: PgBouncer, db_route: str, given: bool
+) -> None:
+    """`listen=True` (the default) with no `listen_dsn`, through PgBouncer in transaction mode:
+    the store opened, its LISTEN landed on whichever server session was free, and no waiter was
+    ever woken by a notification (each settlement still sent one, and PgBouncer logged `got
+    packet 'A' from server when not linked`); nothing said so. Now the store refuses to open,
+    naming listen=False and listen_dsn; with either it opens."""
+    dsn = bouncer.dsn("idem_test")
+    pool = (
+        await asyncpg.create_pool(dsn, min_size=1, max_size=4, statement_cache_size=0)
+        if given
+        else None
+    )
+    try:
+        store = (
+            PostgresStore(pool=pool)
+            if pool
+            else PostgresStore(dsn=dsn, statement_cache_size=0, max_size=4)
+        )
+        with pytest.raises(ConfigurationError) as refused:
+            await store.open()
+        assert "listen=False" in str(refused.value)
+        assert "listen_dsn" in str(refused.value)
+        if pool is not None:
+            assert not pool._closed  # a given pool is the caller's to close
+    finally:
+        if pool is not None:
+            await pool.close()
+    async with PostgresStore(dsn=dsn, statement_cache_size=0, listen=False):
+        pass
+
+
+async def test_a_store_listening_on_a_direct_listen_dsn_behind_pgbouncer_opens(
+    bouncer: PgBouncer, db_dsn: str, db_route: str
+) -> None:
+    """The fix the refusal names: the pool through PgBouncer, LISTEN on a direct connection."""
+    store = PostgresStore(dsn=bouncer.dsn("idem_test"), statement_cache_size=0, listen_dsn=db_dsn)
+    async with store:
+        pass

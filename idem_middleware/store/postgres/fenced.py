@@ -51,6 +51,23 @@ class PgFenced:
     def connection(self) -> Any:
         return self._conn
 
+    def lost(self, error: BaseException) -> bool:
+        """Whether `error` (the handler's) is the driver's report of the fenced transaction's
+        connection gone (closed, or given back by asyncpg when it closed: the server, or a
+        pooler in between, ended the session), raised by the handler's next fenced statement
+        or wrapped by it (an ORM's error, `raise ... from`). A handler's own error stands."""
+        raw = compat.raw_connection(self._conn)
+        if raw is not None and not raw.is_closed():
+            return False
+        seen: BaseException | None = error
+        for _ in range(8):  # (a chain of causes, bounded)
+            if seen is None:
+                return False
+            if isinstance(seen, CONNECTION_ERRORS):
+                return True
+            seen = seen.__cause__ or seen.__context__
+        return False
+
     async def settle(self, s: Settlement) -> bool:
         args = settle_args(self._key, self._generation, self._expected, s)
         # The connection behind the pool's proxy (each call through the proxy is a Python

@@ -81,6 +81,29 @@ async def check(pool: Any, timeout: float) -> None:  # noqa: ASYNC109 - asyncpg'
                         await conn.execute(f"DEALLOCATE {name}")
 
 
+async def require_sessions_to_listen(pool: Any, timeout: float) -> None:  # noqa: ASYNC109
+    """ConfigurationError if two of the pool's connections, both held, are answered by one
+    server session: a pooler in transaction mode is in between, and a LISTEN there lands on
+    whichever server session is free (its notifications reach no one). PostgreSQL never gives
+    two open connections one backend; a busy pooler may give them two: then nothing is seen."""
+    if pool.get_max_size() < 2:
+        return
+    async with pool.acquire(timeout=timeout) as first, pool.acquire(timeout=timeout) as second:
+        for _ in range(_ROUNDS):
+            pid = await first.fetchval("SELECT pg_backend_pid()")
+            if await second.fetchval("SELECT pg_backend_pid()") != pid:
+                continue
+            raise ConfigurationError(
+                "the store listens for notifications (listen=True, the default) through a "
+                "pooler in transaction mode (PgBouncer's pool_mode = transaction): two of its "
+                f"connections were answered by one server session (backend {pid}), so its "
+                "LISTEN would land on whichever session is free and no waiter would ever be "
+                "woken by a notification (each settlement still sending one). Pass "
+                "listen=False (lease-mode waiters poll, 50 ms doubling to 1 s), or listen_dsn= "
+                "a direct connection to PostgreSQL"
+            )
+
+
 async def require_transactions(conn: Any) -> None:
     """ConfigurationError if the connection cannot keep a transaction open from one statement
     to the next (a pooler in statement mode closes it at the BEGIN, saying why)."""

@@ -41,7 +41,7 @@ from .fenced import Fencing
 from .fused import FastPath
 from .lifecycle import Turns, refuse_other_loop
 from .listener import Listener
-from .poolers import PREPARED_MISMATCH, refusal, require_transactions
+from .poolers import PREPARED_MISMATCH, refusal, require_sessions_to_listen, require_transactions
 from .poolers import check as check_pooler
 from .privileges import require_privileges, require_writable
 from .runner import alone
@@ -170,6 +170,8 @@ class PostgresStore(OffPathStatements):
                 async with self._internal() as conn:
                     await require_transactions(conn)  # (a pooler in statement mode: refused)
             await check_pooler(self.pool, self._checkouts.delay)
+            if self._listen and self._listen_dsn == self._dsn:  # (LISTEN through the pool's DSN)
+                await require_sessions_to_listen(self.pool, self._checkouts.delay)
             async with self._internal() as conn:
                 try:
                     await require_migrated(conn)
