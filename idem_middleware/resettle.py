@@ -16,7 +16,7 @@ import logging
 from typing import TYPE_CHECKING, TypeGuard
 
 from .context import IdempotencyContext
-from .errors import StatementRefused, StoreError
+from .errors import StatementRefused, StoreClosed, StoreError
 from .observe import SETTLED_EVENTS, Event
 from .outcomes import FINAL_STATE, Outcome, outcome_for_status
 from .policy import Mode
@@ -36,8 +36,9 @@ _MIN_ATTEMPTS = 2
 
 def blip(error: BaseException) -> TypeGuard[StoreError]:
     """Whether sending the statement again may succeed: the store could not be reached, not a
-    statement the database refused (a constraint, a trigger), which it would refuse again."""
-    return isinstance(error, StoreError) and not isinstance(error, StatementRefused)
+    statement the database refused (a constraint, a trigger), which it would refuse again, nor
+    a store that refuses all work (closed, or never opened: StoreClosed)."""
+    return isinstance(error, StoreError) and not isinstance(error, StatementRefused | StoreClosed)
 
 
 async def settle_again(
