@@ -17,7 +17,7 @@ from .heartbeat import keep_lease
 from .jobs_spec import JSON_HEADERS, MAX_ROUNDS, UNSETTLED, JobSpec
 from .outcomes import FINAL_STATE
 from .policy import LeaseExpiry
-from .resettle import blip, send_again, unresolve
+from .resettle import blip, send_again, unresolve, unresolve_after
 from .store.base import (
     Claimed,
     Existing,
@@ -112,11 +112,12 @@ async def _execute(
         except StaleGeneration:
             await fence.close()
             raise
-        except BaseException:
+        except BaseException as exc:
             # Whatever the function did outside the database may have happened: unknown,
             # unless it declared that it did nothing (sent again on a blip).
             await fence.close()
-            await unresolve(store, key, generation, context, seconds=job.lease_seconds / 3)
+            third = job.lease_seconds / 3
+            await unresolve_after(exc, store, key, generation, context, seconds=third)
             raise
         stop.set()
         outcome = context.declared or Outcome.SUCCEEDED

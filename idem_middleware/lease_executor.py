@@ -21,7 +21,7 @@ from .heartbeat import keep_lease
 from .observe import SETTLED_EVENTS, Event
 from .outcomes import FINAL_STATE, Outcome, outcome_for_status
 from .policy import Mode
-from .resettle import blip, committed_after_all, settle_again, unresolve
+from .resettle import blip, committed_after_all, settle_again, unresolve, unresolve_after
 from .store.base import RecordKey, Settlement, State
 
 if TYPE_CHECKING:
@@ -144,8 +144,8 @@ class LeaseExecution:
                     if capture.passthrough:
                         raise
                     await fence.close()
-                    moved, event = await unresolve(
-                        self.store, key, generation, context, seconds=policy.lease_seconds / 3
+                    moved, event = await unresolve_after(
+                        exc, self.store, key, generation, context, seconds=policy.lease_seconds / 3
                     )
                     if moved:
                         ex.emit(event, generation)

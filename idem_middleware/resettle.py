@@ -139,6 +139,36 @@ async def unresolve(
     return await send_again(store, key, generation, settlement, seconds=seconds, error=error), event
 
 
+async def unresolve_after(
+    error: BaseException,
+    store: Store,
+    key: RecordKey,
+    generation: int,
+    context: IdempotencyContext,
+    *,
+    seconds: float,
+) -> tuple[bool, Event]:
+    """`unresolve`, for an execution that raised `error`. When `error` is a cancellation (a
+    server's shutdown, a timeout around the app) and the mark fails, the cancellation goes on:
+    a StoreError in its place made the cancelled task end as if it had not been (a request
+    answered 503 instead), against every `asyncio.timeout` or task group around it. The record
+    stays `pending` until its lease lapses, and a warning says so."""
+    try:
+        return await unresolve(store, key, generation, context, seconds=seconds)
+    except Exception:
+        if isinstance(error, Exception):
+            raise
+        from .lease_executor import log_extra  # (it imports this module)
+
+        logger.warning(
+            "a cancelled execution could not mark its record unknown; it stays pending until "
+            "its lease lapses",
+            exc_info=True,
+            extra=log_extra(key, generation, "unsettled"),
+        )
+        raise error from None
+
+
 async def send_again(
     store: Store,
     key: RecordKey,
