@@ -93,14 +93,8 @@ async def committed_after_all(
     `unknown` or takes it over with a new one), and the client gets its outcome, not a 503."""
     outcome = context.declared or outcome_for_status(capture.status, Mode.LEASE)
     state = FINAL_STATE.get(outcome)
-    if state is None:
-        return False
-    try:
-        record = await execution.store.get(execution.key)
-    except StoreError:
-        return False
     generation = execution.generation
-    if record is None or record.generation != generation or record.state is not state:
+    if state is None or not await holds(execution.store, execution.key, generation, state):
         return False
     from .lease_executor import log_extra  # (it imports this module)
 
@@ -110,6 +104,17 @@ async def committed_after_all(
     )
     execution.ex.emit(SETTLED_EVENTS[outcome], generation)
     return True
+
+
+async def holds(store: Store, key: RecordKey, generation: int, state: State) -> bool:
+    """Whether the record holds `generation` in `state`: read after a fenced settlement failed
+    on a blip and the record was marked `unknown` if still pending, it says the settlement's
+    COMMIT landed after all (see `committed_after_all`). False if it cannot be read."""
+    try:
+        record = await store.get(key)
+    except StoreError:
+        return False
+    return record is not None and record.generation == generation and record.state is state
 
 
 async def unresolve(
