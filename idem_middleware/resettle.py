@@ -52,26 +52,59 @@ async def settle_again(
     past it the compare-and-set still decides). True once recorded, False if the generation no
     longer holds the record (answered as a stale executor). If the store stays out of reach,
     the record is marked `unknown` if it can be, and the last error stands (a 503)."""
+    try:
+        return await _resend(execution, context, capture, error, None)
+    except Exception:
+        await execution._unresolved(context, seconds=0.0)  # (out of reach all along)
+        raise
+
+
+async def settle_early_again(
+    execution: LeaseExecution,
+    context: IdempotencyContext,
+    capture: ResponseCapture,
+    omitted: str,
+    error: Exception,
+) -> bool:
+    """The early settlement of a response that cannot be held (`omitted` says why) failed with
+    `error`, before the first byte: on a blip, sent again as `settle_again` does when it was a
+    compare-and-set; with a fenced transaction, the record is read in case its COMMIT landed
+    after all (`committed_after_all`). Otherwise, or if the store stays out of reach, `error`
+    is raised: it reaches the handler through its `send`, and the execution marks the record
+    `unknown` as when a handler raises (its client gets a 503)."""
+    if not blip(error):
+        raise error
+    fence = execution.fence
+    if fence is not None and fence.opened:
+        if await committed_after_all(execution, context, capture):
+            return True
+        raise error
+    return await _resend(execution, context, capture, error, omitted)
+
+
+async def _resend(
+    execution: LeaseExecution,
+    context: IdempotencyContext,
+    capture: ResponseCapture,
+    error: StoreError,
+    omitted: str | None,
+) -> bool:
     outcome = context.declared or outcome_for_status(capture.status, Mode.LEASE)
     state = FINAL_STATE.get(outcome)
     settlement: Settlement | None = Settlement(State.UNKNOWN)
     if state is not None:
-        settlement = Settlement(state, capture.stored())
+        settlement = Settlement(state, capture.stored(omitted))
     elif outcome is Outcome.RELEASE:
         settlement = None
     key, generation = execution.key, execution.generation
-    try:
-        settled = await send_again(
-            execution.store,
-            key,
-            generation,
-            settlement,
-            seconds=execution.policy.lease_seconds / 3,
-            error=error,
-        )
-    except Exception:
-        await execution._unresolved(context, seconds=0.0)  # (out of reach all along)
-        raise
+    settled = await send_again(
+        execution.store,
+        key,
+        generation,
+        settlement,
+        seconds=execution.policy.lease_seconds / 3,
+        error=error,
+    )
     from .lease_executor import log_extra  # (it imports this module)
 
     extra = log_extra(key, generation, "settled-again" if settled else "stale")
