@@ -45,6 +45,12 @@ class StoreError(IdempotencyError):
     """The store could not do what was asked (connection lost, server gone)."""
 
 
+class StoreClosed(StoreError):
+    """The store refuses all work here: it is closed, was never opened, or its pool belongs to
+    another event loop. Unlike a lost connection, asking again cannot help (a settlement that
+    meets it is not sent again)."""
+
+
 #: How to open the store, and what a store that was never opened says.
 OPEN_IN_LIFESPAN = (
     "open it in the app's lifespan (lifespan=store_lifespan(store), or `async with store:` "

@@ -16,9 +16,10 @@ from .errors import JobInProgress, StaleGeneration, StoreError
 from .fence import Fence
 from .heartbeat import keep_lease
 from .jobs_spec import JSON_HEADERS, MAX_ROUNDS, UNSETTLED, JobSpec
+from .lease_executor import log_extra
 from .outcomes import FINAL_STATE
 from .policy import LeaseExpiry
-from .resettle import blip, send_again, unresolve
+from .resettle import blip, holds, send_again, unresolve, unresolve_after
 from .store.base import (
     Claimed,
     Existing,
@@ -113,13 +114,14 @@ async def _execute(
         except StaleGeneration:
             await fence.close()
             raise
-        except BaseException:
+        except BaseException as exc:
             # Whatever the function did outside the database may have happened: unknown,
             # unless it declared that it did nothing (sent again on a blip). Shielded: an anyio
             # cancel scope cancels every await until the task ends, this cleanup's too.
             with CancelScope(shield=True):
                 await fence.close()
-                await unresolve(store, key, generation, context, seconds=job.lease_seconds / 3)
+                third = job.lease_seconds / 3
+                await unresolve_after(exc, store, key, generation, context, seconds=third)
             raise
         stop.set()
         outcome = context.declared or Outcome.SUCCEEDED
@@ -132,15 +134,30 @@ async def _execute(
         try:
             settled = await _settle(fence, store, key, generation, settlement)
         except StoreError as exc:
-            if fence.opened or not blip(exc):
-                # The fenced COMMIT took the function's writes with it (or the database
-                # refused it): what it did elsewhere may have happened.
-                with contextlib.suppress(StoreError):
-                    await unresolve(store, key, generation, context, seconds=job.lease_seconds / 3)
-                raise
             # (Renewals have stopped: at least two thirds of the lease are left.)
             third = job.lease_seconds / 3
-            settled = await send_again(store, key, generation, settlement, seconds=third, error=exc)
+            if fence.opened or not blip(exc):
+                # The fenced COMMIT took the function's writes with it (or the database
+                # refused it): what it did elsewhere may have happened. Unless the COMMIT
+                # landed and only its answer was lost: the record then says so (`holds`).
+                with contextlib.suppress(StoreError):
+                    await unresolve(store, key, generation, context, seconds=third)
+                if (
+                    not blip(exc)
+                    or settlement is None
+                    or settlement.state is State.UNKNOWN
+                    or not await holds(store, key, generation, settlement.state)
+                ):
+                    raise
+                logger.info(
+                    "a fenced settlement whose answer was lost had committed",
+                    extra=log_extra(key, generation, "settled-again"),
+                )
+                settled = True
+            else:
+                settled = await send_again(
+                    store, key, generation, settlement, seconds=third, error=exc
+                )
     finally:
         stop.set()
         await heartbeat  # stopped by the event, never cancelled mid-write

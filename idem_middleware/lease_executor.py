@@ -23,7 +23,14 @@ from .heartbeat import keep_lease
 from .observe import SETTLED_EVENTS, Event
 from .outcomes import FINAL_STATE, Outcome, outcome_for_status
 from .policy import Mode
-from .resettle import blip, committed_after_all, settle_again, unresolve
+from .resettle import (
+    blip,
+    committed_after_all,
+    settle_again,
+    settle_early_again,
+    unresolve,
+    unresolve_after,
+)
 from .store.base import RecordKey, Settlement, State
 
 if TYPE_CHECKING:
@@ -150,8 +157,13 @@ class LeaseExecution:
                     # cancels every await until the task ends, this cleanup's too.
                     with CancelScope(shield=True):
                         await fence.close()
-                        moved, event = await unresolve(
-                            self.store, key, generation, context, seconds=policy.lease_seconds / 3
+                        moved, event = await unresolve_after(
+                            exc,
+                            self.store,
+                            key,
+                            generation,
+                            context,
+                            seconds=policy.lease_seconds / 3,
                         )
                     if moved:
                         ex.emit(event, generation)
@@ -212,7 +224,11 @@ class LeaseExecution:
         assert self.fence is not None
         assert self.capture is not None
         await self.context.flush_held_writes()  # (claim sessions' writes: see sqla.py)
-        if not await self._settle(self.context, self.fence, self.capture, omitted=reason):
+        try:
+            settled = await self._settle(self.context, self.fence, self.capture, omitted=reason)
+        except Exception as exc:
+            settled = await settle_early_again(self, self.context, self.capture, reason, exc)
+        if not settled:
             self.context.lease_lost.set()
             raise StaleGeneration("this execution's early settlement was refused")
         self.ex.started = True

@@ -16,7 +16,7 @@ import logging
 from typing import TYPE_CHECKING, TypeGuard
 
 from .context import IdempotencyContext
-from .errors import StatementRefused, StoreError
+from .errors import StatementRefused, StoreClosed, StoreError
 from .observe import SETTLED_EVENTS, Event
 from .outcomes import FINAL_STATE, Outcome, outcome_for_status
 from .policy import Mode
@@ -36,8 +36,9 @@ _MIN_ATTEMPTS = 2
 
 def blip(error: BaseException) -> TypeGuard[StoreError]:
     """Whether sending the statement again may succeed: the store could not be reached, not a
-    statement the database refused (a constraint, a trigger), which it would refuse again."""
-    return isinstance(error, StoreError) and not isinstance(error, StatementRefused)
+    statement the database refused (a constraint, a trigger), which it would refuse again, nor
+    a store that refuses all work (closed, or never opened: StoreClosed)."""
+    return isinstance(error, StoreError) and not isinstance(error, StatementRefused | StoreClosed)
 
 
 async def settle_again(
@@ -51,26 +52,59 @@ async def settle_again(
     past it the compare-and-set still decides). True once recorded, False if the generation no
     longer holds the record (answered as a stale executor). If the store stays out of reach,
     the record is marked `unknown` if it can be, and the last error stands (a 503)."""
+    try:
+        return await _resend(execution, context, capture, error, None)
+    except Exception:
+        await execution._unresolved(context, seconds=0.0)  # (out of reach all along)
+        raise
+
+
+async def settle_early_again(
+    execution: LeaseExecution,
+    context: IdempotencyContext,
+    capture: ResponseCapture,
+    omitted: str,
+    error: Exception,
+) -> bool:
+    """The early settlement of a response that cannot be held (`omitted` says why) failed with
+    `error`, before the first byte: on a blip, sent again as `settle_again` does when it was a
+    compare-and-set; with a fenced transaction, the record is read in case its COMMIT landed
+    after all (`committed_after_all`). Otherwise, or if the store stays out of reach, `error`
+    is raised: it reaches the handler through its `send`, and the execution marks the record
+    `unknown` as when a handler raises (its client gets a 503)."""
+    if not blip(error):
+        raise error
+    fence = execution.fence
+    if fence is not None and fence.opened:
+        if await committed_after_all(execution, context, capture):
+            return True
+        raise error
+    return await _resend(execution, context, capture, error, omitted)
+
+
+async def _resend(
+    execution: LeaseExecution,
+    context: IdempotencyContext,
+    capture: ResponseCapture,
+    error: StoreError,
+    omitted: str | None,
+) -> bool:
     outcome = context.declared or outcome_for_status(capture.status, Mode.LEASE)
     state = FINAL_STATE.get(outcome)
     settlement: Settlement | None = Settlement(State.UNKNOWN)
     if state is not None:
-        settlement = Settlement(state, capture.stored())
+        settlement = Settlement(state, capture.stored(omitted))
     elif outcome is Outcome.RELEASE:
         settlement = None
     key, generation = execution.key, execution.generation
-    try:
-        settled = await send_again(
-            execution.store,
-            key,
-            generation,
-            settlement,
-            seconds=execution.policy.lease_seconds / 3,
-            error=error,
-        )
-    except Exception:
-        await execution._unresolved(context, seconds=0.0)  # (out of reach all along)
-        raise
+    settled = await send_again(
+        execution.store,
+        key,
+        generation,
+        settlement,
+        seconds=execution.policy.lease_seconds / 3,
+        error=error,
+    )
     from .lease_executor import log_extra  # (it imports this module)
 
     extra = log_extra(key, generation, "settled-again" if settled else "stale")
@@ -92,14 +126,8 @@ async def committed_after_all(
     `unknown` or takes it over with a new one), and the client gets its outcome, not a 503."""
     outcome = context.declared or outcome_for_status(capture.status, Mode.LEASE)
     state = FINAL_STATE.get(outcome)
-    if state is None:
-        return False
-    try:
-        record = await execution.store.get(execution.key)
-    except StoreError:
-        return False
     generation = execution.generation
-    if record is None or record.generation != generation or record.state is not state:
+    if state is None or not await holds(execution.store, execution.key, generation, state):
         return False
     from .lease_executor import log_extra  # (it imports this module)
 
@@ -109,6 +137,17 @@ async def committed_after_all(
     )
     execution.ex.emit(SETTLED_EVENTS[outcome], generation)
     return True
+
+
+async def holds(store: Store, key: RecordKey, generation: int, state: State) -> bool:
+    """Whether the record holds `generation` in `state`: read after a fenced settlement failed
+    on a blip and the record was marked `unknown` if still pending, it says the settlement's
+    COMMIT landed after all (see `committed_after_all`). False if it cannot be read."""
+    try:
+        record = await store.get(key)
+    except StoreError:
+        return False
+    return record is not None and record.generation == generation and record.state is state
 
 
 async def unresolve(
@@ -136,6 +175,36 @@ async def unresolve(
             raise
         error = exc
     return await send_again(store, key, generation, settlement, seconds=seconds, error=error), event
+
+
+async def unresolve_after(
+    error: BaseException,
+    store: Store,
+    key: RecordKey,
+    generation: int,
+    context: IdempotencyContext,
+    *,
+    seconds: float,
+) -> tuple[bool, Event]:
+    """`unresolve`, for an execution that raised `error`. When `error` is a cancellation (a
+    server's shutdown, a timeout around the app) and the mark fails, the cancellation goes on:
+    a StoreError in its place made the cancelled task end as if it had not been (a request
+    answered 503 instead), against every `asyncio.timeout` or task group around it. The record
+    stays `pending` until its lease lapses, and a warning says so."""
+    try:
+        return await unresolve(store, key, generation, context, seconds=seconds)
+    except Exception:
+        if isinstance(error, Exception):
+            raise
+        from .lease_executor import log_extra  # (it imports this module)
+
+        logger.warning(
+            "a cancelled execution could not mark its record unknown; it stays pending until "
+            "its lease lapses",
+            exc_info=True,
+            extra=log_extra(key, generation, "unsettled"),
+        )
+        raise error from None
 
 
 async def send_again(

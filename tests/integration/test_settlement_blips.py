@@ -305,3 +305,28 @@ async def test_a_fenced_settlement_whose_answer_was_lost_after_it_committed_is_t
             assert record is not None
             assert record.state is State.SUCCEEDED
             assert_replay_of(await c.post("/charges", json={}, headers=HEADERS), response)
+
+
+async def test_a_lease_jobs_fenced_settlement_whose_answer_was_lost_after_it_committed_returns(
+    own_dsn: str,
+) -> None:
+    """A lease-mode job's fenced transaction (its writes and its result) committed, and the
+    answer to its COMMIT was lost: the job raised StoreError for a run whose writes and result
+    were committed (the queue's redelivery then got the result: one run, but a failed job in
+    the consumer's eyes). Now the record is read, as a request's is, and the job returns."""
+    runs: list[str] = []
+    async with LoseFencedAnswer(dsn=own_dsn, min_size=1, max_size=2, listen=False) as store:
+
+        @idempotent_job(store, operation="payout", key="ref", mode=Mode.LEASE, lease_seconds=60.0)
+        async def payout(job: IdempotencyContext, *, ref: str) -> dict[str, str]:
+            runs.append(ref)
+            conn = await job.fenced_connection()
+            await conn.execute("SELECT 1")
+            return {"paid": ref}
+
+        assert await asyncio.wait_for(payout(ref="p1"), BOUND) == {"paid": "p1"}
+        record = await store.get(RecordKey("", "payout", "p1"))
+        assert record is not None
+        assert record.state is State.SUCCEEDED
+        assert await payout(ref="p1") == {"paid": "p1"}
+        assert runs == ["p1"]

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
+from idem_middleware.context import claimed_context
 from idem_middleware.errors import StatementRefused, StoreError
-from idem_middleware.resettle import send_again
+from idem_middleware.policy import Mode
+from idem_middleware.resettle import send_again, unresolve_after
 from idem_middleware.store import Claimed
 from idem_middleware.store.base import RecordKey, Settlement, State, StoredResponse
 from idem_middleware.store.memory import MemoryStore
@@ -94,4 +98,20 @@ async def test_a_statement_the_database_refused_is_not_sent_again() -> None:
     generation = await claimed(store)
     with pytest.raises(StatementRefused):
         await send_again(store, KEY, generation, DONE, seconds=5.0, error=DOWN)
+    assert store.tries == 1
+
+
+@pytest.mark.parametrize(
+    "error", [asyncio.CancelledError(), RuntimeError("the handler's")], ids=["cancelled", "raised"]
+)
+async def test_a_cancellation_goes_on_when_its_unknown_mark_fails(error: BaseException) -> None:
+    """A StoreError took a cancellation's place: the cancelled task ended as if it had not been
+    (a request answered 503). Now the cancellation goes on; an exception's mark that fails
+    still raises the store's error (its client gets a 503, documented)."""
+    store = Flaky(failures=1_000)
+    generation = await claimed(store)
+    context = claimed_context(*KEY, generation, Mode.LEASE, None, None)
+    expected = type(error) if isinstance(error, asyncio.CancelledError) else StoreError
+    with pytest.raises(expected):
+        await unresolve_after(error, store, KEY, generation, context, seconds=0.0)
     assert store.tries == 1

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from ...errors import OTHER_LOOP, ConfigurationError, StoreError
+from ...errors import OTHER_LOOP, ConfigurationError, StoreClosed
 
 
 class Turns:
@@ -45,6 +45,6 @@ def refuse_other_loop(pool: Any, doing: str) -> None:
 
 
 def check_loop(pool: Any) -> None:
-    """StoreError (a 503 whose log says why) when `pool` belongs to another loop."""
+    """StoreClosed (a 503 whose log says why) when `pool` belongs to another loop."""
     if other_loop(pool):
-        raise StoreError(OTHER_LOOP)
+        raise StoreClosed(OTHER_LOOP)

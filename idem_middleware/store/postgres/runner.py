@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 import asyncpg
 
 from ...delayed import Delayed
-from ...errors import NOT_OPEN, StoreError
+from ...errors import NOT_OPEN, StoreClosed, StoreError
 from . import compat
 from .convert import (
     CONNECTION_ERRORS,
@@ -175,7 +175,7 @@ class PoolStatements:
     def pool(self) -> asyncpg.Pool[Any]:
         pool = self._pool
         if pool is None:
-            raise StoreError("the store is closed" if self._closed else NOT_OPEN)
+            raise StoreClosed("the store is closed" if self._closed else NOT_OPEN)
         if getattr(pool, "_loop", None) is not _running_loop():  # (checked by C calls alone)
             check_loop(pool)  # another loop's pool (None running: a caller outside any loop)
         return pool
