@@ -80,6 +80,17 @@ class Fence:
         await self.close(commit=settled)
         return settled
 
+    async def record(self, settlement: Settlement | None) -> bool:
+        """An execution's outcome (`outcome.settlement_for`): a final one in the fenced
+        transaction, with the handler's writes if it opened one; `unknown`, or a release (None),
+        as a compare-and-set of its own once the fence is closed (its writes rolled back)."""
+        if settlement is not None and settlement.state is not State.UNKNOWN:
+            return await self.settle(settlement)
+        await self.close()
+        if settlement is None:
+            return await self.store.release(self.key, self.generation)
+        return await self.store.settle(self.key, self.generation, State.PENDING, settlement)
+
     async def close(self, *, commit: bool = False) -> None:
         """Commit (or roll back) the fenced transaction, if one was opened."""
         if self._session is None:

@@ -16,18 +16,15 @@ from .errors import JobInProgress, StaleGeneration, StoreError
 from .fence import Fence
 from .heartbeat import keep_lease
 from .jobs_spec import JSON_HEADERS, MAX_ROUNDS, UNSETTLED, JobSpec
-from .lease_executor import log_extra
-from .outcomes import FINAL_STATE
+from .outcomes import settlement_for
 from .policy import LeaseExpiry
-from .resettle import blip, holds, send_again, unresolve, unresolve_after
+from .resettle import blip, landed, send_again, unresolve, unresolve_after
 from .store.base import (
     Claimed,
     Existing,
     Record,
     RecordKey,
-    Settlement,
     State,
-    Store,
     StoredResponse,
 )
 from .waiting import lock_wait
@@ -125,14 +122,9 @@ async def _execute(
             raise
         stop.set()
         outcome = context.declared or Outcome.SUCCEEDED
-        state = FINAL_STATE.get(outcome)
-        settlement: Settlement | None = Settlement(State.UNKNOWN)
-        if state is not None:
-            settlement = Settlement(state, StoredResponse(200, JSON_HEADERS, body))
-        elif outcome is Outcome.RELEASE:
-            settlement = None
+        settlement = settlement_for(outcome, lambda: StoredResponse(200, JSON_HEADERS, body))
         try:
-            settled = await _settle(fence, store, key, generation, settlement)
+            settled = await fence.record(settlement)
         except StoreError as exc:
             # (Renewals have stopped: at least two thirds of the lease are left.)
             third = job.lease_seconds / 3
@@ -146,13 +138,9 @@ async def _execute(
                     not blip(exc)
                     or settlement is None
                     or settlement.state is State.UNKNOWN
-                    or not await holds(store, key, generation, settlement.state)
+                    or not await landed(store, key, generation, settlement.state)
                 ):
                     raise
-                logger.info(
-                    "a fenced settlement whose answer was lost had committed",
-                    extra=log_extra(key, generation, "settled-again"),
-                )
                 settled = True
             else:
                 settled = await send_again(
@@ -166,16 +154,3 @@ async def _execute(
             f"{job.operation}: generation {generation} lost its claim; nothing was recorded"
         )
     return orjson.loads(body)
-
-
-async def _settle(
-    fence: Fence, store: Store, key: RecordKey, generation: int, settlement: Settlement | None
-) -> bool:
-    """The run's outcome: in its fenced transaction if it opened one, else a compare-and-set
-    (`settlement` None: a release)."""
-    if settlement is not None and settlement.state is not State.UNKNOWN:
-        return await fence.settle(settlement)
-    await fence.close()
-    if settlement is None:
-        return await store.release(key, generation)
-    return await store.settle(key, generation, State.PENDING, settlement)

@@ -21,7 +21,7 @@ from .errors import ProblemKind, StaleGeneration
 from .fence import Fence
 from .heartbeat import keep_lease
 from .observe import SETTLED_EVENTS, Event
-from .outcomes import FINAL_STATE, Outcome, outcome_for_status
+from .outcomes import outcome_for_status, settlement_for
 from .policy import Mode
 from .resettle import (
     blip,
@@ -243,19 +243,9 @@ class LeaseExecution:
         omitted: str | None = None,
     ) -> bool:
         outcome = context.declared or outcome_for_status(capture.status, Mode.LEASE)
-        state = FINAL_STATE.get(outcome)
         generation = context.generation
         with self.ex.timed("complete"):
-            if state is not None:
-                settled = await fence.settle(Settlement(state, capture.stored(omitted)))
-            else:
-                await fence.close()
-                if outcome is Outcome.RELEASE:
-                    settled = await self.store.release(self.key, generation)
-                else:
-                    settled = await self.store.settle(
-                        self.key, generation, State.PENDING, Settlement(State.UNKNOWN)
-                    )
+            settled = await fence.record(settlement_for(outcome, lambda: capture.stored(omitted)))
         if settled:
             self.ex.emit(SETTLED_EVENTS[outcome], generation)
         else:

@@ -6,12 +6,13 @@ Both modes and the jobs API use these; nothing here talks to a client or a store
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from enum import StrEnum
 
 from .answers import Answer, InFlight, Problem, Replay
 from .errors import ProblemKind
 from .policy import Mode
-from .store.base import Record, State
+from .store.base import Record, Settlement, State, StoredResponse
 
 
 class Outcome(StrEnum):
@@ -32,6 +33,17 @@ RELEASE_STATUSES = frozenset({400, 401, 403, 404, 405, 408, 409, 413, 415, 422, 
 
 #: The state an outcome is stored as; RELEASE and UNKNOWN are not final (no stored response).
 FINAL_STATE = {Outcome.SUCCEEDED: State.SUCCEEDED, Outcome.FAILED_FINAL: State.FAILED_FINAL}
+_UNRESOLVED = Settlement(State.UNKNOWN)
+
+
+def settlement_for(outcome: Outcome, stored: Callable[[], StoredResponse]) -> Settlement | None:
+    """A lease-mode execution's `outcome` as what the store records: a final state with the
+    response (`stored()`, made only then), `unknown`, or None for a release."""
+    state = FINAL_STATE.get(outcome)
+    if state is not None:
+        return Settlement(state, stored())
+    return None if outcome is Outcome.RELEASE else _UNRESOLVED
+
 
 _KEY_REUSED = Problem(
     ProblemKind.KEY_REUSED,

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, TypeGuard
 from .context import IdempotencyContext
 from .errors import StatementRefused, StoreClosed, StoreError
 from .observe import SETTLED_EVENTS, Event
-from .outcomes import FINAL_STATE, Outcome, outcome_for_status
+from .outcomes import FINAL_STATE, Outcome, outcome_for_status, settlement_for
 from .policy import Mode
 from .store.base import RecordKey, Settlement, State, Store
 
@@ -90,12 +90,7 @@ async def _resend(
     omitted: str | None,
 ) -> bool:
     outcome = context.declared or outcome_for_status(capture.status, Mode.LEASE)
-    state = FINAL_STATE.get(outcome)
-    settlement: Settlement | None = Settlement(State.UNKNOWN)
-    if state is not None:
-        settlement = Settlement(state, capture.stored(omitted))
-    elif outcome is Outcome.RELEASE:
-        settlement = None
+    settlement = settlement_for(outcome, lambda: capture.stored(omitted))
     key, generation = execution.key, execution.generation
     settled = await send_again(
         execution.store,
@@ -127,27 +122,30 @@ async def committed_after_all(
     outcome = context.declared or outcome_for_status(capture.status, Mode.LEASE)
     state = FINAL_STATE.get(outcome)
     generation = execution.generation
-    if state is None or not await holds(execution.store, execution.key, generation, state):
+    if state is None or not await landed(execution.store, execution.key, generation, state):
+        return False
+    execution.ex.emit(SETTLED_EVENTS[outcome], generation)
+    return True
+
+
+async def landed(store: Store, key: RecordKey, generation: int, state: State) -> bool:
+    """Whether the record holds `generation` in `state`: read after a fenced settlement failed
+    on a blip and the record was marked `unknown` if still pending, it says the settlement's
+    COMMIT landed after all (see `committed_after_all`; logged then). False if it cannot be
+    read."""
+    try:
+        record = await store.get(key)
+    except StoreError:
+        return False
+    if record is None or record.generation != generation or record.state is not state:
         return False
     from .lease_executor import log_extra  # (it imports this module)
 
     logger.info(
         "a fenced settlement whose answer was lost had committed",
-        extra=log_extra(execution.key, generation, "settled-again"),
+        extra=log_extra(key, generation, "settled-again"),
     )
-    execution.ex.emit(SETTLED_EVENTS[outcome], generation)
     return True
-
-
-async def holds(store: Store, key: RecordKey, generation: int, state: State) -> bool:
-    """Whether the record holds `generation` in `state`: read after a fenced settlement failed
-    on a blip and the record was marked `unknown` if still pending, it says the settlement's
-    COMMIT landed after all (see `committed_after_all`). False if it cannot be read."""
-    try:
-        record = await store.get(key)
-    except StoreError:
-        return False
-    return record is not None and record.generation == generation and record.state is state
 
 
 async def unresolve(
