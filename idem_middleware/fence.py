@@ -141,6 +141,7 @@ async def run_reconciler(
     seconds: float,
     epoch: int | None = None,
     held_wait: float | None = None,
+    mode: str | None = None,
 ) -> ReconcileResult:
     """Run one reconciler, bounded by `seconds`, on an unknown record under `generation`.
 
@@ -153,14 +154,17 @@ async def run_reconciler(
     With `held_wait`, the reconciler's fenced connection waits no longer than that for a record
     another session holds (another reconciler at work, a process paused holding it): then
     `Verdict.HELD`, whatever the reconciler made of it. Without, as long as `seconds` allows.
+    `mode`: the record's, if the caller read it under `generation` (else it is read here).
     """
     # The record's mode is read first, under the same generation: a record keeps its mode while
     # it stays unknown under one generation (only a claim or a takeover changes it, and each
     # draws a new generation), so what is read here still holds when the fence locks the row.
-    summary = await store.describe(key)
-    if summary is None or (summary.generation, summary.state) != (generation, State.UNKNOWN):
-        return ReconcileResult(Verdict.CHANGED)
-    if summary.mode != Mode.LEASE.value:
+    if mode is None:
+        summary = await store.describe(key)
+        if summary is None or (summary.generation, summary.state) != (generation, State.UNKNOWN):
+            return ReconcileResult(Verdict.CHANGED)
+        mode = summary.mode
+    if mode != Mode.LEASE.value:
         return ReconcileResult(Verdict.BY_HAND, _BY_HAND)
     fence = Fence(store, key, generation, State.UNKNOWN)
     context = ReconcileContext(

@@ -172,6 +172,7 @@ async def _reconcile_one(
         seconds=seconds,
         epoch=summary.epoch,
         held_wait=held_wait,
+        mode=summary.mode,  # (read with the record: no second read)
     )
     if result.verdict is Verdict.HELD:
         raise Held  # (its fenced connection waited `held_wait` for the record)
