@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import re
 import uuid
@@ -228,17 +227,19 @@ class Publisher:
                     extra={"event_id": reserved.event_id, "topic": reserved.topic},
                 )
                 continue
-            event = OutboxEvent(
-                reserved.event_id, reserved.tenant, reserved.topic, None, attempt - 1
-            )  # (attempts: those before this one)
+            error: str | None = None
             try:
-                event = dataclasses.replace(event, payload=orjson.loads(reserved.payload))
+                payload = orjson.loads(reserved.payload)
             except orjson.JSONDecodeError as exc:
                 # A row not written by `add` (SQL, a trigger) with a number no float holds
                 # (1e400): a failed send, backed off and parked with this error. Raised, it
                 # ended every batch that reserved it, the events after it unsent.
-                error: str | None = f"the payload cannot be decoded: {exc}"
-            else:
+                payload, error = None, f"the payload cannot be decoded: {exc}"
+            # (attempts: those before this one)
+            event = OutboxEvent(
+                reserved.event_id, reserved.tenant, reserved.topic, payload, attempt - 1
+            )
+            if error is None:
                 error = await self._send(event)
             if error is None:
                 if await self._mark(event, None, attempt):
