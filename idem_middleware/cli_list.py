@@ -26,26 +26,15 @@ PAGE_SIZE = 5000
 #: An empty tenant shown: the anonymous tenant's name.
 _EMPTY = '""'
 
-_NAMED = {"\t": "\\t", "\n": "\\n", "\r": "\\r"}
-
 
 def printable(text: str) -> str:
     """`text` with every character a terminal would not just show (controls such as ESC, which
     start escape sequences, bidirectional overrides, line separators, invisible spaces) written
-    as a Python escape (`\\x1b`). Tenants, keys and notes are stored as clients and operators
-    sent them; `--json` gives them exactly."""
+    as Python writes it in a string's repr (`\\x1b`). Tenants, keys and notes are stored as
+    clients and operators sent them; `--json` gives them exactly."""
     if text.isprintable():
         return text
-    return "".join(ch if ch.isprintable() else _escape(ch) for ch in text)
-
-
-def _escape(ch: str) -> str:
-    code = ord(ch)
-    if ch in _NAMED:
-        return _NAMED[ch]
-    if code < 0x100:
-        return f"\\x{code:02x}"
-    return f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}"
+    return "".join(ch if ch.isprintable() else repr(ch)[1:-1] for ch in text)
 
 
 class _Pages:
