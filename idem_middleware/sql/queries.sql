@@ -8,9 +8,13 @@
 -- Claim a key, or return the record that holds it, in one round trip.
 -- $1 tenant, $2 operation, $3 key, $4 fingerprint, $5 mode, $6 retention (seconds),
 -- $7 lease (seconds, or NULL in transactional mode), $8 token hash (or NULL)
--- If another transaction holds an uncommitted claim, the INSERT waits for it. When that claim
--- committed after this statement's snapshot, neither branch returns a row and the caller reads
--- the record again with `get` (a new statement sees it under READ COMMITTED).
+-- A record this statement's snapshot sees is returned without trying the INSERT: the INSERT
+-- would wait for a transaction that holds its row (one taking a released record over, for as
+-- long as its handler runs), where the record as last committed is the answer (the caller
+-- decides what to do with it, without waiting). Only a record no snapshot saw yet, an uncommitted
+-- claim's, makes the INSERT wait for it; when that claim committed after this statement's
+-- snapshot, neither branch returns a row and the caller reads the record again with `get` (a
+-- new statement sees it under READ COMMITTED).
 -- With a token hash (a route that accepts only issued tokens as keys), a new record is inserted
 -- only if the key is a live token of this tenant and operation (and request, if the token is
 -- bound to one) and not consumed: consuming the token IS this claim, and it marks the token
@@ -25,11 +29,13 @@ WITH ins AS (
     SELECT $1, $2, $3, $4, 'pending', $5, make_interval(secs => $6::float8),
            now() + make_interval(secs => $7::float8), g.v, g.v
     FROM (SELECT nextval('idem_generation_seq') AS v) g
-    WHERE $8::bytea IS NULL OR EXISTS (
+    WHERE NOT EXISTS (
+        SELECT FROM idem_requests e WHERE e.tenant = $1 AND e.operation = $2 AND e.idem_key = $3
+    ) AND ($8::bytea IS NULL OR EXISTS (
         SELECT FROM idem_tokens t
         WHERE t.tenant = $1 AND t.token_hash = $8 AND t.operation = $2 AND t.expires_at > now()
           AND t.consumed_at IS NULL AND (t.request_digest IS NULL OR t.request_digest = $4)
-    )
+    ))
     ON CONFLICT DO NOTHING
     RETURNING r.generation, r.epoch
 ), consumed AS (
@@ -165,16 +171,29 @@ SELECT generation, epoch FROM reclaimed;
 -- Transactional mode's claim of a lease-mode record released for the client's retry (found not
 -- to have happened) after its route moved to transactional mode: the claim's transaction takes
 -- it over as its own, under a new generation and a new life. Rolled back, the record is the
--- released one again; committed, `complete` settles it. Matches only the same request.
+-- released one again; committed, `complete` settles it. Taken over only by the same request.
+-- It never waits: the record's row is locked first with NOWAIT, so a row another session holds
+-- (another transaction taking it over, for as long as its handler runs) fails the statement
+-- with lock_not_available, and the caller reports the key busy (it waits without its
+-- connection). No row: the record is no longer the one released under that generation. `same`
+-- false: another request's record, left as it is (the caller's answer is 422 key-reused).
 -- $1 tenant, $2 operation, $3 key, $4 fingerprint, $5 the released record's generation,
 -- $6 retention (seconds)
-UPDATE idem_requests
-SET mode = 'transactional', generation = g.v, epoch = g.v, updated_at = now(),
-    retention = make_interval(secs => $6::float8)
-FROM (SELECT nextval('idem_generation_seq') AS v) g
-WHERE tenant = $1 AND operation = $2 AND idem_key = $3 AND fingerprint = $4
-  AND generation = $5 AND state = 'pending' AND mode = 'lease' AND lease_expires_at IS NULL
-RETURNING g.v AS generation, g.v AS epoch;
+WITH locked AS (
+    SELECT fingerprint = $4 AS same FROM idem_requests
+    WHERE tenant = $1 AND operation = $2 AND idem_key = $3
+      AND generation = $5 AND state = 'pending' AND mode = 'lease' AND lease_expires_at IS NULL
+    FOR UPDATE NOWAIT
+), reclaimed AS (
+    UPDATE idem_requests r
+    SET mode = 'transactional', generation = g.v, epoch = g.v, updated_at = now(),
+        retention = make_interval(secs => $6::float8)
+    FROM locked, (SELECT nextval('idem_generation_seq') AS v) g
+    WHERE r.tenant = $1 AND r.operation = $2 AND r.idem_key = $3 AND locked.same
+    RETURNING g.v AS generation
+)
+SELECT locked.same, reclaimed.generation, reclaimed.generation AS epoch
+FROM locked LEFT JOIN reclaimed ON true;
 
 -- name: expire_lapsed
 -- `expire_lease` for a transactional claim that found a lapsed lease-mode record of the same

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...errors import ClaimTimeout
+from ...errors import ClaimBusy, ClaimTimeout
 from ..base import Claim, Claimed, Existing, Record, RecordKey, TokenRefused
 from .convert import (
     _Q,
+    LOCK_NOT_AVAILABLE,
     SERVER_ERROR,
     TRANSLATED,
     notify_token,
@@ -76,15 +77,21 @@ async def _claim(
                 # whether the token itself was refused).
                 continue
         record = to_record(key, row)
-        if record.retry_allowed and args[4] == "transactional" and record.fingerprint == args[3]:
-            # A lease-mode record released for this request's retry, its route transactional
-            # now: this transaction takes it over (rolled back, it is released again).
-            reclaimed = await executor.fetchrow(
-                _Q["reclaim_released"], *args[:4], record.generation, args[5], timeout=timeout
-            )
-            if reclaimed is not None:
+        if record.retry_allowed and args[4] == "transactional":
+            # A lease-mode record released for a retry, its route transactional now: this
+            # request's is taken over by this transaction (rolled back, it is released again).
+            # Another transaction taking it over holds its row: the key is busy, for any request.
+            try:
+                reclaimed = await executor.fetchrow(
+                    _Q["reclaim_released"], *args[:4], record.generation, args[5], timeout=timeout
+                )
+            except LOCK_NOT_AVAILABLE as exc:
+                raise ClaimBusy("another transaction is claiming this key") from exc
+            if reclaimed is None:
+                continue  # changed meanwhile: claim again, and find who holds it
+            if reclaimed["same"]:
                 return _claimed(reclaimed)
-            continue  # taken over meanwhile: claim again, and find who holds it
+            return Existing(record)  # another request's (422 key-reused)
         if not record.expired:
             return Existing(record)
         if token_hash is not None:

@@ -57,6 +57,8 @@ WAIT_EXCEEDED: tuple[type[BaseException], ...] = (
     asyncpg.exceptions.QueryCanceledError,
 )
 UNIQUE_VIOLATION: type[BaseException] = asyncpg.exceptions.UniqueViolationError
+#: A row locked `FOR UPDATE NOWAIT` that another session holds (a claim that never waits).
+LOCK_NOT_AVAILABLE: type[BaseException] = asyncpg.exceptions.LockNotAvailableError
 #: A statement prepared on the session is gone: a handler dropped the session's statements
 #: (`DEALLOCATE ALL`) while asyncpg's cache (or the fast path) still names them.
 STALE_STATEMENT: type[BaseException] = asyncpg.exceptions.InvalidSQLStatementNameError
