@@ -16,7 +16,7 @@ import pytest
 
 from idem_middleware import Mode, PostgresStore, RecordKey
 from idem_middleware.ops import reopen
-from idem_middleware.store.base import Claimed, Settlement, State
+from idem_middleware.store.base import Claimed, Existing, Settlement, State, StoredResponse
 from tests.apps import (
     BOUND,
     LEASE_POLICY,
@@ -230,3 +230,33 @@ async def test_a_reopened_transactional_record_is_never_reconciled_by_a_lease_ro
     record = await row(bank)
     assert record is not None
     assert (record["state"], record["mode"]) == ("unknown", "transactional")
+
+
+async def test_a_lease_claim_does_not_wait_for_a_transaction_taking_a_released_record_over(
+    pool: asyncpg.Pool[Any],
+    pg_store: PostgresStore,
+) -> None:
+    """Found by probing: while a transaction took over a record released for a retry (a route
+    moved to transactional mode), a lease-mode claim of the key (an old process, in the deploy)
+    waited in its INSERT for that transaction's row, with no bound, holding a pooled connection
+    for as long as the handler ran. It now gets the record as last committed, at once. (Left
+    as lease-mode.md says: the takeover its duplicate then tries waits for the row, holding a
+    connection, bounded by its `wait_seconds`; in a storm those waits still fill a small pool.)"""
+    key = RecordKey("tenant-a", f"POST {PAYOUTS}", "k1")
+    fp = b"\x01" * 32
+    claim = await pg_store.claim_lease(key, fp, retention_seconds=60, lease_seconds=60)
+    assert isinstance(claim, Claimed)
+    assert await pg_store.settle(key, claim.generation, State.PENDING, Settlement(State.UNKNOWN))
+    assert await pg_store.allow_retry(key, claim.generation, "not at the bank")
+    async with pg_store.transaction(acquire_timeout=BOUND) as session:
+        taken = await session.claim(key, fp, retention_seconds=60, wait_seconds=BOUND)
+        assert isinstance(taken, Claimed)
+        found = await asyncio.wait_for(
+            pg_store.claim_lease(key, fp, retention_seconds=60, lease_seconds=60), BOUND
+        )
+        assert isinstance(found, Existing)
+        assert found.record.retry_allowed
+        await session.finish(State.SUCCEEDED, StoredResponse(201, [], b"{}"))
+    record = await pg_store.get(key)
+    assert record is not None
+    assert (record.state, record.generation) == (State.SUCCEEDED, taken.generation)
