@@ -72,6 +72,7 @@ class Exchange:
         "body",
         "body_delivered",
         "by_name",
+        "client_watch",
         "disconnected",
         "fingerprinter",
         "message",
@@ -115,6 +116,8 @@ class Exchange:
         # its body waits for `disconnected` (made when first needed) instead of the server's.
         self.watched = False
         self.disconnected: asyncio.Event | None = None
+        #: The one read of the server's receive() after the body, shared by every watch.
+        self.client_watch: asyncio.Future[None] | None = None
         self.body_delivered = False
         self.record_key: RecordKey | None = None
         self.token_hash: bytes | None = None
@@ -229,6 +232,9 @@ class Exchange:
                 )
         except ClientGone as exc:
             logger.debug("client disconnected: %s", exc)
+        finally:
+            if self.client_watch is not None:
+                self.client_watch.cancel()
 
     # -- what the client is told ---------------------------------------------------------------
 
@@ -366,10 +372,23 @@ class Exchange:
         if self.watched:
             await self.disconnect_event().wait()
             return {"type": "http.disconnect"}
+        if self.client_watch is not None:  # (it reads the server's receive(): share its verdict)
+            await self.until_disconnect()
+            return {"type": "http.disconnect"}
         return await self.receive()
 
     async def until_disconnect(self) -> None:
-        """Returns once the client has left (after the body, receive() yields only that)."""
+        """Returns once the client has left. The server's receive() is read by one task per
+        request, shared by every watch and left running until the request ends: a watch that
+        is cancelled (each round of a duplicate's wait, a handler that finished) cancels only
+        its own wait. gunicorn's ASGI worker takes a cancelled receive() for the client gone,
+        and answered every later one with `http.disconnect` at once."""
+        if self.client_watch is None:
+            self.client_watch = asyncio.ensure_future(self._read_until_disconnect())
+        await asyncio.shield(self.client_watch)
+
+    async def _read_until_disconnect(self) -> None:
+        """(After the body, the server's receive() yields only the client's disconnect.)"""
         for _ in range(100):
             if (await self.receive())["type"] == "http.disconnect":
                 return
