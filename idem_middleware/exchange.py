@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Coroutine
+from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote, urlencode
 
@@ -16,6 +16,7 @@ from starlette.types import Message, Receive, Scope, Send
 
 from .answers import Answer, InFlight, Problem, Replay, Sent
 from .capture import ResponseCapture
+from .client_watch import ClientWatch
 from .context import key_digest, token_hash
 from .errors import ClientGone, ProblemKind, RequestRejected, StoreError
 from .fingerprint import Fingerprinter, compressed_body_hint
@@ -65,15 +66,13 @@ def header_map(headers: Any) -> dict[bytes, bytes] | None:
     return None
 
 
-class Exchange:
+class Exchange(ClientWatch):
     """Everything per request lives here, never on the middleware."""
 
     __slots__ = (
         "body",
         "body_delivered",
         "by_name",
-        "client_watch",
-        "disconnected",
         "fingerprinter",
         "message",
         "mw",
@@ -116,7 +115,6 @@ class Exchange:
         # its body waits for `disconnected` (made when first needed) instead of the server's.
         self.watched = False
         self.disconnected: asyncio.Event | None = None
-        #: The one read of the server's receive() after the body, shared by every watch.
         self.client_watch: asyncio.Future[None] | None = None
         self.body_delivered = False
         self.record_key: RecordKey | None = None
@@ -376,44 +374,3 @@ class Exchange:
             await self.until_disconnect()
             return {"type": "http.disconnect"}
         return await self.receive()
-
-    async def until_disconnect(self) -> None:
-        """Returns once the client has left. The server's receive() is read by one task per
-        request, shared by every watch and left running until the request ends: a watch that
-        is cancelled (each round of a duplicate's wait, a handler that finished) cancels only
-        its own wait. gunicorn's ASGI worker takes a cancelled receive() for the client gone,
-        and answered every later one with `http.disconnect` at once."""
-        if self.client_watch is None:
-            self.client_watch = asyncio.ensure_future(self._read_until_disconnect())
-        await asyncio.shield(self.client_watch)
-
-    async def _read_until_disconnect(self) -> None:
-        """(After the body, the server's receive() yields only the client's disconnect.)"""
-        for _ in range(100):
-            if (await self.receive())["type"] == "http.disconnect":
-                return
-        await asyncio.Event().wait()  # a server that keeps talking: never a disconnect
-
-    async def wait_present(self, waiting: Coroutine[Any, Any, object]) -> None:
-        """A duplicate's `waiting`, cut short by its client leaving (ClientGone: it holds no
-        claim, and its waiting place goes back now, not when its wait would have run out)."""
-        inner = asyncio.ensure_future(waiting)
-        watch = asyncio.ensure_future(self.until_disconnect())
-        try:
-            done, _ = await asyncio.wait((inner, watch), return_when=asyncio.FIRST_COMPLETED)
-            if watch in done:
-                if watch.exception() is None:
-                    raise ClientGone("the client left while its request waited for another")
-                logger.debug(
-                    "the client watch of a waiting duplicate failed: %r", watch.exception()
-                )
-            await inner  # (its own error, if it raised; or the rest of the wait)
-        finally:
-            inner.cancel()
-            watch.cancel()
-
-    def disconnect_event(self) -> asyncio.Event:
-        """Set when the watched client left; made when first needed (most requests never are)."""
-        if self.disconnected is None:
-            self.disconnected = asyncio.Event()
-        return self.disconnected

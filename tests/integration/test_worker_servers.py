@@ -51,7 +51,7 @@ def _gunicorn(worker: str) -> list[str]:
     from gunicorn.config import KNOWN_SETTINGS
 
     if any(setting.name == "control_socket_disable" for setting in KNOWN_SETTINGS):
-        command.append("--no-control-socket")  # (one per user otherwise, in ~/.gunicorn)
+        command.append("--no-control-socket")  # (gunicorn 27's, one path per user otherwise)
     return [*command, "-b", "127.0.0.1:{port}", APP + "()"]
 
 
