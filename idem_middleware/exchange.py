@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Coroutine
+from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote, urlencode
 
@@ -16,6 +16,7 @@ from starlette.types import Message, Receive, Scope, Send
 
 from .answers import Answer, InFlight, Problem, Replay, Sent
 from .capture import ResponseCapture
+from .client_watch import ClientWatch
 from .context import key_digest, token_hash
 from .errors import ClientGone, ProblemKind, RequestRejected, StoreError
 from .fingerprint import Fingerprinter, compressed_body_hint
@@ -65,14 +66,13 @@ def header_map(headers: Any) -> dict[bytes, bytes] | None:
     return None
 
 
-class Exchange:
+class Exchange(ClientWatch):
     """Everything per request lives here, never on the middleware."""
 
     __slots__ = (
         "body",
         "body_delivered",
         "by_name",
-        "disconnected",
         "fingerprinter",
         "message",
         "mw",
@@ -115,6 +115,7 @@ class Exchange:
         # its body waits for `disconnected` (made when first needed) instead of the server's.
         self.watched = False
         self.disconnected: asyncio.Event | None = None
+        self.client_watch: asyncio.Future[None] | None = None
         self.body_delivered = False
         self.record_key: RecordKey | None = None
         self.token_hash: bytes | None = None
@@ -229,6 +230,9 @@ class Exchange:
                 )
         except ClientGone as exc:
             logger.debug("client disconnected: %s", exc)
+        finally:
+            if self.client_watch is not None:
+                self.client_watch.cancel()
 
     # -- what the client is told ---------------------------------------------------------------
 
@@ -366,35 +370,7 @@ class Exchange:
         if self.watched:
             await self.disconnect_event().wait()
             return {"type": "http.disconnect"}
+        if self.client_watch is not None:  # (it reads the server's receive(): share its verdict)
+            await self.until_disconnect()
+            return {"type": "http.disconnect"}
         return await self.receive()
-
-    async def until_disconnect(self) -> None:
-        """Returns once the client has left (after the body, receive() yields only that)."""
-        for _ in range(100):
-            if (await self.receive())["type"] == "http.disconnect":
-                return
-        await asyncio.Event().wait()  # a server that keeps talking: never a disconnect
-
-    async def wait_present(self, waiting: Coroutine[Any, Any, object]) -> None:
-        """A duplicate's `waiting`, cut short by its client leaving (ClientGone: it holds no
-        claim, and its waiting place goes back now, not when its wait would have run out)."""
-        inner = asyncio.ensure_future(waiting)
-        watch = asyncio.ensure_future(self.until_disconnect())
-        try:
-            done, _ = await asyncio.wait((inner, watch), return_when=asyncio.FIRST_COMPLETED)
-            if watch in done:
-                if watch.exception() is None:
-                    raise ClientGone("the client left while its request waited for another")
-                logger.debug(
-                    "the client watch of a waiting duplicate failed: %r", watch.exception()
-                )
-            await inner  # (its own error, if it raised; or the rest of the wait)
-        finally:
-            inner.cancel()
-            watch.cancel()
-
-    def disconnect_event(self) -> asyncio.Event:
-        """Set when the watched client left; made when first needed (most requests never are)."""
-        if self.disconnected is None:
-            self.disconnected = asyncio.Event()
-        return self.disconnected

@@ -44,7 +44,13 @@ def check_app(mw: IdempotencyMiddleware, app: Any, scope: Scope | None = None) -
     if not mw.enabled:
         logger.warning("idempotency: the middleware is disabled (kill switch); nothing is guarded")
     elif scope is not None and not getattr(mw.store, "is_open", True):  # (no lifespan ran)
-        logger.error("idempotency: %s (until then guarded requests answer 503)", NOT_OPEN)
+        logger.error(
+            "idempotency: %s (until then guarded requests answer 503). No lifespan startup "
+            "reached the middleware: the server sends none (daphne never does, nor "
+            "`uvicorn --lifespan off` or `granian --interface asginl`), or the app is mounted in "
+            "another",
+            NOT_OPEN,
+        )
     errors: list[str] = []
     reachable: set[str] = set()
     items = _named_above(routes, scope)

@@ -466,6 +466,7 @@ async def test_without_a_lifespan_an_unopened_store_says_how_to_open_it(
     (error,) = messages(caplog, logging.ERROR)
     assert "the store is not open" in error
     assert "`with TestClient(app) as client:`" in error
+    assert "No lifespan startup reached the middleware: the server sends none (daphne" in error
     logged = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert logged
     assert logged[0].exc_info is not None

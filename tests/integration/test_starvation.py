@@ -4,6 +4,7 @@ client or waits for another request. Real PostgreSQL, small pools, no wall-clock
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -194,6 +195,76 @@ async def test_a_lease_duplicate_whose_client_leaves_stops_waiting(
         finally:
             gate.set()
             await asyncio.wait_for(asyncio.gather(first, return_exceptions=True), BOUND)
+    assert app.state.probe.calls == 1
+
+
+class CancelMeansGone:
+    """A client as gunicorn's ASGI worker (`-k asgi`) presents it: once a receive() waiting for
+    the disconnect after the body is cancelled, every later receive() says the client left."""
+
+    def __init__(self, body: bytes) -> None:
+        self._body: bytes | None = body
+        self.cancelled = 0
+        self.sent: list[dict[str, Any]] = []
+
+    async def receive(self) -> dict[str, Any]:
+        body, self._body = self._body, None
+        if body is not None:
+            return {"type": "http.request", "body": body, "more_body": False}
+        if self.cancelled:
+            return {"type": "http.disconnect"}
+        try:
+            await asyncio.Event().wait()
+        finally:
+            self.cancelled += 1
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def send(self, message: dict[str, Any]) -> None:
+        self.sent.append(message)
+
+
+@pytest.mark.parametrize("mode", ["transactional", "lease"])
+async def test_a_duplicate_is_answered_where_a_cancelled_receive_means_the_client_left(
+    pg_store: PostgresStore, pool: asyncpg.Pool[Any], mode: str
+) -> None:
+    """A waiting duplicate watches its client each round of its wait. Each round cancelled its
+    own receive(), so under gunicorn's ASGI worker the second round saw the client gone: the
+    duplicate ended with nothing sent (gunicorn answered its plain-text 500). One receive() now
+    watches for the whole request: the duplicate gets the replay."""
+    gate = asyncio.Event()
+    if mode == "transactional":
+        app = build_app(pg_store, default_policy=Policy(wait_seconds=60))
+        app.state.probe.gate = gate
+        path, payload = CREDIT, BODY
+    else:
+        await reset_downstream(pool)
+        policy = Policy(mode=LEASE_POLICY.mode, lease_seconds=5.0, wait_seconds=60)
+        app = build_lease_app(pg_store, pool, policy)
+        app.state.probe.steps = [Step(gate=gate)]
+        path, payload = PAYOUTS, {"account": "acc-1", "amount": 100}
+    body = json.dumps(payload).encode()
+    duplicate = CancelMeansGone(body)
+    async with client(app) as a:
+        first = asyncio.ensure_future(a.post(path, json=payload, headers=key("k1")))
+        try:
+            await asyncio.wait_for(app.state.probe.entered.wait(), BOUND)
+            scope = asgi_request(path, '"k1"', len(body))
+            waiting = asyncio.ensure_future(app(scope, duplicate.receive, duplicate.send))
+            await wait_for_waiters(app, 1)
+            # Several rounds of its wait (polls of 20 or 50 ms, doubling): a watch that read its
+            # own receive() each round was cancelled at each round's end.
+            await asyncio.sleep(1.0)
+            gate.set()
+            r1 = await asyncio.wait_for(first, BOUND)
+            await asyncio.wait_for(waiting, BOUND)
+        finally:
+            gate.set()
+            await asyncio.wait_for(asyncio.gather(first, return_exceptions=True), BOUND)
+    assert r1.status_code == 201, r1.text
+    start = duplicate.sent[0] if duplicate.sent else {}
+    assert start.get("status") == 201, duplicate.sent
+    assert (b"idempotent-replayed", b"true") in start["headers"]
+    assert b"".join(m.get("body", b"") for m in duplicate.sent[1:]) == r1.content
     assert app.state.probe.calls == 1
 
 
