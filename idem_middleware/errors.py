@@ -121,6 +121,14 @@ class StatementRefused(StoreError):
     still usable."""
 
 
+class SettlementRefused(StatementRefused):
+    """Transactional mode: the database refused to record the handler's outcome because of what
+    the handler did in the claim's transaction (it went on after one of its statements failed,
+    which aborted the transaction; `SET ROLE`; a `search_path` without the store's schema; a
+    deferred constraint of its writes). Nothing of the transaction is committed and the key is
+    free: the client gets `500 server-misconfigured`, never the handler's answer."""
+
+
 # -- tokens and jobs -------------------------------------------------------------------------------
 
 
