@@ -17,7 +17,7 @@ from starlette.types import Message, Receive, Scope, Send
 from .answers import Answer, InFlight, Problem, Replay, Sent
 from .capture import ResponseCapture
 from .context import key_digest, token_hash
-from .errors import ClientGone, ProblemKind, RequestRejected, SettlementRefused, StoreError
+from .errors import ClientGone, ProblemKind, RequestRejected, StoreError
 from .fingerprint import Fingerprinter, compressed_body_hint
 from .keys import KEY_HEADER, parse_idempotency_key, parse_key_value
 from .keysource import take_key
@@ -37,10 +37,6 @@ logger = logging.getLogger("idem_middleware")
 #: Every loop is bounded: a body in more messages than this is refused (a server sends a body in
 #: pieces of 64 KiB or so: a capped body is far fewer).
 _MAX_BODY_MESSAGES = 1_000_000
-_NOT_RECORDED = (
-    "The request was not processed: its outcome could not be recorded, and nothing of it was "
-    "committed. The server is misconfigured."
-)
 
 _PROBLEM_EVENTS = {
     ProblemKind.KEY_REUSED: Event.MISMATCH,
@@ -214,14 +210,10 @@ class Exchange:
                 await answer.flush()
             elif answer is not None:
                 await self.answer(answer)
-        except SettlementRefused as exc:  # the handler's doing: never "the store is down"
-            where = {"tenant": tenant, "operation": self.operation, "key_digest": key_digest(key)}
-            logger.error("idempotency: %s", exc, extra=where)
-            if not self.started:
-                await self.problem(ProblemKind.MISCONFIGURED, _NOT_RECORDED)
-        except StoreError:
-            logger.warning(
-                "idempotency store unavailable",
+        except StoreError as exc:  # (what the client is told, and how it is logged: the error's)
+            logger.log(
+                exc.log_level,
+                exc.log_message,
                 extra={
                     "tenant": tenant,
                     "operation": self.operation,
@@ -230,12 +222,7 @@ class Exchange:
                 exc_info=True,
             )
             if not self.started:
-                await self.problem(
-                    ProblemKind.STORE_UNAVAILABLE,
-                    "The request was not processed, or its outcome is not yet known; retry it "
-                    "with the same Idempotency-Key.",
-                    retry_after=1,
-                )
+                await self.problem(exc.problem, exc.detail, exc.retry_after)
         except ClientGone as exc:
             logger.debug("client disconnected: %s", exc)
 
