@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from enum import StrEnum
 
 
@@ -43,6 +44,16 @@ class RequestRejected(IdempotencyError):
 
 class StoreError(IdempotencyError):
     """The store could not do what was asked (connection lost, server gone)."""
+
+    #: What a request meeting it is told (unless its response has started), and how it is logged.
+    problem = ProblemKind.STORE_UNAVAILABLE
+    detail = (
+        "The request was not processed, or its outcome is not yet known; retry it with the same "
+        "Idempotency-Key."
+    )
+    retry_after: int | None = 1
+    log_level = logging.WARNING
+    log_message = "idempotency store unavailable"
 
 
 class StoreClosed(StoreError):
@@ -119,6 +130,23 @@ class ClientGone(IdempotencyError):
 class StatementRefused(StoreError):
     """The database refused one statement (a constraint, a trigger) on a connection that is
     still usable."""
+
+
+class SettlementRefused(StatementRefused):
+    """Transactional mode: the database refused to record the handler's outcome because of what
+    the handler did in the claim's transaction (it went on after one of its statements failed,
+    which aborted the transaction; `SET ROLE`; a `search_path` without the store's schema; a
+    deferred constraint of its writes). Nothing of the transaction is committed and the key is
+    free: the client gets `500 server-misconfigured`, never the handler's answer."""
+
+    problem = ProblemKind.MISCONFIGURED
+    detail = (
+        "The request was not processed: its outcome could not be recorded, and nothing of it was "
+        "committed. The server is misconfigured."
+    )
+    retry_after = None
+    log_level = logging.ERROR
+    log_message = "idempotency: the handler's outcome could not be recorded"
 
 
 # -- tokens and jobs -------------------------------------------------------------------------------

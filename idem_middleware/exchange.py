@@ -211,9 +211,10 @@ class Exchange(ClientWatch):
                 await answer.flush()
             elif answer is not None:
                 await self.answer(answer)
-        except StoreError:
-            logger.warning(
-                "idempotency store unavailable",
+        except StoreError as exc:  # (what the client is told, and how it is logged: the error's)
+            logger.log(
+                exc.log_level,
+                exc.log_message,
                 extra={
                     "tenant": tenant,
                     "operation": self.operation,
@@ -222,12 +223,7 @@ class Exchange(ClientWatch):
                 exc_info=True,
             )
             if not self.started:
-                await self.problem(
-                    ProblemKind.STORE_UNAVAILABLE,
-                    "The request was not processed, or its outcome is not yet known; retry it "
-                    "with the same Idempotency-Key.",
-                    retry_after=1,
-                )
+                await self.problem(exc.problem, exc.detail, exc.retry_after)
         except ClientGone as exc:
             logger.debug("client disconnected: %s", exc)
         finally:

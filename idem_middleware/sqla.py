@@ -16,11 +16,15 @@ connection). Install with the `[sqlalchemy]` extra.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Annotated, Any
 
+import asyncpg
+
 try:
+    from sqlalchemy.exc import DBAPIError
     from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 except ModuleNotFoundError as exc:  # installed without the extra
     from .errors import missing_extra
@@ -28,7 +32,7 @@ except ModuleNotFoundError as exc:  # installed without the extra
     raise missing_extra(__name__, "sqlalchemy", exc) from exc
 from starlette.requests import Request
 
-from .context import current_context, get_context
+from .context import IdempotencyContext, current_context, get_context
 from .errors import NO_CLAIM_HINT, ConfigurationError
 from .sqla_engine import ClaimPool, create_claim_engine
 
@@ -97,19 +101,69 @@ class ClaimSessions:
         # stream, or over the size cap) is settled before its first byte, so what the session
         # still holds is flushed then, or it would be lost while the outcome says it succeeded.
         forget = context.hold_writes(session.flush)
+        failed = False
         try:
             yield session
             transaction = session.get_transaction()
-            if transaction is not None and transaction.is_active:
-                await session.commit()
+            if transaction is not None:
+                # Inactive: a flush failed (SQLAlchemy rolled its writes back already) and the
+                # handler went on without `session.rollback()`.
+                failed = not transaction.is_active or not await _committed(session)
         finally:
             forget()
             await session.close()
+        if failed:
+            await spoil(context)
 
     async def dependency(self, request: Request) -> AsyncIterator[Any]:
         """The FastAPI dependency: `Depends(sessions.dependency)`."""
         async with self.session(request) as session:
             yield session
+
+
+async def _committed(session: Any) -> bool:
+    """Commit the session into the claim's transaction; False if a statement of the handler's
+    failed there before (it caught the error and answered): the transaction is aborted."""
+    try:
+        await session.commit()
+    except DBAPIError as exc:
+        if not aborted(exc):
+            raise
+        return False
+    return True
+
+
+#: Aborts the claim's transaction on purpose (see `spoil`), saying why in the server's log.
+_SPOIL = (
+    "DO $$BEGIN RAISE EXCEPTION 'idem_middleware: the handler answered after a statement of its "
+    "claim session failed; its outcome is not recorded'; END$$"
+)
+
+
+async def spoil(context: IdempotencyContext) -> None:
+    """The handler answered after a statement of its session failed, and went on without
+    `session.rollback()`. Its writes since its last `commit()` are gone (SQLAlchemy rolled them
+    back, or the savepoint's end does), so an answer that is stored would claim what did not
+    happen: the claim's transaction is aborted, as a failed statement on the claim's connection
+    leaves it. A status that releases the key (409, 422) still reaches the client; one that is
+    stored is refused (`SettlementRefused`: `500 server-misconfigured`, nothing committed)."""
+    connection = await context.fenced_connection()
+    if connection is None:
+        return
+    with contextlib.suppress(asyncpg.PostgresError, asyncpg.InterfaceError):
+        await connection.execute(_SPOIL)  # (InterfaceError: a stream's, given back already)
+
+
+def aborted(exc: BaseException) -> bool:
+    """Whether `exc` (SQLAlchemy's, raised from asyncpg's) says the transaction is aborted."""
+    cause: BaseException | None = exc
+    for _ in range(8):
+        if cause is None:
+            return False
+        if isinstance(cause, asyncpg.exceptions.InFailedSQLTransactionError):
+            return True
+        cause = cause.__cause__ or getattr(cause, "orig", None)
+    return False
 
 
 _default: ClaimSessions | None = None

@@ -11,9 +11,11 @@ the request that holds the connection next.
 
 from __future__ import annotations
 
+import logging
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 
+import asyncpg
 from asyncpg import InterfaceError
 
 try:
@@ -39,6 +41,14 @@ if TYPE_CHECKING:
 __all__ = ["ClaimDialect", "ClaimPool", "create_claim_engine"]
 
 # `await_only` is the name SQLAlchemy 2.0 exports; 2.1 calls it `await_` (the old name goes in 2.2).
+logger = logging.getLogger("idem_middleware")
+
+#: The session's savepoint is gone from under it: the handler ended the claim's transaction.
+ENDED_BY_HANDLER = (
+    asyncpg.exceptions.NoActiveSQLTransactionError,
+    asyncpg.exceptions.InvalidSavepointSpecificationError,
+)
+
 _await: Any = getattr(_sa_util, "await_", None) or _sa_util.await_only
 
 # The driver connection a checkout is creating a DBAPI wrapper for, and the acquisition (the
@@ -282,11 +292,27 @@ class _Savepoint:
 
     async def commit(self) -> None:
         if self._held():
-            await self._tx.commit()
+            await self._end(self._tx.commit)
 
     async def rollback(self) -> None:
         if self._held():
-            await self._tx.rollback()
+            await self._end(self._tx.rollback)
+
+    async def _end(self, end: Any) -> None:
+        """The savepoint's end, unless the handler ended the claim's transaction itself (a
+        `COMMIT` or `ROLLBACK` sent through the session): then its savepoint is gone, what the
+        session wrote since is committed already, and failing here would leave those writes
+        without the outcome that says they happened (a retry would make them again). The
+        outcome is recorded, and the store logs the ended transaction as an error."""
+        if not self._driver.is_in_transaction():
+            return
+        try:
+            await end()
+        except ENDED_BY_HANDLER:  # COMMIT then BEGIN: a transaction, but not the claim's
+            logger.error(
+                "the handler ended the claim's transaction itself (a COMMIT or ROLLBACK sent "
+                "through its claim session): its writes did not commit with the outcome"
+            )
 
 
 async def _creator() -> Any:

@@ -12,7 +12,7 @@ import asyncpg
 import orjson
 
 from ... import sql
-from ...errors import RetryableConflict, StatementRefused, StoreError
+from ...errors import RetryableConflict, SettlementRefused, StatementRefused, StoreError
 from ...observe import shown
 from ..base import Record, RecordKey, Settlement, State, StoredResponse
 
@@ -137,6 +137,27 @@ def translate(exc: BaseException) -> BaseException:
     if isinstance(exc, SERVER_ERROR):
         return StatementRefused(f"{type(exc).__name__}: {exc}")
     return exc
+
+
+def refused(exc: BaseException) -> SettlementRefused:
+    """The completion (or its COMMIT) refused by the server for what the handler did in the
+    transaction: nothing committed, and the reason in words an operator can act on. (The
+    DETAIL, which may quote a row, is dropped: see `convert.scrub`.)"""
+    scrub(exc)
+    if isinstance(exc, asyncpg.exceptions.InFailedSQLTransactionError):
+        return SettlementRefused(
+            "the handler answered after one of its statements failed, which aborted the claim's "
+            "transaction: nothing it wrote was committed and no outcome was recorded (the key is "
+            "free). Put a statement that may fail in a savepoint (`async with conn.transaction():`"
+            ", SQLAlchemy's `session.begin_nested()`), or raise, or answer with a status that "
+            "releases the key (409, 422)"
+        )
+    return SettlementRefused(
+        f"the database refused to record the handler's outcome ({type(exc).__name__}: {exc}): "
+        "nothing of the transaction was committed and the key is free. A handler must leave the "
+        "claim's connection able to reach the store's table: no SET ROLE to a role without its "
+        "privileges, no search_path without its schema"
+    )
 
 
 def encode_headers(headers: Sequence[tuple[bytes, bytes]]) -> bytes:

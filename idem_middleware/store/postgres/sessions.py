@@ -26,6 +26,7 @@ from .convert import (
     WAIT_EXCEEDED,
     completion_args,
     is_conflict,
+    refused,
     to_record,
     translate,
 )
@@ -223,6 +224,8 @@ class PgTransaction:
             await tx.commit()
         except TRANSLATED as exc:
             raise translate(exc) from exc
+        except convert.SERVER_ERROR as exc:  # a deferred constraint of the handler's writes
+            raise refused(exc) from exc
 
     async def abandon(self) -> None:
         await self.rollback()
@@ -349,6 +352,8 @@ class PgTransaction:
                 raise await self._stale(exc) from exc
             except TRANSLATED as exc:
                 raise translate(exc) from exc
+            except convert.SERVER_ERROR as exc:
+                raise refused(exc) from exc
             if done:
                 self._done()
                 return
@@ -363,8 +368,8 @@ class PgTransaction:
             if raw is None:  # (asyncpg says "released back to the pool" of a lost one too)
                 raise StoreError(self._gone()) from exc
             raise translate(exc) from exc
-        except convert.SERVER_ERROR as exc:  # a constraint, a trigger: DETAIL quotes the row
-            raise convert.scrub(exc)  # noqa: B904 - the same error, re-raised
+        except convert.SERVER_ERROR as exc:
+            raise refused(exc) from exc
         if status not in ("UPDATE 1", "INSERT 0 1"):
             # Our own uncommitted row: only a bug (or a hand edit) makes this miss.
             raise StoreError(f"completion matched no pending record ({status})")
