@@ -149,6 +149,19 @@ class SettlementRefused(StatementRefused):
     log_message = "idempotency: the handler's outcome could not be recorded"
 
 
+class FencedSettlementRefused(SettlementRefused):
+    """Lease mode: the same, for the execution's fenced transaction. Its writes there rolled
+    back; what the handler did outside the database may have happened, so the record is marked
+    `unknown` (a retry gets `409 outcome-unknown` until a reconciler or an operator resolves
+    it), and the client gets `500 server-misconfigured`, never the handler's answer."""
+
+    detail = (
+        "The request's outcome could not be recorded: nothing it wrote to the database was "
+        "committed, and what it did elsewhere is not known, so it is not run again until its "
+        "outcome is resolved. The server is misconfigured."
+    )
+
+
 # -- tokens and jobs -------------------------------------------------------------------------------
 
 

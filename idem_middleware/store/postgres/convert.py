@@ -12,7 +12,13 @@ import asyncpg
 import orjson
 
 from ... import sql
-from ...errors import RetryableConflict, SettlementRefused, StatementRefused, StoreError
+from ...errors import (
+    FencedSettlementRefused,
+    RetryableConflict,
+    SettlementRefused,
+    StatementRefused,
+    StoreError,
+)
 from ...observe import shown
 from ..base import Record, RecordKey, Settlement, State, StoredResponse
 
@@ -139,24 +145,31 @@ def translate(exc: BaseException) -> BaseException:
     return exc
 
 
-def refused(exc: BaseException) -> SettlementRefused:
+def refused(exc: BaseException, fenced: bool = False) -> SettlementRefused:
     """The completion (or its COMMIT) refused by the server for what the handler did in the
     transaction: nothing committed, and the reason in words an operator can act on. (The
-    DETAIL, which may quote a row, is dropped: see `convert.scrub`.)"""
+    DETAIL, which may quote a row, is dropped: see `convert.scrub`.) `fenced`: a lease-mode
+    execution's settlement (its record is then marked `unknown`, not freed)."""
     scrub(exc)
+    if fenced:
+        kind: type[SettlementRefused] = FencedSettlementRefused
+        transaction = "its fenced transaction"
+        then = "the record is unknown (what the handler did outside the database may have happened)"
+    else:
+        kind, transaction, then = SettlementRefused, "the claim's transaction", "the key is free"
     if isinstance(exc, asyncpg.exceptions.InFailedSQLTransactionError):
-        return SettlementRefused(
-            "the handler answered after one of its statements failed, which aborted the claim's "
-            "transaction: nothing it wrote was committed and no outcome was recorded (the key is "
-            "free). Put a statement that may fail in a savepoint (`async with conn.transaction():`"
-            ", SQLAlchemy's `session.begin_nested()`), or raise, or answer with a status that "
-            "releases the key (409, 422)"
+        return kind(
+            f"the handler answered after one of its statements failed, which aborted "
+            f"{transaction}: nothing it wrote there was committed and no outcome was recorded "
+            f"({then}). Put a statement that may fail in a savepoint (`async with "
+            "conn.transaction():`, SQLAlchemy's `session.begin_nested()`), or raise, or answer "
+            "with a status that releases the key (409, 422)"
         )
-    return SettlementRefused(
+    return kind(
         f"the database refused to record the handler's outcome ({type(exc).__name__}: {exc}): "
-        "nothing of the transaction was committed and the key is free. A handler must leave the "
-        "claim's connection able to reach the store's table: no SET ROLE to a role without its "
-        "privileges, no search_path without its schema"
+        f"nothing of {transaction} was committed ({then}). A handler must leave its connection "
+        "able to reach the store's table: no SET ROLE to a role without its privileges, no "
+        "search_path without its schema"
     )
 
 

@@ -16,8 +16,10 @@ from .convert import (
     ACQUIRE_ERRORS,
     CONNECTION_ERRORS,
     RETRYABLE,
+    SERVER_ERROR,
     STALE_STATEMENT,
     TRANSLATED,
+    refused,
     settle_args,
     translate,
 )
@@ -83,6 +85,10 @@ class PgFenced:
                 raise _refused(exc) from exc
             except TRANSLATED as exc:
                 raise translate(exc) from exc
+            except STALE_STATEMENT:
+                raise
+            except SERVER_ERROR as exc:  # what the handler did: an aborted transaction, say
+                raise refused(exc, fenced=True) from exc
             if done:
                 self.committed = True
                 return True
@@ -98,6 +104,8 @@ class PgFenced:
             raise
         except TRANSLATED as exc:
             raise translate(exc) from exc
+        except SERVER_ERROR as exc:
+            raise refused(exc, fenced=True) from exc
         self.committed = True
         return True
 
