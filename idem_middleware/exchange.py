@@ -24,7 +24,7 @@ from .keysource import take_key
 from .lease import LeaseRun
 from .observe import UNTIMED, Event
 from .policy import MIDDLEWARE_ACTIVE, Mode, Policy
-from .responses import send_accepted, send_replay
+from .responses import answer_cancelled, send_accepted, send_replay
 from .store.base import RecordKey, Store, StoredResponse, new_record_key
 from .transactional import RETRIED, Attempt, run_transactional
 
@@ -46,8 +46,7 @@ _PROBLEM_EVENTS = {
 }
 
 
-async def _nothing() -> None:
-    pass
+async def _nothing() -> None: ...
 
 
 def header_map(headers: Any) -> dict[bytes, bytes] | None:
@@ -229,6 +228,9 @@ class Exchange:
                 )
         except ClientGone as exc:
             logger.debug("client disconnected: %s", exc)
+        except asyncio.CancelledError:  # (the server's shutdown, past its graceful timeout)
+            await answer_cancelled(self)
+            raise
 
     # -- what the client is told ---------------------------------------------------------------
 
@@ -385,9 +387,7 @@ class Exchange:
             if watch in done:
                 if watch.exception() is None:
                     raise ClientGone("the client left while its request waited for another")
-                logger.debug(
-                    "the client watch of a waiting duplicate failed: %r", watch.exception()
-                )
+                logger.debug("a waiting duplicate's client watch failed: %r", watch.exception())
             await inner  # (its own error, if it raised; or the rest of the wait)
         finally:
             inner.cancel()
