@@ -308,6 +308,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(
             "no database: pass --dsn URL or set " + " or ".join(_DSN_ENVS) + " (in that order)"
         )
+    if sys.stdout is None:
+        # Run as `idem-middleware stats >&-`: whatever the command did, its report would be
+        # lost, and the flush below failed with a traceback after the command had acted.
+        print("idem-middleware: standard output is closed; nothing was done", file=sys.stderr)
+        return 1
     try:
         try:
             if args.command == "migrate":

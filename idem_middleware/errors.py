@@ -27,6 +27,8 @@ class ProblemKind(StrEnum):
     #: The token route only: the intent's token was issued for another request or secret, or
     #: was used and has expired.
     TOKEN_CONFLICT = "token-conflict"
+    #: The server cancelled the request before it was answered (its shutdown's graceful timeout).
+    CANCELLED = "request-cancelled"
 
 
 class IdempotencyError(Exception):

@@ -25,7 +25,7 @@ from .keysource import take_key
 from .lease import LeaseRun
 from .observe import UNTIMED, Event
 from .policy import MIDDLEWARE_ACTIVE, Mode, Policy
-from .responses import send_accepted, send_replay
+from .responses import answer_cancelled, send_accepted, send_replay
 from .store.base import RecordKey, Store, StoredResponse, new_record_key
 from .transactional import RETRIED, Attempt, run_transactional
 
@@ -47,8 +47,7 @@ _PROBLEM_EVENTS = {
 }
 
 
-async def _nothing() -> None:
-    pass
+async def _nothing() -> None: ...
 
 
 def header_map(headers: Any) -> dict[bytes, bytes] | None:
@@ -226,6 +225,9 @@ class Exchange(ClientWatch):
                 await self.problem(exc.problem, exc.detail, exc.retry_after)
         except ClientGone as exc:
             logger.debug("client disconnected: %s", exc)
+        except asyncio.CancelledError:  # (the server's shutdown, past its graceful timeout)
+            await answer_cancelled(self)
+            raise
         finally:
             if self.client_watch is not None:
                 self.client_watch.cancel()

@@ -5,7 +5,8 @@ does a lease that renewals could not reach the store to renew for as long as it 
 database restarting, failing over, or out of connections): past its end another execution may
 take the record over at any moment, so the execution stops believing it holds it. Either way
 `lease_lost` is set and the renewals stop; the settlement's compare-and-set decides what is
-recorded.
+recorded. A renewal that finds the store closed (the app's lifespan ended first) ends it at once:
+no renewal can reach it again, nor any settlement.
 
 While the execution's own fenced transaction holds the record's row lock, a renewal does not
 wait for it (nor hold a second connection meanwhile) and renews nothing: the lock keeps every
@@ -21,6 +22,7 @@ import logging
 from typing import Any
 
 from .context import IdempotencyContext, key_digest
+from .errors import StoreClosed
 from .store.base import RecordKey
 
 logger = logging.getLogger("idem_middleware")
@@ -53,6 +55,10 @@ async def keep_lease(
         sent = loop.time()
         try:
             alive = await store.heartbeat(key, context.generation, lease_seconds)
+        except StoreClosed as exc:
+            # (Asking again cannot help: the app's lifespan closed it, and nothing this
+            # execution does can be recorded now. Its record stays pending until its lease lapses.)
+            return _lost(context, stop, "the store is closed", exc)
         except Exception as exc:
             failures += 1
             if loop.time() >= held_until:

@@ -14,7 +14,7 @@ from collections.abc import Awaitable
 from typing import TYPE_CHECKING
 
 from .answers import TENANT_BUSY, WAITERS_FULL, Answer, InFlight, Problem
-from .errors import ClaimTimeout, ProblemKind, StoreError
+from .errors import ClaimTimeout, ProblemKind, StoreClosed, StoreError
 from .fence import Verdict, run_reconciler
 from .lease_executor import LeaseExecution, log_extra
 from .outcomes import duplicate_answer, settled_answer
@@ -157,10 +157,10 @@ class LeaseRun:
                     poll = min(poll * 2, _MAX_POLL)
                 try:
                     record = await store.get(self.key)
-                except StoreError:
+                except StoreError as exc:
                     # The server went away while this duplicate waited (a restart): it holds
-                    # nothing, so it polls on, for what is left of its wait.
-                    if poll == _FIRST_POLL or loop.time() >= deadline:
+                    # nothing, so it polls on, for what is left of its wait (not a closed store).
+                    if poll == _FIRST_POLL or loop.time() >= deadline or type(exc) is StoreClosed:
                         raise
         raise RuntimeError("the record kept changing; giving up")  # pragma: no cover
 

@@ -39,7 +39,12 @@ _PROBLEM_DETAILS = {
 _ROUTES_ONLY = frozenset({ProblemKind.RECORD_NOT_FOUND, ProblemKind.TOKEN_CONFLICT})
 # Sent with Retry-After.
 _RETRY_AFTER = frozenset(
-    {ProblemKind.IN_FLIGHT, ProblemKind.TENANT_BUSY, ProblemKind.STORE_UNAVAILABLE}
+    {
+        ProblemKind.IN_FLIGHT,
+        ProblemKind.TENANT_BUSY,
+        ProblemKind.STORE_UNAVAILABLE,
+        ProblemKind.CANCELLED,
+    }
 )
 
 

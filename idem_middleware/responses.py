@@ -6,6 +6,7 @@ from __future__ import annotations
 import inspect
 import logging
 from collections.abc import Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING
 
 import orjson
 from starlette.responses import Response
@@ -15,6 +16,9 @@ from .errors import ProblemKind
 from .observe import shown
 from .sendable import head_problem, sendable_headers
 from .store.base import StoredResponse
+
+if TYPE_CHECKING:
+    from .exchange import Exchange
 
 #: The `type` URIs are this prefix plus the kind (see ProblemKind); they never change.
 DEFAULT_PROBLEM_BASE = "urn:idem-middleware:problem:"
@@ -35,6 +39,7 @@ _TITLES: dict[ProblemKind, tuple[int, str]] = {
     ProblemKind.MISCONFIGURED: (500, "The server is misconfigured"),
     ProblemKind.TENANT_BUSY: (429, "Too many of this caller's requests are in progress"),
     ProblemKind.TOKEN_CONFLICT: (409, "This intent's token cannot be issued"),
+    ProblemKind.CANCELLED: (503, "The request was cut short before it was answered"),
 }
 
 # Never stored or replayed: per-connection (hop-by-hop), per-response (Date, Server, and how long
@@ -133,6 +138,28 @@ async def send_problem(
     )
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
+
+
+_CANCELLED = (
+    "The server stopped this request before answering it (it is shutting down). Retry it with "
+    "the same Idempotency-Key: the retry runs it, replays its outcome or says what is known of it."
+)
+
+
+async def answer_cancelled(ex: Exchange) -> None:
+    """What a guarded request the server cancelled (its shutdown's graceful timeout) says
+    before its cancellation goes on, unless its response has started: `503 request-cancelled`
+    + Retry-After, instead of the server's plain 500. What it held was let go as the
+    cancellation unwound (a transaction rolled back, a lease marked `unknown`, a waiting place
+    given back). Behind a `BaseHTTPMiddleware` nothing gets through: its cancel scope cancels
+    this send too, and the server answers as before."""
+    if ex.started:
+        return
+    ex.started = True
+    try:
+        await ex.mw.send_problem(ex.send, ProblemKind.CANCELLED, _CANCELLED, retry_after=1)
+    except Exception as exc:  # the client gone, or a server that takes no more
+        logger.debug("the answer to a cancelled request was not sent: %r", exc)
 
 
 def problem_response(

@@ -108,10 +108,11 @@ async def test_a_shutdown_while_the_database_is_down_is_bounded_and_says_what_it
         assert "1 cancelled lease-mode executions did not finish" in caplog.text
         tried = len(store.settlements)
         # The cancellation goes on (a StoreError took its place: the task ended as if never
-        # cancelled, and answered a 503 to a request the server had given up on).
+        # cancelled, answered `503 store-unavailable`). The client is told it was cancelled.
         with pytest.raises(asyncio.CancelledError):
             await asyncio.wait_for(request, BOUND)
-        assert sent == []
+        assert [m.get("status") for m in sent] == [503, None]
+        assert b"request-cancelled" in sent[1]["body"]
         # At most the try under way when the pool closed; none after it.
         assert len(store.settlements) <= tried + 1
         assert {state for state, _ in store.settlements} == {State.UNKNOWN}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import subprocess
@@ -727,3 +728,54 @@ async def test_purge_says_when_it_stopped_at_its_limit_with_records_left(
     rest = cli("--json", "purge", "--batch-size", "2", "--max-batches", "2", dsn=db_dsn)
     assert json.loads(rest.stdout) == {"purged": 1, "stopped_at_limit": False}
     assert rest.stderr == ""
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("stats",),
+        ("stats", "--json"),
+        ("list",),
+        ("show", "--tenant", "t", "--operation", "POST /payouts", "--key", "closed-out"),
+        ("reconcile", "--app", "tests.cli_app:app", "--no-lifespan"),
+        (
+            "resolve",
+            "--tenant",
+            "t",
+            "--operation",
+            "POST /payouts",
+            "--key",
+            "closed-out",
+            "--to",
+            "failed_final",
+            "--status",
+            "402",
+            "--note",
+            "declined",
+        ),
+    ],
+    ids=lambda args: args[0] + ("-json" if "--json" in args else ""),
+)
+async def test_a_closed_standard_output_does_nothing_and_says_so(
+    db_dsn: str, pool: Any, args: tuple[str, ...]
+) -> None:
+    """`idem-middleware stats >&-`: found by probing, every command ran (a `resolve` settled its
+    record, a `reconcile` ran its reconcilers), printed nothing, and then failed with a
+    traceback (`'NoneType' object has no attribute 'flush'`) and status 1, so the operator could
+    not tell whether it had acted. Now it does nothing and says why, on stderr."""
+    await insert(pool, "closed-out", "unknown")
+    env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "IDEM_DATABASE_URL")}
+    result = await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-m", "idem_middleware", "--dsn", db_dsn, *args],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        timeout=60,
+        env=env,
+        preexec_fn=lambda: os.close(1),  # (as the shell's `>&-`)
+    )
+    assert result.returncode == 1
+    assert result.stderr == "idem-middleware: standard output is closed; nothing was done\n"
+    state = await pool.fetchval("SELECT state FROM idem_requests WHERE idem_key = 'closed-out'")
+    assert state == "unknown"

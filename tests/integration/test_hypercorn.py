@@ -239,8 +239,10 @@ def _http1(key: str, path: str, body: bytes) -> bytes:
 @pytest.mark.parametrize("past_the_timeout", [False, True], ids=["within", "past"])
 async def test_graceful_shutdown_over_http1(db_dsn: str, pool: Any, past_the_timeout: bool) -> None:
     """Within `graceful_timeout`, the lease requests in flight and their waiting duplicates get
-    their answers; past it, hypercorn cancels them (its plain 500), then runs the lifespan's
-    shutdown (the store's close): the records are `unknown`, not `pending`."""
+    their answers; past it, hypercorn cancels them, then runs the lifespan's shutdown (the
+    store's close): the records are `unknown`, not `pending`. The cancelled requests, originals
+    and waiting duplicates alike, are answered `503 request-cancelled` (they got hypercorn's
+    plain 500 before)."""
     await reset_downstream(pool)
     store = PostgresStore(dsn=db_dsn, min_size=1, max_size=5)
     gate = asyncio.Event()
@@ -248,11 +250,11 @@ async def test_graceful_shutdown_over_http1(db_dsn: str, pool: Any, past_the_tim
     app.router.lifespan_context = store_lifespan(store)
     path, body = PAYOUT
 
-    async def pay(port: int, key: str) -> int:
+    async def pay(port: int, key: str) -> tuple[int, bytes | None]:
         async with connection(port) as (reader, writer):
             writer.write(_http1(key, path, body))
-            status, _, _ = await asyncio.wait_for(read_response(reader), BOUND)
-            return status
+            status, headers, _ = await asyncio.wait_for(read_response(reader), BOUND)
+            return status, headers.get(b"retry-after")
 
     async with hypercorn_serving(app, graceful=1.0) as (port, stop):
         answers = [asyncio.ensure_future(pay(port, f"g{i % 2}")) for i in range(4)]
@@ -265,7 +267,7 @@ async def test_graceful_shutdown_over_http1(db_dsn: str, pool: Any, past_the_tim
         if not past_the_timeout:
             gate.set()
         statuses = await asyncio.wait_for(asyncio.gather(*answers), BOUND)
-    assert statuses == ([500] * 4 if past_the_timeout else [201] * 4)
+    assert statuses == ([(503, b"1")] * 4 if past_the_timeout else [(201, None)] * 4)
     states = [r["state"] for r in await records(pool)]
     assert states == (["unknown"] * 2 if past_the_timeout else ["succeeded"] * 2)
     assert app.state.probe.calls == 2

@@ -34,7 +34,7 @@ from idem_middleware import (
     store_lifespan,
 )
 from idem_middleware.store.postgres import closing, listener
-from tests.apps import PROBLEM_BASE
+from tests.apps import PROBLEM_BASE, wait_for_waiters
 from tests.apps.servers import port_of, uvicorn_in_loop
 
 BOUND = 20.0
@@ -133,6 +133,59 @@ async def test_lease_requests_cut_short_by_a_graceful_timeout_are_left_unknown(
             )
     assert (retry.status_code, retry.json()["type"]) == (409, PROBLEM_BASE + "outcome-unknown")
     assert sorted(runs) == keys
+
+
+@pytest.mark.parametrize("mode", [Mode.TRANSACTIONAL, Mode.LEASE], ids=lambda m: m.value)
+async def test_requests_cut_short_by_a_graceful_timeout_are_told_to_retry(
+    db_dsn: str, pool: Any, mode: Mode
+) -> None:
+    """The original and a duplicate waiting in the process for it, both cancelled by the
+    server's graceful timeout: each is answered `503 request-cancelled` + Retry-After (uvicorn's
+    plain-text 500 before), and nothing is left claimed: the transactional claim rolled back,
+    the lease-mode record is `unknown`, the waiter's registration is gone."""
+    key = f"cut-waiter-{mode.value}"
+    runs: list[str] = []
+    entered = asyncio.Event()
+    store = PostgresStore(dsn=db_dsn, min_size=1, max_size=5)
+    policy = Policy(mode=mode, lease_seconds=60, wait_seconds=BOUND * 2)
+
+    async def pay(request: Request) -> Response:
+        runs.append(get_context(request).key)
+        entered.set()
+        await asyncio.sleep(HANDLER_SECONDS)
+        return JSONResponse({"paid": True}, status_code=201)
+
+    app = Starlette(
+        routes=[Route("/payouts", pay, methods=["POST"])],
+        middleware=[
+            Middleware(
+                IdempotencyMiddleware,
+                store=store,
+                tenant_resolver=lambda scope: "tenant-a",
+                policies={"POST /payouts": policy},
+            )
+        ],
+        lifespan=store_lifespan(store),
+    )
+    async with serving(app, graceful=1) as (server, url), httpx.AsyncClient(base_url=url) as c:
+
+        def post() -> Any:
+            return c.post("/payouts", json={"amount": 5}, headers={"idempotency-key": key})
+
+        original = asyncio.ensure_future(post())
+        await asyncio.wait_for(entered.wait(), BOUND)
+        duplicate = asyncio.ensure_future(post())
+        await wait_for_waiters(app)
+        server.should_exit = True  # what SIGTERM does
+        answers = await asyncio.wait_for(asyncio.gather(original, duplicate), BOUND)
+    for r in answers:
+        assert (r.status_code, r.headers["content-type"]) == (503, "application/problem+json")
+        assert r.json()["type"] == PROBLEM_BASE + "request-cancelled"
+        assert r.headers["retry-after"] == "1"
+    assert runs == [key]
+    states = await pool.fetch("SELECT state FROM idem_requests WHERE idem_key = $1", key)
+    assert [r["state"] for r in states] == ([] if mode is Mode.TRANSACTIONAL else ["unknown"])
+    assert await pool.fetchval("SELECT count(*) FROM idem_waiters") == 0
 
 
 # -- a database that stops answering --------------------------------------------------------

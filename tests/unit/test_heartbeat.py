@@ -8,7 +8,7 @@ import logging
 import pytest
 
 from idem_middleware.context import claimed_context
-from idem_middleware.errors import StoreError
+from idem_middleware.errors import StoreClosed, StoreError
 from idem_middleware.heartbeat import keep_lease
 from idem_middleware.policy import Mode
 from idem_middleware.store.base import RecordKey
@@ -49,3 +49,36 @@ async def test_renewals_failing_for_the_whole_lease_lose_it_with_one_traceback(
     assert len(lost) == 1
     assert "No such file" in lost[0].getMessage()
     assert "k" not in {v for v in vars(lost[0]).values() if isinstance(v, str)}  # no raw key
+
+
+class Closed:
+    """A store the app's lifespan closed while an execution ran on."""
+
+    def __init__(self) -> None:
+        self.tries = 0
+
+    async def heartbeat(self, key: RecordKey, generation: int, lease_seconds: float) -> bool:
+        self.tries += 1
+        raise StoreClosed("the store is closed")
+
+
+async def test_a_renewal_that_finds_the_store_closed_ends_the_lease_at_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Found by probing: the renewals tried a closed store again every third of the lease, a
+    warning each, until the lease lapsed, and the handler went on believing it held its claim
+    meanwhile. A closed store never comes back for this execution: one try, the lease lost."""
+    context = claimed_context("t", "POST /x", "k", 7, Mode.LEASE, None, None)
+    store = Closed()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    with caplog.at_level(logging.WARNING, logger="idem_middleware"):
+        await asyncio.wait_for(
+            keep_lease(store, context, 3600, stop, held_until=loop.time() + 3600, renew_now=True),
+            30,
+        )
+    assert context.lease_lost.is_set()
+    assert store.tries == 1
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 1
+    assert messages[0].startswith("lease lost: the store is closed")
