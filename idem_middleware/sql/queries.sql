@@ -496,17 +496,32 @@ WHERE tenant = $1 AND token_hash = $2;
 -- name: issue_token
 -- Issue a token, or return the one already issued for this intent (renewing it if it expired,
 -- unless it was consumed: `spent` then, and the caller refuses).
+-- An intent's live token is read, not written: the upsert would wait for the row lock of a
+-- transaction consuming it (a transactional claim holds it for as long as its handler runs),
+-- its pooled connection held. Only a first issue, or an expired token's renewal, writes.
 -- $1 tenant, $2 token hash, $3 operation, $4 request digest or NULL, $5 intent id or NULL,
 -- $6 time to live (seconds)
-INSERT INTO idem_tokens AS t (tenant, token_hash, operation, request_digest, intent_id, expires_at)
-VALUES ($1, $2, $3, $4, $5, now() + make_interval(secs => $6::float8))
-ON CONFLICT (tenant, operation, intent_id) DO UPDATE
-SET expires_at = CASE
-    WHEN t.expires_at <= now() AND t.consumed_at IS NULL THEN EXCLUDED.expires_at
-    ELSE t.expires_at
-END
-RETURNING t.token_hash, t.expires_at, t.request_digest,
-          t.consumed_at IS NOT NULL AND t.expires_at <= now() AS spent;
+WITH live AS (
+    SELECT token_hash, expires_at, request_digest
+    FROM idem_tokens
+    WHERE tenant = $1 AND operation = $3 AND intent_id = $5 AND expires_at > now()
+), issued AS (
+    INSERT INTO idem_tokens AS t
+        (tenant, token_hash, operation, request_digest, intent_id, expires_at)
+    SELECT $1::text, $2::bytea, $3::text, $4::bytea, $5::text,
+           now() + make_interval(secs => $6::float8)
+    WHERE NOT EXISTS (SELECT FROM live)
+    ON CONFLICT (tenant, operation, intent_id) DO UPDATE
+    SET expires_at = CASE
+        WHEN t.expires_at <= now() AND t.consumed_at IS NULL THEN EXCLUDED.expires_at
+        ELSE t.expires_at
+    END
+    RETURNING t.token_hash, t.expires_at, t.request_digest,
+              t.consumed_at IS NOT NULL AND t.expires_at <= now() AS spent
+)
+SELECT token_hash, expires_at, request_digest, false AS spent FROM live
+UNION ALL
+SELECT token_hash, expires_at, request_digest, spent FROM issued;
 
 -- name: watch_begin
 -- A lease-mode duplicate starts waiting for a record: settlements of it notify from now on.

@@ -139,6 +139,36 @@ async def test_issue_reads_again_after_losing_the_primary_key_race(
     assert other.calls == 1
 
 
+async def test_asking_again_for_an_intent_being_consumed_does_not_wait_for_its_request(
+    pg_store: PostgresStore, pool: Any, issuer: TokenIssuer
+) -> None:
+    """A transactional request consuming an intent's token holds the token's row until it
+    commits. Asking again for that intent meanwhile (a second tab, a retried "give me a token")
+    is answered from the token as last committed: it used to wait for that row inside
+    PostgreSQL, a pooled connection held, for as long as the handler ran."""
+    token = (await issuer.issue("tenant-a", OP, intent_id="held")).token
+    app = build_app(pg_store, policies={OP: Policy(require_token=True, wait_seconds=5)})
+    probe = app.state.probe
+    probe.gate = asyncio.Event()
+    async with client(app) as c:
+        first = asyncio.create_task(
+            c.post(URL, json={"amount": 5}, headers={"idempotency-key": token})
+        )
+        try:
+            await wait_entered(probe)
+            again = await asyncio.wait_for(issuer.issue("tenant-a", OP, intent_id="held"), BOUND)
+            assert again.token == token
+            assert not first.done()  # (answered while the request still held the token's row)
+        finally:
+            probe.gate.set()
+        assert (await first).status_code == 201
+    # Once consumed and committed it is still handed out while live, and never renewed.
+    assert (await issuer.issue("tenant-a", OP, intent_id="held")).token == token
+    await pool.execute("UPDATE idem_tokens SET expires_at = now() - interval '1 second'")
+    with pytest.raises(TokenConflict, match="already used"):
+        await issuer.issue("tenant-a", OP, intent_id="held")
+
+
 # -- 3. the token route is never guarded by the middleware ----------------------------------------
 
 
