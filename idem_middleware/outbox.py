@@ -71,10 +71,13 @@ async def add(
 ) -> str:
     """Write an event in the caller's transaction; returns its id (a UUID unless given).
 
-    Pass a deterministic `event_id` (derived from the idempotency key, say) if the same logical
-    event could be added twice by different requests: adding it again with the same tenant, topic
-    and payload does nothing (it is sent once), and with anything else raises `EventConflict`
-    (the caller's transaction goes on; what it does with the error is its business).
+    Pass a deterministic `event_id` if the same logical event could be added twice by different
+    requests: adding it again with the same tenant, topic and payload does nothing (it is sent
+    once), and with anything else raises `EventConflict` (the caller's transaction goes on; what
+    it does with the error is its business). Event ids are one namespace for every tenant and
+    operation: derive one from a business row's id or from `idem.downstream_key`, never from the
+    raw idempotency key (two tenants' keys may be equal: the second tenant's event would be
+    refused, or, with the same payload and no `tenant`, silently never sent).
 
     What the database would refuse, or JSON would change, is refused before any statement, the
     caller's transaction untouched: a payload with NaN, an infinity or a NUL, an empty
