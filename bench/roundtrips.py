@@ -41,7 +41,7 @@ _KINDS = (
     ("BEGIN", "BEGIN"),
     ("COMMIT", "COMMIT"),
     ("ROLLBACK", "ROLLBACK"),
-    ("WITH ins AS", "claim"),
+    ("WITH free AS", "claim"),
     ("SELECT * FROM idem_claim_key", "claim-key"),
     ("EXECUTE idem_claim_key", "claim-key"),
     (

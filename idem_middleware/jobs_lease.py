@@ -12,7 +12,7 @@ import orjson
 from anyio import CancelScope
 
 from .context import Outcome
-from .errors import JobInProgress, StaleGeneration, StoreError
+from .errors import ClaimBusy, ClaimTimeout, JobInProgress, StaleGeneration, StoreError
 from .fence import Fence
 from .heartbeat import keep_lease
 from .jobs_spec import JSON_HEADERS, MAX_ROUNDS, UNSETTLED, JobSpec
@@ -21,11 +21,11 @@ from .policy import LeaseExpiry
 from .resettle import blip, landed, send_again, unresolve, unresolve_after
 from .store.base import (
     Claimed,
-    Existing,
     Record,
     RecordKey,
     State,
     StoredResponse,
+    TokenRefused,
 )
 from .waiting import lock_wait
 
@@ -42,33 +42,46 @@ async def run_leased(
         record: Record | None = None
         for _ in range(MAX_ROUNDS):
             if record is None or record.expired:
-                claim = await store.claim_lease(
-                    key,
-                    fingerprint,
-                    retention_seconds=job.retention_seconds,
-                    lease_seconds=job.lease_seconds,
-                )
+                try:
+                    claim = await store.claim_lease(
+                        key,
+                        fingerprint,
+                        retention_seconds=job.retention_seconds,
+                        lease_seconds=job.lease_seconds,
+                    )
+                except ClaimTimeout:
+                    claim = None  # a transaction is claiming the key (or it kept changing)
                 if isinstance(claim, Claimed):
                     return await _execute(job, key, claim.generation, claim.epoch, args, kwargs)
-                assert isinstance(claim, Existing)  # a job's key is never a token
-                record = claim.record
-            answer = job.answer(record, fingerprint)
-            if answer is not UNSETTLED:
-                return answer
-            if record.retry_allowed or (
-                record.lease_expired and job.on_lease_expiry is LeaseExpiry.TAKEOVER
-            ):
-                # (Bounded by the job's wait: a run past its lease may still hold its fence.)
-                async with _waiting_for(job, deadline - loop.time()):
-                    generation = await store.takeover(
-                        key, record.generation, State.PENDING, job.lease_seconds
-                    )
-                if generation is not None:
-                    return await _execute(job, key, generation, record.epoch, args, kwargs)
-            elif record.lease_expired:
-                async with _waiting_for(job, deadline - loop.time()):
-                    await store.expire_lease(key, record.generation)
-            else:
+                assert not isinstance(claim, TokenRefused)  # a job's key is never a token
+                record = None if claim is None else claim.record
+            # Whether to wait (without a connection) before the next look: the run is in
+            # flight, or another session holds the key or the record.
+            busy = record is None
+            if record is not None:
+                answer = job.answer(record, fingerprint)
+                if answer is not UNSETTLED:
+                    return answer
+                if record.retry_allowed or (
+                    record.lease_expired and job.on_lease_expiry is LeaseExpiry.TAKEOVER
+                ):
+                    try:
+                        generation = await store.takeover(
+                            key, record.generation, State.PENDING, job.lease_seconds
+                        )
+                    except ClaimBusy:
+                        # A run past its lease still in its fenced transaction, or a
+                        # transaction taking a released record over.
+                        busy = True
+                    else:
+                        if generation is not None:
+                            return await _execute(job, key, generation, record.epoch, args, kwargs)
+                elif record.lease_expired:
+                    async with _waiting_for(job, deadline - loop.time()):
+                        await store.expire_lease(key, record.generation)
+                else:
+                    busy = True  # in flight: wait for its outcome
+            if busy:
                 remaining = deadline - loop.time()
                 if remaining <= 0:
                     raise JobInProgress(f"{job.operation}: another run holds this key")

@@ -14,7 +14,7 @@ from collections.abc import Awaitable
 from typing import TYPE_CHECKING
 
 from .answers import TENANT_BUSY, WAITERS_FULL, Answer, InFlight, Problem
-from .errors import ClaimTimeout, ProblemKind, StoreClosed, StoreError
+from .errors import ClaimBusy, ClaimTimeout, ProblemKind, StoreClosed, StoreError
 from .fence import Verdict, run_reconciler
 from .lease_executor import LeaseExecution, log_extra
 from .outcomes import duplicate_answer, settled_answer
@@ -71,18 +71,24 @@ class LeaseRun:
                     with self.ex.timed("claim"):
                         claim = await claiming
             except ClaimTimeout:
-                return InFlight()
+                # A transaction is claiming the key (or the record kept changing): it is waited
+                # for as a duplicate waits, without a connection, and the key claimed again.
+                claim = None
             if isinstance(claim, Claimed):
                 return await self.execute(claim.generation, claim.epoch)
         finally:
             slot.give_back()
+        if claim is None:
+            return await self.duplicate(None, busy=True)
         if isinstance(claim, TokenRefused):
             return Problem(ProblemKind.TOKEN_INVALID, claim.reason)
         return await self.duplicate(claim.record)
 
     # -- a duplicate: replay, wait, take over, or reconcile ------------------------------------
 
-    async def duplicate(self, record: Record | None) -> Answer:
+    async def duplicate(self, record: Record | None, *, busy: bool = False) -> Answer:
+        """Answer a request whose key is held (`record`, or None when there was none), waiting
+        first when `busy` (a transaction is claiming the key)."""
         policy = self.policy
         store = self.store
         loop = asyncio.get_running_loop()
@@ -92,57 +98,11 @@ class LeaseRun:
         # The wait is timed from the first time this request waits until it is answered.
         async with store.watch(self.key) as watch, contextlib.AsyncExitStack() as waiting:
             for _ in range(_MAX_ROUNDS):
-                if record is None or record.expired:
-                    slot = await self._slot_by(deadline)
-                    if slot is None:
-                        return self._busy()
-                    try:
-                        claim = await self._claim()
-                        if isinstance(claim, Claimed):
-                            return await self.execute(claim.generation, claim.epoch)
-                    finally:
-                        slot.give_back()
-                    if isinstance(claim, TokenRefused):
-                        return Problem(ProblemKind.TOKEN_INVALID, claim.reason)
-                    record = claim.record
-                answer = settled_answer(record, self.fingerprint)
-                if answer is not None:
-                    return answer  # another request's key (422), or the replay
-                if record.state is State.UNKNOWN:
-                    answer = await self.reconcile(record, deadline)
-                    if answer is not None:
-                        return answer
-                elif record.retry_allowed or (
-                    record.lease_expired and policy.on_lease_expiry is LeaseExpiry.TAKEOVER
-                ):
-                    slot = await self._slot_by(deadline)
-                    if slot is None:
-                        return self._busy()
-                    try:
-                        try:
-                            async with asyncio.timeout(lock_wait(deadline - loop.time())):
-                                generation = await store.takeover(
-                                    self.key, record.generation, State.PENDING, policy.lease_seconds
-                                )
-                        except TimeoutError:
-                            # The executor is still in its fenced transaction, past its lease.
-                            return InFlight()
-                        if generation is not None:
-                            logger.info(
-                                "took over a lapsed claim",
-                                extra=log_extra(self.key, generation, "takeover"),
-                            )
-                            return await self.execute(generation, record.epoch)  # the same life
-                    finally:
-                        slot.give_back()
-                elif record.lease_expired:
-                    try:
-                        async with asyncio.timeout(lock_wait(deadline - loop.time())):
-                            await store.expire_lease(self.key, record.generation)
-                    except TimeoutError:
-                        # The executor is still in its fenced transaction, past its lease.
-                        return InFlight()
-                else:
+                acted = True if busy else await self._act(record, deadline)
+                busy = False
+                if not isinstance(acted, bool):
+                    return acted
+                if acted:
                     remaining = deadline - loop.time()
                     if remaining <= 0:
                         return InFlight()
@@ -163,6 +123,68 @@ class LeaseRun:
                     if poll == _FIRST_POLL or loop.time() >= deadline or type(exc) is StoreClosed:
                         raise
         raise RuntimeError("the record kept changing; giving up")  # pragma: no cover
+
+    async def _act(self, record: Record | None, deadline: float) -> Answer | bool:
+        """One look at the record: the answer; or True to wait (it is in flight, or another
+        session holds the key or the record: waited for without a connection) or False to
+        read it again at once (it changed) before the next look."""
+        policy = self.policy
+        store = self.store
+        if record is None or record.expired:
+            slot = await self._slot_by(deadline)
+            if slot is None:
+                return self._busy()
+            try:
+                try:
+                    claim = await self._claim()
+                except ClaimTimeout:
+                    return True  # a transaction is claiming the key
+                if isinstance(claim, Claimed):
+                    return await self.execute(claim.generation, claim.epoch)
+            finally:
+                slot.give_back()
+            if isinstance(claim, TokenRefused):
+                return Problem(ProblemKind.TOKEN_INVALID, claim.reason)
+            record = claim.record
+        answer = settled_answer(record, self.fingerprint)
+        if answer is not None:
+            return answer  # another request's key (422), or the replay
+        if record.state is State.UNKNOWN:
+            answer = await self.reconcile(record, deadline)
+            return False if answer is None else answer
+        if record.retry_allowed or (
+            record.lease_expired and policy.on_lease_expiry is LeaseExpiry.TAKEOVER
+        ):
+            slot = await self._slot_by(deadline)
+            if slot is None:
+                return self._busy()
+            try:
+                try:
+                    generation = await store.takeover(
+                        self.key, record.generation, State.PENDING, policy.lease_seconds
+                    )
+                except ClaimBusy:
+                    # Another session holds the record (the executor still in its fenced
+                    # transaction past its lease, a transaction taking a released record over).
+                    return True
+                if generation is not None:
+                    logger.info(
+                        "took over a lapsed claim",
+                        extra=log_extra(self.key, generation, "takeover"),
+                    )
+                    return await self.execute(generation, record.epoch)  # the same life
+            finally:
+                slot.give_back()
+            return False
+        if record.lease_expired:
+            try:
+                async with asyncio.timeout(lock_wait(deadline - asyncio.get_running_loop().time())):
+                    await store.expire_lease(self.key, record.generation)
+            except TimeoutError:
+                # The executor is still in its fenced transaction, past its lease.
+                return InFlight()
+            return False
+        return True  # in flight: wait for its outcome
 
     async def reconcile(self, record: Record, deadline: float) -> Answer | None:
         """Ask the route's reconciler about an unknown record: the answer, or None when the
@@ -201,14 +223,24 @@ class LeaseRun:
         """Take over an unknown record reconciled as not happened, and run it (or None when the
         record changed meanwhile)."""
         # Another reconciler's fence (another process's, however long it runs) may hold the
-        # record: waited for no longer than what is left of this request's wait.
-        try:
-            async with asyncio.timeout(lock_wait(deadline - asyncio.get_running_loop().time())):
+        # record: waited for without a connection (the takeover is tried again, the reconciler
+        # not asked again), no longer than what is left of this request's wait.
+        loop = asyncio.get_running_loop()
+        pause = _FIRST_POLL
+        for _ in range(_MAX_ROUNDS):
+            try:
                 generation = await self.store.takeover(
                     self.key, record.generation, State.UNKNOWN, self.policy.lease_seconds
                 )
-        except TimeoutError:
-            return InFlight()
+                break
+            except ClaimBusy:
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    return InFlight()
+                await asyncio.sleep(min(pause, remaining))
+                pause = min(pause * 2, _MAX_POLL)
+        else:
+            return InFlight()  # pragma: no cover
         if generation is None:
             return None
         logger.info(

@@ -7,14 +7,19 @@
 -- name: claim
 -- Claim a key, or return the record that holds it, in one round trip.
 -- $1 tenant, $2 operation, $3 key, $4 fingerprint, $5 mode, $6 retention (seconds),
--- $7 lease (seconds, or NULL in transactional mode), $8 token hash (or NULL)
+-- $7 lease (seconds, or NULL in transactional mode), $8 token hash (or NULL), $9 the key's
+-- claim lock (`idem_key_lock`, computed by the store; NULL when the caller holds it already)
 -- A record this statement's snapshot sees is returned without trying the INSERT: the INSERT
 -- would wait for a transaction that holds its row (one taking a released record over, for as
 -- long as its handler runs), where the record as last committed is the answer (the caller
--- decides what to do with it, without waiting). Only a record no snapshot saw yet, an uncommitted
--- claim's, makes the INSERT wait for it; when that claim committed after this statement's
--- snapshot, neither branch returns a row and the caller reads the record again with `get` (a
--- new statement sees it under READ COMMITTED).
+-- decides what to do with it, without waiting). Seeing none, the statement tries the key's
+-- claim lock (held to its end) before it inserts: a transactional claim holds that lock for as
+-- long as its handler runs (one that writes its pending record early, an uncommitted row the
+-- INSERT would wait for, and one that writes it at commit alike), and then the key is busy
+-- (`claimed` NULL): the caller waits without its connection. Only an uncommitted claim that
+-- took no claim lock (another lease claim's, which commits at once) makes the INSERT wait; when
+-- it committed after this statement's snapshot, no branch returns a row and the caller reads
+-- the record again with `get` (a new statement sees it under READ COMMITTED).
 -- With a token hash (a route that accepts only issued tokens as keys), a new record is inserted
 -- only if the key is a live token of this tenant and operation (and request, if the token is
 -- bound to one) and not consumed: consuming the token IS this claim, and it marks the token
@@ -22,16 +27,20 @@
 -- `token_status`): it was refused, or (all true) a concurrent claim held the key meanwhile and
 -- the caller reads the record again with `get`.
 -- The new record's epoch (its life) is its first generation.
-WITH ins AS (
+WITH free AS (
+    -- One row when no record is seen: whether the key's claim lock was had (tried once).
+    SELECT $9::bigint IS NULL OR pg_try_advisory_xact_lock($9::bigint) AS ok
+    WHERE NOT EXISTS (
+        SELECT FROM idem_requests e WHERE e.tenant = $1 AND e.operation = $2 AND e.idem_key = $3
+    )
+), ins AS (
     INSERT INTO idem_requests AS r
         (tenant, operation, idem_key, fingerprint, state, mode, retention, lease_expires_at,
          generation, epoch)
     SELECT $1, $2, $3, $4, 'pending', $5, make_interval(secs => $6::float8),
            now() + make_interval(secs => $7::float8), g.v, g.v
     FROM (SELECT nextval('idem_generation_seq') AS v) g
-    WHERE NOT EXISTS (
-        SELECT FROM idem_requests e WHERE e.tenant = $1 AND e.operation = $2 AND e.idem_key = $3
-    ) AND ($8::bytea IS NULL OR EXISTS (
+    WHERE (SELECT ok FROM free) AND ($8::bytea IS NULL OR EXISTS (
         SELECT FROM idem_tokens t
         WHERE t.tenant = $1 AND t.token_hash = $8 AND t.operation = $2 AND t.expires_at > now()
           AND t.consumed_at IS NULL AND (t.request_digest IS NULL OR t.request_digest = $4)
@@ -60,17 +69,20 @@ FROM idem_requests r
 WHERE r.tenant = $1 AND r.operation = $2 AND r.idem_key = $3
   AND NOT EXISTS (SELECT FROM ins)
 UNION ALL
--- A token claim that inserted nothing and found no record: the token's status, in the same
--- round trip, so a refusal carries its reason (as `token_status`).
+-- A token claim that inserted nothing and found no record (nor a busy key): the token's status,
+-- in the same round trip, so a refusal carries its reason (as `token_status`).
 SELECT false, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, false, false, false,
        t.token_hash IS NOT NULL, t.operation = $2, t.expires_at > now(), t.consumed_at IS NULL,
        (t.request_digest IS NULL OR t.request_digest = $4)
 FROM (SELECT 1) AS one
 LEFT JOIN idem_tokens t ON t.tenant = $1 AND t.token_hash = $8
-WHERE $8::bytea IS NOT NULL AND NOT EXISTS (SELECT FROM ins)
-  AND NOT EXISTS (
-    SELECT FROM idem_requests r WHERE r.tenant = $1 AND r.operation = $2 AND r.idem_key = $3
-  );
+WHERE $8::bytea IS NOT NULL AND NOT EXISTS (SELECT FROM ins) AND (SELECT ok FROM free)
+UNION ALL
+-- The key's claim lock is another transaction's: busy.
+SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, false, false, false,
+       NULL, NULL, NULL, NULL, NULL
+FROM free
+WHERE NOT free.ok;
 
 -- name: claim_key
 -- Transactional mode's claim: the record is written once, at commit (`insert_final`). On the
@@ -146,20 +158,27 @@ SELECT nextval('idem_generation_seq') FROM generate_series(1, $1);
 -- name: reclaim_expired
 -- Take over a finished record whose retention is over, as if it were absent: a new life (epoch).
 -- With a token hash, the caller checked the token (`token_status`); this marks it consumed.
+-- It never waits: the row is locked first with NOWAIT, so a row another session holds (a
+-- transactional claim reclaiming it, for as long as its handler runs) fails the statement with
+-- lock_not_available, and the caller reports the key busy (it waits without its connection).
 -- $1 tenant, $2 operation, $3 key, $4 fingerprint, $5 mode, $6 retention (seconds),
 -- $7 lease (seconds, or NULL), $8 token hash (or NULL)
-WITH reclaimed AS (
-    UPDATE idem_requests
+WITH locked AS (
+    SELECT FROM idem_requests
+    WHERE tenant = $1 AND operation = $2 AND idem_key = $3
+      AND state IN ('succeeded', 'failed_final') AND expires_at <= now()
+    FOR UPDATE NOWAIT
+), reclaimed AS (
+    UPDATE idem_requests r
     SET fingerprint = $4, state = 'pending', mode = $5, generation = g.v, epoch = g.v,
         created_at = now(), updated_at = now(),
         retention = make_interval(secs => $6::float8),
         lease_expires_at = now() + make_interval(secs => $7::float8),
         expires_at = NULL, response_status = NULL, response_headers = NULL, response_body = NULL,
         body_omitted = NULL, note = NULL
-    FROM (SELECT nextval('idem_generation_seq') AS v) g
-    WHERE tenant = $1 AND operation = $2 AND idem_key = $3
-      AND state IN ('succeeded', 'failed_final') AND expires_at <= now()
-    RETURNING generation, epoch
+    FROM locked, (SELECT nextval('idem_generation_seq') AS v) g
+    WHERE r.tenant = $1 AND r.operation = $2 AND r.idem_key = $3
+    RETURNING r.generation, r.epoch
 ), consumed AS (
     UPDATE idem_tokens t SET consumed_at = now()
     FROM reclaimed
@@ -334,10 +353,10 @@ SELECT count(*) AS moved, pg_notify('idem_middleware', $5) AS notified FROM move
 -- name: takeover
 -- Become the executor of a record under a new generation: a pending record whose lease lapsed
 -- (or was released for a retry: no lease), or an unknown one reconciled as "did not happen".
--- The new lease starts once the row is locked: a takeover may wait (up to its wait) on an earlier
--- executor's or reconciler's fenced transaction, and an UPDATE computes its new values before it
--- waits for a row that transaction only locked (even clock_timestamp()), so a lease counted from
--- there could lapse before its first renewal. The CTE takes the lock first; the values follow.
+-- It never waits: the row is locked first with NOWAIT, so a row another session holds (an earlier
+-- executor's or a reconciler's fenced transaction, a transaction taking a released record over)
+-- fails the statement with lock_not_available, and the caller waits without its connection and
+-- tries again. (The lock is taken in the CTE, before the new values are computed.)
 -- An unknown transactional record (an operator reopened it) is never taken over: its writes
 -- committed with its outcome. A record taken over is a lease-mode record from then on.
 -- $1 tenant, $2 operation, $3 key, $4 expected generation, $5 expected state, $6 lease (seconds)
@@ -346,7 +365,7 @@ WITH locked AS (
     WHERE tenant = $1 AND operation = $2 AND idem_key = $3 AND generation = $4 AND state = $5
       AND (state <> 'pending' OR lease_expires_at IS NULL OR lease_expires_at <= now())
       AND (state = 'pending' OR mode = 'lease')
-    FOR UPDATE
+    FOR UPDATE NOWAIT
 )
 UPDATE idem_requests r
 SET generation = nextval('idem_generation_seq'), state = 'pending', mode = 'lease',

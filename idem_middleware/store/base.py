@@ -330,7 +330,11 @@ class Store(Protocol):
         token_hash: bytes | None = None,
     ) -> Claim:
         """Commit a pending claim with a lease (`Claimed`), or return the record that holds the
-        key (`Existing`), or why the token was refused (`TokenRefused`)."""
+        key as last committed (`Existing`), or why the token was refused (`TokenRefused`).
+
+        Never waits for a transaction claiming the key (a transactional claim, which holds it
+        until it ends): raises ClaimBusy at once, and the caller waits without a connection,
+        then claims again."""
 
     async def heartbeat(self, key: RecordKey, generation: int, lease_seconds: float) -> bool:
         """Renew the lease; False if this generation no longer holds a pending claim. Never
@@ -343,7 +347,11 @@ class Store(Protocol):
     async def takeover(
         self, key: RecordKey, generation: int, expected: State, lease_seconds: float
     ) -> int | None:
-        """Become the executor under a new generation (see queries.sql `takeover`)."""
+        """Become the executor under a new generation (see queries.sql `takeover`); None when
+        the record is no longer `expected` under `generation`. Never waits for the record's row:
+        while another session holds it (a fenced transaction, a transaction taking a released
+        record over) raises ClaimBusy at once, and the caller waits without a connection, then
+        looks again."""
 
     async def settle(self, key: RecordKey, generation: int, expected: State, s: Settlement) -> bool:
         """Move the record from `expected` under `generation` to the settlement; wake waiters."""

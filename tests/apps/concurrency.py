@@ -14,6 +14,16 @@ from tests.apps.transactional import Probe
 BOUND = 5.0
 
 
+async def lock_waiters(pool: Any) -> int:
+    """How many backends of this database wait for a lock now (a statement waiting for a row
+    another transaction holds, its pooled connection held meanwhile)."""
+    waiting: int = await pool.fetchval(
+        "SELECT count(*) FROM pg_stat_activity "
+        "WHERE datname = current_database() AND wait_event_type = 'Lock'"
+    )
+    return waiting
+
+
 async def wait_for_lock_waiters(pool: Any, n: int = 1) -> None:
     """Until `n` backends of this database are blocked on a lock (a duplicate on a claim)."""
 
@@ -45,7 +55,8 @@ async def wait_for_waiters(app: Any, n: int = 1) -> None:
     wait in the process, holding no connection: see idem_middleware/transactional.py)."""
 
     for _ in range(int(BOUND / 0.01)):
-        if idempotency_middleware(app).waiters.count >= n:
+        # (A request not started yet has not built the app's stack: looked for again.)
+        if app.middleware_stack is not None and idempotency_middleware(app).waiters.count >= n:
             return
         await asyncio.sleep(0.01)
     raise TimeoutError(f"fewer than {n} duplicates waited")

@@ -21,7 +21,8 @@ from tests.apps import (
     build_lease_app,
     client,
     downstream_rows,
-    wait_for_lock_waiters,
+    lock_waiters,
+    wait_for_waiters,
 )
 from tests.integration.test_lease_mode import (
     PausedHeartbeatStore,
@@ -57,11 +58,13 @@ async def test_a_takeover_that_waited_on_the_row_lock_gets_a_whole_lease(
     pg_store: PostgresStore,
     bank: asyncpg.Pool[Any],  # noqa: F811
 ) -> None:
-    """A holds its fenced transaction past its lease; B's takeover waits on A's row lock for
+    """A holds its fenced transaction past its lease; B's takeover waits for A's row lock for
     longer than a lease, and gets it when A's handler fails (its transaction rolls back). B's
     lease was counted from the start of its statement, before the wait: it had lapsed before B
     ran a line, and C took the record over while B still ran (two executions at once). A lease
-    now starts when the takeover holds the lock: C waits, and B's outcome is the one recorded."""
+    now starts when the takeover holds the lock: C waits, and B's outcome is the one recorded.
+    (B's takeover no longer waits inside PostgreSQL: it finds the row held, waits in the process
+    without a connection, and tries again.)"""
     lease = 0.6
     policy = LEASE_POLICY.replace(
         lease_seconds=lease, wait_seconds=3.0, on_lease_expiry=LeaseExpiry.TAKEOVER
@@ -80,7 +83,8 @@ async def test_a_takeover_that_waited_on_the_row_lock_gets_a_whole_lease(
             await lease_lapsed(bank)
 
             task_b = spawn(post(cb))
-            await wait_for_lock_waiters(bank)  # B's takeover, on A's row lock
+            await wait_for_waiters(app_b)  # B's takeover found A's row lock held
+            assert await lock_waiters(bank) == 0  # B waits without a connection
             await asyncio.sleep(lease * 1.5)  # B waits longer than a whole lease
             gate_a.set()  # A fails: its fenced transaction rolls back, B's takeover goes on
             await asyncio.wait_for(probe_b.entered.wait(), BOUND)

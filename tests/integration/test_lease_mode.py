@@ -55,8 +55,9 @@ from tests.apps import (
     downstream_reconciler,
     downstream_rows,
     idle_in_transaction,
+    lock_waiters,
     reset_downstream,
-    wait_for_lock_waiters,
+    wait_for_waiters,
 )
 
 pytestmark = pytest.mark.db_routes("pgbouncer")
@@ -437,8 +438,10 @@ async def test_a_stale_executor_whose_handler_raises_is_told_another_execution_o
 async def test_stale_executor_holding_its_fence_blocks_the_takeover_and_wins(
     pool: asyncpg.Pool[Any], pg_store: PostgresStore, bank: asyncpg.Pool[Any]
 ) -> None:
-    """A opened its fenced transaction before its lease lapsed: B's takeover waits on the row
-    lock until A commits, then finds A's outcome and replays it (one execution)."""
+    """A opened its fenced transaction before its lease lapsed: B's takeover finds the row lock
+    held and waits until A commits (in the process, without a connection: it waited inside
+    PostgreSQL, holding one, until probing found a storm of such waits took a small pool),
+    then finds A's outcome and replays it (one execution)."""
     policy = LEASE_POLICY.replace(lease_seconds=0.6, on_lease_expiry=LeaseExpiry.TAKEOVER)
     async with PausedHeartbeatStore(pool=pool, listen=False) as paused:
         app_a = build_lease_app(paused, bank, policy)
@@ -452,7 +455,8 @@ async def test_stale_executor_holding_its_fence_blocks_the_takeover_and_wins(
             await lease_lapsed(bank)
 
             task_b = spawn(post(cb))
-            await wait_for_lock_waiters(bank)  # B's takeover, on A's row lock
+            await wait_for_waiters(app_b)  # B's takeover found A's row lock held
+            assert await lock_waiters(bank) == 0
             assert not task_b.done()
             assert await state_of(bank) == "pending"
 

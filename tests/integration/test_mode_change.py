@@ -28,6 +28,8 @@ from tests.apps import (
     client,
     count,
     downstream_reconciler,
+    lock_waiters,
+    wait_for_waiters,
 )
 from tests.integration.test_lease_mode import (
     bank,  # noqa: F401 (a fixture)
@@ -49,30 +51,34 @@ async def test_a_lease_claim_during_an_old_transactional_execution_runs_once(
     bank: asyncpg.Pool[Any],  # noqa: F811
     db_route: str,
 ) -> None:
-    """Old version transactional, new version lease mode. The transactional claim writes no row
-    until it commits (an advisory lock holds the key), so the lease claim does not wait: it
-    commits and runs. The transactional commit then meets the lease record on the primary key:
-    its writes roll back and it answers from that record (the replay). One ledger row."""
+    """Old version transactional, new version lease mode. The transactional claim holds the
+    key's claim lock until it commits, and the lease claim tries that lock: the key is busy, so
+    the lease request waits (in the process, without a connection) and replays the
+    transactional outcome. One ledger row. (It used to claim at once and run, and the
+    transactional commit then met its record and rolled back: one execution too, but the
+    memory store made the lease claim wait, and on the ordinary path, whose transactional claim
+    writes its row early, the lease claim waited for that row inside PostgreSQL.)"""
     async with PostgresStore(pool=pool, listen=db_route != "pgbouncer") as new_store:
         old = build_lease_app(pg_store, bank, TRANSACTIONAL)
-        new = build_lease_app(new_store, bank, LEASE_POLICY)
+        new = build_lease_app(new_store, bank, LEASE_POLICY.replace(wait_seconds=BOUND))
         probe_old, probe_new = probe_of(old), probe_of(new)
         gate = asyncio.Event()
         probe_old.steps = [Step(downstream=False, fence="before", gate=gate)]
-        probe_new.steps = [Step(fence="before")]
         async with client(old) as c_old, client(new) as c_new:
             task_old = spawn(post(c_old))
             await asyncio.wait_for(probe_old.entered.wait(), BOUND)
-            fresh = await asyncio.wait_for(post(c_new), BOUND)
-            assert fresh.status_code == 201, fresh.text
+            task_new = spawn(post(c_new))
+            await wait_for_waiters(new)
+            assert await lock_waiters(bank) == 0
             gate.set()
-            answered = await finish(task_old)
-    assert_replay_of(answered, fresh)
-    assert probe_new.calls == 1
-    assert await count(bank, "test_ledger") == 1  # the old execution's write rolled back
+            first = await finish(task_old)
+            assert first.status_code == 201, first.text
+            assert_replay_of(await finish(task_new), first)
+    assert probe_new.calls == 0
+    assert await count(bank, "test_ledger") == 1
     record = await row(bank)
     assert record is not None
-    assert (record["state"], record["mode"]) == ("succeeded", "lease")
+    assert (record["state"], record["mode"]) == ("succeeded", "transactional")
 
 
 async def test_an_old_lease_execution_is_in_flight_for_a_new_transactional_request(

@@ -119,23 +119,93 @@ async def test_contract_another_request_is_not_answered_from_a_released_record_b
     assert after.record.state is State.SUCCEEDED
 
 
-async def test_contract_a_lease_takeover_waits_for_the_transaction_claiming_a_released_record(
-    harness: Harness,
+@pytest.mark.parametrize("commits", [True, False])
+async def test_contract_a_lease_takeover_is_busy_while_a_transaction_claims_a_released_record(
+    harness: Harness, commits: bool
 ) -> None:
     """An old lease-mode process's retry, in a rolling deploy: it takes the released record
-    over only if the transaction that claimed it rolls back; once it commits, never."""
+    over only if the transaction that claimed it rolls back; once it commits, never. Meanwhile
+    its takeover is busy at once (the duplicate waits without a connection and tries again).
+    Found by probing: PostgreSQL's takeover waited for the transaction's row inside the
+    database, holding its pooled connection, for up to the duplicate's wait: in a storm (200
+    duplicates, a pool of 3) two waiting takeovers took the free connections and 198 requests
+    were answered 503."""
     store = harness.store
     k = rkey()
     generation = await released(harness, k)
     async with harness.transaction() as session:
         assert isinstance(await claim(session, k), Claimed)
-        takeover = asyncio.ensure_future(store.takeover(k, generation, State.PENDING, 30.0))
-        await harness.wait_until_blocked(takeover)
-        await session.finish(State.SUCCEEDED, RESPONSE)
-    assert await asyncio.wait_for(takeover, BOUND) is None
+        with pytest.raises(ClaimBusy):
+            await asyncio.wait_for(store.takeover(k, generation, State.PENDING, 30.0), BOUND)
+        if commits:
+            await session.finish(State.SUCCEEDED, RESPONSE)
+    taken = await asyncio.wait_for(store.takeover(k, generation, State.PENDING, 30.0), BOUND)
     record = await store.get(k)
     assert record is not None
-    assert record.state is State.SUCCEEDED
+    if commits:
+        assert taken is None
+        assert record.state is State.SUCCEEDED
+    else:
+        assert taken is not None
+        assert (record.state, record.generation) == (State.PENDING, taken)
+
+
+@pytest.mark.parametrize("commits", [True, False])
+async def test_contract_a_lease_claim_is_busy_while_a_transaction_claims_the_key(
+    harness: Harness, commits: bool
+) -> None:
+    """A lease claim (a lease-mode process, its route transactional elsewhere in a rolling
+    deploy) of a key a transaction is claiming is busy at once, on every store: the caller
+    waits without a connection, then finds the outcome (or claims the key, if the transaction
+    rolled back). Found by probing: on PostgreSQL's ordinary path (`fast_path=False`, and every
+    token claim), which writes the pending record early, the lease claim's INSERT waited for
+    that uncommitted row inside PostgreSQL, holding its pooled connection, for as long as the
+    handler ran; on the fast path it claimed and ran the request while the transactional one
+    ran it too (one of the two rolled back at commit); the memory store waited for the
+    transaction in `claim_lease` itself."""
+    store = harness.store
+    k = rkey()
+    async with harness.transaction() as session:
+        assert isinstance(await claim(session, k), Claimed)
+        for fingerprint in (FP, OTHER_FP):  # this request's duplicate, and another request
+            with pytest.raises(ClaimBusy):
+                await asyncio.wait_for(
+                    store.claim_lease(k, fingerprint, retention_seconds=60.0, lease_seconds=30.0),
+                    BOUND,
+                )
+        if commits:
+            await session.finish(State.SUCCEEDED, RESPONSE)
+    after = await store.claim_lease(k, FP, retention_seconds=60.0, lease_seconds=30.0)
+    if commits:
+        assert isinstance(after, Existing)
+        assert after.record.state is State.SUCCEEDED
+    else:
+        assert isinstance(after, Claimed)
+
+
+async def test_contract_a_lease_claim_is_busy_while_a_transaction_reclaims_an_expired_record(
+    harness: Harness,
+) -> None:
+    """A finished record whose retention is over, reclaimed by a transaction (a new life): a
+    lease claim of the key meanwhile is busy at once, on every store. Found by probing: on
+    PostgreSQL the lease claim's `reclaim_expired` waited for that transaction's row inside the
+    database, with no bound, its pooled connection held for as long as the handler ran."""
+    store = harness.store
+    k = rkey()
+    async with harness.transaction() as session:
+        assert isinstance(await claim(session, k), Claimed)
+        await session.finish(State.SUCCEEDED, RESPONSE)
+    await harness.end_retention(k)
+    async with harness.transaction() as session:
+        assert isinstance(await claim(session, k), Claimed)  # the key's new life
+        with pytest.raises(ClaimBusy):
+            await asyncio.wait_for(
+                store.claim_lease(k, FP, retention_seconds=60.0, lease_seconds=30.0), BOUND
+            )
+        await session.finish(State.SUCCEEDED, RESPONSE)
+    after = await store.claim_lease(k, FP, retention_seconds=60.0, lease_seconds=30.0)
+    assert isinstance(after, Existing)
+    assert (after.record.state, after.record.expired) == (State.SUCCEEDED, False)
 
 
 async def test_contract_a_lapsed_lease_found_by_a_transactional_claim_becomes_unknown(

@@ -115,10 +115,10 @@ async def _cases(conn: Any) -> dict[str, list[tuple[Any, ...]]]:
     fp, answer = b"\x01" * 32, (201, b"h", b"b", None)
     lease = ("lease", 86400.0, 30.0)
     return {
-        "claim": [
-            (*fresh, fp, *lease, None),
-            (*live, fp, *lease, None),
-            (token["tenant"], token["operation"], "tk", fp, *lease, token["token_hash"]),
+        "claim": [  # (the last: the key's claim lock, as a lease claim tries it)
+            (*fresh, fp, *lease, None, 1),
+            (*live, fp, *lease, None, 1),
+            (token["tenant"], token["operation"], "tk", fp, *lease, token["token_hash"], None),
         ],
         "claim_key": [(*fresh, 1)],
         "claim_key_count": [(*fresh, 1)],

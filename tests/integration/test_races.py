@@ -317,7 +317,7 @@ async def test_a_token_claim_that_met_a_released_claim_claims_again(
     try:
         tx = a.transaction()
         await tx.start()
-        rows = await a.fetch(_Q["claim"], *args, token_hash(token))
+        rows = await a.fetch(_Q["claim"], *args, token_hash(token), None)  # (no claim lock)
         assert rows[0]["claimed"]
         generation_a = rows[0]["generation"]
 

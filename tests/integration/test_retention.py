@@ -15,7 +15,7 @@ from idem_middleware import Mode, Policy, PostgresStore, get_context
 from idem_middleware.sql import queries
 from idem_middleware.tokens import TokenIssuer
 from tests.apps import client, one_route_app
-from tests.apps.concurrency import BOUND, wait_for_lock_waiters
+from tests.apps.concurrency import BOUND, lock_waiters, wait_for_waiters
 
 RETENTION = 60
 _Q = queries()
@@ -105,8 +105,10 @@ async def test_a_retry_of_a_key_being_purged_waits_for_the_purge_and_runs_once_a
     pg_store: PostgresStore, pool: Any, mode: Mode
 ) -> None:
     """Purge holds the expired record's row (its batch deleted it, not yet committed) when the
-    retry of that key arrives: the retry's claim waits for the batch, then claims the key as new
-    and runs once. Never a replay of the purged outcome, never two runs, never a 500."""
+    retry of that key arrives: the retry's claim finds the row held and waits for the batch (in
+    the process, without a connection: it used to wait inside PostgreSQL, holding one), then
+    claims the key as new and runs once. Never a replay of the purged outcome, never two runs,
+    never a 500."""
     app, _ = _counting_app(pg_store, mode)
     headers = {"idempotency-key": "k-purged"}
     async with client(app) as c:
@@ -115,7 +117,8 @@ async def test_a_retry_of_a_key_being_purged_waits_for_the_purge_and_runs_once_a
         async with pool.acquire() as sweeper, sweeper.transaction():
             assert await sweeper.execute(_Q["purge_batch"], 100) == "DELETE 1"
             retry = asyncio.create_task(c.post("/things", json={}, headers=headers))
-            await wait_for_lock_waiters(pool)  # the retry's claim waits on the deleted row
+            await wait_for_waiters(app)  # the retry's claim found the deleted row held
+            assert await lock_waiters(pool) == 0
         response = await asyncio.wait_for(retry, BOUND)
         replay = await c.post("/things", json={}, headers=headers)
     assert (response.status_code, response.json()) == (201, {"run": 2}), response.text

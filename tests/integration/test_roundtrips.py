@@ -43,7 +43,7 @@ def _kind(q: str) -> str:
         return "BEGIN"
     if q.startswith(("COMMIT", "ROLLBACK")):
         return q.rstrip(";").split()[0]
-    if q.startswith("WITH ins AS"):
+    if q.startswith("WITH free AS"):
         return "claim"
     if q.startswith(("SELECT * FROM idem_claim_key", "EXECUTE idem_claim_key")):
         return "claim-key"

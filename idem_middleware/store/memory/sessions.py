@@ -63,7 +63,7 @@ class _MemoryTransaction:
     def hold(self, key: RecordKey) -> None:
         """Hold `key` as an uncommitted claim does, staging nothing (for tests). The last
         claim stays the one `finish` completes."""
-        self._store._owners[key] = None
+        self._store._owners.add(key)
         if key != self._claimed:
             self._earlier_keys()[key] = None
 
@@ -87,15 +87,10 @@ class _MemoryTransaction:
         self._consumed = None
         owners = self._store._owners
         if self._claimed is not None:
-            event = owners.pop(self._claimed)
-            if event is not None:  # (an event is made only if a lease claim waits)
-                event.set()
+            owners.remove(self._claimed)
             self._claimed = self._pending = None
         if self._earlier is not None:
-            for key in self._earlier:
-                event = owners.pop(key)
-                if event is not None:
-                    event.set()
+            owners.difference_update(self._earlier)
             self._earlier = None
         self.active = False
 
@@ -149,7 +144,7 @@ class _MemoryTransaction:
         if self._earlier is not None:
             self._earlier.pop(key, None)  # claimed again: it is the last claim now
         self._pending = (fingerprint, generation, retention_seconds, now)
-        store._owners[key] = None  # an event is made only if a lease claim waits
+        store._owners.add(key)
         self._claimed = key
         return Claimed(generation, generation)  # a fresh record: its epoch
 

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import replace
 
-from ...errors import StaleGeneration
+from ...errors import ClaimBusy, StaleGeneration
 from ...keys import token_hash
 from ..base import (
     Claim,
@@ -55,15 +55,16 @@ class MemoryStore(OffPathOperations):
         lease_seconds: float,
         token_hash: bytes | None = None,
     ) -> Claim:
-        # A transaction still holding the key (a transactional claim) is waited for, as the
-        # INSERT would wait on PostgreSQL; lease claims themselves commit at once.
-        await self._unclaimed(key)
         now = self.clock()
         row = self._rows.get(key)
         if row is not None:
             record = row.record(key, now)
             if not record.expired:
-                return Existing(record)
+                return Existing(record)  # (as last committed, whoever is claiming it)
+        if key in self._owners:
+            # A transaction is claiming the key: busy, never waited for (PostgreSQL's claim
+            # finds its claim lock or its row held); the caller waits without a connection.
+            raise ClaimBusy("a transaction is claiming this key")
         if token_hash is not None:
             reason = self._token_problem(key, token_hash, fingerprint)
             if reason:
@@ -83,14 +84,6 @@ class MemoryStore(OffPathOperations):
         )
         self._rows[key] = fresh
         return Claimed(generation, generation)  # a fresh record: its epoch
-
-    async def _unclaimed(self, key: RecordKey) -> None:
-        """Wait for a transaction claiming `key` to end, if one is."""
-        if key in self._owners:
-            owner = self._owners[key]
-            if owner is None:
-                owner = self._owners[key] = asyncio.Event()  # made when someone waits
-            await owner.wait()
 
     async def heartbeat(self, key: RecordKey, generation: int, lease_seconds: float) -> bool:
         held = self._fence_locks.get(key)
@@ -127,7 +120,10 @@ class MemoryStore(OffPathOperations):
         if expected not in (State.PENDING, State.UNKNOWN):
             # A finished outcome is replayed, never run again.
             raise ValueError(f"only a pending or unknown record can be taken over, not {expected}")
-        await self._unclaimed(key)  # (a transaction claiming a released record holds its row)
+        if key in self._owners or key in self._fence_locks:
+            # Another session holds the record's row (a fenced session, a transaction taking a
+            # released record over): busy, never waited for, as PostgreSQL's NOWAIT.
+            raise ClaimBusy("another session holds the record")
         async with self._row_lock(key):
             row = self._current(key, generation, expected)
             now = self.clock()

@@ -279,8 +279,8 @@ class MemoryTables:
     def __init__(self, *, clock: Callable[[], float] = _wall_clock) -> None:
         self.clock = clock
         self._rows = _Rows()
-        #: Keys a transaction is claiming, with the event a waiter for it made (None: no waiter).
-        self._owners: dict[RecordKey, asyncio.Event | None] = {}
+        #: Keys a transaction is claiming (nobody waits for one: a claim of it is ClaimBusy).
+        self._owners: set[RecordKey] = set()
         self._generations = itertools.count(1)
         self._watchers: dict[RecordKey, set[asyncio.Event]] = {}
         #: The row locks held or waited for now (see `_RowLock`).

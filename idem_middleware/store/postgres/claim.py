@@ -36,11 +36,12 @@ async def claim(
     args: tuple[Any, ...],
     token_hash: bytes | None,
     timeout: float | None,  # noqa: ASYNC109 - asyncpg's own per-statement timeout
+    lock: int | None = None,
 ) -> Claim:
     """`_claim`; a statement the server refuses (a constraint, a trigger) without its DETAIL,
     which quotes the row (see convert.scrub)."""
     try:
-        return await _claim(executor, key, args, token_hash, timeout)
+        return await _claim(executor, key, args, token_hash, timeout, lock)
     except SERVER_ERROR as exc:
         scrub(exc)
         raise
@@ -52,18 +53,25 @@ async def _claim(
     args: tuple[Any, ...],
     token_hash: bytes | None,
     timeout: float | None,  # noqa: ASYNC109 - asyncpg's own per-statement timeout
+    lock: int | None,
 ) -> Claim:
     """Claim, or return the record holding the key, or why the token was refused (see
     queries.sql `claim`).
 
-    `executor` is the claim's connection (transactional mode) or the pool (lease mode: each
-    statement commits on its own). With `token_hash`, only a live issued token may be claimed.
+    `executor` is the claim's connection (transactional mode) or a connection of the pool's
+    (lease mode: each statement commits on its own). With `token_hash`, only a live issued token
+    may be claimed. With `lock` (lease mode), a key whose claim lock another transaction holds
+    is ClaimBusy, as a row another transaction holds is; nothing here waits for either.
     """
     for _ in range(_CLAIM_ATTEMPTS):
-        rows = await executor.fetch(_Q["claim"], *args, token_hash, timeout=timeout)
+        rows = await executor.fetch(_Q["claim"], *args, token_hash, lock, timeout=timeout)
         row = rows[0] if rows else None
-        if row is not None and row["claimed"]:
-            return _claimed(row)
+        if row is not None:
+            claimed = row["claimed"]
+            if claimed:
+                return _claimed(row)
+            if claimed is None:
+                raise ClaimBusy("a transaction is claiming this key")
         if row is None or row["state"] is None:
             if row is not None:
                 # A token claim found no record: the token's status came with the claim.
@@ -98,9 +106,12 @@ async def _claim(
             reason = await _token_refusal(executor, key, token_hash, args[3], timeout)
             if reason:
                 return TokenRefused(reason)
-        reclaimed = await executor.fetchrow(
-            _Q["reclaim_expired"], *args, token_hash, timeout=timeout
-        )
+        try:
+            reclaimed = await executor.fetchrow(
+                _Q["reclaim_expired"], *args, token_hash, timeout=timeout
+            )
+        except LOCK_NOT_AVAILABLE as exc:
+            raise ClaimBusy("another transaction is claiming this key") from exc
         if reclaimed is not None:
             return _claimed(reclaimed)
     raise ClaimTimeout("the record kept changing under the claim")

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import asyncpg
 
 from ...delayed import Delayed
-from ...errors import ConfigurationError, StoreError
+from ...errors import ClaimBusy, ConfigurationError, StoreError
 from ..base import (
     Claim,
     Claimed,
@@ -30,6 +30,7 @@ from .claim_lock import ClaimLocks
 from .convert import (
     _Q,
     ACQUIRE_ERRORS,
+    LOCK_NOT_AVAILABLE,
     TRANSLATED,
     notify_token,
     settle_args,
@@ -259,9 +260,14 @@ class PostgresStore(OffPathStatements):
             retention_seconds,
             lease_seconds,
         )
+        locks = self._locks
         try:
             async with self._internal() as conn:
-                claimed = await alone(claim, conn, key, args, token_hash, None, on=conn)
+                if not locks.loaded:
+                    await locks.load(conn)  # the store's `open` could not reach the server
+                # (The key's claim lock: a transaction claiming the key holds it, see `claim`.)
+                lock = locks.of(key)
+                claimed = await alone(claim, conn, key, args, token_hash, None, lock, on=conn)
         except TRANSLATED as exc:
             raise translate(exc) from exc
         if isinstance(claimed, Claimed):
@@ -298,16 +304,19 @@ class PostgresStore(OffPathStatements):
         if expected not in (State.PENDING, State.UNKNOWN):
             # A finished outcome is replayed, never run again (docs/protocol.md).
             raise ValueError(f"only a pending or unknown record can be taken over, not {expected}")
-        new: int | None = await self._run(
-            "fetchval",
-            _Q["takeover"],
-            key.tenant,
-            key.operation,
-            key.key,
-            generation,
-            expected.value,
-            lease_seconds,
-        )
+        try:
+            new: int | None = await self._run(
+                "fetchval",
+                _Q["takeover"],
+                key.tenant,
+                key.operation,
+                key.key,
+                generation,
+                expected.value,
+                lease_seconds,
+            )
+        except LOCK_NOT_AVAILABLE as exc:
+            raise ClaimBusy("another session holds the record") from exc
         if new is not None:
             self._executions.add()
         return new
