@@ -185,10 +185,9 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument(
         "--status", type=int, help="succeeded/failed_final: the status retries get (required)"
     )
-    r.add_argument("--body", default="", help="succeeded/failed_final: the body retries get")
+    r.add_argument("--body", help="succeeded/failed_final: the body retries get")
     r.add_argument(
         "--content-type",
-        default="application/json",
         help="the body's content type (default application/json: the body must be JSON)",
     )
     r.add_argument(

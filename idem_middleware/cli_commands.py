@@ -192,15 +192,24 @@ def _report(args: argparse.Namespace, verb: str, move: Move) -> None:
     )
 
 
+_RESPONSE_OPTIONS = {"--status": "status", "--body": "body", "--content-type": "content_type"}
+
+
 async def resolve(store: PostgresStore, args: argparse.Namespace) -> int:
     to = Resolution(args.to)
     key = _key(args)
     response = None
+    given = [opt for opt, value in _RESPONSE_OPTIONS.items() if getattr(args, value) is not None]
+    if to is Resolution.RETRY and given:
+        # Else they were dropped without a word: the record released for a re-run, not settled.
+        raise UsageError(f"--to retry stores no response: {', '.join(given)} cannot go with it")
     if to is not Resolution.RETRY:
         if args.status is None:
             raise UsageError("--status is required to resolve to succeeded or failed_final")
+        body = b"" if args.body is None else args.body.encode()
+        content_type = "application/json" if args.content_type is None else args.content_type
         try:  # what retries would be served is checked before the record is read
-            response = operator_response(to, args.status, args.body.encode(), args.content_type)
+            response = operator_response(to, args.status, body, content_type)
         except ValueError as exc:
             raise UsageError(str(exc)) from None
     move = await resolve_record(store, key, to, note=args.note, response=response, again=args.again)

@@ -19,7 +19,7 @@ from .middleware_order import check_authentication, check_outer_middleware
 from .observe import shown
 from .policy import WRAPPER_ATTRIBUTE, Mode, Policy, endpoint_policy, operation_name
 from .routing import Found, Hidden, match_route, routes_of, walk
-from .tenant import ROUTE_RESOLVER_ATTRIBUTE
+from .tenant import ROUTE_RESOLVER_ATTRIBUTE, ROUTE_TENANTS_ATTRIBUTE, Tenants
 
 if TYPE_CHECKING:
     from .middleware import IdempotencyMiddleware
@@ -345,3 +345,17 @@ def _check_route_tenant(mw: IdempotencyMiddleware, item: Found) -> None:
             resolver,
             mw.tenant_resolver,
         )
+    # Their 401s need the app's challenge too (RFC 9110), which the middleware was given.
+    tenants = getattr(item.endpoint, ROUTE_TENANTS_ATTRIBUTE, None)
+    challenge = mw.tenants.challenge
+    if isinstance(tenants, Tenants) and challenge is not None:
+        if tenants.challenge is None:
+            tenants.challenge = challenge
+        elif tenants.challenge != challenge:
+            logger.warning(
+                "idempotency: %s answers its 401s with WWW-Authenticate %r, the middleware with "
+                "%r; pass the middleware's www_authenticate to it",
+                shown(item.template),
+                tenants.challenge.decode("latin-1"),
+                challenge.decode("latin-1"),
+            )

@@ -25,6 +25,7 @@ from .responses import DEFAULT_PROBLEM_BASE, problem_response
 from .store.base import Record, RecordKey, State, Store
 from .tenant import (
     ROUTE_RESOLVER_ATTRIBUTE,
+    ROUTE_TENANTS_ATTRIBUTE,
     TenantResolver,
     Tenants,
     authenticated_user_tenant,
@@ -203,5 +204,6 @@ def status_route(
         return Response(orjson.dumps(body), 200, media_type="application/json")
 
     setattr(status, ROUTE_RESOLVER_ATTRIBUTE, tenant_resolver)  # (see startup's check)
+    setattr(status, ROUTE_TENANTS_ATTRIBUTE, tenants)
     setattr(status, ROUTE_OPERATIONS_ATTRIBUTE, operations)
     return Route(path, status, methods=["GET"], name="idempotency_status")

@@ -28,6 +28,8 @@ TenantResolver = Callable[[Scope], "Awaitable[str | None] | str | None"]
 #: Set on the endpoints of the library's own routes (status, tokens) to the resolver they were
 #: given, so that the middleware's startup check can compare it with its own.
 ROUTE_RESOLVER_ATTRIBUTE = "__idem_tenant_resolver__"
+#: Set on them to their `Tenants`: a route given no challenge takes the middleware's at startup.
+ROUTE_TENANTS_ATTRIBUTE = "__idem_tenants__"
 
 AUTH_FIX = (
     "add Starlette's AuthenticationMiddleware after installing IdempotencyMiddleware "

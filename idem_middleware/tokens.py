@@ -33,6 +33,7 @@ from .responses import DEFAULT_PROBLEM_BASE, problem_response
 from .status import OPERATION_SHAPE  # the operations the status resource accepts
 from .tenant import (
     ROUTE_RESOLVER_ATTRIBUTE,
+    ROUTE_TENANTS_ATTRIBUTE,
     TenantResolver,
     Tenants,
     authenticated_user_tenant,
@@ -308,5 +309,6 @@ def token_route(
         return Response(orjson.dumps(body), 201, headers=headers, media_type="application/json")
 
     setattr(issue, ROUTE_RESOLVER_ATTRIBUTE, tenant_resolver)  # (see startup's check)
+    setattr(issue, ROUTE_TENANTS_ATTRIBUTE, tenants)
     setattr(issue, ROUTE_OPERATIONS_ATTRIBUTE, operations)
     return Route(path, issue, methods=["POST"], name="idempotency_tokens")

@@ -206,3 +206,26 @@ async def test_a_transactional_record_is_not_released_for_a_retry(db_dsn: str, p
     assert result.returncode == 1
     assert "transactional-mode record cannot be released" in result.stderr
     assert await pool.fetchval("SELECT state FROM idem_requests") == "unknown"
+
+
+async def test_cli_refuses_a_response_with_to_retry(db_dsn: str, pool: Any) -> None:
+    """`--to retry --status 201` released the record for a re-run and dropped the status without
+    a word: the operator who meant "it happened, 201" got the handler run again."""
+    await insert(pool, "u1", "unknown")
+    for extra in (("--status", "201"), ("--body", "{}"), ("--content-type", "text/plain")):
+        result = cli(
+            "resolve", *RECORD, "--key", "u1", "--to", "retry", *extra, "--note", "n", dsn=db_dsn
+        )
+        assert result.returncode == 2, (extra, result.stdout)
+        assert f"--to retry stores no response: {extra[0]} cannot go with it" in result.stderr
+    assert await pool.fetchval("SELECT state FROM idem_requests") == "unknown"
+    empty = cli(
+        "resolve",
+        *RECORD,
+        *("--key", "u1", "--to", "succeeded", "--status", "200", "--body", "x"),
+        *("--content-type", ""),
+        *("--note", "n"),
+        dsn=db_dsn,
+    )
+    assert empty.returncode == 2
+    assert "is not a media type" in empty.stderr

@@ -230,3 +230,18 @@ async def test_the_own_auth_example_answers_a_bad_token_401_before_any_claim(
     assert r.headers["content-type"] == "application/problem+json"
     assert r.json()["type"].endswith(":unauthenticated")
     assert await pool.fetchval("SELECT count(*) FROM orders") == 0
+
+
+def test_the_readme_names_what_its_test_needs_beyond_the_app() -> None:
+    """A user who installed what the README's run line installs, plus what its test says it
+    needs, has every module the test imports (`httpx` was missing: not a FastAPI dependency)."""
+    text = (ROOT / "README.md").read_text()
+    installed = re.search(r"pip install 'idem-middleware\[fastapi,sqlalchemy\]'(.*)\n", text)
+    needs = re.search(r"as `test_app.py` \(needs (.*?)\):", text)
+    assert installed is not None
+    assert needs is not None
+    named = {*installed.group(1).split(), *re.findall(r"`([\w-]+)`", needs.group(1))}
+    named = {name.replace("-", "_") for name in named} | {"pytest", "idem_middleware", "app"}
+    named.discard("pytest_asyncio")  # a plugin: the test imports nothing of it
+    imported = set(re.findall(r"^(?:from|import) (\w+)", example(README_TEST), re.MULTILINE))
+    assert imported - named - set(sys.stdlib_module_names) == set()

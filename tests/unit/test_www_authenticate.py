@@ -130,3 +130,43 @@ def test_openapi_documents_the_challenge_on_the_401() -> None:
     schema = {"openapi": "3.1.0", "info": {}, "paths": {"/pay": {"post": {"responses": {}}}}}
     undocumented = document_openapi(schema, build())
     assert "headers" not in undocumented["paths"]["/pay"]["post"]["responses"]["401"]
+
+
+def build_routes_without(**options: Any) -> Starlette:
+    """The middleware given the challenge, the status and token routes not (as the token
+    example of docs/tokens-and-outbox.md mounts its route)."""
+    store = MemoryStore()
+    issuer = TokenIssuer(store, secret=b"s" * 32)
+    return Starlette(
+        routes=[
+            Route("/pay", pay, methods=["POST"]),
+            status_route(store, **options),
+            token_route(issuer, **options),
+        ],
+        middleware=[
+            Middleware(AuthenticationMiddleware, backend=BearerBackend()),
+            Middleware(IdempotencyMiddleware, store=store, www_authenticate=CHALLENGE),
+        ],
+    )
+
+
+async def test_routes_given_no_challenge_take_the_middlewares() -> None:
+    """They answered their 401s without any: RFC 9110's challenge missing, silently."""
+    for reply in await unauthenticated_answers(build_routes_without()):
+        assert_problem(reply, 401, "unauthenticated")
+        assert reply.headers.get_list("www-authenticate") == [CHALLENGE]
+
+
+async def test_routes_given_another_challenge_keep_it_and_startup_warns(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with caplog.at_level("WARNING", logger="idem_middleware"):
+        replies = await unauthenticated_answers(build_routes_without(www_authenticate="Basic"))
+    assert [r.headers.get_list("www-authenticate") for r in replies] == [
+        [CHALLENGE],
+        ["Basic"],
+        ["Basic"],
+    ]
+    warned = [r.getMessage() for r in caplog.records if "WWW-Authenticate" in r.getMessage()]
+    assert len(warned) == 2, warned
+    assert all("pass the middleware's www_authenticate to it" in line for line in warned)
