@@ -70,6 +70,10 @@ _OUTSIDE = {
     "already is, never reaching the handler",
     # asgi-correlation-id's, or any of that name
     "CorrelationIdMiddleware": "a replay carries the first request's X-Request-ID, not the retry's",
+    # opentelemetry-instrumentation-asgi's
+    "OpenTelemetryMiddleware": "the middleware's own answers and replays never reach it "
+    "(untraced), and a replay carries the first request's traceresponse header, if a "
+    "response propagator sets one",
     # (only with its www_redirect on and a www. host allowed: `_www_redirect`)
     "TrustedHostMiddleware": "its redirect of a request for a host to that host's www. name "
     "is stored as a success, and the client following it with the same key is replayed the "

@@ -272,3 +272,42 @@ async def test_a_cancelled_request_is_answered_unless_a_middleware_outside_may_a
         ]
     else:
         assert told == []
+
+
+class OpenTelemetryMiddleware:
+    """A stand-in for opentelemetry-instrumentation-asgi's, with a response propagator: it
+    names the request's trace in `traceresponse` (warned of by its class name)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+        self.traces = 0
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        self.traces += 1
+        trace = b"00-%032x-0000000000000001-01" % self.traces
+
+        async def traced(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", ()), (b"traceresponse", trace)]
+            await send(message)
+
+        await self.app(scope, receive, traced)
+
+
+async def test_tracing_inside_ours_is_warned_of(caplog: pytest.LogCaptureFixture) -> None:
+    """Found by probing with OpenTelemetry's ASGI middleware and TraceResponsePropagator:
+    inside ours, a replay (and the middleware's own answers) got no span, and the replay named
+    the first request's trace."""
+    app = _one_route(Middleware(OpenTelemetryMiddleware))
+    with caplog.at_level(logging.WARNING, logger="idem_middleware"):
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://t"
+        ) as client:
+            answers = [
+                await client.post("/pay", headers={"idempotency-key": "k"}, content=b"{}")
+                for _ in range(2)
+            ]
+    assert answers[1].headers["traceresponse"] == answers[0].headers["traceresponse"]
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 1
+    assert warned[0].startswith("idempotency: OpenTelemetryMiddleware runs after Idempo")
