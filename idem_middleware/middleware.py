@@ -219,6 +219,8 @@ class IdempotencyMiddleware:
         self.send_problem = functools.partial(
             send_problem, base=problem_base, challenge=self.tenants.challenge
         )
+        #: Whether a cancelled guarded request is answered 503 (`responses.answer_cancelled`).
+        self.answers_cancelled = True
         # The startup check runs once; a failed one fails every request after it too.
         self._checked = False
         self._check_error: ConfigurationError | None = None

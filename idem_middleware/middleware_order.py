@@ -1,7 +1,8 @@
 """The order of the app's own middleware around IdempotencyMiddleware, read at startup from the
-app's middleware list: what must run before it (authentication), and what makes wrong replays
-when it runs after it (compression, CORS, an HTTPS redirect, a request ID). Only warned: a
-middleware added otherwise cannot be seen, and another may do the same work under its own name."""
+app's middleware list: what must run before it (authentication), what makes wrong replays
+when it runs after it (compression, CORS, a redirect, a request ID), and whether one before it
+may answer a request it cancels (a timeout). Only warned: a middleware added otherwise cannot be
+seen, and another may do the same work under its own name."""
 
 from __future__ import annotations
 
@@ -69,17 +70,63 @@ _OUTSIDE = {
     "already is, never reaching the handler",
     # asgi-correlation-id's, or any of that name
     "CorrelationIdMiddleware": "a replay carries the first request's X-Request-ID, not the retry's",
+    # opentelemetry-instrumentation-asgi's
+    "OpenTelemetryMiddleware": "the middleware's own answers and replays never reach it "
+    "(untraced), and a replay carries the first request's traceresponse header, if a "
+    "response propagator sets one",
+    # (only with its www_redirect on and a www. host allowed: `_www_redirect`)
+    "TrustedHostMiddleware": "its redirect of a request for a host to that host's www. name "
+    "is stored as a success, and the client following it with the same key is replayed the "
+    "redirect to where it already is, never reaching the handler",
 }
 
+#: Middleware that never answers a request it sees cancelled (the cancellation passes through
+#: it, or, BaseHTTPMiddleware, cancels the answer too): with only these before ours, nothing
+#: but ours can tell the client of a cancelled request anything.
+_LEAVES_CANCELLED = (
+    "AuthenticationMiddleware",
+    "BaseHTTPMiddleware",
+    "CORSMiddleware",
+    "CorrelationIdMiddleware",
+    "GZipMiddleware",
+    "HTTPSRedirectMiddleware",
+    "OpenTelemetryMiddleware",
+    "ProxyHeadersMiddleware",
+    "SentryAsgiMiddleware",
+    "SessionMiddleware",
+    "SlowAPIASGIMiddleware",
+    "TrustedHostMiddleware",
+)
 
-def check_outer_middleware(app: Any) -> None:
-    """Compression and CORS belong outside the middleware (warned, as the order can be read)."""
-    stack = [entry.cls for entry in getattr(app, "user_middleware", ())]
+
+def check_outer_middleware(mw: IdempotencyMiddleware, app: Any) -> None:
+    """Compression and CORS belong outside the middleware (warned, as the order can be read);
+    one outside it that may answer a request it cancels (a timeout) answers it alone."""
+    entries = list(getattr(app, "user_middleware", ()))
+    stack = [entry.cls for entry in entries]
     ours = next((i for i, cls in enumerate(stack) if _named(cls, "IdempotencyMiddleware")), None)
     if ours is None:
         return
+    others = [
+        getattr(cls, "__name__", repr(cls))
+        for cls in stack[:ours]
+        if not any(_named(cls, name) for name in _LEAVES_CANCELLED)
+    ]
+    if others:
+        # A timeout middleware cancels the request, then sends its own answer (504): ours,
+        # sent first, would reach the client in its place, and its own start be refused by the
+        # server, an error logged for every request it times out.
+        mw.answers_cancelled = False
+        logger.info(
+            "idempotency: a cancelled guarded request is not answered 503 request-cancelled: "
+            "%s runs before IdempotencyMiddleware and may answer it (as a timeout does)",
+            ", ".join(others),
+        )
+    found = {name for name in _OUTSIDE if any(_named(c, name) for c in stack[ours + 1 :])}
+    if not any(_www_redirect(entry) for entry in entries[ours + 1 :]):
+        found.discard("TrustedHostMiddleware")  # its 400 releases the key: harmless
     for name, harm in _OUTSIDE.items():
-        if any(_named(cls, name) for cls in stack[ours + 1 :]):
+        if name in found:
             logger.warning(
                 "idempotency: %s runs after IdempotencyMiddleware, so %s: add it after "
                 "installing IdempotencyMiddleware (app.add_middleware(%s, ...) after "
@@ -89,6 +136,17 @@ def check_outer_middleware(app: Any) -> None:
                 harm,
                 name,
             )
+
+
+def _www_redirect(entry: Any) -> bool:
+    """Whether a middleware list entry is a TrustedHostMiddleware that redirects to `www.`."""
+    if not _named(entry.cls, "TrustedHostMiddleware"):
+        return False
+    args: tuple[Any, ...] = tuple(getattr(entry, "args", ()))
+    kwargs: dict[str, Any] = dict(getattr(entry, "kwargs", {}))
+    hosts = kwargs.get("allowed_hosts", args[0] if args else None) or ()
+    on = kwargs.get("www_redirect", args[1] if len(args) > 1 else True)
+    return bool(on) and any(str(host).startswith("www.") for host in hosts)
 
 
 def _named(cls: Any, name: str) -> bool:

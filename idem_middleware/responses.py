@@ -152,8 +152,10 @@ async def answer_cancelled(ex: Exchange) -> None:
     + Retry-After, instead of the server's plain 500. What it held was let go as the
     cancellation unwound (a transaction rolled back, a lease marked `unknown`, a waiting place
     given back). Behind a `BaseHTTPMiddleware` nothing gets through: its cancel scope cancels
-    this send too, and the server answers as before."""
-    if ex.started:
+    this send too, and the server answers as before. Not when a middleware before this one may
+    answer it itself (`middleware_order.check_outer_middleware`): a timeout's own 504 would
+    come second, refused by the server."""
+    if ex.started or not ex.mw.answers_cancelled:
         return
     ex.started = True
     try:

@@ -100,7 +100,7 @@ def check_app(mw: IdempotencyMiddleware, app: Any, scope: Scope | None = None) -
         errors.append(f"policies[{name!r}] matches no route, so it can never apply{hint}")
     if guarded and app is not None:
         check_authentication(mw, app, [p for _, p in guarded])
-        check_outer_middleware(app)
+        check_outer_middleware(mw, app)
     errors.extend(_status_route_errors(mw, routes, guarded))
     if errors:
         raise ConfigurationError("; ".join(errors))

@@ -4,6 +4,7 @@ inside it, a WSGI app behind a route. What docs/configuration.md says of each.""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -19,9 +20,11 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from idem_middleware import IdempotencyMiddleware, MemoryStore, PostgresStore
+from idem_middleware import IdempotencyMiddleware, MemoryStore, Mode, Policy, PostgresStore
 from idem_middleware.fastapi import Idempotency, IdempotencyConnection, install
 from tests.apps.checks import count, key, records
+from tests.apps.concurrency import BOUND
+from tests.apps.servers import uvicorn_serving
 
 pytestmark = pytest.mark.asyncio
 
@@ -171,3 +174,76 @@ async def test_a_wsgi_app_behind_a_route_is_guarded() -> None:
     assert (first.status_code, first.text) == (201, "done 1")
     assert (retry.text, retry.headers["idempotent-replayed"]) == ("done 1", "true")
     assert legacy.calls == 1  # type: ignore[attr-defined]
+
+
+class TimeLimit:
+    """A pure-ASGI timeout: it cancels the app past `seconds` and answers 504 itself."""
+
+    def __init__(self, app: ASGIApp, seconds: float) -> None:
+        self.app = app
+        self.seconds = seconds
+        self.raised: list[BaseException] = []
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        try:
+            await asyncio.wait_for(self.app(scope, receive, send), self.seconds)
+        except TimeoutError:
+            try:
+                await JSONResponse({"detail": "timed out"}, 504)(scope, receive, send)
+            except Exception as exc:  # (what the server would log as an error)
+                self.raised.append(exc)
+
+
+@pytest.mark.parametrize("mode", [Mode.TRANSACTIONAL, Mode.LEASE])
+async def test_a_timeout_middleware_outside_ours_answers_the_request_it_cancels(
+    pg_store: PostgresStore, pool: asyncpg.Pool[Any], mode: Mode
+) -> None:
+    """Found by probing: the middleware answered the request the timeout cancelled `503
+    request-cancelled` ("the server is shutting down"), which reached the client in place of
+    the timeout's 504; the timeout's own answer then came second, and the server refused it
+    (uvicorn: "Unexpected ASGI message 'http.response.start'", an error logged for every
+    request timed out). With a middleware before ours that may answer, ours leaves it to it."""
+    runs: list[None] = []
+
+    async def slow(request: Request) -> JSONResponse:
+        await request.body()
+        runs.append(None)
+        await asyncio.sleep(BOUND)  # cut short by the time limit
+        return JSONResponse({}, 201)
+
+    limits: list[TimeLimit] = []
+
+    def time_limit(app: ASGIApp) -> TimeLimit:
+        limits.append(TimeLimit(app, 0.2))
+        return limits[-1]
+
+    app = Starlette(
+        routes=[Route("/pay", slow, methods=["POST"])],
+        middleware=[
+            Middleware(time_limit),
+            Middleware(
+                IdempotencyMiddleware,
+                store=pg_store,
+                tenant_resolver=lambda s: "t",
+                default_policy=Policy(mode=mode),
+            ),
+        ],
+    )
+    async with (
+        uvicorn_serving(app, "h11") as port,
+        httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client,
+    ):
+        answers = [await client.post("/pay", headers=key("k"), content=b"{}") for _ in range(2)]
+    assert limits[0].raised == []
+    assert (answers[0].status_code, answers[0].json()) == (504, {"detail": "timed out"})
+    if mode is Mode.TRANSACTIONAL:  # rolled back, the key free: the retry runs, and is cut short
+        assert (answers[1].status_code, len(runs)) == (504, 2)
+        assert await records(pool) == []
+    else:  # the lease-mode record is `unknown`: its downstream call may have been made
+        assert answers[1].status_code == 409
+        assert answers[1].json()["type"].endswith("outcome-unknown")
+        assert [r["state"] for r in await records(pool)] == ["unknown"]
+        assert len(runs) == 1

@@ -18,6 +18,7 @@ from starlette.middleware.authentication import AuthenticationMiddleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.middleware.gzip import GZipMiddleware
 from starlette.middleware.httpsredirect import HTTPSRedirectMiddleware
+from starlette.middleware.trustedhost import TrustedHostMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -185,3 +186,128 @@ async def test_authentication_inside_ours_on_an_anonymous_route_is_warned_of(
     assert len(warned) == 1
     assert warned[0].startswith("idempotency: AuthenticationMiddleware runs after Idempo")
     assert "share the anonymous tenant" in warned[0]
+
+
+@pytest.mark.parametrize("www_redirect", [True, False])
+async def test_a_trusted_host_www_redirect_inside_ours_is_warned_of(
+    www_redirect: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Found by probing: TrustedHostMiddleware (its www_redirect is on by default) inside ours
+    redirects a request for `example.com` to `www.example.com` with a 307, stored as a success:
+    the client following it with the same key was replayed the redirect to where it already
+    was (httpx: TooManyRedirects), for the key's retention, and startup said nothing. Its 400
+    for a host it does not trust releases the key: that alone is not warned of."""
+    inner = Middleware(
+        TrustedHostMiddleware, allowed_hosts=["www.example.com"], www_redirect=www_redirect
+    )
+    app = _one_route(inner)
+    with caplog.at_level(logging.WARNING, logger="idem_middleware"):
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://example.com"
+        ) as client:
+            headers = {"idempotency-key": "k"}
+            first = await client.post("/pay", headers=headers, content=b"{}")
+            followed = await client.post(
+                "http://www.example.com/pay", headers=headers, content=b"{}"
+            )
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    if www_redirect:
+        assert first.status_code == followed.status_code == 307, "what the warning is about"
+        assert len(warned) == 1
+        assert warned[0].startswith("idempotency: TrustedHostMiddleware runs after Idempo")
+    else:
+        assert (first.status_code, followed.status_code) == (400, 201)
+        assert warned == []
+
+
+class TimeLimit:
+    """A middleware the startup check does not know: it may answer a request it cancels."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self.app(scope, receive, send)
+
+
+def _ours(app: Starlette) -> IdempotencyMiddleware:
+    layer = app.middleware_stack
+    for _ in range(20):
+        if isinstance(layer, IdempotencyMiddleware):
+            return layer
+        layer = layer.app  # type: ignore[union-attr]
+    raise AssertionError("no IdempotencyMiddleware in the app's stack")
+
+
+@pytest.mark.parametrize("outside", [[], ["gzip", "cors"], ["limit"], ["cors", "limit"]])
+async def test_a_cancelled_request_is_answered_unless_a_middleware_outside_may_answer_it(
+    outside: list[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Middleware known to let a cancellation pass keeps the `503 request-cancelled`; one the
+    check does not know (a timeout answers the request it cancels with its own 504) is left to
+    answer it, and startup says so (info)."""
+    made = {
+        "gzip": Middleware(GZipMiddleware),
+        "cors": Middleware(CORSMiddleware, allow_origins=["https://a.example"]),
+        "limit": Middleware(TimeLimit),
+        "idem": Middleware(
+            IdempotencyMiddleware, store=MemoryStore(), tenant_resolver=lambda s: "t"
+        ),
+    }
+    app = Starlette(
+        routes=[Route("/pay", pay, methods=["POST"])],
+        middleware=[made[name] for name in [*outside, "idem"]],
+    )
+    with caplog.at_level(logging.INFO, logger="idem_middleware"):
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://t"
+        ) as client:
+            await client.post("/pay", headers={"idempotency-key": "k"}, content=b"{}")
+    told = [r.getMessage() for r in caplog.records if "request-cancelled" in r.getMessage()]
+    assert _ours(app).answers_cancelled is ("limit" not in outside)
+    if "limit" in outside:
+        assert told == [
+            "idempotency: a cancelled guarded request is not answered 503 request-cancelled: "
+            "TimeLimit runs before IdempotencyMiddleware and may answer it (as a timeout does)"
+        ]
+    else:
+        assert told == []
+
+
+class OpenTelemetryMiddleware:
+    """A stand-in for opentelemetry-instrumentation-asgi's, with a response propagator: it
+    names the request's trace in `traceresponse` (warned of by its class name)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+        self.traces = 0
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        self.traces += 1
+        trace = b"00-%032x-0000000000000001-01" % self.traces
+
+        async def traced(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", ()), (b"traceresponse", trace)]
+            await send(message)
+
+        await self.app(scope, receive, traced)
+
+
+async def test_tracing_inside_ours_is_warned_of(caplog: pytest.LogCaptureFixture) -> None:
+    """Found by probing with OpenTelemetry's ASGI middleware and TraceResponsePropagator:
+    inside ours, a replay (and the middleware's own answers) got no span, and the replay named
+    the first request's trace."""
+    app = _one_route(Middleware(OpenTelemetryMiddleware))
+    with caplog.at_level(logging.WARNING, logger="idem_middleware"):
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://t"
+        ) as client:
+            answers = [
+                await client.post("/pay", headers={"idempotency-key": "k"}, content=b"{}")
+                for _ in range(2)
+            ]
+    assert answers[1].headers["traceresponse"] == answers[0].headers["traceresponse"]
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 1
+    assert warned[0].startswith("idempotency: OpenTelemetryMiddleware runs after Idempo")
