@@ -70,6 +70,13 @@ def _kill_switch_on() -> bool:
 _PROBLEM_BASE = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*:[!-~]*[!-/:-@\[-`{-~]")
 
 
+#: A URI path (RFC 3986's characters of a path; no query or fragment).
+_PATH = re.compile(r"/[A-Za-z0-9\-._~%!$&'()*+,;=:@/]*")
+#: An HTTP method: a token (RFC 9110). Anything else, `" post "` or `""`, was kept and never
+#: matched a request's method.
+_METHOD = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+
+
 def _check_arguments(
     store: object,
     default_policy: object,
@@ -90,8 +97,11 @@ def _check_arguments(
     seconds_option(acquire_timeout, "acquire_timeout", positive=True)
     if enabled is not None and not isinstance(enabled, bool):
         raise ConfigurationError(f"enabled must be True, False or None, not {enabled!r}")
-    if not isinstance(status_path, str) or not status_path.startswith("/"):
-        raise ConfigurationError(f"status_path must be a path ('/...'), not {status_path!r}")
+    if not isinstance(status_path, str) or not _PATH.fullmatch(status_path):
+        # (a space, `?` or `#` made a Location no client could follow as meant)
+        raise ConfigurationError(
+            f"status_path must be a path ('/...', URI characters, no query), not {status_path!r}"
+        )
     if not isinstance(problem_base, str) or not _PROBLEM_BASE.fullmatch(problem_base):
         # "" gave types such as `key-missing`, relative references a client resolves against
         # the request's URL; a base ending in a letter glued the name onto its last word.
@@ -201,6 +211,8 @@ class IdempotencyMiddleware:
             bound_checkouts(acquire_timeout)
         self.default_policy = default_policy or Policy()
         self.methods = frozenset(m.upper() for m in names(methods, "methods"))
+        if bad := sorted(m for m in self.methods if not _METHOD.fullmatch(m)):
+            raise ConfigurationError(f"methods: {', '.join(map(repr, bad))} is not an HTTP method")
         if self.methods & SAFE_METHODS:
             raise ConfigurationError("safe methods are never guarded")
         if policies is not None and not isinstance(policies, Mapping):

@@ -37,6 +37,11 @@ def make(**options: Any) -> IdempotencyMiddleware:
         {"enabled": "yes"},
         {"status_path": "idempotency/status"},
         {"status_path": None},
+        {"status_path": "/idempotency status"},  # a Location no client follows as meant
+        {"status_path": "/status?v=1"},  # the key's query appended after a second `?`
+        {"methods": {"", "POST"}},  # never a request's method: guarded nothing
+        {"methods": [" post "]},
+        {"methods": ["PO ST"]},
         {"problem_base": 5},
         {"problem_base": ""},  # types such as `key-missing`: relative references
         {"problem_base": "/problems/"},
