@@ -81,7 +81,9 @@ def _parser() -> argparse.ArgumentParser:
     )
 
     def command(name: str, help: str) -> argparse.ArgumentParser:
-        return commands.add_parser(name, help=help, description=help, parents=[sub])
+        cmd = commands.add_parser(name, help=help, description=help, parents=[sub])
+        cmd.set_defaults(usage_parser=cmd)  # a UsageError shows this command's usage
+        return cmd
 
     m = command("migrate", "apply the numbered schema migrations")
     m.add_argument(
@@ -143,7 +145,10 @@ def _parser() -> argparse.ArgumentParser:
         help='one operation only, for example "POST /payouts" (env IDEM_OPERATION)',
     )
     ls.add_argument(
-        "--stale", action="store_true", help="pending records only if their lease lapsed"
+        "--stale",
+        action="store_true",
+        help="pending records only if their lease lapsed (other states are listed whole; "
+        "refused with --state unless one is pending)",
     )
     ls.add_argument(
         "--limit", type=positive_int, default=100, help="at most this many (default 100)"
@@ -212,7 +217,9 @@ def _parser() -> argparse.ArgumentParser:
     )
 
     def action(name: str, help: str) -> argparse.ArgumentParser:
-        return outbox_commands.add_parser(name, help=help, description=help, parents=[sub])
+        cmd = outbox_commands.add_parser(name, help=help, description=help, parents=[sub])
+        cmd.set_defaults(usage_parser=cmd)
+        return cmd
 
     pub = action("publish", "send due events to a webhook until stopped (SIGTERM/SIGINT)")
     pub.add_argument(
@@ -253,7 +260,12 @@ def _parser() -> argparse.ArgumentParser:
         "--limit", type=positive_int, default=100, help="at most this many (default 100)"
     )
     rq = action("requeue", "send parked events again")
-    rq.add_argument("event_ids", nargs="+", help="the ids of the parked events")
+    rq.add_argument(
+        "event_ids",
+        nargs="+",
+        type=utf8_text,
+        help="the ids of the parked events (exit 1 naming any id that was not one)",
+    )
 
     c = command("reconcile", "run the reconcilers on unknown and lapsed records nobody retries")
     c.add_argument(
@@ -329,7 +341,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("idem-middleware: interrupted", file=sys.stderr)
         return 130
     except run.UsageError as exc:
-        parser.error(str(exc))  # exits 2, like any other bad argument
+        # Exits 2, like any other bad argument, with the usage of the command that was given
+        # (before: the top-level one, which names none of the command's options).
+        usage: argparse.ArgumentParser = getattr(args, "usage_parser", parser)
+        usage.error(str(exc))
     except (IdempotencyError, OSError, asyncpg.PostgresError, ImportError, run.Interrupted) as exc:
         print(f"idem-middleware: {exc}", file=sys.stderr)
         return 1

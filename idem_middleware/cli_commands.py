@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import signal
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any, NoReturn
 from urllib.parse import urlsplit
 
@@ -24,7 +25,8 @@ from .cli_connect import UsageError as UsageError
 from .cli_connect import with_store as with_store
 from .cli_list import printable
 from .cli_list import row as record_row
-from .errors import IdempotencyError
+from .cli_values import operation_hint
+from .errors import IdempotencyError, ResolveError
 from .keys import parse_idempotency_key
 from .ops import (
     Move,
@@ -146,7 +148,7 @@ def _key(args: argparse.Namespace) -> RecordKey:
 async def show(store: PostgresStore, args: argparse.Namespace) -> int:
     rec = await store.describe(_key(args))
     if rec is None:
-        emit(args, {"found": False}, "no record holds this key")
+        emit(args, {"found": False}, "no record holds this key" + operation_hint(args.operation))
         return 1
     row = record_row(rec)
     row.update(
@@ -212,14 +214,51 @@ async def resolve(store: PostgresStore, args: argparse.Namespace) -> int:
             response = operator_response(to, args.status, body, content_type)
         except ValueError as exc:
             raise UsageError(str(exc)) from None
-    move = await resolve_record(store, key, to, note=args.note, response=response, again=args.again)
+    with _hinted(args):
+        move = await resolve_record(
+            store, key, to, note=args.note, response=response, again=args.again
+        )
     _report(args, "resolved", move)
     return 0
 
 
 async def reopen(store: PostgresStore, args: argparse.Namespace) -> int:
-    _report(args, "reopened", await reopen_record(store, _key(args), note=args.note))
+    with _hinted(args):
+        move = await reopen_record(store, _key(args), note=args.note)
+    _report(args, "reopened", move)
     return 0
+
+
+@contextlib.contextmanager
+def _hinted(args: argparse.Namespace) -> Iterator[None]:
+    """A record not found under an operation not named as operations are: the message says how
+    they are named (`post /refunds` said only "no record holds this key")."""
+    try:
+        yield
+    except ResolveError as exc:
+        hint = operation_hint(args.operation)
+        if not hint:
+            raise
+        raise ResolveError(f"{exc}{hint}") from exc
+
+
+_EMPTY = '""'  # an empty id, shown
+_NOT_REQUEUED = {"unknown": "no such event", "unsent": "not parked", "sent": "already sent"}
+
+
+async def _requeue(store: PostgresStore, args: argparse.Namespace) -> int:
+    """Exit 1 unless every id named was a parked event now requeued: a mistyped id, or an event
+    sent meanwhile, was counted as nothing ("requeued 0 parked events", exit 0)."""
+    outcomes = await outbox_ops.requeue_each(store.pool, args.event_ids)
+    requeued = [event_id for event_id, outcome in outcomes.items() if outcome == "requeued"]
+    refused = {event_id: o for event_id, o in outcomes.items() if o != "requeued"}
+    lines = [f"requeued {len(requeued)} parked events"] + [
+        f"not requeued: {printable(event_id) or _EMPTY} ({_NOT_REQUEUED[outcome]})"
+        for event_id, outcome in refused.items()
+    ]
+    data = {"requeued": len(requeued), "requeued_ids": requeued, "not_requeued": refused}
+    emit(args, data, "\n".join(lines))
+    return 1 if refused else 0
 
 
 async def outbox(store: PostgresStore, args: argparse.Namespace) -> int:
@@ -231,9 +270,7 @@ async def outbox(store: PostgresStore, args: argparse.Namespace) -> int:
             print("no parked events" if args.parked else "no unsent events")
         return 0
     if args.outbox_command == "requeue":
-        requeued = await outbox_ops.requeue(store.pool, args.event_ids)
-        emit(args, {"requeued": requeued}, f"requeued {requeued} parked events")
-        return 0
+        return await _requeue(store, args)
     if not args.url:
         raise UsageError("outbox publish needs --url (or IDEM_OUTBOX_URL)")
     url = urlsplit(args.url)

@@ -15,6 +15,8 @@ from collections.abc import AsyncIterator, Sequence
 from datetime import datetime
 from typing import Any
 
+from .cli_connect import UsageError
+from .cli_values import operation_hint
 from .store.base import RecordSummary, State
 from .store.postgres import PostgresStore
 
@@ -110,6 +112,13 @@ def row(rec: RecordSummary) -> dict[str, Any]:
 
 async def list_records(store: PostgresStore, args: argparse.Namespace) -> int:
     states = args.state or ["pending", "unknown"]
+    if args.stale and "pending" not in states:
+        # --stale filters pending records only: with none asked for it changed nothing, and
+        # `--stale --state succeeded` listed every succeeded record as if it had applied.
+        raise UsageError(
+            f"--stale keeps the pending records whose lease lapsed: it means nothing for "
+            f"--state {' '.join(states)} (add --state pending, or leave --stale out)"
+        )
     listed = 0
     async for rec in records(
         store,
@@ -134,5 +143,6 @@ async def list_records(store: PostgresStore, args: argparse.Namespace) -> int:
             if value is not None
         )
         stale = "stale " if args.stale else ""
-        print(f"no {stale}records in state {' or '.join(states)}{where}")
+        hint = operation_hint(args.operation)
+        print(f"no {stale}records in state {' or '.join(states)}{where}{hint}")
     return 0

@@ -121,3 +121,20 @@ def audit_note(text: str) -> str:
     if not text.strip():
         raise argparse.ArgumentTypeError("an audit note is required (it goes into the audit trail)")
     return text
+
+
+def operation_hint(operation: str | None) -> str:
+    """What to add to an answer that found nothing under `operation`, when it is not named as the
+    middleware names operations, "METHOD /template" with the method upper case (as routes
+    serve methods): `post /refunds` found nothing and said only that. Empty otherwise."""
+    if operation is None:
+        return ""
+    method, _, template = operation.partition(" ")
+    if method and template.startswith("/") and method == method.upper():
+        return ""
+    named = f"{method.upper()} {template}" if method and template.startswith("/") else ""
+    guess = f": did you mean {named!r}?" if named and named != operation else ""
+    return (
+        f' (an operation is named "METHOD /template", the method upper case, as in '
+        f'"POST /payouts"{guess})'
+    )

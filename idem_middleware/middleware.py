@@ -10,6 +10,7 @@ import functools
 import inspect
 import logging
 import os
+import re
 import sys
 from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from typing import Any, TypeVar, cast
@@ -33,7 +34,7 @@ from .policy import (
 )
 from .responses import DEFAULT_PROBLEM_BASE, send_problem
 from .routing import Trace, Unresolved, app_below, match_route, routed_above, routes_of
-from .startup import SAFE_METHODS, check_app, unopened_store
+from .startup import DEFAULT_METHODS, SAFE_METHODS, check_app, unopened_store
 from .store.base import Store
 from .tenant import TenantResolver as TenantResolver
 from .tenant import Tenants
@@ -45,7 +46,7 @@ logger = logging.getLogger("idem_middleware")
 #: Setting this environment variable to 1/true/yes turns the middleware into a pass-through.
 KILL_SWITCH_ENV = "IDEM_MIDDLEWARE_DISABLED"
 
-_DEFAULT_METHODS = frozenset({"POST", "PATCH"})
+_DEFAULT_METHODS = DEFAULT_METHODS
 
 
 _SWITCH_ON = frozenset({"1", "true", "yes", "on"})
@@ -62,6 +63,18 @@ def _kill_switch_on() -> bool:
         f"{KILL_SWITCH_ENV}={value!r} is neither on (1, true, yes, on) nor off (0, false, no, "
         "off, or unset)"
     )
+
+
+#: A scheme, then printable ASCII without spaces, ending in a character that is not a letter
+#: or digit (`/`, `:`, `#`, `=`, ...): the problem's name is appended to it.
+_PROBLEM_BASE = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*:[!-~]*[!-/:-@\[-`{-~]")
+
+
+#: A URI path (RFC 3986's characters of a path; no query or fragment).
+_PATH = re.compile(r"/[A-Za-z0-9\-._~%!$&'()*+,;=:@/]*")
+#: An HTTP method: a token (RFC 9110). Anything else, `" post "` or `""`, was kept and never
+#: matched a request's method.
+_METHOD = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
 
 
 def _check_arguments(
@@ -84,10 +97,18 @@ def _check_arguments(
     seconds_option(acquire_timeout, "acquire_timeout", positive=True)
     if enabled is not None and not isinstance(enabled, bool):
         raise ConfigurationError(f"enabled must be True, False or None, not {enabled!r}")
-    if not isinstance(status_path, str) or not status_path.startswith("/"):
-        raise ConfigurationError(f"status_path must be a path ('/...'), not {status_path!r}")
-    if not isinstance(problem_base, str):
-        raise ConfigurationError(f"problem_base must be a str, not {problem_base!r}")
+    if not isinstance(status_path, str) or not _PATH.fullmatch(status_path):
+        # (a space, `?` or `#` made a Location no client could follow as meant)
+        raise ConfigurationError(
+            f"status_path must be a path ('/...', URI characters, no query), not {status_path!r}"
+        )
+    if not isinstance(problem_base, str) or not _PROBLEM_BASE.fullmatch(problem_base):
+        # "" gave types such as `key-missing`, relative references a client resolves against
+        # the request's URL; a base ending in a letter glued the name onto its last word.
+        raise ConfigurationError(
+            "problem_base must be an absolute URI prefix ending in a separator, such as "
+            f"'https://example.com/problems/' or 'urn:example:problem:', not {problem_base!r}"
+        )
     if observers is None:
         return
     for observer in observers if isinstance(observers, Sequence) else (observers,):
@@ -190,6 +211,8 @@ class IdempotencyMiddleware:
             bound_checkouts(acquire_timeout)
         self.default_policy = default_policy or Policy()
         self.methods = frozenset(m.upper() for m in names(methods, "methods"))
+        if bad := sorted(m for m in self.methods if not _METHOD.fullmatch(m)):
+            raise ConfigurationError(f"methods: {', '.join(map(repr, bad))} is not an HTTP method")
         if self.methods & SAFE_METHODS:
             raise ConfigurationError("safe methods are never guarded")
         if policies is not None and not isinstance(policies, Mapping):

@@ -351,6 +351,14 @@ async def list_events(
 
 
 async def requeue(pool: Any, event_ids: Sequence[str]) -> int:
+    """How many of the parked events `event_ids` are sent again (`requeue_each`: which)."""
+    outcomes = await requeue_each(pool, event_ids)
+    return sum(outcome == "requeued" for outcome in outcomes.values())
+
+
+async def requeue_each(pool: Any, event_ids: Sequence[str]) -> dict[str, str]:
+    """Send the parked events `event_ids` again: each id's outcome, `requeued`, or why not:
+    `unknown` (no such event), `unsent` (not parked: still being tried) or `sent`."""
     return await _store(pool).outbox_requeue(event_ids)
 
 

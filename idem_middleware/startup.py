@@ -27,6 +27,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger("idem_middleware")
 
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "TRACE"})
+#: The middleware's `methods` when none are given.
+DEFAULT_METHODS = frozenset({"POST", "PATCH"})
 #: The methods a route that accepts any method (an ASGI app as a Route's endpoint) is listed for.
 _UNSAFE_METHODS = ("DELETE", "PATCH", "POST", "PUT")
 
@@ -102,6 +104,7 @@ def check_app(mw: IdempotencyMiddleware, app: Any, scope: Scope | None = None) -
         check_authentication(mw, app, [p for _, p in guarded])
         check_outer_middleware(mw, app)
     errors.extend(_status_route_errors(mw, routes, guarded))
+    errors.extend(_unserved_methods(mw, items))
     if errors:
         raise ConfigurationError("; ".join(errors))
 
@@ -168,6 +171,31 @@ def _named_above(routes: Sequence[BaseRoute], scope: Scope | None) -> list[Found
     app_root_path = scope.get("app_root_path", root_path)
     mounted = root_path[len(app_root_path) :] if root_path.startswith(app_root_path) else ""
     return list(walk(routes, mounted))
+
+
+def _unserved_methods(mw: IdempotencyMiddleware, items: Sequence[Found | Hidden]) -> list[str]:
+    """`methods` naming one that no route serves guards nothing, and was accepted without a word
+    (`methods={"PUT", "POSTT"}`). A misspelling of a method routes serve and `methods` leaves
+    out is an error (those routes go unguarded); any other is a warning (routes may come later;
+    the default's POST and PATCH are never reported). Not checked when a route takes any method,
+    or hides its routes from the router."""
+    if any(isinstance(item, Hidden) or item.methods is None for item in items):
+        return []
+    served = {method for item in items if isinstance(item, Found) for method in item.methods or ()}
+    left_out = sorted(served - mw.methods - SAFE_METHODS)
+    errors = []
+    for method in sorted(mw.methods - served):
+        close = difflib.get_close_matches(method, left_out, n=1, cutoff=0.75)
+        if close:
+            errors.append(
+                f"methods names {method!r}, which no route serves, so it guards nothing, while "
+                f"the {close[0]} routes go unguarded (did you mean {close[0]!r}?)"
+            )
+        elif method not in DEFAULT_METHODS:
+            logger.warning(
+                "idempotency: methods names %r, which no route serves: it guards nothing", method
+            )
+    return errors
 
 
 def _methods(item: Found) -> list[str]:

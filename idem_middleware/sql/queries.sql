@@ -634,9 +634,23 @@ SET last_error = $2,
 WHERE event_id = $1 AND attempts = $5 AND sent_at IS NULL;
 
 -- name: outbox_requeue
--- An operator sends parked events again. $1 event ids (text[])
-UPDATE idem_outbox SET parked_at = NULL, attempts = 0, next_attempt_at = now()
-WHERE event_id = ANY($1::text[]) AND parked_at IS NOT NULL;
+-- An operator sends parked events again. $1 event ids (text[]). One row per id asked for, and
+-- what became of it: requeued, or why not (no such event, or one not parked: unsent or sent),
+-- so that an id mistyped or already sent is named, not counted as nothing.
+WITH requeued AS (
+    UPDATE idem_outbox SET parked_at = NULL, attempts = 0, next_attempt_at = now()
+    WHERE event_id = ANY($1::text[]) AND parked_at IS NOT NULL
+    RETURNING event_id
+)
+SELECT asked.event_id,
+       CASE WHEN requeued.event_id IS NOT NULL THEN 'requeued'
+            WHEN event.event_id IS NULL THEN 'unknown'
+            WHEN event.sent_at IS NOT NULL THEN 'sent'
+            ELSE 'unsent' END AS outcome
+FROM unnest($1::text[]) WITH ORDINALITY AS asked (event_id, n)
+LEFT JOIN requeued ON requeued.event_id = asked.event_id
+LEFT JOIN idem_outbox AS event ON event.event_id = asked.event_id
+ORDER BY asked.n;
 
 -- name: outbox_stats
 SELECT count(*) FILTER (WHERE sent_at IS NULL AND parked_at IS NULL) AS unsent,

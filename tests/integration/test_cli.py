@@ -483,6 +483,10 @@ async def test_resolve_takes_the_key_quoted_as_the_client_sent_it(db_dsn: str, p
 async def test_every_command_speaks_json(db_dsn: str, pool: Any) -> None:
     await insert(pool, "u1", "unknown")
     await insert(pool, "u2", "unknown")
+    await pool.execute(
+        "INSERT INTO idem_outbox (event_id, topic, payload, parked_at)"
+        " VALUES ('p', 't', '{}', now())"
+    )
     record = ("--tenant", "t", "--operation", "POST /payouts")
     runs = [
         ("migrate", "--check"),
@@ -496,7 +500,7 @@ async def test_every_command_speaks_json(db_dsn: str, pool: Any) -> None:
         ("resolve", *record, "--key", "u2", "--to", "retry"),
         ("reconcile", "--app", "tests.cli_app:app"),
         ("outbox", "list"),
-        ("outbox", "requeue", "no-such-event"),
+        ("outbox", "requeue", "p"),
     ]
     for args in runs:
         note = ("--note", "checked") if args[0] in ("resolve", "reopen") else ()
@@ -510,8 +514,8 @@ async def test_an_empty_list_says_so(db_dsn: str, pool: Any) -> None:
     result = cli("list", dsn=db_dsn)
     assert result.returncode == 0
     assert result.stdout.strip() == "no records in state pending or unknown"
-    scoped = cli("list", "--state", "unknown", "--tenant", "t", "--stale", dsn=db_dsn)
-    assert scoped.stdout.strip() == "no stale records in state unknown, tenant t"
+    scoped = cli("list", "--state", "pending", "--tenant", "t", "--stale", dsn=db_dsn)
+    assert scoped.stdout.strip() == "no stale records in state pending, tenant t"
     assert cli("list", "--json", dsn=db_dsn).stdout == ""  # JSON lines: none
     assert cli("outbox", "list", dsn=db_dsn).stdout.strip() == "no unsent events"
 

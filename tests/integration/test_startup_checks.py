@@ -240,6 +240,46 @@ async def test_a_policies_key_that_names_no_route_fails_the_startup(
     assert sent[0]["message"].endswith("matches no route, so it can never apply")
 
 
+def plain_app(**options: Any) -> Starlette:
+    async def endpoint(request: Request) -> Response:
+        return JSONResponse({}, status_code=201)
+
+    return Starlette(
+        routes=[
+            Route("/pay", endpoint, methods=["POST"]),
+            Route("/items/{id}", endpoint, methods=["GET", "PUT"]),
+        ],
+        middleware=[
+            Middleware(AuthenticationMiddleware, backend=BearerBackend()),
+            Middleware(IdempotencyMiddleware, store=MemoryStore(), **options),
+        ],
+    )
+
+
+async def test_a_method_no_route_serves_is_named_at_startup(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """`methods={"PUT", "POSTT"}` was accepted without a word: POSTT guards nothing, and the
+    POST route it meant ran unguarded."""
+    sent = await startup(plain_app(methods={"PUT", "POSTT"}))
+    assert [m["type"] for m in sent] == ["lifespan.startup.failed"], sent
+    assert (
+        "methods names 'POSTT', which no route serves, so it guards nothing, while the POST "
+        "routes go unguarded (did you mean 'POST'?)" in sent[0]["message"]
+    )
+    with caplog.at_level(logging.WARNING, logger="idem_middleware"):
+        sent = await startup(plain_app(methods={"POST", "DELETE"}))
+    assert sent[0]["type"] == "lifespan.startup.complete", sent
+    assert messages(caplog, logging.WARNING) == [
+        "idempotency: methods names 'DELETE', which no route serves: it guards nothing"
+    ]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="idem_middleware"):
+        sent = await startup(plain_app())  # the default's PATCH: no route serves it, no word
+    assert sent[0]["type"] == "lifespan.startup.complete", sent
+    assert messages(caplog, logging.WARNING) == []
+
+
 def sub_app_with_its_own_middleware(policies: dict[str, Policy]) -> Starlette:
     """A sub-app that installs the middleware itself, mounted at /api by an app without it (no
     lifespan reaches it: its check runs at its first request)."""

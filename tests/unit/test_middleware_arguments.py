@@ -37,7 +37,16 @@ def make(**options: Any) -> IdempotencyMiddleware:
         {"enabled": "yes"},
         {"status_path": "idempotency/status"},
         {"status_path": None},
+        {"status_path": "/idempotency status"},  # a Location no client follows as meant
+        {"status_path": "/status?v=1"},  # the key's query appended after a second `?`
+        {"methods": {"", "POST"}},  # never a request's method: guarded nothing
+        {"methods": [" post "]},
+        {"methods": ["PO ST"]},
         {"problem_base": 5},
+        {"problem_base": ""},  # types such as `key-missing`: relative references
+        {"problem_base": "/problems/"},
+        {"problem_base": "https://example.com/problems"},  # `.../problemskey-missing`
+        {"problem_base": "https://example.com/my problems/"},
         {"observers": 5},
         {"observers": [object()]},
     ],
@@ -53,6 +62,8 @@ def test_the_arguments_that_work_are_accepted() -> None:
     made = make(acquire_timeout=2, enabled=False, observers=[], status_path="/status")
     assert made.acquire_timeout == 2
     assert made.enabled is False
+    for base in ("https://example.com/problems/", "urn:example:problem:", "https://x/p#"):
+        assert make(problem_base=base).problem_base == base
 
 
 @pytest.mark.parametrize(

@@ -182,9 +182,10 @@ class OffPathStatements(PoolStatements):
         rows = await self._run_any("fetch", _Q["outbox_list"], parked_only, limit)
         return [dict(r) for r in rows]
 
-    async def outbox_requeue(self, event_ids: Sequence[str]) -> int:
-        status = await self._run_any("execute", _Q["outbox_requeue"], list(event_ids))
-        return int(status.rsplit(" ", 1)[-1])
+    async def outbox_requeue(self, event_ids: Sequence[str]) -> dict[str, str]:
+        """Each id asked for (once, in order): requeued, unknown, unsent or sent."""
+        rows = await self._run_any("fetch", _Q["outbox_requeue"], list(dict.fromkeys(event_ids)))
+        return {row["event_id"]: row["outcome"] for row in rows}
 
     async def outbox_purge_batch(self, batch_size: int, older_than_seconds: float) -> int:
         """Delete one batch of events sent more than `older_than_seconds` ago: how many."""

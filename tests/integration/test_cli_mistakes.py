@@ -1,0 +1,110 @@
+"""An operator's mistakes that `idem-middleware` used to accept, or answer with an empty result
+that did not say why: each now says what was wrong (exit 2 for an argument, 1 for an id or key
+that holds nothing)."""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+
+from tests.integration.test_cli import cli, insert
+
+_EVENTS = """
+INSERT INTO idem_outbox (event_id, topic, payload, parked_at, sent_at)
+VALUES ('parked-1', 't', '{}', now(), NULL), ('parked-2', 't', '{}', now(), NULL),
+       ('unsent-1', 't', '{}', NULL, NULL), ('sent-1', 't', '{}', NULL, now())
+"""
+
+
+async def test_requeue_names_each_id_that_was_not_a_parked_event(db_dsn: str, pool: Any) -> None:
+    """`outbox requeue abc` printed "requeued 0 parked events" and exited 0."""
+    await pool.execute(_EVENTS)
+    typo = cli("outbox", "requeue", "abc", dsn=db_dsn)
+    assert typo.returncode == 1
+    assert typo.stdout.splitlines() == [
+        "requeued 0 parked events",
+        "not requeued: abc (no such event)",
+    ]
+    mixed = cli(
+        "outbox", "requeue", "parked-1", "unsent-1", "sent-1", "parked-1", "--json", dsn=db_dsn
+    )
+    assert mixed.returncode == 1
+    assert json.loads(mixed.stdout) == {
+        "requeued": 1,
+        "requeued_ids": ["parked-1"],
+        "not_requeued": {"unsent-1": "unsent", "sent-1": "sent"},
+    }
+    done = cli("outbox", "requeue", "parked-2", dsn=db_dsn)
+    assert (done.returncode, done.stdout.strip()) == (0, "requeued 1 parked events")
+    parked = await pool.fetchval("SELECT count(*) FROM idem_outbox WHERE parked_at IS NOT NULL")
+    assert parked == 0
+
+
+async def test_stale_with_no_pending_state_asked_for_is_refused(db_dsn: str, pool: Any) -> None:
+    """`--stale` filters pending records only: `list --stale --state succeeded` listed every
+    succeeded record as if it had applied."""
+    await insert(pool, "done", "succeeded", expires_at=datetime.now(UTC) + timedelta(days=1))
+    refused = cli("list", "--stale", "--state", "succeeded", dsn=db_dsn)
+    assert refused.returncode == 2
+    assert "--stale keeps the pending records whose lease lapsed" in refused.stderr
+    assert refused.stdout == ""
+    both = cli("list", "--stale", "--state", "succeeded", "--state", "pending", dsn=db_dsn)
+    assert both.returncode == 0, both.stderr
+    assert "key=done" in both.stdout
+
+
+@pytest.mark.parametrize(
+    ("operation", "hint"),
+    [
+        ("post /payouts", "did you mean 'POST /payouts'?"),
+        ("/payouts", 'an operation is named "METHOD /template"'),
+    ],
+)
+async def test_an_operation_not_named_as_operations_are_gets_a_hint(
+    db_dsn: str, pool: Any, operation: str, hint: str
+) -> None:
+    """The method is upper case: `show --operation "post /refunds"` said only "no record
+    holds this key", and `list` "no records"."""
+    await insert(pool, "u1", "unknown")
+    record = ("--tenant", "t", "--operation", operation, "--key", "u1")
+    show = cli("show", *record, dsn=db_dsn)
+    assert show.returncode == 1
+    assert "no record holds this key" in show.stdout
+    assert hint in show.stdout
+    listed = cli("list", "--operation", operation, dsn=db_dsn)
+    assert listed.returncode == 0
+    assert hint in listed.stdout
+    for command in (("resolve", "--to", "retry"), ("reopen",)):
+        moved = cli(*command, *record, "--note", "n", dsn=db_dsn)
+        assert moved.returncode == 1
+        assert "no record holds this key" in moved.stderr
+        assert hint in moved.stderr
+    well_named = ("--tenant", "t", "--operation", "POST /payouts", "--key", "nope")
+    exact = cli("show", *well_named, dsn=db_dsn)
+    assert exact.stdout.strip() == "no record holds this key"  # (no hint when it is well named)
+
+
+@pytest.mark.parametrize(
+    ("args", "usage"),
+    [
+        (
+            ("resolve", *("--tenant", "t", "--operation", "POST /x", "--key", "k", "--to", "ok")),
+            "usage: idem-middleware resolve ",
+        ),
+        (("reconcile",), "usage: idem-middleware reconcile "),
+        (("outbox", "publish"), "usage: idem-middleware outbox publish "),
+        (("list", "--stale", "--state", "unknown"), "usage: idem-middleware list "),
+    ],
+)
+def test_a_missing_argument_shows_its_commands_usage(
+    db_dsn: str, args: tuple[str, ...], usage: str
+) -> None:
+    """The usage printed was the top-level one, naming none of the command's options."""
+    args = tuple("succeeded" if arg == "ok" else arg for arg in args)  # (lines kept short)
+    note = ("--note", "n") if args[0] == "resolve" else ()
+    result = cli(*args, *note, dsn=db_dsn)
+    assert result.returncode == 2
+    assert result.stderr.startswith(usage), result.stderr
