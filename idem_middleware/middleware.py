@@ -9,8 +9,6 @@ import asyncio
 import functools
 import inspect
 import logging
-import os
-import re
 import sys
 from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from typing import Any, TypeVar, cast
@@ -22,6 +20,8 @@ from .context import SCOPE_KEY
 from .errors import ConfigurationError, ProblemKind
 from .exchange import Exchange, header_map
 from .fingerprint import Fingerprinter
+from .middleware_arguments import KILL_SWITCH_ENV as KILL_SWITCH_ENV
+from .middleware_arguments import METHOD, check_arguments, kill_switch_on
 from .observe import Observer, combine, shown
 from .policy import (
     MIDDLEWARE_ACTIVE,
@@ -30,7 +30,6 @@ from .policy import (
     endpoint_policy,
     names,
     operation_name,
-    seconds_option,
 )
 from .responses import DEFAULT_PROBLEM_BASE, send_problem
 from .routing import Trace, Unresolved, app_below, match_route, routed_above, routes_of
@@ -43,82 +42,7 @@ from .waiting import TenantSlots, Waiters
 
 logger = logging.getLogger("idem_middleware")
 
-#: Setting this environment variable to 1/true/yes turns the middleware into a pass-through.
-KILL_SWITCH_ENV = "IDEM_MIDDLEWARE_DISABLED"
-
 _DEFAULT_METHODS = DEFAULT_METHODS
-
-
-_SWITCH_ON = frozenset({"1", "true", "yes", "on"})
-_SWITCH_OFF = frozenset({"", "0", "false", "no", "off"})
-
-
-def _kill_switch_on() -> bool:
-    value = os.environ.get(KILL_SWITCH_ENV, "").strip().lower()
-    if value in _SWITCH_ON:
-        return True
-    if value in _SWITCH_OFF:
-        return False
-    raise ConfigurationError(
-        f"{KILL_SWITCH_ENV}={value!r} is neither on (1, true, yes, on) nor off (0, false, no, "
-        "off, or unset)"
-    )
-
-
-#: A scheme, then printable ASCII without spaces, ending in a character that is not a letter
-#: or digit (`/`, `:`, `#`, `=`, ...): the problem's name is appended to it.
-_PROBLEM_BASE = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*:[!-~]*[!-/:-@\[-`{-~]")
-
-
-#: A URI path (RFC 3986's characters of a path; no query or fragment).
-_PATH = re.compile(r"/[A-Za-z0-9\-._~%!$&'()*+,;=:@/]*")
-#: An HTTP method: a token (RFC 9110). Anything else, `" post "` or `""`, was kept and never
-#: matched a request's method.
-_METHOD = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
-
-
-def _check_arguments(
-    store: object,
-    default_policy: object,
-    tenant_resolver: object,
-    acquire_timeout: object,
-    enabled: object,
-    status_path: object,
-    problem_base: object,
-    observers: object,
-) -> None:
-    """What the constructor can tell is wrong, told now: each of these failed every request."""
-    if not callable(getattr(store, "transaction", None)):
-        raise ConfigurationError(f"store must be a PostgresStore or a MemoryStore, not {store!r}")
-    if default_policy is not None and not isinstance(default_policy, Policy):
-        raise ConfigurationError(f"default_policy must be a Policy, not {default_policy!r}")
-    if not callable(tenant_resolver):
-        raise ConfigurationError(f"tenant_resolver must be a function, not {tenant_resolver!r}")
-    seconds_option(acquire_timeout, "acquire_timeout", positive=True)
-    if enabled is not None and not isinstance(enabled, bool):
-        raise ConfigurationError(f"enabled must be True, False or None, not {enabled!r}")
-    if not isinstance(status_path, str) or not _PATH.fullmatch(status_path):
-        # (a space, `?` or `#` made a Location no client could follow as meant)
-        raise ConfigurationError(
-            f"status_path must be a path ('/...', URI characters, no query), not {status_path!r}"
-        )
-    if not isinstance(problem_base, str) or not _PROBLEM_BASE.fullmatch(problem_base):
-        # "" gave types such as `key-missing`, relative references a client resolves against
-        # the request's URL; a base ending in a letter glued the name onto its last word.
-        raise ConfigurationError(
-            "problem_base must be an absolute URI prefix ending in a separator, such as "
-            f"'https://example.com/problems/' or 'urn:example:problem:', not {problem_base!r}"
-        )
-    if observers is None:
-        return
-    for observer in observers if isinstance(observers, Sequence) else (observers,):
-        if not (
-            callable(getattr(observer, "event", None))
-            and callable(getattr(observer, "timed", None))
-        ):
-            raise ConfigurationError(
-                f"observers: {observer!r} is not an Observer (it needs event() and timed())"
-            )
 
 
 #: Resolved routes kept per (app, method, root path, path, host): a request to a path seen
@@ -193,7 +117,7 @@ class IdempotencyMiddleware:
         max_tenant_connections: int | None = None,
         www_authenticate: str | None = None,
     ) -> None:
-        _check_arguments(
+        check_arguments(
             store,
             default_policy,
             tenant_resolver,
@@ -211,7 +135,7 @@ class IdempotencyMiddleware:
             bound_checkouts(acquire_timeout)
         self.default_policy = default_policy or Policy()
         self.methods = frozenset(m.upper() for m in names(methods, "methods"))
-        if bad := sorted(m for m in self.methods if not _METHOD.fullmatch(m)):
+        if bad := sorted(m for m in self.methods if not METHOD.fullmatch(m)):
             raise ConfigurationError(f"methods: {', '.join(map(repr, bad))} is not an HTTP method")
         if self.methods & SAFE_METHODS:
             raise ConfigurationError("safe methods are never guarded")
@@ -236,7 +160,7 @@ class IdempotencyMiddleware:
         self.waiters = Waiters(max_waiters)
         #: Guarded requests of one tenant holding a store connection at once, in this process.
         self.tenant_slots = TenantSlots(max_tenant_connections)
-        self.enabled = (not _kill_switch_on()) if enabled is None else enabled
+        self.enabled = (not kill_switch_on()) if enabled is None else enabled
         self.tenants = Tenants(tenant_resolver, challenge=www_authenticate)
         #: `send_problem` under this middleware's problem base, a 401 with its challenge.
         self.send_problem = functools.partial(

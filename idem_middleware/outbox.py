@@ -43,9 +43,7 @@ MAX_EVENT_ID_BYTES = 1024
 
 def _store(pool: Any) -> PostgresStore:
     """The store whose statements run on `pool` (a PostgresStore is taken as it is)."""
-    if isinstance(pool, PostgresStore):
-        return pool
-    return PostgresStore(pool=pool, listen=False)
+    return pool if isinstance(pool, PostgresStore) else PostgresStore(pool=pool, listen=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -352,8 +350,7 @@ async def list_events(
 
 async def requeue(pool: Any, event_ids: Sequence[str]) -> int:
     """How many of the parked events `event_ids` are sent again (`requeue_each`: which)."""
-    outcomes = await requeue_each(pool, event_ids)
-    return sum(outcome == "requeued" for outcome in outcomes.values())
+    return sum(outcome == "requeued" for outcome in (await requeue_each(pool, event_ids)).values())
 
 
 async def requeue_each(pool: Any, event_ids: Sequence[str]) -> dict[str, str]:

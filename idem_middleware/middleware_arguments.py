@@ -1,0 +1,85 @@
+"""The middleware's constructor arguments and its kill switch: what can be told wrong before the
+first request, told at construction (each of these failed every request, or guarded nothing)."""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Sequence
+
+from .errors import ConfigurationError
+from .policy import Policy, seconds_option
+
+#: Setting this environment variable to 1/true/yes turns the middleware into a pass-through.
+KILL_SWITCH_ENV = "IDEM_MIDDLEWARE_DISABLED"
+
+_SWITCH_ON = frozenset({"1", "true", "yes", "on"})
+_SWITCH_OFF = frozenset({"", "0", "false", "no", "off"})
+
+
+def kill_switch_on() -> bool:
+    value = os.environ.get(KILL_SWITCH_ENV, "").strip().lower()
+    if value in _SWITCH_ON:
+        return True
+    if value in _SWITCH_OFF:
+        return False
+    raise ConfigurationError(
+        f"{KILL_SWITCH_ENV}={value!r} is neither on (1, true, yes, on) nor off (0, false, no, "
+        "off, or unset)"
+    )
+
+
+#: A scheme, then printable ASCII without spaces, ending in a character that is not a letter
+#: or digit (`/`, `:`, `#`, `=`, ...): the problem's name is appended to it.
+_PROBLEM_BASE = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*:[!-~]*[!-/:-@\[-`{-~]")
+
+
+#: A URI path (RFC 3986's characters of a path; no query or fragment).
+_PATH = re.compile(r"/[A-Za-z0-9\-._~%!$&'()*+,;=:@/]*")
+#: An HTTP method: a token (RFC 9110). Anything else, `" post "` or `""`, was kept and never
+#: matched a request's method.
+METHOD = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+
+
+def check_arguments(
+    store: object,
+    default_policy: object,
+    tenant_resolver: object,
+    acquire_timeout: object,
+    enabled: object,
+    status_path: object,
+    problem_base: object,
+    observers: object,
+) -> None:
+    """What the constructor can tell is wrong, told now: each of these failed every request."""
+    if not callable(getattr(store, "transaction", None)):
+        raise ConfigurationError(f"store must be a PostgresStore or a MemoryStore, not {store!r}")
+    if default_policy is not None and not isinstance(default_policy, Policy):
+        raise ConfigurationError(f"default_policy must be a Policy, not {default_policy!r}")
+    if not callable(tenant_resolver):
+        raise ConfigurationError(f"tenant_resolver must be a function, not {tenant_resolver!r}")
+    seconds_option(acquire_timeout, "acquire_timeout", positive=True)
+    if enabled is not None and not isinstance(enabled, bool):
+        raise ConfigurationError(f"enabled must be True, False or None, not {enabled!r}")
+    if not isinstance(status_path, str) or not _PATH.fullmatch(status_path):
+        # (a space, `?` or `#` made a Location no client could follow as meant)
+        raise ConfigurationError(
+            f"status_path must be a path ('/...', URI characters, no query), not {status_path!r}"
+        )
+    if not isinstance(problem_base, str) or not _PROBLEM_BASE.fullmatch(problem_base):
+        # "" gave types such as `key-missing`, relative references a client resolves against
+        # the request's URL; a base ending in a letter glued the name onto its last word.
+        raise ConfigurationError(
+            "problem_base must be an absolute URI prefix ending in a separator, such as "
+            f"'https://example.com/problems/' or 'urn:example:problem:', not {problem_base!r}"
+        )
+    if observers is None:
+        return
+    for observer in observers if isinstance(observers, Sequence) else (observers,):
+        if not (
+            callable(getattr(observer, "event", None))
+            and callable(getattr(observer, "timed", None))
+        ):
+            raise ConfigurationError(
+                f"observers: {observer!r} is not an Observer (it needs event() and timed())"
+            )
