@@ -12,7 +12,7 @@ from enum import StrEnum
 from typing import Any
 
 from .context import derive_downstream_key, key_digest
-from .errors import FenceRollback, StaleGeneration, StoreError
+from .errors import ClaimBusy, FenceRollback, StaleGeneration, StoreError
 from .outcomes import FINAL_STATE, outcome_for_status
 from .policy import Mode
 from .reconcile import Happened, NotHappened, ReconcileContext, Reconciler, StillUnknown
@@ -35,7 +35,8 @@ class Fence:
     #: Whether a fenced transaction was opened (set on the instance then): its writes commit
     #: with the settlement or not at all, so a failed settlement cannot be sent again alone.
     opened = False
-    #: A reconciler's fence that waited its `held_wait` for the record (see `run_reconciler`).
+    #: A reconciler's fence that found the record held by another session, or waited its
+    #: `held_wait` for a connection (see `run_reconciler`).
     held = False
 
     def __init__(self, store: Store, key: RecordKey, generation: int, expected: State) -> None:
@@ -52,7 +53,13 @@ class Fence:
     async def connection(self) -> Any:
         if self._session is None:
             fenced = self.store.fenced(self.key, self.generation, self.expected)
-            self._session = await fenced.__aenter__()
+            try:
+                self._session = await fenced.__aenter__()
+            except ClaimBusy:
+                # Another session holds the record (another reconciler's fence): a reconciler's
+                # fence never waits for it inside the database (see `run_reconciler`).
+                self.held = True
+                raise
             self._fenced = fenced  # (only once entered: `close` leaves what was entered)
             self.opened = True
         return self._session.connection
@@ -121,8 +128,9 @@ class Verdict(StrEnum):
     #: so no reconciler may run on it (a "not happened" would run it again, a `Happened` repeat
     #: its writes). An operator resolves it; the record is left as it is.
     BY_HAND = "by-hand"
-    #: Another session held the record (its fenced connection waited `held_wait` for it): the
-    #: reconciler's answer is not used, and the record is left for a later run.
+    #: Another session held the record (the reconciler's fenced connection found it locked, or
+    #: waited `held_wait` for a connection): the reconciler's answer is not used, and the record
+    #: is left for a later run.
     HELD = "held"
 
 
@@ -151,9 +159,12 @@ async def run_reconciler(
     A `Happened` answer is settled in the reconciler's fenced transaction, together with any
     writes it made there. `NotHappened` changes nothing: the caller takes the record over.
     A transactional-mode record is never given to the reconciler (`Verdict.BY_HAND`).
-    With `held_wait`, the reconciler's fenced connection waits no longer than that for a record
-    another session holds (another reconciler at work, a process paused holding it): then
-    `Verdict.HELD`, whatever the reconciler made of it. Without, as long as `seconds` allows.
+    The reconciler's fenced connection never waits for a record another session holds (another
+    reconciler at work, a process paused holding it) inside the database, a pooled connection
+    held: it is refused at once, and the result is `Verdict.HELD`, whatever the reconciler made
+    of it (the caller waits without a connection, or passes the record over). With `held_wait`,
+    the fenced connection also waits no longer than that for a connection from the pool (then
+    HELD as well). Without, as long as `seconds` allows.
     `mode`: the record's, if the caller read it under `generation` (else it is read here).
     """
     # The record's mode is read first, under the same generation: a record keeps its mode while
@@ -232,8 +243,9 @@ async def run_reconciler(
 
 
 def _bounded(fence: Fence, held_wait: float) -> Callable[[], Awaitable[Any]]:
-    """`fence.connection`, waiting at most `held_wait` (for the record's row lock, mostly):
-    past it, the TimeoutError is raised into the reconciler and the fence is marked held."""
+    """`fence.connection`, waiting at most `held_wait` (for a connection from the pool; the
+    record's row lock is never waited for): past it, the TimeoutError is raised into the
+    reconciler and the fence is marked held."""
 
     async def connection() -> Any:
         try:

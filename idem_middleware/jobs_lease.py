@@ -27,7 +27,6 @@ from .store.base import (
     StoredResponse,
     TokenRefused,
 )
-from .waiting import lock_wait
 
 logger = logging.getLogger("idem_middleware")
 
@@ -77,8 +76,10 @@ async def run_leased(
                         if generation is not None:
                             return await _execute(job, key, generation, record.epoch, args, kwargs)
                 elif record.lease_expired:
-                    async with _waiting_for(job, deadline - loop.time()):
+                    try:
                         await store.expire_lease(key, record.generation)
+                    except ClaimBusy:
+                        busy = True  # a run past its lease still in its fenced transaction
                 else:
                     busy = True  # in flight: wait for its outcome
             if busy:
@@ -88,17 +89,6 @@ async def run_leased(
                 await watch.wait(min(remaining, 0.5))
             record = await store.get(key)
     raise RuntimeError("the record kept changing; giving up")  # pragma: no cover
-
-
-@contextlib.asynccontextmanager
-async def _waiting_for(job: JobSpec, remaining: float) -> Any:
-    """JobInProgress when the record's row lock is not had within the job's wait (`lock_wait`):
-    the run that holds it is still in its fenced transaction."""
-    try:
-        async with asyncio.timeout(lock_wait(remaining)):
-            yield
-    except TimeoutError:
-        raise JobInProgress(f"{job.operation}: another run holds this key") from None
 
 
 async def _execute(

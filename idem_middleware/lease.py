@@ -46,6 +46,9 @@ class LeaseRun:
         self.fingerprint = fingerprint
         self.policy = ex.policy
         self.store = ex.store
+        #: The generation of an unknown record this request's reconciler said did not happen,
+        #: whose takeover found it held: taken over when it is still that (not asked again).
+        self._retake: int | None = None
 
     async def _claim(self) -> Claim:
         return await self.store.claim_lease(
@@ -150,8 +153,15 @@ class LeaseRun:
         if answer is not None:
             return answer  # another request's key (422), or the replay
         if record.state is State.UNKNOWN:
-            answer = await self.reconcile(record, deadline)
-            return False if answer is None else answer
+            if record.generation == self._retake:
+                slot = await self._slot_by(deadline)
+                if slot is None:
+                    return self._busy()
+                try:
+                    return await self._run_again(record)
+                finally:
+                    slot.give_back()
+            return await self.reconcile(record, deadline)
         if record.retry_allowed or (
             record.lease_expired and policy.on_lease_expiry is LeaseExpiry.TAKEOVER
         ):
@@ -178,17 +188,16 @@ class LeaseRun:
             return False
         if record.lease_expired:
             try:
-                async with asyncio.timeout(lock_wait(deadline - asyncio.get_running_loop().time())):
-                    await store.expire_lease(self.key, record.generation)
-            except TimeoutError:
-                # The executor is still in its fenced transaction, past its lease.
-                return InFlight()
+                await store.expire_lease(self.key, record.generation)
+            except ClaimBusy:
+                return True  # its executor is still in its fenced transaction, past its lease
             return False
         return True  # in flight: wait for its outcome
 
-    async def reconcile(self, record: Record, deadline: float) -> Answer | None:
-        """Ask the route's reconciler about an unknown record: the answer, or None when the
-        record changed and the caller should read it again."""
+    async def reconcile(self, record: Record, deadline: float) -> Answer | bool:
+        """Ask the route's reconciler about an unknown record: the answer, or as `_act`: True
+        to wait (another session held the record, or its takeover), False when the record
+        changed and the caller should read it again."""
         policy = self.policy
         if policy.reconciler is None:
             return duplicate_answer(record, self.fingerprint, _NO_RECONCILER)
@@ -210,39 +219,34 @@ class LeaseRun:
                 held_wait=lock_wait(deadline - asyncio.get_running_loop().time()),
             )
             if result.verdict is Verdict.NOT_HAPPENED:
-                return await self._run_again(record, deadline)
+                return await self._run_again(record)
         finally:
             slot.give_back()
         if result.verdict is Verdict.HELD:
-            return InFlight()
+            # Another session's fence (another reconciler asking): its reconciler's answer is
+            # waited for without a connection, and the record read again.
+            return True
         if result.verdict in (Verdict.STILL_UNKNOWN, Verdict.FAILED, Verdict.BY_HAND):
             return duplicate_answer(record, self.fingerprint, result.reason)
-        return None  # settled (by us or by someone else): read it again and replay
+        return False  # settled (by us or by someone else): read it again and replay
 
-    async def _run_again(self, record: Record, deadline: float) -> Answer | None:
-        """Take over an unknown record reconciled as not happened, and run it (or None when the
-        record changed meanwhile)."""
-        # Another reconciler's fence (another process's, however long it runs) may hold the
-        # record: waited for without a connection (the takeover is tried again, the reconciler
-        # not asked again), no longer than what is left of this request's wait.
-        loop = asyncio.get_running_loop()
-        pause = _FIRST_POLL
-        for _ in range(_MAX_ROUNDS):
-            try:
-                generation = await self.store.takeover(
-                    self.key, record.generation, State.UNKNOWN, self.policy.lease_seconds
-                )
-                break
-            except ClaimBusy:
-                remaining = deadline - loop.time()
-                if remaining <= 0:
-                    return InFlight()
-                await asyncio.sleep(min(pause, remaining))
-                pause = min(pause * 2, _MAX_POLL)
-        else:
-            return InFlight()  # pragma: no cover
+    async def _run_again(self, record: Record) -> Answer | bool:
+        """Take over an unknown record reconciled as not happened, and run it (or False when
+        the record changed meanwhile, True to wait when another session holds it)."""
+        try:
+            generation = await self.store.takeover(
+                self.key, record.generation, State.UNKNOWN, self.policy.lease_seconds
+            )
+        except ClaimBusy:
+            # Another reconciler's fence (another process's, however long it runs): waited for
+            # as any other wait (without a connection or the slot, counted among the waiters,
+            # ended by the client leaving), then the takeover is tried again if the record is
+            # still this, the reconciler not asked again.
+            self._retake = record.generation
+            return True
+        self._retake = None
         if generation is None:
-            return None
+            return False
         logger.info(
             "reconciled as not happened; running again",
             extra=log_extra(self.key, generation, "reconciled-retry"),

@@ -9,6 +9,7 @@ from collections.abc import Awaitable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import TypeVar
 
+from .errors import ClaimBusy
 from .fence import Verdict, run_reconciler
 from .reconcile import Reconciler
 from .store.base import RecordKey, RecordSummary, State, Store
@@ -23,7 +24,8 @@ _T = TypeVar("_T")
 
 
 class Held(Exception):
-    """Another session held the record's row for longer than `_HELD_WAIT`."""
+    """Another session held the record's row (the batch's move was refused, or waited for it
+    longer than `_HELD_WAIT`)."""
 
 
 async def unless_held(move: Awaitable[_T], seconds: float) -> _T:
@@ -154,7 +156,8 @@ async def _expire_leases(
                 move = store.expire_lease(summary.key, summary.generation)
                 if await unless_held(move, held_wait):
                     report.expired_leases += 1
-            except Held:
+            except (Held, ClaimBusy):
+                # (ClaimBusy: its executor's fenced transaction holds it, past its lease.)
                 report.held += 1
         if not fresh or len(stale) < window:
             break  # every lapsed lease has been looked at
@@ -175,7 +178,7 @@ async def _reconcile_one(
         mode=summary.mode,  # (read with the record: no second read)
     )
     if result.verdict is Verdict.HELD:
-        raise Held  # (its fenced connection waited `held_wait` for the record)
+        raise Held  # (another session held the record: its fenced connection was refused)
     if result.verdict is Verdict.NOT_HAPPENED:
         retry = store.allow_retry(summary.key, summary.generation, "reconciled: not happened")
         if not await unless_held(retry, held_wait):

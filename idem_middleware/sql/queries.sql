@@ -339,13 +339,21 @@ SELECT EXISTS (SELECT FROM renewed) OR EXISTS (
 
 -- name: expire_lease
 -- A pending record whose lease lapsed becomes unknown: a lost lease does not prove the effect
--- did not happen; waiters are woken. $1 tenant, $2 operation, $3 key, $4 generation,
+-- did not happen; waiters are woken. It never waits: the row is locked first with NOWAIT, so a
+-- row another session holds (its executor's fenced transaction, past its lease) fails the
+-- statement with lock_not_available, and the caller waits without its connection (or, a batch,
+-- passes the record over). $1 tenant, $2 operation, $3 key, $4 generation,
 -- $5 notification payload
-WITH moved AS (
-    UPDATE idem_requests
-    SET state = 'unknown', updated_at = now(), lease_expires_at = NULL, note = 'lease expired'
+WITH locked AS (
+    SELECT FROM idem_requests
     WHERE tenant = $1 AND operation = $2 AND idem_key = $3
       AND generation = $4 AND state = 'pending' AND lease_expires_at <= now()
+    FOR UPDATE NOWAIT
+), moved AS (
+    UPDATE idem_requests r
+    SET state = 'unknown', updated_at = now(), lease_expires_at = NULL, note = 'lease expired'
+    FROM locked
+    WHERE r.tenant = $1 AND r.operation = $2 AND r.idem_key = $3
     RETURNING 1
 )
 SELECT count(*) AS moved, pg_notify('idem_middleware', $5) AS notified FROM moved;
@@ -381,6 +389,15 @@ RETURNING r.generation;
 SELECT 1 FROM idem_requests
 WHERE tenant = $1 AND operation = $2 AND idem_key = $3 AND generation = $4 AND state = $5
 FOR UPDATE;
+
+-- name: fence_nowait
+-- `fence` for a reconciler (an unknown record): it never waits for another session's lock on
+-- the row (another reconciler's fence, for as long as it asks its downstream system), its
+-- pooled connection held; the statement fails with lock_not_available instead (`ClaimBusy`).
+-- $1 tenant, $2 operation, $3 key, $4 generation, $5 expected state
+SELECT 1 FROM idem_requests
+WHERE tenant = $1 AND operation = $2 AND idem_key = $3 AND generation = $4 AND state = $5
+FOR UPDATE NOWAIT;
 
 -- name: settle
 -- Lease mode and operators: move a record from an expected state under a generation to its

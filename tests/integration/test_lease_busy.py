@@ -179,3 +179,45 @@ async def test_a_lease_job_waits_for_a_transactional_run_of_its_key(store: Store
     assert await asyncio.wait_for(first, BOUND) == "paid"
     assert await asyncio.wait_for(second, BOUND) == "paid"
     assert runs == ["r1"]
+
+
+async def test_a_storm_of_duplicates_behind_an_executor_past_its_lease_takes_no_connection(
+    db_dsn: str,
+    pool: asyncpg.Pool[Any],
+    bank: asyncpg.Pool[Any],  # noqa: F811
+) -> None:
+    """An executor holds its fenced transaction past its lease (stuck or slow); its route marks
+    lapsed leases unknown (the default). Found by probing: each duplicate's `expire_lease`
+    waited for the record's row inside PostgreSQL, its pooled connection held, for up to its
+    `wait_seconds`: on a pool of 3 the waits took every free connection and the rest of 60
+    duplicates were answered 503. Now each finds the row held, waits in the process without a
+    connection, and replays the outcome the executor settles."""
+    small = await asyncpg.create_pool(db_dsn, min_size=1, max_size=3)
+    try:
+        async with PostgresStore(pool=small) as store:
+            policy = LEASE_POLICY.replace(wait_seconds=BOUND)
+            app = build_lease_app(store, bank, policy, acquire_timeout=0.5)
+            async with client(app) as c:
+                fingerprint = await _fingerprint_of(c, bank)
+                key = RecordKey("tenant-a", f"POST {PAYOUTS}", "k1")
+                claim = await store.claim_lease(
+                    key, fingerprint, retention_seconds=60, lease_seconds=60
+                )
+                assert isinstance(claim, Claimed)
+                await pool.execute(  # (its lease lapses: it goes on in its fence)
+                    "UPDATE idem_requests SET lease_expires_at = now() - interval '1 second'"
+                    " WHERE idem_key = 'k1'"
+                )
+                async with store.fenced(key, claim.generation) as session:
+                    storm = [asyncio.ensure_future(post(c)) for _ in range(DUPLICATES)]
+                    try:
+                        await wait_for_waiters(app, DUPLICATES)
+                        assert await lock_waiters(pool) == 0
+                        response = StoredResponse(201, [], b"{}")
+                        assert await session.settle(Settlement(State.SUCCEEDED, response))
+                    finally:
+                        answered = await asyncio.wait_for(asyncio.gather(*storm), 4 * BOUND)
+    finally:
+        await small.close()
+    assert {(r.status_code, r.content) for r in answered} == {(201, b"{}")}
+    assert app.state.probe.calls == 1  # the fingerprint's "probe" key, none for k1

@@ -135,6 +135,44 @@ async def test_contract_expire_lease_only_after_the_lease_lapsed(harness: Harnes
     assert not await store.expire_lease(rkey("k2"), g2)
 
 
+async def test_contract_expire_lease_never_waits_for_a_fenced_session(harness: Harness) -> None:
+    """An executor's fenced session holds its record past its lease: expiring the lease is
+    ClaimBusy at once (the caller waits without a connection, or a batch passes it over).
+    Found by probing: PostgreSQL's expire_lease waited for the row inside the database, its
+    pooled connection held, for up to the duplicate's wait; in a storm of duplicates on a small
+    pool those waits took every connection and the rest were answered 503."""
+    store = harness.store
+    k = rkey()
+    g1 = await claim_lease(harness)
+    await harness.lapse(k)
+    async with store.fenced(k, g1) as session:
+        for _ in range(2):  # (and again: a busy expiry changed nothing)
+            with pytest.raises(ClaimBusy):
+                await asyncio.wait_for(store.expire_lease(k, g1), BOUND)
+        assert await session.settle(DONE)
+    assert not await asyncio.wait_for(store.expire_lease(k, g1), BOUND)  # (it settled)
+    record = await store.get(k)
+    assert record is not None
+    assert record.state is State.SUCCEEDED
+
+
+async def test_contract_a_reconcilers_fence_never_waits_for_another(harness: Harness) -> None:
+    """An unknown record's fenced session (a reconciler's) while another holds it: ClaimBusy at
+    once, not a wait inside the database with a pooled connection held (another reconciler
+    asks its downstream system for as long as it takes). An executor's fence is unchanged."""
+    store = harness.store
+    k = rkey()
+    g1 = await claim_lease(harness)
+    assert await store.settle(k, g1, State.PENDING, Settlement(State.UNKNOWN))
+    async with store.fenced(k, g1, State.UNKNOWN):
+        other = store.fenced(k, g1, State.UNKNOWN)
+        with pytest.raises(ClaimBusy):
+            await asyncio.wait_for(other.__aenter__(), BOUND)
+    async with asyncio.timeout(BOUND):
+        async with store.fenced(k, g1, State.UNKNOWN):
+            pass  # (free again)
+
+
 async def test_contract_takeover_gives_a_larger_generation_and_fences_out_the_old(
     harness: Harness,
 ) -> None:

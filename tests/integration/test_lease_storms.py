@@ -42,6 +42,7 @@ from tests.apps import (
     downstream_rows,
     idle_in_transaction,
     reset_downstream,
+    wait_for_waiters,
 )
 
 BODY = {"account": "acc-1", "amount": 100}
@@ -321,3 +322,49 @@ async def test_lapsed_leases_left_for_a_takeover_never_keep_others_from_their_tu
         left = await pg_store.get(RecordKey("tenant-a", takeover_op, f"old-{i}"))
         assert left is not None
         assert left.state is State.PENDING
+
+
+async def test_a_not_happened_takeover_waiting_for_another_reconciler_is_a_counted_waiter(
+    pg_store: PostgresStore, bank: asyncpg.Pool[Any]
+) -> None:
+    """A retry reconciled "did not happen" whose takeover finds another reconciler's fence: it
+    slept in a loop of its own, holding its tenant slot, uncounted by `max_waiters` and deaf to
+    its client leaving. It now waits in the duplicate's loop (a counted waiter), and takes the
+    record over (the reconciler not asked again) once the fence is gone."""
+    policy = LEASE_POLICY.replace(
+        wait_seconds=4 * BOUND,
+        reconcile_timeout_seconds=4 * BOUND,
+        reconciler=downstream_reconciler(bank),
+    )
+    app = build_lease_app(pg_store, bank, policy)
+    probe: LeaseProbe = app.state.probe
+    probe.steps = [Step(fail="before")]
+    gate, holding = asyncio.Event(), asyncio.Event()
+
+    async def slow_reconciler(rc: ReconcileContext) -> Reconciliation:
+        await rc.fenced_connection()
+        holding.set()
+        await gate.wait()
+        return StillUnknown("the bank has not answered")
+
+    async with client(app) as c:
+        assert (await post(c)).status_code == 500
+        unknown = await record(bank)
+        other = asyncio.ensure_future(
+            run_reconciler(
+                pg_store, rkey(), unknown["generation"], slow_reconciler, seconds=4 * BOUND
+            )
+        )
+        try:
+            await asyncio.wait_for(holding.wait(), BOUND)
+            retry = asyncio.ensure_future(post(c))
+            try:
+                await wait_for_waiters(app, 1)
+            finally:
+                gate.set()
+                answered = await asyncio.wait_for(retry, 4 * BOUND)
+        finally:
+            gate.set()
+            await asyncio.wait_for(other, BOUND)
+    assert answered.status_code == 201, answered.text
+    assert probe.calls == 2

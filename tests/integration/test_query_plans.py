@@ -134,6 +134,7 @@ async def _cases(conn: Any) -> dict[str, list[tuple[Any, ...]]]:
         "expire_lease": [(*lapsed, g_lapsed, "n")],
         "takeover": [(*lapsed, g_lapsed, "pending", 30.0)],
         "fence": [(*leased, g_leased, "pending")],
+        "fence_nowait": [(*unknown, g_unknown, "unknown")],
         "settle": [(*leased, g_leased, "pending", "succeeded", *answer, None, "n")],
         "settle_checked": [(*leased, g_leased, "pending", "succeeded", *answer, None, "n")],
         "release": [(*leased, g_leased, "n")],
@@ -173,7 +174,8 @@ PER_REQUEST = {
     "claim", "claim_key", "claim_key_count", "insert_final", "reclaim_expired", "get",
     "reclaim_released", "expire_lapsed",
     "describe", "complete", "complete_checked", "heartbeat", "expire_lease", "takeover", "fence",
-    "settle", "settle_checked", "release", "allow_retry", "amend", "token_status", "issue_token",
+    "fence_nowait", "settle", "settle_checked", "release", "allow_retry", "amend", "token_status",
+    "issue_token",
     "outbox_add", "outbox_same", "outbox_claim", "outbox_sent", "outbox_failed",
     "outbox_requeue", "inbox_record",
 }  # fmt: skip

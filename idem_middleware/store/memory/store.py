@@ -99,6 +99,10 @@ class MemoryStore(OffPathOperations):
             return True
 
     async def expire_lease(self, key: RecordKey, generation: int) -> bool:
+        if key in self._fence_locks:
+            # Another session holds the record's row (an executor's fenced session past its
+            # lease): busy, never waited for, as PostgreSQL's NOWAIT.
+            raise ClaimBusy("another session holds the record")
         async with self._row_lock(key):
             row = self._current(key, generation, State.PENDING)
             now = self.clock()
@@ -181,7 +185,11 @@ class MemoryStore(OffPathOperations):
     async def fenced(
         self, key: RecordKey, generation: int, expected: State = State.PENDING
     ) -> AsyncIterator[_MemoryFenced]:
-        # The row lock of the fenced transaction: one fenced session per key at a time.
+        # The row lock of the fenced transaction: one fenced session per key at a time. A
+        # reconciler's (an unknown record's) never waits for another's, as PostgreSQL's
+        # `fence_nowait`: busy at once.
+        if expected is State.UNKNOWN and key in self._fence_locks:
+            raise ClaimBusy("another session holds the record")
         async with self._row_lock(key):
             if self._current(key, generation, expected) is None:
                 raise StaleGeneration(

@@ -8,13 +8,14 @@ import logging
 from typing import Any
 
 from ...delayed import Delayed
-from ...errors import StaleGeneration, StoreError
+from ...errors import ClaimBusy, StaleGeneration, StoreError
 from ..base import RecordKey, Settlement, State
 from . import compat
 from .convert import (
     _Q,
     ACQUIRE_ERRORS,
     CONNECTION_ERRORS,
+    LOCK_NOT_AVAILABLE,
     RETRYABLE,
     SERVER_ERROR,
     STALE_STATEMENT,
@@ -214,6 +215,20 @@ class Fencing(Bounded):
         serialization failure the transaction is rolled back before it is raised."""
         key = self._key
         args = (key.tenant, key.operation, key.key, self._generation, str(self._expected))
+        if self._expected is State.UNKNOWN:
+            # A reconciler's fence: never waits for another session's lock on the row (another
+            # reconciler asking its downstream system): ClaimBusy at once (`fence_nowait`).
+            tx = conn.transaction()
+            await tx.start()
+            try:
+                held = await conn.fetchval(_Q["fence_nowait"], *args)
+            except LOCK_NOT_AVAILABLE as exc:
+                await tx.rollback()
+                raise ClaimBusy("another session holds the record") from exc
+            except (*RETRYABLE, STALE_STATEMENT):
+                await tx.rollback()  # (`alone` runs it again)
+                raise
+            return tx, held is not None, None
         if self._fast is not None:
             opened = await self._fast.open_fence(compat.raw_connection(conn), args)
             if opened is not None:

@@ -287,15 +287,18 @@ class PostgresStore(OffPathStatements):
         return bool(alive)
 
     async def expire_lease(self, key: RecordKey, generation: int) -> bool:
-        moved = await self._run(
-            "fetchval",
-            _Q["expire_lease"],
-            key.tenant,
-            key.operation,
-            key.key,
-            generation,
-            notify_token(key),
-        )
+        try:
+            moved = await self._run(
+                "fetchval",
+                _Q["expire_lease"],
+                key.tenant,
+                key.operation,
+                key.key,
+                generation,
+                notify_token(key),
+            )
+        except LOCK_NOT_AVAILABLE as exc:
+            raise ClaimBusy("another session holds the record") from exc
         return bool(moved)
 
     async def takeover(
