@@ -86,14 +86,20 @@ async def test_the_memory_stores_row_locks_go_when_nobody_holds_them() -> None:
     key = RecordKey("t", "POST /pay", "contended")
     claim = await store.claim_lease(key, b"f", retention_seconds=60, lease_seconds=30)
     assert isinstance(claim, Claimed)
+
+    async def fence_again() -> bool:
+        async with store.fenced(key, claim.generation):
+            return True
+
     async with store.fenced(key, claim.generation):
-        # (A renewal does not wait for it: see queries.sql `heartbeat`. An expiry does.)
-        expiring = asyncio.ensure_future(store.expire_lease(key, claim.generation))
-        cancelled = asyncio.ensure_future(store.expire_lease(key, claim.generation))
+        # (Renewals, expiries and takeovers never wait for it: see queries.sql `heartbeat`,
+        # `expire_lease`, `takeover`. Another executor's fenced session does.)
+        waiting = asyncio.ensure_future(fence_again())
+        cancelled = asyncio.ensure_future(fence_again())
         await asyncio.sleep(0)
-        assert not expiring.done()  # it waits for the fenced session's row lock
+        assert not waiting.done()  # it waits for the fenced session's row lock
         cancelled.cancel()
         await asyncio.gather(cancelled, return_exceptions=True)
         assert len(store._fence_locks) == 1
-    assert not await expiring  # (its lease has not lapsed)
+    assert await waiting
     assert store._fence_locks == {}
