@@ -40,7 +40,6 @@ if TYPE_CHECKING:
 
 __all__ = ["ClaimDialect", "ClaimPool", "create_claim_engine"]
 
-# `await_only` is the name SQLAlchemy 2.0 exports; 2.1 calls it `await_` (the old name goes in 2.2).
 logger = logging.getLogger("idem_middleware")
 
 #: The session's savepoint is gone from under it: the handler ended the claim's transaction.
@@ -49,6 +48,7 @@ ENDED_BY_HANDLER = (
     asyncpg.exceptions.InvalidSavepointSpecificationError,
 )
 
+# `await_only` is the name SQLAlchemy 2.0 exports; 2.1 calls it `await_` (the old name goes in 2.2).
 _await: Any = getattr(_sa_util, "await_", None) or _sa_util.await_only
 
 # The driver connection a checkout is creating a DBAPI wrapper for, and the acquisition (the
