@@ -134,6 +134,13 @@ class Policy:
                     f"reconciler must be an async function of a ReconcileContext, "
                     f"not {self.reconciler!r}"
                 )
+            if _plainly_sync(self.reconciler):
+                raise ConfigurationError(
+                    f"reconciler must be an async function of a ReconcileContext; "
+                    f"{self.reconciler!r} is a plain function, and every call of it would fail "
+                    "(it is awaited, within reconcile_timeout_seconds). Define it with "
+                    "`async def`; for blocking work, `await asyncio.to_thread(...)` inside it"
+                )
             if self.mode is not Mode.LEASE:
                 raise ConfigurationError(
                     "reconciler is a lease-mode option, and this policy is transactional: a "
@@ -152,6 +159,21 @@ class Policy:
 
     def replace(self, **changes: Any) -> Policy:
         return dataclasses.replace(self, **changes)
+
+
+def _plainly_sync(function: Any) -> bool:
+    """Whether `function` is a `def` function or method (through partials, or as an object's
+    `__call__`) that is not a coroutine function: awaiting what it returns fails at every call.
+    A `lambda` that returns a coroutine is one too (the message says to write `async def`); a
+    builtin or other callable is not judged here."""
+    while isinstance(function, functools.partial):
+        function = function.func
+    if not (inspect.isfunction(function) or inspect.ismethod(function)):
+        function = inspect.getattr_static(type(function), "__call__", None)
+        if not inspect.isfunction(function):
+            return False
+    flags = function.__code__.co_flags
+    return not flags & (inspect.CO_COROUTINE | inspect.CO_ITERABLE_COROUTINE)
 
 
 def names(value: Any, option: str) -> tuple[str, ...]:

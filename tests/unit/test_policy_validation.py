@@ -4,6 +4,7 @@ wrong, never a policy that misbehaves on the request path."""
 
 from __future__ import annotations
 
+import functools
 import math
 from datetime import timedelta
 from fractions import Fraction
@@ -272,3 +273,43 @@ def test_a_lease_shorter_than_a_tenth_of_a_second_is_refused(value: float) -> No
     assert "Use seconds (the default is 30)" in message
     assert Policy(mode=Mode.LEASE, lease_seconds=0.1).lease_seconds == 0.1
     assert Policy(mode=Mode.LEASE, lease_seconds=MAX_SECONDS).lease_seconds == MAX_SECONDS
+
+
+def _sync_reconcile(context: object) -> object:
+    return None
+
+
+class _AsyncCallable:
+    async def __call__(self, context: object) -> object:
+        return None
+
+
+class _SyncCallable:
+    def __call__(self, context: object) -> object:
+        return None
+
+
+@pytest.mark.parametrize(
+    "reconciler",
+    [
+        _sync_reconcile,
+        functools.partial(_sync_reconcile),
+        _SyncCallable(),
+        lambda context: reconcile(context),
+    ],
+    ids=["def", "partial", "callable-object", "lambda"],
+)
+def test_a_plainly_sync_reconciler_is_refused_at_construction(reconciler: Any) -> None:
+    """Awaiting its result would fail at every call, counted as the reconciler's failure."""
+    message = refused(mode=Mode.LEASE, reconciler=reconciler)
+    assert "is a plain function" in message
+    assert "async def" in message
+
+
+@pytest.mark.parametrize(
+    "reconciler",
+    [reconcile, functools.partial(reconcile), _AsyncCallable()],
+    ids=["async-def", "partial", "async-callable-object"],
+)
+def test_an_async_reconciler_in_any_shape_is_accepted(reconciler: Any) -> None:
+    assert Policy(mode=Mode.LEASE, reconciler=reconciler).reconciler is reconciler
