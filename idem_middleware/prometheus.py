@@ -86,6 +86,19 @@ class PrometheusObserver:
         self.max_operations = max_operations
         #: Each operation seen, by its label: at most `max_operations` of them.
         self._labels: dict[str, str] = {}
+        try:
+            self._register(registry, namespace)
+        except ValueError as exc:
+            if "Duplicated timeseries" not in str(exc):
+                raise
+            raise ConfigurationError(
+                f"a PrometheusObserver with namespace {namespace!r} is already registered in "
+                "this registry (prometheus_client's default one unless registry= is given): "
+                "make one per process, at import, and give it to every app; an app built for "
+                "each test gives its own PrometheusObserver(registry=CollectorRegistry())"
+            ) from exc
+
+    def _register(self, registry: CollectorRegistry, namespace: str) -> None:
         self.requests = Counter(
             "requests",
             "Guarded requests by operation and outcome",

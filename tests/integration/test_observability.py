@@ -356,6 +356,19 @@ def test_max_operations_is_checked_when_made(bound: Any) -> None:
         PrometheusObserver(registry=CollectorRegistry(), max_operations=bound)
 
 
+def test_a_second_observer_in_one_registry_is_told_to_make_one_or_use_its_own() -> None:
+    """Found by probing docs/observability.md as a newcomer: `PrometheusObserver()` made in an
+    app factory each test calls failed at the second test with prometheus_client's bare
+    "Duplicated timeseries", naming no way out. Other namespaces and registries still work."""
+    registry = CollectorRegistry()
+    PrometheusObserver(registry=registry)
+    PrometheusObserver(registry=registry, namespace="other")
+    PrometheusObserver(registry=CollectorRegistry())
+    with pytest.raises(ConfigurationError, match=r"registry=CollectorRegistry\(\)") as raised:
+        PrometheusObserver(registry=registry)
+    assert "one per process" in str(raised.value)
+
+
 @pytest.mark.parametrize("record_tenant", [False, True])
 async def test_span_events_carry_the_tenant_only_when_asked(
     pg_store: Any, record_tenant: bool

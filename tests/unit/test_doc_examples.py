@@ -1,7 +1,8 @@
 """The Python blocks of docs/*.md: every one compiles and imports only what the package has; the
 three knobs' examples (docs/configuration-knobs.md) run, and answer what the page says they do,
 in the words it quotes. (The README's apps and those of fastapi.md and starlette.md run in
-tests/integration/test_readme_examples.py; testing.md's in test_pytest_plugin.py.)"""
+tests/integration/test_readme_examples.py; testing.md's in test_pytest_plugin.py; the other
+pages' fragments, their blanks filled, on PostgreSQL in tests/integration/test_doc_fragments.py.)"""
 
 from __future__ import annotations
 
