@@ -378,11 +378,16 @@ async def test_observability_fragments_count_trace_log_and_hash_the_tenant(
     registry = CollectorRegistry()
     await run(install_block, {"app": app, "install": install, "store": store, "registry": registry})
     app.add_middleware(AuthenticationMiddleware, backend=Everyone())
+    # (caplog's handler is pytest's for the whole run: the page's filter comes off it after.)
+    filters = list(caplog.handler.filters)
     await run(filter_block, {"logging": logging, "hashlib": hashlib, "handler": caplog.handler})
-    with caplog.at_level(logging.INFO, logger="idem_middleware"):
-        async with client(app) as http:
-            for _ in range(2):
-                await http.post("/things", json={"a": 1}, headers={"idempotency-key": "o"})
+    try:
+        with caplog.at_level(logging.INFO, logger="idem_middleware"):
+            async with client(app) as http:
+                for _ in range(2):
+                    await http.post("/things", json={"a": 1}, headers={"idempotency-key": "o"})
+    finally:
+        caplog.handler.filters[:] = filters
     outcomes = [r.outcome for r in caplog.records if hasattr(r, "outcome")]
     assert outcomes == ["claimed", "succeeded", "replayed"]
     hashed = hashlib.sha256(TENANT.encode()).hexdigest()[:16]
