@@ -265,6 +265,35 @@ async def test_a_takeover_waits_for_a_fenced_run_no_longer_than_the_jobs_wait(
     assert await payout(ref="r1") == "paid"  # the fence gone, the takeover goes through
 
 
+async def test_a_lapsed_run_still_in_its_fenced_transaction_is_waited_for_not_marked_unknown(
+    pg_store: PostgresStore,
+) -> None:
+    """The default `on_lease_expiry` (unknown): a run whose lease lapsed but which still holds
+    its fenced transaction makes the next call's `expire_lease` meet a busy row (NOWAIT). That
+    is waited for in the process, as a request's is: JobInProgress after `wait_seconds`, the
+    record left pending (no driver error, no `unknown` under a run that may still settle); once
+    the fence is gone, the lapsed run is marked unknown."""
+    from idem_middleware.jobs import _fingerprint
+
+    @idempotent_job(pg_store, operation="payout", key="ref", mode=Mode.LEASE, wait_seconds=0.3)
+    async def payout(job: IdempotencyContext, *, ref: str) -> str:
+        return "paid"
+
+    key = RecordKey("", "payout", "r2")
+    fingerprint = _fingerprint("payout", (), {"ref": "r2"})
+    claim = await pg_store.claim_lease(key, fingerprint, retention_seconds=60, lease_seconds=0.1)
+    assert isinstance(claim, Claimed)
+    async with pg_store.fenced(key, claim.generation, State.PENDING):
+        await asyncio.sleep(0.2)  # the lease lapses; the fenced transaction holds the row
+        with pytest.raises(JobInProgress):
+            await asyncio.wait_for(payout(ref="r2"), 10)
+        record = await pg_store.get(key)
+        assert record is not None
+        assert record.state is State.PENDING
+    with pytest.raises(JobOutcomeUnknown):
+        await asyncio.wait_for(payout(ref="r2"), 10)
+
+
 @pytest.mark.parametrize("mode", [Mode.TRANSACTIONAL, Mode.LEASE])
 async def test_a_repeat_of_a_job_that_returned_none_returns_none(store: Store, mode: Mode) -> None:
     """Found by probing: a job that returned None stored `null`, and a repeat read that None as

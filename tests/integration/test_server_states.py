@@ -1,9 +1,9 @@
 """The PostgreSQL server in states a deployment meets while the app runs: sessions that take no
 writes (a hot standby the DSN reaches after a failover, or `default_transaction_read_only` set
-for maintenance) and a server that refuses new connections (`max_connections`, or a role's or
-database's connection limit). Each answers `503 store-unavailable` with Retry-After (they were
-500s, asyncpg's errors escaping the store), commits nothing, and the store recovers by itself:
-the retry runs once.
+for maintenance), a server that refuses new connections (`max_connections`, or a role's or
+database's connection limit), and statements it cancels (`statement_timeout`). Each answers
+`503 store-unavailable` with Retry-After (they were 500s, asyncpg's errors escaping the store),
+commits nothing, and the store recovers by itself: the retry runs once.
 """
 
 from __future__ import annotations
@@ -21,8 +21,15 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from idem_middleware import Policy, PostgresStore, get_context
+from idem_middleware.errors import StoreError
 from idem_middleware.policy import Mode
-from idem_middleware.store.base import RecordKey
+from idem_middleware.store.base import (
+    Claimed,
+    RecordKey,
+    Settlement,
+    State,
+    StoredResponse,
+)
 from idem_middleware.store.migrations import migrate
 from tests.apps import assert_problem, assert_replay_of, client, one_route_app
 from tests.conftest import dsn_for
@@ -189,3 +196,55 @@ async def test_a_claim_the_server_ends_for_idling_answers_503_and_runs_once_on_r
     finally:
         await watcher.close()
     assert len(runs) == 2
+
+
+@pytest.mark.parametrize("mode", list(POLICIES))
+async def test_a_statement_the_server_cancels_answers_503_and_runs_once_on_retry(
+    own: Own, mode: str
+) -> None:
+    """`statement_timeout` on the role or database (or a DBA's `pg_cancel_backend`): the server
+    cancels a statement of the store's that waited (here behind a lock on the table, as behind
+    DDL). Found by probing: lease mode's claim let asyncpg's QueryCanceledError escape, a 500;
+    now it is a 503, as in transactional mode, nothing is recorded, and the retry runs once."""
+    async with PostgresStore(dsn=own.dsn, min_size=1, max_size=2, listen=False) as store:
+        app, runs = counting_app(store, mode)
+        await own.run("ALTER DATABASE \"{name}\" SET statement_timeout = '200ms'")
+        await store.pool.expire_connections()  # (new sessions, with the timeout)
+        headers = {"Idempotency-Key": "cancelled"}
+        locker = await asyncpg.connect(own.dsn, server_settings={"statement_timeout": "0"})
+        try:
+            async with client(app) as c:
+                async with locker.transaction():
+                    await locker.execute("LOCK TABLE idem_requests IN EXCLUSIVE MODE")
+                    assert_unavailable(await c.post("/charges", json={}, headers=headers))
+                assert runs == []
+                assert await store.get(RecordKey("tenant-a", "POST /charges", "cancelled")) is None
+                first = await c.post("/charges", json={}, headers=headers)
+                assert first.status_code == 201, first.text
+                assert_replay_of(await c.post("/charges", json={}, headers=headers), first)
+        finally:
+            await locker.close()
+    assert len(runs) == 1
+
+
+async def test_a_settlement_the_server_cancels_is_a_store_error(own: Own) -> None:
+    """Lease mode's settlement (a statement that commits on its own) cancelled by the server's
+    `statement_timeout`: StoreError, as any store failure there (the record stays pending until
+    its lease lapses), not asyncpg's QueryCanceledError."""
+    async with PostgresStore(dsn=own.dsn, min_size=1, max_size=2, listen=False) as store:
+        claim = await store.claim_lease(KEY, b"f", retention_seconds=60, lease_seconds=60)
+        assert isinstance(claim, Claimed)
+        await own.run("ALTER DATABASE \"{name}\" SET statement_timeout = '200ms'")
+        await store.pool.expire_connections()
+        locker = await asyncpg.connect(own.dsn, server_settings={"statement_timeout": "0"})
+        try:
+            async with locker.transaction():
+                await locker.execute("LOCK TABLE idem_requests IN EXCLUSIVE MODE")
+                done = Settlement(State.SUCCEEDED, StoredResponse(201, [], b"{}"))
+                with pytest.raises(StoreError, match="cancel"):
+                    await store.settle(KEY, claim.generation, State.PENDING, done)
+            record = await store.get(KEY)
+            assert record is not None
+            assert record.state is State.PENDING
+        finally:
+            await locker.close()

@@ -167,3 +167,47 @@ async def test_an_outbox_send_recorded_behind_a_concurrent_write_is_marked_sent(
         touch = "UPDATE idem_outbox SET last_error = 'touched' WHERE event_id = $1"
         await _behind(pool, touch, event_id, work=publisher.mark_sent(event_id))
     assert await pool.fetchval("SELECT sent_at IS NOT NULL FROM idem_outbox") is True
+
+
+async def test_transactional_claims_of_different_keys_under_serializable_run_again(
+    db_dsn: str, pool: asyncpg.Pool[Any]
+) -> None:
+    """Found by probing (docs/operating.md): under SERIALIZABLE, two transactional requests with
+    different keys, at once, each read `idem_requests`' primary key where its key would be and
+    then insert there; on a small table (or with sequential keys) that is the same index page,
+    and the server refuses one of them. It runs again, handler included (its writes were rolled
+    back): both are answered 201 and each key is recorded once, at the price of a re-run. (In
+    a storm, past `max_serialization_retries`, some are answered 409 and run on the retry.)"""
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse, Response
+
+    from idem_middleware import get_context
+    from tests.apps import client, one_route_app
+
+    settings = {"default_transaction_isolation": "serializable"}
+    runs: list[str] = []
+    both = asyncio.Barrier(2)
+
+    async def charge(request: Request) -> Response:
+        ctx = get_context(request)
+        runs.append(ctx.key)
+        if len(runs) <= 2:
+            await asyncio.wait_for(both.wait(), BOUND)  # both claimed before either settles
+        return JSONResponse({"key": ctx.key}, status_code=201)
+
+    async with PostgresStore(
+        dsn=db_dsn, listen=False, connect_kwargs={"server_settings": settings}
+    ) as store:
+        app = one_route_app("/charges", charge, store=store)
+        async with client(app) as c:
+            answers = await asyncio.wait_for(
+                asyncio.gather(
+                    *(c.post("/charges", json={}, headers={"Idempotency-Key": k}) for k in "ab")
+                ),
+                2 * BOUND,
+            )
+    assert [r.status_code for r in answers] == [201, 201]
+    assert sorted(runs[:2]) == ["a", "b"]
+    assert len(runs) == 3  # one of them ran again
+    keys = await pool.fetch("SELECT idem_key FROM idem_requests ORDER BY idem_key")
+    assert [r["idem_key"] for r in keys] == ["a", "b"]

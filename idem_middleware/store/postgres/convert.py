@@ -50,13 +50,22 @@ UNAVAILABLE: tuple[type[BaseException], ...] = (
     asyncpg.exceptions.ReadOnlySQLTransactionError,
     asyncpg.exceptions.InsufficientResourcesError,
 )
+#: A statement the server cancelled (57014: the role's or database's `statement_timeout`, a
+#: DBA's `pg_cancel_backend`): it did nothing, and may run later. (asyncpg's own timeouts raise
+#: TimeoutError instead.)
+CANCELLED: type[BaseException] = asyncpg.exceptions.QueryCanceledError
 ACQUIRE_ERRORS: tuple[type[BaseException], ...] = (TimeoutError, *CONNECTION_ERRORS, *UNAVAILABLE)
 RETRYABLE: tuple[type[BaseException], ...] = (
     asyncpg.exceptions.SerializationError,
     asyncpg.exceptions.DeadlockDetectedError,
 )
 #: What `translate` turns into StoreError or RetryableConflict.
-TRANSLATED: tuple[type[BaseException], ...] = (*CONNECTION_ERRORS, *UNAVAILABLE, *RETRYABLE)
+TRANSLATED: tuple[type[BaseException], ...] = (
+    *CONNECTION_ERRORS,
+    *UNAVAILABLE,
+    *RETRYABLE,
+    CANCELLED,
+)
 WAIT_EXCEEDED: tuple[type[BaseException], ...] = (
     TimeoutError,
     asyncpg.exceptions.LockNotAvailableError,
@@ -138,6 +147,8 @@ def translate(exc: BaseException) -> BaseException:
         return StoreError(f"{type(exc).__name__}: {exc}")
     if isinstance(exc, asyncpg.exceptions.ReadOnlySQLTransactionError):
         return StoreError(f"the database takes no writes (a standby, or read-only sessions): {exc}")
+    if isinstance(exc, CANCELLED):
+        return StoreError(f"the server cancelled the statement (statement_timeout?): {exc}")
     if isinstance(exc, UNAVAILABLE):
         return StoreError(f"the database is out of resources: {type(exc).__name__}: {exc}")
     if isinstance(exc, SERVER_ERROR):
