@@ -17,7 +17,7 @@ from starlette.authentication import SimpleUser
 from starlette.responses import Response
 from starlette.types import Scope
 
-from .errors import ConfigurationError, ProblemKind, RequestRejected
+from .errors import CallerNamedLate, ConfigurationError, ProblemKind, RequestRejected
 from .responses import problem_response
 
 logger = logging.getLogger("idem_middleware")
@@ -158,6 +158,21 @@ class Tenants:
         if tenant:
             return tenant
         return "" if allow_anonymous else None
+
+    async def refuse_named_late(self, scope: Scope) -> None:
+        """For a request claimed as anonymous, before its outcome is recorded: raise
+        `CallerNamedLate` if the resolver names a caller now (authentication ran inside the
+        middleware, after the claim), or cannot say (it raises). Recorded, the response would
+        be replayed to any caller with the same key."""
+        named: object
+        try:
+            named = self.resolver(scope)
+            if inspect.isawaitable(named):
+                named = await named
+        except Exception:
+            named = True  # (a user it cannot name, or a resolver that fails now: not anonymous)
+        if named:
+            raise CallerNamedLate
 
     def _refused(self, why: str) -> RequestRejected:
         """No tenant can be trusted: the request is refused (500, logged once with why), never
