@@ -164,6 +164,27 @@ class FencedSettlementRefused(SettlementRefused):
     )
 
 
+class CallerNamedLate(SettlementRefused):
+    """A request guarded as anonymous (a route that allows anonymous callers, no caller named
+    when it was claimed) whose tenant resolver names a caller by the time its outcome is to be
+    recorded: authentication ran inside the middleware (an AuthenticationMiddleware or a
+    BaseHTTPMiddleware after it, one in a mounted app, a resolver reading what the router sets).
+    Recorded under the anonymous tenant, its response would be replayed to any caller sending the
+    same key. Nothing is recorded (transactional: nothing committed, the key free; lease mode:
+    the record `unknown`), and the client gets `500 server-misconfigured`."""
+
+    detail = (
+        "The request's outcome was not recorded: the server identified its caller only after "
+        "the idempotency check had taken it for an anonymous one. The server is misconfigured."
+    )
+    log_message = (
+        "idempotency: a request guarded as anonymous was authenticated inside "
+        "IdempotencyMiddleware, so its outcome was not recorded (it would be replayed to "
+        "every caller): authentication must run before IdempotencyMiddleware (add it after "
+        "install(...), or before it in a middleware=[...] list)"
+    )
+
+
 # -- tokens and jobs -------------------------------------------------------------------------------
 
 

@@ -17,7 +17,7 @@ from .answers import SENT, Answer, Problem
 from .capture import ResponseCapture
 from .context import IdempotencyContext, claimed_context, enter_context, key_digest, leave_context
 from .delayed import Delayed
-from .errors import ProblemKind, StaleGeneration
+from .errors import CallerNamedLate, ProblemKind, StaleGeneration
 from .fence import Fence
 from .heartbeat import keep_lease
 from .observe import SETTLED_EVENTS, Event
@@ -242,6 +242,12 @@ class LeaseExecution:
         capture: ResponseCapture,
         omitted: str | None = None,
     ) -> bool:
+        if not self.key.tenant:  # claimed as anonymous: was the caller named since?
+            try:
+                await self.ex.mw.tenants.refuse_named_late(self.ex.scope)
+            except CallerNamedLate:
+                await fence.close()  # (its writes rolled back; the caller marks it unknown)
+                raise
         outcome = context.declared or outcome_for_status(capture.status, Mode.LEASE)
         generation = context.generation
         with self.ex.timed("complete"):

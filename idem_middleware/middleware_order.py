@@ -18,44 +18,38 @@ if TYPE_CHECKING:
 logger = logging.getLogger("idem_middleware")
 
 
-def check_authentication(mw: IdempotencyMiddleware, app: Any, policies: list[Policy]) -> None:
-    """With the default tenant resolver, Starlette's AuthenticationMiddleware must run first."""
+def check_authentication(mw: IdempotencyMiddleware, app: Any, policies: list[Policy]) -> str | None:
+    """With the default tenant resolver, Starlette's AuthenticationMiddleware must run first:
+    warned when none is seen, an error (returned) when it is seen inside only."""
     if mw.tenant_resolver is not authenticated_user_tenant:
-        return
+        return None
     stack = [entry.cls for entry in getattr(app, "user_middleware", ())]
     ours = next((i for i, cls in enumerate(stack) if _named(cls, "IdempotencyMiddleware")), None)
     auth = [i for i, cls in enumerate(stack) if _named(cls, "AuthenticationMiddleware")]
     if ours is None:
-        return  # not added through the app: its order cannot be read here
+        return None  # not added through the app: its order cannot be read here
     anonymous = sum(p.allow_anonymous for p in policies)
     if not auth:
         if anonymous == len(policies):
-            return  # an app with anonymous routes only needs no authentication
+            return None  # an app with anonymous routes only needs no authentication
         logger.warning(
             "idempotency: no AuthenticationMiddleware runs before IdempotencyMiddleware, so "
             "guarded requests have no tenant and are refused (500), unless another middleware "
             "sets scope['user']: %s",
             AUTH_FIX,
         )
-    elif all(i > ours for i in auth):
-        # Every caller is anonymous to the middleware: on a route that allows anonymous
-        # callers, authenticated ones share one key space, and no request can tell.
-        harm = {
-            0: "guarded requests have no tenant and are refused (500)",
-            len(policies): "every caller of the routes that allow anonymous callers is guarded "
-            "as anonymous: all share the anonymous tenant, and one can be replayed another's "
-            "response",
-        }.get(
-            anonymous,
-            "guarded requests have no tenant: those of routes that allow anonymous callers "
-            "all share the anonymous tenant (one can be replayed another's response), the "
-            "others are refused (500)",
+    elif policies and all(i > ours for i in auth):
+        # It sets scope["user"] after the tenant is resolved, and over whatever a middleware
+        # before ours set: with the default resolver no request can be named. Guarded requests
+        # would be refused (500), and on a route that allows anonymous callers every
+        # authenticated one (its outcome never recorded: see CallerNamedLate). No order of
+        # this kind works, so it fails the startup rather than every such request.
+        return (
+            "AuthenticationMiddleware runs after IdempotencyMiddleware, so the tenant resolver "
+            "finds no user: guarded requests of authenticated callers would all be refused "
+            f"(500): {AUTH_FIX}"
         )
-        logger.warning(
-            "idempotency: AuthenticationMiddleware runs after IdempotencyMiddleware, so %s: %s",
-            harm,
-            AUTH_FIX,
-        )
+    return None
 
 
 #: Middleware whose work on a response depends on the request it answers: inside ours, what it

@@ -101,7 +101,8 @@ def check_app(mw: IdempotencyMiddleware, app: Any, scope: Scope | None = None) -
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         errors.append(f"policies[{name!r}] matches no route, so it can never apply{hint}")
     if guarded and app is not None:
-        check_authentication(mw, app, [p for _, p in guarded])
+        if (auth_error := check_authentication(mw, app, [p for _, p in guarded])) is not None:
+            errors.append(auth_error)
         check_outer_middleware(mw, app)
     errors.extend(_status_route_errors(mw, routes, guarded))
     errors.extend(_unserved_methods(mw, items))

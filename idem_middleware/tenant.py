@@ -17,7 +17,7 @@ from starlette.authentication import SimpleUser
 from starlette.responses import Response
 from starlette.types import Scope
 
-from .errors import ConfigurationError, ProblemKind, RequestRejected
+from .errors import CallerNamedLate, ConfigurationError, ProblemKind, RequestRejected
 from .responses import problem_response
 
 logger = logging.getLogger("idem_middleware")
@@ -145,6 +145,8 @@ class Tenants:
                 return self._awaited(resolved, allow_anonymous)
             raise self._refused(_not_a_tenant(resolved))
         if resolved:
+            if not storable_tenant(resolved):
+                raise self._refused(_UNSTORABLE)
             return resolved
         return "" if allow_anonymous else None
 
@@ -156,8 +158,25 @@ class Tenants:
         if tenant is not None and not isinstance(tenant, str):
             raise self._refused(_not_a_tenant(tenant))
         if tenant:
+            if not storable_tenant(tenant):
+                raise self._refused(_UNSTORABLE)
             return tenant
         return "" if allow_anonymous else None
+
+    async def refuse_named_late(self, scope: Scope) -> None:
+        """For a request claimed as anonymous, before its outcome is recorded: raise
+        `CallerNamedLate` if the resolver names a caller now (authentication ran inside the
+        middleware, after the claim), or cannot say (it raises). Recorded, the response would
+        be replayed to any caller with the same key."""
+        named: object
+        try:
+            named = self.resolver(scope)
+            if inspect.isawaitable(named):
+                named = await named
+        except Exception:
+            named = True  # (a user it cannot name, or a resolver that fails now: not anonymous)
+        if named:
+            raise CallerNamedLate
 
     def _refused(self, why: str) -> RequestRejected:
         """No tenant can be trusted: the request is refused (500, logged once with why), never
@@ -184,6 +203,30 @@ def storable_text(value: str | None) -> bool:
     return "\x00" not in value
 
 
+#: The most bytes of UTF-8 a tenant may have: the record's primary key (tenant, operation, key)
+#: is a btree entry, which PostgreSQL refuses past 2704 bytes (after compression), and a key is
+#: up to 255. A longer tenant failed the claim (lease mode) or the completion (transactional,
+#: after the handler ran) with the driver's error instead of being refused before the claim.
+MAX_TENANT_BYTES = 1024
+
+_UNSTORABLE = (
+    f"the tenant resolver answered a str the store cannot hold (a NUL, an unpaired surrogate, "
+    f"or over {MAX_TENANT_BYTES} bytes of UTF-8)"
+)
+
+
+def storable_tenant(tenant: str) -> bool:
+    """Whether the store can key records by `tenant`: storable text, at most
+    `MAX_TENANT_BYTES` bytes of UTF-8."""
+    if tenant.isascii():
+        return len(tenant) <= MAX_TENANT_BYTES and "\x00" not in tenant
+    try:
+        raw = tenant.encode()
+    except UnicodeEncodeError:
+        return False
+    return len(raw) <= MAX_TENANT_BYTES and "\x00" not in tenant
+
+
 def _not_a_tenant(answer: object) -> str:
     """Why a resolver's answer is refused, naming its type only: the value may be a credential
     (a resolver that returned the Authorization header's bytes) or personal data."""
@@ -206,13 +249,6 @@ async def route_tenant(tenants: Tenants, scope: Scope, *, problem_base: str) -> 
             tenant = await tenant
     except RequestRejected as exc:
         return problem_response(exc.kind, exc.detail, base=problem_base)
-    if not storable_text(tenant):
-        # The resolver's fault, not the caller's: as a tenant no one can be identified by.
-        refused = tenants._refused(
-            "the tenant resolver answered a str PostgreSQL text cannot hold (it has a NUL or "
-            "an unpaired surrogate)"
-        )
-        return problem_response(refused.kind, refused.detail, base=problem_base)
     if tenant is None:
         return problem_response(
             ProblemKind.UNAUTHENTICATED,

@@ -311,9 +311,12 @@ class Attempt(ResponseCapture):
         if self.ex.slot is not None:
             self.ex.slot.give_back()  # nor the tenant's slot: the stream holds no connection
 
-    def _settle(self, omitted: str | None = None) -> Awaitable[None]:
+    def _settle(self, omitted: str | None = None, checked: bool = False) -> Awaitable[None]:
         """Complete (or abandon) the record with the held response's outcome: the store's own
-        awaitable, returned (no coroutine of this method's wraps it unless it is observed)."""
+        awaitable, returned (no coroutine of this method's wraps it unless it is observed, or
+        claimed as anonymous: see `_settle_anonymous`)."""
+        if not self.record_key.tenant and not checked:
+            return self._settle_anonymous(omitted)
         assert self.context is not None
         start = self.start
         assert start is not None
@@ -334,6 +337,12 @@ class Attempt(ResponseCapture):
         if ex.mw.observer is None:
             return completing
         return self._observed(completing, outcome)
+
+    async def _settle_anonymous(self, omitted: str | None) -> None:
+        """Claimed as anonymous: refused (CallerNamedLate, the transaction rolled back) if
+        authentication inside the middleware has named the caller since."""
+        await self.ex.mw.tenants.refuse_named_late(self.ex.scope)
+        await self._settle(omitted, True)
 
     async def _observed(self, completing: Awaitable[None], outcome: Outcome) -> None:
         assert self.context is not None

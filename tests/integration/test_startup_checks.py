@@ -403,14 +403,11 @@ def auth_app(store: PostgresStore, calls: Calls, middleware: list[Middleware]) -
     )
 
 
-@pytest.mark.parametrize("order", ["missing", "wrong order"])
 async def test_no_authentication_before_the_middleware_is_a_500_that_says_why(
-    pg_store: PostgresStore, caplog: pytest.LogCaptureFixture, order: str
+    pg_store: PostgresStore, caplog: pytest.LogCaptureFixture
 ) -> None:
-    ours = Middleware(IdempotencyMiddleware, store=pg_store)
-    auth = Middleware(AuthenticationMiddleware, backend=BearerBackend())
     calls = Calls()
-    app = auth_app(pg_store, calls, [ours] if order == "missing" else [ours, auth])
+    app = auth_app(pg_store, calls, [Middleware(IdempotencyMiddleware, store=pg_store)])
     with caplog.at_level(logging.INFO, logger="idem_middleware"):
         await startup(app)
         async with client(app) as c:
@@ -428,6 +425,25 @@ async def test_no_authentication_before_the_middleware_is_a_500_that_says_why(
     assert "add Starlette's AuthenticationMiddleware after installing" in startup_warnings[0]
     errors = [m for m in messages(caplog, logging.ERROR) if "no 'user'" in m]
     assert len(errors) == 1, "logged once, not per request"
+
+
+async def test_authentication_only_inside_the_middleware_fails_the_startup(
+    pg_store: PostgresStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Listed after it, AuthenticationMiddleware names the user after the tenant is resolved:
+    no request could be named, and the anonymous route's authenticated callers would be
+    refused one by one (tests/integration/test_authentication_inside.py). Found by probing:
+    this only warned."""
+    ours = Middleware(IdempotencyMiddleware, store=pg_store)
+    auth = Middleware(AuthenticationMiddleware, backend=BearerBackend())
+    calls = Calls()
+    app = auth_app(pg_store, calls, [ours, auth])
+    with caplog.at_level(logging.INFO, logger="idem_middleware"):
+        sent = await startup(app)
+    assert [m["type"] for m in sent] == ["lifespan.startup.failed"], sent
+    assert "AuthenticationMiddleware runs after IdempotencyMiddleware" in sent[0]["message"]
+    assert "add Starlette's AuthenticationMiddleware after installing" in sent[0]["message"]
+    assert calls.n == 0
 
 
 # -- a store the app's lifespan does not open ----------------------------------------------------

@@ -163,29 +163,83 @@ async def test_a_request_id_middleware_inside_ours_replays_the_first_id_and_is_w
     assert warned[0].startswith("idempotency: CorrelationIdMiddleware runs after Idempo")
 
 
-async def test_authentication_inside_ours_on_an_anonymous_route_is_warned_of(
-    caplog: pytest.LogCaptureFixture,
+@pytest.mark.parametrize("anonymous", [False, True])
+@pytest.mark.parametrize("lifespan", [False, True])
+async def test_authentication_inside_ours_fails_the_startup(
+    anonymous: bool, lifespan: bool
 ) -> None:
-    """Authentication that runs after the middleware leaves every caller anonymous to it: on a
-    route that allows anonymous callers, every authenticated caller shares one key space, and
-    one is replayed another's response. Nothing at a request can tell; startup can."""
+    """Found by probing: authentication that runs after the middleware leaves every caller
+    anonymous to it. On a route that allows anonymous callers, every authenticated caller
+    shared one key space, and one was replayed another's response; startup only warned. No
+    such order works (the inner one sets the user over anything set before ours), so it fails
+    the startup, or, without a lifespan, every guarded request (500, logged)."""
     app = _one_route(
         Middleware(AuthenticationMiddleware, backend=BearerBackend()),
         tenant_resolver=authenticated_user_tenant,
-        policies={"POST /pay": Policy(allow_anonymous=True)},
+        policies={"POST /pay": Policy(allow_anonymous=anonymous)},
     )
+    if lifespan:
+        assert "AuthenticationMiddleware runs after Idempo" in await _startup_failure(app)
+        return
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app, raise_app_exceptions=False), base_url="http://t"
+    ) as client:
+        for token in TOKENS:
+            headers = {"idempotency-key": "k", "authorization": f"Bearer {token}"}
+            answer = await client.post("/pay", headers=headers, content=b"{}")
+            assert answer.status_code == 500
+            assert "idempotent-replayed" not in answer.headers
+
+
+async def test_authentication_added_before_install_fails_a_fastapi_startup() -> None:
+    """The FastAPI shape of the same mistake: `add_middleware(AuthenticationMiddleware)` before
+    `install(...)` (the middleware added last runs first, so ours runs outside it)."""
+    fastapi = pytest.importorskip("fastapi")
+    from idem_middleware.fastapi import install
+
+    app = fastapi.FastAPI()
+
+    @app.post("/pay")
+    async def pay_route() -> dict[str, str]:
+        return {"paid": "yes"}
+
+    app.add_middleware(AuthenticationMiddleware, backend=BearerBackend())
+    install(app, store=MemoryStore(), www_authenticate="Bearer")
+    assert "AuthenticationMiddleware runs after Idempo" in await _startup_failure(app)
+
+
+async def _startup_failure(app: ASGIApp) -> str:
+    """The message of the app's `lifespan.startup.failed`."""
+    sent: list[Message] = []
+    incoming = iter([{"type": "lifespan.startup"}])
+
+    async def receive() -> Message:
+        return next(incoming)
+
+    async def send(message: Message) -> None:
+        sent.append(message)
+
+    with pytest.raises(Exception, match="runs after"):
+        await app({"type": "lifespan", "asgi": {"version": "3.0"}}, receive, send)
+    assert [m["type"] for m in sent] == ["lifespan.startup.failed"]
+    message: str = sent[0]["message"]
+    return message
+
+
+async def test_authentication_both_inside_and_outside_ours_is_not_an_error(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """One before ours names the tenant; another further in changes nothing of it."""
+    ours = Middleware(IdempotencyMiddleware, store=MemoryStore())
+    auth = Middleware(AuthenticationMiddleware, backend=BearerBackend())
+    app = Starlette(routes=[Route("/pay", pay, methods=["POST"])], middleware=[auth, ours, auth])
     with caplog.at_level(logging.WARNING, logger="idem_middleware"):
         async with httpx.AsyncClient(
             transport=httpx.ASGITransport(app=app), base_url="http://t"
         ) as client:
-            for token in TOKENS:
-                headers = {"idempotency-key": "k", "authorization": f"Bearer {token}"}
-                answer = await client.post("/pay", headers=headers, content=b"{}")
-    assert answer.headers["idempotent-replayed"] == "true", "another caller's response"
-    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(warned) == 1
-    assert warned[0].startswith("idempotency: AuthenticationMiddleware runs after Idempo")
-    assert "share the anonymous tenant" in warned[0]
+            headers = {"idempotency-key": "k", "authorization": "Bearer demo-a"}
+            assert (await client.post("/pay", headers=headers, content=b"{}")).status_code == 201
+    assert [r for r in caplog.records if r.levelno >= logging.WARNING] == []
 
 
 @pytest.mark.parametrize("www_redirect", [True, False])
