@@ -37,7 +37,7 @@ from .jsonvalues import non_finite
 from .keys import MAX_KEY_LENGTH
 from .policy import LeaseExpiry, Mode, Policy, seconds_option
 from .store.base import RecordKey, Store
-from .tenant import storable_text
+from .tenant import MAX_TENANT_BYTES, storable_tenant, storable_text
 
 __all__ = [
     "JobInProgress",
@@ -96,9 +96,11 @@ async def _call(job: JobSpec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
     tenant = str(tenant)
     # (PostgreSQL text holds neither, and the driver refuses them with an error of its own:
     # refused here, on either store.)
-    if not (storable_text(key) and storable_text(tenant)):
+    if not (storable_text(key) and storable_tenant(tenant)):
         raise ValueError(
-            f"{job.operation}: a job's key or tenant holds a NUL character or an unpaired surrogate"
+            f"{job.operation}: a job's key or tenant holds a NUL character or an unpaired "
+            f"surrogate, or its tenant is over {MAX_TENANT_BYTES} bytes of UTF-8 (the record's "
+            "primary key holds it)"
         )
     record_key = RecordKey(tenant, job.operation, key)
     fingerprint = _fingerprint(job.operation, args, kwargs)

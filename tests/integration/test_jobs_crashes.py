@@ -16,6 +16,7 @@ from idem_middleware.jobs import JobInProgress, JobOutcomeUnknown, _fingerprint,
 from idem_middleware.store import Claimed
 from idem_middleware.store.base import RecordKey, Settlement, State, Store
 from idem_middleware.store.postgres import PostgresStore
+from idem_middleware.tenant import MAX_TENANT_BYTES
 from tests.apps import BOUND
 
 OPERATION = "payouts.send"
@@ -163,3 +164,21 @@ async def test_a_key_or_tenant_with_an_unpaired_surrogate_is_refused_before_the_
             await send(k="k1", bad_key=bad_key, bad_tenant=bad_tenant)
     assert runs == []
     assert await send(k="k1", bad_key=0, bad_tenant=0) == 1
+
+
+async def test_a_tenant_longer_than_a_record_key_holds_is_refused_before_the_claim(
+    store: Store,
+) -> None:
+    """As a request's tenant is (MAX_TENANT_BYTES): on PostgreSQL a longer one failed at the claim
+    with the driver's index-row error, and the twin took it."""
+    runs: list[str] = []
+
+    @idempotent_job(store, operation="send", key=lambda **kw: "k1", tenant=lambda **kw: kw["t"])
+    async def send(ctx: IdempotencyContext, *, t: str) -> int:
+        runs.append(t)
+        return 1
+
+    with pytest.raises(ValueError, match=f"over {MAX_TENANT_BYTES} bytes"):
+        await send(t="é" * (MAX_TENANT_BYTES // 2 + 1))
+    assert runs == []
+    assert await send(t="é" * (MAX_TENANT_BYTES // 2)) == 1
