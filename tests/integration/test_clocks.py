@@ -22,8 +22,14 @@ from idem_middleware import (
     RecordKey,
     State,
     StoredResponse,
+    jobs_lease,
+    jobs_transactional,
+    lease,
     lease_executor,
+    waiting,
 )
+from idem_middleware.context import IdempotencyContext
+from idem_middleware.jobs import idempotent_job
 from idem_middleware.store.base import Claimed, Existing, Settlement, TokenRefused
 from tests.apps import BOUND, client, one_route_app
 
@@ -134,3 +140,100 @@ async def test_an_application_wall_clock_minutes_off_decides_no_expiry(
         token_hash=hashlib.sha256(spent.encode()).digest(),
     )
     assert isinstance(refused, TokenRefused)
+
+
+@pytest.mark.parametrize("mode", [Mode.TRANSACTIONAL, Mode.LEASE])
+async def test_a_job_waits_its_whole_wait_however_many_polls_it_takes(
+    pg_store: PostgresStore, monkeypatch: pytest.MonkeyPatch, mode: Mode
+) -> None:
+    """Found by probing: a run waiting for another run of its key gave up after 10,000 looks (a
+    poll every half second at most: 83 minutes), whatever its `wait_seconds`, with a
+    RuntimeError ("the record kept changing"). The looks are bounded by the wait now: its polls,
+    and as many more (here a few, so that the polls outnumber them)."""
+    monkeypatch.setattr(waiting, "MAX_ROUNDS", 2)
+    # (Where the fixed bound lived before: the test fails there without the fix.)
+    monkeypatch.setattr(jobs_lease, "MAX_ROUNDS", 2, raising=False)
+    monkeypatch.setattr(jobs_transactional, "MAX_ROUNDS", 2, raising=False)
+    looks = 0
+    looked = asyncio.Event()
+    get, transaction = pg_store.get, pg_store.transaction
+
+    def counted(method: Any) -> Any:
+        def look(*args: Any, **kwargs: Any) -> Any:
+            nonlocal looks
+            looks += 1
+            if looks >= 8:
+                looked.set()
+            return method(*args, **kwargs)
+
+        return look
+
+    release, entered = asyncio.Event(), asyncio.Event()
+    runs: list[int] = []
+
+    @idempotent_job(pg_store, operation="long", key="k", mode=mode, wait_seconds=4 * BOUND)
+    async def long(ctx: IdempotencyContext, k: str) -> int:
+        runs.append(1)
+        entered.set()
+        await asyncio.wait_for(release.wait(), 4 * BOUND)
+        return 7
+
+    first = asyncio.ensure_future(long(k=f"long-{mode.value}"))
+    await asyncio.wait_for(entered.wait(), BOUND)
+    monkeypatch.setattr(pg_store, "get", counted(get))
+    monkeypatch.setattr(pg_store, "transaction", counted(transaction))
+    second = asyncio.ensure_future(long(k=f"long-{mode.value}"))
+    looking = asyncio.ensure_future(looked.wait())  # more looks than MAX_ROUNDS + 1
+    await asyncio.wait({second, looking}, timeout=4 * BOUND, return_when="FIRST_COMPLETED")
+    looking.cancel()
+    assert not second.done(), f"the wait ended before its wait_seconds: {second.exception()!r}"
+    assert looked.is_set()
+    release.set()
+    assert await asyncio.wait_for(first, BOUND) == 7
+    assert await asyncio.wait_for(second, BOUND) == 7  # the first run's result, after the wait
+    assert runs == [1]
+
+
+async def test_a_lease_mode_duplicate_waits_its_whole_wait_however_many_polls_it_takes(
+    pg_store: PostgresStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same bound for a request waiting for its original (a poll a second at most)."""
+    monkeypatch.setattr(waiting, "MAX_ROUNDS", 2)
+    monkeypatch.setattr(lease, "_MAX_ROUNDS", 2)  # (the fixed bound before: fails without)
+    release, entered, looked = asyncio.Event(), asyncio.Event(), asyncio.Event()
+    calls: list[int] = []
+
+    async def handler(request: Request) -> Response:
+        calls.append(1)
+        entered.set()
+        await asyncio.wait_for(release.wait(), 4 * BOUND)
+        return JSONResponse({"ok": True}, status_code=201)
+
+    policy = Policy(mode=Mode.LEASE, lease_seconds=60, wait_seconds=4 * BOUND)
+    app = one_route_app(PATH, handler, store=pg_store, policies={f"POST {PATH}": policy})
+    get = pg_store.get
+    looks = 0
+
+    async def look(key: RecordKey) -> Any:
+        nonlocal looks
+        looks += 1
+        if looks >= 5:
+            looked.set()
+        return await get(key)
+
+    headers = {"Idempotency-Key": "long-wait"}
+    async with client(app) as http:
+        first = asyncio.ensure_future(http.post(PATH, headers=headers, json={}))
+        await asyncio.wait_for(entered.wait(), BOUND)
+        monkeypatch.setattr(pg_store, "get", look)
+        second = asyncio.ensure_future(http.post(PATH, headers=headers, json={}))
+        looking = asyncio.ensure_future(looked.wait())
+        await asyncio.wait({second, looking}, timeout=4 * BOUND, return_when="FIRST_COMPLETED")
+        looking.cancel()
+        assert not second.done(), f"the wait ended before its wait_seconds: {second.result()}"
+        assert looked.is_set()
+        release.set()
+        answers = [await asyncio.wait_for(r, BOUND) for r in (first, second)]
+    assert [a.status_code for a in answers] == [201, 201], answers[1].text
+    assert answers[1].headers.get("idempotent-replayed") == "true"
+    assert calls == [1]
