@@ -78,7 +78,9 @@ class Delayed:
     def delay(self) -> float:
         return self._delay
 
-    def add(self, item: Due) -> None:
+    def add(self, item: Due) -> float:
+        """Register `item`; returns when it falls due, on the loop's clock (the timer may call
+        it later than that: a loop running late)."""
         loop = asyncio.get_running_loop()
         serving = self._main
         if serving is None or serving.loop is not loop:
@@ -86,9 +88,10 @@ class Delayed:
         # The loop's own clock, the one its timer keeps: another (time.monotonic) may run at
         # another pace in a test (frozen, or the loop's clock faked), and the timer then re-armed
         # itself for ever without an item falling due, or spun.
-        serving.items[item] = loop.time() + self._delay
+        at = serving.items[item] = loop.time() + self._delay
         if serving.timer is None:
             serving.timer = _arm(loop, self._delay, serving.fire)
+        return at
 
     def discard(self, item: Due) -> None:
         # (An item is only in the items of the loop that added it: popping it from another's

@@ -15,7 +15,7 @@ from .context import Outcome
 from .errors import ClaimBusy, ClaimTimeout, JobInProgress, StaleGeneration, StoreError
 from .fence import Fence
 from .heartbeat import keep_lease
-from .jobs_spec import JSON_HEADERS, MAX_ROUNDS, UNSETTLED, JobSpec
+from .jobs_spec import JSON_HEADERS, UNSETTLED, JobSpec
 from .outcomes import settlement_for
 from .policy import LeaseExpiry
 from .resettle import blip, landed, send_again, unresolve, unresolve_after
@@ -27,8 +27,12 @@ from .store.base import (
     StoredResponse,
     TokenRefused,
 )
+from .waiting import wait_rounds
 
 logger = logging.getLogger("idem_middleware")
+
+#: A waiting run looks at the record again at least this often (a settlement wakes it sooner).
+_POLL = 0.5
 
 
 async def run_leased(
@@ -39,7 +43,7 @@ async def run_leased(
     deadline = loop.time() + job.wait_seconds
     async with store.watch(key) as watch:
         record: Record | None = None
-        for _ in range(MAX_ROUNDS):
+        for _ in range(wait_rounds(job.wait_seconds, _POLL)):
             if record is None or record.expired:
                 try:
                     claim = await store.claim_lease(
@@ -86,7 +90,7 @@ async def run_leased(
                 remaining = deadline - loop.time()
                 if remaining <= 0:
                     raise JobInProgress(f"{job.operation}: another run holds this key")
-                await watch.wait(min(remaining, 0.5))
+                await watch.wait(min(remaining, _POLL))
             record = await store.get(key)
     raise RuntimeError("the record kept changing; giving up")  # pragma: no cover
 

@@ -17,7 +17,6 @@ from .policy import LeaseExpiry, Mode
 from .store.base import Record, RecordKey, State, Store
 
 JSON_HEADERS = ((b"content-type", b"application/json"),)
-MAX_ROUNDS = 10_000
 
 #: `JobSpec.answer` for a record not settled yet. (Not None: a job that returned None stored
 #: `null`, and a repeat's answer is that None.)

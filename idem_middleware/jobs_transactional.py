@@ -10,7 +10,7 @@ import orjson
 
 from .context import Outcome
 from .errors import JobInProgress
-from .jobs_spec import JSON_HEADERS, MAX_ROUNDS, UNSETTLED, JobSpec
+from .jobs_spec import JSON_HEADERS, UNSETTLED, JobSpec
 from .outcomes import FINAL_STATE
 from .store.base import (
     ClaimBusy,
@@ -21,6 +21,7 @@ from .store.base import (
     RetryableConflict,
     StoredResponse,
 )
+from .waiting import wait_rounds
 
 logger = logging.getLogger("idem_middleware")
 
@@ -36,7 +37,7 @@ async def run_transactional(
     deadline = loop.time() + job.wait_seconds
     poll = _FIRST_BUSY_POLL
     attempt = 0
-    for _ in range(MAX_ROUNDS):
+    for _ in range(wait_rounds(job.wait_seconds, _MAX_BUSY_POLL)):
         try:
             return await _transaction(job, key, fingerprint, args, kwargs)
         except ClaimBusy:

@@ -20,7 +20,7 @@ from .lease_executor import LeaseExecution, log_extra
 from .outcomes import duplicate_answer, settled_answer
 from .policy import LeaseExpiry
 from .store.base import Claim, Claimed, Record, RecordKey, State, TokenRefused
-from .waiting import FREE_SLOT, Slot, lock_wait
+from .waiting import FREE_SLOT, Slot, lock_wait, wait_rounds
 
 if TYPE_CHECKING:
     from .exchange import Exchange
@@ -31,6 +31,7 @@ logger = logging.getLogger("idem_middleware")
 _FIRST_POLL = 0.05
 _MAX_POLL = 1.0
 # Every loop is bounded: a record changing this often under one request is a bug, not load.
+# (A wait: its polls, and this many more; see `waiting.wait_rounds`.)
 _MAX_ROUNDS = 10_000
 #: The first pause of a duplicate waiting for its tenant's slot (doubling, up to _MAX_POLL).
 _FIRST_SLOT_PAUSE = 0.005
@@ -100,7 +101,7 @@ class LeaseRun:
         waiters = self.ex.mw.waiters
         # The wait is timed from the first time this request waits until it is answered.
         async with store.watch(self.key) as watch, contextlib.AsyncExitStack() as waiting:
-            for _ in range(_MAX_ROUNDS):
+            for _ in range(wait_rounds(policy.wait_seconds, _MAX_POLL)):
                 acted = True if busy else await self._act(record, deadline)
                 busy = False
                 if not isinstance(acted, bool):

@@ -73,6 +73,7 @@ class LeaseExecution:
     __slots__ = (
         "capture",
         "context",
+        "due_at",
         "epoch",
         "ex",
         "fence",
@@ -84,6 +85,10 @@ class LeaseExecution:
         "stop",
         "store",
     )
+
+    #: When the first renewal falls due, on the loop's clock (a third of the lease after the
+    #: execution started, which is after its claim committed); set as it starts.
+    due_at: float
 
     def __init__(self, ex: Exchange, key: RecordKey, generation: int, epoch: int | None) -> None:
         self.ex = ex
@@ -129,7 +134,7 @@ class LeaseExecution:
             renewals = _renewals(policy.lease_seconds)
             # (The heartbeat runs in this request's context, not the shared timer's.)
             self.request_context = contextvars.copy_context()
-            renewals.add(self)
+            self.due_at = renewals.add(self)
             token = enter_context(ex.scope, context)
             try:
                 try:
@@ -299,7 +304,11 @@ class LeaseExecution:
 
     async def _heartbeat(self, context: IdempotencyContext, stop: asyncio.Event) -> None:
         """Renew the lease now (started when the first renewal is due, a third of the lease
-        after the claim), then every third of it (see heartbeat.py)."""
+        after the claim), then every third of it (see heartbeat.py). The lease granted ends a
+        lease after the execution started (`due_at` is a third of it after), not two thirds
+        after this task started: a loop running late starts it late, and an execution whose
+        renewals fail believed it held the record past the lease's end, when another process
+        may take it over."""
         lease = self.policy.lease_seconds
-        held_until = asyncio.get_running_loop().time() + lease * 2 / 3
+        held_until = self.due_at + lease * 2 / 3
         await keep_lease(self.store, context, lease, stop, held_until=held_until, renew_now=True)

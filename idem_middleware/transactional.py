@@ -27,6 +27,7 @@ from .observe import SETTLED_EVENTS, Event
 from .outcomes import FINAL_STATE, Outcome, duplicate_answer, outcome_for_status
 from .policy import Mode
 from .store.base import Existing, RecordKey, TokenRefused
+from .waiting import wait_rounds
 
 if TYPE_CHECKING:
     from .exchange import Exchange
@@ -43,8 +44,8 @@ DISCONNECT_WATCH_AFTER = 1.0
 # quick at first, then backing off (the holder may be in another process).
 _FIRST_POLL = 0.02
 _MAX_POLL = 0.5
-# Every loop is bounded: a key changing hands this often under one request is a bug, not load.
-_MAX_ROUNDS = 10_000
+# Every wait is bounded: by its polls, and a key changing hands more often than
+# `waiting.MAX_ROUNDS` under one request is a bug, not load.
 
 _CONFLICT = "A concurrent request conflicted with this one; retry it."
 #: Starts the client watch of handlers still running after DISCONNECT_WATCH_AFTER.
@@ -75,7 +76,7 @@ async def run_transactional(
     waiting: contextlib.ExitStack | None = None
     exc: Exception | None = failed
     try:
-        for _ in range(_MAX_ROUNDS):
+        for _ in range(wait_rounds(policy.wait_seconds, _MAX_POLL)):
             if exc is None:
                 try:
                     return await Attempt(ex, record_key, fingerprint, deadline is None).run()

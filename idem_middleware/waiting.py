@@ -8,12 +8,24 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 from collections.abc import Hashable
 
 from .errors import ConfigurationError
 
 #: The least a duplicate waits for a record an executor's fenced transaction holds.
 _MIN_LOCK_WAIT = 0.05
+#: How many looks a wait may take besides its polls: each is a change of the record or of who
+#: holds the key (or a wake-up), and a wait that sees this many is caught in a livelock.
+MAX_ROUNDS = 10_000
+
+
+def wait_rounds(wait_seconds: float, longest_poll: float) -> int:
+    """How many looks a wait of `wait_seconds`, polling at most every `longest_poll`, may take:
+    its polls and `MAX_ROUNDS` more. Found by probing: a fixed 10,000 ended a wait longer than
+    10,000 polls (a job's, told to wait for hours for the run that holds its key) with a
+    RuntimeError ("the record kept changing"), long before its `wait_seconds`."""
+    return MAX_ROUNDS + math.ceil(wait_seconds / longest_poll)
 
 
 def lock_wait(remaining: float) -> float:
