@@ -75,8 +75,12 @@ def parse_media_type(content_type: bytes) -> tuple[bytes, dict[bytes, bytes]]:
 def read_media_type(content_type: bytes) -> tuple[bytes, Mapping[bytes, bytes], bool]:
     """parse_media_type's answer (shared: read it, never edit it), and whether it is JSON."""
     media_type, params = parse_media_type(content_type)
+    # One slash, as FastAPI requires to read a body as JSON (the email package's rule: a type
+    # with two is text/plain to it, and its handler gets the bytes as sent).
     is_json = media_type == b"application/json" or (
-        media_type.startswith(b"application/") and media_type.endswith(b"+json")
+        media_type.startswith(b"application/")
+        and media_type.endswith(b"+json")
+        and media_type.count(b"/") == 1
     )
     return media_type, params, is_json
 

@@ -218,7 +218,10 @@ def _layout(text: str) -> bytes:
 
 
 def _format_float(value: float) -> bytes:
-    """RFC 8785's number: ECMAScript's layout of the shortest round-trip digits of repr()."""
+    """RFC 8785's number: ECMAScript's layout of the shortest round-trip digits of repr().
+
+    (Unmarked where _format_decimal marks those digits parsed from a body: a float is written as
+    RFC 8785 writes it, and a body's floats, the fast path's, are all below 10**7.)"""
     if math.isnan(value) or math.isinf(value):
         raise ValueError("NaN and Infinity cannot be written as JSON")
     if -_EXACT_INT_FLOAT < value < _EXACT_INT_FLOAT and value.is_integer():
@@ -238,7 +241,25 @@ def _format_decimal(value: Decimal) -> bytes:
     if not value.is_finite():
         raise ValueError("NaN and Infinity cannot be written as JSON")
     # str() of a Decimal is exact (scientific notation, never rounded).
-    return _layout(str(value))
+    text = _layout(str(value))
+    # An integer no double holds, spelt with a fraction or an exponent: json.loads (and so
+    # Starlette's request.json()) reads its spelling as an integer exactly but this one as the
+    # nearest double, a different amount (9007199254740993 and 9007199254740993.0, 1e23).
+    # (Below 10**15 every integer is a double: one method call decides.)
+    if (
+        value.adjusted() >= 15
+        and value == value.to_integral_value()
+        and Decimal(float(value)) != value
+    ):
+        return _not_a_double(text)
+    return text
+
+
+def _not_a_double(text: bytes) -> bytes:
+    """`text`, an integer's layout, with one zero fraction digit more: a form no other number's
+    layout has (it never ends a fraction with a zero, nor writes an integer with a point)."""
+    mantissa, e, exponent = text.partition(b"e")
+    return mantissa + (b"0" if b"." in mantissa else b".0") + e + exponent
 
 
 def _dump_str(value: str) -> bytes:

@@ -124,7 +124,7 @@ class KeyFromBody(KeySource):
         elif isinstance(value, int | Decimal) and not isinstance(value, bool):
             if isinstance(value, Decimal) and value != value.to_integral_value():
                 raise self._bad("is a number that is not an integer")
-            key = canonical_json(value).decode("ascii")
+            key = canonical_json(int(value)).decode("ascii")  # 1e3 and 1000 alike
         else:
             raise self._bad("must be a string or an integer")
         try:

@@ -23,6 +23,10 @@ FORM = {"content-type": "application/x-www-form-urlencoded"}
         (FORM, b'{"amount":5,"%61mount":500}', b'{"amount":5,"amount":500}'),
         (JSON, b'{"amount":9007199254740993.0}', b'{"amount":9007199254740992}'),
         (JSON, b'{"amount":0.1}', b'{"amount":0.1000000000000000055511151231257827}'),
+        # One exact value, but request.json() reads the integer exactly and the other spelling
+        # as the nearest double: 9007199254740993 and 9007199254740992.0.
+        (JSON, b'{"amount":9007199254740993}', b'{"amount":9007199254740993.0}'),
+        (JSON, b'{"amount":100000000000000000000000}', b'{"amount":1e23}'),
     ],
 )
 async def test_a_body_read_differently_is_422_not_a_replay(

@@ -2,7 +2,8 @@
 
 Each property draws pairs of requests built to collide where a canonicalisation could go wrong
 (respelt numbers, permuted or re-escaped form pieces, swapped multipart boundaries) and checks:
-when the fingerprints are equal, json.loads (exact numbers), parse_qsl (as Starlette reads a
+when the fingerprints are equal, json.loads (with exact numbers, and as Starlette's
+request.json() calls it: integers exact, other numbers doubles), parse_qsl (as Starlette reads a
 query string, and byte-exact), a reader that also splits on ";" (python-multipart's form parser)
 and the email package's multipart parser all read the two alike. A second property per kind
 checks that the respellings the fingerprint promises to ignore do give equal fingerprints, so
@@ -62,16 +63,24 @@ def same_json(a: Any, b: Any) -> bool:
     return False
 
 
-def json_reading(body: bytes) -> tuple[bool, Any]:
+def json_reading(body: bytes, *, exact: bool) -> tuple[bool, Any]:
     try:
-        return True, json.loads(body, parse_float=Decimal)
+        # Not exact: as request.json() reads it, a number with a fraction or an exponent a float.
+        parse_float = Decimal if exact else (lambda text: Decimal(float(text)))
+        return True, json.loads(body, parse_float=parse_float)
     except ValueError:
         return False, None
 
 
 def same_json_reading(a: bytes, b: bytes) -> bool:
-    (ok_a, value_a), (ok_b, value_b) = json_reading(a), json_reading(b)
-    return ok_a == ok_b and (not ok_a or same_json(value_a, value_b))
+    for exact in (True, False):
+        (ok_a, value_a), (ok_b, value_b) = (
+            json_reading(a, exact=exact),
+            json_reading(b, exact=exact),
+        )
+        if ok_a != ok_b or (ok_a and not same_json(value_a, value_b)):
+            return False
+    return True
 
 
 def multidict(pairs: list[tuple[Any, Any]]) -> dict[Any, list[Any]]:
@@ -130,6 +139,11 @@ ADVERSARIAL_PAIRS = [
     ("1.0", "10e-1"),
     ("333333333.33333329", "333333333.3333333"),
     ("123456789012345678901234", "123456789012345678901235"),
+    # One value, but a double to request.json() in the first spelling, an exact int in the second.
+    ("9007199254740993.0", "9007199254740993"),
+    ("1e23", "100000000000000000000000"),
+    ("-1.8446744073709551617e19", "-18446744073709551617"),
+    ("9007199254740992.0", "9007199254740992"),
 ]
 
 
