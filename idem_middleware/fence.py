@@ -38,6 +38,10 @@ class Fence:
     #: A reconciler's fence that found the record held by another session, or waited its
     #: `held_wait` for a connection (see `run_reconciler`).
     held = False
+    #: The settlement began (set on the instance then): no fenced transaction opens after it.
+    #: A handler's task of its own (FastAPI's event-stream generator) may ask for one while a
+    #: response's start settles: opened then, it held the row the settlement waited for.
+    settling = False
 
     def __init__(self, store: Store, key: RecordKey, generation: int, expected: State) -> None:
         self.store = store
@@ -52,6 +56,8 @@ class Fence:
 
     async def connection(self) -> Any:
         if self._session is None:
+            if self.settling:
+                raise StaleGeneration("this execution's outcome is settled or being settled")
             fenced = self.store.fenced(self.key, self.generation, self.expected)
             try:
                 self._session = await fenced.__aenter__()
@@ -61,6 +67,9 @@ class Fence:
                 self.held = True
                 raise
             self._fenced = fenced  # (only once entered: `close` leaves what was entered)
+            if self.settling:  # settled while it opened: its writes would never commit
+                await self.close()
+                raise StaleGeneration("this execution's outcome is settled or being settled")
             self.opened = True
         return self._session.connection
 
@@ -75,6 +84,7 @@ class Fence:
 
     async def settle(self, settlement: Settlement) -> bool:
         """Record the outcome: inside the fenced transaction if one is open, then commit."""
+        self.settling = True
         if self._session is None:
             return await self.store.settle(self.key, self.generation, self.expected, settlement)
         try:
@@ -91,6 +101,7 @@ class Fence:
         """An execution's outcome (`outcome.settlement_for`): a final one in the fenced
         transaction, with the handler's writes if it opened one; `unknown`, or a release (None),
         as a compare-and-set of its own once the fence is closed (its writes rolled back)."""
+        self.settling = True
         if settlement is not None and settlement.state is not State.UNKNOWN:
             return await self.settle(settlement)
         await self.close()

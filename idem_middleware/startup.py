@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import difflib
 import logging
-import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -19,6 +18,7 @@ from .middleware_order import check_authentication, check_outer_middleware
 from .observe import shown
 from .policy import WRAPPER_ATTRIBUTE, Mode, Policy, endpoint_policy, operation_name
 from .routing import Found, Hidden, match_route, routes_of, walk
+from .startup_dependencies import dependency_errors
 from .tenant import ROUTE_RESOLVER_ATTRIBUTE, ROUTE_TENANTS_ATTRIBUTE, Tenants
 
 if TYPE_CHECKING:
@@ -86,7 +86,7 @@ def check_app(mw: IdempotencyMiddleware, app: Any, scope: Scope | None = None) -
                 logger.warning(
                     "idempotency: policies[%r] never applies: the endpoint's own policy does", name
                 )
-        errors.extend(_dependency_errors(item, per_method))
+        errors.extend(dependency_errors(item, per_method))
     guarded = [
         (operation_name(method, item.template), policy)
         for item, method, policy in guarded_routes(routes, mw.policy_for, items)
@@ -243,66 +243,6 @@ def _report_hidden(mw: IdempotencyMiddleware, item: Hidden) -> None:
             shown(item.where),
             "non-safe" if policy is not None else "/".join(sorted(mw.methods)),
         )
-
-
-def _dependency_calls(dependant: Any) -> Iterator[Callable[..., Any]]:
-    for dependency in getattr(dependant, "dependencies", ()):
-        if dependency.call is not None:
-            yield dependency.call
-        yield from _dependency_calls(dependency)
-
-
-def _claim_dependency(calls: set[Callable[..., Any]]) -> tuple[str, bool] | None:
-    """The claim dependency a route declares, if any: its name, and whether it needs
-    transactional mode. Each is recognised by identity, from its module if it was imported (a
-    route cannot declare one whose module was not): nothing optional is imported here."""
-    fastapi_wiring = sys.modules.get("idem_middleware.fastapi")
-    if fastapi_wiring is not None and fastapi_wiring.transaction_connection in calls:
-        return "IdempotencyConnection", True
-    sqla = sys.modules.get("idem_middleware.sqla")
-    if sqla is not None and any(_is_claim_session(sqla, call) for call in calls):
-        return "ClaimSession", False
-    if fastapi_wiring is not None and fastapi_wiring.idempotency_context in calls:
-        return "Idempotency", False
-    return None
-
-
-def _is_claim_session(sqla: Any, call: Callable[..., Any]) -> bool:
-    """`claim_session` (what `ClaimSession` depends on), or a `ClaimSessions(...).dependency`."""
-    if call is getattr(sqla, "claim_session", None):
-        return True
-    sessions = getattr(sqla, "ClaimSessions", None)
-    owner = getattr(call, "__self__", None)
-    return (
-        sessions is not None
-        and isinstance(owner, sessions)
-        and getattr(call, "__name__", None) == "dependency"
-    )
-
-
-def _dependency_errors(item: Found, per_method: dict[str, Policy | None]) -> list[str]:
-    """A FastAPI route that takes the claim's context, connection or SQLAlchemy session must be
-    guarded for every method it accepts, with the key required (and, for the connection, in
-    transactional mode): otherwise it fails on every such request."""
-    dependant = getattr(item.route, "dependant", None)
-    if dependant is None:
-        return []
-    wanted = _claim_dependency(set(_dependency_calls(dependant)))
-    if wanted is None:
-        return []
-    what, transactional_only = wanted
-    errors = []
-    for method, policy in per_method.items():
-        if policy is None:
-            problem = "is not guarded"
-        elif not policy.key_required:
-            problem = "lets a request without a key through (key_required=False)"
-        elif transactional_only and policy.mode is not Mode.TRANSACTIONAL:
-            problem = "is in lease mode (use Idempotency and idem.fenced_connection())"
-        else:
-            continue
-        errors.append(f"{operation_name(method, item.template)} declares {what} but {problem}")
-    return errors
 
 
 def _status_route_errors(

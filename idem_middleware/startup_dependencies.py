@@ -1,0 +1,86 @@
+"""The startup check of a FastAPI route's claim dependencies (`IdempotencyConnection`,
+`ClaimSession`, `Idempotency`): each needs its route guarded, and in the way it works."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from .policy import Mode, Policy, operation_name
+from .routing import Found
+
+
+def _dependency_calls(dependant: Any) -> Iterator[Callable[..., Any]]:
+    for dependency in getattr(dependant, "dependencies", ()):
+        if dependency.call is not None:
+            yield dependency.call
+        yield from _dependency_calls(dependency)
+
+
+def _claim_dependency(calls: set[Callable[..., Any]]) -> tuple[str, bool] | None:
+    """The claim dependency a route declares, if any: its name, and whether it needs
+    transactional mode. Each is recognised by identity, from its module if it was imported (a
+    route cannot declare one whose module was not): nothing optional is imported here."""
+    fastapi_wiring = sys.modules.get("idem_middleware.fastapi")
+    if fastapi_wiring is not None and fastapi_wiring.transaction_connection in calls:
+        return "IdempotencyConnection", True
+    sqla = sys.modules.get("idem_middleware.sqla")
+    if sqla is not None and any(_is_claim_session(sqla, call) for call in calls):
+        return "ClaimSession", False
+    if fastapi_wiring is not None and fastapi_wiring.idempotency_context in calls:
+        return "Idempotency", False
+    return None
+
+
+def _is_claim_session(sqla: Any, call: Callable[..., Any]) -> bool:
+    """`claim_session` (what `ClaimSession` depends on), or a `ClaimSessions(...).dependency`."""
+    if call is getattr(sqla, "claim_session", None):
+        return True
+    sessions = getattr(sqla, "ClaimSessions", None)
+    owner = getattr(call, "__self__", None)
+    return (
+        sessions is not None
+        and isinstance(owner, sessions)
+        and getattr(call, "__name__", None) == "dependency"
+    )
+
+
+def dependency_errors(item: Found, per_method: dict[str, Policy | None]) -> list[str]:
+    """A FastAPI route that takes the claim's context, connection or SQLAlchemy session must be
+    guarded for every method it accepts, with the key required (and, for the connection, in
+    transactional mode): otherwise it fails on every such request."""
+    dependant = getattr(item.route, "dependant", None)
+    if dependant is None:
+        return []
+    wanted = _claim_dependency(set(_dependency_calls(dependant)))
+    if wanted is None:
+        return []
+    what, transactional_only = wanted
+    errors = _event_stream_errors(item, dependant, per_method)
+    for method, policy in per_method.items():
+        if policy is None:
+            problem = "is not guarded"
+        elif not policy.key_required:
+            problem = "lets a request without a key through (key_required=False)"
+        elif transactional_only and policy.mode is not Mode.TRANSACTIONAL:
+            problem = "is in lease mode (use Idempotency and idem.fenced_connection())"
+        else:
+            continue
+        errors.append(f"{operation_name(method, item.template)} declares {what} but {problem}")
+    return errors
+
+
+def _event_stream_errors(item: Found, dependant: Any, methods: dict[str, Any]) -> list[str]:
+    """FastAPI runs an `EventSourceResponse` generator's body in a task of its own, beside the
+    response, whose start settles the claim: the connection or session it takes races that."""
+    direct = {dependency.call for dependency in dependant.dependencies}
+    what = _claim_dependency(direct) if getattr(item.route, "is_sse_stream", False) else None
+    if what is None or what[0] == "Idempotency":
+        return []
+    return [
+        f"{operation_name(method, item.template)} declares {what[0]} in a generator of "
+        "server-sent events, whose body FastAPI runs beside the response, once the claim is "
+        "being settled: write in a dependency of the route (it runs first), or return a stream"
+        for method in methods
+    ]
