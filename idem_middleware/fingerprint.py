@@ -49,6 +49,12 @@ _U64_PAIR = struct.Struct(">QQ").pack
 _BAD_CHARSET = "JSON request bodies must be encoded in UTF-8."
 #: UTF-8's names as clients send them (lower-cased): "utf8" is how MySQL and Java spell it.
 _UTF8 = frozenset((b"utf-8", b"utf8"))
+#: Charsets in which ASCII bytes are the same characters as in UTF-8: a JSON body of ASCII bytes
+#: under one of them (older clients label every body ISO-8859-1) says exactly what it says in
+#: UTF-8, and the handler's JSON reader, which decodes UTF-8 whatever the label, reads it so.
+_ASCII_SUPERSETS = frozenset(
+    (b"us-ascii", b"ascii", b"iso-8859-1", b"latin-1", b"latin1", b"iso-8859-15", b"windows-1252")
+)
 _FORM_NOT_UTF8 = "The form body is not valid UTF-8."
 
 
@@ -77,7 +83,11 @@ def canonical_body(
     media_type, params, is_json = read_media_type(content_type)
     if is_json:
         charset = params.get(b"charset")
-        if charset is not None and charset.lower() not in _UTF8:
+        if (
+            charset is not None
+            and charset.lower() not in _UTF8
+            and (charset.lower() not in _ASCII_SUPERSETS or not body.isascii())
+        ):
             raise RequestRejected(ProblemKind.BODY_INVALID, _BAD_CHARSET)
         fast = canonical_json_fast(body, max_json_values)
         if fast is None:

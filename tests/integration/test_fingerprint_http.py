@@ -115,3 +115,24 @@ async def test_a_compressed_body_is_refused_saying_it_was_not_decoded(
     assert "Content-Encoding" not in assert_problem(broken, 400, "body-invalid")["detail"]
     assert app.state.probe.calls == 0
     assert await count(pool, "idem_requests") == 0
+
+
+async def test_a_json_body_of_ascii_bytes_labelled_iso_8859_1_is_served_and_replayed(
+    pg_store, pool
+) -> None:
+    """Older clients label every body ISO-8859-1: ASCII bytes say the same in UTF-8, and the app's
+    JSON reader decodes UTF-8 whatever the label, so the request is served (it was 400), and the
+    same body labelled UTF-8 is its replay. Non-ASCII bytes under that label are still refused:
+    the client meant Latin-1, the app would read UTF-8."""
+    latin = {"content-type": "application/json; charset=ISO-8859-1"}
+    utf8 = {"content-type": "application/json; charset=utf-8"}
+    app = build_app(pg_store)
+    async with client(app) as c:
+        first = await c.post("/items", content=b'{"a": 1}', headers={**latin, **key("k1")})
+        again = await c.post("/items", content=b'{"a":1}', headers={**utf8, **key("k1")})
+        accented = await c.post("/items", content=b'{"a": "\xe9"}', headers={**latin, **key("k2")})
+    assert first.status_code == 201, first.text
+    assert again.headers["idempotent-replayed"] == "true"
+    assert_problem(accented, 400, "body-invalid")
+    assert app.state.probe.calls == 1
+    assert await count(pool, "idem_requests") == 1

@@ -630,7 +630,34 @@ def test_a_type_with_two_slashes_is_not_json(content_type: bytes) -> None:
     ],
 )
 def test_non_utf8_charset_is_rejected(content_type: bytes) -> None:
-    assert_rejected(b'{"a":1}', content_type)
+    assert_rejected('{"a":"\u00e9"}'.encode("latin-1"), content_type)
+    assert_rejected('{"a":"\u00e9"}'.encode(), content_type)
+
+
+def test_utf16_is_rejected_even_for_a_body_of_ascii_bytes() -> None:
+    assert_rejected(b'{"a":1}', b'application/json; charset="utf-16"')
+
+
+@pytest.mark.parametrize(
+    "content_type",
+    [
+        b"application/json; charset=ISO-8859-1",
+        b"application/json; charset=us-ascii",
+        b"application/merge-patch+json; charset=latin1",
+        b"application/json; charset=windows-1252",
+    ],
+)
+def test_a_body_of_ascii_bytes_under_an_ascii_superset_charset_is_the_utf8_request(
+    content_type: bytes,
+) -> None:
+    """Its bytes say the same in UTF-8, and the handler's JSON reader decodes UTF-8 whatever the
+    label: the same request as under `charset=utf-8` (it was refused, a request the app serves)."""
+    media = content_type.split(b";")[0]
+    body = b'{"b": 2, "a": "\\u00e9"}'
+    assert canonical_body(content_type, body) == canonical_body(media, body)
+    assert fingerprint(content_type=content_type, body=body) == fingerprint(
+        content_type=media + b"; charset=utf-8", body=body
+    )
 
 
 # Fingerprint inputs
