@@ -107,7 +107,11 @@ class OrderOut(BaseModel):
     id: int
 
 
-class Hero(SQLModel, table=True):
+class DocHero(SQLModel, table=True):
+    """The page's `Hero` (passed to its fragment under that name). Not named Hero here: SQLModel's
+    classes share one registry, and a second `Hero` (tests/sqlmodel_models.py, imported when the
+    whole suite is collected) makes its relationships' "Hero" ambiguous, a 500 in both files."""
+
     __tablename__ = "doc_heroes"
     id: int | None = Field(default=None, primary_key=True)
     name: str
@@ -172,7 +176,7 @@ async def test_sqlmodel_fragment_commits_the_hero_with_the_record(
     await pool.execute("TRUNCATE doc_heroes")
     app = FastAPI()
     # As written: the handler adds the hero and ends (`...`); the session's end writes it.
-    names: dict[str, Any] = {"app": app, "Hero": Hero, "Depends": Depends}
+    names: dict[str, Any] = {"app": app, "Hero": DocHero, "Depends": Depends}
     await run(fragment("sqlalchemy.md", "SQLModel, other session classes, engine options"), names)
     install(app, store=store)
     app.add_middleware(AuthenticationMiddleware, backend=Everyone())
