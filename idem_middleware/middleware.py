@@ -15,6 +15,7 @@ from typing import Any, TypeVar, cast
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from .body_limits import capped, follow_route_limit, in_force
 from .capture import hide_sent_by_server
 from .context import SCOPE_KEY
 from .errors import ConfigurationError, ProblemKind
@@ -32,7 +33,15 @@ from .policy import (
     operation_name,
 )
 from .responses import DEFAULT_PROBLEM_BASE, send_problem
-from .routing import Trace, Unresolved, app_below, match_route, routed_above, routes_of
+from .routing import (
+    Trace,
+    Unresolved,
+    app_below,
+    match_route,
+    mounted_limit,
+    routed_above,
+    routes_of,
+)
 from .startup import DEFAULT_METHODS, SAFE_METHODS, check_app, unopened_store
 from .store.base import Store
 from .tenant import TenantResolver as TenantResolver
@@ -56,7 +65,8 @@ _CACHED_KEY_LENGTH = 1024
 
 #: A guarded path as the cache keeps it: its requests' fingerprinter (the path's parameters in
 #: it), its policy and its operation's name.
-_Guarded = tuple[Fingerprinter, Policy, str]
+#: The fingerprinter, policy and operation of a guarded route, and its body limit (body_limits).
+_Guarded = tuple[Fingerprinter, Policy, str, int | None]
 #: The cache's entry for a request the middleware passes on (compared by identity).
 _UNGUARDED = cast(_Guarded, ())
 
@@ -209,7 +219,9 @@ class IdempotencyMiddleware:
             return self._pass_on(scope, receive, send)
         if guarded is None:
             return self._misconfigured(send, "This operation cannot be guarded.")
-        fingerprinter, policy, operation = guarded
+        fingerprinter, policy, operation, body_limit = guarded
+        if body_limit is not None:  # (the route's own max_body_size: see body_limits)
+            follow_route_limit(scope, body_limit)
         # ("user" first: with it in the scope the check cannot fail, and costs no call.)
         if "user" not in scope and self.tenants.unidentifiable(
             scope, allow_anonymous=policy.allow_anonymous
@@ -248,8 +260,12 @@ class IdempotencyMiddleware:
         """The route a request matches, the policy guarding it and its operation's name, the
         way the router will find it; `_UNGUARDED` for a request the middleware passes on, None
         for a route that would be guarded but cannot be named (refused)."""
-        routes = routes_of(app_below(self, app))
-        match = match_route(routes, scope, "", trace) if routes is not None else None
+        below = app_below(self, app)
+        routes = routes_of(below)
+        # (the router's own body limit: the app's, under FastAPI; see body_limits)
+        limit = mounted_limit(below, own=False) if routes is not None else None
+        limits = (limit, limit)
+        match = match_route(routes, scope, "", trace, limits) if routes is not None else None
         if isinstance(match, RouteMatch) and "router" in scope:
             match = routed_above(scope, match, trace)  # this app is mounted in another's router
         if isinstance(match, Unresolved):
@@ -269,8 +285,11 @@ class IdempotencyMiddleware:
         policy = self.policy_for(method, match)
         if policy is None:
             return _UNGUARDED
+        body_limit = in_force(scope, match.body_limit, match.least_limit)
+        policy = capped(policy, body_limit)
         operation = operation_name(method, match.template)
-        return Fingerprinter(operation, match.path_params, policy), policy, operation
+        fingerprinter = Fingerprinter(operation, match.path_params, policy)
+        return fingerprinter, policy, operation, body_limit
 
     def policy_for(self, method: str, route: RouteMatch | Any) -> Policy | None:
         """The policy guarding `method` on `route` (anything with `template` and `endpoint`):

@@ -51,6 +51,10 @@ class LeaseExpiry(StrEnum):
     TAKEOVER = "takeover"
 
 
+#: `Policy.max_body_bytes` when not set: a route's own `max_body_size` replaces it (body_limits).
+DEFAULT_MAX_BODY_BYTES = 1024 * 1024
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Policy:
     """How one route is guarded. Immutable; build variants with `dataclasses.replace`."""
@@ -69,7 +73,7 @@ class Policy:
     #: Request headers that are part of the fingerprint (an API version, say).
     include_headers: tuple[str, ...] = ()
     #: Largest request body accepted, in bytes (inclusive); larger is a 413 before any claim.
-    max_body_bytes: int = 1024 * 1024
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     #: Most fields of the query string, of a form body and parts of a multipart body (each),
     #: and most JSON values (members and elements) the fingerprint reads; more is a 400.
     max_fields: int = 1000
@@ -356,6 +360,10 @@ class RouteMatch:
     template: str
     path_params: Mapping[str, Any]
     endpoint: Any
+    #: The request-body limits declared below the middleware on the way to the route: the
+    #: innermost, and the least (see body_limits); None: none declared.
+    body_limit: int | None = None
+    least_limit: int | None = None
 
 
 def endpoint_policy(endpoint: Any) -> Policy | None:

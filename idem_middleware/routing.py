@@ -16,6 +16,7 @@ from typing import Any
 from starlette.routing import BaseRoute, Host, Match, Mount, Route, Router, WebSocketRoute
 from starlette.types import Scope
 
+from .body_limits import declared_limit
 from .policy import RouteMatch
 
 _CONVERTER = re.compile(r":\w+}")
@@ -175,6 +176,22 @@ def routes_of(app: Any) -> Sequence[BaseRoute] | None:
     return None
 
 
+def mounted_limit(app: Any, own: bool = True) -> int | None:
+    """The limits of what a Mount or Host dispatches to: a Router's, or a mounted Starlette or
+    FastAPI app's (`own`: its app-level `max_body_size`, besides its router's), behind any
+    middleware."""
+    for _ in range(_MAX_WRAPPERS):
+        if app is None:
+            return None
+        if isinstance(app, Router):
+            return declared_limit(app)
+        router = getattr(app, "router", None)
+        if isinstance(router, Router):
+            return tighter(declared_limit(router), declared_limit(app) if own else None)
+        app = getattr(app, "app", None)
+    return None
+
+
 def app_below(middleware: Any, app: Any) -> Any:
     """The app whose routes `middleware` guards: the request's app (`scope["app"]`) when the
     middleware is in that app's own stack, else the app it wraps (`middleware.app`). Never an
@@ -209,27 +226,57 @@ def _included(route: BaseRoute) -> list[Any] | None:
 
 
 def _match_included(
-    contexts: list[Any], scope: Scope, prefix: str, trace: Trace | None
+    contexts: list[Any], scope: Scope, prefix: str, trace: Trace | None, limit: Limits
 ) -> RouteMatch | Unresolved | None:
     for context in contexts:
         match, child = context.matches(scope)
         if match is not Match.FULL:
             continue
         if context.starlette_route is not None:  # a Starlette route or mount, prefixed
-            return match_route([context.starlette_route], scope, prefix, trace)
-        return RouteMatch(prefix + context.path, child["path_params"], child["endpoint"])
+            return match_route([context.starlette_route], scope, prefix, trace, limit)
+        return RouteMatch(
+            prefix + context.path,
+            child["path_params"],
+            child["endpoint"],
+            *_within(declared_limit(context), limit),
+        )
     return None
 
 
+#: The body limits on the way to a route: the innermost declared, and the least (see tighter).
+Limits = tuple[int | None, int | None]
+_NO_LIMITS: Limits = (None, None)
+
+
+def _within(declared: int | None, limits: Limits) -> Limits:
+    if declared is None:
+        return limits
+    return declared, tighter(declared, limits[1])
+
+
+def tighter(limit: int | None, outer: int | None) -> int | None:
+    """The body limit a request the middleware has read meets on its way to the route: each
+    limiter it passes refuses a body already read past its own, so the least of them (a bare
+    app's innermost limit replaces the enclosing ones, but they check before any byte is read)."""
+    if limit is None:
+        return outer
+    return limit if outer is None else min(limit, outer)
+
+
 def match_route(
-    routes: Sequence[BaseRoute], scope: Scope, prefix: str = "", trace: Trace | None = None
+    routes: Sequence[BaseRoute],
+    scope: Scope,
+    prefix: str = "",
+    trace: Trace | None = None,
+    limit: Limits = _NO_LIMITS,
 ) -> RouteMatch | Unresolved | None:
     """The route the router will dispatch to, found the way Starlette's router finds it.
 
     Only a FULL match counts: a path whose route rejects the method is the app's 405, not ours.
     None: nothing matches, or the request goes to an application whose routes cannot be seen.
     Routes whose methods exclude the request's are not asked (`_candidates`). `trace` collects
-    what the answer depended on (see Trace).
+    what the answer depended on (see Trace); `limit`, the body limit the enclosing mounts
+    declare (see body_limits).
     """
     if trace is not None:
         trace.walked(routes)
@@ -240,20 +287,28 @@ def match_route(
         if match is not Match.FULL:
             continue
         if isinstance(route, Route):
-            return RouteMatch(prefix + route.path, child["path_params"], child["endpoint"])
+            return RouteMatch(
+                prefix + route.path,
+                child["path_params"],
+                child["endpoint"],
+                *_within(declared_limit(route), limit),
+            )
         if (contexts := _included(route)) is not None:
-            return _match_included(contexts, scope, prefix, trace)
+            return _match_included(contexts, scope, prefix, trace, limit)
         if isinstance(route, Mount | Host):
             inner = routes_of(route.app)
             if inner is None:
                 return None
+            limit = _within(mounted_limit(route.app), _within(declared_limit(route), limit))
             if isinstance(route, Mount):
-                return match_route(inner, {**scope, **child}, prefix + route.path, trace)
-            return match_route(inner, {**scope, **child}, _host_prefix(route) + prefix, trace)
+                return match_route(inner, {**scope, **child}, prefix + route.path, trace, limit)
+            hosted = _host_prefix(route) + prefix
+            return match_route(inner, {**scope, **child}, hosted, trace, limit)
         endpoint = child.get("endpoint", getattr(route, "endpoint", None))
         path = getattr(route, "path", None)
         if isinstance(path, str):
-            return RouteMatch(prefix + path, child.get("path_params", {}), endpoint)
+            found = _within(declared_limit(route), limit)
+            return RouteMatch(prefix + path, child.get("path_params", {}), endpoint, *found)
         return Unresolved(f"a {type(route).__name__} under {prefix or '/'}", endpoint)
     return None
 
@@ -270,7 +325,8 @@ def routed_above(scope: Scope, found: RouteMatch, trace: Trace | None = None) ->
     root_path = scope.get("root_path", "")
     app_root_path = scope.get("app_root_path", root_path)
     if routes is not None:
-        top = match_route(routes, {**scope, "root_path": app_root_path}, "", trace)
+        limit = _within(declared_limit(scope["router"]), _NO_LIMITS)
+        top = match_route(routes, {**scope, "root_path": app_root_path}, "", trace, limit)
         if isinstance(top, RouteMatch) and top.endpoint is found.endpoint:
             return top
     mounted = root_path[len(app_root_path) :] if root_path.startswith(app_root_path) else ""
@@ -278,7 +334,8 @@ def routed_above(scope: Scope, found: RouteMatch, trace: Trace | None = None) ->
         # A client's `%00` would reach PostgreSQL's `text`, which refuses NUL: escaped, with the
         # backslash the escape starts with, so that no two paths share a name.
         mounted = mounted.replace("\\", "\\\\").replace("\x00", "\\0")
-    return RouteMatch(mounted + found.template, found.path_params, found.endpoint)
+    limits = found.body_limit, found.least_limit
+    return RouteMatch(mounted + found.template, found.path_params, found.endpoint, *limits)
 
 
 def walk(

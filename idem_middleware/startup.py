@@ -12,12 +12,13 @@ from typing import TYPE_CHECKING, Any
 from starlette.routing import BaseRoute, Host, Match, Mount
 from starlette.types import Scope
 
+from .body_limits import declared_limit, limit_warning
 from .errors import NOT_OPEN, OPEN_IN_LIFESPAN, OTHER_LOOP, ConfigurationError
 from .library_routes import tell_library_routes
 from .middleware_order import check_authentication, check_outer_middleware
 from .observe import shown
 from .policy import WRAPPER_ATTRIBUTE, Mode, Policy, endpoint_policy, operation_name
-from .routing import Found, Hidden, match_route, routes_of, walk
+from .routing import Found, Hidden, match_route, mounted_limit, routes_of, tighter, walk
 from .startup_dependencies import dependency_errors
 from .tenant import ROUTE_RESOLVER_ATTRIBUTE, ROUTE_TENANTS_ATTRIBUTE, Tenants
 
@@ -55,6 +56,7 @@ def check_app(mw: IdempotencyMiddleware, app: Any, scope: Scope | None = None) -
         )
     errors: list[str] = []
     reachable: set[str] = set()
+    router = mounted_limit(app if app is not None else mw.app, own=False)  # (FastAPI's app's)
     items = _named_above(routes, scope)
     endpoints = {id(item.endpoint) for item in items if isinstance(item, Found)}
     for item in items:
@@ -82,6 +84,8 @@ def check_app(mw: IdempotencyMiddleware, app: Any, scope: Scope | None = None) -
             if method in SAFE_METHODS:
                 continue
             reachable.add(name)
+            if policy is not None and (warning := _limit_warning(name, policy, item, router)):
+                logger.warning("idempotency: %s", warning)
             if explicit is not None and name in mw.policies:
                 logger.warning(
                     "idempotency: policies[%r] never applies: the endpoint's own policy does", name
@@ -328,3 +332,10 @@ def _check_route_tenant(mw: IdempotencyMiddleware, item: Found) -> None:
                 tenants.challenge.decode("latin-1"),
                 challenge.decode("latin-1"),
             )
+
+
+def _limit_warning(name: str, policy: Policy, item: Found, router: int | None) -> str | None:
+    """A guarded route whose own `max_body_size` a guarded request cannot reach (body_limits;
+    the limits of enclosing mounts are not seen here)."""
+    declared = declared_limit(item.route)
+    return limit_warning(shown(name), policy, declared, tighter(declared, router))
