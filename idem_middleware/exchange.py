@@ -170,11 +170,11 @@ class Exchange(ClientWatch):
                 ProblemKind.UNAUTHENTICATED, "This operation needs an authenticated caller."
             )
             return
-        if isinstance(key_error, RequestRejected):
-            await self.problem(key_error.kind, key_error.detail)
-            return
         if key_error is not None:
-            await self.refused(key_error, "key source")
+            if isinstance(key_error, RequestRejected):
+                await self.problem(key_error.kind, key_error.detail)
+            else:
+                await self.refused(key_error, "key source")
             return
         if key is None:
             await self.problem(
