@@ -12,6 +12,7 @@ from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote, urlencode
 
+from starlette.exceptions import HTTPException
 from starlette.types import Message, Receive, Scope, Send
 
 from .answers import Answer, InFlight, Problem, Replay, Sent
@@ -25,6 +26,7 @@ from .keysource import take_key
 from .lease import LeaseRun
 from .observe import UNTIMED, Event
 from .policy import MIDDLEWARE_ACTIVE, Mode, Policy
+from .refusals import is_refusal, send_refusal
 from .responses import answer_cancelled, send_accepted, send_replay
 from .store.base import RecordKey, Store, StoredResponse, new_record_key
 from .transactional import RETRIED, Attempt, run_transactional
@@ -137,8 +139,12 @@ class Exchange(ClientWatch):
                     key = None if raw is None else parse_key_value(raw)
             else:
                 key = await take_key(self, policy.key_source)
-            key_error = None
+            key_error: RequestRejected | HTTPException | None = None
         except RequestRejected as exc:
+            key, key_error = None, exc
+        except HTTPException as exc:  # a key function's 4xx, answered after the tenant's 401
+            if not is_refusal(exc):
+                raise
             key, key_error = None, exc
         if key is None and key_error is None and not policy.key_required:
             active = MIDDLEWARE_ACTIVE.set(True)  # unguarded, but handled (policy.idempotent)
@@ -154,13 +160,21 @@ class Exchange(ClientWatch):
         except RequestRejected as exc:  # a resolver that names no one (500, never unscoped)
             await self.problem(exc.kind, exc.detail)
             return
+        except HTTPException as exc:  # the resolver's own 4xx (refusals.py); a 5xx goes on
+            if not is_refusal(exc):
+                raise
+            await self.refused(exc, "tenant resolver")
+            return
         if tenant is None:
             await self.problem(
                 ProblemKind.UNAUTHENTICATED, "This operation needs an authenticated caller."
             )
             return
         if key_error is not None:
-            await self.problem(key_error.kind, key_error.detail)
+            if isinstance(key_error, RequestRejected):
+                await self.problem(key_error.kind, key_error.detail)
+            else:
+                await self.refused(key_error, "key source")
             return
         if key is None:
             await self.problem(
@@ -255,6 +269,13 @@ class Exchange(ClientWatch):
         self.started = True
         self.emit(_PROBLEM_EVENTS.get(kind, Event.REJECTED))
         await self.mw.send_problem(self.send, kind, detail, retry_after=retry_after)
+
+    async def refused(self, exc: HTTPException, source: str) -> None:
+        self.started = True
+        self.emit(Event.REJECTED)
+        mw = self.mw
+        challenge = mw.tenants.challenge
+        await send_refusal(self.send, exc, base=mw.problem_base, challenge=challenge, source=source)
 
     async def replay(self, response: StoredResponse) -> None:
         self.started = True

@@ -14,10 +14,12 @@ import re
 from collections.abc import Awaitable, Callable
 
 from starlette.authentication import SimpleUser
+from starlette.exceptions import HTTPException
 from starlette.responses import Response
 from starlette.types import Scope
 
 from .errors import CallerNamedLate, ConfigurationError, ProblemKind, RequestRejected
+from .refusals import is_refusal, refusal_response
 from .responses import problem_response
 
 logger = logging.getLogger("idem_middleware")
@@ -249,6 +251,13 @@ async def route_tenant(tenants: Tenants, scope: Scope, *, problem_base: str) -> 
             tenant = await tenant
     except RequestRejected as exc:
         return problem_response(exc.kind, exc.detail, base=problem_base)
+    except HTTPException as exc:  # the resolver's own 4xx, as the middleware answers it
+        if not is_refusal(exc):
+            raise
+        challenge = tenants.challenge
+        return refusal_response(
+            exc, base=problem_base, challenge=challenge, source="tenant resolver"
+        )
     if tenant is None:
         return problem_response(
             ProblemKind.UNAUTHENTICATED,

@@ -213,23 +213,46 @@ def test_the_readme_test_fails_against_a_broken_app(
 async def test_the_own_auth_example_answers_a_bad_token_401_before_any_claim(
     example_files: dict[str, Path], db_dsn: str, pool: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """docs/fastapi.md: the resolver's None for a bad credential is a 401 problem, not a 500,
-    and the handler does not run."""
+    """docs/fastapi.md: the resolver raises the dependency's own HTTPException(401) for a bad
+    credential (one of bytes beyond ASCII too: a str `hmac.compare_digest` refused it with a
+    TypeError, a 500), returns None for none; each is a 401 problem with its challenge, not a
+    500, and the handler does not run. A good credential is served."""
     await pool.execute(
         "CREATE TABLE IF NOT EXISTS orders (id serial PRIMARY KEY, tenant text, item text)"
     )
     await pool.execute("TRUNCATE orders")
     monkeypatch.setenv("DATABASE_URL", db_dsn)
     app = load(example_files["fastapi_own_auth"]).app
-    headers = {"authorization": "Bearer secret-b", "idempotency-key": "bad-token"}
+    credentials: list[dict[bytes, bytes]] = [
+        {b"authorization": b"Bearer secret-b"},
+        {b"authorization": b"Bearer secr\xe9t-a"},
+        {},
+    ]
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
-            r = await c.post("/orders", json={"item": "book"}, headers=headers)
-    assert r.status_code == 401
-    assert r.headers["content-type"] == "application/problem+json"
-    assert r.json()["type"].endswith(":unauthenticated")
-    assert await pool.fetchval("SELECT count(*) FROM orders") == 0
+            refused = [
+                await c.post(
+                    "/orders",
+                    json={"item": "book"},
+                    headers={**credential, b"idempotency-key": b"bad-%d" % n},
+                )
+                for n, credential in enumerate(credentials)
+            ]
+            served = await c.post(
+                "/orders",
+                json={"item": "book"},
+                headers={"authorization": "Bearer secret-a", "idempotency-key": "bad-0"},
+            )
+    for r, detail in zip(refused, ["invalid token", "invalid token", None], strict=True):
+        assert r.status_code == 401
+        assert r.headers["content-type"] == "application/problem+json"
+        assert r.headers.get_list("www-authenticate") == ["Bearer"]
+        assert r.json()["type"].endswith(":unauthenticated")
+        if detail is not None:
+            assert r.json()["detail"] == detail
+    assert served.status_code == 201  # the key a refusal saw is free: nothing was claimed
+    assert await pool.fetchval("SELECT count(*) FROM orders") == 1
 
 
 def test_the_readme_names_what_its_test_needs_beyond_the_app() -> None:
