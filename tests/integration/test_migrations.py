@@ -470,3 +470,29 @@ async def test_the_outbox_purge_index_built_concurrently_beforehand_is_kept(
         assert await conn.fetchval(count) == 1
     finally:
         await conn.close()
+
+
+async def test_a_database_a_newer_version_migrated_is_served_by_this_one(
+    new_database: NewDatabase,
+) -> None:
+    """A rolling upgrade, or a rollback: the newer version's `migrate` recorded a migration this
+    version does not know. This version's store opens and serves, and its `migrate` applies
+    nothing (it never undoes or re-runs what a newer version did)."""
+    dsn = await new_database()
+    conn = await asyncpg.connect(dsn)
+    try:
+        await migrate(conn)
+        newer = max(v for v, _, _ in sql.migrations()) + 1
+        await conn.execute(
+            "INSERT INTO idem_schema_migrations (version, name) VALUES ($1, $2)",
+            newer,
+            "from_a_newer_version",
+        )
+        assert await pending_versions(conn) == []
+        assert await migrate(conn) == []
+        async with PostgresStore(dsn=dsn) as store:
+            assert await store.get(RecordKey("t", "POST /x", "k")) is None
+        recorded = await conn.fetchval("SELECT max(version) FROM idem_schema_migrations")
+        assert recorded == newer
+    finally:
+        await conn.close()
