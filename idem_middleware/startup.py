@@ -15,7 +15,7 @@ from starlette.types import Scope
 from .body_limits import declared_limit, limit_warning
 from .errors import NOT_OPEN, OPEN_IN_LIFESPAN, OTHER_LOOP, ConfigurationError
 from .library_routes import tell_library_routes
-from .middleware_order import check_authentication, check_outer_middleware
+from .middleware_order import check_authentication, check_outer_middleware, middleware_inside
 from .observe import shown
 from .policy import WRAPPER_ATTRIBUTE, Mode, Policy, endpoint_policy, operation_name
 from .routing import Found, Hidden, match_route, mounted_limit, routes_of, tighter, walk
@@ -91,10 +91,8 @@ def check_app(mw: IdempotencyMiddleware, app: Any, scope: Scope | None = None) -
                     "idempotency: policies[%r] never applies: the endpoint's own policy does", name
                 )
         errors.extend(dependency_errors(item, per_method))
-    guarded = [
-        (operation_name(method, item.template), policy)
-        for item, method, policy in guarded_routes(routes, mw.policy_for, items)
-    ]
+    found = list(guarded_routes(routes, mw.policy_for, items))
+    guarded = [(operation_name(method, item.template), policy) for item, method, policy in found]
     for name, policy in guarded:
         # (shown: under a wrapper the router cannot see into, the first request's concrete path
         # names the operation, and its decoded `%0D%0A` would forge a log line)
@@ -105,9 +103,11 @@ def check_app(mw: IdempotencyMiddleware, app: Any, scope: Scope | None = None) -
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         errors.append(f"policies[{name!r}] matches no route, so it can never apply{hint}")
     if guarded and app is not None:
-        if (auth_error := check_authentication(mw, app, [p for _, p in guarded])) is not None:
+        inside = list(middleware_inside(routes, [item for item, _, _ in found]))
+        policies = [p for _, p in guarded]
+        if (auth_error := check_authentication(mw, app, policies, inside)) is not None:
             errors.append(auth_error)
-        check_outer_middleware(mw, app)
+        check_outer_middleware(mw, app, inside)
     errors.extend(_status_route_errors(mw, routes, guarded))
     errors.extend(_unserved_methods(mw, items))
     if errors:
