@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from starlette.routing import BaseRoute, Host, Mount, Route, Router
 
 from .policy import Policy
-from .routing import _MAX_WRAPPERS, Found, _included, routes_of
+from .routing import _MAX_WRAPPERS, Found, _included, mounted_app, routes_of
 from .tenant import AUTH_FIX, authenticated_user_tenant
 
 if TYPE_CHECKING:
@@ -187,12 +187,14 @@ def middleware_inside(
             yield from middleware_inside(mounted, guarded, prefix, depth)
         elif isinstance(route, Mount | Host) and depth < _MAX_WRAPPERS:
             where = prefix + route.path if isinstance(route, Mount) else route.host + prefix
-            inner = routes_of(route.app)
+            inner = routes_of(mounted_app(route))
             below = (
                 [] if inner is None else list(middleware_inside(inner, guarded, where, depth + 1))
             )
             if below:  # (a guarded route under it)
-                yield from ((cls, where or "/") for cls in _layers(route.app))
+                # (the app below the Mount's own list too: a wrapper there may hide it)
+                for app in (route.app, mounted_app(route)):
+                    yield from ((cls, where or "/") for cls in _layers(app))
                 yield from below
 
 

@@ -18,7 +18,16 @@ from .library_routes import tell_library_routes
 from .middleware_order import check_authentication, check_outer_middleware, middleware_inside
 from .observe import shown
 from .policy import WRAPPER_ATTRIBUTE, Mode, Policy, endpoint_policy, operation_name
-from .routing import Found, Hidden, match_route, mounted_limit, routes_of, tighter, walk
+from .routing import (
+    Found,
+    Hidden,
+    match_route,
+    mounted_app,
+    mounted_limit,
+    routes_of,
+    tighter,
+    walk,
+)
 from .startup_dependencies import dependency_errors
 from .tenant import ROUTE_RESOLVER_ATTRIBUTE, ROUTE_TENANTS_ATTRIBUTE, Tenants
 
@@ -288,13 +297,13 @@ def _serves(routes: Sequence[BaseRoute], scope: dict[str, Any]) -> bool | None:
     for route in routes:
         found: bool | None
         if isinstance(route, Host):
-            inner = routes_of(route.app)
+            inner = routes_of(mounted_app(route))
             found = None if inner is None else _serves(inner, scope)
         elif isinstance(route, Mount):
             match, child = route.matches(scope)
             if match is not Match.FULL:
                 continue
-            inner = routes_of(route.app)
+            inner = routes_of(mounted_app(route))
             # The router hands the request to the first mount that matches, found or not.
             return None if inner is None else _serves(inner, {**scope, **child})
         else:

@@ -24,7 +24,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Host, Mount, Route, Router
-from starlette.types import ASGIApp, Message
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from idem_middleware import IdempotencyMiddleware, MemoryStore, Policy, not_idempotent
 from tests.apps.clients import BearerBackend
@@ -153,3 +153,87 @@ async def test_authentication_in_an_app_mounted_by_an_included_fastapi_router_fa
     sent = await _lifespan(app)
     assert [m["type"] for m in sent] == ["lifespan.startup.failed"]
     assert "AuthenticationMiddleware is declared on /v1/sub" in sent[0]["message"]
+
+
+def _closure(app: ASGIApp) -> ASGIApp:
+    """A middleware written as a function: what it wraps is in its closure."""
+
+    async def wrapped(scope: Scope, receive: Receive, send: Send) -> None:
+        await app(scope, receive, send)
+
+    return wrapped
+
+
+class _Private:
+    """A middleware that keeps what it wraps under another name than `app`."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self._inner = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self._inner(scope, receive, send)
+
+
+@pytest.mark.parametrize("hiding", [_closure, _Private])
+async def test_a_mounts_middleware_that_hides_what_it_wraps_leaves_its_routes_guarded(
+    hiding: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Found by probing: the routes under `Mount(..., middleware=[...])` were looked for through
+    the middleware's `app`; one without it (a function's closure, a private attribute) hid the
+    mount's routes, and their requests ran unguarded (startup: "its routes cannot be seen"),
+    the handler again for every retry. The Mount keeps the app it was given below its list."""
+    ran = 0
+
+    async def counted(request: Request) -> Response:
+        nonlocal ran
+        ran += 1
+        return await pay(request)
+
+    inner = [Route("/pay", counted, methods=["POST"])]
+    app = Starlette(routes=[Mount("/api", routes=inner, middleware=[Middleware(hiding)])])
+    app.add_middleware(IdempotencyMiddleware, store=MemoryStore(), tenant_resolver=lambda s: "t")
+    with caplog.at_level(logging.INFO, logger="idem_middleware"):
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://t"
+        ) as client:
+            first = await client.post("/api/pay", headers={"idempotency-key": "k"}, content=b"{}")
+            again = await client.post("/api/pay", headers={"idempotency-key": "k"}, content=b"{}")
+            missing = await client.post("/api/pay", content=b"{}")
+    assert (first.status_code, again.headers.get("idempotent-replayed"), ran) == (201, "true", 1)
+    assert missing.status_code == 400  # the key is required there as anywhere
+    logged = [r.getMessage() for r in caplog.records]
+    assert "idempotency: guarding POST /api/pay (transactional, key required, wait 5s)" in logged
+
+
+async def test_authentication_in_a_router_below_a_hiding_mount_middleware_fails() -> None:
+    router = Router([Route("/pay", pay, methods=["POST"])], middleware=[AUTH])
+    app = Starlette(routes=[Mount("/api", app=router, middleware=[Middleware(_Private)])])
+    app.add_middleware(IdempotencyMiddleware, store=MemoryStore())
+    sent = await _lifespan(app)
+    assert [m["type"] for m in sent] == ["lifespan.startup.failed"]
+    assert "AuthenticationMiddleware is declared on /api (" in sent[0]["message"]
+
+
+async def test_a_fastapi_app_mounted_with_a_hiding_middleware_documents_the_key() -> None:
+    """Its own /openapi.json says the parent's middleware requires the key, as without it."""
+    fastapi = pytest.importorskip("fastapi")
+    from idem_middleware.fastapi import install
+
+    app = fastapi.FastAPI()
+    install(app, store=MemoryStore(), tenant_resolver=lambda s: "t")
+    sub = fastapi.FastAPI()
+
+    @sub.post("/orders")
+    async def order() -> dict[str, str]:
+        return {}
+
+    app.mount("/v1", sub)
+    app.router.routes[-1] = Mount("/v1", app=sub, middleware=[Middleware(_Private)])
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app), base_url="http://t"
+    ) as client:
+        refused = await client.post("/v1/orders")
+        spec = (await client.get("/v1/openapi.json")).json()
+    assert refused.status_code == 400
+    parameters = spec["paths"]["/orders"]["post"].get("parameters", [])
+    assert any(p["name"].lower() == "idempotency-key" for p in parameters), parameters
