@@ -22,7 +22,7 @@ from .middleware import IdempotencyMiddleware
 from .openapi import document_openapi
 from .ops import find_middleware
 from .policy import idempotent, not_idempotent
-from .routing import routes_of
+from .routing import mounted_app, routes_of
 from .store.base import Store
 
 if TYPE_CHECKING:
@@ -129,9 +129,9 @@ def _mounted(routes: Sequence[Any], prefix: str, depth: int) -> Iterator[tuple[F
             continue
         # OpenAPI paths carry no host, and no converters (`/t/{tenant}`).
         path = prefix + _CONVERTER.sub("}", route.path) if isinstance(route, Mount) else prefix
-        if isinstance(route.app, FastAPI):
-            yield route.app, path
-        yield from _mounted(routes_of(route.app) or (), path, depth + 1)
+        if isinstance(mounted := mounted_app(route), FastAPI):
+            yield mounted, path
+        yield from _mounted(routes_of(mounted) or (), path, depth + 1)
 
 
 def install(app: FastAPI, *, store: Store, **options: Any) -> None:

@@ -1,26 +1,41 @@
 """The order of the app's own middleware around IdempotencyMiddleware, read at startup from the
 app's middleware list: what must run before it (authentication), what makes wrong replays
 when it runs after it (compression, CORS, a redirect, a request ID), and whether one before it
-may answer a request it cancels (a timeout). Only warned: a middleware added otherwise cannot be
-seen, and another may do the same work under its own name."""
+may answer a request it cancels (a timeout); and the middleware declared on the way to a guarded
+route (a Route's, Mount's or Router's `middleware=[...]`, a mounted app's own), which runs inside
+it. Only warned, but for authentication: a middleware added otherwise cannot be seen, and
+another may do the same work under its own name."""
 
 from __future__ import annotations
 
+import inspect
 import logging
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
+from starlette.routing import BaseRoute, Host, Mount, Route, Router
+
 from .policy import Policy
+from .routing import _MAX_WRAPPERS, Found, _included, mounted_app, routes_of
 from .tenant import AUTH_FIX, authenticated_user_tenant
 
 if TYPE_CHECKING:
     from .middleware import IdempotencyMiddleware
 
+#: A middleware class found inside the app's own middleware list, on the way to a guarded
+#: route, and where it is declared (the route's template, or the mount's path); see
+#: `middleware_inside`.
+Inside = Sequence[tuple[type, str] | None]
+
 logger = logging.getLogger("idem_middleware")
 
 
-def check_authentication(mw: IdempotencyMiddleware, app: Any, policies: list[Policy]) -> str | None:
+def check_authentication(
+    mw: IdempotencyMiddleware, app: Any, policies: list[Policy], inside: Inside = ()
+) -> str | None:
     """With the default tenant resolver, Starlette's AuthenticationMiddleware must run first:
-    warned when none is seen, an error (returned) when it is seen inside only."""
+    warned when none is seen, an error (returned) when it is seen inside only (`inside`: on
+    the way to a guarded route, see `middleware_inside`)."""
     if mw.tenant_resolver is not authenticated_user_tenant:
         return None
     stack = [entry.cls for entry in getattr(app, "user_middleware", ())]
@@ -29,6 +44,16 @@ def check_authentication(mw: IdempotencyMiddleware, app: Any, policies: list[Pol
     if ours is None:
         return None  # not added through the app: its order cannot be read here
     anonymous = sum(p.allow_anonymous for p in policies)
+    declared = _declared(inside, "AuthenticationMiddleware")
+    if declared and not any(i < ours for i in auth):
+        # The same as one after ours in the app's list: it names the caller only once the
+        # tenant was resolved (no request of those routes can be named).
+        return (
+            f"AuthenticationMiddleware is declared on {', '.join(declared)} (a Route's, Mount's "
+            "or Router's middleware=[...], or a mounted app's), so it runs after "
+            "IdempotencyMiddleware and the tenant resolver finds no user: guarded requests of "
+            f"authenticated callers there would all be refused (500): {AUTH_FIX}"
+        )
     if not auth:
         if anonymous == len(policies):
             return None  # an app with anonymous routes only needs no authentication
@@ -93,9 +118,20 @@ _LEAVES_CANCELLED = (
 )
 
 
-def check_outer_middleware(mw: IdempotencyMiddleware, app: Any) -> None:
-    """Compression and CORS belong outside the middleware (warned, as the order can be read);
-    one outside it that may answer a request it cancels (a timeout) answers it alone."""
+def check_outer_middleware(mw: IdempotencyMiddleware, app: Any, inside: Inside = ()) -> None:
+    """Compression and CORS belong outside the middleware (warned, as the order can be read, and
+    when declared on the way to a guarded route: `inside`); one outside it that may answer a
+    request it cancels (a timeout) answers it alone."""
+    for name, harm in _OUTSIDE.items():
+        where = _declared(inside, name)
+        if where and name != "TrustedHostMiddleware":  # (its 400 releases the key: harmless)
+            logger.warning(
+                "idempotency: %s is declared on %s, so it runs after IdempotencyMiddleware and "
+                "%s: add it to the app's middleware, outside IdempotencyMiddleware",
+                name,
+                ", ".join(where),
+                harm,
+            )
     entries = list(getattr(app, "user_middleware", ()))
     stack = [entry.cls for entry in entries]
     ours = next((i for i, cls in enumerate(stack) if _named(cls, "IdempotencyMiddleware")), None)
@@ -130,6 +166,63 @@ def check_outer_middleware(mw: IdempotencyMiddleware, app: Any) -> None:
                 harm,
                 name,
             )
+
+
+def middleware_inside(
+    routes: Sequence[BaseRoute], guarded: Sequence[Found], prefix: str = "", depth: int = 0
+) -> Iterator[tuple[type, str] | None]:
+    """The middleware declared on the way to each guarded route, below the app's own list: on
+    the route, on each Mount or Host it is under, on a Router, in a mounted app's own list.
+    All of it runs inside IdempotencyMiddleware. None for each guarded route reached.
+    (`guarded`: as `walk` lists them, named maybe with a prefix from a router above: see
+    `startup._named_above`.)"""
+    for route in routes:
+        if isinstance(route, Route):
+            template = prefix + route.path
+            if any(g.endpoint is route.endpoint and g.template.endswith(template) for g in guarded):
+                yield None
+                yield from ((cls, template) for cls in _layers(route.app))
+        elif (contexts := _included(route)) is not None:
+            mounted = [c.starlette_route for c in contexts if c.starlette_route is not None]
+            yield from middleware_inside(mounted, guarded, prefix, depth)
+        elif isinstance(route, Mount | Host) and depth < _MAX_WRAPPERS:
+            where = prefix + route.path if isinstance(route, Mount) else route.host + prefix
+            inner = routes_of(mounted_app(route))
+            below = (
+                [] if inner is None else list(middleware_inside(inner, guarded, where, depth + 1))
+            )
+            if below:  # (a guarded route under it)
+                # (the app below the Mount's own list too: a wrapper there may hide it)
+                for app in (route.app, mounted_app(route)):
+                    yield from ((cls, where or "/") for cls in _layers(app))
+                yield from below
+
+
+def _declared(inside: Inside, name: str) -> list[str]:
+    return sorted({found[1] for found in inside if found is not None and _named(found[0], name)})
+
+
+def _layers(app: Any) -> Iterator[type]:
+    """The middleware classes wrapping `app` (a Route's or Mount's), down to its endpoint or
+    the routes it dispatches to: those of a `middleware=[...]`, of a Router's, of a Starlette
+    or FastAPI app's own list."""
+    for _ in range(_MAX_WRAPPERS):
+        if app is None or inspect.isroutine(app):
+            return
+        if isinstance(app, Router):
+            stack = getattr(app, "middleware_stack", None)  # (Starlette >= 1.0)
+            for _ in range(_MAX_WRAPPERS):
+                if stack is None or inspect.isroutine(stack):
+                    return
+                yield type(stack)
+                stack = getattr(stack, "app", None)
+            return
+        if isinstance(router := getattr(app, "router", None), Router):
+            yield from (entry.cls for entry in getattr(app, "user_middleware", ()))
+            app = router
+            continue
+        yield type(app)
+        app = getattr(app, "app", None)
 
 
 def _www_redirect(entry: Any) -> bool:

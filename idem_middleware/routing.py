@@ -176,6 +176,12 @@ def routes_of(app: Any) -> Sequence[BaseRoute] | None:
     return None
 
 
+def mounted_app(route: Mount | Host) -> Any:
+    """What a Mount or Host dispatches to, below the Mount's own `middleware=[...]`: one that
+    keeps what it wraps to itself (no `app`) must not hide routes it still reaches."""
+    return getattr(route, "_base_app", route.app)
+
+
 def mounted_limit(app: Any, own: bool = True) -> int | None:
     """The limits of what a Mount or Host dispatches to: a Router's, or a mounted Starlette or
     FastAPI app's (`own`: its app-level `max_body_size`, besides its router's), behind any
@@ -296,10 +302,12 @@ def match_route(
         if (contexts := _included(route)) is not None:
             return _match_included(contexts, scope, prefix, trace, limit)
         if isinstance(route, Mount | Host):
-            inner = routes_of(route.app)
+            inner = routes_of(mounted_app(route))
             if inner is None:
                 return None
-            limit = _within(mounted_limit(route.app), _within(declared_limit(route), limit))
+            limit = _within(
+                mounted_limit(mounted_app(route)), _within(declared_limit(route), limit)
+            )
             if isinstance(route, Mount):
                 return match_route(inner, {**scope, **child}, prefix + route.path, trace, limit)
             hosted = _host_prefix(route) + prefix
@@ -369,9 +377,9 @@ def walk(
                 path, inner_shown = prefix + route.path, shown + _no_converters(route.path)
             else:
                 path, inner_shown = _host_prefix(route) + prefix, shown
-            inner = routes_of(route.app)
+            inner = routes_of(mounted := mounted_app(route))
             if inner is None:
-                yield Hidden(f"{path or '/'} (a mounted {type(route.app).__name__})", None, False)
+                yield Hidden(f"{path or '/'} (a mounted {type(mounted).__name__})", None, False)
             else:
                 yield from walk(inner, path, inner_shown)
         else:

@@ -15,10 +15,19 @@ from starlette.types import Scope
 from .body_limits import declared_limit, limit_warning
 from .errors import NOT_OPEN, OPEN_IN_LIFESPAN, OTHER_LOOP, ConfigurationError
 from .library_routes import tell_library_routes
-from .middleware_order import check_authentication, check_outer_middleware
+from .middleware_order import check_authentication, check_outer_middleware, middleware_inside
 from .observe import shown
 from .policy import WRAPPER_ATTRIBUTE, Mode, Policy, endpoint_policy, operation_name
-from .routing import Found, Hidden, match_route, mounted_limit, routes_of, tighter, walk
+from .routing import (
+    Found,
+    Hidden,
+    match_route,
+    mounted_app,
+    mounted_limit,
+    routes_of,
+    tighter,
+    walk,
+)
 from .startup_dependencies import dependency_errors
 from .tenant import ROUTE_RESOLVER_ATTRIBUTE, ROUTE_TENANTS_ATTRIBUTE, Tenants
 
@@ -91,10 +100,8 @@ def check_app(mw: IdempotencyMiddleware, app: Any, scope: Scope | None = None) -
                     "idempotency: policies[%r] never applies: the endpoint's own policy does", name
                 )
         errors.extend(dependency_errors(item, per_method))
-    guarded = [
-        (operation_name(method, item.template), policy)
-        for item, method, policy in guarded_routes(routes, mw.policy_for, items)
-    ]
+    found = list(guarded_routes(routes, mw.policy_for, items))
+    guarded = [(operation_name(method, item.template), policy) for item, method, policy in found]
     for name, policy in guarded:
         # (shown: under a wrapper the router cannot see into, the first request's concrete path
         # names the operation, and its decoded `%0D%0A` would forge a log line)
@@ -105,9 +112,11 @@ def check_app(mw: IdempotencyMiddleware, app: Any, scope: Scope | None = None) -
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         errors.append(f"policies[{name!r}] matches no route, so it can never apply{hint}")
     if guarded and app is not None:
-        if (auth_error := check_authentication(mw, app, [p for _, p in guarded])) is not None:
+        inside = list(middleware_inside(routes, [item for item, _, _ in found]))
+        policies = [p for _, p in guarded]
+        if (auth_error := check_authentication(mw, app, policies, inside)) is not None:
             errors.append(auth_error)
-        check_outer_middleware(mw, app)
+        check_outer_middleware(mw, app, inside)
     errors.extend(_status_route_errors(mw, routes, guarded))
     errors.extend(_unserved_methods(mw, items))
     if errors:
@@ -288,13 +297,13 @@ def _serves(routes: Sequence[BaseRoute], scope: dict[str, Any]) -> bool | None:
     for route in routes:
         found: bool | None
         if isinstance(route, Host):
-            inner = routes_of(route.app)
+            inner = routes_of(mounted_app(route))
             found = None if inner is None else _serves(inner, scope)
         elif isinstance(route, Mount):
             match, child = route.matches(scope)
             if match is not Match.FULL:
                 continue
-            inner = routes_of(route.app)
+            inner = routes_of(mounted_app(route))
             # The router hands the request to the first mount that matches, found or not.
             return None if inner is None else _serves(inner, {**scope, **child})
         else:

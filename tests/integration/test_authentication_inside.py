@@ -4,9 +4,12 @@ Found by probing: the middleware resolves the tenant before the app runs, so a c
 authentication further in names later was guarded as anonymous. Its response was recorded under
 the anonymous tenant and replayed to the next caller (authenticated as someone else, or not at
 all) that sent the same key. Startup can see only Starlette's AuthenticationMiddleware in the
-app's own middleware list (and now fails on it: tests/unit/test_middleware_order.py); a
-BaseHTTPMiddleware that authenticates, an AuthenticationMiddleware on the route or in a mounted
-app, or a custom resolver reading what such middleware sets were silent. Now a request claimed
+app's own middleware list (and now fails on it: tests/unit/test_middleware_order.py; and on
+one declared on a route, mount or mounted app with none before ours:
+tests/unit/test_middleware_declared_inside.py); a BaseHTTPMiddleware that authenticates, an
+AuthenticationMiddleware behind a wrapper that hides it, or one in a mounted app beside one
+before ours that names no one, or a custom resolver reading what such middleware sets were
+silent. Now a request claimed
 as anonymous asks the resolver again before its outcome is recorded: if it names a caller,
 nothing is recorded (transactional: rolled back, the key free; lease mode: the record
 `unknown`, as for any handler that did not finish cleanly) and the client gets `500
@@ -22,13 +25,14 @@ import asyncpg
 import httpx
 import pytest
 from starlette.applications import Starlette
-from starlette.authentication import SimpleUser
+from starlette.authentication import AuthenticationBackend, SimpleUser
 from starlette.middleware import Middleware
 from starlette.middleware.authentication import AuthenticationMiddleware
 from starlette.middleware.base import BaseHTTPMiddleware, RequestResponseEndpoint
-from starlette.requests import Request
+from starlette.requests import HTTPConnection, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Mount, Route
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from idem_middleware import IdempotencyMiddleware, Mode, Policy, PostgresStore, get_context
 from tests.apps import TOKENS, BearerBackend, assert_problem, count, key, records
@@ -46,6 +50,24 @@ class StateAuth(BaseHTTPMiddleware):
             request.scope["user"] = SimpleUser(tenant)
             request.state.tenant = tenant
         return await call_next(request)
+
+
+class HiddenAuth:
+    """A route's middleware that keeps the AuthenticationMiddleware it runs to itself (no `app`
+    attribute to follow): startup cannot see it."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self._auth = AuthenticationMiddleware(app, backend=BearerBackend())
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self._auth(scope, receive, send)
+
+
+class NobodyBackend(AuthenticationBackend):
+    """The app's own authentication, which knows none of the mounted app's callers."""
+
+    async def authenticate(self, conn: HTTPConnection) -> None:
+        return None
 
 
 def state_tenant(scope: Any) -> str | None:
@@ -76,22 +98,20 @@ def _app(store: PostgresStore, shape: str, mode: Mode) -> Starlette:
         "default_policy": Policy(allow_anonymous=True, mode=mode),
     }
     route = Route("/pay", pay, methods=["POST"])
-    if shape == "mounted":  # the authentication is the mounted app's own
+    if shape == "mounted":  # the mounted app's own, beside the app's that names no one
         inner = Starlette(
             routes=[route],
             middleware=[Middleware(AuthenticationMiddleware, backend=BearerBackend())],
         )
         return Starlette(
             routes=[Mount("/api", app=inner)],
-            middleware=[Middleware(IdempotencyMiddleware, **options)],
+            middleware=[
+                Middleware(AuthenticationMiddleware, backend=NobodyBackend()),
+                Middleware(IdempotencyMiddleware, **options),
+            ],
         )
-    if shape == "route":  # the route's own middleware (the app's list shows none)
-        route = Route(
-            "/api/pay",
-            pay,
-            methods=["POST"],
-            middleware=[Middleware(AuthenticationMiddleware, backend=BearerBackend())],
-        )
+    if shape == "route":  # the route's own middleware, hidden (the app's list shows none)
+        route = Route("/api/pay", pay, methods=["POST"], middleware=[Middleware(HiddenAuth)])
         return Starlette(routes=[route], middleware=[Middleware(IdempotencyMiddleware, **options)])
     auth = Middleware(StateAuth)
     if shape == "state":
