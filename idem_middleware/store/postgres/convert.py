@@ -72,7 +72,8 @@ WAIT_EXCEEDED: tuple[type[BaseException], ...] = (
     asyncpg.exceptions.QueryCanceledError,
 )
 UNIQUE_VIOLATION: type[BaseException] = asyncpg.exceptions.UniqueViolationError
-#: A row locked `FOR UPDATE NOWAIT` that another session holds (a claim that never waits).
+#: A row locked `FOR UPDATE NOWAIT` that another session holds (a claim that never waits), or a
+#: lock wait the server gave up on (the role's or database's `lock_timeout`: see `lock_waited`).
 LOCK_NOT_AVAILABLE: type[BaseException] = asyncpg.exceptions.LockNotAvailableError
 #: A statement prepared on the session is gone: a handler dropped the session's statements
 #: (`DEALLOCATE ALL`) while asyncpg's cache (or the fast path) still names them.
@@ -154,6 +155,16 @@ def translate(exc: BaseException) -> BaseException:
     if isinstance(exc, SERVER_ERROR):
         return StatementRefused(f"{type(exc).__name__}: {exc}")
     return exc
+
+
+def lock_waited(exc: BaseException) -> StoreError:
+    """A statement that waits for its row's lock (lease mode's fence, settlement and release,
+    a lease claim behind another's uncommitted one) cancelled by the server's `lock_timeout`
+    (55P03, set on the role or database): it did nothing, as under `statement_timeout`, and
+    the request is answered 503. (It escaped as a plain 500.) The statements that lock NOWAIT
+    raise the same error at once, meaning "busy": their callers catch it before this."""
+    scrub(exc)
+    return StoreError(f"waited longer than the server's lock_timeout for a row lock: {exc}")
 
 
 def refused(exc: BaseException, fenced: bool = False) -> SettlementRefused:

@@ -20,6 +20,7 @@ from .convert import (
     SERVER_ERROR,
     STALE_STATEMENT,
     TRANSLATED,
+    lock_waited,
     refused,
     settle_args,
     translate,
@@ -229,8 +230,13 @@ class Fencing(Bounded):
                 await tx.rollback()  # (`alone` runs it again)
                 raise
             return tx, held is not None, None
+        # (The lock waits for another session's: one the server's `lock_timeout` cancels is
+        # rolled back and answered 503, see `lock_waited`; it was a plain 500.)
         if self._fast is not None:
-            opened = await self._fast.open_fence(compat.raw_connection(conn), args)
+            try:
+                opened = await self._fast.open_fence(compat.raw_connection(conn), args)
+            except LOCK_NOT_AVAILABLE as exc:
+                raise lock_waited(exc) from exc
             if opened is not None:
                 return (*opened, self._fast)
         tx = conn.transaction()
@@ -240,6 +246,9 @@ class Fencing(Bounded):
         except (*RETRYABLE, STALE_STATEMENT):
             await tx.rollback()  # (`alone` runs it again)
             raise
+        except LOCK_NOT_AVAILABLE as exc:
+            await tx.rollback()
+            raise lock_waited(exc) from exc
         return tx, held is not None, None
 
 

@@ -27,7 +27,15 @@ import asyncpg
 from ...errors import ClaimBusy, NotFusable, StoreError
 from ..base import Claimed, RecordKey
 from . import compat
-from .convert import _Q, CONNECTION_ERRORS, RETRYABLE, SERVER_ERROR, STALE_STATEMENT, scrub
+from .convert import (
+    _Q,
+    CONNECTION_ERRORS,
+    LOCK_NOT_AVAILABLE,
+    RETRYABLE,
+    SERVER_ERROR,
+    STALE_STATEMENT,
+    scrub,
+)
 from .generations import Generations
 from .literals import _inline, _literals
 
@@ -343,8 +351,10 @@ class FastPath:
                 compat.forget_statements(conn)  # (asyncpg's are as gone as ours)
                 await tx.rollback()
                 continue
-            except RETRYABLE:
-                await tx.rollback()  # nothing is open when it raises (the caller opens again)
+            except (*RETRYABLE, LOCK_NOT_AVAILABLE):
+                # Nothing is open when it raises (the caller opens again, or answers the lock
+                # wait the server's `lock_timeout` cancelled).
+                await tx.rollback()
                 raise
             except BaseException as exc:
                 self.unsure(conn, query, exc)

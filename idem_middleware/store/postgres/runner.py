@@ -13,14 +13,16 @@ from typing import Any, TypeVar
 import asyncpg
 
 from ...delayed import Delayed
-from ...errors import NOT_OPEN, StoreClosed, StoreError
+from ...errors import NOT_OPEN, ClaimBusy, StoreClosed, StoreError
 from . import compat
 from .convert import (
     CONNECTION_ERRORS,
+    LOCK_NOT_AVAILABLE,
     RETRYABLE,
     SERVER_ERROR,
     STALE_STATEMENT,
     TRANSLATED,
+    lock_waited,
     scrub,
     translate,
 )
@@ -204,10 +206,24 @@ class PoolStatements:
     async def _run(self, method: str, query: str, *args: Any) -> Any:
         """`conn.<method>(query, *args)` on a connection of our own, in a transaction of its own
         (run again on a serialization failure, see `alone`); connection errors and serialization
-        failures translated (StoreError, RetryableConflict)."""
+        failures translated (StoreError, RetryableConflict; a lock wait past the server's
+        `lock_timeout` too, see `lock_waited`)."""
         try:
             async with self._internal() as conn:
                 return await alone(getattr(conn, method), query, *args, on=conn)
+        except TRANSLATED as exc:
+            raise translate(exc) from exc
+        except LOCK_NOT_AVAILABLE as exc:
+            raise lock_waited(exc) from exc
+
+    async def _run_nowait(self, method: str, query: str, *args: Any) -> Any:
+        """`_run` for a statement that locks its row `FOR UPDATE NOWAIT`: ClaimBusy when another
+        session holds it (the caller waits without its connection and tries again)."""
+        try:
+            async with self._internal() as conn:
+                return await alone(getattr(conn, method), query, *args, on=conn)
+        except LOCK_NOT_AVAILABLE as exc:
+            raise ClaimBusy("another session holds the record") from exc
         except TRANSLATED as exc:
             raise translate(exc) from exc
 

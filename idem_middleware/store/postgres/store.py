@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import asyncpg
 
 from ...delayed import Delayed
-from ...errors import ClaimBusy, ConfigurationError, StoreError
+from ...errors import ConfigurationError, StoreError
 from ..base import (
     Claim,
     Claimed,
@@ -32,6 +32,7 @@ from .convert import (
     ACQUIRE_ERRORS,
     LOCK_NOT_AVAILABLE,
     TRANSLATED,
+    lock_waited,
     notify_token,
     settle_args,
     to_record,
@@ -270,6 +271,8 @@ class PostgresStore(OffPathStatements):
                 claimed = await alone(claim, conn, key, args, token_hash, None, lock, on=conn)
         except TRANSLATED as exc:
             raise translate(exc) from exc
+        except LOCK_NOT_AVAILABLE as exc:  # (`claim` answers its NOWAIT locks busy itself)
+            raise lock_waited(exc) from exc
         if isinstance(claimed, Claimed):
             self._executions.add()  # its settlement comes before the store's close
         return claimed
@@ -287,18 +290,15 @@ class PostgresStore(OffPathStatements):
         return bool(alive)
 
     async def expire_lease(self, key: RecordKey, generation: int) -> bool:
-        try:
-            moved = await self._run(
-                "fetchval",
-                _Q["expire_lease"],
-                key.tenant,
-                key.operation,
-                key.key,
-                generation,
-                notify_token(key),
-            )
-        except LOCK_NOT_AVAILABLE as exc:
-            raise ClaimBusy("another session holds the record") from exc
+        moved = await self._run_nowait(
+            "fetchval",
+            _Q["expire_lease"],
+            key.tenant,
+            key.operation,
+            key.key,
+            generation,
+            notify_token(key),
+        )
         return bool(moved)
 
     async def takeover(
@@ -307,19 +307,16 @@ class PostgresStore(OffPathStatements):
         if expected not in (State.PENDING, State.UNKNOWN):
             # A finished outcome is replayed, never run again (docs/protocol.md).
             raise ValueError(f"only a pending or unknown record can be taken over, not {expected}")
-        try:
-            new: int | None = await self._run(
-                "fetchval",
-                _Q["takeover"],
-                key.tenant,
-                key.operation,
-                key.key,
-                generation,
-                expected.value,
-                lease_seconds,
-            )
-        except LOCK_NOT_AVAILABLE as exc:
-            raise ClaimBusy("another session holds the record") from exc
+        new: int | None = await self._run_nowait(
+            "fetchval",
+            _Q["takeover"],
+            key.tenant,
+            key.operation,
+            key.key,
+            generation,
+            expected.value,
+            lease_seconds,
+        )
         if new is not None:
             self._executions.add()
         return new
