@@ -14,6 +14,8 @@ from .store.base import StoredResponse
 
 #: Messages that go straight through, the response held or not: early hints (103), HTTP/2
 #: push promises, and the test client's debug information (Starlette's templates send it first).
+#: The final HTTP statuses (an int's membership is tested in C, quicker than `199 < s < 600`).
+_FINAL_STATUSES = range(200, 600)
 _ASIDE = frozenset({"http.response.early_hint", "http.response.push", "http.response.debug"})
 
 
@@ -109,7 +111,7 @@ class ResponseCapture(Answer):
                 headers = list(headers)
                 message = {**message, "headers": headers}
             status = message["status"]
-            if type(status) is not int or not 199 < status < 600:
+            if type(status) is not int or status not in _FINAL_STATUSES:
                 refuse_status(status)  # as the server would, before any outcome is recorded
             self.start = message
             content_type = b""

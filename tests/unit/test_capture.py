@@ -230,3 +230,20 @@ async def test_a_held_chunk_is_a_copy_of_a_buffer_the_app_refills() -> None:
     assert capture.stored().body == b"AAAABBBB"
     await capture.flush()
     assert b"".join(bytes(m["body"]) for m in r.sent[1:]) == b"AAAABBBB"
+
+
+def test_an_attempt_sets_every_field_of_its_capture_as_the_capture_would() -> None:
+    """`transactional.Attempt` sets the capture's fields itself (no `ResponseCapture.__init__`
+    call per attempt): each one set, to what the capture's own `__init__` sets."""
+    from types import SimpleNamespace
+
+    from idem_middleware.transactional import Attempt
+
+    async def send(message: Any) -> None: ...
+
+    policy = SimpleNamespace(max_response_bytes=123)
+    ex: Any = SimpleNamespace(send=send, policy=policy)
+    attempt = Attempt(ex, None, b"f", True)  # type: ignore[arg-type]
+    capture = ResponseCapture(send, 123)
+    for name in ResponseCapture.__slots__:
+        assert getattr(attempt, name) == getattr(capture, name), name
