@@ -170,3 +170,17 @@ async def test_a_fence_holding_the_only_connection_starves_another_executions_re
     assert other.state.probe.calls == 1  # the handler ran again
     assert x_reply.status_code == 409, x_reply.text  # the first execution's outcome refused
     assert y_reply.status_code == 201
+
+
+async def test_a_checkout_timing_out_at_open_is_named_in_the_warning(
+    db_dsn: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An acquire_timeout no checkout can meet: the schema check is skipped with a warning that
+    says why (it read "cannot check the idempotency schema now: ", a TimeoutError has no text)."""
+    with caplog.at_level("WARNING", logger="idem_middleware"):
+        async with PostgresStore(dsn=db_dsn, acquire_timeout=1e-9, listen=False):
+            pass
+    warned = [r.getMessage() for r in caplog.records if "schema now" in r.getMessage()]
+    assert warned == [
+        "cannot check the idempotency schema now: TimeoutError (no connection within 1e-09 s)"
+    ]

@@ -184,7 +184,12 @@ class PostgresStore(OffPathStatements):
                 except PREPARED_MISMATCH as exc:  # what the pooler check may not have seen
                     raise refusal(compat.statement_cache_size(conn), exc) from exc
         except ACQUIRE_ERRORS as exc:
-            logger.warning("cannot check the idempotency schema now: %s", exc)
+            # (Named by its type: a checkout that timed out carries no message.)
+            logger.warning(
+                "cannot check the idempotency schema now: %s%s",
+                type(exc).__name__,
+                f": {exc}" if str(exc) else f" (no connection within {self._checkouts.delay} s)",
+            )
         except BaseException:
             if created and self._pool is not None:
                 pool, self._pool = self._pool, None
