@@ -216,23 +216,12 @@ class Fencing(Bounded):
         serialization failure the transaction is rolled back before it is raised."""
         key = self._key
         args = (key.tenant, key.operation, key.key, self._generation, str(self._expected))
-        if self._expected is State.UNKNOWN:
-            # A reconciler's fence: never waits for another session's lock on the row (another
-            # reconciler asking its downstream system): ClaimBusy at once (`fence_nowait`).
-            tx = conn.transaction()
-            await tx.start()
-            try:
-                held = await conn.fetchval(_Q["fence_nowait"], *args)
-            except LOCK_NOT_AVAILABLE as exc:
-                await tx.rollback()
-                raise ClaimBusy("another session holds the record") from exc
-            except (*RETRYABLE, STALE_STATEMENT):
-                await tx.rollback()  # (`alone` runs it again)
-                raise
-            return tx, held is not None, None
-        # (The lock waits for another session's: one the server's `lock_timeout` cancels is
-        # rolled back and answered 503, see `lock_waited`; it was a plain 500.)
-        if self._fast is not None:
+        # A reconciler's fence (an unknown record) never waits for another session's lock on
+        # the row (another reconciler asking its downstream system): ClaimBusy at once
+        # (`fence_nowait`). An executor's waits; a wait the server's `lock_timeout` cancels is
+        # rolled back and answered 503 (`lock_waited`; it was a plain 500).
+        nowait = self._expected is State.UNKNOWN
+        if self._fast is not None and not nowait:
             try:
                 opened = await self._fast.open_fence(compat.raw_connection(conn), args)
             except LOCK_NOT_AVAILABLE as exc:
@@ -242,12 +231,14 @@ class Fencing(Bounded):
         tx = conn.transaction()
         await tx.start()
         try:
-            held = await conn.fetchval(_Q["fence"], *args)
+            held = await conn.fetchval(_Q["fence_nowait" if nowait else "fence"], *args)
         except (*RETRYABLE, STALE_STATEMENT):
             await tx.rollback()  # (`alone` runs it again)
             raise
         except LOCK_NOT_AVAILABLE as exc:
             await tx.rollback()
+            if nowait:
+                raise ClaimBusy("another session holds the record") from exc
             raise lock_waited(exc) from exc
         return tx, held is not None, None
 
