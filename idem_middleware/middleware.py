@@ -51,8 +51,6 @@ from .waiting import TenantSlots, Waiters
 
 logger = logging.getLogger("idem_middleware")
 
-_DEFAULT_METHODS = DEFAULT_METHODS
-
 
 #: Resolved routes kept per (app, method, root path, path, host): a request to a path seen
 #: before skips the route walk. Cleared when full (paths with ids in them are all distinct).
@@ -116,7 +114,7 @@ class IdempotencyMiddleware:
         store: Store,
         default_policy: Policy | None = None,
         policies: Mapping[str, Policy] | None = None,
-        methods: Collection[str] = _DEFAULT_METHODS,
+        methods: Collection[str] = DEFAULT_METHODS,
         tenant_resolver: TenantResolver = authenticated_user_tenant,
         problem_base: str = DEFAULT_PROBLEM_BASE,
         acquire_timeout: float = 10.0,

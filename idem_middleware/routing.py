@@ -302,12 +302,10 @@ def match_route(
         if (contexts := _included(route)) is not None:
             return _match_included(contexts, scope, prefix, trace, limit)
         if isinstance(route, Mount | Host):
-            inner = routes_of(mounted_app(route))
+            inner = routes_of(mounted := mounted_app(route))
             if inner is None:
                 return None
-            limit = _within(
-                mounted_limit(mounted_app(route)), _within(declared_limit(route), limit)
-            )
+            limit = _within(mounted_limit(mounted), _within(declared_limit(route), limit))
             if isinstance(route, Mount):
                 return match_route(inner, {**scope, **child}, prefix + route.path, trace, limit)
             hosted = _host_prefix(route) + prefix
