@@ -20,7 +20,7 @@ from .lease_executor import LeaseExecution, log_extra
 from .outcomes import duplicate_answer, settled_answer
 from .policy import LeaseExpiry
 from .store.base import Claim, Claimed, Record, RecordKey, State, TokenRefused
-from .waiting import FREE_SLOT, MAX_ROUNDS, Slot, lock_wait, wait_rounds
+from .waiting import FREE_SLOT, Slot, lock_wait, wait_rounds
 
 if TYPE_CHECKING:
     from .exchange import Exchange
@@ -30,8 +30,9 @@ logger = logging.getLogger("idem_middleware")
 # Polling between notifications: quick at first, then backing off. A notification cuts it short.
 _FIRST_POLL = 0.05
 _MAX_POLL = 1.0
-# Every loop is bounded: a wait by its polls and `waiting.MAX_ROUNDS` more (`wait_rounds`), the
-# wait for a slot by `MAX_ROUNDS` pauses (a slot this slow to free is a bug, not load).
+# Every loop is bounded: the waits by `waiting.wait_rounds`, the wait for a tenant's slot by this
+# many pauses (a slot this slow to free is a bug, not load).
+_MAX_ROUNDS = 10_000
 #: The first pause of a duplicate waiting for its tenant's slot (doubling, up to _MAX_POLL).
 _FIRST_SLOT_PAUSE = 0.005
 
@@ -270,7 +271,7 @@ class LeaseRun:
         settlement woke this one before it gave its slot back); None at the deadline."""
         loop = asyncio.get_running_loop()
         pause = _FIRST_SLOT_PAUSE
-        for _ in range(MAX_ROUNDS):
+        for _ in range(_MAX_ROUNDS):
             slot = self._slot()
             remaining = deadline - loop.time()
             if slot is not None or remaining <= 0:

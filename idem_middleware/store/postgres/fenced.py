@@ -231,7 +231,7 @@ class Fencing(Bounded):
         tx = conn.transaction()
         await tx.start()
         try:
-            held = await conn.fetchval(_Q["fence_nowait" if nowait else "fence"], *args)
+            held = await conn.fetchval(_Q["fence_nowait"] if nowait else _Q["fence"], *args)
         except (*RETRYABLE, STALE_STATEMENT):
             await tx.rollback()  # (`alone` runs it again)
             raise
