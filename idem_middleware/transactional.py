@@ -203,7 +203,13 @@ class Attempt(ResponseCapture):
                 else:
                     claim = await claiming
                 if isinstance(claim, Existing):
-                    return duplicate_answer(claim.record, self.fingerprint)
+                    answer = duplicate_answer(claim.record, self.fingerprint)
+                    if type(answer) is InFlight:
+                        # A lease-mode execution's live claim (its route is in lease mode in
+                        # another process, in a deploy): waited for as a busy key is, with no
+                        # connection held, then claimed again (replayed, or `unknown`).
+                        raise ClaimBusy("a lease-mode execution holds this key")
+                    return answer
                 if isinstance(claim, TokenRefused):
                     return Problem(ProblemKind.TOKEN_INVALID, claim.reason)
                 self.claimed = True

@@ -88,9 +88,10 @@ async def test_an_old_lease_execution_is_in_flight_for_a_new_transactional_reque
     db_route: str,
 ) -> None:
     """Old version lease mode, new version transactional (a deploy rolled back, say): the lease
-    record is `pending`, and the transactional request answers 409 at once and runs nothing;
-    its retry gets the lease execution's replay, and a record written transactionally is
-    replayed to a lease-mode request in turn (the fingerprint does not depend on the mode)."""
+    record is `pending`, and the transactional request waits its `wait_seconds`, then answers
+    409 and runs nothing; its retry gets the lease execution's replay, and a record written
+    transactionally is replayed to a lease-mode request in turn (the fingerprint does not depend
+    on the mode)."""
     async with PostgresStore(pool=pool, listen=db_route != "pgbouncer") as new_store:
         old = build_lease_app(pg_store, bank, LEASE_POLICY)
         new = build_lease_app(new_store, bank, TRANSACTIONAL)
@@ -115,6 +116,44 @@ async def test_an_old_lease_execution_is_in_flight_for_a_new_transactional_reque
     assert probe_new.calls == 1  # k2 only
     assert probe_old.calls == 1
     assert await count(bank, "test_ledger") == 2  # one per key
+
+
+@pytest.mark.parametrize("ending", ["replayed", "unknown"])
+async def test_a_transactional_request_waits_for_a_lease_execution_of_its_key(
+    pool: asyncpg.Pool[Any],
+    pg_store: PostgresStore,
+    bank: asyncpg.Pool[Any],  # noqa: F811
+    ending: str,
+) -> None:
+    """Found by probing: a transactional request (a deploy rolled back from lease mode, or two
+    apps on one store) that met a lease-mode execution of its key answered `409
+    request-in-flight` at once, whatever its `wait_seconds`: during the deploy a client's retry
+    got a 409 where any other duplicate waits for the original and gets its replay. It now waits
+    as a duplicate of a busy key does (in the process, holding no connection), then replays the
+    outcome, or answers `409 outcome-unknown` if the execution lost it. Never runs it."""
+    old = build_lease_app(pg_store, bank, LEASE_POLICY)
+    new = build_lease_app(pg_store, bank, TRANSACTIONAL.replace(wait_seconds=BOUND))
+    gate = asyncio.Event()
+    fail = "late" if ending == "unknown" else None
+    probe_of(old).steps = [Step(fence="before", gate=gate, fail=fail)]
+    async with client(old) as c_old, client(new) as c_new:
+        task_old = spawn(post(c_old))
+        await asyncio.wait_for(probe_of(old).entered.wait(), BOUND)
+        task_new = spawn(post(c_new))
+        await wait_for_waiters(new)
+        assert await lock_waiters(bank) == 0  # (it waits holding nothing in the database)
+        gate.set()
+        first = await finish(task_old)
+        second = await finish(task_new)
+    assert probe_of(new).calls == 0
+    if ending == "unknown":
+        assert first.status_code == 500
+        assert_problem(second, 409, "outcome-unknown")
+        assert await count(bank, "test_ledger") == 0  # (the fenced write rolled back)
+    else:
+        assert first.status_code == 201, first.text
+        assert_replay_of(second, first)
+        assert await count(bank, "test_ledger") == 1
 
 
 async def test_a_lapsed_lease_is_never_run_by_a_transactional_request(
