@@ -79,8 +79,9 @@ async def _transaction(
             answer = job.answer(claim.record, fingerprint)
             if answer is UNSETTLED:
                 # A lease-mode run's live claim (the job was in lease mode until a deploy):
-                # never run again here (its effect may have happened elsewhere).
-                raise JobInProgress(f"{job.operation}: another run holds this key")
+                # never run again here (its effect may have happened elsewhere); waited for as
+                # a busy key is, then JobInProgress after `wait_seconds`.
+                raise ClaimBusy(f"{job.operation}: a lease-mode run holds this key")
             return answer
         context = job.context(key, claim.generation, claim.epoch, tx.connection, None)
         try:

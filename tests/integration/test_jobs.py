@@ -11,6 +11,7 @@ import pytest
 from idem_middleware import IdempotencyContext, MemoryStore, Mode, Outcome
 from idem_middleware.errors import ConfigurationError
 from idem_middleware.jobs import JobInProgress, JobKeyReused, JobOutcomeUnknown, idempotent_job
+from idem_middleware.jobs_spec import JobSpec
 from idem_middleware.store import Claimed
 from idem_middleware.store.base import RecordKey, State, Store
 from idem_middleware.store.postgres import PostgresStore
@@ -369,3 +370,48 @@ async def test_a_renewal_waiting_on_the_jobs_own_fence_is_no_lost_lease(
         assert await write(k="f1") == "f1"
     assert not [r for r in caplog.records if "lease lost" in r.getMessage()]
     assert not seen[0].lease_lost.is_set()
+
+
+async def test_a_transactional_repeat_waits_for_a_lease_mode_run_of_its_key(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by probing: a job moved from lease mode to transactional (a deploy, or two
+    decorations of one operation) whose repeat met the lease-mode run still going raised
+    JobInProgress at once, whatever its `wait_seconds`. It now waits for that run (holding no
+    connection, claiming again as it polls) and returns its result; it never runs it again."""
+    gate = asyncio.Event()
+    entered = asyncio.Event()
+    runs: list[Mode] = []
+
+    def job_in(mode: Mode) -> Any:
+        @idempotent_job(store, operation="payout", key="ref", mode=mode, wait_seconds=10)
+        async def payout(job: IdempotencyContext, *, ref: str) -> str:
+            runs.append(mode)
+            entered.set()
+            await gate.wait()
+            return f"paid in {mode}"
+
+        return payout
+
+    old, new = job_in(Mode.LEASE), job_in(Mode.TRANSACTIONAL)
+    running = asyncio.ensure_future(old(ref="r1"))
+    try:
+        await asyncio.wait_for(entered.wait(), 10)
+        # The gate opens once the repeat has found the run going (its claim met the record).
+        seen = asyncio.Event()
+        answer = JobSpec.answer
+
+        def answered(spec: JobSpec, record: Any, fingerprint: bytes) -> Any:
+            seen.set()
+            return answer(spec, record, fingerprint)
+
+        monkeypatch.setattr(JobSpec, "answer", answered)
+        repeat = asyncio.ensure_future(new(ref="r1"))
+        await asyncio.wait_for(seen.wait(), 10)
+        gate.set()
+        assert await asyncio.wait_for(running, 10) == "paid in lease"
+        assert await asyncio.wait_for(repeat, 10) == "paid in lease"
+    finally:
+        gate.set()
+        running.cancel()
+    assert runs == [Mode.LEASE]

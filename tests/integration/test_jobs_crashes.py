@@ -23,8 +23,16 @@ OPERATION = "payouts.send"
 KEY = RecordKey("", OPERATION, "p-1")
 
 
-def job(store: Store, mode: Mode, runs: list[int], started: asyncio.Event | None = None) -> Any:
-    @idempotent_job(store, operation=OPERATION, key="payout_id", mode=mode)
+def job(
+    store: Store,
+    mode: Mode,
+    runs: list[int],
+    started: asyncio.Event | None = None,
+    wait_seconds: float = 5.0,
+) -> Any:
+    @idempotent_job(
+        store, operation=OPERATION, key="payout_id", mode=mode, wait_seconds=wait_seconds
+    )
     async def send(ctx: IdempotencyContext, *, payout_id: str) -> dict[str, int]:
         runs.append(ctx.generation)
         if started is not None:
@@ -111,8 +119,8 @@ async def test_a_lease_run_that_died_is_unknown_to_the_job_made_transactional(
     JobOutcomeUnknown, and the record is `unknown`, as a lease-mode repeat would have made it."""
     await died_in_lease_mode(store)
     runs: list[int] = []
-    with pytest.raises(JobInProgress):  # its lease is live: in flight, never run here
-        await job(store, Mode.TRANSACTIONAL, runs)(payout_id="p-1")
+    with pytest.raises(JobInProgress):  # its lease is live: in flight (waited for), never run
+        await job(store, Mode.TRANSACTIONAL, runs, wait_seconds=0.2)(payout_id="p-1")
     await lapse(store)
     with pytest.raises(JobOutcomeUnknown):
         await job(store, Mode.TRANSACTIONAL, runs)(payout_id="p-1")
