@@ -12,10 +12,7 @@ from collections.abc import Coroutine
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-import asyncpg
 import pytest
-
-from .store.migrations import migrate
 
 #: The environment variable naming an existing server to test against.
 DSN_ENV = "IDEM_TEST_DSN"
@@ -83,6 +80,8 @@ class Reservation:
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(_WAIT * 6)
 
     async def _reserve(self, server_dsn: str) -> str:
+        import asyncpg  # (here, not at the top: the plugin loads in every pytest run)
+
         self._conn = await asyncpg.connect(server_dsn)
         base = database_name()
         for n in range(_RUNS):
@@ -107,6 +106,10 @@ class Reservation:
 
 
 async def migrated_database(server_dsn: str, database: str) -> str:
+    import asyncpg
+
+    from .store.migrations import migrate
+
     conn = await asyncpg.connect(server_dsn)
     refused = None
     try:
@@ -134,6 +137,8 @@ async def migrated_database(server_dsn: str, database: str) -> str:
 
 
 async def dropped(server_dsn: str, database: str) -> None:
+    import asyncpg
+
     conn = await asyncpg.connect(server_dsn)
     try:  # FORCE: connections a test leaked would keep it
         await conn.execute(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)')
@@ -154,6 +159,8 @@ async def emptied(dsn: str, seconds: float) -> None:
     """Empty the library's tables. TRUNCATE waits for every transaction that touched one of
     them: a transaction a test left open outside idem_store's pool (a connection of its own, a
     server still running a request) hung the next test, and so the run, for ever."""
+    import asyncpg
+
     conn = await asyncpg.connect(dsn)
     try:
         try:

@@ -1,5 +1,7 @@
 """A pytest plugin for applications that use idem_middleware (registered as a `pytest11` entry
-point; nothing happens unless a test asks for one of its fixtures).
+point; nothing happens unless a test asks for one of its fixtures). It loads in every pytest run
+of a project with the package installed, so it imports nothing heavy until a fixture runs: not
+the middleware, the store, asyncpg or a framework.
 
 - `idem_postgres_dsn` (session): a PostgreSQL database with the library's schema migrated. The
   server is `IDEM_TEST_DSN` when set (a database named `idem_pytest`, `idem_pytest_gw0` ... under
@@ -28,9 +30,8 @@ import tempfile
 import uuid
 from collections.abc import AsyncIterator, Callable, Coroutine, Generator, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import asyncpg
 import pytest
 
 from .orphans import mark_owner, reap_orphans
@@ -43,8 +44,9 @@ from .pytest_databases import (
     migrated_database,
     run_sync,
 )
-from .responses import REPLAYED_HEADER
-from .store.postgres import PostgresStore
+
+if TYPE_CHECKING:
+    from .store.postgres import PostgresStore
 
 __all__ = [
     "DSN_ENV",
@@ -169,6 +171,10 @@ async def idem_store(
     mismatch = _other_loop(request)
     if mismatch is not None:
         pytest.fail(mismatch, pytrace=False)
+    import asyncpg  # (the store and its driver load when a test asks for them, not with the plugin)
+
+    from .store.postgres import PostgresStore
+
     pool = await asyncpg.create_pool(idem_clean_dsn, min_size=1, max_size=10)
     try:
         async with PostgresStore(pool=pool) as store:
@@ -191,6 +197,8 @@ Replay = Callable[..., Any]
 
 
 def _checked(first: Any, second: Any) -> tuple[Any, Any]:
+    from .responses import REPLAYED_HEADER
+
     name, value = (part.decode() for part in REPLAYED_HEADER)
     assert first.headers.get(name) != value, "the first response is already a replay"
     assert second.headers.get(name) == value, (
