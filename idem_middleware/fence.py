@@ -161,6 +161,7 @@ async def run_reconciler(
     epoch: int | None = None,
     held_wait: float | None = None,
     mode: str | None = None,
+    fence_first: bool = False,
 ) -> ReconcileResult:
     """Run one reconciler, bounded by `seconds`, on an unknown record under `generation`.
 
@@ -177,6 +178,9 @@ async def run_reconciler(
     the fenced connection also waits no longer than that for a connection from the pool (then
     HELD as well). Without, as long as `seconds` allows.
     `mode`: the record's, if the caller read it under `generation` (else it is read here).
+    `fence_first`: the fenced transaction is opened before the reconciler is called, and a
+    record another session holds is HELD without asking it (a retry asking again after HELD:
+    asked on each of its polls, the reconciler called the downstream system each time).
     """
     # The record's mode is read first, under the same generation: a record keeps its mode while
     # it stays unknown under one generation (only a claim or a takeover changes it, and each
@@ -205,6 +209,8 @@ async def run_reconciler(
     }
     try:
         async with asyncio.timeout(seconds):
+            if fence_first:
+                await context.fenced_connection()
             result = await reconciler(context)
     except StaleGeneration:
         await fence.close()

@@ -50,6 +50,9 @@ class LeaseRun:
         #: The generation of an unknown record this request's reconciler said did not happen,
         #: whose takeover found it held: taken over when it is still that (not asked again).
         self._retake: int | None = None
+        #: The generation of an unknown record whose fence another session held when this
+        #: request's reconciler asked: asked again only once this request holds the fence.
+        self._held: int | None = None
 
     async def _claim(self) -> Claim:
         return await self.store.claim_lease(
@@ -218,6 +221,7 @@ class LeaseRun:
                 # Another session's fence on the record (another reconciler asking): its own
                 # waited for no longer than this request's wait, as a takeover's lock is.
                 held_wait=lock_wait(deadline - asyncio.get_running_loop().time()),
+                fence_first=record.generation == self._held,
             )
             if result.verdict is Verdict.NOT_HAPPENED:
                 return await self._run_again(record)
@@ -225,7 +229,9 @@ class LeaseRun:
             slot.give_back()
         if result.verdict is Verdict.HELD:
             # Another session's fence (another reconciler asking): its reconciler's answer is
-            # waited for without a connection, and the record read again.
+            # waited for without a connection, and the record read again; asked again only
+            # with the fence in hand (not the downstream system on every poll).
+            self._held = record.generation
             return True
         if result.verdict in (Verdict.STILL_UNKNOWN, Verdict.FAILED, Verdict.BY_HAND):
             return duplicate_answer(record, self.fingerprint, result.reason)

@@ -155,6 +155,45 @@ async def test_a_retrys_reconciler_meeting_another_fence_is_in_flight_within_the
     assert probe.calls == 1
 
 
+async def test_a_retry_meeting_another_fence_asks_its_reconciler_again_only_with_the_fence(
+    pg_store: PostgresStore, bank: asyncpg.Pool[Any]
+) -> None:
+    """Another session holds the unknown record's fence. A retry's reconciler asked the
+    downstream system, found the fence held, and was asked again on each poll of the retry's
+    wait (every retry of a storm calling the bank a dozen times while one reconciler worked).
+    After the first HELD, the retry opens the fence before asking again: while it is held the
+    reconciler is not called; once it is free, one call settles the record and the retry
+    replays it."""
+    calls: list[int] = []
+    asked = asyncio.Event()
+
+    async def counted(rc: ReconcileContext) -> Reconciliation:
+        calls.append(rc.generation)
+        asked.set()
+        return await _fenced_happened(rc)
+
+    policy = LEASE_POLICY.replace(
+        wait_seconds=4 * BOUND, reconcile_timeout_seconds=4 * BOUND, reconciler=counted
+    )
+    app = build_lease_app(pg_store, bank, policy)
+    probe: LeaseProbe = app.state.probe
+    probe.steps = [Step(fail="before")]  # nothing reached the bank: the record is unknown
+    async with client(app) as c:
+        assert (await post(c)).status_code == 500
+        unknown = await record(bank)
+        async with pg_store.fenced(rkey(), unknown["generation"], State.UNKNOWN):
+            retry = asyncio.ensure_future(post(c))
+            await asyncio.wait_for(asked.wait(), BOUND)
+            # Held past the retry's first polls (0.05 s, doubling): each one asked again.
+            await asyncio.sleep(0.5)
+            assert len(calls) == 1, "the reconciler was asked again while the fence was held"
+        answered = await asyncio.wait_for(retry, 4 * BOUND)
+    assert answered.status_code == 201, answered.text
+    assert len(calls) == 2
+    assert probe.calls == 1
+    assert tuple(await record(bank)) == ("succeeded", unknown["generation"])
+
+
 # -- `idem-middleware reconcile` passes over a record another session holds ---------------------
 
 
