@@ -505,3 +505,25 @@ async def test_a_tenant_the_store_cannot_hold_is_a_misconfiguration_problem(
     assert_problem(status, 500, "server-misconfigured")
     assert_problem(token, 500, "server-misconfigured")
     assert log.queries == []
+
+
+async def test_an_anonymous_duplicate_in_flight_is_a_409_not_a_202_it_cannot_follow() -> None:
+    """Found by probing: on an `allow_anonymous` route with `accept_while_in_flight`, an
+    anonymous caller's duplicate got `202` + a Location the status resource answers only with
+    `401` (it serves authenticated callers: anonymous callers share one key space). It now gets
+    `409 request-in-flight` + Retry-After, whose retry with the same key is its way forward."""
+    policy = Policy(
+        allow_anonymous=True, accept_while_in_flight=True, wait_seconds=0.05, retry_after_seconds=2
+    )
+    app = build_app(MemoryStore(), default_policy=policy)
+    probe = app.state.probe
+    body = {"amount": 5}
+    async with client(app, token=None) as c, Held(probe) as held:
+        first = held.start(c.post(CREDIT, json=body, headers=key("anon")))
+        await wait_entered(probe)
+        duplicate = await c.post(CREDIT, json=body, headers=key("anon"))
+        held.release()
+        assert (await asyncio.wait_for(first, BOUND)).status_code == 201
+    assert_problem(duplicate, 409, "request-in-flight")
+    assert duplicate.headers["retry-after"] == "2"
+    assert "location" not in duplicate.headers
