@@ -285,13 +285,14 @@ class Exchange(ClientWatch):
             await send_replay(self.send, response, hook, self.scope, self.operation)
 
     async def _in_flight(self, detail: str) -> None:
-        """409 + Retry-After, or 202 + Location of the status resource if the policy says so."""
-        if not self.policy.accept_while_in_flight:
+        """409 + Retry-After, or 202 + Location of the status resource if the policy says so
+        (not to an anonymous caller: the status resource answers authenticated callers only)."""
+        record_key = self.record_key
+        if not self.policy.accept_while_in_flight or record_key is None or not record_key.tenant:
             await self.problem(ProblemKind.IN_FLIGHT, detail, self.policy.retry_after_seconds)
             return
-        assert self.record_key is not None
         # A one-time token stays out of the URL (access logs print URLs): sent as a header.
-        fields = [("operation", self.record_key.operation), ("key", self.record_key.key)]
+        fields = [("operation", record_key.operation), ("key", record_key.key)]
         query = urlencode(fields[:1] if self.policy.require_token else fields)
         # Under the app's root path as the client addressed it, percent-encoded again (the scope
         # holds it decoded: a `%0D%0A` in a mount's parameter is no line break in the header).

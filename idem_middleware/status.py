@@ -1,11 +1,11 @@
 """The status resource a 202 points at: what became of a request, for its own tenant only.
 
-It reports only from the caller's own committed record, read with one SELECT (nothing is
-written, nothing is locked). A transactional-mode request that has not committed has no record
-anyone else can see, so the resource answers 404 for it until it commits: the client's safe
-move is the one it always has, sending the request again with the same key (which waits for the
-original, or answers 409/202 while it runs). A lease-mode claim commits its pending record at
-once and is reported as `pending`.
+It reports from the caller's own committed record, read with one SELECT (nothing is written,
+nothing is locked). A transactional-mode request that has not committed has no record anyone
+else can see, but its claim holds the key's claim lock until it ends: the same SELECT reads
+whether that lock is held (pg_locks; MemoryStore: its claimed keys), and such a request is
+reported `pending` like a lease-mode claim, which commits its pending record at once. A running
+request's answer carries `Retry-After`: when to ask again.
 """
 
 from __future__ import annotations
@@ -109,6 +109,29 @@ def _retry_and_detail(
     return False, _FINISHED
 
 
+def _answered(
+    operation: str,
+    state: State,
+    response_status: int | None,
+    retry: bool,
+    detail: str,
+    policy: Policy | None,
+) -> Response:
+    body = {
+        "operation": operation,
+        "state": state.value,
+        "response_status": response_status,
+        "retry": retry,
+        "detail": detail,
+    }
+    response = Response(orjson.dumps(body), 200, media_type="application/json")
+    if state is State.PENDING and not retry:
+        # Still running: when to ask again (the route's `retry_after_seconds`, as its 409 says).
+        after = 1 if policy is None else policy.retry_after_seconds
+        response.headers["retry-after"] = str(after)
+    return response
+
+
 def status_route(
     store: Store,
     *,
@@ -122,7 +145,7 @@ def status_route(
     The tenant comes from authentication, as for the guarded routes: another tenant's record
     with the same key is simply not found. The key is checked as the Idempotency-Key header is,
     the operation's shape too (400 problem+json); the answer is read from the caller's own
-    committed record only (see the module's docstring). The key may come in the
+    record, or its own uncommitted claim (see the module's docstring). The key may come in the
     Idempotency-Key header instead (a token route's 202 leaves its token out of the URL).
     `"retry": true` marks a request only the client's retry with the same key moves: a pending
     one nothing runs any more, an unknown one whose route has a reconciler (as the middleware's
@@ -171,7 +194,7 @@ def status_route(
         policy = operations.policy(operation)
         by_hand = False
         try:
-            record = await store.get(RecordKey(tenant, operation, key))
+            record, claiming = await store.peek(RecordKey(tenant, operation, key))
             reconciled = policy is not None and policy.reconciler is not None
             if record is not None and record.state is State.UNKNOWN and reconciled:
                 # Only here is the mode asked for: a transactional record an operator reopened
@@ -186,22 +209,17 @@ def status_route(
                 base=problem_base,
                 retry_after=1,
             )
+        if claiming:  # a transaction is claiming it: running, its record not committed yet
+            return _answered(operation, State.PENDING, None, False, _RUNNING, policy)
         if record is None or record.expired:
             return _problem(
                 ProblemKind.RECORD_NOT_FOUND,
-                "No committed request with this key for this caller. A request still running"
-                " in a transaction shows here once it commits; sending it again with the same"
-                " key is always safe.",
+                "No request with this key for this caller, running or finished (a finished one"
+                " is forgotten after its retention).",
             )
         retry, detail = _retry_and_detail(record, policy, by_hand)
-        body = {
-            "operation": operation,
-            "state": record.state.value,
-            "response_status": None if record.response is None else record.response.status,
-            "retry": retry,
-            "detail": detail,
-        }
-        return Response(orjson.dumps(body), 200, media_type="application/json")
+        status = None if record.response is None else record.response.status
+        return _answered(operation, record.state, status, retry, detail, policy)
 
     setattr(status, ROUTE_RESOLVER_ATTRIBUTE, tenant_resolver)  # (see startup's check)
     setattr(status, ROUTE_TENANTS_ATTRIBUTE, tenants)

@@ -247,6 +247,31 @@ SELECT true AS found, generation, epoch, fingerprint, state,
 FROM idem_requests
 WHERE tenant = $1 AND operation = $2 AND idem_key = $3;
 
+-- name: peek
+-- The status resource's read, one statement that writes and locks nothing: the committed
+-- record (as `get`), and `claiming`, whether a transaction holds the key's claim lock now. A
+-- transactional claim holds that lock until it commits, and its record is written only then:
+-- without a live record, the lock is the only sign that the request runs. The lock is read
+-- from pg_locks (a try of it would make a claim arriving in that instant find the key busy);
+-- a one-bigint advisory lock shows as classid = its high 32 bits, objid = its low, objsubid 1.
+-- $1 tenant, $2 operation, $3 key, $4 the key's claim lock (`idem_key_lock`)
+SELECT g.*, CASE WHEN g.found AND g.expired IS NOT TRUE THEN false ELSE EXISTS (
+    SELECT FROM pg_catalog.pg_locks l
+    WHERE l.locktype = 'advisory' AND l.objsubid = 1 AND l.granted
+      AND l.database = (SELECT d.oid FROM pg_catalog.pg_database d
+                         WHERE d.datname = current_database())
+      AND l.classid = (($4::bigint >> 32) & 4294967295)::oid
+      AND l.objid = ($4::bigint & 4294967295)::oid
+) END AS claiming
+FROM (SELECT 1) AS one
+LEFT JOIN LATERAL (
+    SELECT true AS found, generation, epoch, fingerprint, state,
+           response_status, response_headers, response_body, body_omitted,
+           expires_at <= now() AS expired, lease_expires_at <= now() AS lease_expired,
+           state = 'pending' AND mode = 'lease' AND lease_expires_at IS NULL AS retry_allowed
+    FROM idem_requests WHERE tenant = $1 AND operation = $2 AND idem_key = $3
+) g ON true;
+
 -- name: complete
 -- Settle the claim held under a generation. Matches nothing if the generation is not current.
 -- $1 tenant, $2 operation, $3 key, $4 generation, $5 state, $6 status, $7 headers, $8 body,

@@ -318,6 +318,10 @@ class Store(Protocol):
     async def get(self, key: RecordKey) -> Record | None:
         """The committed record, if any."""
 
+    async def peek(self, key: RecordKey) -> tuple[Record | None, bool]:
+        """The status resource's read: the committed record (as `get`), and, when there is no
+        live one, whether a transaction is claiming the key now (its claim is uncommitted)."""
+
     # -- lease mode: every call commits on its own -----------------------------------------------
 
     async def claim_lease(

@@ -278,10 +278,12 @@ async def test_the_202_location_percent_encodes_the_root_path(pg_store, pool, ro
     assert status.status_code == 200, status.text
 
 
-async def test_status_resource_of_a_202_reports_the_request_once_it_commits(pg_store, pool):
-    """The status resource reads only the caller's committed record (issue 13: never from the
-    claim's lock), so an uncommitted transactional claim is not visible to it: 404, saying that
-    a running request shows once it commits; then the outcome."""
+async def test_status_resource_of_a_202_reports_the_running_request_then_its_outcome(
+    pg_store, pool
+):
+    """The status resource reads the caller's own record, or, while a transactional claim has
+    not committed, that the key's claim lock is held (read from pg_locks, never taken): the
+    running request is `pending`, with Retry-After; then the outcome."""
     app = build_app(pg_store, default_policy=Policy(wait_seconds=0.2, accept_while_in_flight=True))
     probe = app.state.probe
     async with client(app) as c, Held(probe) as held:
@@ -293,7 +295,8 @@ async def test_status_resource_of_a_202_reports_the_request_once_it_commits(pg_s
         r1 = await asyncio.wait_for(first, BOUND)
         done = await c.get(accepted.headers["location"])
     assert (accepted.status_code, r1.status_code) == (202, 201)
-    assert "once it commits" in assert_problem(running, 404, "record-not-found")["detail"]
+    assert (running.status_code, running.json()["state"]) == (200, "pending")
+    assert running.headers["retry-after"] == "1"
     assert done.json()["state"] == "succeeded"
 
 

@@ -127,6 +127,7 @@ async def _cases(conn: Any) -> dict[str, list[tuple[Any, ...]]]:
         "reclaim_released": [(*leased, fp, g_leased, 86400.0)],
         "expire_lapsed": [(*lapsed, g_lapsed, "n")],
         "get": [live],
+        "peek": [(*live, 42), (live[0], live[1], "a-free-key", 42)],
         "describe": [live],
         "complete": [(*leased, g_leased, "succeeded", *answer)],
         "complete_checked": [(*leased, g_leased, "succeeded", *answer)],
@@ -171,7 +172,7 @@ async def _cases(conn: Any) -> dict[str, list[tuple[Any, ...]]]:
 #: Statements a request sends: their generic plans (asyncpg's prepared statements switch to one
 #: after five runs when it costs no more than the custom ones) must use indexes as well.
 PER_REQUEST = {
-    "claim", "claim_key", "claim_key_count", "insert_final", "reclaim_expired", "get",
+    "claim", "claim_key", "claim_key_count", "insert_final", "reclaim_expired", "get", "peek",
     "reclaim_released", "expire_lapsed",
     "describe", "complete", "complete_checked", "heartbeat", "expire_lease", "takeover", "fence",
     "fence_nowait", "settle", "settle_checked", "release", "allow_retry", "amend", "token_status",

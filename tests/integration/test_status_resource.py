@@ -1,5 +1,5 @@
 """The status resource: keys checked as the header is, one read-only SELECT, and an answer only
-from the caller's own committed record (never from a claim's lock)."""
+from the caller's own record, or its own uncommitted claim (the key's claim lock)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from starlette.routing import Host, Route, Router
 from idem_middleware import (
     IdempotencyMiddleware,
     LeaseExpiry,
+    MemoryStore,
     Mode,
     Policy,
     PostgresStore,
@@ -95,8 +96,10 @@ async def test_a_probe_is_one_select_and_writes_nothing(logged: Any) -> None:
     pool, log = logged
     app = build_app(PostgresStore(pool=pool))
     before = await _inserts(pool)
-    log.queries.clear()
     async with client(app) as c:
+        # (The first reads the claim lock's secret, once for the store: see claim_lock.py.)
+        await c.get(STATUS, params={"operation": CREDIT_OP, "key": "first"})
+        log.queries.clear()
         r = await c.get(STATUS, params={"operation": CREDIT_OP, "key": "unknown"})
     assert_problem(r, 404, "record-not-found")
     # One SELECT of the record (then the borrowed pool's own reset): no BEGIN, INSERT, ROLLBACK.
@@ -119,32 +122,63 @@ async def _inserts(pool: Any) -> int:
     return n
 
 
-async def test_a_lock_another_transaction_holds_is_not_reported(logged: Any) -> None:
-    """A claim lock held elsewhere (standing for another tenant's key that shares it) is no
-    answer: tenant b's status for its own key stays 404 while the lock is held."""
+async def test_a_held_claim_lock_is_read_as_running_for_its_own_tenant_only(logged: Any) -> None:
+    """A transaction holding tenant b's claim lock of a key (as a transactional claim does until
+    it commits) makes that key `pending` for tenant b, and for nobody else: tenant a's status
+    of the same operation and key stays 404 (its lock is another value)."""
     pool, _ = logged
     app = build_app(PostgresStore(pool=pool))
+    params = {"operation": CREDIT_OP, "key": "mine"}
     async with pool.acquire() as holder, holder.transaction():
-        # Exactly the lock a claim of tenant b's key takes (and a colliding key would take).
+        # Exactly the lock a claim of tenant b's key takes.
         await holder.fetch("SELECT * FROM idem_claim_key('tenant-b', $1, 'mine')", CREDIT_OP)
-        async with client(app, token="demo-b") as c:
-            r = await c.get(STATUS, params={"operation": CREDIT_OP, "key": "mine"})
-    assert_problem(r, 404, "record-not-found")
+        async with client(app, token="demo-b") as b, client(app) as a:
+            theirs = await a.get(STATUS, params=params)
+            ours = await b.get(STATUS, params=params)
+    async with client(app, token="demo-b") as b:
+        after = await b.get(STATUS, params=params)
+    assert_problem(theirs, 404, "record-not-found")
+    assert ours.status_code == 200
+    assert ours.json()["state"] == "pending"
+    assert_problem(after, 404, "record-not-found")  # the lock's transaction ended: nothing ran
 
 
-async def test_an_uncommitted_claim_is_not_visible_to_its_own_tenant_either(logged: Any) -> None:
+@pytest.mark.parametrize("memory", [False, True], ids=["postgres", "memory"])
+async def test_a_running_transactional_request_is_pending_not_404(
+    logged: Any, memory: bool
+) -> None:
+    """Found by probing: a transactional request still running was `404 record-not-found` here
+    (its claim is uncommitted, its record written only at commit), so a client that got a 202
+    and followed its Location was told no such request exists. It is now `pending`, `"retry":
+    false`, with the route's Retry-After, as a running lease-mode request is; then its outcome."""
     pool, _ = logged
-    app = build_app(PostgresStore(pool=pool), default_policy=Policy(wait_seconds=5))
+    store: Any = MemoryStore() if memory else PostgresStore(pool=pool)
+    policy = Policy(wait_seconds=0.05, accept_while_in_flight=True, retry_after_seconds=3)
+    app = build_app(store, default_policy=policy)
     probe = app.state.probe
+    body = {"amount": 5}
     async with client(app) as c, Held(probe) as held:
-        first = held.start(c.post(CREDIT, json={"amount": 5}, headers=key("running")))
+        first = held.start(c.post(CREDIT, json=body, headers=key("running")))
         await wait_entered(probe)
-        running = await c.get(STATUS, params={"operation": CREDIT_OP, "key": "running"})
+        accepted = await c.post(CREDIT, json=body, headers=key("running"))
+        running = await c.get(accepted.headers["location"])
         held.release()
         assert (await asyncio.wait_for(first, BOUND)).status_code == 201
-        done = await c.get(STATUS, params={"operation": CREDIT_OP, "key": "running"})
-    assert_problem(running, 404, "record-not-found")
+        done = await c.get(accepted.headers["location"])
+    assert accepted.status_code == 202
+    assert running.status_code == 200
+    assert running.json() == {
+        "operation": CREDIT_OP,
+        "state": "pending",
+        "response_status": None,
+        "retry": False,
+        "detail": "The request is running: ask again later, or send it again with the same key.",
+    }
+    assert running.headers["retry-after"] == "3"
+    assert running.headers["cache-control"] == "no-store"
     assert done.json()["state"] == "succeeded"
+    assert done.json()["response_status"] == 201
+    assert "retry-after" not in done.headers
 
 
 async def test_another_tenants_committed_record_is_not_found(logged: Any) -> None:
@@ -218,7 +252,7 @@ async def test_no_answer_of_the_status_resource_may_be_cached(logged: Any) -> No
 
 
 class Unreachable:
-    async def get(self, key: Any) -> Any:
+    async def peek(self, key: Any) -> Any:
         raise StoreError("no database connection: ConnectionRefusedError")
 
 
@@ -265,15 +299,19 @@ async def test_a_pending_request_only_a_retry_can_move_says_so(
     assert await store.allow_retry(key, released, "the bank has no such payout")
     app = build_app(store)
     async with client(app) as c:
-        seen = {
-            name: (await c.get(STATUS, params={"operation": op, "key": name})).json()
+        answers = {
+            name: await c.get(STATUS, params={"operation": op, "key": name})
             for name in ("running", "lapsed", "released")
         }
+    seen = {name: answer.json() for name, answer in answers.items()}
     assert {name: (body["state"], body["retry"]) for name, body in seen.items()} == {
         "running": ("pending", False),
         "lapsed": ("pending", True),
         "released": ("pending", True),
     }
+    # Only a request still running says when to ask again.
+    after = {name: answer.headers.get("retry-after") for name, answer in answers.items()}
+    assert after == {"running": "1", "lapsed": None, "released": None}
 
 
 async def test_an_unknown_outcome_says_whether_a_retry_can_settle_it(
@@ -467,3 +505,25 @@ async def test_a_tenant_the_store_cannot_hold_is_a_misconfiguration_problem(
     assert_problem(status, 500, "server-misconfigured")
     assert_problem(token, 500, "server-misconfigured")
     assert log.queries == []
+
+
+async def test_an_anonymous_duplicate_in_flight_is_a_409_not_a_202_it_cannot_follow() -> None:
+    """Found by probing: on an `allow_anonymous` route with `accept_while_in_flight`, an
+    anonymous caller's duplicate got `202` + a Location the status resource answers only with
+    `401` (it serves authenticated callers: anonymous callers share one key space). It now gets
+    `409 request-in-flight` + Retry-After, whose retry with the same key is its way forward."""
+    policy = Policy(
+        allow_anonymous=True, accept_while_in_flight=True, wait_seconds=0.05, retry_after_seconds=2
+    )
+    app = build_app(MemoryStore(), default_policy=policy)
+    probe = app.state.probe
+    body = {"amount": 5}
+    async with client(app, token=None) as c, Held(probe) as held:
+        first = held.start(c.post(CREDIT, json=body, headers=key("anon")))
+        await wait_entered(probe)
+        duplicate = await c.post(CREDIT, json=body, headers=key("anon"))
+        held.release()
+        assert (await asyncio.wait_for(first, BOUND)).status_code == 201
+    assert_problem(duplicate, 409, "request-in-flight")
+    assert duplicate.headers["retry-after"] == "2"
+    assert "location" not in duplicate.headers

@@ -11,6 +11,7 @@ from datetime import UTC, datetime
 from ...errors import StatementRefused
 from ..base import (
     UNRESOLVED_STATES,
+    Record,
     RecordKey,
     RecordSummary,
     Settlement,
@@ -84,6 +85,12 @@ class OffPathOperations(MemoryTables):
                 row = replace(row, generation=next(self._generations))
             self._rows[key] = replace(row, note=line if row.note is None else f"{row.note}\n{line}")
             return True
+
+    async def peek(self, key: RecordKey) -> tuple[Record | None, bool]:
+        row = self._rows.get(key)
+        record = None if row is None else row.record(key, self.clock())
+        # (A transaction claiming the key: its record is staged, seen by nobody else yet.)
+        return record, (record is None or record.expired) and key in self._owners
 
     async def describe(self, key: RecordKey) -> RecordSummary | None:
         row = self._rows.get(key)

@@ -19,6 +19,7 @@ from typing import Any
 from ...errors import EventConflict, StoreError
 from ..base import (
     UNRESOLVED_STATES,
+    Record,
     RecordKey,
     RecordSummary,
     Settlement,
@@ -27,12 +28,14 @@ from ..base import (
     TokenRow,
     check_purge_limits,
 )
+from .claim_lock import ClaimLocks
 from .convert import (
     _Q,
     ACQUIRE_ERRORS,
     SERVER_ERROR,
     TRANSLATED,
     settle_args,
+    to_record,
     translate,
 )
 from .runner import PoolStatements, alone, checkout
@@ -134,7 +137,10 @@ class OutboxConnection:
 
 
 class OffPathStatements(PoolStatements):
-    """The statements off the request path: tokens, the outbox, operators' tools."""
+    """The statements off the request path: tokens, the outbox, operators' tools, the status
+    resource's read."""
+
+    _locks: ClaimLocks  # (the store's: computes each key's claim lock)
 
     async def issue_token(
         self,
@@ -245,6 +251,22 @@ class OffPathStatements(PoolStatements):
         """An operator's move (see queries.sql `amend`): a settle whose note joins the trail."""
         row = await self._run("fetchrow", _Q["amend"], *settle_args(key, generation, expected, s))
         return bool(row["amended"])
+
+    async def peek(self, key: RecordKey) -> tuple[Record | None, bool]:
+        """See queries.sql `peek`: one statement, which writes and locks nothing."""
+        locks = self._locks
+        try:
+            async with self._internal() as conn:
+                if not locks.loaded:
+                    await locks.load(conn)  # the store's `open` could not reach the server
+                args = (key.tenant, key.operation, key.key, locks.of(key))
+                row = await alone(conn.fetchrow, _Q["peek"], *args, on=conn)
+        except ACQUIRE_ERRORS as exc:
+            raise StoreError(str(exc)) from exc
+        except TRANSLATED as exc:
+            raise translate(exc) from exc
+        record = None if row["found"] is None else to_record(key, row)
+        return record, bool(row["claiming"])
 
     async def describe(self, key: RecordKey) -> RecordSummary | None:
         row = await self._run("fetchrow", _Q["describe"], key.tenant, key.operation, key.key)
