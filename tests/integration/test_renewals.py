@@ -32,7 +32,8 @@ async def _claim(store: PostgresStore, key: RecordKey = KEY) -> int:
 
 def _pid(store: PostgresStore) -> int:
     conn = store._renewals._conn
-    assert conn is not None and not conn.is_closed()
+    assert conn is not None
+    assert not conn.is_closed()
     pid: int = conn.get_server_pid()
     return pid
 
@@ -151,6 +152,11 @@ async def schema_dsn(pg_dsn: str) -> AsyncIterator[str]:
     finally:
         await conn.close()
     yield dsn
+    admin = await asyncpg.connect(pg_dsn)
+    try:
+        await admin.execute('DROP DATABASE "idem_test_renewals" WITH (FORCE)')
+    finally:
+        await admin.close()
 
 
 async def _set_path(conn: Any) -> None:
@@ -169,9 +175,7 @@ SESSIONS: dict[str, dict[str, Any]] = {
 
 
 @pytest.mark.parametrize("session", [*SESSIONS, "dsn"])
-async def test_the_renewals_connection_has_the_pools_session(
-    schema_dsn: str, session: str
-) -> None:
+async def test_the_renewals_connection_has_the_pools_session(schema_dsn: str, session: str) -> None:
     """The heartbeat's table is found by the search_path: the renewals' connection gets the
     pool's (a given pool's `server_settings`, `init` or `setup`; a DSN store's connect_kwargs)."""
     if session == "dsn":

@@ -13,10 +13,10 @@ They take turns on it (one short statement each, which never waits for a row loc
 (`bound`): a statement that hangs (a table lock taken by DDL, a server that stopped answering)
 fails that renewal, and every renewal queued behind it once its own bound has passed, rather
 than stalling every lease. A connection that broke is terminated; one a renewal timed out on is
-closed once asyncpg has had the server cancel the statement (so it cannot land later). The next
-renewal opens another (one attempt at a time, bounded by `CONNECT_SECONDS`; after a failed one, none for
-`RETRY_SECONDS`). A renewal that finds no connection to be had (the attempt failed, the pool's
-arguments cannot be read, the store closed) runs on the pool as before.
+closed once asyncpg has had the server cancel the statement (so it cannot land later). The
+next renewal opens another (one attempt at a time, bounded by `CONNECT_SECONDS`; after a failed
+one, none for `RETRY_SECONDS`). A renewal that finds no connection to be had (the attempt
+failed, the pool's arguments cannot be read, the store closed) runs on the pool as before.
 """
 
 from __future__ import annotations
