@@ -210,3 +210,19 @@ async def test_a_pool_that_does_not_say_how_it_connects_renews_on_the_pool(
         assert await store.heartbeat(KEY, generation, 30)
         assert await store.heartbeat(KEY, generation, 30)
         assert store._renewals._conn is None
+
+
+async def test_a_renewal_the_server_refuses_keeps_the_connection(
+    db_dsn: str, pool: asyncpg.Pool[Any]
+) -> None:
+    """A statement refused on a connection that is fine (here an interval out of range) costs
+    no new connection at the next renewal."""
+    async with PostgresStore(dsn=db_dsn) as store:
+        generation = await _claim(store)
+        assert await store.heartbeat(KEY, generation, 30)
+        pid = _pid(store)
+        with pytest.raises(asyncpg.PostgresError):
+            await store.heartbeat(KEY, generation, 1e300)
+        assert _pid(store) == pid
+        assert await store.heartbeat(KEY, generation, 30)
+        assert _pid(store) == pid

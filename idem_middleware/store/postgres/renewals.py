@@ -29,7 +29,14 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from ...errors import StoreError
-from .convert import CONNECTION_ERRORS, LOCK_NOT_AVAILABLE, TRANSLATED, lock_waited, translate
+from .convert import (
+    CONNECTION_ERRORS,
+    LOCK_NOT_AVAILABLE,
+    SERVER_ERROR,
+    TRANSLATED,
+    lock_waited,
+    translate,
+)
 from .lifecycle import Turns
 from .runner import alone
 
@@ -116,6 +123,8 @@ class Renewals:
             raise translate(exc) from exc
         except LOCK_NOT_AVAILABLE as exc:
             raise lock_waited(exc) from exc
+        except SERVER_ERROR:  # (refused, on a connection that is fine: kept for the next)
+            raise
         except BaseException:
             # Timed out or cancelled mid-statement: asyncpg asks the server to cancel the
             # statement (so that it does not land later); the connection is closed once it has.
