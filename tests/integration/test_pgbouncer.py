@@ -358,3 +358,27 @@ async def test_a_store_listening_on_a_direct_listen_dsn_behind_pgbouncer_opens(
     store = PostgresStore(dsn=bouncer.dsn("idem_test"), statement_cache_size=0, listen_dsn=db_dsn)
     async with store:
         pass
+
+
+async def test_lease_renewals_run_through_pgbouncer_on_a_client_connection_of_their_own(
+    pool: asyncpg.Pool[Any], bouncer: PgBouncer, db_route: str
+) -> None:
+    """The renewals' connection is made as the given pool makes its own (PgBouncer's port,
+    `statement_cache_size=0`), outside it: renewals go on while the pool's every connection is
+    held, statement after statement on whichever server session PgBouncer hands them."""
+    from idem_middleware.store.base import Claimed, RecordKey
+
+    key = RecordKey("t", "POST /payouts", "renewed")
+    async with PostgresStore(pool=pool, listen=False) as store:
+        claimed = await store.claim_lease(key, b"f" * 32, retention_seconds=60, lease_seconds=30)
+        assert isinstance(claimed, Claimed)
+        held = [await pool.acquire() for _ in range(pool.get_max_size())]
+        try:
+            for _ in range(5):
+                assert await store.heartbeat(key, claimed.generation, 30)
+        finally:
+            for conn in held:
+                await pool.release(conn)
+        conn = store._renewals._conn
+        assert conn._transport.get_extra_info("peername")[1] == bouncer.port
+        assert conn._stmt_cache.get_max_size() == 0

@@ -3,9 +3,8 @@
 `max_inactive_connection_lifetime` tiny, `max_queries=1`), no statement cache. A storm of
 duplicates of one key and fresh keys at once, in both modes: every request is answered (the
 outcome, its replay, or a refusal with `Retry-After`, never a 500 or a hang), each effect once.
-And what a pool too small for lease mode's renewals costs (docs/operating.md): a live
-execution's lease lapses while another request's fenced transaction holds every connection.
-Real PostgreSQL."""
+And lease mode's renewals while another request's fenced transaction holds every connection:
+they run outside the pool (store/postgres/renewals.py), so the lease holds. Real PostgreSQL."""
 
 from __future__ import annotations
 
@@ -118,27 +117,32 @@ async def test_a_storm_on_a_pool_of_one_lease(
     assert await pool.fetchval("SELECT count(*) FROM test_downstream") <= 1 + 5
 
 
-async def _until_lapsed(pool: asyncpg.Pool[Any], idem_key: str) -> None:
+async def _lease_ends(pool: asyncpg.Pool[Any], idem_key: str) -> Any:
+    return await pool.fetchval(
+        "SELECT lease_expires_at FROM idem_requests WHERE idem_key = $1", idem_key
+    )
+
+
+async def _until_renewed(pool: asyncpg.Pool[Any], idem_key: str, since: Any) -> None:
     for _ in range(int(BOUND / 0.02)):
-        lapsed = await pool.fetchval(
-            "SELECT lease_expires_at <= now() FROM idem_requests WHERE idem_key = $1", idem_key
-        )
-        if lapsed:
+        if await _lease_ends(pool, idem_key) > since:
             return
         await asyncio.sleep(0.02)
-    raise AssertionError("the lease never lapsed")
+    raise AssertionError("the lease was never renewed")
 
 
-async def test_a_fence_holding_the_only_connection_starves_another_executions_renewals(
+async def test_a_fence_holding_the_only_connection_leaves_another_executions_renewals_alone(
     db_dsn: str, pool: asyncpg.Pool[Any]
 ) -> None:
-    """The cost docs/operating.md warns of: on a pool of one, request Y's fenced transaction
-    holds the only connection, so request X's renewals cannot run; X's lease lapses while its
-    handler still runs, another process's duplicate takes X's record over (`TAKEOVER`) and
-    runs the handler again, and X is answered 409 (its outcome refused)."""
+    """On a pool of one, request Y's fenced transaction holds the only connection while request
+    X's handler runs. X's renewals took a pool connection like any statement: they waited for
+    it, X's lease lapsed while its handler ran, another process's duplicate took the record
+    over (`TAKEOVER`) and ran the handler again, and X was answered 409. They run on the
+    store's renewal connection now, outside the pool: X's lease is renewed while Y holds the
+    pool, the duplicate is refused (in flight), and the handler runs once."""
     await reset_downstream(pool)
     policy = Policy(
-        mode=Mode.LEASE, lease_seconds=0.6, wait_seconds=0.3, on_lease_expiry=LeaseExpiry.TAKEOVER
+        mode=Mode.LEASE, lease_seconds=1.5, wait_seconds=0.3, on_lease_expiry=LeaseExpiry.TAKEOVER
     )
     async with PostgresStore(dsn=db_dsn, min_size=1, max_size=1) as store:
         app = build_lease_app(store, pool, policy, acquire_timeout=0.3)
@@ -155,7 +159,9 @@ async def test_a_fence_holding_the_only_connection_starves_another_executions_re
                 c.post(PAYOUTS, json={"account": "y", "amount": 5}, headers=key("y"))
             )
             await asyncio.wait_for(probe.entered.wait(), BOUND)
-            await _until_lapsed(pool, "x")
+            # Y's fence holds the pool's only connection from here until y_gate.
+            assert (store.pool.get_size(), store.pool.get_idle_size()) == (1, 0)
+            await _until_renewed(pool, "x", await _lease_ends(pool, "x"))
             async with PostgresStore(dsn=db_dsn, min_size=1, max_size=2) as elsewhere:
                 other = build_lease_app(elsewhere, pool, policy)
                 async with client(other) as d:
@@ -166,10 +172,11 @@ async def test_a_fence_holding_the_only_connection_starves_another_executions_re
             x_gate.set()
             x_reply = await asyncio.wait_for(x, BOUND)
             y_reply = await asyncio.wait_for(y, BOUND)
-    assert again.status_code == 201
-    assert other.state.probe.calls == 1  # the handler ran again
-    assert x_reply.status_code == 409, x_reply.text  # the first execution's outcome refused
+    assert again.status_code == 409, again.text  # in flight, not taken over
+    assert other.state.probe.calls == 0  # the handler did not run again
+    assert x_reply.status_code == 201, x_reply.text
     assert y_reply.status_code == 201
+    assert not probe.contexts[0].lease_lost.is_set()
 
 
 async def test_a_checkout_timing_out_at_open_is_named_in_the_warning(

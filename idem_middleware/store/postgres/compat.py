@@ -2,7 +2,8 @@
 
 asyncpg keeps no public way to say "this connection's transaction is yours" (the fast path sends
 its own BEGIN and COMMIT), to reach the connection behind a pool's proxy, or to prepare through
-the connection's statement cache. `supported` checks that what this module relies on exists;
+the connection's statement cache, or to open a connection as a pool does (lease renewals' own,
+see renewals.py). `supported` checks that what this module relies on exists;
 tests/integration/test_fused.py fails if a new asyncpg changes it.
 """
 
@@ -71,3 +72,28 @@ def statement_cache_size(conn: Any) -> int | None:
     cache = getattr(raw_connection(conn), "_stmt_cache", None)
     size = getattr(cache, "get_max_size", None)
     return size() if callable(size) else None
+
+
+async def connect_like(pool: Any, suffix: str) -> Any:
+    """A new connection made as `pool` makes its own (asyncpg's `Pool._get_new_connection`: its
+    connect arguments, `connect=` callback, connection and record classes, then its `init`
+    callback), and its `setup` callback run on it once, outside the pool; its application_name
+    the pool's (else "idem_middleware") and `suffix`. None if this asyncpg keeps them elsewhere."""
+    try:
+        connect, args, kwargs = pool._connect, pool._connect_args, dict(pool._connect_kwargs)
+        classes = {"connection_class": pool._connection_class, "record_class": pool._record_class}
+        callbacks, loop = (pool._init, pool._setup), pool._loop
+    except AttributeError:
+        return None
+    settings = dict(kwargs.get("server_settings") or {})
+    settings["application_name"] = settings.get("application_name", "idem_middleware") + suffix
+    kwargs["server_settings"] = settings
+    conn = await connect(*args, loop=loop, **classes, **kwargs)
+    try:
+        for callback in callbacks:
+            if callback is not None:
+                await callback(conn)
+    except BaseException:
+        conn.terminate()
+        raise
+    return conn

@@ -46,6 +46,7 @@ from .listener import Listener
 from .poolers import PREPARED_MISMATCH, refusal, require_sessions_to_listen, require_transactions
 from .poolers import check as check_pooler
 from .privileges import require_privileges, require_writable
+from .renewals import Renewals, bound
 from .runner import alone
 from .sessions import PgTransaction
 
@@ -99,6 +100,8 @@ class PostgresStore(OffPathStatements):
             release=self._release,
             execute=self._execute_statement,
         )
+        #: Lease renewals' own connection, outside the pool (see renewals.py).
+        self._renewals = Renewals(self._renewal_connection, self._run)
         self._locks = ClaimLocks()
         self._executions = closing.Executions()
         self._turns = Turns()
@@ -162,6 +165,7 @@ class PostgresStore(OffPathStatements):
         created = self._pool is None
         self._closed = False
         self._listener.resume()
+        self._renewals.resume()
         if self._pool is None:
             try:
                 self._pool = await asyncpg.create_pool(self._dsn, **self._pool_kwargs)
@@ -197,10 +201,11 @@ class PostgresStore(OffPathStatements):
             raise
 
     async def close(self) -> None:
-        """Close the listener and the pool (if the store created it). Lease-mode executions
-        that a shutdown cancelled settle first; all of it within `closing.CLOSE_SECONDS`. The
-        close of a nested open only counts it (see `open`). A close waits for the open or the
-        close under way (a second close returns once the pool is closed)."""
+        """Close the listener, the renewals' connection and the pool (if the store created it).
+        Lease-mode executions that a shutdown cancelled settle first; all of it within
+        `closing.CLOSE_SECONDS`. The close of a nested open only counts it (see `open`). A close
+        waits for the open or the close under way (a second close returns once the pool is
+        closed)."""
         async with self._turns():
             if self._opens > 1:
                 self._opens -= 1
@@ -213,6 +218,7 @@ class PostgresStore(OffPathStatements):
         budget = closing.Budget()
         await self._executions.unwound(budget.left())
         await self._listener.close(budget.left())
+        await self._renewals.close(budget.left())
         if self._owns_pool and self._pool is not None:
             pool, self._pool = self._pool, None
             await closing.close_pool(pool, budget.left())
@@ -283,8 +289,9 @@ class PostgresStore(OffPathStatements):
         return claimed
 
     async def heartbeat(self, key: RecordKey, generation: int, lease_seconds: float) -> bool:
-        alive = await self._run(
-            "fetchval",
+        self.pool  # noqa: B018 - StoreClosed once closed, or in another loop than the pool's
+        alive = await self._renewals.fetchval(
+            bound(lease_seconds),
             _Q["heartbeat"],
             key.tenant,
             key.operation,
@@ -371,6 +378,9 @@ class PostgresStore(OffPathStatements):
             )
             return conn, False
         return await self.pool.acquire(), True
+
+    def _renewal_connection(self) -> Awaitable[Any]:
+        return compat.connect_like(self.pool, ".renew")
 
     def watch(self, key: RecordKey) -> Any:
         return self._listener.watch(key)
