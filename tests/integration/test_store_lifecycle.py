@@ -213,3 +213,42 @@ async def test_a_wait_that_begins_after_the_close_opens_no_listen_connection(db_
         # (A close cut short terminates the pool.)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(pool.close(), BOUND)
+
+
+async def test_the_listen_connection_is_made_with_the_stores_connect_kwargs(
+    db_dsn: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A store made from a DSN with part of how to connect in `connect_kwargs` (a password, TLS,
+    here the server's host and port): its pool connected, but its LISTEN connection was opened
+    from the DSN alone, failed, and every duplicate polled ("LISTEN unavailable"). It is now made
+    as the pool makes its own connections."""
+    from urllib.parse import parse_qs, urlsplit, urlunsplit
+
+    parts = urlsplit(db_dsn)
+    query = parse_qs(parts.query)
+    where = {
+        "host": parts.hostname or query["host"][0],
+        "port": parts.port or int(query.get("port", ["5432"])[0]),
+    }
+    # The DSN names no server: only connect_kwargs says where it is.
+    bare = urlunsplit(("postgresql", f"{parts.username}@", parts.path, "", ""))
+    try:
+        alone = await asyncpg.connect(bare, timeout=5)
+    except (OSError, asyncpg.PostgresError, TimeoutError):
+        pass
+    else:  # a server at the default place: the DSN alone would connect, to another one
+        await alone.close()
+        pytest.skip("a PostgreSQL server listens where a DSN without a host points")
+    store = PostgresStore(dsn=bare, connect_kwargs=where, min_size=1, max_size=2)
+    caplog.set_level(logging.WARNING, logger="idem_middleware")
+    async with store, store.watch(RecordKey("t", "POST /x", "k")):
+        for _ in range(100):  # (the listener connects in a task of its own)
+            listening = await store.pool.fetchval(
+                "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1",
+                "idem_middleware.listen",
+            )
+            if listening or "LISTEN unavailable" in caplog.text:
+                break
+            await asyncio.sleep(0.05)
+    assert listening == 1
+    assert "LISTEN unavailable" not in caplog.text

@@ -369,9 +369,14 @@ class PostgresStore(OffPathStatements):
         await self.pool.release(conn)
 
     async def _listen_connection(self) -> tuple[Any, bool]:
-        """A connection for LISTEN: a dedicated one when we know the DSN, else one from the pool."""
+        """A connection for LISTEN: a dedicated one when we know the DSN (on the pool's, made as
+        the pool makes its own: `connect_kwargs` reach it too), else one from the pool."""
         if not self._listen:
             raise StoreError("LISTEN is disabled for this store")
+        if self._listen_dsn is not None and self._listen_dsn == self._dsn:
+            made = await compat.connect_like(self.pool, ".listen")
+            if made is not None:
+                return made, False
         if self._listen_dsn is not None:
             conn = await asyncpg.connect(
                 self._listen_dsn, server_settings={"application_name": "idem_middleware.listen"}
