@@ -342,7 +342,9 @@ GROUP BY state;
 -- (a slow downstream call), and a renewal waiting there held a second connection all along and
 -- renewed nothing. A locked record is left as it is and answered from its last committed
 -- version: no takeover or expiry can change it while the lock is held (each locks the row
--- first), and once the lock is gone the next renewal renews it.
+-- first), and once the lock is gone the next renewal renews it. A renewal never shortens the
+-- lease: one whose statement was held up (a table lock) and lands after a later one keeps the
+-- later one's end, which is what the execution counts on.
 -- $1 tenant, $2 operation, $3 key, $4 generation, $5 lease (seconds)
 WITH renewable AS (
     SELECT FROM idem_requests
@@ -351,7 +353,7 @@ WITH renewable AS (
     FOR UPDATE SKIP LOCKED
 ), renewed AS (
     UPDATE idem_requests r
-    SET lease_expires_at = now() + make_interval(secs => $5::float8)
+    SET lease_expires_at = GREATEST(lease_expires_at, now() + make_interval(secs => $5::float8))
     FROM renewable
     WHERE r.tenant = $1 AND r.operation = $2 AND r.idem_key = $3
     RETURNING 1

@@ -86,6 +86,22 @@ async def test_contract_claim_and_heartbeat(harness: Harness) -> None:
     assert not await store.heartbeat(k, g1, 30.0)
 
 
+async def test_contract_a_renewal_never_shortens_the_lease(harness: Harness) -> None:
+    """A renewal whose statement was held up (a table lock) and landed after a later one set
+    the lease's end from its own, earlier, start: shorter than the later renewal's, which the
+    execution counts on, so a duplicate could take the record over while it still ran."""
+    store = harness.store
+    k = rkey()
+    g1 = await claim_lease(harness)
+    assert await store.heartbeat(k, g1, 3600.0)
+    later = await store.describe(k)
+    assert later is not None
+    assert await store.heartbeat(k, g1, 30.0)  # (as if sent long before the one above)
+    after = await store.describe(k)
+    assert after is not None
+    assert after.lease_expires_at == later.lease_expires_at
+
+
 async def test_contract_a_renewal_never_waits_on_the_generations_own_fenced_session(
     harness: Harness,
 ) -> None:

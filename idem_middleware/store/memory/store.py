@@ -95,7 +95,11 @@ class MemoryStore(OffPathOperations):
             row = self._current(key, generation, State.PENDING)
             if row is None:
                 return False
-            self._rows[key] = replace(row, lease_expires_at=self.clock() + lease_seconds)
+            # (never shortened: queries.sql `heartbeat`)
+            until = self.clock() + lease_seconds
+            if row.lease_expires_at is not None and row.lease_expires_at > until:
+                until = row.lease_expires_at
+            self._rows[key] = replace(row, lease_expires_at=until)
             return True
 
     async def expire_lease(self, key: RecordKey, generation: int) -> bool:
