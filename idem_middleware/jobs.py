@@ -48,6 +48,12 @@ __all__ = [
 
 R = TypeVar("R")
 
+#: The most bytes of UTF-8 a job's operation may have: with a tenant (up to MAX_TENANT_BYTES)
+#: and a key (up to 255) it is the record's primary key, a btree entry PostgreSQL refuses past
+#: 2704 bytes. A longer one failed every run: the claim with the driver's error (lease mode) or
+#: the completion after the function ran (transactional).
+MAX_OPERATION_BYTES = 1024
+
 
 def _fingerprint(operation: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bytes:
     try:
@@ -133,9 +139,14 @@ def idempotent_job(
     """
     if not operation:
         raise ConfigurationError("a job needs an operation name")
-    if not isinstance(operation, str) or not storable_text(operation):
+    if (
+        not isinstance(operation, str)
+        or not storable_text(operation)
+        or len(operation.encode()) > MAX_OPERATION_BYTES
+    ):
         raise ConfigurationError(
-            f"a job's operation is a str without NUL or unpaired surrogates, not {operation!r}"
+            f"a job's operation is a str of at most {MAX_OPERATION_BYTES} bytes of UTF-8 without"
+            f" NUL or unpaired surrogates, not {operation!r:.100}"
         )
     if not callable(key) and not (isinstance(key, str) and key):
         raise ConfigurationError(f"{operation}: key= is an argument's name or a function")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import secrets
 from typing import Any
 
 import asyncpg
@@ -415,3 +416,34 @@ async def test_a_transactional_repeat_waits_for_a_lease_mode_run_of_its_key(
         gate.set()
         running.cancel()
     assert runs == [Mode.LEASE]
+
+
+@pytest.mark.parametrize("mode", [Mode.TRANSACTIONAL, Mode.LEASE])
+async def test_a_jobs_operation_too_long_for_the_records_key_is_refused_when_decorated(
+    pg_store: PostgresStore, mode: Mode
+) -> None:
+    """Found by probing: an operation of any length was taken, and one the record's primary key
+    cannot hold beside its tenant and key (incompressible, about 1,400 bytes and more) failed
+    every run: the claim with asyncpg's ProgramLimitExceededError (lease mode), or the completion
+    after the function ran (transactional). Refused when decorated; at the limit, with the
+    longest tenant and key, a run is recorded and replayed."""
+    from idem_middleware.jobs import MAX_OPERATION_BYTES
+    from idem_middleware.tenant import MAX_TENANT_BYTES
+
+    # (hex digits of random bytes: the database cannot compress them below the index's limit)
+    operation, tenant = secrets.token_hex(MAX_OPERATION_BYTES // 2), secrets.token_hex(512)
+    assert len(tenant) == MAX_TENANT_BYTES
+    with pytest.raises(ConfigurationError, match="operation"):
+        idempotent_job(pg_store, operation=operation + "x", key="k", mode=mode)
+    with pytest.raises(ConfigurationError, match="operation"):
+        idempotent_job(pg_store, operation="é" * (MAX_OPERATION_BYTES // 2 + 1), key="k")
+    runs: list[str] = []
+
+    @idempotent_job(pg_store, operation=operation, key="k", tenant=tenant, mode=mode)
+    async def job(ctx: IdempotencyContext, *, k: str) -> int:
+        runs.append(k)
+        return len(k)
+
+    key = secrets.token_hex(127) + "k"
+    assert await job(k=key) == await job(k=key) == 255
+    assert runs == [key]
