@@ -267,6 +267,17 @@ def _parser() -> argparse.ArgumentParser:
         help="the ids of the parked events (exit 1 naming any id that was not one)",
     )
 
+    op = action("purge", "delete events sent more than --older-than seconds ago")
+    op.add_argument(
+        "--older-than",
+        type=margin_seconds,
+        default=7 * 86400.0,
+        help="seconds since an event was sent, 0 or more (default 604800: 7 days)",
+    )
+    op.add_argument(
+        "--batch-size", type=positive_int, default=1000, help="events per statement (default 1000)"
+    )
+
     c = command("reconcile", "run the reconcilers on unknown and lapsed records nobody retries")
     c.add_argument(
         "--app",

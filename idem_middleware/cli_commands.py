@@ -271,6 +271,11 @@ async def outbox(store: PostgresStore, args: argparse.Namespace) -> int:
         return 0
     if args.outbox_command == "requeue":
         return await _requeue(store, args)
+    if args.outbox_command == "purge":
+        age, size = args.older_than, args.batch_size
+        purged = await outbox_ops.purge_sent(store.pool, older_than_seconds=age, batch_size=size)
+        emit(args, {"purged": purged}, f"purged {purged} sent events")
+        return 0
     if not args.url:
         raise UsageError("outbox publish needs --url (or IDEM_OUTBOX_URL)")
     url = urlsplit(args.url)

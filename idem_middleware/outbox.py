@@ -362,14 +362,10 @@ async def requeue_each(pool: Any, event_ids: Sequence[str]) -> dict[str, str]:
 async def purge_sent(
     pool: Any, *, older_than_seconds: float = 7 * 86400, batch_size: int = 1000
 ) -> int:
-    store = _store(pool)
-    deleted = 0
-    for _ in range(10_000):
-        count = await store.outbox_purge_batch(batch_size, older_than_seconds)
-        deleted += count
-        if count < batch_size:
-            break
-    return deleted
+    """Delete events sent over `older_than_seconds` ago (finite, 0 or more), `batch_size` (1 or
+    more) a statement: how many. Anything else is ValueError before any statement."""
+    age = _seconds(older_than_seconds, "older_than_seconds", False)
+    return await _store(pool).outbox_purge(batch_size, age)
 
 
 def webhook_sender(client: Any, url: str) -> Sender:

@@ -108,3 +108,24 @@ def test_a_missing_argument_shows_its_commands_usage(
     result = cli(*args, *note, dsn=db_dsn)
     assert result.returncode == 2
     assert result.stderr.startswith(usage), result.stderr
+
+
+async def test_outbox_purge_deletes_the_events_sent_long_enough_ago(db_dsn: str, pool: Any) -> None:
+    """Found by probing: no command deleted sent events (`purge` deletes records, tokens and
+    waits), so the outbox grew for ever unless an operator found `purge_sent` in the code."""
+    await pool.execute(_EVENTS)
+    await pool.execute(
+        "INSERT INTO idem_outbox (event_id, topic, payload, sent_at)"
+        " VALUES ('sent-old', 't', '{}', now() - interval '8 days')"
+    )
+    week = cli("outbox", "purge", "--json", dsn=db_dsn)
+    assert (week.returncode, json.loads(week.stdout)) == (0, {"purged": 1}), week.stderr
+    left = await pool.fetchval("SELECT array_agg(event_id ORDER BY event_id) FROM idem_outbox")
+    assert left == ["parked-1", "parked-2", "sent-1", "unsent-1"]  # (unsent and parked kept)
+    now = cli("outbox", "purge", "--older-than", "0", "--batch-size", "1", dsn=db_dsn)
+    assert (now.returncode, now.stdout.strip()) == (0, "purged 1 sent events"), now.stderr
+    for nonsense in (("--older-than", "nan"), ("--older-than", "-1"), ("--batch-size", "0")):
+        refused = cli("outbox", "purge", *nonsense, dsn=db_dsn)
+        assert refused.returncode == 2
+        assert refused.stderr.startswith("usage: idem-middleware outbox purge ")
+    assert await pool.fetchval("SELECT count(*) FROM idem_outbox") == 3

@@ -691,3 +691,29 @@ async def test_no_connection_is_held_while_a_receiver_takes_its_time(
 
         report = await Publisher(one, reads_the_same_pool, send_timeout_seconds=5).publish_batch()
     assert (report.sent, report.failed, reads) == (3, 0, [1, 1, 1])
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"batch_size": 0},
+        {"batch_size": -1},
+        {"batch_size": 1.5},
+        {"older_than_seconds": float("nan")},
+        {"older_than_seconds": float("inf")},
+        {"older_than_seconds": -1.0},
+    ],
+)
+async def test_purge_sent_refuses_what_cannot_work_before_any_statement(
+    pool: Any, options: dict[str, Any]
+) -> None:
+    """Found by probing: a `batch_size` of 0 ran 10,000 empty DELETEs and returned 0, a negative
+    age deleted nothing, and a negative batch, NaN or an infinity were statements the server
+    refused (StatementRefused). Each is a ValueError naming the option; nothing is deleted."""
+    await pool.execute(
+        "INSERT INTO idem_outbox (event_id, topic, payload, sent_at)"
+        " VALUES ('old', 't', '{}', now() - interval '30 days')"
+    )
+    with pytest.raises(ValueError, match=next(iter(options))):
+        await purge_sent(pool, **options)
+    assert await pool.fetchval("SELECT count(*) FROM idem_outbox") == 1
