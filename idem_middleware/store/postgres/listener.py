@@ -95,7 +95,7 @@ class Listener:
                 await conn.add_listener(NOTIFY_CHANNEL, self._notified)
             conn.add_termination_listener(self._lost)
             self._conn, conn = conn, None
-        except _CONNECT_ERRORS as exc:
+        except Exception as exc:  # (the pool's `connect=`, `init` or `setup` may raise anything)
             logger.warning("LISTEN unavailable, polling instead: %r", exc)
             self._retry_at = loop.time() + RETRY_SECONDS
         finally:

@@ -15,8 +15,9 @@ fails that renewal, and every renewal queued behind it once its own bound has pa
 than stalling every lease. A connection that broke is terminated; one a renewal timed out on is
 closed once asyncpg has had the server cancel the statement (so it cannot land later). The
 next renewal opens another (one attempt at a time, bounded by `CONNECT_SECONDS`; after a failed
-one, none for `RETRY_SECONDS`). A renewal that finds no connection to be had (the attempt
-failed, the pool's arguments cannot be read, the store closed) runs on the pool as before.
+one, none for `RETRY_SECONDS`), waiting for it half its bound at most. A renewal that finds no
+connection to be had (the attempt failed or is still under way, the pool's arguments cannot be
+read, the store closed) runs on the pool as before.
 """
 
 from __future__ import annotations
@@ -95,30 +96,36 @@ class Renewals:
     async def fetchval(self, seconds: float, query: str, *args: Any) -> Any:
         """`fetchval(query, *args)` on the renewals' connection (else on the pool), all of it
         within `seconds`: StoreError past them."""
+        # (An opening is waited for half of `seconds` at most: the pool gets the rest.)
+        patience = asyncio.get_running_loop().time() + seconds / 2
         try:
             async with asyncio.timeout(seconds):
                 async with self._turns():
                     conn = self._conn
                     if conn is not None and not conn.is_closed():
-                        return await self._run(conn, query, args, reused=True)
-                    conn = await self._opened()
+                        return await self._run(conn, query, args, patience)
+                    conn = await self._opened(patience)
                     if conn is not None:
-                        return await self._run(conn, query, args, reused=False)
+                        return await self._run(conn, query, args, None)
                 return await self._fallback("fetchval", query, *args)
         except TimeoutError:
             raise StoreError(f"a lease renewal took more than {seconds:g} s") from None
 
-    async def _run(self, conn: Any, query: str, args: tuple[Any, ...], *, reused: bool) -> Any:
+    async def _run(
+        self, conn: Any, query: str, args: tuple[Any, ...], patience: float | None
+    ) -> Any:
+        """The statement on `conn`; run once more on a new connection if `conn` turns out to
+        be gone and `patience` is given (a connection reused: see `_opened`)."""
         try:
             return await alone(conn.fetchval, query, *args, on=conn)
         except CONNECTION_ERRORS as exc:
             self._drop(conn)
             # (A connection the server ended while it sat idle is found out by its next
             # statement: that one runs once more, on a new connection.)
-            again = await self._opened() if reused else None
+            again = None if patience is None else await self._opened(patience)
             if again is None:
                 raise translate(exc) from exc
-            return await self._run(again, query, args, reused=False)
+            return await self._run(again, query, args, None)
         except TRANSLATED as exc:  # (the connection is fine: a statement_timeout, a conflict)
             raise translate(exc) from exc
         except LOCK_NOT_AVAILABLE as exc:
@@ -131,9 +138,12 @@ class Renewals:
             self._retire(conn)
             raise
 
-    async def _opened(self) -> Any:
-        """A connection opened now, or None (see the module's docstring). One attempt at a
-        time, which outlives the renewal that started it (it is not cancelled with it)."""
+    async def _opened(self, patience: float) -> Any:
+        """A connection opened now, or None (see the module's docstring): also when the
+        attempt is still under way at `patience` (on the loop's clock). One attempt at a time,
+        which outlives the renewal that started it (it is not cancelled with it): a connect or
+        an `init` that hangs for its whole bound held every renewal's, while the pool could
+        have renewed."""
         self._conn = None
         if self._stopped:
             return None
@@ -143,8 +153,10 @@ class Renewals:
             if loop.time() < self._retry_at:
                 return None
             opening = self._opening = loop.create_task(self._open())
-        await asyncio.wait((opening,))
-        return None if opening.cancelled() else opening.result()
+        await asyncio.wait((opening,), timeout=max(patience - loop.time(), 0.0))
+        if not opening.done() or opening.cancelled():
+            return None
+        return opening.result()
 
     async def _open(self) -> Any:
         try:
