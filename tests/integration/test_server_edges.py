@@ -37,7 +37,10 @@ _UVICORN += ["--host", "127.0.0.1", "--port", "{port}", "--http"]
 SERVERS = {
     "uvicorn-h11": (("uvicorn",), [*_UVICORN, "h11"]),
     "uvicorn-httptools": (("uvicorn", "httptools"), [*_UVICORN, "httptools"]),
-    "hypercorn": (("hypercorn",), [sys.executable, "-m", "hypercorn", "-b", "127.0.0.1:{port}"]),
+    "hypercorn": (
+        ("hypercorn",),
+        [sys.executable, "-m", "hypercorn", "-b", "127.0.0.1:{port}", APP + "()"],
+    ),
     "granian": (
         ("granian",),
         [
@@ -46,7 +49,6 @@ SERVERS = {
         ],
     ),
 }
-SERVERS["hypercorn"][1].append(APP + "()")
 
 
 class Edges:
