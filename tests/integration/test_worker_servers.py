@@ -325,12 +325,14 @@ async def test_a_lease_whose_worker_was_killed_lapses_to_unknown(
     assert (await effects(db, key), await states(db, key)) == (0, ["unknown"])
 
 
+@pytest.mark.parametrize("mode", ["transactional", "lease"])
 async def test_sigterm_answers_the_request_in_flight_and_the_retry_is_replayed(
-    server: Server, db: asyncpg.Pool[Any]
+    server: Server, db: asyncpg.Pool[Any], mode: str
 ) -> None:
-    key = "deploy"
+    key = f"deploy-{mode}"
+    path = PATHS[mode].format(key=key)
     async with workers(server.start()) as (a, _, _):
-        a.send("POST", f"/credits/{key}", key)
+        a.send("POST", path, key)
         await entered(server, key)
         assert server.proc is not None
         os.kill(server.proc.pid, signal.SIGTERM)  # the master: a graceful shutdown
@@ -340,7 +342,7 @@ async def test_sigterm_answers_the_request_in_flight_and_the_retry_is_replayed(
     assert await server.exited() == 0
     assert (await effects(db, key), await states(db, key)) == (1, ["succeeded"])
     async with workers(server.start()) as (a, _, _):
-        a.send("POST", f"/credits/{key}", key)
+        a.send("POST", path, key)
         retry = await a.answer()
     assert (retry[0], retry[1][b"idempotent-replayed"], retry[2]) == (201, b"true", body)
 
