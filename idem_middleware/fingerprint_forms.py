@@ -176,6 +176,10 @@ def canonical_multipart(body: bytes, boundary: bytes, *, max_fields: int) -> byt
         return None
     segments = text.split(line_delimiter)
     last = len(segments) - 1
+    if not last:
+        # No delimiter at all: no form to any reader, but readers differ on it (python-multipart
+        # reads `----` as an empty form under one boundary and refuses it under another).
+        return None
     for index, segment in enumerate(segments[1:], 1):
         tail = _CLOSE if index == last else _LINE_END
         if tail.match(segment) is None:
