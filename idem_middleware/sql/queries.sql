@@ -364,6 +364,54 @@ SELECT EXISTS (SELECT FROM renewed) OR EXISTS (
       AND generation = $4 AND state = 'pending'
 ) AS alive;
 
+-- name: heartbeat_batch
+-- `heartbeat` for many renewals in one statement: those waiting for their turn on the lease
+-- renewals' connection (store/postgres/renewals.py). Row n answers the n-th renewal: `alive`,
+-- as `heartbeat` answers it alone. Each record is reached through its primary key, once per
+-- renewal (nested loops over the renewals: LATERAL; the answer's probe has its LIMIT so that
+-- the planner neither hashes the join nor hashes every pending record for it). A record is
+-- never waited for (SKIP LOCKED: a locked one is left as it is and answered from its last
+-- committed version), a lease never shortened (GREATEST), and a record renewed twice in one
+-- batch under its generation gets the longer of the two.
+-- $1 tenants, $2 operations, $3 keys, $4 generations, $5 leases (seconds): arrays, one element
+-- per renewal
+WITH asked AS (
+    SELECT tenant, operation, idem_key, generation, secs, n
+    FROM unnest($1::text[], $2::text[], $3::text[], $4::bigint[], $5::float8[])
+        WITH ORDINALITY AS a (tenant, operation, idem_key, generation, secs, n)
+), renewable AS (
+    SELECT l.tenant, l.operation, l.idem_key, l.generation, l.secs
+    FROM (
+        SELECT tenant, operation, idem_key, generation, max(secs) AS secs
+        FROM asked
+        GROUP BY tenant, operation, idem_key, generation
+    ) AS l
+    CROSS JOIN LATERAL (
+        SELECT FROM idem_requests r
+        WHERE r.tenant = l.tenant AND r.operation = l.operation AND r.idem_key = l.idem_key
+          AND r.generation = l.generation AND r.state = 'pending'
+        FOR UPDATE SKIP LOCKED
+    ) AS locked
+), renewed AS (
+    UPDATE idem_requests r
+    SET lease_expires_at = GREATEST(r.lease_expires_at, now() + make_interval(secs => w.secs))
+    FROM renewable w
+    WHERE r.tenant = w.tenant AND r.operation = w.operation AND r.idem_key = w.idem_key
+    RETURNING r.tenant, r.operation, r.idem_key, w.generation
+)
+SELECT a.n, w.idem_key IS NOT NULL OR p.pending IS NOT NULL AS alive
+FROM asked a
+LEFT JOIN renewed w
+    ON w.tenant = a.tenant AND w.operation = a.operation AND w.idem_key = a.idem_key
+   AND w.generation = a.generation
+LEFT JOIN LATERAL (
+    SELECT true AS pending FROM idem_requests r
+    WHERE r.tenant = a.tenant AND r.operation = a.operation AND r.idem_key = a.idem_key
+      AND r.generation = a.generation AND r.state = 'pending'
+    LIMIT 1
+) AS p ON true
+ORDER BY a.n;
+
 -- name: expire_lease
 -- A pending record whose lease lapsed becomes unknown: a lost lease does not prove the effect
 -- did not happen; waiters are woken. It never waits: the row is locked first with NOWAIT, so a

@@ -99,6 +99,12 @@ async def _one(conn: Any, where: str) -> tuple[Any, ...]:
     return tuple(row)
 
 
+def _renewals(asked: list[tuple[Any, ...]]) -> tuple[list[Any], ...]:
+    """`heartbeat_batch`'s arguments (its columns) for renewals of (tenant, operation, key,
+    generation), each on a 30 s lease."""
+    return tuple(list(column) for column in zip(*((*a, 30.0) for a in asked), strict=True))
+
+
 async def _cases(conn: Any) -> dict[str, list[tuple[Any, ...]]]:
     """Arguments for each named statement, picked from the filled tables."""
     *live, _ = await _one(conn, "state = 'succeeded' AND expires_at > now()")
@@ -132,6 +138,7 @@ async def _cases(conn: Any) -> dict[str, list[tuple[Any, ...]]]:
         "complete": [(*leased, g_leased, "succeeded", *answer)],
         "complete_checked": [(*leased, g_leased, "succeeded", *answer)],
         "heartbeat": [(*leased, g_leased, 30.0)],
+        "heartbeat_batch": [_renewals([(*leased, g_leased), (*lapsed, g_lapsed), (*unknown, 1)])],
         "expire_lease": [(*lapsed, g_lapsed, "n")],
         "takeover": [(*lapsed, g_lapsed, "pending", 30.0)],
         "fence": [(*leased, g_leased, "pending")],
@@ -174,7 +181,8 @@ async def _cases(conn: Any) -> dict[str, list[tuple[Any, ...]]]:
 PER_REQUEST = {
     "claim", "claim_key", "claim_key_count", "insert_final", "reclaim_expired", "get", "peek",
     "reclaim_released", "expire_lapsed",
-    "describe", "complete", "complete_checked", "heartbeat", "expire_lease", "takeover", "fence",
+    "describe", "complete", "complete_checked", "heartbeat", "heartbeat_batch", "expire_lease",
+    "takeover", "fence",
     "fence_nowait", "settle", "settle_checked", "release", "allow_retry", "amend", "token_status",
     "issue_token",
     "outbox_add", "outbox_same", "outbox_claim", "outbox_sent", "outbox_failed",
@@ -356,3 +364,24 @@ async def test_a_heartbeat_changes_no_indexed_column_so_its_update_is_hot(plans_
     )
     assert len(definitions) >= 3
     assert [r["d"] for r in definitions if "lease_expires_at" in r["d"]] == []
+
+
+@pytest.mark.parametrize("generic", [False, True], ids=["custom", "generic"])
+async def test_a_batch_of_renewals_reaches_each_record_through_the_primary_key(
+    plans_conn: Any, generic: bool
+) -> None:
+    """`heartbeat_batch`: every read of `idem_requests` (the locking probe, the update, the
+    answer's probe) goes through the primary key, whatever the batch's size."""
+    rows = await plans_conn.fetch(
+        "SELECT tenant, operation, idem_key, generation FROM idem_requests"
+        " WHERE state = 'pending' LIMIT 500"
+    )
+    args = _renewals([tuple(r) for r in rows])
+    plan = await _plan(plans_conn, "heartbeat_batch", args, generic)
+    reads = [
+        n
+        for n in _nodes(plan)
+        if n.get("Relation Name") == "idem_requests" and n["Node Type"].endswith("Scan")
+    ]
+    assert len(reads) == 3, reads
+    assert {n.get("Index Name") for n in reads} == {"idem_requests_pkey"}, reads

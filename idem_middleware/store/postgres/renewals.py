@@ -8,11 +8,16 @@ renewal, made as the pool makes its own (its connect arguments and `connect=` ca
 `init` and `setup` callbacks: the same `search_path`, settings and statement cache), and closed
 by the store's close. No pool checkout stands between an execution and its renewal.
 
-They take turns on it (one short statement each, which never waits for a row lock: queries.sql
-`heartbeat`), and each renewal, its turn and the connection's opening included, is bounded
-(`bound`): a statement that hangs (a table lock taken by DDL, a server that stopped answering)
-fails that renewal, and every renewal queued behind it once its own bound has passed, rather
-than stalling every lease. A connection that broke is terminated; one a renewal timed out on is
+They take turns on it (one short statement a turn, which never waits for a row lock: queries.sql
+`heartbeat`). A renewal that finds the connection free goes alone, in that statement; those that
+arrive while it is busy wait together, and the next turn sends them all (up to `BATCH`) in one
+statement (`heartbeat_batch`, the same answer for each), run by a task of its own (`_drain`):
+one renewal a round trip capped a process at about 500 executions on 30 s leases at a 20 ms
+round trip. Each renewal, its turn and the connection's opening included, is bounded (`bound`):
+one whose bound passes fails alone (in a batch, the others go on: a batch's statement is bounded
+by the latest bound in it), and a statement that hangs (a table lock taken by DDL, a server that
+stopped answering) fails every renewal waiting on it once their bounds have passed, rather than
+stalling every lease. A connection that broke is terminated; one a renewal timed out on is
 closed once asyncpg has had the server cancel the statement (so it cannot land later). The
 next renewal opens another (one attempt at a time, bounded by `CONNECT_SECONDS`; after a failed
 one, none for `RETRY_SECONDS`), waiting for it half its bound at most. A renewal that finds no
@@ -24,13 +29,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import logging
 import math
+from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from ...errors import StoreError
 from .convert import (
+    _Q,
     CONNECTION_ERRORS,
     LOCK_NOT_AVAILABLE,
     SERVER_ERROR,
@@ -49,6 +57,20 @@ RENEW_SECONDS = 5.0
 #: (renewals run on the pool meanwhile).
 CONNECT_SECONDS = 5.0
 RETRY_SECONDS = 5.0
+#: The most renewals one statement sends. Measured on loopback (a shared 2-core machine), a
+#: batch of 1,000 runs in about 25 ms (25 us a renewal; 100 take 3.6 ms, one alone 0.8 ms):
+#: past a few hundred the round trip no longer counts, so larger batches gain little, while
+#: every renewal in one waits for all of it within its own bound (a third of its lease: 5 s
+#: for leases of 15 s and more, 33 ms for the shortest, 0.1 s), and one failure (a connection
+#: lost, a statement cancelled at its bound) fails all of them. More wait for the next turn.
+BATCH = 1000
+#: The longest lease a batch takes: the server refuses an interval out of its range, and a
+#: statement refused fails every renewal in it, so a lease past this (or NaN) goes alone, as
+#: before. (Nothing else in a renewal can be refused: its key and generation are its claim's.)
+BATCH_LEASE = 1e9
+
+#: A waiting renewal's answer: renew on the pool (no connection of their own to be had).
+_POOL: Any = object()
 
 
 def bound(lease_seconds: float) -> float:
@@ -57,18 +79,50 @@ def bound(lease_seconds: float) -> float:
     return min(lease_seconds / 3, RENEW_SECONDS)
 
 
+class _Waiting:
+    """A renewal waiting for a turn: its `heartbeat` arguments, its answer, and its bound and
+    patience on the loop's clock (see `Renewals.fetchval`)."""
+
+    __slots__ = ("args", "deadline", "future", "patience")
+
+    def __init__(
+        self, args: tuple[Any, ...], future: asyncio.Future[Any], now: float, seconds: float
+    ):
+        self.args = args
+        self.future = future
+        self.deadline = now + seconds
+        self.patience = now + seconds / 2
+
+
+def _own(error: BaseException) -> BaseException:
+    """A copy of a batch's error for one of its renewals: one instance raised in many tasks
+    grows one traceback."""
+    try:
+        return copy.copy(error)
+    except Exception:
+        return StoreError(f"a lease renewal failed: {error!r}")
+
+
+def _answer(batch: list[_Waiting], answers: list[Any]) -> None:
+    for one, answer in zip(batch, answers, strict=True):
+        if not one.future.done():  # (past its bound, or cancelled: nobody waits for it)
+            one.future.set_result(answer)
+
+
 class Renewals:
     """One dedicated connection for a store's lease renewals, shared in turns."""
 
     __slots__ = (
         "_conn",
         "_connect",
+        "_draining",
         "_fallback",
         "_opening",
         "_retiring",
         "_retry_at",
         "_stopped",
         "_turns",
+        "_waiting",
     )
 
     def __init__(
@@ -89,9 +143,20 @@ class Renewals:
         #: close it); renewals run on the pool, which says whether the store is closed.
         self._stopped = False
         self._turns = Turns()
+        #: Renewals waiting for the next turn, and the task that sends them (see `_drain`).
+        self._waiting: deque[_Waiting] = deque()
+        self._draining: asyncio.Task[None] | None = None
 
     def resume(self) -> None:
         self._stopped = False
+
+    async def renew(self, seconds: float, *args: Any) -> Any:
+        """queries.sql `heartbeat`'s answer for `args` (tenant, operation, key, generation,
+        lease), within `seconds`: StoreError past them. Alone when the connection is free,
+        else in the next turn's batch."""
+        if (self._waiting or self._turns().locked()) and -BATCH_LEASE <= args[4] <= BATCH_LEASE:
+            return await self._wait(seconds, args)
+        return await self.fetchval(seconds, _Q["heartbeat"], *args)
 
     async def fetchval(self, seconds: float, query: str, *args: Any) -> Any:
         """`fetchval(query, *args)` on the renewals' connection (else on the pool), all of it
@@ -103,21 +168,94 @@ class Renewals:
                 async with self._turns():
                     conn = self._conn
                     if conn is not None and not conn.is_closed():
-                        return await self._run(conn, query, args, patience)
+                        return await self._run(conn, "fetchval", query, args, patience)
                     conn = await self._opened(patience)
                     if conn is not None:
-                        return await self._run(conn, query, args, None)
+                        return await self._run(conn, "fetchval", query, args, None)
                 return await self._fallback("fetchval", query, *args)
         except TimeoutError:
             raise StoreError(f"a lease renewal took more than {seconds:g} s") from None
 
+    async def _wait(self, seconds: float, args: tuple[Any, ...]) -> Any:
+        """`renew` in the next turn's batch: waits for its answer at most `seconds` (its
+        batch goes on without it past them)."""
+        loop = asyncio.get_running_loop()
+        draining = self._draining
+        if draining is not None and draining.get_loop() is not loop:
+            # (Another event loop's, which ended without cancelling it: its renewals are gone.)
+            self._waiting.clear()
+            draining = self._draining = None
+        waiting = _Waiting(args, loop.create_future(), loop.time(), seconds)
+        self._waiting.append(waiting)
+        if draining is None:
+            self._draining = loop.create_task(self._drain())
+        try:
+            async with asyncio.timeout_at(waiting.deadline):
+                answer = await waiting.future  # (cancelled past its bound: left out, or ignored)
+                if answer is _POOL:
+                    return await self._fallback("fetchval", _Q["heartbeat"], *args)
+        except TimeoutError:
+            raise StoreError(f"a lease renewal took more than {seconds:g} s") from None
+        if isinstance(answer, BaseException):
+            raise _own(answer) from answer.__cause__
+        return answer
+
+    async def _drain(self) -> None:
+        """Send the waiting renewals, a batch a turn, until none waits."""
+        waiting = self._waiting
+        try:
+            while waiting:
+                async with self._turns():
+                    batch: list[_Waiting] = []
+                    while waiting and len(batch) < BATCH:
+                        one = waiting.popleft()
+                        if not one.future.done():  # (not past its bound, not cancelled)
+                            batch.append(one)
+                    if batch:
+                        await self._send(batch)
+        finally:
+            self._draining = None
+
+    async def _send(self, batch: list[_Waiting]) -> None:
+        """One statement for `batch`, within the latest bound in it, on the renewals'
+        connection; each renewal gets its answer (an error is an answer too), or `_POOL`."""
+        if len(batch) == 1:
+            method, query, args = "fetchval", _Q["heartbeat"], batch[0].args
+        else:
+            method, query = "fetch", _Q["heartbeat_batch"]
+            args = tuple(list(column) for column in zip(*(one.args for one in batch), strict=True))
+        try:
+            async with asyncio.timeout_at(max(one.deadline for one in batch)):
+                conn = self._conn
+                if conn is not None and not conn.is_closed():
+                    patience = min(one.patience for one in batch)
+                    found = await self._run(conn, method, query, args, patience)
+                else:
+                    conn = await self._opened(min(one.patience for one in batch))
+                    found = (
+                        _POOL if conn is None else await self._run(conn, method, query, args, None)
+                    )
+        except TimeoutError:  # (every bound in it has passed, or is passing)
+            _answer(batch, [StoreError("a lease renewal took more than its bound")] * len(batch))
+        except Exception as exc:
+            _answer(batch, [exc] * len(batch))
+        except BaseException:  # (the drain's task cancelled: the loop's end)
+            _answer(batch, [StoreError("the lease renewals' batch was cancelled")] * len(batch))
+            raise
+        else:
+            if found is _POOL or method == "fetchval":
+                _answer(batch, [found] * len(batch))
+            else:
+                alive = {row[0]: row[1] for row in found}
+                _answer(batch, [alive[n] for n in range(1, len(batch) + 1)])
+
     async def _run(
-        self, conn: Any, query: str, args: tuple[Any, ...], patience: float | None
+        self, conn: Any, method: str, query: str, args: tuple[Any, ...], patience: float | None
     ) -> Any:
         """The statement on `conn`; run once more on a new connection if `conn` turns out to
         be gone and `patience` is given (a connection reused: see `_opened`)."""
         try:
-            return await alone(conn.fetchval, query, *args, on=conn)
+            return await alone(getattr(conn, method), query, *args, on=conn)
         except CONNECTION_ERRORS as exc:
             self._drop(conn)
             # (A connection the server ended while it sat idle is found out by its next
@@ -125,7 +263,7 @@ class Renewals:
             again = None if patience is None else await self._opened(patience)
             if again is None:
                 raise translate(exc) from exc
-            return await self._run(again, query, args, None)
+            return await self._run(again, method, query, args, None)
         except TRANSLATED as exc:  # (the connection is fine: a statement_timeout, a conflict)
             raise translate(exc) from exc
         except LOCK_NOT_AVAILABLE as exc:

@@ -290,9 +290,8 @@ class PostgresStore(OffPathStatements):
 
     async def heartbeat(self, key: RecordKey, generation: int, lease_seconds: float) -> bool:
         self.pool  # noqa: B018 - StoreClosed once closed, or in another loop than the pool's
-        alive = await self._renewals.fetchval(
+        alive = await self._renewals.renew(
             bound(lease_seconds),
-            _Q["heartbeat"],
             key.tenant,
             key.operation,
             key.key,
