@@ -1,9 +1,9 @@
 """Python bytecodes per request, counted per function: where the middleware's own work goes.
 
 `python -m bench.opcodes [--requests 300] [--concurrency 32] [--variants bare,ours-memory,ours-tx]
-[--gc-requests 3000] [--top 25] [--accounts 100] [--dsn URL]` (`--dsn`: a server where it may
-create databases; `--accounts 0`: a new account id in every request's path, so the middleware's
-route cache never hits)
+[--gc-requests 3000] [--top 25] [--others 15] [--accounts 100] [--dsn URL]` (`--dsn`: a server
+where it may create databases; `--accounts 0`: a new account id in every request's path, so the
+middleware's route cache never hits)
 
 Drives the benchmark's apps (`bench.app`: the handler writes to PostgreSQL, bearer
 authentication in front) in-process as `bench.cpu` does, fresh keys, `--concurrency` requests in
@@ -17,7 +17,9 @@ unit of time (a call into C counts as one), so report them beside `bench.cpu` an
 Prints, per variant: bytecodes per request and over bare, and the garbage collector's passes per
 1,000 requests (untraced, in a run of `--gc-requests` of their own: a pass comes every few
 dozen requests, and when depends on how they interleave); then the middleware's functions
-(`idem_middleware`), the most bytecodes first, and the other packages' difference from bare.
+(`idem_middleware`), the most bytecodes first, the other packages' difference from bare, and
+the `--others` functions outside the package (the standard library's, asyncpg's, ...) whose
+bytecodes per request differ most from bare's.
 A coroutine's "calls" count its resumptions: each await that suspends passes through every
 frame between the awaiting code and the task.
 """
@@ -83,6 +85,18 @@ def short(where: Where) -> str:
     return f"{filename.removeprefix(_PACKAGE + '/')}:{line} {name}"
 
 
+def short_other(where: Where) -> str:
+    """A function outside the package, its file named from its package's (or the stdlib's) top."""
+    filename, line, name = where
+    for marker in ("site-packages/", "/lib/python3"):
+        if marker in filename:
+            filename = filename.split(marker, 1)[1]
+            if marker != "site-packages/":
+                filename = filename.split("/", 1)[1] if "/" in filename else filename
+            break
+    return f"{filename}:{line} {name}"
+
+
 async def _count(
     app: Any, requests: int, concurrency: int, gc_requests: int, run: str, accounts: int
 ) -> tuple[Counts, float]:
@@ -117,10 +131,10 @@ async def measure(args: argparse.Namespace, variants: list[str]) -> str:
                 app, args.requests, args.concurrency, args.gc_requests, f"ops-{v}", args.accounts
             )
             print(f"{v}: counted", file=sys.stderr, flush=True)
-    return markdown(results, args.requests, args.top)
+    return markdown(results, args.requests, args.top, args.others)
 
 
-def markdown(results: dict[str, tuple[Counts, float]], n: int, top: int) -> str:
+def markdown(results: dict[str, tuple[Counts, float]], n: int, top: int, others: int = 0) -> str:
     def total(v: str) -> float:
         return sum(results[v][0].ops.values()) / n
 
@@ -166,7 +180,27 @@ def markdown(results: dict[str, tuple[Counts, float]], n: int, top: int) -> str:
             del by_package["idem_middleware"]
             for package, ops in sorted(by_package.items(), key=lambda kv: -abs(kv[1]))[:8]:
                 lines.append(f"| {package} | {ops / n:+,.0f} |")
+            if others:
+                lines += _other_functions(counts, results["bare"][0], n, others)
     return "\n".join(lines)
+
+
+def _other_functions(counts: Counts, bare: Counts, n: int, others: int) -> list[str]:
+    """The functions outside the package whose bytecodes differ most from bare's."""
+    ops: Counter[Where] = Counter()
+    calls: Counter[Where] = Counter()
+    for w in set(counts.ops) | set(bare.ops):
+        if package_of(w[0]) != "idem_middleware":
+            ops[w] = counts.ops[w] - bare.ops[w]
+            calls[w] = counts.calls[w] - bare.calls[w]
+    listed = sorted((w for w in ops if ops[w]), key=lambda w: -abs(ops[w]))[:others]
+    lines = [
+        "",
+        "| other function | bytecodes per request over bare | calls per request over bare |",
+        "|---|---|---|",
+    ]
+    lines += [f"| {short_other(w)} | {ops[w] / n:+,.1f} | {calls[w] / n:+.2f} |" for w in listed]
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -178,6 +212,12 @@ def main(argv: list[str] | None = None) -> int:
         "--gc-requests", type=int, default=3000, help="untraced requests for the GC's passes"
     )
     p.add_argument("--top", type=int, default=25, help="the middleware's functions listed")
+    p.add_argument(
+        "--others",
+        type=int,
+        default=15,
+        help="functions outside the package listed by their difference from bare (0: none)",
+    )
     p.add_argument(
         "--accounts",
         type=int,
@@ -191,12 +231,13 @@ def main(argv: list[str] | None = None) -> int:
         args.requests < 1
         or args.gc_requests < 1
         or args.accounts < 0
+        or args.others < 0
         or not variants
         or not set(variants) <= set(VARIANTS)
     ):
         p.error(
-            "--requests must be at least 1, --accounts at least 0, and --variants among "
-            + ", ".join(VARIANTS)
+            "--requests must be at least 1, --accounts and --others at least 0, and --variants "
+            "among " + ", ".join(VARIANTS)
         )
     try:
         import uvloop

@@ -210,8 +210,9 @@ class LeaseExecution:
                 leave_context(ex.scope, token)
                 # Stopped by awaiting, never cancelled mid-write: a renewal in flight finishes
                 # (it never waits on the fenced transaction's row lock), and it cannot change a
-                # settled record (it only renews a pending one).
-                self._stop_renewing(renewals)
+                # settled record (it only renews a pending one). (Once: settling stopped it.)
+                if self.context is not None:
+                    self._stop_renewing(renewals)
                 if self.heartbeat is not None:
                     await self.heartbeat
             if settled:

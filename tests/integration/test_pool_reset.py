@@ -6,6 +6,7 @@ taken from `store.pool` directly, is still reset: on the fast path by the messag
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import asyncpg
@@ -43,9 +44,12 @@ def _app(store: PostgresStore, mode: Mode) -> Starlette:
 
 
 class Log(QueryLog):
-    def resets(self) -> tuple[int, int]:
+    async def resets(self) -> tuple[int, int]:
         """Reset queries since the last call: (sent as messages of their own, on release;
-        carried after the COMMIT by the message that commits)."""
+        carried after the COMMIT by the message that commits). asyncpg calls a query logger
+        soon after the message, not in it: the loop runs once first (a request may end without
+        another turn of the loop since its last message, its connection given back at once)."""
+        await asyncio.sleep(0)
         alone = sum(q.startswith(RESET) for q in self.queries)
         fused = sum(RESET in q and not q.startswith(RESET) for q in self.queries)
         self.queries.clear()
@@ -64,11 +68,11 @@ async def test_transactional_mode_resets_only_the_handlers_connection(db_dsn: st
         async with client(_app(store, Mode.TRANSACTIONAL)) as c:
             first = await c.post("/leaky", json={}, headers=key("tx-reset"))
             # The handler had the connection: reset by the message that commits, not after it.
-            assert log.resets() == (0, 1)
+            assert (await log.resets()) == (0, 1)
             assert await _leak(store) in (None, "")
-            log.resets()
+            await log.resets()
             again = await c.post("/leaky", json={}, headers=key("tx-reset"))
-            assert log.resets() == (0, 0)  # a replay: only the store's statements
+            assert (await log.resets()) == (0, 0)  # a replay: only the store's statements
         assert await _leak(store) in (None, "")
     assert first.status_code == 201
     assert again.headers["idempotent-replayed"] == "true"
@@ -81,11 +85,11 @@ async def test_lease_mode_resets_only_the_fenced_connection(db_dsn: str) -> None
             first = await c.post("/leaky", json={}, headers=key("lease-reset"))
             # The claim's own statements: no reset; the fenced connection the handler wrote on:
             # reset, by the message that settles and commits.
-            assert log.resets() == (0, 1)
+            assert (await log.resets()) == (0, 1)
             assert await _leak(store) in (None, "")
-            log.resets()
+            await log.resets()
             again = await c.post("/leaky", json={}, headers=key("lease-reset"))
-            assert log.resets() == (0, 0)
+            assert (await log.resets()) == (0, 0)
         assert await _leak(store) in (None, "")
     assert first.status_code == 201
     assert again.headers["idempotent-replayed"] == "true"
@@ -96,7 +100,7 @@ async def test_a_connection_taken_from_the_stores_pool_is_reset(db_dsn: str) -> 
     async with logged_store(db_dsn, log) as store:
         async with store.pool.acquire() as conn:
             await conn.execute("SELECT set_config('idem_test.leak', 'user', false)")
-        assert log.resets() == (1, 0)
+        assert (await log.resets()) == (1, 0)
         assert await _leak(store) in (None, "")
 
 
@@ -113,4 +117,4 @@ async def test_a_reset_of_the_callers_own_is_kept(db_dsn: str) -> None:
         await c.post("/leaky", json={}, headers=key("own-reset"))
         await c.post("/leaky", json={}, headers=key("own-reset"))
     assert len(calls) >= 2  # every release, the store's own statements' too
-    assert log.resets()[1] == 0  # the caller's reset is the one that runs, on release
+    assert (await log.resets())[1] == 0  # the caller's reset is the one that runs, on release

@@ -9,6 +9,7 @@ tests/integration/test_fused.py fails if a new asyncpg changes it.
 
 from __future__ import annotations
 
+from collections.abc import Coroutine
 from typing import Any
 
 from asyncpg.transaction import TransactionState
@@ -42,6 +43,24 @@ def raw_connection(conn: Any) -> Any:
     not a proxy. Pools hand out a new proxy per acquisition: state kept per connection keys on
     this."""
     return getattr(conn, "_con", conn)
+
+
+def release_unshielded(pool: Any, conn: Any) -> Coroutine[Any, Any, None] | None:
+    """`pool.release(conn)` without the task asyncpg's release makes for it (`asyncio.shield`),
+    for a connection whose return sends nothing (not in a transaction, its reset the store's
+    own, skipped for a clean one): then nothing in it waits, so no cancellation can stop it
+    half-way, and the shield guarded nothing at the cost of a task per release. (Should it wait
+    after all, a connection the pool closes instead, past its `max_queries`: a cancellation
+    then terminates it, and the pool opens another.) None: `conn` is not `pool`'s proxy as this
+    asyncpg makes them (released the ordinary way then)."""
+    holder: Any = getattr(conn, "_holder", None)
+    raw = getattr(conn, "_con", None)
+    if raw is None or getattr(holder, "_pool", None) is not pool:
+        return None
+    holder._pool._check_init()  # (`pool`: raises if it is closed)
+    raw._on_release()
+    coroutine: Coroutine[Any, Any, None] = holder.release(holder._timeout)
+    return coroutine
 
 
 async def prepare_cached(

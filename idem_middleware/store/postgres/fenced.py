@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import weakref
 from typing import Any
 
 from ...delayed import Delayed
@@ -128,7 +129,16 @@ class Fencing(Bounded):
     and the connection back to the pool. A class, not a generator's context manager: that one's
     machinery cost more than the fence's own work, once per lease request."""
 
-    __slots__ = ("_deadline", "_expected", "_fast", "_generation", "_key", "_pool", "_session")
+    __slots__ = (
+        "_clean",
+        "_deadline",
+        "_expected",
+        "_fast",
+        "_generation",
+        "_key",
+        "_pool",
+        "_session",
+    )
 
     def __init__(
         self,
@@ -138,9 +148,11 @@ class Fencing(Bounded):
         key: RecordKey,
         generation: int,
         expected: State,
+        clean: weakref.WeakSet[Any] | None = None,
     ) -> None:
         Bounded.__init__(self)
         self._pool = pool
+        self._clean = clean  # the store's clean connections, if its reset skips them
         self._deadline = deadline  # bounds the wait for the pool (see runner.Bounded)
         self._fast = fast  # None: the fast path is off
         self._key = key
@@ -200,7 +212,7 @@ class Fencing(Bounded):
                     except TRANSLATED as error:
                         raise translate(error) from error
         finally:
-            await give_back(self._pool, session.connection)
+            await give_back(self._pool, session.connection, self._clean)
 
     async def _open(self, conn: Any) -> tuple[Any, bool, FastPath | None]:
         """`_open_once`, again while the server refuses the lock for a serialization failure:

@@ -155,7 +155,7 @@ class FastPath:
     preparing and inlines the statements' text instead, for good.
     """
 
-    def __init__(self, mark_clean: Callable[[Any], None] | None = None) -> None:
+    def __init__(self, mark_clean: Callable[[Any], object] | None = None) -> None:
         self.generations = Generations()
         self.prepared: weakref.WeakSet[Any] = weakref.WeakSet()
         self.doubtful: weakref.WeakSet[Any] = weakref.WeakSet()  # see `unsure`

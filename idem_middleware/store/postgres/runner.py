@@ -38,16 +38,29 @@ _running_loop = asyncio._get_running_loop
 RELEASE_ERRORS: tuple[type[BaseException], ...] = (SERVER_ERROR, *CONNECTION_ERRORS)
 
 
-async def give_back(pool: Any, conn: Any) -> None:
+async def give_back(pool: Any, conn: Any, clean: weakref.WeakSet[Any] | None = None) -> None:
     """`pool.release(conn)`, for a connection whose transaction is over (committed or rolled
     back). A reset that fails on the way (the server refuses it, or the connection is gone) is
     logged, not raised: the connection is terminated, so the pool discards it (and opens another
-    when it needs one), and the request's outcome stands. A cancellation is not caught."""
+    when it needs one), and the request's outcome stands. A cancellation is not caught.
+    `clean`: the store's clean connections, when the pool's reset is the store's (one of them
+    goes back without asyncpg's task: `compat.release_unshielded`)."""
     try:
-        await pool.release(conn)
+        await (released(pool, conn, clean) or pool.release(conn))
     except RELEASE_ERRORS:
         logger.warning("a connection's reset failed on its way back to the pool", exc_info=True)
         discard(conn)
+
+
+def released(pool: Any, conn: Any, clean: weakref.WeakSet[Any] | None) -> Any:
+    """`compat.release_unshielded(pool, conn)` if `conn` is one of `clean` and not in a
+    transaction (its release sends nothing), else None."""
+    if clean is None:
+        return None
+    raw = compat.raw_connection(conn)
+    if raw is None or raw not in clean or raw.is_in_transaction():
+        return None
+    return compat.release_unshielded(pool, conn)
 
 
 def warn_ended(key: Any, which: str) -> None:
@@ -87,14 +100,6 @@ _T = TypeVar("_T")
 
 
 async def alone(call: Callable[..., Awaitable[_T]], *args: Any, on: Any) -> _T:
-    try:
-        return await _alone(call, *args, on=on)
-    except SERVER_ERROR as exc:
-        scrub(exc)  # (its DETAIL quotes the row: never in a message a server logs)
-        raise
-
-
-async def _alone(call: Callable[..., Awaitable[_T]], *args: Any, on: Any) -> _T:
     """`await call(*args)`: statements on the connection `on`, each committed on its own (no
     transaction around them), run again while the server refuses one for a serialization
     failure or a deadlock. A refused statement changed nothing, so running it again is safe.
@@ -106,20 +111,26 @@ async def _alone(call: Callable[..., Awaitable[_T]], *args: Any, on: Any) -> _T:
 
     Run again once, too, when a statement asyncpg prepared earlier is gone from the session (a
     handler that had the connection ran `DEALLOCATE ALL`): it never ran, and asyncpg prepares
-    it again once its cache is emptied. Every later request on that connection failed so."""
+    it again once its cache is emptied. Every later request on that connection failed so.
+    A server's error that goes on is scrubbed first. (One coroutine, not one wrapping another:
+    lease mode runs two of these per request.)"""
     healed = False
-    for attempt in range(_ATTEMPTS - 1):
-        try:
-            return await call(*args)
-        except RETRYABLE:
-            # A little apart, so that two statements refused for each other do not meet again.
-            await asyncio.sleep(random.uniform(0, 0.001 * 2**attempt))
-        except STALE_STATEMENT:
-            if healed:
-                raise
-            healed = True
-            compat.forget_statements(on)
-    return await call(*args)
+    try:
+        for attempt in range(_ATTEMPTS - 1):
+            try:
+                return await call(*args)
+            except RETRYABLE:
+                # A little apart, so that two statements refused for each other do not meet.
+                await asyncio.sleep(random.uniform(0, 0.001 * 2**attempt))
+            except STALE_STATEMENT:
+                if healed:
+                    raise
+                healed = True
+                compat.forget_statements(on)
+        return await call(*args)
+    except SERVER_ERROR as exc:
+        scrub(exc)  # (its DETAIL quotes the row: never in a message a server logs)
+        raise
 
 
 class Bounded:
@@ -193,11 +204,16 @@ class PoolStatements:
         it then cannot serve (see lifecycle.py): the app's startup checks this."""
         return self._pool is not None and other_loop(self._pool)
 
-    def _mark_clean(self, conn: Any) -> None:
+    #: `_clean` when the pool's reset is the store's (it skips theirs), else None.
+    _clean_releases: weakref.WeakSet[Any] | None = None
+
+    def _mark_clean(self, conn: Any) -> bool:
         """`conn` (a pool's proxy) ran only our statements and is not in a transaction."""
         raw = compat.raw_connection(conn)
         if raw is not None and not raw.is_closed() and not raw.is_in_transaction():
             self._clean.add(raw)
+            return True
+        return False
 
     def _internal(self) -> _Internal:
         """A pooled connection for the store's own statements: released without a reset."""
@@ -273,13 +289,17 @@ class _Internal(Bounded):
 
     async def __aexit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
         conn = self._conn
+        owner = self._owner
+        clean = False
         try:
-            if exc_type is None:
-                self._owner._mark_clean(conn)
+            clean = exc_type is None and owner._mark_clean(conn)
         finally:
             # (give_back, inline: a lost connection is logged, and the block's error stands)
             try:
-                await self._pool.release(conn)
+                if clean and owner._clean_releases is not None:
+                    await (compat.release_unshielded(self._pool, conn) or self._pool.release(conn))
+                else:
+                    await self._pool.release(conn)
             except RELEASE_ERRORS:
                 logger.warning(
                     "a connection's reset failed on its way back to the pool", exc_info=True

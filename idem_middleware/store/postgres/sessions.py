@@ -44,13 +44,13 @@ class Lender(Protocol):
 
     _fast: FastPath | None
     _locks: ClaimLocks
+    _clean_releases: Any  # (runner.PoolStatements)
     idle_in_transaction: float
 
     @property
     def pool(self) -> Any: ...
 
-    def _mark_clean(self, conn: Any) -> None:
-        """`conn` ran only the store's statements: the pool need not reset it."""
+    def _mark_clean(self, conn: Any) -> bool: ...  # ran only our statements: no reset needed
 
 
 class PgTransaction:
@@ -214,7 +214,7 @@ class PgTransaction:
                 if not self.lent:
                     self._lender._mark_clean(conn)  # a replay, say: the handler never had it
             finally:
-                await give_back(pool, conn)  # even when cancelled during the rollback
+                await give_back(pool, conn, self._lender._clean_releases)  # even if cancelled
         finally:
             deadline.discard(self)
 

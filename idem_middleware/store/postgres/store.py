@@ -14,15 +14,7 @@ import asyncpg
 
 from ...delayed import Delayed
 from ...errors import ConfigurationError, StoreError
-from ..base import (
-    Claim,
-    Claimed,
-    Record,
-    RecordKey,
-    Settlement,
-    State,
-    Store,
-)
+from ..base import Claim, Claimed, Record, RecordKey, Settlement, State, Store
 from ..migrations import require_migrated
 from . import closing, compat
 from .claim import claim
@@ -124,9 +116,11 @@ class PostgresStore(OffPathStatements):
         }
         self._clean = weakref.WeakSet()  # see PoolStatements
         self._pool_kwargs.setdefault("reset", self._reset_connection)
-        # The fast path's COMMIT carries the reset of a connection a handler had, when the
-        # reset is ours to skip at release (a pool of our own, no `reset` of the caller's).
+        # The fast path's COMMIT carries the reset of a connection a handler had (and a clean
+        # one goes back unshielded) when the reset is ours to skip (a pool of our own, no
+        # `reset` of the caller's).
         own_reset = pool is None and self._pool_kwargs["reset"] == self._reset_connection
+        self._clean_releases = self._clean if own_reset else None
         self._fast = FastPath(self._mark_clean if own_reset else None) if fast_path else None
 
     async def _reset_connection(self, conn: Any) -> None:
@@ -362,7 +356,8 @@ class PostgresStore(OffPathStatements):
         return bool(row["moved"])
 
     def fenced(self, key: RecordKey, generation: int, expected: State = State.PENDING) -> Fencing:
-        return Fencing(self.pool, self._checkouts, self._fast, key, generation, expected)
+        args = (self._fast, key, generation, expected, self._clean_releases)
+        return Fencing(self.pool, self._checkouts, *args)
 
     async def _release(self, conn: Any) -> None:
         await self.pool.release(conn)
