@@ -50,3 +50,24 @@ async def test_an_executions_renewals_are_stopped_once(monkeypatch: pytest.Monke
     assert first.status_code == again.status_code == 201
     assert again.headers["idempotent-replayed"] == "true"
     assert len(discarded) == 1  # the execution's, as its settlement starts; the replay has none
+
+
+def test_an_asyncpg_without_the_private_release_parts_releases_the_ordinary_way() -> None:
+    """`compat.release_unshielded` reaches into asyncpg's pool; one that keeps those parts
+    elsewhere gets its own `pool.release` (None here), never an AttributeError per request."""
+    from idem_middleware.store.postgres import compat
+
+    class Pool:  # (no `_check_init`)
+        pass
+
+    class Holder:
+        def __init__(self, pool: object) -> None:
+            self._pool = pool
+
+    class Proxy:
+        def __init__(self, pool: object) -> None:
+            self._holder = Holder(pool)
+            self._con = object()  # (no `_on_release`)
+
+    pool = Pool()
+    assert compat.release_unshielded(pool, Proxy(pool)) is None

@@ -57,9 +57,13 @@ def release_unshielded(pool: Any, conn: Any) -> Coroutine[Any, Any, None] | None
     raw = getattr(conn, "_con", None)
     if raw is None or getattr(holder, "_pool", None) is not pool:
         return None
-    holder._pool._check_init()  # (`pool`: raises if it is closed)
-    raw._on_release()
-    coroutine: Coroutine[Any, Any, None] = holder.release(holder._timeout)
+    check, tidy = getattr(pool, "_check_init", None), getattr(raw, "_on_release", None)
+    release = getattr(holder, "release", None)
+    if not (callable(check) and callable(tidy) and callable(release)):
+        return None  # (an asyncpg that keeps them elsewhere: its own release, task and all)
+    check()  # (raises if the pool is closed)
+    tidy()
+    coroutine: Coroutine[Any, Any, None] = release(getattr(holder, "_timeout", None))
     return coroutine
 
 
