@@ -10,7 +10,9 @@ import asyncio
 import itertools
 import logging
 from typing import Any
+from urllib.parse import urlsplit
 
+import asyncpg
 import pytest
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -21,6 +23,7 @@ from idem_middleware.policy import Mode
 from idem_middleware.store.base import RecordKey, State
 from tests.apps import assert_replay_of, client, one_route_app
 from tests.apps.concurrency import wait_for_waiters
+from tests.pgbouncer import PgBouncer, binary
 from tests.restarts import OwnServer
 
 #: The most any condition is waited for (a bound, not a timing: each wait ends on its condition).
@@ -199,3 +202,47 @@ async def test_an_outbox_publisher_backs_off_while_the_server_is_down_then_resum
     gaps = [later - earlier for earlier, later in itertools.pairwise(times)]
     # (Lower bounds only: each wait is at least its backoff; 0.9 for the log's wall clock.)
     assert all(gap >= 0.9 * 0.05 * 2**i for i, gap in enumerate(gaps)), gaps
+
+
+@pytest.mark.skipif(binary() is None, reason="pgbouncer is not installed")
+async def test_a_publisher_through_pgbouncer_sends_again_after_the_server_restarts(
+    own_server: OwnServer, own_dsn: str
+) -> None:
+    """The publisher on PgBouncer in transaction pooling mode (no statement cache) while the
+    server behind it restarts: PgBouncer stays up, its server connections die, and the same
+    publisher sends the event added before and the one added after."""
+    sent: list[Any] = []
+
+    async def sender(event: OutboxEvent) -> bool:
+        sent.append(event.payload)
+        return True
+
+    bouncer = await asyncio.to_thread(PgBouncer(own_dsn, settings={"server_login_retry": 1}).start)
+    database = urlsplit(own_dsn).path.lstrip("/")
+    try:
+        async with PostgresStore(
+            dsn=bouncer.dsn(database), min_size=1, max_size=2, listen=False, statement_cache_size=0
+        ) as store:
+            async with store.pool.acquire() as conn:
+                await add(conn, "t", {"n": 1})
+            stop = asyncio.Event()
+            publisher = Publisher(store, sender, base_backoff_seconds=0.0)
+            running = asyncio.create_task(publisher.run(stop=stop, idle_seconds=0.05))
+            try:
+                await until(lambda: sent, "the first event sent")
+                await asyncio.to_thread(own_server.stop)
+                await asyncio.to_thread(own_server.start)
+                # (Added on the server itself: PgBouncer refuses clients for a while after a
+                # failed server login, `server_login_retry`; the publisher rides that out.)
+                direct = await asyncpg.connect(own_dsn)
+                try:
+                    await add(direct, "t", {"n": 2})
+                finally:
+                    await direct.close()
+                await until(lambda: len(sent) == 2, "the event added after the restart sent")
+            finally:
+                stop.set()
+                await asyncio.wait_for(running, BOUND)
+    finally:
+        await asyncio.to_thread(bouncer.stop)
+    assert sent == [{"n": 1}, {"n": 2}]
