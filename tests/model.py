@@ -149,7 +149,11 @@ class Model:
         e = self._current(key, generation, PENDING)
         if e is None:
             return False
-        self.entries[key] = replace(e, lease_expires=self.now + lease)
+        # (never shortened: a renewal that lands late keeps a later one's end)
+        until = self.now + lease
+        if e.lease_expires is not None and e.lease_expires > until:
+            until = e.lease_expires
+        self.entries[key] = replace(e, lease_expires=until)
         return True
 
     def expire_lease(self, key: Key, generation: int) -> bool:
