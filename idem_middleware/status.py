@@ -45,6 +45,16 @@ _TWO_KEYS = "The key in the query and the one in the Idempotency-Key header diff
 _REPEATED = "Pass the operation and the key once each."
 
 
+_NOT_FOUND = (
+    "No request with this key for this caller, running or finished (a finished one is forgotten"
+    " after its retention)."
+)
+# The store cannot see uncommitted claims (its role may not read pg_locks): the same key's retry
+# is the one safe way to find out (it waits for a running original, or runs it).
+_UNSEEN = (
+    "No finished request with this key for this caller; one still running may not show here."
+    " Send it again with the same key (never a new one) to find out."
+)
 _RUNNING = "The request is running: ask again later, or send it again with the same key."
 _NOTHING_RUNS = "Nothing runs this request any more: send it again with the same key."
 _FINISHED = "The request has finished: send it again with the same key for its response."
@@ -213,9 +223,7 @@ def status_route(
             return _answered(operation, State.PENDING, None, False, _RUNNING, policy)
         if record is None or record.expired:
             return _problem(
-                ProblemKind.RECORD_NOT_FOUND,
-                "No request with this key for this caller, running or finished (a finished one"
-                " is forgotten after its retention).",
+                ProblemKind.RECORD_NOT_FOUND, _NOT_FOUND if claiming is False else _UNSEEN
             )
         retry, detail = _retry_and_detail(record, policy, by_hand)
         status = None if record.response is None else record.response.status
