@@ -19,7 +19,7 @@ from starlette.routing import Route
 
 from .errors import ProblemKind, RequestRejected, StoreError
 from .keys import check_key, parse_idempotency_key
-from .library_routes import ROUTE_OPERATIONS_ATTRIBUTE, GuardedOperations
+from .library_routes import ROUTE_OPERATIONS_ATTRIBUTE, GuardedOperations, LibraryRoute
 from .policy import LeaseExpiry, Mode, Policy
 from .responses import DEFAULT_PROBLEM_BASE, problem_response
 from .store.base import Record, RecordKey, State, Store
@@ -232,4 +232,4 @@ def status_route(
     setattr(status, ROUTE_RESOLVER_ATTRIBUTE, tenant_resolver)  # (see startup's check)
     setattr(status, ROUTE_TENANTS_ATTRIBUTE, tenants)
     setattr(status, ROUTE_OPERATIONS_ATTRIBUTE, operations)
-    return Route(path, status, methods=["GET"], name="idempotency_status")
+    return LibraryRoute(path, status, method="GET", name="idempotency_status", base=problem_base)
