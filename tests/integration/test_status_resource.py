@@ -558,3 +558,16 @@ async def test_a_method_the_library_routes_do_not_serve_is_a_405_problem_with_al
     assert tokens.json()["type"] == f"{base}method-not-allowed"
     assert tokens.headers["allow"] == "POST"
     assert head.status_code == 404  # HEAD is served, as GET is
+
+
+async def test_the_kill_switch_leaves_the_status_resource_answering() -> None:
+    """Decided: the status resource is a route of the app, not of the middleware; with the
+    middleware switched off (`enabled=False`), a client that got a 202 before the switch still
+    learns the outcome from it."""
+    store = MemoryStore()
+    async with client(build_app(store)) as c:
+        assert (await c.post(CREDIT, json={"amount": 5}, headers=key("k"))).status_code == 201
+    async with client(build_app(store, enabled=False)) as c:
+        r = await c.get(STATUS, params={"operation": CREDIT_OP, "key": "k"})
+    assert r.status_code == 200, r.text
+    assert r.json()["state"] == "succeeded"
