@@ -43,6 +43,12 @@ _BAD_OPERATION = (
 _NO_KEY = "Pass the operation, and the key in the query or in the Idempotency-Key header."
 _TWO_KEYS = "The key in the query and the one in the Idempotency-Key header differ."
 _REPEATED = "Pass the operation and the key once each."
+# A URL lands in access logs (the server's, every proxy's): a token sent in one is refused, so
+# that no client comes to rely on it; the refusal, logged or not, never repeats it.
+_TOKEN_IN_URL = (
+    "This operation's key is a one-time token: send it in the Idempotency-Key header, never in"
+    " the URL (servers and proxies log URLs)."
+)
 
 
 _NOT_FOUND = (
@@ -202,6 +208,8 @@ def status_route(
         if OPERATION_SHAPE.fullmatch(operation) is None:
             return _problem(ProblemKind.INVALID_KEY, _BAD_OPERATION)
         policy = operations.policy(operation)
+        if policy is not None and policy.require_token and query.get("key") is not None:
+            return _problem(ProblemKind.INVALID_KEY, _TOKEN_IN_URL)
         by_hand = False
         try:
             record, claiming = await store.peek(RecordKey(tenant, operation, key))

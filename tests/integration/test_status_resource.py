@@ -4,6 +4,7 @@ from the caller's own record, or its own uncommitted claim (the key's claim lock
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any, cast
 
 import pytest
@@ -571,3 +572,36 @@ async def test_the_kill_switch_leaves_the_status_resource_answering() -> None:
         r = await c.get(STATUS, params={"operation": CREDIT_OP, "key": "k"})
     assert r.status_code == 200, r.text
     assert r.json()["state"] == "succeeded"
+
+
+async def test_a_token_in_the_status_url_is_refused_and_never_logged(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Found by probing: on a `require_token` operation, the status resource answered a token
+    sent in the URL's `key` as readily as one in the header, and URLs land in access logs. It
+    is refused (400 invalid-key, naming the header), whatever the token; the header still
+    works. A wrong, another tenant's, or an unused token is a 404; a consumed one is found."""
+    store = MemoryStore()
+    issuer = TokenIssuer(store, secret=b"s" * 32)
+    app = build_app(store, policies={CREDIT_OP: Policy(require_token=True)})
+    app.router.routes.append(token_route(issuer))
+    op = {"operation": CREDIT_OP}
+    # (httpx itself logs every URL at INFO: the very reason a token stays out of it)
+    with caplog.at_level(logging.DEBUG, logger="idem_middleware"):
+        async with client(app) as c, client(app, token="demo-b") as other:
+            token = (await c.post("/idempotency/tokens", json=op)).json()["token"]
+            unused = await c.get(STATUS, params=op, headers=key(token))
+            assert (await c.post(CREDIT, json={"amount": 5}, headers=key(token))).status_code == 201
+            in_url = await c.get(STATUS, params={**op, "key": token})
+            both = await c.get(STATUS, params={**op, "key": token}, headers=key(token))
+            in_header = await c.get(STATUS, params=op, headers=key(token))
+            theirs = await other.get(STATUS, params=op, headers=key(token))
+            forged = await c.get(STATUS, params=op, headers=key("f" * 43))
+    for refused in (in_url, both):
+        detail = assert_problem(refused, 400, "invalid-key")["detail"]
+        assert "Idempotency-Key header" in detail and token not in refused.text
+    assert in_header.json()["state"] == "succeeded", in_header.text
+    for absent in (unused, theirs, forged):
+        assert_problem(absent, 404, "record-not-found")
+    ours = [r for r in caplog.records if r.name.startswith("idem_middleware")]
+    assert not [r for r in ours if token in r.getMessage()]
