@@ -239,7 +239,6 @@ async def test_migrate_over_objects_made_some_other_way_says_so(pg_dsn: str) -> 
     assert "already exists" in str(refused.value)
 
 
-
 STATUS = "/idempotency/status"
 CREDIT = "/accounts/a/credits"
 CREDIT_OP = "POST /accounts/{account_id}/credits"
@@ -274,7 +273,8 @@ async def test_a_role_that_may_not_read_pg_locks_has_statuses_from_records_alone
     assert done.status_code == 200, done.text
     assert done.json()["state"] == "succeeded"
     detail = assert_problem(running, 404, "record-not-found")["detail"]
-    assert "may not show" in detail and "same key" in detail
+    assert "may not show" in detail
+    assert "same key" in detail
     [warning] = _lock_warnings(caplog)
     assert f"GRANT SELECT ON pg_catalog.pg_locks TO {role}" in warning
 
