@@ -29,6 +29,8 @@ class ProblemKind(StrEnum):
     TOKEN_CONFLICT = "token-conflict"
     #: The server cancelled the request before it was answered (its shutdown's graceful timeout).
     CANCELLED = "request-cancelled"
+    #: The library's own routes only: a method they do not serve (with `Allow`).
+    METHOD_NOT_ALLOWED = "method-not-allowed"
 
 
 class IdempotencyError(Exception):

@@ -17,7 +17,12 @@ from collections.abc import Iterable, Mapping
 from types import MappingProxyType
 from typing import Any
 
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from .errors import ProblemKind
 from .policy import Policy
+from .responses import problem_response
 
 logger = logging.getLogger("idem_middleware")
 
@@ -84,3 +89,25 @@ def tell_library_routes(items: Iterable[Any], guarded: Iterable[tuple[str, Polic
                 "refused (400)",
                 item.template,
             )
+
+
+class LibraryRoute(Route):
+    """A library route: a method it does not serve is `405 method-not-allowed` with `Allow`, in
+    problem+json as the library answers everything (Starlette's own 405 is plain text, or
+    whatever the app's handler of HTTPException makes of it)."""
+
+    def __init__(self, path: str, endpoint: Any, *, method: str, name: str, base: str) -> None:
+        super().__init__(path, endpoint, methods=[method], name=name)
+        self.problem_base = base
+
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.methods and scope["method"] not in self.methods:
+            allow = ", ".join(sorted(self.methods))
+            detail = f"This resource answers {allow} only."
+            response = problem_response(
+                ProblemKind.METHOD_NOT_ALLOWED, detail, base=self.problem_base
+            )
+            response.headers["allow"] = allow
+            await response(scope, receive, send)
+            return
+        await super().handle(scope, receive, send)

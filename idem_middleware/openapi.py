@@ -36,7 +36,9 @@ _PROBLEM_DETAILS = {
 
 # The refusals are every ProblemKind (a new kind is documented unless it is listed here), with
 # its status: only the library's own routes answer these.
-_ROUTES_ONLY = frozenset({ProblemKind.RECORD_NOT_FOUND, ProblemKind.TOKEN_CONFLICT})
+_ROUTES_ONLY = frozenset(
+    {ProblemKind.RECORD_NOT_FOUND, ProblemKind.TOKEN_CONFLICT, ProblemKind.METHOD_NOT_ALLOWED}
+)
 # Sent with Retry-After.
 _RETRY_AFTER = frozenset(
     {

@@ -40,6 +40,7 @@ _TITLES: dict[ProblemKind, tuple[int, str]] = {
     ProblemKind.TENANT_BUSY: (429, "Too many of this caller's requests are in progress"),
     ProblemKind.TOKEN_CONFLICT: (409, "This intent's token cannot be issued"),
     ProblemKind.CANCELLED: (503, "The request was cut short before it was answered"),
+    ProblemKind.METHOD_NOT_ALLOWED: (405, "This method is not allowed here"),
 }
 
 # Never stored or replayed: per-connection (hop-by-hop), per-response (Date, Server, and how long

@@ -19,7 +19,7 @@ from starlette.routing import Route
 
 from .errors import ProblemKind, RequestRejected, StoreError
 from .keys import check_key, parse_idempotency_key
-from .library_routes import ROUTE_OPERATIONS_ATTRIBUTE, GuardedOperations
+from .library_routes import ROUTE_OPERATIONS_ATTRIBUTE, GuardedOperations, LibraryRoute
 from .policy import LeaseExpiry, Mode, Policy
 from .responses import DEFAULT_PROBLEM_BASE, problem_response
 from .store.base import Record, RecordKey, State, Store
@@ -43,8 +43,24 @@ _BAD_OPERATION = (
 _NO_KEY = "Pass the operation, and the key in the query or in the Idempotency-Key header."
 _TWO_KEYS = "The key in the query and the one in the Idempotency-Key header differ."
 _REPEATED = "Pass the operation and the key once each."
+# A URL lands in access logs (the server's, every proxy's): a token sent in one is refused, so
+# that no client comes to rely on it; the refusal, logged or not, never repeats it.
+_TOKEN_IN_URL = (
+    "This operation's key is a one-time token: send it in the Idempotency-Key header, never in"
+    " the URL (servers and proxies log URLs)."
+)
 
 
+_NOT_FOUND = (
+    "No request with this key for this caller, running or finished (a finished one is forgotten"
+    " after its retention)."
+)
+# The store cannot see uncommitted claims (its role may not read pg_locks): the same key's retry
+# is the one safe way to find out (it waits for a running original, or runs it).
+_UNSEEN = (
+    "No finished request with this key for this caller; one still running may not show here."
+    " Send it again with the same key (never a new one) to find out."
+)
 _RUNNING = "The request is running: ask again later, or send it again with the same key."
 _NOTHING_RUNS = "Nothing runs this request any more: send it again with the same key."
 _FINISHED = "The request has finished: send it again with the same key for its response."
@@ -192,6 +208,8 @@ def status_route(
         if OPERATION_SHAPE.fullmatch(operation) is None:
             return _problem(ProblemKind.INVALID_KEY, _BAD_OPERATION)
         policy = operations.policy(operation)
+        if policy is not None and policy.require_token and query.get("key") is not None:
+            return _problem(ProblemKind.INVALID_KEY, _TOKEN_IN_URL)
         by_hand = False
         try:
             record, claiming = await store.peek(RecordKey(tenant, operation, key))
@@ -213,9 +231,7 @@ def status_route(
             return _answered(operation, State.PENDING, None, False, _RUNNING, policy)
         if record is None or record.expired:
             return _problem(
-                ProblemKind.RECORD_NOT_FOUND,
-                "No request with this key for this caller, running or finished (a finished one"
-                " is forgotten after its retention).",
+                ProblemKind.RECORD_NOT_FOUND, _NOT_FOUND if claiming is False else _UNSEEN
             )
         retry, detail = _retry_and_detail(record, policy, by_hand)
         status = None if record.response is None else record.response.status
@@ -224,4 +240,4 @@ def status_route(
     setattr(status, ROUTE_RESOLVER_ATTRIBUTE, tenant_resolver)  # (see startup's check)
     setattr(status, ROUTE_TENANTS_ATTRIBUTE, tenants)
     setattr(status, ROUTE_OPERATIONS_ATTRIBUTE, operations)
-    return Route(path, status, methods=["GET"], name="idempotency_status")
+    return LibraryRoute(path, status, method="GET", name="idempotency_status", base=problem_base)

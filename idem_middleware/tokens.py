@@ -27,7 +27,7 @@ from starlette.routing import Route
 from .context import token_hash
 from .errors import ProblemKind, StatementRefused, StoreError
 from .errors import TokenConflict as TokenConflict
-from .library_routes import ROUTE_OPERATIONS_ATTRIBUTE, GuardedOperations
+from .library_routes import ROUTE_OPERATIONS_ATTRIBUTE, GuardedOperations, LibraryRoute
 from .policy import MAX_SECONDS, not_idempotent
 from .responses import DEFAULT_PROBLEM_BASE, problem_response
 from .status import OPERATION_SHAPE  # the operations the status resource accepts
@@ -311,4 +311,4 @@ def token_route(
     setattr(issue, ROUTE_RESOLVER_ATTRIBUTE, tenant_resolver)  # (see startup's check)
     setattr(issue, ROUTE_TENANTS_ATTRIBUTE, tenants)
     setattr(issue, ROUTE_OPERATIONS_ATTRIBUTE, operations)
-    return Route(path, issue, methods=["POST"], name="idempotency_tokens")
+    return LibraryRoute(path, issue, method="POST", name="idempotency_tokens", base=problem_base)

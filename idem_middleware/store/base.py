@@ -318,9 +318,10 @@ class Store(Protocol):
     async def get(self, key: RecordKey) -> Record | None:
         """The committed record, if any."""
 
-    async def peek(self, key: RecordKey) -> tuple[Record | None, bool]:
+    async def peek(self, key: RecordKey) -> tuple[Record | None, bool | None]:
         """The status resource's read: the committed record (as `get`), and, when there is no
-        live one, whether a transaction is claiming the key now (its claim is uncommitted)."""
+        live one, whether a transaction is claiming the key now (its claim is uncommitted);
+        None when the store cannot tell (PostgreSQL: its role may not read pg_locks)."""
 
     # -- lease mode: every call commits on its own -----------------------------------------------
 

@@ -393,6 +393,45 @@ async def test_a_status_path_behind_an_opaque_mount_is_a_warning(
     )
 
 
+async def app_status(request: Request) -> Response:
+    return JSONResponse({"mine": True})
+
+
+async def test_an_app_route_shadowing_the_status_resource_fails_startup(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Found by probing: a route of the app at the status path, listed before the status
+    resource, took every GET of it, and startup passed: a client following a 202's Location
+    got that route's answer. Decided: the app's route listed first fails startup when the app
+    has the status resource too (a collision); alone there, it may be the app's own status
+    resource, and startup only warns. The status resource listed first starts."""
+    store = MemoryStore()
+    pay_route = Route("/pay", ACCEPTING, methods=["POST"])
+    mine = Route("/idempotency/status", app_status, methods=["GET"])
+    shadowed = starlette_app([pay_route, mine, status_route(store)], store=store)
+    mounted = starlette_app(
+        [
+            pay_route,
+            Mount("/idempotency", routes=[Route("/status", app_status)]),
+            status_route(store),
+        ],
+        store=store,
+    )
+    first = starlette_app([pay_route, status_route(store), mine], store=store)
+    alone = starlette_app([pay_route, mine], store=store)
+    message = failure(await startup(shadowed))
+    assert "GET /idempotency/status goes to the app's own 'app_status'" in message
+    assert "Put status_route(store) before it" in message
+    assert "goes to the app's own 'app_status'" in failure(await startup(mounted))
+    assert started(await startup(first))
+    with caplog.at_level(logging.WARNING, logger="idem_middleware"):
+        assert started(await startup(alone))
+    assert any(
+        "goes to the app's own 'app_status'" in m and "it must answer as" in m
+        for m in messages(caplog, logging.WARNING)
+    )
+
+
 def fastapi_accepting(with_status: bool) -> FastAPI:
     store = MemoryStore()
     app = FastAPI()

@@ -4,6 +4,7 @@ from the caller's own record, or its own uncommitted claim (the key's claim lock
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any, cast
 
 import pytest
@@ -527,3 +528,81 @@ async def test_an_anonymous_duplicate_in_flight_is_a_409_not_a_202_it_cannot_fol
     assert_problem(duplicate, 409, "request-in-flight")
     assert duplicate.headers["retry-after"] == "2"
     assert "location" not in duplicate.headers
+
+
+async def test_a_method_the_library_routes_do_not_serve_is_a_405_problem_with_allow() -> None:
+    """Found by probing: `POST` (or `DELETE` ...) to the status resource, or `GET` to the token
+    route, was Starlette's plain-text 405, where the library answers problem+json everywhere
+    else. It is `405 method-not-allowed` under the route's `problem_base`, with `Allow`."""
+    store = MemoryStore()
+    base = "https://errors.example/"
+    app = build_app(store, problem_base=base)
+    app.router.routes[:0] = [
+        status_route(store, path="/s", problem_base=base),
+        token_route(TokenIssuer(store, secret=b"s" * 32), problem_base=base),
+    ]
+    async with client(app) as c:
+        refused = [
+            await c.post("/s", params={"operation": CREDIT_OP, "key": "k"}),
+            await c.delete("/s"),
+            await c.put(STATUS),  # (build_app's, under the default base)
+        ]
+        tokens = await c.get("/idempotency/tokens")
+        head = await c.head(STATUS, params={"operation": CREDIT_OP, "key": "k"})
+    for r in refused:
+        assert r.status_code == 405
+        assert r.headers["content-type"] == "application/problem+json"
+        assert r.json()["type"].endswith("method-not-allowed")
+        assert r.headers["allow"] == "GET, HEAD"
+    assert [r.json()["type"].startswith(base) for r in refused] == [True, True, False]
+    assert tokens.status_code == 405
+    assert tokens.json()["type"] == f"{base}method-not-allowed"
+    assert tokens.headers["allow"] == "POST"
+    assert head.status_code == 404  # HEAD is served, as GET is
+
+
+async def test_the_kill_switch_leaves_the_status_resource_answering() -> None:
+    """Decided: the status resource is a route of the app, not of the middleware; with the
+    middleware switched off (`enabled=False`), a client that got a 202 before the switch still
+    learns the outcome from it."""
+    store = MemoryStore()
+    async with client(build_app(store)) as c:
+        assert (await c.post(CREDIT, json={"amount": 5}, headers=key("k"))).status_code == 201
+    async with client(build_app(store, enabled=False)) as c:
+        r = await c.get(STATUS, params={"operation": CREDIT_OP, "key": "k"})
+    assert r.status_code == 200, r.text
+    assert r.json()["state"] == "succeeded"
+
+
+async def test_a_token_in_the_status_url_is_refused_and_never_logged(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Found by probing: on a `require_token` operation, the status resource answered a token
+    sent in the URL's `key` as readily as one in the header, and URLs land in access logs. It
+    is refused (400 invalid-key, naming the header), whatever the token; the header still
+    works. A wrong, another tenant's, or an unused token is a 404; a consumed one is found."""
+    store = MemoryStore()
+    issuer = TokenIssuer(store, secret=b"s" * 32)
+    app = build_app(store, policies={CREDIT_OP: Policy(require_token=True)})
+    app.router.routes.append(token_route(issuer))
+    op = {"operation": CREDIT_OP}
+    # (httpx itself logs every URL at INFO: the very reason a token stays out of it)
+    with caplog.at_level(logging.DEBUG, logger="idem_middleware"):
+        async with client(app) as c, client(app, token="demo-b") as other:
+            token = (await c.post("/idempotency/tokens", json=op)).json()["token"]
+            unused = await c.get(STATUS, params=op, headers=key(token))
+            assert (await c.post(CREDIT, json={"amount": 5}, headers=key(token))).status_code == 201
+            in_url = await c.get(STATUS, params={**op, "key": token})
+            both = await c.get(STATUS, params={**op, "key": token}, headers=key(token))
+            in_header = await c.get(STATUS, params=op, headers=key(token))
+            theirs = await other.get(STATUS, params=op, headers=key(token))
+            forged = await c.get(STATUS, params=op, headers=key("f" * 43))
+    for refused in (in_url, both):
+        detail = assert_problem(refused, 400, "invalid-key")["detail"]
+        assert "Idempotency-Key header" in detail
+        assert token not in refused.text
+    assert in_header.json()["state"] == "succeeded", in_header.text
+    for absent in (unused, theirs, forged):
+        assert_problem(absent, 404, "record-not-found")
+    ours = [r for r in caplog.records if r.name.startswith("idem_middleware")]
+    assert not [r for r in ours if token in r.getMessage()]

@@ -11,6 +11,8 @@ made some other way, says so instead of passing the server's error on alone.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from urllib.parse import urlsplit, urlunsplit
@@ -22,7 +24,7 @@ from idem_middleware import PostgresStore, sql
 from idem_middleware.errors import ConfigurationError
 from idem_middleware.store.base import RecordKey
 from idem_middleware.store.migrations import migrate
-from tests.apps import build_app, client
+from tests.apps import BOUND, Held, assert_problem, build_app, client, key, wait_entered
 from tests.conftest import BUSINESS_SCHEMA, dsn_for
 
 KEY = RecordKey("t", "POST /x", "k")
@@ -235,3 +237,60 @@ async def test_migrate_over_objects_made_some_other_way_says_so(pg_dsn: str) -> 
         await admin.close()
     assert "0001_initial is not recorded" in str(refused.value)
     assert "already exists" in str(refused.value)
+
+
+STATUS = "/idempotency/status"
+CREDIT = "/accounts/a/credits"
+CREDIT_OP = "POST /accounts/{account_id}/credits"
+NO_LOCKS = "REVOKE SELECT ON pg_catalog.pg_locks FROM PUBLIC"
+
+
+def _lock_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "pg_catalog.pg_locks" in r.getMessage()]
+
+
+async def test_a_role_that_may_not_read_pg_locks_has_statuses_from_records_alone(
+    role_database: Setup, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Found by probing: with SELECT on pg_locks revoked from PUBLIC (hardened servers do), the
+    status resource's one statement was refused, so every status, even of a finished request,
+    was a 500. The store warns when it opens, and reads the record alone: a finished request is
+    found, and a key with no record is a 404 that says a running request may not show."""
+    dsn, role = await role_database(APP_GRANTS, NO_LOCKS)
+    with caplog.at_level(logging.WARNING, logger="idem_middleware.store"):
+        async with PostgresStore(dsn=dsn, listen=False) as store:
+            assert len(_lock_warnings(caplog)) == 1  # at the open, before any request
+            app = build_app(store)
+            async with client(app) as c:
+                await c.post(CREDIT, json={"amount": 1}, headers=key("done"))
+                done = await c.get(STATUS, params={"operation": CREDIT_OP, "key": "done"})
+            async with client(app) as c, Held(app.state.probe) as held:
+                first = held.start(c.post(CREDIT, json={"amount": 1}, headers=key("running")))
+                await wait_entered(app.state.probe)
+                running = await c.get(STATUS, params={"operation": CREDIT_OP, "key": "running"})
+                held.release()
+                assert (await asyncio.wait_for(first, BOUND)).status_code == 201
+    assert done.status_code == 200, done.text
+    assert done.json()["state"] == "succeeded"
+    detail = assert_problem(running, 404, "record-not-found")["detail"]
+    assert "may not show" in detail
+    assert "same key" in detail
+    [warning] = _lock_warnings(caplog)
+    assert f"GRANT SELECT ON pg_catalog.pg_locks TO {role}" in warning
+
+
+async def test_pg_locks_revoked_after_the_store_opened_is_said_once_and_read_around(
+    role_database: Setup, caplog: pytest.LogCaptureFixture
+) -> None:
+    dsn, _ = await role_database(APP_GRANTS)
+    with caplog.at_level(logging.WARNING, logger="idem_middleware.store"):
+        async with PostgresStore(dsn=dsn, listen=False) as store, client(build_app(store)) as c:
+            await c.post(CREDIT, json={"amount": 1}, headers=key("k"))
+            query = {"operation": CREDIT_OP, "key": "k"}
+            before = await c.get(STATUS, params=query)  # (its statement prepared, and cached)
+            await _owner_runs(dsn, NO_LOCKS)
+            after = [await c.get(STATUS, params=query) for _ in range(3)]
+            absent = await c.get(STATUS, params={"operation": CREDIT_OP, "key": "absent"})
+    assert [r.status_code for r in (before, *after)] == [200] * 4, after[0].text
+    assert "may not show" in assert_problem(absent, 404, "record-not-found")["detail"]
+    assert len(_lock_warnings(caplog)) == 1

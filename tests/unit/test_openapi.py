@@ -174,6 +174,7 @@ def test_every_problem_kind_a_guarded_operation_can_answer_is_documented() -> No
         if kind in (
             ProblemKind.RECORD_NOT_FOUND,
             ProblemKind.TOKEN_CONFLICT,
+            ProblemKind.METHOD_NOT_ALLOWED,
             ProblemKind.TOKEN_INVALID,
         ):
             continue  # the library's own routes only; tokens only where a policy requires them

@@ -12,6 +12,7 @@ excludes this one.
 
 from __future__ import annotations
 
+import logging
 import struct
 from typing import Any
 
@@ -20,6 +21,8 @@ from ...hashing import sha256
 from ..base import RecordKey
 from .convert import _Q
 
+logger = logging.getLogger("idem_middleware.store")
+
 #: A part's length, 4 bytes big-endian.
 _LENGTH = struct.Struct(">I").pack
 
@@ -27,11 +30,28 @@ _LENGTH = struct.Struct(">I").pack
 class ClaimLocks:
     """The secret's two SHA-256 states, read from the database once (`load`)."""
 
-    __slots__ = ("_inner", "_outer")
+    __slots__ = ("_inner", "_outer", "readable")
 
     def __init__(self) -> None:
         self._inner: Any = None
         self._outer: Any = None
+        #: Whether the store's role may read pg_catalog.pg_locks, where the status resource
+        #: sees a claim lock held (hardened servers revoke it from PUBLIC): see `unreadable`.
+        self.readable = True
+
+    def unreadable(self, role: str) -> None:
+        """The role may not read pg_locks: said once, and the status resource reads records
+        alone from now on (a transactional request still running is not seen)."""
+        if self.readable:
+            self.readable = False
+            logger.warning(
+                "idempotency: the role %s may not read pg_catalog.pg_locks, so the status "
+                "resource cannot see a transactional request that has not committed yet (it "
+                "answers 404 until the commit, saying the request may still run); to see them, "
+                "run as a superuser: GRANT SELECT ON pg_catalog.pg_locks TO %s",
+                role,
+                role,
+            )
 
     @property
     def loaded(self) -> bool:

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
+import asyncpg
+
 from ...errors import EventConflict, StoreError
 from ..base import (
     UNRESOLVED_STATES,
@@ -263,21 +265,31 @@ class OffPathStatements(PoolStatements):
         row = await self._run("fetchrow", _Q["amend"], *settle_args(key, generation, expected, s))
         return bool(row["amended"])
 
-    async def peek(self, key: RecordKey) -> tuple[Record | None, bool]:
-        """See queries.sql `peek`: one statement, which writes and locks nothing."""
+    async def peek(self, key: RecordKey) -> tuple[Record | None, bool | None]:
+        """See queries.sql `peek`: one statement, which writes and locks nothing. A role that
+        may not read pg_locks reads the record alone (`get`), and `claiming` is then None
+        (cannot tell) where there is no live record."""
         locks = self._locks
         try:
             async with self._internal() as conn:
                 if not locks.loaded:
                     await locks.load(conn)  # the store's `open` could not reach the server
-                args = (key.tenant, key.operation, key.key, locks.of(key))
-                row = await alone(conn.fetchrow, _Q["peek"], *args, on=conn)
+                names = (key.tenant, key.operation, key.key)
+                if locks.readable:
+                    try:
+                        row = await alone(conn.fetchrow, _Q["peek"], *names, locks.of(key), on=conn)
+                    except asyncpg.InsufficientPrivilegeError:  # (revoked since the open)
+                        locks.unreadable(await conn.fetchval("SELECT quote_ident(current_user)"))
+                    else:
+                        record = None if row["found"] is None else to_record(key, row)
+                        return record, bool(row["claiming"])
+                got = await alone(conn.fetchrow, _Q["get"], *names, on=conn)
         except ACQUIRE_ERRORS as exc:
             raise StoreError(str(exc)) from exc
         except TRANSLATED as exc:
             raise translate(exc) from exc
-        record = None if row["found"] is None else to_record(key, row)
-        return record, bool(row["claiming"])
+        record = None if got is None else to_record(key, got)
+        return record, None if record is None or record.expired else False
 
     async def describe(self, key: RecordKey) -> RecordSummary | None:
         row = await self._run("fetchrow", _Q["describe"], key.tenant, key.operation, key.key)

@@ -13,6 +13,7 @@ import logging
 from typing import Any
 
 from ...errors import ConfigurationError
+from .claim_lock import ClaimLocks
 from .convert import _Q
 
 logger = logging.getLogger("idem_middleware.store")
@@ -33,14 +34,22 @@ NEEDED: tuple[tuple[str, str, str], ...] = (
     ("function", "pg_catalog.pg_notify(text, text)", "EXECUTE"),
 )
 
+#: Read by the status resource alone, to see a transactional claim that has not committed
+#: (its claim lock): a role without it is warned, and the status resource does without.
+LOCKS = ("table", "pg_catalog.pg_locks", "SELECT")
+
 _GRANT_ON = {"table": "", "sequence": "SEQUENCE ", "function": "FUNCTION "}
 
 
-async def require_privileges(conn: Any) -> None:
+async def require_privileges(conn: Any, locks: ClaimLocks) -> None:
     """ConfigurationError, naming what is missing and the statements that fix it, unless the
-    session's role holds every privilege in NEEDED on objects that are all there."""
-    kinds, names, privileges = zip(*NEEDED, strict=True)
-    rows = await conn.fetch(_Q["privileges"], list(kinds), list(names), list(privileges))
+    session's role holds every privilege in NEEDED on objects that are all there. Without
+    LOCKS, a warning (`locks.unreadable`), in the same statement."""
+    kinds, names, privileges = zip(*NEEDED, LOCKS, strict=True)
+    found = await conn.fetch(_Q["privileges"], list(kinds), list(names), list(privileges))
+    rows = [r for r in found if r["name"] != LOCKS[1]]
+    if any(r["held"] is False for r in found if r["name"] == LOCKS[1]):
+        locks.unreadable(found[0]["role"])
     absent = sorted({r["name"] for r in rows if r["object"] is None})
     if absent:
         raise ConfigurationError(

@@ -176,7 +176,7 @@ class PostgresStore(OffPathStatements):
                 try:
                     await require_migrated(conn)
                     if self._needs_writes:
-                        await require_privileges(conn)
+                        await require_privileges(conn, self._locks)
                         self.idle_in_transaction = await require_writable(conn)
                     await self._locks.load(conn)
                 except PREPARED_MISMATCH as exc:  # what the pooler check may not have seen
