@@ -98,13 +98,16 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    source = _SOURCES.get(name)
-    if source is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(source, __name__), name)
-    globals()[name] = value  # (looked up here once: the next use finds it as any global)
-    return value
+if not TYPE_CHECKING:  # (hidden from type checkers: they see the imports above, and a name
+    # the package lacks stays an error there, not a silent `Any`)
+
+    def __getattr__(name: str) -> Any:
+        source = _SOURCES.get(name)
+        if source is None:
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        value = getattr(importlib.import_module(source, __name__), name)
+        globals()[name] = value  # (looked up here once: the next use finds it as any global)
+        return value
 
 
 def __dir__() -> list[str]:

@@ -3,9 +3,11 @@ run of a project with the package installed, costs that run no middleware, store
 
 from __future__ import annotations
 
+import ast
 import importlib
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -62,3 +64,49 @@ def test_an_unknown_name_is_an_attribute_error() -> None:
         _ = idem_middleware.Polciy  # type: ignore[attr-defined]
     with pytest.raises(ImportError):
         exec("from idem_middleware import Polciy", {})
+
+
+def _type_checking_imports() -> dict[str, str]:
+    """The names `__init__.py` imports under `if TYPE_CHECKING:`, each with its module."""
+    tree = ast.parse(Path(idem_middleware.__file__).read_text())
+    block = next(
+        node
+        for node in tree.body
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Name)
+        if node.test.id == "TYPE_CHECKING"
+    )
+    return {
+        alias.name: "." * node.level + (node.module or "")
+        for node in block.body
+        if isinstance(node, ast.ImportFrom)
+        for alias in node.names
+    }
+
+
+def test_type_checkers_see_every_public_name_from_its_module() -> None:
+    # (a name missing there is an error in a user's mypy run, not its type)
+    assert _type_checking_imports() == idem_middleware._SOURCES
+
+
+def test_a_misspelt_name_is_a_type_error(tmp_path: Path) -> None:
+    # A module-level `__getattr__` seen by mypy types every name it lacks as `Any`: a user's
+    # `from idem_middleware import Polciy` passed `mypy --strict` and failed only at run time.
+    pytest.importorskip("mypy")
+    user = tmp_path / "user_module.py"
+    user.write_text("from idem_middleware import Policy, Polciy\n")
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mypy",
+            "--strict",
+            "--cache-dir",
+            str(tmp_path / "cache"),
+            str(user),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=Path(idem_middleware.__file__).parent.parent,
+    )
+    assert 'Module "idem_middleware" has no attribute "Polciy"' in done.stdout, done.stdout
