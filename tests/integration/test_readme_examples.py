@@ -1,6 +1,6 @@
 """The README's app (FastAPI with SQLAlchemy) and the apps of docs/fastapi.md and
-docs/starlette.md: type-checked with mypy --strict, and run; the README's test of its app: run
-through pytester."""
+docs/starlette.md: type-checked with mypy --strict, and run; the README's test of its app and
+docs/testing.md's tests: type-checked too, and run through pytester."""
 
 from __future__ import annotations
 
@@ -42,6 +42,8 @@ PAGE_EXAMPLES = {
 }
 #: The README's test of its SQLAlchemy app (which it imports as `app`).
 README_TEST = "Testing your app"
+#: docs/testing.md's tests of a small app: page, heading.
+TESTING_EXAMPLE = ("docs/testing.md", "Example")
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +59,8 @@ def example_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     (folder / "app.py").write_text(example(EXAMPLES["sqlalchemy"]))
     files["test"] = folder / "test_app.py"
     files["test"].write_text(example(README_TEST))
+    files["testing"] = folder / "test_testing_page.py"
+    files["testing"].write_text(example(TESTING_EXAMPLE[1], TESTING_EXAMPLE[0]))
     return files
 
 
@@ -185,6 +189,14 @@ def test_the_readme_test_passes_and_checks_a_replay(
     result.assert_outcomes(passed=1)
     # It really sent the order twice and saw the second answered as a replay with the same body.
     assert readme_test.read_text().splitlines() == ["201 201 true True"]
+
+
+def test_the_testing_pages_tests_pass(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, pg_dsn: str
+) -> None:
+    use_this_server(pytester, monkeypatch, pg_dsn)
+    pytester.makepyfile(test_testing_page=example(TESTING_EXAMPLE[1], TESTING_EXAMPLE[0]))
+    run(pytester).assert_outcomes(passed=2)
 
 
 def _writes_twice(app: str) -> str:
