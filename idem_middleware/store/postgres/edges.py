@@ -200,16 +200,12 @@ class OffPathStatements(PoolStatements):
         many. A batch size that is no whole number from 1 is refused (ValueError): 0 ran 10,000
         empty statements, a negative one was a LIMIT the server refused."""
         check_purge_limits(batch_size, 1)
-        deleted = 0
-        for _ in range(10_000):
-            status = await self._run_any(
-                "execute", _Q["outbox_purge"], batch_size, older_than_seconds
+        try:
+            return await self._purge_batches(
+                _Q["outbox_purge"], batch_size, 10_000, args=(older_than_seconds,)
             )
-            count = int(status.rsplit(" ", 1)[-1])
-            deleted += count
-            if count < batch_size:
-                break
-        return deleted
+        except SERVER_ERROR as exc:  # (as `_run_any`: the outbox's callers expect no driver error)
+            raise translate(exc) from exc
 
     async def list_records(
         self,
@@ -321,10 +317,13 @@ class OffPathStatements(PoolStatements):
         batch_size: int,
         max_batches: int,
         progress: Callable[[int], None] | None = None,
+        args: tuple[Any, ...] = (),
     ) -> int:
+        """`query` (its $1 the batch size, then `args`) run until a batch deletes fewer than
+        `batch_size` rows, `max_batches` times at most: how many it deleted."""
         deleted = 0
         for _ in range(max_batches):
-            status = await self._run("execute", query, batch_size)
+            status = await self._run("execute", query, batch_size, *args)
             count = int(status.rsplit(" ", 1)[-1])
             deleted += count
             if progress is not None:
