@@ -53,17 +53,17 @@ def release_unshielded(pool: Any, conn: Any) -> Coroutine[Any, Any, None] | None
     after all, a connection the pool closes instead, past its `max_queries`: a cancellation
     then terminates it, and the pool opens another.) None: `conn` is not `pool`'s proxy as this
     asyncpg makes them (released the ordinary way then)."""
-    holder: Any = getattr(conn, "_holder", None)
-    raw = getattr(conn, "_con", None)
-    if raw is None or getattr(holder, "_pool", None) is not pool:
-        return None
-    check, tidy = getattr(pool, "_check_init", None), getattr(raw, "_on_release", None)
-    release = getattr(holder, "release", None)
-    if not (callable(check) and callable(tidy) and callable(release)):
+    try:  # (attributes read directly: a `getattr` and a `callable` each cost more, per request)
+        holder, raw = conn._holder, conn._con
+        if raw is None or holder._pool is not pool:
+            return None
+        check, tidy, release = pool._check_init, raw._on_release, holder.release
+        timeout = holder._timeout
+    except AttributeError:
         return None  # (an asyncpg that keeps them elsewhere: its own release, task and all)
     check()  # (raises if the pool is closed)
     tidy()
-    coroutine: Coroutine[Any, Any, None] = release(getattr(holder, "_timeout", None))
+    coroutine: Coroutine[Any, Any, None] = release(timeout)
     return coroutine
 
 

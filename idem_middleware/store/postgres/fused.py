@@ -19,7 +19,7 @@ import functools
 import hashlib
 import logging
 import weakref
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Sequence
 from typing import Any, Protocol
 
 import asyncpg
@@ -140,8 +140,9 @@ class FusingSession(Protocol):
 
     async def rollback(self) -> None: ...
 
-    def fusing(self, *, begins: bool) -> None:
-        """A fused message is about to be sent; `begins`: it carries the BEGIN."""
+    def fusing(self, conn: Any, *, begins: bool) -> None:
+        """A fused message is about to be sent on `conn` (its `driver`); `begins`: it carries
+        the BEGIN."""
 
 
 class FastPath:
@@ -155,16 +156,17 @@ class FastPath:
     preparing and inlines the statements' text instead, for good.
     """
 
-    def __init__(self, mark_clean: Callable[[Any], object] | None = None) -> None:
+    def __init__(self, clean: weakref.WeakSet[Any] | None = None) -> None:
         self.generations = Generations()
         self.prepared: weakref.WeakSet[Any] = weakref.WeakSet()
         self.doubtful: weakref.WeakSet[Any] = weakref.WeakSet()  # see `unsure`
         self.use_prepared = True
-        #: The store's, when the store's pool resets connections by the store's own hook: the
-        #: message that commits then carries the connection's reset query too, after the
-        #: COMMIT, and the connection is marked clean, so its release sends none (a round trip
-        #: fewer). None: the pool's reset is someone else's (a pool passed in, a `reset` given).
-        self.mark_clean = mark_clean
+        #: The store's clean connections, when the store's pool resets connections by the
+        #: store's own hook: the message that commits then carries the connection's reset query
+        #: too, after the COMMIT, and the connection joins them, so its release sends none (a
+        #: round trip fewer). None: the pool's reset is someone else's (a pool passed in, a
+        #: `reset` given).
+        self.clean = clean
 
     def message(
         self,
@@ -178,20 +180,17 @@ class FastPath:
     ) -> str:
         """One simple-query message running the named query with `args` as literals: [the
         PREPAREs, on a connection's first use] [BEGIN] the statement [tail, e.g. COMMIT].
-        `utf8`: whether the client encoding is UTF-8 (else only hex literals, see `_literal`)."""
+        `conn`: the connection itself, not a pool's proxy (the statements are kept per
+        connection). `utf8`: whether the client encoding is UTF-8 (else only hex literals, see
+        `_literal`)."""
         begin_sql = "BEGIN;\n" if begin else ""
-        if not self.use_prepared:
+        if self.use_prepared and conn in self.prepared:
+            # (`_execute`, written out with the rest: one string built, not three)
+            return f"{begin_sql}EXECUTE {NAMES[query]} ({', '.join(_literals(args, utf8))}){tail}"
+        if not self.use_prepared or conn in self.doubtful:
             return begin_sql + _inline(_FAST[query][0], args, utf8) + tail
-        statement = _execute(NAMES[query], args, utf8) + tail
-        raw = compat.raw_connection(conn)
-        if raw is None:
-            raise NotFusable("the connection is gone")  # the ordinary path reports it
-        if raw in self.prepared:
-            return begin_sql + statement
-        if raw in self.doubtful:
-            return begin_sql + _inline(_FAST[query][0], args, utf8) + tail
-        self.prepared.add(raw)  # prepared by this very message (`unsure` if it fails)
-        return _PREPARE + begin_sql + statement
+        self.prepared.add(conn)  # prepared by this very message (`unsure` if it fails)
+        return _PREPARE + begin_sql + _execute(NAMES[query], args, utf8) + tail
 
     def unsure(self, conn: Any, message: str, error: BaseException) -> None:
         """The message failed. A PREPARE is not undone with the message's transaction: if it
@@ -199,9 +198,8 @@ class FastPath:
         statements are inlined from now on; the store's others keep theirs. (A serialization
         failure or deadlock comes from the statement after them: all were made.)"""
         if message.startswith("PREPARE") and not isinstance(error, RETRYABLE):
-            raw = compat.raw_connection(conn)
-            self.prepared.discard(raw)
-            self.doubtful.add(raw)
+            self.prepared.discard(conn)  # (`conn`: the connection itself, as for `message`)
+            self.doubtful.add(conn)
 
     def stop_preparing(self) -> None:
         # A statement missing where we prepared it, or present where we did not: server
@@ -241,7 +239,7 @@ class FastPath:
                 if in_message:
                     await session.begin()
                 return None
-            session.fusing(begins=in_message)
+            session.fusing(conn, begins=in_message)
             try:
                 status = await conn.execute(query, timeout=timeout)
             except _PREPARED_MISMATCH:
@@ -291,8 +289,8 @@ class FastPath:
         in one message on the adopted transaction `tx`; False when it cannot be fused."""
         if body_size > FUSE_MAX_BODY:
             return False
-        mark_clean = self.mark_clean
-        reset = "" if mark_clean is None else _reset_query(conn)
+        clean = self.clean
+        reset = "" if clean is None else _reset_query(conn)
         try:
             # A handler may have changed the client encoding since the claim: then hex only.
             message = self.message(
@@ -329,8 +327,10 @@ class FastPath:
                 compat.forget_statements(conn)
             raise
         compat.committed(tx)
-        if reset and mark_clean is not None:
-            mark_clean(conn)  # reset already: its release sends nothing
+        if reset and clean is not None:
+            # Reset already, open (it just answered) and out of its transaction (the message
+            # ended with its COMMIT and the reset): its release sends nothing.
+            clean.add(conn)
         return True
 
     async def open_fence(self, conn: Any, args: Sequence[Any]) -> tuple[Any, bool] | None:

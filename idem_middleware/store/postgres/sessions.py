@@ -180,9 +180,9 @@ class PgTransaction:
             "statements loses its connection)"
         )
 
-    def fusing(self, *, begins: bool) -> None:
+    def fusing(self, conn: Any, *, begins: bool) -> None:
         if begins:
-            self._tx = compat.adopt(self.driver)
+            self._tx = compat.adopt(conn)
         self._fused = True
 
     async def begin(self) -> None:
@@ -267,15 +267,6 @@ class PgTransaction:
         wait_seconds: float,
         token_hash: bytes | None,
     ) -> Claim:
-        args = (
-            key.tenant,
-            key.operation,
-            key.key,
-            fingerprint,
-            "transactional",
-            retention_seconds,
-            None,
-        )
         timeout = max(wait_seconds, _MIN_STATEMENT_TIMEOUT)
         try:
             locks = self._locks
@@ -293,12 +284,16 @@ class PgTransaction:
                 else:
                     # The key is taken (a replay, most likely): read the record. `claim`
                     # decides the rarer cases (it expired, or vanished since).
-                    row = await self.driver.fetchrow(_Q["get"], *args[:3], timeout=timeout)
+                    row = await self.driver.fetchrow(
+                        _Q["get"], key.tenant, key.operation, key.key, timeout=timeout
+                    )
                     if row is not None:
                         record = to_record(key, row)
                         if not (record.expired or record.retry_allowed):
                             return Existing(record)
             await self._lock_key(key, lock, timeout)
+            # (The ordinary claim's arguments: built here, where the fast claim returned already.)
+            args = (*key, fingerprint, "transactional", retention_seconds, None)
             try:
                 return await claim(self.driver, key, args, token_hash, timeout)
             except WAIT_EXCEEDED as exc:

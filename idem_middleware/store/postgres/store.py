@@ -121,14 +121,16 @@ class PostgresStore(OffPathStatements):
         # `reset` of the caller's).
         own_reset = pool is None and self._pool_kwargs["reset"] == self._reset_connection
         self._clean_releases = self._clean if own_reset else None
-        self._fast = FastPath(self._mark_clean if own_reset else None) if fast_path else None
+        self._fast = FastPath(self._clean_releases) if fast_path else None
 
     async def _reset_connection(self, conn: Any) -> None:
         """The reset of our own pool (asyncpg has already rolled back any open transaction and
         dropped client-side listeners): the server-side reset, unless `conn` is clean."""
-        if conn in self._clean:
-            self._clean.discard(conn)
+        try:
+            self._clean.remove(conn)  # (one call of WeakSet's where `in` and `discard` were two)
             return
+        except KeyError:
+            pass
         query = conn.get_reset_query()
         if query:
             await conn.execute(query)
