@@ -28,7 +28,7 @@ from tests.contract import HARNESS_CASES
 from tests.contract import harness as harness  # the contract suites' fixture
 from tests.pgbouncer import PgBouncer, binary
 from tests.restarts import OwnServer
-from tests.throwaway import stop_at_once, tune
+from tests.throwaway import tune
 
 BUSINESS_SCHEMA = """
 CREATE TABLE IF NOT EXISTS test_accounts (
@@ -60,7 +60,6 @@ def pg_dsn() -> Iterator[str]:
         tune(server.get_uri())
         yield server.get_uri()
     finally:
-        stop_at_once(server)
         server.cleanup()
         shutil.rmtree(parent, ignore_errors=True)
 

@@ -49,7 +49,7 @@ class OwnServer:
     def cleanup(self) -> None:
         try:
             if self.running:  # (the package's handle may point at an earlier postmaster)
-                self.stop("immediate")  # (no shutdown checkpoint: the data is deleted next)
+                self.stop()
         finally:
             self.server.cleanup()
             shutil.rmtree(self._parent, ignore_errors=True)

@@ -353,5 +353,9 @@ async def test_sigterm_answers_the_request_in_flight_and_the_retry_is_replayed(
 
 async def test_a_misconfigured_middleware_fails_the_startup(server: Server) -> None:
     server.env["SERVERS_APP_MISCONFIGURED"] = "1"
+    # (Without granian's respawning: a worker whose startup fails after its sibling's started
+    # is respawned, and fails again, for as long as the server runs.)
+    if "--respawn-failed-workers" in server.command:
+        server.command.remove("--respawn-failed-workers")
     assert await server.start().exited() != 0
     assert "policies['POST /payout/{k}'] matches no route" in server.tail()
