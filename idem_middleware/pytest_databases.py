@@ -105,6 +105,25 @@ class Reservation:
                 self._loop.close()
 
 
+#: An embedded server's settings: its data is deleted at the run's end, so nothing is worth
+#: flushing to disk. A commit still reaches the kernel before it is acknowledged: a server killed
+#: or stopped at once loses nothing; only the machine's crash would. (Commits about 3x quicker.)
+THROWAWAY_SETTINGS = {"fsync": "off", "full_page_writes": "off"}
+
+
+async def tuned_throwaway(server_dsn: str) -> None:
+    """Apply THROWAWAY_SETTINGS to a throwaway server (never to one `IDEM_TEST_DSN` names)."""
+    import asyncpg
+
+    conn = await asyncpg.connect(server_dsn)
+    try:
+        for name, value in THROWAWAY_SETTINGS.items():
+            await conn.execute(f"ALTER SYSTEM SET {name} = {value}")
+        await conn.execute("SELECT pg_reload_conf()")
+    finally:
+        await conn.close()
+
+
 async def migrated_database(server_dsn: str, database: str) -> str:
     import asyncpg
 

@@ -43,6 +43,7 @@ from .pytest_databases import (
     emptied,
     migrated_database,
     run_sync,
+    tuned_throwaway,
 )
 
 if TYPE_CHECKING:
@@ -106,6 +107,7 @@ def idem_postgres_dsn() -> Iterator[str]:
             pytrace=False,
         )
     try:
+        run_sync(tuned_throwaway(server.get_uri()))
         yield run_sync(migrated_database(server.get_uri(), database_name()))
     finally:
         server.cleanup()

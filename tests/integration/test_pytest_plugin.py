@@ -277,9 +277,20 @@ import asyncio
 import os
 from pathlib import Path
 
+import asyncpg
+
 def test_uses_db(idem_postgres_dsn):
     ours = [p for p in Path(os.environ["TMPDIR"]).glob("idem-pytest-pg-*")]
     assert [(p / "owner.pid").read_text() for p in ours] == [str(os.getpid())]
+
+    async def settings():  # a throwaway server: nothing flushed to disk
+        conn = await asyncpg.connect(idem_postgres_dsn)
+        try:
+            return [await conn.fetchval(f"SHOW {name}") for name in ("fsync", "full_page_writes")]
+        finally:
+            await conn.close()
+
+    assert asyncio.run(settings()) == ["off", "off"]
 """
     )
     run(pytester).assert_outcomes(passed=1)
