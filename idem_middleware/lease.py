@@ -54,8 +54,9 @@ class LeaseRun:
         #: request's reconciler asked: asked again only once this request holds the fence.
         self._held: int | None = None
 
-    async def _claim(self) -> Claim:
-        return await self.store.claim_lease(
+    def _claim(self) -> Awaitable[Claim]:
+        # The store's own coroutine, returned: no coroutine of this method's wraps it.
+        return self.store.claim_lease(
             self.key,
             self.fingerprint,
             retention_seconds=self.policy.retention_seconds,
