@@ -97,13 +97,17 @@ class Fence:
         await self.close(commit=settled)
         return settled
 
-    async def record(self, settlement: Settlement | None) -> bool:
+    def record(self, settlement: Settlement | None) -> Awaitable[bool]:
         """An execution's outcome (`outcome.settlement_for`): a final one in the fenced
-        transaction, with the handler's writes if it opened one; `unknown`, or a release (None),
-        as a compare-and-set of its own once the fence is closed (its writes rolled back)."""
-        self.settling = True
+        transaction, with the handler's writes if it opened one (`settle`'s own coroutine,
+        returned: no second one wraps it); `unknown`, or a release (None), as a compare-and-set
+        of its own once the fence is closed (its writes rolled back)."""
         if settlement is not None and settlement.state is not State.UNKNOWN:
-            return await self.settle(settlement)
+            return self.settle(settlement)
+        return self._unsettled(settlement)
+
+    async def _unsettled(self, settlement: Settlement | None) -> bool:
+        self.settling = True
         await self.close()
         if settlement is None:
             return await self.store.release(self.key, self.generation)

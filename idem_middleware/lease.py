@@ -54,8 +54,9 @@ class LeaseRun:
         #: request's reconciler asked: asked again only once this request holds the fence.
         self._held: int | None = None
 
-    async def _claim(self) -> Claim:
-        return await self.store.claim_lease(
+    def claim(self) -> Awaitable[Claim]:
+        # The store's own coroutine, returned: no coroutine of this method's wraps it.
+        return self.store.claim_lease(
             self.key,
             self.fingerprint,
             retention_seconds=self.policy.retention_seconds,
@@ -63,32 +64,21 @@ class LeaseRun:
             token_hash=self.ex.token_hash,
         )
 
-    async def run(self) -> Answer:
-        # The tenant's slot is held while this request may hold a connection: its claim, and
-        # its execution (the handler may open a fenced transaction). Not while it waits.
-        slot = self._slot()
-        if slot is None:
-            return self._busy()
-        try:
-            try:
-                claiming = self._claim()
-                if self.ex.mw.observer is None:
-                    claim = await claiming  # (nothing observes: no timer calls)
-                else:
-                    with self.ex.timed("claim"):
-                        claim = await claiming
-            except ClaimTimeout:
-                # A transaction is claiming the key (or the record kept changing): it is waited
-                # for as a duplicate waits, without a connection, and the key claimed again.
-                claim = None
-            if isinstance(claim, Claimed):
-                return await self.execute(claim.generation, claim.epoch)
-        finally:
-            slot.give_back()
+    def run(self) -> Awaitable[Answer]:
+        """The request's coroutine: the execution's, which claims the key first in its own frame
+        (`LeaseExecution.run`), so that each await of the handler passes one frame fewer; a key
+        it could not claim is answered by `unclaimed`."""
+        return LeaseExecution(self.ex, self.key, 0, None).run(self)
+
+    async def unclaimed(self, claim: Claim | None) -> Answer:
+        """Answer a fresh request whose claim found the key held (`claim`, or None when a
+        transaction was claiming it: waited for as a duplicate waits, without a connection, and
+        the key claimed again). Its slot was given back: a duplicate holds none while it waits."""
         if claim is None:
             return await self.duplicate(None, busy=True)
         if isinstance(claim, TokenRefused):
             return Problem(ProblemKind.TOKEN_INVALID, claim.reason)
+        assert not isinstance(claim, Claimed)
         return await self.duplicate(claim.record)
 
     # -- a duplicate: replay, wait, take over, or reconcile ------------------------------------
@@ -140,10 +130,10 @@ class LeaseRun:
         if record is None or record.expired:
             slot = await self._slot_by(deadline)
             if slot is None:
-                return self._busy()
+                return self.busy()
             try:
                 try:
-                    claim = await self._claim()
+                    claim = await self.claim()
                 except ClaimTimeout:
                     return True  # a transaction is claiming the key
                 if isinstance(claim, Claimed):
@@ -160,7 +150,7 @@ class LeaseRun:
             if record.generation == self._retake:
                 slot = await self._slot_by(deadline)
                 if slot is None:
-                    return self._busy()
+                    return self.busy()
                 try:
                     return await self._run_again(record)
                 finally:
@@ -171,7 +161,7 @@ class LeaseRun:
         ):
             slot = await self._slot_by(deadline)
             if slot is None:
-                return self._busy()
+                return self.busy()
             try:
                 try:
                     generation = await store.takeover(
@@ -209,7 +199,7 @@ class LeaseRun:
         # slot meanwhile, as an execution does, and keeps it to run the request again.
         slot = await self._slot_by(deadline)
         if slot is None:
-            return self._busy()
+            return self.busy()
         try:
             result = await run_reconciler(
                 self.store,
@@ -262,7 +252,7 @@ class LeaseRun:
 
     # -- the tenant's slot ----------------------------------------------------------------------
 
-    def _slot(self) -> Slot | None:
+    def slot(self) -> Slot | None:
         """The tenant's slot, held while this request may hold a connection: a claim, a
         takeover, a reconciliation or an execution (either may open a fenced transaction), never
         a wait. The exchange keeps it, so an execution whose response streams gives it back as
@@ -278,7 +268,7 @@ class LeaseRun:
         loop = asyncio.get_running_loop()
         pause = _FIRST_SLOT_PAUSE
         for _ in range(_MAX_ROUNDS):
-            slot = self._slot()
+            slot = self.slot()
             remaining = deadline - loop.time()
             if slot is not None or remaining <= 0:
                 return slot
@@ -286,7 +276,7 @@ class LeaseRun:
             pause = min(pause * 2, _MAX_POLL)
         return None  # pragma: no cover
 
-    def _busy(self) -> Problem:
+    def busy(self) -> Problem:
         return Problem(ProblemKind.TENANT_BUSY, TENANT_BUSY, self.policy.retry_after_seconds)
 
     # -- the executor --------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from .answers import SENT, Answer, Problem
 from .capture import ResponseCapture
 from .context import IdempotencyContext, claimed_context, enter_context, key_digest, leave_context
 from .delayed import Delayed
-from .errors import CallerNamedLate, ProblemKind, StaleGeneration
+from .errors import CallerNamedLate, ClaimTimeout, ProblemKind, StaleGeneration
 from .fence import Fence
 from .heartbeat import keep_lease
 from .observe import SETTLED_EVENTS, Event
@@ -31,10 +31,11 @@ from .resettle import (
     unresolve,
     unresolve_after,
 )
-from .store.base import RecordKey, Settlement, State
+from .store.base import Claimed, RecordKey, Settlement, State
 
 if TYPE_CHECKING:
     from .exchange import Exchange
+    from .lease import LeaseRun
 
 logger = logging.getLogger("idem_middleware")
 
@@ -105,8 +106,35 @@ class LeaseExecution:
         self.capture: ResponseCapture | None = None
         self.request_context: contextvars.Context | None = None
 
-    async def run(self) -> Answer:
+    async def run(self, first: LeaseRun | None = None) -> Answer:
+        """Run the handler under the generation; `first`: a fresh request's, whose claim is made
+        here first (in this frame, not in one of `first`'s above it: each await of the handler
+        passes through every frame between it and the task), the tenant's slot held until the
+        execution ends (it may open a fenced transaction)."""
         ex = self.ex
+        slot = None
+        if first is not None:
+            slot = first.slot()
+            if slot is None:
+                return first.busy()
+            try:
+                claiming = first.claim()
+                if ex.mw.observer is None:
+                    claim = await claiming  # (nothing observes: no timer calls)
+                else:
+                    with ex.timed("claim"):
+                        claim = await claiming
+            except ClaimTimeout:
+                # A transaction is claiming the key (or the record kept changing): it is waited
+                # for as a duplicate waits, without a connection, and the key claimed again.
+                claim = None
+            except BaseException:
+                slot.give_back()
+                raise
+            if not isinstance(claim, Claimed):
+                slot.give_back()
+                return await first.unclaimed(claim)
+            self.generation, self.epoch = claim.generation, claim.epoch
         policy = self.policy
         generation = self.generation
         fence = Fence(self.store, self.key, generation, State.PENDING)
@@ -220,6 +248,8 @@ class LeaseExecution:
             return Problem(ProblemKind.IN_FLIGHT, _LOST_CLAIM, policy.retry_after_seconds)
         finally:
             capture.close()  # this execution and its capture refer to each other
+            if slot is not None:
+                slot.give_back()
 
     async def settle_early(self, reason: str) -> None:
         """Before the first byte of a response that cannot be held: a refused settlement (a
@@ -256,15 +286,20 @@ class LeaseExecution:
                 raise
         outcome = context.declared or outcome_for_status(capture.status, Mode.LEASE)
         generation = context.generation
-        with self.ex.timed("complete"):
-            settled = await fence.record(settlement_for(outcome, lambda: capture.stored(omitted)))
-        if settled:
-            self.ex.emit(SETTLED_EVENTS[outcome], generation)
+        recording = fence.record(settlement_for(outcome, lambda: capture.stored(omitted)))
+        observed = self.ex.mw.observer is not None
+        if observed:
+            with self.ex.timed("complete"):
+                settled = await recording
         else:
+            settled = await recording  # (nothing observes: no timer and no event calls)
+        if not settled:
             logger.warning(
                 "a stale executor's completion was refused",
                 extra=log_extra(self.key, generation, "stale"),
             )
+        elif observed:
+            self.ex.emit(SETTLED_EVENTS[outcome], generation)
         return settled
 
     async def _unresolved(self, context: IdempotencyContext, seconds: float | None = None) -> None:

@@ -131,15 +131,15 @@ async def test_a_connection_lost_after_the_commit_leaves_the_committed_answer(
 
         monkeypatch.setattr(sessions.PgTransaction, "_commit", _commit)
     else:
-        settle = fenced.PgFenced.settle
+        settle = fenced.Fencing.settle
 
-        async def _settle(self: fenced.PgFenced, s: Any) -> bool:
+        async def _settle(self: fenced.Fencing, s: Any) -> bool:
             pid = self.connection.get_server_pid()
             done = await settle(self, s)  # committed with the settlement
             await killer.kill(pid)
             return done
 
-        monkeypatch.setattr(fenced.PgFenced, "settle", _settle)
+        monkeypatch.setattr(fenced.Fencing, "settle", _settle)
     names = [f"after-commit-{mode.value}-{i}" for i in range(len(SPINS))]
     store = PostgresStore(dsn=db_dsn, min_size=1, max_size=2, listen=False)
     async with store, client(_app(store, mode, killer)) as c:

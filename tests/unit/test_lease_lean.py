@@ -71,3 +71,29 @@ def test_an_asyncpg_without_the_private_release_parts_releases_the_ordinary_way(
 
     pool = Pool()
     assert compat.release_unshielded(pool, Proxy(pool)) is None
+
+
+async def test_a_fresh_requests_handler_has_one_frame_of_lease_mode_above_it() -> None:
+    """The execution claims the key in its own frame: between the exchange and the handler
+    there is `LeaseExecution.run` alone (each await of the handler passes every frame above it),
+    and a fresh request still holds its claim (the handler sees its generation)."""
+    seen: list[str] = []
+
+    async def handler(request: Request) -> Response:
+        frame = sys._getframe(1)
+        while frame is not None:
+            name = frame.f_code.co_filename.rsplit("/", 1)[-1]
+            if name in ("exchange.py", "lease.py", "lease_executor.py"):
+                seen.append(f"{name}:{frame.f_code.co_name}")
+            frame = frame.f_back
+        return JSONResponse({"ok": True}, status_code=201)
+
+    app = one_route_app(
+        "/pay", handler, store=MemoryStore(), default_policy=Policy(mode=Mode.LEASE)
+    )
+    async with client(app) as c:
+        first = await c.post("/pay", json={}, headers=key("frames-1"))
+        again = await c.post("/pay", json={}, headers=key("frames-1"))
+    assert first.status_code == again.status_code == 201
+    assert again.headers["idempotent-replayed"] == "true"
+    assert seen == ["lease_executor.py:run", "exchange.py:run"]  # once: the replay ran nothing

@@ -32,87 +32,6 @@ from .runner import Bounded, alone, discard, give_back, warn_ended
 logger = logging.getLogger("idem_middleware.store")
 
 
-class PgFenced:
-    __slots__ = ("_conn", "_expected", "_fast", "_generation", "_key", "_tx", "committed")
-
-    def __init__(
-        self,
-        conn: Any,
-        tx: Any,
-        fast: FastPath | None,
-        key: RecordKey,
-        generation: int,
-        expected: State,
-    ) -> None:
-        self._conn = conn
-        self._tx = tx
-        self._fast = fast  # set when the fence was opened the fast way (an adopted BEGIN)
-        self._key = key
-        self._generation = generation
-        self._expected = expected
-        self.committed = False
-
-    @property
-    def connection(self) -> Any:
-        return self._conn
-
-    def lost(self, error: BaseException) -> bool:
-        """Whether `error` (the handler's) is the driver's report of the fenced transaction's
-        connection gone (closed, or given back by asyncpg when it closed: the server, or a
-        pooler in between, ended the session), raised by the handler's next fenced statement
-        or wrapped by it (an ORM's error, `raise ... from`). A handler's own error stands."""
-        raw = compat.raw_connection(self._conn)
-        if raw is not None and not raw.is_closed():
-            return False
-        seen: BaseException | None = error
-        for _ in range(8):  # (a chain of causes, bounded)
-            if seen is None:
-                return False
-            if isinstance(seen, CONNECTION_ERRORS):
-                return True
-            seen = seen.__cause__ or seen.__context__
-        return False
-
-    async def settle(self, s: Settlement) -> bool:
-        args = settle_args(self._key, self._generation, self._expected, s)
-        # The connection behind the pool's proxy (each call through the proxy is a Python
-        # function more); None once given back, when the ordinary path below reports it.
-        raw = compat.raw_connection(self._conn)
-        if raw is not None and not raw.is_in_transaction():
-            warn_ended(self._key, "the fenced")
-        if self._fast is not None and raw is not None:
-            body = b"" if s.response is None else s.response.body
-            try:
-                done = await self._fast.settle_and_commit(raw, self._tx, args, len(body))
-            except RETRYABLE as exc:
-                raise _refused(exc) from exc
-            except TRANSLATED as exc:
-                raise translate(exc) from exc
-            except STALE_STATEMENT:
-                raise
-            except SERVER_ERROR as exc:  # what the handler did: an aborted transaction, say
-                raise refused(exc, fenced=True) from exc
-            if done:
-                self.committed = True
-                return True
-        try:
-            row = await self._conn.fetchrow(_Q["settle"], *args)
-            if not row["settled"]:
-                return False  # the session's end rolls back
-            await self._tx.commit()
-        except RETRYABLE as exc:
-            raise _refused(exc) from exc
-        except STALE_STATEMENT:
-            compat.forget_statements(self._conn)  # (the handler dropped them): for whoever is next
-            raise
-        except TRANSLATED as exc:
-            raise translate(exc) from exc
-        except SERVER_ERROR as exc:
-            raise refused(exc, fenced=True) from exc
-        self.committed = True
-        return True
-
-
 def _refused(exc: BaseException) -> StoreError:
     """A fenced transaction the server refused at its settlement (a serialization failure or a
     deadlock: under SERIALIZABLE, concurrent ones meet on `idem_requests`' index pages). It
@@ -124,12 +43,14 @@ def _refused(exc: BaseException) -> StoreError:
 
 class Fencing(Bounded):
     """`PostgresStore.fenced(...)`: a connection from the pool, BEGIN and the record locked under
-    the generation (StaleGeneration if it no longer holds it), then the session; at the end a
-    commit (unless the session committed with its settlement), a rollback if the block raised,
-    and the connection back to the pool. A class, not a generator's context manager: that one's
+    the generation (StaleGeneration if it no longer holds it), then the session (this object
+    again: one object per fence, not a context manager and a session); at the end a commit
+    (unless the session committed with its settlement), a rollback if the block raised, and the
+    connection back to the pool. A class, not a generator's context manager: that one's
     machinery cost more than the fence's own work, once per lease request."""
 
     __slots__ = (
+        "_adopted",
         "_clean",
         "_deadline",
         "_expected",
@@ -137,7 +58,9 @@ class Fencing(Bounded):
         "_generation",
         "_key",
         "_pool",
-        "_session",
+        "_tx",
+        "committed",
+        "connection",
     )
 
     def __init__(
@@ -158,9 +81,13 @@ class Fencing(Bounded):
         self._key = key
         self._generation = generation
         self._expected = expected
-        self._session: PgFenced | None = None  # entered: it holds the connection
+        #: The session's connection (the pool's proxy) once entered, until it goes back.
+        self.connection: Any = None
+        self._tx: Any = None
+        self._adopted: FastPath | None = None  # set when opened the fast way (an adopted BEGIN)
+        self.committed = False
 
-    async def __aenter__(self) -> PgFenced:
+    async def __aenter__(self) -> Fencing:
         deadline = self._deadline
         self.task = asyncio.current_task()
         deadline.add(self)
@@ -177,7 +104,14 @@ class Fencing(Bounded):
             self.task = None
         try:
             try:
-                tx, held, fast = await self._open(conn)
+                # BEGIN and the lock, again while the server refuses the lock for a
+                # serialization failure: under REPEATABLE READ or SERIALIZABLE (a database's or
+                # role's default) it fails when a heartbeat committed a newer version of the row
+                # after the transaction's snapshot. The lock is the transaction's first
+                # statement, so nothing was done yet: `_open_once` rolled it back, and a new
+                # transaction with a new snapshot tries again (`runner.alone`). (Called here,
+                # not from a coroutine of its own: one frame fewer on every lease request.)
+                tx, held, fast = await alone(self._open_once, conn, on=conn)
             except TRANSLATED as exc:
                 raise translate(exc) from exc
             if not held:
@@ -194,33 +128,83 @@ class Fencing(Bounded):
                 discard(conn)
             await give_back(self._pool, conn)
             raise
-        session = self._session = PgFenced(
-            conn, tx, fast, self._key, self._generation, self._expected
-        )
-        return session
+        self.connection = conn
+        self._tx = tx
+        self._adopted = fast
+        return self
 
     async def __aexit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        session, self._session = self._session, None
-        assert session is not None
+        conn, self.connection = self.connection, None
+        assert conn is not None
         try:
-            if not session.committed:
+            if not self.committed:
                 if exc_type is not None:
-                    await _roll_back(session._tx, session.connection)
+                    await _roll_back(self._tx, conn)
                 else:
                     try:
-                        await session._tx.commit()
+                        await self._tx.commit()
                     except TRANSLATED as error:
                         raise translate(error) from error
         finally:
-            await give_back(self._pool, session.connection, self._clean)
+            await give_back(self._pool, conn, self._clean)
 
-    async def _open(self, conn: Any) -> tuple[Any, bool, FastPath | None]:
-        """`_open_once`, again while the server refuses the lock for a serialization failure:
-        under REPEATABLE READ or SERIALIZABLE (a database's or role's default) the lock fails
-        when a heartbeat committed a newer version of the row after the transaction's snapshot.
-        The lock is the transaction's first statement, so nothing was done yet: it is rolled
-        back, and a new transaction with a new snapshot tries again (`runner.alone`)."""
-        return await alone(self._open_once, conn, on=conn)
+    def lost(self, error: BaseException) -> bool:
+        """Whether `error` (the handler's) is the driver's report of the fenced transaction's
+        connection gone (closed, or given back by asyncpg when it closed: the server, or a
+        pooler in between, ended the session), raised by the handler's next fenced statement
+        or wrapped by it (an ORM's error, `raise ... from`). A handler's own error stands."""
+        raw = compat.raw_connection(self.connection)
+        if raw is not None and not raw.is_closed():
+            return False
+        seen: BaseException | None = error
+        for _ in range(8):  # (a chain of causes, bounded)
+            if seen is None:
+                return False
+            if isinstance(seen, CONNECTION_ERRORS):
+                return True
+            seen = seen.__cause__ or seen.__context__
+        return False
+
+    async def settle(self, s: Settlement) -> bool:
+        args = settle_args(self._key, self._generation, self._expected, s)
+        # The connection behind the pool's proxy (each call through the proxy is a Python
+        # function more); None once given back, when the ordinary path below reports it.
+        raw = compat.raw_connection(self.connection)
+        if raw is not None and not raw.is_in_transaction():
+            warn_ended(self._key, "the fenced")
+        if self._adopted is not None and raw is not None:
+            body = b"" if s.response is None else s.response.body
+            try:
+                done = await self._adopted.settle_and_commit(raw, self._tx, args, len(body))
+            except RETRYABLE as exc:
+                raise _refused(exc) from exc
+            except TRANSLATED as exc:
+                raise translate(exc) from exc
+            except STALE_STATEMENT:
+                raise
+            except SERVER_ERROR as exc:  # what the handler did: an aborted transaction, say
+                raise refused(exc, fenced=True) from exc
+            if done:
+                self.committed = True
+                return True
+        try:
+            row = await self.connection.fetchrow(_Q["settle"], *args)
+            if not row["settled"]:
+                return False  # the session's end rolls back
+            await self._tx.commit()
+        except RETRYABLE as exc:
+            raise _refused(exc) from exc
+        except STALE_STATEMENT:
+            compat.forget_statements(
+                self.connection
+            )  # (the handler dropped them): for whoever is next
+            raise
+        except TRANSLATED as exc:
+            raise translate(exc) from exc
+        except SERVER_ERROR as exc:
+            raise refused(exc, fenced=True) from exc
+        self.committed = True
+        return True
 
     async def _open_once(self, conn: Any) -> tuple[Any, bool, FastPath | None]:
         """BEGIN and lock the record under the generation: (transaction, held, fast). The fast
