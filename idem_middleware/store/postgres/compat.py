@@ -9,6 +9,7 @@ tests/integration/test_fused.py fails if a new asyncpg changes it.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Coroutine
 from typing import Any
 
@@ -43,6 +44,25 @@ def raw_connection(conn: Any) -> Any:
     not a proxy. Pools hand out a new proxy per acquisition: state kept per connection keys on
     this."""
     return getattr(conn, "_con", conn)
+
+
+#: What asyncpg's reset keeps and the store's pool resets too (after asyncpg's own `RESET ALL`,
+#: which never resets the role): the role (a handler's `SET ROLE` or `SET SESSION
+#: AUTHORIZATION`; back to the one the connection opened with), its temporary tables and its
+#: sequences' `currval`/`lastval`. Each would reach the next request, another tenant's.
+_RESET_MORE = ";\nRESET SESSION AUTHORIZATION;\nRESET ROLE;\nDISCARD TEMP;\nDISCARD SEQUENCES;"
+
+
+def reset_query(conn: Any) -> str:
+    """The reset of a connection a handler had: asyncpg's (`get_reset_query`), and what it keeps
+    (`_RESET_MORE`). Empty where asyncpg's is (a server that does not take a reset)."""
+    return _with_more(conn.get_reset_query())
+
+
+@functools.lru_cache(maxsize=8)
+def _with_more(query: str) -> str:
+    # (asyncpg's query is the same text for every connection: built once, not per release)
+    return query + _RESET_MORE if query else ""
 
 
 def release_unshielded(pool: Any, conn: Any) -> Coroutine[Any, Any, None] | None:

@@ -366,7 +366,7 @@ class FastPath:
 def _reset_query(conn: Any) -> str:
     """The connection's reset query, to follow a COMMIT in its message: what the pool would
     otherwise send on release, as a round trip of its own."""
-    query: str = conn.get_reset_query()
+    query = compat.reset_query(conn)
     return ";\n" + query if query else ""
 
 

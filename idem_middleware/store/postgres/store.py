@@ -131,7 +131,7 @@ class PostgresStore(OffPathStatements):
             return
         except KeyError:
             pass
-        query = conn.get_reset_query()
+        query = compat.reset_query(conn)
         if query:
             await conn.execute(query)
 
