@@ -13,6 +13,7 @@ import os
 import sys
 from collections.abc import Sequence
 from importlib import metadata
+from typing import Any
 
 import asyncpg
 
@@ -216,8 +217,10 @@ def _parser() -> argparse.ArgumentParser:
         dest="outbox_command", required=True, metavar="ACTION", help="ACTION --help for its options"
     )
 
-    def action(name: str, help: str) -> argparse.ArgumentParser:
-        cmd = outbox_commands.add_parser(name, help=help, description=help, parents=[sub])
+    def action(name: str, help: str, actions: Any = None) -> argparse.ArgumentParser:
+        cmd = (actions or outbox_commands).add_parser(
+            name, help=help, description=help, parents=[sub]
+        )
         cmd.set_defaults(usage_parser=cmd)
         return cmd
 
@@ -278,6 +281,33 @@ def _parser() -> argparse.ArgumentParser:
         "--batch-size", type=positive_int, default=1000, help="events per statement (default 1000)"
     )
 
+    i = command("inbox", "purge consumers' inbox rows (what makes a redelivery a no-op)")
+    inbox_commands = i.add_subparsers(
+        dest="inbox_command", required=True, metavar="ACTION", help="ACTION --help for its options"
+    )
+    ip = action(
+        "purge",
+        "delete inbox rows recorded more than --older-than seconds ago: only once their events "
+        "can no longer be redelivered, or a late redelivery is applied twice",
+        inbox_commands,
+    )
+    ip.add_argument(
+        "--older-than",
+        type=margin_seconds,
+        default=30 * 86400.0,
+        help="seconds since a row was recorded, 0 or more (default 2592000: 30 days); more than "
+        "the producer's `outbox purge --older-than` plus its longest redelivery delay",
+    )
+    ip.add_argument(
+        "--batch-size", type=positive_int, default=1000, help="rows per delete (default 1000)"
+    )
+    ip.add_argument(
+        "--max-batches",
+        type=positive_int,
+        default=1000,
+        help="stop after this many batches (default 1000)",
+    )
+
     c = command("reconcile", "run the reconcilers on unknown and lapsed records nobody retries")
     c.add_argument(
         "--app",
@@ -313,6 +343,7 @@ _HANDLERS = {
     "reopen": run.reopen,
     "reconcile": cli_reconcile.reconcile,
     "outbox": run.outbox,
+    "inbox": run.inbox,
 }
 
 

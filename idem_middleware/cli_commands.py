@@ -13,7 +13,7 @@ import contextlib
 import json
 import signal
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from typing import Any, NoReturn
 from urllib.parse import urlsplit
 
@@ -27,6 +27,7 @@ from .cli_list import printable
 from .cli_list import row as record_row
 from .cli_values import operation_hint
 from .errors import IdempotencyError, ResolveError
+from .inbox import purge_inbox
 from .keys import parse_idempotency_key
 from .ops import (
     Move,
@@ -66,41 +67,73 @@ async def migrate(args: argparse.Namespace) -> int:
         await conn.close()
 
 
-def stopped(args: argparse.Namespace, data: dict[str, Any], done: str, exc: Exception) -> NoReturn:
-    """A command the database failed partway: its report so far (stdout, with --json), and one
-    line saying what was done and what failed (stderr, through main). Exit 1."""
+def stopped(
+    args: argparse.Namespace, data: dict[str, Any], done: str, exc: Exception, name: str = ""
+) -> NoReturn:
+    """A command (`name`, else the command's) the database failed partway: its report so far
+    (stdout, with --json), and one line saying what was done and what failed (stderr, through
+    main). Exit 1."""
     if args.json:
         print(json.dumps({**data, "error": str(exc)}, default=str, sort_keys=True))
-    raise Interrupted(f"{args.command} stopped after {done}: {exc}") from exc
+    raise Interrupted(f"{name or args.command} stopped after {done}: {exc}") from exc
 
 
 async def purge(store: PostgresStore, args: argparse.Namespace) -> int:
+    def purging(progress: Callable[[int], None]) -> Awaitable[int]:
+        return store.purge(
+            batch_size=args.batch_size, max_batches=args.max_batches, progress=progress
+        )
+
+    return await _batches(
+        args, "purge", "expired records", purging, " (IDEM_PURGE_MAX_BATCHES)", "expires"
+    )
+
+
+async def inbox(store: PostgresStore, args: argparse.Namespace) -> int:
+    def purging(progress: Callable[[int], None]) -> Awaitable[int]:
+        return purge_inbox(
+            store,
+            older_than_seconds=args.older_than,
+            batch_size=args.batch_size,
+            max_batches=args.max_batches,
+            progress=progress,
+        )
+
+    return await _batches(args, "inbox purge", "inbox rows", purging, "", "is recorded")
+
+
+async def _batches(
+    args: argparse.Namespace,
+    name: str,
+    what: str,
+    purging: Callable[[Callable[[int], None]], Awaitable[int]],
+    env: str,
+    grows: str,
+) -> int:
+    """A purge in batches, each committed on its own: how many `what` it deleted, and whether
+    it stopped at --max-batches (said on stderr too). Failed partway, what it did first."""
     progress = [0]
 
     def committed(deleted: int) -> None:
         progress[0] = deleted
 
     try:
-        deleted = await store.purge(
-            batch_size=args.batch_size, max_batches=args.max_batches, progress=committed
-        )
+        deleted = await purging(committed)
     except IdempotencyError as exc:
         # Each batch committed on its own: what was deleted stays deleted, the rest is for the
         # next run.
-        done = f"deleting {progress[0]} expired records (each batch is committed; run it again)"
-        stopped(args, {"purged": progress[0], "stopped_at_limit": False}, done, exc)
-    # Every batch was full: it stopped at its limit, and expired records may be left. Said
-    # aloud, since a purge that deletes less each run than expires meanwhile never catches up.
+        done = f"deleting {progress[0]} {what} (each batch is committed; run it again)"
+        stopped(args, {"purged": progress[0], "stopped_at_limit": False}, done, exc, name)
+    # Every batch was full: it stopped at its limit, and rows may be left. Said aloud, since a
+    # purge that deletes less each run than expires meanwhile never catches up.
     limited = deleted >= args.batch_size * args.max_batches
-    emit(
-        args, {"purged": deleted, "stopped_at_limit": limited}, f"purged {deleted} expired records"
-    )
+    emit(args, {"purged": deleted, "stopped_at_limit": limited}, f"purged {deleted} {what}")
     if limited:
         print(
-            f"purge stopped at --max-batches ({args.max_batches} batches of {args.batch_size}):"
-            " expired records may be left. Run it again now, run it more often, or raise"
-            " --max-batches (IDEM_PURGE_MAX_BATCHES): a purge that deletes less each run than"
-            " expires between runs falls further behind every time.",
+            f"{name} stopped at --max-batches ({args.max_batches} batches of {args.batch_size}):"
+            f" {what} may be left. Run it again now, run it more often, or raise"
+            f" --max-batches{env}: a purge that deletes less each run than {grows} between"
+            " runs falls further behind every time.",
             file=sys.stderr,
         )
     return 0

@@ -779,6 +779,19 @@ INSERT INTO idem_inbox (consumer, event_id) VALUES ($1, $2)
 ON CONFLICT DO NOTHING
 RETURNING 1;
 
+-- name: inbox_purge
+-- Delete one batch of consumers' inbox rows recorded more than $2 seconds ago, oldest first.
+-- $1 batch size, $2 age (seconds)
+DELETE FROM idem_inbox i
+USING (
+    SELECT consumer, event_id FROM idem_inbox
+    WHERE received_at <= now() - make_interval(secs => $2::float8)
+    ORDER BY received_at
+    LIMIT $1
+    FOR UPDATE SKIP LOCKED
+) doomed
+WHERE i.consumer = doomed.consumer AND i.event_id = doomed.event_id;
+
 -- name: amend
 -- An operator's move (resolve, re-resolve, reopen, release for a retry): like `settle`, but the
 -- note is appended to the record's audit trail, one line per move, stamped with the database's

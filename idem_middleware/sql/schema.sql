@@ -195,6 +195,9 @@ CREATE TABLE idem_inbox (
     CONSTRAINT idem_inbox_pkey PRIMARY KEY (consumer, event_id)
 );
 
+-- `inbox purge` picks rows recorded long enough ago.
+CREATE INDEX idem_inbox_received_idx ON idem_inbox (received_at);
+
 -- Lease-mode waiters, a row per wait (the record's notification payload, a random id): a
 -- settlement notifies only when one waits. UNLOGGED: a crash empties it, and waiters poll.
 CREATE UNLOGGED TABLE idem_waiters (

@@ -14,6 +14,7 @@ import pytest
 
 from idem_middleware import PostgresStore, sql
 from idem_middleware.errors import ConfigurationError, StoreError
+from idem_middleware.inbox import purge_inbox
 from idem_middleware.store.base import RecordKey
 from idem_middleware.store.migrations import _LOCK_ID, migrate, pending_versions
 from tests.conftest import dsn_for
@@ -494,5 +495,36 @@ async def test_a_database_a_newer_version_migrated_is_served_by_this_one(
             assert await store.get(RecordKey("t", "POST /x", "k")) is None
         recorded = await conn.fetchval("SELECT max(version) FROM idem_schema_migrations")
         assert recorded == newer
+    finally:
+        await conn.close()
+
+
+async def test_inbox_rows_recorded_before_0010_are_purged_and_its_index_built_beforehand_kept(
+    new_database: NewDatabase,
+) -> None:
+    """0010 indexes `idem_inbox.received_at` for `inbox purge`; rows recorded before it have
+    their time already and are purged by age, and an index built by hand first is kept."""
+    dsn = await new_database()
+    conn = await asyncpg.connect(dsn)
+    try:
+        await migrate(conn)
+        await conn.execute("DROP INDEX idem_inbox_received_idx")
+        await conn.execute("DELETE FROM idem_schema_migrations WHERE version = 10")
+        await conn.execute(
+            "INSERT INTO idem_inbox (consumer, event_id, received_at)"
+            " VALUES ('c', 'old', now() - interval '2 days'), ('c', 'new', now())"
+        )
+        await conn.execute(
+            "CREATE INDEX CONCURRENTLY idem_inbox_received_idx ON idem_inbox (received_at)"
+        )
+        assert await migrate(conn) == [10]
+        count = "SELECT count(*) FROM pg_indexes WHERE indexname = 'idem_inbox_received_idx'"
+        assert await conn.fetchval(count) == 1
+        pool = await asyncpg.create_pool(dsn, min_size=1, max_size=1)
+        try:
+            assert await purge_inbox(pool, older_than_seconds=86400) == 1
+        finally:
+            await pool.close()
+        assert await conn.fetchval("SELECT array_agg(event_id) FROM idem_inbox") == ["new"]
     finally:
         await conn.close()

@@ -2,11 +2,12 @@
 
 A database of its own holds 60,000 records across 300 tenants in every state (mostly finished,
 some past their retention, some pending with lapsed and live leases, some unknown), issued
-tokens and outbox events, analysed. Every statement on a request's path must reach
-`idem_requests`, `idem_tokens` and `idem_outbox` through an index, in the custom plan its first
-runs get and in the generic plan asyncpg's prepared statements get after five; the claim
-function's own statements too (seen through auto_explain). The batch statements (purge, the
-reconciler's and operators' scans, the outbox's poll) must read no table whole either.
+tokens, outbox events and consumers' inbox rows, analysed. Every statement on a request's path
+must reach `idem_requests`, `idem_tokens`, `idem_outbox` and `idem_inbox` through an index, in the
+custom plan its first runs get and in the generic plan asyncpg's prepared statements get after
+five; the claim function's own statements too (seen through auto_explain). The batch statements
+(purge, the outbox's and the inbox's purges, the reconciler's and operators' scans, the outbox's
+poll) must read no table whole either.
 
 docs/operating.md ("Maintenance at scale") has what these plans cost on 2 million records.
 """
@@ -25,7 +26,7 @@ from idem_middleware.store.migrations import migrate
 from tests.conftest import _fresh_database
 
 _Q = queries()
-BIG = ("idem_requests", "idem_tokens", "idem_outbox")
+BIG = ("idem_requests", "idem_tokens", "idem_outbox", "idem_inbox")
 RECORDS = 60_000
 
 _FILL = f"""
@@ -66,7 +67,10 @@ SELECT 'event-' || i, 'tenant-' || (i % 300), 'paid', '{{}}', now() - interval '
        now() - interval '1 minute' * i,
        CASE WHEN i > 50 THEN now() - interval '1 minute' * i END
 FROM generate_series(1, 30000) AS i;
-ANALYZE idem_requests, idem_tokens, idem_outbox;
+INSERT INTO idem_inbox (consumer, event_id, received_at)
+SELECT 'consumer-' || (i % 3), 'event-' || i, now() - interval '1 minute' * i
+FROM generate_series(1, 30000) AS i;
+ANALYZE idem_requests, idem_tokens, idem_outbox, idem_inbox;
 """
 
 
@@ -160,6 +164,7 @@ async def _cases(conn: Any) -> dict[str, list[tuple[Any, ...]]]:
         # Batches: one purge batch, the reconciler's and the operator's listings.
         "purge_batch": [(1000,)],
         "outbox_purge": [(1000, 19 * 86400.0)],  # the older events: a purge run's backlog
+        "inbox_purge": [(1000, 19 * 86400.0)],  # (the same: the older rows)
         "list_records": [
             (["pending", "unknown"], None, None, 100, False),
             (["unknown"], None, None, 100, False),
@@ -190,7 +195,7 @@ PER_REQUEST = {
 }  # fmt: skip
 #: Batches: a parameter in a partial index's predicate or in a LIMIT makes their generic plans
 #: read the table whole, so their cost keeps asyncpg's plan cache on custom plans (checked below).
-PER_BATCH = {"purge_batch", "outbox_purge", "list_records", "list_page"}
+PER_BATCH = {"purge_batch", "outbox_purge", "inbox_purge", "list_records", "list_page"}
 #: Off every path but an operator's or a metrics scrape: counted in docs/operating.md.
 ELSEWHERE = {
     "stats", "stats_unresolved", "outbox_stats", "outbox_list", "purge_tokens", "purge_waiters",

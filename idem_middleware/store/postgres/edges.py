@@ -207,6 +207,24 @@ class OffPathStatements(PoolStatements):
         except SERVER_ERROR as exc:  # (as `_run_any`: the outbox's callers expect no driver error)
             raise translate(exc) from exc
 
+    async def inbox_purge(
+        self,
+        older_than_seconds: float,
+        batch_size: int,
+        max_batches: int,
+        progress: Callable[[int], None] | None = None,
+    ) -> int:
+        """Delete consumers' inbox rows recorded more than `older_than_seconds` ago, a batch a
+        statement, `max_batches` at most: how many (`progress` as `purge`'s). Counts that are no
+        whole numbers from 1 are refused (ValueError) before any statement."""
+        check_purge_limits(batch_size, max_batches)
+        try:
+            return await self._purge_batches(
+                _Q["inbox_purge"], batch_size, max_batches, progress, (older_than_seconds,)
+            )
+        except SERVER_ERROR as exc:  # (as `outbox_purge`)
+            raise translate(exc) from exc
+
     async def list_records(
         self,
         *,

@@ -1,0 +1,10 @@
+-- 0010: `inbox purge` finds consumers' inbox rows recorded long enough ago through an index on
+-- `received_at` (set to now() when `consume_once` records the event; every existing row has it
+-- already, so rows recorded before this migration are purged by their age like any other).
+-- Without it, each batch read `idem_inbox` from its first page until it had found its batch.
+--
+-- An event's row gets its entry when it is recorded: one more index entry per consumed event.
+-- Building it locks `idem_inbox` against writes while it runs (a second or so per million rows):
+-- migrate outside the busiest hour, or create the index by hand first with `CREATE INDEX
+-- CONCURRENTLY` under this name, and this migration leaves it as it is.
+CREATE INDEX IF NOT EXISTS idem_inbox_received_idx ON idem_inbox (received_at);
