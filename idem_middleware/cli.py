@@ -224,6 +224,17 @@ def _parser() -> argparse.ArgumentParser:
         cmd.set_defaults(usage_parser=cmd)
         return cmd
 
+    def batch_options(cmd: argparse.ArgumentParser, what: str, max_batches: int) -> None:
+        """`outbox purge`'s and `inbox purge`'s counts, each refused (exit 2) unless from 1."""
+        each = f"{what} per delete statement (default 1000)"
+        cmd.add_argument("--batch-size", type=positive_int, default=1000, help=each)
+        cmd.add_argument(
+            "--max-batches",
+            type=positive_int,
+            default=max_batches,
+            help=f"stop after this many batches, saying so (default {max_batches})",
+        )
+
     pub = action("publish", "send due events to a webhook until stopped (SIGTERM/SIGINT)")
     pub.add_argument(
         "--url", default=env_default("IDEM_OUTBOX_URL"), help="webhook URL (env IDEM_OUTBOX_URL)"
@@ -277,9 +288,7 @@ def _parser() -> argparse.ArgumentParser:
         default=7 * 86400.0,
         help="seconds since an event was sent, 0 or more (default 604800: 7 days)",
     )
-    op.add_argument(
-        "--batch-size", type=positive_int, default=1000, help="events per statement (default 1000)"
-    )
+    batch_options(op, "events", 10_000)
 
     i = command("inbox", "purge consumers' inbox rows (what makes a redelivery a no-op)")
     inbox_commands = i.add_subparsers(
@@ -298,15 +307,7 @@ def _parser() -> argparse.ArgumentParser:
         help="seconds since a row was recorded, 0 or more (default 2592000: 30 days); more than "
         "the producer's `outbox purge --older-than` plus its longest redelivery delay",
     )
-    ip.add_argument(
-        "--batch-size", type=positive_int, default=1000, help="rows per delete (default 1000)"
-    )
-    ip.add_argument(
-        "--max-batches",
-        type=positive_int,
-        default=1000,
-        help="stop after this many batches (default 1000)",
-    )
+    batch_options(ip, "rows", 1000)
 
     c = command("reconcile", "run the reconcilers on unknown and lapsed records nobody retries")
     c.add_argument(

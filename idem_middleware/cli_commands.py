@@ -90,16 +90,27 @@ async def purge(store: PostgresStore, args: argparse.Namespace) -> int:
 
 
 async def inbox(store: PostgresStore, args: argparse.Namespace) -> int:
+    return await _aged(store, args, purge_inbox, "inbox purge", "inbox rows", "is recorded")
+
+
+async def _aged(
+    store: PostgresStore,
+    args: argparse.Namespace,
+    purge: Callable[..., Awaitable[int]],
+    name: str,
+    what: str,
+    grows: str,
+) -> int:
+    """`outbox purge` and `inbox purge`: `purge` (`purge_sent`, `purge_inbox`) of the rows older
+    than --older-than, in batches, reported as `purge`'s."""
+
     def purging(progress: Callable[[int], None]) -> Awaitable[int]:
-        return purge_inbox(
-            store,
-            older_than_seconds=args.older_than,
-            batch_size=args.batch_size,
-            max_batches=args.max_batches,
-            progress=progress,
+        age, size, most = args.older_than, args.batch_size, args.max_batches
+        return purge(
+            store, older_than_seconds=age, batch_size=size, max_batches=most, progress=progress
         )
 
-    return await _batches(args, "inbox purge", "inbox rows", purging, "", "is recorded")
+    return await _batches(args, name, what, purging, "", grows)
 
 
 async def _batches(
@@ -305,10 +316,8 @@ async def outbox(store: PostgresStore, args: argparse.Namespace) -> int:
     if args.outbox_command == "requeue":
         return await _requeue(store, args)
     if args.outbox_command == "purge":
-        age, size = args.older_than, args.batch_size
-        purged = await outbox_ops.purge_sent(store.pool, older_than_seconds=age, batch_size=size)
-        emit(args, {"purged": purged}, f"purged {purged} sent events")
-        return 0
+        purge = outbox_ops.purge_sent
+        return await _aged(store, args, purge, "outbox purge", "sent events", "is sent")
     if not args.url:
         raise UsageError("outbox publish needs --url (or IDEM_OUTBOX_URL)")
     url = urlsplit(args.url)

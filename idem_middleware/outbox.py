@@ -360,12 +360,17 @@ async def requeue_each(pool: Any, event_ids: Sequence[str]) -> dict[str, str]:
 
 
 async def purge_sent(
-    pool: Any, *, older_than_seconds: float = 7 * 86400, batch_size: int = 1000
+    pool: Any,
+    *,
+    older_than_seconds: float = 7 * 86400,
+    batch_size: int = 1000,
+    max_batches: int = 10_000,
+    progress: Callable[[int], None] | None = None,
 ) -> int:
-    """Delete events sent over `older_than_seconds` ago (finite, 0 or more), `batch_size` (1 or
-    more) a statement: how many. Anything else is ValueError before any statement."""
+    """Delete events sent over `older_than_seconds` ago (finite, from 0), `batch_size` a statement,
+    `max_batches` at most (whole, from 1; else ValueError first): how many; `progress(n)` each."""
     age = _seconds(older_than_seconds, "older_than_seconds", False)
-    return await _store(pool).outbox_purge(batch_size, age)
+    return await _store(pool).outbox_purge(batch_size, age, max_batches, progress)
 
 
 def webhook_sender(client: Any, url: str) -> Sender:

@@ -195,14 +195,21 @@ class OffPathStatements(PoolStatements):
         rows = await self._run_any("fetch", _Q["outbox_requeue"], list(dict.fromkeys(event_ids)))
         return {row["event_id"]: row["outcome"] for row in rows}
 
-    async def outbox_purge(self, batch_size: int, older_than_seconds: float) -> int:
-        """Delete the events sent more than `older_than_seconds` ago, a batch a statement: how
-        many. A batch size that is no whole number from 1 is refused (ValueError): 0 ran 10,000
-        empty statements, a negative one was a LIMIT the server refused."""
-        check_purge_limits(batch_size, 1)
+    async def outbox_purge(
+        self,
+        batch_size: int,
+        older_than_seconds: float,
+        max_batches: int = 10_000,
+        progress: Callable[[int], None] | None = None,
+    ) -> int:
+        """Delete the events sent more than `older_than_seconds` ago, a batch a statement,
+        `max_batches` at most: how many (`progress` as `purge`'s). Counts that are no whole
+        numbers from 1 are refused (ValueError): a batch size of 0 ran 10,000 empty statements,
+        a negative one was a LIMIT the server refused."""
+        check_purge_limits(batch_size, max_batches)
         try:
             return await self._purge_batches(
-                _Q["outbox_purge"], batch_size, 10_000, args=(older_than_seconds,)
+                _Q["outbox_purge"], batch_size, max_batches, progress, (older_than_seconds,)
             )
         except SERVER_ERROR as exc:  # (as `_run_any`: the outbox's callers expect no driver error)
             raise translate(exc) from exc
