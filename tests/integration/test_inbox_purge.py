@@ -1,6 +1,7 @@
 """`idem-middleware inbox purge` and `inbox.purge_inbox`: consumers' inbox rows recorded long
 enough ago are deleted in bounded batches (before, nothing deleted them: `idem_inbox` grew for
-ever). Rows younger than the age are kept, so their events' redeliveries stay no-ops."""
+ever). Rows younger than the age are kept, so their events' redeliveries stay no-ops. Its stop at
+`--max-batches` and its report of a failure partway are `outbox purge`'s too, tested for both."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from idem_middleware.inbox import purge_inbox
 from idem_middleware.outbox import consume_once
 from idem_middleware.store.postgres import PostgresStore
 from tests.integration.test_cli import cli
+from tests.integration.test_cli_mistakes import sent_events
 
 _ROWS = """
 INSERT INTO idem_inbox (consumer, event_id, received_at)
@@ -77,18 +79,31 @@ async def test_inbox_purge_refuses_nonsense_arguments_before_deleting_anything(
     assert await pool.fetchval("SELECT count(*) FROM idem_inbox") == 5
 
 
-async def test_inbox_purge_stops_at_max_batches_and_says_so(db_dsn: str, pool: Any) -> None:
-    await _old_rows(pool, 5)
-    args = ("inbox", "purge", "--older-than", "60", "--batch-size", "2", "--max-batches", "2")
+# (kind: the table, the command, what its report calls the rows, how old rows are made)
+_KINDS = {
+    "inbox": ("idem_inbox", "inbox", "inbox rows", _old_rows),
+    "outbox": ("idem_outbox", "outbox", "sent events", sent_events),
+}
+
+
+@pytest.mark.parametrize("kind", _KINDS)
+async def test_an_aged_purge_stops_at_max_batches_and_says_so(
+    db_dsn: str, pool: Any, kind: str
+) -> None:
+    """`outbox purge` had a fixed 10,000 batches, and said nothing when it stopped there: one
+    deleting fewer events each run than are sent meanwhile fell behind for ever, silently."""
+    table, command, what, rows = _KINDS[kind]
+    await rows(pool, 5)
+    args = (command, "purge", "--older-than", "60", "--batch-size", "2", "--max-batches", "2")
     first = cli(*args, "--json", dsn=db_dsn)
     assert first.returncode == 0, first.stderr
     assert json.loads(first.stdout) == {"purged": 4, "stopped_at_limit": True}
-    assert "inbox purge stopped at --max-batches (2 batches of 2)" in first.stderr
-    assert await pool.fetchval("SELECT count(*) FROM idem_inbox") == 1
+    assert f"{command} purge stopped at --max-batches (2 batches of 2)" in first.stderr
+    assert await pool.fetchval(f"SELECT count(*) FROM {table}") == 1
     second = cli(*args, dsn=db_dsn)
     assert (second.returncode, second.stdout.strip(), second.stderr) == (
         0,
-        "purged 1 inbox rows",
+        f"purged 1 {what}",
         "",
     )
 
@@ -126,10 +141,13 @@ async def test_purge_inbox_deletes_in_batches_reporting_each(pool: Any) -> None:
     assert await pool.fetchval(_LEFT) == ["ledger/fresh"]
 
 
-async def test_an_inbox_purge_the_database_fails_partway_says_what_it_deleted(
-    pool: Any, capsys: pytest.CaptureFixture[str]
+@pytest.mark.parametrize("kind", _KINDS)
+async def test_an_aged_purge_the_database_fails_partway_says_what_it_deleted(
+    pool: Any, capsys: pytest.CaptureFixture[str], kind: str
 ) -> None:
-    await _old_rows(pool, 5)
+    """`outbox purge` said only the error: the batches it had committed were counted nowhere."""
+    table, command, what, rows = _KINDS[kind]
+    await rows(pool, 5)
     store = PostgresStore(pool=pool, listen=False)
     run = store._run
     calls = [0]
@@ -142,11 +160,16 @@ async def test_an_inbox_purge_the_database_fails_partway_says_what_it_deleted(
 
     store._run = failing  # type: ignore[method-assign]
     args = argparse.Namespace(
-        command="inbox", json=True, older_than=60.0, batch_size=2, max_batches=10
+        command=command,
+        outbox_command="purge",
+        json=True,
+        older_than=60.0,
+        batch_size=2,
+        max_batches=10,
     )
     with pytest.raises(cli_commands.Interrupted) as stopped:
-        await cli_commands.inbox(store, args)
-    assert str(stopped.value).startswith("inbox purge stopped after deleting 2 inbox rows")
+        await getattr(cli_commands, command)(store, args)
+    assert str(stopped.value).startswith(f"{command} purge stopped after deleting 2 {what}")
     report = json.loads(capsys.readouterr().out)
     assert report == {"purged": 2, "stopped_at_limit": False, "error": "connection lost"}
-    assert await pool.fetchval("SELECT count(*) FROM idem_inbox") == 3
+    assert await pool.fetchval(f"SELECT count(*) FROM {table}") == 3
