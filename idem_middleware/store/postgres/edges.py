@@ -10,7 +10,7 @@ are that transaction's, and are left to the caller as asyncpg raised them.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from datetime import datetime
@@ -195,41 +195,51 @@ class OffPathStatements(PoolStatements):
         rows = await self._run_any("fetch", _Q["outbox_requeue"], list(dict.fromkeys(event_ids)))
         return {row["event_id"]: row["outcome"] for row in rows}
 
-    async def outbox_purge(
+    def outbox_purge(
         self,
         batch_size: int,
         older_than_seconds: float,
         max_batches: int = 10_000,
         progress: Callable[[int], None] | None = None,
-    ) -> int:
-        """Delete the events sent more than `older_than_seconds` ago, a batch a statement,
-        `max_batches` at most: how many (`progress` as `purge`'s). Counts that are no whole
-        numbers from 1 are refused (ValueError): a batch size of 0 ran 10,000 empty statements,
-        a negative one was a LIMIT the server refused."""
-        check_purge_limits(batch_size, max_batches)
-        try:
-            return await self._purge_batches(
-                _Q["outbox_purge"], batch_size, max_batches, progress, (older_than_seconds,)
-            )
-        except SERVER_ERROR as exc:  # (as `_run_any`: the outbox's callers expect no driver error)
-            raise translate(exc) from exc
+    ) -> Awaitable[int]:
+        """Delete the events sent more than `older_than_seconds` ago (`_aged_purge`). A batch
+        size of 0 ran 10,000 empty statements before it was refused, a negative one was a LIMIT
+        the server refused."""
+        return self._aged_purge(
+            _Q["outbox_purge"], older_than_seconds, batch_size, max_batches, progress
+        )
 
-    async def inbox_purge(
+    def inbox_purge(
         self,
         older_than_seconds: float,
         batch_size: int,
         max_batches: int,
         progress: Callable[[int], None] | None = None,
+    ) -> Awaitable[int]:
+        """Delete consumers' inbox rows recorded more than `older_than_seconds` ago
+        (`_aged_purge`)."""
+        return self._aged_purge(
+            _Q["inbox_purge"], older_than_seconds, batch_size, max_batches, progress
+        )
+
+    async def _aged_purge(
+        self,
+        query: str,
+        older_than_seconds: float,
+        batch_size: int,
+        max_batches: int,
+        progress: Callable[[int], None] | None,
     ) -> int:
-        """Delete consumers' inbox rows recorded more than `older_than_seconds` ago, a batch a
-        statement, `max_batches` at most: how many (`progress` as `purge`'s). Counts that are no
-        whole numbers from 1 are refused (ValueError) before any statement."""
+        """The delete `query` (rows older than `older_than_seconds`), a batch a statement,
+        `max_batches` at most: how many it deleted (`progress` as `purge`'s). Counts that are no
+        whole numbers from 1 are refused (ValueError) before any statement; a server's error is
+        the store's (as `_run_any`'s: the outbox's callers expect no driver error)."""
         check_purge_limits(batch_size, max_batches)
         try:
             return await self._purge_batches(
-                _Q["inbox_purge"], batch_size, max_batches, progress, (older_than_seconds,)
+                query, batch_size, max_batches, progress, (older_than_seconds,)
             )
-        except SERVER_ERROR as exc:  # (as `outbox_purge`)
+        except SERVER_ERROR as exc:
             raise translate(exc) from exc
 
     async def list_records(

@@ -358,8 +358,9 @@ class PostgresStore(OffPathStatements):
         return bool(row["moved"])
 
     def fenced(self, key: RecordKey, generation: int, expected: State = State.PENDING) -> Fencing:
-        args = (self._fast, key, generation, expected, self._clean_releases)
-        return Fencing(self.pool, self._checkouts, *args)
+        return Fencing(
+            self.pool, self._checkouts, self._fast, key, generation, expected, self._clean_releases
+        )
 
     async def _release(self, conn: Any) -> None:
         await self.pool.release(conn)
