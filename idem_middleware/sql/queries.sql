@@ -762,11 +762,13 @@ ORDER BY created_at
 LIMIT $2;
 
 -- name: outbox_purge
--- Delete one batch of events sent more than $2 seconds ago. $1 batch size, $2 age (seconds)
+-- Delete one batch of events sent more than $2 seconds ago, oldest first (a run stopped at its
+-- limit leaves the youngest). $1 batch size, $2 age (seconds)
 DELETE FROM idem_outbox o
 USING (
     SELECT event_id FROM idem_outbox
     WHERE sent_at <= now() - make_interval(secs => $2::float8)
+    ORDER BY sent_at
     LIMIT $1
     FOR UPDATE SKIP LOCKED
 ) doomed

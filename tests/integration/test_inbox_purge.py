@@ -108,6 +108,36 @@ async def test_an_aged_purge_stops_at_max_batches_and_says_so(
     )
 
 
+# (kind: rows 1 to 5 aged 1 to 5 hours, inserted youngest first; the ids of the rows left)
+_AGED = {
+    "inbox": (
+        "INSERT INTO idem_inbox (consumer, event_id, received_at) SELECT 'ledger', i::text,"
+        " now() - make_interval(hours => i) FROM generate_series(1, 5) i",
+        "SELECT array_agg(event_id ORDER BY event_id) FROM idem_inbox",
+    ),
+    "outbox": (
+        "INSERT INTO idem_outbox (event_id, topic, payload, sent_at) SELECT i::text, 't', '{}',"
+        " now() - make_interval(hours => i) FROM generate_series(1, 5) i",
+        "SELECT array_agg(event_id ORDER BY event_id) FROM idem_outbox",
+    ),
+}
+
+
+@pytest.mark.parametrize("kind", _AGED)
+async def test_an_aged_purge_stopped_at_its_limit_deleted_the_oldest_first(
+    db_dsn: str, pool: Any, kind: str
+) -> None:
+    """`outbox purge`'s batches had no order: one stopped at `--max-batches` deleted whichever
+    qualifying events the scan met first (here the youngest), not the oldest."""
+    rows, left = _AGED[kind]
+    await pool.execute(rows)
+    args = ("--older-than", "60", "--batch-size", "2", "--max-batches", "1", "--json")
+    purged = cli(kind, "purge", *args, dsn=db_dsn)
+    assert purged.returncode == 0, purged.stderr
+    assert json.loads(purged.stdout) == {"purged": 2, "stopped_at_limit": True}
+    assert await pool.fetchval(left) == ["1", "2", "3"]
+
+
 @pytest.mark.parametrize(
     "options",
     [
