@@ -106,7 +106,7 @@ NOT_REQUEST_PATH = {"purge_batch", "stats", "stats_unresolved", "list_records", 
 #: What a request sends that reads or writes idem_requests (named as in sql/queries.sql); each
 #: must be seen below, so the check cannot pass by not sending it.
 REQUEST_PATH = {
-    "claim",  # lease mode, tokens, and the ordinary transactional path
+    "claim_plain",  # lease mode and the ordinary transactional path (a token's: `claim`)
     "claim_key",  # transactional fast path: BEGIN + claim in one message
     "insert_final",  # ... and its record, written with the COMMIT
     "get",  # replays

@@ -130,6 +130,11 @@ async def _cases(conn: Any) -> dict[str, list[tuple[Any, ...]]]:
             (*live, fp, *lease, None, 1),
             (token["tenant"], token["operation"], "tk", fp, *lease, token["token_hash"], None),
         ],
+        "claim_plain": [
+            (*fresh, fp, *lease, 1),
+            (*live, fp, *lease, 1),
+            (*fresh, fp, *lease, None),
+        ],
         "claim_key": [(*fresh, 1)],
         "claim_key_count": [(*fresh, 1)],
         "insert_final": [(*fresh, fp, 10**9, 86400.0, "succeeded", *answer)],
@@ -184,8 +189,8 @@ async def _cases(conn: Any) -> dict[str, list[tuple[Any, ...]]]:
 #: Statements a request sends: their generic plans (asyncpg's prepared statements switch to one
 #: after five runs when it costs no more than the custom ones) must use indexes as well.
 PER_REQUEST = {
-    "claim", "claim_key", "claim_key_count", "insert_final", "reclaim_expired", "get", "peek",
-    "reclaim_released", "expire_lapsed",
+    "claim", "claim_plain", "claim_key", "claim_key_count", "insert_final", "reclaim_expired",
+    "get", "peek", "reclaim_released", "expire_lapsed",
     "describe", "complete", "complete_checked", "heartbeat", "heartbeat_batch", "expire_lease",
     "takeover", "fence",
     "fence_nowait", "settle", "settle_checked", "release", "allow_retry", "amend", "token_status",

@@ -64,7 +64,10 @@ async def _claim(
     is ClaimBusy, as a row another transaction holds is; nothing here waits for either.
     """
     for _ in range(_CLAIM_ATTEMPTS):
-        rows = await executor.fetch(_Q["claim"], *args, token_hash, lock, timeout=timeout)
+        if token_hash is None:  # (most keys: the claim without the token's statements)
+            rows = await executor.fetch(_Q["claim_plain"], *args, lock, timeout=timeout)
+        else:
+            rows = await executor.fetch(_Q["claim"], *args, token_hash, lock, timeout=timeout)
         row = rows[0] if rows else None
         if row is not None:
             claimed = row["claimed"]
