@@ -7,6 +7,11 @@ the app anyway, hands each of them the guarded operations it found: the token ro
 a token for an operation that takes none (no route, or one without `require_token`), and the
 status resource says whether a retry of an `unknown` request can settle it (the route has a
 reconciler). A route no middleware's check has seen knows nothing, and refuses nothing for it.
+
+The check hands them the middleware's `problem_base` too: a route built without one answers its
+problems under the base of the middleware that saw it (the default until one has), so that one
+API speaks one problem vocabulary. A route given another base than that middleware's, or seen by
+two middlewares with different bases, fails the check (see `GuardedOperations.learn_base`).
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from starlette.types import Receive, Scope, Send
 
 from .errors import ProblemKind
 from .policy import Policy
-from .responses import problem_response
+from .responses import DEFAULT_PROBLEM_BASE, problem_response
 
 logger = logging.getLogger("idem_middleware")
 
@@ -35,11 +40,41 @@ class GuardedOperations:
     a middleware's startup check has seen the route. Filled once per middleware (several
     middlewares that each see the route add up), never changed by a request."""
 
-    __slots__ = ("kind", "policies")
+    __slots__ = ("_learned", "base", "given_base", "kind", "policies")
 
-    def __init__(self, kind: str) -> None:
+    def __init__(self, kind: str, problem_base: str | None = None) -> None:
         self.kind = kind  # "status" or "tokens", for the startup log
         self.policies: Mapping[str, Policy] | None = None
+        #: The route's own `problem_base` (None: the middleware's), and the base it answers
+        #: under: its own, else the base of the middleware that saw it, else the default.
+        self.given_base = problem_base
+        self.base = DEFAULT_PROBLEM_BASE if problem_base is None else problem_base
+        self._learned: str | None = None  # the base of the first middleware that saw it
+
+    def learn_base(self, base: str, where: str) -> str | None:
+        """Take the base of a middleware whose check saw the route (at `where`); the error when
+        the route cannot answer under it: it was given another, or another middleware that saw
+        it has another (its problems would not be that middleware's)."""
+        route = f"the {self.kind} route at {where}"
+        if self.given_base is not None:
+            if self.given_base == base:
+                return None
+            return (
+                f"{route} was given problem_base={self.given_base!r}, but the "
+                f"IdempotencyMiddleware in front of it has problem_base={base!r}: one API would "
+                f"answer problems of two vocabularies. Give the route the middleware's base, or "
+                f"none (it then answers under the middleware's)"
+            )
+        if self._learned is None:
+            self._learned = self.base = base
+        elif self._learned != base:
+            return (
+                f"{route} has no problem_base of its own and is seen by two "
+                f"IdempotencyMiddlewares with different ones, {self._learned!r} and {base!r}: it "
+                f"cannot answer under both. Give the middlewares one problem_base (or mount the "
+                f"route where only one of them sees it)"
+            )
+        return None
 
     def learn(self, guarded: Iterable[tuple[str, Policy]]) -> None:
         merged = dict(self.policies or {})
@@ -73,15 +108,21 @@ class GuardedOperations:
         return sorted(name for name, p in (self.policies or {}).items() if p.require_token)
 
 
-def tell_library_routes(items: Iterable[Any], guarded: Iterable[tuple[str, Policy]]) -> None:
+def tell_library_routes(
+    items: Iterable[Any], guarded: Iterable[tuple[str, Policy]], problem_base: str
+) -> list[str]:
     """Give every library route among `items` (the routes startup walked) the operations the
-    middleware guards; warn for a token route when no operation takes tokens."""
+    middleware guards and its `problem_base`; warn for a token route when no operation takes
+    tokens. The errors: the routes that cannot answer under the middleware's base."""
     guarded = list(guarded)
+    errors: list[str] = []
     for item in items:
         operations = getattr(getattr(item, "endpoint", None), ROUTE_OPERATIONS_ATTRIBUTE, None)
         if not isinstance(operations, GuardedOperations):
             continue
         operations.learn(guarded)
+        if (error := operations.learn_base(problem_base, item.template)) is not None:
+            errors.append(error)
         if operations.kind == "tokens" and not operations.token_operations():
             logger.warning(
                 "idempotency: the token route %s issues tokens for the operations with "
@@ -89,16 +130,25 @@ def tell_library_routes(items: Iterable[Any], guarded: Iterable[tuple[str, Polic
                 "refused (400)",
                 item.template,
             )
+    return errors
 
 
 class LibraryRoute(Route):
     """A library route: a method it does not serve is `405 method-not-allowed` with `Allow`, in
     problem+json as the library answers everything (Starlette's own 405 is plain text, or
-    whatever the app's handler of HTTPException makes of it)."""
+    whatever the app's handler of HTTPException makes of it), under the route's base."""
 
-    def __init__(self, path: str, endpoint: Any, *, method: str, name: str, base: str) -> None:
+    def __init__(self, path: str, endpoint: Any, *, method: str, name: str) -> None:
         super().__init__(path, endpoint, methods=[method], name=name)
-        self.problem_base = base
+        operations = getattr(endpoint, ROUTE_OPERATIONS_ATTRIBUTE, None)
+        if not isinstance(operations, GuardedOperations):
+            raise TypeError("a LibraryRoute's endpoint carries its GuardedOperations")
+        self.operations = operations
+
+    @property
+    def problem_base(self) -> str:
+        """The base its problems are answered under (see `GuardedOperations.base`)."""
+        return self.operations.base
 
     async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         if self.methods and scope["method"] not in self.methods:

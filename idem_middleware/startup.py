@@ -106,7 +106,8 @@ def check_app(mw: IdempotencyMiddleware, app: Any, scope: Scope | None = None) -
         # (shown: under a wrapper the router cannot see into, the first request's concrete path
         # names the operation, and its decoded `%0D%0A` would forge a log line)
         logger.info("idempotency: guarding %s (%s)", shown(name), describe(policy))
-    tell_library_routes(items, guarded)  # the status and token routes' view of the app
+    # The status and token routes' view of the app, and its problem_base.
+    errors.extend(tell_library_routes(items, guarded, mw.problem_base))
     for name in sorted(set(mw.policies) - reachable):  # a typo, or a prefix left out
         close = difflib.get_close_matches(name, sorted(reachable), n=1, cutoff=0.5)
         hint = f" (did you mean {close[0]!r}?)" if close else ""

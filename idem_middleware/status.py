@@ -21,7 +21,7 @@ from .errors import ProblemKind, RequestRejected, StoreError
 from .keys import check_key, parse_idempotency_key
 from .library_routes import ROUTE_OPERATIONS_ATTRIBUTE, GuardedOperations, LibraryRoute
 from .policy import LeaseExpiry, Mode, Policy
-from .responses import DEFAULT_PROBLEM_BASE, problem_response
+from .responses import problem_response
 from .store.base import Record, RecordKey, State, Store
 from .tenant import (
     ROUTE_RESOLVER_ATTRIBUTE,
@@ -153,7 +153,7 @@ def status_route(
     *,
     path: str = "/idempotency/status",
     tenant_resolver: TenantResolver = authenticated_user_tenant,
-    problem_base: str = DEFAULT_PROBLEM_BASE,
+    problem_base: str | None = None,
     www_authenticate: str | None = None,
 ) -> Route:
     """`GET path?operation=POST%20/payouts&key=abc`: the state of the caller's own request.
@@ -165,15 +165,18 @@ def status_route(
     Idempotency-Key header instead (a token route's 202 leaves its token out of the URL).
     `"retry": true` marks a request only the client's retry with the same key moves: a pending
     one nothing runs any more, an unknown one whose route has a reconciler (as the middleware's
-    startup check told this route); `detail` says what to do. Pass the middleware's `problem_base`,
+    startup check told this route); `detail` says what to do. Pass the middleware's
     `tenant_resolver` and `www_authenticate` (its 401's challenge) if it has its own.
+    `problem_base`: leave it out to answer under the base of the middleware whose startup check
+    sees the route (`DEFAULT_PROBLEM_BASE` until one has); one of the route's own must be that
+    middleware's, or its check fails.
     """
     tenants = Tenants(tenant_resolver, challenge=www_authenticate)
     # Filled by the middleware's startup check: whether an operation's route has a reconciler.
-    operations = GuardedOperations("status")
+    operations = GuardedOperations("status", problem_base)
 
     def _problem(kind: ProblemKind, detail: str) -> Response:
-        return problem_response(kind, detail, base=problem_base)
+        return problem_response(kind, detail, base=operations.base)
 
     async def status(request: Request) -> Response:
         response = await _answer(request)
@@ -184,7 +187,7 @@ def status_route(
         return response
 
     async def _answer(request: Request) -> Response:
-        tenant = await route_tenant(tenants, request.scope, problem_base=problem_base)
+        tenant = await route_tenant(tenants, request.scope, problem_base=operations.base)
         if isinstance(tenant, Response):
             return tenant
         query = request.query_params
@@ -224,7 +227,7 @@ def status_route(
             return problem_response(
                 ProblemKind.STORE_UNAVAILABLE,
                 "The request's status cannot be read right now; ask again.",
-                base=problem_base,
+                base=operations.base,
                 retry_after=1,
             )
         if claiming:  # a transaction is claiming it: running, its record not committed yet
@@ -240,4 +243,4 @@ def status_route(
     setattr(status, ROUTE_RESOLVER_ATTRIBUTE, tenant_resolver)  # (see startup's check)
     setattr(status, ROUTE_TENANTS_ATTRIBUTE, tenants)
     setattr(status, ROUTE_OPERATIONS_ATTRIBUTE, operations)
-    return LibraryRoute(path, status, method="GET", name="idempotency_status", base=problem_base)
+    return LibraryRoute(path, status, method="GET", name="idempotency_status")

@@ -29,7 +29,7 @@ from .errors import ProblemKind, StatementRefused, StoreError
 from .errors import TokenConflict as TokenConflict
 from .library_routes import ROUTE_OPERATIONS_ATTRIBUTE, GuardedOperations, LibraryRoute
 from .policy import MAX_SECONDS, not_idempotent
-from .responses import DEFAULT_PROBLEM_BASE, problem_response
+from .responses import problem_response
 from .status import OPERATION_SHAPE  # the operations the status resource accepts
 from .tenant import (
     ROUTE_RESOLVER_ATTRIBUTE,
@@ -233,13 +233,14 @@ def token_route(
     *,
     path: str = "/idempotency/tokens",
     tenant_resolver: TenantResolver = authenticated_user_tenant,
-    problem_base: str = DEFAULT_PROBLEM_BASE,
+    problem_base: str | None = None,
     www_authenticate: str | None = None,
 ) -> Route:
     """`POST path` with `{"operation": "POST /payouts", "intent_id": "..."?}` issues a token to
     the authenticated tenant: 201 `{"token", "expires_at"}` (the same token for the same intent).
-    Refusals are problem+json under `problem_base`, a 401 with `www_authenticate` as its
-    challenge (pass the middleware's, if it has its own).
+    Refusals are problem+json under the middleware's `problem_base` (as for `status_route`: leave
+    it out, or give the middleware's), a 401 with `www_authenticate` as its challenge (pass the
+    middleware's, if it has its own).
     The route is `not_idempotent`: the middleware never guards it (a client needs no key, and no
     token, to get its first token; asking again for an intent is already idempotent). Once the
     middleware's startup check has seen it, an operation that takes no token (not guarded, or
@@ -247,14 +248,14 @@ def token_route(
     """
     tenants = Tenants(tenant_resolver, challenge=www_authenticate)
     # Filled by the middleware's startup check: which operations take tokens.
-    operations = GuardedOperations("tokens")
+    operations = GuardedOperations("tokens", problem_base)
 
     def bad_body(detail: str = _BAD_BODY) -> Response:
-        return problem_response(ProblemKind.BODY_INVALID, detail, base=problem_base)
+        return problem_response(ProblemKind.BODY_INVALID, detail, base=operations.base)
 
     @not_idempotent
     async def issue(request: Request) -> Response:
-        tenant = await route_tenant(tenants, request.scope, problem_base=problem_base)
+        tenant = await route_tenant(tenants, request.scope, problem_base=operations.base)
         if isinstance(tenant, Response):
             return tenant
         raw = await _capped_body(request)
@@ -262,7 +263,7 @@ def token_route(
             return problem_response(
                 ProblemKind.BODY_TOO_LARGE,
                 f"The body may be at most {MAX_TOKEN_REQUEST_BYTES} bytes.",
-                base=problem_base,
+                base=operations.base,
             )
         try:
             body = orjson.loads(raw)
@@ -290,7 +291,7 @@ def token_route(
         try:
             issued = await issuer.issue(tenant, operation, intent_id=intent_id)
         except TokenConflict as exc:
-            return problem_response(ProblemKind.TOKEN_CONFLICT, f"{exc}.", base=problem_base)
+            return problem_response(ProblemKind.TOKEN_CONFLICT, f"{exc}.", base=operations.base)
         except StatementRefused:
             # The database refused these values (the checks above should leave nothing here).
             return bad_body()
@@ -300,7 +301,7 @@ def token_route(
             return problem_response(
                 ProblemKind.STORE_UNAVAILABLE,
                 "No token can be issued right now; ask again.",
-                base=problem_base,
+                base=operations.base,
                 retry_after=1,
             )
         body = {"token": issued.token, "expires_at": issued.expires_at.isoformat()}
@@ -311,4 +312,4 @@ def token_route(
     setattr(issue, ROUTE_RESOLVER_ATTRIBUTE, tenant_resolver)  # (see startup's check)
     setattr(issue, ROUTE_TENANTS_ATTRIBUTE, tenants)
     setattr(issue, ROUTE_OPERATIONS_ATTRIBUTE, operations)
-    return LibraryRoute(path, issue, method="POST", name="idempotency_tokens", base=problem_base)
+    return LibraryRoute(path, issue, method="POST", name="idempotency_tokens")

@@ -533,7 +533,8 @@ async def test_an_anonymous_duplicate_in_flight_is_a_409_not_a_202_it_cannot_fol
 async def test_a_method_the_library_routes_do_not_serve_is_a_405_problem_with_allow() -> None:
     """Found by probing: `POST` (or `DELETE` ...) to the status resource, or `GET` to the token
     route, was Starlette's plain-text 405, where the library answers problem+json everywhere
-    else. It is `405 method-not-allowed` under the route's `problem_base`, with `Allow`."""
+    else. It is `405 method-not-allowed` under the middleware's `problem_base` (given to the
+    route or not), with `Allow`."""
     store = MemoryStore()
     base = "https://errors.example/"
     app = build_app(store, problem_base=base)
@@ -545,7 +546,7 @@ async def test_a_method_the_library_routes_do_not_serve_is_a_405_problem_with_al
         refused = [
             await c.post("/s", params={"operation": CREDIT_OP, "key": "k"}),
             await c.delete("/s"),
-            await c.put(STATUS),  # (build_app's, under the default base)
+            await c.put(STATUS),  # (build_app's, given no base: the middleware's)
         ]
         tokens = await c.get("/idempotency/tokens")
         head = await c.head(STATUS, params={"operation": CREDIT_OP, "key": "k"})
@@ -554,7 +555,7 @@ async def test_a_method_the_library_routes_do_not_serve_is_a_405_problem_with_al
         assert r.headers["content-type"] == "application/problem+json"
         assert r.json()["type"].endswith("method-not-allowed")
         assert r.headers["allow"] == "GET, HEAD"
-    assert [r.json()["type"].startswith(base) for r in refused] == [True, True, False]
+    assert [r.json()["type"].startswith(base) for r in refused] == [True, True, True]
     assert tokens.status_code == 405
     assert tokens.json()["type"] == f"{base}method-not-allowed"
     assert tokens.headers["allow"] == "POST"
