@@ -15,15 +15,15 @@ from starlette.middleware.authentication import AuthenticationMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
-from starlette.types import Message
 
-from idem_middleware import ConfigurationError, IdempotencyMiddleware, MemoryStore, Policy
+from idem_middleware import IdempotencyMiddleware, MemoryStore, Policy
 from idem_middleware.errors import StoreError
 from idem_middleware.responses import DEFAULT_PROBLEM_BASE
 from idem_middleware.status import status_route
 from idem_middleware.store.base import RecordKey
 from idem_middleware.tokens import MAX_TOKEN_REQUEST_BYTES, TokenIssuer, token_route
 from tests.apps import BearerBackend
+from tests.integration.test_startup_checks import startup as lifespan_startup
 
 BASE = "https://errors.example/idempotency/"
 OTHER = "urn:example:problem:"
@@ -73,27 +73,15 @@ def app(route: BaseRoute, *bases: str) -> Starlette:
 
 async def startup(served: Starlette) -> str | None:
     """Run the ASGI lifespan startup (and shutdown) as a server would: None when it completes,
-    else the failure's message, after checking that the app raised ConfigurationError."""
-    incoming: list[Message] = [{"type": "lifespan.startup"}, {"type": "lifespan.shutdown"}]
-    sent: list[Message] = []
-
-    async def receive() -> Message:
-        return incoming.pop(0)
-
-    async def send(message: Message) -> None:
-        sent.append(message)
-
-    scope = {"type": "lifespan", "asgi": {"version": "3.0"}, "state": {}}
-    failed: ConfigurationError | None = None
-    try:
-        await served(scope, receive, send)
-    except ConfigurationError as exc:
-        failed = exc
-    if failed is None:
-        assert sent[0] == {"type": "lifespan.startup.complete"}, sent
+    else the failed check's message."""
+    sent = await lifespan_startup(served)
+    if sent[0] == {"type": "lifespan.startup.complete"}:
         return None
-    assert sent == [{"type": "lifespan.startup.failed", "message": f"idem_middleware: {failed}"}]
-    return str(failed)
+    assert len(sent) == 1, sent
+    assert sent[0]["type"] == "lifespan.startup.failed", sent
+    message = str(sent[0]["message"])
+    assert message.startswith("idem_middleware: "), message
+    return message.removeprefix("idem_middleware: ")
 
 
 def problem_type(response: httpx.Response, status: int) -> str:
