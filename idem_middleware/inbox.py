@@ -30,4 +30,4 @@ async def purge_inbox(
     called with the count so far after each batch commits. Anything else is a ValueError before
     any statement."""
     age = _seconds(older_than_seconds, "older_than_seconds", False)
-    return await _store(pool).inbox_purge(age, batch_size, max_batches, progress)
+    return await _store(pool).inbox_purge(batch_size, age, max_batches, progress)

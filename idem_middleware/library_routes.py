@@ -40,16 +40,21 @@ class GuardedOperations:
     a middleware's startup check has seen the route. Filled once per middleware (several
     middlewares that each see the route add up), never changed by a request."""
 
-    __slots__ = ("_learned", "base", "given_base", "kind", "policies")
+    __slots__ = ("_learned", "given_base", "kind", "policies")
 
     def __init__(self, kind: str, problem_base: str | None = None) -> None:
         self.kind = kind  # "status" or "tokens", for the startup log
         self.policies: Mapping[str, Policy] | None = None
-        #: The route's own `problem_base` (None: the middleware's), and the base it answers
-        #: under: its own, else the base of the middleware that saw it, else the default.
-        self.given_base = problem_base
-        self.base = DEFAULT_PROBLEM_BASE if problem_base is None else problem_base
+        self.given_base = problem_base  # the route's own `problem_base` (None: the middleware's)
         self._learned: str | None = None  # the base of the first middleware that saw it
+
+    @property
+    def base(self) -> str:
+        """The base the route's problems go under: its own, else that of the middleware that
+        saw it, else the default."""
+        if self.given_base is not None:
+            return self.given_base
+        return DEFAULT_PROBLEM_BASE if self._learned is None else self._learned
 
     def learn_base(self, base: str, where: str) -> str | None:
         """Take the base of a middleware whose check saw the route (at `where`); the error when
@@ -66,7 +71,7 @@ class GuardedOperations:
                 f"none (it then answers under the middleware's)"
             )
         if self._learned is None:
-            self._learned = self.base = base
+            self._learned = base
         elif self._learned != base:
             return (
                 f"{route} has no problem_base of its own and is seen by two "

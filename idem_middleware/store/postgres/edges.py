@@ -211,8 +211,8 @@ class OffPathStatements(PoolStatements):
 
     def inbox_purge(
         self,
-        older_than_seconds: float,
         batch_size: int,
+        older_than_seconds: float,
         max_batches: int,
         progress: Callable[[int], None] | None = None,
     ) -> Awaitable[int]:
