@@ -196,7 +196,7 @@ class IdempotencyMiddleware:
         if not self._checked:
             self._check(app_below(self, scope.get("app")), scope)
         if self._check_error is not None:
-            raise self._check_error
+            return self._refuse(send)
         method = scope["method"]
         by_name = None
         if method in SAFE_METHODS or not self.enabled or SCOPE_KEY in scope:
@@ -299,6 +299,22 @@ class IdempotencyMiddleware:
             policy = self.default_policy
         return policy if policy is not None and policy.guard else None
 
+    async def _refuse(self, send: Send) -> None:
+        """After a failed check at a request (no lifespan startup reached the middleware), every
+        request: a 500 problem document for the client, and the check's error raised for the
+        server to log (and a test client to raise)."""
+        try:
+            await self._misconfigured(send, "The server failed its startup check.")
+        finally:
+            raise self._failed_check()
+
+    def _failed_check(self) -> ConfigurationError:
+        """The failed check's error, a new one for each raise: one exception object raised again
+        and again grows its traceback by the raising request's frames each time, and keeps them
+        (and the requests they served) alive."""
+        assert self._check_error is not None
+        return ConfigurationError(*self._check_error.args)
+
     async def _misconfigured(self, send: Send, detail: str) -> None:
         await self.send_problem(
             send,
@@ -335,7 +351,7 @@ class IdempotencyMiddleware:
                             "message": f"idem_middleware: {self._check_error}",
                         }
                     )
-                    raise self._check_error
+                    raise self._failed_check()
             return message
 
         async def quiet_send(message: Message) -> None:
