@@ -305,8 +305,9 @@ class IdempotencyMiddleware:
         server to log (and a test client to raise)."""
         try:
             await self._misconfigured(send, "The server failed its startup check.")
-        finally:
-            raise self._failed_check()
+        except Exception as exc:  # (the client gone, say): the check's error is what to tell
+            raise self._failed_check() from exc
+        raise self._failed_check()  # (a cancellation goes on as it is)
 
     def _failed_check(self) -> ConfigurationError:
         """The failed check's error, a new one for each raise: one exception object raised again

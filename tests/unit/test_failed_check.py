@@ -7,6 +7,7 @@ every request, and kept them alive)."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import traceback
 
@@ -17,9 +18,11 @@ from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
+from starlette.types import Message
 
 from idem_middleware import IdempotencyMiddleware, MemoryStore, Policy
 from idem_middleware.errors import ConfigurationError
+from tests.apps import asgi_request
 from tests.integration.test_startup_checks import startup as lifespan_startup
 
 BASE = "https://errors.example/idempotency/"
@@ -92,3 +95,44 @@ async def test_a_lifespan_after_a_failed_check_fails_with_the_same_error() -> No
     sent = await lifespan_startup(app)
     assert sent[0]["type"] == "lifespan.startup.failed", sent
     assert MISTAKE in sent[0]["message"]
+
+
+async def test_a_cancelled_answer_stays_a_cancellation() -> None:
+    """The server cancels the request while its 500 is being sent (its shutdown): the task ends
+    cancelled, as every cancelled request does, not with the check's error in place of it."""
+    app = misconfigured_app()
+    async with client(app, raising=False) as c:  # (the first request runs the check)
+        assert (await c.post("/pay", headers={"idempotency-key": "k"}, json={})).status_code == 500
+    sending = asyncio.Event()
+
+    async def receive() -> Message:
+        return {"type": "http.request", "body": b"{}", "more_body": False}
+
+    async def send(message: Message) -> None:
+        sending.set()
+        await asyncio.Event().wait()  # a client that never takes the answer
+
+    scope = asgi_request("/pay", "k", 2)
+    task = asyncio.ensure_future(app(scope, receive, send))
+    await asyncio.wait_for(sending.wait(), 5)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
+async def test_a_failed_answer_raises_the_checks_error_from_it() -> None:
+    """A send that fails (the client gone) does not hide the check's error: it is its cause."""
+    app = misconfigured_app()
+    async with client(app, raising=False) as c:
+        assert (await c.post("/pay", headers={"idempotency-key": "k"}, json={})).status_code == 500
+
+    async def receive() -> Message:
+        return {"type": "http.request", "body": b"{}", "more_body": False}
+
+    async def send(message: Message) -> None:
+        raise OSError("the client left")
+
+    scope = asgi_request("/pay", "k", 2)
+    with pytest.raises(ConfigurationError, match="POST /nope") as info:
+        await app(scope, receive, send)
+    assert isinstance(info.value.__cause__, OSError)
