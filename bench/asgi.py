@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import gc
 import os
 import statistics
@@ -102,6 +103,8 @@ VARIANTS = ("bare", "ours-memory", "ours-tx", "ours-lease")
 #: idempotency middleware can do (bench/floor.py), what the clock says any such middleware adds.
 FLOOR = "floor-memory"
 POSTGRES = ("ours-tx", "ours-lease")
+#: Timed request by request only: bare and ours-memory, each request to a path of its own.
+NEW_PATHS = ("bare, new paths", "ours-memory, new paths")
 BODY = b'{"amount": 5}'
 PATH = "/accounts/acc-1/credits"
 _HEADERS = [
@@ -144,18 +147,21 @@ def build_app(variant: str, store: Any = None, *, downstream: bool = False) -> F
     return app
 
 
-def make_requests(prefix: str, n: int) -> list[tuple[Scope, Receive]]:
-    """n requests, each with its own scope (the framework writes into it) and receive."""
+def make_requests(prefix: str, n: int, new_paths: bool = False) -> list[tuple[Scope, Receive]]:
+    """n requests, each with its own scope (the framework writes into it) and receive; with
+    `new_paths`, each to an account of its own (an API whose paths hold ids: the middleware's
+    route cache never has the path)."""
     out = []
     for i in range(n):
+        path = f"/accounts/acc-{prefix}-{i}/credits" if new_paths else PATH
         scope = {
             "type": "http",
             "asgi": {"version": "3.0", "spec_version": "2.3"},
             "http_version": "1.1",
             "method": "POST",
             "scheme": "http",
-            "path": PATH,
-            "raw_path": PATH.encode(),
+            "path": path,
+            "raw_path": path.encode(),
             "query_string": b"",
             "root_path": "",
             "server": ("127.0.0.1", 8000),
@@ -400,19 +406,23 @@ async def main_async(args: argparse.Namespace, loop_name: str) -> str:
             for scope, receive in make_requests("floor-warm", args.warmup):
                 await floor(scope, receive, send)
             counted.statuses.clear()
-            paired = await measure_paired(
-                {**{v.name: v.app for v in variants[:2]}, FLOOR: floor},
-                args.rounds * args.requests,
-                send,
-                make_requests,
-            )
+            bare, memory = (v.app for v in variants[:2])
+            apps = {"bare": bare, "ours-memory": memory, FLOOR: floor}
+            apps |= {NEW_PATHS[0]: bare, NEW_PATHS[1]: memory}
+            makers = dict.fromkeys(apps, make_requests)
+            makers |= dict.fromkeys(NEW_PATHS, functools.partial(make_requests, new_paths=True))
+            paired = await measure_paired(apps, args.rounds * args.requests, send, makers)
         finally:
             for store in stores:
                 await store.close()
     stages = await measure_stages(args.rounds, args.requests, args.batch, args.warmup)
     gc.unfreeze()
     by_request = (
-        paired_markdown(paired) + f"\n\nStatuses, request by request: {dict(counted.statuses)}"
+        paired_markdown(paired, names=["bare", "ours-memory", FLOOR])
+        + "\n\nThe same, each request to a path of its own (an id in the path, as most APIs"
+        " have: the middleware's route cache never has it, and the route is found again):\n\n"
+        + paired_markdown(paired, NEW_PATHS[0], list(NEW_PATHS))
+        + f"\n\nStatuses, request by request: {dict(counted.statuses)}"
     )
     return markdown(variants, stages, _info(args, loop_name, load), pg_note, by_request)
 

@@ -22,6 +22,8 @@ from typing import Any
 
 from starlette.types import Receive, Scope, Send
 
+#: Makes `n` requests (scope and receive) whose keys start with a prefix.
+Maker = Callable[[str, int], list[tuple[Scope, Receive]]]
 #: Requests made (not timed) at a time, per variant.
 _CHUNK = 200
 
@@ -30,17 +32,21 @@ async def measure_paired(
     apps: dict[str, Any],
     requests: int,
     send: Send,
-    make_requests: Callable[[str, int], list[tuple[Scope, Receive]]],
+    make_requests: Maker | dict[str, Maker],
 ) -> dict[str, list[float]]:
-    """µs of each of `requests` requests per app, the apps taking turns request by request."""
+    """µs of each of `requests` requests per app, the apps taking turns request by request
+    (`make_requests`: one maker for all, or one per app's name)."""
     names = list(apps)
+    makers = make_requests
+    if not isinstance(makers, dict):
+        makers = dict.fromkeys(names, makers)
     times: dict[str, list[float]] = {name: [] for name in names}
     clock = time.perf_counter_ns
     gc.collect()
     done = 0
     while done < requests:
         n = min(_CHUNK, requests - done)
-        todo = {name: make_requests(f"p{done}-{name}", n) for name in names}
+        todo = {name: makers[name](f"p{done}-{slot}", n) for slot, name in enumerate(names)}
         for i in range(n):
             k = (done + i) % len(names)
             for name in names[k:] + names[:k]:
@@ -53,8 +59,11 @@ async def measure_paired(
     return times
 
 
-def paired_markdown(times: dict[str, list[float]], bare: str = "bare") -> str:
-    """A row per variant: median and mean µs per request, and what it adds to `bare`'s."""
+def paired_markdown(
+    times: dict[str, list[float]], bare: str = "bare", names: list[str] | None = None
+) -> str:
+    """A row per variant (of `names`, default all): median and mean µs per request, and what it
+    adds to `bare`'s."""
     base_median = statistics.median(times[bare])
     base_mean = statistics.fmean(times[bare])
     lines = [
@@ -62,7 +71,8 @@ def paired_markdown(times: dict[str, list[float]], bare: str = "bare") -> str:
         "| added, x bare: median / mean |",
         "|---|---|---|---|---|",
     ]
-    for name, values in times.items():
+    for name in names or list(times):
+        values = times[name]
         median, mean = statistics.median(values), statistics.fmean(values)
         added = (median - base_median) / base_median, (mean - base_mean) / base_mean
         if name == bare:

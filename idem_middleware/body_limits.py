@@ -45,23 +45,44 @@ def _is_count(value: Any) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+try:
+    from starlette.middleware.body_limit import RequestBodyLimitMiddleware as _Limiter
+except ImportError:  # pragma: no cover - a Starlette before 1.10 has no limits
+    _Limiter = None  # type: ignore[assignment,misc]
+
+#: `declared_limit` per object asked (a route, mount, router or app, made once and asked at
+#: each miss of the middleware's route cache), kept with the object (ids are reused).
+_DECLARED: dict[int, tuple[Any, int | None]] = {}
+_DECLARED_SIZE = 1024
+
+
 def declared_limit(obj: Any) -> int | None:
     """The body limit a route, mount, router or mounted app declares: FastAPI's routes,
     included routes and apps keep theirs as `max_body_size` (with their routers' and app's
     folded in); Starlette's routes and mounts wrap their app in a `RequestBodyLimitMiddleware`,
-    its routers their middleware stack. None: no limit declared there."""
+    its routers their middleware stack. None: no limit declared there. (Worked out once per
+    object: they are made with the app and never change after its first request.)"""
+    cached = _DECLARED.get(id(obj))
+    if cached is not None and cached[0] is obj:
+        return cached[1]
+    limit = _declared(obj)
+    if len(_DECLARED) >= _DECLARED_SIZE:
+        _DECLARED.clear()  # objects made and dropped at run time: start over
+    _DECLARED[id(obj)] = (obj, limit)
+    return limit
+
+
+def _declared(obj: Any) -> int | None:
     limit = getattr(obj, "max_body_size", None)
     if _is_count(limit):
         return limit
-    try:
-        from starlette.middleware.body_limit import RequestBodyLimitMiddleware
-    except ImportError:  # pragma: no cover - a Starlette before 1.10 has no limits
+    if _Limiter is None:  # pragma: no cover
         return None
     inner = obj.middleware_stack if isinstance(obj, Router) else getattr(obj, "app", None)
     for _ in range(_MAX_WRAPPERS):
         if inner is None or isinstance(inner, Router):
             return None
-        if isinstance(inner, RequestBodyLimitMiddleware):
+        if isinstance(inner, _Limiter):
             return inner.max_body_size if _is_count(inner.max_body_size) else None
         inner = getattr(inner, "app", None)
     return None

@@ -16,7 +16,7 @@ from starlette.middleware import Middleware
 from starlette.responses import JSONResponse
 from starlette.routing import Mount, Route
 
-from idem_middleware import IdempotencyMiddleware, MemoryStore, Policy
+from idem_middleware import IdempotencyMiddleware, MemoryStore, Policy, body_limits
 from idem_middleware.store import State
 
 OPEN = Policy(allow_anonymous=True)
@@ -150,3 +150,20 @@ async def test_a_fastapi_route_above_its_apps_limit_is_refused_before_the_claim_
     assert response.status_code == 413
     assert await records(store) == []
     assert "the app's max_body_size=100 refuses them" in caplog.text
+
+
+def test_a_declared_limit_is_worked_out_once_per_object_and_never_for_another() -> None:
+    """`declared_limit` keeps its answer with the object it was worked out for: an id that a
+    new object reuses (the first one gone) is worked out again, and the memo is bounded."""
+
+    async def create(request: Request) -> JSONResponse:
+        return JSONResponse({})
+
+    route = Route("/p", create, methods=["POST"], max_body_size=7)
+    assert body_limits.declared_limit(route) == 7
+    # Another object under the route's id (as when an object is gone and its id reused).
+    body_limits._DECLARED[id(route)] = (object(), 123)
+    assert body_limits.declared_limit(route) == 7
+    for _ in range(body_limits._DECLARED_SIZE + 5):
+        body_limits.declared_limit(Route("/x", create))
+    assert len(body_limits._DECLARED) <= body_limits._DECLARED_SIZE
