@@ -49,9 +49,10 @@ def test_bench_asgi_quick_prints_every_variant_and_every_stage() -> None:
         assert stage in rows, out.stdout
     # The loop request by request (bench/paired.py): 2 rounds x 50 requests per variant.
     assert "bare (100)" in rows, out.stdout
-    for paired in ("ours-memory (100)", "floor-memory (100)"):
+    assert "bare, new paths (100)" in rows, out.stdout
+    for paired in ("ours-memory (100)", "floor-memory (100)", "ours-memory, new paths (100)"):
         assert "| 0." in rows[paired] or "| 1." in rows[paired], out.stdout
-    assert "Statuses, request by request: {201: 300}" in out.stdout  # every variant's 201s
+    assert "Statuses, request by request: {201: 500}" in out.stdout  # every slot's 201s
 
 
 def test_bench_paired_runs_prints_a_row_per_process_and_their_median() -> None:
