@@ -18,28 +18,12 @@ from starlette.types import Scope
 
 from .body_limits import declared_limit
 from .policy import RouteMatch
+from .route_candidates import candidates
 
 _CONVERTER = re.compile(r":\w+}")
 
 #: How many wrapping middlewares (`.app`, as Starlette's own keep it) are looked through.
 _MAX_WRAPPERS = 32
-
-
-def _plain_matches() -> frozenset[Any]:
-    """The `matches` of Starlette's `Route` and FastAPI's `APIRoute`: a route of a class that
-    keeps one of them (not a subclass with its own, which may take other methods) answers a
-    method outside its `methods` with PARTIAL at best, so `match_route` need not ask it."""
-    found: set[Any] = {Route.matches}
-    try:
-        from fastapi.routing import APIRoute
-    except ImportError:  # pragma: no cover - FastAPI is optional
-        pass
-    else:
-        found.add(APIRoute.matches)
-    return frozenset(found)
-
-
-_PLAIN_MATCHES = _plain_matches()
 
 
 def _pure_matches() -> frozenset[Any]:
@@ -93,38 +77,6 @@ class Trace:
         for inner in routes:
             if hasattr(inner, "original_router") and depth < _MAX_WRAPPERS:
                 self.included(inner, depth + 1)
-
-
-#: Per list of routes and method: the routes a request with that method can match FULL, in order.
-_CANDIDATES: dict[tuple[int, str], tuple[Sequence[BaseRoute], int, tuple[BaseRoute, ...]]] = {}
-
-
-def _candidates(routes: Sequence[BaseRoute], scope: Scope) -> Sequence[BaseRoute]:
-    """`routes` less those that can only answer the request's method with PARTIAL: routes of a
-    class that matches as Starlette's `Route` does (`_PLAIN_MATCHES`) whose `methods` exclude
-    it. Worked out once per list and method (again if the list's length changes); under
-    FastAPI's included routers (a "fastapi" entry in the scope, which can make an `APIRoute`
-    match as its included copy) every route is asked."""
-    method = scope.get("method")
-    if len(routes) < 2 or not isinstance(method, str) or "fastapi" in scope:
-        return routes
-    cache_key = (id(routes), method)
-    cached = _CANDIDATES.get(cache_key)
-    if cached is not None and cached[0] is routes and cached[1] == len(routes):
-        return cached[2]
-    kept = tuple(
-        route
-        for route in routes
-        if not (
-            (methods := getattr(route, "methods", None))
-            and method not in methods
-            and type(route).matches in _PLAIN_MATCHES
-        )
-    )
-    if len(_CANDIDATES) >= 1024:
-        _CANDIDATES.clear()  # lists made and dropped at run time: start over
-    _CANDIDATES[cache_key] = (routes, len(routes), kept)
-    return kept
 
 
 @dataclass(frozen=True, slots=True)
@@ -231,9 +183,15 @@ def _included(route: BaseRoute) -> list[Any] | None:
     return list(contexts()) if callable(contexts) else None
 
 
+#: `_match_included`'s answer when none of the router's routes matches FULL.
+_NONE_FULL = Unresolved("", None)
+
+
 def _match_included(
     contexts: list[Any], scope: Scope, prefix: str, trace: Trace | None, limit: Limits
 ) -> RouteMatch | Unresolved | None:
+    """The first of an included router's routes to match FULL, named; `_NONE_FULL` if none
+    does (None: the one that does dispatches to an app whose routes cannot be seen)."""
     for context in contexts:
         match, child = context.matches(scope)
         if match is not Match.FULL:
@@ -246,7 +204,7 @@ def _match_included(
             child["endpoint"],
             *_within(declared_limit(context), limit),
         )
-    return None
+    return _NONE_FULL
 
 
 #: The body limits on the way to a route: the innermost declared, and the least (see tighter).
@@ -286,9 +244,18 @@ def match_route(
     """
     if trace is not None:
         trace.walked(routes)
-    for route in _candidates(routes, scope):
+    for route in candidates(routes, scope):
         if trace is not None:
             trace.asked(route)
+        if (contexts := _included(route)) is not None:
+            # FastAPI's included router: its routes (those of routers it includes too), each
+            # as it matches under the router, in the order FastAPI asks them. The router
+            # matches FULL exactly when one of them does, and dispatches to the first: found
+            # without asking the router first (it would walk them as well, at twice the cost).
+            named = _match_included(contexts, scope, prefix, trace, limit)
+            if named is _NONE_FULL:
+                continue
+            return named
         match, child = route.matches(scope)
         if match is not Match.FULL:
             continue
@@ -299,8 +266,6 @@ def match_route(
                 child["endpoint"],
                 *_within(declared_limit(route), limit),
             )
-        if (contexts := _included(route)) is not None:
-            return _match_included(contexts, scope, prefix, trace, limit)
         if isinstance(route, Mount | Host):
             inner = routes_of(mounted := mounted_app(route))
             if inner is None:

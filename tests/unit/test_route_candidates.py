@@ -1,0 +1,268 @@
+"""route_candidates.py: a miss of the middleware's route cache (a path with a new id in it) asks
+only the routes that can match the request: those that take its method, and whose paths start
+with its first segment (or can start with any). The router's choice is unchanged: the first
+route, in its order, that matches FULL."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from starlette.responses import PlainTextResponse
+from starlette.routing import BaseRoute, Host, Match, Mount, Route, Router
+
+from idem_middleware.policy import RouteMatch
+from idem_middleware.route_candidates import candidates
+from idem_middleware.routing import match_route
+
+
+async def endpoint(request: Any) -> PlainTextResponse:
+    return PlainTextResponse("ok")
+
+
+def http(path: str, method: str = "POST", root_path: str = "") -> dict[str, Any]:
+    return {
+        "type": "http",
+        "method": method,
+        "path": path,
+        "root_path": root_path,
+        "headers": [(b"host", b"test")],
+    }
+
+
+class Spied(Route):
+    """A Route that records each time it is asked (its `matches` is Route's own)."""
+
+    def __init__(self, path: str, asked: list[str], **options: Any) -> None:
+        super().__init__(path, endpoint, **options)
+        self.asked = asked
+
+    def __getattribute__(self, name: str) -> Any:
+        if name == "matches":
+            object.__getattribute__(self, "asked").append(object.__getattribute__(self, "path"))
+        return object.__getattribute__(self, name)
+
+
+def test_only_routes_of_the_paths_first_segment_and_those_of_any_are_asked() -> None:
+    asked: list[str] = []
+    routes: list[BaseRoute] = [
+        Spied("/things/{id}", asked, methods=["POST"]),
+        Spied("/{tenant}/pay", asked, methods=["POST"]),  # any first segment
+        Spied("/item-{id}", asked, methods=["POST"]),  # a parameter in the first segment
+        Spied("/accounts/{id}/credits", asked, methods=["POST"]),
+        Spied("/accounts", asked, methods=["POST"]),
+    ]
+    match = match_route(routes, http("/accounts/a1/credits"))
+    assert isinstance(match, RouteMatch)
+    assert match.template == "/accounts/{id}/credits"
+    assert asked == ["/{tenant}/pay", "/item-{id}", "/accounts/{id}/credits"]
+    asked.clear()
+    match = match_route(routes, http("/acme/pay"))
+    assert isinstance(match, RouteMatch)
+    assert match.template == "/{tenant}/pay"
+    assert asked == ["/{tenant}/pay"]
+
+
+def test_a_route_of_any_segment_before_a_literal_one_still_wins() -> None:
+    """The router's order holds across the two kinds: `/{tenant}/pay` comes first, so it takes
+    `/accounts/pay` from `/accounts/pay`'s own route, as Starlette's router would."""
+    routes: list[BaseRoute] = [
+        Route("/{tenant}/pay", endpoint, methods=["POST"]),
+        Route("/accounts/pay", endpoint, methods=["POST"]),
+    ]
+    match = match_route(routes, http("/accounts/pay"))
+    assert isinstance(match, RouteMatch)
+    assert match.template == "/{tenant}/pay"
+
+
+def test_mounts_are_found_by_their_first_segment_and_under_the_root_path() -> None:
+    inner = Router([Route("/items/{id}", endpoint, methods=["POST"])])
+    routes: list[BaseRoute] = [
+        Route("/shop", endpoint, methods=["POST"]),
+        Mount("/shop", app=inner),
+        Mount("/v1/shop", app=inner),
+    ]
+    match = match_route(routes, http("/shop/items/3"))
+    assert isinstance(match, RouteMatch)
+    assert match.template == "/shop/items/{id}"
+    match = match_route(routes, http("/v1/shop/items/3"))
+    assert isinstance(match, RouteMatch)
+    assert match.template == "/v1/shop/items/{id}"
+    # The app served under a root path: the segment is read after it, as Starlette reads it.
+    match = match_route(routes, http("/api/shop/items/3", root_path="/api"))
+    assert isinstance(match, RouteMatch)
+    assert match.template == "/shop/items/{id}"
+
+
+@pytest.mark.parametrize(
+    "route",
+    [
+        Host("api.example", app=Router([])),
+        Mount("", app=Router([])),
+        Route("/{id}", endpoint, methods=["POST"]),
+    ],
+)
+def test_routes_without_a_literal_first_segment_are_asked_for_every_path(route: BaseRoute) -> None:
+    routes = [Route("/a/{x}", endpoint, methods=["POST"]), route]
+    for path in ("/a/1", "/b", "/", "//a/1", ""):
+        assert route in candidates(routes, http(path)), path
+
+
+def test_a_route_whose_regex_is_not_its_paths_is_asked_for_every_path() -> None:
+    """A route whose `path` and `path_regex` disagree (changed after it was made) is not read
+    for a segment: its regex decides, as the router's does."""
+    route = Route("/a/{x}", endpoint, methods=["POST"])
+    route.path = "/b/{x}"
+    routes = [Route("/c", endpoint, methods=["POST"]), route]
+    assert route in candidates(routes, http("/a/1"))
+    match = match_route(routes, http("/a/1"))
+    assert isinstance(match, RouteMatch)
+
+
+# -- the router's choice, for any routes and any path ----------------------------------------
+
+SEGMENTS = st.sampled_from(["a", "b", "a.b", "a-b", "{x}", "{y:int}", "x{z}", "", "A"])
+
+
+@st.composite
+def route_tables(draw: st.DrawFn) -> list[BaseRoute]:
+    routes: list[BaseRoute] = []
+    for _ in range(draw(st.integers(1, 8))):
+        parts = draw(st.lists(SEGMENTS, min_size=1, max_size=3))
+        names = iter(f"p{i}" for i in range(10))
+        path = "/" + "/".join(
+            p.replace("{x}", f"{{{next(names)}}}")
+            .replace("{y:int}", f"{{{next(names)}:int}}")
+            .replace("{z}", f"{{{next(names)}}}")
+            for p in parts
+        )
+        kind = draw(st.sampled_from(["route", "get", "mount"]))
+        if kind == "mount" and path.rstrip("/"):
+            inner = Router([Route("/{rest:path}", endpoint, methods=["POST"])])
+            routes.append(Mount(path, app=inner))
+        else:
+            routes.append(Route(path, endpoint, methods=["GET" if kind == "get" else "POST"]))
+    return routes
+
+
+PATHS = st.lists(st.sampled_from(["a", "b", "a.b", "a-b", "7", "", "A", "xz"]), max_size=4).map(
+    lambda parts: "/" + "/".join(parts)
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(routes=route_tables(), path=PATHS, root=st.sampled_from(["", "/a"]))
+def test_the_route_found_is_the_first_the_router_matches_fully(
+    routes: list[BaseRoute], path: str, root: str
+) -> None:
+    scope = http(root + path if root else path, root_path=root)
+    first_full = next((r for r in routes if r.matches(scope)[0] is Match.FULL), None)
+    asked = candidates(routes, scope)
+    # Every route that matches FULL is asked, in the router's order.
+    assert [r for r in routes if r.matches(scope)[0] is Match.FULL] == [
+        r for r in asked if r.matches(scope)[0] is Match.FULL
+    ]
+    match = match_route(routes, scope)
+    if first_full is None:
+        assert match is None
+    else:
+        assert isinstance(match, RouteMatch)
+        if isinstance(first_full, Route):
+            assert match.template == first_full.path
+
+
+# -- FastAPI's included routers -----------------------------------------------------------------
+
+
+def included_app(dispatched: list[str]) -> Any:
+    """Routers included in routers, a path two of them both take, a Starlette route inside one;
+    each endpoint records that the app dispatched to it."""
+    fastapi = pytest.importorskip("fastapi")
+
+    def endpoint_named(name: str) -> Any:
+        async def handler() -> dict[str, str]:
+            dispatched.append(name)
+            return {}
+
+        return handler
+
+    app = fastapi.FastAPI()
+    inner = fastapi.APIRouter(prefix="/inner")
+    inner.post("/{id}/pay")(endpoint_named("inner"))
+    first = fastapi.APIRouter()
+    first.post("/orders/{id}")(endpoint_named("first-orders"))
+    first.include_router(inner, prefix="/nested")
+    second = fastapi.APIRouter()
+    second.post("/orders/{id}")(endpoint_named("second-orders"))  # never: first's comes first
+    second.post("/refunds/{id}")(endpoint_named("second-refunds"))
+
+    async def plain(request: Any) -> PlainTextResponse:
+        dispatched.append("starlette")
+        return PlainTextResponse("ok")
+
+    second.routes.append(Route("/plain/{id}", plain, methods=["POST"]))
+    app.include_router(first, prefix="/api")
+    app.include_router(second, prefix="/api")
+    app.post("/tail/{id}")(endpoint_named("tail"))
+    return app
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/api/orders/1",
+        "/api/refunds/2",
+        "/api/nested/inner/3/pay",
+        "/api/plain/4",
+        "/tail/5",
+        "/api/nowhere",
+        "/elsewhere/1",
+    ],
+)
+async def test_an_included_routers_route_is_the_one_fastapi_dispatches_to(path: str) -> None:
+    dispatched: list[str] = []
+    app = included_app(dispatched)
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    scope = {**http(path), "query_string": b"", "app": app}
+    await app(dict(scope), receive, send)
+    match = match_route(app.router.routes, http(path))
+    if not dispatched:
+        assert sent[0]["status"] == 404
+        assert match is None
+        return
+    assert isinstance(match, RouteMatch)
+    assert match.endpoint.__name__ in ("handler", "plain")
+    (ran,) = dispatched
+    dispatched.clear()
+    await match.endpoint(*(() if ran != "starlette" else (None,)))
+    assert dispatched == [ran]
+
+
+def test_an_included_router_is_not_asked_to_match_before_its_routes_are() -> None:
+    """FastAPI's included router walks its routes to answer `matches`; the middleware walks them
+    itself (once, not twice) for a path its route cache does not have."""
+    fastapi_routing = pytest.importorskip("fastapi.routing")
+    app = included_app([])
+    calls: list[Any] = []
+    original = fastapi_routing._IncludedRouter.matches
+
+    def counted(self: Any, scope: Any) -> Any:
+        calls.append(self)
+        return original(self, scope)
+
+    fastapi_routing._IncludedRouter.matches = counted
+    try:
+        for path in ("/api/refunds/2", "/api/nested/inner/3/pay", "/tail/5", "/api/nowhere"):
+            match_route(app.router.routes, http(path))
+    finally:
+        fastapi_routing._IncludedRouter.matches = original
+    assert calls == []
