@@ -140,12 +140,15 @@ class Exchange(ClientWatch):
             else:
                 key = await take_key(self, policy.key_source)
             key_error: RequestRejected | HTTPException | None = None
+        # (An error kept past its `except` loses its traceback, which holds this frame: kept, it
+        # made a cycle holding the request. A refusal is answered here, never raised on: an
+        # app's one HTTPException raised at every request grew its traceback by each request.)
         except RequestRejected as exc:
-            key, key_error = None, exc
+            key, key_error = None, exc.with_traceback(None)
         except HTTPException as exc:  # a key function's 4xx, answered after the tenant's 401
             if not is_refusal(exc):
                 raise
-            key, key_error = None, exc
+            key, key_error = None, exc.with_traceback(None)
         if key is None and key_error is None and not policy.key_required:
             active = MIDDLEWARE_ACTIVE.set(True)  # unguarded, but handled (policy.idempotent)
             try:
@@ -163,7 +166,7 @@ class Exchange(ClientWatch):
         except HTTPException as exc:  # the resolver's own 4xx (refusals.py); a 5xx goes on
             if not is_refusal(exc):
                 raise
-            await self.refused(exc, "tenant resolver")
+            await self.refused(exc.with_traceback(None), "tenant resolver")
             return
         if tenant is None:
             await self.problem(
@@ -214,7 +217,7 @@ class Exchange(ClientWatch):
                     # the handler passes one frame fewer, and most requests need no second one.
                     answer = await Attempt(self, record_key, fingerprint, True).run()
                 except RETRIED as exc:
-                    failed = exc
+                    failed = exc.with_traceback(None)  # (see key_error's)
                 if failed is not None:  # (outside the except: a retried handler sees no error)
                     answer = await run_transactional(self, record_key, fingerprint, failed)
             else:

@@ -81,7 +81,8 @@ async def run_transactional(
                 try:
                     return await Attempt(ex, record_key, fingerprint, deadline is None).run()
                 except RETRIED as raised:
-                    exc = raised
+                    # (without its traceback, which holds this frame: kept, a cycle)
+                    exc = raised.with_traceback(None)
             if isinstance(exc, ClaimBusy):
                 exc = None
                 now = asyncio.get_running_loop().time()
