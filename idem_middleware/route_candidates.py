@@ -34,44 +34,59 @@ try:
 except ImportError:  # pragma: no cover - a Starlette without it: every candidate is asked
     _route_path = None  # type: ignore[assignment]
 
-#: The `matches` of classes whose path regex `_segment` may read (Starlette's `Route` and
+#: The `matches` of classes whose path regex `_prefix` may read (Starlette's `Route` and
 #: `Mount`, FastAPI's `APIRoute`): each matches the path, relative to the root path, with it.
 _SEGMENTED = _PLAIN_MATCHES | {Mount.matches}
+#: FastAPI's `APIRoute.matches`, whose routes' contexts match by their own regex and methods.
+_API_MATCHES = _PLAIN_MATCHES - {Route.matches}
+#: Entries kept in each memo (lists made and dropped at run time: then it starts over).
+_SIZE = 1024
+_MAX_DEPTH = 32
 
 
-def _segment(route: BaseRoute) -> str | None:
-    """The literal first segment of every path `route` can match (`/accounts/{id}` and the
-    mount `/accounts`: "accounts"); None when it has none, or its regex cannot be seen to
-    require it (a parameter in that segment, a custom route class, a regex of another shape)."""
+def _prefix(route: BaseRoute) -> tuple[str, ...]:
+    """The literal segments every path `route` can match starts with (`/accounts/{id}/pay` and
+    the mount `/accounts`: ("accounts",)); () when its regex cannot be seen to require any (a
+    parameter in the first segment, a custom route class, a regex of another shape)."""
     if type(route).matches not in _SEGMENTED:
-        return None
-    path, regex = getattr(route, "path", None), getattr(route, "path_regex", None)
+        return ()
+    return _literal_prefix(getattr(route, "path", None), getattr(route, "path_regex", None))
+
+
+def _literal_prefix(path: Any, regex: Any) -> tuple[str, ...]:
     if not isinstance(path, str) or not isinstance(regex, re.Pattern) or regex.flags & re.I:
-        return None
-    first = path[1:].split("/", 1)[0]
-    if not path.startswith("/") or not first or "{" in first:
-        return None
+        return ()
+    if not path.startswith("/"):
+        return ()
+    segments: list[str] = []
+    for part in path[1:].split("/"):
+        if "{" in part:
+            break
+        segments.append(part)
+    literal = "/" + "/".join(segments)
     # Starlette compiles the text before the first parameter with `re.escape`: a pattern that
-    # starts so can match only paths whose first segment is `first`.
-    escaped = "^/" + re.escape(first)
-    if regex.pattern.startswith(escaped + "/") or regex.pattern == escaped + "$":
-        return first
-    return None
+    # starts with `literal` and a `/`, or is `literal` alone, matches only paths that start with
+    # those segments.
+    pattern = regex.pattern
+    if pattern.startswith("^" + re.escape(literal + "/")) or pattern == f"^{re.escape(literal)}$":
+        return tuple(segments)
+    return ()
 
 
-#: Per list of routes and method, what `_candidates` answers: the list and its length then, the
-#: routes a request with that method can match FULL, and those of them by the first segment of
-#: the paths they can match (with the routes that have none, in order).
-_CANDIDATES: dict[
-    tuple[int, str],
-    tuple[Sequence[BaseRoute], int, tuple[BaseRoute, ...], dict[str, tuple[BaseRoute, ...]]],
-] = {}
+#: What the routes a request can match FULL are, by its path's segments: a node's routes (every
+#: route whose literal segments lead to it or to a node above it, in order), and its children by
+#: the next segment.
+_Trie = tuple[dict[str, "_Trie"], tuple[Any, ...]]
+
+#: Per list of routes and method, what `candidates` answers from: the list and its length then,
+#: and the trie of the routes a request with that method can match FULL.
+_CANDIDATES: dict[tuple[int, str], tuple[Sequence[BaseRoute], int, _Trie]] = {}
 
 
 def candidates(routes: Sequence[BaseRoute], scope: Scope) -> Sequence[BaseRoute]:
     """`routes` less those that cannot match the request FULL: routes of a class that matches
     as Starlette's `Route` does (`_PLAIN_MATCHES`) whose `methods` exclude its method, and
-    routes whose paths all start with another segment than the request's (`_segment`: a large
+    routes whose paths start with other literal segments than the request's (`_prefix`: a large
     app's routes are not all asked, once for every new path). Worked out once per list and
     method (again if the list's length changes); under FastAPI's included routers (a "fastapi"
     entry in the scope, which can make an `APIRoute` match as its included copy) every route is
@@ -82,36 +97,141 @@ def candidates(routes: Sequence[BaseRoute], scope: Scope) -> Sequence[BaseRoute]
     cache_key = (id(routes), method)
     cached = _CANDIDATES.get(cache_key)
     if cached is None or cached[0] is not routes or cached[1] != len(routes):
-        cached = _CANDIDATES[cache_key] = _candidates_of(routes, method)
-    kept, by_segment = cached[2], cached[3]
-    if not by_segment or _route_path is None:
-        return kept
-    # (Every entry holds the routes of no segment: a path not starting with `/`, which no
-    # route with one can match, finds them whatever its "segment".)
+        kept = tuple(route for route in routes if not _other_method(route, method))
+        cached = _CANDIDATES[cache_key] = (routes, len(routes), _trie(kept, _prefix))
+        if len(_CANDIDATES) > _SIZE:
+            _CANDIDATES.clear()  # lists made and dropped at run time: start over
+    return _walk(cached[2], scope)
+
+
+def _walk(trie: _Trie, scope: Scope) -> tuple[Any, ...]:
+    """The routes of the deepest node the request's path reaches. (Every node holds the routes
+    of no literal segment: a path not starting with `/`, which no other route can match, finds
+    them whatever its "segments".)"""
+    node = trie
+    if not node[0] or _route_path is None:
+        return node[1]
     path = _route_path(scope)
-    end = path.find("/", 1)
-    return by_segment.get(path[1:] if end < 0 else path[1:end], by_segment[""])
+    start = 1
+    for _ in range(_MAX_DEPTH):
+        end = path.find("/", start)
+        child = node[0].get(path[start:] if end < 0 else path[start:end])
+        if child is None:
+            break
+        node = child
+        if end < 0 or not node[0]:
+            break
+        start = end + 1
+    return node[1]
 
 
-def _candidates_of(
-    routes: Sequence[BaseRoute], method: str
-) -> tuple[Sequence[BaseRoute], int, tuple[BaseRoute, ...], dict[str, tuple[BaseRoute, ...]]]:
-    kept = tuple(
-        route
-        for route in routes
-        if not (
-            (methods := getattr(route, "methods", None))
-            and method not in methods
-            and type(route).matches in _PLAIN_MATCHES
-        )
-    )
-    segments = [_segment(route) for route in kept]
-    by_segment: dict[str, tuple[BaseRoute, ...]] = {}
-    if any(segments):  # "": the routes of no segment, for a path whose segment has none
-        for first in {"", *filter(None, segments)}:
-            by_segment[first] = tuple(
-                route for route, seg in zip(kept, segments, strict=True) if seg in (None, first)
-            )
-    if len(_CANDIDATES) >= 1024:
-        _CANDIDATES.clear()  # lists made and dropped at run time: start over
-    return routes, len(routes), kept, by_segment
+def _other_method(route: Any, method: str) -> bool:
+    """A route of a class that matches as Starlette's `Route` does, whose `methods` exclude
+    `method`: it answers PARTIAL at best."""
+    methods = getattr(route, "methods", None)
+    if not methods:
+        return False
+    return method not in methods and type(route).matches in _PLAIN_MATCHES
+
+
+def _trie(kept: tuple[Any, ...], prefix: Any) -> _Trie:
+    """`kept`'s trie by the literal segments (`prefix` of each) their paths start with (at most
+    `_MAX_DEPTH` of them)."""
+    own: dict[tuple[str, ...], list[int]] = {(): []}
+    for index, route in enumerate(kept):
+        segments = prefix(route)[:_MAX_DEPTH]
+        for depth in range(len(segments)):
+            own.setdefault(segments[:depth], [])
+        own.setdefault(segments, []).append(index)
+    below: dict[tuple[str, ...], list[tuple[str, ...]]] = {}
+    for node in own:
+        if node:
+            below.setdefault(node[:-1], []).append(node)
+
+    def build(node: tuple[str, ...], above: list[int]) -> _Trie:
+        indexes = sorted(above + own[node])
+        children = {child[-1]: build(child, indexes) for child in below.get(node, ())}
+        return children, tuple(kept[i] for i in indexes)
+
+    return build((), [])
+
+
+# -- FastAPI's included routers ------------------------------------------------------------------
+
+#: Per included router: the router, the route lists of its router and of the routers it
+#: includes, and their lengths then (a route added to one, or a router included, changes one),
+#: and per method the trie of its routes that take the method.
+_INCLUDED: dict[int, tuple[Any, tuple[Any, ...], tuple[int, ...], dict[str, _Trie]]] = {}
+
+
+def router_lists(route: Any) -> tuple[Any, ...] | None:
+    """The route lists (`routes`) of a FastAPI included router's router and of the routers it
+    includes, found again only when one of them changed length; None for any other route, and
+    for an included router that looks otherwise than FastAPI's do."""
+    if getattr(route, "original_router", None) is None:
+        return None
+    cached = _INCLUDED.get(id(route))
+    if cached is not None and cached[0] is route and tuple(map(len, cached[1])) == cached[2]:
+        return cached[1]
+    found: list[Any] = []
+    if not _lists(route, found, 0):
+        return None
+    if len(_INCLUDED) >= _SIZE:
+        _INCLUDED.clear()
+    lists = tuple(found)
+    _INCLUDED[id(route)] = (route, lists, tuple(map(len, lists)), {})
+    return lists
+
+
+def _lists(route: Any, out: list[Any], depth: int) -> bool:
+    routes = getattr(getattr(route, "original_router", None), "routes", None)
+    if routes is None or depth >= _MAX_DEPTH:
+        return False
+    if not any(seen is routes for seen in out):
+        out.append(routes)
+        for inner in routes:
+            if hasattr(inner, "original_router") and not _lists(inner, out, depth + 1):
+                return False
+    return True
+
+
+def included_candidates(route: Any, scope: Scope) -> Sequence[Any] | None:
+    """For FastAPI's included router (newer FastAPI keeps one as a single route): its routes,
+    those of the routers it includes too, each as it matches under the router, in the order
+    FastAPI asks them, less those that cannot match the request FULL (as `candidates`). None
+    for any other route."""
+    contexts_of = getattr(route, "effective_route_contexts", None)
+    if not callable(contexts_of) or router_lists(route) is None:
+        return None
+    method = scope.get("method")
+    if not isinstance(method, str) or "fastapi" in scope:
+        return tuple(contexts_of())
+    by_method = _INCLUDED[id(route)][3]
+    trie = by_method.get(method)
+    if trie is None:
+        plain = tuple(c for c in contexts_of() if not _other_method_context(c, method))
+        trie = by_method[method] = _trie(plain, _context_prefix)
+    return _walk(trie, scope)
+
+
+def _api_context(context: Any) -> bool:
+    """A context FastAPI matches by its own path regex and methods (an `APIRoute`'s)."""
+    if type(context).__name__ != "_EffectiveRouteContext":
+        return False
+    original = getattr(context, "original_route", None)
+    return original is not None and type(original).matches in _API_MATCHES
+
+
+def _other_method_context(context: Any, method: str) -> bool:
+    if _api_context(context):
+        methods = context.methods
+        return bool(methods) and method not in methods
+    starlette_route = getattr(context, "starlette_route", None)
+    return starlette_route is not None and _other_method(starlette_route, method)
+
+
+def _context_prefix(context: Any) -> tuple[str, ...]:
+    if _api_context(context):
+        return _literal_prefix(context.path, context.path_regex)
+    starlette_route = getattr(context, "starlette_route", None)
+    return () if starlette_route is None else _prefix(starlette_route)

@@ -18,7 +18,7 @@ from starlette.types import Scope
 
 from .body_limits import declared_limit
 from .policy import RouteMatch
-from .route_candidates import candidates
+from .route_candidates import candidates, included_candidates, router_lists
 
 _CONVERTER = re.compile(r":\w+}")
 
@@ -67,16 +67,14 @@ class Trace:
         elif hasattr(route, "original_router"):
             self.included(route)  # matched or not: a route added to it may match next time
 
-    def included(self, route: Any, depth: int = 0) -> None:
+    def included(self, route: Any) -> None:
         """An included FastAPI router's lists: its router's and those of routers it includes."""
-        routes = getattr(getattr(route, "original_router", None), "routes", None)
-        if routes is None:
+        lists = router_lists(route)
+        if lists is None:
             self.volatile = True  # a FastAPI whose included routers look otherwise
             return
-        self.walked(routes)
-        for inner in routes:
-            if hasattr(inner, "original_router") and depth < _MAX_WRAPPERS:
-                self.included(inner, depth + 1)
+        for routes in lists:
+            self.walked(routes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,7 +186,7 @@ _NONE_FULL = Unresolved("", None)
 
 
 def _match_included(
-    contexts: list[Any], scope: Scope, prefix: str, trace: Trace | None, limit: Limits
+    contexts: Sequence[Any], scope: Scope, prefix: str, trace: Trace | None, limit: Limits
 ) -> RouteMatch | Unresolved | None:
     """The first of an included router's routes to match FULL, named; `_NONE_FULL` if none
     does (None: the one that does dispatches to an app whose routes cannot be seen)."""
@@ -247,7 +245,7 @@ def match_route(
     for route in candidates(routes, scope):
         if trace is not None:
             trace.asked(route)
-        if (contexts := _included(route)) is not None:
+        if (contexts := included_candidates(route, scope)) is not None:
             # FastAPI's included router: its routes (those of routers it includes too), each
             # as it matches under the router, in the order FastAPI asks them. The router
             # matches FULL exactly when one of them does, and dispatches to the first: found
@@ -266,6 +264,9 @@ def match_route(
                 child["endpoint"],
                 *_within(declared_limit(route), limit),
             )
+        if (contexts := _included(route)) is not None:  # (a FastAPI that keeps them otherwise)
+            named = _match_included(contexts, scope, prefix, trace, limit)
+            return None if named is _NONE_FULL else named
         if isinstance(route, Mount | Host):
             inner = routes_of(mounted := mounted_app(route))
             if inner is None:

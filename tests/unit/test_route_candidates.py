@@ -266,3 +266,43 @@ def test_an_included_router_is_not_asked_to_match_before_its_routes_are() -> Non
     finally:
         fastapi_routing._IncludedRouter.matches = original
     assert calls == []
+
+
+def test_an_included_routers_routes_are_asked_by_their_literal_segments() -> None:
+    """Under a shared prefix (`/api/v1`), the segments after it tell the routes apart: a new
+    path asks only the routes whose literal segments lead to it, and those with a parameter
+    where it branches, in FastAPI's order; a route added later is found."""
+    fastapi = pytest.importorskip("fastapi")
+    fastapi_routing = pytest.importorskip("fastapi.routing")
+    app = fastapi.FastAPI()
+    router = fastapi.APIRouter()
+    for name in ("accounts", "orders", "refunds"):
+        router.post(f"/{name}/{{id}}/pay")(endpoint)
+    router.post("/{tenant}/pay")(endpoint)
+    router.get("/refunds/{id}/pay")(endpoint)
+    app.include_router(router, prefix="/api/v1")
+    asked: list[str] = []
+    original = fastapi_routing._EffectiveRouteContext.matches
+
+    def counted(self: Any, scope: Any) -> Any:
+        asked.append(self.path)
+        return original(self, scope)
+
+    fastapi_routing._EffectiveRouteContext.matches = counted
+    try:
+        match = match_route(app.router.routes, http("/api/v1/refunds/7/pay"))
+        assert isinstance(match, RouteMatch)
+        assert match.template == "/api/v1/refunds/{id}/pay"
+        assert asked == ["/api/v1/refunds/{id}/pay"]
+        asked.clear()
+        match = match_route(app.router.routes, http("/api/v1/acme/pay"))
+        assert isinstance(match, RouteMatch)
+        assert match.template == "/api/v1/{tenant}/pay"
+        assert asked == ["/api/v1/{tenant}/pay"]
+        asked.clear()
+        router.post("/late/{id}")(endpoint)
+        match = match_route(app.router.routes, http("/api/v1/late/1"))
+        assert isinstance(match, RouteMatch)
+        assert match.template == "/api/v1/late/{id}"
+    finally:
+        fastapi_routing._EffectiveRouteContext.matches = original
