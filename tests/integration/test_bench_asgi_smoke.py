@@ -147,3 +147,20 @@ def test_each_payload_does_the_work_it_is_named_for() -> None:
     assert payloads._work("calls", 3)() == [1, 2, 3]
     assert payloads._work("functions", 3)() == [1, 2, 3]
     assert len({f.__code__ for f in payloads._DISTINCT[:3]}) == 3  # code objects of their own
+
+
+def test_bench_routes_prints_a_row_per_layout_and_route_count() -> None:
+    """Every app, bare and guarded, in every layout, answers 201 (it exits non-zero otherwise),
+    and the router of each layout is the one the middleware walks."""
+    out = _bench("bench.routes", "--routes", "0,3", "--requests", "20", "--warmup", "5")
+    rows = [line for line in out.stdout.splitlines() if line.startswith("| ") and "x |" in line]
+    layouts = [row.split("|")[1].strip() for row in rows]
+    assert layouts == [
+        f"{n}, {layout}" for layout in ("flat", "one router", "five routers") for n in (0, 3)
+    ], out.stdout
+    from bench.routes import build_app
+
+    included = [
+        r for r in build_app("five routers", 3, True).router.routes if hasattr(r, "original_router")
+    ]
+    assert len(included) == 5 or not included  # (a FastAPI that lays included routes out flat)
