@@ -5,11 +5,13 @@ route, in its order, that matches FULL."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from starlette.requests import Request
 from starlette.responses import PlainTextResponse
 from starlette.routing import BaseRoute, Host, Match, Mount, Route, Router
 
@@ -306,3 +308,75 @@ def test_an_included_routers_routes_are_asked_by_their_literal_segments() -> Non
         assert match.template == "/api/v1/late/{id}"
     finally:
         fastapi_routing._EffectiveRouteContext.matches = original
+
+
+@st.composite
+def fastapi_apps(draw: st.DrawFn) -> tuple[Any, list[str]]:
+    """A FastAPI app of routes and included routers (some nested, with prefixes), POST and GET
+    routes on paths of a few segments, literal or not; each endpoint, when FastAPI runs it,
+    records its name in the list returned with the app."""
+    fastapi = pytest.importorskip("fastapi")
+    ran: list[str] = []
+    count = iter(range(1000))
+
+    def path(parts: list[str]) -> str:
+        params = iter(f"p{i}" for i in range(10))
+        return "/" + "/".join(
+            part.replace("{x}", f"{{{next(params)}}}")
+            .replace("{y:int}", f"{{{next(params)}:int}}")
+            .replace("{z}", f"{{{next(params)}}}")
+            for part in parts
+        )
+
+    def add(target: Any) -> None:
+        for _ in range(draw(st.integers(1, 4))):
+            route_path = path(draw(st.lists(SEGMENTS, min_size=1, max_size=3)))
+            name = f"{route_path} #{next(count)}"
+
+            async def handler(request: Request) -> dict[str, str]:
+                ran.append(request.scope["endpoint"].__name__)
+                return {}
+
+            handler.__name__ = name
+            method = draw(st.sampled_from(["post", "get"]))
+            getattr(target, method)(route_path)(handler)
+
+    app = fastapi.FastAPI()
+    add(app)
+    for _ in range(draw(st.integers(0, 3))):
+        router = fastapi.APIRouter()
+        add(router)
+        if draw(st.booleans()):
+            inner = fastapi.APIRouter()
+            add(inner)
+            router.include_router(inner, prefix=draw(st.sampled_from(["", "/a", "/b"])))
+        app.include_router(router, prefix=draw(st.sampled_from(["", "/a", "/a/b", "/A"])))
+    add(app)
+    return app, ran
+
+
+@settings(max_examples=150, deadline=None)
+@given(built=fastapi_apps(), path=PATHS)
+def test_the_route_found_is_the_one_fastapi_dispatches_to(
+    built: tuple[Any, list[str]], path: str
+) -> None:
+    """Whatever FastAPI runs for a POST, the middleware names that route; when FastAPI runs
+    nothing (404, 405, a redirect), the middleware names none."""
+    app, ran = built
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    ran.clear()
+    asyncio.run(app({**http(path), "query_string": b"", "app": app}, receive, send))
+    match = match_route(app.router.routes, http(path))
+    if not ran:
+        assert sent[0]["status"] in (404, 405, 307), sent[0]
+        assert not isinstance(match, RouteMatch), (path, match)
+        return
+    assert isinstance(match, RouteMatch), (path, ran)
+    assert match.endpoint.__name__ == ran[0]
