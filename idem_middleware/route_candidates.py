@@ -110,7 +110,7 @@ def _walk(trie: _Trie, scope: Scope) -> tuple[Any, ...]:
     them whatever its "segments".)"""
     node = trie
     if not node[0] or _route_path is None:
-        return node[1]
+        return node[1]  # (no route has a literal segment: every one is at the root)
     path = _route_path(scope)
     start = 1
     for _ in range(_MAX_DEPTH):
@@ -137,6 +137,8 @@ def _other_method(route: Any, method: str) -> bool:
 def _trie(kept: tuple[Any, ...], prefix: Any) -> _Trie:
     """`kept`'s trie by the literal segments (`prefix` of each) their paths start with (at most
     `_MAX_DEPTH` of them)."""
+    if _route_path is None:  # pragma: no cover - no path to walk by: every route at the root
+        return {}, kept
     own: dict[tuple[str, ...], list[int]] = {(): []}
     for index, route in enumerate(kept):
         segments = prefix(route)[:_MAX_DEPTH]
