@@ -170,19 +170,24 @@ def router_lists(route: Any) -> tuple[Any, ...] | None:
     """The route lists (`routes`) of a FastAPI included router's router and of the routers it
     includes, found again only when one of them changed length; None for any other route, and
     for an included router that looks otherwise than FastAPI's do."""
+    entry = _included(route)
+    return None if entry is None else entry[1]
+
+
+def _included(route: Any) -> tuple[Any, tuple[Any, ...], tuple[int, ...], dict[str, _Trie]] | None:
     if getattr(route, "original_router", None) is None:
         return None
-    cached = _INCLUDED.get(id(route))
-    if cached is not None and cached[0] is route and tuple(map(len, cached[1])) == cached[2]:
-        return cached[1]
+    entry = _INCLUDED.get(id(route))
+    if entry is not None and entry[0] is route and tuple(map(len, entry[1])) == entry[2]:
+        return entry
     found: list[Any] = []
     if not _lists(route, found, 0):
         return None
     if len(_INCLUDED) >= _SIZE:
         _INCLUDED.clear()
     lists = tuple(found)
-    _INCLUDED[id(route)] = (route, lists, tuple(map(len, lists)), {})
-    return lists
+    entry = _INCLUDED[id(route)] = (route, lists, tuple(map(len, lists)), {})
+    return entry
 
 
 def _lists(route: Any, out: list[Any], depth: int) -> bool:
@@ -203,12 +208,12 @@ def included_candidates(route: Any, scope: Scope) -> Sequence[Any] | None:
     FastAPI asks them, less those that cannot match the request FULL (as `candidates`). None
     for any other route."""
     contexts_of = getattr(route, "effective_route_contexts", None)
-    if not callable(contexts_of) or router_lists(route) is None:
+    if not callable(contexts_of) or (entry := _included(route)) is None:
         return None
     method = scope.get("method")
     if not isinstance(method, str) or "fastapi" in scope:
         return tuple(contexts_of())
-    by_method = _INCLUDED[id(route)][3]
+    by_method = entry[3]
     trie = by_method.get(method)
     if trie is None:
         plain = tuple(c for c in contexts_of() if not _other_method_context(c, method))
