@@ -243,3 +243,39 @@ async def test_a_path_resolved_past_a_route_of_its_own_matches_is_not_kept() -> 
         again = await c.post("/api/pay/1", json={}, headers=key("k1"))
         assert again.headers.get("idempotent-replayed") == "true"
         assert ran == ["two", "one"]
+
+
+# -- routes changed at run time, each change a length the route lists show ----------------------
+
+
+def test_routes_added_and_removed_at_run_time_are_named_as_fastapi_runs_them() -> None:
+    """After each change (a route before the others, a router included after the first
+    requests, a route added to an included router, one appended to it behind FastAPI's back,
+    a route removed), the middleware names what FastAPI runs, for paths asked before and new."""
+    fastapi = pytest.importorskip("fastapi")
+    from fastapi.routing import APIRoute
+
+    ran: list[str] = []
+    app = fastapi.FastAPI()
+    router = fastapi.APIRouter()
+    router.post("/a/{x}")(endpoint_named("a", ran))
+    app.include_router(router, prefix="/p")
+    paths = ["/p/a/1", "/p/b/1", "/p/c/1"]
+
+    def agree(step: str) -> None:
+        for number, path in enumerate([*paths, *(p[:-1] + step for p in paths)]):
+            assert named(app.router.routes, path) == ran_by(app, path, ran), (step, number, path)
+
+    agree("0")
+    app.router.routes.insert(0, APIRoute("/p/a/{x}", endpoint_named("top", ran), methods=["POST"]))
+    agree("1")
+    late = fastapi.APIRouter()
+    late.post("/b/{x}")(endpoint_named("late-b", ran))
+    app.include_router(late, prefix="/p")
+    agree("2")
+    router.post("/c/{x}")(endpoint_named("c", ran))
+    agree("3")
+    router.routes.append(APIRoute("/b/{x}", endpoint_named("unseen", ran), methods=["POST"]))
+    agree("4")  # (FastAPI keeps its included routes by a version `append` does not bump)
+    del app.router.routes[0]
+    agree("5")
