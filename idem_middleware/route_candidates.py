@@ -8,7 +8,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from starlette.routing import BaseRoute, Mount, Route
+from starlette.routing import BaseRoute, Mount, Route, compile_path
 from starlette.types import Scope
 
 
@@ -68,9 +68,25 @@ def _literal_prefix(path: Any, regex: Any) -> tuple[str, ...]:
     # starts with `literal` and a `/`, or is `literal` alone, matches only paths that start with
     # those segments.
     pattern = regex.pattern
-    if pattern.startswith("^" + re.escape(literal + "/")) or pattern == f"^{re.escape(literal)}$":
-        return tuple(segments)
-    return ()
+    if not (
+        pattern.startswith("^" + re.escape(literal + "/")) or pattern == f"^{re.escape(literal)}$"
+    ):
+        return ()
+    # ... provided the regex is the one Starlette compiles from the path (a route's, or a mount's
+    # with its `/{path:path}` tail): one set by hand may start so and still take other paths
+    # (`^/accounts/(?P<id>[^/]+)$|^/legacy/...`), and is asked for every path.
+    return tuple(segments) if _compiled_from(path, regex) else ()
+
+
+def _compiled_from(path: str, regex: re.Pattern[str]) -> bool:
+    for source in (path, path + "/{path:path}"):
+        try:
+            compiled = compile_path(source)[0]
+        except Exception:  # (a path Starlette would not compile: not one of its regexes)
+            return False
+        if compiled.pattern == regex.pattern and compiled.flags == regex.flags:
+            return True
+    return False
 
 
 #: What the routes a request can match FULL are, by its path's segments: a node's routes (every

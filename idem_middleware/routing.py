@@ -44,6 +44,11 @@ def _pure_matches() -> frozenset[Any]:
 
 _PURE_MATCHES = _pure_matches()
 
+try:
+    from fastapi.routing import APIRoute as _API_ROUTE
+except ImportError:  # pragma: no cover - FastAPI is optional
+    _API_ROUTE = None  # type: ignore[assignment,misc]
+
 
 class Trace:
     """What a match depended on, for the route cache: the route lists it walked (the match
@@ -191,18 +196,46 @@ def _match_included(
     """The first of an included router's routes to match FULL, named; `_NONE_FULL` if none
     does (None: the one that does dispatches to an app whose routes cannot be seen)."""
     for context in contexts:
-        match, child = context.matches(scope)
+        if _own_matches(context):
+            match, child = _ask_as_fastapi(context, scope, trace)
+        else:
+            match, child = context.matches(scope)
         if match is not Match.FULL:
             continue
         if context.starlette_route is not None:  # a Starlette route or mount, prefixed
             return match_route([context.starlette_route], scope, prefix, trace, limit)
         return RouteMatch(
             prefix + context.path,
-            child["path_params"],
-            child["endpoint"],
+            child.get("path_params", {}),
+            child.get("endpoint", context.endpoint),
             *_within(declared_limit(context), limit),
         )
     return _NONE_FULL
+
+
+def _own_matches(context: Any) -> bool:
+    """An included `APIRoute` of a class with its own `matches` (a version header, say): FastAPI
+    asks that, not the context's path regex alone."""
+    original: Any = getattr(context, "original_route", None)
+    return (
+        type(original).matches not in _PURE_MATCHES
+        and _API_ROUTE is not None
+        and isinstance(original, _API_ROUTE)
+        and context.starlette_route is None
+    )
+
+
+def _ask_as_fastapi(context: Any, scope: Scope, trace: Trace | None) -> tuple[Match, Scope]:
+    """`context`'s route asked as FastAPI's included router asks it (its `matches`, with the
+    context in the scope's "fastapi" entry), on a copy of the scope; the answer may depend on
+    more than the route cache's key (see Trace)."""
+    if trace is not None:
+        trace.volatile = True
+    fastapi_scope = {**scope.get("fastapi", {}), "effective_route_context": context}
+    answer: tuple[Match, Scope] = context.original_route.matches(
+        {**scope, "fastapi": fastapi_scope}
+    )
+    return answer
 
 
 #: The body limits on the way to a route: the innermost declared, and the least (see tighter).

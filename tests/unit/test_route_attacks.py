@@ -1,0 +1,281 @@
+"""Routes the router dispatches to in ways the route candidates' trie must not hide: a route whose
+regex was set by hand (it may take paths its `path` does not start with), and an included
+FastAPI route of a class with its own `matches`. Each case compares the route the middleware
+names with the endpoint the framework really runs."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from starlette.applications import Starlette
+from starlette.middleware.authentication import AuthenticationMiddleware
+from starlette.requests import Request
+from starlette.responses import PlainTextResponse
+from starlette.routing import BaseRoute, Match, Mount, Route, Router, compile_path
+
+from idem_middleware import IdempotencyMiddleware, MemoryStore, not_idempotent
+from idem_middleware.policy import RouteMatch
+from idem_middleware.routing import match_route
+from tests.apps import BearerBackend, client, key
+
+
+def http(path: str, method: str = "POST", **extra: Any) -> dict[str, Any]:
+    return {
+        "type": "http",
+        "method": method,
+        "path": path,
+        "root_path": "",
+        "headers": [(b"host", b"test")],
+        "query_string": b"",
+        **extra,
+    }
+
+
+def endpoint_named(name: str, ran: list[str]) -> Any:
+    async def handler(request: Request) -> PlainTextResponse:
+        ran.append(name)
+        return PlainTextResponse(name)
+
+    handler.__name__ = name
+    return handler
+
+
+def ran_by(app: Any, path: str, ran: list[str]) -> str | None:
+    """The endpoint the app runs for a POST to `path` (None: a 404, 405 or redirect)."""
+    ran.clear()
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message: dict[str, Any]) -> None:
+        pass
+
+    asyncio.run(app(http(path, app=app), receive, send))
+    return ran[0] if ran else None
+
+
+def named(routes: list[BaseRoute], path: str) -> str | None:
+    match = match_route(routes, http(path))
+    return match.endpoint.__name__ if isinstance(match, RouteMatch) else None
+
+
+def hand_set(route: Route | Mount, extra: str, convertors: dict[str, Any]) -> Any:
+    """`route` with its regex set by hand to also take what `extra` (a regex) takes."""
+    route.path_regex = re.compile(route.path_regex.pattern + "|" + extra)
+    route.param_convertors = {**route.param_convertors, **convertors}
+    return route
+
+
+def hand_set_tables(ran: list[str]) -> list[tuple[list[BaseRoute], str, str]]:
+    """Routes (other routes first), a path, and the endpoint Starlette runs for it."""
+    str_convertor = compile_path("/{x}")[2]["x"]
+    return [
+        (  # a second path for the same endpoint, by alternation
+            [
+                Route("/other/{x}", endpoint_named("other", ran), methods=["POST"]),
+                hand_set(
+                    Route("/accounts/{id}", endpoint_named("alt", ran), methods=["POST"]),
+                    r"^/legacy/(?P<lid>[^/]+)$",
+                    {"lid": str_convertor},
+                ),
+            ],
+            "/legacy/7",
+            "alt",
+        ),
+        (  # case-blind through an inline flag inside the pattern
+            [
+                Route("/Pay/{x}", endpoint_named("other", ran), methods=["GET"]),
+                hand_set(
+                    Route("/pay/{x}", endpoint_named("blind", ran), methods=["POST"]),
+                    r"^(?i:/PAY)/(?P<y>[^/]+)$",
+                    {"y": str_convertor},
+                ),
+            ],
+            "/PAY/1",
+            "blind",
+        ),
+    ]
+
+
+@pytest.mark.parametrize("case", range(2))
+def test_a_route_whose_regex_was_set_by_hand_is_asked_for_the_paths_it_takes(case: int) -> None:
+    """Its `path` starts `/accounts`, its regex takes `/legacy/7` too: Starlette runs it for
+    `/legacy/7`, so the middleware must ask it there (it was filed under `accounts` only, and
+    the request passed unguarded)."""
+    ran: list[str] = []
+    routes, path, expected = hand_set_tables(ran)[case]
+    app = Starlette(routes=routes)
+    assert ran_by(app, path, ran) == expected
+    assert named(app.router.routes, path) == expected
+
+
+SEGMENTS = st.sampled_from(["a", "b", "{x}", ""])
+LITERALS = st.lists(st.sampled_from(["a", "b", "7", ""]), min_size=1, max_size=3)
+
+
+def _path(parts: list[str]) -> str:
+    count = iter(range(10))
+    return "/" + "/".join(part.replace("{x}", f"{{p{next(count)}}}") for part in parts)
+
+
+@st.composite
+def hand_set_routes(draw: st.DrawFn) -> tuple[list[BaseRoute], list[str]]:
+    """Routes and mounts on paths of a few segments; some routes' regexes were set by hand, to
+    take a literal path as well (alternation) or another path instead; each endpoint records
+    that Starlette ran it."""
+    ran: list[str] = []
+    routes: list[BaseRoute] = []
+    for number in range(draw(st.integers(1, 6))):
+        path = _path(draw(st.lists(SEGMENTS, min_size=1, max_size=3)))
+        handler = endpoint_named(f"{path} #{number}", ran)
+        if draw(st.booleans()) and path.rstrip("/"):
+            mounted = Router([Route("/{rest:path}", handler, methods=["POST"])])
+            routes.append(Mount(path, app=mounted))
+            continue
+        route = Route(path, handler, methods=["POST"])
+        how = draw(st.sampled_from(["as made", "also", "instead"]))
+        other = _path(draw(st.lists(st.sampled_from(["a", "b", "7", "{x}", ""]), max_size=3)))
+        if how == "also":
+            hand_set(route, compile_path("/" + "/".join(draw(LITERALS)))[0].pattern, {})
+        elif how == "instead":
+            route.path_regex, _, route.param_convertors = compile_path(other)
+        routes.append(route)
+    return routes, ran
+
+
+PATHS = st.lists(st.sampled_from(["a", "b", "7", ""]), max_size=4).map(
+    lambda parts: "/" + "/".join(parts)
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(built=hand_set_routes(), path=PATHS)
+def test_the_route_named_is_the_first_the_router_matches_whatever_the_regexes(
+    built: tuple[list[BaseRoute], list[str]], path: str
+) -> None:
+    routes, ran = built
+    first = next((r for r in routes if r.matches(http(path))[0] is Match.FULL), None)
+    app = Starlette(routes=routes)
+    ran_name = ran_by(app, path, ran)
+    if first is None or ran_name is None:
+        assert named(routes, path) is None, (path, ran_name)
+    else:
+        assert named(routes, path) == ran_name, path
+
+
+# -- an included FastAPI route of a class with its own `matches` ---------------------------------
+
+
+def versioned_app() -> tuple[Any, list[str]]:
+    """`POST /api/pay/{x}`, twice: a version 2 route (its class matches only with
+    `x-version: 2`, and it is `@not_idempotent`) before the guarded version 1, each in its own
+    included router, the middleware inside the app."""
+    fastapi = pytest.importorskip("fastapi")
+    from fastapi.routing import APIRoute
+
+    class VersionTwo(APIRoute):
+        def matches(self, scope: Any) -> Any:
+            match, child = super().matches(scope)
+            if match is Match.FULL and (b"x-version", b"2") not in scope["headers"]:
+                return Match.NONE, {}
+            return match, child
+
+    ran: list[str] = []
+    two = fastapi.APIRouter(route_class=VersionTwo)
+    one = fastapi.APIRouter()
+
+    @two.post("/pay/{x}")
+    @not_idempotent
+    async def version_two(request: Request) -> dict[str, str]:
+        ran.append("two")
+        return {"version": "2"}
+
+    @one.post("/pay/{x}")
+    async def version_one(request: Request) -> dict[str, str]:
+        ran.append("one")
+        return {"version": "1"}
+
+    app = fastapi.FastAPI()
+    app.include_router(two, prefix="/api")
+    app.include_router(one, prefix="/api")
+    app.add_middleware(IdempotencyMiddleware, store=MemoryStore())
+    app.add_middleware(AuthenticationMiddleware, backend=BearerBackend())
+    return app, ran
+
+
+async def test_an_included_route_of_its_own_matches_is_asked_as_fastapi_asks_it() -> None:
+    """Without the header FastAPI runs version 1; the middleware named version 2 (its path
+    regex matches), found it `@not_idempotent` and passed the request on unguarded."""
+    app, ran = versioned_app()
+    assert named(app.router.routes, "/api/pay/1") == "version_one"
+    versioned = http("/api/pay/1", headers=[(b"host", b"test"), (b"x-version", b"2")])
+    match = match_route(app.router.routes, versioned)
+    assert isinstance(match, RouteMatch)
+    assert match.endpoint.__name__ == "version_two"
+    async with client(app) as c:
+        unkeyed = await c.post("/api/pay/2", json={})
+        assert unkeyed.status_code == 400, unkeyed.text  # guarded: no key, refused
+        assert ran == []
+        assert (await c.post("/api/pay/2", json={}, headers=key("k2"))).status_code == 200
+        assert (await c.post("/api/pay/2", json={}, headers={"x-version": "2"})).status_code == 200
+    assert ran == ["one", "two"]
+
+
+async def test_a_path_resolved_past_a_route_of_its_own_matches_is_not_kept() -> None:
+    """The route cache keys on the method, path and Host, not on the header the route's class
+    reads: the path resolved once with the header, then without it, must be guarded the second
+    time (a key is required) as FastAPI runs version 1."""
+    app, ran = versioned_app()
+    async with client(app) as c:
+        two = await c.post("/api/pay/1", json={}, headers={"x-version": "2"})
+        assert two.status_code == 200, two.text
+        assert ran == ["two"]
+        unkeyed = await c.post("/api/pay/1", json={})
+        assert unkeyed.status_code == 400, unkeyed.text  # guarded: no key, refused
+        keyed = await c.post("/api/pay/1", json={}, headers=key("k1"))
+        assert keyed.status_code == 200, keyed.text
+        assert ran == ["two", "one"]
+        again = await c.post("/api/pay/1", json={}, headers=key("k1"))
+        assert again.headers.get("idempotent-replayed") == "true"
+        assert ran == ["two", "one"]
+
+
+# -- routes changed at run time, each change a length the route lists show ----------------------
+
+
+def test_routes_added_and_removed_at_run_time_are_named_as_fastapi_runs_them() -> None:
+    """After each change (a route before the others, a router included after the first
+    requests, a route added to an included router, one appended to it behind FastAPI's back,
+    a route removed), the middleware names what FastAPI runs, for paths asked before and new."""
+    fastapi = pytest.importorskip("fastapi")
+    from fastapi.routing import APIRoute
+
+    ran: list[str] = []
+    app = fastapi.FastAPI()
+    router = fastapi.APIRouter()
+    router.post("/a/{x}")(endpoint_named("a", ran))
+    app.include_router(router, prefix="/p")
+    paths = ["/p/a/1", "/p/b/1", "/p/c/1"]
+
+    def agree(step: str) -> None:
+        for number, path in enumerate([*paths, *(p[:-1] + step for p in paths)]):
+            assert named(app.router.routes, path) == ran_by(app, path, ran), (step, number, path)
+
+    agree("0")
+    app.router.routes.insert(0, APIRoute("/p/a/{x}", endpoint_named("top", ran), methods=["POST"]))
+    agree("1")
+    late = fastapi.APIRouter()
+    late.post("/b/{x}")(endpoint_named("late-b", ran))
+    app.include_router(late, prefix="/p")
+    agree("2")
+    router.post("/c/{x}")(endpoint_named("c", ran))
+    agree("3")
+    router.routes.append(APIRoute("/b/{x}", endpoint_named("unseen", ran), methods=["POST"]))
+    agree("4")  # (FastAPI keeps its included routes by a version `append` does not bump)
+    del app.router.routes[0]
+    agree("5")
