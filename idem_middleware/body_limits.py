@@ -50,25 +50,29 @@ try:
 except ImportError:  # pragma: no cover - a Starlette before 1.10 has no limits
     _Limiter = None  # type: ignore[assignment,misc]
 
-#: `declared_limit` per object asked (a route, mount, router or app, made once and asked at
-#: each miss of the middleware's route cache), kept with the object (ids are reused).
-_DECLARED: dict[int, tuple[Any, int | None]] = {}
-_DECLARED_SIZE = 1024
+#: A memo of `declared_limit` per object asked (a route, mount, router or app, made once and
+#: asked at each miss of the middleware's route cache), each answer with its object (ids are
+#: reused). The middleware keeps one (`route_candidates.Memo`), which goes with its app.
+Limits = dict[int, tuple[Any, "int | None"]]
+_MEMO_SIZE = 1024
 
 
-def declared_limit(obj: Any) -> int | None:
+def declared_limit(obj: Any, memo: Limits | None = None) -> int | None:
     """The body limit a route, mount, router or mounted app declares: FastAPI's routes,
     included routes and apps keep theirs as `max_body_size` (with their routers' and app's
     folded in); Starlette's routes and mounts wrap their app in a `RequestBodyLimitMiddleware`,
     its routers their middleware stack. None: no limit declared there. (Worked out once per
-    object: they are made with the app and never change after its first request.)"""
-    cached = _DECLARED.get(id(obj))
+    object with a `memo`: they are made with the app and never change after its first
+    request.)"""
+    if memo is None:
+        return _declared(obj)
+    cached = memo.get(id(obj))
     if cached is not None and cached[0] is obj:
         return cached[1]
     limit = _declared(obj)
-    if len(_DECLARED) >= _DECLARED_SIZE:
-        _DECLARED.clear()  # objects made and dropped at run time: start over
-    _DECLARED[id(obj)] = (obj, limit)
+    if len(memo) >= _MEMO_SIZE:
+        memo.clear()  # objects made and dropped at run time: start over
+    memo[id(obj)] = (obj, limit)
     return limit
 
 

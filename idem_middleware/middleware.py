@@ -33,6 +33,7 @@ from .policy import (
     operation_name,
 )
 from .responses import DEFAULT_PROBLEM_BASE, send_problem
+from .route_candidates import Memo
 from .routing import (
     Trace,
     Unresolved,
@@ -182,6 +183,8 @@ class IdempotencyMiddleware:
         #: Per (app, method, root path, path, Host): the resolution, the route lists it walked
         #: and their lengths then.
         self._routes: dict[tuple[Any, ...], tuple[_Guarded, tuple[Any, ...], tuple[int, ...]]] = {}
+        #: What the misses of the route cache work out once (the routes each path can reach).
+        self._route_memo = Memo()
 
     @_marked_coroutine_function
     def __call__(self, scope: Scope, receive: Receive, send: Send) -> Awaitable[None]:
@@ -242,7 +245,7 @@ class IdempotencyMiddleware:
     def _route(self, app: Any, method: str, scope: Scope, cache_key: tuple[Any, ...]) -> Any:
         """`_resolve`, kept in the route cache with the route lists it depended on, unless it
         depended on more than the cache's key (a custom route class: see routing.Trace)."""
-        trace = Trace()
+        trace = Trace(self._route_memo)
         guarded = self._resolve(app, method, scope, trace)
         length = len(cache_key[2]) + len(cache_key[3]) + len(cache_key[4] or b"")
         if guarded is not None and not trace.volatile and length <= _CACHED_KEY_LENGTH:
@@ -261,7 +264,8 @@ class IdempotencyMiddleware:
         below = app_below(self, app)
         routes = routes_of(below)
         # (the router's own body limit: the app's, under FastAPI; see body_limits)
-        limit = mounted_limit(below, own=False) if routes is not None else None
+        memo = self._route_memo
+        limit = mounted_limit(below, own=False, memo=memo) if routes is not None else None
         limits = (limit, limit)
         match = match_route(routes, scope, "", trace, limits) if routes is not None else None
         if isinstance(match, RouteMatch) and "router" in scope:

@@ -8,8 +8,10 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from starlette.routing import BaseRoute, Mount, Route, compile_path
+from starlette.routing import BaseRoute, Match, Mount, Route, compile_path
 from starlette.types import Scope
+
+from .body_limits import Limits
 
 
 def _plain_matches() -> frozenset[Any]:
@@ -28,6 +30,11 @@ def _plain_matches() -> frozenset[Any]:
 
 _PLAIN_MATCHES = _plain_matches()
 
+try:
+    from fastapi.routing import APIRoute as _API_ROUTE
+except ImportError:  # pragma: no cover - FastAPI is optional
+    _API_ROUTE = None  # type: ignore[assignment,misc]
+
 
 try:
     from starlette._utils import get_route_path as _route_path
@@ -42,6 +49,27 @@ _API_MATCHES = _PLAIN_MATCHES - {Route.matches}
 #: Entries kept in each memo (lists made and dropped at run time: then it starts over).
 _SIZE = 1024
 _MAX_DEPTH = 32
+
+
+class Memo:
+    """What the misses of one middleware's route cache work out once: per list of routes and
+    method, the trie of the routes a request can match; per included router, its route lists
+    and tries. Kept by the middleware, so that it goes with its app (kept here, for every app,
+    it kept every app made at run time alive)."""
+
+    __slots__ = ("candidates", "included", "limits")
+
+    def __init__(self) -> None:
+        #: `body_limits.declared_limit` per route, mount, router and app asked.
+        self.limits: Limits = {}
+        #: Per list of routes and method: the list and its length then, and its trie.
+        self.candidates: dict[tuple[int, str], tuple[Sequence[BaseRoute], int, _Trie]] = {}
+        #: Per included router: the router, the route lists of its router and of the routers
+        #: it includes and their lengths then (a route added to one, or a router included,
+        #: changes one), and per method the trie of its routes that take the method.
+        self.included: dict[
+            int, tuple[Any, tuple[Any, ...], tuple[int, ...], dict[str, _Trie]]
+        ] = {}
 
 
 def _prefix(route: BaseRoute) -> tuple[str, ...]:
@@ -94,12 +122,10 @@ def _compiled_from(path: str, regex: re.Pattern[str]) -> bool:
 #: the next segment.
 _Trie = tuple[dict[str, "_Trie"], tuple[Any, ...]]
 
-#: Per list of routes and method, what `candidates` answers from: the list and its length then,
-#: and the trie of the routes a request with that method can match FULL.
-_CANDIDATES: dict[tuple[int, str], tuple[Sequence[BaseRoute], int, _Trie]] = {}
 
-
-def candidates(routes: Sequence[BaseRoute], scope: Scope) -> Sequence[BaseRoute]:
+def candidates(
+    routes: Sequence[BaseRoute], scope: Scope, memo: Memo | None = None
+) -> Sequence[BaseRoute]:
     """`routes` less those that cannot match the request FULL: routes of a class that matches
     as Starlette's `Route` does (`_PLAIN_MATCHES`) whose `methods` exclude its method, and
     routes whose paths start with other literal segments than the request's (`_prefix`: a large
@@ -110,13 +136,14 @@ def candidates(routes: Sequence[BaseRoute], scope: Scope) -> Sequence[BaseRoute]
     method = scope.get("method")
     if len(routes) < 2 or not isinstance(method, str) or "fastapi" in scope:
         return routes
+    memo = memo or Memo()
     cache_key = (id(routes), method)
-    cached = _CANDIDATES.get(cache_key)
+    cached = memo.candidates.get(cache_key)
     if cached is None or cached[0] is not routes or cached[1] != len(routes):
+        if len(memo.candidates) >= _SIZE:
+            memo.candidates.clear()  # lists made and dropped at run time: start over
         kept = tuple(route for route in routes if not _other_method(route, method))
-        cached = _CANDIDATES[cache_key] = (routes, len(routes), _trie(kept, _prefix))
-        if len(_CANDIDATES) > _SIZE:
-            _CANDIDATES.clear()  # lists made and dropped at run time: start over
+        cached = memo.candidates[cache_key] = (routes, len(routes), _trie(kept, _prefix))
     return _walk(cached[2], scope)
 
 
@@ -176,33 +203,30 @@ def _trie(kept: tuple[Any, ...], prefix: Any) -> _Trie:
 
 # -- FastAPI's included routers ------------------------------------------------------------------
 
-#: Per included router: the router, the route lists of its router and of the routers it
-#: includes, and their lengths then (a route added to one, or a router included, changes one),
-#: and per method the trie of its routes that take the method.
-_INCLUDED: dict[int, tuple[Any, tuple[Any, ...], tuple[int, ...], dict[str, _Trie]]] = {}
 
-
-def router_lists(route: Any) -> tuple[Any, ...] | None:
+def router_lists(route: Any, memo: Memo | None = None) -> tuple[Any, ...] | None:
     """The route lists (`routes`) of a FastAPI included router's router and of the routers it
     includes, found again only when one of them changed length; None for any other route, and
     for an included router that looks otherwise than FastAPI's do."""
-    entry = _included(route)
+    entry = _included(route, memo or Memo())
     return None if entry is None else entry[1]
 
 
-def _included(route: Any) -> tuple[Any, tuple[Any, ...], tuple[int, ...], dict[str, _Trie]] | None:
+def _included(
+    route: Any, memo: Memo
+) -> tuple[Any, tuple[Any, ...], tuple[int, ...], dict[str, _Trie]] | None:
     if getattr(route, "original_router", None) is None:
         return None
-    entry = _INCLUDED.get(id(route))
+    entry = memo.included.get(id(route))
     if entry is not None and entry[0] is route and tuple(map(len, entry[1])) == entry[2]:
         return entry
     found: list[Any] = []
     if not _lists(route, found, 0):
         return None
-    if len(_INCLUDED) >= _SIZE:
-        _INCLUDED.clear()
+    if len(memo.included) >= _SIZE:
+        memo.included.clear()
     lists = tuple(found)
-    entry = _INCLUDED[id(route)] = (route, lists, tuple(map(len, lists)), {})
+    entry = memo.included[id(route)] = (route, lists, tuple(map(len, lists)), {})
     return entry
 
 
@@ -218,13 +242,13 @@ def _lists(route: Any, out: list[Any], depth: int) -> bool:
     return True
 
 
-def included_candidates(route: Any, scope: Scope) -> Sequence[Any] | None:
+def included_candidates(route: Any, scope: Scope, memo: Memo | None = None) -> Sequence[Any] | None:
     """For FastAPI's included router (newer FastAPI keeps one as a single route): its routes,
     those of the routers it includes too, each as it matches under the router, in the order
     FastAPI asks them, less those that cannot match the request FULL (as `candidates`). None
     for any other route."""
     contexts_of = getattr(route, "effective_route_contexts", None)
-    if not callable(contexts_of) or (entry := _included(route)) is None:
+    if not callable(contexts_of) or (entry := _included(route, memo or Memo())) is None:
         return None
     method = scope.get("method")
     if not isinstance(method, str) or "fastapi" in scope:
@@ -258,3 +282,28 @@ def _context_prefix(context: Any) -> tuple[str, ...]:
         return _literal_prefix(context.path, context.path_regex)
     starlette_route = getattr(context, "starlette_route", None)
     return () if starlette_route is None else _prefix(starlette_route)
+
+
+def own_matches(context: Any) -> bool:
+    """An included `APIRoute` of a class with its own `matches` (a version header, say): FastAPI
+    asks that, not the context's path regex alone."""
+    original: Any = getattr(context, "original_route", None)
+    return (
+        _API_ROUTE is not None
+        and isinstance(original, _API_ROUTE)
+        and type(original).matches not in _API_MATCHES
+        and getattr(context, "starlette_route", None) is None
+    )
+
+
+def ask_as_fastapi(context: Any, scope: Scope, trace: Any) -> tuple[Match, Scope]:
+    """`context`'s route asked as FastAPI's included router asks it (its `matches`, with the
+    context in the scope's "fastapi" entry), on a copy of the scope; the answer may depend on
+    more than the route cache's key (`trace`, a `routing.Trace`: volatile)."""
+    if trace is not None:
+        trace.volatile = True
+    fastapi_scope = {**scope.get("fastapi", {}), "effective_route_context": context}
+    answer: tuple[Match, Scope] = context.original_route.matches(
+        {**scope, "fastapi": fastapi_scope}
+    )
+    return answer

@@ -18,7 +18,14 @@ from starlette.types import Scope
 
 from .body_limits import declared_limit
 from .policy import RouteMatch
-from .route_candidates import candidates, included_candidates, router_lists
+from .route_candidates import (
+    Memo,
+    ask_as_fastapi,
+    candidates,
+    included_candidates,
+    own_matches,
+    router_lists,
+)
 
 _CONVERTER = re.compile(r":\w+}")
 
@@ -44,11 +51,6 @@ def _pure_matches() -> frozenset[Any]:
 
 _PURE_MATCHES = _pure_matches()
 
-try:
-    from fastapi.routing import APIRoute as _API_ROUTE
-except ImportError:  # pragma: no cover - FastAPI is optional
-    _API_ROUTE = None  # type: ignore[assignment,misc]
-
 
 class Trace:
     """What a match depended on, for the route cache: the route lists it walked (the match
@@ -56,11 +58,13 @@ class Trace:
     under it again), and whether it asked a route whose answer may change with more than the
     cache's key (`volatile`: the match is not cached)."""
 
-    __slots__ = ("lists", "volatile")
+    __slots__ = ("lists", "memo", "volatile")
 
-    def __init__(self) -> None:
+    def __init__(self, memo: Memo | None = None) -> None:
         self.lists: list[Sequence[Any]] = []
         self.volatile = False
+        #: What the walk works out once (the middleware's: see route_candidates.Memo).
+        self.memo = memo
 
     def walked(self, routes: Sequence[Any]) -> None:
         if not any(seen is routes for seen in self.lists):
@@ -74,12 +78,20 @@ class Trace:
 
     def included(self, route: Any) -> None:
         """An included FastAPI router's lists: its router's and those of routers it includes."""
-        lists = router_lists(route)
+        lists = router_lists(route, self.memo)
         if lists is None:
             self.volatile = True  # a FastAPI whose included routers look otherwise
             return
         for routes in lists:
             self.walked(routes)
+
+
+def _memo(trace: Trace | None) -> Memo | None:
+    return None if trace is None else trace.memo
+
+
+def _limit(obj: Any, memo: Memo | None) -> int | None:
+    return declared_limit(obj, None if memo is None else memo.limits)
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,18 +149,18 @@ def mounted_app(route: Mount | Host) -> Any:
     return getattr(route, "_base_app", route.app)
 
 
-def mounted_limit(app: Any, own: bool = True) -> int | None:
+def mounted_limit(app: Any, own: bool = True, memo: Memo | None = None) -> int | None:
     """The limits of what a Mount or Host dispatches to: a Router's, or a mounted Starlette or
     FastAPI app's (`own`: its app-level `max_body_size`, besides its router's), behind any
-    middleware."""
+    middleware. (`memo`: see route_candidates.Memo.)"""
     for _ in range(_MAX_WRAPPERS):
         if app is None:
             return None
         if isinstance(app, Router):
-            return declared_limit(app)
+            return _limit(app, memo)
         router = getattr(app, "router", None)
         if isinstance(router, Router):
-            return tighter(declared_limit(router), declared_limit(app) if own else None)
+            return tighter(_limit(router, memo), _limit(app, memo) if own else None)
         app = getattr(app, "app", None)
     return None
 
@@ -196,8 +208,8 @@ def _match_included(
     """The first of an included router's routes to match FULL, named; `_NONE_FULL` if none
     does (None: the one that does dispatches to an app whose routes cannot be seen)."""
     for context in contexts:
-        if _own_matches(context):
-            match, child = _ask_as_fastapi(context, scope, trace)
+        if own_matches(context):
+            match, child = ask_as_fastapi(context, scope, trace)
         else:
             match, child = context.matches(scope)
         if match is not Match.FULL:
@@ -208,34 +220,9 @@ def _match_included(
             prefix + context.path,
             child.get("path_params", {}),
             child.get("endpoint", context.endpoint),
-            *_within(declared_limit(context), limit),
+            *_within(_limit(context, _memo(trace)), limit),
         )
     return _NONE_FULL
-
-
-def _own_matches(context: Any) -> bool:
-    """An included `APIRoute` of a class with its own `matches` (a version header, say): FastAPI
-    asks that, not the context's path regex alone."""
-    original: Any = getattr(context, "original_route", None)
-    return (
-        type(original).matches not in _PURE_MATCHES
-        and _API_ROUTE is not None
-        and isinstance(original, _API_ROUTE)
-        and context.starlette_route is None
-    )
-
-
-def _ask_as_fastapi(context: Any, scope: Scope, trace: Trace | None) -> tuple[Match, Scope]:
-    """`context`'s route asked as FastAPI's included router asks it (its `matches`, with the
-    context in the scope's "fastapi" entry), on a copy of the scope; the answer may depend on
-    more than the route cache's key (see Trace)."""
-    if trace is not None:
-        trace.volatile = True
-    fastapi_scope = {**scope.get("fastapi", {}), "effective_route_context": context}
-    answer: tuple[Match, Scope] = context.original_route.matches(
-        {**scope, "fastapi": fastapi_scope}
-    )
-    return answer
 
 
 #: The body limits on the way to a route: the innermost declared, and the least (see tighter).
@@ -275,10 +262,11 @@ def match_route(
     """
     if trace is not None:
         trace.walked(routes)
-    for route in candidates(routes, scope):
+    memo = _memo(trace)
+    for route in candidates(routes, scope, memo):
         if trace is not None:
             trace.asked(route)
-        if (contexts := included_candidates(route, scope)) is not None:
+        if (contexts := included_candidates(route, scope, memo)) is not None:
             # FastAPI's included router: its routes (those of routers it includes too), each
             # as it matches under the router, in the order FastAPI asks them. The router
             # matches FULL exactly when one of them does, and dispatches to the first: found
@@ -295,7 +283,7 @@ def match_route(
                 prefix + route.path,
                 child["path_params"],
                 child["endpoint"],
-                *_within(declared_limit(route), limit),
+                *_within(_limit(route, memo), limit),
             )
         if (contexts := _included(route)) is not None:  # (a FastAPI that keeps them otherwise)
             named = _match_included(contexts, scope, prefix, trace, limit)
@@ -304,7 +292,8 @@ def match_route(
             inner = routes_of(mounted := mounted_app(route))
             if inner is None:
                 return None
-            limit = _within(mounted_limit(mounted), _within(declared_limit(route), limit))
+            own = _within(_limit(route, memo), limit)
+            limit = _within(mounted_limit(mounted, memo=memo), own)
             if isinstance(route, Mount):
                 return match_route(inner, {**scope, **child}, prefix + route.path, trace, limit)
             hosted = _host_prefix(route) + prefix
@@ -312,7 +301,7 @@ def match_route(
         endpoint = child.get("endpoint", getattr(route, "endpoint", None))
         path = getattr(route, "path", None)
         if isinstance(path, str):
-            found = _within(declared_limit(route), limit)
+            found = _within(_limit(route, memo), limit)
             return RouteMatch(prefix + path, child.get("path_params", {}), endpoint, *found)
         return Unresolved(f"a {type(route).__name__} under {prefix or '/'}", endpoint)
     return None
@@ -330,7 +319,7 @@ def routed_above(scope: Scope, found: RouteMatch, trace: Trace | None = None) ->
     root_path = scope.get("root_path", "")
     app_root_path = scope.get("app_root_path", root_path)
     if routes is not None:
-        limit = _within(declared_limit(scope["router"]), _NO_LIMITS)
+        limit = _within(_limit(scope["router"], _memo(trace)), _NO_LIMITS)
         top = match_route(routes, {**scope, "root_path": app_root_path}, "", trace, limit)
         if isinstance(top, RouteMatch) and top.endpoint is found.endpoint:
             return top

@@ -160,10 +160,12 @@ def test_a_declared_limit_is_worked_out_once_per_object_and_never_for_another() 
         return JSONResponse({})
 
     route = Route("/p", create, methods=["POST"], max_body_size=7)
-    assert body_limits.declared_limit(route) == 7
+    memo: body_limits.Limits = {}
+    assert body_limits.declared_limit(route, memo) == 7
+    assert memo[id(route)] == (route, 7)
     # Another object under the route's id (as when an object is gone and its id reused).
-    body_limits._DECLARED[id(route)] = (object(), 123)
-    assert body_limits.declared_limit(route) == 7
-    for _ in range(body_limits._DECLARED_SIZE + 5):
-        body_limits.declared_limit(Route("/x", create))
-    assert len(body_limits._DECLARED) <= body_limits._DECLARED_SIZE
+    memo[id(route)] = (object(), 123)
+    assert body_limits.declared_limit(route, memo) == 7
+    for _ in range(body_limits._MEMO_SIZE + 5):
+        body_limits.declared_limit(Route("/x", create), memo)
+    assert len(memo) <= body_limits._MEMO_SIZE

@@ -380,3 +380,45 @@ def test_the_route_found_is_the_one_fastapi_dispatches_to(
         return
     assert isinstance(match, RouteMatch), (path, ran)
     assert match.endpoint.__name__ == ran[0]
+
+
+def test_an_app_made_at_run_time_is_not_kept_alive_by_what_its_misses_worked_out() -> None:
+    """The tries a miss walks are the middleware's, and go with its app (kept for every app in
+    the module, they kept each app made at run time alive: its routes, its store)."""
+    import gc
+    import weakref
+
+    fastapi = pytest.importorskip("fastapi")
+    from idem_middleware import IdempotencyMiddleware, MemoryStore
+
+    def made_and_used() -> weakref.ref[Any]:
+        app = fastapi.FastAPI()
+        router = fastapi.APIRouter()
+
+        async def ok() -> dict[str, str]:
+            return {}
+
+        for name in ("a", "b"):
+            router.post(f"/{name}/{{id}}", status_code=201)(ok)
+        app.include_router(router, prefix="/api")
+        app.post("/flat/{id}", status_code=201)(ok)
+        app.add_middleware(
+            IdempotencyMiddleware, store=MemoryStore(), tenant_resolver=lambda s: "t"
+        )
+        sent: list[dict[str, Any]] = []
+
+        async def receive() -> dict[str, Any]:
+            return {"type": "http.request", "body": b"", "more_body": False}
+
+        async def send(message: dict[str, Any]) -> None:
+            sent.append(message)
+
+        for path in ("/api/b/1", "/flat/2"):  # (misses: the tries are worked out)
+            scope = {**http(path), "query_string": b"", "headers": [(b"idempotency-key", b"k")]}
+            asyncio.run(app(scope, receive, send))
+        assert [m["status"] for m in sent if m["type"] == "http.response.start"] == [201, 201]
+        return weakref.ref(app)
+
+    ref = made_and_used()
+    gc.collect()
+    assert ref() is None
