@@ -10,6 +10,7 @@ else (every refusal included) to the reference; docs/fingerprint.md gives the ar
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import orjson
 
@@ -20,10 +21,14 @@ __all__ = ["canonical_json_fast", "canonical_json_sorted"]
 # The fast path's guards, on the raw bytes. A number orjson reads as a double (one with a
 # fraction, an exponent or 19 digits or more; a root number is checked after parsing) unless it
 # is a plain decimal that orjson writes as canonical_json does: at most 15 significant digits
-# (so they are the double's shortest round-trip digits), no trailing zero, and a value from
-# 0.001 to below 10**7 (where both write plain digits). One search, in C: the lookahead lets a
-# plain decimal through only when it is the whole number (a character not in a number follows).
-_PLAIN_DECIMAL = rb"-?(?:0\.0{0,2}[1-9](?:[0-9]{0,11}[1-9])?|[1-9][0-9]{0,6}\.[0-9]{0,7}[1-9])"
+# (so they are the double's shortest round-trip digits), and a value from 0.001 to below 10**7
+# (where both write plain digits), or zero. Trailing zeros are fine (`12.50`, `10.00`: a
+# payment's amounts): the double is the same, and one with no fraction left is written as the
+# integer it is (`_integral`). One search, in C: the lookahead lets a plain decimal through only
+# when it is the whole number (a character not in a number follows).
+_PLAIN_DECIMAL = (
+    rb"-?(?:0\.0{0,2}[1-9](?:[0-9]{0,11}[1-9])?|[1-9][0-9]{0,6}\.(?:[0-9]{0,7}[1-9])?|0\.)0*"
+)
 _DOUBTFUL_NUMBER = re.compile(
     rb"[:,\[][ \t\n\r]*(?!" + _PLAIN_DECIMAL + rb"[^-+.eE0-9])-?(?:[0-9]+[.eE]|[0-9]{19})"
 )
@@ -44,8 +49,9 @@ _FAST_MAX_BYTES = 64 * 1024
 def canonical_json_fast(body: bytes, max_values: int) -> tuple[object, bytes] | None:
     """(the parsed value, canonical_json's bytes) for `body`, computed by orjson, when its result
     is provably parse_json_strict's and canonical_json's; None otherwise, and for every body
-    they refuse. The value is parse_json_strict's but for floats where it has Decimals, and
-    canonical_json_sorted writes it (or a part of it) as canonical_json writes theirs.
+    they refuse. The value is parse_json_strict's but for floats where it has Decimals (integers
+    where those hold one), and canonical_json_sorted writes it (or a part of it) as
+    canonical_json writes theirs.
 
     Taken only for a body the reference accepts without its slow checks (within the depth and
     value caps by a plain count), with no number but integers orjson reads exactly and plain
@@ -65,7 +71,8 @@ def canonical_json_fast(body: bytes, max_values: int) -> tuple[object, bytes] | 
     # The search, only for a body where it can match: one with a digit just before a `.`, `e`
     # or `E`, or 19 digits in a row (a translation and two finds, in C, cost far less).
     shape = body.translate(_NUMBER_SHAPE)
-    if (shape.find(b"0.") >= 0 or shape.find(_NINETEEN_DIGITS) >= 0) and (
+    has_point = shape.find(b"0.") >= 0
+    if (has_point or shape.find(_NINETEEN_DIGITS) >= 0) and (
         _DOUBTFUL_NUMBER.search(body) is not None
     ):
         return None
@@ -85,12 +92,39 @@ def canonical_json_fast(body: bytes, max_values: int) -> tuple[object, bytes] | 
     if type(value) is float:
         return None
     canonical = orjson.dumps(value, option=_SORT_KEYS)
+    # orjson writes a float that holds an integer as `10.0` (and only such a float so): when
+    # its text may hold one (a string may too), the floats are made integers and written again.
+    if has_point and (
+        canonical.find(b".0,") >= 0 or canonical.find(b".0}") >= 0 or canonical.find(b".0]") >= 0
+    ):
+        value = _integral(value)
+        canonical = orjson.dumps(value, option=_SORT_KEYS)
     # A dropped duplicate makes the canonical count smaller. "\\\\u003a" (an escaped backslash,
     # then text) is counted as an escaped colon but is none: it only sends the body to the
     # reference path.
     if canonical.count(b":") != body.count(b":") + escaped_colons:
         return None
     return value, canonical
+
+
+def _integral(value: Any) -> Any:
+    """`value` with each float that holds an integer (`10.00`, read as 10.0) made that integer,
+    as canonical_json writes it (orjson would write `10.0`); in place: the tree is fresh."""
+    kind = type(value)
+    if kind is float:
+        return int(value) if value.is_integer() else value
+    if kind is dict:
+        for key, item in value.items():
+            if type(item) in _CONTAINERS_AND_FLOAT:
+                value[key] = _integral(item)
+    elif kind is list:
+        for index, item in enumerate(value):
+            if type(item) in _CONTAINERS_AND_FLOAT:
+                value[index] = _integral(item)
+    return value
+
+
+_CONTAINERS_AND_FLOAT = (dict, list, float)
 
 
 def canonical_json_sorted(value: object) -> bytes:
