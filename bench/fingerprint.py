@@ -63,11 +63,17 @@ def cases() -> list[tuple[str, str, dict[str, Any]]]:
         b' "lines": [{"sku": "a-1", "qty": 2, "price": 4.5},'
         b' {"sku": "b-2", "qty": 1, "price": 3.25}]}'
     )
+    lines = b",".join(
+        b'{"sku":"SKU-%d","qty":%d,"price":%d0.00,"tax":1.%d0}' % (i, i + 1, i + 1, i)
+        for i in range(10)
+    )
+    invoice = b'{"amount":110.00,"currency":"EUR","reference":"INV-2024-0042","lines":[%s]}' % lines
     many = b"[" + b",".join([b"1.5"] * (VALUES - 1)) + b"]"
     objects = b"[" + b",".join([b'{"k":1,"v":2.5,"s":"x"}'] * ((VALUES - 1) // 4)) + b"]"
     return [
         ("typical", "JSON, small (26 B)", request()),
         ("typical", "JSON, payment with lines (216 B)", request(body=payment)),
+        ("typical", f"JSON, invoice priced 10.00 ({len(invoice)} B)", request(body=invoice)),
         (
             "typical",
             "form, 4 fields",

@@ -94,8 +94,10 @@ def canonical_json_fast(body: bytes, max_values: int) -> tuple[object, bytes] | 
     canonical = orjson.dumps(value, option=_SORT_KEYS)
     # orjson writes a float that holds an integer as `10.0` (and only such a float so): when
     # its text may hold one (a string may too), the floats are made integers and written again.
-    if has_point and (
-        canonical.find(b".0,") >= 0 or canonical.find(b".0}") >= 0 or canonical.find(b".0]") >= 0
+    if (
+        has_point
+        and canonical.find(b".0") >= 0
+        and (canonical.find(b".0,") >= 0 or canonical.find(b".0}") >= 0 or b".0]" in canonical)
     ):
         value = _integral(value)
         canonical = orjson.dumps(value, option=_SORT_KEYS)
