@@ -30,7 +30,8 @@ _PLAIN_DECIMAL = (
     rb"-?(?:0\.0{0,2}[1-9](?:[0-9]{0,11}[1-9])?|[1-9][0-9]{0,6}\.(?:[0-9]{0,7}[1-9])?|0\.)0*"
 )
 _DOUBTFUL_NUMBER = re.compile(
-    rb"[:,\[][ \t\n\r]*(?!" + _PLAIN_DECIMAL + rb"[^-+.eE0-9])-?(?:[0-9]+[.eE]|[0-9]{19})"
+    # ((?=[-0-9]): a value that is no number, most of them, fails before the plain-decimal test)
+    rb"[:,\[][ \t\n\r]*(?=[-0-9])(?!" + _PLAIN_DECIMAL + rb"[^-+.eE0-9])-?(?:[0-9]+[.eE]|[0-9]{19})"
 )
 #: Digits to "0", `e` and `E` to "." (every other byte stays itself): what a number needs for
 #: `_DOUBTFUL_NUMBER` to match it shows as "0." or nineteen "0"s.
