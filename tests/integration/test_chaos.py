@@ -42,7 +42,7 @@ from idem_middleware import PostgresStore, RecordKey
 from idem_middleware.ops import Resolution, resolve
 from idem_middleware.store import StoredResponse
 from tests.apps.clients import TOKENS
-from tests.apps.servers import read_response
+from tests.apps.servers import connection, read_response
 from tests.apps.soak import APPLICATION, LEDGER
 from tests.integration.test_soak import (
     COMMAND,
@@ -95,13 +95,8 @@ class Chaos(Soak):
         alive = [s for s in self.servers if s.proc is not None and s.proc.poll() is None]
         self.turn += 1
         server = (alive or self.servers)[self.turn % len(alive or self.servers)]
-        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
-        try:
-            yield reader, writer
-        finally:
-            writer.close()
-            with contextlib.suppress(ConnectionError):
-                await writer.wait_closed()
+        async with connection(server.port) as pair:
+            yield pair
 
     async def settle(
         self, route: str, key: str, *, query: str = "", token: str = "demo-a"

@@ -39,7 +39,7 @@ from idem_middleware import PostgresStore, RecordKey
 from idem_middleware.fingerprint import compute_fingerprint
 from idem_middleware.store import Claimed
 from tests.apps.clients import TOKENS
-from tests.apps.servers import read_response
+from tests.apps.servers import connection, read_response
 from tests.apps.soak import APPLICATION, LEDGER, MAX_BODY
 from tests.integration.test_worker_servers import BOUND, Server, until
 
@@ -90,15 +90,10 @@ class Soak:
     unread: list[asyncio.StreamWriter] = field(default_factory=list)
     requests: int = 0
 
-    @contextlib.asynccontextmanager
-    async def connection(self) -> AsyncIterator[tuple[asyncio.StreamReader, asyncio.StreamWriter]]:
-        reader, writer = await asyncio.open_connection("127.0.0.1", self.server.port)
-        try:
-            yield reader, writer
-        finally:
-            writer.close()
-            with contextlib.suppress(ConnectionError):
-                await writer.wait_closed()
+    def connection(
+        self,
+    ) -> contextlib.AbstractAsyncContextManager[tuple[asyncio.StreamReader, asyncio.StreamWriter]]:
+        return connection(self.server.port)
 
     async def exchange(self, *raw: bytes) -> list[Response]:
         """`raw` pipelined on one connection; their answers."""
