@@ -53,11 +53,11 @@ except ImportError:  # pragma: no cover - a Starlette before 1.10 has no limits
 #: A memo of `declared_limit` per object asked (a route, mount, router or app, made once and
 #: asked at each miss of the middleware's route cache), each answer with its object (ids are
 #: reused). The middleware keeps one (`route_candidates.Memo`), which goes with its app.
-Limits = dict[int, tuple[Any, "int | None"]]
+LimitMemo = dict[int, tuple[Any, int | None]]
 _MEMO_SIZE = 1024
 
 
-def declared_limit(obj: Any, memo: Limits | None = None) -> int | None:
+def declared_limit(obj: Any, memo: LimitMemo | None = None) -> int | None:
     """The body limit a route, mount, router or mounted app declares: FastAPI's routes,
     included routes and apps keep theirs as `max_body_size` (with their routers' and app's
     folded in); Starlette's routes and mounts wrap their app in a `RequestBodyLimitMiddleware`,

@@ -98,7 +98,11 @@ def canonical_json_fast(body: bytes, max_values: int) -> tuple[object, bytes] | 
     if (
         has_point
         and canonical.find(b".0") >= 0
-        and (canonical.find(b".0,") >= 0 or canonical.find(b".0}") >= 0 or b".0]" in canonical)
+        and (
+            canonical.find(b".0,") >= 0
+            or canonical.find(b".0}") >= 0
+            or canonical.find(b".0]") >= 0
+        )
     ):
         value = _integral(value)
         canonical = orjson.dumps(value, option=_SORT_KEYS)

@@ -11,29 +11,21 @@ from typing import Any
 from starlette.routing import BaseRoute, Match, Mount, Route, compile_path
 from starlette.types import Scope
 
-from .body_limits import Limits
-
-
-def _plain_matches() -> frozenset[Any]:
-    """The `matches` of Starlette's `Route` and FastAPI's `APIRoute`: a route of a class that
-    keeps one of them (not a subclass with its own, which may take other methods) answers a
-    method outside its `methods` with PARTIAL at best, so `match_route` need not ask it."""
-    found: set[Any] = {Route.matches}
-    try:
-        from fastapi.routing import APIRoute
-    except ImportError:  # pragma: no cover - FastAPI is optional
-        pass
-    else:
-        found.add(APIRoute.matches)
-    return frozenset(found)
-
-
-_PLAIN_MATCHES = _plain_matches()
+from .body_limits import LimitMemo
 
 try:
     from fastapi.routing import APIRoute as _API_ROUTE
 except ImportError:  # pragma: no cover - FastAPI is optional
     _API_ROUTE = None  # type: ignore[assignment,misc]
+
+#: FastAPI's `APIRoute.matches`, whose routes' contexts match by their own regex and methods.
+_API_MATCHES: frozenset[Any] = (
+    frozenset() if _API_ROUTE is None else frozenset({_API_ROUTE.matches})
+)
+#: The `matches` of Starlette's `Route` and FastAPI's `APIRoute`: a route of a class that keeps
+#: one of them (not a subclass with its own, which may take other methods) answers a method
+#: outside its `methods` with PARTIAL at best, so `match_route` need not ask it.
+_PLAIN_MATCHES = _API_MATCHES | {Route.matches}
 
 
 try:
@@ -44,8 +36,6 @@ except ImportError:  # pragma: no cover - a Starlette without it: every candidat
 #: The `matches` of classes whose path regex `_prefix` may read (Starlette's `Route` and
 #: `Mount`, FastAPI's `APIRoute`): each matches the path, relative to the root path, with it.
 _SEGMENTED = _PLAIN_MATCHES | {Mount.matches}
-#: FastAPI's `APIRoute.matches`, whose routes' contexts match by their own regex and methods.
-_API_MATCHES = _PLAIN_MATCHES - {Route.matches}
 #: Entries kept in each memo (lists made and dropped at run time: then it starts over).
 _SIZE = 1024
 _MAX_DEPTH = 32
@@ -61,7 +51,7 @@ class Memo:
 
     def __init__(self) -> None:
         #: `body_limits.declared_limit` per route, mount, router and app asked.
-        self.limits: Limits = {}
+        self.limits: LimitMemo = {}
         #: Per list of routes and method: the list and its length then, and its trie.
         self.candidates: dict[tuple[int, str], tuple[Sequence[BaseRoute], int, _Trie]] = {}
         #: Per included router: the router, the route lists of its router and of the routers

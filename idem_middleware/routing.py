@@ -256,9 +256,9 @@ def match_route(
 
     Only a FULL match counts: a path whose route rejects the method is the app's 405, not ours.
     None: nothing matches, or the request goes to an application whose routes cannot be seen.
-    Routes whose methods exclude the request's are not asked (`_candidates`). `trace` collects
-    what the answer depended on (see Trace); `limit`, the body limit the enclosing mounts
-    declare (see body_limits).
+    Only the routes the request can reach are asked (`route_candidates`: by the method, and by
+    the literal segments their paths start with). `trace` collects what the answer depended on
+    (see Trace); `limit`, the body limit the enclosing mounts declare (see body_limits).
     """
     if trace is not None:
         trace.walked(routes)

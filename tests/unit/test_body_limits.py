@@ -160,7 +160,7 @@ def test_a_declared_limit_is_worked_out_once_per_object_and_never_for_another() 
         return JSONResponse({})
 
     route = Route("/p", create, methods=["POST"], max_body_size=7)
-    memo: body_limits.Limits = {}
+    memo: body_limits.LimitMemo = {}
     assert body_limits.declared_limit(route, memo) == 7
     assert memo[id(route)] == (route, 7)
     # Another object under the route's id (as when an object is gone and its id reused).
