@@ -277,6 +277,8 @@ def test_excluded_and_included_fields_apply_as_on_the_reference_path(
         b'{"amount": 110.00, "lines": [{"price": 10.00, "tax": 1.50}], "note": "x.0, y.0]"}',
         '{"caf\u00e9": "\U0001f600", "\U0001f600": 1}'.encode(),
         '{"\ue000": "\uff01", "\uffff": 1}'.encode(),
+        '{"\u20ac": "\U0001f600", "\u00e9": "\\u00e9", "\\ud83d\\ude00": 1}'.encode(),
+        '{"m\u00fcller": "\\ue000", "\u00df": ":"}'.encode(),
         b"5",
     ],
 )
@@ -303,6 +305,9 @@ def test_the_fast_path_answers_for_plain_bodies(body: bytes) -> None:
         b'{"a": 1234567890123456789}',  # 19 digits: orjson may read a double
         b'{"\xf0\x9f\x98\x80": 1, "\xee\x80\x80": 2}',  # astral and U+E000 keys
         b'{"\\ud83d\\ude00": 1, "\\ue000": 2}',
+        b'{"\xf0\x9f\x98\x80": 1, "\\ue000": 2}',  # one raw, the other escaped
+        b'{"\\ud83d\\ude00": 1, "\xef\xbf\xbf": 2, "\xc3\xa9": 3}',
+        '{"\U0010ffff": 1, "\uffff": 2}'.encode(),
         b"[" * 129 + b"]" * 129,  # past the depth cap by a plain count
         b"\xef\xbb\xbf{}",
         b'{"a": NaN}',
