@@ -164,3 +164,17 @@ def test_bench_routes_prints_a_row_per_layout_and_route_count() -> None:
         r for r in build_app("five routers", 3, True).router.routes if hasattr(r, "original_router")
     ]
     assert len(included) == 5 or not included  # (a FastAPI that lays included routes out flat)
+
+
+def test_bench_bodies_prints_a_row_per_body() -> None:
+    """Every body is answered 201 bare and guarded (it exits non-zero otherwise), each takes the
+    fingerprint's fast path (what the table's figures are about), and no key is sent twice with
+    different bodies (a 422 would be timed instead)."""
+    out = _bench("bench.bodies", "--requests", "20", "--warmup", "5")
+    from bench.bodies import BODIES
+
+    rows = [line for line in out.stdout.splitlines() if line.startswith("| ") and "x |" in line]
+    assert [row.split("|")[1].strip() for row in rows] == list(BODIES), out.stdout
+    from idem_middleware.fingerprint_fast import canonical_json_fast
+
+    assert all(canonical_json_fast(body, 10_000) is not None for body in BODIES.values())
