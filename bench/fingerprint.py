@@ -19,6 +19,8 @@ from idem_middleware import fingerprint as fingerprint_module
 from idem_middleware.errors import RequestRejected
 from idem_middleware.fingerprint import Fingerprinter
 
+from .bodies import BODIES
+
 MIB = 1 << 20
 #: What a Fingerprinter reads per request, in its call's order; the rest is the path's.
 _PER_REQUEST = ("query_string", "headers", "content_type", "body")
@@ -68,12 +70,17 @@ def cases() -> list[tuple[str, str, dict[str, Any]]]:
         for i in range(10)
     )
     invoice = b'{"amount":110.00,"currency":"EUR","reference":"INV-2024-0042","lines":[%s]}' % lines
+    # bench.bodies' payment: names with umlauts, as UTF-8 and escaped (`json.dumps`' default)
+    utf8 = BODIES["a payment, non-ASCII as UTF-8"]
+    escaped = BODIES["a payment, non-ASCII escaped"]
     many = b"[" + b",".join([b"1.5"] * (VALUES - 1)) + b"]"
     objects = b"[" + b",".join([b'{"k":1,"v":2.5,"s":"x"}'] * ((VALUES - 1) // 4)) + b"]"
     return [
         ("typical", "JSON, small (26 B)", request()),
         ("typical", "JSON, payment with lines (216 B)", request(body=payment)),
         ("typical", f"JSON, invoice priced 10.00 ({len(invoice)} B)", request(body=invoice)),
+        ("typical", f"JSON, payment, UTF-8 names ({len(utf8)} B)", request(body=utf8)),
+        ("typical", f"JSON, payment, escaped names ({len(escaped)} B)", request(body=escaped)),
         (
             "typical",
             "form, 4 fields",
