@@ -168,18 +168,19 @@ def make_requests(prefix: str, n: int, new_paths: bool = False) -> list[tuple[Sc
             "client": ("127.0.0.1", 50000),
             "headers": [*_HEADERS, (b"idempotency-key", f"{prefix}-{i}".encode())],
         }
-        out.append((scope, _receive_once()))
+        out.append((scope, receive_once()))
     return out
 
 
-def _receive_once() -> Receive:
+def receive_once(body: bytes = BODY) -> Receive:
+    """A client's receive: `body` in one message, then nothing (the client never leaves)."""
     sent = False
 
     async def receive() -> dict[str, Any]:
         nonlocal sent
         if not sent:
             sent = True
-            return {"type": "http.request", "body": BODY, "more_body": False}
+            return {"type": "http.request", "body": body, "more_body": False}
         await asyncio.Event().wait()  # the client never leaves
         raise AssertionError("unreachable")
 

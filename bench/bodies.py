@@ -27,7 +27,7 @@ from starlette.types import Receive, Scope
 
 from idem_middleware import MemoryStore
 
-from .asgi import build_app, make_requests
+from .asgi import build_app, make_requests, receive_once
 from .paired import measure_paired
 
 _PAYMENT: dict[str, Any] = {
@@ -84,22 +84,8 @@ def with_body(body: bytes, tag: str, prefix: str, n: int) -> list[tuple[Scope, R
             (name, str(len(body)).encode() if name == b"content-length" else value)
             for name, value in scope["headers"]
         ]
-        out.append((scope, _once(body)))
+        out.append((scope, receive_once(body)))
     return out
-
-
-def _once(body: bytes) -> Receive:
-    sent = False
-
-    async def receive() -> dict[str, Any]:
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        await asyncio.Event().wait()  # the client never leaves
-        raise AssertionError("unreachable")
-
-    return receive
 
 
 async def measure(requests: int, warmup: int) -> list[dict[str, Any]]:
