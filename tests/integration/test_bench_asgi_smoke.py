@@ -3,6 +3,7 @@ timing asserted: the numbers are for docs/performance-asgi.md, not for the tests
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -178,3 +179,41 @@ def test_bench_bodies_prints_a_row_per_body() -> None:
     from idem_middleware.fingerprint_fast import canonical_json_fast
 
     assert all(canonical_json_fast(body, 10_000) is not None for body in BODIES.values())
+
+
+def test_bench_removals_prints_each_parts_cost() -> None:
+    """The table has a row per part asked for, and every child answered 201 (it exits non-zero
+    otherwise)."""
+    out = _bench(
+        "bench.removals", "--parts", "fingerprint,watch", "--rounds", "1", "--requests", "20"
+    )
+    rows = [line for line in out.stdout.splitlines() if line.startswith("| ") and "µs" not in line]
+    assert [row.split("|")[1].strip() for row in rows] == ["fingerprint", "watch"], out.stdout
+
+
+def test_every_removal_takes_work_out_and_the_middleware_still_answers() -> None:
+    """Each part's removal replaces what it names (a renamed attribute would leave the work in
+    place and the table would read zero), and with all of them the app still answers 201."""
+    script = (
+        "import asyncio, json\n"
+        "from bench import removals\n"
+        "from idem_middleware import exchange, transactional\n"
+        "from idem_middleware.fingerprint import Fingerprinter\n"
+        "from idem_middleware.tenant import Tenants\n"
+        "before = [Fingerprinter.__call__, transactional.Attempt._settle, Tenants.resolve,\n"
+        "          exchange.parse_key_value, transactional.claimed_context, transactional._WATCH]\n"
+        "for remove in removals.PARTS.values():\n"
+        "    remove()\n"
+        "after = [Fingerprinter.__call__, transactional.Attempt._settle, Tenants.resolve,\n"
+        "         exchange.parse_key_value, transactional.claimed_context, transactional._WATCH]\n"
+        "changed = sum(a is not b for a, b in zip(before, after))\n"
+        "result = asyncio.run(removals._child(removals.WHOLE, 20, 5))\n"
+        "print(json.dumps([changed, len(removals.PARTS), result['statuses']]))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=180
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    changed, parts, statuses = json.loads(out.stdout.strip().splitlines()[-1])
+    assert changed == parts == 6
+    assert statuses == {"201": 40}
