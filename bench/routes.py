@@ -3,8 +3,9 @@
 `python -m bench.routes [--routes 0,20,100] [--requests 2000]`: the direct-ASGI loop of
 `bench.asgi`, request by request (`bench/paired.py`), every request to a path of its own
 (`/accounts/<new id>/credits`, as an API with ids in its paths), for apps with `--routes` other
-POST routes before the measured one: laid out flat in the app, in one included `APIRouter`, and
-in five included routers (FastAPI's `include_router`). Each app is timed bare and behind the
+POST routes before the measured one: laid out flat in the app, in one included `APIRouter`, in
+five included routers (FastAPI's `include_router`), and in five included each under a prefix of
+its own (`/section<n>`, the measured route's under `/accounts`), as apps lay out one per resource. Each app is timed bare and behind the
 middleware with a `MemoryStore`, the two taking turns; the table gives what the middleware adds.
 The bare app's own router walks the routes too: its µs grow with them.
 """
@@ -26,13 +27,14 @@ from .app import BearerTenant, CreditIn, CreditOut
 from .asgi import Tenant, make_requests
 from .paired import measure_paired
 
-LAYOUTS = ("flat", "one router", "five routers")
+LAYOUTS = ("flat", "one router", "five routers", "five routers, each with a prefix")
 
 
 def build_app(layout: str, others: int, guarded: bool) -> FastAPI:
     """`others` POST routes (`/things<n>/{thing_id}/do`), then the measured one, in `layout`."""
     app = FastAPI()
-    routers = [APIRouter() for _ in range(5 if layout == "five routers" else 1)]
+    prefixed = layout == "five routers, each with a prefix"
+    routers = [APIRouter() for _ in range(5 if layout.startswith("five") else 1)]
 
     async def other(thing_id: str) -> dict[str, str]:
         return {}
@@ -48,6 +50,10 @@ def build_app(layout: str, others: int, guarded: bool) -> FastAPI:
         target.post(f"/things{n}/{{thing_id}}/do", status_code=201)(other)
     if layout == "flat":
         app.post("/accounts/{account_id}/credits", status_code=201)(credit)
+    elif prefixed:  # (as apps lay them out: a router per resource, included under its prefix)
+        routers[-1].post("/{account_id}/credits", status_code=201)(credit)
+        for n, router in enumerate(routers):
+            app.include_router(router, prefix="/accounts" if n == 4 else f"/section{n}")
     else:
         routers[-1].post("/accounts/{account_id}/credits", status_code=201)(credit)
         for router in routers:

@@ -251,7 +251,7 @@ class IdempotencyMiddleware:
         if guarded is not None and not trace.volatile and length <= _CACHED_KEY_LENGTH:
             if len(self._routes) >= _ROUTE_CACHE_SIZE:
                 self._routes.clear()  # many distinct paths (ids in them): start over
-            lists = tuple(trace.lists)
+            lists = trace.lists
             self._routes[cache_key] = (guarded, lists, tuple(map(len, lists)))
         return guarded
 

@@ -52,8 +52,10 @@ class Memo:
     def __init__(self) -> None:
         #: `body_limits.declared_limit` per route, mount, router and app asked.
         self.limits: LimitMemo = {}
-        #: Per list of routes and method: the list and its length then, and its trie.
-        self.candidates: dict[tuple[int, str], tuple[Sequence[BaseRoute], int, _Trie]] = {}
+        #: Per list of routes and method: the list and its length then, its trie, and the
+        #: route lists of the FastAPI routers included in it with their lengths then (the trie
+        #: files each router by what its routes' paths share: see `_filed_prefix`).
+        self.candidates: dict[tuple[int, str], _Candidates] = {}
         #: Per included router: the router, the route lists of its router and of the routers
         #: it includes and their lengths then (a route added to one, or a router included,
         #: changes one), and per method the trie of its routes that take the method.
@@ -113,28 +115,85 @@ def _compiled_from(path: str, regex: re.Pattern[str]) -> bool:
 _Trie = tuple[dict[str, "_Trie"], tuple[Any, ...]]
 
 
+#: A list's entry in `Memo.candidates` (see there).
+_Candidates = tuple[Sequence[BaseRoute], int, "_Trie", tuple[Any, ...], tuple[int, ...]]
+
+
 def candidates(
     routes: Sequence[BaseRoute], scope: Scope, memo: Memo | None = None
 ) -> Sequence[BaseRoute]:
     """`routes` less those that cannot match the request FULL: routes of a class that matches
     as Starlette's `Route` does (`_PLAIN_MATCHES`) whose `methods` exclude its method, and
     routes whose paths start with other literal segments than the request's (`_prefix`: a large
-    app's routes are not all asked, once for every new path). Worked out once per list and
-    method (again if the list's length changes); under FastAPI's included routers (a "fastapi"
-    entry in the scope, which can make an `APIRoute` match as its included copy) every route is
-    asked."""
+    app's routes are not all asked, once for every new path; a FastAPI included router by what
+    all of its routes' paths start with). Worked out once per list and method (again if the
+    list's length changes, or that of a route list of a router included in it); under FastAPI's
+    included routers (a "fastapi" entry in the scope, which can make an `APIRoute` match as its
+    included copy) every route is asked."""
+    return candidates_and_filed(routes, scope, memo)[0]
+
+
+def candidates_and_filed(
+    routes: Sequence[BaseRoute], scope: Scope, memo: Memo | None = None
+) -> tuple[Sequence[BaseRoute], tuple[Any, ...]]:
+    """`candidates`, and the route lists of the FastAPI routers included in `routes` that were
+    filed by their routes' paths (some of them may not be among the candidates): a route added
+    to one may match the request next time, so a match made without asking them holds only
+    while their lengths do (`routing.Trace`)."""
     method = scope.get("method")
     if len(routes) < 2 or not isinstance(method, str) or "fastapi" in scope:
-        return routes
-    memo = memo or Memo()
+        return routes, ()
+    entry = _entry(routes, method, memo or Memo())
+    return _walk(entry[2], scope), entry[3]
+
+
+def _entry(routes: Sequence[BaseRoute], method: str, memo: Memo) -> _Candidates:
     cache_key = (id(routes), method)
     cached = memo.candidates.get(cache_key)
-    if cached is None or cached[0] is not routes or cached[1] != len(routes):
+    if (
+        cached is None
+        or cached[0] is not routes
+        or cached[1] != len(routes)
+        or (cached[3] and tuple(map(len, cached[3])) != cached[4])
+    ):
         if len(memo.candidates) >= _SIZE:
             memo.candidates.clear()  # lists made and dropped at run time: start over
-        kept = tuple(route for route in routes if not _other_method(route, method))
-        cached = memo.candidates[cache_key] = (routes, len(routes), _trie(kept, _prefix))
-    return _walk(cached[2], scope)
+        lists: list[Any] = []
+        filed: dict[int, tuple[str, ...]] = {}
+        for route in routes:
+            if not _other_method(route, method):
+                prefix = _filed_prefix(route, memo, lists)
+                if prefix is not None:
+                    filed[id(route)] = prefix
+        kept = tuple(route for route in routes if id(route) in filed)
+        trie = _trie(kept, lambda route: filed[id(route)])
+        filed_by = tuple(lists)
+        cached = (routes, len(routes), trie, filed_by, tuple(map(len, filed_by)))
+        memo.candidates[cache_key] = cached
+    return cached
+
+
+def _filed_prefix(route: Any, memo: Memo, lists: list[Any]) -> tuple[str, ...] | None:
+    """`_prefix` of a route; of a FastAPI included router, the literal segments the paths of all
+    of its routes (those of the routers it includes too) start with: it matches FULL exactly
+    when one of them does (`routing.match_route`); None for one with no route, which matches
+    nothing. Its route lists go to `lists`."""
+    contexts_of = getattr(route, "effective_route_contexts", None)
+    entry = _included(route, memo) if callable(contexts_of) else None
+    if entry is None:
+        return _prefix(route)
+    lists.extend(entry[1])
+    prefixes = [_context_prefix(context) for context in contexts_of()]  # type: ignore[misc]
+    if not prefixes:
+        return None
+    # What all share is what the first and the last in order share (tuples sort by segment).
+    first, last = min(prefixes), max(prefixes)
+    shared = 0
+    for one, other in zip(first, last, strict=False):
+        if one != other:
+            break
+        shared += 1
+    return first[:shared]
 
 
 def _walk(trie: _Trie, scope: Scope) -> tuple[Any, ...]:

@@ -21,7 +21,7 @@ from .policy import RouteMatch
 from .route_candidates import (
     Memo,
     ask_as_fastapi,
-    candidates,
+    candidates_and_filed,
     included_candidates,
     own_matches,
     router_lists,
@@ -58,17 +58,22 @@ class Trace:
     under it again), and whether it asked a route whose answer may change with more than the
     cache's key (`volatile`: the match is not cached)."""
 
-    __slots__ = ("lists", "memo", "volatile")
+    __slots__ = ("_walked", "memo", "volatile")
 
     def __init__(self, memo: Memo | None = None) -> None:
-        self.lists: list[Sequence[Any]] = []
+        #: The lists walked, by identity (each is alive while the trace is: ids stay unique).
+        self._walked: dict[int, Sequence[Any]] = {}
         self.volatile = False
         #: What the walk works out once (the middleware's: see route_candidates.Memo).
         self.memo = memo
 
+    @property
+    def lists(self) -> tuple[Sequence[Any], ...]:
+        """The route lists walked, in the order first walked."""
+        return tuple(self._walked.values())
+
     def walked(self, routes: Sequence[Any]) -> None:
-        if not any(seen is routes for seen in self.lists):
-            self.lists.append(routes)
+        self._walked.setdefault(id(routes), routes)
 
     def asked(self, route: Any) -> None:
         if type(route).matches not in _PURE_MATCHES:
@@ -260,10 +265,13 @@ def match_route(
     the literal segments their paths start with). `trace` collects what the answer depended on
     (see Trace); `limit`, the body limit the enclosing mounts declare (see body_limits).
     """
+    memo = _memo(trace)
+    reachable, filed = candidates_and_filed(routes, scope, memo)
     if trace is not None:
         trace.walked(routes)
-    memo = _memo(trace)
-    for route in candidates(routes, scope, memo):
+        for lists in filed:  # (the lists of routers it may not ask: see there)
+            trace.walked(lists)
+    for route in reachable:
         if trace is not None:
             trace.asked(route)
         if (contexts := included_candidates(route, scope, memo)) is not None:

@@ -157,7 +157,9 @@ def test_bench_routes_prints_a_row_per_layout_and_route_count() -> None:
     rows = [line for line in out.stdout.splitlines() if line.startswith("| ") and "x |" in line]
     layouts = [row.split("|")[1].strip() for row in rows]
     assert layouts == [
-        f"{n}, {layout}" for layout in ("flat", "one router", "five routers") for n in (0, 3)
+        f"{n}, {layout}"
+        for layout in ("flat", "one router", "five routers", "five routers, each with a prefix")
+        for n in (0, 3)
     ], out.stdout
     from bench.routes import build_app
 

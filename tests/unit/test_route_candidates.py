@@ -422,3 +422,93 @@ def test_an_app_made_at_run_time_is_not_kept_alive_by_what_its_misses_worked_out
     ref = made_and_used()
     gc.collect()
     assert ref() is None
+
+
+def _routers_app(fastapi: Any, *, prefixed: bool) -> tuple[Any, Any]:
+    """Four routers of `/section<n>` routes and one of `/accounts/{id}/credits`, the way apps lay
+    out a router per resource: under a prefix each, or (`prefixed=False`) with the prefix in
+    each route's path. Returns the app and the first router."""
+    app = fastapi.FastAPI()
+    routers = [fastapi.APIRouter() for _ in range(5)]
+
+    async def resource() -> dict[str, str]:
+        return {}
+
+    for n, router in enumerate(routers[:4]):
+        route_prefix = "" if prefixed else f"/section{n}"
+        router.post(f"{route_prefix}/things/{{thing_id}}")(resource)
+        router.post(f"{route_prefix}/other/{{thing_id}}/do")(resource)
+    routers[4].post(("" if prefixed else "/accounts") + "/{account_id}/credits")(resource)
+    for n, router in enumerate(routers):
+        prefix = ("/accounts" if n == 4 else f"/section{n}") if prefixed else ""
+        app.include_router(router, prefix=prefix)
+    return app, routers[0]
+
+
+@pytest.mark.parametrize("prefixed", [True, False])
+def test_included_routers_are_visited_only_under_the_segments_their_routes_share(
+    prefixed: bool,
+) -> None:
+    """A new path visits only the included routers whose routes' paths all start as it does
+    (each router filed by the literal segments they share), not every router at every miss."""
+    fastapi = pytest.importorskip("fastapi")
+    from idem_middleware import routing
+
+    app, _ = _routers_app(fastapi, prefixed=prefixed)
+    visited: list[Any] = []
+    original = routing.included_candidates
+
+    def counted(route: Any, scope: Any, memo: Any = None) -> Any:
+        found = original(route, scope, memo)
+        if found is not None:
+            visited.append(route)
+        return found
+
+    routing.included_candidates = counted  # type: ignore[assignment]
+    try:
+        match = match_route(app.router.routes, http("/accounts/7/credits"))
+        assert isinstance(match, RouteMatch)
+        assert match.template == "/accounts/{account_id}/credits"
+        assert [route.original_router.routes[0].path for route in visited] == [
+            "/{account_id}/credits" if prefixed else "/accounts/{account_id}/credits"
+        ]
+        visited.clear()
+        assert match_route(app.router.routes, http("/section2/things/3")) is not None
+        assert len(visited) == 1
+    finally:
+        routing.included_candidates = original  # type: ignore[assignment]
+
+
+async def test_a_route_added_to_a_router_the_path_did_not_visit_is_found() -> None:
+    """A router filed under `/section0` (all its routes start so) is not visited for
+    `/accounts/...`; a route added to it later that matches such a path is found, for a path the
+    middleware's route cache has (the match depended on the router's routes staying as they
+    were) and for a new one (the router is filed again). The added route comes first in
+    FastAPI's order and is guarded where the other is not: missed, the request would pass
+    unguarded."""
+    fastapi = pytest.importorskip("fastapi")
+    from starlette.middleware.authentication import AuthenticationMiddleware
+
+    from idem_middleware import IdempotencyMiddleware, MemoryStore, idempotent
+    from tests.apps.clients import BearerBackend, client
+
+    app, first = _routers_app(fastapi, prefixed=False)
+    app.add_middleware(IdempotencyMiddleware, store=MemoryStore(), methods=())  # guards none
+    app.add_middleware(AuthenticationMiddleware, backend=BearerBackend())
+    async with client(app) as c:
+        for account in ("1", "2"):
+            assert (await c.post(f"/accounts/{account}/credits")).status_code == 200
+
+        @idempotent()
+        async def guarded(account_id: str) -> dict[str, str]:
+            return {"guarded": account_id}
+
+        first.post("/accounts/{account_id}/credits")(guarded)
+        for account in ("1", "3"):  # the path the cache has, and a new one
+            answer = await c.post(f"/accounts/{account}/credits")
+            assert answer.status_code == 400, (account, answer.text)
+            assert answer.json()["type"].endswith("missing-key")
+            keyed = await c.post(
+                f"/accounts/{account}/credits", headers={"idempotency-key": f"k-{account}"}
+            )
+            assert keyed.json() == {"guarded": account}
