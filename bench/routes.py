@@ -5,9 +5,10 @@
 (`/accounts/<new id>/credits`, as an API with ids in its paths), for apps with `--routes` other
 POST routes before the measured one: laid out flat in the app, in one included `APIRouter`, in
 five included routers (FastAPI's `include_router`), and in five included each under a prefix of
-its own (`/section<n>`, the measured route's under `/accounts`), as apps lay out one per resource. Each app is timed bare and behind the
-middleware with a `MemoryStore`, the two taking turns; the table gives what the middleware adds.
-The bare app's own router walks the routes too: its µs grow with them.
+its own (`/section<n>`, the measured route's under `/accounts`), as apps lay out one per
+resource. Each app is timed bare and behind the middleware with a `MemoryStore`, the two taking
+turns; the table gives what the middleware adds. The bare app's own router walks the routes
+too: its µs grow with them.
 """
 
 from __future__ import annotations
