@@ -55,7 +55,7 @@ STAGES: dict[str, tuple[tuple[str, str], ...]] = {
     ),
     "tenant": (("idem_middleware.middleware", "Tenants.resolve"),),
     "route match": (
-        ("idem_middleware.middleware", "routes_of"),
+        ("idem_middleware.middleware", "IdempotencyMiddleware._router_below"),
         ("idem_middleware.middleware", "match_route"),
         ("idem_middleware.middleware", "IdempotencyMiddleware.policy_for"),
     ),

@@ -41,7 +41,7 @@ from .routing import (
     match_route,
     mounted_limit,
     routed_above,
-    routes_of,
+    router_of,
 )
 from .startup import DEFAULT_METHODS, SAFE_METHODS, check_app, unopened_store
 from .store.base import Store
@@ -185,6 +185,9 @@ class IdempotencyMiddleware:
         self._routes: dict[tuple[Any, ...], tuple[_Guarded, tuple[Any, ...], tuple[int, ...]]] = {}
         #: What the misses of the route cache work out once (the routes each path can reach).
         self._route_memo = Memo()
+        #: Per app served (by identity): the app, its router, the router's route list then, and
+        #: the router's body limit (`_router_below`).
+        self._routers: dict[int, tuple[Any, Any, Any, int | None]] = {}
 
     @_marked_coroutine_function
     def __call__(self, scope: Scope, receive: Receive, send: Send) -> Awaitable[None]:
@@ -261,11 +264,7 @@ class IdempotencyMiddleware:
         """The route a request matches, the policy guarding it and its operation's name, the
         way the router will find it; `_UNGUARDED` for a request the middleware passes on, None
         for a route that would be guarded but cannot be named (refused)."""
-        below = app_below(self, app)
-        routes = routes_of(below)
-        # (the router's own body limit: the app's, under FastAPI; see body_limits)
-        memo = self._route_memo
-        limit = mounted_limit(below, own=False, memo=memo) if routes is not None else None
+        routes, limit = self._router_below(app)
         limits = (limit, limit)
         match = match_route(routes, scope, "", trace, limits) if routes is not None else None
         if isinstance(match, RouteMatch) and "router" in scope:
@@ -292,6 +291,26 @@ class IdempotencyMiddleware:
         operation = operation_name(method, match.template)
         fingerprinter = Fingerprinter(operation, match.path_params, policy)
         return fingerprinter, policy, operation, body_limit
+
+    def _router_below(self, app: Any) -> tuple[Sequence[Any] | None, int | None]:
+        """The routes of the app this middleware guards (`app`: the request's, see
+        `routing.app_below`), and its router's own body limit (the app's, under FastAPI; see
+        body_limits). Found once per app; again when its router's route list is another list
+        (an app's middleware stack is built once, and its router is its router for good)."""
+        entry = self._routers.get(id(app))
+        if entry is not None and entry[0] is app:
+            router = entry[1]
+            if router is None or router.routes is entry[2]:
+                return entry[2], entry[3]
+        below = app_below(self, app)
+        router = router_of(below)
+        routes = None if router is None else router.routes
+        memo = self._route_memo
+        limit = mounted_limit(below, own=False, memo=memo) if routes is not None else None
+        if len(self._routers) >= _ROUTE_CACHE_SIZE:
+            self._routers.clear()  # (apps made at run time, each serving requests: start over)
+        self._routers[id(app)] = (app, router, routes, limit)
+        return routes, limit
 
     def policy_for(self, method: str, route: RouteMatch | Any) -> Policy | None:
         """The policy guarding `method` on `route` (anything with `template` and `endpoint`):

@@ -136,12 +136,18 @@ class Hidden:
 def routes_of(app: Any) -> Sequence[BaseRoute] | None:
     """The routes an ASGI app dispatches to: a Router's, a Starlette or FastAPI app's, or those
     of a router behind middleware that wraps it. None when they cannot be seen."""
+    router = router_of(app)
+    return None if router is None else router.routes
+
+
+def router_of(app: Any) -> Router | None:
+    """The Router an ASGI app dispatches with (see `routes_of`); None when it cannot be seen."""
     for _ in range(_MAX_WRAPPERS):
         if isinstance(app, Router):
-            return app.routes
+            return app
         router = getattr(app, "router", None)
         if isinstance(router, Router):
-            return router.routes
+            return router
         app = getattr(app, "app", None)
         if app is None:
             return None

@@ -512,3 +512,26 @@ async def test_a_route_added_to_a_router_the_path_did_not_visit_is_found() -> No
                 f"/accounts/{account}/credits", headers={"idempotency-key": f"k-{account}"}
             )
             assert keyed.json() == {"guarded": account}
+
+
+async def test_a_router_given_a_new_route_list_is_read_again() -> None:
+    """The app's router and its routes are found once per app; a route list put in its place at
+    run time (`app.router.routes = [...]`) is read at the next new path: read from the old list,
+    a guarded route of the new one would be passed on unguarded."""
+    from starlette.responses import JSONResponse
+
+    from idem_middleware import MemoryStore
+    from tests.apps.clients import client, one_route_app
+
+    async def handler(request: Request) -> JSONResponse:
+        return JSONResponse({"path": request.url.path})
+
+    app = one_route_app("/first/{n}", handler, store=MemoryStore())
+    async with client(app) as c:
+        assert (await c.post("/first/1")).status_code == 400  # guarded: no key
+        app.router.routes = [Route("/second/{n}", handler, methods=["POST"])]
+        answer = await c.post("/second/1")
+        assert answer.status_code == 400, answer.text
+        assert answer.json()["type"].endswith("missing-key")
+        keyed = await c.post("/second/2", headers={"idempotency-key": "k-2"})
+        assert keyed.json() == {"path": "/second/2"}
