@@ -17,7 +17,6 @@ httpx before 0.28, send that); and the ASCII one with decimal amounts (`12.50`) 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import functools
 import json
 import statistics
@@ -28,7 +27,7 @@ from starlette.types import Receive, Scope
 from idem_middleware import MemoryStore
 
 from .asgi import build_app, make_requests, receive_once
-from .paired import measure_paired
+from .paired import loop_runner, measure_paired
 
 _PAYMENT: dict[str, Any] = {
     "amount": 5,
@@ -129,12 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=3000, help="requests per app and body")
     p.add_argument("--warmup", type=int, default=300, help="unmeasured requests per app and body")
     args = p.parse_args(argv)
-    try:
-        import uvloop
-    except ImportError:  # pragma: no cover - uvloop is in the bench extra
-        runner = asyncio.run
-    else:
-        runner = uvloop.run
+    runner = loop_runner()
     print(markdown(runner(measure(args.requests, args.warmup))))
     return 0
 

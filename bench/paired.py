@@ -14,6 +14,7 @@ bring them on more often); the median is a request without one. Both are printed
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import statistics
 import time
@@ -26,6 +27,17 @@ from starlette.types import Receive, Scope, Send
 Maker = Callable[[str, int], list[tuple[Scope, Receive]]]
 #: Requests made (not timed) at a time, per variant.
 _CHUNK = 200
+
+
+def loop_runner() -> Callable[[Any], Any]:
+    """What runs a benchmark's coroutine: uvloop's `run` (the loop the benchmarks' servers use),
+    or asyncio's where uvloop is not installed."""
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is in the bench extra
+        return asyncio.run
+    runner: Callable[[Any], Any] = uvloop.run
+    return runner
 
 
 async def measure_paired(

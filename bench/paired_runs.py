@@ -32,11 +32,12 @@ BARE = "bare"
 VARIANTS = ("bare", "ours-memory", "floor-memory")
 
 
-async def _child(requests: int, warmup: int) -> dict[str, Any]:
-    """One process's loop: each variant's median and mean µs, and the statuses it saw."""
-    apps = {
-        name: build_app(name, MemoryStore() if name == "ours-memory" else None) for name in VARIANTS
-    }
+async def warmed_and_paired(
+    apps: dict[str, Any], requests: int, warmup: int
+) -> tuple[dict[str, list[float]], dict[int, int]]:
+    """`apps` warmed up (`warmup` requests each, untimed), then timed request by request
+    (`measure_paired`, `bench.asgi`'s requests); the µs per app, and the statuses of the timed
+    requests."""
     counted = Variant("paired", None, 0, 1)  # (bench.asgi's: its send counts the statuses)
     send = counted.send()
     for app in apps.values():
@@ -46,9 +47,18 @@ async def _child(requests: int, warmup: int) -> dict[str, Any]:
     gc.collect()
     gc.freeze()
     times = await measure_paired(apps, requests, send, make_requests)
+    return times, dict(counted.statuses)
+
+
+async def _child(requests: int, warmup: int) -> dict[str, Any]:
+    """One process's loop: each variant's median and mean µs, and the statuses it saw."""
+    apps = {
+        name: build_app(name, MemoryStore() if name == "ours-memory" else None) for name in VARIANTS
+    }
+    times, statuses = await warmed_and_paired(apps, requests, warmup)
     return {
         "times": {n: [statistics.median(t), statistics.fmean(t)] for n, t in times.items()},
-        "statuses": dict(counted.statuses),
+        "statuses": statuses,
     }
 
 

@@ -24,8 +24,6 @@ The parts (each still called, its work gone):
 from __future__ import annotations
 
 import argparse
-import asyncio
-import gc
 import json
 import statistics
 import subprocess
@@ -36,8 +34,9 @@ from typing import Any
 
 from idem_middleware import MemoryStore
 
-from .asgi import Variant, build_app, make_requests
-from .paired import measure_paired
+from .asgi import build_app
+from .paired import loop_runner
+from .paired_runs import warmed_and_paired
 
 ROOT = Path(__file__).resolve().parents[1]
 WHOLE = "none"
@@ -110,17 +109,9 @@ async def _child(part: str, requests: int, warmup: int) -> dict[str, Any]:
     if part != WHOLE:
         PARTS[part]()
     apps = {"bare": build_app("bare"), "ours": build_app("ours-memory", MemoryStore())}
-    counted = Variant("removals", None, 0, 1)  # (bench.asgi's: its send counts the statuses)
-    send = counted.send()
-    for app in apps.values():
-        for scope, receive in make_requests("warm", warmup):
-            await app(scope, receive, send)
-    counted.statuses.clear()
-    gc.collect()
-    gc.freeze()
-    times = await measure_paired(apps, requests, send, make_requests)
+    times, statuses = await warmed_and_paired(apps, requests, warmup)
     bare, ours = (statistics.median(times[name]) for name in apps)
-    return {"bare": bare, "added": ours - bare, "statuses": dict(counted.statuses)}
+    return {"bare": bare, "added": ours - bare, "statuses": statuses}
 
 
 def _run_child(part: str, requests: int, warmup: int) -> dict[str, Any]:
@@ -178,12 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=300, help="unmeasured requests per app")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    try:
-        import uvloop
-    except ImportError:  # pragma: no cover - uvloop is in the bench extra
-        runner = asyncio.run
-    else:
-        runner = uvloop.run
+    runner = loop_runner()
     if args.child is not None:
         print(json.dumps(runner(_child(args.child, args.requests, args.warmup))))
         return 0

@@ -14,7 +14,6 @@ too: its µs grow with them.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import functools
 import statistics
 from typing import Any
@@ -26,7 +25,7 @@ from idem_middleware import IdempotencyMiddleware, MemoryStore
 
 from .app import BearerTenant, CreditIn, CreditOut
 from .asgi import Tenant, make_requests
-from .paired import measure_paired
+from .paired import loop_runner, measure_paired
 
 LAYOUTS = ("flat", "one router", "five routers", "five routers, each with a prefix")
 
@@ -110,12 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=300, help="unmeasured requests per app")
     args = p.parse_args(argv)
     counts = [int(n) for n in args.routes.split(",")]
-    try:
-        import uvloop
-    except ImportError:  # pragma: no cover - uvloop is in the bench extra
-        runner = asyncio.run
-    else:
-        runner = uvloop.run
+    runner = loop_runner()
     print(markdown(runner(measure(counts, args.requests, args.warmup))))
     return 0
 
