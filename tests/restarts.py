@@ -4,6 +4,7 @@ a start on the same data directory and socket, so the DSN stays the same."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
@@ -47,9 +48,15 @@ class OwnServer:
         self.running = True
 
     def cleanup(self) -> None:
+        import psutil
+
         try:
             if self.running:  # (the package's handle may point at an earlier postmaster)
                 self.stop()
         finally:
-            self.server.cleanup()
+            # The postmaster the package started may still be exiting when it looks (after an
+            # immediate stop): found running, it is gone by its SIGTERM. Gone is what cleanup
+            # wants; the data directory goes with `_parent`.
+            with contextlib.suppress(psutil.NoSuchProcess, ProcessLookupError):
+                self.server.cleanup()
             shutil.rmtree(self._parent, ignore_errors=True)
