@@ -283,12 +283,12 @@ class IdempotencyMiddleware:
             return _UNGUARDED
         if match is None:
             return _UNGUARDED
-        policy = self.policy_for(method, match)
+        operation = operation_name(method, match.template)
+        policy = self.policy_for(method, match, operation)
         if policy is None:
             return _UNGUARDED
         body_limit = in_force(scope, match.body_limit, match.least_limit)
         policy = capped(policy, body_limit)
-        operation = operation_name(method, match.template)
         fingerprinter = Fingerprinter(operation, match.path_params, policy)
         return fingerprinter, policy, operation, body_limit
 
@@ -312,12 +312,15 @@ class IdempotencyMiddleware:
         self._routers[id(app)] = (app, router, routes, limit)
         return routes, limit
 
-    def policy_for(self, method: str, route: RouteMatch | Any) -> Policy | None:
-        """The policy guarding `method` on `route` (anything with `template` and `endpoint`):
-        the endpoint's own, else `policies`, else the default for `methods`; None if unguarded."""
-        policy = endpoint_policy(route.endpoint) or self.policies.get(
-            operation_name(method, route.template)
-        )
+    def policy_for(
+        self, method: str, route: RouteMatch | Any, operation: str | None = None
+    ) -> Policy | None:
+        """The policy guarding `method` on `route` (anything with `template` and `endpoint`;
+        `operation`: its name, if known): the endpoint's own, else `policies`, else the default
+        for `methods`; None if unguarded."""
+        policy = endpoint_policy(route.endpoint)
+        if policy is None and self.policies:
+            policy = self.policies.get(operation or operation_name(method, route.template))
         if policy is None and method in self.methods:
             policy = self.default_policy
         return policy if policy is not None and policy.guard else None

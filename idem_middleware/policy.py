@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from .errors import ConfigurationError
 from .fingerprint import is_json_pointer
+from .frozen import quick_init
 from .keysource import KeyFunction, KeySource, as_key_source
 from .reconcile import Reconciler
 
@@ -352,6 +353,7 @@ def not_idempotent(endpoint: F) -> F:
     return endpoint
 
 
+@quick_init  # (built at each miss of the route cache: see frozen.py)
 @dataclass(frozen=True, slots=True)
 class RouteMatch:
     """The route a request matched: its template (with mount prefixes, and the host pattern of

@@ -26,6 +26,9 @@ _API_MATCHES: frozenset[Any] = (
 #: one of them (not a subclass with its own, which may take other methods) answers a method
 #: outside its `methods` with PARTIAL at best, so `match_route` need not ask it.
 _PLAIN_MATCHES = _API_MATCHES | {Route.matches}
+#: Starlette's `Route` and FastAPI's `APIRoute`, exactly: a route of either class matches by its
+#: path and methods alone (a pure `matches`), and includes no router.
+PLAIN_ROUTES: frozenset[type[Any]] = frozenset({Route, _API_ROUTE} - {None})
 
 
 try:

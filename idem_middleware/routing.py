@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from starlette.routing import BaseRoute, Host, Match, Mount, Route, Router, WebSocketRoute
 from starlette.types import Scope
@@ -19,6 +19,7 @@ from starlette.types import Scope
 from .body_limits import declared_limit
 from .policy import RouteMatch
 from .route_candidates import (
+    PLAIN_ROUTES,
     Memo,
     ask_as_fastapi,
     candidates_and_filed,
@@ -198,10 +199,6 @@ def _no_converters(path: str) -> str:
     return _CONVERTER.sub("}", path)
 
 
-def _host_prefix(route: Host) -> str:
-    return route.host
-
-
 def _included(route: BaseRoute) -> list[Any] | None:
     """The routes of an APIRouter that newer FastAPI includes as one route (`_IncludedRouter`),
     each with its prefixed path; None for any other route."""
@@ -278,6 +275,15 @@ def match_route(
         for lists in filed:  # (the lists of routers it may not ask: see there)
             trace.walked(lists)
     for route in reachable:
+        if type(route) in PLAIN_ROUTES:
+            # (Starlette's Route or FastAPI's APIRoute itself, most routes: as the branches below
+            # would find it, without their questions: it includes no router, its matches is pure.)
+            match, child = route.matches(scope)
+            if match is Match.FULL:
+                declared, template = _limit(route, memo), prefix + cast(Route, route).path
+                found = limit if declared is None else (declared, tighter(declared, limit[1]))
+                return RouteMatch(template, child["path_params"], child["endpoint"], *found)
+            continue
         if trace is not None:
             trace.asked(route)
         if (contexts := included_candidates(route, scope, memo)) is not None:
@@ -310,7 +316,7 @@ def match_route(
             limit = _within(mounted_limit(mounted, memo=memo), own)
             if isinstance(route, Mount):
                 return match_route(inner, {**scope, **child}, prefix + route.path, trace, limit)
-            hosted = _host_prefix(route) + prefix
+            hosted = route.host + prefix
             return match_route(inner, {**scope, **child}, hosted, trace, limit)
         endpoint = child.get("endpoint", getattr(route, "endpoint", None))
         path = getattr(route, "path", None)
@@ -376,7 +382,7 @@ def walk(
             if isinstance(route, Mount):
                 path, inner_shown = prefix + route.path, shown + _no_converters(route.path)
             else:
-                path, inner_shown = _host_prefix(route) + prefix, shown
+                path, inner_shown = route.host + prefix, shown
             inner = routes_of(mounted := mounted_app(route))
             if inner is None:
                 yield Hidden(f"{path or '/'} (a mounted {type(mounted).__name__})", None, False)
