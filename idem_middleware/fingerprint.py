@@ -7,7 +7,7 @@ from __future__ import annotations
 import struct
 from collections.abc import Mapping, Sequence
 from functools import lru_cache
-from typing import Any, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from .errors import ProblemKind, RequestRejected
 from .fingerprint_fast import canonical_json_fast, canonical_json_sorted
@@ -21,6 +21,9 @@ from .fingerprint_forms import (
 )
 from .fingerprint_json import canonical_json, parse_json_strict
 from .hashing import SHORT_INPUT, long_sha256, sha256
+
+if TYPE_CHECKING:
+    from _hashlib import HASH
 
 __all__ = [
     "FINGERPRINT_VERSION",
@@ -208,7 +211,7 @@ class Fingerprinter:
     the common case, goes straight to canonical_json_fast (the tag and bytes canonical_body
     gives)."""
 
-    __slots__ = ("_head", "_head_state", "_settings", "_tail_room", "_whole_body")
+    __slots__ = ("_head", "_head_state", "_settings", "_tail_room", "_used", "_whole_body")
 
     def __init__(
         self, operation: str, path_params: Mapping[str, object], settings: FingerprintSettings
@@ -227,11 +230,13 @@ class Fingerprinter:
             head += (_NAMES.get(name) or _framed_cached(name, _NAMES), _U64(len(value)), value)
         self._head = b"".join(head)
         # The head is the same in every request of the path: a head of a whole SHA-256 block or
-        # more is hashed once, here, and each request hashes only what follows it, in a copy of
-        # that state (the same digest; see `_HEAD_STATE_MIN`).
+        # more is hashed once, at the path's second request (most paths with an id in them see
+        # one), and each request after hashes only what follows it, in a copy of that state (the
+        # same digest; see `_HEAD_STATE_MIN`). `_tail_room` < 0: a head whose state is not kept.
         size = len(self._head)
-        self._head_state = sha256(self._head) if _HEAD_STATE_MIN <= size <= SHORT_INPUT else None
-        self._tail_room = SHORT_INPUT - size
+        self._head_state: HASH | None = None
+        self._used = False
+        self._tail_room = SHORT_INPUT - size if _HEAD_STATE_MIN <= size <= SHORT_INPUT else -1
         self._settings = settings
         self._whole_body = not (settings.exclude_fields or settings.include_fields)
 
@@ -270,6 +275,11 @@ class Fingerprinter:
         # (Built whole, hashed once; the parts are framed inline, as a call per part would cost
         # more than the framing.)
         head_state = self._head_state
+        if head_state is None:
+            if not self._used:
+                self._used = True
+            elif self._tail_room >= 0:  # the path's second request
+                head_state = self._head_state = sha256(self._head)
         stream = [] if head_state is not None else [self._head]
         if query_string:
             query = canonical_pairs(
