@@ -63,11 +63,13 @@ _ROUTE_CACHE_SIZE = 1024
 _CACHED_KEY_LENGTH = 1024
 
 #: A guarded path as the cache keeps it: its requests' fingerprinter (the path's parameters in
-#: it), its policy and its operation's name.
-#: The fingerprinter, policy and operation of a guarded route, and its body limit (body_limits).
+#: it), its policy, its operation's name and its body limit (body_limits).
 _Guarded = tuple[Fingerprinter, Policy, str, int | None]
 #: The cache's entry for a request the middleware passes on (compared by identity).
 _UNGUARDED = cast(_Guarded, ())
+#: A route cache entry: the resolution; the first route list walked and its length then, the
+#: others and theirs (None: no other; one list's length is checked at a fraction of the cost).
+_Entry = tuple[_Guarded, Sequence[Any], int, tuple[Any, ...] | None, tuple[int, ...] | None]
 
 
 def _host(scope: Scope) -> bytes | None:
@@ -180,21 +182,18 @@ class IdempotencyMiddleware:
         # The startup check runs once; a failed one fails every request after it too.
         self._checked = False
         self._check_error: ConfigurationError | None = None
-        #: Per (app, method, root path, path, Host): the resolution, the route lists it walked
-        #: and their lengths then.
-        self._routes: dict[tuple[Any, ...], tuple[_Guarded, tuple[Any, ...], tuple[int, ...]]] = {}
+        #: Per (app, method, root path, path, Host): the resolution and its route lists (`_Entry`).
+        self._routes: dict[tuple[Any, ...], _Entry] = {}
         #: What the misses of the route cache work out once (the routes each path can reach).
         self._route_memo = Memo()
-        #: Per app served (by identity): the app, its router, the router's route list then, and
-        #: the router's body limit (`_router_below`).
+        #: Per app served (by id): its app, router, route list then, body limit (`_router_below`).
         self._routers: dict[int, tuple[Any, Any, Any, int | None]] = {}
 
     @_marked_coroutine_function
     def __call__(self, scope: Scope, receive: Receive, send: Send) -> Awaitable[None]:
-        """Decides, without awaiting, who handles the request, and returns that coroutine for
-        the server to await: a guarded request's exchange runs with no frame of the middleware's
-        above it, so each await of its handler passes one frame fewer. (Servers tell an ASGI 3
-        app by its `__call__` being a coroutine function: see `_marked_coroutine_function`.)"""
+        """Decides, without awaiting, who handles the request, and returns that coroutine for the
+        server to await: no frame of the middleware's is above the exchange and its handler's
+        awaits. (Servers tell ASGI 3 apps by `__call__`: see `_marked_coroutine_function`.)"""
         if scope["type"] == "lifespan":
             return self._lifespan(scope, receive, send)
         if scope["type"] != "http":
@@ -215,7 +214,11 @@ class IdempotencyMiddleware:
             cache_key = (app, method, scope.get("root_path", ""), scope["path"], host)
             cached = self._routes.get(cache_key)
             # (A cached match holds while the route lists it walked keep their lengths.)
-            if cached is not None and tuple(map(len, cached[1])) == cached[2]:
+            if (
+                cached is not None
+                and len(cached[1]) == cached[2]
+                and (cached[3] is None or tuple(map(len, cached[3])) == cached[4])
+            ):
                 guarded = cached[0]
             else:
                 guarded = self._route(app, method, scope, cache_key)
@@ -254,8 +257,9 @@ class IdempotencyMiddleware:
         if guarded is not None and not trace.volatile and length <= _CACHED_KEY_LENGTH:
             if len(self._routes) >= _ROUTE_CACHE_SIZE:
                 self._routes.clear()  # many distinct paths (ids in them): start over
-            lists = trace.lists
-            self._routes[cache_key] = (guarded, lists, tuple(map(len, lists)))
+            first, *others = trace.lists or ((),)
+            rest = (tuple(others), tuple(map(len, others))) if others else (None, None)
+            self._routes[cache_key] = (guarded, first, len(first), *rest)
         return guarded
 
     def _resolve(
