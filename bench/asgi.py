@@ -86,7 +86,11 @@ STAGES: dict[str, tuple[tuple[str, str], ...]] = {
         ("idem_middleware.capture", "ResponseCapture.stored"),
         ("idem_middleware.store.memory", "_MemoryTransaction.finish"),
     ),
-    "send": (("idem_middleware.capture", "ResponseCapture.flush"),),
+    # (the held messages; their sends are the exchange's own: "rest of the middleware")
+    "send": (
+        ("idem_middleware.capture", "ResponseCapture.held"),
+        ("idem_middleware.capture", "ResponseCapture.flush"),
+    ),
     "answer": (("idem_middleware.exchange", "Exchange.answer"),),
     "rest of the middleware": (
         ("idem_middleware.middleware", "IdempotencyMiddleware.__call__"),

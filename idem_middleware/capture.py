@@ -188,15 +188,23 @@ class ResponseCapture(Answer):
 
     async def flush(self, *, more_body: bool = False) -> None:
         """Send the held response (start and the body so far)."""
-        assert self.start is not None
-        await self._send(self.start)
+        start, body = self.held(more_body)
+        await self._send(start)
+        if body is not None:
+            await self._send(body)
+
+    def held(self, more_body: bool = False) -> tuple[Message, Message | None]:
+        """The held response's messages, let go of here: its start, and a message with the body
+        so far (None: nothing held before more body, and servers refuse an empty body before a
+        pathsend). The exchange sends a complete one itself (no coroutine of `flush`'s)."""
+        start = self.start
+        assert start is not None
         if more_body and not self.size:
-            return  # nothing held: no empty body before a pathsend (servers refuse it)
+            return start, None
         chunks, body, last = self.chunks, self.body, self.last
         self.chunks, self.body, self.last = None, b"", None
         if chunks is None and last is not None and not more_body and last.get("body", b"") is body:
-            await self._send(last)  # the whole body, in the handler's own message
-            return
+            return start, last  # the whole body, in the handler's own message
         if chunks is not None:
             body = b"".join(chunks)
-        await self._send({"type": "http.response.body", "body": body, "more_body": more_body})
+        return start, {"type": "http.response.body", "body": body, "more_body": more_body}

@@ -213,8 +213,7 @@ class Exchange(ClientWatch):
             if policy.mode is Mode.TRANSACTIONAL:
                 failed: Exception | None = None
                 try:
-                    # The first attempt, awaited here (not under the retry loop): each await of
-                    # the handler passes one frame fewer, and most requests need no second one.
+                    # The first attempt, awaited here (not under the retry loop): a frame fewer.
                     answer = await Attempt(self, record_key, fingerprint, True).run()
                 except RETRIED as exc:
                     failed = exc.with_traceback(None)  # (see key_error's)
@@ -224,7 +223,9 @@ class Exchange(ClientWatch):
                 answer = await LeaseRun(self, record_key, fingerprint).run()
             if isinstance(answer, ResponseCapture):  # the handler's response, held till recorded
                 self.started = True
-                await answer.flush()
+                start, body = answer.held()  # (complete: a body message)
+                await self.send(start)
+                await self.send(body)  # type: ignore[arg-type]
             elif answer is not None:
                 await self.answer(answer)
         except StoreError as exc:  # (what the client is told, and how it is logged: the error's)
@@ -343,12 +344,11 @@ class Exchange(ClientWatch):
                 elif name == b"content-length" and declared is None:
                     declared = value
         if declared is not None:
-            # HTTP's 1*DIGIT, nothing else (int() would also take "+5", " 7" or "1_000").
-            if not declared.isdigit():
+            if not declared.isdigit():  # HTTP's 1*DIGIT (int() takes "+5", " 7", "1_000" too)
                 raise RequestRejected(ProblemKind.BODY_INVALID, "Content-Length is not a number.")
-            if len(declared) > 30:  # (int() refuses over 4,300 digits; leading zeros say nothing)
-                declared = declared.lstrip(b"0")[:31] or b"0"  # 31 digits: over any cap
-            if int(declared) > self.policy.max_body_bytes:
+            cap = self.policy.max_body_bytes  # (a number of 6 digits is under a cap of 999,999 or
+            # more: no int() made; leading zeros say nothing, and 31 digits are over any cap)
+            if (len(declared) > 6 or cap < 999_999) and int(declared.lstrip(b"0")[:31] or 0) > cap:
                 raise self._too_large()
         return content_type
 
