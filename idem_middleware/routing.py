@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 from starlette.routing import BaseRoute, Host, Match, Mount, Route, Router, WebSocketRoute
 from starlette.types import Scope
@@ -275,26 +275,20 @@ def match_route(
         for lists in filed:  # (the lists of routers it may not ask: see there)
             trace.walked(lists)
     for route in reachable:
-        if type(route) in PLAIN_ROUTES:
-            # (Starlette's Route or FastAPI's APIRoute itself, most routes: as the branches below
-            # would find it, without their questions: it includes no router, its matches is pure.)
-            match, child = route.matches(scope)
-            if match is Match.FULL:
-                declared, template = _limit(route, memo), prefix + cast(Route, route).path
-                found = limit if declared is None else (declared, tighter(declared, limit[1]))
-                return RouteMatch(template, child["path_params"], child["endpoint"], *found)
-            continue
-        if trace is not None:
-            trace.asked(route)
-        if (contexts := included_candidates(route, scope, memo)) is not None:
-            # FastAPI's included router: its routes (those of routers it includes too), each
-            # as it matches under the router, in the order FastAPI asks them. The router
-            # matches FULL exactly when one of them does, and dispatches to the first: found
-            # without asking the router first (it would walk them as well, at twice the cost).
-            named = _match_included(contexts, scope, prefix, trace, limit)
-            if named is _NONE_FULL:
-                continue
-            return named
+        # (Starlette's Route or FastAPI's APIRoute itself, most routes, is asked only `matches`:
+        # it includes no router, and its `matches` is pure.)
+        if type(route) not in PLAIN_ROUTES:
+            if trace is not None:
+                trace.asked(route)
+            if (contexts := included_candidates(route, scope, memo)) is not None:
+                # FastAPI's included router: its routes (those of routers it includes too), each
+                # as it matches under the router, in the order FastAPI asks them. The router
+                # matches FULL exactly when one of them does, and dispatches to the first: found
+                # without asking the router (it would walk them as well, at twice the cost).
+                named = _match_included(contexts, scope, prefix, trace, limit)
+                if named is _NONE_FULL:
+                    continue
+                return named
         match, child = route.matches(scope)
         if match is not Match.FULL:
             continue
