@@ -25,7 +25,7 @@ from typing import Any
 from idem_middleware import MemoryStore
 
 from .asgi import Variant, build_app, make_requests
-from .paired import measure_paired
+from .paired import loop_runner, measure_paired
 
 ROOT = Path(__file__).resolve().parents[1]
 BARE = "bare"
@@ -107,9 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.processes < 1 or args.requests < 1 or args.warmup < 0:
         p.error("--processes and --requests must be at least 1, --warmup at least 0")
     if args.child:
-        import uvloop
-
-        print(json.dumps(uvloop.run(_child(args.requests, args.warmup))))
+        print(json.dumps(loop_runner()(_child(args.requests, args.warmup))))
         return 0
     runs = []
     for i in range(args.processes):
