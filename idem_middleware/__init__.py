@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .context import IdempotencyContext, Outcome, derive_downstream_key, get_context
+    from .endpoints import idempotent, not_idempotent
     from .errors import (
         ConfigurationError,
         IdempotencyError,
@@ -23,7 +24,7 @@ if TYPE_CHECKING:
     )
     from .keysource import KeyFromBody, KeyFromFunction, KeyFromHeader, KeySource
     from .middleware import KILL_SWITCH_ENV, IdempotencyMiddleware, authenticated_user_tenant
-    from .policy import LeaseExpiry, Mode, Policy, idempotent, not_idempotent
+    from .policy import LeaseExpiry, Mode, Policy
     from .responses import ReplayHook
     from .store import store_lifespan
     from .store.base import Record, RecordKey, State, StoredResponse
@@ -52,8 +53,8 @@ _SOURCES = {
     "LeaseExpiry": ".policy",
     "Mode": ".policy",
     "Policy": ".policy",
-    "idempotent": ".policy",
-    "not_idempotent": ".policy",
+    "idempotent": ".endpoints",
+    "not_idempotent": ".endpoints",
     "ReplayHook": ".responses",
     "store_lifespan": ".store",
     "Record": ".store.base",

@@ -358,6 +358,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.json = checked_flag(parser, args.json)
     if args.command == "stats":
         args.json = checked_flag(parser, env_flag("IDEM_STATS_JSON")) or args.json
+    if args.dsn == "":
+        parser.error("--dsn is empty: pass a PostgreSQL URL, or leave --dsn out")
     if not args.dsn:
         parser.error(
             "no database: pass --dsn URL or set " + " or ".join(_DSN_ENVS) + " (in that order)"

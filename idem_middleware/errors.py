@@ -136,6 +136,21 @@ class StatementRefused(StoreError):
     still usable."""
 
 
+class TextRefused(StatementRefused):
+    """The database's encoding cannot store the request's tenant, operation or key (an emoji in
+    a LATIN1 database). Nothing was written, and the same request would fail the same way: the
+    client gets `500 server-misconfigured`, not a 503 that asks for a retry."""
+
+    problem = ProblemKind.MISCONFIGURED
+    detail = (
+        "The request was not processed: the database cannot store its tenant, operation or key "
+        "in its encoding. The server is misconfigured."
+    )
+    retry_after = None
+    log_level = logging.ERROR
+    log_message = "idempotency: the database's encoding cannot store the request's names"
+
+
 class SettlementRefused(StatementRefused):
     """Transactional mode: the database refused to record the handler's outcome because of what
     the handler did in the claim's transaction (it went on after one of its statements failed,

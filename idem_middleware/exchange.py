@@ -19,13 +19,14 @@ from .answers import Answer, InFlight, Problem, Replay, Sent
 from .capture import ResponseCapture
 from .client_watch import ClientWatch
 from .context import key_digest, token_hash
+from .endpoints import HANDLED, Handled
 from .errors import ClientGone, ProblemKind, RequestRejected, StoreError
 from .fingerprint import Fingerprinter, compressed_body_hint
 from .keys import KEY_HEADER, parse_idempotency_key, parse_key_value
 from .keysource import take_key
 from .lease import LeaseRun
 from .observe import UNTIMED, Event
-from .policy import MIDDLEWARE_ACTIVE, Mode, Policy
+from .policy import Mode, Policy
 from .refusals import is_refusal, send_refusal
 from .responses import answer_cancelled, send_accepted, send_replay
 from .store.base import RecordKey, Store, StoredResponse, new_record_key
@@ -150,11 +151,11 @@ class Exchange(ClientWatch):
                 raise
             key, key_error = None, exc.with_traceback(None)
         if key is None and key_error is None and not policy.key_required:
-            active = MIDDLEWARE_ACTIVE.set(True)  # unguarded, but handled (policy.idempotent)
+            handled = HANDLED.set(Handled.YES)  # unguarded, but handled (endpoints.idempotent)
             try:
                 await self.mw.app(self.scope, self.receive, self.send)
             finally:
-                MIDDLEWARE_ACTIVE.reset(active)
+                HANDLED.reset(handled)
             return
         try:
             tenant = self.mw.tenants.resolve(self.scope, allow_anonymous=policy.allow_anonymous)

@@ -17,11 +17,11 @@ except ModuleNotFoundError as exc:  # installed without the extra
 from starlette.routing import Host, Mount
 
 from .context import IdempotencyContext, get_context
+from .endpoints import idempotent, not_idempotent
 from .errors import NO_CLAIM_HINT
 from .middleware import IdempotencyMiddleware
 from .openapi import document_openapi
 from .ops import find_middleware
-from .policy import idempotent, not_idempotent
 from .routing import mounted_app, routes_of
 from .store.base import Store
 

@@ -18,20 +18,14 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from .body_limits import capped, follow_route_limit, in_force
 from .capture import hide_sent_by_server
 from .context import SCOPE_KEY
+from .endpoints import HANDLED, Handled, endpoint_policy
 from .errors import ConfigurationError, ProblemKind
 from .exchange import Exchange, header_map
 from .fingerprint import Fingerprinter
 from .middleware_arguments import KILL_SWITCH_ENV as KILL_SWITCH_ENV
 from .middleware_arguments import METHOD, check_arguments, kill_switch_on
 from .observe import Observer, combine, shown
-from .policy import (
-    MIDDLEWARE_ACTIVE,
-    Policy,
-    RouteMatch,
-    endpoint_policy,
-    names,
-    operation_name,
-)
+from .policy import Policy, RouteMatch, names, operation_name
 from .responses import DEFAULT_PROBLEM_BASE, send_problem
 from .route_candidates import Memo
 from .routing import (
@@ -203,27 +197,27 @@ class IdempotencyMiddleware:
         if self._check_error is not None:
             return self._refuse(send)
         method = scope["method"]
-        by_name = None
         if method in SAFE_METHODS or not self.enabled or SCOPE_KEY in scope:
             # (SCOPE_KEY: an outer IdempotencyMiddleware guards this request already.)
-            guarded: _Guarded | None = _UNGUARDED
+            return self._pass_on(scope, receive, send, Handled.YES)
+        app = scope.get("app")
+        by_name = header_map(scope["headers"])
+        host = _host(scope) if by_name is None else by_name.get(b"host")
+        cache_key = (app, method, scope.get("root_path", ""), scope["path"], host)
+        cached = self._routes.get(cache_key)
+        # (A cached match holds while the route lists it walked keep their lengths.)
+        if (
+            cached is not None
+            and len(cached[1]) == cached[2]
+            and (cached[3] is None or tuple(map(len, cached[3])) == cached[4])
+        ):
+            guarded: _Guarded | None = cached[0]
         else:
-            app = scope.get("app")
-            by_name = header_map(scope["headers"])
-            host = _host(scope) if by_name is None else by_name.get(b"host")
-            cache_key = (app, method, scope.get("root_path", ""), scope["path"], host)
-            cached = self._routes.get(cache_key)
-            # (A cached match holds while the route lists it walked keep their lengths.)
-            if (
-                cached is not None
-                and len(cached[1]) == cached[2]
-                and (cached[3] is None or tuple(map(len, cached[3])) == cached[4])
-            ):
-                guarded = cached[0]
-            else:
-                guarded = self._route(app, method, scope, cache_key)
+            guarded = self._route(app, method, scope, cache_key)
         if guarded is _UNGUARDED:
-            return self._pass_on(scope, receive, send)
+            # No guarding policy on the route found, if any: an @idempotent endpoint reached
+            # all the same is one the middleware could not see, and refuses to run.
+            return self._pass_on(scope, receive, send, Handled.UNSEEN)
         if guarded is None:
             return self._misconfigured(send, "This operation cannot be guarded.")
         fingerprinter, policy, operation, body_limit = guarded
@@ -237,16 +231,16 @@ class IdempotencyMiddleware:
         if "extensions" in scope:
             hide_sent_by_server(scope)
         # A guarded request's endpoint runs under its claim's context, which decorated endpoints
-        # accept as proof that the middleware handled the request (see policy.idempotent).
+        # accept as proof that the middleware handled the request (see endpoints.idempotent).
         return Exchange(self, scope, receive, send, fingerprinter, policy, operation, by_name).run()
 
-    async def _pass_on(self, scope: Scope, receive: Receive, send: Send) -> None:
-        # Decorated endpoints refuse to run unless this is set (see policy.idempotent).
-        active = MIDDLEWARE_ACTIVE.set(True)
+    async def _pass_on(self, scope: Scope, receive: Receive, send: Send, how: Handled) -> None:
+        # Decorated endpoints run only with Handled.YES or a claim (see endpoints.idempotent).
+        handled = HANDLED.set(how)
         try:
             await self.app(scope, receive, send)
         finally:
-            MIDDLEWARE_ACTIVE.reset(active)
+            HANDLED.reset(handled)
 
     def _route(self, app: Any, method: str, scope: Scope, cache_key: tuple[Any, ...]) -> Any:
         """`_resolve`, kept in the route cache with the route lists it depended on, unless it
@@ -274,7 +268,7 @@ class IdempotencyMiddleware:
         if isinstance(match, RouteMatch) and "router" in scope:
             match = routed_above(scope, match, trace)  # this app is mounted in another's router
         if isinstance(match, Unresolved):
-            policy = endpoint_policy(match.endpoint)
+            policy = endpoint_policy(match.endpoint, method)
             if policy is None and method in self.methods:
                 policy = self.default_policy
             if policy is not None and policy.guard:
@@ -322,7 +316,7 @@ class IdempotencyMiddleware:
         """The policy guarding `method` on `route` (anything with `template` and `endpoint`;
         `operation`: its name, if known): the endpoint's own, else `policies`, else the default
         for `methods`; None if unguarded."""
-        policy = endpoint_policy(route.endpoint)
+        policy = endpoint_policy(route.endpoint, method)
         if policy is None and self.policies:
             policy = self.policies.get(operation or operation_name(method, route.template))
         if policy is None and method in self.methods:

@@ -13,9 +13,11 @@ from typing import Any
 
 import orjson
 
+from .endpoints import endpoint_policy
 from .errors import ResolveError as ResolveError
-from .middleware import IdempotencyMiddleware
-from .policy import Policy, endpoint_policy, operation_name
+from .mounted import find_middleware as find_middleware
+from .mounted import mounted_middlewares
+from .policy import Policy, operation_name
 from .reconcile import Reconciler
 from .reconcile_batch import Held, unless_held
 from .reconcile_batch import ReconcileReport as ReconcileReport
@@ -31,9 +33,6 @@ from .store.base import (
     Store,
     StoredResponse,
 )
-
-#: How many wrapping middlewares are looked through for the IdempotencyMiddleware.
-_MAX_WRAPPERS = 32
 
 
 class Resolution(StrEnum):
@@ -60,6 +59,8 @@ _MEDIA_TYPE = re.compile(
 )
 _FIELD_VALUE = re.compile(r"[\t\x20-\x7e\x80-\xff]*")
 _NO_BODY_STATUSES = frozenset({204, 205, 304})
+#: Statuses that ask the client to try again (after authenticating, later, or less early).
+_RETRY_LATER = frozenset({401, 408, 425, 429})
 
 
 def operator_response(
@@ -88,6 +89,12 @@ def check_response(to: Resolution, response: StoredResponse) -> None:
         raise ValueError(
             f"a failed_final record replays a 4xx status, not {status} "
             "(a 5xx is not final: leave the record unknown, or --to retry)"
+        )
+    if to is Resolution.FAILED_FINAL and status in _RETRY_LATER:
+        raise ValueError(
+            f"a failed_final record replays its status to every retry until it expires, and "
+            f"{status} tells the client to retry (the middleware never stores it): --to retry, "
+            "or a final 4xx"
         )
     if status in _NO_BODY_STATUSES and response.body:
         raise ValueError(f"a {status} response has no body")
@@ -241,34 +248,25 @@ class GuardedOperation:
 def guarded_operations(app: Any) -> list[GuardedOperation]:
     """Every guarded operation of a Starlette/FastAPI app and its policy, resolved by the app's
     own IdempotencyMiddleware exactly as at startup (`startup.guarded_routes`): through Host,
-    Mount and included routers. Without a middleware, only endpoints with their own policy."""
+    Mount and included routers. Without a middleware, endpoints with their own policy, and the
+    routes the middleware of a Mount or of a mounted app guards (`mounted.mounted_middlewares`)."""
     routes = routes_of(app)
     if routes is None:
         return []
     middleware = find_middleware(app)
-    policy_for = _own_policy if middleware is None else middleware.policy_for
-    return [
-        GuardedOperation(method, item.template, item.path_format, policy)
-        for item, method, policy in guarded_routes(routes, policy_for)
-    ]
-
-
-def find_middleware(app: Any) -> IdempotencyMiddleware | None:
-    """The IdempotencyMiddleware that serves `app`: the one running (in its middleware stack, or
-    wrapping it), else one built from its `add_middleware` arguments, as Starlette will build it."""
-    for start in (getattr(app, "middleware_stack", None), app):
-        layer = start
-        for _ in range(_MAX_WRAPPERS):
-            if layer is None:
-                break
-            if isinstance(layer, IdempotencyMiddleware):
-                return layer
-            layer = getattr(layer, "app", None)
-    for entry in getattr(app, "user_middleware", ()):
-        cls = entry.cls
-        if isinstance(cls, type) and issubclass(cls, IdempotencyMiddleware):
-            return cls(app.router, *entry.args, **entry.kwargs)
-    return None
+    if middleware is not None:
+        found = guarded_routes(routes, middleware.policy_for)
+        return [GuardedOperation(m, i.template, i.path_format, p) for i, m, p in found]
+    # Without a middleware of the app's own: endpoints with policies of their own, and what
+    # the middleware of a Mount or of a mounted app guards below it.
+    operations = {
+        (m, i.template): GuardedOperation(m, i.template, i.path_format, p)
+        for i, m, p in guarded_routes(routes, _own_policy)
+    }
+    for inner, items in mounted_middlewares(routes):
+        for i, m, p in guarded_routes(routes, inner.policy_for, items):
+            operations[m, i.template] = GuardedOperation(m, i.template, i.path_format, p)
+    return list(operations.values())
 
 
 def collect_policies(app: Any) -> dict[str, Policy]:
@@ -285,5 +283,5 @@ def collect_reconcilers(app: Any) -> dict[str, Reconciler]:
 
 
 def _own_policy(method: str, route: Found) -> Policy | None:
-    policy = endpoint_policy(route.endpoint)
+    policy = endpoint_policy(route.endpoint, method)
     return policy if policy is not None and policy.guard else None

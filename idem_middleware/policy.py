@@ -7,8 +7,7 @@ import functools
 import inspect
 import math
 import numbers
-from collections.abc import Callable, Collection, Mapping
-from contextvars import ContextVar
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from enum import StrEnum
@@ -22,18 +21,6 @@ from .reconcile import Reconciler
 
 if TYPE_CHECKING:
     from .responses import ReplayHook
-
-POLICY_ATTRIBUTE = "__idempotency_policy__"
-#: On a function `@idempotent` wrapped: the wrapper that carries its policy. A route registered
-#: with the function itself (the decorator above `@app.post`) has no policy (see startup).
-WRAPPER_ATTRIBUTE = "__idempotency_wrapper__"
-
-#: Set by IdempotencyMiddleware around a request it passes to the app unguarded; a guarded
-#: request's endpoint runs under its claim's context instead. A decorated endpoint called with
-#: neither refuses to run (see `idempotent`).
-MIDDLEWARE_ACTIVE: ContextVar[bool] = ContextVar("idem_middleware.active", default=False)
-
-F = TypeVar("F", bound=Callable[..., Any])
 
 
 class Mode(StrEnum):
@@ -292,67 +279,6 @@ def seconds_option(value: Any, option: str, *, positive: bool) -> float:
     return number
 
 
-def idempotent(policy: Policy | None = None, /, **options: Any) -> Callable[[F], F]:
-    """Attach a policy to an endpoint: `@idempotent(mode=Mode.LEASE)` or `@idempotent(policy)`.
-
-    A guarded function endpoint is wrapped (signature, name and `__wrapped__` kept, as FastAPI
-    needs) so that it refuses to run unless an IdempotencyMiddleware handles the request: without
-    it the route would run unguarded without a word. Call `endpoint.__wrapped__` to run the
-    handler itself (in a unit test, say).
-    """
-    if policy is not None and options:
-        raise ConfigurationError("pass a Policy or keyword options, not both")
-    chosen = policy if policy is not None else Policy(**options)
-
-    def decorate(endpoint: F) -> F:
-        if chosen.guard and inspect.isfunction(endpoint):
-            wrapper = _require_middleware(endpoint)
-            setattr(endpoint, WRAPPER_ATTRIBUTE, wrapper)
-            endpoint = wrapper
-        setattr(endpoint, POLICY_ATTRIBUTE, chosen)
-        return endpoint
-
-    return decorate
-
-
-def _require_middleware(endpoint: F) -> F:
-    from .context import current_context  # (context imports this module)
-
-    name = f"{endpoint.__module__}.{endpoint.__qualname__}"
-
-    def refuse() -> ConfigurationError:
-        return ConfigurationError(
-            f"{name} has an idempotency policy, but no IdempotencyMiddleware handled this "
-            "request, so it would run unguarded; it was not run. Install the middleware "
-            "(idem_middleware.fastapi.install(app, store=...), or "
-            "app.add_middleware(IdempotencyMiddleware, store=...))."
-        )
-
-    if inspect.iscoroutinefunction(endpoint):
-
-        @functools.wraps(endpoint)
-        async def guarded_async(*args: Any, **kwargs: Any) -> Any:
-            if not MIDDLEWARE_ACTIVE.get() and current_context() is None:
-                raise refuse()
-            return await endpoint(*args, **kwargs)
-
-        return guarded_async  # type: ignore[return-value]
-
-    @functools.wraps(endpoint)
-    def guarded(*args: Any, **kwargs: Any) -> Any:
-        if not MIDDLEWARE_ACTIVE.get() and current_context() is None:
-            raise refuse()
-        return endpoint(*args, **kwargs)
-
-    return guarded  # type: ignore[return-value]
-
-
-def not_idempotent(endpoint: F) -> F:
-    """Exempt one endpoint from guarding (a POST that is a query, say)."""
-    setattr(endpoint, POLICY_ATTRIBUTE, Policy(guard=False))
-    return endpoint
-
-
 @quick_init  # (built at each miss of the route cache: see frozen.py)
 @dataclass(frozen=True, slots=True)
 class RouteMatch:
@@ -366,11 +292,6 @@ class RouteMatch:
     #: innermost, and the least (see body_limits); None: none declared.
     body_limit: int | None = None
     least_limit: int | None = None
-
-
-def endpoint_policy(endpoint: Any) -> Policy | None:
-    policy = getattr(endpoint, POLICY_ATTRIBUTE, None)
-    return policy if isinstance(policy, Policy) else None
 
 
 def operation_name(method: str, template: str) -> str:

@@ -136,7 +136,10 @@ class Hidden:
 
 def routes_of(app: Any) -> Sequence[BaseRoute] | None:
     """The routes an ASGI app dispatches to: a Router's, a Starlette or FastAPI app's, or those
-    of a router behind middleware that wraps it. None when they cannot be seen."""
+    of a router behind middleware that wraps it; a route served as an app (`Host("h", app=Mount(
+    "/v2", ...))`) is that one route. None when they cannot be seen."""
+    if isinstance(app, BaseRoute):
+        return (app,)  # (it matches the request itself, its own path included, or answers 404)
     router = router_of(app)
     return None if router is None else router.routes
 
@@ -146,6 +149,8 @@ def router_of(app: Any) -> Router | None:
     for _ in range(_MAX_WRAPPERS):
         if isinstance(app, Router):
             return app
+        if isinstance(app, BaseRoute):
+            return None  # (what it routes to is below its own match: see routes_of)
         router = getattr(app, "router", None)
         if isinstance(router, Router):
             return router

@@ -9,21 +9,24 @@ import logging
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from starlette.routing import BaseRoute, Host, Match, Mount
+from starlette.routing import BaseRoute, Host, Match, Mount, Router
 from starlette.types import Scope
 
 from .body_limits import declared_limit, limit_warning
+from .endpoints import WRAPPER_ATTRIBUTE, endpoint_policy
 from .errors import NOT_OPEN, OPEN_IN_LIFESPAN, OTHER_LOOP, ConfigurationError
 from .library_routes import ROUTE_OPERATIONS_ATTRIBUTE, GuardedOperations, tell_library_routes
 from .middleware_order import check_authentication, check_outer_middleware, middleware_inside
+from .mounted import methods_of, nested_policy_errors
 from .observe import shown
-from .policy import WRAPPER_ATTRIBUTE, Mode, Policy, endpoint_policy, operation_name
+from .policy import Mode, Policy, operation_name
 from .routing import (
     Found,
     Hidden,
     match_route,
     mounted_app,
     mounted_limit,
+    router_of,
     routes_of,
     tighter,
     walk,
@@ -39,8 +42,6 @@ logger = logging.getLogger("idem_middleware")
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "TRACE"})
 #: The middleware's `methods` when none are given.
 DEFAULT_METHODS = frozenset({"POST", "PATCH"})
-#: The methods a route that accepts any method (an ASGI app as a Route's endpoint) is listed for.
-_UNSAFE_METHODS = ("DELETE", "PATCH", "POST", "PUT")
 
 
 def check_app(mw: IdempotencyMiddleware, app: Any, scope: Scope | None = None) -> None:
@@ -67,6 +68,10 @@ def check_app(mw: IdempotencyMiddleware, app: Any, scope: Scope | None = None) -
     reachable: set[str] = set()
     router = mounted_limit(app if app is not None else mw.app, own=False)  # (FastAPI's app's)
     items = _named_above(routes, scope)
+    # A router's own `default` app (where a request no route matches goes) is seen no further.
+    default = getattr(router_of(app if app is not None else mw.app), "default", None)
+    if default is not None and getattr(default, "__func__", None) is not Router.not_found:
+        _report_hidden(mw, Hidden("the router's default app", default, False))
     endpoints = {id(item.endpoint) for item in items if isinstance(item, Found)}
     for item in items:
         if isinstance(item, Hidden):
@@ -77,7 +82,7 @@ def check_app(mw: IdempotencyMiddleware, app: Any, scope: Scope | None = None) -
             errors.append(_decorated_above(item))
         _check_route_tenant(mw, item)
         explicit = endpoint_policy(item.endpoint)
-        methods = _methods(item)
+        methods = methods_of(item)
         unsafe = [m for m in methods if m not in SAFE_METHODS]
         if explicit is not None and explicit.guard and not unsafe:
             logger.warning(
@@ -106,6 +111,12 @@ def check_app(mw: IdempotencyMiddleware, app: Any, scope: Scope | None = None) -
         # (shown: under a wrapper the router cannot see into, the first request's concrete path
         # names the operation, and its decoded `%0D%0A` would forge a log line)
         logger.info("idempotency: guarding %s (%s)", shown(name), describe(policy))
+    for name in sorted({n for n, _ in guarded if [m for m, _ in guarded].count(n) > 1}):
+        logger.warning(  # (routes told apart by more than their path: a version header, say)
+            "idempotency: %s names more than one guarded route: they share one key space, and a "
+            "key used on one replays its response to the others",
+            shown(name),
+        )
     # The status and token routes' view of the app, and its problem_base.
     errors.extend(tell_library_routes(items, guarded, mw.problem_base))
     for name in sorted(set(mw.policies) - reachable):  # a typo, or a prefix left out
@@ -120,6 +131,7 @@ def check_app(mw: IdempotencyMiddleware, app: Any, scope: Scope | None = None) -
         check_outer_middleware(mw, app, inside)
     errors.extend(_status_route_errors(mw, routes, guarded, items))
     errors.extend(_unserved_methods(mw, items))
+    errors.extend(nested_policy_errors(mw.policy_for, routes))
     if errors:
         raise ConfigurationError("; ".join(errors))
 
@@ -154,7 +166,7 @@ def guarded_routes(
     as `walk` lists them, named otherwise (see `_named_above`)."""
     for item in walk(routes) if items is None else items:
         if isinstance(item, Found):
-            for method in _methods(item):
+            for method in methods_of(item):
                 policy = None if method in SAFE_METHODS else policy_for(method, item)
                 if policy is not None:
                     yield item, method, policy
@@ -211,10 +223,6 @@ def _unserved_methods(mw: IdempotencyMiddleware, items: Sequence[Found | Hidden]
                 "idempotency: methods names %r, which no route serves: it guards nothing", method
             )
     return errors
-
-
-def _methods(item: Found) -> list[str]:
-    return sorted(item.methods) if item.methods is not None else list(_UNSAFE_METHODS)
 
 
 def _decorated_above(item: Found) -> str:

@@ -25,10 +25,11 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from .context import token_hash
+from .endpoints import not_idempotent
 from .errors import ProblemKind, StatementRefused, StoreError
 from .errors import TokenConflict as TokenConflict
 from .library_routes import ROUTE_OPERATIONS_ATTRIBUTE, GuardedOperations, LibraryRoute
-from .policy import MAX_SECONDS, not_idempotent
+from .policy import MAX_SECONDS
 from .responses import problem_response
 from .status import OPERATION_SHAPE  # the operations the status resource accepts
 from .tenant import (

@@ -64,14 +64,27 @@ def pg_dsn() -> Iterator[str]:
         shutil.rmtree(parent, ignore_errors=True)
 
 
-async def _fresh_database(admin_dsn: str, name: str) -> str:
+async def _fresh_database(admin_dsn: str, name: str, options: str = "") -> str:
     conn = await asyncpg.connect(admin_dsn)
     try:
         await conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-        await conn.execute(f'CREATE DATABASE "{name}"')
+        await conn.execute(f'CREATE DATABASE "{name}" {options}')
     finally:
         await conn.close()
     return dsn_for(admin_dsn, name)
+
+
+async def migrated_database(admin_dsn: str, name: str, options: str = "") -> str:
+    """A new database (`options`: CREATE DATABASE's) with the library's schema, applied by the
+    migrations, and the test tables."""
+    dsn = await _fresh_database(admin_dsn, name, options)
+    conn = await asyncpg.connect(dsn)
+    try:
+        await migrate(conn)
+        await conn.execute(BUSINESS_SCHEMA)
+    finally:
+        await conn.close()
+    return dsn
 
 
 def dsn_for(dsn: str, database: str) -> str:
@@ -85,14 +98,7 @@ def dsn_for(dsn: str, database: str) -> str:
 @pytest.fixture(scope="session")
 async def db_dsn(pg_dsn: str) -> str:
     """A database with the library's schema (applied by the migrations) and the test tables."""
-    dsn = await _fresh_database(pg_dsn, "idem_test")
-    conn = await asyncpg.connect(dsn)
-    try:
-        await migrate(conn)
-        await conn.execute(BUSINESS_SCHEMA)
-    finally:
-        await conn.close()
-    return dsn
+    return await migrated_database(pg_dsn, "idem_test")
 
 
 @pytest.fixture(scope="session")

@@ -298,7 +298,8 @@ async def _audit_case(
     )
     state = None if rec is None else rec["state"]
     if rec is not None and rec["note"]:
-        result.observed[f"note {rec['note']}"] += 1
+        moves = " > ".join(line.split(" ", 1)[-1] for line in rec["note"].splitlines())
+        result.observed[f"note {moves}"] += 1  # (the audit trail's moves, without their stamps)
     where = f"{case.mode} key {case.key}: record={state}"
     if case.mode == "credits":
         rows = await conn.fetch(

@@ -149,12 +149,16 @@ SELECT inner_key, outer_key FROM idem_lock_secret;
 
 -- name: writable
 -- Whether the server takes the store's writes (checked when a store opens): a standby does not,
--- nor do sessions that default to read-only; and after how many milliseconds idle in a
--- transaction the server ends a session (0: never). No parameters.
+-- nor do sessions that default to read-only; after how many milliseconds idle in a transaction,
+-- and in one transaction (PostgreSQL 17 on; NULL before), the server ends a session (0: never);
+-- and the database's encoding. No parameters.
 SELECT pg_is_in_recovery() AS standby,
        current_setting('default_transaction_read_only') = 'on' AS read_only,
        (SELECT setting::bigint FROM pg_settings
-         WHERE name = 'idle_in_transaction_session_timeout') AS idle_ms;
+         WHERE name = 'idle_in_transaction_session_timeout') AS idle_ms,
+       (SELECT setting::bigint FROM pg_settings
+         WHERE name = 'transaction_timeout') AS transaction_ms,
+       current_setting('server_encoding') AS server_encoding;
 
 -- name: privileges
 -- Whether the session's role holds each privilege its requests need (checked when a store
@@ -271,7 +275,10 @@ WITH locked AS (
     FOR UPDATE SKIP LOCKED
 ), moved AS (
     UPDATE idem_requests r
-    SET state = 'unknown', updated_at = now(), lease_expires_at = NULL, note = 'lease expired'
+    SET state = 'unknown', updated_at = now(), lease_expires_at = NULL,
+        note = concat_ws(E'\n', note,
+                         to_char(now() AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS"Z "')
+                         || 'lease expired')
     FROM locked
     WHERE r.tenant = $1 AND r.operation = $2 AND r.idem_key = $3
     RETURNING r.generation, r.epoch, r.fingerprint, r.state, r.response_status,
@@ -470,7 +477,10 @@ WITH locked AS (
     FOR UPDATE NOWAIT
 ), moved AS (
     UPDATE idem_requests r
-    SET state = 'unknown', updated_at = now(), lease_expires_at = NULL, note = 'lease expired'
+    SET state = 'unknown', updated_at = now(), lease_expires_at = NULL,
+        note = concat_ws(E'\n', note,
+                         to_char(now() AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS"Z "')
+                         || 'lease expired')
     FROM locked
     WHERE r.tenant = $1 AND r.operation = $2 AND r.idem_key = $3
     RETURNING 1
@@ -531,7 +541,10 @@ WITH settled AS (
         expires_at = CASE WHEN $6 IN ('succeeded', 'failed_final')
                           THEN clock_timestamp() + retention END,
         response_status = $7, response_headers = $8, response_body = $9, body_omitted = $10,
-        note = coalesce($11, note)
+        note = CASE WHEN $11::text IS NULL THEN note
+                    ELSE concat_ws(E'\n', note,
+                                   to_char(now() AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS"Z "')
+                                   || $11) END
     WHERE tenant = $1 AND operation = $2 AND idem_key = $3 AND generation = $4 AND state = $5
     RETURNING 1
 )
@@ -554,7 +567,10 @@ WITH settled AS (
         expires_at = CASE WHEN $6 IN ('succeeded', 'failed_final')
                           THEN clock_timestamp() + retention END,
         response_status = $7, response_headers = $8, response_body = $9, body_omitted = $10,
-        note = coalesce($11, note)
+        note = CASE WHEN $11::text IS NULL THEN note
+                    ELSE concat_ws(E'\n', note,
+                                   to_char(now() AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS"Z "')
+                                   || $11) END
     WHERE tenant = $1 AND operation = $2 AND idem_key = $3 AND generation = $4 AND state = $5
     RETURNING 1
 )
@@ -590,7 +606,9 @@ SELECT count(*) AS released, pg_notify('idem_middleware', $5) AS notified FROM r
 WITH moved AS (
     UPDATE idem_requests
     SET state = 'pending', generation = nextval('idem_generation_seq'), updated_at = now(),
-        lease_expires_at = NULL, note = $5
+        lease_expires_at = NULL,
+        note = concat_ws(E'\n', note,
+                         to_char(now() AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS"Z "') || $5)
     WHERE tenant = $1 AND operation = $2 AND idem_key = $3 AND generation = $4
       AND state = 'unknown' AND mode = 'lease'
     RETURNING 1

@@ -13,6 +13,7 @@ from tests.apps.checks import (
     idle_in_transaction,
     key,
     records,
+    trail,
 )
 from tests.apps.clients import (
     TOKENS,
@@ -126,6 +127,7 @@ __all__ = [
     "stream",
     "stream_json",
     "stream_write",
+    "trail",
     "until",
     "wait_entered",
     "wait_for_lock_waiters",

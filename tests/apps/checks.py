@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import httpx
@@ -67,3 +68,12 @@ async def idle_in_transaction(pool: Any) -> int:
         "WHERE datname = current_database() AND state LIKE 'idle in transaction%'"
     )
     return n
+
+
+def trail(note: str | None) -> list[str]:
+    """A record's audit trail (its `note`), a line per move, each checked for its UTC stamp and
+    read without it."""
+    lines = (note or "").splitlines()
+    for line in lines:
+        assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ .*", line), line
+    return [line.split(" ", 1)[1] for line in lines]

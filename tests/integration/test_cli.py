@@ -312,6 +312,12 @@ def test_no_database_is_a_usage_error() -> None:
     assert "no database" in result.stderr
 
 
+def test_an_empty_dsn_is_a_usage_error_saying_so_whatever_the_environment_says() -> None:
+    result = cli("stats", dsn="", env={"IDEM_DATABASE_URL": "postgresql://h/db"})
+    assert result.returncode == 2
+    assert "--dsn is empty" in result.stderr
+
+
 @pytest.mark.parametrize("command", ["migrate", "stats"])
 @pytest.mark.parametrize(
     "dsn",

@@ -39,6 +39,10 @@ async def _unknown_lease_record(harness: Harness) -> None:
         (Resolution.SUCCEEDED, 101, b"", "application/json", "2xx or 3xx"),
         (Resolution.FAILED_FINAL, 200, b"", "application/json", "4xx"),
         (Resolution.FAILED_FINAL, 503, b"", "application/json", "a 5xx is not final"),
+        (Resolution.FAILED_FINAL, 429, b"", "application/json", "429 tells the client to retry"),
+        (Resolution.FAILED_FINAL, 408, b"", "application/json", "408 tells the client to retry"),
+        (Resolution.FAILED_FINAL, 425, b"", "application/json", "425 tells the client to retry"),
+        (Resolution.FAILED_FINAL, 401, b"", "application/json", "401 tells the client to retry"),
         (Resolution.SUCCEEDED, 204, b"{}", "application/json", "a 204 response has no body"),
         (Resolution.SUCCEEDED, 200, b"x", "text/plain\r\nset-cookie: a=b", "not a valid HTTP"),
         (Resolution.SUCCEEDED, 200, b"x", "json", "is not a media type"),
@@ -57,6 +61,7 @@ def test_sound_responses_pass() -> None:
     assert ok.headers == [(b"content-type", b"application/json")]
     operator_response(Resolution.SUCCEEDED, 204)
     operator_response(Resolution.FAILED_FINAL, 402, b"no funds", "text/plain; charset=utf-8")
+    operator_response(Resolution.FAILED_FINAL, 409, b"", "application/json")  # (a final conflict)
     operator_response(Resolution.SUCCEEDED, 303, b"", "application/json")
 
 

@@ -37,11 +37,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from idem_middleware import Policy
-from idem_middleware.store.migrations import migrate
 from idem_middleware.store.postgres import PostgresStore
 from tests import evidence
 from tests.apps import build_app, post_scope
-from tests.conftest import BUSINESS_SCHEMA, dsn_for
+from tests.conftest import migrated_database
 
 T = TypeVar("T")
 
@@ -272,20 +271,7 @@ def hostile(admin_dsn: str) -> Iterator[Hostile]:
     loop = asyncio.new_event_loop()
 
     async def create() -> str:
-        conn = await asyncpg.connect(admin_dsn)
-        try:
-            await conn.execute(f'DROP DATABASE IF EXISTS "{DATABASE}" WITH (FORCE)')
-            await conn.execute(f'CREATE DATABASE "{DATABASE}"')
-        finally:
-            await conn.close()
-        dsn = dsn_for(admin_dsn, DATABASE)
-        conn = await asyncpg.connect(dsn)
-        try:
-            await migrate(conn)
-            await conn.execute(BUSINESS_SCHEMA)
-        finally:
-            await conn.close()
-        return dsn
+        return await migrated_database(admin_dsn, DATABASE)
 
     async def drop() -> None:
         conn = await asyncpg.connect(admin_dsn)

@@ -15,7 +15,7 @@ import pytest
 from idem_middleware import RecordKey, StaleGeneration, State
 from idem_middleware.store import ClaimBusy, Claimed, Existing
 from idem_middleware.store.base import Settlement
-from tests.apps import BOUND, PAYOUTS
+from tests.apps import BOUND, PAYOUTS, trail
 from tests.contract import FP, RESPONSE, Harness, PgHarness
 
 pytestmark = pytest.mark.db_routes("pgbouncer", "partitioned")
@@ -35,6 +35,26 @@ async def claim_lease(harness: Harness, name: str = "k1", lease: float = 30.0) -
     )
     assert isinstance(result, Claimed)
     return result.generation
+
+
+async def test_contract_every_move_of_a_record_appends_to_its_audit_trail(harness: Harness) -> None:
+    """The executor's, a reconciler's and the lease's own moves keep what was written before (an
+    operator's note above all): each appends its line."""
+    store = harness.store
+    k = rkey()
+    g1 = await claim_lease(harness)
+    assert await store.settle(k, g1, State.PENDING, Settlement(State.UNKNOWN, note="lost"))
+    assert await store.allow_retry(k, g1, "reconciled: not happened")
+    released = await store.describe(k)
+    assert released is not None
+    g2 = await store.takeover(k, released.generation, State.PENDING, 30.0)  # the client's retry
+    assert g2 is not None
+    await harness.lapse(k)
+    assert await store.expire_lease(k, g2)
+    assert await store.settle(k, g2, State.UNKNOWN, Settlement(State.UNKNOWN))  # (no note)
+    summary = await store.describe(k)
+    assert summary is not None
+    assert trail(summary.note) == ["lost", "reconciled: not happened", "lease expired"]
 
 
 async def assert_refused_everywhere(harness: Harness, k: RecordKey, stale: int) -> None:
@@ -144,7 +164,7 @@ async def test_contract_expire_lease_only_after_the_lease_lapsed(harness: Harnes
     assert not await store.heartbeat(k, g1, 30.0)
     assert not await store.settle(k, g1, State.PENDING, DONE)
     (summary,) = await store.list_records(states=[State.UNKNOWN])
-    assert summary.note == "lease expired"
+    assert trail(summary.note) == ["lease expired"]
     # A finished record has no lease to expire.
     g2 = await claim_lease(harness, "k2")
     assert await store.settle(rkey("k2"), g2, State.PENDING, DONE)
@@ -468,7 +488,7 @@ async def test_contract_list_records_by_state_tenant_operation_and_staleness(
     assert not by_key["retry"].lease_expired
     assert by_key["live"].generation == g_live
     assert by_key["live"].mode == "lease"
-    assert by_key["retry"].note == "operator"
+    assert trail(by_key["retry"].note) == ["operator"]
     assert by_key["unknown"].response_status is None
     assert names(await store.list_records(states=unresolved, stale_only=True)) == [
         "lapsed",

@@ -382,3 +382,35 @@ async def test_lease_renewals_run_through_pgbouncer_on_a_client_connection_of_th
         conn = store._renewals._conn
         assert conn._transport.get_extra_info("peername")[1] == bouncer.port
         assert conn._stmt_cache.get_max_size() == 0
+
+
+async def test_a_store_opened_while_pgbouncer_cannot_log_in_is_not_called_statement_pooling(
+    pg_dsn: str, db_dsn: str, db_route: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """PgBouncer that has served a database accepts a client's login from what it cached, and
+    answers its first statement with its own error when it cannot log in to the server (a
+    restart under way; here the database takes no connections): the same code as statement
+    mode's refusal. The store opens, saying it could not check (requests are 503 until the
+    server is back), and no longer refuses to open as if the pool mode were wrong."""
+    admin = await asyncpg.connect(pg_dsn)
+    await admin.execute('DROP DATABASE IF EXISTS "idem_bouncer_down" WITH (FORCE)')
+    await admin.execute('CREATE DATABASE "idem_bouncer_down"')
+    bouncer = PgBouncer(pg_dsn, pool_size=2, settings={"query_wait_timeout": 1}).start()
+    try:
+        dsn = bouncer.dsn("idem_bouncer_down")
+        served = await asyncpg.connect(dsn, statement_cache_size=0)
+        await served.fetchval("SELECT 1")  # PgBouncer has served this database
+        await served.close()
+        await admin.execute('ALTER DATABASE "idem_bouncer_down" ALLOW_CONNECTIONS false')
+        await admin.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+            " WHERE datname = 'idem_bouncer_down'"
+        )
+        store = PostgresStore(dsn=dsn, listen=False, statement_cache_size=0)
+        await asyncio.wait_for(store.open(), 60)  # (a hang bound)
+        await store.close()
+    finally:
+        bouncer.stop()
+        await admin.execute('DROP DATABASE IF EXISTS "idem_bouncer_down" WITH (FORCE)')
+        await admin.close()
+    assert "cannot check the idempotency schema now" in caplog.text

@@ -20,7 +20,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from idem_middleware import IdempotencyMiddleware, MemoryStore, Policy
-from idem_middleware.policy import endpoint_policy
+from idem_middleware.endpoints import endpoint_policy
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGES = sorted((ROOT / "docs").glob("*.md"))

@@ -76,14 +76,9 @@ class OffPathOperations(MemoryTables):
             row = self._current(key, generation, expected)
             if row is None:
                 return False
-            # The clock decides expiry; the audit trail shows wall time, as PostgreSQL's now().
-            stamp = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-            line = f"{stamp} {s.note or ''}"
-            self._settle_now(key, generation, expected, replace(s, note=None))
-            row = self._rows[key]
+            self._settle_now(key, generation, expected, replace(s, note=s.note or ""))
             if s.state is State.PENDING:
-                row = replace(row, generation=next(self._generations))
-            self._rows[key] = replace(row, note=line if row.note is None else f"{row.note}\n{line}")
+                self._rows[key] = replace(self._rows[key], generation=next(self._generations))
             return True
 
     async def peek(self, key: RecordKey) -> tuple[Record | None, bool]:

@@ -25,7 +25,7 @@ from ..base import (
 )
 from .edges import OffPathOperations
 from .sessions import _MemoryFenced, _MemoryTransaction
-from .tables import _Row
+from .tables import _Row, appended
 
 
 class MemoryStore(OffPathOperations):
@@ -117,7 +117,7 @@ class MemoryStore(OffPathOperations):
                 state=State.UNKNOWN,
                 lease_expires_at=None,
                 updated_at=now,
-                note="lease expired",
+                note=appended(row.note, "lease expired"),
             )
             self._changed(key)
             return True
@@ -180,7 +180,7 @@ class MemoryStore(OffPathOperations):
                 generation=next(self._generations),
                 lease_expires_at=None,
                 updated_at=self.clock(),
-                note=note,
+                note=appended(row.note, note),
             )
             self._changed(key)
             return True

@@ -12,6 +12,7 @@ import itertools
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
+from datetime import UTC, datetime
 from typing import Any
 
 from ..base import Record, RecordKey, RecordSummary, Settlement, State, StoredResponse
@@ -267,6 +268,13 @@ class _RowLock:
             del self._locks[self._key]
 
 
+def appended(note: str | None, line: str) -> str:
+    """The audit trail `note` with one more line, stamped with the wall time (UTC), as the
+    database's `now()` stamps it (the store's clock decides expiry, not what the trail shows)."""
+    stamped = f"{datetime.now(UTC).strftime('%Y-%m-%dT%H:%M:%SZ')} {line}"
+    return stamped if note is None else f"{note}\n{stamped}"
+
+
 def _wall_clock() -> float:
     """`time.time()`, looked up at each call: a clock a test patches (freezegun's) is followed.
     A default of `time.time` itself kept the function found at import, and ignored it."""
@@ -316,7 +324,11 @@ class MemoryTables:
         if row.lease_expires_at is None or row.lease_expires_at > now:
             return record
         row = replace(
-            row, state=State.UNKNOWN, lease_expires_at=None, updated_at=now, note="lease expired"
+            row,
+            state=State.UNKNOWN,
+            lease_expires_at=None,
+            updated_at=now,
+            note=appended(row.note, "lease expired"),
         )
         self._rows[key] = row
         self._changed(key)
@@ -339,7 +351,7 @@ class MemoryTables:
             expires_at=now + row.retention if final else None,
             lease_expires_at=None,
             updated_at=now,
-            note=s.note if s.note is not None else row.note,
+            note=row.note if s.note is None else appended(row.note, s.note),
         )
         self._changed(key)
         return True

@@ -18,6 +18,7 @@ from ...errors import (
     SettlementRefused,
     StatementRefused,
     StoreError,
+    TextRefused,
 )
 from ...observe import shown
 from ..base import Record, RecordKey, Settlement, State, StoredResponse
@@ -59,12 +60,19 @@ RETRYABLE: tuple[type[BaseException], ...] = (
     asyncpg.exceptions.SerializationError,
     asyncpg.exceptions.DeadlockDetectedError,
 )
+#: Text the database's encoding cannot store (22P05: an emoji in a LATIN1 database; 22021):
+#: a request's tenant, operation or key. Nothing was written, and the same request fails alike.
+UNSTORABLE_TEXT: tuple[type[BaseException], ...] = (
+    asyncpg.exceptions.UntranslatableCharacterError,
+    asyncpg.exceptions.CharacterNotInRepertoireError,
+)
 #: What `translate` turns into StoreError or RetryableConflict.
 TRANSLATED: tuple[type[BaseException], ...] = (
     *CONNECTION_ERRORS,
     *UNAVAILABLE,
     *RETRYABLE,
     CANCELLED,
+    *UNSTORABLE_TEXT,
 )
 WAIT_EXCEEDED: tuple[type[BaseException], ...] = (
     TimeoutError,
@@ -152,6 +160,8 @@ def translate(exc: BaseException) -> BaseException:
         return StoreError(f"the server cancelled the statement (statement_timeout?): {exc}")
     if isinstance(exc, UNAVAILABLE):
         return StoreError(f"the database is out of resources: {type(exc).__name__}: {exc}")
+    if isinstance(exc, UNSTORABLE_TEXT):
+        return TextRefused(f"{type(exc).__name__}: {exc}")
     if isinstance(exc, SERVER_ERROR):
         return StatementRefused(f"{type(exc).__name__}: {exc}")
     return exc

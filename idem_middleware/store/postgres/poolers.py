@@ -40,6 +40,9 @@ PREPARED_MISMATCH: tuple[type[BaseException], ...] = (
     asyncpg.exceptions.DuplicatePreparedStatementError,
 )
 
+#: What PgBouncer in statement mode says when a client connection opens a transaction.
+_STATEMENT_MODE = "statement pooling mode"
+
 #: How many pairs of statements are tried (each pair: two round trips).
 _ROUNDS = 3
 
@@ -111,9 +114,13 @@ async def require_transactions(conn: Any) -> None:
     try:
         await tx.start()
     except CONNECTION_ERRORS as exc:
-        # (The connection is gone; the pooler's own words come as the cause.)
+        # (The connection is gone; the pooler's own words come as the cause. PgBouncer says
+        # other things with the same code: that it cannot log in to the server, say, while it
+        # restarts, which is no reason to refuse the store.)
         said = exc.__cause__
-        if not isinstance(said, asyncpg.exceptions.ProtocolViolationError):
+        if not isinstance(said, asyncpg.exceptions.ProtocolViolationError) or (
+            _STATEMENT_MODE not in str(getattr(said, "message", None) or said)
+        ):
             raise
         raise ConfigurationError(
             "the store's connections cannot hold a transaction open "

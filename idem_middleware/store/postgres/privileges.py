@@ -72,10 +72,16 @@ async def require_privileges(conn: Any, locks: ClaimLocks) -> None:
         )
 
 
+#: Server encodings into which PostgreSQL converts two Unicode characters alike (found by
+#: converting every code point to each encoding the server offers), and which.
+_MERGING_ENCODINGS = {"EUC_JP": "U+00A6 and U+FFE4"}
+
+
 async def require_writable(conn: Any) -> float:
     """ConfigurationError on a server that takes no writes: a standby, or sessions that default
-    to read-only (`ALTER ROLE ... SET default_transaction_read_only = on`). Every guarded
-    request would fail there when it records its outcome. Returns the sessions'
+    to read-only (`ALTER ROLE ... SET default_transaction_read_only = on`), where every guarded
+    request would fail when it records its outcome; or on a database whose encoding stores two
+    characters alike (`_MERGING_ENCODINGS`). Logs a `transaction_timeout`. Returns the sessions'
     `idle_in_transaction_session_timeout` in seconds (0: none), logged: a transactional handler
     idle in its transaction longer than that loses its connection."""
     row = await conn.fetchrow(_Q["writable"])
@@ -90,6 +96,19 @@ async def require_writable(conn: Any) -> float:
             "on for this role or database): the store writes every request's record; turn it "
             "off for the store's role, or pass connect_kwargs={'server_settings': "
             "{'default_transaction_read_only': 'off'}}"
+        )
+    if (merged := _MERGING_ENCODINGS.get(row["server_encoding"])) is not None:
+        raise ConfigurationError(
+            f"the idempotency store's database is encoded {row['server_encoding']}, which "
+            f"stores two characters alike ({merged}): two tenants or keys differing only there "
+            "would share records. Put the store's table in a UTF8 database"
+        )
+    if transaction := float(row["transaction_ms"] or 0) / 1000:
+        logger.info(
+            "transaction_timeout is %g s for the idempotency store's sessions: a transactional "
+            "request whose handler runs longer loses its connection, and is answered 503 with "
+            "nothing committed",
+            transaction,
         )
     idle = float(row["idle_ms"] or 0) / 1000
     if idle:

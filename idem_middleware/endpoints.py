@@ -1,0 +1,137 @@
+"""Policies on endpoints: `@idempotent` and `@not_idempotent`, finding the policy an endpoint
+carries (through `functools.partial`, and on an `HTTPEndpoint`'s method), and the refusal of a
+decorated endpoint that no IdempotencyMiddleware guarded."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+from contextvars import ContextVar
+from enum import IntEnum
+from typing import Any, TypeVar
+
+from starlette.endpoints import HTTPEndpoint
+
+from .errors import ConfigurationError
+from .policy import Policy
+
+POLICY_ATTRIBUTE = "__idempotency_policy__"
+#: On a function `@idempotent` wrapped: the wrapper that carries its policy. A route registered
+#: with the function itself (the decorator above `@app.post`) has no policy (see startup).
+WRAPPER_ATTRIBUTE = "__idempotency_wrapper__"
+
+#: How many `functools.partial` layers are looked through for an endpoint's policy.
+_MAX_PARTIALS = 32
+
+
+class Handled(IntEnum):
+    """What an IdempotencyMiddleware did with the request it passed to the app (`HANDLED`)."""
+
+    #: No IdempotencyMiddleware passed this request on.
+    NO = 0
+    #: Passed on unguarded by decision: a safe method, the middleware switched off, a key
+    #: optional and none sent, an outer middleware guarding it already.
+    YES = 1
+    #: Passed on because the route the middleware found (if any) has no guarding policy: an
+    #: endpoint with one reached this way is one the middleware could not see.
+    UNSEEN = 2
+
+
+#: Set by IdempotencyMiddleware around a request it passes to the app unguarded; a guarded
+#: request's endpoint runs under its claim's context instead. A decorated endpoint runs with
+#: either `Handled.YES` or a claim's context, and refuses to run otherwise (see `idempotent`).
+HANDLED: ContextVar[Handled] = ContextVar("idem_middleware.handled", default=Handled.NO)
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def endpoint_policy(endpoint: Any, method: str | None = None) -> Policy | None:
+    """The policy `@idempotent` or `@not_idempotent` put on `endpoint`, looked for through
+    `functools.partial` (as Starlette and FastAPI call the function inside); for an
+    `HTTPEndpoint` class without one of its own, the policy on the method that serves `method`
+    (as the class dispatches it). None: no policy."""
+    policy = getattr(endpoint, POLICY_ATTRIBUTE, None)
+    for _ in range(_MAX_PARTIALS):
+        if policy is not None or not isinstance(endpoint, functools.partial):
+            break
+        endpoint = endpoint.func
+        policy = getattr(endpoint, POLICY_ATTRIBUTE, None)
+    if policy is None and method is not None and _endpoint_class(endpoint):
+        policy = getattr(getattr(endpoint, method.lower(), None), POLICY_ATTRIBUTE, None)
+    return policy if isinstance(policy, Policy) else None
+
+
+def _endpoint_class(endpoint: Any) -> bool:
+    return isinstance(endpoint, type) and issubclass(endpoint, HTTPEndpoint)
+
+
+def idempotent(policy: Policy | None = None, /, **options: Any) -> Callable[[F], F]:
+    """Attach a policy to an endpoint: `@idempotent(mode=Mode.LEASE)` or `@idempotent(policy)`.
+
+    A guarded function endpoint is wrapped (signature, name and `__wrapped__` kept, as FastAPI
+    needs) so that it refuses to run unless an IdempotencyMiddleware handles the request: without
+    it the route would run unguarded without a word. Call `endpoint.__wrapped__` to run the
+    handler itself (in a unit test, say).
+    """
+    if policy is not None and options:
+        raise ConfigurationError("pass a Policy or keyword options, not both")
+    chosen = policy if policy is not None else Policy(**options)
+
+    def decorate(endpoint: F) -> F:
+        if chosen.guard and inspect.isfunction(endpoint):
+            wrapper = _require_middleware(endpoint)
+            setattr(endpoint, WRAPPER_ATTRIBUTE, wrapper)
+            endpoint = wrapper
+        setattr(endpoint, POLICY_ATTRIBUTE, chosen)
+        return endpoint
+
+    return decorate
+
+
+def _require_middleware(endpoint: F) -> F:
+    from .context import current_context  # (context imports policy, as this module does)
+
+    name = f"{endpoint.__module__}.{endpoint.__qualname__}"
+
+    def refuse(handled: Handled) -> ConfigurationError:
+        if handled is Handled.UNSEEN:
+            return ConfigurationError(
+                f"{name} has an idempotency policy, but the IdempotencyMiddleware that passed "
+                "this request on did not find it: the route that reached it is one the "
+                "middleware cannot see into (an app mounted behind a wrapper, a router's "
+                "default app) or names another endpoint; it was not run, rather than run "
+                "unguarded. Add the middleware to the app whose router reaches the endpoint."
+            )
+        return ConfigurationError(
+            f"{name} has an idempotency policy, but no IdempotencyMiddleware handled this "
+            "request, so it would run unguarded; it was not run. Install the middleware "
+            "(idem_middleware.fastapi.install(app, store=...), or "
+            "app.add_middleware(IdempotencyMiddleware, store=...))."
+        )
+
+    if inspect.iscoroutinefunction(endpoint):
+
+        @functools.wraps(endpoint)
+        async def guarded_async(*args: Any, **kwargs: Any) -> Any:
+            handled = HANDLED.get()
+            if handled is not Handled.YES and current_context() is None:
+                raise refuse(handled)
+            return await endpoint(*args, **kwargs)
+
+        return guarded_async  # type: ignore[return-value]
+
+    @functools.wraps(endpoint)
+    def guarded(*args: Any, **kwargs: Any) -> Any:
+        handled = HANDLED.get()
+        if handled is not Handled.YES and current_context() is None:
+            raise refuse(handled)
+        return endpoint(*args, **kwargs)
+
+    return guarded  # type: ignore[return-value]
+
+
+def not_idempotent(endpoint: F) -> F:
+    """Exempt one endpoint from guarding (a POST that is a query, say)."""
+    setattr(endpoint, POLICY_ATTRIBUTE, Policy(guard=False))
+    return endpoint

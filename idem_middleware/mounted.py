@@ -1,0 +1,107 @@
+"""IdempotencyMiddlewares below an app's router: in a `Mount`'s own `middleware=[...]`, or in a
+mounted app's stack. Under an app with a middleware of its own they guard nothing (the outer one
+guards their requests, and they pass them on); under an app without one they guard their routes,
+named from the top router as their requests are (`routing.routed_above`). What the operator's
+commands and the OpenAPI document read, and what the outer middleware's startup check compares
+with its own policies."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+from starlette.routing import BaseRoute, Host, Mount
+
+from .routing import Found, _no_converters, mounted_app, routes_of, walk
+
+if TYPE_CHECKING:
+    from .middleware import IdempotencyMiddleware
+    from .policy import Policy
+
+#: How many wrapping middlewares are looked through for the IdempotencyMiddleware.
+_MAX_WRAPPERS = 32
+#: How many mounts deep the routes are looked through.
+_MAX_DEPTH = 32
+#: The methods a route that accepts any method (an ASGI app as a Route's endpoint) is listed for.
+_UNSAFE_METHODS = ("DELETE", "PATCH", "POST", "PUT")
+
+
+def find_middleware(app: Any) -> IdempotencyMiddleware | None:
+    """The IdempotencyMiddleware that serves `app`: the one running (in its middleware stack, or
+    wrapping it), else one built from its `add_middleware` arguments, as Starlette will build it."""
+    from .middleware import IdempotencyMiddleware  # (the middleware's startup imports this)
+
+    for start in (getattr(app, "middleware_stack", None), app):
+        layer = start
+        for _ in range(_MAX_WRAPPERS):
+            if layer is None:
+                break
+            if isinstance(layer, IdempotencyMiddleware):
+                return layer
+            layer = getattr(layer, "app", None)
+    for entry in getattr(app, "user_middleware", ()):
+        cls = entry.cls
+        if isinstance(cls, type) and issubclass(cls, IdempotencyMiddleware):
+            return cls(app.router, *entry.args, **entry.kwargs)
+    return None
+
+
+def mounted_middlewares(
+    routes: Sequence[BaseRoute], prefix: str = "", shown: str = "", depth: int = 0
+) -> Iterator[tuple[IdempotencyMiddleware, list[Found]]]:
+    """Each IdempotencyMiddleware of a Mount or Host below `routes` (the first on each way down),
+    with the routes it would guard, named from the top as `routing.walk` names them."""
+    if depth >= _MAX_DEPTH:
+        return
+    for route in routes:
+        if not isinstance(route, Mount | Host):
+            continue
+        below = mounted_app(route)
+        inner = routes_of(below)
+        if inner is None:
+            continue
+        found = find_middleware(route.app) or find_middleware(below)
+        if found is not None:
+            items = walk([route], prefix, shown)
+            yield found, [item for item in items if isinstance(item, Found)]
+        elif isinstance(route, Mount):
+            path = prefix + route.path
+            yield from mounted_middlewares(
+                inner, path, shown + _no_converters(route.path), depth + 1
+            )
+        else:
+            yield from mounted_middlewares(inner, route.host + prefix, shown, depth + 1)
+
+
+def methods_of(item: Found) -> list[str]:
+    """The methods a route is listed and checked for: its own, or every unsafe one if it takes
+    any."""
+    return sorted(item.methods) if item.methods is not None else list(_UNSAFE_METHODS)
+
+
+def nested_policy_errors(
+    policy_for: Callable[[str, Found], Policy | None], routes: Sequence[BaseRoute]
+) -> list[str]:
+    """A middleware inside another guards nothing (the outer one guards its requests): where
+    its policy for an operation differs from the outer one's (`policy_for`), its configuration
+    would be silently ignored."""
+    errors = []
+    for inner, items in mounted_middlewares(routes):
+        for item in items:
+            for method in methods_of(item):  # (a safe method: no policy either way)
+                theirs, ours = inner.policy_for(method, item), policy_for(method, item)
+                if theirs != ours:
+                    errors.append(
+                        f"{method} {item.template} is guarded by this IdempotencyMiddleware "
+                        f"({_described(ours)}), and the one mounted inside it for it would "
+                        f"guard it otherwise ({_described(theirs)}): the inner one never "
+                        "guards its requests, and its policies never apply. Give both the "
+                        "same policies, or install the middleware once"
+                    )
+    return errors
+
+
+def _described(policy: Policy | None) -> str:
+    from .startup import describe  # (startup imports this module)
+
+    return "unguarded" if policy is None else describe(policy)
