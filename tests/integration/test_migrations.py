@@ -452,6 +452,26 @@ async def test_opening_a_store_on_read_only_sessions_names_the_fix(
     assert stats.returncode == 0, stats.stderr
 
 
+async def test_a_store_whose_checks_the_server_cancels_at_open_is_a_store_error(
+    new_database: NewDatabase,
+) -> None:
+    """`statement_timeout` on the database shorter than the store's checks at open (here made
+    certain: the migrations' table is locked meanwhile): the server's cancellation escaped as
+    asyncpg's own error; it is a StoreError that names the likely setting."""
+    dsn = await new_database()
+    conn = await asyncpg.connect(dsn)
+    try:
+        await migrate(conn)
+        name = await conn.fetchval("SELECT current_database()")
+        await conn.execute(f'ALTER DATABASE "{name}" SET statement_timeout = 200')
+        async with conn.transaction():
+            await conn.execute("LOCK TABLE idem_schema_migrations IN ACCESS EXCLUSIVE MODE")
+            with pytest.raises(StoreError, match="statement_timeout"):
+                await asyncio.wait_for(PostgresStore(dsn=dsn).open(), 30)  # (a hang bound)
+    finally:
+        await conn.close()
+
+
 async def test_the_outbox_purge_index_built_concurrently_beforehand_is_kept(
     new_database: NewDatabase,
 ) -> None:

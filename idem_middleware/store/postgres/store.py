@@ -22,6 +22,7 @@ from .claim_lock import ClaimLocks
 from .convert import (
     _Q,
     ACQUIRE_ERRORS,
+    CANCELLED,
     LOCK_NOT_AVAILABLE,
     TRANSLATED,
     lock_waited,
@@ -165,7 +166,7 @@ class PostgresStore(OffPathStatements):
         if self._pool is None:
             try:
                 self._pool = await asyncpg.create_pool(self._dsn, **self._pool_kwargs)
-            except ACQUIRE_ERRORS as exc:
+            except (*ACQUIRE_ERRORS, CANCELLED) as exc:  # (CANCELLED: a tiny statement_timeout)
                 raise StoreError(f"cannot connect: {exc}") from exc
         try:
             if self._needs_writes:
@@ -190,10 +191,12 @@ class PostgresStore(OffPathStatements):
                 type(exc).__name__,
                 f": {exc}" if str(exc) else f" (no connection within {self._checkouts.delay} s)",
             )
-        except BaseException:
+        except BaseException as exc:
             if created and self._pool is not None:
                 pool, self._pool = self._pool, None
                 await pool.close()
+            if isinstance(exc, CANCELLED):  # (statement_timeout shorter than the checks)
+                raise translate(exc) from exc
             raise
 
     async def close(self) -> None:
