@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import sys
 from collections.abc import Callable
 from decimal import Decimal, InvalidOperation
 from json.encoder import encode_basestring as _escape_str
@@ -22,6 +23,13 @@ __all__ = ["MAX_DEPTH", "canonical_json", "parse_json_strict"]
 
 _NOT_JSON = "The request body is not valid JSON."
 _NOT_UTF8 = "The request body is not valid UTF-8."
+
+
+def _too_many_digits() -> str:
+    limit = sys.get_int_max_str_digits()  # (the interpreter's: settable, 4300 by default)
+    return f"A number in the request body has more than {limit} digits."
+
+
 _BOM = "The request body must not start with a byte order mark."
 _DUPLICATE_KEY = "The request body has a duplicate JSON object key."
 _NON_FINITE = "JSON numbers must be finite; NaN and Infinity are not allowed."
@@ -174,9 +182,11 @@ def parse_json_strict(
         value: object = _DECODER.decode(text)
     except InvalidJson as exc:
         raise RequestRejected(ProblemKind.BODY_INVALID, exc.detail) from None
-    except (ValueError, TypeError, RecursionError):
+    except (ValueError, TypeError, RecursionError) as exc:
         # ValueError covers JSONDecodeError and ints past the interpreter's digit limit.
-        raise RequestRejected(ProblemKind.BODY_INVALID, _NOT_JSON) from None
+        digits = type(exc) is ValueError and "digits" in str(exc)
+        detail = _too_many_digits() if digits else _NOT_JSON
+        raise RequestRejected(ProblemKind.BODY_INVALID, detail) from None
     if _SURROGATE_ESCAPE.search(text) is not None and _has_lone_surrogate(value):
         raise RequestRejected(ProblemKind.BODY_INVALID, _SURROGATE_TEXT)
     return value

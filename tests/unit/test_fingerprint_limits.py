@@ -177,3 +177,14 @@ def test_policy_caps_are_validated() -> None:
     for options in ({"max_fields": 0}, {"max_json_values": 0}, {"max_fields": -1}):
         with pytest.raises(ConfigurationError):
             Policy(**options)
+
+
+def test_an_integer_past_the_interpreters_digit_limit_is_refused_saying_so() -> None:
+    import sys
+
+    limit = sys.get_int_max_str_digits()
+    assert len(fingerprint(body=b"[" + b"9" * limit + b"]")) == 32  # the limit itself parses
+    too_long = refused(body=b'{"amount": ' + b"9" * (limit + 1) + b"}")
+    assert too_long.kind is ProblemKind.BODY_INVALID
+    assert too_long.detail == f"A number in the request body has more than {limit} digits."
+    assert refused(body=b'{"amount": 9').detail == "The request body is not valid JSON."
