@@ -256,10 +256,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     pub.add_argument(
         "--reservation-margin",
-        type=margin_seconds,
+        type=positive_seconds,
         default=5.0,
-        help="an event being sent is reserved for --send-timeout plus this (0 or more, default "
-        "5); a publisher killed mid-send leaves it to be sent again after that",
+        help="an event being sent is reserved for --send-timeout plus this (more than 0, "
+        "default 5); a publisher killed mid-send leaves it to be sent again after that",
     )
     pub.add_argument(
         "--idle-seconds",

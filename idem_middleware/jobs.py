@@ -35,7 +35,7 @@ from .jobs_spec import KeyOf as KeyOf
 from .jobs_transactional import run_transactional
 from .jsonvalues import non_finite
 from .keys import MAX_KEY_LENGTH
-from .policy import LeaseExpiry, Mode, Policy, seconds_option
+from .policy import LeaseExpiry, Mode, Policy, plainly_sync, seconds_option
 from .store.base import RecordKey, Store
 from .tenant import MAX_TENANT_BYTES, storable_tenant, storable_text
 
@@ -139,6 +139,8 @@ def idempotent_job(
     """
     if not operation:
         raise ConfigurationError("a job needs an operation name")
+    if not callable(getattr(store, "transaction", None)):
+        raise ConfigurationError(f"a job's store is a PostgresStore or MemoryStore, not {store!r}")
     if (
         not isinstance(operation, str)
         or not storable_text(operation)
@@ -165,6 +167,11 @@ def idempotent_job(
     acquire_timeout = seconds_option(acquire_timeout, "acquire_timeout", positive=True)
 
     def decorate(fn: Callable[..., Awaitable[R]]) -> Callable[..., Awaitable[Any]]:
+        if plainly_sync(fn):  # (its body would run, effects and all, before the await failed)
+            raise ConfigurationError(
+                f"{operation}: a job is an async function (`async def`), not {fn!r}: a plain "
+                "function or a generator would run before the middleware could record it"
+            )
         job = JobSpec(
             fn=fn,
             store=store,

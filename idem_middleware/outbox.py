@@ -9,8 +9,8 @@
   it sent, retries with exponential backoff, and parks an event after `max_attempts` attempts.
 - Delivery is at least once: a publisher that dies after sending and before marking leaves the
   event reserved; it is sent again once the reservation lapses (`send_timeout_seconds +
-  reservation_margin_seconds`), that attempt counted. Consumers deduplicate by the event id with
-  `consume_once(conn, consumer, event_id)` in their own transaction.
+  reservation_margin_seconds`, positive: the send's timeout starts after the reservation), that
+  attempt counted. Consumers deduplicate by event id: `consume_once`, in their transaction.
 """
 
 from __future__ import annotations
@@ -185,7 +185,7 @@ class Publisher:
         self.max_backoff_seconds = _seconds(max_backoff_seconds, "max_backoff_seconds", False)
         self.send_timeout_seconds = _seconds(send_timeout_seconds, "send_timeout_seconds", True)
         self.reservation_margin_seconds = _seconds(
-            reservation_margin_seconds, "reservation_margin_seconds", False
+            reservation_margin_seconds, "reservation_margin_seconds", True
         )
 
     def backoff(self, attempts: int) -> float:

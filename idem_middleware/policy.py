@@ -126,7 +126,7 @@ class Policy:
                     f"reconciler must be an async function of a ReconcileContext, "
                     f"not {self.reconciler!r}"
                 )
-            if _plainly_sync(self.reconciler):
+            if plainly_sync(self.reconciler):
                 raise ConfigurationError(
                     f"reconciler must be an async function of a ReconcileContext; "
                     f"{self.reconciler!r} is a plain function, and every call of it would fail "
@@ -153,7 +153,7 @@ class Policy:
         return dataclasses.replace(self, **changes)
 
 
-def _plainly_sync(function: Any) -> bool:
+def plainly_sync(function: Any) -> bool:
     """Whether `function` is a `def` function or method (through partials, or as an object's
     `__call__`) that is not a coroutine function: awaiting what it returns fails at every call.
     A `lambda` that returns a coroutine is one too (the message says to write `async def`); a

@@ -165,6 +165,29 @@ def test_a_job_with_an_option_that_cannot_work_is_refused_when_decorated(
         idempotent_job(MemoryStore(), operation="charge", key="id", **options)
 
 
+def test_a_job_that_is_no_async_function_or_has_no_store_is_refused_when_decorated() -> None:
+    """Found by probing: a plain function's body ran, effects and all, at every call, before
+    the await of what it returned failed (nothing recorded: every retry ran it again); a store
+    of None or a pool failed only at the first call."""
+    ran: list[str] = []
+
+    def plain(ctx: IdempotencyContext, id: str) -> dict[str, str]:
+        ran.append(id)
+        return {}
+
+    async def generator(ctx: IdempotencyContext, id: str) -> Any:
+        yield id
+
+    job = idempotent_job(MemoryStore(), operation="charge", key="id")
+    for function in (plain, generator):
+        with pytest.raises(ConfigurationError, match="a job is an async function"):
+            job(function)  # type: ignore[arg-type]
+    assert ran == []
+    for store in (None, object()):
+        with pytest.raises(ConfigurationError, match="a job's store is a PostgresStore"):
+            idempotent_job(store, operation="charge", key="id")  # type: ignore[arg-type]
+
+
 async def test_a_jobs_mode_given_as_its_value_is_the_mode() -> None:
     store = MemoryStore()
 

@@ -479,7 +479,10 @@ RECONCILE = ["reconcile", "--app", "tests.cli_app:app"]
         ]
         for value in ("-1", "0", "nan", "inf", "-inf", "soon", "1e308")
     ]
-    + [(PUBLISH, "--reservation-margin", value) for value in ("-1", "nan", "inf", "soon", "1e308")]
+    + [
+        (PUBLISH, "--reservation-margin", value)
+        for value in ("0", "-1", "nan", "inf", "soon", "1e308")
+    ]
     + [
         (PUBLISH, "--max-attempts", "99999999999"),
         (PUBLISH, "--batch-size", "2147483648"),
@@ -497,8 +500,8 @@ def test_seconds_out_of_range_are_a_usage_error(
 
 def test_seconds_in_range_are_taken() -> None:
     assert _parse([*RECONCILE, "--seconds", "0.5"]).seconds == 0.5
-    publish = _parse([*PUBLISH, "--reservation-margin", "0", "--idle-seconds", "0.01"])
-    assert (publish.reservation_margin, publish.idle_seconds) == (0.0, 0.01)
+    publish = _parse([*PUBLISH, "--reservation-margin", "0.1", "--idle-seconds", "0.01"])
+    assert (publish.reservation_margin, publish.idle_seconds) == (0.1, 0.01)
     assert _parse(PUBLISH).send_timeout == 10.0
 
 

@@ -319,7 +319,7 @@ async def test_an_event_no_publisher_finishes_sending_is_parked(pool: Any) -> No
         raise PublisherDied
 
     publisher = Publisher(
-        pool, fatal, max_attempts=3, send_timeout_seconds=0.05, reservation_margin_seconds=0
+        pool, fatal, max_attempts=3, send_timeout_seconds=0.05, reservation_margin_seconds=0.01
     )
     parked = 0
     for _ in range(50):  # bounded
@@ -527,6 +527,7 @@ async def test_an_event_the_database_would_refuse_or_json_change_is_refused_at_a
         {"send_timeout_seconds": float("inf")},
         {"send_timeout_seconds": 1e20},
         {"reservation_margin_seconds": float("nan")},
+        {"reservation_margin_seconds": 0},  # (two publishers overlapped on one event)
         {"base_backoff_seconds": -5},
         {"base_backoff_seconds": float("nan")},
         {"max_backoff_seconds": float("inf")},
@@ -644,6 +645,17 @@ async def test_an_event_id_the_database_would_refuse_is_refused_by_consume_once(
             await consume_once(conn, consumer, event_id)
         assert await consume_once(conn, "ledger", "fine")  # the transaction is still usable
     assert await pool.fetchval("SELECT count(*) FROM idem_inbox") == 1
+
+
+async def test_consume_once_outside_a_transaction_is_refused_and_notes_nothing(pool: Any) -> None:
+    """On a connection in autocommit (or on the pool), the note committed at once: the
+    consumer's own write then failed, and the redelivery found the event applied."""
+    async with pool.acquire() as conn:
+        with pytest.raises(TypeError, match="outside a transaction"):
+            await consume_once(conn, "ledger", "autocommit")
+    with pytest.raises(TypeError, match="not on a Pool"):
+        await consume_once(pool, "ledger", "pooled")
+    assert await pool.fetchval("SELECT count(*) FROM idem_inbox") == 0
 
 
 class _Client:

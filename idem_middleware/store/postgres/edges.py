@@ -72,6 +72,19 @@ class ReservedEvent:
     parked: bool
 
 
+def _in_transaction(executor: Any, what: str) -> None:
+    """TypeError unless `executor` is a connection in a transaction: on a pool, or a connection
+    in autocommit, the note commits at once, whatever becomes of the consumer's own writes (an
+    event noted as applied though it was not, and never applied)."""
+    in_transaction = getattr(executor, "is_in_transaction", None)
+    if not callable(in_transaction) or not in_transaction():
+        raise TypeError(
+            f"{what} runs on the connection of the caller's open transaction, with its writes, "
+            f"not on a {type(executor).__name__}"
+            + (" outside a transaction" if callable(in_transaction) else "")
+        )
+
+
 async def add_event(
     executor: Any, event_id: str, tenant: str | None, topic: str, payload: str
 ) -> None:
@@ -88,6 +101,7 @@ async def add_event(
 
 async def record_consumed(executor: Any, consumer: str, event_id: str) -> bool:
     """Note an event in the consumer's transaction: False if it was noted before."""
+    _in_transaction(executor, "consume_once")
     return await executor.fetchval(_Q["inbox_record"], consumer, event_id) is not None
 
 
