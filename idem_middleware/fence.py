@@ -53,25 +53,36 @@ class Fence:
         # fence's bookkeeping).
         self._fenced: AbstractAsyncContextManager[Any] | None = None
         self._session: Any = None
+        #: Held while the fenced transaction opens: callers at once (helpers of a handler run
+        #: under `asyncio.gather`) share it. Each opened one of its own, and the second waited
+        #: inside the database for the first's row lock, held until the handler ended: never.
+        self._opening: asyncio.Lock | None = None
 
     async def connection(self) -> Any:
         if self._session is None:
-            if self.settling:
-                raise StaleGeneration("this execution's outcome is settled or being settled")
-            fenced = self.store.fenced(self.key, self.generation, self.expected)
-            try:
-                self._session = await fenced.__aenter__()
-            except ClaimBusy:
-                # Another session holds the record (another reconciler's fence): a reconciler's
-                # fence never waits for it inside the database (see `run_reconciler`).
-                self.held = True
-                raise
-            self._fenced = fenced  # (only once entered: `close` leaves what was entered)
-            if self.settling:  # settled while it opened: its writes would never commit
-                await self.close()
-                raise StaleGeneration("this execution's outcome is settled or being settled")
-            self.opened = True
+            if self._opening is None:
+                self._opening = asyncio.Lock()
+            async with self._opening:
+                if self._session is None:
+                    await self._open()
         return self._session.connection
+
+    async def _open(self) -> None:
+        if self.settling:
+            raise StaleGeneration("this execution's outcome is settled or being settled")
+        fenced = self.store.fenced(self.key, self.generation, self.expected)
+        try:
+            self._session = await fenced.__aenter__()
+        except ClaimBusy:
+            # Another session holds the record (another reconciler's fence): a reconciler's
+            # fence never waits for it inside the database (see `run_reconciler`).
+            self.held = True
+            raise
+        self._fenced = fenced  # (only once entered: `close` leaves what was entered)
+        if self.settling:  # settled while it opened: its writes would never commit
+            await self.close()
+            raise StaleGeneration("this execution's outcome is settled or being settled")
+        self.opened = True
 
     def lost(self, error: BaseException) -> StoreError | None:
         """A StoreError if the handler's `error` reports the fenced transaction's connection
