@@ -20,7 +20,7 @@ from .errors import StatementRefused, StoreClosed, StoreError
 from .observe import SETTLED_EVENTS, Event
 from .outcomes import FINAL_STATE, Outcome, outcome_for_status, settlement_for
 from .policy import Mode
-from .store.base import RecordKey, Settlement, State, Store
+from .store.base import RecordKey, Settlement, State, Store, StoredResponse
 
 if TYPE_CHECKING:
     from .capture import ResponseCapture
@@ -76,7 +76,7 @@ async def settle_early_again(
         raise error
     fence = execution.fence
     if fence is not None and fence.opened:
-        if await committed_after_all(execution, context, capture):
+        if await committed_after_all(execution, context, capture, omitted):
             return True
         raise error
     return await _resend(execution, context, capture, error, omitted)
@@ -112,32 +112,46 @@ async def _resend(
 
 
 async def committed_after_all(
-    execution: LeaseExecution, context: IdempotencyContext, capture: ResponseCapture
+    execution: LeaseExecution,
+    context: IdempotencyContext,
+    capture: ResponseCapture,
+    omitted: str | None = None,
 ) -> bool:
     """A fenced settlement failed on a blip and the record was then marked `unknown` if it was
     still pending: whether its COMMIT landed after all (the connection lost after the server
-    committed, before it answered). The record then holds this generation in the state the
-    settlement sent (only this execution settles under its generation; anyone else marks it
-    `unknown` or takes it over with a new one), and the client gets its outcome, not a 503."""
+    committed, before it answered). The record then holds this generation in the state and with
+    the response the settlement sent, and the client gets its outcome, not a 503. (A reconciler
+    settles under the same generation, after an `unknown`: its outcome is the record's, and a
+    response other than this one is not this settlement's.)"""
     outcome = context.declared or outcome_for_status(capture.status, Mode.LEASE)
     state = FINAL_STATE.get(outcome)
     generation = execution.generation
-    if state is None or not await landed(execution.store, execution.key, generation, state):
+    if state is None or not await landed(
+        execution.store, execution.key, generation, state, capture.stored(omitted)
+    ):
         return False
     execution.ex.emit(SETTLED_EVENTS[outcome], generation)
     return True
 
 
-async def landed(store: Store, key: RecordKey, generation: int, state: State) -> bool:
-    """Whether the record holds `generation` in `state`: read after a fenced settlement failed
-    on a blip and the record was marked `unknown` if still pending, it says the settlement's
-    COMMIT landed after all (see `committed_after_all`; logged then). False if it cannot be
-    read."""
+async def landed(
+    store: Store,
+    key: RecordKey,
+    generation: int,
+    state: State,
+    response: StoredResponse | None = None,
+) -> bool:
+    """Whether the record holds `generation` in `state` (with `response`, when given): read
+    after a fenced settlement failed on a blip and the record was marked `unknown` if still
+    pending, it says the settlement's COMMIT landed after all (see `committed_after_all`;
+    logged then). False if it cannot be read."""
     try:
         record = await store.get(key)
     except StoreError:
         return False
     if record is None or record.generation != generation or record.state is not state:
+        return False
+    if response is not None and not same_response(record.response, response):
         return False
     from .lease_executor import log_extra  # (it imports this module)
 
@@ -250,5 +264,19 @@ async def send_again(
             record is not None
             and record.generation == generation
             and record.state is settlement.state
+            and same_response(record.response, settlement.response)
         )
     raise error
+
+
+def same_response(stored: StoredResponse | None, sent: StoredResponse | None) -> bool:
+    """Whether a record's response is the one a settlement sent (headers compared as pairs,
+    whatever sequences hold them): a reconciler that settled the same generation meanwhile
+    stored its own."""
+    if stored is None or sent is None:
+        return stored is sent
+    return (stored.status, stored.body, stored.body_omitted) == (
+        sent.status,
+        sent.body,
+        sent.body_omitted,
+    ) and [tuple(pair) for pair in stored.headers] == [tuple(pair) for pair in sent.headers]

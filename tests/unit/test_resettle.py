@@ -9,7 +9,7 @@ import pytest
 from idem_middleware.context import claimed_context
 from idem_middleware.errors import StatementRefused, StoreError
 from idem_middleware.policy import Mode
-from idem_middleware.resettle import send_again, unresolve_after
+from idem_middleware.resettle import landed, send_again, unresolve_after
 from idem_middleware.store import Claimed
 from idem_middleware.store.base import RecordKey, Settlement, State, StoredResponse
 from idem_middleware.store.memory import MemoryStore
@@ -81,6 +81,25 @@ async def test_a_record_another_settled_meanwhile_is_not_this_settlement() -> No
     assert await store.settle(KEY, generation, State.PENDING, Settlement(State.UNKNOWN))
     assert not await send_again(store, KEY, generation, DONE, seconds=5.0, error=DOWN)
     assert not await send_again(store, KEY, generation + 1, DONE, seconds=5.0, error=DOWN)
+
+
+async def test_a_reconcilers_outcome_under_this_generation_is_not_this_settlement() -> None:
+    """Found by attacking lease mode: the executor's settlement kept failing (its process cut
+    off from the database past its lease), a retry's reconciler settled the record `unknown` ->
+    succeeded under the same generation with its own response, and the resend took that for its
+    own commit: its client got the handler's response, every replay the reconciler's."""
+    store = MemoryStore()
+    generation = await claimed(store)
+    reconciled = StoredResponse(201, [(b"content-type", b"application/json")], b'{"r": 1}')
+    assert await store.settle(KEY, generation, State.PENDING, Settlement(State.UNKNOWN))
+    happened = Settlement(State.SUCCEEDED, reconciled)
+    assert await store.settle(KEY, generation, State.UNKNOWN, happened)
+    assert not await send_again(store, KEY, generation, DONE, seconds=5.0, error=DOWN)
+    assert not await landed(store, KEY, generation, State.SUCCEEDED, DONE.response)
+    # The same response, held in another kind of sequence, is that settlement's.
+    same = Settlement(State.SUCCEEDED, StoredResponse(201, (reconciled.headers[0],), b'{"r": 1}'))
+    assert await send_again(store, KEY, generation, same, seconds=5.0, error=DOWN)
+    assert await landed(store, KEY, generation, State.SUCCEEDED, same.response)
 
 
 async def test_bounded_and_the_last_error_stands() -> None:
