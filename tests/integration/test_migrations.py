@@ -472,6 +472,27 @@ async def test_a_store_whose_checks_the_server_cancels_at_open_is_a_store_error(
         await conn.close()
 
 
+async def test_a_role_the_server_refuses_a_login_is_a_store_error_that_cannot_connect(
+    pg_dsn: str, new_database: NewDatabase
+) -> None:
+    """A role disabled (NOLOGIN) or a password rotated: the server's refusal escaped as
+    asyncpg's own error (at a request: a bare 500, not a 503)."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    dsn = await new_database()
+    admin = await asyncpg.connect(pg_dsn)
+    try:
+        await admin.execute("DROP ROLE IF EXISTS idem_no_login")
+        await admin.execute("CREATE ROLE idem_no_login NOLOGIN")
+        parts = urlsplit(dsn)
+        refused = urlunsplit(parts._replace(netloc="idem_no_login@" + parts.netloc.split("@")[-1]))
+        with pytest.raises(StoreError, match="cannot connect"):
+            await PostgresStore(dsn=refused).open()
+    finally:
+        await admin.execute("DROP ROLE IF EXISTS idem_no_login")
+        await admin.close()
+
+
 async def test_the_outbox_purge_index_built_concurrently_beforehand_is_kept(
     new_database: NewDatabase,
 ) -> None:

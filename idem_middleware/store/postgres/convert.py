@@ -42,6 +42,9 @@ CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
     asyncpg.exceptions.DatabaseDroppedError,
     asyncpg.exceptions.IdleSessionTimeoutError,
     asyncpg.exceptions.IdleInTransactionSessionTimeoutError,
+    # The server refusing the pool's next connection its login (a role disabled, a password
+    # rotated): no connection, as when the server is down.
+    asyncpg.exceptions.InvalidAuthorizationSpecificationError,
 )
 #: A server that is up but cannot serve the store for now: it takes no writes (a hot standby the
 #: DSN reaches after a failover, or `default_transaction_read_only` set for maintenance), or it
