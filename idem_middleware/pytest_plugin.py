@@ -240,8 +240,9 @@ def idem_replay() -> Iterator[Replay]:
 
     `client` is an httpx.AsyncClient (or anything with the same `request`), or a synchronous
     client such as Starlette's TestClient: then `idem_replay(...)` without `await`. The key is the
-    request's own Idempotency-Key header, or a fresh one. Asserts that the first response is not
-    a replay, that the second is, and that both have the same status and body.
+    request's own Idempotency-Key header, else the client's default one, else a fresh one.
+    Asserts that the first response is not a replay, that the second is, and that both have the
+    same status and body.
     """
     pending: list[_Pending] = []
 
@@ -252,7 +253,8 @@ def idem_replay() -> Iterator[Replay]:
 
     def replay(client: Any, method: str, url: str, **options: Any) -> Any:
         headers = dict(options.pop("headers", None) or {})
-        if not any(name.lower() == "idempotency-key" for name in headers):
+        defaults = getattr(client, "headers", None) or {}  # (httpx's and TestClient's, if set)
+        if not any(name.lower() == "idempotency-key" for name in (*headers, *defaults)):
             headers["Idempotency-Key"] = f"idem-pytest-{uuid.uuid4()}"
         options["headers"] = headers
         if inspect.iscoroutinefunction(client.request):

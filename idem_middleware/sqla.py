@@ -17,6 +17,7 @@ connection). Install with the `[sqlalchemy]` extra.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Annotated, Any
@@ -100,7 +101,7 @@ class ClaimSessions:
         # A FastAPI dependency ends after the response was sent: one that cannot be held (a
         # stream, or over the size cap) is settled before its first byte, so what the session
         # still holds is flushed then, or it would be lost while the outcome says it succeeded.
-        forget = context.hold_writes(session.flush)
+        forget = context.hold_writes(functools.partial(_flushed_or_spoiled, session, context))
         failed = False
         try:
             yield session
@@ -119,6 +120,19 @@ class ClaimSessions:
         """The FastAPI dependency: `Depends(sessions.dependency)`."""
         async with self.session(request) as session:
             yield session
+
+
+async def _flushed_or_spoiled(session: Any, context: IdempotencyContext) -> None:
+    """Before a response that cannot be held is settled (its first byte): what the session
+    holds is written into the claim's transaction; or, when a flush of the handler's failed and
+    it went on without `session.rollback()` (SQLAlchemy rolled the writes back), the claim's
+    transaction is spoilt, as at the session's end: the settlement is refused, and the client
+    gets `500 server-misconfigured`, not a stored answer claiming writes that were undone."""
+    transaction = session.get_transaction()
+    if transaction is not None and not transaction.is_active:
+        await spoil(context)
+        return
+    await session.flush()
 
 
 async def _committed(session: Any) -> bool:

@@ -211,6 +211,34 @@ def test_the_replay_helper_never_passes_without_checking(
     )
 
 
+def test_the_replay_helper_keeps_a_key_the_client_sends_by_default(
+    pytester: pytest.Pytester, inner_env: Path
+) -> None:
+    """Found by adopting: a key set as the client's default header was replaced by a fresh
+    one, without a word, for a test that relied on it."""
+    pytester.makepyfile(
+        test_default_key="""
+from fastapi import FastAPI, Request
+from fastapi.testclient import TestClient
+from idem_middleware import IdempotencyMiddleware, MemoryStore
+
+app = FastAPI()
+
+@app.post("/orders")
+async def create(request: Request) -> dict[str, str]:
+    return {"key": request.headers["idempotency-key"]}
+
+app.add_middleware(IdempotencyMiddleware, store=MemoryStore(), tenant_resolver=str)
+
+def test_default_key(idem_replay):
+    with TestClient(app, headers={"Idempotency-Key": "fixed-key"}) as client:
+        first, second = idem_replay(client, "POST", "/orders", json={})
+    assert first.json() == {"key": "fixed-key"}
+"""
+    )
+    run(pytester).assert_outcomes(passed=1)
+
+
 def test_a_connection_left_in_use_fails_the_test_instead_of_hanging_the_run(
     pytester: pytest.Pytester, inner_env: Path
 ) -> None:

@@ -6,6 +6,7 @@ request succeeded), and a flush that fails there must fail the request."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -106,3 +107,46 @@ async def test_a_pending_write_that_fails_before_the_first_byte_fails_the_reques
     states = [r["state"] for r in await pool.fetch("SELECT state FROM idem_requests")]
     assert states == ([] if mode is Mode.TRANSACTIONAL else ["unknown"])
     assert await pool.fetchval("SELECT amount FROM test_sqla_orders WHERE id = 'o2'") == 9
+
+
+@pytest.mark.parametrize("path", ["events", "export"])
+async def test_a_flush_that_failed_and_was_caught_fails_an_early_outcome_too(
+    store: PostgresStore, pool: asyncpg.Pool[Any], path: str
+) -> None:
+    """Found by adopting: the handler commits a row, adds two more, one a duplicate; the flush
+    fails, and the handler catches the error without `session.rollback()` (SQLAlchemy undid the
+    other). A held answer was refused (500, nothing recorded); one that cannot be held was
+    settled and stored as a success, the undone write with it."""
+    from sqlalchemy.exc import IntegrityError
+
+    api = FastAPI()
+
+    async def work(order_id: str, session: Any) -> None:
+        session.add(Order(id=order_id, tenant="t", amount=1))
+        await session.commit()  # (into the claim's transaction)
+        session.add(Order(id=f"{order_id}-b", tenant="t", amount=2))
+        session.add(Order(id=order_id, tenant="t", amount=3))
+        with contextlib.suppress(IntegrityError):  # no session.rollback(): the second is gone
+            await session.flush()
+
+    @api.post("/events/{order_id}")
+    async def events(order_id: str, session: ClaimSession) -> StreamingResponse:
+        await work(order_id, session)
+
+        async def stream() -> AsyncIterator[bytes]:
+            yield b"data: placed\n\n"
+
+        return StreamingResponse(stream(), media_type="text/event-stream")
+
+    @api.post("/export/{order_id}")
+    async def export(order_id: str, session: ClaimSession) -> dict[str, str]:
+        await work(order_id, session)
+        return {"report": "x" * (1024 * 1024 + 1)}
+
+    install(api, store=store, tenant_resolver=lambda scope: "t")
+    async with client(api) as http:
+        response = await http.post(f"/{path}/o3", headers={"Idempotency-Key": f"{path}-3"})
+    assert response.status_code == 500
+    assert response.headers["content-type"] == "application/problem+json"
+    assert await pool.fetchval("SELECT count(*) FROM idem_requests") == 0
+    assert await pool.fetchval("SELECT count(*) FROM test_sqla_orders") == 0
