@@ -145,7 +145,9 @@ async def _execute(
                     not blip(exc)
                     or settlement is None
                     or settlement.state is State.UNKNOWN
-                    or not await landed(store, key, generation, settlement.state)
+                    or not await landed(
+                        store, key, generation, settlement.state, settlement.response
+                    )
                 ):
                     raise
                 settled = True

@@ -135,23 +135,19 @@ async def committed_after_all(
 
 
 async def landed(
-    store: Store,
-    key: RecordKey,
-    generation: int,
-    state: State,
-    response: StoredResponse | None = None,
+    store: Store, key: RecordKey, generation: int, state: State, response: StoredResponse | None
 ) -> bool:
-    """Whether the record holds `generation` in `state` (with `response`, when given): read
-    after a fenced settlement failed on a blip and the record was marked `unknown` if still
-    pending, it says the settlement's COMMIT landed after all (see `committed_after_all`;
-    logged then). False if it cannot be read."""
+    """Whether the record holds `generation` in `state` with `response`: read after a fenced
+    settlement failed on a blip and the record was marked `unknown` if still pending, it says
+    the settlement's COMMIT landed after all (see `committed_after_all`; logged then). False if
+    it cannot be read."""
     try:
         record = await store.get(key)
     except StoreError:
         return False
     if record is None or record.generation != generation or record.state is not state:
         return False
-    if response is not None and not same_response(record.response, response):
+    if not same_response(record.response, response):
         return False
     from .lease_executor import log_extra  # (it imports this module)
 

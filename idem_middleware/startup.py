@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import difflib
 import logging
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -111,7 +112,8 @@ def check_app(mw: IdempotencyMiddleware, app: Any, scope: Scope | None = None) -
         # (shown: under a wrapper the router cannot see into, the first request's concrete path
         # names the operation, and its decoded `%0D%0A` would forge a log line)
         logger.info("idempotency: guarding %s (%s)", shown(name), describe(policy))
-    for name in sorted({n for n, _ in guarded if [m for m, _ in guarded].count(n) > 1}):
+    named = Counter(name for name, _ in guarded)
+    for name in sorted(name for name, count in named.items() if count > 1):
         logger.warning(  # (routes told apart by more than their path: a version header, say)
             "idempotency: %s names more than one guarded route: they share one key space, and a "
             "key used on one replays its response to the others",
