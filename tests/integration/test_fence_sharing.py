@@ -10,6 +10,8 @@ counted it held, `resolve` refused it. Concurrent callers now share the one tran
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -29,6 +31,19 @@ async def test_concurrent_calls_for_the_fenced_connection_share_one_transaction(
     store: MemoryStore | PostgresStore,
 ) -> None:
     connections: list[Any] = []
+    opened: list[int] = []
+    fenced_session = store.fenced
+
+    @contextlib.asynccontextmanager
+    async def counted(
+        key: RecordKey, generation: int, expected: State = State.PENDING
+    ) -> AsyncIterator[Any]:
+        opened.append(generation)  # (the in-memory twin's connection is None: count sessions)
+        await asyncio.sleep(0)  # (a round trip's pause, which the in-memory twin has not)
+        async with fenced_session(key, generation, expected) as session:
+            yield session
+
+    store.fenced = counted  # type: ignore[method-assign]
 
     async def fenced(request: Request) -> Any:
         conn = await get_context(request).fenced_connection()
@@ -59,5 +74,6 @@ async def test_concurrent_calls_for_the_fenced_connection_share_one_transaction(
     assert again.headers["idempotent-replayed"] == "true"
     assert len(connections) == 2
     assert connections[0] is connections[1]
+    assert len(opened) == 1  # one fenced session for both callers
     assert record is not None
     assert record.state is State.SUCCEEDED
