@@ -69,6 +69,9 @@ class IdempotencyContext:
     _downstream_key: str | None = field(default=None, repr=False)
     #: What writes claim sessions still hold (`hold_writes`), flushed before an early settlement.
     _held_writes: list[Callable[[], Awaitable[object]]] | None = field(default=None, repr=False)
+    #: Set when the operation's run ends (`leave_context`): from then on `current_context()` no
+    #: longer answers with it, in any task (see there).
+    _ended: bool = field(default=False, repr=False)
 
     def __repr__(self) -> str:
         # The raw key may carry personal data (an order or an e-mail): a context logged or shown
@@ -151,9 +154,16 @@ CURRENT: ContextVar[IdempotencyContext | None] = ContextVar("idem_middleware_con
 def current_context() -> IdempotencyContext | None:
     """The context of the idempotent operation running in this task, if any.
 
-    Lets code far from the request (an HTTP client hook, say) find the downstream key.
+    Lets code far from the request (an HTTP client hook, say) find the downstream key. A task
+    the operation started (`asyncio.create_task` copies the context variables) sees it only
+    while the operation runs: a worker started lazily by one request, living on, would
+    otherwise send that request's downstream key with every later, unrelated call, and the
+    third party would take them all for the first one.
     """
-    return CURRENT.get()
+    context = CURRENT.get()
+    if context is None or context._ended:
+        return None
+    return context
 
 
 def claimed_context(
@@ -193,9 +203,12 @@ def enter_context(scope: MutableMapping[str, Any], context: IdempotencyContext) 
     return CURRENT.set(context)
 
 
-def leave_context(scope: MutableMapping[str, Any], token: Token[Any]) -> None:
+def leave_context(
+    scope: MutableMapping[str, Any], token: Token[Any], context: IdempotencyContext
+) -> None:
     scope.pop(SCOPE_KEY, None)
     CURRENT.reset(token)
+    context._ended = True  # (tasks it started keep it in their copies: see current_context)
 
 
 def get_context(scope_or_request: Mapping[str, Any] | Any) -> IdempotencyContext:

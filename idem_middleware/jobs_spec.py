@@ -55,7 +55,7 @@ class JobSpec:
         try:
             result = await self.fn(context, *args, **kwargs)
         finally:
-            leave_context(scope, token)
+            leave_context(scope, token, context)
         try:
             return orjson.dumps(result)
         except TypeError as exc:

@@ -235,7 +235,7 @@ class LeaseExecution:
                         else:
                             settled = await settle_again(self, context, capture, exc)
             finally:
-                leave_context(ex.scope, token)
+                leave_context(ex.scope, token, context)
                 # Stopped by awaiting, never cancelled mid-write: a renewal in flight finishes
                 # (it never waits on the fenced transaction's row lock), and it cannot change a
                 # settled record (it only renews a pending one). (Once: settling stopped it.)

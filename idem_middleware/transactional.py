@@ -269,6 +269,7 @@ class Attempt(ResponseCapture):
                 finally:
                     scope.pop(SCOPE_KEY, None)
                     CURRENT.reset(token)
+                    self.context._ended = True  # (see context.current_context)
                 if self.passthrough:
                     return None  # settled before its first byte, and already sent
                 if self.start is None or not self.complete:
