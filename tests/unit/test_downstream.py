@@ -102,7 +102,7 @@ async def test_a_synchronous_client_sends_the_key_too() -> None:
     # Starlette runs a plain function in a thread with the request's context: httpx.Client calls
     # the hook and awaits nothing (an `async def` hook sent no key there, silently).
     seen, transport = _bank()
-    bank = httpx.Client(transport=transport, event_hooks=downstream_hooks())
+    bank = httpx.Client(transport=transport, event_hooks=downstream_hooks())  # (holds nothing)
 
     def pay(request: Request) -> Response:
         bank.post("http://bank/pay")
@@ -111,7 +111,6 @@ async def test_a_synchronous_client_sends_the_key_too() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # ("coroutine ... was never awaited")
         keys = await _post_three(_app(pay, Mode.TRANSACTIONAL))
-    bank.close()
     assert seen == keys
 
 
