@@ -3,6 +3,7 @@ first request, told at construction (each of these failed every request, or guar
 
 from __future__ import annotations
 
+import inspect
 import os
 import re
 from collections.abc import Sequence
@@ -52,6 +53,13 @@ def check_arguments(
     observers: object,
 ) -> None:
     """What the constructor can tell is wrong, told now: each of these failed every request."""
+    if isinstance(store, type):
+        # (a MemoryStore class passed every check and failed every request; PostgresStore's
+        # failed at startup with a TypeError naming neither)
+        raise ConfigurationError(
+            "store must be a store instance (PostgresStore(...) or MemoryStore()), not the "
+            f"class {store.__name__}"
+        )
     if not callable(getattr(store, "transaction", None)):
         raise ConfigurationError(f"store must be a PostgresStore or a MemoryStore, not {store!r}")
     if default_policy is not None and not isinstance(default_policy, Policy):
@@ -76,10 +84,32 @@ def check_arguments(
     if observers is None:
         return
     for observer in observers if isinstance(observers, Sequence) else (observers,):
-        if not (
-            callable(getattr(observer, "event", None))
-            and callable(getattr(observer, "timed", None))
-        ):
-            raise ConfigurationError(
-                f"observers: {observer!r} is not an Observer (it needs event() and timed())"
-            )
+        _check_observer(observer)
+
+
+def _check_observer(observer: object) -> None:
+    """Each of these passed a check for callable `event` and `timed`, then failed at every call
+    (each failure logged, the metrics lost) or, an `async def event`, did nothing at all."""
+    if isinstance(observer, type):
+        raise ConfigurationError(
+            f"observers: {observer.__name__} is a class; give an instance, {observer.__name__}(...)"
+        )
+    event = getattr(observer, "event", None)
+    timed = getattr(observer, "timed", None)
+    if not (callable(event) and callable(timed)):
+        raise ConfigurationError(
+            f"observers: {observer!r} is not an Observer (it needs event() and timed())"
+        )
+    name = type(observer).__name__
+    if inspect.iscoroutinefunction(inspect.unwrap(event)):
+        raise ConfigurationError(
+            f"observers: {name}.event is async; the middleware calls it without awaiting it, "
+            "so it must be a plain function (hand the work to a task or a queue of your own)"
+        )
+    timer = inspect.unwrap(timed)
+    if inspect.iscoroutinefunction(timer) or inspect.isasyncgenfunction(timer):
+        raise ConfigurationError(
+            f"observers: {name}.timed is async (an async function or an "
+            "@asynccontextmanager); it must return a plain context manager "
+            "(@contextlib.contextmanager)"
+        )

@@ -16,6 +16,7 @@ from enum import StrEnum
 from typing import Any, Literal, Protocol
 
 from .context import Outcome
+from .errors import ConfigurationError
 
 logger = logging.getLogger("idem_middleware")
 
@@ -59,8 +60,8 @@ class LoggingObserver:
     Raw keys and bodies never appear; `key_digest` identifies a key across log lines.
     """
 
-    def __init__(self, level: int = logging.INFO) -> None:
-        self.level = level
+    def __init__(self, level: int | str = logging.INFO) -> None:
+        self.level = _logging_level(level)
 
     def event(self, event: Event, attributes: Mapping[str, Any]) -> None:
         if logger.isEnabledFor(self.level):
@@ -74,6 +75,20 @@ class LoggingObserver:
     @contextlib.contextmanager
     def timed(self, name: str, attributes: Mapping[str, Any]) -> Iterator[None]:
         yield
+
+
+def _logging_level(level: object) -> int:
+    """`level` as the stdlib's logging takes it, a number or a level's name ('INFO'), made a
+    number; anything else refused now (it failed every event, each failure logged instead)."""
+    if type(level) is int:
+        return level
+    number = logging.getLevelNamesMapping().get(level) if isinstance(level, str) else None
+    if number is None:
+        raise ConfigurationError(
+            "LoggingObserver: level must be a logging level, a number (logging.INFO) or a "
+            f"level's name ('INFO'), not {level!r}"
+        )
+    return number
 
 
 class Observers:
@@ -109,11 +124,17 @@ class Observers:
             logger.log(
                 logging.WARNING if first else logging.DEBUG,
                 "idempotency: the observer %s failed (%s); the request goes on%s",
-                type(observer).__name__,
+                _observer_name(observer),
                 where,
                 "" if first else " (logged at WARNING the first time only)",
                 exc_info=True,
             )
+
+
+def _observer_name(observer: object) -> str:
+    """The observer's class name (the class's own, for a class given where an instance goes:
+    its type's is `type`)."""
+    return observer.__name__ if isinstance(observer, type) else type(observer).__name__
 
 
 class _Timers:

@@ -28,6 +28,7 @@ from typing import Any, Protocol
 
 try:
     from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+    from prometheus_client.metrics import MetricWrapperBase
 except ModuleNotFoundError as exc:  # installed without the extra
     from .errors import missing_extra
 
@@ -84,34 +85,39 @@ class PrometheusObserver:
         if type(max_operations) is not int or max_operations < 1:
             raise ConfigurationError(f"max_operations must be an int >= 1, not {max_operations!r}")
         self.max_operations = max_operations
-        #: Each operation seen, by its label: at most `max_operations` of them.
-        self._labels: dict[str, str] = {}
-        try:
-            self._register(registry, namespace)
-        except ValueError as exc:
-            if "Duplicated timeseries" not in str(exc):
-                raise
-            raise ConfigurationError(
-                f"a PrometheusObserver with namespace {namespace!r} is already registered in "
-                "this registry (prometheus_client's default one unless registry= is given): "
-                "make one per process, at import, and give it to every app; an app built for "
-                "each test gives its own PrometheusObserver(registry=CollectorRegistry())"
-            ) from exc
+        #: The operation labels given: at most `max_operations` of them. Kept by label, not by
+        #: operation, so that a client's invented methods (`X001 /things`, `X002 /things`, ...,
+        #: each `OTHER /things`) use up one place, not one each.
+        self._labels: set[str] = set()
+        self._make(namespace)
+        self._register(
+            registry,
+            namespace,
+            (
+                self.requests,
+                self.wait_seconds,
+                self.store_seconds,
+                self.records,
+                self.oldest_unresolved,
+                self.lapsed_leases,
+            ),
+        )
 
-    def _register(self, registry: CollectorRegistry, namespace: str) -> None:
+    def _make(self, namespace: str) -> None:
+        """The metrics, in no registry yet (`_register` adds them all or none)."""
         self.requests = Counter(
             "requests",
             "Guarded requests by operation and outcome",
             ["operation", "outcome"],
             namespace=namespace,
-            registry=registry,
+            registry=None,
         )
         self.wait_seconds = Histogram(
             "wait_seconds",
             "Time a duplicate spent waiting for the original request",
             ["operation"],
             namespace=namespace,
-            registry=registry,
+            registry=None,
             buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30),
         )
         self.store_seconds = Histogram(
@@ -119,7 +125,7 @@ class PrometheusObserver:
             "Latency of idempotency store steps (claim, complete, replay)",
             ["step"],
             namespace=namespace,
-            registry=registry,
+            registry=None,
             buckets=_LATENCY_BUCKETS,
         )
         self.records = Gauge(
@@ -127,31 +133,68 @@ class PrometheusObserver:
             "Records by state, from the last store stats",
             ["state"],
             namespace=namespace,
-            registry=registry,
+            registry=None,
         )
         self.oldest_unresolved = Gauge(
             "oldest_unresolved_age_seconds",
             "Age of the oldest pending or unknown record (alert on this)",
             namespace=namespace,
-            registry=registry,
+            registry=None,
         )
         self.lapsed_leases = Gauge(
             "lapsed_leases",
             "Pending records whose lease lapsed: their executor died or stalled",
             namespace=namespace,
-            registry=registry,
+            registry=None,
         )
 
+    @staticmethod
+    def _register(
+        registry: CollectorRegistry, namespace: str, metrics: tuple[MetricWrapperBase, ...]
+    ) -> None:
+        """All or none: a name another exporter holds left the metrics registered before it in
+        the registry (and was blamed on a second PrometheusObserver)."""
+        registered: list[MetricWrapperBase] = []
+        taken: list[str] = []
+        try:
+            for metric in metrics:
+                try:
+                    registry.register(metric)
+                except ValueError as exc:
+                    if "Duplicated timeseries" not in str(exc):
+                        raise
+                    taken.append(next(iter(metric.describe())).name)
+                else:
+                    registered.append(metric)
+            if len(taken) == len(metrics):
+                raise ConfigurationError(
+                    f"a PrometheusObserver with namespace {namespace!r} is already registered "
+                    "in this registry (prometheus_client's default one unless registry= is "
+                    "given): make one per process, at import, and give it to every app; an app "
+                    "built for each test gives its own PrometheusObserver(registry="
+                    "CollectorRegistry())"
+                )
+            if taken:
+                names = ", ".join(taken)
+                raise ConfigurationError(
+                    f"{names}: a metric of this name is already registered in this registry "
+                    "(another exporter's): give PrometheusObserver a namespace= of its own, or "
+                    "a registry= of its own"
+                )
+        except BaseException:
+            for metric in registered:
+                registry.unregister(metric)
+            raise
+
     def _label(self, operation: str) -> str:
-        label = self._labels.get(operation)
-        if label is not None:
-            return label
+        if operation in self._labels:
+            return operation  # (the common case: a label is its own label)
+        label = operation_label(operation)
+        if label == OVERFLOW or label in self._labels:
+            return label  # (OVERFLOW not kept: no template names it, and it may be 64 KB long)
         if len(self._labels) >= self.max_operations:
             return OVERFLOW
-        label = operation_label(operation)
-        if label == OVERFLOW:
-            return label  # (not kept: no template names it, and it may be 64 KB long)
-        self._labels[operation] = label
+        self._labels.add(label)
         if len(self._labels) == self.max_operations:
             logger.warning(
                 "idempotency metrics: %d operations labelled; any further one is counted as "

@@ -14,7 +14,7 @@ from starlette.types import Scope, Send
 
 from .errors import ProblemKind
 from .observe import shown
-from .sendable import head_problem, sendable_headers
+from .sendable import head_problem, header_problem, sendable_headers
 from .store.base import StoredResponse
 
 if TYPE_CHECKING:
@@ -244,6 +244,10 @@ async def hooked_response(
     return StoredResponse(result.status, headers, result.body, result.body_omitted)
 
 
+#: The header a replay of a response whose body was not kept carries, saying why.
+BODY_OMITTED_HEADER = b"idempotency-body-omitted"
+
+
 def _malformed(result: object) -> str | None:
     if not isinstance(result, StoredResponse):
         return f"{type(result).__name__}, not a StoredResponse or None"
@@ -251,8 +255,17 @@ def _malformed(result: object) -> str | None:
         return f"the status {result.status!r}"
     if not isinstance(result.body, bytes):
         return "a body that is not bytes"
-    if result.body_omitted is not None and not isinstance(result.body_omitted, str):
-        return f"body_omitted={result.body_omitted!r}"
+    if result.body_omitted is not None:
+        if not isinstance(result.body_omitted, str):
+            return f"body_omitted={result.body_omitted!r}"
+        # (sent as a header's value: one with a line break was a head no server sends, and
+        # every replay of the record failed)
+        try:
+            value = result.body_omitted.encode()
+        except UnicodeEncodeError:
+            return "a body_omitted that is not UTF-8 text"
+        if header_problem((BODY_OMITTED_HEADER, value)) is not None:
+            return "a body_omitted no header value can hold (a control character, an edge space)"
     # Named, never quoted: a value may carry what the stored response does. The rule is the
     # one a handler's own response meets (sendable.py): what servers send.
     return head_problem(result.status, result.headers)
@@ -305,7 +318,7 @@ async def send_replay(
         # the status and headers say what happened; the empty body must not claim a type, nor
         # an encoding (an empty body is no gzip stream).
         headers = [(n, v) for n, v in headers if n.lower() not in _BODY_CLAIMS]
-        headers.append((b"idempotency-body-omitted", response.body_omitted.encode()))
+        headers.append((BODY_OMITTED_HEADER, response.body_omitted.encode()))
         body = b""
     if response.status < 200 or response.status in (204, 304):
         # No content, whatever the handler sent (servers sent the first client none, and refuse
