@@ -6,15 +6,18 @@ from __future__ import annotations
 
 import copy
 from typing import Any
+from urllib.parse import unquote
 
 from .errors import ProblemKind
 from .keys import MAX_KEY_LENGTH
 from .keysource import KeyFromHeader, as_key_source
+from .library_routes import ROUTE_OPERATIONS_ATTRIBUTE, GuardedOperations
 from .middleware import IdempotencyMiddleware
-from .ops import find_middleware, guarded_operations
+from .ops import GuardedOperation, find_middleware, guarded_operations
 from .outcomes import RELEASE_STATUSES
 from .policy import Policy
 from .responses import DEFAULT_PROBLEM_BASE, problem_status, problem_title
+from .routing import Found, routes_of, walk
 
 PROBLEM_SCHEMA = "IdempotencyProblem"
 _PROBLEM_REF = {"$ref": f"#/components/schemas/{PROBLEM_SCHEMA}"}
@@ -98,18 +101,44 @@ def _replayable(status: str) -> bool:
     return 200 <= int(status) < 500 and int(status) not in RELEASE_STATUSES
 
 
-def header_parameter(policy: Policy, name: str = "Idempotency-Key") -> dict[str, Any]:
+def _token_sentence(operation: str | None, token_path: str | None) -> str:
+    """How a client gets a key for a `require_token` operation: anything it makes up itself is
+    refused (400 token-invalid), a UUID included."""
+    route = f"`POST {token_path}`" if token_path else "the server's token route"
+    body = f'`{{"operation": "{operation}"}}`' if operation else "the operation"
+    return (
+        f"The key must be a one-time token issued by the server: get one from {route} with "
+        f"{body} (and an optional `intent_id`: the same intent gets the same token); a value "
+        "the client makes up (a UUID) is refused, 400 token-invalid."
+    )
+
+
+def header_parameter(
+    policy: Policy,
+    name: str = "Idempotency-Key",
+    *,
+    operation: str | None = None,
+    token_path: str | None = None,
+) -> dict[str, Any]:
+    """The key's header parameter. For `require_token`, `operation` (`POST /orders`) and the
+    token route's `token_path` name the request that gets a token."""
     required = policy.key_required
+    if policy.require_token:
+        what = f"{_token_sentence(operation, token_path)} Send the same token with each retry."
+    else:
+        what = (
+            "A string of 1-255 printable ASCII characters, sent as a structured-field string "
+            '(`"8e03f1..."`) or a bare token; use a new random value (a UUID) per intent and the '
+            "same value for each retry."
+        )
     return {
         "name": name,
         "in": "header",
         "required": required,
         "description": (
-            "Makes retries of this request safe. A string of 1-255 printable ASCII characters, "
-            'sent as a structured-field string (`"8e03f1..."`) or a bare token; use a new '
-            "random value (a UUID) per intent and the same value for each retry. A repeated "
-            "request with the same key gets the original response, marked "
-            "`Idempotent-Replayed: true`; the same key with a different request is a 422. "
+            f"Makes retries of this request safe. {what} A repeated request with the same key "
+            "gets the original response, marked `Idempotent-Replayed: true`; the same key with a "
+            "different request is a 422. "
             f"Outcomes are kept for {_retention(policy.retention_seconds)}."
             + ("" if required else " Optional: without it the request is not deduplicated.")
         ),
@@ -122,25 +151,61 @@ def header_parameter(policy: Policy, name: str = "Idempotency-Key") -> dict[str,
     }
 
 
-def _document_key(operation: dict[str, Any], policy: Policy) -> None:
+def _token_path(app: Any) -> str | None:
+    """Where the app serves its token route (the first, as the router tries them), if it has
+    one that can be seen."""
+    for item in walk(routes_of(app) or ()):
+        if not isinstance(item, Found):
+            continue
+        operations = getattr(item.endpoint, ROUTE_OPERATIONS_ATTRIBUTE, None)
+        if isinstance(operations, GuardedOperations) and operations.kind == "tokens":
+            return item.path_format
+    return None
+
+
+def _resolved(schema: dict[str, Any], node: Any) -> dict[str, Any] | None:
+    """The object `node` is, following its `$ref`s within `schema`; None for a reference to
+    another document (or to nothing)."""
+    seen: set[str] = set()
+    while isinstance(node, dict) and "$ref" in node:
+        ref = node["$ref"]
+        if not isinstance(ref, str) or not ref.startswith("#/") or ref in seen:
+            return None
+        seen.add(ref)
+        node = schema
+        for part in ref[2:].split("/"):
+            # A URI fragment holding a JSON Pointer: percent-encoded, then `~1` and `~0`.
+            part = unquote(part).replace("~1", "/").replace("~0", "~")
+            node = node.get(part) if isinstance(node, dict) else None
+    return node if isinstance(node, dict) else None
+
+
+def _document_key(
+    schema: dict[str, Any], operation: dict[str, Any], op: GuardedOperation, token_path: str | None
+) -> None:
     """The key's header parameter (Idempotency-Key, or the policy's own header); for a key in
     the body or computed by a function, no header but a line in the description."""
+    policy = op.policy
     source = as_key_source(policy.key_source)  # a Policy has wrapped a function already
     name = source.name if isinstance(source, KeyFromHeader) else "Idempotency-Key"
     parameters = operation.setdefault("parameters", [])
+    # The app's own parameter for the header goes, a `$ref` to one too (two would be invalid).
+    named = [_resolved(schema, p) or {} for p in parameters]
     parameters[:] = [
         p
-        for p in parameters
-        if not (p.get("in") == "header" and p.get("name", "").lower() == name.lower())
+        for p, it in zip(parameters, named, strict=True)
+        if not (it.get("in") == "header" and str(it.get("name", "")).lower() == name.lower())
     ]
     if source is None or isinstance(source, KeyFromHeader):
-        parameters.append(header_parameter(policy, name))
+        parameters.append(header_parameter(policy, name, operation=op.name, token_path=token_path))
         return
     line = (
         f"Idempotent: the key is taken from {source.describe()} (1-255 printable ASCII "
         "characters); a repeated request with the same key gets the original response, marked "
         "`Idempotent-Replayed: true`."
     )
+    if policy.require_token:
+        line += " " + _token_sentence(op.name, token_path)
     operation["description"] = "\n\n".join(filter(None, [operation.get("description"), line]))
 
 
@@ -175,6 +240,47 @@ def _problem_response(kinds: list[ProblemKind], base: str) -> dict[str, Any]:
     }
 
 
+def _inline(
+    schema: dict[str, Any], responses: dict[str, Any], status: str
+) -> dict[str, Any] | None:
+    """The response at `status`, to add to: a `$ref` (`#/components/responses/...`) is replaced
+    by a copy of what it names, since OpenAPI allows nothing beside a `$ref` (tools ignore it,
+    validators refuse it) and the component may serve other operations. None when there is
+    nothing to add to: no such response, or a reference that cannot be followed (another
+    document's), left as the app wrote it."""
+    response = responses.get(status)
+    target = _resolved(schema, response)
+    if target is not None and target is not response:
+        target = copy.deepcopy(target)
+        if isinstance(response, dict) and "description" in response:
+            target["description"] = response["description"]  # (3.1: the reference's wins)
+        responses[status] = target
+    return target
+
+
+def _either(own: Any, added: dict[str, Any]) -> Any:
+    if own is None or own == added:
+        return added
+    if isinstance(own, dict) and added in own.get("anyOf", []):
+        return own
+    return {"anyOf": [own, added]}
+
+
+def _merge(own: dict[str, Any], added: dict[str, Any]) -> None:
+    """Document what the middleware answers at a status the app documents too: either body
+    (per media type), the app's headers kept and the middleware's added, both descriptions."""
+    content = own.setdefault("content", {})
+    for media, entry in added.get("content", {}).items():
+        mine = content.get(media, {})
+        content[media] = {**mine, "schema": _either(mine.get("schema"), entry["schema"])}
+    for name, header in added.get("headers", {}).items():
+        headers = own.setdefault("headers", {})
+        if name.lower() not in {h.lower() for h in headers}:
+            headers[name] = header
+    described = [own.get("description"), added["description"]]
+    own["description"] = " / ".join(dict.fromkeys(d for d in described if d))
+
+
 def document_openapi(
     schema: dict[str, Any], app: Any, *, problem_base: str | None = None, mount: str = ""
 ) -> dict[str, Any]:
@@ -195,36 +301,33 @@ def document_openapi(
             if isinstance(operation, dict) and "responses" in operation:
                 # YAML docstrings (Starlette's SchemaGenerator) give integer status keys.
                 operation["responses"] = {str(k): v for k, v in operation["responses"].items()}
+    token_path = _token_path(app)
     for op in operations:
         operation = paths.get(op.path_format[len(mount) :], {}).get(op.method.lower())
         if operation is None:
             continue
-        _document_key(operation, op.policy)
+        _document_key(schema, operation, op, token_path)
         responses = operation.setdefault("responses", {})
-        for status, response in responses.items():
-            if _replayable(status):
+        for status in list(responses):
+            if _replayable(status) and (response := _inline(schema, responses, status)) is not None:
                 response.setdefault("headers", {})["Idempotent-Replayed"] = copy.deepcopy(
                     _REPLAYED_HEADER
                 )
+        added = [
+            (status, _problem_response(kinds, problem_base), kinds)
+            for status, kinds in _problems(op.policy, mw).items()
+        ]
         if op.policy.accept_while_in_flight:
-            responses["202"] = copy.deepcopy(_ACCEPTED)
-        for status, kinds in _problems(op.policy, mw).items():
-            problem = _problem_response(kinds, problem_base)
-            if status in responses:
-                # Keep what the app documents (FastAPI's validation 422, or a problem of the
-                # app's own at this status: then either shape) and add the problem.
-                existing = responses[status]
-                content = existing.setdefault("content", {})
-                own = content.get(_PROBLEM_TYPE, {}).get("schema")
-                content.update(problem["content"])
-                if own is not None and own != _PROBLEM_REF:
-                    either = {"anyOf": [own, copy.deepcopy(_PROBLEM_REF)]}
-                    content[_PROBLEM_TYPE] = {"schema": either}
-                existing["description"] = (
-                    f"{existing.get('description', '')} / {problem['description']}"
-                )
+            added.insert(0, ("202", copy.deepcopy(_ACCEPTED), []))
+        for status, answer, kinds in added:
+            if status not in responses:
+                responses[status] = answer
+            elif (own := _inline(schema, responses, status)) is not None:
+                # Keep what the app documents (a job API's own 202, FastAPI's validation 422, a
+                # problem of the app's own) and add what the middleware answers there.
+                _merge(own, answer)
             else:
-                responses[status] = problem
+                continue  # another document's response: nothing can be added beside its $ref
             if ProblemKind.UNAUTHENTICATED in kinds and mw is not None and mw.tenants.challenge:
                 responses[status].setdefault("headers", {})["WWW-Authenticate"] = {
                     "description": "The authentication challenge (RFC 9110)",
