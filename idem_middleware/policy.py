@@ -140,6 +140,11 @@ class Policy:
                     "back with the claim), so there is nothing to reconcile. Set "
                     "mode=Mode.LEASE for effects outside the database, or drop the reconciler"
                 )
+        if self.require_token and not self.key_required:
+            raise ConfigurationError(
+                "require_token=True with key_required=False: a request without a key would run "
+                "unguarded, so any caller could skip the token. A token route needs its key"
+            )
         object.__setattr__(self, "exclude_fields", fields(self.exclude_fields, "exclude_fields"))
         object.__setattr__(self, "include_fields", fields(self.include_fields, "include_fields"))
         object.__setattr__(self, "key_source", as_key_source(self.key_source))

@@ -33,8 +33,11 @@ from .tenant import (
 )
 
 # An operation is `METHOD /template`, or `METHOD host/template` under a `Host` route
-# (policy.operation_name); the bounds keep a probe cheap.
-OPERATION_SHAPE = re.compile(r"[A-Z]{1,32} [^/\x00-\x20\x7f]{0,255}/[^\x00-\x1f\x7f]{0,2000}")
+# (policy.operation_name); its method any upper-case token the middleware may guard (HTTP's
+# tchar: `methods=("VERSION-CONTROL",)`, say); the bounds keep a probe cheap.
+OPERATION_SHAPE = re.compile(
+    r"[!#$%&'*+.^_`|~0-9A-Z-]{1,255} [^/\x00-\x20\x7f]{0,255}/[^\x00-\x1f\x7f]{0,2000}"
+)
 _BAD_OPERATION = (
     "The operation is `METHOD /path-template` (under a Host route `METHOD host/path-template`),"
     " as the Location of a 202 gives it."

@@ -607,3 +607,52 @@ async def test_a_token_in_the_status_url_is_refused_and_never_logged(
         assert_problem(absent, 404, "record-not-found")
     ours = [r for r in caplog.records if r.name.startswith("idem_middleware")]
     assert not [r for r in ours if token in r.getMessage()]
+
+
+async def test_an_operation_of_any_method_the_middleware_guards_is_looked_up_and_tokened() -> None:
+    """Found by probing: the middleware guards any HTTP method token (`VERSION-CONTROL`,
+    `M-SEARCH`), but the status resource and the token route took only letters: the 202's
+    Location was a `400 invalid-key`, and no token could ever be issued for such a route."""
+    store = MemoryStore()
+    issuer = TokenIssuer(store, secret=b"s" * 32)
+    gate, entered = asyncio.Event(), asyncio.Event()
+
+    async def slow(request: Request) -> Response:
+        entered.set()
+        await gate.wait()
+        return JSONResponse({}, 201)
+
+    async def tokened(request: Request) -> Response:
+        return JSONResponse({}, 201)
+
+    methods = ["VERSION-CONTROL"]
+    app = Starlette(
+        routes=[
+            Route(
+                "/res",
+                idempotent(accept_while_in_flight=True, wait_seconds=0.05)(slow),
+                methods=methods,
+            ),
+            Route("/tok", idempotent(require_token=True)(tokened), methods=methods),
+            token_route(issuer),
+            status_route(store),
+        ],
+        middleware=[
+            Middleware(AuthenticationMiddleware, backend=BearerBackend()),
+            Middleware(IdempotencyMiddleware, store=store, methods=["POST", *methods]),
+        ],
+    )
+    async with client(app) as c:
+        first = asyncio.create_task(c.request("VERSION-CONTROL", "/res", headers=key("k")))
+        await asyncio.wait_for(entered.wait(), BOUND)
+        duplicate = await c.request("VERSION-CONTROL", "/res", headers=key("k"))
+        assert duplicate.status_code == 202, duplicate.text
+        status = await c.get(duplicate.headers["location"])
+        gate.set()
+        assert (await asyncio.wait_for(first, BOUND)).status_code == 201
+        issued = await c.post("/idempotency/tokens", json={"operation": "VERSION-CONTROL /tok"})
+        assert issued.status_code == 201, issued.text
+        used = await c.request("VERSION-CONTROL", "/tok", headers=key(issued.json()["token"]))
+    assert status.status_code == 200, status.text
+    assert status.json()["operation"] == "VERSION-CONTROL /res"
+    assert used.status_code == 201, used.text

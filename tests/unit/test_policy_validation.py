@@ -313,3 +313,10 @@ def test_a_plainly_sync_reconciler_is_refused_at_construction(reconciler: Any) -
 )
 def test_an_async_reconciler_in_any_shape_is_accepted(reconciler: Any) -> None:
     assert Policy(mode=Mode.LEASE, reconciler=reconciler).reconciler is reconciler
+
+
+def test_a_token_route_whose_key_is_optional_is_refused() -> None:
+    # Without a key the request would run unguarded: any caller could skip the token.
+    with pytest.raises(ConfigurationError, match="require_token=True with key_required=False"):
+        Policy(require_token=True, key_required=False)
+    assert Policy(require_token=True).key_required
