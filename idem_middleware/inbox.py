@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .outbox import _seconds, _store
+from .store.postgres import PostgresStore
 
 
 async def purge_inbox(
@@ -27,7 +28,27 @@ async def purge_inbox(
     """Delete the inbox rows recorded more than `older_than_seconds` ago (a finite number from
     0: no default, it is yours to choose, see above), `batch_size` rows a short transaction,
     `max_batches` transactions at most (whole numbers from 1). Returns how many; `progress` is
-    called with the count so far after each batch commits. Anything else is a ValueError before
-    any statement."""
+    called with the count so far after each batch commits. `pool` is an asyncpg pool (or a
+    PostgresStore). Anything else is a ValueError before any statement."""
+    _check_pool(pool)
+    if progress is not None and not callable(progress):
+        # (a TypeError out of the loop, after the first batch was deleted and committed)
+        raise ValueError(
+            "purge_inbox: progress is called with the count so far after each batch (a "
+            f"callable, or None), not the {type(progress).__name__} {progress!r:.60}"
+        )
     age = _seconds(older_than_seconds, "older_than_seconds", False)
     return await _store(pool).inbox_purge(batch_size, age, max_batches, progress)
+
+
+def _check_pool(pool: Any) -> None:
+    """A pool (anything with `acquire`, as asyncpg's) or a PostgresStore: a DSN's str was an
+    AttributeError from the store, and None "pass exactly one of pool= or dsn=", arguments the
+    caller never used. The value itself is not repeated: a DSN may hold a password."""
+    if isinstance(pool, PostgresStore) or callable(getattr(pool, "acquire", None)):
+        return
+    what = "None" if pool is None else f"a value of type {type(pool).__name__}"
+    hint = ": for a DSN, pass `await asyncpg.create_pool(dsn)`" if isinstance(pool, str) else ""
+    raise ValueError(
+        f"purge_inbox: the first argument is an asyncpg pool or a PostgresStore, not {what}{hint}"
+    )

@@ -83,6 +83,16 @@ class Reservation:
         import asyncpg  # (here, not at the top: the plugin loads in every pytest run)
 
         self._conn = await asyncpg.connect(server_dsn)
+        given = await self._conn.fetchval("SELECT current_database()")
+        if given == _DATABASE or given.startswith(f"{_DATABASE}_"):
+            # It was dropped (WITH (FORCE)) as the run's own, or failed to be (ObjectInUseError)
+            # while this very connection held it: never the database of IDEM_TEST_DSN.
+            pytest.fail(
+                f"idem_postgres_dsn: {DSN_ENV} names the database {given}, which the plugin "
+                f"creates and drops for its tests ({_DATABASE}, {_DATABASE}_1, {_DATABASE}_gw0 "
+                "...): point it at another database, e.g. postgres",
+                pytrace=False,
+            )
         base = database_name()
         for n in range(_RUNS):
             name = base if n == 0 else f"{base}_{n}"

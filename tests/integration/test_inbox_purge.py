@@ -162,6 +162,42 @@ async def test_purge_inbox_refuses_what_cannot_work_before_any_statement(
     assert await pool.fetchval("SELECT count(*) FROM idem_inbox") == 5
 
 
+async def test_purge_inbox_refuses_a_progress_it_cannot_call_before_any_statement(
+    pool: Any,
+) -> None:
+    """`progress=5` was a TypeError ("'int' object is not callable") raised after the first
+    batch was deleted and committed, where the docstring promised a ValueError first."""
+    await _old_rows(pool, 5)
+    with pytest.raises(ValueError, match=r"progress .*\(a callable, or None\), not the int 5"):
+        await purge_inbox(pool, older_than_seconds=60, batch_size=2, progress=5)  # type: ignore[arg-type]
+    assert await pool.fetchval("SELECT count(*) FROM idem_inbox") == 5
+
+
+@pytest.mark.parametrize(
+    ("given", "named"),
+    [
+        (
+            "postgresql://app:s3cret@db.example/app",
+            "not a value of type str: for a DSN, pass `await asyncpg",
+        ),
+        (None, "not None"),
+        (42, "not a value of type int"),
+    ],
+)
+async def test_purge_inbox_refuses_what_is_no_pool_naming_what_it_was_given(
+    given: Any, named: str
+) -> None:
+    """A DSN as the first argument was an AttributeError ("'str' object has no attribute
+    'acquire'"), and None a ValueError naming `pool=` and `dsn=`, arguments the caller never
+    used. The DSN's password is not repeated."""
+    with pytest.raises(
+        ValueError, match=r"^purge_inbox: the first argument is an asyncpg pool"
+    ) as no:
+        await purge_inbox(given, older_than_seconds=60)
+    assert named in str(no.value)
+    assert "s3cret" not in str(no.value)
+
+
 async def test_purge_inbox_deletes_in_batches_reporting_each(pool: Any) -> None:
     await _old_rows(pool, 5)
     await pool.execute("INSERT INTO idem_inbox (consumer, event_id) VALUES ('ledger', 'fresh')")

@@ -12,9 +12,12 @@ import tempfile
 import time
 import tomllib
 from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
 import pytest
+
+from idem_middleware.pytest_databases import database_name
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -599,6 +602,40 @@ def test_a_role_that_cannot_create_databases_is_told_what_the_plugin_needs(
             "on the server of IDEM_TEST_DSN)*give IDEM_TEST_DSN a role with CREATEDB*"
         ]
     )
+
+
+def test_a_dsn_naming_the_plugins_own_database_is_refused_and_left_alone(
+    pytester: pytest.Pytester, inner_env: Path, pg_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """IDEM_TEST_DSN naming a database called `idem_pytest` (the plugin's name for its own): the
+    plugin ran `DROP DATABASE "idem_pytest" WITH (FORCE)` on the very database the DSN names,
+    and the run failed with asyncpg's raw ObjectInUseError. That database is only connected to."""
+    name = database_name()  # (the name this worker's inner run takes first: idem_pytest ...)
+
+    async def admin(sql: str) -> None:
+        conn = await asyncpg.connect(pg_dsn)
+        try:
+            await conn.execute(sql)
+        finally:
+            await conn.close()
+
+    asyncio.run(admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+    asyncio.run(admin(f'CREATE DATABASE "{name}"'))
+    try:
+        monkeypatch.setenv("IDEM_TEST_DSN", urlunsplit(urlsplit(pg_dsn)._replace(path=f"/{name}")))
+        pytester.makepyfile(test_db="def test_db(idem_postgres_dsn):\n    pass\n")
+        result = run(pytester)
+        assert name in asyncio.run(_databases(pg_dsn))
+    finally:
+        asyncio.run(admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+    result.assert_outcomes(errors=1)
+    result.stdout.fnmatch_lines(
+        [
+            f"idem_postgres_dsn: IDEM_TEST_DSN names the database {name}, which the plugin "
+            "creates and drops for its tests (*): point it at another database, e.g. postgres"
+        ]
+    )
+    assert "ObjectInUseError" not in result.stdout.str()
 
 
 SYNC_TESTS_WITH_EMPTIED_TABLES = """
