@@ -44,6 +44,12 @@ class Problem(Answer):
     retry_after: int | None = None
 
 
+def request_digest(fingerprint: bytes) -> str:
+    """What a 202's Location says of its request (see `InFlight.fingerprint`): 96 bits of its
+    fingerprint, enough to tell it from the original's, in a URL that already holds the key."""
+    return fingerprint[:12].hex()
+
+
 @quick_init  # (see frozen.py)
 @dataclass(frozen=True, slots=True)
 class InFlight(Answer):
@@ -51,6 +57,10 @@ class InFlight(Answer):
     so (the exchange knows the policy and the status resource's path)."""
 
     detail: str = "The original request is still being processed; retry later."
+    #: This request's fingerprint, when the original's cannot be compared with it yet (an
+    #: uncommitted transactional claim): the 202's Location carries a digest of it, and the
+    #: status resource answers `422 key-reused` once the original's record shows it differs.
+    fingerprint: bytes | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,7 +15,7 @@ from urllib.parse import quote, urlencode
 from starlette.exceptions import HTTPException
 from starlette.types import Message, Receive, Scope, Send
 
-from .answers import Answer, InFlight, Problem, Replay, Sent
+from .answers import Answer, InFlight, Problem, Replay, Sent, request_digest
 from .capture import ResponseCapture
 from .client_watch import ClientWatch
 from .context import key_digest, token_hash
@@ -141,9 +141,8 @@ class Exchange(ClientWatch):
             else:
                 key = await take_key(self, policy.key_source)
             key_error: RequestRejected | HTTPException | None = None
-        # (An error kept past its `except` loses its traceback, which holds this frame: kept, it
-        # made a cycle holding the request. A refusal is answered here, never raised on: an
-        # app's one HTTPException raised at every request grew its traceback by each request.)
+        # (An error kept past its `except` loses its traceback, which holds this frame: a cycle.
+        # A refusal is answered, never raised on: one raised at every request grew its traceback.)
         except RequestRejected as exc:
             key, key_error = None, exc.with_traceback(None)
         except HTTPException as exc:  # a key function's 4xx, answered after the tenant's 401
@@ -263,8 +262,8 @@ class Exchange(ClientWatch):
                 return self.replay(response)
             case Problem(kind=kind, detail=detail, retry_after=retry_after):
                 return self.problem(kind, detail, retry_after)
-            case InFlight(detail=detail):
-                return self._in_flight(detail)
+            case InFlight(detail=detail, fingerprint=fingerprint):
+                return self._in_flight(detail, fingerprint)
             case Sent():
                 return _nothing()  # streamed already
             case _:  # pragma: no cover - every other Answer is handled above
@@ -289,16 +288,17 @@ class Exchange(ClientWatch):
             hook = self.policy.replay_hook
             await send_replay(self.send, response, hook, self.scope, self.operation)
 
-    async def _in_flight(self, detail: str) -> None:
+    async def _in_flight(self, detail: str, fingerprint: bytes | None) -> None:
         """409 + Retry-After, or 202 + Location of the status resource if the policy says so
         (not to an anonymous caller: the status resource answers authenticated callers only)."""
         record_key = self.record_key
         if not self.policy.accept_while_in_flight or record_key is None or not record_key.tenant:
             await self.problem(ProblemKind.IN_FLIGHT, detail, self.policy.retry_after_seconds)
             return
-        # A one-time token stays out of the URL (access logs print URLs): sent as a header.
-        fields = [("operation", record_key.operation), ("key", record_key.key)]
-        query = urlencode(fields[:1] if self.policy.require_token else fields)
+        fields = [("operation", record_key.operation)]  # (a token stays out of URLs: logged)
+        fields += [] if self.policy.require_token else [("key", record_key.key)]
+        fields += [] if fingerprint is None else [("request", request_digest(fingerprint))]
+        query = urlencode(fields)
         # Under the app's root path as the client addressed it, percent-encoded again (the scope
         # holds it decoded: a `%0D%0A` in a mount's parameter is no line break in the header).
         root_path = quote(self.scope.get("root_path", ""), safe="/")

@@ -53,6 +53,8 @@ class LeaseRun:
         #: The generation of an unknown record whose fence another session held when this
         #: request's reconciler asked: asked again only once this request holds the fence.
         self._held: int | None = None
+        #: The timer of this duplicate's wait, while it waits (`duplicate`).
+        self._wait_timer: contextlib.ExitStack | None = None
 
     def claim(self) -> Awaitable[Claim]:
         # The store's own coroutine, returned: no coroutine of this method's wraps it.
@@ -109,7 +111,9 @@ class LeaseRun:
                                 ProblemKind.IN_FLIGHT, WAITERS_FULL, policy.retry_after_seconds
                             )
                         waiting.callback(waiters.leave)
-                        waiting.enter_context(self.ex.timed("wait"))
+                        timer = self._wait_timer = contextlib.ExitStack()
+                        timer.enter_context(self.ex.timed("wait"))
+                        waiting.callback(self._waited)
                     await self.ex.wait_present(watch.wait(min(remaining, poll)))
                     poll = min(poll * 2, _MAX_POLL)
                 try:
@@ -195,6 +199,7 @@ class LeaseRun:
         policy = self.policy
         if policy.reconciler is None:
             return duplicate_answer(record, self.fingerprint, _NO_RECONCILER)
+        self._waited()
         # The reconciler may open its fenced transaction (a connection): it holds the tenant's
         # slot meanwhile, as an execution does, and keeps it to run the request again.
         slot = await self._slot_by(deadline)
@@ -276,6 +281,13 @@ class LeaseRun:
             pause = min(pause * 2, _MAX_POLL)
         return None  # pragma: no cover
 
+    def _waited(self) -> None:
+        """The wait is over: its timer stops here, not after the handler or the reconciler the
+        duplicate goes on to run (those would count as waiting, their spans under the wait's)."""
+        timer, self._wait_timer = self._wait_timer, None
+        if timer is not None:
+            timer.close()
+
     def busy(self) -> Problem:
         return Problem(ProblemKind.TENANT_BUSY, TENANT_BUSY, self.policy.retry_after_seconds)
 
@@ -285,4 +297,5 @@ class LeaseRun:
         """Run the handler under `generation` (see lease_executor.py): the execution's own
         coroutine, returned (no coroutine of this method's sits above every await of the
         handler)."""
+        self._waited()
         return LeaseExecution(self.ex, self.key, generation, epoch).run()

@@ -17,6 +17,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from .answers import request_digest
 from .errors import ProblemKind, RequestRejected, StoreError
 from .keys import check_key, parse_idempotency_key
 from .library_routes import ROUTE_OPERATIONS_ATTRIBUTE, GuardedOperations, LibraryRoute
@@ -67,6 +68,9 @@ _UNSEEN = (
 _RUNNING = "The request is running: ask again later, or send it again with the same key."
 _NOTHING_RUNS = "Nothing runs this request any more: send it again with the same key."
 _FINISHED = "The request has finished: send it again with the same key for its response."
+# A 202's request (its Location's `request`: answers.request_digest) that was not the original.
+_REQUEST = re.compile(r"[0-9a-f]{24}")
+_OTHER_REQUEST = "Another request holds this key; yours did not run. Use a new key for it."
 _ASKS = (
     " Send it again with the same key: the server asks the system it called what happened, then"
     " answers with the outcome or runs it again."
@@ -194,7 +198,7 @@ def status_route(
         if isinstance(tenant, Response):
             return tenant
         query = request.query_params
-        if len(query.getlist("operation")) > 1 or len(query.getlist("key")) > 1:
+        if any(len(query.getlist(name)) > 1 for name in ("operation", "key", "request")):
             # (The last one would be read: a client could be told of another request than its.)
             return _problem(ProblemKind.INVALID_KEY, _REPEATED)
         operation = query.get("operation")
@@ -213,6 +217,9 @@ def status_route(
             return _problem(exc.kind, exc.detail)
         if OPERATION_SHAPE.fullmatch(operation) is None:
             return _problem(ProblemKind.INVALID_KEY, _BAD_OPERATION)
+        request_seen = query.get("request")
+        if request_seen is not None and _REQUEST.fullmatch(request_seen) is None:
+            return _problem(ProblemKind.INVALID_KEY, "The request is as a 202's Location gives it.")
         policy = operations.policy(operation)
         if policy is not None and policy.require_token and query.get("key") is not None:
             return _problem(ProblemKind.INVALID_KEY, _TOKEN_IN_URL)
@@ -239,6 +246,12 @@ def status_route(
             return _problem(
                 ProblemKind.RECORD_NOT_FOUND, _NOT_FOUND if claiming is False else _UNSEEN
             )
+        if (
+            request_seen is not None
+            and not record.retry_allowed  # (released: the key is free, a retry runs the request)
+            and request_seen != request_digest(record.fingerprint)
+        ):
+            return _problem(ProblemKind.KEY_REUSED, _OTHER_REQUEST)
         retry, detail = _retry_and_detail(record, policy, by_hand)
         status = None if record.response is None else record.response.status
         return _answered(operation, record.state, status, retry, detail, policy)

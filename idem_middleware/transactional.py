@@ -78,8 +78,10 @@ async def run_transactional(
     try:
         for _ in range(wait_rounds(policy.wait_seconds, _MAX_POLL)):
             if exc is None:
+                attempt = Attempt(ex, record_key, fingerprint, deadline is None)
+                attempt.waited = waiting  # (its timer stops once the key is no longer busy)
                 try:
-                    return await Attempt(ex, record_key, fingerprint, deadline is None).run()
+                    return await attempt.run()
                 except RETRIED as raised:
                     # (without its traceback, which holds this frame: kept, a cycle)
                     exc = raised.with_traceback(None)
@@ -96,12 +98,12 @@ async def run_transactional(
                     deadline = now + policy.wait_seconds
                 remaining = deadline - now
                 if remaining <= 0:
-                    return InFlight()
+                    return InFlight(fingerprint=fingerprint)
                 await ex.wait_present(waiters.wait(record_key, min(remaining, poll)))
                 poll = min(poll * 2, _MAX_POLL)
                 continue
             if isinstance(exc, ClaimTimeout):
-                return InFlight()
+                return InFlight(fingerprint=fingerprint)
             assert isinstance(exc, RetryableConflict)
             if ex.started or conflicts == retries:
                 cause = exc.__cause__
@@ -146,6 +148,7 @@ class Attempt(ResponseCapture):
         "timed_claim",
         "tx",
         "uncancelled",
+        "waited",
         "watcher",
     )
 
@@ -174,6 +177,8 @@ class Attempt(ResponseCapture):
         self.running = False
         self.gone = False
         self.uncancelled = False
+        #: The timer of the wait for a busy key this attempt follows (`run_transactional`).
+        self.waited: contextlib.ExitStack | None = None
 
     async def run(self) -> Answer | None:
         ex = self.ex
@@ -213,6 +218,8 @@ class Attempt(ResponseCapture):
                     return answer
                 if isinstance(claim, TokenRefused):
                     return Problem(ProblemKind.TOKEN_INVALID, claim.reason)
+                if self.waited is not None:
+                    self.waited.close()  # the wait is over: the handler's run is no wait
                 self.claimed = True
                 self.context = claimed_context(
                     record_key.tenant,

@@ -656,3 +656,37 @@ async def test_an_operation_of_any_method_the_middleware_guards_is_looked_up_and
     assert status.status_code == 200, status.text
     assert status.json()["operation"] == "VERSION-CONTROL /res"
     assert used.status_code == 201, used.text
+
+
+async def test_a_202_for_another_request_under_a_running_key_never_reads_as_its_success(
+    store: Any,
+) -> None:
+    """Found by probing: in transactional mode a running original's fingerprint cannot be read
+    (its claim is uncommitted), so a different request under its key got the 202 too, and its
+    Location then said `succeeded`: the original's outcome, read as its own. The Location now
+    carries a digest of its request, and once the original's record shows it differs the status
+    resource answers `422 key-reused`; the same request's Location reads the outcome as before."""
+    policy = Policy(accept_while_in_flight=True, wait_seconds=0.05)
+    app = build_app(store, default_policy=policy)
+    probe = app.state.probe
+    async with client(app) as c, Held(probe) as held:
+        first = held.start(c.post(CREDIT, json={"amount": 1}, headers=key("k202")))
+        await wait_entered(probe)
+        other = await c.post(CREDIT, json={"amount": 999}, headers=key("k202"))
+        same = await c.post(CREDIT, json={"amount": 1}, headers=key("k202"))
+        assert (other.status_code, same.status_code) == (202, 202), other.text
+        running = await c.get(other.headers["location"])
+        held.release()
+        assert (await asyncio.wait_for(first, BOUND)).status_code == 201
+        after_other = await c.get(other.headers["location"])
+        after_same = await c.get(same.headers["location"])
+        mangled = await c.get(other.headers["location"] + "&request=zz")
+        bad = await c.get(other.headers["location"].replace("request=", "request=0"))
+    assert other.headers["location"] != same.headers["location"]
+    assert running.status_code == 200
+    assert running.json()["state"] == "pending"
+    assert_problem(after_other, 422, "key-reused")
+    assert after_same.status_code == 200, after_same.text
+    assert after_same.json()["state"] == "succeeded"
+    assert_problem(mangled, 400, "invalid-key")  # (a repeated parameter)
+    assert_problem(bad, 400, "invalid-key")
