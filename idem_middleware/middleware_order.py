@@ -39,10 +39,10 @@ def check_authentication(
     if mw.tenant_resolver is not authenticated_user_tenant:
         return None
     stack = [entry.cls for entry in getattr(app, "user_middleware", ())]
-    ours = next((i for i, cls in enumerate(stack) if _named(cls, "IdempotencyMiddleware")), None)
+    ours = _our_place(mw, app, stack)
     auth = [i for i, cls in enumerate(stack) if _named(cls, "AuthenticationMiddleware")]
-    if ours is None:
-        return None  # not added through the app: its order cannot be read here
+    if ours is None or (ours < 0 and not auth):
+        return None  # (its order cannot be read here; wrapping the app, what is outside it)
     anonymous = sum(p.allow_anonymous for p in policies)
     declared = _declared(inside, "AuthenticationMiddleware")
     if declared and not any(i < ours for i in auth):
@@ -69,10 +69,11 @@ def check_authentication(
         # would be refused (500), and on a route that allows anonymous callers every
         # authenticated one (its outcome never recorded: see CallerNamedLate). No order of
         # this kind works, so it fails the startup rather than every such request.
+        wrapped = " (it is in the app IdempotencyMiddleware wraps)" if ours < 0 else ""
         return (
-            "AuthenticationMiddleware runs after IdempotencyMiddleware, so the tenant resolver "
-            "finds no user: guarded requests of authenticated callers would all be refused "
-            f"(500): {AUTH_FIX}"
+            f"AuthenticationMiddleware runs after IdempotencyMiddleware{wrapped}, so the tenant "
+            "resolver finds no user: guarded requests of authenticated callers would all be "
+            f"refused (500): {AUTH_FIX}"
         )
     return None
 
@@ -134,12 +135,12 @@ def check_outer_middleware(mw: IdempotencyMiddleware, app: Any, inside: Inside =
             )
     entries = list(getattr(app, "user_middleware", ()))
     stack = [entry.cls for entry in entries]
-    ours = next((i for i, cls in enumerate(stack) if _named(cls, "IdempotencyMiddleware")), None)
+    ours = _our_place(mw, app, stack)
     if ours is None:
         return
     others = [
         getattr(cls, "__name__", repr(cls))
-        for cls in stack[:ours]
+        for cls in stack[: max(ours, 0)]
         if not any(_named(cls, name) for name in _LEAVES_CANCELLED)
     ]
     if others:
@@ -234,6 +235,13 @@ def _www_redirect(entry: Any) -> bool:
     hosts = kwargs.get("allowed_hosts", args[0] if args else None) or ()
     on = kwargs.get("www_redirect", args[1] if len(args) > 1 else True)
     return bool(on) and any(str(host).startswith("www.") for host in hosts)
+
+
+def _our_place(mw: IdempotencyMiddleware, app: Any, stack: list[Any]) -> int | None:
+    """Where the middleware is in the app's own middleware list; -1 when it wraps the app
+    (`IdempotencyMiddleware(app, ...)`: all of that list runs inside it); None when unknown."""
+    ours = next((i for i, cls in enumerate(stack) if _named(cls, "IdempotencyMiddleware")), None)
+    return -1 if ours is None and mw.app is app else ours
 
 
 def _named(cls: Any, name: str) -> bool:

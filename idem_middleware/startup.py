@@ -112,6 +112,13 @@ def check_app(mw: IdempotencyMiddleware, app: Any, scope: Scope | None = None) -
         # (shown: under a wrapper the router cannot see into, the first request's concrete path
         # names the operation, and its decoded `%0D%0A` would forge a log line)
         logger.info("idempotency: guarding %s (%s)", shown(name), describe(policy))
+    if reachable and not guarded:  # (`methods=()` and no policy yet, say: a silent no-op)
+        logger.warning(
+            "idempotency: IdempotencyMiddleware guards none of the app's %d operations with an"
+            " unsafe method (its methods: %s): every request passes through unguarded",
+            len(reachable),
+            ", ".join(sorted(mw.methods)) or "none",
+        )
     named = Counter(name for name, _ in guarded)
     for name in sorted(name for name, count in named.items() if count > 1):
         logger.warning(  # (routes told apart by more than their path: a version header, say)

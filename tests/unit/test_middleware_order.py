@@ -365,3 +365,48 @@ async def test_tracing_inside_ours_is_warned_of(caplog: pytest.LogCaptureFixture
     warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warned) == 1
     assert warned[0].startswith("idempotency: OpenTelemetryMiddleware runs after Idempo")
+
+
+def _wrapped(inner: Middleware) -> IdempotencyMiddleware:
+    """`IdempotencyMiddleware(app, ...)` around an app with `inner` in its own list (so inside)."""
+    app = Starlette(routes=[Route("/pay", pay, methods=["POST"])], middleware=[inner])
+    return IdempotencyMiddleware(app, store=MemoryStore())
+
+
+async def test_authentication_inside_an_app_the_middleware_wraps_fails_the_startup() -> None:
+    """Found by probing: wrapping the app (`IdempotencyMiddleware(app, ...)`, as the README shows
+    for any ASGI app) skipped every order check, so its own AuthenticationMiddleware, inside
+    ours, went unreported, and every authenticated guarded request was a 500."""
+    app = _wrapped(Middleware(AuthenticationMiddleware, backend=BearerBackend()))
+    failure = await _startup_failure(app)  # type: ignore[arg-type]
+    assert "AuthenticationMiddleware runs after IdempotencyMiddleware (it is in the app" in failure
+
+
+async def test_gzip_inside_an_app_the_middleware_wraps_is_warned_of(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    app = _wrapped(Middleware(GZipMiddleware, minimum_size=10))
+    wrapped = AuthenticationMiddleware(app, backend=BearerBackend())  # outside: right
+    transport = httpx.ASGITransport(app=wrapped)
+    with caplog.at_level(logging.WARNING, logger="idem_middleware"):
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            headers = {"idempotency-key": "k", "authorization": "Bearer demo-a"}
+            assert (await client.post("/pay", headers=headers, content=b"{}")).status_code == 201
+    warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert any("GZipMiddleware runs after IdempotencyMiddleware" in w for w in warned), warned
+    # (authentication wrapped around it is outside, where the check cannot see: not warned of)
+    assert not any("AuthenticationMiddleware" in w for w in warned), warned
+
+
+async def test_a_middleware_that_guards_nothing_says_so(caplog: pytest.LogCaptureFixture) -> None:
+    """Found by probing: `methods=()` and no policy guarded no route, and nothing said so."""
+    app = Starlette(
+        routes=[Route("/pay", pay, methods=["POST"])],
+        middleware=[Middleware(IdempotencyMiddleware, store=MemoryStore(), methods=())],
+    )
+    transport = httpx.ASGITransport(app=app)
+    with caplog.at_level(logging.WARNING, logger="idem_middleware"):
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            assert (await client.post("/pay", content=b"{}")).status_code == 201
+    warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert any("guards none of the app's 1 operations" in w for w in warned), warned
