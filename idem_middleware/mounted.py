@@ -101,6 +101,33 @@ def nested_policy_errors(
     return errors
 
 
+def stacked_policy_errors(
+    mw: IdempotencyMiddleware, app: Any, found: Sequence[tuple[Found, str, Policy]]
+) -> list[str]:
+    """Another IdempotencyMiddleware in the app's own stack (install() beside a
+    Middleware(IdempotencyMiddleware, ...) of the app's, say): of a route both guard, the outer
+    one guards the requests and the inner passes them on, so where their policies differ one
+    configuration is silently ignored. (`found`: what `mw` guards, as startup lists it.)"""
+    from .middleware import IdempotencyMiddleware  # (the middleware's startup imports this)
+
+    others, layer = [], getattr(app, "middleware_stack", None)
+    for _ in range(_MAX_WRAPPERS):
+        if layer is None:
+            break
+        if isinstance(layer, IdempotencyMiddleware) and layer is not mw:
+            others.append(layer)
+        layer = getattr(layer, "app", None)
+    return [
+        f"{method} {item.template} is guarded by two IdempotencyMiddlewares in the app's "
+        f"middleware list, otherwise ({_described(ours)}; {_described(theirs)}): only the outer "
+        "one guards its requests, and the other's policies never apply. Give both the same "
+        "policies, or install the middleware once"
+        for other in others
+        for item, method, ours in found
+        if (theirs := other.policy_for(method, item)) is not None and theirs != ours
+    ]
+
+
 def _described(policy: Policy | None) -> str:
     from .startup import describe  # (startup imports this module)
 

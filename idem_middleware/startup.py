@@ -18,7 +18,7 @@ from .endpoints import WRAPPER_ATTRIBUTE, endpoint_policy
 from .errors import NOT_OPEN, OPEN_IN_LIFESPAN, OTHER_LOOP, ConfigurationError
 from .library_routes import ROUTE_OPERATIONS_ATTRIBUTE, GuardedOperations, tell_library_routes
 from .middleware_order import check_authentication, check_outer_middleware, middleware_inside
-from .mounted import methods_of, nested_policy_errors
+from .mounted import methods_of, nested_policy_errors, stacked_policy_errors
 from .observe import shown
 from .policy import Mode, Policy, operation_name
 from .routing import (
@@ -113,12 +113,9 @@ def check_app(mw: IdempotencyMiddleware, app: Any, scope: Scope | None = None) -
         # names the operation, and its decoded `%0D%0A` would forge a log line)
         logger.info("idempotency: guarding %s (%s)", shown(name), describe(policy))
     if reachable and not guarded:  # (`methods=()` and no policy yet, say: a silent no-op)
-        logger.warning(
-            "idempotency: IdempotencyMiddleware guards none of the app's %d operations with an"
-            " unsafe method (its methods: %s): every request passes through unguarded",
-            len(reachable),
-            ", ".join(sorted(mw.methods)) or "none",
-        )
+        listed = ", ".join(sorted(mw.methods)) or "none"
+        methods = f"{len(reachable)} unsafe operations (its methods: {listed})"
+        logger.warning("idempotency: the middleware guards none of the app's %s", methods)
     named = Counter(name for name, _ in guarded)
     for name in sorted(name for name, count in named.items() if count > 1):
         logger.warning(  # (routes told apart by more than their path: a version header, say)
@@ -140,7 +137,7 @@ def check_app(mw: IdempotencyMiddleware, app: Any, scope: Scope | None = None) -
         check_outer_middleware(mw, app, inside)
     errors.extend(_status_route_errors(mw, routes, guarded, items))
     errors.extend(_unserved_methods(mw, items))
-    errors.extend(nested_policy_errors(mw.policy_for, routes))
+    errors += nested_policy_errors(mw.policy_for, routes) + stacked_policy_errors(mw, app, found)
     if errors:
         raise ConfigurationError("; ".join(errors))
 

@@ -219,7 +219,7 @@ async def _startup_failure(app: ASGIApp) -> str:
     async def send(message: Message) -> None:
         sent.append(message)
 
-    with pytest.raises(Exception, match="runs after"):
+    with pytest.raises(Exception, match=r"runs after|two IdempotencyMiddlewares"):
         await app({"type": "lifespan", "asgi": {"version": "3.0"}}, receive, send)
     assert [m["type"] for m in sent] == ["lifespan.startup.failed"]
     message: str = sent[0]["message"]
@@ -409,4 +409,29 @@ async def test_a_middleware_that_guards_nothing_says_so(caplog: pytest.LogCaptur
         async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
             assert (await client.post("/pay", content=b"{}")).status_code == 201
     warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
-    assert any("guards none of the app's 1 operations" in w for w in warned), warned
+    assert any("guards none of the app's 1 unsafe operations" in w for w in warned), warned
+
+
+async def test_two_middlewares_in_the_apps_own_list_that_disagree_fail_the_startup() -> None:
+    """Found by probing: `Middleware(IdempotencyMiddleware, ...)` of the app's own plus
+    `install(...)` for the OpenAPI document: the outer one guarded every request and the inner
+    one's policy (fields to leave out of the fingerprint) silently never applied."""
+    inner = Middleware(
+        IdempotencyMiddleware,
+        store=MemoryStore(),
+        tenant_resolver=lambda s: "t",
+        default_policy=Policy(exclude_fields=("trace_id",)),
+    )
+    app = _one_route(inner)
+    assert "guarded by two IdempotencyMiddlewares" in await _startup_failure(app)
+
+
+async def test_two_middlewares_in_the_apps_own_list_that_agree_start() -> None:
+    same = Middleware(IdempotencyMiddleware, store=MemoryStore(), tenant_resolver=lambda s: "t")
+    app = _one_route(same)
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+        headers = {"idempotency-key": "k"}
+        first = await client.post("/pay", headers=headers, content=b"{}")
+        again = await client.post("/pay", headers=headers, content=b"{}")
+    assert (first.status_code, again.headers.get("idempotent-replayed")) == (201, "true")
