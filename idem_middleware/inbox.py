@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from .outbox import _seconds, _store
-from .store.postgres import PostgresStore
+from .outbox import _seconds
+from .pool_arguments import checked_store as _store
 
 
 async def purge_inbox(
@@ -30,25 +30,7 @@ async def purge_inbox(
     `max_batches` transactions at most (whole numbers from 1). Returns how many; `progress` is
     called with the count so far after each batch commits. `pool` is an asyncpg pool (or a
     PostgresStore). Anything else is a ValueError before any statement."""
-    _check_pool(pool)
-    if progress is not None and not callable(progress):
-        # (a TypeError out of the loop, after the first batch was deleted and committed)
-        raise ValueError(
-            "purge_inbox: progress is called with the count so far after each batch (a "
-            f"callable, or None), not the {type(progress).__name__} {progress!r:.60}"
-        )
     age = _seconds(older_than_seconds, "older_than_seconds", False)
-    return await _store(pool).inbox_purge(batch_size, age, max_batches, progress)
-
-
-def _check_pool(pool: Any) -> None:
-    """A pool (anything with `acquire`, as asyncpg's) or a PostgresStore: a DSN's str was an
-    AttributeError from the store, and None "pass exactly one of pool= or dsn=", arguments the
-    caller never used. The value itself is not repeated: a DSN may hold a password."""
-    if isinstance(pool, PostgresStore) or callable(getattr(pool, "acquire", None)):
-        return
-    what = "None" if pool is None else f"a value of type {type(pool).__name__}"
-    hint = ": for a DSN, pass `await asyncpg.create_pool(dsn)`" if isinstance(pool, str) else ""
-    raise ValueError(
-        f"purge_inbox: the first argument is an asyncpg pool or a PostgresStore, not {what}{hint}"
+    return await _store(pool, "purge_inbox", progress).inbox_purge(
+        batch_size, age, max_batches, progress
     )

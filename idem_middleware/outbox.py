@@ -31,7 +31,7 @@ from .errors import EventConflict as EventConflict
 from .jsonvalues import json_text
 from .keys import MAX_KEY_LENGTH
 from .policy import seconds_option
-from .store.postgres import PostgresStore
+from .pool_arguments import checked_store as _store  # (a ValueError first: see there)
 from .store.postgres.edges import add_event, record_consumed
 
 logger = logging.getLogger("idem_middleware.outbox")
@@ -39,11 +39,6 @@ logger = logging.getLogger("idem_middleware.outbox")
 #: An event id is the outbox's primary key, and a consumer's: kept well within what a key's
 #: index holds (about 2,700 bytes).
 MAX_EVENT_ID_BYTES = 1024
-
-
-def _store(pool: Any) -> PostgresStore:
-    """The store whose statements run on `pool` (a PostgresStore is taken as it is)."""
-    return pool if isinstance(pool, PostgresStore) else PostgresStore(pool=pool, listen=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -370,7 +365,9 @@ async def purge_sent(
     """Delete events sent over `older_than_seconds` ago (finite, from 0), `batch_size` a statement,
     `max_batches` at most (whole, from 1; else ValueError first): how many; `progress(n)` each."""
     age = _seconds(older_than_seconds, "older_than_seconds", False)
-    return await _store(pool).outbox_purge(batch_size, age, max_batches, progress)
+    return await _store(pool, "purge_sent", progress).outbox_purge(
+        batch_size, age, max_batches, progress
+    )
 
 
 def webhook_sender(client: Any, url: str) -> Sender:

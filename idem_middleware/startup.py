@@ -114,8 +114,8 @@ def check_app(mw: IdempotencyMiddleware, app: Any, scope: Scope | None = None) -
         logger.info("idempotency: guarding %s (%s)", shown(name), describe(policy))
     if reachable and not guarded:  # (`methods=()` and no policy yet, say: a silent no-op)
         listed = ", ".join(sorted(mw.methods)) or "none"
-        methods = f"{len(reachable)} unsafe operations (its methods: {listed})"
-        logger.warning("idempotency: the middleware guards none of the app's %s", methods)
+        none = f"{len(reachable)} unsafe operations (its methods: {listed})"
+        logger.warning("idempotency: the middleware guards none of the app's %s", none)
     named = Counter(name for name, _ in guarded)
     for name in sorted(name for name, count in named.items() if count > 1):
         logger.warning(  # (routes told apart by more than their path: a version header, say)

@@ -239,3 +239,17 @@ async def test_an_aged_purge_the_database_fails_partway_says_what_it_deleted(
     report = json.loads(capsys.readouterr().out)
     assert report == {"purged": 2, "stopped_at_limit": False, "error": "connection lost"}
     assert await pool.fetchval(f"SELECT count(*) FROM {table}") == 3
+
+
+async def test_purge_sent_refuses_what_purge_inbox_refuses_before_any_statement(
+    db_dsn: str,
+) -> None:
+    """The outbox's purge took a progress it could not call (a TypeError after its first batch
+    was deleted) and a DSN for a pool (an AttributeError), as the inbox's did."""
+    from idem_middleware.outbox import purge_sent
+
+    with pytest.raises(ValueError, match="purge_sent: progress is called"):
+        await purge_sent(object(), older_than_seconds=0, progress=5)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="for a DSN, pass") as caught:
+        await purge_sent(db_dsn, older_than_seconds=0)
+    assert db_dsn not in str(caught.value)
