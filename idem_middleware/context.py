@@ -34,8 +34,10 @@ def derive_downstream_key(tenant: str, operation: str, key: str, epoch: int | No
     Derived from the key space and the record's epoch (its life: see `Record.epoch`), never from
     the generation: a takeover or a reconciliation re-sends the same key and the downstream system
     deduplicates it, while the same key reused after its retention (a new request) sends a new
-    one. Without an epoch (a record claimed before the store knew epochs, or transactional mode,
-    whose records are written whole at commit) it is derived from the key space only.
+    one. Without an epoch (a record claimed before the store knew epochs) it is derived from the
+    key space only. A transactional claim has an epoch too, its own: one rolled back (a 5xx, a
+    409) leaves no record, so its retry claims under another epoch and sends another key (calls
+    to third parties, whose effects no rollback undoes, belong in lease mode).
     """
     if epoch is None:
         digest = hashlib.sha256(b"idem-downstream-1" + _length_prefixed(tenant, operation, key))
