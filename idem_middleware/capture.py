@@ -118,7 +118,8 @@ class ResponseCapture(Answer):
             for name, value in headers:
                 if name == b"content-type":
                     content_type = value  # the last one
-            if content_type.startswith(b"text/event-stream"):
+            # (A media type's case means nothing: `Text/Event-Stream` streams as well.)
+            if content_type.lstrip(b" \t")[:17].lower() == b"text/event-stream":
                 await self._go_passthrough("streaming", more_body=True)
             return
         if kind != "http.response.body":

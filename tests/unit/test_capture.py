@@ -106,6 +106,12 @@ async def test_the_last_content_type_decides_whether_a_response_streams(as_list:
     for types, streams in (
         ((b"text/event-stream", b"a/b"), False),
         ((b"a/b", b"text/event-stream; charset=utf-8"), True),
+        # A media type's case means nothing (RFC 9110): one held was a stream's connection held
+        # to its end, with its transaction open.
+        ((b"Text/Event-Stream",), True),
+        ((b" TEXT/EVENT-STREAM;charset=utf-8",), True),
+        ((b"text/event-streams",), True),  # (a prefix, as before)
+        ((b"text/event",), False),
     ):
         headers = [(b"content-type", t) for t in types] + [(b"x-a", b"1")]
         r = Recorder()
