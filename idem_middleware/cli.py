@@ -20,23 +20,25 @@ import asyncpg
 from . import cli_commands as run
 from . import cli_list, cli_reconcile
 from .cli_values import (
+    DSN_ENVS,
     audit_note,
     checked_flag,
+    common_options,
     env_default,
     env_flag,
     env_typed,
+    lock_timeout_seconds,
     margin_seconds,
     positive_int,
     positive_seconds,
+    terminate_as_interrupt,
+    terminated,
     utf8_text,
 )
 from .errors import IdempotencyError
 from .ops import Resolution
 from .store.base import State
 from .store.migrations import LOCK_TIMEOUT_SECONDS
-
-_DSN_ENV = "IDEM_DATABASE_URL"
-_DSN_ENVS = (_DSN_ENV, "DATABASE_URL")
 
 
 def _version() -> str:
@@ -46,37 +48,14 @@ def _version() -> str:
         return "unknown"
 
 
-def _common(top: bool) -> argparse.ArgumentParser:
-    """--dsn and --json, accepted before the command and after it.
-
-    Below the top level their default is SUPPRESS, so an option given before the command is
-    not overwritten by the command's own default.
-    """
-    common = argparse.ArgumentParser(add_help=False)
-    dsn_default = os.environ.get(_DSN_ENV) or os.environ.get("DATABASE_URL")
-    common.add_argument(
-        "--dsn",
-        default=dsn_default if top else argparse.SUPPRESS,
-        metavar="URL",
-        help=f"PostgreSQL URL (env {_DSN_ENV}, then DATABASE_URL)",
-    )
-    common.add_argument(
-        "--json",
-        action="store_true",
-        default=env_flag("IDEM_JSON") if top else argparse.SUPPRESS,
-        help="machine-readable output: a JSON object, or one per line for lists (env IDEM_JSON=1)",
-    )
-    return common
-
-
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="idem-middleware", description=__doc__, parents=[_common(top=True)]
+        prog="idem-middleware", description=__doc__, parents=[common_options(top=True)]
     )
     parser.add_argument(
         "--version", action="version", version=f"%(prog)s {_version()}", help="print the version"
     )
-    sub = _common(top=False)
+    sub = common_options(top=False)
     commands = parser.add_subparsers(
         dest="command", required=True, metavar="COMMAND", help="COMMAND --help for its options"
     )
@@ -92,7 +71,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     m.add_argument(
         "--lock-timeout",
-        type=positive_seconds,
+        type=lock_timeout_seconds,
         default=env_typed("IDEM_MIGRATE_LOCK_TIMEOUT", LOCK_TIMEOUT_SECONDS),
         metavar="SECONDS",
         help="the longest a migration waits for a table that open transactions use, requests "
@@ -191,9 +170,10 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument(
         "--status", type=int, help="succeeded/failed_final: the status retries get (required)"
     )
-    r.add_argument("--body", help="succeeded/failed_final: the body retries get")
+    r.add_argument("--body", type=utf8_text, help="succeeded/failed_final: the body retries get")
     r.add_argument(
         "--content-type",
+        type=utf8_text,
         help="the body's content type (default application/json: the body must be JSON)",
     )
     r.add_argument(
@@ -362,13 +342,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--dsn is empty: pass a PostgreSQL URL, or leave --dsn out")
     if not args.dsn:
         parser.error(
-            "no database: pass --dsn URL or set " + " or ".join(_DSN_ENVS) + " (in that order)"
+            "no database: pass --dsn URL or set " + " or ".join(DSN_ENVS) + " (in that order)"
         )
     if sys.stdout is None:
         # Run as `idem-middleware stats >&-`: whatever the command did, its report would be
         # lost, and the flush below failed with a traceback after the command had acted.
         print("idem-middleware: standard output is closed; nothing was done", file=sys.stderr)
         return 1
+    terminate_as_interrupt()
     try:
         try:
             if args.command == "migrate":
@@ -382,7 +363,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     except KeyboardInterrupt:
-        # Ctrl-C (a long `list`, say): a line, not a traceback. What was committed stays so.
+        # Ctrl-C (a long `list`, say), or SIGTERM: a line, not a traceback. What was committed
+        # stays so; the statement under way was cancelled.
+        if terminated():
+            print("idem-middleware: terminated", file=sys.stderr)
+            return 143
         print("idem-middleware: interrupted", file=sys.stderr)
         return 130
     except run.UsageError as exc:

@@ -50,6 +50,12 @@ class Interrupted(Exception):
     """The database failed a command partway: the message says what was done (exit 1)."""
 
 
+#: What the database (or the way to it) fails a command with besides IdempotencyError: a
+#: statement the server refuses (a privilege the role lacks), a connection lost. A command that
+#: commits as it goes says what it did first (`stopped`), whichever it was.
+DATABASE_ERRORS = (asyncpg.PostgresError, OSError)
+
+
 async def migrate(args: argparse.Namespace) -> int:
     with connecting(args.dsn):
         conn = await asyncpg.connect(args.dsn, statement_cache_size=NO_STATEMENT_CACHE)
@@ -130,7 +136,7 @@ async def _batches(
 
     try:
         deleted = await purging(committed)
-    except IdempotencyError as exc:
+    except (IdempotencyError, *DATABASE_ERRORS) as exc:
         # Each batch committed on its own: what was deleted stays deleted, the rest is for the
         # next run.
         done = f"deleting {progress[0]} {what} (each batch is committed; run it again)"
@@ -336,12 +342,35 @@ async def outbox(store: PostgresStore, args: argparse.Namespace) -> int:
             reservation_margin_seconds=args.reservation_margin,
         )
         stop = asyncio.Event()
+        running = asyncio.ensure_future(
+            publisher.run(
+                stop=stop, batches=1 if args.once else None, idle_seconds=args.idle_seconds
+            )
+        )
+        forced: list[int] = []
+
+        def signalled(signum: int) -> None:
+            # The first stops after the batch under way; a second (Ctrl-C twice) at once: a
+            # send to a webhook that never answers held the first for all of --send-timeout.
+            if stop.is_set():
+                forced.append(signum)
+                running.cancel()
+            stop.set()
+
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(signum, stop.set)
-        report = await publisher.run(
-            stop=stop, batches=1 if args.once else None, idle_seconds=args.idle_seconds
-        )
+            loop.add_signal_handler(signum, signalled, signum)
+        try:
+            report = await running
+        except asyncio.CancelledError:
+            if not forced:
+                raise
+            print(
+                "idem-middleware: stopped at once (signalled twice); an event being sent stays "
+                "reserved, and is sent again once --send-timeout plus --reservation-margin lapse",
+                file=sys.stderr,
+            )
+            return 143 if forced[-1] == signal.SIGTERM else 130
     # Always one JSON line: scripts read the publisher's report.
     print(json.dumps({"sent": report.sent, "failed": report.failed, "parked": report.parked}))
     return 0

@@ -39,6 +39,16 @@ def printable(text: str) -> str:
     return "".join(ch if ch.isprintable() else repr(ch)[1:-1] for ch in text)
 
 
+def field_value(text: str) -> str:
+    """A value of `list`'s text output (`name=value` fields two spaces apart), `printable`, and
+    quoted as a JSON string when it holds what would read as a field of its own: two spaces, an
+    `=`, a leading `"` or surrounding spaces (a key `x  state=succeeded` showed a record's state
+    twice, the forged one first)."""
+    if "  " in text or "=" in text or text.startswith('"') or text != text.strip():
+        return printable(json.dumps(text, ensure_ascii=False))
+    return printable(text)
+
+
 class _Pages:
     """One state's records, oldest first, a page at a time."""
 
@@ -135,7 +145,7 @@ async def list_records(store: PostgresStore, args: argparse.Namespace) -> int:
             continue
         # The audit trail's lines are joined so that one record stays one line.
         fields["note"] = None if rec.note is None else " | ".join(rec.note.splitlines())
-        print("  ".join(f"{k}={printable(str(v))}" for k, v in fields.items() if v is not None))
+        print("  ".join(f"{k}={field_value(str(v))}" for k, v in fields.items() if v is not None))
     if not listed and not args.json:
         where = "".join(
             f", {name} {printable(value) or _EMPTY}"

@@ -11,7 +11,7 @@ import sys
 from typing import Any
 
 from . import app_lifespan
-from .cli_commands import emit, stopped
+from .cli_commands import DATABASE_ERRORS, emit, stopped
 from .cli_connect import UsageError
 from .cli_list import printable
 from .errors import IdempotencyError
@@ -81,7 +81,7 @@ async def reconcile(store: PostgresStore, args: argparse.Namespace) -> int:
             )
     except app_lifespan.LifespanFailed as exc:
         raise UsageError(f"--app {args.app}: {exc}") from None
-    except IdempotencyError as exc:
+    except (IdempotencyError, *DATABASE_ERRORS) as exc:
         # Each record is settled (or not) in its own fenced transaction: nothing is half done,
         # and the next run looks at what is still unknown.
         done = (

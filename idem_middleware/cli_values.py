@@ -6,9 +6,15 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
+from types import FrameType
 
 from .errors import ConfigurationError
 from .policy import seconds_option
+from .store.migrations import MAX_LOCK_TIMEOUT_SECONDS
+
+DSN_ENV = "IDEM_DATABASE_URL"
+DSN_ENVS = (DSN_ENV, "DATABASE_URL")
 
 
 def env_default(name: str, fallback: str | None = None) -> str | None:
@@ -32,6 +38,29 @@ class _FromEnv(str):
         self = super().__new__(cls, text)
         self.env = env
         return self
+
+
+def common_options(top: bool) -> argparse.ArgumentParser:
+    """--dsn and --json, accepted before the command and after it.
+
+    Below the top level their default is SUPPRESS, so an option given before the command is
+    not overwritten by the command's own default.
+    """
+    common = argparse.ArgumentParser(add_help=False)
+    dsn_default = os.environ.get(DSN_ENV) or os.environ.get("DATABASE_URL")
+    common.add_argument(
+        "--dsn",
+        default=dsn_default if top else argparse.SUPPRESS,
+        metavar="URL",
+        help=f"PostgreSQL URL (env {DSN_ENV}, then DATABASE_URL)",
+    )
+    common.add_argument(
+        "--json",
+        action="store_true",
+        default=env_flag("IDEM_JSON") if top else argparse.SUPPRESS,
+        help="machine-readable output: a JSON object, or one per line for lists (env IDEM_JSON=1)",
+    )
+    return common
 
 
 def env_typed(name: str, fallback: object) -> object:
@@ -98,6 +127,18 @@ def positive_seconds(text: str) -> float:
     return _seconds(text, zero=False)
 
 
+def lock_timeout_seconds(text: str) -> float:
+    """`migrate --lock-timeout`: seconds > 0, at most what the server's `lock_timeout` takes (more
+    was accepted here, then refused by the server after connecting, exit 1)."""
+    value = _seconds(text, zero=False)
+    if value > MAX_LOCK_TIMEOUT_SECONDS:
+        raise argparse.ArgumentTypeError(
+            f"{_shown(text)} is more than the server's longest lock_timeout "
+            f"({MAX_LOCK_TIMEOUT_SECONDS:g} s)"
+        )
+    return value
+
+
 def margin_seconds(text: str) -> float:
     """Seconds, finite and >= 0."""
     return _seconds(text, zero=True)
@@ -138,3 +179,29 @@ def operation_hint(operation: str | None) -> str:
         f' (an operation is named "METHOD /template", the method upper case, as in '
         f'"POST /payouts"{guess})'
     )
+
+
+_terminated = [False]
+
+
+def terminated() -> bool:
+    """Whether SIGTERM stopped the command (see `terminate_as_interrupt`)."""
+    return _terminated[0]
+
+
+def terminate_as_interrupt() -> None:
+    """Make SIGTERM (`timeout`, systemd, a CI runner stopping the command) stop a command as
+    Ctrl-C does: the running statement is cancelled on the server before the process exits.
+    Killed by SIGTERM's default action, a `resolve` waiting for a row another session held left
+    its statement to the server, which applied it once the row was free, after the operator
+    had been told nothing. (`outbox publish` installs its own handlers while it runs.)"""
+
+    def interrupt(signum: int, frame: FrameType | None) -> None:
+        _terminated[0] = True
+        handler = signal.getsignal(signal.SIGINT)
+        if callable(handler) and handler is not signal.default_int_handler:
+            handler(signal.SIGINT, frame)  # asyncio.run's: cancels the command's task
+            return
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)

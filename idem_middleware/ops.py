@@ -145,7 +145,9 @@ async def _record(store: Store, key: RecordKey) -> RecordSummary:
     return summary
 
 
-#: The longest `resolve` and `reopen` wait for a record another session holds.
+#: The longest `resolve` and `reopen` wait for a record another session holds. (The server gives
+#: the statement up a second later on its own, queries.sql `amend`: a client lost meanwhile
+#: leaves no statement waiting, to land once the row is free.)
 _BUSY_WAIT = 5.0
 
 

@@ -86,7 +86,9 @@ async def reconcile_unknown(
     # however many of them wait for an operator they never keep the others from their turn.
     seen: set[RecordKey] = set()
     runs = 0
-    window = limit
+    # (A limit past `_MAX_SCANNED` looks at that many: the window never started past it, and the
+    # run did nothing at all.)
+    window = min(limit, _MAX_SCANNED)
     while runs < limit and window <= _MAX_SCANNED:
         unknown = await store.list_records(
             states=[State.UNKNOWN], tenant=tenant, operation=operation, limit=window
@@ -114,8 +116,10 @@ async def reconcile_unknown(
             report.verdicts[verdict.value] = report.verdicts.get(verdict.value, 0) + 1
         if not fresh or len(unknown) < window:
             break  # every unknown record has been looked at
+        if window == _MAX_SCANNED:
+            break  # the most one run looks at
         # Settled ones leave the list; the next window reaches past those passed over.
-        window = len(seen) + limit
+        window = min(len(seen) + limit, _MAX_SCANNED)
     return report
 
 
@@ -134,7 +138,7 @@ async def _expire_leases(
     of them there are they never keep the others from their turn."""
     seen: set[RecordKey] = set()
     tries = 0
-    window = limit
+    window = min(limit, _MAX_SCANNED)
     while tries < limit and window <= _MAX_SCANNED:
         stale = await store.list_records(
             states=[State.PENDING],
@@ -161,7 +165,9 @@ async def _expire_leases(
                 report.held += 1
         if not fresh or len(stale) < window:
             break  # every lapsed lease has been looked at
-        window = len(seen) + limit
+        if window == _MAX_SCANNED:
+            break  # the most one run looks at
+        window = min(len(seen) + limit, _MAX_SCANNED)
 
 
 async def _reconcile_one(

@@ -861,19 +861,33 @@ WHERE i.consumer = doomed.consumer AND i.event_id = doomed.event_id;
 -- note is appended to the record's audit trail, one line per move, stamped with the database's
 -- time; a move to pending releases the record for the client's next retry (a new generation, no
 -- lease). Wakes the waiters.
+-- A move to an outcome (succeeded, failed_final) takes a new generation too: a re-resolve leaves
+-- the state as it was (succeeded -> succeeded), so two operators who read the record at once both
+-- matched (generation, state), and one correction was lost with both told it was made. Every
+-- move but a reopen now changes the generation, and a reopen changes the state (to `unknown`,
+-- left only by a move that takes a new generation): of two operators' moves made from one
+-- reading, the second matches nothing and is refused.
+-- The row lock is waited for at most 6 s (`bound`: the transaction's own lock_timeout, set before
+-- the row reaches the UPDATE's lock), a second past ops.py's `_BUSY_WAIT`, after which the
+-- operator is told the record is busy and the client cancels the statement: a client that died
+-- meanwhile (killed, its connection lost) cannot leave the statement waiting, to land later.
 -- $1 tenant, $2 operation, $3 key, $4 generation, $5 expected state, $6 new state, $7 status,
 -- $8 headers, $9 body, $10 body_omitted, $11 audit line, $12 notification payload
-WITH amended AS (
+WITH bound AS MATERIALIZED (
+    SELECT set_config('lock_timeout', '6s', true) AS lock_timeout
+), amended AS (
     UPDATE idem_requests
     SET state = $6, updated_at = now(), lease_expires_at = NULL,
-        generation = CASE WHEN $6 = 'pending' THEN nextval('idem_generation_seq')
-                          ELSE generation END,
+        generation = CASE WHEN $6 IN ('pending', 'succeeded', 'failed_final')
+                          THEN nextval('idem_generation_seq') ELSE generation END,
         expires_at = CASE WHEN $6 IN ('succeeded', 'failed_final')
                           THEN clock_timestamp() + retention END,
         response_status = $7, response_headers = $8, response_body = $9, body_omitted = $10,
         note = concat_ws(E'\n', note,
                          to_char(now() AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS"Z "') || $11)
+    FROM bound
     WHERE tenant = $1 AND operation = $2 AND idem_key = $3 AND generation = $4 AND state = $5
+      AND bound.lock_timeout IS NOT NULL
     RETURNING 1
 )
 SELECT count(*) AS amended, pg_notify('idem_middleware', $12) AS notified FROM amended;

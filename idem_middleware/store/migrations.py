@@ -22,6 +22,8 @@ _LOCK_ID = 0x1DE4_0001
 
 #: How long a migration waits for a lock on a table it alters (`lock_timeout`).
 LOCK_TIMEOUT_SECONDS = 5.0
+#: The longest `lock_timeout` the server takes (2**31 - 1 ms, about 24.8 days).
+MAX_LOCK_TIMEOUT_SECONDS = (2**31 - 1) / 1000
 
 
 async def applied_versions(conn: asyncpg.Connection[Any]) -> set[int]:
@@ -71,6 +73,13 @@ async def migrate(
     table queues behind it. It waits at most `lock_timeout` seconds (None: for ever): then
     nothing is applied, the queued requests go on, and StoreError names the sessions that held
     the table."""
+    if lock_timeout is not None and not 0 < lock_timeout <= MAX_LOCK_TIMEOUT_SECONDS:
+        # (Refused before anything is done: the server refuses more, after the lock was waited
+        # for; `lock_timeout = 0` would wait for ever.)
+        raise ValueError(
+            f"lock_timeout must be more than 0 and at most {MAX_LOCK_TIMEOUT_SECONDS:g} s "
+            f"(None: no bound), not {lock_timeout!r}"
+        )
     applied: list[int] = []
     failed = ""
     try:

@@ -77,7 +77,7 @@ class OffPathOperations(MemoryTables):
             if row is None:
                 return False
             self._settle_now(key, generation, expected, replace(s, note=s.note or ""))
-            if s.state is State.PENDING:
+            if s.state is not State.UNKNOWN:  # (as the SQL's: every move but a reopen)
                 self._rows[key] = replace(self._rows[key], generation=next(self._generations))
             return True
 
