@@ -36,6 +36,7 @@ from idem_middleware.reconcile import (
 )
 
 from .bank import create_bank_app
+from .ledger import Hold, debit, hold_funds
 from .models import (
     AccountOut,
     AccountPath,
@@ -147,39 +148,6 @@ async def publish(publisher: outbox.Publisher, stop: asyncio.Event) -> None:
                 await asyncio.wait_for(stop.wait(), 1.0)
 
 
-async def debit(
-    conn: Any, tenant: str, account_id: str, amount: int, transfer: dict[str, Any]
-) -> PayoutOut:
-    balance = await conn.fetchval(
-        "UPDATE ex_accounts SET balance = balance - $3 WHERE tenant = $1 AND account_id = $2 "
-        "RETURNING balance",
-        tenant,
-        account_id,
-        amount,
-    )
-    payout_id = await conn.fetchval(
-        "INSERT INTO ex_payouts (tenant, account_id, amount, bank_transfer_id) "
-        "VALUES ($1, $2, $3, $4) RETURNING payout_id::text",
-        tenant,
-        account_id,
-        amount,
-        transfer["transfer_id"],
-    )
-    payout = PayoutOut(
-        payout_id=payout_id,
-        account_id=account_id,
-        amount=amount,
-        balance=balance,
-        bank_transfer_id=transfer["transfer_id"],
-    )
-    # The event commits with the debit, in the fenced transaction, or not at all. Both the
-    # handler and the reconciler's Happened path debit through here: one event per payout.
-    await outbox.add(
-        conn, "payout.created", payout.model_dump(), event_id=f"payout:{payout_id}", tenant=tenant
-    )
-    return payout
-
-
 def create_app(database_url: str | None = None) -> FastAPI:
     """Build the app. `database_url` defaults to $DATABASE_URL (set by `python -m example_app`)."""
     dsn = database_url or os.environ["DATABASE_URL"]
@@ -240,7 +208,13 @@ def create_app(database_url: str | None = None) -> FastAPI:
             return None
         if r.status_code != 201:  # (a proxy's error page is not JSON: read nothing else)
             return None
-        transfer: dict[str, Any] = r.json()
+        try:
+            transfer = r.json()
+        except ValueError:
+            return None
+        # (A 201 that is no transfer, an error page's, say: as lost, never a 500 from here.)
+        if not isinstance(transfer, dict) or not isinstance(transfer.get("transfer_id"), str):
+            return None
         return transfer
 
     async def reconcile_payout(ctx: ReconcileContext) -> Reconciliation:
@@ -262,7 +236,9 @@ def create_app(database_url: str | None = None) -> FastAPI:
         account_id = account_id.removeprefix(owner)
         # The money moved: record the debit now, in the transaction that settles the record.
         conn = await ctx.fenced_connection()
-        payout = await debit(conn, ctx.tenant, account_id, transfer["amount"], transfer)
+        payout = await debit(
+            conn, ctx.tenant, account_id, transfer["amount"], transfer, ctx.downstream_key
+        )
         return Happened.json(201, payout.model_dump())
 
     app = FastAPI(title="idem_middleware example", lifespan=lifespan)
@@ -339,17 +315,14 @@ def create_app(database_url: str | None = None) -> FastAPI:
         reconciler=reconcile_payout,
     )
     async def payout(body: PayoutIn, tenant: Tenant, idem: Idempotency) -> Any:
-        # The fenced transaction: it holds the idempotency record under this execution's
-        # generation, and commits the debit together with the outcome, or not at all.
-        conn = await idem.fenced_connection()
-        balance = await conn.fetchval(
-            "SELECT balance FROM ex_accounts WHERE tenant = $1 AND account_id = $2 FOR UPDATE",
-            tenant,
-            body.account_id,
+        # The money is held first, in a transaction of its own (see ledger.py): while the
+        # outcome is unknown it stays held, and no other payout can spend it.
+        held = await hold_funds(
+            store.pool, tenant, body.account_id, body.amount, idem.downstream_key
         )
-        if balance is None:
+        if held is Hold.MISSING:
             raise HTTPException(404, "no such account")
-        if balance < body.amount:
+        if held is Hold.SHORT:
             # A final failure: stored, and replayed to every retry with this key.
             return JSONResponse(
                 {"type": "about:blank", "title": "insufficient funds", "status": 402},
@@ -359,13 +332,18 @@ def create_app(database_url: str | None = None) -> FastAPI:
         transfer = await send_money(f"{tenant}:{body.account_id}", body.amount)
         if transfer is None:
             # The bank may or may not have moved the money: the outcome is unknown, and the
-            # debit rolls back. A retry asks the bank (reconcile_payout) before doing anything.
+            # money stays held. A retry asks the bank (reconcile_payout) before doing anything.
             return JSONResponse(
                 {"type": "about:blank", "title": "the bank's answer was lost", "status": 502},
                 status_code=502,
                 media_type="application/problem+json",
             )
-        return await debit(conn, tenant, body.account_id, body.amount, transfer)
+        # The fenced transaction: it holds the idempotency record under this execution's
+        # generation, and commits the debit together with the outcome, or not at all.
+        conn = await idem.fenced_connection()
+        return await debit(
+            conn, tenant, body.account_id, body.amount, transfer, idem.downstream_key
+        )
 
     @app.get("/accounts/{account_id}", responses=problems(401, 404, 422, 503))
     async def account(account_id: AccountPath, tenant: Tenant) -> AccountOut:

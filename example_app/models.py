@@ -25,8 +25,9 @@ class Amount(BaseModel):
     @field_validator("amount", mode="before")
     @classmethod
     def _json_integer(cls, value: Any) -> Any:
-        # Not `true` for 1 nor `"5"` for 5: an amount of money is a JSON number.
-        if isinstance(value, bool | str):
+        # Not `true` for 1, `"5"` for 5 nor `5.0` for 5: an amount of money is a JSON integer
+        # (`9007199254740993.0` read as a float is 9007199254740992: another amount).
+        if isinstance(value, bool | str | float):
             raise ValueError("the amount must be a JSON integer")
         return value
 

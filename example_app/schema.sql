@@ -24,3 +24,13 @@ CREATE TABLE IF NOT EXISTS ex_payouts (
     bank_transfer_id  text        NOT NULL UNIQUE,
     created_at        timestamptz NOT NULL DEFAULT now()
 );
+
+-- The money of payouts whose outcome is not known yet (example_app/ledger.py): out of the
+-- balance while held, released by the payout's debit.
+CREATE TABLE IF NOT EXISTS ex_holds (
+    hold_key    text        PRIMARY KEY,
+    tenant      text        NOT NULL,
+    account_id  text        NOT NULL,
+    amount      bigint      NOT NULL CHECK (amount > 0),
+    created_at  timestamptz NOT NULL DEFAULT now()
+);

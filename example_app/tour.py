@@ -161,7 +161,7 @@ class Tour:
             fail(f"expected 502, got {lost.status_code}")
         print(
             "  The app cannot know whether the money moved: the record is now `unknown`, and\n"
-            "  the debit was rolled back. A blind retry could pay twice; this one reconciles."
+            "  the 30 stay held. A blind retry could pay twice; this one reconciles."
         )
         await self.faults()
         retry = await self.post("/payouts", payout, key)

@@ -231,7 +231,8 @@ async def test_values_the_database_cannot_keep_are_422_and_release_the_key(
 ) -> None:
     """Found by probing: a NUL in the account id or the memo, an account id longer than the
     accounts' index takes, or an amount past bigint reached PostgreSQL and answered 500; and
-    `true` or `"5"` were taken as amounts. Each is a 422 now, and the key stays free."""
+    `true` or `"5"` were taken as amounts, and so were floats (`9007199254740993.0` rounded to
+    another amount). Each is a 422 now, and the key stays free."""
     cases = [
         ("/accounts/a%00b/credits", {"amount": 1}),
         ("/accounts/acc-v/credits", {"amount": 1, "memo": "a\x00b"}),
@@ -239,6 +240,8 @@ async def test_values_the_database_cannot_keep_are_422_and_release_the_key(
         ("/accounts/acc-v/credits", {"amount": 2**63}),
         ("/accounts/acc-v/credits", {"amount": True}),
         ("/accounts/acc-v/credits", {"amount": "5"}),
+        ("/accounts/acc-v/credits", {"amount": 5.0}),
+        ("/accounts/acc-v/credits", {"amount": 9007199254740993.0}),
     ]
     for path, body in cases:
         h = {**A, **key()}

@@ -307,6 +307,63 @@ async def test_lost_bank_answer_is_reconciled_without_paying_twice(
     assert await balance(http, acc) == 70
 
 
+async def test_money_a_lost_payout_may_have_sent_stays_held(
+    http: httpx.AsyncClient, bank_http: httpx.AsyncClient, ledger: Ledger
+) -> None:
+    """Found by probing: the debit of a payout whose bank answer was lost rolled back, so a
+    second payout spent the same money (201), and the first one's retry, reconciled, took the
+    balance to -100: 200 sent from an account holding 100. The money stays held now."""
+    acc, k = account_id(), key()
+    await fund(http, acc, 100)
+    await set_faults(bank_http, fail_after_record=500)
+    lost = await payout(http, acc, 100, k)
+    assert lost.status_code == 502
+    await set_faults(bank_http)
+    assert await balance(http, acc) == 0  # held: it may have left
+    other = await payout(http, acc, 100, key())
+    assert other.status_code == 402, other.text
+    reconciled = await payout(http, acc, 100, k)
+    assert reconciled.status_code == 201, reconciled.text
+    assert reconciled.json()["balance"] == 0
+    assert await balance(http, acc) == 0
+    assert await ledger.counts("tenant-a", acc) == (1, 1)
+
+
+async def test_a_payout_run_again_keeps_its_own_hold(
+    http: httpx.AsyncClient, bank_http: httpx.AsyncClient, ledger: Ledger
+) -> None:
+    """Reconciled as not having happened, the payout runs again: it holds its money once."""
+    acc, k = account_id(), key()
+    await fund(http, acc, 100)
+    await set_faults(bank_http, fail_status=503)
+    assert (await payout(http, acc, 60, k)).status_code == 502
+    assert (await payout(http, acc, 60, k)).status_code == 502  # run again, refused again
+    assert await balance(http, acc) == 40
+    await set_faults(bank_http)
+    ran = await payout(http, acc, 60, k)
+    assert ran.status_code == 201, ran.text
+    assert ran.json()["balance"] == 40
+    assert await ledger.counts("tenant-a", acc) == (1, 1)
+
+
+async def test_a_201_from_the_bank_that_is_no_transfer_is_a_lost_answer(
+    http: httpx.AsyncClient, bank_http: httpx.AsyncClient, ledger: Ledger
+) -> None:
+    """Found by probing: a 201 whose body named no transfer (an error page's) raised KeyError
+    in the handler, a plain-text 500; it is a lost answer (502), reconciled by the retry."""
+    acc, k = account_id(), key()
+    await fund(http, acc, 100)
+    await set_faults(bank_http, fail_after_record=201)
+    odd = await payout(http, acc, 10, k)
+    assert odd.status_code == 502, odd.text
+    assert odd.headers["content-type"] == "application/problem+json"
+    await set_faults(bank_http)
+    reconciled = await payout(http, acc, 10, k)
+    assert reconciled.status_code == 201, reconciled.text
+    assert await ledger.counts("tenant-a", acc) == (1, 1)
+    assert await balance(http, acc) == 90
+
+
 async def test_bank_slower_than_the_timeout_is_reconciled(
     http: httpx.AsyncClient, bank_http: httpx.AsyncClient, ledger: Ledger
 ) -> None:

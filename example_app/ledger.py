@@ -1,0 +1,103 @@
+"""A payout's writes to the ledger: the hold taken before the bank is called, and the debit that
+records the payout and releases it.
+
+While a payout's outcome is unknown (the bank's answer was lost), its money may have left: its
+amount stays held, out of the balance, so that no other payout can spend it too. The hold is a
+short transaction of its own, committed before the bank call (the fenced transaction commits
+only with an outcome, and rolls back with an unknown one), keyed by the payout's downstream key:
+a payout run again (reconciled as not having happened) finds its own hold and keeps it. The
+debit releases the hold in the fenced transaction, with the outcome. No transaction and no row
+lock is held while the bank is called.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+from idem_middleware import outbox
+
+from .models import PayoutOut
+
+
+class Hold(enum.Enum):
+    HELD = "held"  # taken now, or by an earlier run of this payout
+    SHORT = "short"  # not enough money: a final 402
+    MISSING = "missing"  # no such account for this tenant: a 404
+
+
+async def hold_funds(pool: Any, tenant: str, account_id: str, amount: int, hold_key: str) -> Hold:
+    async with pool.acquire() as conn, conn.transaction():
+        if await conn.fetchval("SELECT true FROM ex_holds WHERE hold_key = $1", hold_key):
+            return Hold.HELD
+        balance = await conn.fetchval(
+            "UPDATE ex_accounts SET balance = balance - $3 "
+            "WHERE tenant = $1 AND account_id = $2 AND balance >= $3 RETURNING balance",
+            tenant,
+            account_id,
+            amount,
+        )
+        if balance is None:
+            known = await conn.fetchval(
+                "SELECT true FROM ex_accounts WHERE tenant = $1 AND account_id = $2",
+                tenant,
+                account_id,
+            )
+            return Hold.SHORT if known else Hold.MISSING
+        # (ON CONFLICT: a run of the same payout racing this one took it first; then this
+        # transaction's debit would hold it twice, so it is undone by raising.)
+        inserted = await conn.fetchval(
+            "INSERT INTO ex_holds (hold_key, tenant, account_id, amount) VALUES ($1, $2, $3, $4) "
+            "ON CONFLICT (hold_key) DO NOTHING RETURNING true",
+            hold_key,
+            tenant,
+            account_id,
+            amount,
+        )
+        if not inserted:
+            raise RuntimeError("this payout's hold was taken twice at once")
+        return Hold.HELD
+
+
+async def debit(
+    conn: Any,
+    tenant: str,
+    account_id: str,
+    amount: int,
+    transfer: dict[str, Any],
+    hold_key: str,
+) -> PayoutOut:
+    """Record the payout the bank made, in the fenced transaction: its hold is released (the
+    money left the balance when it was held); a payout without one (held before holds were
+    kept) is debited now."""
+    released = await conn.fetchval(
+        "DELETE FROM ex_holds WHERE hold_key = $1 RETURNING true", hold_key
+    )
+    balance = await conn.fetchval(
+        "UPDATE ex_accounts SET balance = balance - $3 WHERE tenant = $1 AND account_id = $2 "
+        "RETURNING balance",
+        tenant,
+        account_id,
+        0 if released else amount,
+    )
+    payout_id = await conn.fetchval(
+        "INSERT INTO ex_payouts (tenant, account_id, amount, bank_transfer_id) "
+        "VALUES ($1, $2, $3, $4) RETURNING payout_id::text",
+        tenant,
+        account_id,
+        amount,
+        transfer["transfer_id"],
+    )
+    payout = PayoutOut(
+        payout_id=payout_id,
+        account_id=account_id,
+        amount=amount,
+        balance=balance,
+        bank_transfer_id=transfer["transfer_id"],
+    )
+    # The event commits with the debit, in the fenced transaction, or not at all. Both the
+    # handler and the reconciler's Happened path debit through here: one event per payout.
+    await outbox.add(
+        conn, "payout.created", payout.model_dump(), event_id=f"payout:{payout_id}", tenant=tenant
+    )
+    return payout
