@@ -18,7 +18,6 @@ import asyncpg
 import httpx
 from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
 from starlette.authentication import AuthCredentials, AuthenticationBackend, SimpleUser
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.authentication import AuthenticationMiddleware
@@ -45,6 +44,7 @@ from .models import (
     PayoutIn,
     PayoutOut,
     http_problem,
+    problem,
     problems,
     validation_problem,
 )
@@ -324,19 +324,15 @@ def create_app(database_url: str | None = None) -> FastAPI:
             raise HTTPException(404, "no such account")
         if held is Hold.SHORT:
             # A final failure: stored, and replayed to every retry with this key.
-            return JSONResponse(
-                {"type": "about:blank", "title": "insufficient funds", "status": 402},
-                status_code=402,
-                media_type="application/problem+json",
+            return problem(
+                402, "the account's balance is less than the amount", "insufficient-funds"
             )
         transfer = await send_money(f"{tenant}:{body.account_id}", body.amount)
         if transfer is None:
             # The bank may or may not have moved the money: the outcome is unknown, and the
             # money stays held. A retry asks the bank (reconcile_payout) before doing anything.
-            return JSONResponse(
-                {"type": "about:blank", "title": "the bank's answer was lost", "status": 502},
-                status_code=502,
-                media_type="application/problem+json",
+            return problem(
+                502, "the bank's answer was lost; retry with the same key", "bank-answer-lost"
             )
         # The fenced transaction: it holds the idempotency record under this execution's
         # generation, and commits the debit together with the outcome, or not at all.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from http import HTTPStatus
 from typing import Annotated, Any
 
 from fastapi import Path, Request
@@ -9,6 +10,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field, field_validator
 from starlette.exceptions import HTTPException
+
+from idem_middleware.errors import ProblemKind
+from idem_middleware.responses import DEFAULT_PROBLEM_BASE, problem_title
 
 # What the tables can keep: PostgreSQL text holds no NUL, a key of the accounts' index must stay
 # well under its 2,704-byte limit, and amounts and balances are bigint. Anything else is a 422,
@@ -61,6 +65,7 @@ class Problem(BaseModel):
     type: str
     title: str
     status: int
+    detail: str | None = None
 
 
 class FieldError(BaseModel):
@@ -110,15 +115,34 @@ class AccountOut(BaseModel):
     credits: int
 
 
+#: The types of the app's own kinds of problem: a client tells them apart by `type`, as it does
+#: the middleware's (RFC 9457; `about:blank` is for a problem that says no more than its status).
+APP_PROBLEMS = "urn:idem-example:problem:"
+#: A 401 is the same problem whichever answers it, the middleware or the app: one type for it.
+UNAUTHENTICATED = DEFAULT_PROBLEM_BASE + ProblemKind.UNAUTHENTICATED.value
+
+
+def problem(status: int, detail: str, kind: str | None = None, **headers: str) -> JSONResponse:
+    """A problem document: of the app's own `kind` (its type, and a title of its own), or
+    `about:blank` with the status's phrase as its title; `detail` says what happened."""
+    if status == 401:
+        kind_type, title = UNAUTHENTICATED, problem_title(ProblemKind.UNAUTHENTICATED)
+    elif kind is None:
+        kind_type, title = "about:blank", HTTPStatus(status).phrase
+    else:
+        kind_type, title = APP_PROBLEMS + kind, kind.replace("-", " ").capitalize()
+    return JSONResponse(
+        {"type": kind_type, "title": title, "status": status, "detail": detail},
+        status_code=status,
+        media_type="application/problem+json",
+        headers=headers or None,
+    )
+
+
 def http_problem(request: Request, exc: Exception) -> JSONResponse:
     """An HTTPException (the app's own, or the router's 404 and 405) as a problem document."""
     assert isinstance(exc, HTTPException)
-    return JSONResponse(
-        {"type": "about:blank", "title": exc.detail, "status": exc.status_code},
-        status_code=exc.status_code,
-        media_type="application/problem+json",
-        headers=exc.headers,
-    )
+    return problem(exc.status_code, exc.detail, **(exc.headers or {}))
 
 
 def validation_problem(request: Request, exc: Exception) -> JSONResponse:
@@ -132,8 +156,9 @@ def validation_problem(request: Request, exc: Exception) -> JSONResponse:
     return JSONResponse(
         {
             "type": "about:blank",
-            "title": "the request is not valid",
+            "title": HTTPStatus(422).phrase,
             "status": 422,
+            "detail": "the request is not valid",
             "errors": errors,
         },
         status_code=422,

@@ -125,7 +125,7 @@ async def test_bad_requests_are_refused_and_not_stored(http: httpx.AsyncClient) 
     # A problem document, as every other refusal, naming the field, never echoing the value.
     assert invalid.headers["content-type"] == "application/problem+json"
     problem = invalid.json()
-    assert (problem["status"], problem["title"]) == (422, "the request is not valid")
+    assert (problem["status"], problem["detail"]) == (422, "the request is not valid")
     assert [e["loc"] for e in problem["errors"]] == [["body", "amount"]]
     assert "-1" not in invalid.text
     fixed = await http.post("/accounts/acc-x/credits", json={"amount": 1}, headers=h)

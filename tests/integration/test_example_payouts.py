@@ -231,6 +231,30 @@ async def test_insufficient_funds_is_a_final_402_replayed(
     assert await balance(http, acc) == 110
 
 
+async def test_each_problem_says_its_kind_by_its_type(http: httpx.AsyncClient) -> None:
+    """Found by probing: the app's problems were all `about:blank` with titles of their own
+    (RFC 9457 wants the status's phrase there), so a client told insufficient funds from another
+    402 by the title's words; and its 401 and the middleware's had two types for one problem."""
+    acc = account_id()
+    await fund(http, acc, 10)
+    short = (await payout(http, acc, 50, key())).json()
+    assert short["type"] == "urn:idem-example:problem:insufficient-funds"
+    assert (short["title"], short["status"]) == ("Insufficient funds", 402)
+    assert short["detail"]
+    missing = (await http.get(f"/accounts/{account_id()}", headers=A)).json()
+    assert (missing["type"], missing["title"], missing["status"]) == (
+        "about:blank",
+        "Not Found",
+        404,
+    )
+    assert missing["detail"] == "no such account"
+    unnamed = await http.get(f"/accounts/{acc}")
+    guarded = await payout(http, acc, 5, key(), {})
+    assert unnamed.status_code == guarded.status_code == 401
+    assert unnamed.json()["type"] == guarded.json()["type"]
+    assert unnamed.json()["title"] == guarded.json()["title"]
+
+
 async def test_unknown_account_is_404_and_not_stored(
     http: httpx.AsyncClient, ledger: Ledger
 ) -> None:
