@@ -118,8 +118,11 @@ class ResponseCapture(Answer):
             for name, value in headers:
                 if name == b"content-type":
                     content_type = value  # the last one
-            # (A media type's case means nothing: `Text/Event-Stream` streams as well.)
-            if content_type.lstrip(b" \t")[:17].lower() == b"text/event-stream":
+            # (A media type's case means nothing: `Text/Event-Stream` streams as well. The first
+            # byte first: most responses are `application/...`, and are done with in one test.)
+            if content_type[:1] in b"Tt \t" and (
+                content_type.lstrip(b" \t")[:17].lower() == b"text/event-stream"
+            ):
                 await self._go_passthrough("streaming", more_body=True)
             return
         if kind != "http.response.body":
