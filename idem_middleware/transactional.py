@@ -190,6 +190,8 @@ class Attempt(ResponseCapture):
             # (Given back at the end, or when a stream starts: see `settle_early`.)
             slot = ex.slot = slots.hold(record_key.tenant)
             if slot is None:
+                if not self.timed_claim:  # a duplicate waiting already: for a slot too, as long
+                    raise ClaimBusy("no tenant slot")  # (its wait lasts: then a 409, as lease's)
                 return Problem(ProblemKind.TENANT_BUSY, TENANT_BUSY, policy.retry_after_seconds)
         try:
             async with ex.mw.store.transaction(acquire_timeout=ex.mw.acquire_timeout) as tx:

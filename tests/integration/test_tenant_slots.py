@@ -156,3 +156,49 @@ async def test_a_reconciler_a_retry_runs_holds_its_tenants_slot(
         again = await http.post("/payouts", json=PAYOUT, headers=key("k2"))
     assert again.status_code == 201, again.text
     assert asking == ["k1", "k2"]
+
+
+async def test_a_transactional_duplicate_waiting_already_waits_for_a_slot_too(store: Any) -> None:
+    """Found by probing: a duplicate whose first claim found the key busy polls by claiming
+    again, and a poll that found its tenant's slots all taken (by other requests of the tenant,
+    or its fellow duplicates' polls) was answered `429 tenant-busy` at once, seconds before its
+    `wait_seconds`: 17 of 20 such duplicates, where lease mode replayed all. It waits for a slot
+    within its wait now, and gets the replay."""
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse, Response
+
+    from tests.apps import one_route_app
+
+    gates = {"original": asyncio.Event(), "other": asyncio.Event()}
+    entered: dict[str, asyncio.Event] = {name: asyncio.Event() for name in gates}
+
+    async def pay(request: Request) -> Response:
+        which = (await request.json())["which"]
+        entered[which].set()
+        await gates[which].wait()
+        return JSONResponse({"which": which}, 201)
+
+    app = one_route_app(
+        "/pay",
+        pay,
+        store=store,
+        default_policy=Policy(wait_seconds=10),
+        max_tenant_connections=2,
+    )
+    async with client(app) as http:
+        body = {"which": "original"}
+        original = asyncio.ensure_future(http.post("/pay", json=body, headers=key("k")))
+        await asyncio.wait_for(entered["original"].wait(), BOUND)
+        duplicate = asyncio.ensure_future(http.post("/pay", json=body, headers=key("k")))
+        await asyncio.sleep(0.1)  # its first claim found the key busy: it waits, holding no slot
+        other = asyncio.ensure_future(
+            http.post("/pay", json={"which": "other"}, headers=key("k-other"))
+        )
+        await asyncio.wait_for(entered["other"].wait(), BOUND)
+        await asyncio.sleep(0.5)  # the duplicate's polls find both slots taken
+        assert not duplicate.done()
+        gates["original"].set()  # its slot comes free: the woken duplicate takes it, replays
+        gates["other"].set()
+        answers = await asyncio.wait_for(asyncio.gather(original, duplicate, other), BOUND)
+    assert [a.status_code for a in answers] == [201, 201, 201]
+    assert answers[1].headers["idempotent-replayed"] == "true"
