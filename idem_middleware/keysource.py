@@ -38,7 +38,7 @@ __all__ = [
 KeyFunction = Callable[[Scope, bytes], "str | Awaitable[str | None] | None"]
 
 # RFC 9110 field names (tokens).
-_FIELD_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+FIELD_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
 _KEY_RULE = f"1 to {MAX_KEY_LENGTH} printable ASCII characters"
 
 
@@ -70,7 +70,7 @@ class KeyFromHeader(KeySource):
     _raw: bytes = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or _FIELD_NAME.fullmatch(self.name) is None:
+        if not isinstance(self.name, str) or FIELD_NAME.fullmatch(self.name) is None:
             raise ConfigurationError(f"KeyFromHeader: {self.name!r} is not a header name")
         object.__setattr__(self, "_raw", self.name.lower().encode("ascii"))
 

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from .errors import ConfigurationError
 from .fingerprint import is_json_pointer
 from .frozen import quick_init
-from .keysource import KeyFunction, KeySource, as_key_source
+from .keysource import FIELD_NAME, KeyFunction, KeySource, as_key_source
 from .reconcile import Reconciler
 
 if TYPE_CHECKING:
@@ -152,6 +152,9 @@ class Policy:
             raise ConfigurationError(f"replay_hook must be callable, not {self.replay_hook!r}")
         # Header names are compared in lower case, as ASGI delivers them.
         headers = names(self.include_headers, "include_headers")
+        if bad := [h for h in headers if FIELD_NAME.fullmatch(h) is None]:
+            # (a name no header has, "X-Api-Version " or "x-api-version:", covered nothing)
+            raise ConfigurationError(f"include_headers: {bad[0]!r} is not a header's name")
         object.__setattr__(self, "include_headers", tuple(h.lower() for h in headers))
 
     def replace(self, **changes: Any) -> Policy:

@@ -320,3 +320,11 @@ def test_a_token_route_whose_key_is_optional_is_refused() -> None:
     with pytest.raises(ConfigurationError, match="require_token=True with key_required=False"):
         Policy(require_token=True, key_required=False)
     assert Policy(require_token=True).key_required
+
+
+@pytest.mark.parametrize("name", ["X-Api-Version ", "x-api-version:", "x api version", "", "ä"])
+def test_an_include_headers_name_no_header_can_have_is_refused(name: str) -> None:
+    # It matched no header: two requests that differ in the header were one request.
+    with pytest.raises(ConfigurationError, match=r"include_headers: .* is not a header's name"):
+        Policy(include_headers=(name,))
+    assert Policy(include_headers=("X-Api-Version",)).include_headers == ("x-api-version",)
