@@ -21,7 +21,9 @@ def _pointer_tokens(pointer: str) -> tuple[str, ...]:
 
 # RFC 6901: "/" then reference tokens, in which "~" only starts "~0" or "~1".
 _POINTER = re.compile(r"(?:/(?:[^~/]|~[01])*)*", re.DOTALL)
-_ARRAY_INDEX = re.compile(r"0|[1-9][0-9]*")
+# (At most 18 digits: no array a capped body holds is longer, and `int()` of a configured token
+# of thousands of digits raised at every request that reached it.)
+_ARRAY_INDEX = re.compile(r"0|[1-9][0-9]{0,17}")
 
 
 def is_json_pointer(text: str) -> bool:

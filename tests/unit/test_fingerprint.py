@@ -1040,3 +1040,13 @@ def test_an_overlapping_delimiter_not_after_a_line_break_is_hashed_raw() -> None
     content_type = b"multipart/form-data; boundary=ab-"
     body = b'--ab-\r\nContent-Disposition: form-data; name="a"\r\n\r\n1\r\n--ab--ab-\r\n--ab---\r\n'
     assert canonical_body(content_type, body) == (b"raw:" + content_type, body)
+
+
+def test_a_configured_index_of_thousands_of_digits_matches_no_element() -> None:
+    """Found by probing: `int()` of a configured pointer's token of 5,000 digits raised (the
+    interpreter's limit on digits) at every request with an array there: a 500."""
+    huge = "/tags/" + "1" * 5000
+    body = b'{"tags": [1, 2]}'
+    plain = fingerprint(body=body)
+    assert fingerprint(body=body, exclude_fields=[huge]) == plain
+    assert fingerprint(body=body, include_fields=[huge]) != plain
