@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections.abc import AsyncIterator
 from typing import Any
 from urllib.parse import quote
@@ -204,7 +205,9 @@ async def test_in_flight_duplicate_gets_202_with_location_when_the_policy_says_s
     assert "idempotent-replayed" not in accepted.headers
     location = httpx.URL(accepted.headers["location"])
     assert location.path == "/idempotency/status"
-    assert dict(location.params) == {"operation": CREDIT_OP, "key": "k1"}
+    params = dict(location.params)
+    assert re.fullmatch("[0-9a-f]{24}", params.pop("request"))  # (a digest of this request)
+    assert params == {"operation": CREDIT_OP, "key": "k1"}
     assert r1.status_code == 201
     # Once the original has committed, the status resource reports its outcome.
     assert status.status_code == 200

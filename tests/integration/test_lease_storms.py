@@ -316,6 +316,9 @@ async def test_an_operators_move_on_a_record_a_reconciler_holds_gives_up_and_say
         response = StoredResponse(201, ((b"content-type", b"application/json"),), b"{}")
         await ops.resolve(pg_store, key, Resolution.SUCCEEDED, note="n", response=response)
         state = State.SUCCEEDED
+        resolved = await pg_store.get(key)  # (a resolution takes a generation of its own)
+        assert resolved is not None
+        generation = resolved.generation
     else:
         state = State.UNKNOWN
     async with pg_store.fenced(key, generation, state):
