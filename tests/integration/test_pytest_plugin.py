@@ -574,6 +574,19 @@ def test_name(idem_postgres_dsn):
     assert name not in asyncio.run(_databases(pg_dsn))
 
 
+def _admin(dsn: str, sql: str) -> None:
+    """One statement on the server of the outer run, as its superuser."""
+
+    async def execute() -> None:
+        conn = await asyncpg.connect(dsn)
+        try:
+            await conn.execute(sql)
+        finally:
+            await conn.close()
+
+    asyncio.run(execute())
+
+
 def test_a_role_that_cannot_create_databases_is_told_what_the_plugin_needs(
     pytester: pytest.Pytester, inner_env: Path, pg_dsn: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -581,20 +594,13 @@ def test_a_role_that_cannot_create_databases_is_told_what_the_plugin_needs(
     out of the plugin's internals, naming neither the database nor what to change."""
     role = f"idem_nocreate_{os.getpid()}"
 
-    async def admin(sql: str) -> None:
-        conn = await asyncpg.connect(pg_dsn)
-        try:
-            await conn.execute(sql)
-        finally:
-            await conn.close()
-
-    asyncio.run(admin(f"CREATE ROLE {role} LOGIN NOCREATEDB"))
+    _admin(pg_dsn, f"CREATE ROLE {role} LOGIN NOCREATEDB")
     try:
         monkeypatch.setenv("IDEM_TEST_DSN", re.sub(r"//[^@/]*@", f"//{role}@", pg_dsn, count=1))
         pytester.makepyfile(test_db="def test_db(idem_postgres_dsn):\n    pass\n")
         result = run(pytester)
     finally:
-        asyncio.run(admin(f"DROP ROLE {role}"))
+        _admin(pg_dsn, f"DROP ROLE {role}")
     result.assert_outcomes(errors=1)
     result.stdout.fnmatch_lines(
         [
@@ -612,22 +618,15 @@ def test_a_dsn_naming_the_plugins_own_database_is_refused_and_left_alone(
     and the run failed with asyncpg's raw ObjectInUseError. That database is only connected to."""
     name = database_name()  # (the name this worker's inner run takes first: idem_pytest ...)
 
-    async def admin(sql: str) -> None:
-        conn = await asyncpg.connect(pg_dsn)
-        try:
-            await conn.execute(sql)
-        finally:
-            await conn.close()
-
-    asyncio.run(admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-    asyncio.run(admin(f'CREATE DATABASE "{name}"'))
+    _admin(pg_dsn, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    _admin(pg_dsn, f'CREATE DATABASE "{name}"')
     try:
         monkeypatch.setenv("IDEM_TEST_DSN", urlunsplit(urlsplit(pg_dsn)._replace(path=f"/{name}")))
         pytester.makepyfile(test_db="def test_db(idem_postgres_dsn):\n    pass\n")
         result = run(pytester)
         assert name in asyncio.run(_databases(pg_dsn))
     finally:
-        asyncio.run(admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        _admin(pg_dsn, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
     result.assert_outcomes(errors=1)
     result.stdout.fnmatch_lines(
         [
