@@ -211,7 +211,9 @@ def status_route(
                 return _problem(ProblemKind.INVALID_KEY, _TWO_KEYS)
             key = key or sent
             if not operation or not key:
-                return _problem(ProblemKind.INVALID_KEY, _NO_KEY)
+                # (no key at all: `missing-key`, as a guarded route answers it)
+                kind = ProblemKind.INVALID_KEY if key else ProblemKind.MISSING_KEY
+                return _problem(kind, _NO_KEY)
             check_key(key)  # exactly the header's rule: a 400, never a query with a bad value
         except RequestRejected as exc:
             return _problem(exc.kind, exc.detail)

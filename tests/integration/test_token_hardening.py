@@ -263,7 +263,7 @@ async def test_a_202_keeps_the_token_out_of_its_location(
     assert re.fullmatch("[0-9a-f]{24}", params.pop("request"))  # (a digest of the request)
     assert params == {"operation": OP}
     assert status.json()["state"] == "succeeded", status.text
-    assert "Idempotency-Key header" in assert_problem(without, 400, "invalid-key")["detail"]
+    assert "Idempotency-Key header" in assert_problem(without, 400, "missing-key")["detail"]
 
 
 # -- 4. the route validates what it would store ---------------------------------------------------
