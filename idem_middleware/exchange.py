@@ -214,7 +214,7 @@ class Exchange(ClientWatch):
                 failed: Exception | None = None
                 try:
                     # The first attempt, awaited here (not under the retry loop): a frame fewer.
-                    answer = await Attempt(self, record_key, fingerprint, True).run()
+                    answer = await Attempt(self, record_key, fingerprint, None).run()
                 except RETRIED as exc:
                     failed = exc.with_traceback(None)  # (see key_error's)
                 if failed is not None:  # (outside the except: a retried handler sees no error)

@@ -78,10 +78,8 @@ async def run_transactional(
     try:
         for _ in range(wait_rounds(policy.wait_seconds, _MAX_POLL)):
             if exc is None:
-                attempt = Attempt(ex, record_key, fingerprint, deadline is None)
-                attempt.waited = waiting  # (its timer stops once the key is no longer busy)
                 try:
-                    return await attempt.run()
+                    return await Attempt(ex, record_key, fingerprint, waiting).run()
                 except RETRIED as raised:
                     # (without its traceback, which holds this frame: kept, a cycle)
                     exc = raised.with_traceback(None)
@@ -145,7 +143,6 @@ class Attempt(ResponseCapture):
         "record_key",
         "running",
         "task",
-        "timed_claim",
         "tx",
         "uncancelled",
         "waited",
@@ -153,10 +150,16 @@ class Attempt(ResponseCapture):
     )
 
     def __init__(
-        self, ex: Exchange, record_key: RecordKey, fingerprint: bytes, timed_claim: bool
+        self,
+        ex: Exchange,
+        record_key: RecordKey,
+        fingerprint: bytes,
+        waited: contextlib.ExitStack | None,
     ) -> None:
         self.ex = ex
-        self.timed_claim = timed_claim
+        #: The timer of the wait for a busy key this attempt follows (`run_transactional`), which
+        #: stops once the key is claimed; None for a first attempt, the one whose claim is timed.
+        self.waited = waited
         self.record_key = record_key
         self.fingerprint = fingerprint
         self.tx: Any = None
@@ -177,8 +180,6 @@ class Attempt(ResponseCapture):
         self.running = False
         self.gone = False
         self.uncancelled = False
-        #: The timer of the wait for a busy key this attempt follows (`run_transactional`).
-        self.waited: contextlib.ExitStack | None = None
 
     async def run(self) -> Answer | None:
         ex = self.ex
@@ -190,7 +191,7 @@ class Attempt(ResponseCapture):
             # (Given back at the end, or when a stream starts: see `settle_early`.)
             slot = ex.slot = slots.hold(record_key.tenant)
             if slot is None:
-                if not self.timed_claim:  # a duplicate waiting already: for a slot too, as long
+                if self.waited is not None:  # a duplicate waiting already: for a slot too, as long
                     raise ClaimBusy("no tenant slot")  # (its wait lasts: then a 409, as lease's)
                 return Problem(ProblemKind.TENANT_BUSY, TENANT_BUSY, policy.retry_after_seconds)
         try:
@@ -205,7 +206,7 @@ class Attempt(ResponseCapture):
                 )
                 # With nothing observing, no timer and no event calls at all (each is a call).
                 observed = ex.mw.observer is not None
-                if observed and self.timed_claim:
+                if observed and self.waited is None:
                     with ex.timed("claim"):
                         claim = await claiming
                 else:

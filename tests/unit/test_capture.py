@@ -249,7 +249,7 @@ def test_an_attempt_sets_every_field_of_its_capture_as_the_capture_would() -> No
 
     policy = SimpleNamespace(max_response_bytes=123)
     ex: Any = SimpleNamespace(send=send, policy=policy)
-    attempt = Attempt(ex, None, b"f", True)  # type: ignore[arg-type]
+    attempt = Attempt(ex, None, b"f", None)  # type: ignore[arg-type]
     capture = ResponseCapture(send, 123)
     for name in ResponseCapture.__slots__:
         assert getattr(attempt, name) == getattr(capture, name), name
