@@ -32,18 +32,23 @@ def find_middleware(app: Any) -> IdempotencyMiddleware | None:
     from .middleware import IdempotencyMiddleware  # (the middleware's startup imports this)
 
     for start in (getattr(app, "middleware_stack", None), app):
-        layer = start
-        for _ in range(_MAX_WRAPPERS):
-            if layer is None:
-                break
+        for layer in _layers(start):
             if isinstance(layer, IdempotencyMiddleware):
                 return layer
-            layer = getattr(layer, "app", None)
     for entry in getattr(app, "user_middleware", ()):
         cls = entry.cls
         if isinstance(cls, type) and issubclass(cls, IdempotencyMiddleware):
             return cls(app.router, *entry.args, **entry.kwargs)
     return None
+
+
+def _layers(layer: Any) -> Iterator[Any]:
+    """`layer`, the app it wraps (`.app`), the app that one wraps, ... (at most _MAX_WRAPPERS)."""
+    for _ in range(_MAX_WRAPPERS):
+        if layer is None:
+            return
+        yield layer
+        layer = getattr(layer, "app", None)
 
 
 def mounted_middlewares(
@@ -110,13 +115,10 @@ def stacked_policy_errors(
     configuration is silently ignored. (`found`: what `mw` guards, as startup lists it.)"""
     from .middleware import IdempotencyMiddleware  # (the middleware's startup imports this)
 
-    others, layer = [], getattr(app, "middleware_stack", None)
-    for _ in range(_MAX_WRAPPERS):
-        if layer is None:
-            break
-        if isinstance(layer, IdempotencyMiddleware) and layer is not mw:
-            others.append(layer)
-        layer = getattr(layer, "app", None)
+    stack = _layers(getattr(app, "middleware_stack", None))
+    others = [
+        layer for layer in stack if isinstance(layer, IdempotencyMiddleware) and layer is not mw
+    ]
     return [
         f"{method} {item.template} is guarded by two IdempotencyMiddlewares in the app's "
         f"middleware list, otherwise ({_described(ours)}; {_described(theirs)}): only the outer "
