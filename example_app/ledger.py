@@ -26,37 +26,45 @@ class Hold(enum.Enum):
     MISSING = "missing"  # no such account for this tenant: a 404
 
 
+class _NotHeld(Exception):
+    """Ends the hold's transaction, rolling its row back (`hold_funds`)."""
+
+    def __init__(self, why: Hold) -> None:
+        self.why = why
+
+
 async def hold_funds(pool: Any, tenant: str, account_id: str, amount: int, hold_key: str) -> Hold:
-    async with pool.acquire() as conn, conn.transaction():
-        if await conn.fetchval("SELECT true FROM ex_holds WHERE hold_key = $1", hold_key):
-            return Hold.HELD
-        balance = await conn.fetchval(
-            "UPDATE ex_accounts SET balance = balance - $3 "
-            "WHERE tenant = $1 AND account_id = $2 AND balance >= $3 RETURNING balance",
-            tenant,
-            account_id,
-            amount,
-        )
-        if balance is None:
-            known = await conn.fetchval(
-                "SELECT true FROM ex_accounts WHERE tenant = $1 AND account_id = $2",
+    """The hold's row first: a run of this payout that holds it already (or is taking it at this
+    moment: the insert waits for that one's end) leaves the balance alone. Then the money."""
+    try:
+        async with pool.acquire() as conn, conn.transaction():
+            taken = await conn.fetchval(
+                "INSERT INTO ex_holds (hold_key, tenant, account_id, amount) "
+                "VALUES ($1, $2, $3, $4) ON CONFLICT (hold_key) DO NOTHING RETURNING true",
+                hold_key,
                 tenant,
                 account_id,
+                amount,
             )
-            return Hold.SHORT if known else Hold.MISSING
-        # (ON CONFLICT: a run of the same payout racing this one took it first; then this
-        # transaction's debit would hold it twice, so it is undone by raising.)
-        inserted = await conn.fetchval(
-            "INSERT INTO ex_holds (hold_key, tenant, account_id, amount) VALUES ($1, $2, $3, $4) "
-            "ON CONFLICT (hold_key) DO NOTHING RETURNING true",
-            hold_key,
-            tenant,
-            account_id,
-            amount,
-        )
-        if not inserted:
-            raise RuntimeError("this payout's hold was taken twice at once")
-        return Hold.HELD
+            if not taken:
+                return Hold.HELD  # by an earlier run of this payout
+            balance = await conn.fetchval(
+                "UPDATE ex_accounts SET balance = balance - $3 "
+                "WHERE tenant = $1 AND account_id = $2 AND balance >= $3 RETURNING balance",
+                tenant,
+                account_id,
+                amount,
+            )
+            if balance is None:
+                known = await conn.fetchval(
+                    "SELECT true FROM ex_accounts WHERE tenant = $1 AND account_id = $2",
+                    tenant,
+                    account_id,
+                )
+                raise _NotHeld(Hold.SHORT if known else Hold.MISSING)
+            return Hold.HELD
+    except _NotHeld as refused:
+        return refused.why
 
 
 async def debit(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from http import HTTPStatus
 from typing import Annotated, Any
 
@@ -10,9 +11,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field, field_validator
 from starlette.exceptions import HTTPException
+from starlette.responses import Response
 
 from idem_middleware.errors import ProblemKind
-from idem_middleware.responses import DEFAULT_PROBLEM_BASE, problem_title
+from idem_middleware.responses import problem_response
 
 # What the tables can keep: PostgreSQL text holds no NUL, a key of the accounts' index must stay
 # well under its 2,704-byte limit, and amounts and balances are bigint. Anything else is a 422,
@@ -118,16 +120,23 @@ class AccountOut(BaseModel):
 #: The types of the app's own kinds of problem: a client tells them apart by `type`, as it does
 #: the middleware's (RFC 9457; `about:blank` is for a problem that says no more than its status).
 APP_PROBLEMS = "urn:idem-example:problem:"
-#: A 401 is the same problem whichever answers it, the middleware or the app: one type for it.
-UNAUTHENTICATED = DEFAULT_PROBLEM_BASE + ProblemKind.UNAUTHENTICATED.value
 
 
-def problem(status: int, detail: str, kind: str | None = None, **headers: str) -> JSONResponse:
+def problem(
+    status: int, detail: str, kind: str | None = None, headers: Mapping[str, str] | None = None
+) -> Response:
     """A problem document: of the app's own `kind` (its type, and a title of its own), or
-    `about:blank` with the status's phrase as its title; `detail` says what happened."""
+    `about:blank` with the status's phrase as its title; `detail` says what happened. A 401 is
+    the middleware's own `unauthenticated` problem, as the library builds it: one type for one
+    problem, whichever answers it (`headers`' WWW-Authenticate its challenge)."""
     if status == 401:
-        kind_type, title = UNAUTHENTICATED, problem_title(ProblemKind.UNAUTHENTICATED)
-    elif kind is None:
+        challenge = (headers or {}).get("WWW-Authenticate")
+        return problem_response(
+            ProblemKind.UNAUTHENTICATED,
+            detail,
+            challenge=None if challenge is None else challenge.encode("latin-1"),
+        )
+    if kind is None:
         kind_type, title = "about:blank", HTTPStatus(status).phrase
     else:
         kind_type, title = APP_PROBLEMS + kind, kind.replace("-", " ").capitalize()
@@ -135,14 +144,14 @@ def problem(status: int, detail: str, kind: str | None = None, **headers: str) -
         {"type": kind_type, "title": title, "status": status, "detail": detail},
         status_code=status,
         media_type="application/problem+json",
-        headers=headers or None,
+        headers=headers,
     )
 
 
-def http_problem(request: Request, exc: Exception) -> JSONResponse:
+def http_problem(request: Request, exc: Exception) -> Response:
     """An HTTPException (the app's own, or the router's 404 and 405) as a problem document."""
     assert isinstance(exc, HTTPException)
-    return problem(exc.status_code, exc.detail, **(exc.headers or {}))
+    return problem(exc.status_code, exc.detail, headers=exc.headers)
 
 
 def validation_problem(request: Request, exc: Exception) -> JSONResponse:
