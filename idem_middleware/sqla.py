@@ -27,6 +27,7 @@ import asyncpg
 try:
     from sqlalchemy.exc import DBAPIError
     from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
+    from sqlalchemy.orm import Session
 except ModuleNotFoundError as exc:  # installed without the extra
     from .errors import missing_extra
 
@@ -69,6 +70,7 @@ class ClaimSessions:
                 "ClaimSessions(engine=...) needs an engine made by create_claim_engine(): "
                 f"{engine.url.render_as_string()} opens connections of its own, outside the claim"
             )
+        _refuse_routing(session_class, session_options)
         self.engine = engine if engine is not None else create_claim_engine()
         self.factory: async_sessionmaker[Any] = async_sessionmaker(
             self.engine,
@@ -120,6 +122,34 @@ class ClaimSessions:
         """The FastAPI dependency: `Depends(sessions.dependency)`."""
         async with self.session(request) as session:
             yield session
+
+
+def _refuse_routing(session_class: type[AsyncSession], options: dict[str, Any]) -> None:
+    """What would route a session's statements to an engine of its own, outside the claim: a
+    `binds` entry that is not a claim engine, or a session class that picks engines itself."""
+    if "bind" in options:
+        raise ConfigurationError(
+            "ClaimSessions() does not take bind=: pass a claim engine as engine=..."
+        )
+    for key, bind in (options.get("binds") or {}).items():
+        if isinstance(bind, AsyncEngine) and isinstance(bind.sync_engine.pool, ClaimPool):
+            continue
+        url = getattr(getattr(bind, "sync_engine", None), "url", None)
+        what = url.render_as_string() if url is not None else type(bind).__name__
+        raise ConfigurationError(
+            "ClaimSessions(binds=...) takes only engines made by create_claim_engine(): "
+            f"{getattr(key, '__name__', key)!s} is bound to {what}, which would write outside "
+            "the claim"
+        )
+    sync_class: Any = options.get("sync_session_class") or getattr(
+        session_class, "sync_session_class", Session
+    )
+    if sync_class.get_bind is not Session.get_bind:
+        raise ConfigurationError(
+            f"ClaimSessions() cannot use {sync_class.__qualname__}: it overrides get_bind(), and "
+            "the engines it chooses would write outside the claim (a claim session has one "
+            "connection, the claim's)"
+        )
 
 
 async def _flushed_or_spoiled(session: Any, context: IdempotencyContext) -> None:

@@ -70,6 +70,12 @@ def _statements(record: ConnectionPoolEntry) -> _Statements | None:
     return statements if isinstance(statements, _Statements) else None
 
 
+def _soft_invalidated(record: ConnectionPoolEntry) -> bool:
+    """Soft-invalidated (`invalidate(soft=True)`, or a hard one that was interrupted)."""
+    entry: Any = record  # (a _ConnectionRecord)
+    return bool(entry._soft_invalidate_time > entry.starttime)
+
+
 class ClaimDialect(PGDialect_asyncpg):
     """asyncpg, without installing SQLAlchemy's JSON codecs on the store's connections.
 
@@ -172,8 +178,9 @@ class ClaimPool(Pool):
                 lent.retired = True
         record = self._records.get(driver)
         statements = _statements(record) if record is not None else None
-        if record is None or statements is None or statements.retired:
-            # A connection the pool has not seen: forget the closed ones first.
+        if record is None or statements is None or statements.retired or _soft_invalidated(record):
+            # A connection the pool has not seen (or an entry SQLAlchemy would recycle at its
+            # checkout: it opens none of its own): forget the closed ones first.
             for old in [c for c in self._records if c.is_closed()]:
                 del self._records[old]
             token = _connecting.set((driver, connection))
@@ -196,6 +203,16 @@ class ClaimPool(Pool):
         else:  # invalidated: its driver connection is no longer known
             for driver in [c for c, r in self._out.items() if r is record]:
                 del self._out[driver]
+
+    def _invalidate(
+        self, connection: Any, exception: BaseException | None = None, _checkin: bool = True
+    ) -> None:
+        """A disconnect invalidates the connection that died, not the pool: SQLAlchemy's would
+        mark every connection seen so far for recycling at its next checkout, which a claim
+        engine cannot do (it opens none of its own), failing the healthy requests on them. The
+        store's pool replaces a dead connection; `_do_get` gives the new one an entry."""
+        if _checkin and getattr(connection, "is_valid", False):
+            connection.invalidate(exception)
 
     def _close_connection(self, connection: Any, *, terminate: bool = False) -> None:
         # The store owns the connection: SQLAlchemy only forgets its wrapper (if it is still
