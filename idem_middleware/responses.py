@@ -3,6 +3,7 @@ own routes) and stored-response replays."""
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import logging
 from collections.abc import Awaitable, Callable, Sequence
@@ -147,6 +148,10 @@ _CANCELLED = (
 )
 
 
+#: How long the answer to a cancelled request may take to be sent (`answer_cancelled`).
+CANCELLED_SEND_SECONDS = 1.0
+
+
 async def answer_cancelled(ex: Exchange) -> None:
     """What a guarded request the server cancelled (its shutdown's graceful timeout) says
     before its cancellation goes on, unless its response has started: `503 request-cancelled`
@@ -160,7 +165,10 @@ async def answer_cancelled(ex: Exchange) -> None:
         return
     ex.started = True
     try:
-        await ex.mw.send_problem(ex.send, ProblemKind.CANCELLED, _CANCELLED, retry_after=1)
+        # Bounded: a server past its graceful timeout may never take the message (hypercorn's
+        # HTTP/2 stream, its sender cancelled already), and the cancellation waited on it.
+        async with asyncio.timeout(CANCELLED_SEND_SECONDS):
+            await ex.mw.send_problem(ex.send, ProblemKind.CANCELLED, _CANCELLED, retry_after=1)
     except Exception as exc:  # the client gone, or a server that takes no more
         logger.debug("the answer to a cancelled request was not sent: %r", exc)
 
