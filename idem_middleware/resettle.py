@@ -3,10 +3,11 @@ out of connections), sent again, so the client gets the outcome its handler prod
 than a 503 and a record left `unknown` (or `pending` until its lease lapses).
 
 Only a settlement that is a compare-and-set of its own: when the handler opened no fenced
-transaction. With one, a failed COMMIT rolled the handler's writes back, and what the
-compare-and-set would record is no longer what happened. Marking a record `unknown` (the
-handler raised, or its settlement failed) is sent again the same way (`unresolve`): left
-`pending`, every retry was told "in flight" until the lease lapsed.
+transaction, or a release or an `unknown` (sent once that transaction rolled back). A final
+outcome sent in the fenced transaction is not: its failed COMMIT rolled the handler's writes
+back, and what the compare-and-set would record is no longer what happened. Marking a record
+`unknown` (the handler raised, or its settlement failed) is sent again the same way
+(`unresolve`): left `pending`, every retry was told "in flight" until the lease lapsed.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("idem_middleware")
 
+#: The states of a final outcome: recorded over an `unknown` mark of the same generation.
+_FINAL = (State.SUCCEEDED, State.FAILED_FINAL)
 _FIRST_PAUSE = 0.05
 _MAX_PAUSE = 1.0
 #: However short the time allowed, the settlement is sent again at least this many times.
@@ -68,14 +71,14 @@ async def settle_early_again(
 ) -> bool:
     """The early settlement of a response that cannot be held (`omitted` says why) failed with
     `error`, before the first byte: on a blip, sent again as `settle_again` does when it was a
-    compare-and-set; with a fenced transaction, the record is read in case its COMMIT landed
-    after all (`committed_after_all`). Otherwise, or if the store stays out of reach, `error`
+    compare-and-set; sent in the fenced transaction, the record is read in case its COMMIT
+    landed after all (`committed_after_all`). Otherwise, or if the store stays out of reach, `error`
     is raised: it reaches the handler through its `send`, and the execution marks the record
     `unknown` as when a handler raises (its client gets a 503)."""
     if not blip(error):
         raise error
     fence = execution.fence
-    if fence is not None and fence.opened:
+    if fence is not None and fence.committing:
         if await committed_after_all(execution, context, capture, omitted):
             return True
         raise error
@@ -246,6 +249,11 @@ async def send_again(
                 done = await store.release(key, generation)
             else:
                 done = await store.settle(key, generation, State.PENDING, settlement)
+                if not done and settlement.state in _FINAL:
+                    # Marked `unknown` under this generation meanwhile (a duplicate found its
+                    # lease lapsed): nobody took it over, so this outcome is still the one to
+                    # record, as `Fence.settle` records it. (A reconciler's, first, stands.)
+                    done = await store.settle(key, generation, State.UNKNOWN, settlement)
             if done:
                 return True
             record = await store.get(key)

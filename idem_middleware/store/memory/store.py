@@ -103,14 +103,19 @@ class MemoryStore(OffPathOperations):
             return True
 
     async def expire_lease(self, key: RecordKey, generation: int) -> bool:
+        # The match first, then the lock: PostgreSQL locks only a row its statement matches, so
+        # a record under another generation, or whose lease has not lapsed, is False at once,
+        # whoever holds its row.
+        if self._lapsed_lease(key, generation) is None:
+            return False
         if key in self._fence_locks:
             # Another session holds the record's row (an executor's fenced session past its
             # lease): busy, never waited for, as PostgreSQL's NOWAIT.
             raise ClaimBusy("another session holds the record")
         async with self._row_lock(key):
-            row = self._current(key, generation, State.PENDING)
+            row = self._lapsed_lease(key, generation)
             now = self.clock()
-            if row is None or row.lease_expires_at is None or row.lease_expires_at > now:
+            if row is None:
                 return False
             self._rows[key] = replace(
                 row,
@@ -128,18 +133,16 @@ class MemoryStore(OffPathOperations):
         if expected not in (State.PENDING, State.UNKNOWN):
             # A finished outcome is replayed, never run again.
             raise ValueError(f"only a pending or unknown record can be taken over, not {expected}")
+        if self._takeable(key, generation, expected) is None:
+            return None  # (the match first, as `expire_lease`'s)
         if key in self._owners or key in self._fence_locks:
             # Another session holds the record's row (a fenced session, a transaction taking a
             # released record over): busy, never waited for, as PostgreSQL's NOWAIT.
             raise ClaimBusy("another session holds the record")
         async with self._row_lock(key):
-            row = self._current(key, generation, expected)
+            row = self._takeable(key, generation, expected)
             now = self.clock()
-            if row is None or (expected is State.UNKNOWN and row.mode != "lease"):
-                return None  # (a reopened transactional record: its writes committed)
-            if expected is State.PENDING and (
-                row.lease_expires_at is not None and row.lease_expires_at > now
-            ):
+            if row is None:
                 return None
             new = next(self._generations)
             self._rows[key] = replace(
@@ -153,10 +156,14 @@ class MemoryStore(OffPathOperations):
             return new
 
     async def settle(self, key: RecordKey, generation: int, expected: State, s: Settlement) -> bool:
+        if key in self._fence_locks and self._current(key, generation, expected) is None:
+            return False  # a row it does not match is never waited for (see `expire_lease`)
         async with self._row_lock(key):
             return self._settle_now(key, generation, expected, s)
 
     async def release(self, key: RecordKey, generation: int) -> bool:
+        if key in self._fence_locks and self._current(key, generation, State.PENDING) is None:
+            return False  # (as `settle`)
         async with self._row_lock(key):
             if self._current(key, generation, State.PENDING) is None:
                 return False
@@ -170,9 +177,11 @@ class MemoryStore(OffPathOperations):
             return True
 
     async def allow_retry(self, key: RecordKey, generation: int, note: str) -> bool:
+        if self._retryable(key, generation) is None:
+            return False  # (as `settle`)
         async with self._row_lock(key):
-            row = self._current(key, generation, State.UNKNOWN)
-            if row is None or row.mode != "lease":  # lease mode only, as on PostgreSQL
+            row = self._retryable(key, generation)
+            if row is None:
                 return False
             self._rows[key] = replace(
                 row,
@@ -191,15 +200,40 @@ class MemoryStore(OffPathOperations):
     ) -> AsyncIterator[_MemoryFenced]:
         # The row lock of the fenced transaction: one fenced session per key at a time. A
         # reconciler's (an unknown record's) never waits for another's, as PostgreSQL's
-        # `fence_nowait`: busy at once.
-        if expected is State.UNKNOWN and key in self._fence_locks:
-            raise ClaimBusy("another session holds the record")
+        # `fence_nowait`: busy at once. A record under another generation is stale at once,
+        # whoever holds its row (the match first, as `expire_lease`'s).
+        if key in self._fence_locks:
+            if self._current(key, generation, expected) is None:
+                raise _stale(generation)
+            if expected is State.UNKNOWN:
+                raise ClaimBusy("another session holds the record")
         async with self._row_lock(key):
             if self._current(key, generation, expected) is None:
-                raise StaleGeneration(
-                    f"generation {generation} no longer holds the record; its writes are refused"
-                )
+                raise _stale(generation)
             yield _MemoryFenced(self, key, generation, expected)
+
+    def _lapsed_lease(self, key: RecordKey, generation: int) -> _Row | None:
+        """The row `expire_lease` moves: pending under `generation`, its lease lapsed."""
+        row = self._current(key, generation, State.PENDING)
+        if row is None or row.lease_expires_at is None or row.lease_expires_at > self.clock():
+            return None
+        return row
+
+    def _takeable(self, key: RecordKey, generation: int, expected: State) -> _Row | None:
+        """The row `takeover` moves (its `locked` rows in queries.sql)."""
+        row = self._current(key, generation, expected)
+        if row is None or (expected is State.UNKNOWN and row.mode != "lease"):
+            return None  # (a reopened transactional record: its writes committed)
+        lease = row.lease_expires_at
+        if expected is State.PENDING and lease is not None and lease > self.clock():
+            return None
+        return row
+
+    def _retryable(self, key: RecordKey, generation: int) -> _Row | None:
+        """The row `allow_retry` moves: unknown under `generation`, lease mode only (as on
+        PostgreSQL)."""
+        row = self._current(key, generation, State.UNKNOWN)
+        return None if row is None or row.mode != "lease" else row
 
     @asynccontextmanager
     async def watch(self, key: RecordKey) -> AsyncIterator[EventWatch]:
@@ -220,3 +254,9 @@ class MemoryStore(OffPathOperations):
 
     async def __aexit__(self, *exc: object) -> None:
         return None
+
+
+def _stale(generation: int) -> StaleGeneration:
+    return StaleGeneration(
+        f"generation {generation} no longer holds the record; its writes are refused"
+    )

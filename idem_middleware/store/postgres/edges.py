@@ -265,15 +265,10 @@ class OffPathStatements(PoolStatements):
         limit: int = 100,
         stale_only: bool = False,
     ) -> list[RecordSummary]:
-        rows = await self._run(
-            "fetch",
-            _Q["list_records"],
-            [s.value for s in states],
-            tenant,
-            operation,
-            limit,
-            stale_only,
-        )
+        if type(limit) is not int or limit < 0:  # (as the twin's: not the server's raw error)
+            raise ValueError(f"list_records: limit must be a whole number from 0, not {limit!r}")
+        args = ([s.value for s in states], tenant, operation, limit, stale_only)
+        rows = await self._run("fetch", _Q["list_records"], *args)
         return [_summary(r) for r in rows]
 
     async def list_page(
