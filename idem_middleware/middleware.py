@@ -13,7 +13,7 @@ import sys
 from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from typing import Any, TypeVar, cast
 
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .body_limits import capped, follow_route_limit, in_force
 from .capture import hide_sent_by_server
@@ -37,7 +37,8 @@ from .routing import (
     routed_above,
     router_of,
 )
-from .startup import DEFAULT_METHODS, SAFE_METHODS, check_app, unopened_store
+from .startup import DEFAULT_METHODS, SAFE_METHODS, check_app
+from .startup_store import checked_lifespan, store_checked
 from .store.base import Store
 from .tenant import TenantResolver as TenantResolver
 from .tenant import Tenants
@@ -176,6 +177,9 @@ class IdempotencyMiddleware:
         # The startup check runs once; a failed one fails every request after it too.
         self._checked = False
         self._check_error: ConfigurationError | None = None
+        # The store's startup check (`startup_store`): None until the lifespan or a first
+        # request starts it, its task while it runs, True once it is over (or none is needed).
+        self._store_check: Any = None if hasattr(store, "check_given_pool") else True
         #: Per (app, method, root path, path, Host): the resolution and its route lists (`_Entry`).
         self._routes: dict[tuple[Any, ...], _Entry] = {}
         #: What the misses of the route cache work out once (the routes each path can reach).
@@ -189,13 +193,15 @@ class IdempotencyMiddleware:
         server to await: no frame of the middleware's is above the exchange and its handler's
         awaits. (Servers tell ASGI 3 apps by `__call__`: see `_marked_coroutine_function`.)"""
         if scope["type"] == "lifespan":
-            return self._lifespan(scope, receive, send)
+            return checked_lifespan(self, scope, receive, send)  # (startup_store)
         if scope["type"] != "http":
             return self.app(scope, receive, send)
         if not self._checked:
             self._check(app_below(self, scope.get("app")), scope)
         if self._check_error is not None:
             return self._refuse(send)
+        if self._store_check is not True:
+            return store_checked(self, scope, receive, send)  # (a pool given, no lifespan)
         method = scope["method"]
         if method in SAFE_METHODS or not self.enabled or SCOPE_KEY in scope:
             # (SCOPE_KEY: an outer IdempotencyMiddleware guards this request already.)
@@ -357,38 +363,3 @@ class IdempotencyMiddleware:
         except Exception as exc:  # a check that cannot run fails every request, as a failed one
             logger.error("idempotency: the startup check failed", exc_info=True)
             self._check_error = ConfigurationError(f"the startup check failed: {exc!r}")
-
-    async def _lifespan(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """Check the app when the server starts it; a failed check fails the startup."""
-        failed = False
-
-        async def checked_receive() -> Message:
-            nonlocal failed
-            message = await receive()
-            if message["type"] == "lifespan.startup":
-                if not self._checked:
-                    self._check(app_below(self, scope.get("app")))
-                if self._check_error is not None:  # (a second lifespan too: still misconfigured)
-                    failed = True
-                    await send(
-                        {
-                            "type": "lifespan.startup.failed",
-                            "message": f"idem_middleware: {self._check_error}",
-                        }
-                    )
-                    raise self._failed_check()
-            return message
-
-        async def quiet_send(message: Message) -> None:
-            nonlocal failed
-            if message["type"] == "lifespan.startup.complete" and (error := unopened_store(self)):
-                failed = True  # the app's lifespan did not open the store
-                await send(
-                    {"type": "lifespan.startup.failed", "message": f"idem_middleware: {error}"}
-                )
-                raise error
-            # After our startup.failed, the app's own report of the same failure is not sent.
-            if not (failed and message["type"].startswith("lifespan.startup")):
-                await send(message)
-
-        await self.app(scope, checked_receive, quiet_send)

@@ -15,7 +15,7 @@ from starlette.types import Scope
 
 from .body_limits import declared_limit, limit_warning
 from .endpoints import WRAPPER_ATTRIBUTE, endpoint_policy
-from .errors import NOT_OPEN, OPEN_IN_LIFESPAN, OTHER_LOOP, ConfigurationError
+from .errors import NOT_OPEN, ConfigurationError
 from .library_routes import ROUTE_OPERATIONS_ATTRIBUTE, GuardedOperations, tell_library_routes
 from .middleware_order import check_authentication, check_outer_middleware, middleware_inside
 from .mounted import methods_of, nested_policy_errors, stacked_policy_errors
@@ -140,25 +140,6 @@ def check_app(mw: IdempotencyMiddleware, app: Any, scope: Scope | None = None) -
     errors += nested_policy_errors(mw.policy_for, routes) + stacked_policy_errors(mw, app, found)
     if errors:
         raise ConfigurationError("; ".join(errors))
-
-
-def unopened_store(mw: IdempotencyMiddleware) -> ConfigurationError | None:
-    """When the app's lifespan startup completes: a store still not open, or open in another
-    event loop than the one serving the app (`asyncio.run(store.open())` before the server
-    starts, a test fixture's store), would answer every guarded request 503 (logged; None when
-    it is open here, or the middleware is switched off)."""
-    if not mw.enabled:
-        return None
-    if not getattr(mw.store, "is_open", True):
-        error = ConfigurationError(
-            f"the app's lifespan startup completed without opening the store: {OPEN_IN_LIFESPAN}"
-        )
-    elif getattr(mw.store, "in_another_loop", False):
-        error = ConfigurationError(f"the app's lifespan startup completed, but {OTHER_LOOP}")
-    else:
-        return None
-    logger.error("idempotency: %s", error)
-    return error
 
 
 def guarded_routes(

@@ -32,12 +32,18 @@ async def applied_versions(conn: asyncpg.Connection[Any]) -> set[int]:
     # concurrent migrator committed while this one waited on the lock, and creates it again.
     # The schema is matched by name, not cast with ::regnamespace, which parses its text as an
     # identifier: a schema that needs quoting ("Idem", "my schema") was not found.
+    # `elsewhere`: the first schema on the path that has the migrations table (see _shadowing).
     found: Any = await conn.fetchrow(
-        "SELECT current_schema() AS schema, quote_ident(current_user) AS role,"
+        "SELECT quote_ident(current_schema()) AS schema, quote_ident(current_user) AS role,"
         " current_setting('search_path') AS search_path,"
         " EXISTS (SELECT FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n"
         " ON n.oid = c.relnamespace"
-        " WHERE c.relname = 'idem_schema_migrations' AND n.nspname = current_schema()) AS found"
+        " WHERE c.relname = 'idem_schema_migrations' AND n.nspname = current_schema()) AS found,"
+        " (SELECT quote_ident(s.name)"
+        " FROM unnest(current_schemas(false)) WITH ORDINALITY AS s(name, at)"
+        " JOIN pg_catalog.pg_namespace n ON n.nspname = s.name JOIN pg_catalog.pg_class c"
+        " ON c.relnamespace = n.oid AND c.relname = 'idem_schema_migrations'"
+        " ORDER BY s.at LIMIT 1) AS elsewhere"
     )
     if found["schema"] is None:
         # No schema on the path exists or is usable by this role: a role without USAGE on the
@@ -49,6 +55,8 @@ async def applied_versions(conn: asyncpg.Connection[Any]) -> set[int]:
             "migrated into), or set its search_path"
         )
     if not found["found"]:
+        if found["elsewhere"] is not None:
+            raise _shadowing(found)
         return set()
     try:
         rows = await conn.fetch("SELECT version FROM idem_schema_migrations")
@@ -61,6 +69,23 @@ async def applied_versions(conn: asyncpg.Connection[Any]) -> set[int]:
             "names the rest when it opens)"
         ) from exc
     return {r["version"] for r in rows}
+
+
+def _shadowing(found: Any) -> ConfigurationError:
+    """The role's own schema (`"$user"`, first on the default search_path) has no idempotency
+    schema, and a schema later on its path has one. The store's statements find that one's
+    tables, but a migrate made a second, empty set in the first schema, which then hid them: a
+    key already recorded ran again. Refused, by the store and by migrate alike."""
+    schema, elsewhere = found["schema"], found["elsewhere"]
+    return ConfigurationError(
+        f"the idempotency schema is in {elsewhere}, but the role {found['role']} creates in "
+        f"and looks first in {schema} (its search_path: {found['search_path']}), which has "
+        f"none: migrating would make a second, empty one in {schema} that hides {elsewhere}'s "
+        f"records. Put {elsewhere} first on the role's search_path (ALTER ROLE {found['role']} "
+        f"SET search_path = {elsewhere}, adding after it any other schema the application "
+        "uses), or give the store that search_path (connect_kwargs={'server_settings': "
+        "{'search_path': ...}}), and connect again"
+    )
 
 
 async def migrate(
@@ -83,15 +108,25 @@ async def migrate(
     applied: list[int] = []
     failed = ""
     try:
-        async with conn.transaction():
+        # READ COMMITTED whatever the sessions' default_transaction_isolation: each statement
+        # then reads what committed before it began. Under REPEATABLE READ the snapshot was the
+        # advisory lock's statement's, taken before its wait, so a second migrator did not see
+        # what the first had just committed, applied it all again, and was told the schema was
+        # "made some other way" (drop the tables).
+        async with conn.transaction(isolation="read_committed"):
+            # No timeout of the role's or the database's cuts short the wait for another
+            # migrator (it waits as long as that one takes), nor the migrations themselves.
+            # Local to this transaction. (transaction_timeout: PostgreSQL 17 and later.)
+            await conn.execute(
+                "SELECT set_config(name, '0', true) FROM pg_catalog.pg_settings"
+                " WHERE name IN ('lock_timeout', 'statement_timeout', 'transaction_timeout')"
+            )
             await conn.execute("SELECT pg_advisory_xact_lock($1)", _LOCK_ID)
-            if lock_timeout is not None:
-                # After the migrators' lock: a second migrate waits for the first as long as
-                # it takes. Local to this transaction.
-                await conn.execute(
-                    "SELECT set_config('lock_timeout', $1, true)",
-                    f"{max(1, round(lock_timeout * 1000))}ms",
-                )
+            # Then the migrations' own bound on their waits for a table's lock (0: none).
+            await conn.execute(
+                "SELECT set_config('lock_timeout', $1, true)",
+                "0" if lock_timeout is None else f"{max(1, round(lock_timeout * 1000))}ms",
+            )
             done = await applied_versions(conn)
             for version, name, text in sql.migrations():
                 if version in done:
@@ -105,10 +140,13 @@ async def migrate(
                 )
                 applied.append(version)
     except asyncpg.LockNotAvailableError as exc:
+        # (`failed` is empty when the wait was to read idem_schema_migrations, before any.)
+        what = f"migration {failed}" if failed else "migrate"
+        waited = "" if lock_timeout is None else f" more than {lock_timeout:g} s"
         raise StoreError(
-            f"migration {failed} waited more than {lock_timeout:g} s for a lock ({exc}) and "
-            f"nothing was applied: {await _holders(conn)}. Run `idem-middleware migrate` again "
-            "when they are over (requests went on meanwhile), or give it longer (--lock-timeout)"
+            f"{what} waited{waited} for a lock ({exc}) and nothing was applied: "
+            f"{await _holders(conn)}. Run `idem-middleware migrate` again when they are over "
+            "(requests went on meanwhile), or give it longer (--lock-timeout)"
         ) from exc
     return applied
 

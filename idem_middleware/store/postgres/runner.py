@@ -26,7 +26,7 @@ from .convert import (
     scrub,
     translate,
 )
-from .lifecycle import check_loop, other_loop
+from .lifecycle import Turns, check_loop, other_loop
 
 logger = logging.getLogger("idem_middleware.store")
 _running_loop = asyncio._get_running_loop
@@ -203,6 +203,31 @@ class PoolStatements:
         """Whether the store's pool belongs to another event loop than the running one, which
         it then cannot serve (see lifecycle.py): the app's startup checks this."""
         return self._pool is not None and other_loop(self._pool)
+
+    # (The store's, for `check_given_pool`: see store.py.)
+    _owns_pool: bool
+    _opens: int
+    _turns: Turns
+    #: Whether `check_given_pool` ran its checks.
+    _given_checked = False
+
+    async def _open(self) -> None:
+        raise NotImplementedError  # (PostgresStore's)
+
+    async def check_given_pool(self) -> None:
+        """open()'s checks (the schema's migrations, the role's privileges, sessions that take
+        writes, a pooler), once, on a pool the store was given and that was never opened: such
+        a store counts as open, and nothing checked it (a database never migrated answered
+        every guarded request a 500). The middleware's startup runs them. ConfigurationError as
+        open() raises; the pool is the caller's, and stays open. Nothing for a store of its own
+        pool, or one opened (or closed) since it was made: open() checks those."""
+        async with self._turns():
+            if self._owns_pool or self._opens or self._closed or self._given_checked:
+                return
+            if self._pool is None or other_loop(self._pool):
+                return  # (the middleware's startup names another loop's pool itself)
+            await self._open()
+            self._given_checked = True
 
     #: `_clean` when the pool's reset is the store's (it skips theirs), else None.
     _clean_releases: weakref.WeakSet[Any] | None = None

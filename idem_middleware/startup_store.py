@@ -1,0 +1,123 @@
+"""What the middleware's startup checks of its store: that it is open, in the event loop that
+serves the app, and, for a store given a pool of the app's own and never opened, what its
+`open()` would have checked."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING
+
+from starlette.types import Message, Receive, Scope, Send
+
+from .errors import OPEN_IN_LIFESPAN, OTHER_LOOP, ConfigurationError, StoreError
+from .routing import app_below
+
+if TYPE_CHECKING:
+    from .middleware import IdempotencyMiddleware
+
+logger = logging.getLogger("idem_middleware")
+
+
+def unopened_store(mw: IdempotencyMiddleware) -> ConfigurationError | None:
+    """When the app's lifespan startup completes: a store still not open, or open in another
+    event loop than the one serving the app (`asyncio.run(store.open())` before the server
+    starts, a test fixture's store), would answer every guarded request 503 (logged; None when
+    it is open here, or the middleware is switched off)."""
+    if not mw.enabled:
+        return None
+    if not getattr(mw.store, "is_open", True):
+        error = ConfigurationError(
+            f"the app's lifespan startup completed without opening the store: {OPEN_IN_LIFESPAN}"
+        )
+    elif getattr(mw.store, "in_another_loop", False):
+        error = ConfigurationError(f"the app's lifespan startup completed, but {OTHER_LOOP}")
+    else:
+        return None
+    logger.error("idempotency: %s", error)
+    return error
+
+
+async def store_startup_error(mw: IdempotencyMiddleware) -> ConfigurationError | None:
+    """What the app's lifespan startup fails with, once the app's own startup completed:
+    `unopened_store`, then `given_pool_error`."""
+    return unopened_store(mw) or await given_pool_error(mw)
+
+
+async def given_pool_error(mw: IdempotencyMiddleware) -> ConfigurationError | None:
+    """For a store given a pool and never opened (`PostgresStore(pool=...)`, which counts as
+    open), the checks its `open()` runs, once: a database never migrated, a role that may not
+    write, a pooler that breaks prepared statements, each failed every guarded request (a 500)
+    while the app started. Their ConfigurationError, as `open()` raises it (logged); the pool
+    stays the app's, open. A server that cannot be reached or answer now is no reason to
+    refuse (as for `open()`): logged, and the checks are skipped. (None for any other store.)"""
+    check = getattr(mw.store, "check_given_pool", None)
+    if not mw.enabled or check is None:
+        return None
+    try:
+        await check()
+    except ConfigurationError as exc:
+        logger.error("idempotency: %s", exc)
+        return exc
+    except StoreError as exc:
+        logger.warning("idempotency: cannot check the store's pool now: %s", exc)
+    return None
+
+
+async def checked_lifespan(
+    mw: IdempotencyMiddleware, scope: Scope, receive: Receive, send: Send
+) -> None:
+    """The app's lifespan, with the middleware's checks: the app's (`startup.check_app`) when the
+    server starts it, the store's (`store_startup_error`) once the app's own startup completed.
+    A failed check fails the startup."""
+    failed = False
+
+    async def checked_receive() -> Message:
+        nonlocal failed
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            if not mw._checked:
+                mw._check(app_below(mw, scope.get("app")))
+            if mw._check_error is not None:  # (a second lifespan too: still misconfigured)
+                failed = True
+                await send(
+                    {
+                        "type": "lifespan.startup.failed",
+                        "message": f"idem_middleware: {mw._check_error}",
+                    }
+                )
+                raise mw._failed_check()
+        return message
+
+    async def quiet_send(message: Message) -> None:
+        nonlocal failed
+        if message["type"] == "lifespan.startup.complete":
+            error = await store_startup_error(mw)
+            if error is not None:
+                failed = True  # the app's lifespan did not open the store, or its checks failed
+                await send(
+                    {"type": "lifespan.startup.failed", "message": f"idem_middleware: {error}"}
+                )
+                raise error
+            mw._store_check = True
+        # After our startup.failed, the app's own report of the same failure is not sent.
+        if not (failed and message["type"].startswith("lifespan.startup")):
+            await send(message)
+
+    await mw.app(scope, checked_receive, quiet_send)
+
+
+async def store_checked(
+    mw: IdempotencyMiddleware, scope: Scope, receive: Receive, send: Send
+) -> None:
+    """No lifespan startup checked the store (`given_pool_error`): the first requests wait for
+    its check (one, shared), and a failed one fails every request, as a failed startup check
+    does; then the request goes on through the middleware."""
+    if mw._store_check is None:
+        mw._store_check = asyncio.ensure_future(given_pool_error(mw))
+    if mw._store_check is not True:
+        error = await asyncio.shield(mw._store_check)
+        mw._store_check = True
+        if error is not None and mw._check_error is None:
+            mw._check_error = error
+    await mw(scope, receive, send)
