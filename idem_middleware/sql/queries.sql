@@ -26,6 +26,12 @@
 -- consumed. Neither, then a row with the token's status (`token_found` and the columns of
 -- `token_status`): it was refused, or (all true) a concurrent claim held the key meanwhile and
 -- the caller reads the record again with `get`.
+-- The token is locked before it is judged, once the key's claim lock is had (never before: a
+-- claim of the key holds its token's row for as long as its handler runs), so a purge deleting
+-- it (or a claim consuming it) is waited for and then it is no longer found: READ COMMITTED
+-- judges a row it waited on as it is now. Judged by the statement's snapshot alone, a token
+-- that expired as the claim began, deleted by a purge meanwhile, was claimed all the same and
+-- its consumed mark lost with it: its intent was issued the same token again, which ran again.
 -- The new record's epoch (its life) is its first generation.
 WITH free AS (
     -- One row when no record is seen: whether the key's claim lock was had (tried once).
@@ -33,6 +39,12 @@ WITH free AS (
     WHERE NOT EXISTS (
         SELECT FROM idem_requests e WHERE e.tenant = $1 AND e.operation = $2 AND e.idem_key = $3
     )
+), token AS (
+    SELECT FROM idem_tokens t, free
+    WHERE free.ok AND $8::bytea IS NOT NULL AND t.tenant = $1 AND t.token_hash = $8
+      AND t.operation = $2 AND t.expires_at > now() AND t.consumed_at IS NULL
+      AND (t.request_digest IS NULL OR t.request_digest = $4)
+    FOR UPDATE OF t
 ), ins AS (
     INSERT INTO idem_requests AS r
         (tenant, operation, idem_key, fingerprint, state, mode, retention, lease_expires_at,
@@ -40,11 +52,7 @@ WITH free AS (
     SELECT $1, $2, $3, $4, 'pending', $5, make_interval(secs => $6::float8),
            now() + make_interval(secs => $7::float8), g.v, g.v
     FROM (SELECT nextval('idem_generation_seq') AS v) g
-    WHERE (SELECT ok FROM free) AND ($8::bytea IS NULL OR EXISTS (
-        SELECT FROM idem_tokens t
-        WHERE t.tenant = $1 AND t.token_hash = $8 AND t.operation = $2 AND t.expires_at > now()
-          AND t.consumed_at IS NULL AND (t.request_digest IS NULL OR t.request_digest = $4)
-    ))
+    WHERE (SELECT ok FROM free) AND ($8::bytea IS NULL OR EXISTS (SELECT FROM token))
     ON CONFLICT DO NOTHING
     RETURNING r.generation, r.epoch
 ), consumed AS (
@@ -210,12 +218,20 @@ SELECT nextval('idem_generation_seq') FROM generate_series(1, $1);
 -- transactional claim reclaiming it, for as long as its handler runs) fails the statement with
 -- lock_not_available, and the caller reports the key busy (it waits without its connection).
 -- $1 tenant, $2 operation, $3 key, $4 fingerprint, $5 mode, $6 retention (seconds),
+-- The token is locked and judged again once the record is (as in `claim`): a purge that deleted
+-- it since `token_status` read it leaves nothing to reclaim, and the caller claims again.
 -- $7 lease (seconds, or NULL), $8 token hash (or NULL)
 WITH locked AS (
     SELECT FROM idem_requests
     WHERE tenant = $1 AND operation = $2 AND idem_key = $3
       AND state IN ('succeeded', 'failed_final') AND expires_at <= now()
     FOR UPDATE NOWAIT
+), token AS (
+    SELECT FROM idem_tokens t, locked
+    WHERE $8::bytea IS NOT NULL AND t.tenant = $1 AND t.token_hash = $8
+      AND t.operation = $2 AND t.expires_at > now() AND t.consumed_at IS NULL
+      AND (t.request_digest IS NULL OR t.request_digest = $4)
+    FOR UPDATE OF t
 ), reclaimed AS (
     UPDATE idem_requests r
     SET fingerprint = $4, state = 'pending', mode = $5, generation = g.v, epoch = g.v,
@@ -226,6 +242,7 @@ WITH locked AS (
         body_omitted = NULL, note = NULL
     FROM locked, (SELECT nextval('idem_generation_seq') AS v) g
     WHERE r.tenant = $1 AND r.operation = $2 AND r.idem_key = $3
+      AND ($8::bytea IS NULL OR EXISTS (SELECT FROM token))
     RETURNING r.generation, r.epoch
 ), consumed AS (
     UPDATE idem_tokens t SET consumed_at = now()
