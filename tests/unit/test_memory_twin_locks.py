@@ -11,9 +11,11 @@ from typing import Any
 import pytest
 
 from idem_middleware.errors import ClaimBusy, StaleGeneration
-from idem_middleware.store import Claimed, RecordKey, State
+from idem_middleware.ops import Resolution, ResolveError, resolve
+from idem_middleware.store import Claimed, RecordKey, State, StoredResponse
 from idem_middleware.store.base import Settlement
 from tests.contract import Harness
+from tests.contract import claim as claim_in
 
 K = RecordKey("t", "POST /p", "k")
 OTHER = 1000  # added to the record's generation: a generation that does not hold it
@@ -127,3 +129,41 @@ async def test_list_records_refuses_a_limit_that_is_no_count(harness: Harness, l
         await harness.store.list_records(states=[State.UNKNOWN], limit=limit)
     assert await harness.store.list_records(states=[State.UNKNOWN], limit=0) == []
     assert len(await harness.store.list_records(states=[State.UNKNOWN], limit=1)) == 1
+
+
+async def test_an_operators_move_waits_for_a_transaction_claiming_the_key_again(
+    harness: Harness,
+) -> None:
+    """A record whose retention is over, claimed again by a transaction still running: an
+    operator's re-resolve waits for it (PostgreSQL's UPDATE waits for the row it locked), then
+    finds the record taken over and is refused. The twin answered at once that the move was
+    made, and the claim's outcome then replaced it."""
+
+    store = harness.store
+    async with harness.transaction() as tx:
+        assert isinstance(await claim_in(tx, K), Claimed)
+        await tx.finish(State.SUCCEEDED, StoredResponse(201, [], b'{"run": 1}'))
+    await harness.end_retention(K)
+    async with harness.transaction() as tx:
+        assert isinstance(await claim_in(tx, K), Claimed)  # the retention over: claimed again
+        moving = asyncio.create_task(
+            resolve(
+                store,
+                K,
+                Resolution.SUCCEEDED,
+                note="the bank says so",
+                response=StoredResponse(
+                    201, [(b"content-type", b"application/json")], b'{"run": 0}'
+                ),
+                again=True,
+            )
+        )
+        await asyncio.sleep(0.2)
+        assert not moving.done()  # waiting for the claim's row
+        await tx.finish(State.SUCCEEDED, StoredResponse(201, [], b'{"run": 2}'))
+    with pytest.raises(ResolveError, match="changed"):
+        await asyncio.wait_for(moving, AT_ONCE)
+    record = await store.get(K)
+    assert record is not None
+    assert record.response is not None
+    assert record.response.body == b'{"run": 2}'

@@ -4,11 +4,12 @@ listing, amendments and purge."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from datetime import UTC, datetime
 
-from ...errors import StatementRefused
+from ...errors import StatementRefused, StoreError
 from ..base import (
     UNRESOLVED_STATES,
     Record,
@@ -21,6 +22,10 @@ from ..base import (
     check_purge_limits,
 )
 from .tables import MemoryTables, _summary, _Token
+
+#: How long an operator's move waits for a transaction claiming the key (PostgreSQL's `amend`
+#: waits for the row's lock at most 6 s, then is refused), in polls of 10 ms.
+_OWNER_POLLS = 600
 
 
 class OffPathOperations(MemoryTables):
@@ -72,8 +77,19 @@ class OffPathOperations(MemoryTables):
     # -- operators -------------------------------------------------------------------------------
 
     async def amend(self, key: RecordKey, generation: int, expected: State, s: Settlement) -> bool:
-        if key in self._fence_locks and self._current(key, generation, expected) is None:
+        held = key in self._fence_locks or key in self._owners
+        if held and self._current(key, generation, expected) is None:
             return False  # a row it does not match is never waited for, as on PostgreSQL
+        # A transaction claiming the key again (its retention over) holds its row until it
+        # ends, as on PostgreSQL: waited for, then the row is judged as it is now (taken over:
+        # refused). Not waited for, the operator was told the move was made, and the claim's
+        # outcome then replaced it.
+        for _ in range(_OWNER_POLLS):
+            if key not in self._owners:
+                break
+            await asyncio.sleep(0.01)
+        else:
+            raise StoreError("waited longer than the lock_timeout for a row lock")  # (as PG's)
         async with self._row_lock(key):
             row = self._current(key, generation, expected)
             if row is None:
