@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from starlette.types import Message, Receive, Scope, Send
 
-from .errors import OPEN_IN_LIFESPAN, OTHER_LOOP, ConfigurationError, StoreError
+from .errors import OPEN_IN_LIFESPAN, OTHER_LOOP, ConfigurationError
 from .routing import app_below
 
 if TYPE_CHECKING:
@@ -59,8 +59,11 @@ async def given_pool_error(mw: IdempotencyMiddleware) -> ConfigurationError | No
     except ConfigurationError as exc:
         logger.error("idempotency: %s", exc)
         return exc
-    except StoreError as exc:
-        logger.warning("idempotency: cannot check the store's pool now: %s", exc)
+    except Exception as exc:
+        # (Any other error too, a driver's own, a lock past the role's `lock_timeout`, say: a
+        # check that cannot run now is no verdict, and a request that waited for it is not
+        # failed for it. `open()` checks again if it is called.)
+        logger.warning("idempotency: cannot check the store's pool now: %r", exc)
     return None
 
 
@@ -113,11 +116,19 @@ async def store_checked(
     """No lifespan startup checked the store (`given_pool_error`): the first requests wait for
     its check (one, shared), and a failed one fails every request, as a failed startup check
     does; then the request goes on through the middleware."""
-    if mw._store_check is None:
-        mw._store_check = asyncio.ensure_future(given_pool_error(mw))
-    if mw._store_check is not True:
-        error = await asyncio.shield(mw._store_check)
+    check = mw._store_check
+    if check is None or (check is not True and check.done() and not _verdict(check)):
+        # (Never started, or it ended without a verdict: cancelled with the loop that ran it,
+        # say. Awaited again, that one would fail every request after it for good.)
+        check = mw._store_check = asyncio.ensure_future(given_pool_error(mw))
+    if check is not True:
+        error = await asyncio.shield(check)
         mw._store_check = True
         if error is not None and mw._check_error is None:
             mw._check_error = error
     await mw(scope, receive, send)
+
+
+def _verdict(check: asyncio.Future[ConfigurationError | None]) -> bool:
+    """Whether a finished check came to a verdict (None or an error), not cancelled or raised."""
+    return not check.cancelled() and check.exception() is None

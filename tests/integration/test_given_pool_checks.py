@@ -7,6 +7,7 @@ and leaves the app's pool open."""
 
 from __future__ import annotations
 
+import asyncio
 import re
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -225,3 +226,41 @@ async def test_without_a_lifespan_requests_are_refused_for_a_given_pool_open_wou
         assert not pool._closed
     finally:
         await pool.close()
+
+
+async def test_a_check_that_cannot_run_now_fails_no_request(
+    pool: asyncpg.Pool[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No lifespan; the first request's check meets an error that is no verdict (a lock past
+    the role's `lock_timeout`, a driver's own error): logged and skipped, and every request is
+    served. (Left in the shared check, it failed every request after it with a plain 500, for
+    good.)"""
+    store = PostgresStore(pool=pool)
+
+    async def cannot_run() -> None:
+        raise asyncpg.exceptions.LockNotAvailableError("canceling statement due to lock timeout")
+
+    monkeypatch.setattr(store, "check_given_pool", cannot_run)
+    async with client(pay_app(store)) as c:
+        for attempt in ("k1", "k2"):
+            r = await c.post("/pay", json={}, headers=key(attempt))
+            assert r.status_code == 201, r.text
+
+
+async def test_a_check_that_ended_without_a_verdict_runs_again(pool: asyncpg.Pool[Any]) -> None:
+    """A shared check cancelled with the loop that ran it (a test client's, say) is started
+    again by the next request, not awaited again (its CancelledError failed every request)."""
+    store = PostgresStore(pool=pool)
+    app = pay_app(store)
+    async with client(app) as c:
+        r = await c.post("/pay", json={}, headers=key("k0"))  # builds the middleware stack
+        assert r.status_code == 201, r.text
+        mw = app.middleware_stack
+        while not isinstance(mw, IdempotencyMiddleware):
+            mw = mw.app
+        cancelled = asyncio.get_running_loop().create_future()
+        cancelled.cancel()
+        mw._store_check = cancelled
+        r = await c.post("/pay", json={}, headers=key("k1"))
+        assert r.status_code == 201, r.text
+        assert mw._store_check is True
