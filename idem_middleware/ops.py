@@ -189,7 +189,13 @@ async def resolve(
     # pending was released for a retry by an older version's reconcile, and nothing else can
     # ever settle it (no lease lapses), so an operator may, to an outcome (never a retry).
     wedged = record.state is State.PENDING and record.mode != "lease"
-    if record.state is State.PENDING and not wedged:
+    # A lease-mode record whose lease lapsed (its process died) that nothing takes over (a
+    # `TAKEOVER` route's retry refused `422` once the fingerprint's options changed) is resolved
+    # like an unknown one. The store refuses the move if its lease was renewed since it was
+    # read: an execution still runs it.
+    # (Released for a retry, a record has no lease: not this.)
+    lapsed = record.mode == "lease" and record.lease_expires_at is not None and record.lease_expired
+    if record.state is State.PENDING and not (wedged or lapsed):
         raise ResolveError(
             "only unknown records can be resolved; this one is pending (a request is running "
             "it, or it is released for the client's retry)"

@@ -92,8 +92,12 @@ class OffPathOperations(MemoryTables):
             raise StoreError("waited longer than the lock_timeout for a row lock")  # (as PG's)
         async with self._row_lock(key):
             row = self._current(key, generation, expected)
-            if row is None:
-                return False
+            if row is None or (
+                row.state is State.PENDING
+                and row.mode == "lease"
+                and (row.lease_expires_at is None or row.lease_expires_at > self.clock())
+            ):
+                return False  # (a lease renewed since it was read: as the SQL's)
             self._settle_now(key, generation, expected, replace(s, note=s.note or ""))
             # (as the SQL's: every move, a reopen's too, takes a new generation)
             self._rows[key] = replace(self._rows[key], generation=next(self._generations))
