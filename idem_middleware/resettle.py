@@ -249,14 +249,21 @@ async def send_again(
                 done = await store.release(key, generation)
             else:
                 done = await store.settle(key, generation, State.PENDING, settlement)
-                if not done and settlement.state in _FINAL:
-                    # Marked `unknown` under this generation meanwhile (a duplicate found its
-                    # lease lapsed): nobody took it over, so this outcome is still the one to
-                    # record, as `Fence.settle` records it. (A reconciler's, first, stands.)
-                    done = await store.settle(key, generation, State.UNKNOWN, settlement)
             if done:
                 return True
             record = await store.get(key)
+            if (
+                settlement is not None
+                and settlement.state in _FINAL
+                and record is not None
+                and (record.state, record.generation) == (State.UNKNOWN, generation)
+            ):
+                # Marked `unknown` under this generation meanwhile (a duplicate found its lease
+                # lapsed): nobody took it over, so this outcome is still the one to record, as
+                # `Fence.settle` records it. (A reconciler's, first, stands.)
+                if await store.settle(key, generation, State.UNKNOWN, settlement):
+                    return True
+                record = await store.get(key)
         except StoreError as exc:
             if not blip(exc):
                 raise

@@ -401,7 +401,9 @@ def _one_route_app(path: str, endpoint: Any, pool: Any) -> Any:
         routes=[Route(path, endpoint, methods=["POST"])],
         middleware=[
             Middleware(AuthenticationMiddleware, backend=BearerBackend()),
-            Middleware(IdempotencyMiddleware, store=PostgresStore(pool=pool)),
+            # (listen=False: through PgBouncer in transaction mode a LISTEN would never be
+            # woken, and the startup's checks of the pool refuse it, as open() does.)
+            Middleware(IdempotencyMiddleware, store=PostgresStore(pool=pool, listen=False)),
         ],
     )
 

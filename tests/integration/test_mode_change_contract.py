@@ -275,6 +275,9 @@ async def test_contract_a_reopened_transactional_record_is_never_taken_over_or_r
     record = await store.get(k)
     assert record is not None
     assert await store.amend(k, record.generation, State.SUCCEEDED, Settlement(State.UNKNOWN))
+    record = await store.get(k)  # (reopened: under a new generation, as every operator's move)
+    assert record is not None
+    assert record.state is State.UNKNOWN
     asked: list[str] = []
 
     async def not_happened(ctx: ReconcileContext) -> Reconciliation:

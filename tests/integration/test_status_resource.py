@@ -71,7 +71,10 @@ async def logged(db_dsn: str) -> Any:
 )
 async def test_a_bad_key_or_operation_is_a_400_problem(logged: Any, query: str) -> None:
     pool, log = logged
-    app = build_app(PostgresStore(pool=pool))
+    store = PostgresStore(pool=pool)
+    await store.check_given_pool()  # (the startup's checks of a pool given: not this test's)
+    log.queries.clear()
+    app = build_app(store)
     async with client(app) as c:
         r = await c.get(f"{STATUS}?{query}")
     # (No key at all is `missing-key`, as on a guarded route; any other refusal `invalid-key`.)
