@@ -66,6 +66,12 @@ class ClientWatch:
             inner.cancel()
             watch.cancel()
 
+    def client_left(self) -> bool:
+        """Whether the server has reported the client gone (to a watch, or to the app's
+        receive() after its body: both read it through `until_disconnect`)."""
+        read = self.client_watch
+        return read is not None and read.done() and not read.cancelled() and not read.exception()
+
     def disconnect_event(self) -> asyncio.Event:
         """Set when the watched client left; made when first needed (most requests never are)."""
         if self.disconnected is None:

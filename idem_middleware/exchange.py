@@ -247,8 +247,9 @@ class Exchange(ClientWatch):
             await answer_cancelled(self)
             raise
         finally:
-            if self.client_watch is not None:
+            if self.client_watch is not None:  # (let go of: its coroutine refers to the exchange)
                 self.client_watch.cancel()
+                self.client_watch = None
 
     # -- what the client is told ---------------------------------------------------------------
 
@@ -394,7 +395,6 @@ class Exchange(ClientWatch):
         if self.watched:
             await self.disconnect_event().wait()
             return {"type": "http.disconnect"}
-        if self.client_watch is not None:  # (it reads the server's receive(): share its verdict)
-            await self.until_disconnect()
-            return {"type": "http.disconnect"}
-        return await self.receive()
+        # (One read of the server's receive(), shared with any watch: its verdict is kept.)
+        await self.until_disconnect()
+        return {"type": "http.disconnect"}
