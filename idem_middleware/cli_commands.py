@@ -184,8 +184,10 @@ async def stats(store: PostgresStore, args: argparse.Namespace) -> int:
 
 def _key(args: argparse.Namespace) -> RecordKey:
     """The key bare, or quoted as the client sent it (an sf-string: `"payout-1"`)."""
-    text = args.key
-    if text.strip().startswith('"'):
+    # (Bare, as the header's value: the spaces and tabs around it are not the key's, and a
+    # header never gives a key that starts or ends with one.)
+    text = args.key.strip(" \t")
+    if text.startswith('"'):
         try:
             parsed = parse_idempotency_key([(b"idempotency-key", text.encode("latin-1"))])
         except Exception as exc:
