@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import inspect
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -72,6 +73,15 @@ def _fingerprint(operation: str, args: tuple[Any, ...], kwargs: dict[str, Any]) 
     return hashlib.sha256(operation.encode() + b"\x00" + payload).digest()
 
 
+def _signature(fn: Callable[..., Any]) -> inspect.Signature | None:
+    # The function's own, not one it wraps (`functools.wraps`): a wrapper may take other
+    # arguments than the function it wraps (one it supplies itself, say).
+    try:
+        return inspect.signature(fn, follow_wrapped=False)
+    except (TypeError, ValueError):  # (a callable whose signature cannot be read: not checked)
+        return None
+
+
 def _key_function(key: str | KeyOf) -> KeyOf:
     if callable(key):
         return key
@@ -89,6 +99,7 @@ def _key_function(key: str | KeyOf) -> KeyOf:
 
 
 async def _call(job: JobSpec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    job.check_arguments(args, kwargs)
     key = job.key_of(*args, **kwargs)
     # (Counted in UTF-8 bytes, as the database counts them: 128 "é" are 256.)
     if not isinstance(key, str) or not 0 < len(key.encode("utf-8", "surrogatepass")) <= (
@@ -172,6 +183,11 @@ def idempotent_job(
                 f"{operation}: a job is an async function (`async def`), not {fn!r}: a plain "
                 "function or a generator would run before the middleware could record it"
             )
+        # A lease-mode run's checkouts (its claim, fence and settlement) are the store's own:
+        # they wait no longer than the job's bound, as a middleware gives the store its own.
+        bound_checkouts = getattr(store, "bound_checkouts", None)
+        if checked.mode is Mode.LEASE and callable(bound_checkouts):
+            bound_checkouts(acquire_timeout)
         job = JobSpec(
             fn=fn,
             store=store,
@@ -185,6 +201,7 @@ def idempotent_job(
             on_lease_expiry=checked.on_lease_expiry,
             acquire_timeout=acquire_timeout,
             max_serialization_retries=checked.max_serialization_retries,
+            signature=_signature(fn),
         )
 
         @functools.wraps(fn)

@@ -116,10 +116,13 @@ async def _execute(
     try:
         try:
             body = await job.run(context, args, kwargs)
-        except StaleGeneration:
-            await fence.close()
-            raise
         except BaseException as exc:
+            if isinstance(exc, StaleGeneration) and context.lease_lost.is_set():
+                # This run's own claim was lost (its fenced connection refused, or its renewals
+                # found the record gone): nothing of its own can be settled. Another run's (a
+                # lease-mode job it called lost its claim) is its error like any other, below.
+                await fence.close()
+                raise
             # Whatever the function did outside the database may have happened: unknown,
             # unless it declared that it did nothing (sent again on a blip). Shielded: an anyio
             # cancel scope cancels every await until the task ends, this cleanup's too.

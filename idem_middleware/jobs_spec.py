@@ -3,6 +3,7 @@ run the function inside it, and judge a record the run could not claim."""
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -41,6 +42,18 @@ class JobSpec:
     on_lease_expiry: LeaseExpiry
     acquire_timeout: float
     max_serialization_retries: int
+    #: The function's parameters, the context's first (None: it has no signature to read).
+    signature: inspect.Signature | None
+
+    def check_arguments(self, args: Any, kwargs: Any) -> None:
+        """Raise the TypeError a call with these arguments would, before anything is claimed:
+        once the claim is made, a call that never ran the function was `unknown` (lease mode)."""
+        if self.signature is None:
+            return
+        try:
+            self.signature.bind(None, *args, **kwargs)  # (None: the context's place)
+        except TypeError as exc:
+            raise TypeError(f"{self.operation}: {exc}") from None
 
     def context(
         self, key: RecordKey, generation: int, epoch: int | None, connection: Any, fence: Any

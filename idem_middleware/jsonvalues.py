@@ -1,7 +1,8 @@
 """What JSON cannot carry as given, and PostgreSQL cannot store: looked for in a value before it
 is written, so the caller gets a clear error instead of a changed value or a refused statement.
 
-- NaN and the infinities: orjson writes them as null, so `inf` and `-inf` would be one value.
+- NaN and the infinities: orjson writes them as null, so `inf` and `-inf` would be one value
+  (in a dataclass's attribute or an enum's value too: orjson writes those natively).
 - NUL in a string or a key: valid JSON (`\\u0000`), but neither `text` nor `jsonb` stores it, and
   the refused statement aborts the caller's transaction.
 """
@@ -9,6 +10,8 @@ is written, so the caller gets a clear error instead of a changed value or a ref
 from __future__ import annotations
 
 import math
+from dataclasses import fields, is_dataclass
+from enum import Enum
 from typing import Any
 
 import orjson
@@ -17,7 +20,8 @@ _DEEPEST = 256  # (orjson refuses deeper nesting anyway)
 
 
 def non_finite(value: Any, depth: int = 0) -> bool:
-    """Whether a float in `value` (lists, tuples and dicts, as orjson walks them) is not finite."""
+    """Whether a float in `value` (lists, tuples, dicts, dataclasses and enums, as orjson walks
+    them) is not finite."""
     if isinstance(value, float):
         return not math.isfinite(value)
     if depth > _DEEPEST:
@@ -26,6 +30,18 @@ def non_finite(value: Any, depth: int = 0) -> bool:
         return any(non_finite(item, depth + 1) for item in value)
     if isinstance(value, dict):
         return any(non_finite(item, depth + 1) for item in value.values())
+    if isinstance(value, Enum):  # (orjson writes a member as its value)
+        return non_finite(value.value, depth + 1)
+    if is_dataclass(value) and not isinstance(value, type):
+        # The attributes orjson writes: the instance's `__dict__`, or its fields when it has
+        # none (`__slots__`), either without the names that start with "_".
+        attributes = getattr(value, "__dict__", None)
+        if attributes is None:
+            attributes = {f.name: getattr(value, f.name, None) for f in fields(value)}
+        return any(
+            not name.startswith("_") and non_finite(item, depth + 1)
+            for name, item in attributes.items()
+        )
     return False
 
 

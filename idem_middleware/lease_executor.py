@@ -167,13 +167,15 @@ class LeaseExecution:
             try:
                 try:
                     await ex.mw.app(ex.scope, ex, capture)  # ex: the app's receive
-                except StaleGeneration:
+                except StaleGeneration if context.lease_lost.is_set() else ():  # noqa: B030
                     if capture.passthrough:
                         raise
                     # The handler let its fenced write's refusal escape: this generation no
                     # longer holds the record (a takeover, or the lease lapsed), so nothing of
                     # ours can be settled. The same answer as a refused completion: retry for
-                    # the outcome.
+                    # the outcome. (The clause matches only this execution's own, which sets
+                    # `lease_lost` before it is raised: another's, a lease-mode job's the
+                    # handler called, is the handler's error like any other, below.)
                     await fence.close()
                     logger.warning(
                         "a stale executor's fenced write was refused",
