@@ -204,6 +204,15 @@ INSERT INTO idem_requests
 VALUES ($1, $2, $3, $4, $7, 'transactional', $5, $5, make_interval(secs => $6::float8),
         clock_timestamp() + make_interval(secs => $6::float8), $8, $9, $10, $11);
 
+-- name: write_deferred
+-- A fast claim's record, deferred to its completion, written now because its transaction claims
+-- another key: as the ordinary claim's pending record, so that later claims see it and the
+-- commit keeps it (the store's twin and its ordinary path agree).
+-- $1 tenant, $2 operation, $3 key, $4 fingerprint, $5 generation, $6 retention (seconds)
+INSERT INTO idem_requests (tenant, operation, idem_key, fingerprint, state, mode, generation,
+                           epoch, retention)
+VALUES ($1, $2, $3, $4, 'pending', 'transactional', $5, $5, make_interval(secs => $6::float8));
+
 -- name: draw_generations
 -- Generations for the fast claim (a simple query returns no rows, so `claim_key` cannot return
 -- one), drawn in a batch inside the transaction of the claim that found none left (so the draw

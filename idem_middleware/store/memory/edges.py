@@ -21,11 +21,13 @@ from ..base import (
     TokenRow,
     check_purge_limits,
 )
-from .tables import MemoryTables, _summary, _Token
+from .tables import MemoryTables, _Row, _summary, _Token
 
 #: How long an operator's move waits for a transaction claiming the key (PostgreSQL's `amend`
 #: waits for the row's lock at most 6 s, then is refused), in polls of 10 ms.
 _OWNER_POLLS = 600
+#: Why a move is refused past that wait (a StoreError, as the PostgreSQL store's refusal).
+_WAITED_TOO_LONG = "waited longer than the lock_timeout for a row lock"
 
 
 class OffPathOperations(MemoryTables):
@@ -78,7 +80,7 @@ class OffPathOperations(MemoryTables):
 
     async def amend(self, key: RecordKey, generation: int, expected: State, s: Settlement) -> bool:
         held = key in self._fence_locks or key in self._owners
-        if held and self._current(key, generation, expected) is None:
+        if held and self._amendable(key, generation, expected) is None:
             return False  # a row it does not match is never waited for, as on PostgreSQL
         # A transaction claiming the key again (its retention over) holds its row until it
         # ends, as on PostgreSQL: waited for, then the row is judged as it is now (taken over:
@@ -89,19 +91,33 @@ class OffPathOperations(MemoryTables):
                 break
             await asyncio.sleep(0.01)
         else:
-            raise StoreError("waited longer than the lock_timeout for a row lock")  # (as PG's)
-        async with self._row_lock(key):
-            row = self._current(key, generation, expected)
-            if row is None or (
-                row.state is State.PENDING
-                and row.mode == "lease"
-                and (row.lease_expires_at is None or row.lease_expires_at > self.clock())
-            ):
-                return False  # (a lease renewed since it was read: as the SQL's)
-            self._settle_now(key, generation, expected, replace(s, note=s.note or ""))
-            # (as the SQL's: every move, a reopen's too, takes a new generation)
-            self._rows[key] = replace(self._rows[key], generation=next(self._generations))
-            return True
+            raise StoreError(_WAITED_TOO_LONG)  # (as PG's)
+        try:
+            # A fenced session's row lock, waited for as long as the owner above (lock_timeout).
+            async with asyncio.timeout(_OWNER_POLLS / 100), self._row_lock(key):
+                if self._amendable(key, generation, expected) is None:
+                    return False  # (a lease renewed since it was read: as the SQL's)
+                self._settle_now(key, generation, expected, s)
+                # (As the SQL's: every move, a reopen's too, takes a new generation. A move with
+                # no note appends no line: concat_ws skips a NULL, and makes a NULL trail "".)
+                moved = self._rows[key]
+                note = moved.note or ""
+                self._rows[key] = replace(moved, generation=next(self._generations), note=note)
+                return True
+        except TimeoutError:  # (only the wait: nothing above it awaits)
+            raise StoreError(_WAITED_TOO_LONG) from None
+
+    def _amendable(self, key: RecordKey, generation: int, expected: State) -> _Row | None:
+        """The row `amend` moves: in `expected` under `generation`, and a pending lease-mode
+        record only with its lease lapsed (renewed, an execution still runs it)."""
+        row = self._current(key, generation, expected)
+        if row is None or (
+            row.state is State.PENDING
+            and row.mode == "lease"
+            and (row.lease_expires_at is None or row.lease_expires_at > self.clock())
+        ):
+            return None
+        return row
 
     async def peek(self, key: RecordKey) -> tuple[Record | None, bool]:
         row = self._rows.get(key)
@@ -166,19 +182,25 @@ class OffPathOperations(MemoryTables):
     ) -> int:
         check_purge_limits(batch_size, max_batches)
         now = self.clock()
-        doomed = [
-            key
+        most = batch_size * max_batches  # (each pass as many as PostgreSQL's batches delete)
+        expired = [
+            (row.expires_at, key)
             for key, row in self._rows.items()
             if row.expires_at is not None and row.expires_at <= now and key not in self._owners
-        ][: batch_size * max_batches]
+        ]
+        doomed = [key for _, key in sorted(expired)[:most]]  # (oldest first)
         for key in doomed:
             del self._rows[key]
         # The consumed tokens of intents stay as tombstones (see queries.sql `purge_tokens`).
-        for token, found in list(self._tokens.items()):
-            if found.expires_at <= now and not (found.consumed and found.intent_id is not None):
-                del self._tokens[token]
-                if found.intent_id is not None:
-                    del self._intents[(token[0], found.operation, found.intent_id)]
+        spent = [
+            (found.expires_at, token)
+            for token, found in self._tokens.items()
+            if found.expires_at <= now and not (found.consumed and found.intent_id is not None)
+        ]
+        for _, token in sorted(spent)[:most]:
+            found = self._tokens.pop(token)
+            if found.intent_id is not None:
+                del self._intents[(token[0], found.operation, found.intent_id)]
         if progress is not None:
             progress(len(doomed))
         return len(doomed)

@@ -122,7 +122,9 @@ class _MemoryTransaction:
             reclaimed = record.retry_allowed and key in store._owners and not self._holds(key)
             if not (record.expired or released or reclaimed):
                 self._settled()
-                if lapsed(record, fingerprint):
+                # (By a statement after the transaction, as PostgreSQL's: one that holds an
+                # earlier claim goes on, and leaves the record as it is.)
+                if lapsed(record, fingerprint) and not self.active:
                     record = store._expire_lapsed(key, record)
                 return Existing(record)  # a replay: no wait, no lock
         if key in store._owners and not self._holds(key):
@@ -133,6 +135,9 @@ class _MemoryTransaction:
             reason = store._token_problem(key, token_hash, fingerprint)
             if reason:
                 self._settled()
+                if self.active:  # (it holds an earlier claim: see `_settled`)
+                    # As PostgreSQL's transaction keeps the key's claim lock it took to judge it.
+                    self.hold(key)
                 return TokenRefused(reason)
             if self._consumed is None:
                 self._consumed = set()
@@ -143,7 +148,17 @@ class _MemoryTransaction:
             self._earlier_keys()[self._claimed] = self._pending
         if self._earlier is not None:
             self._earlier.pop(key, None)  # claimed again: it is the last claim now
-        self._pending = (fingerprint, generation, retention_seconds, now)
+        if released and current is not None:
+            # Taken over, the record keeps its creation time and its audit trail (see _Pending).
+            self._pending = (
+                fingerprint,
+                generation,
+                retention_seconds,
+                current.created_at,
+                current.note,
+            )
+        else:
+            self._pending = (fingerprint, generation, retention_seconds, now, None)
         store._owners.add(key)
         self._claimed = key
         return Claimed(generation, generation)  # a fresh record: its epoch

@@ -61,7 +61,8 @@ class MemoryStore(OffPathOperations):
             record = row.record(key, now)
             if not record.expired:
                 return Existing(record)  # (as last committed, whoever is claiming it)
-        if key in self._owners:
+        busy = key in self._owners
+        if busy and (row is None or token_hash is None):
             # A transaction is claiming the key: busy, never waited for (PostgreSQL's claim
             # finds its claim lock or its row held); the caller waits without a connection.
             raise ClaimBusy("a transaction is claiming this key")
@@ -69,6 +70,10 @@ class MemoryStore(OffPathOperations):
             reason = self._token_problem(key, token_hash, fingerprint)
             if reason:
                 return TokenRefused(reason)
+            if busy:
+                # An expired record a transaction is reclaiming: its token is judged first, as
+                # PostgreSQL's claim judges it before it tries the record's row.
+                raise ClaimBusy("a transaction is claiming this key")
             self._consume((key.tenant, token_hash), True)
         generation = next(self._generations)
         fresh = _Row(

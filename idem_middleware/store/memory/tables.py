@@ -65,16 +65,18 @@ class _Row:
         )
 
 
-#: A transactional claim's staged record: (fingerprint, generation, retention, created_at). Every
-#: other field of a fresh claim's row is a constant until its outcome (see `pending_row`), so
-#: the claim stages these four, and the outcome is packed straight from them.
-_Pending = tuple[bytes, int, float, float]
+#: A transactional claim's staged record: (fingerprint, generation, retention, created_at, note).
+#: Every other field of its row is a constant until its outcome (see `pending_row`), so the claim
+#: stages these, and the outcome is packed straight from them. A fresh claim's note is None; a
+#: released record the claim takes over keeps its creation time and its audit trail (as
+#: queries.sql `reclaim_released` keeps them).
+_Pending = tuple[bytes, int, float, float, str | None]
 
 
 def pending_row(pending: _Pending) -> _Row:
     """The row a staged claim stands for: pending, transactional, its first generation its
     epoch."""
-    fingerprint, generation, retention, created_at = pending
+    fingerprint, generation, retention, created_at, note = pending
     return _Row(
         fingerprint,
         State.PENDING,
@@ -82,6 +84,7 @@ def pending_row(pending: _Pending) -> _Row:
         retention,
         created_at=created_at,
         updated_at=created_at,
+        note=note,
         epoch=generation,
     )
 
@@ -181,7 +184,7 @@ class _Rows:
     ) -> None:
         """Commit a staged claim (see `_Pending`) with its outcome: packed as `put` packs the
         completed row, without building the row."""
-        fingerprint, generation, retention, created_at = pending
+        fingerprint, generation, retention, created_at, note = pending
         self._packed[tuple(key)] = (
             fingerprint,
             generation,
@@ -191,7 +194,7 @@ class _Rows:
             None,  # lease_expires_at
             created_at,
             now,  # updated_at
-            None,  # note
+            note,
             generation,  # epoch
             _VALUES[state],
             response.status,

@@ -291,6 +291,10 @@ class PgTransaction:
                         record = to_record(key, row)
                         if not (record.expired or record.retry_allowed):
                             return Existing(record)
+            elif self._deferred is not None and self._claimed is not None:
+                # (A second claim after a fast one: the first's deferred record is written now.)
+                (k, g), (f, s), self._deferred = self._claimed, self._deferred, None
+                await self.driver.execute(_Q["write_deferred"], *k, f, g, s, timeout=timeout)
             await self._lock_key(key, lock, timeout)
             # (The ordinary claim's arguments: built here, where the fast claim returned already.)
             args = (*key, fingerprint, "transactional", retention_seconds, None)
@@ -303,6 +307,8 @@ class PgTransaction:
             raise
         except STALE_STATEMENT as exc:
             raise await self._stale(exc) from exc
+        except UNIQUE_VIOLATION as exc:  # (`write_deferred`'s record: see `_lost_the_key`)
+            raise await self._lost_the_key(exc) from exc
         except WAIT_EXCEEDED as exc:
             # Only `claim` waits for a lock (a concurrent claim's row); everything before it
             # tries the key's lock without waiting. Out of time there, the claim waited for the
@@ -311,12 +317,7 @@ class PgTransaction:
         except TRANSLATED as exc:
             raise translate(exc) from exc
 
-    async def _lock_key(
-        self,
-        key: RecordKey,
-        lock: int,
-        timeout: float,  # noqa: ASYNC109 - asyncpg's own per-statement timeout
-    ) -> None:
+    async def _lock_key(self, key: RecordKey, lock: int, timeout: float) -> None:  # noqa: ASYNC109
         """The ordinary path's claim takes the key's advisory lock too (without waiting), so
         its INSERT never queues behind another transaction's uncommitted claim of the key. (A
         lock this transaction holds already is taken again: advisory locks nest.)"""
