@@ -189,17 +189,19 @@ async def resolve(
     # pending was released for a retry by an older version's reconcile, and nothing else can
     # ever settle it (no lease lapses), so an operator may, to an outcome (never a retry).
     wedged = record.state is State.PENDING and record.mode != "lease"
-    # A lease-mode record whose lease lapsed (its process died) that nothing takes over (a
-    # `TAKEOVER` route's retry refused `422` once the fingerprint's options changed) is resolved
-    # like an unknown one. The store refuses the move if its lease was renewed since it was
-    # read: an execution still runs it.
-    # (Released for a retry, a record has no lease: not this.)
-    lapsed = record.mode == "lease" and record.lease_expires_at is not None and record.lease_expired
-    if record.state is State.PENDING and not (wedged or lapsed):
+    # A lease-mode record whose lease lapsed (its process died), or one released for a retry
+    # (no lease), that nothing takes over (its retry refused `422` once the fingerprint's
+    # options changed, or never sent) is resolved like an unknown one, to an outcome. The store
+    # refuses the move if its lease was renewed since it was read (an execution still runs it),
+    # and a retry taking a released record over draws a new generation.
+    released = record.mode == "lease" and record.lease_expires_at is None
+    lapsed = record.mode == "lease" and not released and record.lease_expired
+    if record.state is State.PENDING and not (wedged or lapsed or released):
         raise ResolveError(
-            "only unknown records can be resolved; this one is pending (a request is running "
-            "it, or it is released for the client's retry)"
+            "only unknown records can be resolved; this one is pending (a request is running it)"
         )
+    if record.state is State.PENDING and released and to is Resolution.RETRY:
+        raise ResolveError("this record is released for the client's retry already")
     if record.state in FINAL_STATES and not again:
         raise ResolveError(
             f"only unknown records can be resolved; this one is {record.state.value} (pass "

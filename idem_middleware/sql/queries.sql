@@ -914,9 +914,10 @@ WITH bound AS MATERIALIZED (
     FROM bound
     WHERE tenant = $1 AND operation = $2 AND idem_key = $3 AND generation = $4 AND state = $5
       AND bound.lock_timeout IS NOT NULL
-      -- A pending lease-mode record only with its lease lapsed: renewed since it was read, an
-      -- execution still runs it.
-      AND (state <> 'pending' OR mode <> 'lease' OR lease_expires_at <= now())
+      -- A pending lease-mode record only with its lease lapsed (renewed since it was read, an
+      -- execution still runs it), or released for a retry (no lease: nobody runs it).
+      AND (state <> 'pending' OR mode <> 'lease' OR lease_expires_at IS NULL
+           OR lease_expires_at <= now())
     RETURNING 1
 )
 SELECT count(*) AS amended, pg_notify('idem_middleware', $12) AS notified FROM amended;

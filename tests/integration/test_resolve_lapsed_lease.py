@@ -59,3 +59,25 @@ async def test_a_lease_renewed_since_it_was_read_is_not_moved(store: Store) -> N
     record = await store.get(K)
     assert record is not None
     assert (record.state, record.generation) == (State.PENDING, generation)
+
+
+async def test_a_record_released_for_a_retry_is_resolved_by_hand(store: Store) -> None:
+    """Released for the client's retry (no lease: nobody runs it), and the retry never lands
+    (refused `422` after a fingerprint change, or never sent): an operator settles it to an
+    outcome. (It stayed `pending` for good: nothing else moves it.)"""
+    generation = await _pending(store, 30)
+    assert await store.settle(K, generation, State.PENDING, Settlement(State.UNKNOWN))
+    assert await store.allow_retry(K, generation, "reconciled: not happened")
+    released = await store.get(K)
+    assert released is not None
+    assert (released.state, released.retry_allowed) == (State.PENDING, True)
+    with pytest.raises(ResolveError, match="released for the client's retry already"):
+        await resolve(store, K, Resolution.RETRY, note="again")
+    move = await resolve(
+        store, K, Resolution.FAILED_FINAL, note="the bank declined it", response=DECLINED
+    )
+    assert (move.before, move.after) == (State.PENDING, State.FAILED_FINAL)
+    record = await store.get(K)
+    assert record is not None
+    assert record.state is State.FAILED_FINAL
+    assert record.response == DECLINED

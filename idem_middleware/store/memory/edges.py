@@ -109,12 +109,14 @@ class OffPathOperations(MemoryTables):
 
     def _amendable(self, key: RecordKey, generation: int, expected: State) -> _Row | None:
         """The row `amend` moves: in `expected` under `generation`, and a pending lease-mode
-        record only with its lease lapsed (renewed, an execution still runs it)."""
+        record only with its lease lapsed (renewed, an execution still runs it) or released for
+        a retry (no lease)."""
         row = self._current(key, generation, expected)
         if row is None or (
             row.state is State.PENDING
             and row.mode == "lease"
-            and (row.lease_expires_at is None or row.lease_expires_at > self.clock())
+            and row.lease_expires_at is not None
+            and row.lease_expires_at > self.clock()
         ):
             return None
         return row
