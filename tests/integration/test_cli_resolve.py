@@ -116,7 +116,7 @@ async def test_re_resolve_and_reopen_keep_an_audit_trail(harness: Harness) -> No
         "resolve unknown -> pending: never sent",
     ]
     assert all(line[:20].endswith("Z") for line in trail)  # each line stamped, UTC
-    with pytest.raises(ResolveError, match="this one is pending"):
+    with pytest.raises(ResolveError, match="released for the client's retry already"):
         await resolve(store, KEY, Resolution.RETRY, note="again")
     assert await store.describe(RecordKey("t", "POST /payouts", "absent")) is None
     with pytest.raises(ResolveError, match="no record holds this key"):
