@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import asyncpg
@@ -32,18 +32,11 @@ from idem_middleware.ops import reopen
 from idem_middleware.reconcile import Happened, ReconcileContext, Reconciliation
 from idem_middleware.store.base import RecordKey, Settlement, State, Store
 from tests.apps import BOUND, assert_problem, assert_replay_of, client, one_route_app
+from tests.integration.test_lease_fence_windows import until
 
 KEY = RecordKey("tenant-a", "POST /charges", "k1")
 HEADERS = {"Idempotency-Key": "k1"}
 BLIP = StoreError("ConnectionDoesNotExistError: connection was closed in the middle of operation")
-
-
-async def until(condition: Callable[[], Awaitable[bool]], what: str) -> None:
-    for _ in range(int(BOUND / 0.01)):
-        if await condition():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"never: {what}")
 
 
 def lease_lost_logged(caplog: pytest.LogCaptureFixture) -> list[str]:

@@ -18,6 +18,7 @@ from idem_middleware import sql
 from idem_middleware.errors import StoreError
 from idem_middleware.store.migrations import _LOCK_ID, migrate, pending_versions
 from tests.conftest import dsn_for
+from tests.integration.test_migrations import _waiting_on
 
 ALL_VERSIONS = [version for version, _, _ in sql.migrations()]
 
@@ -66,20 +67,6 @@ async def new_database(pg_dsn: str) -> AsyncIterator[NewDatabase]:
                 await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
         finally:
             await admin.close()
-
-
-async def _waiting_on(conn: asyncpg.Connection[Any], event: str, count: int = 1) -> None:
-    """Until `count` other sessions of this database wait on a lock of this kind (bounded)."""
-    for _ in range(500):
-        waiting = await conn.fetchval(
-            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
-            " AND wait_event_type = 'Lock' AND wait_event = $1",
-            event,
-        )
-        if waiting >= count:
-            return
-        await asyncio.sleep(0.01)
-    pytest.fail(f"no session waited on a lock of kind {event}")
 
 
 async def _counts(conn: asyncpg.Connection[Any]) -> list[tuple[int, int]]:

@@ -21,19 +21,9 @@ from idem_middleware.store.base import Settlement
 from idem_middleware.store.memory import edges
 from tests.contract import RESPONSE, Harness, MemoryHarness
 from tests.contract import claim as claim_in
+from tests.unit.test_memory_twin_locks import AT_ONCE, K, _pending
 
-K = RecordKey("t", "POST /p", "k")
 K2 = RecordKey("t", "POST /p", "k2")
-#: What a move answered at once takes at most (a wait for the row lock is never answered).
-AT_ONCE = 2.0
-
-
-async def _pending(harness: Harness, *, lapsed: bool = False) -> int:
-    claim = await harness.store.claim_lease(K, b"f", retention_seconds=60, lease_seconds=30)
-    assert isinstance(claim, Claimed)
-    if lapsed:
-        await harness.lapse(K)
-    return claim.generation
 
 
 async def _expire_all(harness: Harness, seconds: float) -> None:
