@@ -26,6 +26,7 @@ from .policy import Mode
 from .resettle import (
     blip,
     committed_after_all,
+    cut_short,
     settle_again,
     settle_early_again,
     unresolve,
@@ -217,38 +218,48 @@ class LeaseExecution:
                 else:
                     if capture.passthrough:
                         return SENT
-                    if capture.start is None or not capture.complete:
-                        if capture.start is None or not ex.client_left():
+                    try:
+                        if capture.start is None or not capture.complete:
+                            if capture.start is None or not ex.client_left():
+                                await fence.close()
+                                await self.store.settle(
+                                    key, generation, State.PENDING, Settlement(State.UNKNOWN)
+                                )
+                                raise RuntimeError(
+                                    "the application returned without a complete response"
+                                )
+                            # The client left while the response was produced, and the server's
+                            # disconnect ended it (Starlette's streaming response stops when its
+                            # client leaves): the handler ran, and its outcome is its status, the
+                            # body omitted as a stream's. (Marked `unknown`, with a 500, the key
+                            # waited for an operator.)
+                            if await cut_short(self, context, fence, capture):
+                                return SENT  # (nobody to send it to)
+                            settled = False
+                        else:
+                            # (Renewals go on while it settles: its statement may wait for a pooled
+                            # connection past the lease. The finally stops them once it returns.)
+                            try:
+                                settled = await self._settle(context, fence, capture)
+                            except Exception as exc:
+                                if fence.committing or not blip(exc):
+                                    await self._unresolved(context)
+                                    if not blip(exc) or not await committed_after_all(
+                                        self, context, capture
+                                    ):
+                                        raise
+                                    settled = True
+                                else:
+                                    settled = await settle_again(self, context, capture, exc)
+                    except asyncio.CancelledError:
+                        # (The server's shutdown, the settlement in flight: waiting for a pooled
+                        # connection, say.) The handler ran: `unknown`, as a cancelled handler's
+                        # record is, not `pending` until its lease lapses (a takeover would run
+                        # it again). A settlement that committed stands: the mark changes nothing.
+                        with CancelScope(shield=True):
                             await fence.close()
-                            await self.store.settle(
-                                key, generation, State.PENDING, Settlement(State.UNKNOWN)
-                            )
-                            raise RuntimeError(
-                                "the application returned without a complete response"
-                            )
-                        # The client left while the response was produced, and the server's
-                        # disconnect ended it (Starlette's streaming response stops when its
-                        # client leaves): the handler ran, and its outcome is its status, the
-                        # body omitted as a stream's. (Marked `unknown`, with a 500, the key
-                        # waited for an operator.)
-                        if await self._cut_short(context, fence, capture):
-                            return SENT  # (nobody to send it to)
-                        settled = False
-                    else:
-                        # (Renewals go on while it settles: its statement may wait for a pooled
-                        # connection past the lease. The finally stops them once it returns.)
-                        try:
-                            settled = await self._settle(context, fence, capture)
-                        except Exception as exc:
-                            if fence.committing or not blip(exc):
-                                await self._unresolved(context)
-                                if not blip(exc) or not await committed_after_all(
-                                    self, context, capture
-                                ):
-                                    raise
-                                settled = True
-                            else:
-                                settled = await settle_again(self, context, capture, exc)
+                            await self._unresolved(context)
+                        raise
             finally:
                 leave_context(ex.scope, token, context)
                 # Stopped by awaiting, never cancelled mid-write: a renewal in flight finishes
@@ -293,20 +304,6 @@ class LeaseExecution:
         self.ex.started = True
         if self.ex.slot is not None:
             self.ex.slot.give_back()  # the stream holds no connection, nor the tenant's slot
-
-    async def _cut_short(
-        self, context: IdempotencyContext, fence: Fence, capture: ResponseCapture
-    ) -> bool:
-        """Record the outcome of a response its client's leaving cut short (`run`): its status,
-        the body omitted, sent again on a blip as a stream's early settlement is."""
-        try:
-            return await self._settle(context, fence, capture, omitted="streaming")
-        except Exception as exc:
-            try:
-                return await settle_early_again(self, context, capture, "streaming", exc)
-            except Exception:
-                await self._unresolved(context)
-                raise
 
     async def _settle(
         self,

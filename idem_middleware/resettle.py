@@ -25,6 +25,7 @@ from .store.base import FINAL_STATES, RecordKey, Settlement, State, Store, Store
 
 if TYPE_CHECKING:
     from .capture import ResponseCapture
+    from .fence import Fence
     from .lease_executor import LeaseExecution
 
 logger = logging.getLogger("idem_middleware")
@@ -58,6 +59,21 @@ async def settle_again(
     except Exception:
         await execution._unresolved(context, seconds=0.0)  # (out of reach all along)
         raise
+
+
+async def cut_short(
+    execution: LeaseExecution, context: IdempotencyContext, fence: Fence, capture: ResponseCapture
+) -> bool:
+    """Record the outcome of a response its client's leaving cut short (the executor's `run`):
+    its status, the body omitted, sent again on a blip as a stream's early settlement is."""
+    try:
+        return await execution._settle(context, fence, capture, omitted="streaming")
+    except Exception as exc:
+        try:
+            return await settle_early_again(execution, context, capture, "streaming", exc)
+        except Exception:
+            await execution._unresolved(context)
+            raise
 
 
 async def settle_early_again(

@@ -1,0 +1,90 @@
+"""A lease-mode request cancelled (the server's graceful timeout) after its handler returned,
+while its settlement is in flight: waiting for a pooled connection, say. The handler ran, so
+its record is `unknown`, as a cancelled handler's is, not `pending` until its lease lapses,
+when a retry on a `LeaseExpiry.TAKEOVER` route took it over and ran the handler again."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from idem_middleware import LeaseExpiry, Policy, PostgresStore
+from idem_middleware.policy import Mode
+from idem_middleware.store.base import RecordKey, Settlement, State
+from tests.apps import one_route_app
+from tests.apps.clients import asgi_request, client
+
+BOUND = 30.0
+KEY = RecordKey("tenant-a", "POST /charges", "k1")
+
+
+class HeldSettlement(PostgresStore):
+    """A final outcome's compare-and-set waits (as for a pooled connection) until released."""
+
+    entered: asyncio.Event
+    release: asyncio.Event
+
+    async def settle(self, key: RecordKey, generation: int, expected: State, s: Settlement) -> bool:
+        if s.state is State.SUCCEEDED:
+            self.entered.set()
+            await self.release.wait()
+        return await super().settle(key, generation, expected, s)
+
+
+def server() -> tuple[Any, Any, list[dict[str, Any]]]:
+    """An ASGI server's receive and send: the body, then a client that never leaves."""
+    sent: list[dict[str, Any]] = []
+    delivered = False
+
+    async def receive() -> dict[str, Any]:
+        nonlocal delivered
+        if not delivered:
+            delivered = True
+            return {"type": "http.request", "body": b"{}", "more_body": False}
+        await asyncio.sleep(BOUND)
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    return receive, send, sent
+
+
+@pytest.mark.parametrize("expiry", [LeaseExpiry.TAKEOVER, LeaseExpiry.UNKNOWN])
+async def test_a_settlement_cancelled_in_flight_leaves_the_record_unknown(
+    db_dsn: str, expiry: LeaseExpiry
+) -> None:
+    runs: list[int] = []
+
+    async def charge(request: Request) -> Response:
+        await request.body()
+        runs.append(1)
+        return JSONResponse({"run": len(runs)}, status_code=201)
+
+    store = HeldSettlement(dsn=db_dsn, min_size=1, max_size=2, listen=False)
+    store.entered, store.release = asyncio.Event(), asyncio.Event()
+    policy = Policy(mode=Mode.LEASE, lease_seconds=0.6, wait_seconds=0.1, on_lease_expiry=expiry)
+    async with store:
+        await store.pool.execute("DELETE FROM idem_requests WHERE idem_key = 'k1'")
+        app = one_route_app("/charges", charge, store=store, policies={"POST /charges": policy})
+        receive, send, sent = server()
+        request = asyncio.create_task(app(asgi_request("/charges", "k1", 2), receive, send))
+        await asyncio.wait_for(store.entered.wait(), BOUND)
+        request.cancel()  # the server's graceful timeout, the settlement in flight
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(request, BOUND)
+        assert [m["status"] for m in sent if m["type"] == "http.response.start"] == [503]
+        record = await store.get(KEY)
+        assert record is not None
+        assert record.state is State.UNKNOWN  # (was `pending`, until its lease lapsed)
+        await asyncio.sleep(policy.lease_seconds + 0.2)  # a lease lapsed changes nothing now
+        async with client(app) as http:
+            retry = await http.post("/charges", json={}, headers={"Idempotency-Key": "k1"})
+        assert retry.status_code == 409
+        assert retry.json()["type"].endswith("outcome-unknown")
+        assert len(runs) == 1  # never run again
+        store.release.set()
