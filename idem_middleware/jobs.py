@@ -31,6 +31,7 @@ from .errors import JobInProgress as JobInProgress
 from .errors import JobKeyReused as JobKeyReused
 from .errors import JobOutcomeUnknown as JobOutcomeUnknown
 from .jobs_lease import run_leased
+from .jobs_spec import JobResultUnreadable as JobResultUnreadable
 from .jobs_spec import JobSpec
 from .jobs_spec import KeyOf as KeyOf
 from .jobs_transactional import run_transactional
@@ -44,6 +45,7 @@ __all__ = [
     "JobInProgress",
     "JobKeyReused",
     "JobOutcomeUnknown",
+    "JobResultUnreadable",
     "idempotent_job",
 ]
 

@@ -126,10 +126,13 @@ async def _execute(
             # Whatever the function did outside the database may have happened: unknown,
             # unless it declared that it did nothing (sent again on a blip). Shielded: an anyio
             # cancel scope cancels every await until the task ends, this cleanup's too.
+            gone = fence.lost(exc) if isinstance(exc, Exception) else None
             with CancelScope(shield=True):
                 await fence.close()
                 third = job.lease_seconds / 3
                 await unresolve_after(exc, store, key, generation, context, seconds=third)
+            if gone is not None:
+                raise gone from exc  # its fenced connection lost: the store failed (a 503's)
             raise
         # (Renewals go on while it settles: its statement may wait for a pooled connection past
         # the lease. The finally stops them once it returns.)
@@ -137,6 +140,15 @@ async def _execute(
         settlement = settlement_for(outcome, lambda: StoredResponse(200, JSON_HEADERS, body))
         try:
             settled = await fence.record(settlement)
+        except asyncio.CancelledError as exc:
+            # (A shutdown, the settlement in flight.) The function ran: `unknown`, as for one
+            # cancelled while it ran, not `pending` until the lease lapses (a takeover would
+            # run it again). A settlement that committed stands: the mark changes nothing.
+            with CancelScope(shield=True):
+                await fence.close()
+                third = job.lease_seconds / 3
+                await unresolve_after(exc, store, key, generation, context, seconds=third)
+            raise
         except StoreError as exc:
             third = job.lease_seconds / 3
             if fence.committing or not blip(exc):

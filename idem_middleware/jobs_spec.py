@@ -26,6 +26,12 @@ UNSETTLED: Any = object()
 KeyOf = Callable[..., str]
 
 
+class JobResultUnreadable(JobOutcomeUnknown):
+    """The key's record was settled (by hand: `idem-middleware resolve`, `ops.resolve`) with a
+    body that is not JSON, so no result can be returned from it. Like an unknown outcome, it
+    waits for an operator: resolve it again with a JSON body."""
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class JobSpec:
     """One decorated function and its settings (immutable after the decorator ran)."""
@@ -81,7 +87,20 @@ class JobSpec:
         the same rules as an HTTP duplicate's (outcomes.settled_answer), as values or errors."""
         settled = settled_answer(record, fingerprint)
         if isinstance(settled, Replay):
-            return orjson.loads(settled.response.body)
+            body = settled.response.body
+            if not body:
+                return None  # settled by hand with no body (a 204, say): the job returns None
+            try:
+                return orjson.loads(body)
+            except orjson.JSONDecodeError:
+                # Settled by hand with a body the job never stored (plain text): not the raw
+                # decoder's error on every call, but what to do about it. (The operation only:
+                # the key may be sensitive, and is the caller's to log.)
+                raise JobResultUnreadable(
+                    f"{self.operation}: this key's record was settled with a response the job "
+                    "cannot decode (its body is not JSON); resolve it again with a JSON body "
+                    "(idem-middleware resolve --again --body '<json>', with its --to and --note)"
+                ) from None
         if settled is not None:
             raise JobKeyReused(f"{self.operation}: this key was used with different arguments")
         if record.state is State.UNKNOWN:

@@ -90,6 +90,10 @@ async def _transaction(
             await tx.abandon()  # clean up, then re-raise: the key is free again
             if tx.conflict(exc):
                 raise RetryableConflict(str(exc), from_handler=True) from exc
+            if isinstance(exc, Exception) and (gone := tx.lost()) is not None:
+                # Its connection gone (the server ended the session, say): nothing committed,
+                # and the store failed, not the function (as for a request, a StoreError).
+                raise gone from exc
             raise
         state = FINAL_STATE.get(context.declared or Outcome.SUCCEEDED)
         if state is None:

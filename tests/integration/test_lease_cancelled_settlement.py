@@ -1,7 +1,7 @@
-"""A lease-mode request cancelled (the server's graceful timeout) after its handler returned,
-while its settlement is in flight: waiting for a pooled connection, say. The handler ran, so
-its record is `unknown`, as a cancelled handler's is, not `pending` until its lease lapses,
-when a retry on a `LeaseExpiry.TAKEOVER` route took it over and ran the handler again."""
+"""A lease-mode request (or job) cancelled (the server's graceful timeout) after its handler
+returned, while its settlement is in flight: waiting for a pooled connection, say. The handler
+ran, so its record is `unknown`, as a cancelled handler's is, not `pending` until its lease
+lapses, when a retry on a `LeaseExpiry.TAKEOVER` route took it over and ran the handler again."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import pytest
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from idem_middleware import LeaseExpiry, Policy, PostgresStore
+from idem_middleware import IdempotencyContext, LeaseExpiry, Policy, PostgresStore
+from idem_middleware.jobs import JobOutcomeUnknown, idempotent_job
 from idem_middleware.policy import Mode
 from idem_middleware.store.base import RecordKey, Settlement, State
 from tests.apps import one_route_app
@@ -87,4 +88,42 @@ async def test_a_settlement_cancelled_in_flight_leaves_the_record_unknown(
         assert retry.status_code == 409
         assert retry.json()["type"].endswith("outcome-unknown")
         assert len(runs) == 1  # never run again
+        store.release.set()
+
+
+async def test_a_lease_jobs_settlement_cancelled_in_flight_leaves_the_record_unknown(
+    db_dsn: str,
+) -> None:
+    """The same for a lease-mode job (a queue consumer's, cancelled at its shutdown): its next
+    call, past the lease, raises JobOutcomeUnknown instead of taking the record over."""
+    runs: list[str] = []
+    store = HeldSettlement(dsn=db_dsn, min_size=1, max_size=2, listen=False)
+    store.entered, store.release = asyncio.Event(), asyncio.Event()
+    async with store:
+        await store.pool.execute("DELETE FROM idem_requests WHERE operation = 'payout'")
+
+        @idempotent_job(
+            store,
+            operation="payout",
+            key="ref",
+            mode=Mode.LEASE,
+            lease_seconds=0.6,
+            on_lease_expiry=LeaseExpiry.TAKEOVER,
+        )
+        async def payout(job: IdempotencyContext, *, ref: str) -> dict[str, str]:
+            runs.append(ref)
+            return {"paid": ref}
+
+        call = asyncio.create_task(payout(ref="r1"))
+        await asyncio.wait_for(store.entered.wait(), BOUND)
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(call, BOUND)
+        record = await store.get(RecordKey("", "payout", "r1"))
+        assert record is not None
+        assert record.state is State.UNKNOWN
+        await asyncio.sleep(0.8)  # past the lease
+        with pytest.raises(JobOutcomeUnknown):
+            await asyncio.wait_for(payout(ref="r1"), BOUND)
+        assert runs == ["r1"]
         store.release.set()
