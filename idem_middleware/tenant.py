@@ -102,6 +102,47 @@ def authenticated_user_tenant(scope: Scope) -> str | None:
     raise Unidentified(f"the user's identity is a {type(identity).__name__}, not a str or an int")
 
 
+def _fastapi_marker(parameter: inspect.Parameter) -> object:
+    """A FastAPI parameter marker (`Header()`, `Depends(...)`, `Query()`, ...) given to the
+    parameter as its default or in its `Annotated[...]`; None if none is."""
+    candidates = [parameter.default, *getattr(parameter.annotation, "__metadata__", ())]
+    for candidate in candidates:
+        if type(candidate).__module__ == "fastapi.params":
+            return candidate
+    return None
+
+
+def _check_resolver(resolver: object) -> None:
+    """A resolver is called with the ASGI scope, one positional argument: a FastAPI dependency
+    given as one (its parameters `Header()`, `Depends(...)`) passed the startup and failed every
+    guarded request with an error from inside the app's own code, naming neither."""
+    if not callable(resolver):
+        raise ConfigurationError(f"tenant_resolver must be a function, not {resolver!r}")
+    try:
+        signature = inspect.signature(resolver, eval_str=True)
+    except Exception:  # (no signature to read, or annotations that cannot be resolved here)
+        try:
+            signature = inspect.signature(resolver)
+        except (TypeError, ValueError):
+            return
+    fix = (
+        "it is called with the request's ASGI scope (one argument), not as a FastAPI "
+        "dependency: read the credential from the scope, as `bearer_tenant(scope)` does in "
+        "docs/fastapi.md, and keep the dependency for your routes"
+    )
+    for name, parameter in signature.parameters.items():
+        marker = _fastapi_marker(parameter)
+        if marker is not None:
+            what = type(marker).__name__
+            raise ConfigurationError(f"tenant_resolver's parameter {name!r} is a {what}(): {fix}")
+    try:
+        signature.bind(object())
+    except TypeError as exc:
+        raise ConfigurationError(
+            f"tenant_resolver cannot be called as resolver(scope) ({exc}): {fix}"
+        ) from None
+
+
 class Tenants:
     """A tenant resolver as an edge uses it. One per middleware or route, made at setup."""
 
@@ -110,6 +151,8 @@ class Tenants:
     def __init__(
         self, resolver: TenantResolver = authenticated_user_tenant, *, challenge: object = None
     ) -> None:
+        if resolver is not authenticated_user_tenant:
+            _check_resolver(resolver)
         self.resolver = resolver
         #: What a 401 (no authenticated caller) carries in WWW-Authenticate; None: nothing.
         self.challenge = www_authenticate(challenge)

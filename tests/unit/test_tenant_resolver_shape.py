@@ -1,0 +1,73 @@
+"""A tenant resolver is called with the ASGI scope: a FastAPI dependency given as one (its
+parameters `Header()`, `Depends(...)`), or a function that cannot take one argument, is refused
+when the middleware (or the status or token route) is made, not at every guarded request."""
+
+from __future__ import annotations
+
+import functools
+from typing import Annotated, Any
+
+import pytest
+from fastapi import Depends, FastAPI, Header
+
+from idem_middleware import IdempotencyMiddleware, MemoryStore
+from idem_middleware.errors import ConfigurationError
+from idem_middleware.fastapi import install
+from idem_middleware.status import status_route
+
+
+async def header_dependency(authorization: Annotated[str, Header()] = "") -> str:
+    return authorization
+
+
+def depends_default(user: str = Depends(lambda: "u")) -> str:
+    return user
+
+
+def two_arguments(scope: Any, user: Any) -> str:
+    return "t"
+
+
+def no_argument() -> str:
+    return "t"
+
+
+@pytest.mark.parametrize(
+    ("resolver", "said"),
+    [
+        (header_dependency, "parameter 'authorization' is a Header()"),
+        (depends_default, "parameter 'user' is a Depends()"),
+        (two_arguments, "cannot be called as resolver(scope)"),
+        (no_argument, "cannot be called as resolver(scope)"),
+    ],
+)
+def test_a_resolver_that_cannot_take_the_scope_is_refused_when_made(
+    resolver: Any, said: str
+) -> None:
+    with pytest.raises(ConfigurationError, match="ASGI scope") as refused:
+        IdempotencyMiddleware(FastAPI(), store=MemoryStore(), tenant_resolver=resolver)
+    assert said in str(refused.value)
+    app = FastAPI()
+    install(app, store=MemoryStore(), tenant_resolver=resolver)
+    with pytest.raises(ConfigurationError, match="ASGI scope"):
+        app.build_middleware_stack()  # (as the server's first message, the lifespan's, does)
+    with pytest.raises(ConfigurationError, match="ASGI scope"):
+        status_route(MemoryStore(), tenant_resolver=resolver)
+
+
+class Resolver:
+    def __call__(self, scope: Any) -> str:
+        return "t"
+
+
+@pytest.mark.parametrize(
+    "resolver",
+    [
+        lambda scope: "t",
+        Resolver(),
+        functools.partial(two_arguments, user=None),
+        functools.partial(two_arguments, None),  # (its scope given positionally as `user`)
+    ],
+)
+def test_a_resolver_of_the_scope_is_accepted(resolver: Any) -> None:
+    IdempotencyMiddleware(FastAPI(), store=MemoryStore(), tenant_resolver=resolver)
