@@ -25,7 +25,7 @@ from .fingerprint import Fingerprinter, compressed_body_hint
 from .keys import KEY_HEADER, parse_idempotency_key, parse_key_value
 from .keysource import take_key
 from .lease import LeaseRun
-from .observe import UNTIMED, Event
+from .observe import PROBLEM_EVENTS, UNTIMED, Event, store_error_event
 from .policy import Mode, Policy
 from .refusals import is_refusal, send_refusal
 from .responses import answer_cancelled, send_accepted, send_replay
@@ -41,13 +41,6 @@ logger = logging.getLogger("idem_middleware")
 #: Every loop is bounded: a body in more messages than this is refused (a server sends a body in
 #: pieces of 64 KiB or so: a capped body is far fewer).
 _MAX_BODY_MESSAGES = 1_000_000
-
-_PROBLEM_EVENTS = {
-    ProblemKind.KEY_REUSED: Event.MISMATCH,
-    ProblemKind.IN_FLIGHT: Event.IN_FLIGHT,
-    ProblemKind.OUTCOME_UNKNOWN: Event.UNKNOWN,
-    ProblemKind.STORE_UNAVAILABLE: Event.ERROR,
-}
 
 
 async def _nothing() -> None: ...
@@ -75,6 +68,7 @@ class Exchange(ClientWatch):
         "body",
         "body_delivered",
         "by_name",
+        "counted",
         "fingerprinter",
         "message",
         "mw",
@@ -240,7 +234,7 @@ class Exchange(ClientWatch):
                 exc_info=True,
             )
             if not self.started:
-                await self.problem(exc.problem, exc.detail, exc.retry_after)
+                await self.store_failed(exc)
         except ClientGone as exc:
             logger.debug("client disconnected: %s", exc)
         except asyncio.CancelledError:  # (the server's shutdown, past its graceful timeout)
@@ -272,8 +266,14 @@ class Exchange(ClientWatch):
 
     async def problem(self, kind: ProblemKind, detail: str, retry_after: int | None = None) -> None:
         self.started = True
-        self.emit(_PROBLEM_EVENTS.get(kind, Event.REJECTED))
+        self.emit(PROBLEM_EVENTS.get(kind, Event.REJECTED))
         await self.mw.send_problem(self.send, kind, detail, retry_after=retry_after)
+
+    async def store_failed(self, exc: StoreError) -> None:  # (see `store_error_event`)
+        self.started = True
+        if (event := store_error_event(exc.problem, getattr(self, "counted", None))) is not None:
+            self.emit(event)
+        await self.mw.send_problem(self.send, exc.problem, exc.detail, retry_after=exc.retry_after)
 
     async def refused(self, exc: HTTPException, source: str) -> None:
         self.started = True
@@ -314,6 +314,7 @@ class Exchange(ClientWatch):
         observer = self.mw.observer
         if observer is None:
             return
+        self.counted: Event | None = event  # (the last: unset until then; see `store_failed`)
         attributes: dict[str, Any] = {"operation": self.operation}
         if self.record_key is not None:
             attributes["tenant"] = self.record_key.tenant
@@ -356,8 +357,7 @@ class Exchange(ClientWatch):
 
     async def read_body(self) -> tuple[bytes | None, bytes | None]:
         """The Content-Type, and the whole body (capped); None for the body if the client left."""
-        content_type = self.body_headers()
-        return content_type, await self.read_rest(await self.receive())
+        return self.body_headers(), await self.read_rest(await self.receive())
 
     async def read_rest(self, message: Message) -> bytes | None:
         """The whole body from its first message (received already); None if the client left."""

@@ -16,7 +16,7 @@ from enum import StrEnum
 from typing import Any, Literal, Protocol
 
 from .context import Outcome
-from .errors import ConfigurationError
+from .errors import ConfigurationError, ProblemKind
 
 logger = logging.getLogger("idem_middleware")
 
@@ -29,12 +29,14 @@ class Event(StrEnum):
     MISMATCH = "mismatch"  # the key was used for a different request: 422
     IN_FLIGHT = "in_flight"  # the original is still running: 409 (or 202)
     UNKNOWN = "unknown"  # the original's outcome is unknown: 409
-    RELEASED = "released"  # the handler did nothing (4xx, 5xx in transactional mode): key free
+    # the handler did nothing (4xx, 5xx in transactional mode), or its transactional outcome
+    # could not be recorded (a refused settlement rolled it back): nothing stored, the key free
+    RELEASED = "released"
     SUCCEEDED = "succeeded"  # the outcome was stored as succeeded
     FAILED_FINAL = "failed_final"  # the outcome was stored as a final failure
     UNRESOLVED = "unresolved"  # lease mode: the handler's outcome was recorded as unknown
     REJECTED = "rejected"  # refused before any claim: bad or missing key, body, no tenant
-    ERROR = "error"  # the store could not be reached
+    ERROR = "error"  # the store could not be reached (or mark a claim's end: see below)
 
 
 #: The event a settled outcome is counted as.
@@ -44,6 +46,26 @@ SETTLED_EVENTS = {
     Outcome.RELEASE: Event.RELEASED,
     Outcome.UNKNOWN: Event.UNRESOLVED,
 }
+
+#: The event a problem the middleware answers is counted as; any other kind is `rejected`.
+PROBLEM_EVENTS = {
+    ProblemKind.KEY_REUSED: Event.MISMATCH,
+    ProblemKind.IN_FLIGHT: Event.IN_FLIGHT,
+    ProblemKind.OUTCOME_UNKNOWN: Event.UNKNOWN,
+    ProblemKind.STORE_UNAVAILABLE: Event.ERROR,
+}
+
+
+def store_error_event(kind: ProblemKind, counted: Event | None) -> Event | None:
+    """What a store's error answered to the client is counted as, after `counted` (the last
+    event counted of the request; None: none). Before a claim, as its kind says (`error`; an
+    encoding that cannot store the key: `rejected`). After one, never `rejected` (a claimed
+    request was not refused), and its end counted once: nothing more if the mode counted it
+    (`released`: a refused settlement rolled the claim's transaction back; lease mode's
+    `unresolved`: the record marked unknown), `error` if not (the store could not mark it)."""
+    if counted is None:
+        return PROBLEM_EVENTS.get(kind, Event.REJECTED)
+    return Event.ERROR if counted is Event.CLAIMED else None
 
 
 class Observer(Protocol):

@@ -22,7 +22,14 @@ from .answers import TENANT_BUSY, WAITERS_FULL, Answer, InFlight, Problem
 from .capture import ResponseCapture
 from .context import CURRENT, SCOPE_KEY, IdempotencyContext, claimed_context
 from .delayed import Delayed
-from .errors import ClaimBusy, ClaimTimeout, ClientGone, ProblemKind, RetryableConflict
+from .errors import (
+    ClaimBusy,
+    ClaimTimeout,
+    ClientGone,
+    ProblemKind,
+    RetryableConflict,
+    SettlementRefused,
+)
 from .observe import SETTLED_EVENTS, Event
 from .outcomes import FINAL_STATE, Outcome, duplicate_answer, outcome_for_status
 from .policy import Mode
@@ -114,6 +121,7 @@ async def run_transactional(
             conflicts += 1
             logger.debug("serialization failure; running the transaction again")
             ex.body_delivered = False
+            ex.counted = None  # (the next attempt's claim is counted anew: see exchange's)
         raise RuntimeError("the key kept changing hands; giving up")  # pragma: no cover
     finally:
         if waiting is not None:
@@ -285,7 +293,11 @@ class Attempt(ResponseCapture):
                 if self.start is None or not self.complete:
                     await tx.abandon()
                     raise RuntimeError("the application returned without a complete response")
-                await self._settle()
+                try:
+                    await self._settle()
+                except SettlementRefused:  # (CallerNamedLate too): rolled back, the key free
+                    ex.emit(Event.RELEASED, self.context.generation)
+                    raise
             # The transaction is over and the connection is back in the pool: now the client.
             return self  # the response held: the exchange flushes it
         finally:
