@@ -344,10 +344,10 @@ async def outbox(store: PostgresStore, args: argparse.Namespace) -> int:
             reservation_margin_seconds=args.reservation_margin,
         )
         stop = asyncio.Event()
+        report = outbox_ops.PublishReport()  # (filled in as it goes: a failed batch reports it)
+        once = 1 if args.once else None
         running = asyncio.ensure_future(
-            publisher.run(
-                stop=stop, batches=1 if args.once else None, idle_seconds=args.idle_seconds
-            )
+            publisher.run(stop=stop, batches=once, idle_seconds=args.idle_seconds, report=report)
         )
         forced: list[int] = []
 
@@ -363,7 +363,14 @@ async def outbox(store: PostgresStore, args: argparse.Namespace) -> int:
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, signalled, signum)
         try:
-            report = await running
+            await running
+        except (IdempotencyError, *DATABASE_ERRORS) as exc:
+            # `--once` whose batch the database failed (a run without it retries): exit 1, not
+            # a report of nothing due. What it sent is marked; an event being sent when it
+            # failed stays reserved and is sent again once that lapses.
+            print(json.dumps({**_counts(report), "error": str(exc)}))
+            done = f"sending {report.sent} events (failed {report.failed}, parked {report.parked})"
+            raise Interrupted(f"outbox publish stopped after {done}; run it again: {exc}") from exc
         except asyncio.CancelledError:
             if not forced:
                 raise
@@ -374,5 +381,9 @@ async def outbox(store: PostgresStore, args: argparse.Namespace) -> int:
             )
             return 143 if forced[-1] == signal.SIGTERM else 130
     # Always one JSON line: scripts read the publisher's report.
-    print(json.dumps({"sent": report.sent, "failed": report.failed, "parked": report.parked}))
+    print(json.dumps(_counts(report)))
     return 0
+
+
+def _counts(report: outbox_ops.PublishReport) -> dict[str, int]:
+    return {"sent": report.sent, "failed": report.failed, "parked": report.parked}

@@ -194,16 +194,19 @@ class Publisher:
         """How long a reserved event is left to this publisher: a send is cut off well before."""
         return self.send_timeout_seconds + self.reservation_margin_seconds
 
-    async def publish_batch(self, *, stop: asyncio.Event | None = None) -> PublishReport:
+    async def publish_batch(
+        self, *, stop: asyncio.Event | None = None, report: PublishReport | None = None
+    ) -> PublishReport:
         """Send up to `batch_size` due events, one at a time: reserve (the attempt counted, in a
         statement of its own), send, record the result. No connection is held during a send.
         Once `stop` is set, no further event is reserved: the batch ends after the current send.
+        `report`, if given, is added to as it goes (and returned): it holds what a failed batch did.
 
         If this process dies mid-send, the event stays reserved until its reservation lapses,
         then any publisher sends it again; an event no publisher ever finishes sending is parked
         after `max_attempts` attempts like one that keeps failing.
         """
-        report = PublishReport()
+        report = PublishReport() if report is None else report
         outbox = self._store.outbox_connection
         for _ in range(self.batch_size):
             if stop is not None and stop.is_set():
@@ -299,35 +302,34 @@ class Publisher:
         idle_seconds: float = 1.0,
         stop: asyncio.Event | None = None,
         batches: int | None = None,
+        report: PublishReport | None = None,
     ) -> PublishReport:
-        """Publish until `stop` is set or `batches` batches ran; idle: sleep `idle_seconds`."""
+        """Publish until `stop` is set or `batches` batches ran; idle: sleep `idle_seconds`.
+        A failed batch is logged and retried, backing off; the last of `batches` raises its error
+        at once instead. `report`, if given, is added to as it goes, as `publish_batch`'s."""
         _seconds(idle_seconds, "idle_seconds", True)  # (0 would poll the database in a loop)
-        total = PublishReport()
+        total = PublishReport() if report is None else report
         stop = stop or asyncio.Event()
-        done = 0
-        failures = 0
+        done = fails = 0  # (fails: batches failed in a row)
         while not stop.is_set() and (batches is None or done < batches):
             done += 1
+            before = total.sent + total.failed
             try:
-                report = await self.publish_batch(stop=stop)
+                await self.publish_batch(stop=stop, report=total)
             except Exception:
+                if done == batches:
+                    raise
                 # The database went away (a restart, a failover): an event being sent stays
-                # reserved and is sent again once that lapses. Keep going, backing off while the
-                # database stays down: from `idle_seconds` at least, doubling, whatever the
-                # events' backoff (at 0 this was a loop logging a traceback per refused connect).
-                failures += 1
+                # reserved, sent again once that lapses. Back off while it stays down: from
+                # `idle_seconds` at least, doubling, whatever the events' backoff (at 0: a loop).
+                fails += 1
                 logger.warning("outbox batch failed; retrying", exc_info=True)
-                delay = max(
-                    self.backoff(min(failures, 6)), idle_seconds * 2 ** min(failures - 1, 6)
-                )
+                delay = max(self.backoff(min(fails, 6)), idle_seconds * 2 ** min(fails - 1, 6))
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), delay)
                 continue
-            failures = 0
-            total.sent += report.sent
-            total.failed += report.failed
-            total.parked += report.parked
-            if report.sent + report.failed == 0:
+            fails = 0
+            if total.sent + total.failed == before:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), idle_seconds)
         return total
