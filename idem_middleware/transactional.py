@@ -295,7 +295,9 @@ class Attempt(ResponseCapture):
                     raise RuntimeError("the application returned without a complete response")
                 try:
                     await self._settle()
-                except SettlementRefused:  # (CallerNamedLate too): rolled back, the key free
+                except (SettlementRefused, RetryableConflict):
+                    # Rolled back, the key free (a CallerNamedLate, or a serialization failure
+                    # at the COMMIT: the attempt runs again, its claim counted anew).
                     ex.emit(Event.RELEASED, self.context.generation)
                     raise
             # The transaction is over and the connection is back in the pool: now the client.

@@ -183,6 +183,50 @@ async def test_a_retried_attempt_whose_claim_fails_is_counted_an_error(
     assert recorder.events == [CLAIMED, RELEASED, Event.ERROR]
 
 
+async def test_a_serialization_failure_at_commit_counts_the_first_claims_end(
+    store: PostgresStore, pool: asyncpg.Pool[Any]
+) -> None:
+    """Transactional: the claim's COMMIT fails with a serialization failure (a deferred
+    trigger's, here, once), so the attempt runs again: the first claim's end is counted
+    `released` before the second claim, not left out (`claimed, claimed, succeeded`)."""
+    await pool.execute(
+        """
+        DROP TABLE IF EXISTS test_commit_once;
+        DROP SEQUENCE IF EXISTS test_commit_once_tries;
+        CREATE TABLE test_commit_once (id int);
+        CREATE SEQUENCE test_commit_once_tries;  -- (not rolled back: the first COMMIT only)
+        CREATE OR REPLACE FUNCTION test_commit_once_fail() RETURNS trigger LANGUAGE plpgsql AS $$
+        BEGIN
+            IF nextval('test_commit_once_tries') = 1 THEN
+                RAISE EXCEPTION 'could not serialize' USING ERRCODE = 'serialization_failure';
+            END IF;
+            RETURN NULL;
+        END $$;
+        CREATE CONSTRAINT TRIGGER test_commit_once_trigger AFTER INSERT ON test_commit_once
+            DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION test_commit_once_fail();
+        """
+    )
+
+    async def handler(request: Request) -> Response:
+        await request.body()
+        await get_context(request).connection.execute("INSERT INTO test_commit_once VALUES (1)")
+        return JSONResponse({"ok": 1}, status_code=201)
+
+    recorder = Recorder()
+    app = one_route_app("/charges", handler, store=store, observers=[recorder])
+    try:
+        response = await _one(app)
+        rows = await pool.fetchval("SELECT count(*) FROM test_commit_once")
+    finally:
+        await pool.execute(
+            "DROP TABLE test_commit_once; DROP FUNCTION test_commit_once_fail();"
+            " DROP SEQUENCE test_commit_once_tries"
+        )
+    assert response.status_code == 201
+    assert rows == 1  # (the first attempt's insert rolled back with its claim)
+    assert recorder.events == [CLAIMED, RELEASED, CLAIMED, Event.SUCCEEDED]
+
+
 @pytest.mark.parametrize(
     ("kind", "counted", "expected"),
     [
