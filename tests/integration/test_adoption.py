@@ -291,6 +291,7 @@ LOWEST_WORKING = {
     "starlette": "0.37",  # 0.37.0 (SimpleUser's identity is its username before 1.7: tenant.py)
     "asyncpg": "0.30",  # 0.29: create_pool() has no `reset` (TypeError at the store's open)
     "orjson": "3.9",
+    "anyio": "3.4",  # 3.4.0 (starlette 0.37's lowest): a lease-mode cleanup shielded, unknown
     "fastapi": "0.110.1",  # 0.110.0 requires starlette<0.37: no install resolves
     "sqlalchemy[asyncio]": "2.0.40",  # 2.0.39: AsyncSession.get_transaction() NotImplementedError
 }
