@@ -56,6 +56,14 @@ def _where(url: str) -> str:
     )
 
 
+def _bank_where(url: str) -> str:
+    """Where the shared bank runs (with more than one worker), and its fault switch."""
+    return (
+        f"example_app bank: {url}\n"
+        f"  its faults: POST {url}/_faults; its transfers: GET {url}/transfers"
+    )
+
+
 def _exit_on_signal(signum: int, frame: object) -> None:
     sys.exit(128 + signum)
 
@@ -85,6 +93,8 @@ def main(argv: list[str] | None = None) -> None:
         # An in-process bank would be one bank per worker: a retry landing on another worker
         # would ask a bank that never saw the transfer. N workers share one bank process.
         os.environ["BANK_URL"] = _start_bank(args.host)
+        # Not under /bank on the app's port: on its own, which only this line tells.
+        print(_bank_where(os.environ["BANK_URL"]), flush=True)
     # uvicorn re-raises SIGTERM/SIGINT after its graceful shutdown; turning them into SystemExit
     # lets the exit hooks run (they stop the embedded PostgreSQL).
     for signum in (signal.SIGTERM, signal.SIGINT):

@@ -23,7 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.authentication import AuthenticationMiddleware
 from starlette.requests import HTTPConnection
 
-from idem_middleware import Mode, Policy, PostgresStore, idempotent, outbox
+from idem_middleware import ConfigurationError, Mode, Policy, PostgresStore, idempotent, outbox
 from idem_middleware.downstream import downstream_hooks
 from idem_middleware.fastapi import Idempotency, IdempotencyConnection, install
 from idem_middleware.reconcile import (
@@ -66,9 +66,11 @@ PUBLISHER_STOP_SECONDS = 5.0
 logger = logging.getLogger("example_app")
 
 
-def env_seconds(name: str, default: float, *, zero: bool = False) -> float:
+def env_seconds(name: str, default: float, *, zero: bool = False, option: str = "") -> float:
     """A number of seconds from the environment (more than 0, or 0 too), or a ValueError
-    naming the variable (before: float()'s message, which did not say which)."""
+    naming the variable (before: float()'s message, which did not say which). `option`: the
+    Policy option it becomes, whose bounds it must meet too (before, a lease under 0.1 s
+    stopped startup with the library's message, which named no variable)."""
     text = os.environ.get(name, "").strip()
     try:
         value = float(text) if text else default
@@ -78,6 +80,11 @@ def env_seconds(name: str, default: float, *, zero: bool = False) -> float:
         raise ValueError(
             f"{name}={text!r} is not a number of seconds (more than 0{', or 0' if zero else ''})"
         )
+    if option:
+        try:
+            Policy().replace(**{option: value})
+        except ConfigurationError as exc:
+            raise ValueError(f"{name}={text!r} is refused: {exc}") from None
     return value
 
 
@@ -151,8 +158,8 @@ async def publish(publisher: outbox.Publisher, stop: asyncio.Event) -> None:
 def create_app(database_url: str | None = None) -> FastAPI:
     """Build the app. `database_url` defaults to $DATABASE_URL (set by `python -m example_app`)."""
     dsn = database_url or os.environ["DATABASE_URL"]
-    wait_seconds = env_seconds("EXAMPLE_WAIT_SECONDS", 5, zero=True)
-    lease_seconds = env_seconds("EXAMPLE_LEASE_SECONDS", 30)
+    wait_seconds = env_seconds("EXAMPLE_WAIT_SECONDS", 5, zero=True, option="wait_seconds")
+    lease_seconds = env_seconds("EXAMPLE_LEASE_SECONDS", 30, option="lease_seconds")
     bank_timeout = env_seconds("EXAMPLE_BANK_TIMEOUT", 2)
     bank_url = os.environ.get("BANK_URL")
     run_publisher = env_publish()

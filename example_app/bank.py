@@ -85,11 +85,16 @@ def _status(value: Any) -> int | None:
     return value
 
 
+#: The longest delay a fault takes, in milliseconds (about 24.8 days): a longer one (10**400, say)
+#: was accepted, and every transfer after it recorded, then answered a 500 (no float holds it).
+MAX_DELAY_MS = 2**31 - 1
+
+
 def _milliseconds(value: Any) -> int:
-    """A fault's delay: a JSON integer, 0 or more (null or absent: 0)."""
+    """A fault's delay: a JSON integer from 0 to MAX_DELAY_MS (null or absent: 0)."""
     if value is None:
         return 0
-    if type(value) is not int or value < 0:
+    if type(value) is not int or not 0 <= value <= MAX_DELAY_MS:
         raise ValueError(f"{value!r} is not a delay in milliseconds")
     return value
 
