@@ -105,7 +105,8 @@ def check_app(mw: IdempotencyMiddleware, app: Any, scope: Scope | None = None) -
                 logger.warning(
                     "idempotency: policies[%r] never applies: the endpoint's own policy does", name
                 )
-        errors.extend(dependency_errors(item, per_method))
+        # (switched off, no claim is made, on any store: the dependency's error names the switch)
+        errors.extend(dependency_errors(item, per_method, mw.store if mw.enabled else None))
     found = list(guarded_routes(routes, mw.policy_for, items))
     guarded = [(operation_name(method, item.template), policy) for item, method, policy in found]
     for name, policy in guarded:

@@ -11,11 +11,15 @@ from .policy import Mode, Policy, operation_name
 from .routing import Found
 
 
-def _dependency_calls(dependant: Any) -> Iterator[Callable[..., Any]]:
+def _dependency_calls(dependant: Any, overrides: Any = None) -> Iterator[Callable[..., Any]]:
+    """`overrides`: the app's `dependency_overrides`, if given: one overridden there is not run,
+    nor what it depends on."""
     for dependency in getattr(dependant, "dependencies", ()):
+        if overrides and dependency.call in overrides:
+            continue
         if dependency.call is not None:
             yield dependency.call
-        yield from _dependency_calls(dependency)
+        yield from _dependency_calls(dependency, overrides)
 
 
 def _claim_dependency(calls: set[Callable[..., Any]]) -> tuple[str, bool] | None:
@@ -46,10 +50,20 @@ def _is_claim_session(sqla: Any, call: Callable[..., Any]) -> bool:
     )
 
 
-def dependency_errors(item: Found, per_method: dict[str, Policy | None]) -> list[str]:
+NO_CONNECTION = (
+    "the store is a MemoryStore, whose claims have no database connection: use PostgresStore (a "
+    "unit test without a database can override the dependency in app.dependency_overrides, or "
+    "use the pytest plugin's idem_store, on PostgreSQL)"
+)
+
+
+def dependency_errors(
+    item: Found, per_method: dict[str, Policy | None], store: object
+) -> list[str]:
     """A FastAPI route that takes the claim's context, connection or SQLAlchemy session must be
     guarded for every method it accepts, with the key required (and, for the connection, in
-    transactional mode): otherwise it fails on every such request."""
+    transactional mode), and the connection or session needs a store whose claims have one:
+    otherwise it fails on every such request. `store`: the middleware's (None: switched off)."""
     dependant = getattr(item.route, "dependant", None)
     if dependant is None:
         return []
@@ -58,17 +72,35 @@ def dependency_errors(item: Found, per_method: dict[str, Policy | None]) -> list
         return []
     what, transactional_only = wanted
     errors = _event_stream_errors(item, dependant, per_method)
+    connected = _connection_dependency(item, dependant, store)
     for method, policy in per_method.items():
+        named = what
         if policy is None:
             problem = "is not guarded"
         elif not policy.key_required:
             problem = "lets a request without a key through (key_required=False)"
         elif transactional_only and policy.mode is not Mode.TRANSACTIONAL:
             problem = "is in lease mode (use Idempotency and idem.fenced_connection())"
+        elif connected is not None:
+            named, problem = connected, NO_CONNECTION
         else:
             continue
-        errors.append(f"{operation_name(method, item.template)} declares {what} but {problem}")
+        errors.append(f"{operation_name(method, item.template)} declares {named} but {problem}")
     return errors
+
+
+def _connection_dependency(item: Found, dependant: Any, store: object) -> str | None:
+    """The connection or claim session a route takes when the store's claims have no database
+    connection (MemoryStore's: its transaction's `connection` and its `fenced_connection()`
+    are None, in either mode), unless the app overrides it (a test's own). MemoryStore is
+    looked up only if its module was imported: no store can be one otherwise."""
+    memory = sys.modules.get("idem_middleware.store.memory")
+    if memory is None or not isinstance(store, memory.MemoryStore):
+        return None
+    provider = getattr(item.route, "dependency_overrides_provider", None)
+    overrides = getattr(provider, "dependency_overrides", None)
+    run = _claim_dependency(set(_dependency_calls(dependant, overrides)))
+    return None if run is None or run[0] == "Idempotency" else run[0]
 
 
 def _event_stream_errors(item: Found, dependant: Any, methods: dict[str, Any]) -> list[str]:

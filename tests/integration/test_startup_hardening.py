@@ -151,7 +151,7 @@ OrderSession = Annotated[Any, Depends(order_session)]
 SESSIONS = ClaimSessions()
 
 
-def session_app(calls: Calls) -> FastAPI:
+def session_app(calls: Calls, store: MemoryStore | PostgresStore) -> FastAPI:
     app = FastAPI()
 
     @app.post("/unguarded")
@@ -195,13 +195,15 @@ def session_app(calls: Calls) -> FastAPI:
     async def leased(session: Annotated[Any, Depends(claim_session)]) -> dict[str, bool]:
         return {"ok": True}
 
-    install(app, store=MemoryStore())
+    install(app, store=store)
     app.add_middleware(AuthenticationMiddleware, backend=BearerBackend())
     return app
 
 
-async def test_a_claim_session_on_a_route_that_is_not_guarded_fails_startup() -> None:
-    message = failure(await startup(session_app(Calls())))
+async def test_a_claim_session_on_a_route_that_is_not_guarded_fails_startup(
+    pg_store: PostgresStore,
+) -> None:
+    message = failure(await startup(session_app(Calls(), pg_store)))
     for expected in (
         "POST /unguarded declares ClaimSession but is not guarded",
         "POST /optional declares ClaimSession but lets a request without a key through",
@@ -223,7 +225,7 @@ async def test_without_lifespan_a_claim_session_misuse_fails_every_request(
     well, on each request, from inside the dependency, with no word at startup)."""
     calls = Calls()
     with caplog.at_level(logging.ERROR, logger="idem_middleware"):
-        async with client(session_app(calls)) as c:  # type: ignore[arg-type]
+        async with client(session_app(calls, MemoryStore())) as c:  # type: ignore[arg-type]
             for _ in range(2):
                 assert (await c.post("/unguarded")).status_code == 500
                 assert (await c.post("/optional")).status_code == 500
@@ -233,14 +235,14 @@ async def test_without_lifespan_a_claim_session_misuse_fails_every_request(
     assert "POST /unguarded declares ClaimSession but is not guarded" in errors[0]
 
 
-async def test_guarded_claim_session_routes_start() -> None:
+async def test_guarded_claim_session_routes_start(pg_store: PostgresStore) -> None:
     app = FastAPI()
 
     @app.post("/orders")
     async def orders(session: ClaimSession) -> dict[str, bool]:  # POST: guarded by default
         return {"ok": True}
 
-    install(app, store=MemoryStore())
+    install(app, store=pg_store)
     app.add_middleware(AuthenticationMiddleware, backend=BearerBackend())
     assert started(await startup(app))
 
