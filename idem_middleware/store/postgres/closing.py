@@ -6,7 +6,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import weakref
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
+
+from ..base import Claim, Claimed, RecordKey
 
 logger = logging.getLogger("idem_middleware.store")
 
@@ -38,10 +41,59 @@ class Executions:
     until its lease lapsed. `close` waits for those (only the cancelled ones: a task that runs
     on, a queue consumer's, is the app's to stop)."""
 
-    __slots__ = ("_tasks",)
+    __slots__ = ("_tasks", "_unrun")
 
     def __init__(self) -> None:
         self._tasks: weakref.WeakSet[asyncio.Task[Any]] = weakref.WeakSet()
+        #: Claims of cancelled requests still in flight, and the releases of those that landed.
+        self._unrun: set[asyncio.Future[Any]] = set()
+
+    async def claim(
+        self,
+        claiming: Coroutine[Any, Any, Claim],
+        key: RecordKey,
+        release: Callable[[RecordKey, int], Awaitable[bool]],
+    ) -> Claim:
+        """A lease-mode claim (a statement that commits on its own), run to its end whatever
+        becomes of the request that asked for it, which counts as an execution once it claimed.
+        A request cancelled with the statement in flight (a shutdown, a timeout around the app)
+        unwinds at once; its claim may commit all the same, and the record stayed `pending`
+        under a live lease (retries 409), then `unknown` for good, for a handler that never ran.
+        A claim that lands for a request gone is released: its retry runs it."""
+        task = asyncio.ensure_future(claiming)
+        try:
+            claimed = await asyncio.shield(task)
+        except asyncio.CancelledError:
+            self._unrun.add(task)
+            task.add_done_callback(lambda done: self._landed(done, key, release))
+            raise
+        if isinstance(claimed, Claimed):
+            self.add()  # its settlement comes before the store's close
+        return claimed
+
+    def _landed(
+        self,
+        task: asyncio.Future[Claim],
+        key: RecordKey,
+        release: Callable[[RecordKey, int], Awaitable[bool]],
+    ) -> None:
+        self._unrun.discard(task)
+        if task.cancelled() or task.exception() is not None:
+            return  # (nothing claimed; an error retrieved, never "never retrieved")
+        claimed = task.result()
+        if isinstance(claimed, Claimed):
+            releasing = asyncio.ensure_future(release(key, claimed.generation))
+            self._unrun.add(releasing)
+            releasing.add_done_callback(self._released)
+
+    def _released(self, releasing: asyncio.Future[bool]) -> None:
+        self._unrun.discard(releasing)
+        if not releasing.cancelled() and releasing.exception() is not None:
+            logger.warning(
+                "a cancelled lease-mode request's claim could not be released; its record stays "
+                "pending until its lease lapses",
+                exc_info=releasing.exception(),
+            )
 
     def add(self) -> None:
         task = asyncio.current_task()
@@ -57,9 +109,13 @@ class Executions:
             for t in self._tasks
             if t is not current and t.get_loop() is loop and not t.done() and t.cancelling()
         ]
+        until = loop.time() + seconds
+        for _ in range(2):  # (a cancelled request's claim in flight, then its release)
+            if self._unrun:
+                await asyncio.wait(tuple(self._unrun), timeout=max(until - loop.time(), 0))
         if not unwinding:
             return
-        _, pending = await asyncio.wait(unwinding, timeout=seconds)
+        _, pending = await asyncio.wait(unwinding, timeout=max(until - loop.time(), 0))
         if pending:
             logger.warning(
                 "closing the store: %d cancelled lease-mode executions did not finish within "

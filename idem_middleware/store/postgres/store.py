@@ -14,7 +14,7 @@ import asyncpg
 
 from ...delayed import Delayed
 from ...errors import ConfigurationError, StoreError
-from ..base import Claim, Claimed, Record, RecordKey, Settlement, State, Store
+from ..base import Claim, Record, RecordKey, Settlement, State, Store
 from ..migrations import require_migrated
 from . import closing, compat
 from .claim import claim
@@ -271,21 +271,21 @@ class PostgresStore(OffPathStatements):
             retention_seconds,
             lease_seconds,
         )
+        # (Run to its end, a cancelled request's too: see `closing.Executions.claim`.)
+        return await self._executions.claim(self._claim(key, args, token_hash), key, self.release)
+
+    async def _claim(self, key: RecordKey, args: tuple[Any, ...], token: bytes | None) -> Claim:
         locks = self._locks
         try:
             async with self._internal() as conn:
                 if not locks.loaded:
                     await locks.load(conn)  # the store's `open` could not reach the server
                 # (The key's claim lock: a transaction claiming the key holds it, see `claim`.)
-                lock = locks.of(key)
-                claimed = await alone(claim, conn, key, args, token_hash, None, lock, on=conn)
+                return await alone(claim, conn, key, args, token, None, locks.of(key), on=conn)
         except TRANSLATED as exc:
             raise translate(exc) from exc
         except LOCK_NOT_AVAILABLE as exc:  # (`claim` answers its NOWAIT locks busy itself)
             raise lock_waited(exc) from exc
-        if isinstance(claimed, Claimed):
-            self._executions.add()  # its settlement comes before the store's close
-        return claimed
 
     async def heartbeat(self, key: RecordKey, generation: int, lease_seconds: float) -> bool:
         self.pool  # noqa: B018 - StoreClosed once closed, or in another loop than the pool's

@@ -1,0 +1,87 @@
+"""A lease-mode request cancelled (a shutdown, a timeout around the app) while its claim's
+statement is in flight: the claim commits on its own, and the record stayed `pending` under a
+live lease (every retry 409), then `unknown` for good, for a handler that never ran. The claim
+now runs to its end, and one that lands for a request gone is released: the retry runs it."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from idem_middleware import Policy, PostgresStore
+from idem_middleware.policy import Mode
+from idem_middleware.store.base import RecordKey
+from tests.apps import one_route_app
+from tests.apps.clients import asgi_request, client
+from tests.integration.test_lease_cancelled_settlement import BOUND, server
+
+KEY = RecordKey("tenant-a", "POST /charges", "k1")
+
+
+class HeldAfterClaim(PostgresStore):
+    """The first statement of the store's own, once committed, holds its caller (as a reply
+    on its way back would) until `gate` is set."""
+
+    entered: asyncio.Event
+    gate: asyncio.Event
+    armed = False
+
+    def _internal(self) -> Any:
+        inner = super()._internal()
+        if not self.armed:
+            return inner
+        self.armed = False
+
+        @contextlib.asynccontextmanager
+        async def held() -> AsyncIterator[Any]:
+            async with inner as conn:
+                yield conn
+            self.entered.set()
+            await self.gate.wait()
+
+        return held()
+
+
+@pytest.mark.parametrize("lease", [0.5, 30.0])
+async def test_a_claim_cancelled_in_flight_is_released(db_dsn: str, lease: float) -> None:
+    runs: list[int] = []
+
+    async def charge(request: Request) -> Response:
+        await request.body()
+        runs.append(1)
+        return JSONResponse({"run": len(runs)}, status_code=201)
+
+    store = HeldAfterClaim(dsn=db_dsn, min_size=1, max_size=2, listen=False)
+    store.entered, store.gate = asyncio.Event(), asyncio.Event()
+    policy = Policy(mode=Mode.LEASE, lease_seconds=lease, wait_seconds=0.1)
+    async with store:
+        await store.pool.execute("DELETE FROM idem_requests WHERE idem_key = 'k1'")
+        app = one_route_app("/charges", charge, store=store, policies={"POST /charges": policy})
+        async with client(app) as http:  # (the startup check, before the store is armed)
+            await http.post("/charges", json={}, headers={"Idempotency-Key": "warm"})
+        runs.clear()
+        store.armed = True
+        receive, send, sent = server()
+        request = asyncio.create_task(app(asgi_request("/charges", "k1", 2), receive, send))
+        await asyncio.wait_for(store.entered.wait(), BOUND)
+        assert await store.get(KEY) is not None  # claimed: committed, its reply held
+        request.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(request, BOUND)
+        assert [m["status"] for m in sent if m["type"] == "http.response.start"] == [503]
+        store.gate.set()  # the claim's reply arrives for a request gone
+        for _ in range(int(BOUND / 0.01)):
+            if await store.get(KEY) is None:
+                break
+            await asyncio.sleep(0.01)
+        assert await store.get(KEY) is None  # released: nothing ran
+        async with client(app) as http:
+            retry = await http.post("/charges", json={}, headers={"Idempotency-Key": "k1"})
+        assert retry.status_code == 201  # runs now, at once (not 409 for the lease, or for good)
+        assert runs == [1]
