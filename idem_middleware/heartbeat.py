@@ -22,7 +22,6 @@ settlement (its connection died), the next renewal renews the lease again.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -30,6 +29,7 @@ from typing import Any
 from .context import IdempotencyContext, key_digest
 from .errors import StoreClosed
 from .store.base import RecordKey
+from .waiting import wait_at_most
 
 logger = logging.getLogger("idem_middleware")
 
@@ -56,8 +56,7 @@ async def keep_lease(
     failures = 0
     while True:
         if pause > 0:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), pause)
+            await wait_at_most(stop, pause)
         if stop.is_set():
             return
         sent = loop.time()

@@ -173,7 +173,9 @@ async def _execute(
                 )
     finally:
         stop.set()
-        await heartbeat  # stopped by the event, never cancelled mid-write
+        # Stopped by the event, never cancelled mid-write (shielded: a cancellation of this
+        # task is this task's, not passed on to the heartbeat, where Python 3.11 could lose it).
+        await asyncio.shield(heartbeat)
     if not settled:
         raise StaleGeneration(
             f"{job.operation}: generation {generation} lost its claim; nothing was recorded"

@@ -268,8 +268,8 @@ class LeaseExecution:
                 # stopped it.)
                 if self.context is not None:
                     self._stop_renewing(renewals)
-                if self.heartbeat is not None:
-                    await self.heartbeat
+                if self.heartbeat is not None:  # (shielded: this task's cancellation is its own)
+                    await asyncio.shield(self.heartbeat)
             if settled:
                 return capture  # held: the exchange flushes it
             return Problem(ProblemKind.IN_FLIGHT, _LOST_CLAIM, policy.retry_after_seconds)

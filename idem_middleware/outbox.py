@@ -16,7 +16,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import re
 import uuid
@@ -33,6 +32,7 @@ from .keys import MAX_KEY_LENGTH
 from .policy import seconds_option
 from .pool_arguments import checked_store as _store  # (a ValueError first: see there)
 from .store.postgres.edges import add_event, record_consumed
+from .waiting import wait_at_most
 
 logger = logging.getLogger("idem_middleware.outbox")
 
@@ -325,13 +325,11 @@ class Publisher:
                 fails += 1
                 logger.warning("outbox batch failed; retrying", exc_info=True)
                 delay = max(self.backoff(min(fails, 6)), idle_seconds * 2 ** min(fails - 1, 6))
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), delay)
+                await wait_at_most(stop, delay)
                 continue
             fails = 0
             if total.sent + total.failed == before:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), idle_seconds)
+                await wait_at_most(stop, idle_seconds)
         return total
 
 

@@ -20,6 +20,15 @@ _MIN_LOCK_WAIT = 0.05
 MAX_ROUNDS = 10_000
 
 
+async def wait_at_most(event: asyncio.Event, seconds: float) -> None:
+    """Until `event` is set, or `seconds` pass. (Not `asyncio.wait_for`: on Python 3.11 it
+    returns normally when the event is set as the task is cancelled, and the cancellation is
+    lost: a request the server cancelled went on to claim, a task awaited at its end ran on.)"""
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(seconds):
+            await event.wait()
+
+
 def wait_rounds(wait_seconds: float, longest_poll: float) -> int:
     """How many looks a wait of `wait_seconds`, polling at most every `longest_poll`, may take:
     its polls and `MAX_ROUNDS` more. Found by probing: a fixed 10,000 ended a wait longer than
@@ -71,8 +80,7 @@ class Waiters:
             waiting = events[key] = _Waiting()
         waiting.count += 1
         try:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(waiting.event.wait(), seconds)
+            await wait_at_most(waiting.event, seconds)
         finally:
             waiting.count -= 1
             if not waiting.count and events.get(key) is waiting:

@@ -127,3 +127,58 @@ async def test_a_lease_jobs_settlement_cancelled_in_flight_leaves_the_record_unk
             await asyncio.wait_for(payout(ref="r1"), BOUND)
         assert runs == ["r1"]
         store.release.set()
+
+
+class HeldRenewal(PostgresStore):
+    """A renewal waits (as for a slow server) until released; notes how it ended."""
+
+    renewing: asyncio.Event
+    release: asyncio.Event
+    renewals: list[str]
+
+    async def heartbeat(self, key: RecordKey, generation: int, lease_seconds: float) -> bool:
+        self.renewing.set()
+        try:
+            await self.release.wait()
+        except asyncio.CancelledError:
+            self.renewals.append("cancelled")
+            raise
+        self.renewals.append("done")
+        return await super().heartbeat(key, generation, lease_seconds)
+
+
+async def test_a_request_cancelled_while_its_renewal_finishes_leaves_the_renewal_be(
+    db_dsn: str,
+) -> None:
+    """The execution settled and waits for its heartbeat's renewal in flight to finish (never
+    cancelled mid-write): the server's cancellation then ends the request at once, and is not
+    passed on to the renewal (there, on Python 3.11, a wait could lose it)."""
+
+    async def charge(request: Request) -> Response:
+        await request.body()
+        await asyncio.wait_for(store.renewing.wait(), BOUND)  # a renewal under way
+        return JSONResponse({"ok": 1}, status_code=201)
+
+    store = HeldRenewal(dsn=db_dsn, min_size=1, max_size=2, listen=False)
+    store.renewing, store.release, store.renewals = asyncio.Event(), asyncio.Event(), []
+    policy = Policy(mode=Mode.LEASE, lease_seconds=0.3, wait_seconds=0.1)
+    async with store:
+        await store.pool.execute("DELETE FROM idem_requests WHERE idem_key = 'k1'")
+        app = one_route_app("/charges", charge, store=store, policies={"POST /charges": policy})
+        receive, send, _sent = server()
+        request = asyncio.create_task(app(asgi_request("/charges", "k1", 2), receive, send))
+        for _ in range(int(BOUND / 0.01)):  # settled: it waits for the renewal now
+            record = await store.get(KEY)
+            if record is not None and record.state is State.SUCCEEDED:
+                break
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)
+        request.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(request, BOUND)
+        store.release.set()
+        for _ in range(int(BOUND / 0.01)):
+            if store.renewals:
+                break
+            await asyncio.sleep(0.01)
+        assert store.renewals == ["done"]  # (not cut mid-write)
