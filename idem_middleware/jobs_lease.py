@@ -18,7 +18,7 @@ from .heartbeat import keep_lease
 from .jobs_spec import JSON_HEADERS, UNSETTLED, JobSpec
 from .outcomes import settlement_for
 from .policy import LeaseExpiry
-from .resettle import blip, landed, send_again, unresolve, unresolve_after
+from .resettle import blip, landed, send_again, to_the_end, unresolve, unresolve_after
 from .store.base import (
     Claimed,
     Record,
@@ -127,10 +127,12 @@ async def _execute(
             # unless it declared that it did nothing (sent again on a blip). Shielded: an anyio
             # cancel scope cancels every await until the task ends, this cleanup's too.
             gone = fence.lost(exc) if isinstance(exc, Exception) else None
+            third = job.lease_seconds / 3
             with CancelScope(shield=True):
-                await fence.close()
-                third = job.lease_seconds / 3
-                await unresolve_after(exc, store, key, generation, context, seconds=third)
+                await to_the_end(
+                    fence.close(),
+                    unresolve_after(exc, store, key, generation, context, seconds=third),
+                )
             if gone is not None:
                 raise gone from exc  # its fenced connection lost: the store failed (a 503's)
             raise
@@ -138,39 +140,41 @@ async def _execute(
         # the lease. The finally stops them once it returns.)
         outcome = context.declared or Outcome.SUCCEEDED
         settlement = settlement_for(outcome, lambda: StoredResponse(200, JSON_HEADERS, body))
+        third = job.lease_seconds / 3
         try:
-            settled = await fence.record(settlement)
-        except asyncio.CancelledError as exc:
-            # (A shutdown, the settlement in flight.) The function ran: `unknown`, as for one
-            # cancelled while it ran, not `pending` until the lease lapses (a takeover would
-            # run it again). A settlement that committed stands: the mark changes nothing.
-            with CancelScope(shield=True):
-                await fence.close()
-                third = job.lease_seconds / 3
-                await unresolve_after(exc, store, key, generation, context, seconds=third)
-            raise
-        except StoreError as exc:
-            third = job.lease_seconds / 3
-            if fence.committing or not blip(exc):
-                # The fenced COMMIT took the function's writes with it (or the database
-                # refused it): what it did elsewhere may have happened. Unless the COMMIT
-                # landed and only its answer was lost: the record then says so (`holds`).
-                with contextlib.suppress(StoreError):
-                    await unresolve(store, key, generation, context, seconds=third)
-                if (
-                    not blip(exc)
-                    or settlement is None
-                    or settlement.state is State.UNKNOWN
-                    or not await landed(
-                        store, key, generation, settlement.state, settlement.response
+            try:
+                settled = await fence.record(settlement)
+            except StoreError as exc:
+                if fence.committing or not blip(exc):
+                    # The fenced COMMIT took the function's writes with it (or the database
+                    # refused it): what it did elsewhere may have happened. Unless the COMMIT
+                    # landed and only its answer was lost: the record then says so (`holds`).
+                    with contextlib.suppress(StoreError):
+                        await unresolve(store, key, generation, context, seconds=third)
+                    if (
+                        not blip(exc)
+                        or settlement is None
+                        or settlement.state is State.UNKNOWN
+                        or not await landed(
+                            store, key, generation, settlement.state, settlement.response
+                        )
+                    ):
+                        raise
+                    settled = True
+                else:
+                    settled = await send_again(
+                        store, key, generation, settlement, seconds=third, error=exc
                     )
-                ):
-                    raise
-                settled = True
-            else:
-                settled = await send_again(
-                    store, key, generation, settlement, seconds=third, error=exc
+        except asyncio.CancelledError as exc:
+            # (A shutdown, the settlement in flight, or sent again after a blip.) The function
+            # ran: `unknown`, as for one cancelled while it ran, not `pending` until the lease
+            # lapses (a takeover would run it again). One that committed stands: no change.
+            with CancelScope(shield=True):
+                await to_the_end(
+                    fence.close(),
+                    unresolve_after(exc, store, key, generation, context, seconds=third),
                 )
+            raise
     finally:
         stop.set()
         # Stopped by the event, never cancelled mid-write (shielded: a cancellation of this

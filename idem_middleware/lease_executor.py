@@ -29,6 +29,7 @@ from .resettle import (
     cut_short,
     settle_again,
     settle_early_again,
+    to_the_end,
     unresolve,
     unresolve_after,
 )
@@ -192,14 +193,16 @@ class LeaseExecution:
                     # Shielded: an anyio cancel scope (BaseHTTPMiddleware's, at a shutdown)
                     # cancels every await until the task ends, this cleanup's too.
                     with CancelScope(shield=True):
-                        await fence.close()
-                        moved, event = await unresolve_after(
-                            exc,
-                            self.store,
-                            key,
-                            generation,
-                            context,
-                            seconds=policy.lease_seconds / 3,
+                        moved, event = await to_the_end(
+                            fence.close(),
+                            unresolve_after(
+                                exc,
+                                self.store,
+                                key,
+                                generation,
+                                context,
+                                seconds=policy.lease_seconds / 3,
+                            ),
                         )
                     if moved:
                         ex.emit(event, generation)
@@ -257,8 +260,7 @@ class LeaseExecution:
                         # record is, not `pending` until its lease lapses (a takeover would run
                         # it again). A settlement that committed stands: the mark changes nothing.
                         with CancelScope(shield=True):
-                            await fence.close()
-                            await self._unresolved(context)
+                            await to_the_end(fence.close(), self._unresolved(context))
                         raise
             finally:
                 leave_context(ex.scope, token, context)

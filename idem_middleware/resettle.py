@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING, TypeGuard
+from collections.abc import Awaitable, Coroutine
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 from .context import IdempotencyContext
 from .errors import StatementRefused, StoreClosed, StoreError
@@ -34,6 +35,48 @@ _FIRST_PAUSE = 0.05
 _MAX_PAUSE = 1.0
 #: However short the time allowed, the settlement is sent again at least this many times.
 _MIN_ATTEMPTS = 2
+
+
+#: A cleanup run `to_the_end` outlasts this many cancellations of its task (each one delivered
+#: takes an await: bounded, as every loop is), then is cancelled with it.
+_MAX_CANCELLATIONS = 1_000
+
+
+async def to_the_end(*steps: Awaitable[Any]) -> Any:
+    """Run a cleanup that must finish (a fenced transaction's rollback, then an `unknown` mark:
+    each bounded) to its end, its steps in turn in a task of their own, even if this task is
+    cancelled again meanwhile; then that cancellation goes on. An anyio `CancelScope`'s shield
+    keeps anyio's cancellations out, not a second `task.cancel()` (an outer `asyncio.timeout`,
+    `asyncio.run` cancelling what is left at its exit): that cut the mark short, and the record
+    stayed `pending`, taken over (`TAKEOVER`) and run again once its lease lapsed. Returns what
+    the last step returned."""
+    task = asyncio.ensure_future(_in_turn(steps))
+    cancelled: asyncio.CancelledError | None = None
+    for _ in range(_MAX_CANCELLATIONS):
+        try:
+            done = await asyncio.shield(task)
+        except asyncio.CancelledError as exc:
+            if task.done():
+                raise
+            cancelled = exc
+            continue
+        if cancelled is not None:
+            raise cancelled
+        return done
+    return await task
+
+
+async def _in_turn(steps: tuple[Awaitable[Any], ...]) -> Any:
+    done: Any = None
+    for index, step in enumerate(steps):
+        try:
+            done = await step
+        except BaseException:
+            for left in steps[index + 1 :]:
+                if isinstance(left, Coroutine):
+                    left.close()  # (never awaited: no warning that it was not)
+            raise
+    return done
 
 
 def blip(error: BaseException) -> TypeGuard[StoreError]:

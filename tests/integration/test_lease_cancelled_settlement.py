@@ -13,6 +13,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from idem_middleware import IdempotencyContext, LeaseExpiry, Policy, PostgresStore
+from idem_middleware.errors import StoreError
 from idem_middleware.jobs import JobOutcomeUnknown, idempotent_job
 from idem_middleware.policy import Mode
 from idem_middleware.store.base import RecordKey, Settlement, State
@@ -182,3 +183,109 @@ async def test_a_request_cancelled_while_its_renewal_finishes_leaves_the_renewal
                 break
             await asyncio.sleep(0.01)
         assert store.renewals == ["done"]  # (not cut mid-write)
+
+
+class BlipThenHold(PostgresStore):
+    """The first final settlement fails as on a blip (sent again after a pause); an `unknown`
+    mark waits until `gate` is set (when `hold_marks`)."""
+
+    failed: asyncio.Event
+    marking: asyncio.Event
+    gate: asyncio.Event
+    hold_marks = False
+
+    async def settle(self, key: RecordKey, generation: int, expected: State, s: Settlement) -> bool:
+        if s.state is State.SUCCEEDED and not self.failed.is_set():
+            self.failed.set()
+            raise StoreError("ConnectionDoesNotExistError: connection was closed")
+        if s.state is State.UNKNOWN and self.hold_marks:
+            self.marking.set()
+            await self.gate.wait()
+        return await super().settle(key, generation, expected, s)
+
+
+def _blip_store(db_dsn: str) -> BlipThenHold:
+    store = BlipThenHold(dsn=db_dsn, min_size=1, max_size=2, listen=False)
+    store.failed, store.marking, store.gate = asyncio.Event(), asyncio.Event(), asyncio.Event()
+    return store
+
+
+async def test_a_lease_job_cancelled_while_its_settlement_is_sent_again_is_unknown(
+    db_dsn: str,
+) -> None:
+    """The job's settlement failed on a blip, and the job is cancelled (its consumer shutting
+    down) while the settlement waits to be sent again: `unknown`, not `pending` (a TAKEOVER
+    call past the lease ran the function again)."""
+    runs: list[str] = []
+    store = _blip_store(db_dsn)
+    async with store:
+        await store.pool.execute("DELETE FROM idem_requests WHERE operation = 'payout'")
+
+        @idempotent_job(
+            store,
+            operation="payout",
+            key="ref",
+            mode=Mode.LEASE,
+            lease_seconds=0.6,
+            on_lease_expiry=LeaseExpiry.TAKEOVER,
+        )
+        async def payout(job: IdempotencyContext, *, ref: str) -> dict[str, str]:
+            runs.append(ref)
+            return {"paid": ref}
+
+        call = asyncio.create_task(payout(ref="r1"))
+        await asyncio.wait_for(store.failed.wait(), BOUND)
+        await asyncio.sleep(0)  # (it pauses before sending the settlement again)
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(call, BOUND)
+        record = await store.get(RecordKey("", "payout", "r1"))
+        assert record is not None
+        assert record.state is State.UNKNOWN
+        await asyncio.sleep(0.8)  # past the lease
+        with pytest.raises(JobOutcomeUnknown):
+            await asyncio.wait_for(payout(ref="r1"), BOUND)
+        assert runs == ["r1"]
+
+
+async def test_a_second_cancellation_does_not_cut_the_unknown_mark_short(db_dsn: str) -> None:
+    """The server cancels a request whose handler ran; while its record is marked `unknown`,
+    the task is cancelled again (an outer timeout, `asyncio.run` at its exit): the mark still
+    lands (it was cut short, the record left `pending`, and a TAKEOVER retry ran it again)."""
+    runs: list[int] = []
+    entered = asyncio.Event()
+
+    async def charge(request: Request) -> Response:
+        await request.body()
+        runs.append(1)
+        entered.set()
+        await asyncio.sleep(BOUND)  # (cancelled here)
+        return JSONResponse({}, status_code=201)
+
+    store = _blip_store(db_dsn)
+    store.failed.set()  # (no blip here)
+    store.hold_marks = True
+    policy = Policy(
+        mode=Mode.LEASE, lease_seconds=0.6, wait_seconds=0.1, on_lease_expiry=LeaseExpiry.TAKEOVER
+    )
+    async with store:
+        await store.pool.execute("DELETE FROM idem_requests WHERE idem_key = 'k1'")
+        app = one_route_app("/charges", charge, store=store, policies={"POST /charges": policy})
+        receive, send, _sent = server()
+        request = asyncio.create_task(app(asgi_request("/charges", "k1", 2), receive, send))
+        await asyncio.wait_for(entered.wait(), BOUND)
+        request.cancel()
+        await asyncio.wait_for(store.marking.wait(), BOUND)
+        request.cancel()  # again, while the record is marked
+        await asyncio.sleep(0.05)
+        store.gate.set()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(request, BOUND)
+        record = await store.get(KEY)
+        assert record is not None
+        assert record.state is State.UNKNOWN
+        await asyncio.sleep(0.8)  # past the lease
+        async with client(app) as http:
+            retry = await http.post("/charges", json={}, headers={"Idempotency-Key": "k1"})
+        assert retry.status_code == 409
+        assert runs == [1]
