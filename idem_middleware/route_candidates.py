@@ -41,6 +41,9 @@ except ImportError:  # pragma: no cover - a Starlette without it: every candidat
 _SEGMENTED = _PLAIN_MATCHES | {Mount.matches}
 #: Entries kept in each memo (lists made and dropped at run time: then it starts over).
 _SIZE = 1024
+#: Methods an included router's routes are kept filed by (HTTP's own are nine; any token is a
+#: method to a server: one memo per method a client made up grew without bound).
+_METHODS = 32
 _MAX_DEPTH = 32
 
 
@@ -309,7 +312,9 @@ def included_candidates(route: Any, scope: Scope, memo: Memo | None = None) -> S
     trie = by_method.get(method)
     if trie is None:
         plain = tuple(c for c in contexts_of() if not _other_method_context(c, method))
-        trie = by_method[method] = _trie(plain, _context_prefix)
+        trie = _trie(plain, _context_prefix)
+        if len(by_method) < _METHODS:  # (a client may send any token as a method: kept for few)
+            by_method[method] = trie
     return _walk(trie, scope)
 
 

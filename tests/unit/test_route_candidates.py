@@ -16,8 +16,8 @@ from starlette.responses import PlainTextResponse
 from starlette.routing import BaseRoute, Host, Match, Mount, Route, Router
 
 from idem_middleware.policy import RouteMatch
-from idem_middleware.route_candidates import candidates
-from idem_middleware.routing import match_route
+from idem_middleware.route_candidates import Memo, candidates
+from idem_middleware.routing import Trace, match_route
 
 
 async def endpoint(request: Any) -> PlainTextResponse:
@@ -535,3 +535,21 @@ async def test_a_router_given_a_new_route_list_is_read_again() -> None:
         assert answer.json()["type"].endswith("missing-key")
         keyed = await c.post("/second/2", headers={"idempotency-key": "k-2"})
         assert keyed.json() == {"path": "/second/2"}
+
+
+def test_methods_a_client_makes_up_are_not_kept_without_bound() -> None:
+    """Any token is a method to a server (h11 takes 4,000 characters of one): an included
+    router's routes filed per method made one memo entry per method sent, for good."""
+    fastapi = pytest.importorskip("fastapi")
+    app = fastapi.FastAPI()
+    router = fastapi.APIRouter()
+    router.post("/things/{id}")(endpoint)
+    app.include_router(router, prefix="/api")
+    memo = Memo()
+    for n in range(2_000):
+        match_route(app.router.routes, http("/api/things/1", method=f"X{n}"), "", Trace(memo))
+    (entry,) = memo.included.values()
+    assert 0 < len(entry[3]) <= 32
+    match = match_route(app.router.routes, http("/api/things/1"), "", Trace(memo))  # still found
+    assert isinstance(match, RouteMatch)
+    assert match.template == "/api/things/{id}"
