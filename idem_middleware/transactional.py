@@ -255,15 +255,16 @@ class Attempt(ResponseCapture):
                 try:
                     # The handler runs in this task, not in a coroutine of its own: every await
                     # of a handler passes through each frame between it and the task.
-                    task = self.task = asyncio.current_task()
-                    assert task is not None
+                    # (The task is the attempt's, never a local here: a cancelled task keeps its
+                    # CancelledError, whose traceback holds this frame: a cycle per request.)
+                    self.task = asyncio.current_task()
                     # The app's receive() after its body waits for the watch's verdict.
                     ex.watched = self.running = True
                     _WATCH.add(self)
                     try:
                         await ex.mw.app(ex.scope, ex, self)  # ex: receive; self: send
                     except asyncio.CancelledError:
-                        if not self._cancelled_by_watch(task):
+                        if not self._cancelled_by_watch():
                             raise
                     finally:
                         self.running = ex.watched = False
@@ -271,8 +272,10 @@ class Attempt(ResponseCapture):
                         _WATCH.discard(self)
                         if self.watcher is not None:
                             self.watcher.cancel()
+                        if not self.gone:
+                            self.task = None
                     if self.gone:
-                        self._client_gone(task)
+                        self._client_gone()
                 except BaseException as exc:
                     # Clean up, then re-raise: abandoning the transaction releases the key.
                     await tx.abandon()
@@ -308,18 +311,19 @@ class Attempt(ResponseCapture):
             if self.claimed:
                 ex.mw.waiters.wake(record_key)
 
-    def _cancelled_by_watch(self, task: asyncio.Task[Any]) -> bool:
+    def _cancelled_by_watch(self) -> bool:
         """The handler was cancelled: whether only by the client watch (then `_client_gone`
         reports it), not by someone else too (server shutdown: the cancellation goes on)."""
-        if not self.gone:
+        if not self.gone or self.task is None:
             return False
         self.uncancelled = True
-        return task.uncancel() == 0
+        return self.task.uncancel() == 0
 
-    def _client_gone(self, task: asyncio.Task[Any]) -> None:
+    def _client_gone(self) -> None:
         """The client left while the handler ran: ClientGone (the claim and the handler's
         writes roll back), unless the response was streaming already (its outcome is settled)."""
-        if not self.uncancelled:
+        task, self.task = self.task, None
+        if not self.uncancelled and task is not None:
             task.uncancel()  # the handler swallowed our cancellation and returned
         if not self.passthrough:
             raise ClientGone("the client left while the handler ran; its work was rolled back")
