@@ -537,6 +537,19 @@ FROM locked
 WHERE r.tenant = $1 AND r.operation = $2 AND r.idem_key = $3
 RETURNING r.generation;
 
+-- name: unclaim
+-- A takeover that landed for a request already gone (cancelled with the statement in flight):
+-- nobody runs under its generation, so the record is left to the next retry as one released for
+-- it (no lease), its epoch and fingerprint kept; waiters are woken.
+-- $1 tenant, $2 operation, $3 key, $4 generation, $5 notification payload
+WITH moved AS (
+    UPDATE idem_requests SET lease_expires_at = NULL, updated_at = now()
+    WHERE tenant = $1 AND operation = $2 AND idem_key = $3 AND generation = $4
+      AND state = 'pending'
+    RETURNING 1
+)
+SELECT count(*) AS moved, pg_notify('idem_middleware', $5) AS notified FROM moved;
+
 -- name: fence
 -- Lock the record for a fenced transaction, if the generation is still the current executor.
 -- Held until that transaction ends, so no takeover can slip between the check and the commit.

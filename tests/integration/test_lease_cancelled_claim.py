@@ -14,9 +14,10 @@ import pytest
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from idem_middleware import Policy, PostgresStore
+from idem_middleware import LeaseExpiry, Policy, PostgresStore
 from idem_middleware.policy import Mode
-from idem_middleware.store.base import RecordKey
+from idem_middleware.store.base import Claimed, RecordKey
+from idem_middleware.store.postgres.convert import _Q
 from tests.apps import one_route_app
 from tests.apps.clients import asgi_request, client
 from tests.integration.test_lease_cancelled_settlement import BOUND, server
@@ -85,3 +86,104 @@ async def test_a_claim_cancelled_in_flight_is_released(db_dsn: str, lease: float
             retry = await http.post("/charges", json={}, headers={"Idempotency-Key": "k1"})
         assert retry.status_code == 201  # runs now, at once (not 409 for the lease, or for good)
         assert runs == [1]
+
+
+class HeldAfterTakeover(PostgresStore):
+    """A takeover, once committed, holds its caller (its reply on the way back) until `gate`."""
+
+    entered: asyncio.Event
+    gate: asyncio.Event
+
+    async def _run_nowait(self, method: str, query: str, *args: Any) -> Any:
+        done = await super()._run_nowait(method, query, *args)
+        if query == _Q["takeover"]:
+            self.entered.set()
+            await self.gate.wait()
+        return done
+
+
+async def test_a_takeover_cancelled_in_flight_is_left_to_the_next_retry(db_dsn: str) -> None:
+    """A retry takes a lapsed lease over (`LeaseExpiry.TAKEOVER`) and is cancelled with the
+    takeover's reply in flight: the record was left `pending` under the taker's live lease,
+    nobody running it (every retry 409 for the lease; on a route without TAKEOVER, `unknown`
+    for good once it lapsed). It is left to the next retry now, as one released for it: the
+    same epoch (the downstream key) and fingerprint, taken over and run at once."""
+    runs: list[int] = []
+
+    async def charge(request: Request) -> Response:
+        await request.body()
+        runs.append(1)
+        return JSONResponse({"run": len(runs)}, status_code=201)
+
+    store = HeldAfterTakeover(dsn=db_dsn, min_size=1, max_size=2, listen=False)
+    store.entered, store.gate = asyncio.Event(), asyncio.Event()
+    policy = Policy(
+        mode=Mode.LEASE, lease_seconds=30.0, wait_seconds=0.1, on_lease_expiry=LeaseExpiry.TAKEOVER
+    )
+    async with store:
+        await store.pool.execute("DELETE FROM idem_requests WHERE idem_key = 'k1'")
+        app = one_route_app("/charges", charge, store=store, policies={"POST /charges": policy})
+        async with client(app) as http:  # (the startup check)
+            await http.post("/charges", json={}, headers={"Idempotency-Key": "warm"})
+        runs.clear()
+        # A first execution whose process died: its claim's lease lapsed, the handler never ran.
+        # (The warm-up's body and route are this request's: so is its fingerprint.)
+        warm = "SELECT fingerprint FROM idem_requests WHERE idem_key = 'warm'"
+        fingerprint = bytes(await store.pool.fetchval(warm))
+        first = await store.claim_lease(KEY, fingerprint, retention_seconds=60, lease_seconds=0.1)
+        assert isinstance(first, Claimed)
+        await asyncio.sleep(0.2)
+        receive, send, sent = server()
+        request = asyncio.create_task(app(asgi_request("/charges", "k1", 2), receive, send))
+        await asyncio.wait_for(store.entered.wait(), BOUND)
+        request.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(request, BOUND)
+        assert [m["status"] for m in sent if m["type"] == "http.response.start"] == [503]
+        store.gate.set()
+        for _ in range(int(BOUND / 0.01)):
+            row = await store.pool.fetchrow(
+                "SELECT state, lease_expires_at, epoch, fingerprint FROM idem_requests"
+                " WHERE idem_key = 'k1'"
+            )
+            if row["lease_expires_at"] is None:
+                break
+            await asyncio.sleep(0.01)
+        assert row["state"] == "pending"
+        assert row["lease_expires_at"] is None  # released for the next retry
+        assert row["epoch"] == first.epoch
+        assert bytes(row["fingerprint"]) == fingerprint
+        async with client(app) as http:
+            retry = await http.post("/charges", json={}, headers={"Idempotency-Key": "k1"})
+        assert retry.status_code == 201  # at once, not 409 for the taker's lease
+        assert runs == [1]
+
+
+async def test_a_close_right_after_the_cancellations_waits_for_their_claims(db_dsn: str) -> None:
+    """`task.cancel()`, then the store's close in the same turn of the loop: the close found
+    no claim in flight yet, closed the pool, and the claim that landed could not be released."""
+    store = HeldAfterClaim(dsn=db_dsn, min_size=1, max_size=2, listen=False)
+    store.entered, store.gate = asyncio.Event(), asyncio.Event()
+    policy = Policy(mode=Mode.LEASE, lease_seconds=30.0, wait_seconds=0.1)
+
+    async def charge(request: Request) -> Response:
+        return JSONResponse({}, status_code=201)
+
+    await store.open()
+    try:
+        await store.pool.execute("DELETE FROM idem_requests WHERE idem_key = 'k1'")
+        app = one_route_app("/charges", charge, store=store, policies={"POST /charges": policy})
+        async with client(app) as http:
+            await http.post("/charges", json={}, headers={"Idempotency-Key": "warm"})
+        store.armed = True
+        receive, send, _sent = server()
+        request = asyncio.create_task(app(asgi_request("/charges", "k1", 2), receive, send))
+        await asyncio.wait_for(store.entered.wait(), BOUND)
+        asyncio.get_running_loop().call_later(0.1, store.gate.set)
+    finally:
+        request.cancel()
+        await store.close()  # (no await between the cancellation and the close)
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(request, BOUND)
+    async with PostgresStore(dsn=db_dsn, min_size=1, max_size=1, listen=False) as reader:
+        assert await reader.get(KEY) is None  # released before the pool closed

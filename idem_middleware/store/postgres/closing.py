@@ -7,9 +7,10 @@ import asyncio
 import logging
 import weakref
 from collections.abc import Awaitable, Callable, Coroutine
-from typing import Any
+from typing import Any, TypeVar
 
 from ..base import Claim, Claimed, RecordKey
+from .convert import _Q, notify_token
 
 logger = logging.getLogger("idem_middleware.store")
 
@@ -32,6 +33,20 @@ class Budget:
         return max(self._until - asyncio.get_running_loop().time(), LAST_SECONDS)
 
 
+_T = TypeVar("_T")
+
+#: Gives a claim back: `(key, generation)` (the store's `release`, `Executions._unclaim`).
+Undo = Callable[[RecordKey, int], Awaitable[bool]]
+
+
+def _generation_claimed(claimed: Claim) -> int | None:
+    return claimed.generation if isinstance(claimed, Claimed) else None
+
+
+def _generation_taken(new: int | None) -> int | None:
+    return new
+
+
 class Executions:
     """The tasks that claimed a lease-mode record through the store (a request's, a job's).
 
@@ -41,58 +56,82 @@ class Executions:
     until its lease lapsed. `close` waits for those (only the cancelled ones: a task that runs
     on, a queue consumer's, is the app's to stop)."""
 
-    __slots__ = ("_tasks", "_unrun")
+    __slots__ = ("_release", "_run", "_tasks", "_unrun")
 
-    def __init__(self) -> None:
+    def __init__(self, release: Undo, run: Callable[..., Awaitable[Any]]) -> None:
+        self._release = release  # the store's `release`
+        self._run = run  # the store's `_run`
         self._tasks: weakref.WeakSet[asyncio.Task[Any]] = weakref.WeakSet()
-        #: Claims of cancelled requests still in flight, and the releases of those that landed.
+        #: Claims (or takeovers) of cancelled requests still in flight, and their undoing.
         self._unrun: set[asyncio.Future[Any]] = set()
 
-    async def claim(
-        self,
-        claiming: Coroutine[Any, Any, Claim],
-        key: RecordKey,
-        release: Callable[[RecordKey, int], Awaitable[bool]],
-    ) -> Claim:
+    async def claim(self, claiming: Coroutine[Any, Any, Claim], key: RecordKey) -> Claim:
         """A lease-mode claim (a statement that commits on its own), run to its end whatever
         becomes of the request that asked for it, which counts as an execution once it claimed.
         A request cancelled with the statement in flight (a shutdown, a timeout around the app)
         unwinds at once; its claim may commit all the same, and the record stayed `pending`
         under a live lease (retries 409), then `unknown` for good, for a handler that never ran.
         A claim that lands for a request gone is released: its retry runs it."""
-        task = asyncio.ensure_future(claiming)
-        try:
-            claimed = await asyncio.shield(task)
-        except asyncio.CancelledError:
-            self._unrun.add(task)
-            task.add_done_callback(lambda done: self._landed(done, key, release))
-            raise
+        claimed = await self._to_the_end(claiming, key, _generation_claimed, self._release)
         if isinstance(claimed, Claimed):
             self.add()  # its settlement comes before the store's close
         return claimed
 
+    async def take_over(
+        self, taking: Coroutine[Any, Any, int | None], key: RecordKey
+    ) -> int | None:
+        """A takeover (the new generation, or None), as `claim`. One that lands for a request
+        gone leaves the record to the next retry as one released for it (`unclaim`), its epoch
+        (the downstream key) and fingerprint kept: it was taken over because the request could
+        run again (a lapsed lease under TAKEOVER, a retry allowed, a reconciler's "not
+        happened"), and left under the taker's live lease, nobody ran it, then `unknown`."""
+        new = await self._to_the_end(taking, key, _generation_taken, self._unclaim)
+        if new is not None:
+            self.add()
+        return new
+
+    async def _unclaim(self, key: RecordKey, generation: int) -> bool:
+        args = (key.tenant, key.operation, key.key, generation, notify_token(key))
+        return bool(await self._run("fetchval", _Q["unclaim"], *args))
+
+    async def _to_the_end(
+        self,
+        coro: Coroutine[Any, Any, _T],
+        key: RecordKey,
+        generation_of: Callable[[_T], int | None],
+        undo: Undo,
+    ) -> _T:
+        task = asyncio.ensure_future(coro)
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            self._unrun.add(task)
+            task.add_done_callback(lambda done: self._landed(done, key, generation_of, undo))
+            raise
+
     def _landed(
         self,
-        task: asyncio.Future[Claim],
+        task: asyncio.Future[Any],
         key: RecordKey,
-        release: Callable[[RecordKey, int], Awaitable[bool]],
+        generation_of: Callable[[Any], int | None],
+        undo: Undo,
     ) -> None:
         self._unrun.discard(task)
         if task.cancelled() or task.exception() is not None:
             return  # (nothing claimed; an error retrieved, never "never retrieved")
-        claimed = task.result()
-        if isinstance(claimed, Claimed):
-            releasing = asyncio.ensure_future(release(key, claimed.generation))
-            self._unrun.add(releasing)
-            releasing.add_done_callback(self._released)
+        generation = generation_of(task.result())
+        if generation is not None:
+            undoing = asyncio.ensure_future(undo(key, generation))
+            self._unrun.add(undoing)
+            undoing.add_done_callback(self._undone)
 
-    def _released(self, releasing: asyncio.Future[bool]) -> None:
-        self._unrun.discard(releasing)
-        if not releasing.cancelled() and releasing.exception() is not None:
+    def _undone(self, undoing: asyncio.Future[bool]) -> None:
+        self._unrun.discard(undoing)
+        if not undoing.cancelled() and undoing.exception() is not None:
             logger.warning(
-                "a cancelled lease-mode request's claim could not be released; its record stays "
-                "pending until its lease lapses",
-                exc_info=releasing.exception(),
+                "a cancelled lease-mode request's claim could not be given back; its record "
+                "stays pending until its lease lapses",
+                exc_info=undoing.exception(),
             )
 
     def add(self) -> None:
@@ -104,6 +143,7 @@ class Executions:
         """Wait (at most `seconds`) for the cancelled executions to finish."""
         current = asyncio.current_task()
         loop = asyncio.get_running_loop()
+        await asyncio.sleep(0)  # (requests cancelled just now note their claims in flight)
         unwinding = [
             t
             for t in self._tasks

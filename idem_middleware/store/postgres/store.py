@@ -96,7 +96,7 @@ class PostgresStore(OffPathStatements):
         #: Lease renewals' own connection, outside the pool (see renewals.py).
         self._renewals = Renewals(self._renewal_connection, self._run)
         self._locks = ClaimLocks()
-        self._executions = closing.Executions()
+        self._executions = closing.Executions(self.release, self._run)
         self._turns = Turns()
         #: How many opens the closes still owe (see `open`).
         self._opens = 0
@@ -272,7 +272,7 @@ class PostgresStore(OffPathStatements):
             lease_seconds,
         )
         # (Run to its end, a cancelled request's too: see `closing.Executions.claim`.)
-        return await self._executions.claim(self._claim(key, args, token_hash), key, self.release)
+        return await self._executions.claim(self._claim(key, args, token_hash), key)
 
     async def _claim(self, key: RecordKey, args: tuple[Any, ...], token: bytes | None) -> Claim:
         locks = self._locks
@@ -317,19 +317,9 @@ class PostgresStore(OffPathStatements):
         if expected not in (State.PENDING, State.UNKNOWN):
             # A finished outcome is replayed, never run again (docs/protocol.md).
             raise ValueError(f"only a pending or unknown record can be taken over, not {expected}")
-        new: int | None = await self._run_nowait(
-            "fetchval",
-            _Q["takeover"],
-            key.tenant,
-            key.operation,
-            key.key,
-            generation,
-            expected.value,
-            lease_seconds,
-        )
-        if new is not None:
-            self._executions.add()
-        return new
+        args = (key.tenant, key.operation, key.key, generation, expected.value, lease_seconds)
+        taking = self._run_nowait("fetchval", _Q["takeover"], *args)
+        return await self._executions.take_over(taking, key)  # (to its end: see there)
 
     async def settle(self, key: RecordKey, generation: int, expected: State, s: Settlement) -> bool:
         row = await self._run("fetchrow", _Q["settle"], *settle_args(key, generation, expected, s))
