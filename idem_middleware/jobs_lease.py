@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from functools import partial
 from typing import Any
 
 import orjson
@@ -130,8 +131,8 @@ async def _execute(
             third = job.lease_seconds / 3
             with CancelScope(shield=True):
                 await to_the_end(
-                    fence.close(),
-                    unresolve_after(exc, store, key, generation, context, seconds=third),
+                    fence.close,
+                    partial(unresolve_after, exc, store, key, generation, context, seconds=third),
                 )
             if gone is not None:
                 raise gone from exc  # its fenced connection lost: the store failed (a 503's)
@@ -171,8 +172,8 @@ async def _execute(
             # lapses (a takeover would run it again). One that committed stands: no change.
             with CancelScope(shield=True):
                 await to_the_end(
-                    fence.close(),
-                    unresolve_after(exc, store, key, generation, context, seconds=third),
+                    fence.close,
+                    partial(unresolve_after, exc, store, key, generation, context, seconds=third),
                 )
             raise
     finally:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import logging
+from functools import partial
 from typing import TYPE_CHECKING
 
 from anyio import CancelScope
@@ -193,15 +194,17 @@ class LeaseExecution:
                     # Shielded: an anyio cancel scope (BaseHTTPMiddleware's, at a shutdown)
                     # cancels every await until the task ends, this cleanup's too.
                     with CancelScope(shield=True):
+                        third = policy.lease_seconds / 3
                         moved, event = await to_the_end(
-                            fence.close(),
-                            unresolve_after(
+                            fence.close,
+                            partial(
+                                unresolve_after,
                                 exc,
                                 self.store,
                                 key,
                                 generation,
                                 context,
-                                seconds=policy.lease_seconds / 3,
+                                seconds=third,
                             ),
                         )
                     if moved:
@@ -260,7 +263,7 @@ class LeaseExecution:
                         # record is, not `pending` until its lease lapses (a takeover would run
                         # it again). A settlement that committed stands: the mark changes nothing.
                         with CancelScope(shield=True):
-                            await to_the_end(fence.close(), self._unresolved(context))
+                            await to_the_end(fence.close, lambda: self._unresolved(context))
                         raise
             finally:
                 leave_context(ex.scope, token, context)

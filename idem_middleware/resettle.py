@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Coroutine
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, TypeGuard
 
 from .context import IdempotencyContext
@@ -37,45 +37,57 @@ _MAX_PAUSE = 1.0
 _MIN_ATTEMPTS = 2
 
 
-#: A cleanup run `to_the_end` outlasts this many cancellations of its task (each one delivered
-#: takes an await: bounded, as every loop is), then is cancelled with it.
+#: A cleanup run `to_the_end` outlasts this many cancellations (each one delivered takes an
+#: await: bounded, as every loop is); past them, its step is cancelled with its task.
 _MAX_CANCELLATIONS = 1_000
 
+#: One step of a cleanup: called to start it (again, if a cancellation cut it short).
+Step = Callable[[], Awaitable[Any]]
 
-async def to_the_end(*steps: Awaitable[Any]) -> Any:
+
+async def to_the_end(*steps: Step) -> Any:
     """Run a cleanup that must finish (a fenced transaction's rollback, then an `unknown` mark:
-    each bounded) to its end, its steps in turn in a task of their own, even if this task is
-    cancelled again meanwhile; then that cancellation goes on. An anyio `CancelScope`'s shield
-    keeps anyio's cancellations out, not a second `task.cancel()` (an outer `asyncio.timeout`,
-    `asyncio.run` cancelling what is left at its exit): that cut the mark short, and the record
-    stayed `pending`, taken over (`TAKEOVER`) and run again once its lease lapsed. Returns what
-    the last step returned."""
+    each bounded, and each safe to start again) to its end, its steps in turn in a task of
+    their own, even if this task is cancelled again meanwhile; then that cancellation goes on
+    (over a step's error, which is chained to it). An anyio `CancelScope`'s shield keeps
+    anyio's cancellations out, not a second `task.cancel()` (an outer `asyncio.timeout`,
+    `asyncio.run` cancelling every task left at its exit, the cleanup's own too, whose step
+    then starts again): that cut the mark short, and the record stayed `pending`, taken over
+    (`TAKEOVER`) and run again once its lease lapsed. Returns what the last step returned."""
     task = asyncio.ensure_future(_in_turn(steps))
     cancelled: asyncio.CancelledError | None = None
     for _ in range(_MAX_CANCELLATIONS):
         try:
             done = await asyncio.shield(task)
         except asyncio.CancelledError as exc:
-            if task.done():
-                raise
-            cancelled = exc
-            continue
+            if not task.done():
+                cancelled = exc
+                continue
+            raise  # (the cleanup's own task cancelled past its bound)
+        except BaseException as exc:
+            if cancelled is not None:
+                raise cancelled from exc
+            raise
         if cancelled is not None:
             raise cancelled
         return done
     return await task
 
 
-async def _in_turn(steps: tuple[Awaitable[Any], ...]) -> Any:
+async def _in_turn(steps: tuple[Step, ...]) -> Any:
+    """The steps in turn; one a cancellation cuts short (of this task: `asyncio.run`'s at its
+    exit) starts again, as often as `_MAX_CANCELLATIONS`."""
     done: Any = None
-    for index, step in enumerate(steps):
-        try:
-            done = await step
-        except BaseException:
-            for left in steps[index + 1 :]:
-                if isinstance(left, Coroutine):
-                    left.close()  # (never awaited: no warning that it was not)
-            raise
+    task = asyncio.current_task()
+    for step in steps:
+        for _ in range(_MAX_CANCELLATIONS):
+            try:
+                done = await step()
+                break
+            except asyncio.CancelledError:
+                if task is None or not task.cancelling():
+                    raise  # (not this task's cancellation: the step's own)
+                task.uncancel()
     return done
 
 

@@ -41,9 +41,13 @@ except ImportError:  # pragma: no cover - a Starlette without it: every candidat
 _SEGMENTED = _PLAIN_MATCHES | {Mount.matches}
 #: Entries kept in each memo (lists made and dropped at run time: then it starts over).
 _SIZE = 1024
-#: Methods an included router's routes are kept filed by (HTTP's own are nine; any token is a
-#: method to a server: one memo per method a client made up grew without bound).
+#: Methods an included router's routes are kept filed by: HTTP's own, and the first others up
+#: to 32 in all (any token is a method to a server: one memo per method a client made up grew
+#: without bound).
 _METHODS = 32
+_HTTP_METHODS = frozenset(
+    ["GET", "HEAD", "POST", "PUT", "DELETE", "CONNECT", "OPTIONS", "TRACE", "PATCH"]
+)
 _MAX_DEPTH = 32
 
 
@@ -313,7 +317,7 @@ def included_candidates(route: Any, scope: Scope, memo: Memo | None = None) -> S
     if trie is None:
         plain = tuple(c for c in contexts_of() if not _other_method_context(c, method))
         trie = _trie(plain, _context_prefix)
-        if len(by_method) < _METHODS:  # (a client may send any token as a method: kept for few)
+        if method in _HTTP_METHODS or len(by_method) < _METHODS:  # (any token is a method)
             by_method[method] = trie
     return _walk(trie, scope)
 

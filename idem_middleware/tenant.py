@@ -118,11 +118,12 @@ def _check_resolver(resolver: object) -> None:
     guarded request with an error from inside the app's own code, naming neither."""
     if not callable(resolver):
         raise ConfigurationError(f"tenant_resolver must be a function, not {resolver!r}")
+    # (What is called: a `functools.wraps` wrapper's own signature, not the function it wraps.)
     try:
-        signature = inspect.signature(resolver, eval_str=True)
+        signature = inspect.signature(resolver, follow_wrapped=False, eval_str=True)
     except Exception:  # (no signature to read, or annotations that cannot be resolved here)
         try:
-            signature = inspect.signature(resolver)
+            signature = inspect.signature(resolver, follow_wrapped=False)
         except (TypeError, ValueError):
             return
     fix = (

@@ -14,7 +14,8 @@ import pytest
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from idem_middleware import LeaseExpiry, Policy, PostgresStore
+from idem_middleware import IdempotencyContext, LeaseExpiry, Policy, PostgresStore
+from idem_middleware.jobs import idempotent_job
 from idem_middleware.policy import Mode
 from idem_middleware.store.base import Claimed, RecordKey
 from idem_middleware.store.postgres.convert import _Q
@@ -187,3 +188,34 @@ async def test_a_close_right_after_the_cancellations_waits_for_their_claims(db_d
         await asyncio.wait_for(request, BOUND)
     async with PostgresStore(dsn=db_dsn, min_size=1, max_size=1, listen=False) as reader:
         assert await reader.get(KEY) is None  # released before the pool closed
+
+
+async def test_a_close_right_after_a_consumers_cancellation_waits_for_its_jobs_claim(
+    db_dsn: str,
+) -> None:
+    """A queue consumer runs its job under `asyncio.wait_for` (a task between it and the
+    claim), and shuts down with `consumer.cancel(); await store.close()`: the close waits for
+    the claim in flight, however many turns of the loop the cancellation takes to reach it."""
+    store = HeldAfterClaim(dsn=db_dsn, min_size=1, max_size=2, listen=False)
+    store.entered, store.gate = asyncio.Event(), asyncio.Event()
+    runs: list[str] = []
+    await store.open()
+    await store.pool.execute("DELETE FROM idem_requests WHERE operation = 'payout'")
+
+    @idempotent_job(store, operation="payout", key="ref", mode=Mode.LEASE, lease_seconds=30)
+    async def payout(job: IdempotencyContext, *, ref: str) -> None:
+        runs.append(ref)
+
+    store.armed = True
+    consumer = asyncio.create_task(asyncio.wait_for(payout(ref="r1"), BOUND))
+    try:
+        await asyncio.wait_for(store.entered.wait(), BOUND)
+        asyncio.get_running_loop().call_later(0.1, store.gate.set)
+    finally:
+        consumer.cancel()
+        await store.close()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(consumer, BOUND)
+    async with PostgresStore(dsn=db_dsn, min_size=1, max_size=1, listen=False) as reader:
+        assert await reader.get(RecordKey("", "payout", "r1")) is None  # released
+    assert runs == []

@@ -553,3 +553,4 @@ def test_methods_a_client_makes_up_are_not_kept_without_bound() -> None:
     match = match_route(app.router.routes, http("/api/things/1"), "", Trace(memo))  # still found
     assert isinstance(match, RouteMatch)
     assert match.template == "/api/things/{id}"
+    assert "POST" in entry[3]  # (HTTP's own methods are kept filed, whatever came first)

@@ -55,6 +55,21 @@ def test_a_resolver_that_cannot_take_the_scope_is_refused_when_made(
         status_route(MemoryStore(), tenant_resolver=resolver)
 
 
+def with_settings(resolve: Any) -> Any:
+    """A decorator that hands the resolver its settings, the function's name kept."""
+
+    @functools.wraps(resolve)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        return resolve(*args, settings={"issuer": "x"}, **kwargs)
+
+    return wrapper
+
+
+@with_settings
+def configured(scope: Any, settings: dict[str, str]) -> str:
+    return "t"
+
+
 class Resolver:
     def __call__(self, scope: Any) -> str:
         return "t"
@@ -67,6 +82,7 @@ class Resolver:
         Resolver(),
         functools.partial(two_arguments, user=None),
         functools.partial(two_arguments, None),  # (its scope given positionally as `user`)
+        configured,  # (what is called is the wrapper, not the function it wraps)
     ],
 )
 def test_a_resolver_of_the_scope_is_accepted(resolver: Any) -> None:

@@ -62,7 +62,8 @@ class Executions:
         self._release = release  # the store's `release`
         self._run = run  # the store's `_run`
         self._tasks: weakref.WeakSet[asyncio.Task[Any]] = weakref.WeakSet()
-        #: Claims (or takeovers) of cancelled requests still in flight, and their undoing.
+        #: Claims (and takeovers) in flight, and the undoing of those that landed for requests
+        #: cancelled meanwhile.
         self._unrun: set[asyncio.Future[Any]] = set()
 
     async def claim(self, claiming: Coroutine[Any, Any, Claim], key: RecordKey) -> Claim:
@@ -102,10 +103,13 @@ class Executions:
         undo: Undo,
     ) -> _T:
         task = asyncio.ensure_future(coro)
+        # (In flight until done: a close waits for it, however many tasks away, and turns of
+        # the loop, the cancellation of the request that asked for it is.)
+        self._unrun.add(task)
+        task.add_done_callback(self._unrun.discard)
         try:
             return await asyncio.shield(task)
         except asyncio.CancelledError:
-            self._unrun.add(task)
             task.add_done_callback(lambda done: self._landed(done, key, generation_of, undo))
             raise
 
@@ -116,7 +120,6 @@ class Executions:
         generation_of: Callable[[Any], int | None],
         undo: Undo,
     ) -> None:
-        self._unrun.discard(task)
         if task.cancelled() or task.exception() is not None:
             return  # (nothing claimed; an error retrieved, never "never retrieved")
         generation = generation_of(task.result())
@@ -143,7 +146,6 @@ class Executions:
         """Wait (at most `seconds`) for the cancelled executions to finish."""
         current = asyncio.current_task()
         loop = asyncio.get_running_loop()
-        await asyncio.sleep(0)  # (requests cancelled just now note their claims in flight)
         unwinding = [
             t
             for t in self._tasks
