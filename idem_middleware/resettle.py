@@ -37,9 +37,11 @@ _MAX_PAUSE = 1.0
 _MIN_ATTEMPTS = 2
 
 
-#: A cleanup run `to_the_end` outlasts this many cancellations (each one delivered takes an
-#: await: bounded, as every loop is); past them, its step is cancelled with its task.
-_MAX_CANCELLATIONS = 1_000
+#: How often a cleanup run `to_the_end` is started again where its own task's cancellation cut
+#: it short (`asyncio.run` cancels every task left at its exit once), and how many cancellations
+#: of its caller it outlasts (each takes an await: bounded, as every loop is).
+_RESTARTS = 5
+_MAX_CANCELLATIONS = 100
 
 #: One step of a cleanup: called to start it (again, if a cancellation cut it short).
 Step = Callable[[], Awaitable[Any]]
@@ -51,44 +53,59 @@ async def to_the_end(*steps: Step) -> Any:
     their own, even if this task is cancelled again meanwhile; then that cancellation goes on
     (over a step's error, which is chained to it). An anyio `CancelScope`'s shield keeps
     anyio's cancellations out, not a second `task.cancel()` (an outer `asyncio.timeout`,
-    `asyncio.run` cancelling every task left at its exit, the cleanup's own too, whose step
-    then starts again): that cut the mark short, and the record stayed `pending`, taken over
-    (`TAKEOVER`) and run again once its lease lapsed. Returns what the last step returned."""
-    task = asyncio.ensure_future(_in_turn(steps))
+    `asyncio.run` cancelling every task left at its exit, the cleanup's own too, even before it
+    started: its step then starts again): that cut the mark short, and the record stayed
+    `pending`, taken over (`TAKEOVER`) and run again once its lease lapsed. Returns what the
+    last step returned; past its bounds, the cancellation goes on with steps not run."""
+    progress: list[Any] = [0, None]  # the next step; the last one's answer
     cancelled: asyncio.CancelledError | None = None
-    for _ in range(_MAX_CANCELLATIONS):
-        try:
-            done = await asyncio.shield(task)
-        except asyncio.CancelledError as exc:
-            if not task.done():
-                cancelled = exc
-                continue
-            raise  # (the cleanup's own task cancelled past its bound)
-        except BaseException as exc:
-            if cancelled is not None:
-                raise cancelled from exc
-            raise
-        if cancelled is not None:
-            raise cancelled
-        return done
-    return await task
-
-
-async def _in_turn(steps: tuple[Step, ...]) -> Any:
-    """The steps in turn; one a cancellation cuts short (of this task: `asyncio.run`'s at its
-    exit) starts again, as often as `_MAX_CANCELLATIONS`."""
-    done: Any = None
-    task = asyncio.current_task()
-    for step in steps:
+    for _ in range(_RESTARTS):
+        task = asyncio.ensure_future(_in_turn(steps, progress))
         for _ in range(_MAX_CANCELLATIONS):
-            try:
-                done = await step()
+            if task.done():
                 break
-            except asyncio.CancelledError:
-                if task is None or not task.cancelling():
-                    raise  # (not this task's cancellation: the step's own)
-                task.uncancel()
-    return done
+            try:
+                await asyncio.wait((task,))  # (cancelling the wait never cancels the task)
+            except asyncio.CancelledError as exc:
+                cancelled = exc
+        if not task.done():
+            task.cancel()  # (past the bound: given up)
+            break
+        if task.cancelled():
+            continue  # its own task cancelled: started again where it stopped
+        if (error := task.exception()) is not None:
+            if isinstance(error, _StepCancelled):  # (a step's own: `unresolve_after`'s, say)
+                raise error.cancelled
+            if cancelled is not None:
+                raise cancelled from error
+            raise error
+        break
+    if cancelled is not None:
+        raise cancelled
+    if progress[0] < len(steps):
+        raise asyncio.CancelledError("the cleanup was cancelled past its bound")
+    return progress[1]
+
+
+class _StepCancelled(Exception):
+    """A step ended with a CancelledError of its own (not its task's cancellation: that
+    starts it again), which `to_the_end` raises as it came."""
+
+    def __init__(self, cancelled: asyncio.CancelledError) -> None:
+        super().__init__()
+        self.cancelled = cancelled
+
+
+async def _in_turn(steps: tuple[Step, ...], progress: list[Any]) -> None:
+    while progress[0] < len(steps):
+        try:
+            progress[1] = await steps[progress[0]]()
+        except asyncio.CancelledError as exc:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise  # this task's own cancellation: started again where it stopped
+            raise _StepCancelled(exc) from None
+        progress[0] += 1
 
 
 def blip(error: BaseException) -> TypeGuard[StoreError]:

@@ -105,7 +105,7 @@ async def test_a_shutdown_while_the_database_is_down_is_bounded_and_says_what_it
         await until(lambda: store.settlements, "an unknown mark tried with the server down")
         with caplog.at_level(logging.WARNING, logger="idem_middleware.store"):
             await asyncio.wait_for(store.close(), BOUND)
-        assert "1 cancelled lease-mode executions did not finish" in caplog.text
+        assert "1 cancelled lease-mode executions or claims did not finish" in caplog.text
         tried = len(store.settlements)
         # The cancellation goes on (a StoreError took its place: the task ended as if never
         # cancelled, answered `503 store-unavailable`). The client is told it was cancelled.

@@ -17,7 +17,7 @@ from starlette.responses import JSONResponse, Response
 from idem_middleware import IdempotencyContext, LeaseExpiry, Policy, PostgresStore
 from idem_middleware.jobs import idempotent_job
 from idem_middleware.policy import Mode
-from idem_middleware.store.base import Claimed, RecordKey
+from idem_middleware.store.base import Claimed, RecordKey, State
 from idem_middleware.store.postgres.convert import _Q
 from tests.apps import one_route_app
 from tests.apps.clients import asgi_request, client
@@ -219,3 +219,34 @@ async def test_a_close_right_after_a_consumers_cancellation_waits_for_its_jobs_c
     async with PostgresStore(dsn=db_dsn, min_size=1, max_size=1, listen=False) as reader:
         assert await reader.get(RecordKey("", "payout", "r1")) is None  # released
     assert runs == []
+
+
+async def test_a_close_right_after_a_consumers_cancellation_waits_for_its_jobs_mark(
+    db_dsn: str,
+) -> None:
+    """The job is running (its claim landed long ago), under `asyncio.wait_for`: the consumer's
+    cancellation reaches it a turn of the loop after `close` began, which found no execution
+    cancelled yet and closed the pool; the job's `unknown` mark then met a closed store, and
+    the record stayed `pending` under its live lease. The close looks again now."""
+    store = PostgresStore(dsn=db_dsn, min_size=1, max_size=2, listen=False)
+    entered = asyncio.Event()
+    await store.open()
+    await store.pool.execute("DELETE FROM idem_requests WHERE operation = 'payout'")
+
+    @idempotent_job(store, operation="payout", key="ref", mode=Mode.LEASE, lease_seconds=30)
+    async def payout(job: IdempotencyContext, *, ref: str) -> None:
+        entered.set()
+        await asyncio.sleep(BOUND)
+
+    consumer = asyncio.create_task(asyncio.wait_for(payout(ref="r1"), BOUND))
+    try:
+        await asyncio.wait_for(entered.wait(), BOUND)
+    finally:
+        consumer.cancel()
+        await store.close()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(consumer, BOUND)
+    async with PostgresStore(dsn=db_dsn, min_size=1, max_size=1, listen=False) as reader:
+        record = await reader.get(RecordKey("", "payout", "r1"))
+    assert record is not None
+    assert record.state is State.UNKNOWN

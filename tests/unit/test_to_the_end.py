@@ -102,3 +102,54 @@ async def test_an_error_with_no_cancellation_is_the_cleanups_own() -> None:
 
     with pytest.raises(LookupError):
         await to_the_end(mark)
+
+
+async def test_a_cleanup_cancelled_before_it_started_starts_again() -> None:
+    """`asyncio.run` at its exit cancels the cleanup's task before its first step ran (it was
+    made in the loop's last turn): a task cancelled before it starts never runs at all."""
+    done: list[str] = []
+
+    async def mark() -> None:
+        done.append("marked")
+
+    this = asyncio.current_task()
+    caller = asyncio.ensure_future(to_the_end(mark))
+    await asyncio.sleep(0)  # the caller makes the cleanup's task, not started yet
+    for task in asyncio.all_tasks():
+        if task is not this:
+            task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await caller
+    assert done == ["marked"]
+
+
+async def test_past_its_bound_the_cancellation_goes_on() -> None:
+    """Cancelled again and again (past the bound), the caller is cancelled all the same: the
+    cleanup is given up, never a normal return with its steps skipped."""
+    gate = asyncio.Event()
+
+    async def mark() -> str:
+        await gate.wait()
+        return "marked"
+
+    caller = asyncio.ensure_future(to_the_end(mark))
+    for _ in range(150):
+        await asyncio.sleep(0)
+        caller.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(caller, 5)
+
+
+async def test_a_steps_own_cancelled_error_goes_on_without_a_restart() -> None:
+    """A step that ends with a CancelledError of its own (`unresolve_after` passes its
+    execution's cancellation on when the mark fails) is not its task's cancellation: it is
+    raised as it came, the step not started again (each try met the closed store anew)."""
+    tries: list[int] = []
+
+    async def mark() -> None:
+        tries.append(1)
+        raise asyncio.CancelledError("the execution's own")
+
+    with pytest.raises(asyncio.CancelledError, match="the execution's own"):
+        await to_the_end(mark)
+    assert tries == [1]

@@ -35,6 +35,11 @@ class Budget:
 
 _T = TypeVar("_T")
 
+#: How many turns of the loop a close looks on after finding nothing to wait for (a
+#: cancellation a few tasks away from the execution it cancels), and how often it looks at most.
+_QUIET_TURNS = 4
+_LOOKS = 64
+
 #: Gives a claim back: `(key, generation)` (the store's `release`, `Executions._unclaim`).
 Undo = Callable[[RecordKey, int], Awaitable[bool]]
 
@@ -143,28 +148,43 @@ class Executions:
             self._tasks.add(task)
 
     async def unwound(self, seconds: float) -> None:
-        """Wait (at most `seconds`) for the cancelled executions to finish."""
+        """Wait (at most `seconds`) for the claims in flight and the cancelled executions to
+        finish: looked for again after every wait, and a few turns of the loop on (a
+        cancellation reaches an execution under `wait_for` or a task group a turn or two
+        late), until none is left."""
         current = asyncio.current_task()
         loop = asyncio.get_running_loop()
-        unwinding = [
+        until = loop.time() + seconds
+        pending: list[asyncio.Future[Any]] = []
+        quiet = 0
+        for _ in range(_LOOKS):
+            await asyncio.sleep(0)
+            pending = [*self._unrun, *self._unwinding(current, loop)]
+            if not pending:
+                quiet += 1
+                if quiet == _QUIET_TURNS:
+                    return
+                continue
+            quiet = 0
+            _, left = await asyncio.wait(pending, timeout=max(until - loop.time(), 0))
+            if left and loop.time() >= until:
+                break
+        if undone := [p for p in pending if not p.done()]:
+            logger.warning(
+                "closing the store: %d cancelled lease-mode executions or claims did not "
+                "finish within %.0f s; their records stay pending until their leases lapse",
+                len(undone),
+                seconds,
+            )
+
+    def _unwinding(
+        self, current: asyncio.Task[Any] | None, loop: asyncio.AbstractEventLoop
+    ) -> list[asyncio.Task[Any]]:
+        return [
             t
             for t in self._tasks
             if t is not current and t.get_loop() is loop and not t.done() and t.cancelling()
         ]
-        until = loop.time() + seconds
-        for _ in range(2):  # (a cancelled request's claim in flight, then its release)
-            if self._unrun:
-                await asyncio.wait(tuple(self._unrun), timeout=max(until - loop.time(), 0))
-        if not unwinding:
-            return
-        _, pending = await asyncio.wait(unwinding, timeout=max(until - loop.time(), 0))
-        if pending:
-            logger.warning(
-                "closing the store: %d cancelled lease-mode executions did not finish within "
-                "%.0f s; their records stay pending until their leases lapse",
-                len(pending),
-                seconds,
-            )
 
 
 async def close_pool(pool: Any, seconds: float) -> None:
