@@ -37,6 +37,24 @@ class HeldSettlement(PostgresStore):
         return await super().settle(key, generation, expected, s)
 
 
+def _payout_job(store: PostgresStore, runs: list[str]) -> Any:
+    """A lease-mode job that notes its runs, on a TAKEOVER policy with a short lease."""
+
+    @idempotent_job(
+        store,
+        operation="payout",
+        key="ref",
+        mode=Mode.LEASE,
+        lease_seconds=0.6,
+        on_lease_expiry=LeaseExpiry.TAKEOVER,
+    )
+    async def payout(job: IdempotencyContext, *, ref: str) -> dict[str, str]:
+        runs.append(ref)
+        return {"paid": ref}
+
+    return payout
+
+
 def server() -> tuple[Any, Any, list[dict[str, Any]]]:
     """An ASGI server's receive and send: the body, then a client that never leaves."""
     sent: list[dict[str, Any]] = []
@@ -103,17 +121,7 @@ async def test_a_lease_jobs_settlement_cancelled_in_flight_leaves_the_record_unk
     async with store:
         await store.pool.execute("DELETE FROM idem_requests WHERE operation = 'payout'")
 
-        @idempotent_job(
-            store,
-            operation="payout",
-            key="ref",
-            mode=Mode.LEASE,
-            lease_seconds=0.6,
-            on_lease_expiry=LeaseExpiry.TAKEOVER,
-        )
-        async def payout(job: IdempotencyContext, *, ref: str) -> dict[str, str]:
-            runs.append(ref)
-            return {"paid": ref}
+        payout = _payout_job(store, runs)
 
         call = asyncio.create_task(payout(ref="r1"))
         await asyncio.wait_for(store.entered.wait(), BOUND)
@@ -221,17 +229,7 @@ async def test_a_lease_job_cancelled_while_its_settlement_is_sent_again_is_unkno
     async with store:
         await store.pool.execute("DELETE FROM idem_requests WHERE operation = 'payout'")
 
-        @idempotent_job(
-            store,
-            operation="payout",
-            key="ref",
-            mode=Mode.LEASE,
-            lease_seconds=0.6,
-            on_lease_expiry=LeaseExpiry.TAKEOVER,
-        )
-        async def payout(job: IdempotencyContext, *, ref: str) -> dict[str, str]:
-            runs.append(ref)
-            return {"paid": ref}
+        payout = _payout_job(store, runs)
 
         call = asyncio.create_task(payout(ref="r1"))
         await asyncio.wait_for(store.failed.wait(), BOUND)

@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable, Mapping
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import asyncpg
@@ -27,23 +26,13 @@ from idem_middleware import IdempotencyMiddleware, Mode, Policy, PostgresStore, 
 from idem_middleware.errors import ProblemKind, StoreError
 from idem_middleware.observe import Event, store_error_event
 from tests.apps import assert_problem, client, one_route_app, records, until
+from tests.integration.test_callback_refusals import Recorder
 from tests.integration.test_http_failures import connection_closed
 
 CLAIMED, RELEASED, UNRESOLVED = Event.CLAIMED, Event.RELEASED, Event.UNRESOLVED
 #: What became of a claim whose outcome could not be recorded, by mode.
 ENDED = {Mode.TRANSACTIONAL: RELEASED, Mode.LEASE: UNRESOLVED}
 MODES = [Mode.TRANSACTIONAL, Mode.LEASE]
-
-
-class Recorder:
-    def __init__(self) -> None:
-        self.events: list[Event] = []
-
-    def event(self, event: Event, attributes: Mapping[str, Any]) -> None:
-        self.events.append(event)
-
-    def timed(self, name: str, attributes: Mapping[str, Any]) -> AbstractContextManager[None]:
-        return nullcontext()
 
 
 @pytest.fixture
