@@ -10,7 +10,6 @@ from functools import partial
 from typing import Any
 
 import orjson
-from anyio import CancelScope
 
 from .context import Outcome
 from .errors import ClaimBusy, ClaimTimeout, JobInProgress, StaleGeneration, StoreError
@@ -125,15 +124,14 @@ async def _execute(
                 await fence.close()
                 raise
             # Whatever the function did outside the database may have happened: unknown,
-            # unless it declared that it did nothing (sent again on a blip). Shielded: an anyio
-            # cancel scope cancels every await until the task ends, this cleanup's too.
+            # unless it declared that it did nothing (sent again on a blip). To its end, however
+            # cancelled meanwhile (an anyio cancel scope's too): see `to_the_end`.
             gone = fence.lost(exc) if isinstance(exc, Exception) else None
             third = job.lease_seconds / 3
-            with CancelScope(shield=True):
-                await to_the_end(
-                    fence.close,
-                    partial(unresolve_after, exc, store, key, generation, context, seconds=third),
-                )
+            await to_the_end(
+                fence.close,
+                partial(unresolve_after, exc, store, key, generation, context, seconds=third),
+            )
             if gone is not None:
                 raise gone from exc  # its fenced connection lost: the store failed (a 503's)
             raise
@@ -170,11 +168,10 @@ async def _execute(
             # (A shutdown, the settlement in flight, or sent again after a blip.) The function
             # ran: `unknown`, as for one cancelled while it ran, not `pending` until the lease
             # lapses (a takeover would run it again). One that committed stands: no change.
-            with CancelScope(shield=True):
-                await to_the_end(
-                    fence.close,
-                    partial(unresolve_after, exc, store, key, generation, context, seconds=third),
-                )
+            await to_the_end(
+                fence.close,
+                partial(unresolve_after, exc, store, key, generation, context, seconds=third),
+            )
             raise
     finally:
         stop.set()

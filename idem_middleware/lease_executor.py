@@ -191,22 +191,20 @@ class LeaseExecution:
                     if capture.passthrough:
                         raise
                     gone = fence.lost(exc) if isinstance(exc, Exception) else None
-                    # Shielded: an anyio cancel scope (BaseHTTPMiddleware's, at a shutdown)
-                    # cancels every await until the task ends, this cleanup's too.
-                    with CancelScope(shield=True):
-                        third = policy.lease_seconds / 3
-                        moved, event = await to_the_end(
-                            fence.close,
-                            partial(
-                                unresolve_after,
-                                exc,
-                                self.store,
-                                key,
-                                generation,
-                                context,
-                                seconds=third,
-                            ),
-                        )
+                    # (To its end: cancellations, anyio's too, wait for it: see `to_the_end`.)
+                    third = policy.lease_seconds / 3
+                    moved, event = await to_the_end(
+                        fence.close,
+                        partial(
+                            unresolve_after,
+                            exc,
+                            self.store,
+                            key,
+                            generation,
+                            context,
+                            seconds=third,
+                        ),
+                    )
                     if moved:
                         ex.emit(event, generation)
                     if moved and gone is not None:
@@ -262,8 +260,7 @@ class LeaseExecution:
                         # connection, say.) The handler ran: `unknown`, as a cancelled handler's
                         # record is, not `pending` until its lease lapses (a takeover would run
                         # it again). A settlement that committed stands: the mark changes nothing.
-                        with CancelScope(shield=True):
-                            await to_the_end(fence.close, lambda: self._unresolved(context))
+                        await to_the_end(fence.close, lambda: self._unresolved(context))
                         raise
             finally:
                 leave_context(ex.scope, token, context)

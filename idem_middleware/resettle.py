@@ -17,6 +17,8 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, TypeGuard
 
+from anyio import CancelScope
+
 from .context import IdempotencyContext
 from .errors import StatementRefused, StoreClosed, StoreError
 from .observe import SETTLED_EVENTS, Event
@@ -51,12 +53,19 @@ async def to_the_end(*steps: Step) -> Any:
     """Run a cleanup that must finish (a fenced transaction's rollback, then an `unknown` mark:
     each bounded, and each safe to start again) to its end, its steps in turn in a task of
     their own, even if this task is cancelled again meanwhile; then that cancellation goes on
-    (over a step's error, which is chained to it). An anyio `CancelScope`'s shield keeps
-    anyio's cancellations out, not a second `task.cancel()` (an outer `asyncio.timeout`,
-    `asyncio.run` cancelling every task left at its exit, the cleanup's own too, even before it
-    started: its step then starts again): that cut the mark short, and the record stayed
-    `pending`, taken over (`TAKEOVER`) and run again once its lease lapsed. Returns what the
-    last step returned; past its bounds, the cancellation goes on with steps not run."""
+    (over a step's error, which is chained to it). Shielded from anyio's cancel scopes too
+    (BaseHTTPMiddleware's, at a shutdown, cancels every await until the task ends). The
+    shield alone keeps out anyio's cancellations, not a second `task.cancel()` (an outer
+    `asyncio.timeout`, `asyncio.run` cancelling every task left at its exit, the cleanup's own
+    too, even before it started: its step then starts again): that cut the mark short, and the
+    record stayed `pending`, taken over (`TAKEOVER`) and run again once its lease lapsed.
+    Returns what the last step returned; past its bounds, the cancellation goes on with steps
+    not run."""
+    with CancelScope(shield=True):
+        return await _to_the_end(steps)
+
+
+async def _to_the_end(steps: tuple[Step, ...]) -> Any:
     progress: list[Any] = [0, None]  # the next step; the last one's answer
     cancelled: asyncio.CancelledError | None = None
     for _ in range(_RESTARTS):

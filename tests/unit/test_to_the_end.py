@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 
+import anyio
 import pytest
 
 from idem_middleware.resettle import to_the_end
@@ -153,3 +154,19 @@ async def test_a_steps_own_cancelled_error_goes_on_without_a_restart() -> None:
     with pytest.raises(asyncio.CancelledError, match="the execution's own"):
         await to_the_end(mark)
     assert tries == [1]
+
+
+async def test_an_anyio_cancel_scope_waits_for_the_cleanup() -> None:
+    """An anyio cancel scope (BaseHTTPMiddleware's, at a shutdown) cancels every await of the
+    task until it ends, again and again: a cleanup longer than a few turns of the loop was
+    given up past its bound, the mark never sent. The cleanup shields itself from it."""
+    done: list[str] = []
+
+    async def mark() -> None:
+        await asyncio.sleep(0.2)
+        done.append("marked")
+
+    with anyio.CancelScope() as scope:
+        scope.cancel()
+        await to_the_end(mark)
+    assert done == ["marked"]
