@@ -126,7 +126,6 @@ class IdempotencyMiddleware:
         check_arguments(
             store,
             default_policy,
-            tenant_resolver,
             acquire_timeout,
             enabled,
             status_path,

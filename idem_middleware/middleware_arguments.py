@@ -45,14 +45,14 @@ METHOD = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
 def check_arguments(
     store: object,
     default_policy: object,
-    tenant_resolver: object,
     acquire_timeout: object,
     enabled: object,
     status_path: object,
     problem_base: object,
     observers: object,
 ) -> None:
-    """What the constructor can tell is wrong, told now: each of these failed every request."""
+    """What the constructor can tell is wrong, told now: each of these failed every request.
+    (The tenant resolver is checked where every edge makes its `Tenants`: tenant.py.)"""
     if isinstance(store, type):
         # (a MemoryStore class passed every check and failed every request; PostgresStore's
         # failed at startup with a TypeError naming neither)
@@ -64,8 +64,6 @@ def check_arguments(
         raise ConfigurationError(f"store must be a PostgresStore or a MemoryStore, not {store!r}")
     if default_policy is not None and not isinstance(default_policy, Policy):
         raise ConfigurationError(f"default_policy must be a Policy, not {default_policy!r}")
-    if not callable(tenant_resolver):
-        raise ConfigurationError(f"tenant_resolver must be a function, not {tenant_resolver!r}")
     seconds_option(acquire_timeout, "acquire_timeout", positive=True)
     if enabled is not None and not isinstance(enabled, bool):
         raise ConfigurationError(f"enabled must be True, False or None, not {enabled!r}")

@@ -87,3 +87,11 @@ class Resolver:
 )
 def test_a_resolver_of_the_scope_is_accepted(resolver: Any) -> None:
     IdempotencyMiddleware(FastAPI(), store=MemoryStore(), tenant_resolver=resolver)
+
+
+@pytest.mark.parametrize("resolver", ["tenant-a", None, 42])
+def test_a_resolver_that_is_not_a_function_is_refused_when_made(resolver: Any) -> None:
+    with pytest.raises(ConfigurationError, match="tenant_resolver must be a function"):
+        IdempotencyMiddleware(FastAPI(), store=MemoryStore(), tenant_resolver=resolver)
+    with pytest.raises(ConfigurationError, match="tenant_resolver must be a function"):
+        status_route(MemoryStore(), tenant_resolver=resolver)
