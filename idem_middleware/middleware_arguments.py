@@ -40,6 +40,10 @@ _PATH = re.compile(r"/[A-Za-z0-9\-._~%!$&'()*+,;=:@/]*")
 #: An HTTP method: a token (RFC 9110). Anything else, `" post "` or `""`, was kept and never
 #: matched a request's method.
 METHOD = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+#: The methods of HTTP's own (RFC 9110, and PATCH); a client may send any other token.
+HTTP_METHODS = frozenset(
+    {"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "TRACE", "CONNECT"}
+)
 
 
 def check_arguments(

@@ -35,14 +35,9 @@ except ModuleNotFoundError as exc:  # installed without the extra
     raise missing_extra(__name__, "metrics", exc) from exc
 
 from .errors import ConfigurationError
+from .middleware_arguments import HTTP_METHODS
 from .observe import Event
 from .store.base import StoreStats
-
-#: The methods of HTTP's own (RFC 9110, and PATCH): any other is labelled OTHER.
-_METHODS = frozenset(
-    {"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "TRACE", "CONNECT"}
-)
-
 
 #: The label of every operation past `max_operations`, and of one no template could name.
 OVERFLOW = "OTHER"
@@ -59,7 +54,7 @@ def operation_label(operation: str) -> str:
     if len(operation) > MAX_LABEL_CHARS or not operation.isprintable():
         return OVERFLOW
     method, space, template = operation.partition(" ")
-    return operation if method in _METHODS else f"OTHER{space}{template}"
+    return operation if method in HTTP_METHODS else f"OTHER{space}{template}"  # (any other)
 
 
 logger = logging.getLogger("idem_middleware")

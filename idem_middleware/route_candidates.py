@@ -12,6 +12,7 @@ from starlette.routing import BaseRoute, Match, Mount, Route, compile_path
 from starlette.types import Scope
 
 from .body_limits import LimitMemo
+from .middleware_arguments import HTTP_METHODS
 
 try:
     from fastapi.routing import APIRoute as _API_ROUTE
@@ -45,9 +46,6 @@ _SIZE = 1024
 #: to 32 in all (any token is a method to a server: one memo per method a client made up grew
 #: without bound).
 _METHODS = 32
-_HTTP_METHODS = frozenset(
-    ["GET", "HEAD", "POST", "PUT", "DELETE", "CONNECT", "OPTIONS", "TRACE", "PATCH"]
-)
 _MAX_DEPTH = 32
 
 
@@ -317,7 +315,7 @@ def included_candidates(route: Any, scope: Scope, memo: Memo | None = None) -> S
     if trie is None:
         plain = tuple(c for c in contexts_of() if not _other_method_context(c, method))
         trie = _trie(plain, _context_prefix)
-        if method in _HTTP_METHODS or len(by_method) < _METHODS:  # (any token is a method)
+        if method in HTTP_METHODS or len(by_method) < _METHODS:  # (any token is a method)
             by_method[method] = trie
     return _walk(trie, scope)
 
