@@ -11,8 +11,6 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
 
 from idem_middleware import IdempotencyContext, LeaseExpiry, Policy, PostgresStore
 from idem_middleware.jobs import idempotent_job
@@ -21,7 +19,7 @@ from idem_middleware.store.base import Claimed, RecordKey, State
 from idem_middleware.store.postgres.convert import _Q
 from tests.apps import one_route_app
 from tests.apps.clients import asgi_request, client
-from tests.integration.test_lease_cancelled_settlement import BOUND, server
+from tests.integration.test_lease_cancelled_settlement import BOUND, counted_charge, server
 
 KEY = RecordKey("tenant-a", "POST /charges", "k1")
 
@@ -54,17 +52,14 @@ class HeldAfterClaim(PostgresStore):
 async def test_a_claim_cancelled_in_flight_is_released(db_dsn: str, lease: float) -> None:
     runs: list[int] = []
 
-    async def charge(request: Request) -> Response:
-        await request.body()
-        runs.append(1)
-        return JSONResponse({"run": len(runs)}, status_code=201)
-
     store = HeldAfterClaim(dsn=db_dsn, min_size=1, max_size=2, listen=False)
     store.entered, store.gate = asyncio.Event(), asyncio.Event()
     policy = Policy(mode=Mode.LEASE, lease_seconds=lease, wait_seconds=0.1)
     async with store:
         await store.pool.execute("DELETE FROM idem_requests WHERE idem_key = 'k1'")
-        app = one_route_app("/charges", charge, store=store, policies={"POST /charges": policy})
+        app = one_route_app(
+            "/charges", counted_charge(runs), store=store, policies={"POST /charges": policy}
+        )
         async with client(app) as http:  # (the startup check, before the store is armed)
             await http.post("/charges", json={}, headers={"Idempotency-Key": "warm"})
         runs.clear()
@@ -111,11 +106,6 @@ async def test_a_takeover_cancelled_in_flight_is_left_to_the_next_retry(db_dsn: 
     same epoch (the downstream key) and fingerprint, taken over and run at once."""
     runs: list[int] = []
 
-    async def charge(request: Request) -> Response:
-        await request.body()
-        runs.append(1)
-        return JSONResponse({"run": len(runs)}, status_code=201)
-
     store = HeldAfterTakeover(dsn=db_dsn, min_size=1, max_size=2, listen=False)
     store.entered, store.gate = asyncio.Event(), asyncio.Event()
     policy = Policy(
@@ -123,7 +113,9 @@ async def test_a_takeover_cancelled_in_flight_is_left_to_the_next_retry(db_dsn: 
     )
     async with store:
         await store.pool.execute("DELETE FROM idem_requests WHERE idem_key = 'k1'")
-        app = one_route_app("/charges", charge, store=store, policies={"POST /charges": policy})
+        app = one_route_app(
+            "/charges", counted_charge(runs), store=store, policies={"POST /charges": policy}
+        )
         async with client(app) as http:  # (the startup check)
             await http.post("/charges", json={}, headers={"Idempotency-Key": "warm"})
         runs.clear()
@@ -167,13 +159,13 @@ async def test_a_close_right_after_the_cancellations_waits_for_their_claims(db_d
     store.entered, store.gate = asyncio.Event(), asyncio.Event()
     policy = Policy(mode=Mode.LEASE, lease_seconds=30.0, wait_seconds=0.1)
 
-    async def charge(request: Request) -> Response:
-        return JSONResponse({}, status_code=201)
-
+    runs: list[int] = []
     await store.open()
     try:
         await store.pool.execute("DELETE FROM idem_requests WHERE idem_key = 'k1'")
-        app = one_route_app("/charges", charge, store=store, policies={"POST /charges": policy})
+        app = one_route_app(
+            "/charges", counted_charge(runs), store=store, policies={"POST /charges": policy}
+        )
         async with client(app) as http:
             await http.post("/charges", json={}, headers={"Idempotency-Key": "warm"})
         store.armed = True

@@ -55,6 +55,34 @@ def _payout_job(store: PostgresStore, runs: list[str]) -> Any:
     return payout
 
 
+def counted_charge(runs: list[int]) -> Any:
+    """A handler that notes each run and answers 201."""
+
+    async def charge(request: Request) -> Response:
+        await request.body()
+        runs.append(1)
+        return JSONResponse({"run": len(runs)}, status_code=201)
+
+    return charge
+
+
+async def _cancelled_then_unknown(
+    store: PostgresStore, payout: Any, call: asyncio.Task[Any], runs: list[str]
+) -> None:
+    """Cancel the job's call: its record is `unknown`, and a call past the lease raises
+    JobOutcomeUnknown rather than taking it over and running the function again."""
+    call.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(call, BOUND)
+    record = await store.get(RecordKey("", "payout", "r1"))
+    assert record is not None
+    assert record.state is State.UNKNOWN
+    await asyncio.sleep(0.8)  # past the lease
+    with pytest.raises(JobOutcomeUnknown):
+        await asyncio.wait_for(payout(ref="r1"), BOUND)
+    assert runs == ["r1"]
+
+
 def server() -> tuple[Any, Any, list[dict[str, Any]]]:
     """An ASGI server's receive and send: the body, then a client that never leaves."""
     sent: list[dict[str, Any]] = []
@@ -80,16 +108,12 @@ async def test_a_settlement_cancelled_in_flight_leaves_the_record_unknown(
 ) -> None:
     runs: list[int] = []
 
-    async def charge(request: Request) -> Response:
-        await request.body()
-        runs.append(1)
-        return JSONResponse({"run": len(runs)}, status_code=201)
-
     store = HeldSettlement(dsn=db_dsn, min_size=1, max_size=2, listen=False)
     store.entered, store.release = asyncio.Event(), asyncio.Event()
     policy = Policy(mode=Mode.LEASE, lease_seconds=0.6, wait_seconds=0.1, on_lease_expiry=expiry)
     async with store:
         await store.pool.execute("DELETE FROM idem_requests WHERE idem_key = 'k1'")
+        charge = counted_charge(runs)
         app = one_route_app("/charges", charge, store=store, policies={"POST /charges": policy})
         receive, send, sent = server()
         request = asyncio.create_task(app(asgi_request("/charges", "k1", 2), receive, send))
@@ -125,16 +149,7 @@ async def test_a_lease_jobs_settlement_cancelled_in_flight_leaves_the_record_unk
 
         call = asyncio.create_task(payout(ref="r1"))
         await asyncio.wait_for(store.entered.wait(), BOUND)
-        call.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await asyncio.wait_for(call, BOUND)
-        record = await store.get(RecordKey("", "payout", "r1"))
-        assert record is not None
-        assert record.state is State.UNKNOWN
-        await asyncio.sleep(0.8)  # past the lease
-        with pytest.raises(JobOutcomeUnknown):
-            await asyncio.wait_for(payout(ref="r1"), BOUND)
-        assert runs == ["r1"]
+        await _cancelled_then_unknown(store, payout, call, runs)
         store.release.set()
 
 
@@ -234,16 +249,7 @@ async def test_a_lease_job_cancelled_while_its_settlement_is_sent_again_is_unkno
         call = asyncio.create_task(payout(ref="r1"))
         await asyncio.wait_for(store.failed.wait(), BOUND)
         await asyncio.sleep(0)  # (it pauses before sending the settlement again)
-        call.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await asyncio.wait_for(call, BOUND)
-        record = await store.get(RecordKey("", "payout", "r1"))
-        assert record is not None
-        assert record.state is State.UNKNOWN
-        await asyncio.sleep(0.8)  # past the lease
-        with pytest.raises(JobOutcomeUnknown):
-            await asyncio.wait_for(payout(ref="r1"), BOUND)
-        assert runs == ["r1"]
+        await _cancelled_then_unknown(store, payout, call, runs)
 
 
 async def test_a_second_cancellation_does_not_cut_the_unknown_mark_short(db_dsn: str) -> None:
