@@ -25,7 +25,7 @@ from .fingerprint import Fingerprinter
 from .middleware_arguments import KILL_SWITCH_ENV as KILL_SWITCH_ENV
 from .middleware_arguments import METHOD, check_arguments, kill_switch_on
 from .observe import Observer, combine, shown
-from .policy import Policy, RouteMatch, names, operation_name
+from .policy import Policy, RouteMatch, names, operation_name, pinned_method_error
 from .responses import DEFAULT_PROBLEM_BASE, send_problem
 from .route_candidates import Memo
 from .routing import (
@@ -290,6 +290,11 @@ class IdempotencyMiddleware:
         policy = self.policy_for(method, match, operation)
         if policy is None:
             return _UNGUARDED
+        if policy.operation is not None:  # pinned (the startup check refused another method's)
+            if error := pinned_method_error(method, match.template, policy):
+                logger.error("idempotency: refused a request: %s", shown(error))
+                return None
+            operation = policy.operation
         body_limit = in_force(scope, match.body_limit, match.least_limit)
         policy = capped(policy, body_limit)
         fingerprinter = Fingerprinter(operation, match.path_params, policy)

@@ -68,6 +68,12 @@ def check_arguments(
         raise ConfigurationError(f"store must be a PostgresStore or a MemoryStore, not {store!r}")
     if default_policy is not None and not isinstance(default_policy, Policy):
         raise ConfigurationError(f"default_policy must be a Policy, not {default_policy!r}")
+    if default_policy is not None and default_policy.operation is not None:
+        raise ConfigurationError(
+            f"default_policy has operation={default_policy.operation!r}: every route it guards "
+            "would share one key space. Pin a name per route, with @idempotent(operation=...) "
+            "or policies={...}"
+        )
     seconds_option(acquire_timeout, "acquire_timeout", positive=True)
     if enabled is not None and not isinstance(enabled, bool):
         raise ConfigurationError(f"enabled must be True, False or None, not {enabled!r}")

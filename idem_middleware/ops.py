@@ -252,7 +252,7 @@ class GuardedOperation:
 
     @property
     def name(self) -> str:
-        return operation_name(self.method, self.template)
+        return operation_name(self.method, self.template, self.policy)
 
 
 def guarded_operations(app: Any) -> list[GuardedOperation]:

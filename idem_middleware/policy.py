@@ -7,6 +7,7 @@ import functools
 import inspect
 import math
 import numbers
+import re
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -38,6 +39,14 @@ class LeaseExpiry(StrEnum):
     UNKNOWN = "unknown"
     TAKEOVER = "takeover"
 
+
+# An operation is `METHOD /template`, or `METHOD host/template` under a `Host` route
+# (`operation_name`), or a name pinned in that shape; its method any upper-case token the
+# middleware may guard (HTTP's tchar: `methods=("VERSION-CONTROL",)`, say); the bounds keep a
+# probe of the status route cheap.
+OPERATION_SHAPE = re.compile(
+    r"[!#$%&'*+.^_`|~0-9A-Z-]{1,255} [^/\x00-\x20\x7f]{0,255}/[^\x00-\x1f\x7f]{0,2000}"
+)
 
 #: `Policy.max_body_bytes` when not set: a route's own `max_body_size` replaces it (body_limits).
 DEFAULT_MAX_BODY_BYTES = 1024 * 1024
@@ -96,6 +105,10 @@ class Policy:
     #: Called on every replay (never on a first execution) with the stored response and the
     #: scope; returns the response to send, or None for unchanged. See responses.hooked_response.
     replay_hook: ReplayHook | None = None
+    #: The name the route's records are kept under, `METHOD /name` (None: the route's method and
+    #: template, `POST /payments/{pid}`). Pinned, a route keeps its keys when its path changes:
+    #: a retry that reaches the renamed route replays the outcome instead of running again.
+    operation: str | None = None
 
     def __post_init__(self) -> None:
         # Values from a config file arrive as strings and floats: each option is checked (and an
@@ -156,6 +169,14 @@ class Policy:
             # (a name no header has, "X-Api-Version " or "x-api-version:", covered nothing)
             raise ConfigurationError(f"include_headers: {bad[0]!r} is not a header's name")
         object.__setattr__(self, "include_headers", tuple(h.lower() for h in headers))
+        if self.operation is not None and (
+            type(self.operation) is not str or OPERATION_SHAPE.fullmatch(self.operation) is None
+        ):
+            raise ConfigurationError(
+                f"operation must be a name like 'POST /payments' (the route's method, a space "
+                f"and a path-like name, as the status route and tokens take it), not "
+                f"{self.operation!r}"
+            )
 
     def replace(self, **changes: Any) -> Policy:
         return dataclasses.replace(self, **changes)
@@ -302,5 +323,22 @@ class RouteMatch:
     least_limit: int | None = None
 
 
-def operation_name(method: str, template: str) -> str:
+def operation_name(method: str, template: str, policy: Policy | None = None) -> str:
+    """The name of `method` on a route with `template` guarded by `policy`: the policy's pinned
+    `operation`, else `METHOD /template`."""
+    if policy is not None and policy.operation is not None:
+        return policy.operation
     return f"{method} {template}"
+
+
+def pinned_method_error(method: str, template: str, policy: Policy) -> str | None:
+    """Why `policy`'s pinned operation cannot name `method` on `template`: it names another
+    method (a policy on a route that serves POST and PUT, say: one name for both would replay
+    a POST's response to a PUT)."""
+    pinned = policy.operation
+    if pinned is None or pinned.partition(" ")[0] == method:
+        return None
+    return (
+        f"{method} {template} has operation={pinned!r}, which names another method: give "
+        f"each method's route its own policy and name (or none)"
+    )

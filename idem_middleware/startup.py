@@ -20,7 +20,7 @@ from .library_routes import ROUTE_OPERATIONS_ATTRIBUTE, GuardedOperations, tell_
 from .middleware_order import check_authentication, check_outer_middleware, middleware_inside
 from .mounted import methods_of, nested_policy_errors, stacked_policy_errors
 from .observe import shown
-from .policy import Mode, Policy, operation_name
+from .policy import Mode, Policy, operation_name, pinned_method_error
 from .routing import (
     Found,
     Hidden,
@@ -99,8 +99,11 @@ def check_app(mw: IdempotencyMiddleware, app: Any, scope: Scope | None = None) -
             if method in SAFE_METHODS:
                 continue
             reachable.add(name)
-            if policy is not None and (warning := _limit_warning(name, policy, item, router)):
-                logger.warning("idempotency: %s", warning)
+            if policy is not None:
+                if pinned := pinned_method_error(method, item.template, policy):
+                    errors.append(pinned)
+                if warning := _limit_warning(name, policy, item, router):
+                    logger.warning("idempotency: %s", warning)
             if explicit is not None and name in mw.policies:
                 logger.warning(
                     "idempotency: policies[%r] never applies: the endpoint's own policy does", name
@@ -108,7 +111,7 @@ def check_app(mw: IdempotencyMiddleware, app: Any, scope: Scope | None = None) -
         # (switched off, no claim is made, on any store: the dependency's error names the switch)
         errors.extend(dependency_errors(item, per_method, mw.store if mw.enabled else None))
     found = list(guarded_routes(routes, mw.policy_for, items))
-    guarded = [(operation_name(method, item.template), policy) for item, method, policy in found]
+    guarded = [(operation_name(m, item.template, policy), policy) for item, m, policy in found]
     for name, policy in guarded:
         # (shown: under a wrapper the router cannot see into, the first request's concrete path
         # names the operation, and its decoded `%0D%0A` would forge a log line)
@@ -118,11 +121,13 @@ def check_app(mw: IdempotencyMiddleware, app: Any, scope: Scope | None = None) -
         none = f"{len(reachable)} unsafe operations (its methods: {listed})"
         logger.warning("idempotency: the middleware guards none of the app's %s", none)
     named = Counter(name for name, _ in guarded)
+    pinned_names = {name for name, policy in guarded if policy.operation is not None}
     for name in sorted(name for name, count in named.items() if count > 1):
         logger.warning(  # (routes told apart by more than their path: a version header, say)
             "idempotency: %s names more than one guarded route: they share one key space, and a "
-            "key used on one replays its response to the others",
+            "key used on one replays its response to the others%s",
             shown(name),
+            " (as while a renamed route is served at both paths)" if name in pinned_names else "",
         )
     # The status and token routes' view of the app, and its problem_base.
     errors.extend(tell_library_routes(items, guarded, mw.problem_base))

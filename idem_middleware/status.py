@@ -21,7 +21,7 @@ from .answers import request_digest
 from .errors import ProblemKind, RequestRejected, StoreError
 from .keys import check_key, parse_idempotency_key
 from .library_routes import ROUTE_OPERATIONS_ATTRIBUTE, GuardedOperations, LibraryRoute
-from .policy import LeaseExpiry, Mode, Policy
+from .policy import OPERATION_SHAPE, LeaseExpiry, Mode, Policy
 from .responses import problem_response
 from .store.base import Record, RecordKey, State, Store
 from .tenant import (
@@ -33,12 +33,6 @@ from .tenant import (
     route_tenant,
 )
 
-# An operation is `METHOD /template`, or `METHOD host/template` under a `Host` route
-# (policy.operation_name); its method any upper-case token the middleware may guard (HTTP's
-# tchar: `methods=("VERSION-CONTROL",)`, say); the bounds keep a probe cheap.
-OPERATION_SHAPE = re.compile(
-    r"[!#$%&'*+.^_`|~0-9A-Z-]{1,255} [^/\x00-\x20\x7f]{0,255}/[^\x00-\x1f\x7f]{0,2000}"
-)
 _BAD_OPERATION = (
     "The operation is `METHOD /path-template` (under a Host route `METHOD host/path-template`),"
     " as the Location of a 202 gives it."

@@ -29,9 +29,8 @@ from .endpoints import not_idempotent
 from .errors import ProblemKind, StatementRefused, StoreError
 from .errors import TokenConflict as TokenConflict
 from .library_routes import ROUTE_OPERATIONS_ATTRIBUTE, GuardedOperations, LibraryRoute
-from .policy import MAX_SECONDS
+from .policy import MAX_SECONDS, OPERATION_SHAPE  # (the operations the status resource accepts)
 from .responses import problem_response
-from .status import OPERATION_SHAPE  # the operations the status resource accepts
 from .tenant import (
     ROUTE_RESOLVER_ATTRIBUTE,
     ROUTE_TENANTS_ATTRIBUTE,

@@ -93,6 +93,26 @@ def test_optional_key_and_202_are_documented() -> None:
     validate(app.openapi())
 
 
+def test_a_token_operation_is_documented_under_its_pinned_name() -> None:
+    """The client asks the token route for the name the records are kept under: a token for
+    the template's name is refused."""
+    from fastapi import FastAPI
+
+    from idem_middleware.fastapi import install
+
+    app = FastAPI()
+    install(app, store=MemoryStore())
+
+    @app.post("/v2/pay")
+    @idempotent(require_token=True, operation="POST /payments")
+    async def pay() -> dict[str, str]:
+        return {}
+
+    header = _header(app.openapi()["paths"]["/v2/pay"]["post"])
+    assert header is not None
+    assert '`{"operation": "POST /payments"}`' in header["description"]
+
+
 def test_starlette_schema_generator_helper() -> None:
     async def create(request: Request) -> JSONResponse:
         """
