@@ -1,5 +1,8 @@
 -- Named queries. Each block starts with "-- name: <name>" and lists its parameters.
 -- All times are the database's: now() is the transaction's start, never the application's clock.
+-- A lease is counted from clock_timestamp(), when its record is written: a statement may have
+-- waited for a lock on the table first (a migration's ALTER TABLE, a CREATE INDEX), and a lease
+-- counted from its start would arrive lapsed, for a duplicate to take over under a live handler.
 -- A retention clock starts at clock_timestamp(), when the outcome is written: a transaction (a
 -- transactional claim, a fenced one) may have begun as long before as its handler ran, and an
 -- outcome is replayed for its full retention after it finished.
@@ -50,7 +53,7 @@ WITH free AS (
         (tenant, operation, idem_key, fingerprint, state, mode, retention, lease_expires_at,
          generation, epoch)
     SELECT $1, $2, $3, $4, 'pending', $5, make_interval(secs => $6::float8),
-           now() + make_interval(secs => $7::float8), g.v, g.v
+           clock_timestamp() + make_interval(secs => $7::float8), g.v, g.v
     FROM (SELECT nextval('idem_generation_seq') AS v) g
     WHERE (SELECT ok FROM free) AND ($8::bytea IS NULL OR EXISTS (SELECT FROM token))
     ON CONFLICT DO NOTHING
@@ -111,7 +114,7 @@ WITH free AS (
         (tenant, operation, idem_key, fingerprint, state, mode, retention, lease_expires_at,
          generation, epoch)
     SELECT $1, $2, $3, $4, 'pending', $5, make_interval(secs => $6::float8),
-           now() + make_interval(secs => $7::float8), g.v, g.v
+           clock_timestamp() + make_interval(secs => $7::float8), g.v, g.v
     FROM (SELECT nextval('idem_generation_seq') AS v) g
     WHERE (SELECT ok FROM free)
     ON CONFLICT DO NOTHING
@@ -246,7 +249,7 @@ WITH locked AS (
     SET fingerprint = $4, state = 'pending', mode = $5, generation = g.v, epoch = g.v,
         created_at = now(), updated_at = now(),
         retention = make_interval(secs => $6::float8),
-        lease_expires_at = now() + make_interval(secs => $7::float8),
+        lease_expires_at = clock_timestamp() + make_interval(secs => $7::float8),
         expires_at = NULL, response_status = NULL, response_headers = NULL, response_body = NULL,
         body_omitted = NULL, note = NULL
     FROM locked, (SELECT nextval('idem_generation_seq') AS v) g
@@ -421,7 +424,8 @@ GROUP BY state;
 -- version: no takeover or expiry can change it while the lock is held (each locks the row
 -- first), and once the lock is gone the next renewal renews it. A renewal never shortens the
 -- lease: one whose statement was held up (a table lock) and lands after a later one keeps the
--- later one's end, which is what the execution counts on.
+-- later one's end, which is what the execution counts on; and one held up longer than the lease
+-- still gives a whole lease from when it writes (clock_timestamp()).
 -- $1 tenant, $2 operation, $3 key, $4 generation, $5 lease (seconds)
 WITH renewable AS (
     SELECT FROM idem_requests
@@ -430,7 +434,9 @@ WITH renewable AS (
     FOR UPDATE SKIP LOCKED
 ), renewed AS (
     UPDATE idem_requests r
-    SET lease_expires_at = GREATEST(lease_expires_at, now() + make_interval(secs => $5::float8))
+    SET lease_expires_at = GREATEST(
+        lease_expires_at, clock_timestamp() + make_interval(secs => $5::float8)
+    )
     FROM renewable
     WHERE r.tenant = $1 AND r.operation = $2 AND r.idem_key = $3
     RETURNING 1
@@ -471,7 +477,9 @@ WITH asked AS (
     ) AS locked
 ), renewed AS (
     UPDATE idem_requests r
-    SET lease_expires_at = GREATEST(r.lease_expires_at, now() + make_interval(secs => w.secs))
+    SET lease_expires_at = GREATEST(
+        r.lease_expires_at, clock_timestamp() + make_interval(secs => w.secs)
+    )
     FROM renewable w
     WHERE r.tenant = w.tenant AND r.operation = w.operation AND r.idem_key = w.idem_key
     RETURNING r.tenant, r.operation, r.idem_key, w.generation
