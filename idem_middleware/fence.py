@@ -94,6 +94,17 @@ class Fence:
             return None
         return StoreError("the fenced transaction's connection was lost while the handler ran")
 
+    @property
+    def over_unknown(self) -> bool:
+        """Whether a final outcome may be recorded over `unknown` under this generation: a
+        duplicate found the lease lapsed and marked the record so, and nobody took it over, so
+        this outcome is still the one to record. (A takeover, an operator's move (a reopen too)
+        and a release for a retry each draw a new generation; a reconciler's `Happened` settles
+        it first, and the outcome then finds it settled.) Not if the handler asked for its
+        fenced transaction: refused (or lost), its fenced writes never happened, whatever it
+        answered."""
+        return self.expected is State.PENDING and self._opening is None
+
     async def settle(self, settlement: Settlement) -> bool:
         """Record the outcome: inside the fenced transaction if one is open, then commit."""
         self.settling = True
@@ -101,18 +112,8 @@ class Fence:
             key, generation = self.key, self.generation
             if await self.store.settle(key, generation, self.expected, settlement):
                 return True
-            if (
-                self.expected is not State.PENDING
-                or settlement.state not in FINAL_STATES
-                or self._opening is not None
-            ):
+            if settlement.state not in FINAL_STATES or not self.over_unknown:
                 return False
-            # A duplicate found the lease lapsed and marked the record `unknown`, under this
-            # generation: nobody took it over, so this outcome is still the one to record. (A
-            # takeover, an operator's move (a reopen too) and a release for a retry each draw a new
-            # generation; a reconciler's `Happened` settles it first, and this then finds it
-            # settled.) Not if the handler asked for its fenced transaction: refused (or lost),
-            # its fenced writes never happened, whatever it answered.
             return await self.store.settle(key, generation, State.UNKNOWN, settlement)
         self.committing = True
         try:

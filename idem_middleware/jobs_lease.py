@@ -162,7 +162,13 @@ async def _execute(
                     settled = True
                 else:
                     settled = await send_again(
-                        store, key, generation, settlement, seconds=third, error=exc
+                        store,
+                        key,
+                        generation,
+                        settlement,
+                        seconds=third,
+                        error=exc,
+                        over_unknown=fence.over_unknown,
                     )
         except asyncio.CancelledError as exc:
             # (A shutdown, the settlement in flight, or sent again after a blip.) The function

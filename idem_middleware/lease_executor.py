@@ -34,7 +34,7 @@ from .resettle import (
     unresolve,
     unresolve_after,
 )
-from .store.base import Claimed, RecordKey, Settlement, State
+from .store.base import Claimed, RecordKey, State
 
 if TYPE_CHECKING:
     from .exchange import Exchange
@@ -226,9 +226,8 @@ class LeaseExecution:
                         if capture.start is None or not capture.complete:
                             if capture.start is None or not ex.client_left():
                                 await fence.close()
-                                await self.store.settle(
-                                    key, generation, State.PENDING, Settlement(State.UNKNOWN)
-                                )
+                                # (`unknown`, or released as declared; sent again on a blip)
+                                await self._unresolved(context)
                                 raise RuntimeError(
                                     "the application returned without a complete response"
                                 )

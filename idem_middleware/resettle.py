@@ -189,7 +189,7 @@ async def _resend(
 ) -> bool:
     outcome = context.declared or outcome_for_status(capture.status, Mode.LEASE)
     settlement = settlement_for(outcome, lambda: capture.stored(omitted))
-    key, generation = execution.key, execution.generation
+    key, generation, fence = execution.key, execution.generation, execution.fence
     settled = await send_again(
         execution.store,
         key,
@@ -197,6 +197,7 @@ async def _resend(
         settlement,
         seconds=execution.policy.lease_seconds / 3,
         error=error,
+        over_unknown=fence is not None and fence.over_unknown,
     )
     from .lease_executor import log_extra  # (it imports this module)
 
@@ -321,11 +322,13 @@ async def send_again(
     *,
     seconds: float,
     error: StoreError,
+    over_unknown: bool = False,
 ) -> bool:
     """Send a settlement of a pending record that failed with `error` again, with backoff and
     no connection held between attempts, for up to `seconds` (and at least twice): True once
     it is recorded, False if the generation no longer holds the record. `settlement` None is a
-    release. Raises the last error if the store could not be reached all along.
+    release. Raises the last error if the store could not be reached all along. `over_unknown`:
+    a final outcome may be recorded over `unknown` under the generation (`Fence.over_unknown`).
 
     An attempt that failed may have committed (the connection lost after the server committed,
     before it answered): a later attempt then finds no pending record, and the record itself
@@ -348,14 +351,14 @@ async def send_again(
                 return True
             record = await store.get(key)
             if (
-                settlement is not None
+                over_unknown
+                and settlement is not None
                 and settlement.state in FINAL_STATES
                 and record is not None
                 and (record.state, record.generation) == (State.UNKNOWN, generation)
             ):
                 # Marked `unknown` under this generation meanwhile (a duplicate found its lease
-                # lapsed): nobody took it over, so this outcome is still the one to record, as
-                # `Fence.settle` records it. (A reconciler's, first, stands.)
+                # lapsed), as `Fence.settle` records it then. (A reconciler's, first, stands.)
                 if await store.settle(key, generation, State.UNKNOWN, settlement):
                     return True
                 record = await store.get(key)

@@ -26,7 +26,7 @@ from idem_middleware import (
     PostgresStore,
     get_context,
 )
-from idem_middleware.errors import StoreError
+from idem_middleware.errors import StaleGeneration, StoreError
 from idem_middleware.jobs import idempotent_job
 from idem_middleware.ops import reopen
 from idem_middleware.reconcile import Happened, ReconcileContext, Reconciliation
@@ -216,15 +216,7 @@ async def test_an_outcome_is_recorded_if_a_duplicate_only_marked_the_record_unkn
     )
     app = one_route_app("/charges", charge, store=store, policies={"POST /charges": policy})
     async with client(app) as c:
-        first = asyncio.create_task(c.post("/charges", json={}, headers=HEADERS))
-        await asyncio.wait_for(entered.wait(), BOUND)
-
-        async def lapsed() -> bool:
-            record = await store.get(KEY)
-            return record is not None and record.lease_expired
-
-        await until(lapsed, "the lease to lapse")
-        duplicate = await asyncio.wait_for(c.post("/charges", json={}, headers=HEADERS), BOUND)
+        first, duplicate = await duplicate_after_the_lapse(c, store, entered)
         record = await store.get(KEY)
         assert record is not None
         assert record.generation == runs[0].generation
@@ -281,15 +273,7 @@ async def test_a_late_outcome_is_refused_once_an_operator_reopened_the_record(
     )
     app = one_route_app("/charges", charge, store=store, policies={"POST /charges": policy})
     async with client(app) as c:
-        first = asyncio.create_task(c.post("/charges", json={}, headers=HEADERS))
-        await asyncio.wait_for(entered.wait(), BOUND)
-
-        async def lapsed() -> bool:
-            record = await store.get(KEY)
-            return record is not None and record.lease_expired
-
-        await until(lapsed, "the lease to lapse")
-        duplicate = await asyncio.wait_for(c.post("/charges", json={}, headers=HEADERS), BOUND)
+        first, duplicate = await duplicate_after_the_lapse(c, store, entered)
         assert duplicate.json() == {"reconciled": True}
         await reopen(store, KEY, note="the bank disagrees")
         reopened = await store.get(KEY)
@@ -463,3 +447,123 @@ async def test_a_stream_settled_before_its_first_byte_renews_no_more(
     record = await store.get(KEY)
     assert record is not None
     assert record.state is State.SUCCEEDED
+
+
+async def duplicate_after_the_lapse(
+    c: Any, store: Store, entered: asyncio.Event
+) -> tuple[asyncio.Task[Any], Any]:
+    """POST /charges (held in its handler once `entered`), then, once its lease has lapsed, a
+    duplicate: the first's task and the duplicate's response."""
+    first = asyncio.create_task(c.post("/charges", json={}, headers=HEADERS))
+    await asyncio.wait_for(entered.wait(), BOUND)
+
+    async def lapsed() -> bool:
+        record = await store.get(KEY)
+        return record is not None and record.lease_expired
+
+    await until(lapsed, "the lease to lapse")
+    return first, await asyncio.wait_for(c.post("/charges", json={}, headers=HEADERS), BOUND)
+
+
+def renewals_down(store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every renewal fails: the lease lapses under a running handler."""
+
+    async def down(key: RecordKey, generation: int, lease_seconds: float) -> bool:
+        raise StoreError("ConnectionRefusedError: the server is down")
+
+    monkeypatch.setattr(store, "heartbeat", down)
+
+
+def success_blips_once(store: Store, monkeypatch: pytest.MonkeyPatch) -> list[State]:
+    """The store's first `succeeded` settlement meets a blip; returns the state each one
+    expected, in order."""
+    real_settle = store.settle
+    finals: list[State] = []
+
+    async def settle(key: RecordKey, generation: int, expected: State, s: Settlement) -> bool:
+        if s.state is State.SUCCEEDED:
+            finals.append(expected)
+            if len(finals) == 1:
+                raise BLIP
+        return await real_settle(key, generation, expected, s)
+
+    monkeypatch.setattr(store, "settle", settle)
+    return finals
+
+
+@pytest.mark.parametrize("blip", [False, True], ids=["settled-at-once", "sent-again"])
+async def test_an_answer_after_a_refused_fenced_connection_is_not_recorded_over_unknown(
+    store: Store, monkeypatch: pytest.MonkeyPatch, blip: bool
+) -> None:
+    """A duplicate marks the record `unknown` under the execution's own generation; the handler
+    then asks for its fenced connection, is refused (`StaleGeneration`), catches it and answers
+    201. Its fenced writes never happened, whatever it answered: the record stays `unknown`.
+    It did when the settlement met a blip first and was sent again: the resend recorded the 201
+    over `unknown`, as for a handler that never asked for a fenced connection."""
+
+    renewals_down(store, monkeypatch)
+    finals = success_blips_once(store, monkeypatch) if blip else []
+    entered, release = asyncio.Event(), asyncio.Event()
+    refused: list[str] = []
+
+    async def charge(request: Request) -> Response:
+        entered.set()
+        await asyncio.wait_for(release.wait(), BOUND)
+        try:
+            await get_context(request).fenced_connection()
+        except StaleGeneration as exc:
+            refused.append(str(exc))
+        return JSONResponse({"charged": True}, status_code=201)
+
+    policy = Policy(mode=Mode.LEASE, lease_seconds=0.3, wait_seconds=0.2)
+    app = one_route_app("/charges", charge, store=store, policies={"POST /charges": policy})
+    async with client(app) as c:
+        first, duplicate = await duplicate_after_the_lapse(c, store, entered)
+        assert_problem(duplicate, 409, "outcome-unknown")
+        release.set()
+        response = await asyncio.wait_for(first, BOUND)
+    assert len(refused) == 1
+    assert_problem(response, 409, "request-in-flight")
+    record = await store.get(KEY)
+    assert record is not None
+    assert record.state is State.UNKNOWN
+    if blip:
+        assert finals[:2] == [State.PENDING, State.PENDING]  # (the blip, then sent again)
+
+
+async def test_a_lease_jobs_result_after_a_refused_fenced_connection_is_not_recorded_over_unknown(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same for a lease-mode job: its record marked `unknown` under its generation, its
+    fenced connection refused and caught, its settlement meeting a blip: the resend recorded
+    its result over `unknown`. Now the run is told it lost its claim, and the record stays."""
+
+    renewals_down(store, monkeypatch)
+    finals = success_blips_once(store, monkeypatch)
+    job_key = RecordKey("", "payout", "p1")
+    marked = asyncio.Event()
+
+    @idempotent_job(store, operation="payout", key="ref", mode=Mode.LEASE, lease_seconds=0.3)
+    async def payout(job: IdempotencyContext, *, ref: str) -> dict[str, str]:
+        await asyncio.wait_for(marked.wait(), BOUND)
+        with contextlib.suppress(StaleGeneration):
+            await job.fenced_connection()
+        return {"paid": ref}
+
+    run = asyncio.create_task(payout(ref="p1"))
+
+    async def lapsed() -> bool:
+        record = await store.get(job_key)
+        return record is not None and record.lease_expired
+
+    await until(lapsed, "the lease to lapse")
+    record = await store.get(job_key)
+    assert record is not None
+    assert await store.expire_lease(job_key, record.generation)  # (as a duplicate does)
+    marked.set()
+    with pytest.raises(StaleGeneration):
+        await asyncio.wait_for(run, BOUND)
+    after = await store.get(job_key)
+    assert after is not None
+    assert (after.state, after.generation) == (State.UNKNOWN, record.generation)
+    assert finals[:2] == [State.PENDING, State.PENDING]
