@@ -147,13 +147,10 @@ async def test_a_wait_cancelled_while_it_registers_leaves_no_waiter_behind() -> 
         registering.set()
         await answer.wait()
 
-    async def no_connection() -> tuple[Any, bool]:
+    async def no_connection() -> Any:
         raise OSError("no server in this test")
 
-    async def release(conn: Any) -> None:
-        pass
-
-    listener = Listener(enabled=True, connect=no_connection, release=release, execute=never_answers)
+    listener = Listener(enabled=True, connect=no_connection, execute=never_answers)
 
     async def wait() -> None:
         async with listener.watch(RecordKey("t1", "POST /pay", "cancelled")) as watch:

@@ -252,3 +252,45 @@ async def test_the_listen_connection_is_made_with_the_stores_connect_kwargs(
             await asyncio.sleep(0.05)
     assert listening == 1
     assert "LISTEN unavailable" not in caplog.text
+
+
+@pytest.mark.parametrize("size", [1, 2])
+async def test_a_given_pool_keeps_every_connection_while_the_store_listens(
+    db_dsn: str, size: int
+) -> None:
+    """A store given the app's pool took a connection of that pool for LISTEN, the first time a
+    lease-mode duplicate came (a replay was enough), and held it for good: a pool of one then
+    answered every guarded request `503 store-unavailable`, and a larger one served one fewer at
+    a time than its size. The listener now makes a connection of its own, as the pool makes
+    its connections."""
+    from idem_middleware import Mode, Policy
+    from tests.apps import client, key, one_route_app
+
+    async def pay(request: Request) -> JSONResponse:
+        return JSONResponse({"paid": True}, status_code=201)
+
+    pool = await asyncpg.create_pool(db_dsn, min_size=size, max_size=size)
+    try:
+        async with PostgresStore(pool=pool, acquire_timeout=2) as store:
+            policy = Policy(mode=Mode.LEASE, lease_seconds=30, wait_seconds=0.2)
+            app = one_route_app("/pay", pay, store=store, default_policy=policy)
+            async with client(app) as c:
+                first = await c.post("/pay", json={}, headers=key("k1"))
+                replay = await c.post("/pay", json={}, headers=key("k1"))
+                for _ in range(100):  # (the listener connects in a task of its own)
+                    if store._listener.connected():
+                        break
+                    await asyncio.sleep(0.05)
+                assert store._listener.connected()
+                after = await c.post("/pay", json={}, headers=key("k2"))
+            assert pool.get_idle_size() == size
+            listening = await pool.fetchval(
+                "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1",
+                "idem_middleware.listen",
+            )
+    finally:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(pool.close(), BOUND)
+    assert (first.status_code, replay.status_code, after.status_code) == (201, 201, 201)
+    assert replay.headers["idempotent-replayed"] == "true"
+    assert listening == 1

@@ -45,19 +45,17 @@ class Listener:
         self,
         *,
         enabled: bool,
-        connect: Callable[[], Awaitable[tuple[Any, bool]]],
-        release: Callable[[Any], Coroutine[Any, Any, None]],
+        connect: Callable[[], Awaitable[Any]],
         execute: Callable[..., Awaitable[Any]],
     ) -> None:
-        # `connect` returns a connection and whether it is the pool's (then `release` gives it
-        # back); otherwise it is our own, and closed. `execute(query, *args)` runs a statement
-        # on a pooled connection (the waits' registrations).
+        # `connect` makes a connection of the listener's own, never one of the pool's: held for
+        # the store's life, it would be a pooled connection less for every request (a pool of
+        # one, none at all). `execute(query, *args)` runs a statement on a pooled connection
+        # (the waits' registrations).
         self._enabled = enabled
         self._open_connection = connect
-        self._release = release
         self._execute = execute
         self._conn: Any = None
-        self._pooled = False
         self._connecting: asyncio.Task[None] | None = None
         self._waiters: dict[str, set[asyncio.Event]] = {}
         self._retry_at = 0.0
@@ -91,7 +89,7 @@ class Listener:
         conn: Any = None
         try:
             async with asyncio.timeout(CONNECT_SECONDS):
-                conn, self._pooled = await self._open_connection()
+                conn = await self._open_connection()
                 await conn.add_listener(NOTIFY_CHANNEL, self._notified)
             conn.add_termination_listener(self._lost)
             self._conn, conn = conn, None
@@ -101,14 +99,7 @@ class Listener:
         finally:
             self._connecting = None
             if conn is not None:  # it never became the listener (a timeout, or closing)
-                self._give_back(conn)
-
-    def _give_back(self, conn: Any) -> None:
-        if self._pooled:
-            task = asyncio.get_running_loop().create_task(self._release(conn))
-            task.add_done_callback(lambda t: t.cancelled() or t.exception())
-        else:
-            conn.terminate()
+                conn.terminate()
 
     def _notified(self, conn: object, pid: int, channel: str, payload: object) -> None:
         for event in self._waiters.get(str(payload), ()):
@@ -116,9 +107,6 @@ class Listener:
 
     def _lost(self, conn: Any) -> None:
         self._conn = None
-        if self._pooled:
-            # A pooled connection that died still holds its pool slot until it is released.
-            self._give_back(conn)
         # Wake everyone: they re-read the record, then poll until a new listener is up.
         for events in self._waiters.values():
             for event in events:
@@ -210,23 +198,10 @@ class Listener:
         try:
             # (Bounded: a server that does not answer never acknowledges the goodbye.)
             async with asyncio.timeout(seconds):
-                await self._say_goodbye(conn)
+                await conn.close()
         except TimeoutError:
             logger.warning("the LISTEN connection did not close in time; terminated it")
             conn.terminate()
-
-    async def _say_goodbye(self, conn: Any) -> None:
-        if self._pooled:
-            # Back to the pool without our callback. asyncpg warns about a listener left on a
-            # released connection; where warnings are errors that aborts the release, and the
-            # connection stays acquired forever (`pool.close()` then never returns).
-            try:
-                await conn.remove_listener(NOTIFY_CHANNEL, self._notified)
-            except _ERRORS:
-                logger.debug("UNLISTEN failed; the pool's reset will drop it", exc_info=True)
-            await self._release(conn)
-        else:
-            await conn.close()
 
 
 class _Registered(EventWatch):

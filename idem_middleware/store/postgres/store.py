@@ -90,7 +90,6 @@ class PostgresStore(OffPathStatements):
         self._listener = Listener(
             enabled=listen,
             connect=self._listen_connection,
-            release=self._release,
             execute=self._execute_statement,
         )
         #: Lease renewals' own connection, outside the pool (see renewals.py).
@@ -355,24 +354,20 @@ class PostgresStore(OffPathStatements):
             self.pool, self._checkouts, self._fast, key, generation, expected, self._clean_releases
         )
 
-    async def _release(self, conn: Any) -> None:
-        await self.pool.release(conn)
-
-    async def _listen_connection(self) -> tuple[Any, bool]:
-        """A connection for LISTEN: a dedicated one when we know the DSN (on the pool's, made as
-        the pool makes its own: `connect_kwargs` reach it too), else one from the pool."""
+    async def _listen_connection(self) -> Any:
+        """A connection of its own for LISTEN: to `listen_dsn`, else made as the pool makes its
+        own (a pool given to the store too; `connect_kwargs` reach it)."""
         if not self._listen:
             raise StoreError("LISTEN is disabled for this store")
-        if self._listen_dsn is not None and self._listen_dsn == self._dsn:
+        if self._listen_dsn == self._dsn:  # (None for a pool given to the store)
             made = await compat.connect_like(self.pool, ".listen")
             if made is not None:
-                return made, False
-        if self._listen_dsn is not None:
-            conn = await asyncpg.connect(
-                self._listen_dsn, server_settings={"application_name": "idem_middleware.listen"}
-            )
-            return conn, False
-        return await self.pool.acquire(), True
+                return made
+        if self._listen_dsn is None:
+            raise StoreError("this asyncpg's pool does not say how it connects")
+        return await asyncpg.connect(
+            self._listen_dsn, server_settings={"application_name": "idem_middleware.listen"}
+        )
 
     def _renewal_connection(self) -> Awaitable[Any]:
         return compat.connect_like(self.pool, ".renew")
