@@ -37,9 +37,10 @@ from .jobs_spec import KeyOf as KeyOf
 from .jobs_transactional import run_transactional
 from .jsonvalues import non_finite
 from .keys import MAX_KEY_LENGTH
-from .policy import LeaseExpiry, Mode, Policy, plainly_sync, seconds_option
+from .policy import MAX_OPERATION_BYTES, LeaseExpiry, Mode, Policy, plainly_sync, seconds_option
+from .storable import storable_text
 from .store.base import RecordKey, Store
-from .tenant import MAX_TENANT_BYTES, storable_tenant, storable_text
+from .tenant import MAX_TENANT_BYTES, storable_tenant
 
 __all__ = [
     "JobInProgress",
@@ -50,12 +51,6 @@ __all__ = [
 ]
 
 R = TypeVar("R")
-
-#: The most bytes of UTF-8 a job's operation may have: with a tenant (up to MAX_TENANT_BYTES)
-#: and a key (up to 255) it is the record's primary key, a btree entry PostgreSQL refuses past
-#: 2704 bytes. A longer one failed every run: the claim with the driver's error (lease mode) or
-#: the completion after the function ran (transactional).
-MAX_OPERATION_BYTES = 1024
 
 
 def _fingerprint(operation: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bytes:

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import difflib
 import logging
-from collections.abc import Iterable, Mapping
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
@@ -26,6 +27,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from .errors import ProblemKind
+from .observe import shown
 from .policy import Policy
 from .responses import DEFAULT_PROBLEM_BASE, problem_response
 
@@ -111,6 +113,39 @@ class GuardedOperations:
 
     def token_operations(self) -> list[str]:
         return sorted(name for name, p in (self.policies or {}).items() if p.require_token)
+
+
+def shared_names(guarded: Sequence[tuple[str, Policy]]) -> list[str]:
+    """Warn for every name that more than one guarded route has: they share one key space (a
+    key used on one replays its response to the others). The errors: names whose routes differ
+    in what the status and token routes and the CLI read of an operation's policy (its mode,
+    what a lapsed lease becomes, its reconciler, `require_token`), since they read one."""
+    errors = []
+    for name, count in sorted(Counter(name for name, _ in guarded).items()):
+        if count < 2:
+            continue
+        policies = [policy for named, policy in guarded if named == name]
+        logger.warning(  # (routes told apart by more than their path: a version header, say)
+            "idempotency: %s names more than one guarded route: they share one key space, and a "
+            "key used on one replays its response to the others%s",
+            shown(name),
+            " (as while a renamed route is served at both paths)"
+            if any(policy.operation is not None for policy in policies)
+            else "",
+        )
+        first = policies[0]
+        if any(_read(policy) != _read(first) for policy in policies[1:]):
+            errors.append(
+                f"the {count} guarded routes named {shown(name)} differ in mode, "
+                "on_lease_expiry, reconciler or require_token: they share one record per key, "
+                "and the status and token routes and the CLI read one policy per operation. "
+                "Give them the same"
+            )
+    return errors
+
+
+def _read(policy: Policy) -> tuple[Any, ...]:
+    return (policy.mode, policy.on_lease_expiry, id(policy.reconciler), policy.require_token)
 
 
 def tell_library_routes(

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
+from starlette.endpoints import HTTPEndpoint
 from starlette.routing import BaseRoute, Host, Mount
 
 from .routing import Found, _no_converters, mounted_app, routes_of, walk
@@ -79,9 +80,16 @@ def mounted_middlewares(
 
 
 def methods_of(item: Found) -> list[str]:
-    """The methods a route is listed and checked for: its own, or every unsafe one if it takes
-    any."""
-    return sorted(item.methods) if item.methods is not None else list(_UNSAFE_METHODS)
+    """The methods a route is listed and checked for: its own; an `HTTPEndpoint` class's, those
+    it defines; else every unsafe one (it takes any)."""
+    if item.methods is not None:
+        return sorted(item.methods)
+    endpoint = item.endpoint
+    if isinstance(endpoint, type) and issubclass(endpoint, HTTPEndpoint):
+        # (The others are its 405: a class-level policy pinning `POST /payments` on a class
+        # that serves POST alone named PUT, PATCH and DELETE too, and failed the startup.)
+        return [m for m in _UNSAFE_METHODS if callable(getattr(endpoint, m.lower(), None))]
+    return list(_UNSAFE_METHODS)
 
 
 def nested_policy_errors(

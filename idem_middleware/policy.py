@@ -19,6 +19,7 @@ from .fingerprint import is_json_pointer
 from .frozen import quick_init
 from .keysource import FIELD_NAME, KeyFunction, KeySource, as_key_source
 from .reconcile import Reconciler
+from .storable import storable_text
 
 if TYPE_CHECKING:
     from .responses import ReplayHook
@@ -47,6 +48,12 @@ class LeaseExpiry(StrEnum):
 OPERATION_SHAPE = re.compile(
     r"[!#$%&'*+.^_`|~0-9A-Z-]{1,255} [^/\x00-\x20\x7f]{0,255}/[^\x00-\x1f\x7f]{0,2000}"
 )
+
+#: The most bytes of UTF-8 an operation's name may have (a job's, or one a policy pins): with
+#: a tenant (up to MAX_TENANT_BYTES) and a key (up to 255) it is the record's primary key, a
+#: btree entry PostgreSQL refuses past 2704 bytes. A longer one failed every run: the claim with
+#: the driver's error (lease mode) or the completion after the function ran (transactional).
+MAX_OPERATION_BYTES = 1024
 
 #: `Policy.max_body_bytes` when not set: a route's own `max_body_size` replaces it (body_limits).
 DEFAULT_MAX_BODY_BYTES = 1024 * 1024
@@ -170,12 +177,18 @@ class Policy:
             raise ConfigurationError(f"include_headers: {bad[0]!r} is not a header's name")
         object.__setattr__(self, "include_headers", tuple(h.lower() for h in headers))
         if self.operation is not None and (
-            type(self.operation) is not str or OPERATION_SHAPE.fullmatch(self.operation) is None
+            type(self.operation) is not str
+            or OPERATION_SHAPE.fullmatch(self.operation) is None
+            or not storable_text(self.operation)
+            or len(self.operation.encode()) > MAX_OPERATION_BYTES
         ):
+            # (Text PostgreSQL cannot hold, or a key too long for its index, failed every
+            # request to the route.)
             raise ConfigurationError(
                 f"operation must be a name like 'POST /payments' (the route's method, a space "
-                f"and a path-like name, as the status route and tokens take it), not "
-                f"{self.operation!r}"
+                f"and a path-like name, as the status route and tokens take it; at most "
+                f"{MAX_OPERATION_BYTES} bytes of UTF-8, no NUL or unpaired surrogate), not "
+                f"{repr(self.operation)[:120]}"
             )
 
     def replace(self, **changes: Any) -> Policy:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import difflib
 import logging
-from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -16,7 +15,12 @@ from starlette.types import Scope
 from .body_limits import declared_limit, limit_warning
 from .endpoints import WRAPPER_ATTRIBUTE, endpoint_policy
 from .errors import NOT_OPEN, ConfigurationError
-from .library_routes import ROUTE_OPERATIONS_ATTRIBUTE, GuardedOperations, tell_library_routes
+from .library_routes import (
+    ROUTE_OPERATIONS_ATTRIBUTE,
+    GuardedOperations,
+    shared_names,
+    tell_library_routes,
+)
 from .middleware_order import check_authentication, check_outer_middleware, middleware_inside
 from .mounted import methods_of, nested_policy_errors, stacked_policy_errors
 from .observe import shown
@@ -120,15 +124,7 @@ def check_app(mw: IdempotencyMiddleware, app: Any, scope: Scope | None = None) -
         listed = ", ".join(sorted(mw.methods)) or "none"
         none = f"{len(reachable)} unsafe operations (its methods: {listed})"
         logger.warning("idempotency: the middleware guards none of the app's %s", none)
-    named = Counter(name for name, _ in guarded)
-    pinned_names = {name for name, policy in guarded if policy.operation is not None}
-    for name in sorted(name for name, count in named.items() if count > 1):
-        logger.warning(  # (routes told apart by more than their path: a version header, say)
-            "idempotency: %s names more than one guarded route: they share one key space, and a "
-            "key used on one replays its response to the others%s",
-            shown(name),
-            " (as while a renamed route is served at both paths)" if name in pinned_names else "",
-        )
+    errors.extend(shared_names(guarded))
     # The status and token routes' view of the app, and its problem_base.
     errors.extend(tell_library_routes(items, guarded, mw.problem_base))
     for name in sorted(set(mw.policies) - reachable):  # a typo, or a prefix left out

@@ -237,18 +237,6 @@ class Tenants:
         return RequestRejected(ProblemKind.MISCONFIGURED, _CANNOT_IDENTIFY)
 
 
-def storable_text(value: str | None) -> bool:
-    """Whether PostgreSQL text can hold `value` (None: nothing to hold): no NUL, and no unpaired
-    surrogate (not encodable as UTF-8). The driver refuses either, as an error of its own."""
-    if value is None or value.isascii():
-        return value is None or "\x00" not in value
-    try:
-        value.encode()
-    except UnicodeEncodeError:
-        return False
-    return "\x00" not in value
-
-
 #: The most bytes of UTF-8 a tenant may have: the record's primary key (tenant, operation, key)
 #: is a btree entry, which PostgreSQL refuses past 2704 bytes (after compression), and a key is
 #: up to 255. A longer tenant failed the claim (lease mode) or the completion (transactional,

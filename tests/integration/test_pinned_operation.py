@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 from starlette.applications import Starlette
+from starlette.endpoints import HTTPEndpoint
 from starlette.middleware import Middleware
 from starlette.middleware.authentication import AuthenticationMiddleware
 from starlette.requests import Request
@@ -127,7 +128,18 @@ async def test_tokens_are_issued_for_the_pinned_name(pg_store: PostgresStore) ->
 # -- names refused -------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["payments", "POST payments", "post /payments", b"POST /x", ""])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "payments",
+        "POST payments",
+        "post /payments",
+        b"POST /x",
+        "",
+        "POST /pay\ud800",  # (from a config file's JSON: PostgreSQL text cannot hold it)
+        "POST /" + "\u652f" * 400,  # 1,206 bytes of UTF-8: too long for the record's key
+    ],
+)
 def test_a_name_that_cannot_be_an_operation_is_refused(name: Any) -> None:
     with pytest.raises(ConfigurationError, match="operation must be a name like"):
         Policy(operation=name)
@@ -216,3 +228,52 @@ async def test_two_routes_sharing_a_pinned_name_are_told_at_startup(
     ]
     guarding = [m for m in messages(caplog, logging.INFO) if m.startswith("idempotency: guarding")]
     assert [m.split(" (")[0] for m in guarding] == ["idempotency: guarding POST /payments"] * 2
+
+
+async def test_routes_sharing_a_name_must_agree_on_what_is_read_per_operation() -> None:
+    """The token route, the status route and the CLI read one policy per operation: routes that
+    share a name (the old path kept beside the new one) with tokens on one only made every
+    token request refused and the tokened route unusable."""
+
+    async def pay(request: Request) -> Response:
+        return Response(status_code=204)
+
+    old = idempotent(operation=PINNED)(pay)
+    new = idempotent(operation=PINNED, require_token=True)(pay)
+    app = Starlette(
+        routes=[Route("/v1/pay", old, methods=["POST"]), Route("/v2/pay", new, methods=["POST"])],
+        middleware=[
+            Middleware(AuthenticationMiddleware, backend=BearerBackend()),
+            Middleware(IdempotencyMiddleware, store=MemoryStore()),
+        ],
+    )
+    sent = await startup(app)
+    assert [m["type"] for m in sent] == ["lifespan.startup.failed"]
+    assert "the 2 guarded routes named POST /payments differ in mode" in sent[0]["message"]
+
+
+async def test_a_class_level_name_on_an_endpoint_class_names_the_methods_it_serves() -> None:
+    """An `HTTPEndpoint` serving POST alone was listed for every unsafe method: a class-level
+    pin named PUT, PATCH and DELETE too, and failed the startup."""
+
+    @idempotent(operation=PINNED)
+    class Pay(HTTPEndpoint):
+        async def post(self, request: Request) -> Response:
+            return JSONResponse({"paid": True}, status_code=201)
+
+    app = Starlette(
+        routes=[Route("/v2/pay", Pay)],
+        middleware=[
+            Middleware(AuthenticationMiddleware, backend=BearerBackend()),
+            Middleware(IdempotencyMiddleware, store=MemoryStore()),
+        ],
+    )
+    assert [m["type"] for m in await startup(app)] == [
+        "lifespan.startup.complete",
+        "lifespan.shutdown.complete",
+    ]
+    async with client(app) as c:
+        first = await c.post("/v2/pay", json={}, headers=key("k"))
+        again = await c.post("/v2/pay", json={}, headers=key("k"))
+    assert first.status_code == 201
+    assert_replay_of(again, first)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from functools import partial
 
 import pytest
 
@@ -84,12 +85,17 @@ async def test_a_record_taken_over_meanwhile_is_not_this_settlement() -> None:
 async def test_a_final_outcome_is_recorded_over_an_unknown_mark_of_its_generation() -> None:
     """Marked `unknown` under this generation (a duplicate found its lease lapsed; nobody took
     the record over): the outcome sent again is still the one to record, as `Fence.settle`
-    records it. A release is not (its record stays `unknown`)."""
+    records it. A release is not (its record stays `unknown`), nor the outcome of a handler
+    that asked for its fenced transaction (`over_unknown` False: its fenced writes never
+    happened)."""
     store = MemoryStore()
     generation = await claimed(store)
     assert await store.settle(KEY, generation, State.PENDING, Settlement(State.UNKNOWN))
-    assert not await send_again(store, KEY, generation, None, seconds=5.0, error=DOWN)
-    assert await send_again(store, KEY, generation, DONE, seconds=5.0, error=DOWN)
+    again = partial(send_again, store, KEY, generation, seconds=5.0, error=DOWN)
+    assert not await again(None, over_unknown=True)
+    assert not await again(DONE, over_unknown=False)
+    assert not await landed(store, KEY, generation, State.SUCCEEDED, DONE.response)
+    assert await again(DONE, over_unknown=True)
     assert await landed(store, KEY, generation, State.SUCCEEDED, DONE.response)
 
 
