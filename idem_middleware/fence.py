@@ -136,11 +136,19 @@ class Fence:
         return self._unsettled(settlement)
 
     async def _unsettled(self, settlement: Settlement | None) -> bool:
-        self.settling = True
-        await self.close()
+        await self.seal()
         if settlement is None:
             return await self.store.release(self.key, self.generation)
         return await self.store.settle(self.key, self.generation, State.PENDING, settlement)
+
+    async def seal(self) -> None:
+        """The execution is over (its handler raised, or returned): the fenced transaction is
+        rolled back, and none opens after it. A helper of the handler's still running (the other
+        half of an `asyncio.gather` whose first half raised) asked for one as the execution
+        cleaned up: opened after the rollback, nothing ever ended it, and the `unknown` mark
+        waited for its row lock for good."""
+        self.settling = True
+        await self.close()
 
     async def close(self, *, commit: bool = False) -> None:
         """Commit (or roll back) the fenced transaction, if one was opened."""

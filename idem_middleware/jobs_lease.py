@@ -121,7 +121,7 @@ async def _execute(
                 # This run's own claim was lost (its fenced connection refused, or its renewals
                 # found the record gone): nothing of its own can be settled. Another run's (a
                 # lease-mode job it called lost its claim) is its error like any other, below.
-                await fence.close()
+                await fence.seal()
                 raise
             # Whatever the function did outside the database may have happened: unknown,
             # unless it declared that it did nothing (sent again on a blip). To its end, however
@@ -129,7 +129,7 @@ async def _execute(
             gone = fence.lost(exc) if isinstance(exc, Exception) else None
             third = job.lease_seconds / 3
             await to_the_end(
-                fence.close,
+                fence.seal,
                 partial(unresolve_after, exc, store, key, generation, context, seconds=third),
             )
             if gone is not None:
@@ -175,7 +175,7 @@ async def _execute(
             # ran: `unknown`, as for one cancelled while it ran, not `pending` until the lease
             # lapses (a takeover would run it again). One that committed stands: no change.
             await to_the_end(
-                fence.close,
+                fence.seal,
                 partial(unresolve_after, exc, store, key, generation, context, seconds=third),
             )
             raise

@@ -179,7 +179,7 @@ class LeaseExecution:
                     # the outcome. (The clause matches only this execution's own, which sets
                     # `lease_lost` before it is raised: another's, a lease-mode job's the
                     # handler called, is the handler's error like any other, below.)
-                    await fence.close()
+                    await fence.seal()
                     logger.warning(
                         "a stale executor's fenced write was refused",
                         extra=log_extra(key, generation, "stale"),
@@ -194,7 +194,7 @@ class LeaseExecution:
                     # (To its end: cancellations, anyio's too, wait for it: see `to_the_end`.)
                     third = policy.lease_seconds / 3
                     moved, event = await to_the_end(
-                        fence.close,
+                        fence.seal,
                         partial(
                             unresolve_after,
                             exc,
@@ -225,7 +225,7 @@ class LeaseExecution:
                     try:
                         if capture.start is None or not capture.complete:
                             if capture.start is None or not ex.client_left():
-                                await fence.close()
+                                await fence.seal()
                                 # (`unknown`, or released as declared; sent again on a blip)
                                 await self._unresolved(context)
                                 raise RuntimeError(
@@ -259,7 +259,7 @@ class LeaseExecution:
                         # connection, say.) The handler ran: `unknown`, as a cancelled handler's
                         # record is, not `pending` until its lease lapses (a takeover would run
                         # it again). A settlement that committed stands: the mark changes nothing.
-                        await to_the_end(fence.close, lambda: self._unresolved(context))
+                        await to_the_end(fence.seal, lambda: self._unresolved(context))
                         raise
             finally:
                 leave_context(ex.scope, token, context)
@@ -317,7 +317,7 @@ class LeaseExecution:
             try:
                 await self.ex.mw.tenants.refuse_named_late(self.ex.scope)
             except CallerNamedLate:
-                await fence.close()  # (its writes rolled back; the caller marks it unknown)
+                await fence.seal()  # (its writes rolled back; the caller marks it unknown)
                 raise
         outcome = context.declared or outcome_for_status(capture.status, Mode.LEASE)
         generation = context.generation
