@@ -16,7 +16,8 @@ from typing import Any
 import asyncpg
 import pytest
 
-from idem_middleware import LeaseExpiry, Mode, Policy, PostgresStore
+from idem_middleware import LeaseExpiry, Mode, Policy, PostgresStore, RecordKey
+from idem_middleware.errors import StoreError
 from tests.apps import (
     BOUND,
     PAYOUTS,
@@ -119,3 +120,19 @@ async def test_a_takeover_of_a_held_record_stays_busy_under_lock_timeout(
             reply = await asyncio.wait_for(c.post(PAYOUTS, json=BODY, headers=key("lapsed")), BOUND)
     assert_problem(reply, 409, "request-in-flight")
     assert app.state.probe.calls == 1
+
+
+@pytest.mark.parametrize("setting", ["lock_timeout", "statement_timeout"])
+async def test_a_record_read_behind_a_table_lock_is_a_store_error(
+    db_dsn: str, pool: asyncpg.Pool[Any], setting: str
+) -> None:
+    """A lease-mode duplicate reads the record while a migration holds the table (`ALTER
+    TABLE`: ACCESS EXCLUSIVE), and the role's `lock_timeout` or `statement_timeout` cancels the
+    read: a `StoreError` (the duplicate polls on, then answers as documented), not asyncpg's
+    own error, which escaped as a plain 500."""
+    settings = {"server_settings": {setting: "50ms"}}
+    opened = PostgresStore(dsn=db_dsn, max_size=2, connect_kwargs=settings)
+    async with opened as store, pool.acquire() as other, other.transaction():
+        await other.execute("LOCK TABLE idem_requests IN ACCESS EXCLUSIVE MODE")
+        with pytest.raises(StoreError):
+            await asyncio.wait_for(store.get(RecordKey("t", "POST /x", "k")), BOUND)

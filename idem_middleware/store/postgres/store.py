@@ -248,6 +248,10 @@ class PostgresStore(OffPathStatements):
                 )
         except ACQUIRE_ERRORS as exc:
             raise StoreError(str(exc)) from exc
+        except TRANSLATED as exc:  # (a `statement_timeout` behind a migration's lock, say)
+            raise translate(exc) from exc
+        except LOCK_NOT_AVAILABLE as exc:
+            raise lock_waited(exc) from exc
         return None if row is None else to_record(key, row)
 
     # -- lease mode ------------------------------------------------------------------------------
