@@ -27,7 +27,7 @@ from .store.base import (
     StoredResponse,
     TokenRefused,
 )
-from .waiting import wait_rounds
+from .waiting import lock_wait, wait_rounds
 
 logger = logging.getLogger("idem_middleware")
 
@@ -91,7 +91,11 @@ async def run_leased(
                 if remaining <= 0:
                     raise JobInProgress(f"{job.operation}: another run holds this key")
                 await watch.wait(min(remaining, _POLL))
-            record = await store.get(key)
+            try:  # (bounded by the wait, as a request's duplicate's read is)
+                async with asyncio.timeout(lock_wait(deadline - loop.time())):
+                    record = await store.get(key)
+            except TimeoutError:
+                raise JobInProgress(f"{job.operation}: another run holds this key") from None
     raise RuntimeError("the record kept changing; giving up")  # pragma: no cover
 
 

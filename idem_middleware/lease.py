@@ -117,7 +117,12 @@ class LeaseRun:
                     await self.ex.wait_present(watch.wait(min(remaining, poll)))
                     poll = min(poll * 2, _MAX_POLL)
                 try:
-                    record = await store.get(self.key)
+                    # (Bounded by the wait: a read held up by a lock on the table, a migration's
+                    # say, waited for the whole lock.)
+                    async with asyncio.timeout(lock_wait(deadline - loop.time())):
+                        record = await store.get(self.key)
+                except TimeoutError:
+                    return InFlight()
                 except StoreError as exc:
                     # The server went away while this duplicate waited (a restart): it holds
                     # nothing, so it polls on, for what is left of its wait (not a closed store).
