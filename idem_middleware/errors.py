@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from enum import StrEnum
+from typing import TypeGuard
 
 
 class ProblemKind(StrEnum):
@@ -256,3 +257,10 @@ def missing_extra(module: str, extra: str, exc: ImportError) -> ModuleNotFoundEr
         f"pip install 'idem-middleware[{extra}]'",
         name=exc.name,
     )
+
+
+def blip(error: BaseException) -> TypeGuard[StoreError]:
+    """Whether sending the statement again may succeed: the store could not be reached, not a
+    statement the database refused (a constraint, a trigger), which it would refuse again, nor
+    a store that refuses all work (closed, or never opened: StoreClosed)."""
+    return isinstance(error, StoreError) and not isinstance(error, StatementRefused | StoreClosed)

@@ -12,13 +12,13 @@ from typing import Any
 import orjson
 
 from .context import Outcome
-from .errors import ClaimBusy, ClaimTimeout, JobInProgress, StaleGeneration, StoreError
+from .errors import ClaimBusy, ClaimTimeout, JobInProgress, StaleGeneration, StoreError, blip
 from .fence import Fence
 from .heartbeat import keep_lease
 from .jobs_spec import JSON_HEADERS, UNSETTLED, JobSpec
 from .outcomes import settlement_for
 from .policy import LeaseExpiry
-from .resettle import blip, landed, send_again, to_the_end, unresolve, unresolve_after
+from .resettle import landed, send_again, to_the_end, unresolve, unresolve_after
 from .store.base import (
     Claimed,
     Record,

@@ -18,14 +18,13 @@ from .answers import SENT, Answer, Problem
 from .capture import ResponseCapture
 from .context import IdempotencyContext, claimed_context, enter_context, key_digest, leave_context
 from .delayed import Delayed
-from .errors import CallerNamedLate, ClaimTimeout, ProblemKind, StaleGeneration
+from .errors import CallerNamedLate, ClaimTimeout, ProblemKind, StaleGeneration, blip
 from .fence import Fence
 from .heartbeat import keep_lease
 from .observe import SETTLED_EVENTS, Event
 from .outcomes import outcome_for_status, settlement_for
 from .policy import Mode
 from .resettle import (
-    blip,
     committed_after_all,
     cut_short,
     settle_again,

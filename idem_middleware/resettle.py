@@ -15,12 +15,12 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any, TypeGuard
+from typing import TYPE_CHECKING, Any
 
 from anyio import CancelScope
 
 from .context import IdempotencyContext
-from .errors import StatementRefused, StoreClosed, StoreError
+from .errors import StoreError, blip
 from .observe import SETTLED_EVENTS, Event
 from .outcomes import FINAL_STATE, Outcome, outcome_for_status, settlement_for
 from .policy import Mode
@@ -115,13 +115,6 @@ async def _in_turn(steps: tuple[Step, ...], progress: list[Any]) -> None:
                 raise  # this task's own cancellation: started again where it stopped
             raise _StepCancelled(exc) from None
         progress[0] += 1
-
-
-def blip(error: BaseException) -> TypeGuard[StoreError]:
-    """Whether sending the statement again may succeed: the store could not be reached, not a
-    statement the database refused (a constraint, a trigger), which it would refuse again, nor
-    a store that refuses all work (closed, or never opened: StoreClosed)."""
-    return isinstance(error, StoreError) and not isinstance(error, StatementRefused | StoreClosed)
 
 
 async def settle_again(

@@ -13,10 +13,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from idem_middleware import IdempotencyContext
-from idem_middleware.errors import StoreClosed, StoreError
+from idem_middleware.errors import StoreClosed, StoreError, blip
 from idem_middleware.jobs import idempotent_job
 from idem_middleware.policy import Mode
-from idem_middleware.resettle import blip
 from idem_middleware.store.base import RecordKey, State
 from idem_middleware.store.postgres import closing
 from tests.apps import one_route_app

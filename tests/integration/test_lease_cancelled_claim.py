@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from idem_middleware import IdempotencyContext, LeaseExpiry, Policy, PostgresStore
+from idem_middleware.errors import StoreError
 from idem_middleware.jobs import idempotent_job
 from idem_middleware.policy import Mode
 from idem_middleware.store.base import Claimed, RecordKey, State
@@ -48,12 +49,46 @@ class HeldAfterClaim(PostgresStore):
         return held()
 
 
+def undo_blips_once(store: PostgresStore, query: str | None = None) -> list[str]:
+    """The store's first undoing of a landed claim (its release; with `query`, that statement
+    of its own) meets a lost connection: sent once, the record stayed `pending` under the
+    lease, for a handler that never ran. Returns the tries."""
+    executions = store._executions
+    tries: list[str] = []
+    if query is None:
+        release = executions._release
+
+        async def once(key: RecordKey, generation: int) -> bool:
+            tries.append("release")
+            if len(tries) == 1:
+                raise StoreError("ConnectionDoesNotExistError: connection was closed")
+            return await release(key, generation)
+
+        executions._release = once
+        return tries
+    run = executions._run
+
+    async def run_once(method: str, sent: str, *args: Any) -> Any:
+        if sent == query:
+            tries.append("unclaim")
+            if len(tries) == 1:
+                raise StoreError("ConnectionDoesNotExistError: connection was closed")
+        return await run(method, sent, *args)
+
+    executions._run = run_once
+    return tries
+
+
+@pytest.mark.parametrize("blip", [False, True], ids=["released", "released-after-a-blip"])
 @pytest.mark.parametrize("lease", [0.5, 30.0])
-async def test_a_claim_cancelled_in_flight_is_released(db_dsn: str, lease: float) -> None:
+async def test_a_claim_cancelled_in_flight_is_released(
+    db_dsn: str, lease: float, blip: bool
+) -> None:
     runs: list[int] = []
 
     store = HeldAfterClaim(dsn=db_dsn, min_size=1, max_size=2, listen=False)
     store.entered, store.gate = asyncio.Event(), asyncio.Event()
+    tries = undo_blips_once(store) if blip else []
     policy = Policy(mode=Mode.LEASE, lease_seconds=lease, wait_seconds=0.1)
     async with store:
         await store.pool.execute("DELETE FROM idem_requests WHERE idem_key = 'k1'")
@@ -82,6 +117,7 @@ async def test_a_claim_cancelled_in_flight_is_released(db_dsn: str, lease: float
             retry = await http.post("/charges", json={}, headers={"Idempotency-Key": "k1"})
         assert retry.status_code == 201  # runs now, at once (not 409 for the lease, or for good)
         assert runs == [1]
+        assert tries == (["release", "release"] if blip else [])
 
 
 class HeldAfterTakeover(PostgresStore):
@@ -98,7 +134,10 @@ class HeldAfterTakeover(PostgresStore):
         return done
 
 
-async def test_a_takeover_cancelled_in_flight_is_left_to_the_next_retry(db_dsn: str) -> None:
+@pytest.mark.parametrize("blip", [False, True], ids=["left", "left-after-a-blip"])
+async def test_a_takeover_cancelled_in_flight_is_left_to_the_next_retry(
+    db_dsn: str, blip: bool
+) -> None:
     """A retry takes a lapsed lease over (`LeaseExpiry.TAKEOVER`) and is cancelled with the
     takeover's reply in flight: the record was left `pending` under the taker's live lease,
     nobody running it (every retry 409 for the lease; on a route without TAKEOVER, `unknown`
@@ -108,6 +147,7 @@ async def test_a_takeover_cancelled_in_flight_is_left_to_the_next_retry(db_dsn: 
 
     store = HeldAfterTakeover(dsn=db_dsn, min_size=1, max_size=2, listen=False)
     store.entered, store.gate = asyncio.Event(), asyncio.Event()
+    tries = undo_blips_once(store, _Q["unclaim"]) if blip else []
     policy = Policy(
         mode=Mode.LEASE, lease_seconds=30.0, wait_seconds=0.1, on_lease_expiry=LeaseExpiry.TAKEOVER
     )
@@ -150,6 +190,7 @@ async def test_a_takeover_cancelled_in_flight_is_left_to_the_next_retry(db_dsn: 
             retry = await http.post("/charges", json={}, headers={"Idempotency-Key": "k1"})
         assert retry.status_code == 201  # at once, not 409 for the taker's lease
         assert runs == [1]
+        assert tries == (["unclaim", "unclaim"] if blip else [])
 
 
 async def test_a_close_right_after_the_cancellations_waits_for_their_claims(db_dsn: str) -> None:

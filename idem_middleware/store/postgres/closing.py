@@ -9,6 +9,7 @@ import weakref
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
+from ...errors import StoreError, blip
 from ..base import Claim, Claimed, RecordKey
 from .convert import _Q, notify_token
 
@@ -34,6 +35,12 @@ class Budget:
 
 
 _T = TypeVar("_T")
+#: How long the undoing of a claim that landed for a request gone is sent again on a blip, and
+#: the pauses between tries (doubling): within the store's close (`CLOSE_SECONDS`).
+_UNDO_SECONDS = 8.0
+_FIRST_PAUSE = 0.05
+_MAX_PAUSE = 1.0
+_UNDO_TRIES = 32
 
 #: How many turns of the loop a close looks on after finding nothing to wait for (a
 #: cancellation a few tasks away from the execution it cancels), and how often it looks at most.
@@ -129,7 +136,7 @@ class Executions:
             return  # (nothing claimed; an error retrieved, never "never retrieved")
         generation = generation_of(task.result())
         if generation is not None:
-            undoing = asyncio.ensure_future(undo(key, generation))
+            undoing = asyncio.ensure_future(_undo(undo, key, generation))
             self._unrun.add(undoing)
             undoing.add_done_callback(self._undone)
 
@@ -198,3 +205,22 @@ async def close_pool(pool: Any, seconds: float) -> None:
         # (asyncpg has terminated the pool on the cancellation already; this is for the others.)
         pool.terminate()
         logger.warning("the pool did not close within %.0f s; its connections were cut", seconds)
+
+
+async def _undo(undo: Undo, key: RecordKey, generation: int) -> bool:
+    """`undo`, sent again while the store cannot be reached, for up to `_UNDO_SECONDS` (a
+    compare-and-set of the generation: one that finds it done changes nothing). Sent once, a
+    blip left the record `pending` under the lease, for a handler that never ran: every retry
+    409, then `unknown` for good on a route without a reconciler."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + _UNDO_SECONDS
+    pause = _FIRST_PAUSE
+    for _ in range(_UNDO_TRIES - 1):  # (the deadline ends it sooner)
+        try:
+            return await undo(key, generation)
+        except StoreError as exc:
+            if not blip(exc) or loop.time() + pause >= deadline:
+                raise
+        await asyncio.sleep(pause)
+        pause = min(pause * 2, _MAX_PAUSE)
+    return await undo(key, generation)
