@@ -328,13 +328,22 @@ _HANDLERS = {
 }
 
 
+def _usage(args: argparse.Namespace, parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The parser of the command given, whose usage an error shows (the top-level one names
+    none of the command's options)."""
+    usage: argparse.ArgumentParser = getattr(args, "usage_parser", parser)
+    return usage
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     if isinstance(sys.stdout, io.TextIOWrapper):
         # A terminal or pipe whose encoding cannot show a stored tenant (`é` under
         # PYTHONIOENCODING=ascii, a Latin-1 locale) gets `\xe9`, not a traceback midway.
         sys.stdout.reconfigure(errors="backslashreplace")
     parser = _parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # (named by the command's usage, not the top-level one's)
+        _usage(args, parser).error(f"unrecognized arguments: {' '.join(unknown)}")
     args.json = checked_flag(parser, args.json)
     if args.command == "stats":
         args.json = checked_flag(parser, env_flag("IDEM_STATS_JSON")) or args.json
@@ -373,8 +382,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except run.UsageError as exc:
         # Exits 2, like any other bad argument, with the usage of the command that was given
         # (before: the top-level one, which names none of the command's options).
-        usage: argparse.ArgumentParser = getattr(args, "usage_parser", parser)
-        usage.error(str(exc))
+        _usage(args, parser).error(str(exc))
     except (IdempotencyError, OSError, asyncpg.PostgresError, ImportError, run.Interrupted) as exc:
         print(f"idem-middleware: {exc}", file=sys.stderr)
         return 1

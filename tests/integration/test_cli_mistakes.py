@@ -98,6 +98,12 @@ async def test_an_operation_not_named_as_operations_are_gets_a_hint(
         (("reconcile",), "usage: idem-middleware reconcile "),
         (("outbox", "publish"), "usage: idem-middleware outbox publish "),
         (("list", "--stale", "--state", "unknown"), "usage: idem-middleware list "),
+        # An option the command does not take (`--again` is resolve's): its usage, naming it.
+        (
+            ("reopen", *("--tenant", "t", "--operation", "POST /x", "--key", "k", "--again")),
+            "usage: idem-middleware reopen ",
+        ),
+        (("outbox", "publish", "--bogus"), "usage: idem-middleware outbox publish "),
     ],
 )
 def test_a_missing_argument_shows_its_commands_usage(
@@ -105,7 +111,7 @@ def test_a_missing_argument_shows_its_commands_usage(
 ) -> None:
     """The usage printed was the top-level one, naming none of the command's options."""
     args = tuple("succeeded" if arg == "ok" else arg for arg in args)  # (lines kept short)
-    note = ("--note", "n") if args[0] == "resolve" else ()
+    note = ("--note", "n") if args[0] in ("resolve", "reopen") else ()
     result = cli(*args, *note, dsn=db_dsn)
     assert result.returncode == 2
     assert result.stderr.startswith(usage), result.stderr
