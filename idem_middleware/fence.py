@@ -201,7 +201,7 @@ async def run_reconciler(
     seconds: float,
     epoch: int | None = None,
     held_wait: float | None = None,
-    mode: str | None = None,
+    by_hand: bool | None = None,
     fence_first: bool = False,
 ) -> ReconcileResult:
     """Run one reconciler, bounded by `seconds`, on an unknown record under `generation`.
@@ -211,27 +211,29 @@ async def run_reconciler(
 
     A `Happened` answer is settled in the reconciler's fenced transaction, together with any
     writes it made there. `NotHappened` changes nothing: the caller takes the record over.
-    A transactional-mode record is never given to the reconciler (`Verdict.BY_HAND`).
+    A record only an operator settles (`RecordSummary.by_hand`: a transactional one, or one an
+    operator reopened) is never given to the reconciler (`Verdict.BY_HAND`).
     The reconciler's fenced connection never waits for a record another session holds (another
     reconciler at work, a process paused holding it) inside the database, a pooled connection
     held: it is refused at once, and the result is `Verdict.HELD`, whatever the reconciler made
     of it (the caller waits without a connection, or passes the record over). With `held_wait`,
     the fenced connection also waits no longer than that for a connection from the pool (then
     HELD as well). Without, as long as `seconds` allows.
-    `mode`: the record's, if the caller read it under `generation` (else it is read here).
+    `by_hand`: the record's, if the caller read it under `generation` (else it is read here).
     `fence_first`: the fenced transaction is opened before the reconciler is called, and a
     record another session holds is HELD without asking it (a retry asking again after HELD:
     asked on each of its polls, the reconciler called the downstream system each time).
     """
-    # The record's mode is read first, under the same generation: a record keeps its mode while
-    # it stays unknown under one generation (only a claim or a takeover changes it, and each
-    # draws a new generation), so what is read here still holds when the fence locks the row.
-    if mode is None:
+    # Whether it is settled by hand is read first, under the same generation: a record keeps its
+    # mode and its reopen mark while it stays unknown under one generation (only a claim, a
+    # takeover or an operator's move changes either, and each draws a new generation), so what
+    # is read here still holds when the fence locks the row.
+    if by_hand is None:
         summary = await store.describe(key)
         if summary is None or (summary.generation, summary.state) != (generation, State.UNKNOWN):
             return ReconcileResult(Verdict.CHANGED)
-        mode = summary.mode
-    if mode != Mode.LEASE.value:
+        by_hand = summary.by_hand
+    if by_hand:
         return ReconcileResult(Verdict.BY_HAND, _BY_HAND)
     fence = Fence(store, key, generation, State.UNKNOWN)
     context = ReconcileContext(

@@ -67,7 +67,8 @@ async def reconcile_unknown(
     """Settle unknown records (and pending ones whose lease lapsed) by asking their reconcilers.
 
     `Happened` settles the record; `NotHappened` lets the client's next retry run it again.
-    Only lease-mode records are reconciled: transactional ones are counted in `by_hand`.
+    Only lease-mode records are reconciled: transactional ones, and those an operator reopened,
+    are counted in `by_hand`.
     `takeover` names the operations whose lapsed leases the client's retry takes over
     (`LeaseExpiry.TAKEOVER`): without a reconciler, theirs are left pending for it, since
     `unknown` would refuse that retry until an operator came.
@@ -100,7 +101,7 @@ async def reconcile_unknown(
             seen.add(summary.key)
             report.examined += 1
             op = summary.key.operation
-            if summary.mode != "lease":
+            if summary.by_hand:
                 report.by_hand[op] = report.by_hand.get(op, 0) + 1
                 continue
             reconciler = reconcilers.get(op)
@@ -181,7 +182,7 @@ async def _reconcile_one(
         seconds=seconds,
         epoch=summary.epoch,
         held_wait=held_wait,
-        mode=summary.mode,  # (read with the record: no second read)
+        by_hand=False,  # (read with the record: no second read)
     )
     if result.verdict is Verdict.HELD:
         raise Held  # (another session held the record: its fenced connection was refused)

@@ -224,10 +224,10 @@ def status_route(
             record, claiming = await store.peek(RecordKey(tenant, operation, key))
             reconciled = policy is not None and policy.reconciler is not None
             if record is not None and record.state is State.UNKNOWN and reconciled:
-                # Only here is the mode asked for: a transactional record an operator reopened
-                # is not reconciled, whatever the route's policy now.
+                # Only here is it asked: a record an operator reopened (a transactional one's
+                # too) is not reconciled, whatever the route's policy now.
                 summary = await store.describe(record.key)
-                by_hand = summary is not None and summary.mode != Mode.LEASE.value
+                by_hand = summary is not None and summary.by_hand
         except StoreError:
             # As the guarded routes answer it: a 503 to retry, not a bare 500.
             return problem_response(

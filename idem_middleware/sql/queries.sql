@@ -668,7 +668,8 @@ SELECT count(*) AS moved, pg_notify('idem_middleware', $6) AS notified FROM move
 -- only: lease lapsed (bool)
 SELECT tenant, operation, idem_key, state, generation, mode, created_at, updated_at,
        lease_expires_at, expires_at, response_status, note,
-       lease_expires_at <= now() AS lease_expired, epoch
+       lease_expires_at <= now() AS lease_expired, epoch,
+       reopened_generation IS NOT DISTINCT FROM generation AS reopened
 FROM idem_requests
 WHERE state = ANY($1::text[])
   AND ($2::text IS NULL OR tenant = $2)
@@ -692,6 +693,7 @@ LIMIT $4;
 SELECT tenant, operation, idem_key, state, generation, mode, created_at, updated_at,
        lease_expires_at, expires_at, response_status, note,
        lease_expires_at <= now() AS lease_expired, epoch,
+       reopened_generation IS NOT DISTINCT FROM generation AS reopened,
        coalesce($6::timestamptz, now()) AS listed_at
 FROM idem_requests
 WHERE state = $1::text
@@ -926,13 +928,17 @@ WITH bound AS MATERIALIZED (
 ), amended AS (
     UPDATE idem_requests
     SET state = $6, updated_at = now(), lease_expires_at = NULL,
-        generation = nextval('idem_generation_seq'),
+        generation = g.v,
+        -- A reopen (an outcome back to `unknown`) is marked with its generation: only an
+        -- operator settles the record, since its outcome may have committed writes with it.
+        reopened_generation = CASE WHEN $6 = 'unknown' AND $5 IN ('succeeded', 'failed_final')
+                                   THEN g.v END,
         expires_at = CASE WHEN $6 IN ('succeeded', 'failed_final')
                           THEN clock_timestamp() + retention END,
         response_status = $7, response_headers = $8, response_body = $9, body_omitted = $10,
         note = concat_ws(E'\n', note,
                          to_char(now() AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS"Z "') || $11)
-    FROM bound
+    FROM bound, (SELECT nextval('idem_generation_seq') AS v) g
     WHERE tenant = $1 AND operation = $2 AND idem_key = $3 AND generation = $4 AND state = $5
       AND bound.lock_timeout IS NOT NULL
       -- A pending lease-mode record only with its lease lapsed (renewed since it was read, an
@@ -947,6 +953,7 @@ SELECT count(*) AS amended, pg_notify('idem_middleware', $12) AS notified FROM a
 -- Operators: one record as `list` shows it. $1 tenant, $2 operation, $3 key
 SELECT tenant, operation, idem_key, state, generation, mode, created_at, updated_at,
        lease_expires_at, expires_at, response_status, note,
-       lease_expires_at <= now() AS lease_expired, epoch
+       lease_expires_at <= now() AS lease_expired, epoch,
+       reopened_generation IS NOT DISTINCT FROM generation AS reopened
 FROM idem_requests
 WHERE tenant = $1 AND operation = $2 AND idem_key = $3;

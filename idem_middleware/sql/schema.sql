@@ -34,6 +34,9 @@ CREATE TABLE idem_requests (
     -- key derives from it, so a key reused after its retention is a new request downstream too.
     -- NULL for records claimed before migration 0005 (their downstream key is the older one).
     epoch             bigint,
+    -- The generation an operator's `reopen` drew: while the record keeps it, it was reopened from
+    -- an outcome, and only an operator settles it (see migration 0011).
+    reopened_generation bigint,
     -- The tenant leads, so the table can be distributed (Citus) and co-located by tenant.
     CONSTRAINT idem_requests_pkey PRIMARY KEY (tenant, operation, idem_key),
     CONSTRAINT idem_requests_state_check

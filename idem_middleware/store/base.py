@@ -229,6 +229,14 @@ class RecordSummary:
     lease_expired: bool
     #: See Record.epoch.
     epoch: int | None = None
+    #: An operator reopened it from an outcome (`reopen`), and nobody has moved it since.
+    reopened: bool = False
+
+    @property
+    def by_hand(self) -> bool:
+        """Only an operator settles it: writes may have committed with its outcome (see
+        `reopened`; a transactional one's always did), which a `Happened` would repeat."""
+        return self.mode != "lease" or self.reopened
 
 
 class Watch(Protocol):
@@ -288,22 +296,6 @@ class TokenRow:
     expires_at: datetime
     request_digest: bytes | None
     spent: bool
-
-
-#: The most rows a purge batch, or batches a purge, may be given (`LIMIT` takes more, but the
-#: command line's counts stop here too).
-MAX_PURGE_COUNT = 2**31 - 1
-
-
-def check_purge_limits(batch_size: object, max_batches: object) -> None:
-    """Both stores' `purge` take the same counts: whole numbers from 1 to MAX_PURGE_COUNT.
-    Anything else is refused before any row is touched (ValueError), rather than read as no
-    limit, as a negative slice, or sent to the server as a LIMIT it rejects."""
-    for name, value in (("batch_size", batch_size), ("max_batches", max_batches)):
-        if type(value) is not int or not 1 <= value <= MAX_PURGE_COUNT:
-            raise ValueError(
-                f"purge: {name} must be a whole number from 1 to {MAX_PURGE_COUNT}, not {value!r}"
-            )
 
 
 class Store(Protocol):

@@ -11,6 +11,7 @@ from datetime import UTC, datetime
 
 from ...errors import StatementRefused, StoreError
 from ..base import (
+    FINAL_STATES,
     UNRESOLVED_STATES,
     Record,
     RecordKey,
@@ -19,8 +20,8 @@ from ..base import (
     State,
     StoreStats,
     TokenRow,
-    check_purge_limits,
 )
+from ..purge_limits import check_purge_limits
 from .tables import MemoryTables, _Row, _summary, _Token
 
 #: How long an operator's move waits for a transaction claiming the key (PostgreSQL's `amend`
@@ -102,7 +103,11 @@ class OffPathOperations(MemoryTables):
                 # no note appends no line: concat_ws skips a NULL, and makes a NULL trail "".)
                 moved = self._rows[key]
                 note = moved.note or ""
-                self._rows[key] = replace(moved, generation=next(self._generations), note=note)
+                new = next(self._generations)
+                reopened = new if s.state is State.UNKNOWN and expected in FINAL_STATES else None
+                self._rows[key] = replace(
+                    moved, generation=new, note=note, reopened_generation=reopened
+                )
                 return True
         except TimeoutError:  # (only the wait: nothing above it awaits)
             raise StoreError(_WAITED_TOO_LONG) from None

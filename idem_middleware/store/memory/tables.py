@@ -46,6 +46,8 @@ class _Row:
     note: str | None = None
     #: The record's life (see Record.epoch): its first generation, kept across takeovers.
     epoch: int | None = None
+    #: The generation an operator's `reopen` drew (see RecordSummary.reopened).
+    reopened_generation: int | None = None
 
     def record(self, key: RecordKey, now: float) -> Record:
         return Record(
@@ -121,7 +123,21 @@ class _Rows:
             flat = p[12]
             pairs = list(zip(flat[::2], flat[1::2], strict=True))
             response = StoredResponse(p[11], pairs, p[13], p[14])
-        return _Row(p[0], _STATES[p[10]], p[1], p[2], p[3], response, *p[4:10])
+        return _Row(
+            p[0],
+            _STATES[p[10]],
+            p[1],
+            p[2],
+            p[3],
+            response,
+            p[4],
+            p[5],
+            p[6],
+            p[7],
+            p[8],
+            p[9],
+            p[15],
+        )
 
     def get(self, key: RecordKey) -> _Row | None:
         packed = self._packed.get(key)
@@ -172,6 +188,7 @@ class _Rows:
             headers,
             body,
             omitted,
+            row.reopened_generation,
         )
 
     def put_completed(
@@ -201,6 +218,7 @@ class _Rows:
             _flat(response.headers),
             response.body,
             response.body_omitted,
+            None,  # reopened_generation
         )
 
     def items(self) -> Iterator[tuple[RecordKey, _Row]]:
@@ -234,6 +252,7 @@ def _summary(key: RecordKey, row: _Row, now: float) -> RecordSummary:
         note=row.note,
         lease_expired=row.lease_expires_at is not None and row.lease_expires_at <= now,
         epoch=row.epoch,
+        reopened=row.reopened_generation == row.generation,
     )
 
 

@@ -28,8 +28,8 @@ from ..base import (
     State,
     StoreStats,
     TokenRow,
-    check_purge_limits,
 )
+from ..purge_limits import check_purge_limits
 from .claim_lock import ClaimLocks
 from .convert import (
     _Q,
@@ -57,6 +57,7 @@ def _summary(r: Any) -> RecordSummary:
         note=r["note"],
         lease_expired=bool(r["lease_expired"]),
         epoch=r["epoch"],
+        reopened=r["reopened"],
     )
 
 

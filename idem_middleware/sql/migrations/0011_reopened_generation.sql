@@ -1,0 +1,12 @@
+-- 0011: a record an operator reopened (`reopen`: succeeded or failed_final back to `unknown`) is
+-- settled by an operator only, in lease mode too. Its outcome may have committed writes with it
+-- (a lease-mode handler's fenced writes commit with its settlement): a reconciler's `Happened`
+-- would write them again (a second debit for one payment), as it would for a transactional
+-- record's, which were already left to an operator by their mode.
+--
+-- The generation the reopen drew: while the record keeps it (unknown, nobody has moved it since),
+-- it was reopened; any later move draws a new generation, and the mark no longer matches. NULL
+-- for every record before this migration (none of them counts as reopened: a lease-mode record
+-- reopened before it may still be reconciled, as it could be then). Adding a column without a
+-- default rewrites nothing.
+ALTER TABLE idem_requests ADD COLUMN reopened_generation bigint;
