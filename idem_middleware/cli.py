@@ -185,7 +185,7 @@ def _parser() -> argparse.ArgumentParser:
     ro = command(
         "reopen",
         "turn a succeeded or failed_final record back to unknown, with an audit note: retries "
-        "get 409 outcome-unknown until it is resolved or reconciled",
+        "get 409 outcome-unknown until it is resolved by hand (never reconciled)",
     )
     record_options(ro)
     ro.add_argument(

@@ -227,7 +227,8 @@ _AFTER = {
     "nothing ran. If the effect is missing, make it outside this command.",
     State.FAILED_FINAL: "No business write was made: retries now get the stored refusal.",
     State.PENDING: "The client's next retry with the same key and body runs the request again.",
-    State.UNKNOWN: "Retries get 409 outcome-unknown until the record is resolved or reconciled.",
+    State.UNKNOWN: "Retries get 409 outcome-unknown until the record is resolved by hand (a "
+    "reopened record is never reconciled: writes may have committed with its outcome).",
 }
 
 

@@ -103,7 +103,7 @@ async def reconcile(store: PostgresStore, args: argparse.Namespace) -> int:
         for op, n in sorted(report.unreconcilable.items())
     ]
     lines += [
-        f"  transactional, not reconciled (settle with resolve) for {printable(op)}: {n}"
+        f"  reopened, not reconciled (settle with resolve) for {printable(op)}: {n}"
         for op, n in sorted(report.by_hand.items())
     ]
     emit(args, data, "\n".join(lines))

@@ -25,7 +25,7 @@ logger = logging.getLogger("idem_middleware")
 #: What a client's retry is told when the reconciler failed (raised, timed out, or gave no usable
 #: answer): the record stays unknown.
 _FAILED = "Asking the downstream system failed; retry later."
-#: What a client's retry of a transactional record an operator reopened is told.
+#: What a client's retry of a record an operator settles (`RecordSummary.by_hand`) is told.
 _BY_HAND = "An operator settles this request's outcome; no retry runs it again."
 
 
@@ -176,9 +176,9 @@ class Verdict(StrEnum):
     FAILED = "failed"
     #: The record moved on meanwhile (someone else resolved it).
     CHANGED = "changed"
-    #: A transactional record (an operator reopened it): its writes committed with its outcome,
-    #: so no reconciler may run on it (a "not happened" would run it again, a `Happened` repeat
-    #: its writes). An operator resolves it; the record is left as it is.
+    #: A record an operator reopened (transactional, or lease-mode): writes may have committed
+    #: with its outcome, so no reconciler may run on it (a "not happened" would run it again, a
+    #: `Happened` repeat its writes). An operator resolves it; the record is left as it is.
     BY_HAND = "by-hand"
     #: Another session held the record (the reconciler's fenced connection found it locked, or
     #: waited `held_wait` for a connection): the reconciler's answer is not used, and the record
@@ -258,16 +258,16 @@ async def run_reconciler(
                 await context.fenced_connection()
             result = await reconciler(context)
     except StaleGeneration:
-        await fence.close()
+        await fence.seal()
         return ReconcileResult(Verdict.CHANGED)
     except StoreError:
         # The store failed (no connection for the fence: the server is down), not the
         # reconciler: raised, as every other store failure is (a batch stops and says so, a
         # client's retry gets a 503), never counted as the reconciler's failure.
-        await fence.close()
+        await fence.seal()
         raise
     except (Exception, asyncio.CancelledError) as exc:
-        await fence.close()
+        await fence.seal()
         if isinstance(exc, asyncio.CancelledError) and (
             task is None or task.cancelling() > cancelling
         ):
@@ -280,25 +280,25 @@ async def run_reconciler(
         logger.warning("reconciler failed", extra=log, exc_info=True)
         return ReconcileResult(Verdict.FAILED, _FAILED)
     except BaseException:
-        await fence.close()
+        await fence.seal()
         raise
     if fence.held:
         # Whatever the reconciler made of the TimeoutError, it answered without the record.
-        await fence.close()
+        await fence.seal()
         return ReconcileResult(Verdict.HELD)
     if isinstance(result, StillUnknown):
-        await fence.close()
+        await fence.seal()
         return ReconcileResult(
             Verdict.STILL_UNKNOWN, result.reason or "The downstream system cannot tell yet."
         )
     if isinstance(result, NotHappened):
-        await fence.close()
+        await fence.seal()
         return ReconcileResult(Verdict.NOT_HAPPENED)
     state = _settles_to(result)
     if not isinstance(state, State):  # (State is a StrEnum: test for it, not for str)
         # A reconciler's bug, handled as if it had raised: its writes roll back, the record
         # stays unknown, and the batch (or the client's retry) goes on.
-        await fence.close()
+        await fence.seal()
         logger.warning("reconciler gave no usable answer: %s", state, extra=log)
         return ReconcileResult(Verdict.FAILED, _FAILED)
     assert isinstance(result, Happened)  # (_settles_to checked it)

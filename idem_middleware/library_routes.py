@@ -134,6 +134,7 @@ def shared_names(guarded: Sequence[tuple[str, Policy]]) -> list[str]:
             else "",
         )
         first = policies[0]
+        # (Reconcilers compared by `==`: a bound method, `bank.ask`, is a new object each time.)
         if any(_read(policy) != _read(first) for policy in policies[1:]):
             errors.append(
                 f"the {count} guarded routes named {shown(name)} differ in mode, "
@@ -145,7 +146,7 @@ def shared_names(guarded: Sequence[tuple[str, Policy]]) -> list[str]:
 
 
 def _read(policy: Policy) -> tuple[Any, ...]:
-    return (policy.mode, policy.on_lease_expiry, id(policy.reconciler), policy.require_token)
+    return (policy.mode, policy.on_lease_expiry, policy.reconciler, policy.require_token)
 
 
 def tell_library_routes(

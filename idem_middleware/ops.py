@@ -226,7 +226,8 @@ async def resolve(
 
 async def reopen(store: Store, key: RecordKey, *, note: str) -> Move:
     """Turn a succeeded or failed_final record back to `unknown`: retries get 409
-    outcome-unknown until it is resolved again (or reconciled, in lease mode)."""
+    outcome-unknown until it is resolved again, by hand (no reconciler runs on it, in either
+    mode: writes may have committed with its outcome, see `RecordSummary.by_hand`)."""
     text = _note(note)
     record = await _record(store, key)
     if record.state not in FINAL_STATES:

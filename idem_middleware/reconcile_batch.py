@@ -44,9 +44,9 @@ class ReconcileReport:
     verdicts: dict[str, int] = field(default_factory=dict)
     #: Operations that had unknown records but no reconciler.
     unreconcilable: dict[str, int] = field(default_factory=dict)
-    #: Operations whose unknown records are transactional-mode (reopened by an operator): no
-    #: reconciler runs on them, since a transactional record's writes committed with its
-    #: outcome and cannot be released for a retry; settle them with `resolve`.
+    #: Operations whose unknown records an operator reopened (transactional or lease-mode): no
+    #: reconciler runs on them, since writes may have committed with their outcome (a
+    #: `Happened` would repeat them); settle them with `resolve`.
     by_hand: dict[str, int] = field(default_factory=dict)
     #: Records passed over because another session held them (an executor or a reconciler at
     #: work, or a process paused while it held one): the next run looks at them again.

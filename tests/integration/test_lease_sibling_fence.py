@@ -17,6 +17,7 @@ from starlette.responses import JSONResponse, Response
 from idem_middleware import IdempotencyContext, Mode, Policy, PostgresStore, get_context
 from idem_middleware.errors import StaleGeneration
 from idem_middleware.jobs import idempotent_job
+from idem_middleware.reconcile import Happened, ReconcileContext, Reconciliation
 from idem_middleware.store.base import RecordKey, Settlement, State, Store
 from tests.apps import BOUND, client, idle_in_transaction, key, one_route_app
 
@@ -105,3 +106,42 @@ async def test_a_lease_jobs_helper_running_on_after_it_raised_opens_no_fence(
     record = await store.get(RecordKey("", "payout", "p1"))
     assert record is not None
     assert record.state is State.UNKNOWN
+
+
+async def test_a_reconcilers_helper_running_on_after_it_raised_opens_no_fence(store: Store) -> None:
+    """The same for a reconciler asked on a retry: its helper, asking for the fenced connection
+    once the retry was answered, opened a transaction nobody ended (every later retry 409, an
+    operator's `resolve` refused as held)."""
+    answered = asyncio.Event()
+    refused: list[StaleGeneration] = []
+    helpers: list[asyncio.Task[None]] = []
+
+    async def pay(request: Request) -> Response:
+        raise RuntimeError("the bank's answer was lost")
+
+    async def ask_the_bank(context: ReconcileContext) -> Reconciliation:
+        if helpers:  # (asked again: it happened)
+            return Happened.json(201, {"paid": True})
+
+        async def helper() -> None:
+            await asyncio.wait_for(answered.wait(), BOUND)
+            try:
+                await context.fenced_connection()
+            except StaleGeneration as exc:
+                refused.append(exc)
+
+        helpers.append(asyncio.ensure_future(helper()))
+        raise RuntimeError("the first helper fails")
+
+    policy = Policy(mode=Mode.LEASE, lease_seconds=30.0, wait_seconds=0.2, reconciler=ask_the_bank)
+    app = one_route_app("/pay", pay, store=store, default_policy=policy)
+    async with client(app) as c:
+        first = await c.post("/pay", json={}, headers=key("k1"))
+        asked = await c.post("/pay", json={}, headers=key("k1"))
+        answered.set()
+        await asyncio.wait_for(helpers[0], BOUND)
+        if isinstance(store, PostgresStore):
+            assert await idle_in_transaction(store.pool) == 0
+        again = await asyncio.wait_for(c.post("/pay", json={}, headers=key("k1")), BOUND)
+    assert (first.status_code, asked.status_code, again.status_code) == (500, 409, 201)
+    assert len(refused) == 1

@@ -18,6 +18,8 @@ import pytest
 
 from idem_middleware import LeaseExpiry, Mode, Policy, PostgresStore, RecordKey
 from idem_middleware.errors import StoreError
+from idem_middleware.store.base import Claimed
+from idem_middleware.store.postgres.claim import expire_lapsed
 from tests.apps import (
     BOUND,
     PAYOUTS,
@@ -122,17 +124,42 @@ async def test_a_takeover_of_a_held_record_stays_busy_under_lock_timeout(
     assert app.state.probe.calls == 1
 
 
+@pytest.mark.parametrize("read", ["get", "peek"])
 @pytest.mark.parametrize("setting", ["lock_timeout", "statement_timeout"])
 async def test_a_record_read_behind_a_table_lock_is_a_store_error(
-    db_dsn: str, pool: asyncpg.Pool[Any], setting: str
+    db_dsn: str, pool: asyncpg.Pool[Any], setting: str, read: str
 ) -> None:
     """A lease-mode duplicate reads the record while a migration holds the table (`ALTER
     TABLE`: ACCESS EXCLUSIVE), and the role's `lock_timeout` or `statement_timeout` cancels the
     read: a `StoreError` (the duplicate polls on, then answers as documented), not asyncpg's
-    own error, which escaped as a plain 500."""
+    own error, which escaped as a plain 500 (from the status resource's `peek` too)."""
     settings = {"server_settings": {setting: "50ms"}}
     opened = PostgresStore(dsn=db_dsn, max_size=2, connect_kwargs=settings)
     async with opened as store, pool.acquire() as other, other.transaction():
         await other.execute("LOCK TABLE idem_requests IN ACCESS EXCLUSIVE MODE")
         with pytest.raises(StoreError):
-            await asyncio.wait_for(store.get(RecordKey("t", "POST /x", "k")), BOUND)
+            await asyncio.wait_for(getattr(store, read)(RecordKey("t", "POST /x", "k")), BOUND)
+
+
+async def test_a_lapsed_lease_marked_behind_a_table_lock_is_a_store_error(
+    pg_store: PostgresStore, pool: asyncpg.Pool[Any]
+) -> None:
+    """A transactional claim that finds a lapsed lease-mode record marks it `unknown` in a
+    statement of its own: behind a migration's lock, cancelled by the role's `lock_timeout`,
+    a `StoreError` (a 503), not asyncpg's own error."""
+    key = RecordKey("t", "POST /x", "lapsed")
+    claimed = await pg_store.claim_lease(key, b"fp", retention_seconds=60, lease_seconds=0.1)
+    assert isinstance(claimed, Claimed)
+    await asyncio.sleep(0.2)
+    record = await pg_store.get(key)
+    assert record is not None
+    assert record.lease_expired
+    async with pool.acquire() as other, other.transaction():
+        await other.execute("LOCK TABLE idem_requests IN ACCESS EXCLUSIVE MODE")
+        async with pool.acquire() as conn:
+            await conn.execute("SET lock_timeout = '50ms'")
+            try:
+                with pytest.raises(StoreError):
+                    await asyncio.wait_for(expire_lapsed(conn, record, 1.0), BOUND)
+            finally:
+                await conn.execute("RESET lock_timeout")

@@ -234,7 +234,7 @@ async def test_cli_reconcile_reports_transactional_records_to_resolve(
     assert (report["examined"], report["verdicts"]) == (2, {"settled": 1})
     assert report["by_hand"] == {"POST /payouts": 1}
     text = cli("reconcile", "--app", "tests.cli_app:app", dsn=db_dsn)
-    assert "transactional, not reconciled (settle with resolve) for POST /payouts: 1" in text.stdout
+    assert "reopened, not reconciled (settle with resolve) for POST /payouts: 1" in text.stdout
     state = "SELECT state FROM idem_requests WHERE idem_key = 'not-happened'"
     assert await pool.fetchval(state) == "unknown"
     settled = cli(

@@ -27,6 +27,7 @@ from idem_middleware import (
     PostgresStore,
     idempotent,
 )
+from idem_middleware.reconcile import ReconcileContext, Reconciliation, StillUnknown
 from idem_middleware.status import status_route
 from idem_middleware.store.base import Store
 from idem_middleware.tokens import TokenIssuer, token_route
@@ -277,3 +278,28 @@ async def test_a_class_level_name_on_an_endpoint_class_names_the_methods_it_serv
         again = await c.post("/v2/pay", json={}, headers=key("k"))
     assert first.status_code == 201
     assert_replay_of(again, first)
+
+
+async def test_routes_sharing_a_name_and_a_bound_method_reconciler_start() -> None:
+    """`bank.ask` is a new object at each access: two routes given it were told they differ."""
+
+    class Bank:
+        async def ask(self, context: ReconcileContext) -> Reconciliation:
+            return StillUnknown()
+
+    bank = Bank()
+
+    async def pay(request: Request) -> Response:
+        return Response(status_code=204)
+
+    lease = {"operation": PINNED, "mode": Mode.LEASE}
+    old = idempotent(reconciler=bank.ask, **lease)(pay)
+    new = idempotent(reconciler=bank.ask, **lease)(pay)
+    app = Starlette(
+        routes=[Route("/v1/pay", old, methods=["POST"]), Route("/v2/pay", new, methods=["POST"])],
+        middleware=[
+            Middleware(AuthenticationMiddleware, backend=BearerBackend()),
+            Middleware(IdempotencyMiddleware, store=MemoryStore()),
+        ],
+    )
+    assert (await startup(app))[0]["type"] == "lifespan.startup.complete"

@@ -11,6 +11,7 @@ from .convert import (
     LOCK_NOT_AVAILABLE,
     SERVER_ERROR,
     TRANSLATED,
+    lock_waited,
     notify_token,
     scrub,
     to_record,
@@ -154,4 +155,6 @@ async def expire_lapsed(
         )
     except TRANSLATED as exc:
         raise translate(exc) from exc
+    except LOCK_NOT_AVAILABLE as exc:  # (the role's lock_timeout, behind a migration's lock)
+        raise lock_waited(exc) from exc
     return Existing(record if row is None else to_record(key, row))

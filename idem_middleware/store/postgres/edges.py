@@ -34,8 +34,10 @@ from .claim_lock import ClaimLocks
 from .convert import (
     _Q,
     ACQUIRE_ERRORS,
+    LOCK_NOT_AVAILABLE,
     SERVER_ERROR,
     TRANSLATED,
+    lock_waited,
     settle_args,
     to_record,
     translate,
@@ -329,6 +331,8 @@ class OffPathStatements(PoolStatements):
             raise StoreError(str(exc)) from exc
         except TRANSLATED as exc:
             raise translate(exc) from exc
+        except LOCK_NOT_AVAILABLE as exc:  # (the role's lock_timeout, behind a migration's lock)
+            raise lock_waited(exc) from exc
         record = None if got is None else to_record(key, got)
         return record, None if record is None or record.expired else False
 
