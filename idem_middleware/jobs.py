@@ -37,7 +37,15 @@ from .jobs_spec import KeyOf as KeyOf
 from .jobs_transactional import run_transactional
 from .jsonvalues import non_finite
 from .keys import MAX_KEY_LENGTH
-from .policy import MAX_OPERATION_BYTES, LeaseExpiry, Mode, Policy, plainly_sync, seconds_option
+from .policy import (
+    MAX_OPERATION_BYTES,
+    LeaseExpiry,
+    Mode,
+    Policy,
+    plainly_sync,
+    seconds_option,
+    storable_operation,
+)
 from .storable import storable_text
 from .store.base import RecordKey, Store
 from .tenant import MAX_TENANT_BYTES, storable_tenant
@@ -149,11 +157,7 @@ def idempotent_job(
         raise ConfigurationError("a job needs an operation name")
     if not callable(getattr(store, "transaction", None)):
         raise ConfigurationError(f"a job's store is a PostgresStore or MemoryStore, not {store!r}")
-    if (
-        not isinstance(operation, str)
-        or not storable_text(operation)
-        or len(operation.encode()) > MAX_OPERATION_BYTES
-    ):
+    if not storable_operation(operation):
         raise ConfigurationError(
             f"a job's operation is a str of at most {MAX_OPERATION_BYTES} bytes of UTF-8 without"
             f" NUL or unpaired surrogates, not {operation!r:.100}"

@@ -55,6 +55,15 @@ OPERATION_SHAPE = re.compile(
 #: the driver's error (lease mode) or the completion after the function ran (transactional).
 MAX_OPERATION_BYTES = 1024
 
+
+def storable_operation(name: object) -> bool:
+    """Whether `name` can name a record's operation: a str PostgreSQL text can hold, of at most
+    `MAX_OPERATION_BYTES` bytes of UTF-8."""
+    if not isinstance(name, str) or not storable_text(name):
+        return False
+    return len(name.encode()) <= MAX_OPERATION_BYTES
+
+
 #: `Policy.max_body_bytes` when not set: a route's own `max_body_size` replaces it (body_limits).
 DEFAULT_MAX_BODY_BYTES = 1024 * 1024
 
@@ -177,10 +186,8 @@ class Policy:
             raise ConfigurationError(f"include_headers: {bad[0]!r} is not a header's name")
         object.__setattr__(self, "include_headers", tuple(h.lower() for h in headers))
         if self.operation is not None and (
-            type(self.operation) is not str
+            not storable_operation(self.operation)
             or OPERATION_SHAPE.fullmatch(self.operation) is None
-            or not storable_text(self.operation)
-            or len(self.operation.encode()) > MAX_OPERATION_BYTES
         ):
             # (Text PostgreSQL cannot hold, or a key too long for its index, failed every
             # request to the route.)
