@@ -223,6 +223,15 @@ async def test_a_close_right_after_the_cancellations_waits_for_their_claims(db_d
         assert await reader.get(KEY) is None  # released before the pool closed
 
 
+async def consumer_cancelled(consumer: asyncio.Task[Any], db_dsn: str) -> Any:
+    """The cancelled consumer ends cancelled; its job's record "r1", as another store reads it
+    after the close."""
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(consumer, BOUND)
+    async with PostgresStore(dsn=db_dsn, min_size=1, max_size=1, listen=False) as reader:
+        return await reader.get(RecordKey("", "payout", "r1"))
+
+
 async def test_a_close_right_after_a_consumers_cancellation_waits_for_its_jobs_claim(
     db_dsn: str,
 ) -> None:
@@ -246,11 +255,9 @@ async def test_a_close_right_after_a_consumers_cancellation_waits_for_its_jobs_c
         asyncio.get_running_loop().call_later(0.1, store.gate.set)
     finally:
         consumer.cancel()
-        await store.close()
-    with pytest.raises(asyncio.CancelledError):
-        await asyncio.wait_for(consumer, BOUND)
-    async with PostgresStore(dsn=db_dsn, min_size=1, max_size=1, listen=False) as reader:
-        assert await reader.get(RecordKey("", "payout", "r1")) is None  # released
+        await store.close()  # (no await between the cancellation and the close)
+    record = await consumer_cancelled(consumer, db_dsn)
+    assert record is None  # released
     assert runs == []
 
 
@@ -276,10 +283,7 @@ async def test_a_close_right_after_a_consumers_cancellation_waits_for_its_jobs_m
         await asyncio.wait_for(entered.wait(), BOUND)
     finally:
         consumer.cancel()
-        await store.close()
-    with pytest.raises(asyncio.CancelledError):
-        await asyncio.wait_for(consumer, BOUND)
-    async with PostgresStore(dsn=db_dsn, min_size=1, max_size=1, listen=False) as reader:
-        record = await reader.get(RecordKey("", "payout", "r1"))
+        await store.close()  # (no await between the cancellation and the close)
+    record = await consumer_cancelled(consumer, db_dsn)
     assert record is not None
     assert record.state is State.UNKNOWN
