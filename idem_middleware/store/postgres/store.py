@@ -242,16 +242,11 @@ class PostgresStore(OffPathStatements):
 
     async def get(self, key: RecordKey) -> Record | None:
         try:
-            async with self._internal() as conn:
-                row = await alone(
-                    conn.fetchrow, _Q["get"], key.tenant, key.operation, key.key, on=conn
-                )
-        except ACQUIRE_ERRORS as exc:
+            # (`_run` translates what the server cancels: a `statement_timeout` or `lock_timeout`
+            # behind a migration's lock, say.)
+            row = await self._run("fetchrow", _Q["get"], key.tenant, key.operation, key.key)
+        except ACQUIRE_ERRORS as exc:  # (a new connection's own timeout)
             raise StoreError(str(exc)) from exc
-        except TRANSLATED as exc:  # (a `statement_timeout` behind a migration's lock, say)
-            raise translate(exc) from exc
-        except LOCK_NOT_AVAILABLE as exc:
-            raise lock_waited(exc) from exc
         return None if row is None else to_record(key, row)
 
     # -- lease mode ------------------------------------------------------------------------------
