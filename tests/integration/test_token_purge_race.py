@@ -102,3 +102,29 @@ async def test_a_consumed_tokens_intent_is_not_issued_again(
     assert await pool.fetchval("SELECT count(*) FROM idem_tokens") == 1  # the tombstone
     with pytest.raises(TokenConflict):
         await issuer.issue("tenant-a", OP, intent_id="pay-43", ttl_seconds=60)
+
+
+async def test_a_token_a_claim_is_consuming_outlives_a_purge_on_either_store(store: Any) -> None:
+    """The claim's transaction holds its token (PostgreSQL: the row lock, which the purge's
+    SKIP LOCKED passes by). A purge while the handler runs past the token's expiry leaves it,
+    and the intent asked for again once the claim commits is refused, on the in-memory store
+    too (it purged the token, lost the consumed mark, and issued the token again to run twice)."""
+    issuer = TokenIssuer(store, secret=b"s" * 32)
+    token = (await issuer.issue("tenant-a", OP, intent_id="pay-7", ttl_seconds=0.3)).token
+    key = RecordKey("tenant-a", OP, token)
+    async with store.transaction(acquire_timeout=5) as tx:
+        claim = await tx.claim(
+            key, FINGERPRINT, retention_seconds=60, wait_seconds=1, token_hash=token_hash(token)
+        )
+        assert isinstance(claim, Claimed), claim
+        await asyncio.sleep(0.4)  # the handler runs past the token's expiry
+        await store.purge()
+        asking = asyncio.create_task(issuer.issue("tenant-a", OP, intent_id="pay-7"))
+        await asyncio.sleep(0.2)
+        assert not asking.done()  # an expired token's renewal waits for the claim's end
+        await tx.finish(State.SUCCEEDED, DONE)
+    with pytest.raises(TokenConflict, match="already used"):
+        await asyncio.wait_for(asking, BOUND)
+    await store.purge()  # the used token of an intent stays, as a tombstone
+    with pytest.raises(TokenConflict, match="already used"):
+        await issuer.issue("tenant-a", OP, intent_id="pay-7")

@@ -59,10 +59,23 @@ class OffPathOperations(MemoryTables):
     ) -> TokenRow:
         """Issue a token, or return the one the intent holds, renewed if it expired unused (as
         queries.sql `issue_token`; TokenIssuer decides what a held token means)."""
-        now = self.clock()
-        expires_at = now + ttl_seconds
         intent = None if intent_id is None else (tenant, operation, intent_id)
         held = None if intent is None else self._intents.get(intent)
+        # An expired token a claim is consuming is written only once the claim ends (its row
+        # lock), then judged as it is; a live one is read (as queries.sql `issue_token`).
+        for _ in range(_OWNER_POLLS):
+            if (
+                held is None
+                or (tenant, held) not in self._held_tokens
+                or self._tokens[(tenant, held)].expires_at > self.clock()
+            ):
+                break
+            await asyncio.sleep(0.01)
+            held = None if intent is None else self._intents.get(intent)
+        else:
+            raise StoreError(_WAITED_TOO_LONG)
+        now = self.clock()
+        expires_at = now + ttl_seconds
         if held is not None:
             token = self._tokens[(tenant, held)]
             if token.expires_at <= now and not token.consumed:
@@ -202,7 +215,9 @@ class OffPathOperations(MemoryTables):
         spent = [
             (found.expires_at, token)
             for token, found in self._tokens.items()
-            if found.expires_at <= now and not (found.consumed and found.intent_id is not None)
+            if found.expires_at <= now
+            and not (found.consumed and found.intent_id is not None)
+            and token not in self._held_tokens  # (a claim holds its row: skipped, as SKIP LOCKED)
         ]
         for _, token in sorted(spent)[:most]:
             found = self._tokens.pop(token)

@@ -84,7 +84,9 @@ class _MemoryTransaction:
             self._end()
 
     def _end(self) -> None:
-        self._consumed = None
+        if self._consumed is not None:
+            self._store._held_tokens.difference_update(self._consumed)
+            self._consumed = None
         owners = self._store._owners
         if self._claimed is not None:
             owners.remove(self._claimed)
@@ -142,6 +144,7 @@ class _MemoryTransaction:
             if self._consumed is None:
                 self._consumed = set()
             self._consumed.add((key.tenant, token_hash))
+            store._held_tokens.add((key.tenant, token_hash))
         generation = next(store._generations)
         if self._claimed is not None and key != self._claimed:
             # A second key in one transaction: the first claim moves among the earlier ones.

@@ -316,6 +316,8 @@ class MemoryTables:
         #: The row locks held or waited for now (see `_RowLock`).
         self._fence_locks: dict[RecordKey, _RowLock] = {}
         self._tokens: dict[tuple[str, bytes], _Token] = {}
+        #: Tokens an open transaction's claim consumes (PostgreSQL's claim holds their rows).
+        self._held_tokens: set[tuple[str, bytes]] = set()
         #: The token each (tenant, operation, intent) was issued (the table's unique key).
         self._intents: dict[tuple[str, str, str], bytes] = {}
 
