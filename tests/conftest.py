@@ -195,13 +195,25 @@ def db_target(
     return db_dsn, {}
 
 
+#: Empties the records and the test tables before each test. DELETE, not TRUNCATE: the tables
+#: hold a few rows, and a TRUNCATE (new files for six tables and their indexes) cost some 25 ms
+#: a test, a minute of the suite.
+_TABLES = (
+    "idem_requests",
+    "idem_tokens",
+    "idem_outbox",
+    "idem_inbox",
+    "test_accounts",
+    "test_ledger",
+)
+EMPTY_TABLES = ";".join(f"DELETE FROM {table}" for table in _TABLES)
+
+
 @pytest.fixture
 async def pool(db_target: tuple[str, dict[str, Any]]) -> AsyncIterator[asyncpg.Pool[Any]]:
     dsn, options = db_target
     pool = await asyncpg.create_pool(dsn, min_size=1, max_size=20, **options)
-    await pool.execute(
-        "TRUNCATE idem_requests, idem_tokens, idem_outbox, idem_inbox, test_accounts, test_ledger"
-    )
+    await pool.execute(EMPTY_TABLES)
     try:
         yield pool
     finally:

@@ -53,7 +53,7 @@ CREATE TABLE IF NOT EXISTS test_lease_calls (
 async def reset_downstream(pool: Any) -> None:
     """Create (once) and empty the downstream tables; the caller's `pool` fixture empties ours."""
     await pool.execute(DOWNSTREAM_SCHEMA)
-    await pool.execute("TRUNCATE test_downstream, test_lease_calls")
+    await pool.execute("DELETE FROM test_downstream; DELETE FROM test_lease_calls")
 
 
 async def send_downstream(pool: Any, dkey: str, amount: int) -> None:

@@ -50,7 +50,9 @@ async def logged_pool(dsn: str, log: QueryLog, **pool_options: Any) -> AsyncIter
     options = {"min_size": 1, "max_size": 4, **pool_options}
     pool = await asyncpg.create_pool(dsn, init=log.attach, **options)
     try:
-        await pool.execute("TRUNCATE idem_requests, test_accounts, test_ledger")
+        await pool.execute(
+            "DELETE FROM idem_requests; DELETE FROM test_accounts; DELETE FROM test_ledger"
+        )
         log.queries.clear()
         yield pool
     finally:
