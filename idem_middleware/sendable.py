@@ -14,7 +14,8 @@ replays it and is refused again (a dropped connection for the whole retention). 
 - its headers are not (a check costs about ten thousand instructions per response, more than
   the budget of the hot path: see docs/decisions.md). A header no server sends is refused by the
   server once the outcome is recorded; the replay (`sendable_headers`) leaves it out, so the
-  retry gets the outcome;
+  retry gets the outcome (a value refused only for a space at an end is replayed stripped of
+  it: the same field to HTTP, and what httptools sends where h11 refuses it);
 - a replay hook's response is checked whole (`head_problem`) before it replaces the record's.
 """
 
@@ -94,6 +95,19 @@ def sendable_headers(headers: Any) -> tuple[list[tuple[bytes, bytes]], list[str]
         why = header_problem(pair)
         if why is None:
             kept.append((pair[0], pair[1]))
+        elif (trimmed := _trimmed(pair)) is not None:
+            kept.append(trimmed)
         else:
             refused.append(why)
     return kept, refused
+
+
+def _trimmed(pair: Any) -> tuple[bytes, bytes] | None:
+    """A header refused only for a space or tab at an end of its value, with them stripped: the
+    same field to HTTP (RFC 9110 5.5: a field value has no leading or trailing whitespace), and
+    what httptools sent the first client, where h11 refused it."""
+    name, value = pair
+    stripped = value.strip(b" \t")
+    if stripped == value or _ONE_FIELD(name + b"\x00" + stripped) is None:
+        return None
+    return name, stripped

@@ -144,3 +144,14 @@ def test_sendable_headers_keeps_the_rest_in_order_and_names_what_it_left_out() -
     assert "x-a" in refused[0]
     assert "secret" not in " ".join(refused)
     assert sendable_headers(SENT) == (SENT, [])
+
+
+def test_a_value_refused_only_for_an_edge_space_is_replayed_stripped() -> None:
+    """The same field to HTTP, and what httptools sent the first client (h11 refused it): kept
+    in the replay, trimmed, and named nowhere as refused."""
+    kept, refused = sendable_headers(
+        [SENT[0], (b"x-trace", b" abc \t"), (b"x-tab", b"\ta b"), (b"x-both", b" \r\n ")]
+    )
+    assert kept == [SENT[0], (b"x-trace", b"abc"), (b"x-tab", b"a b")]
+    assert len(refused) == 1
+    assert "x-both" in refused[0]  # a control character inside: left out, as ever
