@@ -382,15 +382,19 @@ SELECT 1 / count(*) FROM completed;
 
 -- name: purge_batch
 -- Delete one batch of finished records whose retention is over. Never pending or unknown.
+-- The batch is chosen once (a CTE that locks rows is materialized; said so here): as a subquery
+-- in `USING`, a nested loop ran it again for each row, each run skipping the rows the statement
+-- had deleted and locking the next, and one batch deleted every row it could reach.
 -- $1 batch size
-DELETE FROM idem_requests r
-USING (
+WITH doomed AS MATERIALIZED (
     SELECT tenant, operation, idem_key FROM idem_requests
     WHERE expires_at <= now() AND state IN ('succeeded', 'failed_final')
     ORDER BY expires_at
     LIMIT $1
     FOR UPDATE SKIP LOCKED
-) doomed
+)
+DELETE FROM idem_requests r
+USING doomed
 WHERE r.tenant = doomed.tenant AND r.operation = doomed.operation
   AND r.idem_key = doomed.idem_key;
 
@@ -769,14 +773,16 @@ WHERE w.token = old.token AND w.waiter = old.waiter;
 -- Delete one batch of expired tokens, except the consumed tokens of an intent: those stay as
 -- tombstones (an intent's token is the same every time it is issued, so without its tombstone
 -- issuing for that intent again would bring a used token back to life). $1 batch size
-DELETE FROM idem_tokens t
-USING (
+-- (The batch chosen once: see purge_batch.)
+WITH doomed AS MATERIALIZED (
     SELECT tenant, token_hash FROM idem_tokens
     WHERE expires_at <= now() AND (consumed_at IS NULL OR intent_id IS NULL)
     ORDER BY expires_at
     LIMIT $1
     FOR UPDATE SKIP LOCKED
-) doomed
+)
+DELETE FROM idem_tokens t
+USING doomed
 WHERE t.tenant = doomed.tenant AND t.token_hash = doomed.token_hash;
 
 -- name: outbox_add
@@ -875,14 +881,16 @@ LIMIT $2;
 -- name: outbox_purge
 -- Delete one batch of events sent more than $2 seconds ago, oldest first (a run stopped at its
 -- limit leaves the youngest). $1 batch size, $2 age (seconds)
-DELETE FROM idem_outbox o
-USING (
+-- (The batch chosen once: see purge_batch.)
+WITH doomed AS MATERIALIZED (
     SELECT event_id FROM idem_outbox
     WHERE sent_at <= now() - make_interval(secs => $2::float8)
     ORDER BY sent_at
     LIMIT $1
     FOR UPDATE SKIP LOCKED
-) doomed
+)
+DELETE FROM idem_outbox o
+USING doomed
 WHERE o.event_id = doomed.event_id;
 
 -- name: inbox_record
@@ -895,14 +903,16 @@ RETURNING 1;
 -- name: inbox_purge
 -- Delete one batch of consumers' inbox rows recorded more than $2 seconds ago, oldest first.
 -- $1 batch size, $2 age (seconds)
-DELETE FROM idem_inbox i
-USING (
+-- (The batch chosen once: see purge_batch.)
+WITH doomed AS MATERIALIZED (
     SELECT consumer, event_id FROM idem_inbox
     WHERE received_at <= now() - make_interval(secs => $2::float8)
     ORDER BY received_at
     LIMIT $1
     FOR UPDATE SKIP LOCKED
-) doomed
+)
+DELETE FROM idem_inbox i
+USING doomed
 WHERE i.consumer = doomed.consumer AND i.event_id = doomed.event_id;
 
 -- name: amend

@@ -1,0 +1,84 @@
+"""Each purge statement deletes at most its batch, whatever plan PostgreSQL picks.
+
+A batch was `DELETE ... USING (SELECT ... LIMIT n FOR UPDATE SKIP LOCKED)`. With the statistics
+of a table once emptied (analyzed with no rows, the usual state of a table just purged), the
+planner joined the rows to that subquery in a nested loop and ran it again for each row; each
+run skipped the rows the statement had deleted already and locked the next ones, so a batch of 2
+deleted all 5 rows it could reach: `--batch-size` and `--max-batches` bounded nothing, and one
+purge of a large backlog was a single statement holding every row it deleted. The batches are
+now chosen once, in a materialized CTE."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import asyncpg
+import pytest
+
+from idem_middleware.sql import queries
+from tests.conftest import migrated_database
+
+#: Five rows, inserted oldest first (each statement takes the oldest first), by table.
+_ROWS = {
+    "idem_requests": (
+        "INSERT INTO idem_requests (tenant, operation, idem_key, fingerprint, state, mode,"
+        " retention, expires_at, response_status) SELECT 't', 'POST /x', i::text, '\\x00',"
+        " 'succeeded', 'transactional', interval '1 second',"
+        " now() - make_interval(hours => i), 201 FROM generate_series(5, 1, -1) i"
+    ),
+    "idem_tokens": (
+        "INSERT INTO idem_tokens (tenant, token_hash, operation, expires_at)"
+        " SELECT 't', convert_to(i::text, 'UTF8'), 'POST /x', now() - make_interval(hours => i)"
+        " FROM generate_series(5, 1, -1) i"
+    ),
+    "idem_outbox": (
+        "INSERT INTO idem_outbox (event_id, topic, payload, sent_at) SELECT i::text, 't', '{}',"
+        " now() - make_interval(hours => i) FROM generate_series(5, 1, -1) i"
+    ),
+    "idem_inbox": (
+        "INSERT INTO idem_inbox (consumer, event_id, received_at) SELECT 'c', i::text,"
+        " now() - make_interval(hours => i) FROM generate_series(5, 1, -1) i"
+    ),
+}
+
+#: (statement, its table, its arguments: a batch of 2)
+_BATCHES = [
+    ("purge_batch", "idem_requests", (2,)),
+    ("purge_tokens", "idem_tokens", (2,)),
+    ("outbox_purge", "idem_outbox", (2, 60.0)),
+    ("inbox_purge", "idem_inbox", (2, 60.0)),
+]
+
+
+@pytest.fixture(scope="module")
+async def batches_dsn(admin_dsn: str) -> str:
+    """A database of the module's own: its tables' statistics are made to mislead the planner."""
+    return await migrated_database(admin_dsn, "idem_purge_batches")
+
+
+@pytest.fixture
+async def conn(batches_dsn: str) -> AsyncIterator[Any]:
+    conn = await asyncpg.connect(batches_dsn)
+    try:
+        yield conn
+    finally:
+        await conn.close()
+
+
+async def _emptied_then_filled(conn: Any, table: str) -> None:
+    """The table's statistics say it is empty (analyzed after a purge); then five rows."""
+    await conn.execute(f"DELETE FROM {table}")
+    await conn.execute(_ROWS[table])
+    await conn.execute(f"DELETE FROM {table}")
+    await conn.execute(f"ANALYZE {table}")
+    await conn.execute(_ROWS[table])
+
+
+@pytest.mark.parametrize(("name", "table", "args"), _BATCHES, ids=[b[0] for b in _BATCHES])
+async def test_a_purge_batch_deletes_at_most_its_size(
+    conn: Any, name: str, table: str, args: tuple[Any, ...]
+) -> None:
+    await _emptied_then_filled(conn, table)
+    assert await conn.execute(queries()[name], *args) == "DELETE 2"
+    assert await conn.fetchval(f"SELECT count(*) FROM {table}") == 3
