@@ -191,18 +191,17 @@ async def test_an_operators_move_of_a_live_lease_while_fenced_is_false_at_once(
 
 
 async def test_an_operators_move_waits_for_a_fenced_row_at_most_the_lock_timeout(
-    harness: Harness, fast_path: bool, monkeypatch: pytest.MonkeyPatch
+    harness: Harness, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """PostgreSQL's `amend` waits for a held row 6 s (its lock_timeout), then is refused; the
-    twin waited for as long as the fenced session lasted. (The twin's bound is shortened here;
-    the fast path changes nothing in `amend`, so PostgreSQL's 6 s are waited once.)"""
-    if harness.kind == "postgres" and not fast_path:
-        pytest.skip("amend takes no claim path: the fast-path case covers it")
-    bound = 6.0
-    if harness.kind == "memory":
-        assert bound == edges._OWNER_POLLS / 100  # the bound it shares with PostgreSQL
-        bound = 0.5
-        monkeypatch.setattr(edges, "_OWNER_POLLS", 50)
+    twin waited for as long as the fenced session lasted. (The twin's bound is shortened here.
+    PostgreSQL's 6 s are waited by test_cli_hardening2.py's
+    `test_an_operators_move_waits_for_a_held_row_a_bounded_time_on_the_server`.)"""
+    if harness.kind == "postgres":
+        pytest.skip("PostgreSQL's own bound is waited once, by test_cli_hardening2.py")
+    assert edges._OWNER_POLLS / 100 == 6.0  # the bound it shares with PostgreSQL
+    bound = 0.5
+    monkeypatch.setattr(edges, "_OWNER_POLLS", 50)
     store = harness.store
     generation = await _pending(harness, lapsed=True)
     move = Settlement(State.SUCCEEDED, RESPONSE, note="x")
