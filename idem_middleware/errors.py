@@ -32,6 +32,9 @@ class ProblemKind(StrEnum):
     CANCELLED = "request-cancelled"
     #: The library's own routes only: a method they do not serve (with `Allow`).
     METHOD_NOT_ALLOWED = "method-not-allowed"
+    #: The request's own method or path names its operation (a route taking any method, a mount
+    #: the middleware cannot see through), and the name is one no record can hold.
+    OPERATION_INVALID = "operation-invalid"
 
 
 class IdempotencyError(Exception):
@@ -139,17 +142,18 @@ class StatementRefused(StoreError):
 
 class TextRefused(StatementRefused):
     """The database's encoding cannot store the request's tenant, operation or key (an emoji in
-    a LATIN1 database). Nothing was written, and the same request would fail the same way: the
-    client gets `500 server-misconfigured`, not a 503 that asks for a retry."""
+    a LATIN1 database), or its index cannot hold them (too long). Nothing was written, and the
+    same request would fail the same way: the client gets `500 server-misconfigured`, not a 503
+    that asks for a retry."""
 
     problem = ProblemKind.MISCONFIGURED
     detail = (
         "The request was not processed: the database cannot store its tenant, operation or key "
-        "in its encoding. The server is misconfigured."
+        "(in its encoding, or at their length). The server is misconfigured."
     )
     retry_after = None
     log_level = logging.ERROR
-    log_message = "idempotency: the database's encoding cannot store the request's names"
+    log_message = "idempotency: the database cannot store the request's names"
 
 
 class SettlementRefused(StatementRefused):

@@ -25,7 +25,15 @@ from .fingerprint import Fingerprinter
 from .middleware_arguments import KILL_SWITCH_ENV as KILL_SWITCH_ENV
 from .middleware_arguments import METHOD, check_arguments, kill_switch_on
 from .observe import Observer, combine, shown
-from .policy import Policy, RouteMatch, names, operation_name, pinned_method_error
+from .policy import (
+    MAX_OPERATION_BYTES,
+    Policy,
+    RouteMatch,
+    names,
+    operation_name,
+    pinned_method_error,
+    storable_operation,
+)
 from .responses import DEFAULT_PROBLEM_BASE, send_problem
 from .route_candidates import Memo
 from .routing import (
@@ -62,6 +70,12 @@ _CACHED_KEY_LENGTH = 1024
 _Guarded = tuple[Fingerprinter, Policy, str, int | None]
 #: The cache's entry for a request the middleware passes on (compared by identity).
 _UNGUARDED = cast(_Guarded, ())
+#: The entry for a request whose own method or path names an operation no record can hold.
+_UNNAMEABLE = cast(_Guarded, (None,))
+_UNNAMEABLE_DETAIL = (
+    f"The request's method and path name an operation of over {MAX_OPERATION_BYTES} bytes, or "
+    "with a character no record can hold (NUL). The request was not processed."
+)
 #: A route cache entry: the resolution; the first route list walked and its length then, the
 #: others and theirs (None: no other; one list's length is checked at a fraction of the cost).
 _Entry = tuple[_Guarded, Sequence[Any], int, tuple[Any, ...] | None, tuple[int, ...] | None]
@@ -225,6 +239,8 @@ class IdempotencyMiddleware:
             return self._pass_on(scope, receive, send, Handled.UNSEEN)
         if guarded is None:
             return self._misconfigured(send, "This operation cannot be guarded.")
+        if guarded is _UNNAMEABLE:
+            return self.send_problem(send, ProblemKind.OPERATION_INVALID, _UNNAMEABLE_DETAIL)
         fingerprinter, policy, operation, body_limit = guarded
         if body_limit is not None:  # (the route's own max_body_size: see body_limits)
             follow_route_limit(scope, body_limit)
@@ -265,7 +281,8 @@ class IdempotencyMiddleware:
         self, app: Any, method: str, scope: Scope, trace: Trace | None = None
     ) -> _Guarded | None:
         """The route a request matches, the policy guarding it and its operation's name, the
-        way the router will find it; `_UNGUARDED` for a request the middleware passes on, None
+        way the router will find it; `_UNGUARDED` for a request the middleware passes on,
+        `_UNNAMEABLE` for one whose operation no record can hold (its own method or path), None
         for a route that would be guarded but cannot be named (refused)."""
         routes, limit = self._router_below(app)
         limits = (limit, limit)
@@ -295,6 +312,8 @@ class IdempotencyMiddleware:
                 logger.error("idempotency: refused a request: %s", shown(error))
                 return None
             operation = policy.operation
+        elif not storable_operation(operation):  # (the client's method, a hidden mount's path)
+            return _UNNAMEABLE
         body_limit = in_force(scope, match.body_limit, match.least_limit)
         policy = capped(policy, body_limit)
         fingerprinter = Fingerprinter(operation, match.path_params, policy)

@@ -59,6 +59,8 @@ def _problems(policy: Policy, mw: IdempotencyMiddleware | None) -> dict[str, lis
         ProblemKind.TOKEN_INVALID: policy.require_token,
         ProblemKind.UNAUTHENTICATED: not policy.allow_anonymous,
         ProblemKind.TENANT_BUSY: mw is not None and mw.tenant_slots.limit is not None,
+        # (only where the client's method or path names the operation: no route's contract)
+        ProblemKind.OPERATION_INVALID: False,
     }
     by_status: dict[str, list[ProblemKind]] = {}
     for kind in ProblemKind:

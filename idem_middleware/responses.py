@@ -42,6 +42,7 @@ _TITLES: dict[ProblemKind, tuple[int, str]] = {
     ProblemKind.TOKEN_CONFLICT: (409, "This intent's token cannot be issued"),
     ProblemKind.CANCELLED: (503, "The request was cut short before it was answered"),
     ProblemKind.METHOD_NOT_ALLOWED: (405, "This method is not allowed here"),
+    ProblemKind.OPERATION_INVALID: (400, "The request names no operation that can be recorded"),
 }
 
 # Never stored or replayed: per-connection (hop-by-hop), per-response (Date, Server, and how long

@@ -196,14 +196,18 @@ def test_every_problem_kind_a_guarded_operation_can_answer_is_documented() -> No
             ProblemKind.TOKEN_CONFLICT,
             ProblemKind.METHOD_NOT_ALLOWED,
             ProblemKind.TOKEN_INVALID,
+            ProblemKind.OPERATION_INVALID,
         ):
-            continue  # the library's own routes only; tokens only where a policy requires them
+            # the library's own routes only; tokens only where a policy requires them; an
+            # operation only where the request names it itself (never a route's template)
+            continue
         assert f"`{base}{kind.value}`" in _problem_types(operation, str(problem_status(kind))), kind
     assert "Retry-After" in operation["responses"]["429"]["headers"]  # tenant-busy
     assert "Retry-After" in operation["responses"]["503"]["headers"]
     assert "too-many-fields" in _problem_types(operation, "400")
     assert "server-misconfigured" in _problem_types(operation, "500")
     assert "token-invalid" not in _problem_types(operation, "400")
+    assert "operation-invalid" not in _problem_types(operation, "400")
     assert "token-invalid" in _problem_types(schema["paths"]["/computed"]["post"], "400")
     # Anonymous callers allowed: never a 401.
     assert "401" not in schema["paths"]["/webhook-body"]["post"]["responses"]

@@ -68,6 +68,9 @@ RETRYABLE: tuple[type[BaseException], ...] = (
 UNSTORABLE_TEXT: tuple[type[BaseException], ...] = (
     asyncpg.exceptions.UntranslatableCharacterError,
     asyncpg.exceptions.CharacterNotInRepertoireError,
+    # (54000: tenant, operation and key together too long for the primary key's index, 2,704
+    # bytes; the middleware refuses such names first, the store's own callers may not)
+    asyncpg.exceptions.ProgramLimitExceededError,
 )
 #: What `translate` turns into StoreError or RetryableConflict.
 TRANSLATED: tuple[type[BaseException], ...] = (
