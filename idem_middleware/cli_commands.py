@@ -13,7 +13,7 @@ import contextlib
 import json
 import signal
 import sys
-from collections.abc import Awaitable, Callable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from typing import Any, NoReturn
 from urllib.parse import urlsplit
 
@@ -85,13 +85,14 @@ def stopped(
 
 
 async def purge(store: PostgresStore, args: argparse.Namespace) -> int:
+    left: list[str] = []  # (the tokens or waiters whose batches stopped at --max-batches)
+
     def purging(progress: Callable[[int], None]) -> Awaitable[int]:
-        return store.purge(
-            batch_size=args.batch_size, max_batches=args.max_batches, progress=progress
-        )
+        size, most, limited = args.batch_size, args.max_batches, left.append
+        return store.purge(batch_size=size, max_batches=most, progress=progress, on_limit=limited)
 
     return await _batches(
-        args, "purge", "expired records", purging, " (IDEM_PURGE_MAX_BATCHES)", "expires"
+        args, "purge", "expired records", purging, " (IDEM_PURGE_MAX_BATCHES)", "expires", left
     )
 
 
@@ -119,6 +120,10 @@ async def _aged(
     return await _batches(args, name, what, purging, "", grows)
 
 
+#: What else `purge` deletes in batches, named as its stderr names it.
+_OTHERS = {"tokens": "expired tokens", "waiters": "waits of dead processes"}
+
+
 async def _batches(
     args: argparse.Namespace,
     name: str,
@@ -126,9 +131,11 @@ async def _batches(
     purging: Callable[[Callable[[int], None]], Awaitable[int]],
     env: str,
     grows: str,
+    left: Sequence[str] = (),
 ) -> int:
     """A purge in batches, each committed on its own: how many `what` it deleted, and whether
-    it stopped at --max-batches (said on stderr too). Failed partway, what it did first."""
+    it stopped at --max-batches (said on stderr too; `left`: what else stopped there, filled
+    by `purging`). Failed partway, what it did first."""
     progress = [0]
 
     def committed(deleted: int) -> None:
@@ -143,12 +150,14 @@ async def _batches(
         stopped(args, {"purged": progress[0], "stopped_at_limit": False}, done, exc, name)
     # Every batch was full: it stopped at its limit, and rows may be left. Said aloud, since a
     # purge that deletes less each run than expires meanwhile never catches up.
-    limited = deleted >= args.batch_size * args.max_batches
+    at_limit = [what] if deleted >= args.batch_size * args.max_batches else []
+    at_limit += [_OTHERS[other] for other in left]
+    limited = bool(at_limit)
     emit(args, {"purged": deleted, "stopped_at_limit": limited}, f"purged {deleted} {what}")
     if limited:
         print(
             f"{name} stopped at --max-batches ({args.max_batches} batches of {args.batch_size}):"
-            f" {what} may be left. Run it again now, run it more often, or raise"
+            f" {' and '.join(at_limit)} may be left. Run it again now, run it more often, or raise"
             f" --max-batches{env}: a purge that deletes less each run than {grows} between"
             " runs falls further behind every time.",
             file=sys.stderr,

@@ -10,14 +10,17 @@ now chosen once, in a materialized CTE."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 from typing import Any
 
 import asyncpg
 import pytest
 
+from idem_middleware import MemoryStore
 from idem_middleware.sql import queries
 from tests.conftest import migrated_database
+from tests.integration.test_cli import cli
 
 #: Five rows, inserted oldest first (each statement takes the oldest first), by table.
 _ROWS = {
@@ -82,3 +85,39 @@ async def test_a_purge_batch_deletes_at_most_its_size(
     await _emptied_then_filled(conn, table)
     assert await conn.execute(queries()[name], *args) == "DELETE 2"
     assert await conn.fetchval(f"SELECT count(*) FROM {table}") == 3
+
+
+_EXPIRED_TOKENS = (
+    "INSERT INTO idem_tokens (tenant, token_hash, operation, expires_at) SELECT 't',"
+    " sha256(i::text::bytea), 'POST /x', now() - interval '1 day' FROM generate_series(1, 250) i"
+)
+
+
+async def test_purge_says_when_the_tokens_stopped_at_max_batches(
+    conn: Any, batches_dsn: str
+) -> None:
+    """Every batch of tokens full, none of records: `purge` said `"stopped_at_limit": false`
+    and nothing on stderr, and 50 expired tokens were left unsaid."""
+    await conn.execute("DELETE FROM idem_requests; DELETE FROM idem_tokens")
+    await conn.execute(_EXPIRED_TOKENS)
+    args = ("purge", "--batch-size", "100", "--max-batches", "2", "--json")
+    done = cli(*args, dsn=batches_dsn)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == {"purged": 0, "stopped_at_limit": True}
+    assert "purge stopped at --max-batches (2 batches of 100): expired tokens may" in done.stderr
+    assert await conn.fetchval("SELECT count(*) FROM idem_tokens") == 50
+    again = cli(*args, dsn=batches_dsn)
+    assert json.loads(again.stdout) == {"purged": 0, "stopped_at_limit": False}
+    assert again.stderr == ""
+
+
+async def test_the_twin_names_its_tokens_stopped_at_max_batches() -> None:
+    store = MemoryStore()
+    for i in range(5):
+        store.add_token("t", b"%d" % i, "POST /x", ttl_seconds=-1)
+    limited: list[str] = []
+    assert await store.purge(batch_size=2, max_batches=2, on_limit=limited.append) == 0
+    assert limited == ["tokens"]
+    limited.clear()
+    assert await store.purge(batch_size=2, max_batches=2, on_limit=limited.append) == 0
+    assert limited == []  # the one left: a batch not full

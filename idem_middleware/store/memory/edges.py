@@ -199,6 +199,7 @@ class OffPathOperations(MemoryTables):
         batch_size: int = 1000,
         max_batches: int = 1000,
         progress: Callable[[int], None] | None = None,
+        on_limit: Callable[[str], None] | None = None,
     ) -> int:
         check_purge_limits(batch_size, max_batches)
         now = self.clock()
@@ -223,6 +224,8 @@ class OffPathOperations(MemoryTables):
             found = self._tokens.pop(token)
             if found.intent_id is not None:
                 del self._intents[(token[0], found.operation, found.intent_id)]
+        if on_limit is not None and len(spent) >= most:  # (every batch full: as PostgreSQL's)
+            on_limit("tokens")
         if progress is not None:
             progress(len(doomed))
         return len(doomed)

@@ -1,12 +1,9 @@
 """The store's statements off the request path: token issuance and the outbox (SQL runs only
 in the store, not in tokens.py or outbox.py), and the operators' listing, purge and stats.
-
-Each translates driver errors into the library's: StoreError for a lost connection or no
-connection at all, RetryableConflict for a serialization failure or deadlock, StatementRefused
-for a statement the server refused on a connection that is still usable. `add_event` and
-`record_consumed` run on the caller's connection, in the caller's transaction: their errors
-are that transaction's, and are left to the caller as asyncpg raised them.
-"""
+Each translates driver errors into the library's (StoreError: a lost connection or none;
+RetryableConflict: a serialization failure or deadlock; StatementRefused: a statement refused
+on a usable connection). `add_event` and `record_consumed` run in the caller's transaction:
+their errors are that transaction's, left to the caller as asyncpg raised them."""
 
 from __future__ import annotations
 
@@ -346,18 +343,21 @@ class OffPathStatements(PoolStatements):
         batch_size: int = 1000,
         max_batches: int = 1000,
         progress: Callable[[int], None] | None = None,
+        on_limit: Callable[[str], None] | None = None,
     ) -> int:
         """Delete finished records past their retention, one short transaction per batch, and
         then expired one-time tokens and waits left behind by dead processes the same way.
 
         Never touches pending or unknown records. Returns how many records were deleted;
         `progress` is called with the count so far after each batch of records commits, so a
-        caller that the database fails partway (StoreError) still knows what was done.
-        """
+        caller that the database fails partway (StoreError) still knows what was done;
+        `on_limit` with "tokens" or "waiters" when their batches stopped at `max_batches`."""
         check_purge_limits(batch_size, max_batches)
         deleted = await self._purge_batches(_Q["purge_batch"], batch_size, max_batches, progress)
-        await self._purge_batches(_Q["purge_tokens"], batch_size, max_batches)
-        await self._purge_batches(_Q["purge_waiters"], batch_size, max_batches)
+        for what in ("tokens", "waiters"):
+            others = await self._purge_batches(_Q[f"purge_{what}"], batch_size, max_batches)
+            if on_limit is not None and others == batch_size * max_batches:
+                on_limit(what)
         return deleted
 
     async def _purge_batches(
