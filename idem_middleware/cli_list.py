@@ -84,9 +84,10 @@ async def records(
     limit: int,
     page_size: int = PAGE_SIZE,
 ) -> AsyncIterator[RecordSummary]:
-    """At most `limit` records of `states`, oldest (updated_at) first, each once: a record
-    inserted or deleted meanwhile moves no other, and one changed after the listing began is
-    left out (so one listed and then moved is not listed again)."""
+    """At most `limit` records of `states`, oldest (updated_at) first: a record inserted or
+    deleted meanwhile moves no other, and one changed after the listing began is left out (so
+    one listed and then moved is not listed again), unless a transaction that began before the
+    listing changed it (its `updated_at` is that transaction's start: docs/operating.md)."""
     filters = {"tenant": tenant, "operation": operation, "stale_only": stale_only}
     streams = [_Pages(store, s, min(page_size, limit), filters) for s in dict.fromkeys(states)]
     heads: list[tuple[datetime, int, RecordSummary]] = []

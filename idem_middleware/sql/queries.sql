@@ -688,7 +688,8 @@ LIMIT $4;
 -- transaction held between them). The order is total (updated_at, then the key), so a page
 -- starts exactly after the one before, whatever was inserted or deleted meanwhile. Records
 -- changed after the first page ($6) are left out: a record listed and then moved (a takeover, a
--- lapsed lease turned unknown) is never listed twice. `listed_at` is the first page's bound.
+-- lapsed lease turned unknown) is not listed twice, unless the transaction that moved it began
+-- before the first page (updated_at is its now()). `listed_at` is the first page's bound.
 -- For pending and unknown each page reads idem_requests_unresolved_idx from the cursor on; the
 -- finished states have no such index, so each of their pages reads the table.
 -- $1 state, $2 tenant or NULL, $3 operation or NULL, $4 page size, $5 stale pending only,
