@@ -75,22 +75,42 @@ def reap_orphans(tmp: Path, prefix: str) -> list[int]:
             continue  # not one of ours, or still being set up
         if _alive(owner):
             continue
-        data_dir = parent / "data"
-        try:
-            postmaster = int((data_dir / "postmaster.pid").read_text().split()[0])
-        except (OSError, ValueError, IndexError):
-            postmaster = 0
-        if postmaster > 0 and _alive(postmaster):
-            if _is_server_of(postmaster, data_dir):
-                os.kill(postmaster, signal.SIGQUIT)  # immediate shutdown: its children go with it
-                for _ in range(100):  # bounded: 5 s
-                    if not _alive(postmaster):
-                        break
-                    time.sleep(0.05)
-                stopped.append(postmaster)
-            # Never its directory from under a server that may still run (one not stopped yet,
-            # or one its command line was not matched to): the next run looks again.
-            if _alive(postmaster) and not _another_program(postmaster):
-                continue
-        shutil.rmtree(parent, ignore_errors=True)
+        postmaster, running = _stop_server(parent / "data")
+        if postmaster is not None:
+            stopped.append(postmaster)
+        if not running:
+            shutil.rmtree(parent, ignore_errors=True)
     return stopped
+
+
+def abandon(parent: Path) -> None:
+    """A server's set-up cut short (interrupted, failed): its server stopped if one started, and
+    its directory removed. Whatever a process of the set-up still writes there (initdb's) is
+    left under the owner file, for the next run's `reap_orphans` (without it, for ever)."""
+    if _stop_server(parent / "data")[1]:
+        return  # (a server that may still run: the next run looks again)
+    shutil.rmtree(parent / "data", ignore_errors=True)
+    if not (parent / "data").exists():
+        shutil.rmtree(parent, ignore_errors=True)
+
+
+def _stop_server(data_dir: Path) -> tuple[int | None, bool]:
+    """Stop the server `data_dir/postmaster.pid` names, if it runs and is this directory's
+    (immediate shutdown: its children go with it). Its PID if stopped, and whether a process
+    that may be it still runs: never its directory from under it (one not stopped yet, or one
+    its command line was not matched to)."""
+    try:
+        postmaster = int((data_dir / "postmaster.pid").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None, False
+    if postmaster <= 0 or not _alive(postmaster):
+        return None, False
+    stopped = None
+    if _is_server_of(postmaster, data_dir):
+        os.kill(postmaster, signal.SIGQUIT)
+        for _ in range(100):  # bounded: 5 s
+            if not _alive(postmaster):
+                break
+            time.sleep(0.05)
+        stopped = postmaster
+    return stopped, _alive(postmaster) and not _another_program(postmaster)

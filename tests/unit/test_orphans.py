@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -165,3 +166,41 @@ def test_without_proc_a_process_that_exists_is_taken_as_running(
     finally:
         server.kill()
         server.wait(10)
+
+
+def test_a_set_up_cut_short_stops_its_server_even_while_its_owner_lives(tmp_path: Path) -> None:
+    """The plugin's run interrupted while the server started (SIGINT to pytest alone, as an
+    IDE's stop button sends it): it deleted the directory from under a server that went on
+    running, and from under initdb's processes, which wrote it back with no owner file, for
+    ever. `abandon` stops the server though its owner (this process) lives, then removes it."""
+    data_dir = tmp_path / "idem-test-pg-cut" / "data"
+    server = _fake_server(data_dir)
+    try:
+        cut = _parent(tmp_path, "idem-test-pg-cut", os.getpid(), server.pid)
+        orphans.abandon(cut)
+        assert server.wait(10) != 0  # stopped by the signal
+        assert not cut.exists()
+    finally:
+        server.kill()
+        server.wait(10)
+
+
+def test_a_set_up_cut_short_that_a_process_still_writes_keeps_its_owner_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What a process of the set-up writes back after the removal stays under the owner file,
+    for the next run's reaper: the directory without it was never removed."""
+    cut = _parent(tmp_path, "idem-test-pg-late", _dead_pid(), _dead_pid())
+    rmtree = orphans.shutil.rmtree
+
+    def written_back(path: Any, ignore_errors: bool = False) -> None:
+        rmtree(path, ignore_errors=ignore_errors)
+        if Path(path).name == "data":
+            (Path(path) / "base").mkdir(parents=True)  # initdb's child, still writing
+
+    monkeypatch.setattr(orphans.shutil, "rmtree", written_back)
+    orphans.abandon(cut)
+    assert (cut / OWNER_FILE).exists()
+    monkeypatch.setattr(orphans.shutil, "rmtree", rmtree)
+    assert reap_orphans(tmp_path, "idem-test-pg-") == []  # its owner gone: removed
+    assert not cut.exists()
