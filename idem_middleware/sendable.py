@@ -106,7 +106,11 @@ def _trimmed(pair: Any) -> tuple[bytes, bytes] | None:
     """A header refused only for a space or tab at an end of its value, with them stripped: the
     same field to HTTP (RFC 9110 5.5: a field value has no leading or trailing whitespace), and
     what httptools sent the first client, where h11 refused it."""
+    if type(pair) not in (tuple, list) or len(pair) != 2:
+        return None
     name, value = pair
+    if type(name) is not bytes or type(value) is not bytes:
+        return None
     stripped = value.strip(b" \t")
     if stripped == value or _ONE_FIELD(name + b"\x00" + stripped) is None:
         return None

@@ -155,3 +155,12 @@ def test_a_value_refused_only_for_an_edge_space_is_replayed_stripped() -> None:
     assert kept == [SENT[0], (b"x-trace", b"abc"), (b"x-tab", b"a b")]
     assert len(refused) == 1
     assert "x-both" in refused[0]  # a control character inside: left out, as ever
+
+
+def test_a_pair_that_is_not_two_bytes_is_left_out_not_trimmed() -> None:
+    """A `str` name or value, or a pair of three, fails the rule: left out, never trimmed (the
+    trim read it as bytes, and every replay of the record raised)."""
+    bad = [(b"x-a", "v "), ("x-b", b"v "), (b"x-c", b"v ", b"3"), b"x-d"]
+    kept, refused = sendable_headers([SENT[0], *bad])
+    assert kept == [SENT[0]]
+    assert len(refused) == 4

@@ -213,7 +213,22 @@ def refused(exc: BaseException, fenced: bool = False) -> SettlementRefused:
 
 def encode_headers(headers: Sequence[tuple[bytes, bytes]]) -> bytes:
     # latin-1 maps every byte to one code point, so any header value survives the round trip.
-    return orjson.dumps([(n.decode("latin-1"), v.decode("latin-1")) for n, v in headers])
+    try:
+        return orjson.dumps([(n.decode("latin-1"), v.decode("latin-1")) for n, v in headers])
+    except (AttributeError, TypeError, ValueError):
+        # A header that is not two bytes (a handler's `str`): no server sends it and no replay
+        # would (sendable.py); the outcome is recorded without it, as the twin's replay has it.
+        kept = [(n, v) for n, v in filter(_two_bytes, headers)]
+        return orjson.dumps([(n.decode("latin-1"), v.decode("latin-1")) for n, v in kept])
+
+
+def _two_bytes(pair: Any) -> bool:
+    return (
+        type(pair) in (tuple, list)
+        and len(pair) == 2
+        and isinstance(pair[0], (bytes, bytearray))
+        and isinstance(pair[1], (bytes, bytearray))
+    )
 
 
 def decode_headers(blob: bytes | None) -> list[tuple[bytes, bytes]]:
