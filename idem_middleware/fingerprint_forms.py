@@ -108,12 +108,17 @@ def canonical_pairs(
     The fields are sorted by name (repeats keep their order) when every name is plain and no
     `;` appears (some readers split on it too); otherwise the bytes stay as they are. Names in
     `exclude` are left out, and only names in `include` (when given) are kept, only in the
-    sorted case, where a name means the same to every reader.
+    sorted case, where a name means the same to every reader. One field is as it is unless a
+    name is left out or kept: then one `name=value` is a sorted list of one (a retry that adds
+    only an excluded field matches), and a piece without `=` (a JSON literal too) stays as it is.
     """
     # A C-level count first: the per-field work below is then bounded by the cap.
     if data.count(b"&") >= max_fields:
         raise too_many_fields(what, max_fields)
-    if data.find(b"&") < 0 or data.find(b";") >= 0:  # (`in` would format a discarded TypeError)
+    # (find, not `in`: `in` would format a discarded TypeError)
+    if data.find(b";") >= 0 or (
+        data.find(b"&") < 0 and ((include is None and not exclude) or data.find(b"=") < 0)
+    ):
         return _RAW + data
     pairs = [(piece.partition(b"=")[0], piece) for piece in data.split(b"&")]
     plain = _PLAIN_NAME.fullmatch
@@ -198,8 +203,15 @@ def canonical_multipart(body: bytes, boundary: bytes, *, max_fields: int) -> byt
         # reads `----` as an empty form under one boundary and refuses it under another).
         return None
     for index, segment in enumerate(segments[1:], 1):
-        tail = _CLOSE if index == last else _LINE_END
-        if tail.match(segment) is None:
+        if index == last:
+            if _CLOSE.match(segment) is None:
+                return None
+            continue
+        line_end = _LINE_END.match(segment)
+        # A part's headers must end inside it (a blank line: CRLF CRLF, the line end's own CRLF
+        # included). Without one, a reader takes the next delimiter's line end as the blank line
+        # and the delimiter's text, the boundary, as the part's data.
+        if line_end is None or segment.find(b"\r\n\r\n", line_end.end() - 2) < 0:
             return None
     chunks = [_SEGMENTS, b"1" if starts else b"0", _U64(len(segments))]
     for segment in segments:

@@ -402,6 +402,13 @@ def test_form_bodies() -> None:
     assert digest(b"a=1&token=x", ["token"]) == digest(b"a=1&token=y", ["token"])
     assert digest(b"a=1&token=x", ["/token"]) == digest(b"token=z&a=1", ["/token"])
     assert digest(b"a=1&token=x", ["token"]) != digest(b"a=2&token=x", ["token"])
+    # One field: a retry that adds only an excluded field matches (it got 422 key-reused).
+    assert digest(b"a=1", ["trace"]) == digest(b"a=1&trace=1&trace=2", ["trace"])
+    assert digest(b"a=1", ["trace"]) != digest(b"a=2", ["trace"])
+    kept = fingerprint(content_type=FORM, body=b"amount=5", include_fields=["amount"])
+    assert kept == fingerprint(
+        content_type=FORM, body=b"note=x&amount=5", include_fields=["amount"]
+    )
     assert_rejected(b"a=\xff", FORM)
 
 
@@ -459,8 +466,13 @@ def test_multipart_boundary_does_not_matter() -> None:
     assert digest(b"XyZ123", b"v") != digest(b"XyZ123", b"w")
     # Changed: the quoting of the parameter is kept, as the rest of the header is.
     assert digest(b"XyZ123", b"v") != digest(b"XyZ123", b"v", quoted=True)
-    assert canonical_body(b"multipart/form-data; boundary=B", b"--B\r\n\r\n--B--")[0] == (
+    assert canonical_body(b"multipart/form-data; boundary=B", b"--B\r\n\r\n\r\n--B--")[0] == (
         b"multipart:" + struct.pack(">Q", 30) + b"multipart/form-data; boundary="
+    )
+    # A part whose headers end with no blank line of its own: hashed as sent (a reader takes the
+    # closing delimiter's line end as the blank line, and "--B--" as the part's data).
+    assert canonical_body(b"multipart/form-data; boundary=B", b"--B\r\n\r\n--B--")[0] == (
+        b"raw:multipart/form-data; boundary=B"
     )
     assert canonical_body(b"multipart/form-data", b"--B--") == (
         b"raw:multipart/form-data",
