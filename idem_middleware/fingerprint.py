@@ -115,7 +115,8 @@ def canonical_body(
         except UnicodeDecodeError:
             raise RequestRejected(ProblemKind.BODY_INVALID, _FORM_NOT_UTF8) from None
         names = excluded_names(exclude_fields) if exclude_fields else frozenset()
-        only = excluded_names(include_fields) if include_fields else None
+        # (an allowlist of nested pointers alone selects no form field: the whole form counts)
+        only = (excluded_names(include_fields) or None) if include_fields else None
         canonical = canonical_pairs(
             body, what="A form body", max_fields=max_fields, exclude=names, include=only
         )

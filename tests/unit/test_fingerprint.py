@@ -409,6 +409,15 @@ def test_form_bodies() -> None:
     assert kept == fingerprint(
         content_type=FORM, body=b"note=x&amount=5", include_fields=["amount"]
     )
+    # An allowlist of nested pointers selects no form field: the whole form counts (it made every
+    # form body of one field, then of any, one request).
+    nested = ["/order/amount"]
+    assert fingerprint(content_type=FORM, body=b"amount=5", include_fields=nested) != fingerprint(
+        content_type=FORM, body=b"amount=500", include_fields=nested
+    )
+    assert fingerprint(content_type=FORM, body=b"a=5&b=1", include_fields=nested) != fingerprint(
+        content_type=FORM, body=b"a=5&b=2", include_fields=nested
+    )
     assert_rejected(b"a=\xff", FORM)
 
 
