@@ -430,7 +430,7 @@ async def test_span_attributes_from_a_concrete_path_are_bounded() -> None:
         await inner(scope, receive, send)
 
     outer = Starlette(routes=[Mount("/t/{tid}", app=hiding)])
-    long_name = "x" * 16_000
+    long_name = "x" * 1000  # (the longest an operation's name may be: test_unnameable_operation.py)
     async with client(outer) as c:
         with provider.get_tracer("test").start_as_current_span("request"):
             for i, name in enumerate([long_name, "a%0D%0Ab"]):
@@ -444,4 +444,4 @@ async def test_span_attributes_from_a_concrete_path_are_bounded() -> None:
     assert len(operations) == 2, operations
     assert all(len(op) <= MAX_ATTRIBUTE_CHARS + 40 for op in operations), operations
     assert all(op.isprintable() for op in operations), operations
-    assert any("(16012 characters)" in op for op in operations), operations
+    assert any("(1012 characters)" in op for op in operations), operations

@@ -354,8 +354,8 @@ class OffPathStatements(PoolStatements):
         `on_limit` with "tokens" or "waiters" when their batches stopped at `max_batches`."""
         check_purge_limits(batch_size, max_batches)
         deleted = await self._purge_batches(_Q["purge_batch"], batch_size, max_batches, progress)
-        for what in ("tokens", "waiters"):
-            others = await self._purge_batches(_Q[f"purge_{what}"], batch_size, max_batches)
+        for what, query in (("tokens", _Q["purge_tokens"]), ("waiters", _Q["purge_waiters"])):
+            others = await self._purge_batches(query, batch_size, max_batches)
             if on_limit is not None and others == batch_size * max_batches:
                 on_limit(what)
         return deleted
