@@ -202,11 +202,9 @@ def canonical_multipart(body: bytes, boundary: bytes, *, max_fields: int) -> byt
         # No delimiter at all: no form to any reader, but readers differ on it (python-multipart
         # reads `----` as an empty form under one boundary and refuses it under another).
         return None
-    for index, segment in enumerate(segments[1:], 1):
-        if index == last:
-            if _CLOSE.match(segment) is None:
-                return None
-            continue
+    if _CLOSE.match(segments[last]) is None:
+        return None
+    for segment in segments[1:last]:
         line_end = _LINE_END.match(segment)
         # A part's headers must end inside it (a blank line: CRLF CRLF, the line end's own CRLF
         # included). Without one, a reader takes the next delimiter's line end as the blank line

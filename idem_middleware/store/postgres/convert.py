@@ -218,7 +218,7 @@ def encode_headers(headers: Sequence[tuple[bytes, bytes]]) -> bytes:
     except (AttributeError, TypeError, ValueError):
         # A header that is not two bytes (a handler's `str`): no server sends it and no replay
         # would (sendable.py); the outcome is recorded without it, as the twin's replay has it.
-        kept = [(n, v) for n, v in filter(_two_bytes, headers)]
+        kept = filter(_two_bytes, headers)
         return orjson.dumps([(n.decode("latin-1"), v.decode("latin-1")) for n, v in kept])
 
 
