@@ -31,7 +31,7 @@ from .jsonvalues import json_text
 from .keys import MAX_KEY_LENGTH
 from .policy import seconds_option
 from .pool_arguments import checked_store as _store  # (a ValueError first: see there)
-from .store.postgres.edges import add_event, record_consumed
+from .store.postgres.events import add_event, record_consumed
 from .waiting import wait_at_most
 
 logger = logging.getLogger("idem_middleware.outbox")

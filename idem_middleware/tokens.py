@@ -8,6 +8,7 @@ machine (in flight, unknown, replay), never by a bare "token already used".
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import hashlib
 import hmac
@@ -31,6 +32,7 @@ from .errors import TokenConflict as TokenConflict
 from .library_routes import ROUTE_OPERATIONS_ATTRIBUTE, GuardedOperations, LibraryRoute
 from .policy import MAX_SECONDS, OPERATION_SHAPE  # (the operations the status resource accepts)
 from .responses import problem_response
+from .store.base import TokenRow
 from .tenant import (
     ROUTE_RESOLVER_ATTRIBUTE,
     ROUTE_TENANTS_ATTRIBUTE,
@@ -44,6 +46,9 @@ _PREFIX = "it_"
 #: How many times `issue` reads again after a concurrent issue of the same intent won the race
 #: on the token's primary key (the second attempt already sees the winner's row).
 _ISSUE_ATTEMPTS = 4
+#: How long `issue` waits, and how often it asks again, for a request consuming the intent's
+#: expired token to end (about 5 s; then StoreError: the token route's 503, to ask again).
+_BUSY_PAUSES = (0.01, 0.02, 0.04, 0.08, 0.16, 0.32) + (0.5,) * 9
 #: The longest `intent_id` the token route accepts (characters).
 MAX_INTENT_ID = 255
 #: The largest body the token route reads (bytes): the longest operation and intent, every
@@ -179,27 +184,18 @@ class TokenIssuer:
         ttl_seconds = self.ttl_seconds if ttl_seconds is None else _time_to_live(ttl_seconds)
         token = self._token_for(tenant, operation, intent_id)
         hashed = token_hash(token)
-        for attempt in range(_ISSUE_ATTEMPTS):
-            try:
-                row = await self.store.issue_token(
-                    tenant,
-                    hashed,
-                    operation,
-                    request_digest=request_digest,
-                    intent_id=intent_id,
-                    ttl_seconds=ttl_seconds,
-                )
+        asked = (tenant, hashed, operation, request_digest, intent_id, ttl_seconds)
+        row = await self._issued(*asked)
+        for pause in _BUSY_PAUSES:
+            if row is not None:
                 break
-            except StatementRefused as exc:
-                # Two first issues of one intent insert the same token: the loser may collide
-                # on the token's primary key rather than on the intent's key that ON CONFLICT
-                # names. The winner's row is committed by now, so asking again returns it.
-                if (
-                    intent_id is None
-                    or not _unique_violation(exc)
-                    or attempt == _ISSUE_ATTEMPTS - 1
-                ):
-                    raise
+            # A request consuming the intent's expired token still runs: what it leaves (the
+            # token used, or free to renew) is known when it ends. Waited for here, with no
+            # connection held (never in the database).
+            await asyncio.sleep(pause)
+            row = await self._issued(*asked)
+        if row is None:
+            raise StoreError("a request consuming this intent's token still runs; ask again")
         if row.token_hash != hashed:
             older = (
                 None
@@ -214,6 +210,39 @@ class TokenIssuer:
         if row.request_digest != request_digest:
             raise TokenConflict("this intent was issued a token for a different request")
         return IssuedToken(token, row.expires_at)
+
+    async def _issued(
+        self,
+        tenant: str,
+        hashed: bytes,
+        operation: str,
+        request_digest: bytes | None,
+        intent_id: str | None,
+        ttl_seconds: float,
+    ) -> TokenRow | None:
+        """The store's `issue_token` (None: busy, see `issue`)."""
+        for attempt in range(_ISSUE_ATTEMPTS):
+            try:
+                row: TokenRow | None = await self.store.issue_token(
+                    tenant,
+                    hashed,
+                    operation,
+                    request_digest=request_digest,
+                    intent_id=intent_id,
+                    ttl_seconds=ttl_seconds,
+                )
+                return row
+            except StatementRefused as exc:
+                # Two first issues of one intent insert the same token: the loser may collide
+                # on the token's primary key rather than on the intent's key that ON CONFLICT
+                # names. The winner's row is committed by now, so asking again returns it.
+                if (
+                    intent_id is None
+                    or not _unique_violation(exc)
+                    or attempt == _ISSUE_ATTEMPTS - 1
+                ):
+                    raise
+        raise AssertionError("unreachable")  # pragma: no cover
 
 
 async def _capped_body(request: Request) -> bytes | None:

@@ -723,21 +723,35 @@ WHERE tenant = $1 AND token_hash = $2;
 -- name: issue_token
 -- Issue a token, or return the one already issued for this intent (renewing it if it expired,
 -- unless it was consumed: `spent` then, and the caller refuses).
--- An intent's live token is read, not written: the upsert would wait for the row lock of a
--- transaction consuming it (a transactional claim holds it for as long as its handler runs),
--- its pooled connection held. Only a first issue, or an expired token's renewal, writes.
+-- Nothing here waits for a row lock, its pooled connection held: an intent's live token is
+-- read, not written (a transactional claim consuming it holds its row for as long as its
+-- handler runs), and an expired token whose row another transaction holds (such a claim, its
+-- handler running past the token's time to live) is answered `busy`, nothing written: the
+-- caller asks again once it has let go of the connection. Only a first issue, or an expired
+-- token's renewal, writes.
 -- $1 tenant, $2 token hash, $3 operation, $4 request digest or NULL, $5 intent id or NULL,
 -- $6 time to live (seconds)
 WITH live AS (
     SELECT token_hash, expires_at, request_digest
     FROM idem_tokens
     WHERE tenant = $1 AND operation = $3 AND intent_id = $5 AND expires_at > now()
+), expired AS (
+    -- The intent's expired token (one row at most: the intent is the table's unique key), and
+    -- whether this statement could lock its row.
+    SELECT (SELECT count(*) FROM idem_tokens
+            WHERE tenant = $1 AND operation = $3 AND intent_id = $5 AND expires_at <= now())
+           AS found,
+           (SELECT count(*) FROM (
+                SELECT FROM idem_tokens
+                WHERE tenant = $1 AND operation = $3 AND intent_id = $5 AND expires_at <= now()
+                FOR UPDATE SKIP LOCKED) lockable)
+           AS free
 ), issued AS (
     INSERT INTO idem_tokens AS t
         (tenant, token_hash, operation, request_digest, intent_id, expires_at)
     SELECT $1::text, $2::bytea, $3::text, $4::bytea, $5::text,
            now() + make_interval(secs => $6::float8)
-    WHERE NOT EXISTS (SELECT FROM live)
+    WHERE NOT EXISTS (SELECT FROM live) AND (SELECT found = free FROM expired)
     ON CONFLICT (tenant, operation, intent_id) DO UPDATE
     SET expires_at = CASE
         WHEN t.expires_at <= now() AND t.consumed_at IS NULL THEN EXCLUDED.expires_at
@@ -746,9 +760,12 @@ WITH live AS (
     RETURNING t.token_hash, t.expires_at, t.request_digest,
               t.consumed_at IS NOT NULL AND t.expires_at <= now() AS spent
 )
-SELECT token_hash, expires_at, request_digest, false AS spent FROM live
+SELECT token_hash, expires_at, request_digest, false AS spent, false AS busy FROM live
 UNION ALL
-SELECT token_hash, expires_at, request_digest, spent FROM issued;
+SELECT token_hash, expires_at, request_digest, spent, false FROM issued
+UNION ALL
+SELECT NULL, NULL, NULL, false, true FROM expired
+WHERE NOT EXISTS (SELECT FROM live) AND found > free;
 
 -- name: watch_begin
 -- A lease-mode duplicate starts waiting for a record: settlements of it notify from now on.

@@ -104,6 +104,36 @@ async def test_an_event_added_again_under_its_id_is_kept_once(pool: Any) -> None
     assert orjson.loads(rows[0]["payload"]) == {"amount": 5, "to": "acc-1"}
 
 
+async def test_an_event_purged_while_it_is_added_again_is_added_afresh(pool: Any) -> None:
+    """`add` of a sent event's id finds it (nothing written), then compares it: a purge in
+    between left nothing to compare, and `add` raised EventConflict for the very same event.
+    Found by probing. It is added again, as after any purge."""
+    await pool.execute(
+        "INSERT INTO idem_outbox (event_id, topic, payload, sent_at)"
+        " VALUES ('e9', 'credit', '{\"amount\": 5}', now() - interval '8 days')"
+    )
+
+    class PurgedBetween:
+        """The caller's connection; the purge runs before its second statement."""
+
+        def __init__(self, conn: Any) -> None:
+            self.conn, self.statements = conn, 0
+
+        async def fetchval(self, *args: Any, **kwargs: Any) -> Any:
+            self.statements += 1
+            if self.statements == 2:
+                assert await purge_sent(pool, older_than_seconds=7 * 86400) == 1
+            return await self.conn.fetchval(*args, **kwargs)
+
+    async with pool.acquire() as conn, conn.transaction():
+        added = await add(PurgedBetween(conn), "credit", {"amount": 5}, event_id="e9")
+    assert added == "e9"
+    row = await pool.fetchrow("SELECT sent_at, payload FROM idem_outbox WHERE event_id = 'e9'")
+    assert row is not None
+    assert row["sent_at"] is None  # a fresh event, to be sent
+    assert orjson.loads(row["payload"]) == {"amount": 5}
+
+
 async def test_an_event_added_by_two_transactions_at_once_is_kept_once(pool: Any) -> None:
     """The second waits for the first to commit (the primary key), then finds the same event."""
     async with pool.acquire() as first, pool.acquire() as second:

@@ -56,24 +56,18 @@ class OffPathOperations(MemoryTables):
         request_digest: bytes | None,
         intent_id: str | None,
         ttl_seconds: float,
-    ) -> TokenRow:
+    ) -> TokenRow | None:
         """Issue a token, or return the one the intent holds, renewed if it expired unused (as
-        queries.sql `issue_token`; TokenIssuer decides what a held token means)."""
+        queries.sql `issue_token`; TokenIssuer decides what a held token means). None while a
+        transaction that consumes its expired token is open (PostgreSQL: its row is locked)."""
         intent = None if intent_id is None else (tenant, operation, intent_id)
         held = None if intent is None else self._intents.get(intent)
-        # An expired token a claim is consuming is written only once the claim ends (its row
-        # lock), then judged as it is; a live one is read (as queries.sql `issue_token`).
-        for _ in range(_OWNER_POLLS):
-            if (
-                held is None
-                or (tenant, held) not in self._held_tokens
-                or self._tokens[(tenant, held)].expires_at > self.clock()
-            ):
-                break
-            await asyncio.sleep(0.01)
-            held = None if intent is None else self._intents.get(intent)
-        else:
-            raise StoreError(_WAITED_TOO_LONG)
+        if (
+            held is not None
+            and (tenant, held) in self._held_tokens
+            and self._tokens[(tenant, held)].expires_at <= self.clock()
+        ):
+            return None
         now = self.clock()
         expires_at = now + ttl_seconds
         if held is not None:

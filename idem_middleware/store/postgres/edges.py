@@ -2,8 +2,8 @@
 in the store, not in tokens.py or outbox.py), and the operators' listing, purge and stats.
 Each translates driver errors into the library's (StoreError: a lost connection or none;
 RetryableConflict: a serialization failure or deadlock; StatementRefused: a statement refused
-on a usable connection). `add_event` and `record_consumed` run in the caller's transaction:
-their errors are that transaction's, left to the caller as asyncpg raised them."""
+on a usable connection). The statements run in the caller's own transaction are in
+`events.py`."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from typing import Any
 
 import asyncpg
 
-from ...errors import EventConflict, StoreError
+from ...errors import StoreError
 from ..base import (
     UNRESOLVED_STATES,
     Record,
@@ -70,39 +70,6 @@ class ReservedEvent:
     payload: str
     attempts: int
     parked: bool
-
-
-def _in_transaction(executor: Any, what: str) -> None:
-    """TypeError unless `executor` is a connection in a transaction: on a pool, or a connection
-    in autocommit, the note commits at once, whatever becomes of the consumer's own writes (an
-    event noted as applied though it was not, and never applied)."""
-    in_transaction = getattr(executor, "is_in_transaction", None)
-    if not callable(in_transaction) or not in_transaction():
-        raise TypeError(
-            f"{what} runs on the connection of the caller's open transaction, with its writes, "
-            f"not on a {type(executor).__name__}"
-            + (" outside a transaction" if callable(in_transaction) else "")
-        )
-
-
-async def add_event(
-    executor: Any, event_id: str, tenant: str | None, topic: str, payload: str
-) -> None:
-    """Write an outbox event (`payload` is JSON text) on the caller's connection. An event of
-    the same id added before (by this transaction or a committed one) is left as it is when it
-    says the same; EventConflict when it says something else."""
-    if await executor.fetchval(_Q["outbox_add"], event_id, tenant, topic, payload):
-        return
-    if not await executor.fetchval(_Q["outbox_same"], event_id, tenant, topic, payload):
-        raise EventConflict(
-            f"outbox event {event_id!r} exists with another tenant, topic or payload"
-        )
-
-
-async def record_consumed(executor: Any, consumer: str, event_id: str) -> bool:
-    """Note an event in the consumer's transaction: False if it was noted before."""
-    _in_transaction(executor, "consume_once")
-    return await executor.fetchval(_Q["inbox_record"], consumer, event_id) is not None
 
 
 class OutboxConnection:
@@ -167,7 +134,9 @@ class OffPathStatements(PoolStatements):
         request_digest: bytes | None,
         intent_id: str | None,
         ttl_seconds: float,
-    ) -> TokenRow:
+    ) -> TokenRow | None:
+        """The intent's token (see queries.sql `issue_token`); None while a transaction that
+        consumes its expired token runs (the caller asks again, with no connection held)."""
         row = await self._run_any(
             "fetchrow",
             _Q["issue_token"],
@@ -178,6 +147,8 @@ class OffPathStatements(PoolStatements):
             intent_id,
             ttl_seconds,
         )
+        if row["busy"]:
+            return None
         digest = row["request_digest"]
         return TokenRow(
             bytes(row["token_hash"]),

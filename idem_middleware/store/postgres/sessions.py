@@ -299,7 +299,9 @@ class PgTransaction:
             # (The ordinary claim's arguments: built here, where the fast claim returned already.)
             args = (*key, fingerprint, "transactional", retention_seconds, None)
             try:
-                return await claim(self.driver, key, args, token_hash, timeout)
+                # (The lock again: `_lock_key` takes none when it sees a live record, which may
+                # be gone by now; advisory locks nest, so one taken there is taken again.)
+                return await claim(self.driver, key, args, token_hash, timeout, lock)
             except WAIT_EXCEEDED as exc:
                 raise ClaimTimeout("waited too long for a concurrent claim") from exc
         except ClaimBusy:

@@ -1,0 +1,87 @@
+"""Asking for an intent's token while a request consuming its expired token still runs (a
+handler longer than the token's time to live): the answer waits for that request's end, with
+no connection held. Found by probing: PostgreSQL's renewal (the upsert) waited inside the
+database for the claim's row lock, each asker's pooled connection held for the rest of the
+handler, so a client asking again and again could take the whole pool."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from idem_middleware import MemoryStore, PostgresStore, tokens
+from idem_middleware.context import token_hash
+from idem_middleware.errors import StoreError
+from idem_middleware.store.base import Claimed, RecordKey, State, StoredResponse
+from idem_middleware.tokens import TokenConflict, TokenIssuer
+from tests.apps import BOUND
+
+OP = "POST /t"
+FINGERPRINT = b"\x00" * 32
+DONE = StoredResponse(201, [], b"{}")
+ASKERS = 6
+
+
+async def _claimed_past_expiry(store: Any, issuer: TokenIssuer, intent: str) -> Any:
+    """A transaction (returned, entered) whose claim consumes the intent's token, which has
+    expired since."""
+    token = (await issuer.issue("tenant-a", OP, intent_id=intent, ttl_seconds=0.3)).token
+    tx = store.transaction(acquire_timeout=5)
+    session = await tx.__aenter__()
+    claim = await session.claim(
+        RecordKey("tenant-a", OP, token),
+        FINGERPRINT,
+        retention_seconds=60,
+        wait_seconds=1,
+        token_hash=token_hash(token),
+    )
+    assert isinstance(claim, Claimed), claim
+    await asyncio.sleep(0.4)  # the handler runs past the token's expiry
+    return tx, session, token
+
+
+@pytest.mark.parametrize("commits", [True, False], ids=["used", "rolled-back"])
+async def test_askers_wait_for_the_consuming_request_holding_no_connection(
+    pool: Any, commits: bool
+) -> None:
+    store = PostgresStore(pool=pool, listen=False)
+    issuer = TokenIssuer(store, secret=b"s" * 32)
+    tx, session, token = await _claimed_past_expiry(store, issuer, "pay-1")
+    asking = [
+        asyncio.create_task(issuer.issue("tenant-a", OP, intent_id="pay-1")) for _ in range(ASKERS)
+    ]
+    try:
+        await asyncio.sleep(0.3)
+        assert not any(task.done() for task in asking)
+        waiting = await pool.fetchval(
+            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+        )
+        assert waiting == 0  # none waits inside the database
+        assert pool.get_size() - pool.get_idle_size() <= 2  # the claim's, and this check's
+        if commits:
+            await session.finish(State.SUCCEEDED, DONE)
+    finally:
+        await tx.__aexit__(None, None, None)
+    answers = await asyncio.wait_for(asyncio.gather(*asking, return_exceptions=True), BOUND)
+    for answer in answers:
+        if commits:
+            assert isinstance(answer, TokenConflict), answer
+        else:  # the token was never used: renewed, the same token
+            assert not isinstance(answer, BaseException), answer
+            assert answer.token == token
+
+
+async def test_an_asker_gives_up_with_a_store_error_on_either_store(
+    store: MemoryStore | PostgresStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Bounded: past its waits, the token route's 503 (ask again)."""
+    monkeypatch.setattr(tokens, "_BUSY_PAUSES", (0.05,) * 4)
+    issuer = TokenIssuer(store, secret=b"s" * 32)
+    tx, _, _ = await _claimed_past_expiry(store, issuer, "pay-2")
+    try:
+        with pytest.raises(StoreError, match="still runs"):
+            await asyncio.wait_for(issuer.issue("tenant-a", OP, intent_id="pay-2"), BOUND)
+    finally:
+        await tx.__aexit__(None, None, None)
