@@ -23,7 +23,7 @@ _ASIDE = frozenset({"http.response.early_hint", "http.response.push", "http.resp
 #: from a guarded handler's scope, so that its response is held and stored like any other
 #: (Starlette's FileResponse then sends the file's bytes): with them the body could not be held,
 #: and a retry would get the status without the file, on one server and not another.
-_SENT_BY_SERVER = ("http.response.pathsend", "http.response.zerocopy")
+_SENT_BY_SERVER = ("http.response.pathsend", "http.response.zerocopysend")
 
 
 def hide_sent_by_server(scope: Scope) -> None:

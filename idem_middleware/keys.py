@@ -1,10 +1,12 @@
-"""Parsing of the Idempotency-Key request header (an RFC 8941 sf-string, or a bare token)."""
+"""Parsing of the Idempotency-Key request header (an RFC 8941 sf-string, or a bare token), and
+the request's headers by name that it is read from."""
 
 from __future__ import annotations
 
 import hashlib
 import re
 from collections.abc import Sequence
+from typing import Any
 
 from .errors import ProblemKind, RequestRejected
 
@@ -12,6 +14,7 @@ __all__ = [
     "KEY_HEADER",
     "MAX_KEY_LENGTH",
     "check_key",
+    "header_map",
     "parse_idempotency_key",
     "parse_key_value",
     "token_hash",
@@ -43,7 +46,7 @@ _BAD_KEY = (
 def parse_idempotency_key(headers: Sequence[tuple[bytes, bytes]]) -> str | None:
     """Return the key from raw ASGI headers, None when absent; RequestRejected when invalid.
 
-    (Headers known to be lower case with no name repeated, as `exchange.header_map` finds
+    (Headers known to be lower case with no name repeated, as `header_map` finds
     them, need no scan: the value under `KEY_HEADER`, if any, goes to `parse_key_value`.)"""
     raw: bytes | None = None
     for name, value in headers:
@@ -100,3 +103,22 @@ def check_key(key: str) -> str:
 def token_hash(token: str) -> bytes:
     """One-time tokens are stored, and looked up, only as this hash."""
     return hashlib.sha256(token.encode()).digest()
+
+
+def header_map(scope: Any) -> dict[bytes, bytes] | None:
+    """A request's headers by name, built in C, when they are a list of lower-case names in
+    which no name repeats (as ASGI servers send them); None otherwise: then each reader scans
+    the list as before, finding the first of each and a name repeated in another case."""
+    headers = scope["headers"]
+    if type(headers) is not list:
+        # Any iterable (ASGI's type), read more than once on the way (the key, the body's
+        # headers, the fingerprint, then the app): a one-shot one reached the app empty. Made a
+        # list in the scope once, as Starlette's `Headers` makes it.
+        headers = scope["headers"] = list(headers)
+    try:
+        by_name = dict(headers)
+        if len(by_name) == len(headers) and b"".join(by_name).islower():
+            return by_name
+    except (TypeError, ValueError):
+        pass  # not pairs of bytes: the readers' scans report it as they always did
+    return None

@@ -20,8 +20,9 @@ from .capture import hide_sent_by_server
 from .context import SCOPE_KEY
 from .endpoints import HANDLED, Handled, endpoint_policy
 from .errors import ConfigurationError, ProblemKind
-from .exchange import Exchange, header_map
+from .exchange import Exchange
 from .fingerprint import Fingerprinter
+from .keys import header_map
 from .middleware_arguments import KILL_SWITCH_ENV as KILL_SWITCH_ENV
 from .middleware_arguments import METHOD, check_arguments, kill_switch_on
 from .observe import Observer, combine, shown
@@ -199,6 +200,12 @@ class IdempotencyMiddleware:
         self._route_memo = Memo()
         #: Per app served (by id): its app, router, route list then, body limit (`_router_below`).
         self._routers: dict[int, tuple[Any, Any, Any, int | None]] = {}
+        if sys.version_info < (3, 12):
+            # hypercorn tells an ASGI 3 app by `inspect.iscoroutinefunction(app.__call__)`, which
+            # before 3.12 reads the code's flags alone (not asyncio's mark): it served the
+            # middleware as a WSGI app, a 500 for every request. An `async def` on the instance
+            # answers it; a server's `app(...)` still calls the class's `__call__`, a frame fewer.
+            self.__dict__["__call__"] = self._awaited
 
     @_marked_coroutine_function
     def __call__(self, scope: Scope, receive: Receive, send: Send) -> Awaitable[None]:
@@ -220,7 +227,7 @@ class IdempotencyMiddleware:
             # (SCOPE_KEY: an outer IdempotencyMiddleware guards this request already.)
             return self._pass_on(scope, receive, send, Handled.YES)
         app = scope.get("app")
-        by_name = header_map(scope["headers"])
+        by_name = header_map(scope)
         host = _host(scope) if by_name is None else by_name.get(b"host")
         cache_key = (app, method, scope.get("root_path", ""), scope["path"], host)
         cached = self._routes.get(cache_key)
@@ -254,6 +261,10 @@ class IdempotencyMiddleware:
         # A guarded request's endpoint runs under its claim's context, which decorated endpoints
         # accept as proof that the middleware handled the request (see endpoints.idempotent).
         return Exchange(self, scope, receive, send, fingerprinter, policy, operation, by_name).run()
+
+    async def _awaited(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """`__call__` as a coroutine function of its own (see `__init__`)."""
+        await IdempotencyMiddleware.__call__(self, scope, receive, send)
 
     async def _pass_on(self, scope: Scope, receive: Receive, send: Send, how: Handled) -> None:
         # Decorated endpoints run only with Handled.YES or a claim (see endpoints.idempotent).

@@ -6,8 +6,8 @@ client gets must follow the protocol as the handler sent it, and a retry gets th
   (`http.response.debug`, Starlette's templates under its TestClient) are not the response:
   they go straight through, and the response is held as usual;
 - a server's own ways of sending a body (`http.response.pathsend`: Starlette's FileResponse under
-  Granian; `http.response.zerocopy`) are not offered to a guarded handler: its response is held
-  and stored whole, as under a server that offers neither;
+  Granian; `http.response.zerocopysend`, by file descriptor) are not offered to a guarded
+  handler: its response is held and stored whole, as under a server that offers neither;
 - trailers after a completed body, and a body sent by path anyway, cannot be held: the outcome
   is settled before the first byte, as for a stream, and the messages reach the server in the
   order the handler sent them (no body before a pathsend, the body completed before its
@@ -38,6 +38,7 @@ FILE_TEXT = b"file contents\n" * 10
 
 
 _INFORMATIONAL = ("http.response.early_hint", "http.response.push", "http.response.debug")
+_SENT_BY_SERVER = ("http.response.pathsend", "http.response.zerocopysend")
 
 
 class Server:
@@ -60,7 +61,7 @@ class Server:
         elif kind == "http.response.body" and state in ("started", "streaming"):
             more = message.get("more_body", False)
             self.state = "streaming" if more else "trailers" if self.trailers else "done"
-        elif kind == "http.response.pathsend" and state == "started":
+        elif kind in _SENT_BY_SERVER and state == "started":
             self.state = "done"
         elif kind == "http.response.trailers" and state == "trailers":
             self.state = "trailers" if message.get("more_trailers", False) else "done"
@@ -81,6 +82,24 @@ class Trailers:
         await send({**start, "headers": [(b"content-type", b"text/plain"), (b"trailer", b"x-sum")]})
         await send({"type": "http.response.body", "body": b"hello", "more_body": False})
         await send({"type": "http.response.trailers", "headers": [(b"x-sum", b"42")]})
+
+
+class DescriptorSender:
+    """A raw ASGI endpoint that sends a file by descriptor when its server offers it (the
+    extension's name is its message's type), else the file's bytes."""
+
+    def __init__(self, file: Path, runs: list[str]) -> None:
+        self.file, self.runs = file, runs
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        self.runs.append("file")
+        await receive()
+        await send({"type": "http.response.start", "status": 201, "headers": []})
+        if "http.response.zerocopysend" in scope.get("extensions", {}):
+            with self.file.open("rb") as f:
+                await send({"type": "http.response.zerocopysend", "file": f})
+        else:
+            await send({"type": "http.response.body", "body": self.file.read_bytes()})
 
 
 class TemplateLike(HTMLResponse):
@@ -117,6 +136,7 @@ def _app(mode: Mode, file: Path, runs: list[str]) -> Starlette:
             Route("/push", push, methods=["POST"]),
             Route("/page", page, methods=["POST"]),
             Route("/file", download, methods=["POST"]),
+            Route("/descriptor", DescriptorSender(file, runs), methods=["POST"]),
             Route("/trailers", Trailers(runs), methods=["POST"]),
         ],
         middleware=[
@@ -190,10 +210,13 @@ async def test_informational_messages_go_through_and_the_response_is_held_and_st
     assert len(runs) == 1
 
 
-@pytest.mark.parametrize("extension", ["http.response.pathsend", "http.response.zerocopy"])
+@pytest.mark.parametrize(
+    ("extension", "path"),
+    [("http.response.pathsend", "/file"), ("http.response.zerocopysend", "/descriptor")],
+)
 @pytest.mark.parametrize("mode", [Mode.TRANSACTIONAL, Mode.LEASE])
 async def test_a_file_response_is_held_and_replayed_whole_where_the_server_could_send_it(
-    mode: Mode, extension: str, tmp_path: Path
+    mode: Mode, extension: str, path: str, tmp_path: Path
 ) -> None:
     """A server offering to send a body itself (by path: Granian; by descriptor) is not offered
     to a guarded handler: FileResponse sends the file's bytes, the response is held and stored,
@@ -203,11 +226,11 @@ async def test_a_file_response_is_held_and_replayed_whole_where_the_server_could
     file.write_bytes(FILE_TEXT)
     runs: list[str] = []
     app = _app(mode, file, runs)
-    first = await _post(app, "/file", extension)
-    assert "http.response.pathsend" not in [m["type"] for m in first]
+    first = await _post(app, path, extension)
+    assert extension not in [m["type"] for m in first]
     status, _, body = _response(first)
     assert (status, body) == (201, FILE_TEXT)
-    retry = await _post(app, "/file", extension)
+    retry = await _post(app, path, extension)
     status, headers, body = _response(retry)
     assert (status, body, headers[b"idempotent-replayed"]) == (201, FILE_TEXT, b"true")
     assert b"idempotency-body-omitted" not in headers

@@ -7,6 +7,8 @@ tests/integration run the same protocol on PostgreSQL.
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 from typing import Any
 
 import httpx
@@ -197,6 +199,7 @@ async def test_the_middleware_as_the_outermost_app_is_served_as_an_asgi3_app() -
     """Its `__call__` returns the coroutine that handles the request (one frame fewer under
     every await of a handler), so it is marked a coroutine function: servers and test clients
     tell an ASGI 3 app by it, and would call anything else with the scope alone (ASGI 2)."""
+    from hypercorn.utils import is_asgi
     from starlette._utils import is_async_callable  # what Starlette's TestClient asks
     from starlette.applications import Starlette
     from starlette.requests import Request
@@ -220,11 +223,19 @@ async def test_the_middleware_as_the_outermost_app_is_served_as_an_asgi3_app() -
     config.load()
     assert config.interface == "asgi3"
     assert is_async_callable(outermost)
+    # hypercorn asks `inspect` (on Python 3.11 it served the middleware as a WSGI app: a 500
+    # for every request); asgiref (daphne) asks asyncio, as uvicorn does.
+    assert is_asgi(outermost)
+    assert inspect.iscoroutinefunction(outermost.__call__)
+    assert asyncio.iscoroutinefunction(outermost.__call__)
     async with client(outermost) as c:  # type: ignore[arg-type]
         first = await c.post("/pay", json={"a": 1}, headers=key("k1"))
         again = await c.post("/pay", json={"a": 1}, headers=key("k1"))
+    async with client(outermost.__call__) as c:  # (what hypercorn found, called as such)
+        third = await c.post("/pay", json={"a": 1}, headers=key("k1"))
     assert first.status_code == 201
     assert_replay_of(again, first)
+    assert_replay_of(third, first)
     assert calls == [{"a": 1}]
 
 
