@@ -51,6 +51,7 @@ _TITLES: dict[ProblemKind, tuple[int, str]] = {
 _DROPPED_HEADERS = frozenset(
     {
         b"connection",
+        b"proxy-connection",  # (HTTP/2 stacks refuse it as connection-specific)
         b"keep-alive",
         b"proxy-authenticate",
         b"proxy-authorization",
@@ -210,9 +211,15 @@ def storable_headers(headers: Sequence[tuple[bytes, bytes]]) -> list[tuple[bytes
     """The headers a replay may repeat, as tuples (an app's own tuples kept as they are: a loop,
     not a comprehension, which is a function call of its own on Python 3.11)."""
     kept = []
+    listed: set[bytes] = set()
     for pair in headers:
-        if pair[0].lower() not in _DROPPED_HEADERS:
+        name = pair[0].lower()
+        if name not in _DROPPED_HEADERS:
             kept.append(pair if type(pair) is tuple else (pair[0], pair[1]))
+        elif name == b"connection" and isinstance(pair[1], bytes):
+            listed.update(option.strip().lower() for option in pair[1].split(b","))
+    if listed:  # the headers `Connection` names are hop-by-hop too (RFC 9110, 7.6.1)
+        kept = [pair for pair in kept if pair[0].lower() not in listed]
     return kept
 
 

@@ -90,6 +90,18 @@ def test_how_long_the_first_response_took_is_never_stored() -> None:
     assert storable_headers(headers) == [(b"x-kept", b"1")]
 
 
+def test_headers_the_connection_header_names_are_never_stored() -> None:
+    """Hop-by-hop too (RFC 9110, 7.6.1), as `Proxy-Connection` is to HTTP/2 stacks, which
+    refuse it. Found by probing: both were stored and replayed."""
+    headers = [
+        (b"Connection", b"close, X-Hop"),
+        (b"x-hop", b"1"),
+        (b"Proxy-Connection", b"keep-alive"),
+        (b"x-kept", b"1"),
+    ]
+    assert storable_headers(headers) == [(b"x-kept", b"1")]
+
+
 def test_stored_headers_are_tuples_whatever_pairs_the_app_sent() -> None:
     """An app may send its header pairs as lists; the stored ones are tuples (a record is
     immutable), and an app's own tuples are kept as they are."""
