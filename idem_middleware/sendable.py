@@ -1,10 +1,11 @@
 """Whether a server will send a response head, by one rule: what the servers the library is
 tested behind all send (uvicorn with h11 or httptools; hypercorn speaks HTTP/1.1 through h11
-too). A status that is an `int` from 200 to 599 (a 1xx is no final response: early hints have a
-message of their own); header names that are HTTP tokens; values of bytes with no control
-character but the tab (h11 refuses all of them but the tab, httptools NUL, CR, LF and the others
-below 0x20 and DEL) that neither start nor end with a space or a tab (h11). Bytes over 0x7F
-pass (obs-text: both servers send them).
+too, and HTTP/2 through h2). A status that is an `int` from 200 to 599 (a 1xx is no final
+response: early hints have a message of their own); header names that are HTTP tokens; values
+of bytes with no control character but the tab (h11 refuses all of them but the tab, httptools
+NUL, CR, LF and the others below 0x20 and DEL) that neither start nor end with a space or a tab
+(h11). Bytes over 0x7F pass (obs-text: both servers send them). No `Proxy-Connection` (h2
+refuses it; the other connection-specific headers are never stored).
 
 A head a server refuses is worse than an error once its outcome is recorded: every retry
 replays it and is refused again (a dropped connection for the whole retention). So:
@@ -27,7 +28,9 @@ from typing import Any
 
 _TOKEN = rb"[!#$%&'*+.^_`|~0-9A-Za-z-]++"
 _VALUE = rb"(?![ \t])[^\x00-\x08\x0a-\x1f\x7f]*+(?<![ \t])"
-_FIELD = _TOKEN + rb"\x00" + _VALUE
+#: (`Proxy-Connection`, which HTTP/2 stacks refuse as connection-specific, is no field either:
+#: responses.py never stores it; a record stored before that may hold it.)
+_FIELD = rb"(?!(?i:proxy-connection)\x00)" + _TOKEN + rb"\x00" + _VALUE
 #: The headers as one string, names and values in turn with a NUL after each but the last: no
 #: name or value the rule allows has a NUL, and the count of NULs says none brought one of its own.
 _FIELDS = re.compile(_FIELD + rb"(?:\x00" + _FIELD + rb")*+").fullmatch
@@ -77,6 +80,8 @@ def header_problem(pair: Any) -> str | None:
         return f"{type(pair).__name__} (headers are pairs of bytes)"
     if type(name) is not bytes or type(value) is not bytes:
         return f"{name!r:.70} (its name and value must be bytes)"
+    if name.lower() == b"proxy-connection":
+        return f"{name!r} (connection-specific: HTTP/2 refuses it)"
     if _ONE_FIELD(name + b"\x00" + value) is None:
         return (
             f"{name[:64]!r} (a name that is not a token, or a control character or an edge "
