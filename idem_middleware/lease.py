@@ -20,7 +20,7 @@ from .lease_executor import LeaseExecution, log_extra
 from .outcomes import duplicate_answer, settled_answer
 from .policy import LeaseExpiry
 from .store.base import Claim, Claimed, Record, RecordKey, State, TokenRefused
-from .waiting import FREE_SLOT, Slot, lock_wait, wait_rounds
+from .waiting import FREE_SLOT, Place, Slot, lock_wait, wait_rounds
 
 if TYPE_CHECKING:
     from .exchange import Exchange
@@ -55,6 +55,8 @@ class LeaseRun:
         self._held: int | None = None
         #: The timer of this duplicate's wait, while it waits (`duplicate`).
         self._wait_timer: contextlib.ExitStack | None = None
+        #: One of the process's waiting places (`max_waiters`), while this duplicate waits.
+        self._place: Place | None = None
 
     def claim(self) -> Awaitable[Claim]:
         # The store's own coroutine, returned: no coroutine of this method's wraps it.
@@ -105,12 +107,13 @@ class LeaseRun:
                     remaining = deadline - loop.time()
                     if remaining <= 0:
                         return InFlight()
-                    if poll == _FIRST_POLL:
-                        if not waiters.enter():
+                    if self._place is None:  # (given back when it stops waiting: `_waited`)
+                        if (place := waiters.place()) is None:
                             return Problem(
                                 ProblemKind.IN_FLIGHT, WAITERS_FULL, policy.retry_after_seconds
                             )
-                        waiting.callback(waiters.leave)
+                        self._place = place
+                    if poll == _FIRST_POLL:
                         timer = self._wait_timer = contextlib.ExitStack()
                         timer.enter_context(self.ex.timed("wait"))
                         waiting.callback(self._waited)
@@ -288,7 +291,11 @@ class LeaseRun:
 
     def _waited(self) -> None:
         """The wait is over: its timer stops here, not after the handler or the reconciler the
-        duplicate goes on to run (those would count as waiting, their spans under the wait's)."""
+        duplicate goes on to run (those would count as waiting, their spans under the wait's),
+        and its waiting place is given back (another key's duplicate may wait in it)."""
+        place, self._place = self._place, None
+        if place is not None:
+            place.give_back()
         timer, self._wait_timer = self._wait_timer, None
         if timer is not None:
             timer.close()

@@ -34,7 +34,7 @@ from .observe import SETTLED_EVENTS, Event
 from .outcomes import FINAL_STATE, Outcome, duplicate_answer, outcome_for_status
 from .policy import Mode
 from .store.base import Existing, RecordKey, TokenRefused
-from .waiting import wait_rounds
+from .waiting import Place, wait_rounds
 
 if TYPE_CHECKING:
     from .exchange import Exchange
@@ -48,11 +48,10 @@ logger = logging.getLogger("idem_middleware")
 #: watches cost it 13% of its throughput (docs/performance.md). So only really long handlers are.
 DISCONNECT_WATCH_AFTER = 1.0
 # A waiting duplicate claims again when the holder in this process ends, or after this long:
-# quick at first, then backing off (the holder may be in another process).
+# quick at first, then backing off (the holder may be in another process). Every wait is bounded:
+# by its polls, and a key changing hands more than `waiting.MAX_ROUNDS` times is a bug, not load.
 _FIRST_POLL = 0.02
 _MAX_POLL = 0.5
-# Every wait is bounded: by its polls, and a key changing hands more often than
-# `waiting.MAX_ROUNDS` under one request is a bug, not load.
 
 _CONFLICT = "A concurrent request conflicted with this one; retry it."
 #: Starts the client watch of handlers still running after DISCONNECT_WATCH_AFTER.
@@ -77,11 +76,14 @@ async def run_transactional(
     waiters = ex.mw.waiters
     retries = policy.max_serialization_retries
     conflicts = 0
-    deadline: float | None = None
+    deadline = 0.0  # (set when it first waits)
     poll = _FIRST_POLL
     # The claim is timed once per request (its first), the wait for a busy key as a whole.
     waiting: contextlib.ExitStack | None = None
     exc: Exception | None = failed
+    # One of the process's waiting places (`max_waiters`): given back when the attempt after the
+    # wait claims (`Attempt.run` closes `waiting`), taken again if the request waits again.
+    place: Place | None = None
     try:
         for _ in range(wait_rounds(policy.wait_seconds, _MAX_POLL)):
             if exc is None:
@@ -93,14 +95,16 @@ async def run_transactional(
             if isinstance(exc, ClaimBusy):
                 exc = None
                 now = asyncio.get_running_loop().time()
-                if deadline is None:
+                if waiting is None:
                     waiting = contextlib.ExitStack()
                     waiting.enter_context(ex.timed("wait"))
-                    if not waiters.enter():
+                    deadline = now + policy.wait_seconds
+                if place is None or not place.held:
+                    if (place := waiters.place()) is None:
                         return Problem(
                             ProblemKind.IN_FLIGHT, WAITERS_FULL, policy.retry_after_seconds
                         )
-                    deadline = now + policy.wait_seconds
+                    waiting.callback(place.give_back)
                 remaining = deadline - now
                 if remaining <= 0:
                     return InFlight(fingerprint=fingerprint)
@@ -126,8 +130,6 @@ async def run_transactional(
     finally:
         if waiting is not None:
             waiting.close()
-        if deadline is not None:
-            waiters.leave()
 
 
 class Attempt(ResponseCapture):

@@ -72,6 +72,10 @@ class Waiters:
     def leave(self) -> None:
         self.count -= 1
 
+    def place(self) -> Place | None:
+        """A waiting place (`enter`), as an object that gives it back; None when all are taken."""
+        return Place(self) if self.enter() else None
+
     async def wait(self, key: Hashable, seconds: float) -> None:
         """Sleep until the holder of `key` in this process ends, or `seconds` pass."""
         events = self._events
@@ -160,3 +164,22 @@ class Slot:
 
 #: The slot of a request when no cap is set: it holds nothing.
 FREE_SLOT = Slot(None, "")
+
+
+class Place:
+    """One waiting place (`Waiters.place`): given back once, however often `give_back` runs (at
+    the end of a wait, and at the end of the request)."""
+
+    __slots__ = ("_waiters",)
+
+    def __init__(self, waiters: Waiters) -> None:
+        self._waiters: Waiters | None = waiters
+
+    @property
+    def held(self) -> bool:
+        return self._waiters is not None
+
+    def give_back(self) -> None:
+        waiters, self._waiters = self._waiters, None
+        if waiters is not None:
+            waiters.leave()

@@ -17,6 +17,7 @@ from ..errors import ClaimTimeout as ClaimTimeout
 from ..errors import RetryableConflict as RetryableConflict
 from ..errors import StoreError
 from ..frozen import quick_init
+from ..waiting import wait_at_most
 
 
 class State(StrEnum):
@@ -263,11 +264,11 @@ class EventWatch:
         return listening() if callable(listening) else listening
 
     async def wait(self, seconds: float) -> bool:
-        try:
-            await asyncio.wait_for(self._event.wait(), max(seconds, 0.0))
-        except TimeoutError:
+        event = self._event
+        await wait_at_most(event, max(seconds, 0.0))  # (not `wait_for`: see there)
+        if not event.is_set():
             return False
-        self._event.clear()
+        event.clear()
         return True
 
 

@@ -13,6 +13,7 @@ import pytest
 from idem_middleware.context import IdempotencyContext
 from idem_middleware.heartbeat import keep_lease
 from idem_middleware.policy import Mode
+from idem_middleware.store.base import EventWatch
 from idem_middleware.waiting import Waiters, wait_at_most
 
 
@@ -52,3 +53,17 @@ async def test_a_duplicate_waiting_for_the_holder() -> None:
     waiting.cancel()
     with pytest.raises(asyncio.CancelledError):
         await asyncio.wait_for(waiting, 5)
+
+
+async def test_a_store_watch_a_lease_mode_job_waits_on() -> None:
+    """`EventWatch.wait` (a lease-mode job's wait for its key, on either store) used
+    `asyncio.wait_for`: a job cancelled as the record was released went on to claim the key and
+    run its function (a worker's shutdown cancelled it, and the downstream call was made all
+    the same). Found by probing."""
+    event = asyncio.Event()
+    watch = EventWatch(event)
+    await _cancelled_as_set(event, watch.wait(30))
+    event.set()
+    assert await asyncio.wait_for(watch.wait(30), 5)  # (set: at once, and cleared)
+    assert not event.is_set()
+    assert not await asyncio.wait_for(watch.wait(0.01), 5)  # (not set: the time)
