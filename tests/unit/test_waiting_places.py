@@ -8,7 +8,6 @@ another key, with nobody waiting, was answered `409` at once. Both modes.
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 import httpx
 import pytest
@@ -18,17 +17,9 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from idem_middleware import IdempotencyMiddleware, MemoryStore, Mode, Policy
-from tests.apps import BOUND
+from tests.apps import BOUND, until
 
 pytestmark = pytest.mark.asyncio
-
-
-async def _until(check: Any) -> None:
-    for _ in range(int(BOUND / 0.005)):
-        if check():
-            return
-        await asyncio.sleep(0.005)
-    raise AssertionError("never happened")
 
 
 @pytest.mark.parametrize("mode", [Mode.TRANSACTIONAL, Mode.LEASE])
@@ -66,16 +57,16 @@ async def test_a_duplicate_that_goes_on_to_run_gives_its_waiting_place_back(mode
 
         requests = [post("/x", "k1")]
         try:
-            await _until(lambda: calls["x"] == 1)
+            await until(lambda: calls["x"] == 1)
             requests.append(post("/x", "k1"))  # a duplicate: waits in the one place
-            await _until(lambda: mw.waiters.count == 1)
+            await until(lambda: mw.waiters.count == 1)
             failed.set()
-            await _until(lambda: calls["x"] == 2)  # the duplicate runs the request itself
+            await until(lambda: calls["x"] == 2)  # the duplicate runs the request itself
             assert mw.waiters.count == 0  # and waits no more
             requests.append(post("/y", "k2"))
-            await _until(lambda: calls["y"] == 1)
+            await until(lambda: calls["y"] == 1)
             requests.append(post("/y", "k2"))  # another key's duplicate: waits, not 409
-            await _until(lambda: mw.waiters.count == 1)
+            await until(lambda: mw.waiters.count == 1)
             second.set()
             other.set()
             answers = await asyncio.wait_for(asyncio.gather(*requests), BOUND)
