@@ -211,13 +211,12 @@ def storable_headers(headers: Sequence[tuple[bytes, bytes]]) -> list[tuple[bytes
     """The headers a replay may repeat, as tuples (an app's own tuples kept as they are: a loop,
     not a comprehension, which is a function call of its own on Python 3.11)."""
     kept = []
-    listed: set[bytes] = set()
+    listed: set[bytes] | None = None  # (made only for a response with a Connection header)
     for pair in headers:
-        name = pair[0].lower()
-        if name not in _DROPPED_HEADERS:
+        if pair[0].lower() not in _DROPPED_HEADERS:
             kept.append(pair if type(pair) is tuple else (pair[0], pair[1]))
-        elif name == b"connection" and isinstance(pair[1], bytes):
-            listed.update(option.strip().lower() for option in pair[1].split(b","))
+        elif len(pair[0]) == 10 and pair[0].lower() == b"connection" and type(pair[1]) is bytes:
+            listed = {*(listed or ()), *(option.strip().lower() for option in pair[1].split(b","))}
     if listed:  # the headers `Connection` names are hop-by-hop too (RFC 9110, 7.6.1)
         kept = [pair for pair in kept if pair[0].lower() not in listed]
     return kept
