@@ -119,7 +119,7 @@ def _require_middleware(endpoint: F) -> F:
                 raise refuse(handled)
             return await endpoint(*args, **kwargs)
 
-        return guarded_async  # type: ignore[return-value]
+        return _resolved_signature(guarded_async, endpoint)  # type: ignore[return-value]
 
     @functools.wraps(endpoint)
     def guarded(*args: Any, **kwargs: Any) -> Any:
@@ -128,7 +128,36 @@ def _require_middleware(endpoint: F) -> F:
             raise refuse(handled)
         return endpoint(*args, **kwargs)
 
-    return guarded  # type: ignore[return-value]
+    return _resolved_signature(guarded, endpoint)  # type: ignore[return-value]
+
+
+def _resolved_signature(wrapper: Callable[..., Any], endpoint: Any) -> Callable[..., Any]:
+    """`wrapper`, with the endpoint's signature whose annotations written as strings (`from
+    __future__ import annotations`) are resolved in the endpoint's module, as far as they can be
+    now. FastAPI before 0.123.5 read the wrapper's signature (the endpoint's, through
+    `__wrapped__`) but resolved its strings in the wrapper's module, this one: a body model and
+    every dependency became a required query parameter, and each guarded request a 422."""
+    try:
+        signature = inspect.signature(endpoint)
+    except (TypeError, ValueError):
+        return wrapper
+    names = getattr(endpoint, "__globals__", {})
+
+    def resolved(annotation: Any) -> Any:
+        if not isinstance(annotation, str):
+            return annotation
+        try:
+            return eval(annotation, names)  # (the app's own source, as typing evaluates it)
+        except Exception:
+            return annotation  # (defined later, say: left for the framework, as it was)
+
+    parameters = [
+        p.replace(annotation=resolved(p.annotation)) for p in signature.parameters.values()
+    ]
+    wrapper.__signature__ = signature.replace(  # type: ignore[attr-defined]
+        parameters=parameters, return_annotation=resolved(signature.return_annotation)
+    )
+    return wrapper
 
 
 def not_idempotent(endpoint: F) -> F:

@@ -32,9 +32,11 @@ _PLAIN_NAME = re.compile(rb"[A-Za-z0-9._~\-\[\]!$'()*,/:@?]+")
 # RFC 2046 §5.1.1 bchars; the last one must not be a space.
 _BOUNDARY = re.compile(rb"[0-9A-Za-z'()+_,\-./:=? ]{0,69}[0-9A-Za-z'()+_,\-./:=?]")
 
-# What follows a delimiter: transport padding and a line end, or "--" for the last one.
-_LINE_END = re.compile(rb"[ \t]*\r\n")
-_CLOSE = re.compile(rb"--[ \t]*(?:\r\n|\Z)")
+# What follows a delimiter: a line end, or "--" for the last one. (Not RFC 2046's transport
+# padding: python-multipart before 0.0.34 reads a padded delimiter as data, so two such bodies
+# under two boundaries read apart. A padded body is hashed as sent.)
+_LINE_END = re.compile(rb"\r\n")
+_CLOSE = re.compile(rb"--(?:\r\n|\Z)")
 
 _MEDIA_PARAM = re.compile(
     rb";[ \t]*([!#$%&'*+.^_`|~0-9A-Za-z-]+)[ \t]*=[ \t]*(\"(?:[^\"\\]|\\.)*\"|[^;]*)",
@@ -105,8 +107,9 @@ def canonical_pairs(
 ) -> bytes:
     """Canonical bytes of an `&`-separated query string or form body.
 
-    The fields are sorted by name (repeats keep their order) when every name is plain and no
-    `;` appears (some readers split on it too); otherwise the bytes stay as they are. Names in
+    The fields are sorted by name (repeats keep their order) when every name is plain, every
+    field has a `=`, and no `;` appears (some readers split on it too); otherwise the bytes stay
+    as they are. Names in
     `exclude` are left out, and only names in `include` (when given) are kept, only in the
     sorted case, where a name means the same to every reader. One field is as it is unless a
     name is left out or kept: then one `name=value` is a sorted list of one (a retry that adds
@@ -122,8 +125,10 @@ def canonical_pairs(
         return _RAW + data
     pairs = [(piece.partition(b"=")[0], piece) for piece in data.split(b"&")]
     plain = _PLAIN_NAME.fullmatch
-    for name, _ in pairs:
-        if plain(name) is None:
+    for name, piece in pairs:
+        # (A piece without "=": python-multipart before 0.0.25 drops the last such field of a
+        # form, so "b&a" and "a&b" read apart. Such data stays as it is.)
+        if plain(name) is None or len(name) == len(piece):
             return _RAW + data
     if exclude:
         pairs = [pair for pair in pairs if pair[0] not in exclude]

@@ -398,6 +398,10 @@ def test_form_bodies() -> None:
     assert digest(b"items[]=1&x=2") == digest(b"x=2&items[]=1")
     assert digest(b"a=1") != digest(b"a=2")
     assert digest(b"a=") != digest(b"")
+    # A field without "=": python-multipart before 0.0.25 drops the last such field, so "b&a"
+    # and "a&b" read apart ([b] against [a]). Kept in their order. Found by probing.
+    assert digest(b"b&a") != digest(b"a&b")
+    assert digest(b"x=1&flag") != digest(b"flag&x=1")
     assert digest(b"a=%FF") != digest(b"a=%FE")
     assert digest(b"a=1&token=x", ["token"]) == digest(b"a=1&token=y", ["token"])
     assert digest(b"a=1&token=x", ["/token"]) == digest(b"token=z&a=1", ["/token"])
@@ -487,6 +491,17 @@ def test_multipart_boundary_does_not_matter() -> None:
         b"raw:multipart/form-data",
         b"--B--",
     )
+    # Transport padding after a delimiter: python-multipart before 0.0.34 reads the padded
+    # delimiter as the part's data (the boundary in it), so such bodies under two boundaries
+    # read apart. Hashed as sent. Found by probing at the declared floor.
+    padded = b'--X\r\nContent-Disposition: form-data; name="f"\r\n\r\nv\r\n--X \r\n'
+    padded += b'Content-Disposition: form-data; name="g"\r\n\r\nw\r\n--X--\r\n'
+    under_x = fingerprint(content_type=b"multipart/form-data; boundary=X", body=padded)
+    under_y = fingerprint(
+        content_type=b"multipart/form-data; boundary=Y", body=padded.replace(b"--X", b"--Y")
+    )
+    assert under_x != under_y
+    assert canonical_body(b"multipart/form-data; boundary=X", padded)[0].startswith(b"raw:")
 
 
 def test_multipart_field_values_cannot_imitate_the_boundary() -> None:
