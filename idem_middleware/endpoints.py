@@ -139,9 +139,11 @@ def _resolved_signature(wrapper: Callable[..., Any], endpoint: Any) -> Callable[
     every dependency became a required query parameter, and each guarded request a 422."""
     try:
         signature = inspect.signature(endpoint)
-    except (TypeError, ValueError):
+        # (The function the strings were written in: through any decorator of another module
+        # between, as `inspect.signature` and FastAPI go.)
+        names = getattr(inspect.unwrap(endpoint), "__globals__", {})
+    except Exception:  # (no signature to read: left to the framework, as it was)
         return wrapper
-    names = getattr(endpoint, "__globals__", {})
 
     def resolved(annotation: Any) -> Any:
         if not isinstance(annotation, str):

@@ -8,6 +8,7 @@ declared floor (fastapi 0.110.1). The wrapper now carries the endpoint's signatu
 from __future__ import annotations
 
 import inspect
+import types
 from typing import Annotated, Any
 
 from fastapi import Depends
@@ -53,3 +54,29 @@ def test_the_guarded_endpoints_annotations_are_its_modules() -> None:
     assert typed["return"] is Order
     # A name the module does not define (yet) is left as it was, for the framework to judge.
     assert "Undefined" in repr(typed["later"])
+
+
+def test_through_another_modules_decorator_the_strings_are_the_endpoints() -> None:
+    """Found by review: resolved in the module of a `functools.wraps` decorator between (whose
+    own `Order` then replaced this one's), not the endpoint's own."""
+    other = types.ModuleType("other_decorators")
+    exec(  # a decorator module of the app's, which has an `Order` of its own
+        "import functools\n"
+        "class Order:\n"
+        "    pass\n"
+        "def logged(f):\n"
+        "    @functools.wraps(f)\n"
+        "    async def inner(*a, **k):\n"
+        "        return await f(*a, **k)\n"
+        "    return inner\n",
+        other.__dict__,
+    )
+
+    async def place(order: Order, tenant: Tenant) -> Order:
+        return order
+
+    guarded = idempotent()(other.logged(place))
+    parameters = inspect.signature(guarded).parameters  # (what FastAPI reads now)
+    assert parameters["order"].annotation is Order
+    assert parameters["tenant"].annotation == Tenant
+    assert _as_fastapi_before_0_123_5(guarded)["order"] is Order
