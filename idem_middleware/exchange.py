@@ -34,7 +34,7 @@ from .transactional import RETRIED, Attempt, run_transactional
 
 if TYPE_CHECKING:
     from .middleware import IdempotencyMiddleware
-    from .waiting import Slot
+    from .waiting import Held
 
 logger = logging.getLogger("idem_middleware")
 
@@ -101,7 +101,7 @@ class Exchange(ClientWatch):
         self.record_key: RecordKey | None = None
         self.token_hash: bytes | None = None
         #: The tenant slot the attempt holds, with a cap (`max_tenant_connections`) only.
-        self.slot: Slot | None = None
+        self.slot: Held | None = None
 
     @property
     def store(self) -> Store:

@@ -109,19 +109,16 @@ def canonical_pairs(
 
     The fields are sorted by name (repeats keep their order) when every name is plain, every
     field has a `=`, and no `;` appears (some readers split on it too); otherwise the bytes stay
-    as they are. Names in
-    `exclude` are left out, and only names in `include` (when given) are kept, only in the
-    sorted case, where a name means the same to every reader. One field is as it is unless a
-    name is left out or kept: then one `name=value` is a sorted list of one (a retry that adds
-    only an excluded field matches), and a piece without `=` (a JSON literal too) stays as it is.
+    as they are. Names in `exclude` are left out, and only names in `include` (when given) are
+    kept, only in the sorted case, where a name means the same to every reader. One field is as
+    it is unless a name is left out or kept: then it is a sorted list of one (a retry that adds
+    only an excluded field matches).
     """
     # A C-level count first: the per-field work below is then bounded by the cap.
     if data.count(b"&") >= max_fields:
         raise too_many_fields(what, max_fields)
     # (find, not `in`: `in` would format a discarded TypeError)
-    if data.find(b";") >= 0 or (
-        data.find(b"&") < 0 and ((include is None and not exclude) or data.find(b"=") < 0)
-    ):
+    if data.find(b";") >= 0 or (data.find(b"&") < 0 and include is None and not exclude):
         return _RAW + data
     pairs = [(piece.partition(b"=")[0], piece) for piece in data.split(b"&")]
     plain = _PLAIN_NAME.fullmatch

@@ -20,7 +20,7 @@ from .lease_executor import LeaseExecution, log_extra
 from .outcomes import duplicate_answer, settled_answer
 from .policy import LeaseExpiry
 from .store.base import Claim, Claimed, Record, RecordKey, State, TokenRefused
-from .waiting import FREE_SLOT, Place, Slot, lock_wait, wait_rounds
+from .waiting import FREE_SLOT, Held, lock_wait, wait_rounds
 
 if TYPE_CHECKING:
     from .exchange import Exchange
@@ -56,7 +56,7 @@ class LeaseRun:
         #: The timer of this duplicate's wait, while it waits (`duplicate`).
         self._wait_timer: contextlib.ExitStack | None = None
         #: One of the process's waiting places (`max_waiters`), while this duplicate waits.
-        self._place: Place | None = None
+        self._place: Held | None = None
 
     def claim(self) -> Awaitable[Claim]:
         # The store's own coroutine, returned: no coroutine of this method's wraps it.
@@ -265,7 +265,7 @@ class LeaseRun:
 
     # -- the tenant's slot ----------------------------------------------------------------------
 
-    def slot(self) -> Slot | None:
+    def slot(self) -> Held | None:
         """The tenant's slot, held while this request may hold a connection: a claim, a
         takeover, a reconciliation or an execution (either may open a fenced transaction), never
         a wait. The exchange keeps it, so an execution whose response streams gives it back as
@@ -274,7 +274,7 @@ class LeaseRun:
         slot = self.ex.slot = slots.hold(self.key.tenant) if slots.limit is not None else FREE_SLOT
         return slot
 
-    async def _slot_by(self, deadline: float) -> Slot | None:
+    async def _slot_by(self, deadline: float) -> Held | None:
         """A duplicate's slot, to claim or run: waited for (with no connection held) until the
         duplicate's own deadline, since the request that held it is often just ending (its
         settlement woke this one before it gave its slot back); None at the deadline."""

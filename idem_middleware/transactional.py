@@ -34,7 +34,7 @@ from .observe import SETTLED_EVENTS, Event
 from .outcomes import FINAL_STATE, Outcome, duplicate_answer, outcome_for_status
 from .policy import Mode
 from .store.base import Existing, RecordKey, TokenRefused
-from .waiting import Place, wait_rounds
+from .waiting import Held, wait_rounds
 
 if TYPE_CHECKING:
     from .exchange import Exchange
@@ -83,7 +83,7 @@ async def run_transactional(
     exc: Exception | None = failed
     # One of the process's waiting places (`max_waiters`): given back when the attempt after the
     # wait claims (`Attempt.run` closes `waiting`), taken again if the request waits again.
-    place: Place | None = None
+    place: Held | None = None
     try:
         for _ in range(wait_rounds(policy.wait_seconds, _MAX_POLL)):
             if exc is None:

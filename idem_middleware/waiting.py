@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import math
 from collections.abc import Hashable
+from typing import Protocol
 
 from .errors import ConfigurationError
 
@@ -72,9 +73,13 @@ class Waiters:
     def leave(self) -> None:
         self.count -= 1
 
-    def place(self) -> Place | None:
-        """A waiting place (`enter`), as an object that gives it back; None when all are taken."""
-        return Place(self) if self.enter() else None
+    def give_back(self, _: str) -> None:
+        """`leave`, as a `Held` place gives it back."""
+        self.count -= 1
+
+    def place(self) -> Held | None:
+        """A waiting place (`enter`), held until given back (once); None when all are taken."""
+        return Held(self, "") if self.enter() else None
 
     async def wait(self, key: Hashable, seconds: float) -> None:
         """Sleep until the holder of `key` in this process ends, or `seconds` pass."""
@@ -122,9 +127,9 @@ class TenantSlots:
         self.limit = limit
         self._held: dict[str, int] = {}
 
-    def hold(self, tenant: str) -> Slot | None:
+    def hold(self, tenant: str) -> Held | None:
         """A slot of `tenant`'s, held until given back (once); None when all are taken."""
-        return Slot(self, tenant) if self.take(tenant) else None
+        return Held(self, tenant) if self.take(tenant) else None
 
     def take(self, tenant: str) -> bool:
         if self.limit is None:
@@ -145,41 +150,31 @@ class TenantSlots:
             del self._held[tenant]
 
 
-class Slot:
-    """One tenant slot a request holds, given back once: early, when the request stops holding a
-    connection before it ends (a response that streams after its outcome is committed), or at
-    its end, whichever comes first."""
-
-    __slots__ = ("_slots", "_tenant")
-
-    def __init__(self, slots: TenantSlots | None, tenant: str) -> None:
-        self._slots = slots  # None: given back (or a slot of no cap's)
-        self._tenant = tenant
-
-    def give_back(self) -> None:
-        slots, self._slots = self._slots, None
-        if slots is not None:
-            slots.give_back(self._tenant)
+class _Lender(Protocol):
+    def give_back(self, name: str) -> None: ...
 
 
-#: The slot of a request when no cap is set: it holds nothing.
-FREE_SLOT = Slot(None, "")
+class Held:
+    """One tenant slot, or one waiting place, a request holds, given back once however often
+    `give_back` runs: a slot early, when the request stops holding a connection before it ends
+    (a response that streams after its outcome is committed), or at its end; a place when the
+    request stops waiting, or at its end."""
 
+    __slots__ = ("_lender", "_name")
 
-class Place:
-    """One waiting place (`Waiters.place`): given back once, however often `give_back` runs (at
-    the end of a wait, and at the end of the request)."""
-
-    __slots__ = ("_waiters",)
-
-    def __init__(self, waiters: Waiters) -> None:
-        self._waiters: Waiters | None = waiters
+    def __init__(self, lender: _Lender | None, name: str) -> None:
+        self._lender = lender  # None: given back (or a slot of no cap's)
+        self._name = name
 
     @property
     def held(self) -> bool:
-        return self._waiters is not None
+        return self._lender is not None
 
     def give_back(self) -> None:
-        waiters, self._waiters = self._waiters, None
-        if waiters is not None:
-            waiters.leave()
+        lender, self._lender = self._lender, None
+        if lender is not None:
+            lender.give_back(self._name)
+
+
+#: The slot of a request when no cap is set: it holds nothing.
+FREE_SLOT = Held(None, "")
