@@ -36,7 +36,7 @@ from starlette.requests import Request
 
 from .context import IdempotencyContext, current_context, get_context
 from .errors import NO_CLAIM_HINT, ConfigurationError
-from .sqla_engine import ClaimPool, create_claim_engine
+from .sqla_engine import ClaimPool, create_claim_engine, refuse_characteristics
 
 __all__ = [
     "ClaimSession",
@@ -69,6 +69,13 @@ class ClaimSessions:
             raise ConfigurationError(
                 "ClaimSessions(engine=...) needs an engine made by create_claim_engine(): "
                 f"{engine.url.render_as_string()} opens connections of its own, outside the claim"
+            )
+        if engine is not None:  # (`engine.execution_options(...)`: a copy with its own)
+            refuse_characteristics(engine.get_execution_options())
+        if session_options.get("twophase"):
+            raise ConfigurationError(
+                "ClaimSessions() does not take twophase=True: its transaction is a savepoint in "
+                "the claim's, which commits with the outcome"
             )
         _refuse_routing(session_class, session_options)
         self.engine = engine if engine is not None else create_claim_engine()

@@ -118,6 +118,11 @@ class ClaimDialect(PGDialect_asyncpg):
         if value:
             raise _characteristic("postgresql_deferrable", value)
 
+    # A two-phase session (`twophase=True`) would prepare and commit the claim's own transaction
+    # out of band at `session.commit()`, its writes without the outcome: refused at its begin.
+    def do_begin_twophase(self, connection: Any, xid: Any) -> None:
+        raise _characteristic("twophase", True)
+
 
 def _characteristic(name: str, value: Any) -> ConfigurationError:
     return ConfigurationError(
@@ -350,6 +355,13 @@ _TRANSACTION_OPTIONS = frozenset(
 )
 
 
+def refuse_characteristics(execution: Any) -> None:
+    """Execution options that would choose the transaction's characteristics are refused."""
+    for name in sorted(_TRANSACTION_OPTIONS.intersection(execution)):
+        if name == "isolation_level" or execution[name]:
+            raise _characteristic(name, execution[name])
+
+
 def create_claim_engine(**options: Any) -> AsyncEngine:
     """An AsyncEngine whose every connection is the running claim's transaction.
 
@@ -370,10 +382,7 @@ def create_claim_engine(**options: Any) -> AsyncEngine:
             "owns the connections (PostgresStore's connect_kwargs, e.g. "
             "max_inactive_connection_lifetime)"
         )
-    execution = options.get("execution_options") or {}
-    for name in sorted(_TRANSACTION_OPTIONS.intersection(execution)):
-        if name == "isolation_level" or execution[name]:
-            raise _characteristic(name, execution[name])
+    refuse_characteristics(options.get("execution_options") or {})
 
     def creator() -> Any:
         # What `async_creator` does, plus turning the adapter's statement cache off.

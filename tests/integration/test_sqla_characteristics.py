@@ -57,3 +57,32 @@ async def test_a_characteristic_the_savepoint_cannot_have_is_refused(
             await http.post("/accounts", headers={"Idempotency-Key": "k"})
     assert await pool.fetch("SELECT account_id FROM test_accounts") == []
     assert await pool.fetch("SELECT state FROM idem_requests") == []  # the key is free again
+
+
+async def test_a_two_phase_session_of_ones_own_is_refused_at_its_begin(
+    store: PostgresStore, pool: asyncpg.Pool[Any]
+) -> None:
+    """A session maker of the user's own over the claim engine, two-phase: at `commit()` it
+    would send PREPARE TRANSACTION and COMMIT PREPARED on the claim's connection (with prepared
+    transactions enabled, the rows committed without the outcome). Refused before any."""
+    from sqlalchemy.ext.asyncio import async_sessionmaker
+
+    from idem_middleware.sqla import claim_engine
+
+    app = FastAPI()
+    install(app, store=store, tenant_resolver=lambda scope: "t")
+    two_phase = async_sessionmaker(claim_engine(), twophase=True)
+
+    @app.post("/accounts")
+    async def create() -> dict[str, str]:
+        async with two_phase() as session:
+            await session.execute(INSERT, {"id": "a"})
+            await session.commit()
+        return {"ok": "yes"}
+
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
+        with pytest.raises(ConfigurationError, match="twophase"):
+            await http.post("/accounts", headers={"Idempotency-Key": "k"})
+    assert await pool.fetch("SELECT account_id FROM test_accounts") == []
+    assert await pool.fetch("SELECT state FROM idem_requests") == []

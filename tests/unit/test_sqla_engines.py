@@ -62,3 +62,28 @@ async def test_a_claim_engine_with_options_of_its_own_is_accepted() -> None:
         engine=create_claim_engine(echo=False, pool_pre_ping=False, pool_recycle=-1)
     )
     await sessions.engine.dispose()
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"isolation_level": "AUTOCOMMIT"}, {"postgresql_readonly": True}],
+    ids=["autocommit", "readonly"],
+)
+async def test_a_claim_engine_copied_with_a_characteristic_is_refused(
+    options: dict[str, Any],
+) -> None:
+    """`engine.execution_options(...)`, a copy of a claim engine: accepted, it failed every
+    request at run time (a plain 500, connections reported never returned)."""
+    engine = create_claim_engine()
+    try:
+        with pytest.raises(ConfigurationError, match=next(iter(options))):
+            ClaimSessions(engine=engine.execution_options(**options))
+    finally:
+        await engine.dispose()
+
+
+def test_a_two_phase_session_is_refused() -> None:
+    """It would prepare and commit the claim's own transaction at `session.commit()`: the
+    handler's rows committed with no outcome recorded, and the retry ran it again."""
+    with pytest.raises(ConfigurationError, match="twophase"):
+        ClaimSessions(twophase=True)
