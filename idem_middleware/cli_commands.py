@@ -15,7 +15,6 @@ import signal
 import sys
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from typing import Any, NoReturn
-from urllib.parse import urlsplit
 
 import asyncpg
 
@@ -25,7 +24,7 @@ from .cli_connect import UsageError as UsageError
 from .cli_connect import with_store as with_store
 from .cli_list import printable
 from .cli_list import row as record_row
-from .cli_values import operation_hint
+from .cli_values import operation_hint, sendable_url
 from .errors import IdempotencyError, ResolveError
 from .inbox import purge_inbox
 from .keys import parse_idempotency_key
@@ -338,11 +337,11 @@ async def outbox(store: PostgresStore, args: argparse.Namespace) -> int:
         return await _aged(store, args, purge, "outbox purge", "sent events", "is sent")
     if not args.url:
         raise UsageError("outbox publish needs --url (or IDEM_OUTBOX_URL)")
-    url = urlsplit(args.url)
-    if url.scheme not in ("http", "https") or not url.hostname:
-        # Else every send fails, each a counted attempt, until every due event is parked.
-        raise UsageError(f"--url {args.url!r} is not an http:// or https:// URL with a host")
     import httpx  # the extra `httpx`; only the webhook publisher needs it
+
+    # Else every send fails, each a counted attempt, until every due event is parked.
+    if not sendable_url(args.url, httpx):
+        raise UsageError(f"--url {args.url!r} is not an http:// or https:// URL with a host")
 
     async with httpx.AsyncClient(timeout=args.send_timeout) as client:
         publisher = outbox_ops.Publisher(

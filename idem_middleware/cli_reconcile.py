@@ -78,6 +78,7 @@ async def reconcile(store: PostgresStore, args: argparse.Namespace) -> int:
                     if p.mode is Mode.LEASE and p.on_lease_expiry is LeaseExpiry.TAKEOVER
                 ],
                 report=report,
+                known=set(policies),
             )
     except app_lifespan.LifespanFailed as exc:
         raise UsageError(f"--app {args.app}: {exc}") from None
@@ -106,6 +107,10 @@ async def reconcile(store: PostgresStore, args: argparse.Namespace) -> int:
         f"  reopened, not reconciled (settle with resolve) for {printable(op)}: {n}"
         for op, n in sorted(report.by_hand.items())
     ]
+    lines += [
+        f"  lapsed leases left pending, {printable(op)} not in --app: {n}"
+        for op, n in sorted(report.left_pending.items())
+    ]
     emit(args, data, "\n".join(lines))
     return 0
 
@@ -118,6 +123,7 @@ def _reconcile_data(report: ReconcileReport) -> dict[str, Any]:
         "unreconcilable": report.unreconcilable,
         "by_hand": report.by_hand,
         "held": report.held,
+        "left_pending": report.left_pending,
     }
 
 

@@ -8,6 +8,8 @@ import argparse
 import os
 import signal
 from types import FrameType
+from typing import Any
+from urllib.parse import urlsplit
 
 from .errors import ConfigurationError
 from .policy import seconds_option
@@ -205,3 +207,22 @@ def terminate_as_interrupt() -> None:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, interrupt)
+
+
+def sendable_url(text: str, httpx: Any) -> bool:
+    """An http(s) URL with a host and a port in 1-65535 that httpx takes (a bracket left open,
+    a space in the host, port 0 or 99999: each parsed, or not, only when the first event is
+    sent)."""
+    try:
+        url = urlsplit(text)
+        port = url.port
+        parsed = httpx.URL(text)
+    except (ValueError, httpx.InvalidURL):
+        return False
+    return (
+        url.scheme in ("http", "https")
+        and bool(url.hostname)
+        and port != 0
+        and parsed.host != ""
+        and not any(c.isspace() or not c.isprintable() for c in url.netloc)
+    )

@@ -328,7 +328,7 @@ class Publisher:
                 await wait_at_most(stop, delay)
                 continue
             fails = 0
-            if total.sent + total.failed == before:
+            if total.sent + total.failed == before and done != batches:  # (none after the last)
                 await wait_at_most(stop, idle_seconds)
         return total
 

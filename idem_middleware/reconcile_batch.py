@@ -51,6 +51,9 @@ class ReconcileReport:
     #: Records passed over because another session held them (an executor or a reconciler at
     #: work, or a process paused while it held one): the next run looks at them again.
     held: int = 0
+    #: Lapsed leases left pending because their operation is not among the caller's `known`
+    #: ones: what its route does with a lapsed lease is not known here (see `reconcile_unknown`).
+    left_pending: dict[str, int] = field(default_factory=dict)
 
 
 async def reconcile_unknown(
@@ -63,6 +66,7 @@ async def reconcile_unknown(
     seconds: float = 10.0,
     takeover: Collection[str] = (),
     report: ReconcileReport | None = None,
+    known: Collection[str] | None = None,
 ) -> ReconcileReport:
     """Settle unknown records (and pending ones whose lease lapsed) by asking their reconcilers.
 
@@ -71,7 +75,10 @@ async def reconcile_unknown(
     are counted in `by_hand`.
     `takeover` names the operations whose lapsed leases the client's retry takes over
     (`LeaseExpiry.TAKEOVER`): without a reconciler, theirs are left pending for it, since
-    `unknown` would refuse that retry until an operator came.
+    `unknown` would refuse that retry until an operator came. `known`, if given, names every
+    operation whose policy the caller read (`takeover` among them): a lapsed lease of any other
+    (a route behind a mount the caller cannot see into, another app's on the same database) is
+    left pending and counted in `left_pending`, since its route may take it over.
 
     `report`, if given, is filled in as the run goes: a caller that the database fails partway
     (StoreError) still knows what was done.
@@ -81,7 +88,8 @@ async def reconcile_unknown(
     # A record another session holds is passed over, not waited for: an executor holding its
     # fenced transaction past its lease, or paused with it, would stop the whole batch.
     held_wait = min(seconds, _HELD_WAIT)
-    await _expire_leases(store, report, reconcilers, tenant, operation, limit, held_wait, takeover)
+    expiring = _Expiring(reconcilers, takeover, known)
+    await _expire_leases(store, report, expiring, tenant, operation, limit, held_wait)
     # `limit` bounds the reconcilers run, not the records looked at: records no reconciler can
     # settle (transactional ones, operations without one) are passed over, oldest first, so that
     # however many of them wait for an operator they never keep the others from their turn.
@@ -124,15 +132,23 @@ async def reconcile_unknown(
     return report
 
 
+@dataclass(frozen=True)
+class _Expiring:
+    """Whose lapsed leases a run turns `unknown` (see `reconcile_unknown`)."""
+
+    reconcilers: Mapping[str, Reconciler]
+    takeover: Collection[str]
+    known: Collection[str] | None
+
+
 async def _expire_leases(
     store: Store,
     report: ReconcileReport,
-    reconcilers: Mapping[str, Reconciler],
+    expiring: _Expiring,
     tenant: str | None,
     operation: str | None,
     limit: int,
     held_wait: float,
-    takeover: Collection[str],
 ) -> None:
     """Turn lapsed leases `unknown`: at most `limit` tries (each may wait `held_wait`). Leases
     left for the client's takeover cost none, and the window reaches past them, so however many
@@ -154,7 +170,12 @@ async def _expire_leases(
                 break
             seen.add(summary.key)
             op = summary.key.operation
-            if not summary.lease_expired or (op in takeover and op not in reconcilers):
+            if not summary.lease_expired:
+                continue
+            if expiring.known is not None and op not in expiring.known:
+                report.left_pending[op] = report.left_pending.get(op, 0) + 1
+                continue
+            if op in expiring.takeover and op not in expiring.reconcilers:
                 continue
             tries += 1
             try:

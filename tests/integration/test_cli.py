@@ -203,9 +203,16 @@ async def test_reconcile_runs_the_apps_reconcilers(db_dsn: str, pool: Any) -> No
     await insert(
         pool, "taken-over", "pending", lease_expires_at=lapsed, operation="POST /transfers"
     )
+    # A route the app does not show (behind a mount it cannot see into, or another app's on the
+    # same database): what it does with a lapsed lease is not known, and `unknown` would wedge
+    # a `TAKEOVER` route's key. Left pending, and said so.
+    await insert(
+        pool, "unseen", "pending", lease_expires_at=lapsed, operation="POST /elsewhere/pay"
+    )
     result = cli("reconcile", "--app", "tests.cli_app:app", "--json", dsn=db_dsn)
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
+    assert report["left_pending"] == {"POST /elsewhere/pay": 1}
     assert report["expired_leases"] == 1
     assert report["examined"] == 3
     assert report["verdicts"] == {"settled": 1, "not-happened": 1, "still-unknown": 1}
@@ -218,7 +225,10 @@ async def test_reconcile_runs_the_apps_reconcilers(db_dsn: str, pool: Any) -> No
         "not-happened": ("pending", None),
         "lapsed": ("unknown", None),
         "taken-over": ("pending", None),
+        "unseen": ("pending", None),
     }
+    text = cli("reconcile", "--app", "tests.cli_app:app", dsn=db_dsn)
+    assert "lapsed leases left pending, POST /elsewhere/pay not in --app: 1" in text.stdout
 
 
 @pytest.mark.parametrize(
@@ -265,7 +275,23 @@ def test_bad_arguments_exit_2_with_a_message(args: tuple[str, ...], db_dsn: str)
     assert "error:" in result.stderr
 
 
-@pytest.mark.parametrize("url", ["nonsense", "example.com/hook", "ftp://example.com/", "http://"])
+@pytest.mark.parametrize(
+    "url",
+    [
+        "nonsense",
+        "example.com/hook",
+        "ftp://example.com/",
+        "http://",
+        # Each passed as "http with a host" and failed only when sent (or, the first two, ended
+        # the command in a traceback).
+        "http://[::1",
+        "http://[zz]/",
+        "http://example.com:99999/",
+        "http://example.com:0x/",
+        "http://example.com:0/",
+        "http://exa mple.com/",
+    ],
+)
 async def test_a_webhook_url_that_cannot_be_sent_to_is_refused_before_any_send(
     url: str, db_dsn: str, pool: Any
 ) -> None:

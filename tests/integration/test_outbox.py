@@ -586,6 +586,17 @@ async def test_a_publisher_that_would_poll_in_a_loop_is_refused(pool: Any, idle:
         await Publisher(pool, _never_sent).run(idle_seconds=idle, batches=1)
 
 
+async def test_a_bounded_run_with_nothing_due_does_not_idle_after_its_last_batch(
+    pool: Any,
+) -> None:
+    """Found by probing: `run(batches=1)` (`outbox publish --once`) with nothing due slept its
+    `idle_seconds` after its one batch before returning."""
+    await pool.execute("DELETE FROM idem_outbox")
+    run = Publisher(pool, _never_sent).run(batches=1, idle_seconds=60)
+    report = await asyncio.wait_for(run, 10)
+    assert (report.sent, report.failed) == (0, 0)
+
+
 class _Unprintable(Exception):
     def __str__(self) -> str:
         raise RuntimeError("no text")
