@@ -95,7 +95,7 @@ STAGES: dict[str, tuple[tuple[str, str], ...]] = {
     "rest of the middleware": (
         ("idem_middleware.middleware", "IdempotencyMiddleware.__call__"),
         ("idem_middleware.exchange", "Exchange.run"),
-        ("idem_middleware.transactional", "run_transactional"),
+        ("idem_middleware.exchange", "run_transactional"),
         ("idem_middleware.transactional", "Attempt.run"),
     ),
 }

@@ -37,11 +37,13 @@ class Replay(Answer):
 @quick_init  # (see frozen.py)
 @dataclass(frozen=True, slots=True)
 class Problem(Answer):
-    """A problem+json refusal (`retry_after`: seconds, or None for no Retry-After)."""
+    """A problem+json refusal (`retry_after`: seconds, or None for no Retry-After; `counted`:
+    the request's end was counted already, not to be counted again by the problem's kind)."""
 
     kind: ProblemKind
     detail: str
     retry_after: int | None = None
+    counted: bool = False
 
 
 def request_digest(fingerprint: bytes) -> str:

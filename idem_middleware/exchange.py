@@ -30,7 +30,8 @@ from .policy import Mode, Policy
 from .refusals import is_refusal, send_refusal
 from .responses import answer_cancelled, send_accepted, send_replay
 from .store.base import RecordKey, Store, StoredResponse, new_record_key
-from .transactional import RETRIED, Attempt, run_transactional
+from .transactional import RETRIED, Attempt
+from .transactional_wait import run_transactional
 
 if TYPE_CHECKING:
     from .middleware import IdempotencyMiddleware
@@ -222,6 +223,8 @@ class Exchange(ClientWatch):
                 await self.store_failed(exc)
         except ClientGone as exc:
             logger.debug("client disconnected: %s", exc)
+            if getattr(self, "counted", None) is None:  # (a duplicate that left while it waited)
+                self.emit(Event.CANCELLED)
         except asyncio.CancelledError:  # (the server's shutdown, past its graceful timeout)
             await answer_cancelled(self)
             raise
@@ -240,8 +243,8 @@ class Exchange(ClientWatch):
         match answer:
             case Replay(response=response):
                 return self.replay(response)
-            case Problem(kind=kind, detail=detail, retry_after=retry_after):
-                return self.problem(kind, detail, retry_after)
+            case Problem(kind=kind, detail=detail, retry_after=retry_after, counted=counted):
+                return self.problem(kind, detail, retry_after, counted)
             case InFlight(detail=detail, fingerprint=fingerprint):
                 return self._in_flight(detail, fingerprint)
             case Sent():
@@ -249,9 +252,12 @@ class Exchange(ClientWatch):
             case _:  # pragma: no cover - every other Answer is handled above
                 raise TypeError(f"not an answer: {answer!r}")
 
-    async def problem(self, kind: ProblemKind, detail: str, retry_after: int | None = None) -> None:
+    async def problem(
+        self, kind: ProblemKind, detail: str, retry_after: int | None = None, counted: bool = False
+    ) -> None:
         self.started = True
-        self.emit(PROBLEM_EVENTS.get(kind, Event.REJECTED))
+        if not counted:
+            self.emit(PROBLEM_EVENTS.get(kind, Event.REJECTED))
         await self.mw.send_problem(self.send, kind, detail, retry_after=retry_after)
 
     async def store_failed(self, exc: StoreError) -> None:  # (see `store_error_event`)

@@ -122,3 +122,11 @@ def header_map(scope: Any) -> dict[bytes, bytes] | None:
     except (TypeError, ValueError):
         pass  # not pairs of bytes: the readers' scans report it as they always did
     return None
+
+
+def host_header(scope: Any) -> bytes | None:
+    """The Host header (`Host` routes match on it), from the scope's headers."""
+    for name, value in scope["headers"]:
+        if name == b"host":
+            return value  # type: ignore[no-any-return]
+    return None

@@ -272,7 +272,8 @@ class LeaseExecution:
                     await asyncio.shield(self.heartbeat)
             if settled:
                 return capture  # held: the exchange flushes it
-            return Problem(ProblemKind.IN_FLIGHT, _LOST_CLAIM, policy.retry_after_seconds)
+            ex.emit(Event.STALE, generation)  # (the claim's end, not a duplicate's `in_flight`)
+            return Problem(ProblemKind.IN_FLIGHT, _LOST_CLAIM, policy.retry_after_seconds, True)
         finally:
             capture.close()  # this execution and its capture refer to each other
             if slot is not None:

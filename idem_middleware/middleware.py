@@ -22,10 +22,10 @@ from .endpoints import HANDLED, Handled, endpoint_policy
 from .errors import ConfigurationError, ProblemKind
 from .exchange import Exchange
 from .fingerprint import Fingerprinter
-from .keys import header_map
+from .keys import header_map, host_header
 from .middleware_arguments import KILL_SWITCH_ENV as KILL_SWITCH_ENV
-from .middleware_arguments import METHOD, check_arguments, kill_switch_on
-from .observe import Observer, combine, shown
+from .middleware_arguments import METHOD, check_arguments, kill_switch_on, named_route
+from .observe import Event, Observer, combine, shown
 from .policy import (
     MAX_OPERATION_BYTES,
     Policy,
@@ -82,14 +82,6 @@ _UNNAMEABLE_DETAIL = (
 _Entry = tuple[_Guarded, Sequence[Any], int, tuple[Any, ...] | None, tuple[int, ...] | None]
 
 
-def _host(scope: Scope) -> bytes | None:
-    """The Host header (`Host` routes match on it)."""
-    for name, value in scope["headers"]:
-        if name == b"host":
-            return value  # type: ignore[no-any-return]
-    return None
-
-
 _F = TypeVar("_F", bound=Callable[..., Any])
 
 
@@ -101,13 +93,6 @@ def _marked_coroutine_function(func: _F) -> _F:
         return inspect.markcoroutinefunction(func)
     func._is_coroutine = asyncio.coroutines._is_coroutine  # type: ignore[attr-defined]
     return func
-
-
-def _named_route(template: str) -> bool:
-    """ "/path", or "host/path" for a route under a Host."""
-    return template.startswith("/") or (
-        "/" in template and not template.startswith(" ") and " " not in template.split("/")[0]
-    )
 
 
 class IdempotencyMiddleware:
@@ -164,7 +149,7 @@ class IdempotencyMiddleware:
         self.policies: dict[str, Policy] = {}
         for name, policy in (policies or {}).items():
             method, _, template = str(name).partition(" ")
-            if not _named_route(template) or method.upper() != method or not method:
+            if not named_route(template) or method.upper() != method or not method:
                 raise ConfigurationError(f"policy key {name!r} is not 'METHOD /template'")
             if method in SAFE_METHODS:
                 raise ConfigurationError(f"policy key {name!r}: {method} is never guarded")
@@ -228,7 +213,7 @@ class IdempotencyMiddleware:
             return self._pass_on(scope, receive, send, Handled.YES)
         app = scope.get("app")
         by_name = header_map(scope)
-        host = _host(scope) if by_name is None else by_name.get(b"host")
+        host = host_header(scope) if by_name is None else by_name.get(b"host")
         cache_key = (app, method, scope.get("root_path", ""), scope["path"], host)
         cached = self._routes.get(cache_key)
         # (A cached match holds while the route lists it walked keep their lengths.)
@@ -247,7 +232,7 @@ class IdempotencyMiddleware:
         if guarded is None:
             return self._misconfigured(send, "This operation cannot be guarded.")
         if guarded is _UNNAMEABLE:
-            return self.send_problem(send, ProblemKind.OPERATION_INVALID, _UNNAMEABLE_DETAIL)
+            return self._rejected(send, ProblemKind.OPERATION_INVALID, _UNNAMEABLE_DETAIL)
         fingerprinter, policy, operation, body_limit = guarded
         if body_limit is not None:  # (the route's own max_body_size: see body_limits)
             follow_route_limit(scope, body_limit)
@@ -255,7 +240,7 @@ class IdempotencyMiddleware:
         if "user" not in scope and self.tenants.unidentifiable(
             scope, allow_anonymous=policy.allow_anonymous
         ):
-            return self._misconfigured(send, "The server cannot identify the caller.")
+            return self._misconfigured(send, "The server cannot identify the caller.", operation)
         if "extensions" in scope:
             hide_sent_by_server(scope)
         # A guarded request's endpoint runs under its claim's context, which decorated endpoints
@@ -368,7 +353,7 @@ class IdempotencyMiddleware:
         request: a 500 problem document for the client, and the check's error raised for the
         server to log (and a test client to raise)."""
         try:
-            await self._misconfigured(send, "The server failed its startup check.")
+            await self._misconfigured(send, "The server failed its startup check.", None)
         except Exception as exc:  # (the client gone, say): the check's error is what to tell
             raise self._failed_check() from exc
         raise self._failed_check()  # (a cancellation goes on as it is)
@@ -380,12 +365,20 @@ class IdempotencyMiddleware:
         assert self._check_error is not None
         return ConfigurationError(*self._check_error.args)
 
-    async def _misconfigured(self, send: Send, detail: str) -> None:
-        await self.send_problem(
-            send,
-            ProblemKind.MISCONFIGURED,
-            f"{detail} The server is misconfigured; the request was not processed.",
-        )
+    def _misconfigured(
+        self, send: Send, detail: str, operation: str | None = "OTHER"
+    ) -> Awaitable[None]:
+        detail += " The server is misconfigured; the request was not processed."
+        return self._rejected(send, ProblemKind.MISCONFIGURED, detail, operation)
+
+    def _rejected(
+        self, send: Send, kind: ProblemKind, detail: str, operation: str | None = "OTHER"
+    ) -> Awaitable[None]:
+        """Refused before an exchange: counted `rejected` as an exchange's refusals are (under
+        `OTHER` where no operation is named; not at all with None: a failed startup check)."""
+        if self.observer is not None and operation is not None:
+            self.observer.event(Event.REJECTED, {"operation": operation})
+        return self.send_problem(send, kind, detail)
 
     def _check(self, app: Any, scope: Scope | None = None) -> None:
         self._checked = True

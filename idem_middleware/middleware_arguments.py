@@ -121,3 +121,10 @@ def _check_observer(observer: object) -> None:
             "@asynccontextmanager); it must return a plain context manager "
             "(@contextlib.contextmanager)"
         )
+
+
+def named_route(template: str) -> bool:
+    """A policy's route: "/path", or "host/path" for a route under a Host."""
+    return template.startswith("/") or (
+        "/" in template and not template.startswith(" ") and " " not in template.split("/")[0]
+    )

@@ -37,6 +37,12 @@ class Event(StrEnum):
     UNRESOLVED = "unresolved"  # lease mode: the handler's outcome was recorded as unknown
     REJECTED = "rejected"  # refused before any claim: bad or missing key, body, no tenant
     ERROR = "error"  # the store could not be reached (or mark a claim's end: see below)
+    # lease mode: this execution lost its claim (its lease lapsed, the record taken over or
+    # marked unknown); its outcome was not recorded, another generation's stands: 409
+    STALE = "stale"
+    # ended before any decision: the server cancelled it (its shutdown: 503), or its client
+    # left while it waited for another request's key
+    CANCELLED = "cancelled"
 
 
 #: The event a settled outcome is counted as.

@@ -17,12 +17,19 @@ from typing import Any
 
 try:
     from opentelemetry import trace
+    from opentelemetry.trace import Status, StatusCode
 except ModuleNotFoundError as exc:  # installed without the extra
     from .errors import missing_extra
 
     raise missing_extra(__name__, "otel", exc) from exc
 
+from .errors import ClaimBusy, ClaimTimeout
 from .observe import Event, shown
+
+#: What leaves a step as the protocol's own course, not as a failure: a key held by another
+#: request (the duplicate waits, then replays). Recorded as errors, they made every ordinary
+#: duplicate an error span in a tracing backend, its error rate and its alerts.
+_NOT_FAILURES = (ClaimBusy, ClaimTimeout)
 
 #: The longest text attribute set whole. A route template is far shorter; an operation named by
 #: the concrete path a request took (a sub-app behind a wrapper the router cannot see through)
@@ -57,6 +64,17 @@ class OpenTelemetryObserver:
     @contextmanager
     def timed(self, name: str, attributes: Mapping[str, Any]) -> Iterator[None]:
         with self.tracer.start_as_current_span(
-            f"idem.{name}", attributes=_attributes(attributes, self.record_tenant)
-        ):
-            yield
+            f"idem.{name}",
+            attributes=_attributes(attributes, self.record_tenant),
+            record_exception=False,
+            set_status_on_exception=False,
+        ) as span:
+            try:
+                yield
+            except _NOT_FAILURES:
+                raise
+            except BaseException as exc:  # as OpenTelemetry's default would record it
+                if span.is_recording():
+                    span.record_exception(exc)
+                    span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
+                raise

@@ -14,7 +14,7 @@ from starlette.responses import Response
 from starlette.types import Scope, Send
 
 from .errors import ProblemKind
-from .observe import shown
+from .observe import Event, shown
 from .sendable import head_problem, header_problem, sendable_headers
 from .store.base import StoredResponse
 
@@ -163,6 +163,8 @@ async def answer_cancelled(ex: Exchange) -> None:
     this send too, and the server answers as before. Not when a middleware before this one may
     answer it itself (`middleware_order.check_outer_middleware`): a timeout's own 504 would
     come second, refused by the server."""
+    if getattr(ex, "counted", None) is None:  # (nothing decided: a duplicate that waited, say)
+        ex.emit(Event.CANCELLED)
     if ex.started or not ex.mw.answers_cancelled:
         return
     ex.started = True

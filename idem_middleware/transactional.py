@@ -18,7 +18,7 @@ import logging
 from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any
 
-from .answers import TENANT_BUSY, WAITERS_FULL, Answer, InFlight, Problem
+from .answers import TENANT_BUSY, Answer, InFlight, Problem
 from .capture import ResponseCapture
 from .context import CURRENT, SCOPE_KEY, IdempotencyContext, claimed_context
 from .delayed import Delayed
@@ -29,12 +29,12 @@ from .errors import (
     ProblemKind,
     RetryableConflict,
     SettlementRefused,
+    StoreError,
 )
 from .observe import SETTLED_EVENTS, Event
 from .outcomes import FINAL_STATE, Outcome, duplicate_answer, outcome_for_status
 from .policy import Mode
 from .store.base import Existing, RecordKey, TokenRefused
-from .waiting import Held, wait_rounds
 
 if TYPE_CHECKING:
     from .exchange import Exchange
@@ -47,13 +47,6 @@ logger = logging.getLogger("idem_middleware")
 #: a busy event loop: at 50 ms, 40-76% of the requests of a loaded server were watched, and the
 #: watches cost it 13% of its throughput (docs/performance.md). So only really long handlers are.
 DISCONNECT_WATCH_AFTER = 1.0
-# A waiting duplicate claims again when the holder in this process ends, or after this long:
-# quick at first, then backing off (the holder may be in another process). Every wait is bounded:
-# by its polls, and a key changing hands more than `waiting.MAX_ROUNDS` times is a bug, not load.
-_FIRST_POLL = 0.02
-_MAX_POLL = 0.5
-
-_CONFLICT = "A concurrent request conflicted with this one; retry it."
 #: Starts the client watch of handlers still running after DISCONNECT_WATCH_AFTER.
 _WATCH = Delayed(DISCONNECT_WATCH_AFTER)
 
@@ -64,72 +57,6 @@ _OUTCOMES = {status: outcome_for_status(status, Mode.TRANSACTIONAL) for status i
 #: What the first attempt (`Attempt(...).run()`, awaited by the exchange itself) may raise for
 #: `run_transactional` to carry on from.
 RETRIED = (ClaimBusy, ClaimTimeout, RetryableConflict)
-
-
-async def run_transactional(
-    ex: Exchange, record_key: RecordKey, fingerprint: bytes, failed: Exception
-) -> Answer | None:
-    """After a first attempt that raised `failed` (one of `RETRIED`): wait for a busy key, run
-    again after a serialization failure, and claim again after the wait. Returns what the client
-    is to be told (None: the response was streamed already)."""
-    policy = ex.policy
-    waiters = ex.mw.waiters
-    retries = policy.max_serialization_retries
-    conflicts = 0
-    deadline = 0.0  # (set when it first waits)
-    poll = _FIRST_POLL
-    # The claim is timed once per request (its first), the wait for a busy key as a whole.
-    waiting: contextlib.ExitStack | None = None
-    exc: Exception | None = failed
-    # One of the process's waiting places (`max_waiters`): given back when the attempt after the
-    # wait claims (`Attempt.run` closes `waiting`), taken again if the request waits again.
-    place: Held | None = None
-    try:
-        for _ in range(wait_rounds(policy.wait_seconds, _MAX_POLL)):
-            if exc is None:
-                try:
-                    return await Attempt(ex, record_key, fingerprint, waiting).run()
-                except RETRIED as raised:
-                    # (without its traceback, which holds this frame: kept, a cycle)
-                    exc = raised.with_traceback(None)
-            if isinstance(exc, ClaimBusy):
-                exc = None
-                now = asyncio.get_running_loop().time()
-                if waiting is None:
-                    waiting = contextlib.ExitStack()
-                    waiting.enter_context(ex.timed("wait"))
-                    deadline = now + policy.wait_seconds
-                if place is None or not place.held:
-                    if (place := waiters.place()) is None:
-                        return Problem(
-                            ProblemKind.IN_FLIGHT, WAITERS_FULL, policy.retry_after_seconds
-                        )
-                    waiting.callback(place.give_back)
-                remaining = deadline - now
-                if remaining <= 0:
-                    return InFlight(fingerprint=fingerprint)
-                await ex.wait_present(waiters.wait(record_key, min(remaining, poll)))
-                poll = min(poll * 2, _MAX_POLL)
-                continue
-            if isinstance(exc, ClaimTimeout):
-                return InFlight(fingerprint=fingerprint)
-            assert isinstance(exc, RetryableConflict)
-            if ex.started or conflicts == retries:
-                cause = exc.__cause__
-                if exc.from_handler and cause is not None:
-                    raise cause from cause.__cause__  # the handler's error, as it raised it
-                if ex.started:
-                    raise exc  # the response has started: nothing more can be said to it
-                return Problem(ProblemKind.IN_FLIGHT, _CONFLICT, policy.retry_after_seconds)
-            exc = None
-            conflicts += 1
-            logger.debug("serialization failure; running the transaction again")
-            ex.body_delivered = False
-            ex.counted = None  # (the next attempt's claim is counted anew: see exchange's)
-        raise RuntimeError("the key kept changing hands; giving up")  # pragma: no cover
-    finally:
-        if waiting is not None:
-            waiting.close()
 
 
 class Attempt(ResponseCapture):
@@ -155,6 +82,7 @@ class Attempt(ResponseCapture):
         "task",
         "tx",
         "uncancelled",
+        "unsettled",
         "waited",
         "watcher",
     )
@@ -190,6 +118,8 @@ class Attempt(ResponseCapture):
         self.running = False
         self.gone = False
         self.uncancelled = False
+        #: A settlement before the first byte the store could not make (counted `error`).
+        self.unsettled = False
 
     async def run(self) -> Answer | None:
         ex = self.ex
@@ -282,7 +212,9 @@ class Attempt(ResponseCapture):
                     # Clean up, then re-raise: abandoning the transaction releases the key.
                     await tx.abandon()
                     if not self.passthrough:  # (a stream's outcome committed before its start)
-                        ex.emit(Event.RELEASED, self.context.generation)
+                        # (A settlement the store could not make, as a held response's: `error`.)
+                        event = Event.ERROR if self.unsettled else Event.RELEASED
+                        ex.emit(event, self.context.generation)
                     if tx.conflict(exc):
                         # The database refused the handler's writes: the attempt may run again.
                         raise RetryableConflict(str(exc), from_handler=True) from exc
@@ -349,7 +281,13 @@ class Attempt(ResponseCapture):
             raise RuntimeError("the response was sent after the request ended")
         assert self.context is not None
         await self.context.flush_held_writes()  # (claim sessions' writes: see sqla.py)
-        await self._settle(omitted=reason)
+        try:
+            await self._settle(omitted=reason)
+        except SettlementRefused:
+            raise  # (rolled back, the key free: `released`, as a held response's)
+        except StoreError:
+            self.unsettled = True
+            raise
         # The outcome is committed and the first byte follows: from here on nothing may run the
         # attempt again (a serialization failure while streaming ends the response instead).
         self.ex.started = True

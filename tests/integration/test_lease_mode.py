@@ -433,7 +433,10 @@ async def test_a_stale_executor_whose_handler_raises_is_told_another_execution_o
             retry = await post(ca)
             assert_replay_of(retry, b)
     assert ("claimed", gen_a) in events.events
-    assert [e for e in events.events if e[1] == gen_a and e[0] != "claimed"] == []
+    # A's end counted once, as its own claim's (`stale`): not `unresolved` (nobody marked the
+    # record unknown), nor a duplicate's `in_flight`.
+    assert [e for e in events.events if e[1] == gen_a and e[0] != "claimed"] == [("stale", gen_a)]
+    assert not any(e[0] == "in_flight" for e in events.events)
 
 
 async def test_stale_executor_holding_its_fence_blocks_the_takeover_and_wins(
