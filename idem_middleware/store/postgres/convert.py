@@ -203,6 +203,13 @@ def refused(exc: BaseException, fenced: bool = False) -> SettlementRefused:
             "conn.transaction():`, SQLAlchemy's `session.begin_nested()`), or raise, or answer "
             "with a status that releases the key (409, 422)"
         )
+    if isinstance(exc, asyncpg.exceptions.IntegrityConstraintViolationError):
+        return kind(
+            f"the handler's writes broke a deferred constraint, checked when {transaction} "
+            f"committed ({type(exc).__name__}: {exc}): nothing it wrote there was committed and "
+            f"no outcome was recorded ({then}). Check it in the handler (`SET CONSTRAINTS ALL "
+            "IMMEDIATE`) to answer the client yourself"
+        )
     return kind(
         f"the database refused to record the handler's outcome ({type(exc).__name__}: {exc}): "
         f"nothing of {transaction} was committed ({then}). A handler must leave its connection "
