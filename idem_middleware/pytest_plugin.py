@@ -22,7 +22,6 @@ Fixture names carry the `idem_` prefix so they never clash with a project's own.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import inspect
 import os
@@ -30,7 +29,7 @@ import shutil
 import tempfile
 import uuid
 import warnings
-from collections.abc import AsyncIterator, Callable, Coroutine, Generator, Iterator
+from collections.abc import Callable, Coroutine, Generator, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -49,7 +48,7 @@ from .pytest_databases import (
 )
 
 if TYPE_CHECKING:
-    from .store.postgres import PostgresStore
+    pass
 
 __all__ = [
     "DSN_ENV",
@@ -57,16 +56,11 @@ __all__ = [
     "idem_clean_dsn",
     "idem_postgres_dsn",
     "idem_replay",
-    "idem_store",
 ]
 
-try:  # the async fixture's decorator: pytest-asyncio's, else pytest's (anyio's plugin runs it)
-    from pytest_asyncio import fixture as _async_fixture
-except ModuleNotFoundError:  # this module loads in every pytest run of a project with the package
-    _async_fixture = pytest.fixture  # type: ignore[assignment]
-
 _PREFIX = "idem-pytest-pg-"  # an embedded server's directory, under the temporary directory
-#: How long the end of a test waits for the store's connections to come back.
+#: How long the end of a test waits for the store's connections to come back (and the emptying
+#: of the tables before one, for a transaction left open).
 _CLOSE_SECONDS = 10.0
 
 
@@ -136,80 +130,15 @@ def idem_clean_dsn(idem_postgres_dsn: str) -> str:
     return idem_postgres_dsn
 
 
-def _other_loop(request: pytest.FixtureRequest) -> str | None:
-    """Why the test runs in another event loop than its function-scoped async fixtures, if it
-    does: asyncpg's pool belongs to the loop it was made in, and the test then fails with
-    "attached to a different loop" errors that name neither setting."""
-    if "anyio_backend" in request.fixturenames:  # an anyio test (`@pytest.mark.anyio`)
-        return _under_anyio(request)
-    marker = request.node.get_closest_marker("asyncio")
-    if marker is None:  # not an asyncio test: nothing of the store runs in it
-        return None
-    config = request.config
-    # (`scope=`: the marker's older spelling, which pytest-asyncio still honours)
-    scope = marker.kwargs.get("loop_scope") or marker.kwargs.get("scope")
-    test = scope or config.getini("asyncio_default_test_loop_scope")
-    fixture = config.getini("asyncio_default_fixture_loop_scope")
-    fixture = "function" if fixture in (None, "", "fixture-scope") else fixture
-    if (test or "function") == fixture:
-        return None
-    return (
-        f"idem_store is made in the {fixture}-scoped event loop (asyncio_default_fixture_loop_"
-        f"scope) but this test runs in the {test}-scoped one: asyncpg's pool works only in the "
-        "loop that made it. Give both the same scope (both unset: function)"
-    )
+def pytest_configure(config: pytest.Config) -> None:
+    """Registers `idem_store` (in `pytest_store`) once the plugins `-p` names are loaded: its
+    decorator is pytest-asyncio's, and imported with this plugin, before pytest-asyncio's own
+    (`-p idem_middleware -p asyncio`), pytest could no longer rewrite its asserts and warned,
+    an error that ended the run under `filterwarnings = error`."""
+    from . import pytest_store
 
-
-def _under_anyio(request: pytest.FixtureRequest) -> str | None:
-    """Why an anyio test cannot use idem_store, if it cannot. Under pytest-asyncio's auto mode
-    the fixture ran in pytest-asyncio's loop and the test in anyio's: the test failed on the
-    store's pool with a message about loop scopes, which are not the cause."""
-    backend = request.getfixturevalue("anyio_backend")
-    name = backend if isinstance(backend, str) else backend[0]
-    if name != "asyncio":
-        return f"idem_store needs asyncio (asyncpg runs on nothing else); this test runs on {name}"
-    try:  # (as pytest-asyncio reads it: its command-line option first, then the ini file)
-        mode = request.config.getoption("asyncio_mode", None) or request.config.getini(
-            "asyncio_mode"
-        )
-    except ValueError:  # pytest-asyncio is not installed
-        return None
-    if str(mode) != "auto":
-        return None
-    return (
-        "this test runs in anyio's event loop, while pytest-asyncio's asyncio_mode = auto makes "
-        "idem_store in a loop of its own: asyncpg's pool works only in the loop that made it. "
-        "Mark the test @pytest.mark.asyncio instead of anyio, or set asyncio_mode = strict"
-    )
-
-
-@_async_fixture
-async def idem_store(
-    idem_clean_dsn: str, request: pytest.FixtureRequest
-) -> AsyncIterator[PostgresStore]:
-    """An open PostgresStore on the test database, with no records, tokens or outbox events."""
-    mismatch = _other_loop(request)
-    if mismatch is not None:
-        pytest.fail(mismatch, pytrace=False)
-    import asyncpg  # (the store and its driver load when a test asks for them, not with the plugin)
-
-    from .store.postgres import PostgresStore
-
-    pool = await asyncpg.create_pool(idem_clean_dsn, min_size=1, max_size=10)
-    try:
-        async with PostgresStore(pool=pool) as store:
-            yield store
-    finally:
-        try:
-            # asyncpg's close waits, without end, for every connection to come back.
-            await asyncio.wait_for(pool.close(), _CLOSE_SECONDS)
-        except TimeoutError:  # close() terminated the pool when it was cancelled
-            pytest.fail(
-                f"idem_store: a connection of the store's pool was still in use {_CLOSE_SECONDS:g}"
-                " s after the test ended (a request still running, or a connection acquired and "
-                "never released); the pool was terminated",
-                pytrace=False,
-            )
+    if not config.pluginmanager.is_registered(pytest_store):
+        config.pluginmanager.register(pytest_store, "idem_middleware.pytest_store")
 
 
 #: `idem_replay`'s type: returns `(first, second)`, or an awaitable of it for an async client.
@@ -235,6 +164,12 @@ def _checked(first: Any, second: Any) -> tuple[Any, Any]:
     )
     assert second.content == first.content, "the replay's body differs from the first response's"
     return first, second
+
+
+def _is_key(name: str | bytes) -> bool:
+    if isinstance(name, bytes):
+        name = name.decode("latin-1")
+    return name.lower() == "idempotency-key"
 
 
 class _Pending:
@@ -270,10 +205,12 @@ def idem_replay() -> Iterator[Replay]:
         return _checked(first, second)
 
     def replay(client: Any, method: str, url: str, **options: Any) -> Any:
-        headers = dict(options.pop("headers", None) or {})
+        given = options.pop("headers", None) or {}
+        # As pairs, names as given (str or bytes, as httpx takes them), repeated ones kept.
+        headers = list(given.items() if hasattr(given, "items") else given)
         defaults = getattr(client, "headers", None) or {}  # (httpx's and TestClient's, if set)
-        if not any(name.lower() == "idempotency-key" for name in (*headers, *defaults)):
-            headers["Idempotency-Key"] = f"idem-pytest-{uuid.uuid4()}"
+        if not any(_is_key(name) for name in (*(n for n, _ in headers), *defaults)):
+            headers.append(("Idempotency-Key", f"idem-pytest-{uuid.uuid4()}"))
         options["headers"] = headers
         if inspect.iscoroutinefunction(client.request):
             call = _Pending(replay_async(client, method, url, **options))

@@ -12,6 +12,7 @@ import tempfile
 import time
 import tomllib
 from pathlib import Path
+from typing import ClassVar
 from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
@@ -240,6 +241,74 @@ def test_default_key(idem_replay):
 """
     )
     run(pytester).assert_outcomes(passed=1)
+
+
+def test_the_replay_helper_finds_a_key_given_under_a_bytes_name(
+    pytester: pytest.Pytester, inner_env: Path
+) -> None:
+    """Found by probing: `headers={b"Idempotency-Key": ...}` (httpx takes bytes names) was not
+    seen; a second key was added, both requests were refused 400, and the failure blamed the
+    route. Headers given as pairs keep a repeated name."""
+    pytester.makepyfile(
+        test_bytes_key="""
+from fastapi import FastAPI, Request
+from fastapi.testclient import TestClient
+from idem_middleware import IdempotencyMiddleware, MemoryStore
+
+app = FastAPI()
+
+@app.post("/orders")
+async def create(request: Request) -> dict[str, object]:
+    return {"key": request.headers["idempotency-key"], "tags": request.headers.getlist("x-tag")}
+
+app.add_middleware(IdempotencyMiddleware, store=MemoryStore(), tenant_resolver=str)
+
+def test_bytes_key(idem_replay):
+    with TestClient(app) as client:
+        first, _ = idem_replay(client, "POST", "/orders", headers={b"Idempotency-Key": b"k1"})
+        assert first.json() == {"key": "k1", "tags": []}
+        pairs = [("x-tag", "a"), ("x-tag", "b")]
+        first, _ = idem_replay(client, "POST", "/orders", headers=pairs)
+        assert first.json()["tags"] == ["a", "b"]
+"""
+    )
+    run(pytester).assert_outcomes(passed=1)
+
+
+def test_the_plugin_loaded_before_pytest_asyncio_warns_of_nothing(
+    pytester: pytest.Pytester, inner_env: Path
+) -> None:
+    """Found by probing: `-p idem_middleware -p asyncio` (the plugin first) imported
+    pytest-asyncio before pytest could mark it for assertion rewriting; pytest warned, and under
+    `filterwarnings = error` the run ended before collecting a test. (`run` loads them in that
+    order.)"""
+    pytester.makepyfile(test_example=docs_example())
+    run(pytester, ini="filterwarnings = error").assert_outcomes(passed=2)
+
+
+def test_a_pytest_asyncio_without_the_loop_scope_settings_is_read_as_unset() -> None:
+    """Found by probing: under pytest-asyncio before 0.26 (0.24 for the fixtures' setting) the
+    settings are unknown names, `getini` raises, and every asyncio test using idem_store failed
+    at its setup."""
+    from idem_middleware.pytest_store import _other_loop
+
+    class Config:
+        def getini(self, name: str) -> object:
+            raise ValueError(f"unknown configuration value: {name!r}")
+
+    class Marker:
+        kwargs: ClassVar[dict[str, str]] = {}
+
+    class Node:
+        def get_closest_marker(self, name: str) -> Marker | None:
+            return Marker() if name == "asyncio" else None
+
+    class Request:
+        fixturenames: ClassVar[list[str]] = ["idem_store"]
+        node = Node()
+        config = Config()
+
+    assert _other_loop(Request()) is None  # type: ignore[arg-type]
 
 
 def test_a_connection_left_in_use_fails_the_test_instead_of_hanging_the_run(
