@@ -118,8 +118,6 @@ class Attempt(ResponseCapture):
         self.running = False
         self.gone = False
         self.uncancelled = False
-        #: A settlement before the first byte the store could not make (counted `error`).
-        self.unsettled = False
 
     async def run(self) -> Answer | None:
         ex = self.ex
@@ -213,7 +211,9 @@ class Attempt(ResponseCapture):
                     await tx.abandon()
                     if not self.passthrough:  # (a stream's outcome committed before its start)
                         # (A settlement the store could not make, as a held response's: `error`.)
-                        event = Event.ERROR if self.unsettled else Event.RELEASED
+                        # (`unsettled`: set by `settle_early` alone, unset on every other path)
+                        failed = getattr(self, "unsettled", False)
+                        event = Event.ERROR if failed else Event.RELEASED
                         ex.emit(event, self.context.generation)
                     if tx.conflict(exc):
                         # The database refused the handler's writes: the attempt may run again.
@@ -286,7 +286,7 @@ class Attempt(ResponseCapture):
         except SettlementRefused:
             raise  # (rolled back, the key free: `released`, as a held response's)
         except StoreError:
-            self.unsettled = True
+            self.unsettled = True  # (the store could not record it: `error`, as a held one's)
             raise
         # The outcome is committed and the first byte follows: from here on nothing may run the
         # attempt again (a serialization failure while streaming ends the response instead).
