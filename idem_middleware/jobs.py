@@ -87,6 +87,16 @@ def _signature(fn: Callable[..., Any]) -> inspect.Signature | None:
         return None
 
 
+def _takes_keyword(signature: inspect.Signature | None, name: str) -> bool:
+    """Whether a call can pass `name` by keyword (unknown without a signature to read)."""
+    if signature is None:
+        return True
+    parameter = signature.parameters.get(name)
+    if parameter is not None:
+        return parameter.kind in (parameter.POSITIONAL_OR_KEYWORD, parameter.KEYWORD_ONLY)
+    return any(p.kind is p.VAR_KEYWORD for p in signature.parameters.values())
+
+
 def _key_function(key: str | KeyOf) -> KeyOf:
     if callable(key):
         return key
@@ -110,12 +120,19 @@ async def _call(job: JobSpec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
     if not isinstance(key, str) or not 0 < len(key.encode("utf-8", "surrogatepass")) <= (
         MAX_KEY_LENGTH
     ):
-        got = f"{len(key)} characters" if isinstance(key, str) else type(key).__name__
+        got = (
+            f"{len(key.encode('utf-8', 'surrogatepass'))} bytes"
+            if isinstance(key, str)
+            else type(key).__name__
+        )
         raise ValueError(f"an idempotency key is 1 to {MAX_KEY_LENGTH} bytes of UTF-8, not {got}")
-    tenant = job.tenant_of(*args, **kwargs)
+    tenant: Any = job.tenant_of(*args, **kwargs)
     if tenant is None:
         raise ValueError(f"{job.operation}: the job's tenant is None")
-    tenant = str(tenant)
+    if type(tenant) is int:  # (an account number: its digits, as a tenant resolver's is)
+        tenant = str(tenant)
+    if not isinstance(tenant, str):  # (as `str`, an object's repr: another tenant each call)
+        raise ValueError(f"{job.operation}: the job's tenant is a str, not {type(tenant)!r}")
     # (PostgreSQL text holds neither, and the driver refuses them with an error of its own:
     # refused here, on either store.)
     if not (storable_text(key) and storable_tenant(tenant)):
@@ -189,6 +206,11 @@ def idempotent_job(
         bound_checkouts = getattr(store, "bound_checkouts", None)
         if checked.mode is Mode.LEASE and callable(bound_checkouts):
             bound_checkouts(acquire_timeout)
+        signature = _signature(fn)
+        if isinstance(key, str) and not _takes_keyword(signature, key):
+            raise ConfigurationError(
+                f"{operation}: key={key!r} names no parameter of {fn!r} that a keyword can pass"
+            )
         job = JobSpec(
             fn=fn,
             store=store,
@@ -202,7 +224,7 @@ def idempotent_job(
             on_lease_expiry=checked.on_lease_expiry,
             acquire_timeout=acquire_timeout,
             max_serialization_retries=checked.max_serialization_retries,
-            signature=_signature(fn),
+            signature=signature,
         )
 
         @functools.wraps(fn)

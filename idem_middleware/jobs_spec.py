@@ -13,6 +13,7 @@ import orjson
 from .answers import Replay
 from .context import IdempotencyContext, claimed_context, enter_context, leave_context
 from .errors import ConfigurationError, JobKeyReused, JobOutcomeUnknown
+from .jsonvalues import non_finite
 from .outcomes import settled_answer
 from .policy import LeaseExpiry, Mode
 from .store.base import Record, RecordKey, State, Store
@@ -76,11 +77,19 @@ class JobSpec:
         finally:
             leave_context(scope, token, context)
         try:
-            return orjson.dumps(result)
+            body = orjson.dumps(result)
         except TypeError as exc:
             raise ConfigurationError(
                 f"{self.operation}: a job's result is stored as JSON; {type(result)!r} is not"
             ) from exc
+        # orjson writes NaN and the infinities as null: the result returned would not be the
+        # one stored (refused, as in the arguments).
+        if b"null" in body and non_finite(result):
+            raise ConfigurationError(
+                f"{self.operation}: a job's result holds NaN or an infinity, which JSON stores "
+                "as null: return them as strings"
+            )
+        return body
 
     def answer(self, record: Record, fingerprint: bytes) -> Any:
         """What a repeat gets from a record it cannot claim (UNSETTLED: wait and look again):

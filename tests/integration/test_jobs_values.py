@@ -1,0 +1,84 @@
+"""What a job's tenant, key name and result may be: each found by probing, each refused loudly
+where it was taken silently (on both stores)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from idem_middleware import IdempotencyContext, MemoryStore, Mode
+from idem_middleware.errors import ConfigurationError
+from idem_middleware.jobs import idempotent_job
+from idem_middleware.store.base import Store
+
+
+class Account:
+    def __init__(self, number: int) -> None:
+        self.number = number
+
+
+async def test_a_tenant_function_returning_no_string_is_refused(store: Store) -> None:
+    """It was made the tenant by `str()`: an object's repr, another tenant at every delivery of
+    the same message, so the job ran again on each."""
+    runs: list[str] = []
+
+    @idempotent_job(store, operation="send", key="k", tenant=lambda **kw: kw["account"])
+    async def send(ctx: IdempotencyContext, *, k: str, account: Any) -> int:
+        runs.append(ctx.tenant)
+        return len(runs)
+
+    with pytest.raises(ValueError, match="tenant is a str"):
+        await send(k="k1", account=Account(7))
+    assert runs == []
+    assert await send(k="k1", account=7) == 1  # an int is its digits
+    assert await send(k="k1", account=7) == 1  # the stored result
+    assert runs == ["7"]
+
+
+@pytest.mark.parametrize("signature", ["misspelt", "positional only"])
+def test_a_key_name_no_keyword_can_pass_is_refused_when_decorated(signature: str) -> None:
+    """Accepted, every call then failed with "pass the idempotency key argument 'invoice' by
+    keyword", the argument passed by keyword all along (under its own name)."""
+    decorate = idempotent_job(MemoryStore(), operation="send", key="invoice")
+
+    async def misspelt(ctx: IdempotencyContext, *, invoice_id: str) -> None: ...
+
+    async def positional_only(ctx: IdempotencyContext, invoice: str, /) -> None: ...
+
+    fn = misspelt if signature == "misspelt" else positional_only
+    with pytest.raises(ConfigurationError, match="key='invoice' names no parameter"):
+        decorate(fn)
+
+
+async def test_a_key_name_taken_by_any_keyword_is_accepted() -> None:
+    @idempotent_job(MemoryStore(), operation="send", key="invoice")
+    async def send(ctx: IdempotencyContext, **fields: Any) -> str:
+        return str(fields["invoice"])
+
+    assert await send(invoice="i-1") == "i-1"
+
+
+@pytest.mark.parametrize("mode", [Mode.TRANSACTIONAL, Mode.LEASE])
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+async def test_a_result_json_would_store_as_null_is_refused(
+    store: Store, mode: Mode, value: float
+) -> None:
+    """It came back as None, first call and repeat alike: the result returned was not the
+    function's."""
+
+    @idempotent_job(store, operation="ratio", key="k", mode=mode)
+    async def ratio(ctx: IdempotencyContext, *, k: str) -> dict[str, float]:
+        return {"ratio": value}
+
+    with pytest.raises(ConfigurationError, match="NaN or an infinity"):
+        await ratio(k=f"r-{mode}")
+
+
+async def test_a_key_too_long_is_told_in_bytes() -> None:
+    @idempotent_job(MemoryStore(), operation="send", key="k")
+    async def send(ctx: IdempotencyContext, *, k: str) -> int:
+        return 1
+
+    with pytest.raises(ValueError, match="not 256 bytes"):  # (it said "not 128 characters")
+        await send(k="\u00e9" * 128)
