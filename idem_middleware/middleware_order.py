@@ -153,6 +153,7 @@ def check_outer_middleware(mw: IdempotencyMiddleware, app: Any, inside: Inside =
             "%s runs before IdempotencyMiddleware and may answer it (as a timeout does)",
             ", ".join(others),
         )
+    _warn_unknown_inside(stack[ours + 1 :])
     found = {name for name in _OUTSIDE if any(_named(c, name) for c in stack[ours + 1 :])}
     if not any(_www_redirect(entry) for entry in entries[ours + 1 :]):
         found.discard("TrustedHostMiddleware")  # its 400 releases the key: harmless
@@ -167,6 +168,33 @@ def check_outer_middleware(mw: IdempotencyMiddleware, app: Any, inside: Inside =
                 harm,
                 name,
             )
+
+
+#: Middleware known to leave a request's path, root path and method as they are.
+_KEEPS_THE_ROUTE = (set(_OUTSIDE) | set(_LEAVES_CANCELLED)) - {"BaseHTTPMiddleware"}
+
+
+def _warn_unknown_inside(inside: Sequence[Any]) -> None:
+    """The middleware matches a request's route by its path and method as they reach it: one
+    inside it that changes either (a locale prefix stripped, X-HTTP-Method-Override) sends the
+    request to a route the middleware saw as unguarded, and it runs unguarded. Which one does
+    cannot be read, so every middleware not known to keep them is named."""
+    unknown = sorted(
+        {
+            getattr(cls, "__name__", repr(cls))
+            for cls in inside
+            if not any(_named(cls, name) for name in _KEEPS_THE_ROUTE)
+        }
+    )
+    if unknown:
+        logger.warning(
+            "idempotency: %s runs after IdempotencyMiddleware, which finds a request's route by "
+            "the path and method it receives: a middleware that changes either (strips a "
+            "prefix, honours X-HTTP-Method-Override) sends requests to routes the middleware "
+            "saw as unguarded, and they run unguarded. Add such a middleware outside "
+            "IdempotencyMiddleware",
+            ", ".join(unknown),
+        )
 
 
 def middleware_inside(

@@ -36,7 +36,7 @@ from .routing import (
     tighter,
     walk,
 )
-from .startup_dependencies import dependency_errors
+from .startup_dependencies import dependency_errors, websocket_errors
 from .tenant import ROUTE_RESOLVER_ATTRIBUTE, ROUTE_TENANTS_ATTRIBUTE, Tenants
 
 if TYPE_CHECKING:
@@ -140,6 +140,7 @@ def check_app(mw: IdempotencyMiddleware, app: Any, scope: Scope | None = None) -
     errors.extend(_status_route_errors(mw, routes, guarded, items))
     errors.extend(_unserved_methods(mw, items))
     errors += nested_policy_errors(mw.policy_for, routes) + stacked_policy_errors(mw, app, found)
+    errors.extend(websocket_errors(routes))
     if errors:
         raise ConfigurationError("; ".join(errors))
 

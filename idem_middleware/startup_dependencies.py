@@ -4,11 +4,14 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+from starlette.routing import BaseRoute, Host, Mount, WebSocketRoute
+
+from .endpoints import endpoint_policy
 from .policy import Mode, Policy, operation_name
-from .routing import Found
+from .routing import _MAX_WRAPPERS, Found, _included, mounted_app, routes_of
 
 
 def _dependency_calls(dependant: Any, overrides: Any = None) -> Iterator[Callable[..., Any]]:
@@ -116,3 +119,34 @@ def _event_stream_errors(item: Found, dependant: Any, methods: dict[str, Any]) -
         "being settled: write in a dependency of the route (it runs first), or return a stream"
         for method in methods
     ]
+
+
+def websocket_errors(routes: Sequence[BaseRoute]) -> list[str]:
+    """A websocket route is never guarded (no request to claim, replay or refuse): a policy on
+    its endpoint, or a claim dependency it declares, failed every connection with an error that
+    said no IdempotencyMiddleware handled it."""
+    return [
+        f"the websocket route {path} {what}, but websocket routes are never guarded (a "
+        "connection is no request to claim)"
+        for path, what in _websocket_claims(routes)
+    ]
+
+
+def _websocket_claims(
+    routes: Sequence[BaseRoute], prefix: str = "", depth: int = 0
+) -> Iterator[tuple[str, str]]:
+    for route in routes:
+        if isinstance(route, WebSocketRoute):
+            policy = endpoint_policy(route.endpoint)
+            dependant = getattr(route, "dependant", None)
+            calls = set(_dependency_calls(dependant)) if dependant is not None else set()
+            if policy is not None and policy.guard:
+                yield prefix + route.path, "has a policy (@idempotent)"
+            elif (wanted := _claim_dependency(calls)) is not None:
+                yield prefix + route.path, f"declares {wanted[0]}"
+        elif (contexts := _included(route)) is not None:
+            inner = [c.starlette_route for c in contexts if c.starlette_route is not None]
+            yield from _websocket_claims(inner, prefix, depth)
+        elif isinstance(route, Mount | Host) and depth < _MAX_WRAPPERS:
+            where = prefix + route.path if isinstance(route, Mount) else route.host + prefix
+            yield from _websocket_claims(routes_of(mounted_app(route)) or (), where, depth + 1)
