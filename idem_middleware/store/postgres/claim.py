@@ -158,3 +158,14 @@ async def expire_lapsed(
     except LOCK_NOT_AVAILABLE as exc:  # (the role's lock_timeout, behind a migration's lock)
         raise lock_waited(exc) from exc
     return Existing(record if row is None else to_record(key, row))
+
+
+async def lock_key(conn: Any, key: RecordKey, lock: int, timeout: float) -> None:  # noqa: ASYNC109
+    """The ordinary path's claim takes the key's advisory lock too (without waiting), so its
+    INSERT never queues behind another transaction's uncommitted claim of the key. (A lock this
+    transaction holds already is taken again: advisory locks nest.)"""
+    found = await conn.fetchval(
+        _Q["claim_key_count"], key.tenant, key.operation, key.key, lock, timeout=timeout
+    )
+    if found == 2:
+        raise ClaimBusy("another transaction is claiming this key")

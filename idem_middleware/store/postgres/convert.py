@@ -183,6 +183,18 @@ def lock_waited(exc: BaseException) -> StoreError:
     return StoreError(f"waited longer than the server's lock_timeout for a row lock: {exc}")
 
 
+def claim_connection_gone(idle: float) -> str:
+    """Why a claim's connection is gone, as far as the store can tell (`idle`: the server's
+    `idle_in_transaction_session_timeout`, 0 when none)."""
+    if not idle:
+        return CLAIM_CONNECTION_GONE
+    return (
+        f"{CLAIM_CONNECTION_GONE} (the server ends a session idle in a transaction for {idle:g}"
+        " s, idle_in_transaction_session_timeout: a handler waiting longer between two "
+        "statements loses its connection)"
+    )
+
+
 def refused(exc: BaseException, fenced: bool = False) -> SettlementRefused:
     """The completion (or its COMMIT) refused by the server for what the handler did in the
     transaction: nothing committed, and the reason in words an operator can act on. (The

@@ -13,17 +13,17 @@ from ...delayed import Delayed
 from ...errors import ClaimBusy, ClaimTimeout, RetryableConflict, StoreError
 from ..base import Claim, Claimed, Existing, RecordKey, State, StoredResponse, lapsed
 from . import compat, convert
-from .claim import claim, expire_lapsed
+from .claim import claim, expire_lapsed, lock_key
 from .claim_lock import ClaimLocks
 from .convert import (
     _Q,
     ACQUIRE_ERRORS,
-    CLAIM_CONNECTION_GONE,
     CONNECTION_ERRORS,
     STALE_STATEMENT,
     TRANSLATED,
     UNIQUE_VIOLATION,
     WAIT_EXCEEDED,
+    claim_connection_gone,
     completion_args,
     is_conflict,
     refused,
@@ -122,6 +122,12 @@ class PgTransaction:
             self._task = None
         return self
 
+    async def _reopen(self) -> None:
+        """Give back a connection found gone before anything was done on it; take another."""
+        self._tx, self._fused, self._deferred, self._claimed = None, False, None, None
+        await self.release()
+        await self.__aenter__()
+
     def __aexit__(self, *exc: object) -> Coroutine[Any, Any, None]:
         return self.release()  # (its coroutine: no second one wraps it)
 
@@ -170,15 +176,7 @@ class PgTransaction:
         return StoreError(self._gone())
 
     def _gone(self) -> str:
-        """Why a claim's connection is gone, as far as the store can tell."""
-        idle = self._lender.idle_in_transaction
-        if not idle:
-            return CLAIM_CONNECTION_GONE
-        return (
-            f"{CLAIM_CONNECTION_GONE} (the server ends a session idle in a transaction for {idle:g}"
-            " s, idle_in_transaction_session_timeout: a handler waiting longer between two "
-            "statements loses its connection)"
-        )
+        return claim_connection_gone(self._lender.idle_in_transaction)
 
     def fusing(self, conn: Any, *, begins: bool) -> None:
         if begins:
@@ -250,7 +248,19 @@ class PgTransaction:
         wait_seconds: float,
         token_hash: bytes | None = None,
     ) -> Claim:
-        result = await self._claim(key, fingerprint, retention_seconds, wait_seconds, token_hash)
+        claiming = (key, fingerprint, retention_seconds, wait_seconds, token_hash)
+        fresh = self._tx is None and self._claimed is None  # (the checkout's first statement)
+        try:
+            result = await self._claim(*claiming)
+        except StoreError as exc:
+            if not (fresh and isinstance(exc.__cause__, CONNECTION_ERRORS)):
+                raise
+            # The server ended the connection while it sat in the pool (`idle_session_timeout`,
+            # a restart) and its first statement found out: nothing of this transaction was
+            # done, so it is claimed once more, on another connection.
+            logger.info("the claim's connection was gone (%s); claiming on another", exc)
+            await self._reopen()
+            result = await self._claim(*claiming)
         if isinstance(result, Claimed):
             self._claimed = (key, result.generation)
         elif self._claimed is None:
@@ -295,7 +305,7 @@ class PgTransaction:
                 # (A second claim after a fast one: the first's deferred record is written now.)
                 (k, g), (f, s), self._deferred = self._claimed, self._deferred, None
                 await self.driver.execute(_Q["write_deferred"], *k, f, g, s, timeout=timeout)
-            await self._lock_key(key, lock, timeout)
+            await lock_key(self.driver, key, lock, timeout)
             # (The ordinary claim's arguments: built here, where the fast claim returned already.)
             args = (*key, fingerprint, "transactional", retention_seconds, None)
             try:
@@ -318,16 +328,6 @@ class PgTransaction:
             raise StoreError("the database did not answer the claim in time") from exc
         except TRANSLATED as exc:
             raise translate(exc) from exc
-
-    async def _lock_key(self, key: RecordKey, lock: int, timeout: float) -> None:  # noqa: ASYNC109
-        """The ordinary path's claim takes the key's advisory lock too (without waiting), so
-        its INSERT never queues behind another transaction's uncommitted claim of the key. (A
-        lock this transaction holds already is taken again: advisory locks nest.)"""
-        found = await self.driver.fetchval(
-            _Q["claim_key_count"], key.tenant, key.operation, key.key, lock, timeout=timeout
-        )
-        if found == 2:
-            raise ClaimBusy("another transaction is claiming this key")
 
     async def finish(self, state: State, response: StoredResponse) -> None:
         if self._claimed is None:
