@@ -122,12 +122,6 @@ class PgTransaction:
             self._task = None
         return self
 
-    async def _reopen(self) -> None:
-        """Give back a connection found gone before anything was done on it; take another."""
-        self._tx, self._fused, self._deferred, self._claimed = None, False, None, None
-        await self.release()
-        await self.__aenter__()
-
     def __aexit__(self, *exc: object) -> Coroutine[Any, Any, None]:
         return self.release()  # (its coroutine: no second one wraps it)
 
@@ -248,19 +242,23 @@ class PgTransaction:
         wait_seconds: float,
         token_hash: bytes | None = None,
     ) -> Claim:
-        claiming = (key, fingerprint, retention_seconds, wait_seconds, token_hash)
-        fresh = self._tx is None and self._claimed is None  # (the checkout's first statement)
         try:
-            result = await self._claim(*claiming)
+            result = await self._claim(
+                key, fingerprint, retention_seconds, wait_seconds, token_hash
+            )
         except StoreError as exc:
-            if not (fresh and isinstance(exc.__cause__, CONNECTION_ERRORS)):
+            if self._claimed is not None or not isinstance(exc.__cause__, CONNECTION_ERRORS):
                 raise
             # The server ended the connection while it sat in the pool (`idle_session_timeout`,
-            # a restart) and its first statement found out: nothing of this transaction was
+            # a restart) and the claim's statement found out: nothing of this transaction was
             # done, so it is claimed once more, on another connection.
             logger.info("the claim's connection was gone (%s); claiming on another", exc)
-            await self._reopen()
-            result = await self._claim(*claiming)
+            self._tx, self._fused, self._deferred = None, False, None
+            await self.release()  # (a connection found gone goes back: the pool drops it)
+            await self.__aenter__()
+            result = await self._claim(
+                key, fingerprint, retention_seconds, wait_seconds, token_hash
+            )
         if isinstance(result, Claimed):
             self._claimed = (key, result.generation)
         elif self._claimed is None:
