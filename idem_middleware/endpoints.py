@@ -74,6 +74,10 @@ def idempotent(policy: Policy | None = None, /, **options: Any) -> Callable[[F],
     it the route would run unguarded without a word. Call `endpoint.__wrapped__` to run the
     handler itself (in a unit test, say).
     """
+    if policy is not None and not isinstance(policy, Policy):
+        # (`@idempotent` without parentheses made the endpoint this decorator, no policy on it)
+        hint = ": write @idempotent() with its parentheses" if callable(policy) else ""
+        raise ConfigurationError(f"idempotent() takes a Policy, not {policy!r}{hint}")
     if policy is not None and options:
         raise ConfigurationError("pass a Policy or keyword options, not both")
     chosen = policy if policy is not None else Policy(**options)

@@ -137,5 +137,12 @@ def _mounted(routes: Sequence[Any], prefix: str, depth: int) -> Iterator[tuple[F
 def install(app: FastAPI, *, store: Store, **options: Any) -> None:
     """Add IdempotencyMiddleware to `app` (inside any authentication middleware added after it)
     and document it in OpenAPI. `options` are the middleware's keyword arguments."""
+    # The app builds its middleware at its first call, the lifespan's: an option refused then
+    # was taken by uvicorn for a lifespan the app does not support, and every request failed.
+    IdempotencyMiddleware(_never_called, store=store, **options)  # checked now, as made
     app.add_middleware(IdempotencyMiddleware, store=store, **options)
     document(app)
+
+
+async def _never_called(scope: Any, receive: Any, send: Any) -> None:  # pragma: no cover
+    raise AssertionError("install()'s check of its options serves nothing")

@@ -207,6 +207,13 @@ def idempotent_job(
         if checked.mode is Mode.LEASE and callable(bound_checkouts):
             bound_checkouts(acquire_timeout)
         signature = _signature(fn)
+        try:
+            _ = signature is None or signature.bind_partial(None)  # (the context's place)
+        except TypeError:
+            raise ConfigurationError(
+                f"{operation}: a job's first parameter receives its IdempotencyContext, and "
+                f"{fn!r} takes no positional argument"
+            ) from None
         if isinstance(key, str) and not _takes_keyword(signature, key):
             raise ConfigurationError(
                 f"{operation}: key={key!r} names no parameter of {fn!r} that a keyword can pass"

@@ -23,7 +23,7 @@ except ModuleNotFoundError as exc:  # installed without the extra
 
     raise missing_extra(__name__, "otel", exc) from exc
 
-from .errors import ClaimBusy, ClaimTimeout
+from .errors import ClaimBusy, ClaimTimeout, ConfigurationError
 from .observe import Event, shown
 
 #: What leaves a step as the protocol's own course, not as a failure: a key held by another
@@ -52,6 +52,8 @@ class OpenTelemetryObserver:
     def __init__(
         self, tracer_provider: trace.TracerProvider | None = None, *, record_tenant: bool = False
     ) -> None:
+        if not isinstance(record_tenant, bool):  # ("false", a str, recorded the tenant)
+            raise ConfigurationError(f"record_tenant must be True or False, not {record_tenant!r}")
         self.tracer = trace.get_tracer("idem_middleware", tracer_provider=tracer_provider)
         self.record_tenant = record_tenant
 

@@ -169,6 +169,17 @@ class Policy:
                     "back with the claim), so there is nothing to reconcile. Set "
                     "mode=Mode.LEASE for effects outside the database, or drop the reconciler"
                 )
+        if self.reconciler is not None and not _takes(self.reconciler, 1):
+            raise ConfigurationError(
+                f"reconciler must take one argument (a ReconcileContext): {self.reconciler!r} "
+                "cannot, and every call of it would fail"
+            )
+        if self.on_lease_expiry is LeaseExpiry.TAKEOVER and self.mode is not Mode.LEASE:
+            raise ConfigurationError(
+                "on_lease_expiry is a lease-mode option, and this policy is transactional: a "
+                "transactional claim holds no lease, so nothing is ever taken over. Set "
+                "mode=Mode.LEASE, or drop on_lease_expiry"
+            )
         if self.require_token and not self.key_required:
             raise ConfigurationError(
                 "require_token=True with key_required=False: a request without a key would run "
@@ -177,8 +188,13 @@ class Policy:
         object.__setattr__(self, "exclude_fields", fields(self.exclude_fields, "exclude_fields"))
         object.__setattr__(self, "include_fields", fields(self.include_fields, "include_fields"))
         object.__setattr__(self, "key_source", as_key_source(self.key_source))
-        if self.replay_hook is not None and not callable(self.replay_hook):
-            raise ConfigurationError(f"replay_hook must be callable, not {self.replay_hook!r}")
+        if self.replay_hook is not None and not (
+            callable(self.replay_hook) and _takes(self.replay_hook, 2)
+        ):
+            # (one that cannot take them failed at every replay, logged, the replay unchanged)
+            raise ConfigurationError(
+                f"replay_hook must be callable with (response, scope), not {self.replay_hook!r}"
+            )
         # Header names are compared in lower case, as ASGI delivers them.
         headers = names(self.include_headers, "include_headers")
         if bad := [h for h in headers if FIELD_NAME.fullmatch(h) is None]:
@@ -200,6 +216,18 @@ class Policy:
 
     def replace(self, **changes: Any) -> Policy:
         return dataclasses.replace(self, **changes)
+
+
+def _takes(function: Any, count: int) -> bool:
+    """Whether `function` can be called with `count` positional arguments (yes when its
+    signature cannot be read: some builtins)."""
+    try:
+        inspect.signature(function).bind(*([None] * count))
+    except TypeError:
+        return False
+    except ValueError:
+        return True
+    return True
 
 
 def plainly_sync(function: Any) -> bool:

@@ -18,7 +18,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from .answers import request_digest
-from .errors import ProblemKind, RequestRejected, StoreError
+from .errors import ConfigurationError, ProblemKind, RequestRejected, StoreError
 from .keys import check_key, parse_idempotency_key
 from .library_routes import ROUTE_OPERATIONS_ATTRIBUTE, GuardedOperations, LibraryRoute
 from .policy import OPERATION_SHAPE, LeaseExpiry, Mode, Policy
@@ -172,6 +172,8 @@ def status_route(
     sees the route (`DEFAULT_PROBLEM_BASE` until one has); one of the route's own must be that
     middleware's, or its check fails.
     """
+    if not callable(getattr(store, "peek", None)):  # (anything else failed every request: 500)
+        raise ConfigurationError(f"status_route() takes the middleware's store, not {store!r}")
     tenants = Tenants(tenant_resolver, challenge=www_authenticate)
     # Filled by the middleware's startup check: whether an operation's route has a reconciler.
     operations = GuardedOperations("status", problem_base)

@@ -27,12 +27,12 @@ from starlette.routing import Route
 
 from .context import token_hash
 from .endpoints import not_idempotent
-from .errors import ProblemKind, StatementRefused, StoreError
+from .errors import ConfigurationError, ProblemKind, StatementRefused, StoreError
 from .errors import TokenConflict as TokenConflict
 from .library_routes import ROUTE_OPERATIONS_ATTRIBUTE, GuardedOperations, LibraryRoute
 from .policy import MAX_SECONDS, OPERATION_SHAPE  # (the operations the status resource accepts)
 from .responses import problem_response
-from .store.base import TokenRow
+from .store.base import RecordKey, State, TokenRow
 from .tenant import (
     ROUTE_RESOLVER_ATTRIBUTE,
     ROUTE_TENANTS_ATTRIBUTE,
@@ -187,14 +187,16 @@ class TokenIssuer:
         asked = (tenant, hashed, operation, request_digest, intent_id, ttl_seconds)
         row = await self._issued(*asked)
         for pause in _BUSY_PAUSES:
-            if row is not None:
+            if row is not None and not (
+                row.spent and await self._still_runs(tenant, operation, token)
+            ):
                 break
             # A request consuming the intent's expired token still runs: what it leaves (the
             # token used, or free to renew) is known when it ends. Waited for here, with no
             # connection held (never in the database).
             await asyncio.sleep(pause)
             row = await self._issued(*asked)
-        if row is None:
+        if row is None or (row.spent and await self._still_runs(tenant, operation, token)):
             raise StoreError("a request consuming this intent's token still runs; ask again")
         if row.token_hash != hashed:
             older = (
@@ -210,6 +212,17 @@ class TokenIssuer:
         if row.request_digest != request_digest:
             raise TokenConflict("this intent was issued a token for a different request")
         return IssuedToken(token, row.expires_at)
+
+    async def _still_runs(self, tenant: str, operation: str, token: str) -> bool:
+        """Whether a lease-mode request that consumed the token still runs: its claim committed
+        the token used at once, and its end may free it again (a 4xx), so `spent` is no answer
+        until then. (A transactional one holds the token's row: the store says `busy`.)"""
+        record = await self.store.get(RecordKey(tenant, operation, token))
+        return (
+            record is not None
+            and record.state is State.PENDING
+            and not (record.lease_expired or record.retry_allowed)
+        )
 
     async def _issued(
         self,
@@ -275,6 +288,8 @@ def token_route(
     middleware's startup check has seen it, an operation that takes no token (not guarded, or
     without `require_token`) is 400 body-invalid, and nothing is issued.
     """
+    if not isinstance(issuer, TokenIssuer):  # (a store in its place failed every request)
+        raise ConfigurationError(f"token_route() takes a TokenIssuer, not {issuer!r}")
     tenants = Tenants(tenant_resolver, challenge=www_authenticate)
     # Filled by the middleware's startup check: which operations take tokens.
     operations = GuardedOperations("tokens", problem_base)

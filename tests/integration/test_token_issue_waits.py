@@ -85,3 +85,27 @@ async def test_an_asker_gives_up_with_a_store_error_on_either_store(
             await asyncio.wait_for(issuer.issue("tenant-a", OP, intent_id="pay-2"), BOUND)
     finally:
         await tx.__aexit__(None, None, None)
+
+
+async def test_a_lease_mode_request_still_running_on_an_expired_token_is_waited_for(
+    store: MemoryStore | PostgresStore,
+) -> None:
+    """Found by probing: a lease-mode claim commits its token used at once, so nothing is
+    locked and the store never says `busy`: asking for the intent while that request still ran
+    past the token's expiry answered at once `409 token-conflict`, "not issued again", and the
+    request's 422 then gave the token back. Now the asker waits for its end, as for a
+    transactional one."""
+    issuer = TokenIssuer(store, secret=b"s" * 32)
+    token = (await issuer.issue("tenant-a", OP, intent_id="pay-3", ttl_seconds=0.3)).token
+    key = RecordKey("tenant-a", OP, token)
+    claim = await store.claim_lease(
+        key, FINGERPRINT, retention_seconds=60, lease_seconds=30, token_hash=token_hash(token)
+    )
+    assert isinstance(claim, Claimed), claim
+    await asyncio.sleep(0.4)  # the handler runs past the token's expiry
+    asking = asyncio.create_task(issuer.issue("tenant-a", OP, intent_id="pay-3"))
+    await asyncio.sleep(0.3)
+    assert not asking.done()  # (it answered 409 here)
+    assert await store.release(key, claim.generation)  # the request's 422: the token given back
+    answer = await asyncio.wait_for(asking, BOUND)
+    assert answer.token == token

@@ -36,6 +36,7 @@ from .fenced import Fencing
 from .fused import FastPath
 from .lifecycle import Turns, refuse_other_loop
 from .listener import Listener
+from .options import check_store_options
 from .poolers import PREPARED_MISMATCH, refusal, require_sessions_to_listen, require_transactions
 from .poolers import check as check_pooler
 from .privileges import require_privileges, require_writable
@@ -73,6 +74,8 @@ class PostgresStore(OffPathStatements):
     ) -> None:
         if (pool is None) == (dsn is None):
             raise ValueError("pass exactly one of pool= or dsn=")
+        made = (min_size, max_size, statement_cache_size, application_name, connect_kwargs)
+        check_store_options(pool, listen, fast_path, made)
         if (
             isinstance(acquire_timeout, bool)
             or not isinstance(acquire_timeout, int | float)
@@ -111,9 +114,13 @@ class PostgresStore(OffPathStatements):
             "min_size": min_size,
             "max_size": max_size,
             "statement_cache_size": statement_cache_size,
-            "server_settings": {"application_name": application_name},
             **(connect_kwargs or {}),
         }
+        # (The caller's server settings beside the store's name, not in its place: renewals'
+        # and the listener's connections are named after it.)
+        given = (connect_kwargs or {}).get("server_settings") or {}
+        settings = {"application_name": application_name, **given}
+        self._pool_kwargs["server_settings"] = settings
         self._clean = weakref.WeakSet()  # see PoolStatements
         self._pool_kwargs.setdefault("reset", self._reset_connection)
         # The fast path's COMMIT carries the reset of a connection a handler had (and a clean

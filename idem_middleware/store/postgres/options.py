@@ -1,0 +1,38 @@
+"""PostgresStore's options, checked when the store is made: one that would be ignored, or read
+as what it does not say, is refused."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ...errors import ConfigurationError
+
+#: The pool options of a store that makes its own pool (in `PostgresStore`'s order), and their
+#: defaults.
+_POOL_OPTIONS = (
+    ("min_size", 2),
+    ("max_size", 10),
+    ("statement_cache_size", 100),
+    ("application_name", "idem_middleware"),
+    ("connect_kwargs", None),
+)
+
+
+def check_store_options(pool: Any, listen: Any, fast_path: Any, made: tuple[Any, ...]) -> None:
+    """`listen` and `fast_path` are booleans ("false", a str, was true); a store given a pool
+    takes none of the options that make one (its size, statement cache, name and connect
+    arguments were dropped without a word: `statement_cache_size=0`, which PgBouncer needs,
+    among them): the pool is made with them instead."""
+    for name, value in (("listen", listen), ("fast_path", fast_path)):
+        if not isinstance(value, bool):
+            raise ConfigurationError(f"PostgresStore({name}=...) is True or False, not {value!r}")
+    if pool is None:
+        return
+    given = [
+        name for (name, default), value in zip(_POOL_OPTIONS, made, strict=True) if value != default
+    ]
+    if given:
+        raise ConfigurationError(
+            f"PostgresStore(pool=...) takes no {', '.join(given)}: they make a pool, and this "
+            "one is made already (pass them to asyncpg.create_pool, or give the store a dsn)"
+        )

@@ -1,0 +1,113 @@
+"""Options that were taken and then ignored, or failed only at the first request (or at every
+one): each is refused when it is given, naming itself. Found by probing."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from fastapi import FastAPI
+
+from idem_middleware import LeaseExpiry, MemoryStore, Mode, Policy, idempotent
+from idem_middleware.errors import ConfigurationError
+from idem_middleware.fastapi import install
+from idem_middleware.jobs import idempotent_job
+from idem_middleware.otel import OpenTelemetryObserver
+from idem_middleware.status import status_route
+from idem_middleware.store.postgres import PostgresStore
+from idem_middleware.tokens import token_route
+
+
+@pytest.mark.parametrize(
+    ("options", "error"),
+    [
+        ({"default_polcy": Policy()}, TypeError),  # (a typo)
+        ({"methods": "POST"}, ConfigurationError),
+        ({"problem_base": 5}, ConfigurationError),
+    ],
+)
+def test_install_checks_its_options_when_called(options: dict[str, Any], error: type) -> None:
+    """The app makes its middleware at its first call, the lifespan's: raised there, uvicorn
+    took it for a lifespan the app does not support, started, and answered every request 500."""
+    app = FastAPI()
+    with pytest.raises(error):
+        install(app, store=MemoryStore(), **options)
+    assert app.user_middleware == []  # nothing added
+
+
+def test_idempotent_without_its_parentheses_is_refused() -> None:
+    """The endpoint became the decorator's inner function, with no policy: every request then
+    failed (FastAPI: 422, a query parameter `endpoint` missing)."""
+
+    async def pay() -> None: ...
+
+    with pytest.raises(ConfigurationError, match=r"write @idempotent\(\)"):
+        idempotent(pay)  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError, match="takes a Policy"):
+        idempotent(Mode.LEASE)  # type: ignore[arg-type]
+
+
+def test_the_library_routes_take_what_they_use() -> None:
+    with pytest.raises(ConfigurationError, match="the middleware's store"):
+        status_route(None)  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError, match="a TokenIssuer"):
+        token_route(MemoryStore())  # type: ignore[arg-type]
+
+
+async def _reconcile(ctx: Any) -> Any: ...
+
+
+async def _no_argument() -> Any: ...
+
+
+@pytest.mark.parametrize(
+    ("options", "named"),
+    [
+        ({"replay_hook": lambda response: response}, "replay_hook"),
+        ({"mode": Mode.LEASE, "reconciler": _no_argument}, "reconciler must take one"),
+        ({"on_lease_expiry": LeaseExpiry.TAKEOVER}, "on_lease_expiry is a lease-mode option"),
+    ],
+    ids=["hook", "reconciler", "takeover"],
+)
+def test_a_policy_option_that_could_never_work_is_refused(
+    options: dict[str, Any], named: str
+) -> None:
+    """A hook of one argument failed at every replay (logged, the replay unchanged), a
+    reconciler of none at every call; a takeover on a transactional policy did nothing."""
+    with pytest.raises(ConfigurationError, match=named):
+        Policy(**options)
+
+
+def test_the_policy_options_that_work_are_taken() -> None:
+    Policy(replay_hook=lambda response, scope: response)
+    Policy(mode=Mode.LEASE, reconciler=_reconcile, on_lease_expiry=LeaseExpiry.TAKEOVER)
+
+
+def test_a_job_without_a_place_for_its_context_is_refused() -> None:
+    """Every call failed "too many positional arguments", naming neither the context nor why."""
+
+    async def send(*, invoice_id: str) -> None: ...
+
+    with pytest.raises(ConfigurationError, match="IdempotencyContext"):
+        idempotent_job(MemoryStore(), operation="send", key="invoice_id")(send)
+
+
+def test_record_tenant_is_a_boolean() -> None:
+    """`record_tenant="false"` put the tenant on every span."""
+    with pytest.raises(ConfigurationError, match="record_tenant"):
+        OpenTelemetryObserver(record_tenant="false")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"listen": "false"}, {"fast_path": "no"}, {"pool": object(), "statement_cache_size": 0}],
+    ids=["listen", "fast_path", "pool options"],
+)
+def test_store_options_read_as_what_they_do_not_say_are_refused(options: dict[str, Any]) -> None:
+    """Strings were true; beside a pool, its options (statement_cache_size=0, which PgBouncer
+    needs, among them) were dropped without a word."""
+    options = {"dsn": "postgresql://db.example/app", **options}
+    if "pool" in options:
+        del options["dsn"]
+    with pytest.raises(ConfigurationError, match=next(iter(k for k in options if k != "dsn"))):
+        PostgresStore(**options)
