@@ -121,14 +121,16 @@ class Exchange(ClientWatch):
             else:
                 key = await take_key(self, policy.key_source)
             key_error: RequestRejected | HTTPException | None = None
-        # (An error kept past its `except` loses its traceback, which holds this frame: a cycle.
-        # A refusal is answered, never raised on: one raised at every request grew its traceback.)
+        # (An error kept past its `except` loses its traceback, context and cause, which hold
+        # this frame, on 3.12+ the last two too: a cycle. A refusal is answered, never raised on.)
         except RequestRejected as exc:
             key, key_error = None, exc.with_traceback(None)
+            key_error.__context__ = None
         except HTTPException as exc:  # a key function's 4xx, answered after the tenant's 401
             if not is_refusal(exc):
                 raise
             key, key_error = None, exc.with_traceback(None)
+            key_error.__context__ = key_error.__cause__ = None
         if key is None and key_error is None and not policy.key_required:
             handled = HANDLED.set(Handled.YES)  # unguarded, but handled (endpoints.idempotent)
             try:
@@ -198,7 +200,10 @@ class Exchange(ClientWatch):
                 except RETRIED as exc:
                     failed = exc.with_traceback(None)  # (see key_error's)
                 if failed is not None:  # (outside the except: a retried handler sees no error)
-                    answer = await run_transactional(self, record_key, fingerprint, failed)
+                    try:
+                        answer = await run_transactional(self, record_key, fingerprint, failed)
+                    finally:
+                        failed = None  # (its cause's frames reach this frame on 3.12+: a cycle)
             else:
                 answer = await LeaseRun(self, record_key, fingerprint).run()
             if isinstance(answer, ResponseCapture):  # the handler's response, held till recorded

@@ -91,7 +91,7 @@ def _marked_coroutine_function(func: _F) -> _F:
     TestClient) tell an ASGI 3 app from an ASGI 2 one by `iscoroutinefunction(app.__call__)`."""
     if sys.version_info >= (3, 12):
         return inspect.markcoroutinefunction(func)
-    func._is_coroutine = asyncio.coroutines._is_coroutine  # type: ignore[attr-defined]
+    func._is_coroutine = asyncio.coroutines._is_coroutine  # type: ignore[attr-defined,unused-ignore]
     return func
 
 

@@ -45,6 +45,7 @@ async def run_transactional(
     # The claim is timed once per request (its first), the wait for a busy key as a whole.
     waiting: contextlib.ExitStack | None = None
     exc: Exception | None = failed
+    del failed  # (kept only as `exc`, dropped once retried: see exchange.py's)
     # One of the process's waiting places (`max_waiters`): given back when the attempt after the
     # wait claims (`Attempt.run` closes `waiting`), taken again if the request waits again.
     place: Held | None = None

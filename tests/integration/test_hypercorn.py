@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import sys
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -236,7 +237,18 @@ def _http1(key: str, path: str, body: bytes) -> bytes:
     return "\r\n".join(head).encode() + b"\r\n\r\n" + body
 
 
-@pytest.mark.parametrize("past_the_timeout", [False, True], ids=["within", "past"])
+_WAITS_FOR_EVERY_CONNECTION = pytest.mark.skipif(
+    sys.version_info >= (3, 12),
+    reason="hypercorn on Python 3.12+ waits for every open connection past its graceful "
+    "timeout (Server.wait_closed: pgjones/hypercorn#308), so there is no past",
+)
+
+
+@pytest.mark.parametrize(
+    "past_the_timeout",
+    [False, pytest.param(True, marks=_WAITS_FOR_EVERY_CONNECTION)],
+    ids=["within", "past"],
+)
 async def test_graceful_shutdown_over_http1(db_dsn: str, pool: Any, past_the_timeout: bool) -> None:
     """Within `graceful_timeout`, the lease requests in flight and their waiting duplicates get
     their answers; past it, hypercorn cancels them, then runs the lifespan's shutdown (the
