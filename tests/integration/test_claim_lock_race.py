@@ -33,10 +33,10 @@ async def test_a_record_gone_after_the_lock_check_is_claimed_under_the_lock(
     other = PostgresStore(pool=pool, listen=False)
     lease = await other.claim_lease(KEY, FP, retention_seconds=60, lease_seconds=30)
     assert isinstance(lease, Claimed)
-    checked = sessions.PgTransaction._lock_key
+    checked = sessions.lock_key
 
-    async def then_released(self: Any, key: RecordKey, lock: int, seconds: float) -> None:
-        await checked(self, key, lock, seconds)  # sees the live lease record: takes no lock
+    async def then_released(conn: Any, key: RecordKey, lock: int, seconds: float) -> None:
+        await checked(conn, key, lock, seconds)  # sees the live lease record: takes no lock
         assert await other.release(key, lease.generation)  # the execution's 4xx, just then
 
     token_hash = None
@@ -51,12 +51,12 @@ async def test_a_record_gone_after_the_lock_check_is_claimed_under_the_lock(
             token_hash,
             KEY.operation,
         )
-    monkeypatch.setattr(sessions.PgTransaction, "_lock_key", then_released)
+    monkeypatch.setattr(sessions, "lock_key", then_released)
     async with ordinary.transaction(acquire_timeout=5) as tx:
         claimed = await tx.claim(
             KEY, FP, retention_seconds=60, wait_seconds=1, token_hash=token_hash
         )
-        monkeypatch.setattr(sessions.PgTransaction, "_lock_key", checked)
+        monkeypatch.setattr(sessions, "lock_key", checked)
         assert isinstance(claimed, Claimed), claimed
         # While its handler runs, the key is busy for every other claim, at once.
         async with other.transaction(acquire_timeout=5) as second:
