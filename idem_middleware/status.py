@@ -172,7 +172,8 @@ def status_route(
     sees the route (`DEFAULT_PROBLEM_BASE` until one has); one of the route's own must be that
     middleware's, or its check fails.
     """
-    if not callable(getattr(store, "transaction", None)):  # (None, say: every request a 500)
+    if not any(callable(getattr(store, name, None)) for name in ("peek", "transaction")):
+        # (None, say: every request a bare 500)
         raise ConfigurationError(f"status_route() takes the middleware's store, not {store!r}")
     tenants = Tenants(tenant_resolver, challenge=www_authenticate)
     # Filled by the middleware's startup check: whether an operation's route has a reconciler.
