@@ -111,3 +111,10 @@ def test_store_options_read_as_what_they_do_not_say_are_refused(options: dict[st
         del options["dsn"]
     with pytest.raises(ConfigurationError, match=next(iter(k for k in options if k != "dsn"))):
         PostgresStore(**options)
+
+
+@pytest.mark.parametrize("dsn", ["", "  ", 5])
+def test_a_dsn_that_names_no_server_is_refused(dsn: Any) -> None:
+    """`""` connected to libpq's defaults without a word; a number failed only at `open()`."""
+    with pytest.raises(ConfigurationError, match="dsn"):
+        PostgresStore(dsn=dsn)

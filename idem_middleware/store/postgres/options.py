@@ -18,6 +18,13 @@ _POOL_OPTIONS = (
 )
 
 
+def check_dsn(dsn: Any) -> None:
+    """A DSN is a non-blank string: `""` connected to libpq's defaults (localhost, the PG*
+    variables) without a word, and a number failed only at `open()`, naming no option."""
+    if dsn is not None and not (isinstance(dsn, str) and dsn.strip()):
+        raise ConfigurationError(f"PostgresStore(dsn=...) is a PostgreSQL URL, not {dsn!r}")
+
+
 def check_store_options(pool: Any, listen: Any, fast_path: Any, made: tuple[Any, ...]) -> None:
     """`listen` and `fast_path` are booleans ("false", a str, was true); a store given a pool
     takes none of the options that make one (its size, statement cache, name and connect

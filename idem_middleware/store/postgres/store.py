@@ -36,7 +36,7 @@ from .fenced import Fencing
 from .fused import FastPath
 from .lifecycle import Turns, refuse_other_loop
 from .listener import Listener
-from .options import check_store_options
+from .options import check_dsn, check_store_options
 from .poolers import PREPARED_MISMATCH, refusal, require_sessions_to_listen, require_transactions
 from .poolers import check as check_pooler
 from .privileges import require_privileges, require_writable
@@ -74,6 +74,7 @@ class PostgresStore(OffPathStatements):
     ) -> None:
         if (pool is None) == (dsn is None):
             raise ValueError("pass exactly one of pool= or dsn=")
+        check_dsn(dsn)
         made = (min_size, max_size, statement_cache_size, application_name, connect_kwargs)
         check_store_options(pool, listen, fast_path, made)
         if (
