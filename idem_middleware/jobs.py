@@ -208,7 +208,8 @@ def idempotent_job(
             bound_checkouts(acquire_timeout)
         signature = _signature(fn)
         try:
-            _ = signature is None or signature.bind_partial(None)  # (the context's place)
+            if signature is not None:
+                signature.bind_partial(None)  # (the context's place)
         except TypeError:
             raise ConfigurationError(
                 f"{operation}: a job's first parameter receives its IdempotencyContext, and "

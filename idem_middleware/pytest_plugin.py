@@ -31,7 +31,7 @@ import uuid
 import warnings
 from collections.abc import Callable, Coroutine, Generator, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pytest
 
@@ -46,9 +46,6 @@ from .pytest_databases import (
     run_sync,
     tuned_throwaway,
 )
-
-if TYPE_CHECKING:
-    pass
 
 __all__ = [
     "DSN_ENV",

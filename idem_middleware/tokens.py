@@ -186,17 +186,17 @@ class TokenIssuer:
         hashed = token_hash(token)
         asked = (tenant, hashed, operation, request_digest, intent_id, ttl_seconds)
         row = await self._issued(*asked)
+        busy = row is None or (row.spent and await self._still_runs(tenant, operation, token))
         for pause in _BUSY_PAUSES:
-            if row is not None and not (
-                row.spent and await self._still_runs(tenant, operation, token)
-            ):
+            if not busy:
                 break
             # A request consuming the intent's expired token still runs: what it leaves (the
             # token used, or free to renew) is known when it ends. Waited for here, with no
             # connection held (never in the database).
             await asyncio.sleep(pause)
             row = await self._issued(*asked)
-        if row is None or (row.spent and await self._still_runs(tenant, operation, token)):
+            busy = row is None or (row.spent and await self._still_runs(tenant, operation, token))
+        if busy or row is None:  # (never None when not busy: said for the type checker)
             raise StoreError("a request consuming this intent's token still runs; ask again")
         if row.token_hash != hashed:
             older = (
