@@ -24,6 +24,19 @@ async def lock_waiters(pool: Any) -> int:
     return waiting
 
 
+async def blocked_by(pool: Any, holder: Any) -> int:
+    """How many backends wait for a lock the session on connection `holder` holds (a statement
+    waiting for the record's row, its pooled connection held meanwhile). Counted by who blocks
+    them, not as every lock wait in the database: a wait nobody holds a row for (a relation's
+    extension while concurrent inserts grow a table, a NOTIFY's turn at commit) is momentary,
+    and counting it made a storm's "nobody waits" check fail one CI run in dozens."""
+    waiting: int = await pool.fetchval(
+        "SELECT count(*) FROM pg_stat_activity WHERE $1 = ANY(pg_blocking_pids(pid))",
+        holder.get_server_pid(),
+    )
+    return waiting
+
+
 async def wait_for_lock_waiters(pool: Any, n: int = 1) -> None:
     """Until `n` backends of this database are blocked on a lock (a duplicate on a claim)."""
 

@@ -24,9 +24,9 @@ from tests.apps import (
     LEASE_POLICY,
     PAYOUTS,
     assert_problem,
+    blocked_by,
     build_lease_app,
     client,
-    lock_waiters,
     wait_for_waiters,
 )
 from tests.integration.test_lease_mode import bank, post  # noqa: F401 (a fixture)
@@ -69,7 +69,7 @@ async def test_a_storm_of_duplicates_behind_a_transaction_holding_the_record_tak
                     storm = [asyncio.ensure_future(post(c)) for _ in range(DUPLICATES)]
                     try:
                         await wait_for_waiters(app, DUPLICATES)
-                        assert await lock_waiters(pool) == 0
+                        assert await blocked_by(pool, session.connection) == 0
                         await session.finish(State.SUCCEEDED, StoredResponse(201, [], b"{}"))
                     finally:
                         answered = await asyncio.wait_for(asyncio.gather(*storm), 4 * BOUND)
@@ -212,7 +212,7 @@ async def test_a_storm_of_duplicates_behind_an_executor_past_its_lease_takes_no_
                     storm = [asyncio.ensure_future(post(c)) for _ in range(DUPLICATES)]
                     try:
                         await wait_for_waiters(app, DUPLICATES)
-                        assert await lock_waiters(pool) == 0
+                        assert await blocked_by(pool, session.connection) == 0
                         response = StoredResponse(201, [], b"{}")
                         assert await session.settle(Settlement(State.SUCCEEDED, response))
                     finally:
