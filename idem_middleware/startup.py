@@ -4,6 +4,7 @@ that can never apply, and refuses a configuration that cannot work."""
 
 from __future__ import annotations
 
+import asyncio
 import difflib
 import logging
 from collections.abc import Callable, Iterator, Sequence
@@ -44,6 +45,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("idem_middleware")
 
+ON_ANOTHER_LOOP = (
+    "the app runs on an event loop other than asyncio's (trio, say: `hypercorn -k trio`); the "
+    "middleware runs on asyncio only: serve the app with an asyncio worker"
+)
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "TRACE"})
 #: The middleware's `methods` when none are given.
 DEFAULT_METHODS = frozenset({"POST", "PATCH"})
@@ -53,6 +58,10 @@ def check_app(mw: IdempotencyMiddleware, app: Any, scope: Scope | None = None) -
     """Log every guarded operation (info, one line each) and every policy that can never apply
     (warning); raise ConfigurationError for a route that cannot work as configured. `scope`:
     the first request's, when the check runs then (a mounted sub-app gets no lifespan)."""
+    try:
+        asyncio.get_running_loop()  # (its waits, timers and tasks, and asyncpg's, are asyncio's)
+    except RuntimeError:
+        raise ConfigurationError(ON_ANOTHER_LOOP) from None
     routes = routes_of(app) if app is not None else None
     if routes is None:
         routes = routes_of(mw.app)

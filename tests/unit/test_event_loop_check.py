@@ -1,0 +1,83 @@
+"""The middleware runs on asyncio only (its waits, timers and tasks, and asyncpg's). Found by
+probing: under another event loop (`hypercorn -k trio`) an app with a `MemoryStore` started
+without complaint, then every guarded request failed inside the middleware with a server's
+plain 500 ("no running event loop"). The startup now fails, saying why.
+
+Driven here by hand, with no event loop running (as under trio, asyncio finds none)."""
+
+from __future__ import annotations
+
+from collections.abc import Coroutine
+from typing import Any
+
+import pytest
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+from starlette.types import Message
+
+from idem_middleware import IdempotencyMiddleware, MemoryStore
+from idem_middleware.errors import ConfigurationError
+from idem_middleware.startup import ON_ANOTHER_LOOP
+from tests.apps import post_scope
+
+
+def _app(runs: list[int]) -> Starlette:
+    async def credit(request: Request) -> JSONResponse:
+        runs.append(1)
+        return JSONResponse({}, 201)
+
+    return Starlette(
+        routes=[Route("/credits", credit, methods=["POST"])],
+        middleware=[Middleware(IdempotencyMiddleware, store=MemoryStore())],
+    )
+
+
+def _drive(coro: Coroutine[Any, Any, None]) -> None:
+    """Run a coroutine that never suspends, without an event loop."""
+    try:
+        coro.send(None)
+    except StopIteration:
+        return
+    coro.close()
+    raise AssertionError("the coroutine suspended")
+
+
+def test_a_lifespan_on_another_event_loop_fails_its_startup() -> None:
+    sent: list[Message] = []
+
+    async def receive() -> Message:
+        return {"type": "lifespan.startup"}
+
+    async def send(message: Message) -> None:
+        sent.append(message)
+
+    with pytest.raises(ConfigurationError, match="asyncio only"):
+        _drive(_app([])({"type": "lifespan", "asgi": {"version": "3.0"}}, receive, send))
+    assert sent == [
+        {"type": "lifespan.startup.failed", "message": f"idem_middleware: {ON_ANOTHER_LOOP}"}
+    ]
+
+
+def test_a_request_on_another_event_loop_is_refused_and_runs_nothing() -> None:
+    """No lifespan (the check runs at the first request): a 500 problem for the client, the
+    check's error raised for the server to log, and never the handler."""
+    runs: list[int] = []
+    sent: list[Message] = []
+
+    async def receive() -> Message:
+        return {"type": "http.request", "body": b"{}", "more_body": False}
+
+    async def send(message: Message) -> None:
+        sent.append(message)
+
+    scope = post_scope(
+        "/credits", [(b"idempotency-key", b"k1"), (b"content-type", b"application/json")]
+    )
+    with pytest.raises(ConfigurationError, match="asyncio only"):
+        _drive(_app(runs)(scope, receive, send))
+    assert runs == []
+    assert sent[0]["status"] == 500
+    assert b"failed its startup check" in b"".join(m.get("body", b"") for m in sent[1:])
