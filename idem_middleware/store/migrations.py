@@ -61,7 +61,8 @@ async def applied_versions(conn: asyncpg.Connection[Any]) -> set[int]:
     try:
         rows = await conn.fetch("SELECT version FROM idem_schema_migrations")
     except asyncpg.InsufficientPrivilegeError as exc:
-        schema = await conn.fetchval("SELECT quote_ident(current_schema())")
+        # (Not asked again: under `migrate` the error aborted the transaction it ran in.)
+        schema = found["schema"]
         raise ConfigurationError(
             f"the role {found['role']} cannot read {schema}.idem_schema_migrations ({exc}): "
             f"grant it the idempotency schema's privileges, as the schema's owner (GRANT "

@@ -155,10 +155,19 @@ async def test_a_role_without_usage_on_the_schema_is_not_told_to_migrate(
 async def test_a_role_that_cannot_read_the_migrations_table_gets_a_configuration_error(
     role_database: Setup,
 ) -> None:
-    """asyncpg's InsufficientPrivilegeError came out of `open()` as it was."""
+    """asyncpg's InsufficientPrivilegeError came out of `open()` as it was; and `migrate` (its
+    statements in one transaction, which the refusal aborted) said "current transaction is
+    aborted" instead (found by probing)."""
     dsn, role = await role_database("GRANT USAGE ON SCHEMA public TO {role}")
     with pytest.raises(ConfigurationError) as refused:
         await PostgresStore(dsn=dsn, listen=False).open()
+    assert f"GRANT SELECT ON public.idem_schema_migrations TO {role}" in str(refused.value)
+    conn = await asyncpg.connect(dsn)
+    try:
+        with pytest.raises(ConfigurationError) as refused:
+            await migrate(conn)
+    finally:
+        await conn.close()
     assert f"GRANT SELECT ON public.idem_schema_migrations TO {role}" in str(refused.value)
 
 
