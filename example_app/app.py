@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -23,7 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.authentication import AuthenticationMiddleware
 from starlette.requests import HTTPConnection
 
-from idem_middleware import ConfigurationError, Mode, Policy, PostgresStore, idempotent, outbox
+from idem_middleware import Mode, Policy, PostgresStore, idempotent, outbox
 from idem_middleware.downstream import downstream_hooks
 from idem_middleware.fastapi import Idempotency, IdempotencyConnection, install
 from idem_middleware.reconcile import (
@@ -48,9 +47,9 @@ from .models import (
     problems,
     validation_problem,
 )
+from .settings import read_settings
 from .supervisor import stop_when_orphaned
 
-DEFAULT_TOKENS = "demo-a:tenant-a,demo-b:tenant-b"
 #: A read of the accounts that meets these is a 503: the database is unreachable or restarting.
 DATABASE_DOWN = (
     OSError,
@@ -64,50 +63,6 @@ DATABASE_DOWN = (
 PUBLISHER_STOP_SECONDS = 5.0
 
 logger = logging.getLogger("example_app")
-
-
-def env_seconds(name: str, default: float, *, zero: bool = False, option: str = "") -> float:
-    """A number of seconds from the environment (more than 0, or 0 too), or a ValueError
-    naming the variable (before: float()'s message, which did not say which). `option`: the
-    Policy option it becomes, whose bounds it must meet too (before, a lease under 0.1 s
-    stopped startup with the library's message, which named no variable)."""
-    text = os.environ.get(name, "").strip()
-    try:
-        value = float(text) if text else default
-    except ValueError:
-        value = math.nan
-    if not (value >= 0 if zero else value > 0) or value == math.inf:
-        raise ValueError(
-            f"{name}={text!r} is not a number of seconds (more than 0{', or 0' if zero else ''})"
-        )
-    if option:
-        try:
-            Policy().replace(**{option: value})
-        except ConfigurationError as exc:
-            raise ValueError(f"{name}={text!r} is refused: {exc}") from None
-    return value
-
-
-def env_publish() -> bool:
-    """EXAMPLE_PUBLISH: 1 (each worker runs a publisher) or 0 (none); before, anything but 0
-    (`false`, `no`) ran one."""
-    text = os.environ.get("EXAMPLE_PUBLISH", "").strip() or "1"
-    if text not in ("0", "1"):
-        raise ValueError(f"EXAMPLE_PUBLISH={text!r} is 1 (each worker publishes) or 0 (none)")
-    return text == "1"
-
-
-def parse_tokens(spec: str) -> dict[str, str]:
-    """`EXAMPLE_TOKENS="token:tenant,..."` -> {token: tenant}."""
-    tokens = {}
-    for item in spec.split(","):
-        token, sep, tenant = item.strip().partition(":")
-        if not sep or not token or not tenant:
-            raise ValueError(f"EXAMPLE_TOKENS entry {item!r} is not token:tenant")
-        if token in tokens:  # one token, two tenants: the last would win without a word
-            raise ValueError(f"EXAMPLE_TOKENS names the token of {item!r} twice")
-        tokens[token] = tenant
-    return tokens
 
 
 #: What every 401 answers in WWW-Authenticate: the one scheme this app accepts.
@@ -158,12 +113,10 @@ async def publish(publisher: outbox.Publisher, stop: asyncio.Event) -> None:
 def create_app(database_url: str | None = None) -> FastAPI:
     """Build the app. `database_url` defaults to $DATABASE_URL (set by `python -m example_app`)."""
     dsn = database_url or os.environ["DATABASE_URL"]
-    wait_seconds = env_seconds("EXAMPLE_WAIT_SECONDS", 5, zero=True, option="wait_seconds")
-    lease_seconds = env_seconds("EXAMPLE_LEASE_SECONDS", 30, option="lease_seconds")
-    bank_timeout = env_seconds("EXAMPLE_BANK_TIMEOUT", 2)
-    bank_url = os.environ.get("BANK_URL")
-    run_publisher = env_publish()
-    tokens = parse_tokens(os.environ.get("EXAMPLE_TOKENS", DEFAULT_TOKENS))  # "": refused
+    settings = read_settings()  # (ValueError, naming the variable, for one it cannot use)
+    wait_seconds, lease_seconds = settings.wait_seconds, settings.lease_seconds
+    bank_timeout, bank_url = settings.bank_timeout, settings.bank_url
+    run_publisher, tokens = settings.publish, settings.tokens
     store = PostgresStore(dsn=dsn, min_size=2, max_size=20)
 
     # The bank: a separate service (BANK_URL), or the simulator mounted in-process under /bank.

@@ -341,6 +341,10 @@ def test_a_port_out_of_range_is_a_usage_error(module: str, port: str, tmp_path: 
         # Before, float()'s message, naming no variable.
         ("EXAMPLE_LEASE_SECONDS", "abc", "EXAMPLE_LEASE_SECONDS='abc' is not a number of seconds"),
         ("EXAMPLE_BANK_TIMEOUT", "0", "EXAMPLE_BANK_TIMEOUT='0' is not a number of seconds"),
+        # Before, taken as it was: every payout's bank call failed after its funds were held,
+        # and the payout was `unknown` until an operator stepped in (found by probing).
+        ("BANK_URL", "bank:8001", "BANK_URL='bank:8001' is not the bank's http(s) URL"),
+        ("BANK_URL", "ftp://bank", "BANK_URL='ftp://bank' is not the bank's http(s) URL"),
     ],
 )
 def test_a_setting_the_app_cannot_use_is_refused_naming_it(
@@ -353,6 +357,41 @@ def test_a_setting_the_app_cannot_use_is_refused_naming_it(
         create_app("postgresql://unused/x")
 
 
+@pytest.mark.parametrize(
+    ("name", "value", "message"),
+    [
+        ("EXAMPLE_PUBLISH", "false", "EXAMPLE_PUBLISH='false' is 1 (each worker publishes) or 0"),
+        ("BANK_URL", "garbage", "BANK_URL='garbage' is not the bank's http(s) URL"),
+    ],
+)
+def test_a_setting_the_app_cannot_use_stops_the_command_with_its_message_alone(
+    name: str, value: str, message: str, tmp_path: Path
+) -> None:
+    """Before, uvicorn's 14 frames of traceback from the app's factory, the message on the last
+    line (found by probing); and a database started for nothing."""
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-m", "example_app", "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        stdin=subprocess.DEVNULL,
+        cwd=tmp_path,
+        env={
+            **os.environ,
+            "PYTHONPATH": str(Path(__file__).resolve().parents[2]),
+            name: value,
+        },
+    )
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.startswith(f"python -m example_app: {message}")
+    assert "Traceback" not in result.stderr
+    assert result.stdout == ""  # (no database was started: its address is printed first)
+    assert not (tmp_path / ".example_app").exists()
+
+
 def test_the_documented_settings_are_accepted(monkeypatch: pytest.MonkeyPatch) -> None:
     from example_app.app import create_app
 
@@ -361,6 +400,7 @@ def test_the_documented_settings_are_accepted(monkeypatch: pytest.MonkeyPatch) -
         ("EXAMPLE_WAIT_SECONDS", "0"),
         ("EXAMPLE_LEASE_SECONDS", "2.5"),
         ("EXAMPLE_BANK_TIMEOUT", "2"),
+        ("BANK_URL", "http://bank:8001"),
     ]:
         monkeypatch.setenv(name, value)
     create_app("postgresql://unused/x")

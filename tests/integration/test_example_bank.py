@@ -7,8 +7,9 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from example_app.app import create_app, parse_tokens
+from example_app.app import create_app
 from example_app.bank import create_bank_app
+from example_app.settings import parse_tokens
 
 
 def client(app: object, host: str) -> httpx.AsyncClient:
