@@ -24,7 +24,7 @@ from .cli_connect import UsageError as UsageError
 from .cli_connect import with_store as with_store
 from .cli_list import printable
 from .cli_list import row as record_row
-from .cli_values import operation_hint, sendable_url
+from .cli_values import operation_hint, webhook_httpx
 from .errors import IdempotencyError, ResolveError
 from .inbox import purge_inbox
 from .keys import parse_idempotency_key
@@ -337,11 +337,7 @@ async def outbox(store: PostgresStore, args: argparse.Namespace) -> int:
         return await _aged(store, args, purge, "outbox purge", "sent events", "is sent")
     if not args.url:
         raise UsageError("outbox publish needs --url (or IDEM_OUTBOX_URL)")
-    import httpx  # the extra `httpx`; only the webhook publisher needs it
-
-    # Else every send fails, each a counted attempt, until every due event is parked.
-    if not sendable_url(args.url, httpx):
-        raise UsageError(f"--url {args.url!r} is not an http:// or https:// URL with a host")
+    httpx = webhook_httpx(args.url)  # (the extra `httpx`, and a URL it can send to)
 
     async with httpx.AsyncClient(timeout=args.send_timeout) as client:
         publisher = outbox_ops.Publisher(

@@ -11,6 +11,7 @@ from types import FrameType
 from typing import Any
 from urllib.parse import urlsplit
 
+from .cli_connect import UsageError
 from .errors import ConfigurationError
 from .policy import seconds_option
 from .store.migrations import MAX_LOCK_TIMEOUT_SECONDS
@@ -207,6 +208,23 @@ def terminate_as_interrupt() -> None:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, interrupt)
+
+
+def webhook_httpx(url: str) -> Any:
+    """httpx, for `outbox publish`, which only the webhook publisher needs (the extra `httpx`),
+    once `url` is one it can send to: a UsageError otherwise. Without the check every send
+    failed, each a counted attempt, until every due event was parked; without the extra the
+    command said only "No module named 'httpx'"."""
+    try:
+        import httpx
+    except ImportError as exc:
+        raise UsageError(
+            f"outbox publish sends with httpx, which is not installed ({exc}): "
+            "pip install 'idem-middleware[httpx]'"
+        ) from None
+    if not sendable_url(url, httpx):
+        raise UsageError(f"--url {url!r} is not an http:// or https:// URL with a host")
+    return httpx
 
 
 def sendable_url(text: str, httpx: Any) -> bool:

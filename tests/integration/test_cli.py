@@ -307,6 +307,32 @@ async def test_a_webhook_url_that_cannot_be_sent_to_is_refused_before_any_send(
     assert await pool.fetchval("SELECT attempts FROM idem_outbox WHERE event_id = 'due-1'") == 0
 
 
+async def test_publish_without_httpx_names_the_extra(
+    db_dsn: str, pool: Any, tmp_path: Path
+) -> None:
+    """Installed without the `httpx` extra (the README's install has none), `outbox publish`
+    said only "No module named 'httpx'", exit 1, as if it had failed while sending (found by
+    probing). It is a usage error naming the extra, and nothing is reserved."""
+    from idem_middleware.outbox import add
+
+    (tmp_path / "httpx.py").write_text("raise ModuleNotFoundError(\"No module named 'httpx'\")\n")
+    async with pool.acquire() as conn, conn.transaction():
+        await add(conn, "t", {"n": 1}, event_id="due-1")
+    result = cli(
+        "outbox",
+        "publish",
+        "--url",
+        "http://127.0.0.1:9/hook",
+        "--once",
+        dsn=db_dsn,
+        env={"PYTHONPATH": str(tmp_path)},
+    )
+    assert result.returncode == 2, (result.stdout, result.stderr)
+    assert "pip install 'idem-middleware[httpx]'" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert await pool.fetchval("SELECT attempts FROM idem_outbox WHERE event_id = 'due-1'") == 0
+
+
 @pytest.mark.parametrize(
     ("env", "json_out"),
     [
