@@ -17,6 +17,7 @@ from idem_middleware.errors import StoreError
 from idem_middleware.store.base import Claimed, RecordKey, State, StoredResponse
 from idem_middleware.tokens import TokenConflict, TokenIssuer
 from tests.apps import BOUND
+from tests.apps.concurrency import blocked_by
 
 OP = "POST /t"
 FINGERPRINT = b"\x00" * 32
@@ -42,6 +43,18 @@ async def _claimed_past_expiry(store: Any, issuer: TokenIssuer, intent: str) -> 
     return tx, session, token
 
 
+async def _fewest_checked_out(pool: Any, seconds: float = 0.3) -> int:
+    """The fewest pooled connections checked out at any sample over `seconds`. An asker that
+    held a connection while it waited would be seen at every sample; one merely polling (each
+    look takes a connection for a statement, then gives it back) is not seen at all of them.
+    (A single snapshot caught all six askers' looks at once, in a loaded CI run: 6 > 2.)"""
+    fewest = pool.get_size()
+    for _ in range(int(seconds / 0.01)):
+        fewest = min(fewest, pool.get_size() - pool.get_idle_size())
+        await asyncio.sleep(0.01)
+    return fewest
+
+
 @pytest.mark.parametrize("commits", [True, False], ids=["used", "rolled-back"])
 async def test_askers_wait_for_the_consuming_request_holding_no_connection(
     pool: Any, commits: bool
@@ -55,11 +68,10 @@ async def test_askers_wait_for_the_consuming_request_holding_no_connection(
     try:
         await asyncio.sleep(0.3)
         assert not any(task.done() for task in asking)
-        waiting = await pool.fetchval(
-            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
-        )
-        assert waiting == 0  # none waits inside the database
-        assert pool.get_size() - pool.get_idle_size() <= 2  # the claim's, and this check's
+        # None waits inside the database for the claim's row (counted by who blocks them: a
+        # momentary lock wait elsewhere on the server is not an asker's).
+        assert await blocked_by(pool, session.connection) == 0
+        assert await _fewest_checked_out(pool) <= 1  # the claim's
         if commits:
             await session.finish(State.SUCCEEDED, DONE)
     finally:

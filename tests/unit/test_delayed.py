@@ -28,7 +28,10 @@ class Item:
 
 async def test_items_still_registered_fall_due_in_order_and_discarded_ones_never() -> None:
     fired: list[str] = []
-    delayed = Delayed(0.02)
+    # The delay is far longer than the pause before `c` is added: with 0.02 s against 0.01 s,
+    # a loaded machine woke the test from its pause after `a` had fallen due (`['a'] == []`,
+    # 4 runs in 20 with the CPUs busy).
+    delayed = Delayed(0.5)
     a, b, c = Item("a", fired), Item("b", fired), Item("c", fired)
     delayed.add(a)
     delayed.add(b)
@@ -36,7 +39,7 @@ async def test_items_still_registered_fall_due_in_order_and_discarded_ones_never
     await asyncio.sleep(0.01)
     delayed.add(c)  # added later: falls due later, by the same timer chain
     assert fired == []
-    for _ in range(100):
+    for _ in range(500):  # (bounded: 5 s)
         if len(fired) == 2:
             break
         await asyncio.sleep(0.01)

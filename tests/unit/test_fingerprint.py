@@ -40,7 +40,7 @@ EXCESS_DIGITS = b"333333333.33333329"
 RFC_1E30, EXACT_1E30 = b"1e+30", b"1.0e+30"
 
 # No example database: the tests must not write files into the working tree.
-PROPERTY = settings(database=None, max_examples=300)
+PROPERTY = settings(database=None, max_examples=300, deadline=None)  # (a loaded CI machine)
 
 
 def fingerprint(**overrides: Any) -> bytes:
