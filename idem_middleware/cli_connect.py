@@ -68,17 +68,18 @@ def connecting(dsn: str) -> Iterator[None]:
     for every command alike, naming the DSN tried (its password left out): `migrate` connects
     without the store and said only "[Errno 2] No such file or directory".
     """
+    named = getattr(dsn, "env", "--dsn")  # (the variable it came from: cli_values._FromEnv)
     try:
         yield
     except StoreError as exc:
         cause = exc.__cause__
         if isinstance(cause, ValueError | OverflowError):
-            raise UsageError(f"--dsn: {cause}") from None
+            raise UsageError(f"{named}: {cause}") from None
         if isinstance(cause, ACQUIRE_ERRORS):
             raise _cannot_connect(dsn, cause) from None
         raise
     except (ValueError, OverflowError) as exc:
-        raise UsageError(f"--dsn: {exc}") from None
+        raise UsageError(f"{named}: {exc}") from None
     except (*ACQUIRE_ERRORS, *_REFUSED) as exc:
         raise _cannot_connect(dsn, exc) from None
 

@@ -50,7 +50,9 @@ def common_options(top: bool) -> argparse.ArgumentParser:
     not overwritten by the command's own default.
     """
     common = argparse.ArgumentParser(add_help=False)
-    dsn_default = os.environ.get(DSN_ENV) or os.environ.get("DATABASE_URL")
+    # (Text that names its variable: a DSN asyncpg cannot parse is told as that variable's.)
+    found = next(((name, os.environ[name]) for name in DSN_ENVS if os.environ.get(name)), None)
+    dsn_default = None if found is None else _FromEnv(found[1], found[0])
     common.add_argument(
         "--dsn",
         default=dsn_default if top else argparse.SUPPRESS,

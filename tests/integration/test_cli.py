@@ -391,6 +391,18 @@ def test_a_dsn_that_cannot_be_parsed_is_a_bad_argument(command: str, dsn: str) -
     assert "pw-secret" not in result.stderr + result.stdout
 
 
+@pytest.mark.parametrize("variable", ["IDEM_DATABASE_URL", "DATABASE_URL"])
+@pytest.mark.parametrize("command", ["migrate", "stats"])
+def test_a_dsn_from_the_environment_that_cannot_be_parsed_is_named_as_its_variable(
+    command: str, variable: str
+) -> None:
+    """It was told as `--dsn`, which the operator never passed (found by probing)."""
+    result = cli(command, env={variable: "postgresql://u:pw-secret@h:notaport/db"})
+    assert result.returncode == 2, result.stderr
+    assert f"error: {variable}: " in result.stderr
+    assert "pw-secret" not in result.stderr + result.stdout
+
+
 def test_unreachable_database_exits_1() -> None:
     result = cli("stats", dsn="postgresql://nobody@127.0.0.1:9/none")
     assert result.returncode == 1
