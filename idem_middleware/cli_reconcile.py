@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
+import inspect
 import os
 import sys
 from typing import Any
@@ -48,6 +49,10 @@ def load_app(spec: str) -> Any:
             raise UsageError(
                 f"--app {spec}: calling {attribute!r} failed: {type(exc).__name__}: {exc}"
             ) from None
+    if inspect.isawaitable(target):  # (an async factory's: never awaited, Python warned)
+        if inspect.iscoroutine(target):
+            target.close()
+        raise UsageError(f"--app {spec}: {attribute!r} is an async factory; name the app")
     if routes_of(target) is None:  # nothing to find reconcilers in: not a silent no-op
         raise UsageError(
             f"--app {spec}: {type(target).__name__} is not a Starlette or FastAPI app "

@@ -45,3 +45,8 @@ app = Starlette(
     ],
     middleware=[Middleware(IdempotencyMiddleware, store=MemoryStore())],
 )
+
+
+async def async_factory() -> Starlette:
+    """An async factory, which `reconcile --app` cannot await (refused, naming it)."""
+    return app

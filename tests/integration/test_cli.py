@@ -521,6 +521,9 @@ def test_reconcile_imports_the_app_from_the_current_directory(
         ("os:path", "module is not a Starlette or FastAPI app"),
         # ... or a factory that cannot be called: before, a traceback.
         ("json:loads", "calling 'loads' failed: TypeError"),
+        # ... or an async factory: before, "not a Starlette or FastAPI app", and Python's
+        # warning of a coroutine never awaited (found by probing).
+        ("tests.cli_app:async_factory", "'async_factory' is an async factory; name the app"),
     ],
 )
 def test_a_bad_app_reference_is_a_message_and_status_2(app: str, message: str, db_dsn: str) -> None:
@@ -528,6 +531,7 @@ def test_a_bad_app_reference_is_a_message_and_status_2(app: str, message: str, d
     assert result.returncode == 2, result.stderr
     assert message in result.stderr
     assert "Traceback" not in result.stderr
+    assert "never awaited" not in result.stderr
 
 
 async def test_resolve_takes_the_key_quoted_as_the_client_sent_it(db_dsn: str, pool: Any) -> None:
