@@ -153,6 +153,8 @@ class KeyFromFunction(KeySource):
     def __post_init__(self) -> None:
         if not callable(self.function):
             raise ConfigurationError(f"key_source: {self.function!r} is not callable")
+        if not isinstance(self.where, str):  # (shown to clients: text, never a repr)
+            raise ConfigurationError(f"key_source: where={self.where!r} is not a str")
         try:
             inspect.signature(self.function).bind(None, b"")
         except TypeError:

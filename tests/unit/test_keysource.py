@@ -105,6 +105,9 @@ async def test_a_function_source_is_held_to_the_key_rules_and_its_type() -> None
         await KeyFromFunction(lambda s, b: 7).find(scope(), b"", max_json_values=LIMIT)
     with pytest.raises(ConfigurationError, match=r"must take \(scope, body\)"):
         KeyFromFunction(lambda: "k")  # type: ignore[arg-type]
+    # `where` names the source in the problem a client gets: `3` was taken, and shown as "3".
+    with pytest.raises(ConfigurationError, match="where=3 is not a str"):
+        KeyFromFunction(lambda s, b: "k", where=3)  # type: ignore[arg-type]
 
 
 def test_as_key_source() -> None:
