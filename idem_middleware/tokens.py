@@ -27,8 +27,15 @@ from starlette.routing import Route
 
 from .context import token_hash
 from .endpoints import not_idempotent
-from .errors import ConfigurationError, ProblemKind, StatementRefused, StoreError
+from .errors import (
+    ConfigurationError,
+    ProblemKind,
+    RequestRejected,
+    StatementRefused,
+    StoreError,
+)
 from .errors import TokenConflict as TokenConflict
+from .fingerprint_json import parse_json_strict
 from .library_routes import ROUTE_OPERATIONS_ATTRIBUTE, GuardedOperations, LibraryRoute
 from .policy import MAX_SECONDS, OPERATION_SHAPE  # (the operations the status resource accepts)
 from .responses import problem_response
@@ -310,14 +317,18 @@ def token_route(
                 base=operations.base,
             )
         try:
-            body = orjson.loads(raw)
+            # I-JSON, as the guarded routes read bodies: with a member given twice, a gateway
+            # reading the first `operation` and this route the last would see two requests.
+            body: Any = parse_json_strict(raw)
             operation = body["operation"]
             intent_id = body.get("intent_id")
             if not isinstance(operation, str) or not (
                 intent_id is None or isinstance(intent_id, str)
             ):
                 raise TypeError
-        except (orjson.JSONDecodeError, KeyError, TypeError, AttributeError):
+        except RequestRejected as exc:
+            return bad_body(exc.detail)
+        except (KeyError, TypeError, AttributeError):
             return bad_body()
         if (
             not _clean_text(operation)

@@ -292,6 +292,18 @@ async def test_the_token_route_refuses_strings_the_database_cannot_keep(
     assert await pool.fetchval("SELECT count(*) FROM idem_tokens") == 2
 
 
+async def test_the_token_route_refuses_a_member_given_twice() -> None:
+    """Read as the guarded routes read bodies (I-JSON). Found by probing: orjson took the last
+    `operation` of two, so a gateway reading the first authorised another operation than the
+    one the token was issued for."""
+    raw = f'{{"operation": "POST /other", "operation": "{OP}", "intent_id": "i"}}'.encode()
+    async with route_client(route_only_app(TokenIssuer(MemoryStore(), secret=SECRET))) as c:
+        refused = await c.post(TOKENS, content=raw)
+        issued = await c.post(TOKENS, json={"operation": OP, "intent_id": "i"})
+    assert "duplicate JSON object key" in assert_problem(refused, 400, "body-invalid")["detail"]
+    assert issued.status_code == 201
+
+
 class Refuses:
     async def issue_token(self, *args: Any, **kwargs: Any) -> Any:
         raise StatementRefused("CharacterNotInRepertoireError: invalid byte sequence")
