@@ -85,6 +85,9 @@ def idempotent(policy: Policy | None = None, /, **options: Any) -> Callable[[F],
     def decorate(endpoint: F) -> F:
         if chosen.guard and inspect.isfunction(endpoint):
             wrapper = _require_middleware(endpoint)
+            # (`functools.wraps` copied the endpoint's attributes: wrapped before, for another
+            # app, its link to that app's wrapper, which this app's routes do not hold.)
+            wrapper.__dict__.pop(WRAPPER_ATTRIBUTE, None)
             setattr(endpoint, WRAPPER_ATTRIBUTE, wrapper)
             endpoint = wrapper
         setattr(endpoint, POLICY_ATTRIBUTE, chosen)

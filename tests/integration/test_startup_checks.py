@@ -587,3 +587,26 @@ async def test_an_endpoint_registered_both_with_and_without_idempotent_is_no_mis
     install(app, store=MemoryStore(), tenant_resolver=lambda scope: "t")
     sent = await startup(app)
     assert sent[0]["type"] == "lifespan.startup.complete", sent
+
+
+async def test_one_handler_wrapped_for_each_app_a_factory_builds_is_no_mistake() -> None:
+    """An app factory wrapping a module's handler with `idempotent()(handler)`, called twice
+    in one process (a fixture per test, say). Found by probing: the second app failed its
+    startup check ("@idempotent above its route decorator") and answered every request 500:
+    its wrapper had copied the handler's link to the first app's wrapper."""
+
+    async def pay() -> dict[str, bool]:
+        return {"ok": True}
+
+    def create_app() -> FastAPI:
+        app = FastAPI()
+        app.post("/pay", status_code=201)(idempotent()(pay))
+        install(app, store=MemoryStore(), tenant_resolver=lambda scope: "t")
+        return app
+
+    first, second = create_app(), create_app()
+    for app in (first, second):
+        sent = await startup(app)
+        assert sent[0]["type"] == "lifespan.startup.complete", sent
+        async with client(app) as c:
+            assert (await c.post("/pay", headers=key("k"))).status_code == 201
