@@ -42,10 +42,11 @@ class GuardedOperations:
     a middleware's startup check has seen the route. Filled once per middleware (several
     middlewares that each see the route add up), never changed by a request."""
 
-    __slots__ = ("_learned", "given_base", "kind", "policies")
+    __slots__ = ("_learned", "given_base", "kind", "policies", "store")
 
-    def __init__(self, kind: str, problem_base: str | None = None) -> None:
+    def __init__(self, kind: str, problem_base: str | None = None, store: Any = None) -> None:
         self.kind = kind  # "status" or "tokens", for the startup log
+        self.store = store  # what the route reads (or issues tokens through)
         self.policies: Mapping[str, Policy] | None = None
         self.given_base = problem_base  # the route's own `problem_base` (None: the middleware's)
         self._learned: str | None = None  # the base of the first middleware that saw it
@@ -150,11 +151,12 @@ def _read(policy: Policy) -> tuple[Any, ...]:
 
 
 def tell_library_routes(
-    items: Iterable[Any], guarded: Iterable[tuple[str, Policy]], problem_base: str
+    items: Iterable[Any], guarded: Iterable[tuple[str, Policy]], problem_base: str, store: Any
 ) -> list[str]:
     """Give every library route among `items` (the routes startup walked) the operations the
     middleware guards and its `problem_base`; warn for a token route when no operation takes
-    tokens. The errors: the routes that cannot answer under the middleware's base."""
+    tokens, and for a route on another store than the middleware's (`store`). The errors: the
+    routes that cannot answer under the middleware's base."""
     guarded = list(guarded)
     errors: list[str] = []
     for item in items:
@@ -164,6 +166,20 @@ def tell_library_routes(
         operations.learn(guarded)
         if (error := operations.learn_base(problem_base, item.template)) is not None:
             errors.append(error)
+        if operations.store is not None and not _same_records(operations.store, store):
+            # (Found by probing: every status a 404, every token issued refused at its use.)
+            logger.warning(
+                "idempotency: the %s route %s was given another store than the "
+                "IdempotencyMiddleware in front of it (%s, the middleware's %s): unless both "
+                "reach one database, it %s. Give it the middleware's store",
+                operations.kind,
+                item.template,
+                type(operations.store).__name__,
+                type(store).__name__,
+                "finds none of the records the middleware keeps"
+                if operations.kind == "status"
+                else "issues tokens the middleware never finds",
+            )
         if operations.kind == "tokens" and not operations.token_operations():
             logger.warning(
                 "idempotency: the token route %s issues tokens for the operations with "
@@ -172,6 +188,20 @@ def tell_library_routes(
                 item.template,
             )
     return errors
+
+
+def _same_records(one: Any, other: Any) -> bool:
+    """Whether two stores keep the same records, as far as can be told: one store, or two
+    PostgresStores on one pool or one DSN (an app's and a route's, made apart, are common)."""
+    if one is other:
+        return True
+    if type(one) is not type(other):
+        return False
+    pools = getattr(one, "_pool", None), getattr(other, "_pool", None)
+    dsns = getattr(one, "_dsn", None), getattr(other, "_dsn", None)
+    return (pools[0] is not None and pools[0] is pools[1]) or (
+        dsns[0] is not None and dsns[0] == dsns[1]
+    )
 
 
 class LibraryRoute(Route):

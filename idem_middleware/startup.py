@@ -135,7 +135,7 @@ def check_app(mw: IdempotencyMiddleware, app: Any, scope: Scope | None = None) -
         logger.warning("idempotency: the middleware guards none of the app's %s", none)
     errors.extend(shared_names(guarded))
     # The status and token routes' view of the app, and its problem_base.
-    errors.extend(tell_library_routes(items, guarded, mw.problem_base))
+    errors.extend(tell_library_routes(items, guarded, mw.problem_base, mw.store))
     for name in sorted(set(mw.policies) - reachable):  # a typo, or a prefix left out
         close = difflib.get_close_matches(name, sorted(reachable), n=1, cutoff=0.5)
         hint = f" (did you mean {close[0]!r}?)" if close else ""

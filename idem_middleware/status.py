@@ -177,7 +177,7 @@ def status_route(
         raise ConfigurationError(f"status_route() takes the middleware's store, not {store!r}")
     tenants = Tenants(tenant_resolver, challenge=www_authenticate)
     # Filled by the middleware's startup check: whether an operation's route has a reconciler.
-    operations = GuardedOperations("status", problem_base)
+    operations = GuardedOperations("status", problem_base, store)
 
     def _problem(kind: ProblemKind, detail: str) -> Response:
         return problem_response(kind, detail, base=operations.base)

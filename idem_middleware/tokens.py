@@ -299,7 +299,7 @@ def token_route(
         raise ConfigurationError(f"token_route() takes a TokenIssuer, not {issuer!r}")
     tenants = Tenants(tenant_resolver, challenge=www_authenticate)
     # Filled by the middleware's startup check: which operations take tokens.
-    operations = GuardedOperations("tokens", problem_base)
+    operations = GuardedOperations("tokens", problem_base, issuer.store)
 
     def bad_body(detail: str = _BAD_BODY) -> Response:
         return problem_response(ProblemKind.BODY_INVALID, detail, base=operations.base)
