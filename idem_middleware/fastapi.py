@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Annotated, Any, TypeAlias
 
@@ -18,7 +19,7 @@ from starlette.routing import Host, Mount
 
 from .context import IdempotencyContext, get_context
 from .endpoints import idempotent, not_idempotent
-from .errors import NO_CLAIM_HINT
+from .errors import NO_CLAIM_HINT, ConfigurationError
 from .middleware import IdempotencyMiddleware
 from .openapi import document_openapi
 from .ops import find_middleware
@@ -32,6 +33,8 @@ else:  # asyncpg's Connection is generic only in its type stubs
 
 _CONVERTER = re.compile(r":\w+}")
 _MAX_DEPTH = 32
+#: The apps install() added the middleware to.
+_INSTALLED: weakref.WeakSet[Any] = weakref.WeakSet()
 
 __all__ = [
     "Idempotency",
@@ -140,7 +143,10 @@ def install(app: FastAPI, *, store: Store, **options: Any) -> None:
     # The app builds its middleware at its first call, the lifespan's: an option refused then
     # was taken by uvicorn for a lifespan the app does not support, and every request failed.
     IdempotencyMiddleware(_never_called, store=store, **options)  # checked now, as made
+    if app in _INSTALLED:  # (the outer one would guard every request, the other never used)
+        raise ConfigurationError("install() was called on this app already: call it once")
     app.add_middleware(IdempotencyMiddleware, store=store, **options)
+    _INSTALLED.add(app)
     document(app)
 
 

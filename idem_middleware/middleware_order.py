@@ -171,7 +171,9 @@ def check_outer_middleware(mw: IdempotencyMiddleware, app: Any, inside: Inside =
 
 
 #: Middleware known to leave a request's path, root path and method as they are.
-_KEEPS_THE_ROUTE = (set(_OUTSIDE) | set(_LEAVES_CANCELLED)) - {"BaseHTTPMiddleware"}
+_KEEPS_THE_ROUTE = (set(_OUTSIDE) | set(_LEAVES_CANCELLED) | {"IdempotencyMiddleware"}) - {
+    "BaseHTTPMiddleware"
+}
 
 
 def _warn_unknown_inside(inside: Sequence[Any]) -> None:

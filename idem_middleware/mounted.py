@@ -138,6 +138,48 @@ def stacked_policy_errors(
     ]
 
 
+#: A middleware's settings besides its policies, as each shows on it.
+_SETTINGS: tuple[tuple[str, Callable[[Any], object]], ...] = (
+    ("store", lambda mw: id(mw.store)),
+    ("tenant_resolver", lambda mw: mw.tenant_resolver),
+    ("problem_base", lambda mw: mw.problem_base),
+    ("www_authenticate", lambda mw: mw.tenants.challenge),
+    ("status_path", lambda mw: mw.status_path),
+    ("acquire_timeout", lambda mw: mw.acquire_timeout),
+    ("max_waiters", lambda mw: mw.waiters.limit),
+    ("max_tenant_connections", lambda mw: mw.tenant_slots.limit),
+)
+
+
+def ignored_settings(mw: IdempotencyMiddleware, app: Any, routes: Sequence[BaseRoute]) -> list[str]:
+    """Warnings for each IdempotencyMiddleware inside `mw` (in the app's own stack, or mounted
+    below it) made with other settings than `mw`'s: for every request `mw` guards, the inner one
+    passes it on, so its store, tenant resolver, problem base and the rest never apply there.
+    (`install()` called twice with two stores was taken without a word, found by probing.)
+    Warned, not refused: two stores on one database, two resolvers alike, are common and work."""
+    from .middleware import IdempotencyMiddleware  # (the middleware's startup imports this)
+
+    ours = [
+        m
+        for m in _layers(getattr(app, "middleware_stack", None))
+        if isinstance(m, IdempotencyMiddleware)
+    ]
+    below = ours[ours.index(mw) + 1 :] if mw in ours else []  # (one outside `mw` warns of it)
+    inner = [(m, "in the app's middleware list") for m in below]
+    inner += [(m, "in an app mounted below") for m, _ in mounted_middlewares(routes)]
+    warnings = []
+    for other, where in inner:
+        differ = [name for name, read in _SETTINGS if read(other) != read(mw)]
+        if differ:
+            warnings.append(
+                f"another IdempotencyMiddleware {where} has another {', '.join(differ)} than "
+                "the one outside it: the outer one handles every request it guards, and the "
+                f"inner one's {', '.join(differ)} never apply to them. Make them alike, or "
+                "install the middleware once"
+            )
+    return warnings
+
+
 def _described(policy: Policy | None) -> str:
     from .startup import describe  # (startup imports this module)
 

@@ -23,7 +23,7 @@ from .library_routes import (
     tell_library_routes,
 )
 from .middleware_order import check_authentication, check_outer_middleware, middleware_inside
-from .mounted import methods_of, nested_policy_errors, stacked_policy_errors
+from .mounted import ignored_settings, methods_of, nested_policy_errors, stacked_policy_errors
 from .observe import shown
 from .policy import Mode, Policy, operation_name, pinned_method_error
 from .routing import (
@@ -149,6 +149,8 @@ def check_app(mw: IdempotencyMiddleware, app: Any, scope: Scope | None = None) -
     errors.extend(_status_route_errors(mw, routes, guarded, items))
     errors.extend(_unserved_methods(mw, items))
     errors += nested_policy_errors(mw.policy_for, routes) + stacked_policy_errors(mw, app, found)
+    for warning in ignored_settings(mw, app, routes):
+        logger.warning("idempotency: %s", warning)
     errors.extend(websocket_errors(routes))
     if errors:
         raise ConfigurationError("; ".join(errors))
