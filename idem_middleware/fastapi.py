@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import re
+import itertools
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Annotated, Any, TypeAlias
@@ -22,8 +22,8 @@ from .endpoints import idempotent, not_idempotent
 from .errors import NO_CLAIM_HINT, ConfigurationError
 from .middleware import IdempotencyMiddleware
 from .openapi import document_openapi
-from .ops import find_middleware
-from .routing import mounted_app, routes_of
+from .ops import GuardedOperation, find_middleware, guarded_operations
+from .routing import Found, mounted_app, routes_of, walk
 from .store.base import Store
 
 if TYPE_CHECKING:
@@ -31,7 +31,6 @@ if TYPE_CHECKING:
 else:  # asyncpg's Connection is generic only in its type stubs
     Connection = asyncpg.Connection
 
-_CONVERTER = re.compile(r":\w+}")
 _MAX_DEPTH = 32
 #: The apps install() added the middleware to.
 _INSTALLED: weakref.WeakSet[Any] = weakref.WeakSet()
@@ -86,11 +85,15 @@ def document(app: FastAPI) -> None:
     Idempotent; `install` calls it. An app that replaces `app.openapi` afterwards calls it
     again."""
     _document_mounted(app)
-    if getattr(app.openapi, "__idem_documented__", False):
+    documented = getattr(app.openapi, "__idem_documented__", None)
+    if documented == "own":
         return
-    _wrap_openapi(app, lambda schema: document_openapi(schema, app))
-    # Sub-apps are usually mounted after `install`: look again once every route is there, when
-    # the app first runs (lifespan or first request), whether or not the server sends lifespan.
+    if documented == "mounted":  # by a parent's middleware, before it had one of its own
+        app.openapi = app.openapi.__wrapped__  # type: ignore[attr-defined,method-assign]
+    _wrap_openapi(app, lambda schema: _document(schema, app, app), "own")
+    # A sub-app mounted after `install` is documented as it is mounted (`app.mount`,
+    # `app.host`), and, one added to a route list by hand, once every route is there: when the
+    # app first runs (lifespan or first request), whether or not the server sends lifespan.
     build = app.build_middleware_stack
 
     def build_and_document() -> Any:
@@ -98,9 +101,22 @@ def document(app: FastAPI) -> None:
         return build()
 
     app.build_middleware_stack = build_and_document  # type: ignore[method-assign]
+    for name in ("mount", "host"):
+        add = getattr(app.router, name)
+        if not getattr(add, "__idem_documented__", False):
+            setattr(app.router, name, _documenting(app, add))
 
 
-def _wrap_openapi(app: FastAPI, add: Callable[[dict[str, Any]], dict[str, Any]]) -> None:
+def _documenting(app: FastAPI, add: Callable[..., None]) -> Callable[..., None]:
+    def adding(*args: Any, **kwargs: Any) -> None:
+        add(*args, **kwargs)
+        _document_mounted(app)
+
+    adding.__idem_documented__ = True  # type: ignore[attr-defined]
+    return adding
+
+
+def _wrap_openapi(app: FastAPI, add: Callable[[dict[str, Any]], dict[str, Any]], by: str) -> None:
     original = app.openapi
     app.openapi_schema = None  # a schema cached before now has none of the additions
 
@@ -109,32 +125,59 @@ def _wrap_openapi(app: FastAPI, add: Callable[[dict[str, Any]], dict[str, Any]])
             app.openapi_schema = add(original())
         return app.openapi_schema
 
-    openapi.__idem_documented__ = True  # type: ignore[attr-defined]
+    openapi.__idem_documented__ = by  # type: ignore[attr-defined]
+    openapi.__wrapped__ = original  # type: ignore[attr-defined]
     app.openapi = openapi  # type: ignore[method-assign]
+
+
+def _document(schema: dict[str, Any], app: FastAPI, of: FastAPI) -> dict[str, Any]:
+    return document_openapi(schema, app, operations=_operations(app, of))
 
 
 def _document_mounted(app: FastAPI) -> None:
     """Wrap the `openapi` of each FastAPI app mounted (at any depth) in `app` and served by its
     middleware; one with an IdempotencyMiddleware of its own is documented by its own."""
-    for sub, prefix in _mounted(routes_of(app) or (), "", 0):
+    for sub, _ in _mounted(routes_of(app) or (), "", 0):
         if getattr(sub.openapi, "__idem_documented__", False) or find_middleware(sub):
             continue
 
-        def add(schema: dict[str, Any], prefix: str = prefix) -> dict[str, Any]:
-            return document_openapi(schema, app, mount=prefix)
+        def add(schema: dict[str, Any], sub: FastAPI = sub) -> dict[str, Any]:
+            return _document(schema, app, sub)
 
-        _wrap_openapi(sub, add)
+        _wrap_openapi(sub, add, "mounted")
 
 
 def _mounted(routes: Sequence[Any], prefix: str, depth: int) -> Iterator[tuple[FastAPI, str]]:
+    """Each FastAPI app mounted among `routes`, with the template its routes start with there
+    (as routing.walk names them: a Host's with its host)."""
     for route in routes:
         if not isinstance(route, Mount | Host) or depth >= _MAX_DEPTH:
             continue
-        # OpenAPI paths carry no host, and no converters (`/t/{tenant}`).
-        path = prefix + _CONVERTER.sub("}", route.path) if isinstance(route, Mount) else prefix
+        at = prefix + route.path if isinstance(route, Mount) else route.host + prefix
         if isinstance(mounted := mounted_app(route), FastAPI):
-            yield mounted, path
-        yield from _mounted(routes_of(mounted) or (), path, depth + 1)
+            yield mounted, at
+        yield from _mounted(routes_of(mounted) or (), at, depth + 1)
+
+
+def _operations(app: FastAPI, of: FastAPI) -> list[tuple[GuardedOperation, str]]:
+    """The guarded operations of `app` that `of.openapi()` lists (`of`: `app` or an app mounted
+    in it), each with its path there. FastAPI lists the app's own routes, not its mounts' (their
+    apps serve their own), at paths without the prefix of where `of` is mounted: an operation
+    is `of`'s when its template is that of one of `of`'s own routes as mounted there (picked
+    by path prefix, another `Host`'s route with the same path was taken for one of `of`'s)."""
+    places = [""] if of is app else [at for sub, at in _mounted(app.routes, "", 0) if sub is of]
+    own = [route for route in of.routes if not isinstance(route, Mount | Host)]
+    paths: dict[tuple[str, str], str] = {}
+    for item in walk(own):
+        if isinstance(item, Found):
+            for at, method in itertools.product(places, item.methods or ("*",)):
+                paths.setdefault((at + item.template, method), item.path_format)
+    found: dict[tuple[str, str], tuple[GuardedOperation, str]] = {}
+    for op in guarded_operations(app):
+        path = paths.get((op.template, op.method), paths.get((op.template, "*")))
+        if path is not None:  # (the first where `of` is mounted twice)
+            found.setdefault((path, op.method), (op, path))
+    return list(found.values())
 
 
 def install(app: FastAPI, *, store: Store, **options: Any) -> None:

@@ -5,6 +5,7 @@ SchemaGenerator output through `document_openapi(schema, app)`."""
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 from typing import Any
 from urllib.parse import unquote
 
@@ -121,10 +122,12 @@ def header_parameter(
     *,
     operation: str | None = None,
     token_path: str | None = None,
+    required: bool | None = None,
 ) -> dict[str, Any]:
     """The key's header parameter. For `require_token`, `operation` (`POST /orders`) and the
-    token route's `token_path` name the request that gets a token."""
-    required = policy.key_required
+    token route's `token_path` name the request that gets a token. `required` defaults to the
+    policy's `key_required` (an app's own parameter may require the header where it does not)."""
+    required = policy.key_required if required is None else required
     if policy.require_token:
         what = f"{_token_sentence(operation, token_path)} Send the same token with each retry."
     else:
@@ -189,17 +192,23 @@ def _document_key(
     the body or computed by a function, no header but a line in the description."""
     policy = op.policy
     source = as_key_source(policy.key_source)  # a Policy has wrapped a function already
-    name = source.name if isinstance(source, KeyFromHeader) else "Idempotency-Key"
-    parameters = operation.setdefault("parameters", [])
-    # The app's own parameter for the header goes, a `$ref` to one too (two would be invalid).
-    named = [_resolved(schema, p) or {} for p in parameters]
-    parameters[:] = [
-        p
-        for p, it in zip(parameters, named, strict=True)
-        if not (it.get("in") == "header" and str(it.get("name", "")).lower() == name.lower())
-    ]
     if source is None or isinstance(source, KeyFromHeader):
-        parameters.append(header_parameter(policy, name, operation=op.name, token_path=token_path))
+        name = source.name if isinstance(source, KeyFromHeader) else "Idempotency-Key"
+        parameters = operation.setdefault("parameters", [])
+        # The app's own parameter for the header (a `$ref` to one too) is merged into the
+        # middleware's, one parameter (two would be invalid).
+        named = [_resolved(schema, p) or {} for p in parameters]
+        own = [
+            it
+            for it in named
+            if it.get("in") == "header" and str(it.get("name", "")).lower() == name.lower()
+        ]
+        parameters[:] = [p for p, it in zip(parameters, named, strict=True) if it not in own]
+        required = policy.key_required or any(it.get("required") is True for it in own)
+        added = header_parameter(
+            policy, name, operation=op.name, token_path=token_path, required=required
+        )
+        parameters.append(_keeping(own[0], added) if own else added)
         return
     line = (
         f"Idempotent: the key is taken from {source.describe()} (1-255 printable ASCII "
@@ -208,7 +217,30 @@ def _document_key(
     )
     if policy.require_token:
         line += " " + _token_sentence(op.name, token_path)
-    operation["description"] = "\n\n".join(filter(None, [operation.get("description"), line]))
+    if line not in (described := operation.get("description") or ""):  # (documented before)
+        operation["description"] = "\n\n".join(filter(None, [described, line]))
+
+
+def _keeping(own: dict[str, Any], added: dict[str, Any]) -> dict[str, Any]:
+    """The key's parameter where the app documents one of its own (FastAPI's `Header(...,
+    min_length=8)`, a UUID): the app's constraints stand beside the middleware's, since a request
+    has to meet both (its own description and examples kept too)."""
+    merged = {**own, **added}
+    if (mine := own.get("description")) and added["description"] not in mine:
+        merged["description"] = f"{mine}\n\n{added['description']}"
+    elif mine:
+        merged["description"] = mine  # it holds the middleware's already (documented before)
+    ours = added["schema"]
+    theirs = own.get("schema")
+    if "content" in own:
+        del merged["schema"]  # OpenAPI allows one of `schema` and `content`: the app's stands
+    elif isinstance(theirs, dict) and ours in theirs.get("allOf", []):
+        merged["schema"] = theirs  # (documented before)
+    elif isinstance(theirs, dict) and any(
+        ours.get(k) != v for k, v in theirs.items() if k not in ("title", "description")
+    ):
+        merged["schema"] = {"allOf": [theirs, ours]}
+    return merged
 
 
 # What responses.send_accepted sends.
@@ -268,28 +300,44 @@ def _either(own: Any, added: dict[str, Any]) -> Any:
     return {"anyOf": [own, added]}
 
 
+def _add_header(response: dict[str, Any], name: str, header: dict[str, Any]) -> None:
+    """Add a header the app does not document in any case (`retry-after`): its own stands."""
+    headers = response.setdefault("headers", {})
+    if name.lower() not in {str(h).lower() for h in headers}:
+        headers[name] = copy.deepcopy(header)
+
+
 def _merge(own: dict[str, Any], added: dict[str, Any]) -> None:
     """Document what the middleware answers at a status the app documents too: either body
-    (per media type), the app's headers kept and the middleware's added, both descriptions."""
+    (per media type), the app's headers kept and the middleware's added, both descriptions
+    (once each: the additions may be applied to a document that has them already)."""
     content = own.setdefault("content", {})
     for media, entry in added.get("content", {}).items():
         mine = content.get(media, {})
         content[media] = {**mine, "schema": _either(mine.get("schema"), entry["schema"])}
     for name, header in added.get("headers", {}).items():
-        headers = own.setdefault("headers", {})
-        if name.lower() not in {h.lower() for h in headers}:
-            headers[name] = header
-    described = [own.get("description"), added["description"]]
-    own["description"] = " / ".join(dict.fromkeys(d for d in described if d))
+        _add_header(own, name, header)
+    described = own.get("description")
+    if not described:
+        own["description"] = added["description"]
+    elif added["description"] not in described.split(" / "):
+        own["description"] = f"{described} / {added['description']}"
 
 
 def document_openapi(
-    schema: dict[str, Any], app: Any, *, problem_base: str | None = None, mount: str = ""
+    schema: dict[str, Any],
+    app: Any,
+    *,
+    problem_base: str | None = None,
+    operations: Sequence[tuple[GuardedOperation, str]] | None = None,
 ) -> dict[str, Any]:
-    """Add the idempotency documentation to every guarded operation of `app` in `schema`.
-    `problem_base` defaults to the app's IdempotencyMiddleware's. `mount`: `schema` is that of
-    an application mounted in `app` at this path (`/v1`), whose own paths omit it."""
-    operations = [op for op in guarded_operations(app) if op.path_format.startswith(mount + "/")]
+    """Add the idempotency documentation to every guarded operation of `app` in `schema`;
+    applied again to its own output, it changes nothing. `problem_base` defaults to the app's
+    IdempotencyMiddleware's. `operations`: those `schema` lists, each with its path there
+    (`idem_middleware.fastapi`'s, for a FastAPI app's own routes); by default every guarded
+    operation of `app` at its path, as a SchemaGenerator lists them (every mount's routes)."""
+    if operations is None:
+        operations = [(op, op.path_format) for op in guarded_operations(app)]
     if not operations:
         return schema
     mw = find_middleware(app)
@@ -304,17 +352,17 @@ def document_openapi(
                 # YAML docstrings (Starlette's SchemaGenerator) give integer status keys.
                 operation["responses"] = {str(k): v for k, v in operation["responses"].items()}
     token_path = _token_path(app)
-    for op in operations:
-        operation = paths.get(op.path_format[len(mount) :], {}).get(op.method.lower())
+    for op, path in operations:
+        operation = paths.get(path, {}).get(op.method.lower())
         if operation is None:
             continue
         _document_key(schema, operation, op, token_path)
         responses = operation.setdefault("responses", {})
         for status in list(responses):
+            if responses[status] == _ACCEPTED:
+                continue  # the in-flight 202 added before: never a replay
             if _replayable(status) and (response := _inline(schema, responses, status)) is not None:
-                response.setdefault("headers", {})["Idempotent-Replayed"] = copy.deepcopy(
-                    _REPLAYED_HEADER
-                )
+                _add_header(response, "Idempotent-Replayed", _REPLAYED_HEADER)
         added = [
             (status, _problem_response(kinds, problem_base), kinds)
             for status, kinds in _problems(op.policy, mw).items()
@@ -330,14 +378,14 @@ def document_openapi(
                 _merge(own, answer)
             else:
                 continue  # another document's response: nothing can be added beside its $ref
+            # (Added to the headers the app documents for this status, never in their place.)
             if ProblemKind.UNAUTHENTICATED in kinds and mw is not None and mw.tenants.challenge:
-                responses[status].setdefault("headers", {})["WWW-Authenticate"] = {
-                    "description": "The authentication challenge (RFC 9110)",
-                    "schema": {"type": "string", "example": mw.tenants.challenge.decode()},
-                }
-            if _RETRY_AFTER.intersection(kinds):
-                # (Added to the headers the app documents for this status, never in their place.)
-                responses[status].setdefault("headers", {})["Retry-After"] = copy.deepcopy(
-                    _RETRY_AFTER_HEADER
+                challenge = {"type": "string", "example": mw.tenants.challenge.decode()}
+                _add_header(
+                    responses[status],
+                    "WWW-Authenticate",
+                    {"description": "The authentication challenge (RFC 9110)", "schema": challenge},
                 )
+            if _RETRY_AFTER.intersection(kinds):
+                _add_header(responses[status], "Retry-After", _RETRY_AFTER_HEADER)
     return schema
