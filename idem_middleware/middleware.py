@@ -47,7 +47,7 @@ from .routing import (
     router_of,
 )
 from .startup import DEFAULT_METHODS, SAFE_METHODS, check_app
-from .startup_store import checked_lifespan, store_checked
+from .startup_store import checked_first, checked_lifespan, store_checked
 from .store.base import Store
 from .tenant import TenantResolver as TenantResolver
 from .tenant import Tenants
@@ -202,6 +202,8 @@ class IdempotencyMiddleware:
         if scope["type"] != "http":
             return self.app(scope, receive, send)
         if not self._checked:
+            if asyncio._get_running_loop() is None:  # (made before its loop: checked in it)
+                return checked_first(self, scope, receive, send)  # (startup_store)
             self._check(app_below(self, scope.get("app")), scope)
         if self._check_error is not None:
             return self._refuse(send)

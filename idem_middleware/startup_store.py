@@ -67,6 +67,17 @@ async def given_pool_error(mw: IdempotencyMiddleware) -> ConfigurationError | No
     return None
 
 
+async def checked_first(
+    mw: IdempotencyMiddleware, scope: Scope, receive: Receive, send: Send
+) -> None:
+    """The check of a first request (no lifespan ran it) whose coroutine was made outside a
+    running loop (`asyncio.run(app(...))`, a sync bridge's thread), in the loop that runs it:
+    made then, the check found no asyncio loop, and failed every request."""
+    if not mw._checked:
+        mw._check(app_below(mw, scope.get("app")), scope)
+    await type(mw).__call__(mw, scope, receive, send)
+
+
 async def checked_lifespan(
     mw: IdempotencyMiddleware, scope: Scope, receive: Receive, send: Send
 ) -> None:

@@ -7,6 +7,7 @@ Driven here by hand, with no event loop running (as under trio, asyncio finds no
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Coroutine
 from typing import Any
 
@@ -31,7 +32,9 @@ def _app(runs: list[int]) -> Starlette:
 
     return Starlette(
         routes=[Route("/credits", credit, methods=["POST"])],
-        middleware=[Middleware(IdempotencyMiddleware, store=MemoryStore())],
+        middleware=[
+            Middleware(IdempotencyMiddleware, store=MemoryStore(), tenant_resolver=lambda s: "t")
+        ],
     )
 
 
@@ -81,3 +84,30 @@ def test_a_request_on_another_event_loop_is_refused_and_runs_nothing() -> None:
     assert runs == []
     assert sent[0]["status"] == 500
     assert b"failed its startup check" in b"".join(m.get("body", b"") for m in sent[1:])
+
+
+def test_a_request_coroutine_made_before_its_loop_runs_is_served() -> None:
+    """`asyncio.run(app(scope, receive, send))` (or a sync bridge making the coroutine in
+    another thread): the first request's check ran when the coroutine was made, before its loop,
+    found no loop, and failed that request and every later one. It runs in the loop now."""
+    runs: list[int] = []
+    # (The middleware wrapping the app itself, as the README shows: its call, not a coroutine
+    # of Starlette's, is what the caller makes outside the loop.)
+    inner = _app(runs)
+    app = IdempotencyMiddleware(
+        Starlette(routes=inner.routes), store=MemoryStore(), tenant_resolver=lambda s: "t"
+    )
+    sent: list[Message] = []
+
+    async def receive() -> Message:
+        return {"type": "http.request", "body": b"{}", "more_body": False}
+
+    async def send(message: Message) -> None:
+        sent.append(message)
+
+    headers = [(b"idempotency-key", b"k1"), (b"content-type", b"application/json")]
+    for _ in range(2):
+        asyncio.run(app(post_scope("/credits", headers), receive, send))
+    starts = [m for m in sent if m["type"] == "http.response.start"]
+    assert [m["status"] for m in starts] == [201, 201]
+    assert runs == [1]  # (the second a replay)
