@@ -89,6 +89,8 @@ def document(app: FastAPI) -> None:
     if documented == "own":
         return
     if documented == "mounted":  # by a parent's middleware, before it had one of its own
+        if find_middleware(app) is None:  # (none yet: the parent's additions are the ones)
+            return
         app.openapi = app.openapi.__wrapped__  # type: ignore[attr-defined,method-assign]
     _wrap_openapi(app, lambda schema: _document(schema, app, app), "own")
     # A sub-app mounted after `install` is documented as it is mounted (`app.mount`,

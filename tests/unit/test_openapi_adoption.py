@@ -266,3 +266,21 @@ def test_a_sub_app_mounted_after_install_is_documented_before_the_app_runs() -> 
     assert _keys(sub.openapi()["paths"]["/orders"]["post"])
     [key] = _keys(own.openapi()["paths"]["/pay"]["post"])
     assert key["required"] is False  # its own middleware's policy, not the parent's
+
+
+def test_documenting_a_mounted_sub_app_without_a_middleware_of_its_own_keeps_the_parents() -> None:
+    """`document(sub)` on a sub-app the parent's middleware documents (a module documenting each
+    app it builds; `document` is idempotent): it took the sub-app for one with a middleware of
+    its own, and the parent's additions were gone from its document for good (found in review)."""
+    app, sub = FastAPI(), FastAPI()
+
+    @sub.post("/orders")
+    async def orders() -> dict[str, str]:
+        return {}
+
+    app.mount("/v1", sub)
+    install(app, store=MemoryStore(), tenant_resolver=_tenant)
+    document(sub)
+    assert _keys(sub.openapi()["paths"]["/orders"]["post"])
+    document(app)
+    assert _keys(sub.openapi()["paths"]["/orders"]["post"])
