@@ -166,7 +166,7 @@ def tell_library_routes(
         operations.learn(guarded)
         if (error := operations.learn_base(problem_base, item.template)) is not None:
             errors.append(error)
-        if operations.store is not None and not _same_records(operations.store, store):
+        if operations.store is not None and not same_records(operations.store, store):
             # (Found by probing: every status a 404, every token issued refused at its use.)
             logger.warning(
                 "idempotency: the %s route %s was given another store than the "
@@ -190,7 +190,7 @@ def tell_library_routes(
     return errors
 
 
-def _same_records(one: Any, other: Any) -> bool:
+def same_records(one: Any, other: Any) -> bool:
     """Whether two stores keep the same records, as far as can be told: one store, or two
     PostgresStores on one pool or one DSN (an app's and a route's, made apart, are common)."""
     if one is other:

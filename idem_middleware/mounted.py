@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from starlette.endpoints import HTTPEndpoint
 from starlette.routing import BaseRoute, Host, Mount
 
+from .library_routes import same_records
 from .routing import Found, _no_converters, mounted_app, routes_of, walk
 
 if TYPE_CHECKING:
@@ -140,7 +141,6 @@ def stacked_policy_errors(
 
 #: A middleware's settings besides its policies, as each shows on it.
 _SETTINGS: tuple[tuple[str, Callable[[Any], object]], ...] = (
-    ("store", lambda mw: id(mw.store)),
     ("tenant_resolver", lambda mw: mw.tenant_resolver),
     ("problem_base", lambda mw: mw.problem_base),
     ("www_authenticate", lambda mw: mw.tenants.challenge),
@@ -170,12 +170,14 @@ def ignored_settings(mw: IdempotencyMiddleware, app: Any, routes: Sequence[BaseR
     warnings = []
     for other, where in inner:
         differ = [name for name, read in _SETTINGS if read(other) != read(mw)]
+        if not same_records(other.store, mw.store):  # (two stores on one database: alike)
+            differ.insert(0, "store")
         if differ:
             warnings.append(
                 f"another IdempotencyMiddleware {where} has another {', '.join(differ)} than "
                 "the one outside it: the outer one handles every request it guards, and the "
-                f"inner one's {', '.join(differ)} never apply to them. Make them alike, or "
-                "install the middleware once"
+                f"inner one's settings ({', '.join(differ)}) never apply to them. Make them "
+                "alike, or install the middleware once"
             )
     return warnings
 

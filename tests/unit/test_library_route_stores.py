@@ -14,7 +14,7 @@ from starlette.middleware import Middleware
 from starlette.routing import BaseRoute, Route
 
 from idem_middleware import IdempotencyMiddleware, MemoryStore, Policy, PostgresStore
-from idem_middleware.library_routes import _same_records
+from idem_middleware.library_routes import same_records
 from idem_middleware.status import status_route
 from idem_middleware.tokens import TokenIssuer, token_route
 from tests.integration.test_startup_checks import startup as lifespan_startup
@@ -67,8 +67,8 @@ async def test_a_library_route_on_the_middlewares_store_is_not(
     assert not [r for r in caplog.records if "another store" in r.getMessage()]
 
 
-def test_two_postgres_stores_on_one_dsn_keep_the_same_records() -> None:
-    assert _same_records(PostgresStore(dsn=DSN), PostgresStore(dsn=DSN))
-    assert not _same_records(PostgresStore(dsn=DSN), PostgresStore(dsn=DSN + "_other"))
-    assert not _same_records(PostgresStore(dsn=DSN), MemoryStore())
-    assert not _same_records(MemoryStore(), MemoryStore())
+def test_two_postgres_stores_on_one_dsn_keep_thesame_records() -> None:
+    assert same_records(PostgresStore(dsn=DSN), PostgresStore(dsn=DSN))
+    assert not same_records(PostgresStore(dsn=DSN), PostgresStore(dsn=DSN + "_other"))
+    assert not same_records(PostgresStore(dsn=DSN), MemoryStore())
+    assert not same_records(MemoryStore(), MemoryStore())
