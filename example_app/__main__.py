@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.workers > 1:
         # Its workers and its bank stop themselves if this process is SIGKILLed (supervisor.py).
         os.environ[SUPERVISOR_ENV] = str(os.getpid())
-    if args.workers > 1 and not os.environ.get("BANK_URL"):
+    if args.workers > 1 and not os.environ.get("BANK_URL", "").strip():  # (as settings.py)
         # An in-process bank would be one bank per worker: a retry landing on another worker
         # would ask a bank that never saw the transfer. N workers share one bank process.
         os.environ["BANK_URL"] = _start_bank(args.host)

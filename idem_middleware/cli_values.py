@@ -51,7 +51,9 @@ def common_options(top: bool) -> argparse.ArgumentParser:
     """
     common = argparse.ArgumentParser(add_help=False)
     # (Text that names its variable: a DSN asyncpg cannot parse is told as that variable's.)
-    found = next(((name, os.environ[name]) for name in DSN_ENVS if os.environ.get(name)), None)
+    found = next(
+        ((name, os.environ[name]) for name in DSN_ENVS if os.environ.get(name, "").strip()), None
+    )  # (blank: unset, as for every variable)
     dsn_default = None if found is None else _FromEnv(found[1], found[0])
     common.add_argument(
         "--dsn",

@@ -403,6 +403,13 @@ def test_a_dsn_from_the_environment_that_cannot_be_parsed_is_named_as_its_variab
     assert "pw-secret" not in result.stderr + result.stdout
 
 
+def test_a_blank_idem_database_url_is_unset(db_dsn: str) -> None:
+    """Blank, as every other variable: DATABASE_URL is used. It was taken as the DSN, shadowed
+    DATABASE_URL, and refused naming neither (found in review)."""
+    result = cli("stats", env={"IDEM_DATABASE_URL": " ", "DATABASE_URL": db_dsn})
+    assert result.returncode == 0, result.stderr
+
+
 def test_unreachable_database_exits_1() -> None:
     result = cli("stats", dsn="postgresql://nobody@127.0.0.1:9/none")
     assert result.returncode == 1
