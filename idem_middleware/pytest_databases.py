@@ -175,11 +175,13 @@ async def dropped(server_dsn: str, database: str) -> None:
         await conn.close()
 
 
-#: The open transactions on the test database besides the asking connection.
+#: The open transactions of clients of the test database besides the asking connection (not
+#: the server's own: an autovacuum worker's ANALYZE was named beside the test's transaction).
 _HOLDERS = """
 SELECT pid, state, date_trunc('second', now() - xact_start) AS age, left(query, 120) AS query
 FROM pg_stat_activity
 WHERE datname = current_database() AND pid <> pg_backend_pid() AND xact_start IS NOT NULL
+  AND backend_type = 'client backend'
 ORDER BY xact_start
 """
 
