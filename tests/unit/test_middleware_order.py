@@ -435,3 +435,23 @@ async def test_two_middlewares_in_the_apps_own_list_that_agree_start() -> None:
         first = await client.post("/pay", headers=headers, content=b"{}")
         again = await client.post("/pay", headers=headers, content=b"{}")
     assert (first.status_code, again.headers.get("idempotent-replayed")) == (201, "true")
+
+
+async def test_authentication_wrapped_inside_the_middleware_fails_the_startup() -> None:
+    """`IdempotencyMiddleware(AuthenticationMiddleware(app))`, composed by hand. Found by
+    probing: only the routed app's own list was read, so it started without a word and every
+    guarded request of an authenticated caller was refused (500); the same order in the app's
+    list failed the startup."""
+    routed = Starlette(routes=[Route("/pay", pay, methods=["POST"])])
+    app = IdempotencyMiddleware(
+        AuthenticationMiddleware(routed, backend=BearerBackend()), store=MemoryStore()
+    )
+    assert "AuthenticationMiddleware runs after Idempo" in await _startup_failure(app)
+    # (Wrapped outside it, the order that works, starts.)
+    outside = AuthenticationMiddleware(
+        IdempotencyMiddleware(routed, store=MemoryStore()), backend=BearerBackend()
+    )
+    transport = httpx.ASGITransport(app=outside)
+    async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+        headers = {"authorization": f"Bearer {next(iter(TOKENS))}", "idempotency-key": "k"}
+        assert (await client.post("/pay", content=b"{}", headers=headers)).status_code == 201
