@@ -43,7 +43,7 @@ def check_authentication(
     if ours == -1:
         # What it wraps runs inside it: IdempotencyMiddleware(AuthenticationMiddleware(app))
         # passed unseen (only the routed app's own list was read), every guarded request a 500.
-        stack = _wrapped(mw.app)
+        stack = list(_layers(mw.app))
     auth = [i for i, cls in enumerate(stack) if _named(cls, "AuthenticationMiddleware")]
     if ours is None or (ours < 0 and not auth):
         return None  # (its order cannot be read here; wrapping the app, what is outside it)
@@ -276,20 +276,6 @@ def _our_place(mw: IdempotencyMiddleware, app: Any, stack: list[Any]) -> int | N
     (`IdempotencyMiddleware(app, ...)`: all of that list runs inside it); None when unknown."""
     ours = next((i for i, cls in enumerate(stack) if _named(cls, "IdempotencyMiddleware")), None)
     return -1 if ours is None and mw.app is app else ours
-
-
-def _wrapped(layer: Any) -> list[type]:
-    """The classes of what a middleware wrapping `layer` runs, in order: each ASGI app wrapping
-    the next as its `.app`, down to the first with a middleware list of its own, then that list."""
-    classes: list[type] = []
-    for _ in range(_MAX_WRAPPERS):
-        if layer is None:
-            break
-        if (listed := getattr(layer, "user_middleware", None)) is not None:
-            return classes + [entry.cls for entry in listed]
-        classes.append(type(layer))
-        layer = getattr(layer, "app", None)
-    return classes
 
 
 def _named(cls: Any, name: str) -> bool:
