@@ -192,18 +192,16 @@ class TokenIssuer:
         token = self._token_for(tenant, operation, intent_id)
         hashed = token_hash(token)
         asked = (tenant, hashed, operation, request_digest, intent_id, ttl_seconds)
-        row = await self._issued(*asked)
-        busy = row is None or (row.spent and await self._still_runs(tenant, operation, token))
+        row = await self._settled(asked, token)
         for pause in _BUSY_PAUSES:
-            if not busy:
+            if row is not None:
                 break
             # A request consuming the intent's expired token still runs: what it leaves (the
             # token used, or free to renew) is known when it ends. Waited for here, with no
             # connection held (never in the database).
             await asyncio.sleep(pause)
-            row = await self._issued(*asked)
-            busy = row is None or (row.spent and await self._still_runs(tenant, operation, token))
-        if busy or row is None:  # (never None when not busy: said for the type checker)
+            row = await self._settled(asked, token)
+        if row is None:
             raise StoreError("a request consuming this intent's token still runs; ask again")
         if row.token_hash != hashed:
             older = (
@@ -219,6 +217,14 @@ class TokenIssuer:
         if row.request_digest != request_digest:
             raise TokenConflict("this intent was issued a token for a different request")
         return IssuedToken(token, row.expires_at)
+
+    async def _settled(self, asked: tuple[Any, ...], token: str) -> TokenRow | None:
+        """The intent's row (`_issued(*asked)`); None while a request consuming its token still
+        runs (the store says busy, or the token is spent by a lease-mode request not ended)."""
+        row = await self._issued(*asked)
+        if row is None or (row.spent and await self._still_runs(asked[0], asked[2], token)):
+            return None
+        return row
 
     async def _still_runs(self, tenant: str, operation: str, token: str) -> bool:
         """Whether a lease-mode request that consumed the token still runs: its claim committed
