@@ -17,10 +17,10 @@ from fastapi import FastAPI
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.routing import Mount
-from starlette.types import Message
 
 from idem_middleware import ConfigurationError, IdempotencyMiddleware, MemoryStore, PostgresStore
 from idem_middleware.fastapi import install
+from tests.integration.test_startup_checks import startup
 
 
 def _resolver(scope: object) -> str:
@@ -46,17 +46,9 @@ def test_install_twice_on_one_app_is_refused() -> None:
 
 
 async def _started(app: object, caplog: pytest.LogCaptureFixture) -> list[str]:
-    sent: list[Message] = []
-    incoming = iter([{"type": "lifespan.startup"}, {"type": "lifespan.shutdown"}])
-
-    async def receive() -> Message:
-        return next(incoming)
-
-    async def send(message: Message) -> None:
-        sent.append(message)
-
+    """The warnings of the app's lifespan startup, which must complete."""
     with caplog.at_level(logging.WARNING, logger="idem_middleware"):
-        await app({"type": "lifespan", "asgi": {"version": "3.0"}}, receive, send)  # type: ignore[operator]
+        sent = await startup(app)
     assert sent[0]["type"] == "lifespan.startup.complete", sent
     return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
 
