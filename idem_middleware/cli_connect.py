@@ -10,7 +10,7 @@ from urllib.parse import unquote, urlsplit, urlunsplit
 
 import asyncpg
 
-from .errors import StoreError
+from .errors import ConfigurationError, StoreError
 from .store.postgres import PostgresStore
 from .store.postgres.convert import ACQUIRE_ERRORS
 
@@ -61,8 +61,8 @@ def connecting(dsn: str) -> Iterator[None]:
 
     A DSN asyncpg cannot parse (`nonsense`, a port that is not a number, an unknown
     `sslmode`) is a bad argument, exit 2, not a traceback. asyncpg reports it as a ValueError
-    (`ClientConfigurationError` is one too), which the store wraps in StoreError; a port out of
-    range only when connecting, as the socket's OverflowError.
+    (`ClientConfigurationError` is one too), which the store wraps in ConfigurationError; a port
+    out of range only when connecting, as the socket's OverflowError.
 
     A database that cannot be reached, or that refuses the role or does not exist, is one line
     for every command alike, naming the DSN tried (its password left out): `migrate` connects
@@ -71,7 +71,7 @@ def connecting(dsn: str) -> Iterator[None]:
     named = getattr(dsn, "env", "--dsn")  # (the variable it came from: cli_values._FromEnv)
     try:
         yield
-    except StoreError as exc:
+    except (StoreError, ConfigurationError) as exc:
         cause = exc.__cause__
         if isinstance(cause, ValueError | OverflowError):
             raise UsageError(f"{named}: {cause}") from None

@@ -121,3 +121,22 @@ def test_a_dsn_that_names_no_server_is_refused(dsn: Any) -> None:
     """`""` connected to libpq's defaults without a word; a number failed only at `open()`."""
     with pytest.raises(ConfigurationError, match="dsn"):
         PostgresStore(dsn=dsn)
+
+
+@pytest.mark.parametrize(
+    "dsn",
+    [
+        "nonsense",
+        "postgresql://u:pw-secret@127.0.0.1:notaport/db",
+        "postgresql://u:pw-secret@127.0.0.1:99999/db",
+        "postgresql://u:pw-secret@[::1/db",
+        "postgresql://u:pw-secret@127.0.0.1/db?sslmode=bogus",
+    ],
+)
+async def test_a_dsn_asyncpg_cannot_read_fails_open_as_misconfiguration(dsn: str) -> None:
+    """A port that is not a number escaped `open()` as asyncpg's bare ValueError ("invalid
+    literal for int()"), naming no option; `nonsense` as a StoreError, a database that is down
+    for now. Each is the configuration's fault, said so, and without the password."""
+    with pytest.raises(ConfigurationError, match="dsn or connect_kwargs") as caught:
+        await PostgresStore(dsn=dsn).open()
+    assert "pw-secret" not in str(caught.value)

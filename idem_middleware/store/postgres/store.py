@@ -173,6 +173,11 @@ class PostgresStore(OffPathStatements):
         if self._pool is None:
             try:
                 self._pool = await asyncpg.create_pool(self._dsn, **self._pool_kwargs)
+            except (ValueError, OverflowError) as exc:  # (a port "abc", `sslmode=bogus`: asyncpg's
+                # parse, which its ClientConfigurationError is part of; a port out of range)
+                raise ConfigurationError(
+                    f"PostgresStore: asyncpg cannot connect with this dsn or connect_kwargs: {exc}"
+                ) from exc
             except (*ACQUIRE_ERRORS, CANCELLED) as exc:  # (CANCELLED: a tiny statement_timeout)
                 raise StoreError(f"cannot connect: {exc}") from exc
         try:
