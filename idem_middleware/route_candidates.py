@@ -207,11 +207,15 @@ def _filed_prefix(route: Any, memo: Memo, lists: list[Any]) -> tuple[str, ...] |
 def _walk(trie: _Trie, scope: Scope) -> tuple[Any, ...]:
     """The routes of the deepest node the request's path reaches. (Every node holds the routes
     of no literal segment: a path not starting with `/`, which no other route can match, finds
-    them whatever its "segments".)"""
+    them whatever its "segments".) A path's one final newline (`%0A`, decoded by the server) is
+    no part of its last segment: a route's regex ends in `$`, which matches before it, so the
+    router serves `/pay\n` as `/pay`, and filed under "pay\n" it ran unguarded."""
     node = trie
     if not node[0] or _route_path is None:
         return node[1]  # (no route has a literal segment: every one is at the root)
     path = _route_path(scope)
+    if path.endswith("\n"):  # (Starlette's `...$` matches `/pay\n` as `/pay`: see `re`'s `$`)
+        path = path[:-1]
     start = 1
     for _ in range(_MAX_DEPTH):
         end = path.find("/", start)

@@ -148,9 +148,10 @@ def hand_set_routes(draw: st.DrawFn) -> tuple[list[BaseRoute], list[str]]:
     return routes, ran
 
 
-PATHS = st.lists(st.sampled_from(["a", "b", "7", ""]), max_size=4).map(
-    lambda parts: "/" + "/".join(parts)
-)
+PATHS = st.tuples(
+    st.lists(st.sampled_from(["a", "b", "7", ""]), max_size=4),
+    st.sampled_from(["", "\n"]),  # (a final newline: `$` matches before it)
+).map(lambda parts: "/" + "/".join(parts[0]) + parts[1])
 
 
 @settings(max_examples=300, deadline=None)
@@ -279,3 +280,48 @@ def test_routes_added_and_removed_at_run_time_are_named_as_fastapi_runs_them() -
     agree("4")  # (FastAPI keeps its included routes by a version `append` does not bump)
     del app.router.routes[0]
     agree("5")
+
+
+# -- a path that ends in a newline -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", ["/pay", "/v1/refunds", "/v1/accounts/7/transfers"])
+async def test_a_path_ending_in_an_encoded_newline_is_guarded_as_the_route_it_reaches(
+    path: str,
+) -> None:
+    """Found by probing: `POST /pay%0A` (the server decodes it to `/pay\n`) reaches `/pay`,
+    since Starlette's regex ends in `$`, which matches before a final newline; the route
+    candidates' trie looked for a segment "pay\n", found none, and the handler ran with no key,
+    and again for every repeat of one. At the top level, in an included router, and in a Host's."""
+    fastapi = pytest.importorskip("fastapi")
+    ran: list[str] = []
+    app = fastapi.FastAPI()
+    router = fastapi.APIRouter()
+
+    @app.post("/pay")
+    async def pay() -> dict[str, int]:
+        ran.append("pay")
+        return {"n": len(ran)}
+
+    @router.post("/refunds")
+    async def refund() -> dict[str, int]:
+        ran.append("refund")
+        return {"n": len(ran)}
+
+    @router.post("/accounts/{account:int}/transfers")
+    async def transfer(account: int) -> dict[str, int]:
+        ran.append("transfer")
+        return {"n": len(ran)}
+
+    app.include_router(router, prefix="/v1")
+    app.add_middleware(IdempotencyMiddleware, store=MemoryStore())
+    app.add_middleware(AuthenticationMiddleware, backend=BearerBackend())
+    async with client(app) as c:
+        for target in (path, path + "%0A"):
+            unkeyed = await c.post(target, json={})
+            assert unkeyed.status_code == 400, (target, unkeyed.text)  # guarded: no key
+            first = await c.post(target, json={}, headers=key("k" + target))
+            again = await c.post(target, json={}, headers=key("k" + target))
+            assert first.status_code == again.status_code == 200, (target, first.text)
+            assert again.headers.get("idempotent-replayed") == "true", target
+        assert len(ran) == 2, ran  # once per key, none unkeyed
