@@ -11,7 +11,7 @@ import inspect
 import logging
 import sys
 from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -36,9 +36,19 @@ from .policy import (
     storable_operation,
 )
 from .responses import DEFAULT_PROBLEM_BASE, send_problem
+from .route_cache import (
+    CACHED_KEY_LENGTH,
+    ROUTE_CACHE_SIZE,
+    UNGUARDED,
+    UNNAMEABLE,
+    Entry,
+    Guarded,
+    Trace,
+    entry,
+    unchanged,
+)
 from .route_candidates import Memo
 from .routing import (
-    Trace,
     Unresolved,
     app_below,
     match_route,
@@ -57,31 +67,10 @@ from .waiting import TenantSlots, Waiters
 logger = logging.getLogger("idem_middleware")
 
 
-#: Resolved routes kept per (app, method, root path, path, host): a request to a path seen
-#: before skips the route walk. Cleared when full (paths with ids in them are all distinct).
-_ROUTE_CACHE_SIZE = 1024
-
-#: The longest root path, path and Host header, together, whose resolution is kept: ids in paths
-#: are short, and a server takes paths of 64 KB (uvicorn with httptools): cached, 1,024 of them,
-#: each kept twice (the key, the fingerprinter's parameters), held 130 MB of a worker for good.
-_CACHED_KEY_LENGTH = 1024
-
-#: A guarded path as the cache keeps it: its requests' fingerprinter (the path's parameters in
-#: it), its policy, its operation's name and its body limit (body_limits).
-_Guarded = tuple[Fingerprinter, Policy, str, int | None]
-#: The cache's entry for a request the middleware passes on (compared by identity).
-_UNGUARDED = cast(_Guarded, ())
-#: The entry for a request whose own method or path names an operation no record can hold.
-_UNNAMEABLE = cast(_Guarded, (None,))
 _UNNAMEABLE_DETAIL = (
     f"The request's method and path name an operation of over {MAX_OPERATION_BYTES} bytes, or "
     "with a character no record can hold (NUL). The request was not processed."
 )
-#: A route cache entry: the resolution; the first route list walked and its length then, the
-#: others and theirs (None: no other; one list's length is checked at a fraction of the cost).
-_Entry = tuple[_Guarded, Sequence[Any], int, tuple[Any, ...] | None, tuple[int, ...] | None]
-
-
 _F = TypeVar("_F", bound=Callable[..., Any])
 
 
@@ -179,8 +168,8 @@ class IdempotencyMiddleware:
         # The store's startup check (`startup_store`): None until the lifespan or a first
         # request starts it, its task while it runs, True once it is over (or none is needed).
         self._store_check: Any = None if hasattr(store, "check_given_pool") else True
-        #: Per (app, method, root path, path, Host): the resolution and its route lists (`_Entry`).
-        self._routes: dict[tuple[Any, ...], _Entry] = {}
+        #: Per (app, method, root path, path, Host): the resolution and its route lists (`Entry`).
+        self._routes: dict[tuple[Any, ...], Entry] = {}
         #: What the misses of the route cache work out once (the routes each path can reach).
         self._route_memo = Memo()
         #: Per app served (by id): its app, router, route list then, body limit (`_router_below`).
@@ -221,19 +210,20 @@ class IdempotencyMiddleware:
         # (A cached match holds while the route lists it walked keep their lengths.)
         if (
             cached is not None
-            and len(cached[1]) == cached[2]
-            and (cached[3] is None or tuple(map(len, cached[3])) == cached[4])
+            and cached[1].routes is cached[2]
+            and len(cached[2]) == cached[3]
+            and (cached[4] is None or unchanged(cached[4]))
         ):
-            guarded: _Guarded | None = cached[0]
+            guarded: Guarded | None = cached[0]
         else:
             guarded = self._route(app, method, scope, cache_key)
-        if guarded is _UNGUARDED:
+        if guarded is UNGUARDED:
             # No guarding policy on the route found, if any: an @idempotent endpoint reached
             # all the same is one the middleware could not see, and refuses to run.
             return self._pass_on(scope, receive, send, Handled.UNSEEN)
         if guarded is None:
             return self._misconfigured(send, "This operation cannot be guarded.")
-        if guarded is _UNNAMEABLE:
+        if guarded is UNNAMEABLE:
             return self._rejected(send, ProblemKind.OPERATION_INVALID, _UNNAMEABLE_DETAIL)
         fingerprinter, policy, operation, body_limit = guarded
         if body_limit is not None:  # (the route's own max_body_size: see body_limits)
@@ -263,28 +253,28 @@ class IdempotencyMiddleware:
 
     def _route(self, app: Any, method: str, scope: Scope, cache_key: tuple[Any, ...]) -> Any:
         """`_resolve`, kept in the route cache with the route lists it depended on, unless it
-        depended on more than the cache's key (a custom route class: see routing.Trace)."""
+        depended on more than the cache's key (a custom route class: see route_cache.Trace)."""
         trace = Trace(self._route_memo)
         guarded = self._resolve(app, method, scope, trace)
         length = len(cache_key[2]) + len(cache_key[3]) + len(cache_key[4] or b"")
-        if guarded is not None and not trace.volatile and length <= _CACHED_KEY_LENGTH:
-            if len(self._routes) >= _ROUTE_CACHE_SIZE:
+        if guarded is not None and not trace.volatile and length <= CACHED_KEY_LENGTH:
+            if len(self._routes) >= ROUTE_CACHE_SIZE:
                 self._routes.clear()  # many distinct paths (ids in them): start over
-            first, *others = trace.lists or ((),)
-            rest = (tuple(others), tuple(map(len, others))) if others else (None, None)
-            self._routes[cache_key] = (guarded, first, len(first), *rest)
+            self._routes[cache_key] = entry(guarded, trace)
         return guarded
 
     def _resolve(
         self, app: Any, method: str, scope: Scope, trace: Trace | None = None
-    ) -> _Guarded | None:
+    ) -> Guarded | None:
         """The route a request matches, the policy guarding it and its operation's name, the
-        way the router will find it; `_UNGUARDED` for a request the middleware passes on,
-        `_UNNAMEABLE` for one whose operation no record can hold (its own method or path), None
+        way the router will find it; `UNGUARDED` for a request the middleware passes on,
+        `UNNAMEABLE` for one whose operation no record can hold (its own method or path), None
         for a route that would be guarded but cannot be named (refused)."""
-        routes, limit = self._router_below(app)
+        routes, limit, router = self._router_below(app)
         limits = (limit, limit)
-        match = match_route(routes, scope, "", trace, limits) if routes is not None else None
+        match = (
+            match_route(routes, scope, "", trace, limits, router) if routes is not None else None
+        )
         if isinstance(match, RouteMatch) and "router" in scope:
             match = routed_above(scope, match, trace)  # this app is mounted in another's router
         if isinstance(match, Unresolved):
@@ -298,26 +288,26 @@ class IdempotencyMiddleware:
                     shown(match.where),
                 )
                 return None
-            return _UNGUARDED
+            return UNGUARDED
         if match is None:
-            return _UNGUARDED
+            return UNGUARDED
         operation = operation_name(method, match.template)
         policy = self.policy_for(method, match, operation)
         if policy is None:
-            return _UNGUARDED
+            return UNGUARDED
         if policy.operation is not None:  # pinned (the startup check refused another method's)
             if error := pinned_method_error(method, match.template, policy):
                 logger.error("idempotency: refused a request: %s", shown(error))
                 return None
             operation = policy.operation
         elif not storable_operation(operation):  # (the client's method, a hidden mount's path)
-            return _UNNAMEABLE
+            return UNNAMEABLE
         body_limit = in_force(scope, match.body_limit, match.least_limit)
         policy = capped(policy, body_limit)
         fingerprinter = Fingerprinter(operation, match.path_params, policy)
         return fingerprinter, policy, operation, body_limit
 
-    def _router_below(self, app: Any) -> tuple[Sequence[Any] | None, int | None]:
+    def _router_below(self, app: Any) -> tuple[Sequence[Any] | None, int | None, Any]:
         """The routes of the app this middleware guards (`app`: the request's, see
         `routing.app_below`), and its router's own body limit (the app's, under FastAPI; see
         body_limits). Found once per app; again when its router's route list is another list
@@ -326,16 +316,16 @@ class IdempotencyMiddleware:
         if entry is not None and entry[0] is app:
             router = entry[1]
             if router is None or router.routes is entry[2]:
-                return entry[2], entry[3]
+                return entry[2], entry[3], router
         below = app_below(self, app)
         router = router_of(below)
         routes = None if router is None else router.routes
         memo = self._route_memo
         limit = mounted_limit(below, own=False, memo=memo) if routes is not None else None
-        if len(self._routers) >= _ROUTE_CACHE_SIZE:
+        if len(self._routers) >= ROUTE_CACHE_SIZE:
             self._routers.clear()  # (apps made at run time, each serving requests: start over)
         self._routers[id(app)] = (app, router, routes, limit)
-        return routes, limit
+        return routes, limit, router
 
     def policy_for(
         self, method: str, route: RouteMatch | Any, operation: str | None = None

@@ -147,7 +147,7 @@ def candidates_and_filed(
     """`candidates`, and the route lists of the FastAPI routers included in `routes` that were
     filed by their routes' paths (some of them may not be among the candidates): a route added
     to one may match the request next time, so a match made without asking them holds only
-    while their lengths do (`routing.Trace`)."""
+    while their lengths do (`route_cache.Trace`)."""
     method = scope.get("method")
     if len(routes) < 2 or not isinstance(method, str) or "fastapi" in scope:
         return routes, ()
@@ -362,7 +362,7 @@ def own_matches(context: Any) -> bool:
 def ask_as_fastapi(context: Any, scope: Scope, trace: Any) -> tuple[Match, Scope]:
     """`context`'s route asked as FastAPI's included router asks it (its `matches`, with the
     context in the scope's "fastapi" entry), on a copy of the scope; the answer may depend on
-    more than the route cache's key (`trace`, a `routing.Trace`: volatile)."""
+    more than the route cache's key (`trace`, a `route_cache.Trace`: volatile)."""
     if trace is not None:
         trace.volatile = True
     fastapi_scope = {**scope.get("fastapi", {}), "effective_route_context": context}

@@ -18,6 +18,7 @@ from starlette.types import Scope
 
 from .body_limits import declared_limit
 from .policy import RouteMatch
+from .route_cache import Trace
 from .route_candidates import (
     PLAIN_ROUTES,
     Memo,
@@ -25,71 +26,12 @@ from .route_candidates import (
     candidates_and_filed,
     included_candidates,
     own_matches,
-    router_lists,
 )
 
 _CONVERTER = re.compile(r":\w+}")
 
 #: How many wrapping middlewares (`.app`, as Starlette's own keep it) are looked through.
 _MAX_WRAPPERS = 32
-
-
-def _pure_matches() -> frozenset[Any]:
-    """The `matches` whose answer depends only on what the middleware's route cache keys on (the
-    method, the path and root path, the Host header). A custom route class's may read anything
-    in the scope (a version header, say): a request matched past one is resolved every time."""
-    found: set[Any] = {Route.matches, Mount.matches, Host.matches, WebSocketRoute.matches}
-    try:
-        from fastapi import routing
-    except ImportError:  # pragma: no cover - FastAPI is optional
-        return frozenset(found)
-    for name in ("APIRoute", "APIWebSocketRoute", "_IncludedRouter"):
-        matches = getattr(getattr(routing, name, None), "matches", None)
-        if matches is not None:
-            found.add(matches)
-    return frozenset(found)
-
-
-_PURE_MATCHES = _pure_matches()
-
-
-class Trace:
-    """What a match depended on, for the route cache: the route lists it walked (the match
-    holds while their lengths do: a route added or removed at run time resolves the paths
-    under it again), and whether it asked a route whose answer may change with more than the
-    cache's key (`volatile`: the match is not cached)."""
-
-    __slots__ = ("_walked", "memo", "volatile")
-
-    def __init__(self, memo: Memo | None = None) -> None:
-        #: The lists walked, by identity (each is alive while the trace is: ids stay unique).
-        self._walked: dict[int, Sequence[Any]] = {}
-        self.volatile = False
-        #: What the walk works out once (the middleware's: see route_candidates.Memo).
-        self.memo = memo
-
-    @property
-    def lists(self) -> tuple[Sequence[Any], ...]:
-        """The route lists walked, in the order first walked."""
-        return tuple(self._walked.values())
-
-    def walked(self, routes: Sequence[Any]) -> None:
-        self._walked.setdefault(id(routes), routes)
-
-    def asked(self, route: Any) -> None:
-        if type(route).matches not in _PURE_MATCHES:
-            self.volatile = True
-        elif hasattr(route, "original_router"):
-            self.included(route)  # matched or not: a route added to it may match next time
-
-    def included(self, route: Any) -> None:
-        """An included FastAPI router's lists: its router's and those of routers it includes."""
-        lists = router_lists(route, self.memo)
-        if lists is None:
-            self.volatile = True  # a FastAPI whose included routers look otherwise
-            return
-        for routes in lists:
-            self.walked(routes)
 
 
 def _memo(trace: Trace | None) -> Memo | None:
@@ -264,6 +206,7 @@ def match_route(
     prefix: str = "",
     trace: Trace | None = None,
     limit: Limits = _NO_LIMITS,
+    router: Router | None = None,
 ) -> RouteMatch | Unresolved | None:
     """The route the router will dispatch to, found the way Starlette's router finds it.
 
@@ -271,12 +214,13 @@ def match_route(
     None: nothing matches, or the request goes to an application whose routes cannot be seen.
     Only the routes the request can reach are asked (`route_candidates`: by the method, and by
     the literal segments their paths start with). `trace` collects what the answer depended on
-    (see Trace); `limit`, the body limit the enclosing mounts declare (see body_limits).
+    (see Trace); `limit`, the body limit the enclosing mounts declare (see body_limits);
+    `router`, the Router whose `routes` they are, if known (see Trace.walked).
     """
     memo = _memo(trace)
     reachable, filed = candidates_and_filed(routes, scope, memo)
     if trace is not None:
-        trace.walked(routes)
+        trace.walked(routes, router)
         for lists in filed:  # (the lists of routers it may not ask: see there)
             trace.walked(lists)
     for route in reachable:
@@ -313,10 +257,12 @@ def match_route(
                 return None
             own = _within(_limit(route, memo), limit)
             limit = _within(mounted_limit(mounted, memo=memo), own)
+            below = None if isinstance(mounted, BaseRoute) else router_of(mounted)
             if isinstance(route, Mount):
-                return match_route(inner, {**scope, **child}, prefix + route.path, trace, limit)
+                mounted_at = prefix + route.path
+                return match_route(inner, {**scope, **child}, mounted_at, trace, limit, below)
             hosted = route.host + prefix
-            return match_route(inner, {**scope, **child}, hosted, trace, limit)
+            return match_route(inner, {**scope, **child}, hosted, trace, limit, below)
         endpoint = child.get("endpoint", getattr(route, "endpoint", None))
         path = getattr(route, "path", None)
         if isinstance(path, str):
@@ -339,7 +285,8 @@ def routed_above(scope: Scope, found: RouteMatch, trace: Trace | None = None) ->
     app_root_path = scope.get("app_root_path", root_path)
     if routes is not None:
         limit = _within(_limit(scope["router"], _memo(trace)), _NO_LIMITS)
-        top = match_route(routes, {**scope, "root_path": app_root_path}, "", trace, limit)
+        above = {**scope, "root_path": app_root_path}
+        top = match_route(routes, above, "", trace, limit, scope["router"])
         if isinstance(top, RouteMatch) and top.endpoint is found.endpoint:
             return top
     mounted = root_path[len(app_root_path) :] if root_path.startswith(app_root_path) else ""

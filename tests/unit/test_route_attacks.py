@@ -13,10 +13,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.middleware.authentication import AuthenticationMiddleware
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse
-from starlette.routing import BaseRoute, Match, Mount, Route, Router, compile_path
+from starlette.routing import BaseRoute, Host, Match, Mount, Route, Router, compile_path
 
 from idem_middleware import IdempotencyMiddleware, MemoryStore, not_idempotent
 from idem_middleware.policy import RouteMatch
@@ -325,3 +326,43 @@ async def test_a_path_ending_in_an_encoded_newline_is_guarded_as_the_route_it_re
             assert first.status_code == again.status_code == 200, (target, first.text)
             assert again.headers.get("idempotent-replayed") == "true", target
         assert len(ran) == 2, ran  # once per key, none unkeyed
+
+
+# -- a route list replaced by another --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("where", ["app", "mount", "host"])
+async def test_a_route_list_replaced_by_another_is_seen_by_paths_asked_before(where: str) -> None:
+    """Found by probing: `app.router.routes = [*app.router.routes, Route("/pay", ...)]` after
+    `POST /pay` was a 404. The cached resolution ("no route: unguarded") held while the old list,
+    which nothing changes any more, kept its length: the new route ran with no key, and again
+    for each repeat of one. The same for a Mount's and a Host's router."""
+    ran: list[str] = []
+    counted = endpoint_named("pay", ran)
+    other = endpoint_named("other", [])
+    inner = Router(routes=[Route("/other", other, methods=["POST"])])
+    if where == "app":
+        routes: list[BaseRoute] = [Route("/other", other, methods=["POST"])]
+        holder, path = None, "/pay"
+    elif where == "mount":
+        routes = [Mount("/v1", app=inner)]
+        holder, path = inner, "/v1/pay"
+    else:
+        routes = [Host("test", app=inner)]
+        holder, path = inner, "/pay"
+    app = Starlette(
+        routes=routes,
+        middleware=[
+            Middleware(AuthenticationMiddleware, backend=BearerBackend()),
+            Middleware(IdempotencyMiddleware, store=MemoryStore()),
+        ],
+    )
+    router = app.router if holder is None else holder
+    async with client(app) as c:
+        assert (await c.post(path, json={})).status_code == 404
+        router.routes = [*router.routes, Route("/pay", counted, methods=["POST"])]
+        unkeyed = await c.post(path, json={})
+        assert unkeyed.status_code == 400, unkeyed.text  # guarded: no key, refused
+        for _ in range(2):
+            assert (await c.post(path, json={}, headers=key("k"))).status_code == 200
+    assert ran == ["pay"]

@@ -1,0 +1,139 @@
+"""The middleware's route cache: what a resolution depended on (`Trace`), and the entries that
+keep it (per app, method, root path, path and Host) while it holds. A route list added to or
+removed from at run time, or replaced (`app.router.routes = [...]`), resolves the paths under it
+again; a match that asked a route whose `matches` may read more than the cache's key (a custom
+route class: a version header, say) is not kept at all."""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+from typing import Any, cast
+
+from starlette.routing import Host, Mount, Route, WebSocketRoute
+
+from .fingerprint import Fingerprinter
+from .policy import Policy
+from .route_candidates import Memo, router_lists
+
+#: Resolved routes kept per (app, method, root path, path, host): a request to a path seen
+#: before skips the route walk. Cleared when full (paths with ids in them are all distinct).
+ROUTE_CACHE_SIZE = 1024
+
+#: The longest root path, path and Host header, together, whose resolution is kept: ids in paths
+#: are short, and a server takes paths of 64 KB (uvicorn with httptools): cached, 1,024 of them,
+#: each kept twice (the key, the fingerprinter's parameters), held 130 MB of a worker for good.
+CACHED_KEY_LENGTH = 1024
+
+#: A guarded path as the cache keeps it: its requests' fingerprinter (the path's parameters in
+#: it), its policy, its operation's name and its body limit (body_limits).
+Guarded = tuple[Fingerprinter, Policy, str, int | None]
+#: The cache's entry for a request the middleware passes on (compared by identity).
+UNGUARDED = cast(Guarded, ())
+#: The entry for a request whose own method or path names an operation no record can hold.
+UNNAMEABLE = cast(Guarded, (None,))
+
+
+def _pure_matches() -> frozenset[Any]:
+    """The `matches` whose answer depends only on what the middleware's route cache keys on (the
+    method, the path and root path, the Host header). A custom route class's may read anything
+    in the scope (a version header, say): a request matched past one is resolved every time."""
+    found: set[Any] = {Route.matches, Mount.matches, Host.matches, WebSocketRoute.matches}
+    try:
+        from fastapi import routing
+    except ImportError:  # pragma: no cover - FastAPI is optional
+        return frozenset(found)
+    for name in ("APIRoute", "APIWebSocketRoute", "_IncludedRouter"):
+        matches = getattr(getattr(routing, name, None), "matches", None)
+        if matches is not None:
+            found.add(matches)
+    return frozenset(found)
+
+
+_PURE_MATCHES = _pure_matches()
+
+
+class Trace:
+    """What a match depended on, for the route cache: the route lists it walked (the match
+    holds while their lengths do: a route added or removed at run time resolves the paths
+    under it again), and whether it asked a route whose answer may change with more than the
+    cache's key (`volatile`: the match is not cached)."""
+
+    __slots__ = ("_walked", "memo", "volatile")
+
+    def __init__(self, memo: Memo | None = None) -> None:
+        #: The lists walked, by identity (each is alive while the trace is: ids stay unique),
+        #: each with what holds it (see `walked`).
+        self._walked: dict[int, tuple[Any, Sequence[Any]]] = {}
+        self.volatile = False
+        #: What the walk works out once (the middleware's: see route_candidates.Memo).
+        self.memo = memo
+
+    @property
+    def lists(self) -> tuple[Sequence[Any], ...]:
+        """The route lists walked, in the order first walked."""
+        return tuple(routes for _, routes in self._walked.values())
+
+    @property
+    def holders(self) -> tuple[Any, ...]:
+        """What holds each of `lists` as its `routes`: a list replaced by another
+        (`app.router.routes = [...]`) is not the holder's any more."""
+        return tuple(holder for holder, _ in self._walked.values())
+
+    def walked(self, routes: Sequence[Any], router: Any = None) -> None:
+        """`routes` walked: `router`'s own (a Router), or one whose holder is not known (an
+        included router's lists: seen by their lengths alone)."""
+        if id(routes) not in self._walked:
+            self._walked[id(routes)] = (Listed(routes) if router is None else router, routes)
+
+    def asked(self, route: Any) -> None:
+        if type(route).matches not in _PURE_MATCHES:
+            self.volatile = True
+        elif hasattr(route, "original_router"):
+            self.included(route)  # matched or not: a route added to it may match next time
+
+    def included(self, route: Any) -> None:
+        """An included FastAPI router's lists: its router's and those of routers it includes."""
+        lists = router_lists(route, self.memo)
+        if lists is None:
+            self.volatile = True  # a FastAPI whose included routers look otherwise
+            return
+        for routes in lists:
+            self.walked(routes)
+
+
+class Listed:
+    """A route list's holder where no router is known to hold it: the list itself, for good."""
+
+    __slots__ = ("routes",)
+
+    def __init__(self, routes: Sequence[Any]) -> None:
+        self.routes = routes
+
+
+#: The holders of the route lists a resolution walked besides the first, the lists, and their
+#: lengths then.
+_Others = tuple[tuple[Any, ...], tuple[Any, ...], tuple[int, ...]]
+#: A route cache entry: the resolution; the first route list walked, what holds it (its Router,
+#: see `Trace.walked`) and its length then; the others', or None (no other: one list is checked
+#: at a fraction of the cost). A list replaced by another, or of another length, resolves the
+#: path again (the middleware checks the first list inline: `unchanged` checks the others).
+Entry = tuple[Guarded, Any, Sequence[Any], int, _Others | None]
+_ROUTES = operator.attrgetter("routes")
+#: The holder of the empty route list of an app whose routes cannot be seen.
+_NO_ROUTES = Listed(())
+
+
+def entry(guarded: Guarded, trace: Trace) -> Entry:
+    """The cache's entry for `guarded`, resolved as `trace` saw it."""
+    holder, *holders = trace.holders or (_NO_ROUTES,)
+    first, *others = trace.lists or (_NO_ROUTES.routes,)
+    rest = (tuple(holders), tuple(others), tuple(map(len, others))) if others else None
+    return guarded, holder, first, len(first), rest
+
+
+def unchanged(others: _Others) -> bool:
+    """The route lists a cached resolution walked besides the first are their holders' still,
+    and of the same lengths."""
+    holders, lists, lengths = others
+    return tuple(map(_ROUTES, holders)) == lists and tuple(map(len, lists)) == lengths
