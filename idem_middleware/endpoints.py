@@ -20,6 +20,9 @@ POLICY_ATTRIBUTE = "__idempotency_policy__"
 #: On a function `@idempotent` wrapped: the wrapper that carries its policy. A route registered
 #: with the function itself (the decorator above `@app.post`) has no policy (see startup).
 WRAPPER_ATTRIBUTE = "__idempotency_wrapper__"
+#: Set by the startup check on a decorated endpoint's wrapper that a route serves with a safe
+#: method (`@app.api_route(..., methods=["GET", "POST"])`): it runs under `Handled.SAFE`.
+SAFE_ATTRIBUTE = "__idempotency_serves_safe__"
 
 #: How many `functools.partial` layers are looked through for an endpoint's policy.
 _MAX_PARTIALS = 32
@@ -36,6 +39,10 @@ class Handled(IntEnum):
     #: Passed on because the route the middleware found (if any) has no guarding policy: an
     #: endpoint with one reached this way is one the middleware could not see.
     UNSEEN = 2
+    #: Passed on as a safe method (never guarded): a decorated endpoint runs under it only if
+    #: a route of its serves a safe method (`SAFE_ATTRIBUTE`); else a middleware inside made
+    #: the request another (a method override: `GET` to `POST`).
+    SAFE = 3
 
 
 #: Set by IdempotencyMiddleware around a request it passes to the app unguarded; a guarded
@@ -60,6 +67,17 @@ def endpoint_policy(endpoint: Any, method: str | None = None) -> Policy | None:
     if policy is None and method is not None and _endpoint_class(endpoint):
         policy = getattr(getattr(endpoint, method.lower(), None), POLICY_ATTRIBUTE, None)
     return policy if isinstance(policy, Policy) else None
+
+
+def serves_safe(endpoint: Any) -> None:
+    """`endpoint` (a route's, through `functools.partial`) is served with a safe method: a
+    decorated one of ours runs under `Handled.SAFE` (see there)."""
+    for _ in range(_MAX_PARTIALS):
+        if not isinstance(endpoint, functools.partial):
+            break
+        endpoint = endpoint.func
+    if getattr(getattr(endpoint, "__wrapped__", None), WRAPPER_ATTRIBUTE, None) is endpoint:
+        setattr(endpoint, SAFE_ATTRIBUTE, True)
 
 
 def _endpoint_class(endpoint: Any) -> bool:
@@ -102,6 +120,14 @@ def _require_middleware(endpoint: F) -> F:
     name = f"{endpoint.__module__}.{endpoint.__qualname__}"
 
     def refuse(handled: Handled) -> ConfigurationError:
+        if handled is Handled.SAFE:
+            return ConfigurationError(
+                f"{name} has an idempotency policy, and no route serves it with a safe method, "
+                "but the IdempotencyMiddleware passed this request on as one (GET, HEAD, OPTIONS "
+                "or TRACE, never guarded): a middleware inside it changed the method (a method "
+                "override); it was not run, rather than run unguarded. Add that middleware "
+                "outside the IdempotencyMiddleware."
+            )
         if handled is Handled.UNSEEN:
             return ConfigurationError(
                 f"{name} has an idempotency policy, but the IdempotencyMiddleware that passed "
@@ -122,7 +148,11 @@ def _require_middleware(endpoint: F) -> F:
         @functools.wraps(endpoint)
         async def guarded_async(*args: Any, **kwargs: Any) -> Any:
             handled = HANDLED.get()
-            if handled is not Handled.YES and current_context() is None:
+            if (
+                handled is not Handled.YES
+                and current_context() is None
+                and (handled is not Handled.SAFE or not hasattr(guarded_async, SAFE_ATTRIBUTE))
+            ):
                 raise refuse(handled)
             return await endpoint(*args, **kwargs)
 
@@ -131,7 +161,11 @@ def _require_middleware(endpoint: F) -> F:
     @functools.wraps(endpoint)
     def guarded(*args: Any, **kwargs: Any) -> Any:
         handled = HANDLED.get()
-        if handled is not Handled.YES and current_context() is None:
+        if (
+            handled is not Handled.YES
+            and current_context() is None
+            and (handled is not Handled.SAFE or not hasattr(guarded, SAFE_ATTRIBUTE))
+        ):
             raise refuse(handled)
         return endpoint(*args, **kwargs)
 

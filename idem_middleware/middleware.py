@@ -201,7 +201,8 @@ class IdempotencyMiddleware:
         method = scope["method"]
         if method in SAFE_METHODS or not self.enabled or SCOPE_KEY in scope:
             # (SCOPE_KEY: an outer IdempotencyMiddleware guards this request already.)
-            return self._pass_on(scope, receive, send, Handled.YES)
+            how = Handled.SAFE if method in SAFE_METHODS and self.enabled else Handled.YES
+            return self._pass_on(scope, receive, send, how)
         app = scope.get("app")
         by_name = header_map(scope)
         host = host_header(scope) if by_name is None else by_name.get(b"host")
@@ -244,7 +245,8 @@ class IdempotencyMiddleware:
         await IdempotencyMiddleware.__call__(self, scope, receive, send)
 
     async def _pass_on(self, scope: Scope, receive: Receive, send: Send, how: Handled) -> None:
-        # Decorated endpoints run only with Handled.YES or a claim (see endpoints.idempotent).
+        # Decorated endpoints run only with Handled.YES, SAFE (if served so) or a claim (see
+        # endpoints.idempotent).
         handled = HANDLED.set(how)
         try:
             await self.app(scope, receive, send)

@@ -14,7 +14,7 @@ from starlette.routing import BaseRoute, Host, Match, Mount, Router
 from starlette.types import Scope
 
 from .body_limits import declared_limit, limit_warning
-from .endpoints import WRAPPER_ATTRIBUTE, endpoint_policy
+from .endpoints import WRAPPER_ATTRIBUTE, endpoint_policy, serves_safe
 from .errors import NOT_OPEN, ConfigurationError
 from .library_routes import (
     ROUTE_OPERATIONS_ATTRIBUTE,
@@ -96,6 +96,8 @@ def check_app(mw: IdempotencyMiddleware, app: Any, scope: Scope | None = None) -
             errors.append(_decorated_above(item))
         _check_route_tenant(mw, item)
         explicit = endpoint_policy(item.endpoint)
+        if explicit is not None and item.methods is not None and item.methods & SAFE_METHODS:
+            serves_safe(item.endpoint)  # (its GET runs; a GET made a POST inside does not)
         methods = methods_of(item)
         unsafe = [m for m in methods if m not in SAFE_METHODS]
         if explicit is not None and explicit.guard and not unsafe:

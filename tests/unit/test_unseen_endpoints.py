@@ -203,6 +203,53 @@ async def test_a_decorated_endpoint_still_runs_for_a_safe_method_the_middleware_
     assert runs == ["GET", "POST"]
 
 
+class MethodOverride:
+    """`X-HTTP-Method-Override`, as such middleware does it: here inside the idempotency one
+    (the misconfiguration the startup check warns of)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        for name, value in scope.get("headers", ()):
+            if name == b"x-http-method-override":
+                scope = {**scope, "method": value.decode().upper()}
+        await self.app(scope, receive, send)
+
+
+@pytest.mark.parametrize("method", ["GET", "OPTIONS", "PUT"])
+async def test_a_safe_method_made_another_inside_the_middleware_does_not_run_a_decorated_endpoint(
+    method: str,
+) -> None:
+    """Found by probing: a PUT made a POST inside was refused, but a GET or OPTIONS made a POST
+    ran the `@idempotent` POST endpoint unguarded, once for each repeat of one key: a safe
+    method's pass-through was `Handled.YES`, which decorated endpoints took for handled."""
+    runs: list[str] = []
+
+    @idempotent()
+    async def pay(request: Request) -> JSONResponse:
+        runs.append(request.method)
+        return JSONResponse({"runs": len(runs)}, status_code=201)
+
+    app = Starlette(
+        routes=[Route("/pay", pay, methods=["POST"])],
+        middleware=[
+            Middleware(AuthenticationMiddleware, backend=BearerBackend()),
+            Middleware(IdempotencyMiddleware, store=MemoryStore()),
+            Middleware(MethodOverride),
+        ],
+    )
+    overridden = {"x-http-method-override": "POST", **key("k")}
+    async with client(app) as c:
+        answers = [await c.request(method, "/pay", json={}, headers=overridden) for _ in range(2)]
+    assert [answer.status_code for answer in answers] == [500, 500]
+    told = "did not find it" if method == "PUT" else "a middleware inside it changed the method"
+    async with _raising_client(app) as c:
+        with pytest.raises(ConfigurationError, match=told):
+            await c.request(method, "/pay", json={}, headers=overridden)
+    assert runs == []
+
+
 async def test_a_route_served_as_an_app_is_matched_with_its_own_path() -> None:
     """`Host(..., app=Mount("/v2", ...))`: the Mount matches the request itself (its path
     included); looked through as if it were a router, its `/v2` was lost and nothing matched."""
