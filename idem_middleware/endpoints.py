@@ -12,6 +12,8 @@ from enum import IntEnum
 from typing import Any, TypeVar
 
 from starlette.endpoints import HTTPEndpoint
+from starlette.requests import Request
+from starlette.types import Scope
 
 from .errors import ConfigurationError
 from .policy import Policy
@@ -20,9 +22,9 @@ POLICY_ATTRIBUTE = "__idempotency_policy__"
 #: On a function `@idempotent` wrapped: the wrapper that carries its policy. A route registered
 #: with the function itself (the decorator above `@app.post`) has no policy (see startup).
 WRAPPER_ATTRIBUTE = "__idempotency_wrapper__"
-#: Set by the startup check on a decorated endpoint's wrapper that a route serves with a safe
-#: method (`@app.api_route(..., methods=["GET", "POST"])`): it runs under `Handled.SAFE`.
-SAFE_ATTRIBUTE = "__idempotency_serves_safe__"
+
+#: The methods never guarded (RFC 9110's safe methods).
+SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "TRACE"})
 
 #: How many `functools.partial` layers are looked through for an endpoint's policy.
 _MAX_PARTIALS = 32
@@ -33,22 +35,21 @@ class Handled(IntEnum):
 
     #: No IdempotencyMiddleware passed this request on.
     NO = 0
-    #: Passed on unguarded by decision: a safe method, the middleware switched off, a key
-    #: optional and none sent, an outer middleware guarding it already.
+    #: Passed on unguarded by decision: the middleware switched off, a key optional and none
+    #: sent, an outer middleware guarding it already. (A safe method is passed on with its
+    #: scope instead: see `HANDLED`.)
     YES = 1
     #: Passed on because the route the middleware found (if any) has no guarding policy: an
     #: endpoint with one reached this way is one the middleware could not see.
     UNSEEN = 2
-    #: Passed on as a safe method (never guarded): a decorated endpoint runs under it only if
-    #: a route of its serves a safe method (`SAFE_ATTRIBUTE`); else a middleware inside made
-    #: the request another (a method override: `GET` to `POST`).
-    SAFE = 3
 
 
 #: Set by IdempotencyMiddleware around a request it passes to the app unguarded; a guarded
 #: request's endpoint runs under its claim's context instead. A decorated endpoint runs with
-#: either `Handled.YES` or a claim's context, and refuses to run otherwise (see `idempotent`).
-HANDLED: ContextVar[Handled] = ContextVar("idem_middleware.handled", default=Handled.NO)
+#: either `Handled.YES` or a claim's context, and refuses to run otherwise (see `idempotent`);
+#: a request of a safe method (never guarded) is passed on with its scope as the middleware got
+#: it, and runs a decorated endpoint while its method is still a safe one (`_method_changed`).
+HANDLED: ContextVar[Handled | Scope] = ContextVar("idem_middleware.handled", default=Handled.NO)
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -67,17 +68,6 @@ def endpoint_policy(endpoint: Any, method: str | None = None) -> Policy | None:
     if policy is None and method is not None and _endpoint_class(endpoint):
         policy = getattr(getattr(endpoint, method.lower(), None), POLICY_ATTRIBUTE, None)
     return policy if isinstance(policy, Policy) else None
-
-
-def serves_safe(endpoint: Any) -> None:
-    """`endpoint` (a route's, through `functools.partial`) is served with a safe method: a
-    decorated one of ours runs under `Handled.SAFE` (see there)."""
-    for _ in range(_MAX_PARTIALS):
-        if not isinstance(endpoint, functools.partial):
-            break
-        endpoint = endpoint.func
-    if getattr(getattr(endpoint, "__wrapped__", None), WRAPPER_ATTRIBUTE, None) is endpoint:
-        setattr(endpoint, SAFE_ATTRIBUTE, True)
 
 
 def _endpoint_class(endpoint: Any) -> bool:
@@ -119,14 +109,13 @@ def _require_middleware(endpoint: F) -> F:
 
     name = f"{endpoint.__module__}.{endpoint.__qualname__}"
 
-    def refuse(handled: Handled) -> ConfigurationError:
-        if handled is Handled.SAFE:
+    def refuse(handled: Handled | Scope) -> ConfigurationError:
+        if not isinstance(handled, Handled):
             return ConfigurationError(
-                f"{name} has an idempotency policy, and no route serves it with a safe method, "
-                "but the IdempotencyMiddleware passed this request on as one (GET, HEAD, OPTIONS "
-                "or TRACE, never guarded): a middleware inside it changed the method (a method "
-                "override); it was not run, rather than run unguarded. Add that middleware "
-                "outside the IdempotencyMiddleware."
+                f"{name} has an idempotency policy, but the IdempotencyMiddleware passed this "
+                "request on as a safe method (GET, HEAD, OPTIONS or TRACE: never guarded), and a "
+                "middleware inside it changed the method (a method override); it was not run, "
+                "rather than run unguarded. Add that middleware outside the IdempotencyMiddleware."
             )
         if handled is Handled.UNSEEN:
             return ConfigurationError(
@@ -151,7 +140,7 @@ def _require_middleware(endpoint: F) -> F:
             if (
                 handled is not Handled.YES
                 and current_context() is None
-                and (handled is not Handled.SAFE or not hasattr(guarded_async, SAFE_ATTRIBUTE))
+                and (isinstance(handled, Handled) or _method_changed(handled, args, kwargs))
             ):
                 raise refuse(handled)
             return await endpoint(*args, **kwargs)
@@ -164,12 +153,25 @@ def _require_middleware(endpoint: F) -> F:
         if (
             handled is not Handled.YES
             and current_context() is None
-            and (handled is not Handled.SAFE or not hasattr(guarded, SAFE_ATTRIBUTE))
+            and (isinstance(handled, Handled) or _method_changed(handled, args, kwargs))
         ):
             raise refuse(handled)
         return endpoint(*args, **kwargs)
 
     return _resolved_signature(guarded, endpoint)  # type: ignore[return-value]
+
+
+def _method_changed(scope: Scope, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether a request the middleware passed on as a safe method reaches the endpoint as
+    another: its scope changed in place, or the endpoint's `Request` (a Starlette endpoint's
+    argument, a FastAPI one's if it takes it) says so. (An override that copies the scope, before
+    a FastAPI endpoint without a `Request`, cannot be seen: the startup check warns of it.)"""
+    if scope.get("method") not in SAFE_METHODS:
+        return True
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, Request) and value.scope.get("method") not in SAFE_METHODS:
+            return True
+    return False
 
 
 def _resolved_signature(wrapper: Callable[..., Any], endpoint: Any) -> Callable[..., Any]:

@@ -200,8 +200,9 @@ class IdempotencyMiddleware:
             return store_checked(self, scope, receive, send)  # (a pool given, no lifespan)
         method = scope["method"]
         if method in SAFE_METHODS or not self.enabled or SCOPE_KEY in scope:
-            # (SCOPE_KEY: an outer IdempotencyMiddleware guards this request already.)
-            how = Handled.SAFE if method in SAFE_METHODS and self.enabled else Handled.YES
+            # (SCOPE_KEY: an outer IdempotencyMiddleware guards this request already. A safe
+            # method's scope: decorated endpoints run while it is one, see endpoints.HANDLED.)
+            how = scope if method in SAFE_METHODS and self.enabled else Handled.YES
             return self._pass_on(scope, receive, send, how)
         app = scope.get("app")
         by_name = header_map(scope)
@@ -244,9 +245,11 @@ class IdempotencyMiddleware:
         """`__call__` as a coroutine function of its own (see `__init__`)."""
         await IdempotencyMiddleware.__call__(self, scope, receive, send)
 
-    async def _pass_on(self, scope: Scope, receive: Receive, send: Send, how: Handled) -> None:
-        # Decorated endpoints run only with Handled.YES, SAFE (if served so) or a claim (see
-        # endpoints.idempotent).
+    async def _pass_on(
+        self, scope: Scope, receive: Receive, send: Send, how: Handled | Scope
+    ) -> None:
+        # Decorated endpoints run only with Handled.YES, a safe method's scope or a claim (see
+        # endpoints.HANDLED).
         handled = HANDLED.set(how)
         try:
             await self.app(scope, receive, send)

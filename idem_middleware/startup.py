@@ -14,7 +14,8 @@ from starlette.routing import BaseRoute, Host, Match, Mount, Router
 from starlette.types import Scope
 
 from .body_limits import declared_limit, limit_warning
-from .endpoints import WRAPPER_ATTRIBUTE, endpoint_policy, serves_safe
+from .endpoints import SAFE_METHODS as SAFE_METHODS
+from .endpoints import WRAPPER_ATTRIBUTE, endpoint_policy
 from .errors import NOT_OPEN, ConfigurationError
 from .library_routes import (
     ROUTE_OPERATIONS_ATTRIBUTE,
@@ -49,7 +50,6 @@ ON_ANOTHER_LOOP = (
     "the app runs on an event loop other than asyncio's (trio, say: `hypercorn -k trio`); the "
     "middleware runs on asyncio only: serve the app with an asyncio worker"
 )
-SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "TRACE"})
 #: The middleware's `methods` when none are given.
 DEFAULT_METHODS = frozenset({"POST", "PATCH"})
 
@@ -96,8 +96,6 @@ def check_app(mw: IdempotencyMiddleware, app: Any, scope: Scope | None = None) -
             errors.append(_decorated_above(item))
         _check_route_tenant(mw, item)
         explicit = endpoint_policy(item.endpoint)
-        if explicit is not None and item.methods is not None and item.methods & SAFE_METHODS:
-            serves_safe(item.endpoint)  # (its GET runs; a GET made a POST inside does not)
         methods = methods_of(item)
         unsafe = [m for m in methods if m not in SAFE_METHODS]
         if explicit is not None and explicit.guard and not unsafe:

@@ -250,6 +250,78 @@ async def test_a_safe_method_made_another_inside_the_middleware_does_not_run_a_d
     assert runs == []
 
 
+class InPlaceOverride(MethodOverride):
+    """The same, changing the scope it was given."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        for name, value in scope.get("headers", ()):
+            if name == b"x-http-method-override":
+                scope["method"] = value.decode().upper()
+        await self.app(scope, receive, send)
+
+
+async def test_a_fastapi_endpoint_without_a_request_is_refused_a_get_made_a_post_in_place() -> None:
+    """Without a `Request` among its arguments, the method it is reached by is read from the
+    scope the middleware passed on."""
+    runs: list[str] = []
+    app = FastAPI()
+
+    @app.post("/pay")
+    @idempotent()
+    async def pay() -> dict[str, int]:
+        runs.append("pay")
+        return {"runs": len(runs)}
+
+    app.add_middleware(InPlaceOverride)
+    app.add_middleware(IdempotencyMiddleware, store=MemoryStore())
+    app.add_middleware(AuthenticationMiddleware, backend=BearerBackend())
+    overridden = {"x-http-method-override": "POST", **key("k")}
+    async with client(app) as c:
+        answers = [await c.get("/pay", headers=overridden) for _ in range(2)]
+    assert [answer.status_code for answer in answers] == [500, 500]
+    assert runs == []
+
+
+async def test_a_decorated_endpoint_a_route_serves_with_get_runs_it_however_it_was_routed() -> None:
+    """A first version of the check above marked, at startup, the decorated endpoints a route
+    served with a safe method, and refused the others' GET: an endpoint behind a decorator of
+    the app's own, a route added at run time and one added in the app's lifespan were refused
+    their GET (500), which they had always answered."""
+    runs: list[str] = []
+
+    def logged(endpoint: Any) -> Any:
+        @functools.wraps(endpoint)
+        async def wrapper(*args: Any, **kwargs: Any) -> Any:
+            return await endpoint(*args, **kwargs)
+
+        return wrapper
+
+    app = FastAPI()
+
+    @app.api_route("/pay", methods=["GET", "POST"])
+    @logged
+    @idempotent()
+    async def pay() -> dict[str, int]:
+        runs.append("pay")
+        return {"runs": len(runs)}
+
+    @idempotent()
+    async def later() -> dict[str, int]:
+        runs.append("later")
+        return {"runs": len(runs)}
+
+    app.add_middleware(IdempotencyMiddleware, store=MemoryStore())
+    app.add_middleware(AuthenticationMiddleware, backend=BearerBackend())
+    async with client(app) as c:
+        assert (await c.get("/pay")).status_code == 200
+        app.add_api_route("/later", later, methods=["GET", "POST"])
+        assert (await c.get("/later")).status_code == 200
+        placed = await c.post("/later", headers=key("k"))
+        again = await c.post("/later", headers=key("k"))
+    assert_replay_of(again, placed)
+    assert runs == ["pay", "later", "later"]
+
+
 async def test_a_route_served_as_an_app_is_matched_with_its_own_path() -> None:
     """`Host(..., app=Mount("/v2", ...))`: the Mount matches the request itself (its path
     included); looked through as if it were a router, its `/v2` was lost and nothing matched."""
