@@ -133,7 +133,9 @@ def entry(guarded: Guarded, trace: Trace) -> Entry:
 
 
 def unchanged(others: _Others) -> bool:
-    """The route lists a cached resolution walked besides the first are their holders' still,
-    and of the same lengths."""
+    """The route lists a cached resolution walked besides the first are their holders' still
+    (the very lists: one replaced by an equal list, whose routes compare by path, endpoint and
+    methods, may differ in what it wraps), and of the same lengths."""
     holders, lists, lengths = others
-    return tuple(map(_ROUTES, holders)) == lists and tuple(map(len, lists)) == lengths
+    held = tuple(map(id, map(_ROUTES, holders)))  # (the lists are alive: their ids are theirs)
+    return held == tuple(map(id, lists)) and tuple(map(len, lists)) == lengths

@@ -366,3 +366,37 @@ async def test_a_route_list_replaced_by_another_is_seen_by_paths_asked_before(wh
         for _ in range(2):
             assert (await c.post(path, json={}, headers=key("k"))).status_code == 200
     assert ran == ["pay"]
+
+
+async def test_a_mounted_route_list_replaced_by_an_equal_one_is_seen() -> None:
+    """Starlette's routes compare by path, endpoint and methods: a list replaced by an equal one
+    whose route now has a body limit of its own was taken for the same list, and the cached
+    resolution (no limit) kept answering; the very list is compared now."""
+    from starlette.middleware.body_limit import RequestBodyLimitMiddleware
+
+    ran: list[str] = []
+    counted = endpoint_named("pay", ran)
+
+    def built(limit: int | None) -> Route:
+        limited = [Middleware(RequestBodyLimitMiddleware, max_body_size=limit)] if limit else None
+        return Route("/pay", counted, methods=["POST"], middleware=limited)
+
+    sub = Starlette(routes=[built(None)])
+    app = Starlette(
+        routes=[Mount("/sub", app=sub)],
+        middleware=[
+            Middleware(AuthenticationMiddleware, backend=BearerBackend()),
+            Middleware(IdempotencyMiddleware, store=MemoryStore()),
+        ],
+    )
+    body = {"content": b"y" * 100, "headers": {"content-type": "application/octet-stream"}}
+    async with client(app) as c:
+        first = await c.post("/sub/pay", content=b"x", headers=key("a"))
+        assert first.status_code == 200, first.text
+        sub.router.routes = [built(10)]
+        answer = await c.post(
+            "/sub/pay", content=body["content"], headers={**body["headers"], **key("b")}
+        )
+    assert answer.status_code == 413, answer.text
+    assert answer.headers["content-type"] == "application/problem+json"
+    assert ran == ["pay"]
