@@ -514,6 +514,50 @@ async def test_the_outbox_purge_index_built_concurrently_beforehand_is_kept(
         await conn.close()
 
 
+@pytest.mark.parametrize(
+    ("version", "index", "rows"),
+    [
+        (
+            9,
+            "idem_outbox_sent_idx",
+            "INSERT INTO idem_outbox (event_id, topic, payload, sent_at)"
+            " VALUES ('a', 't', '{}', now()), ('b', 't', '{}', now())",
+        ),
+        (
+            10,
+            "idem_inbox_received_idx",
+            "INSERT INTO idem_inbox (consumer, event_id, received_at)"
+            " VALUES ('c', 'a', now()), ('c', 'b', now())",
+        ),
+    ],
+    ids=["outbox", "inbox"],
+)
+async def test_an_index_built_beforehand_that_did_not_finish_is_built_again(
+    new_database: NewDatabase, version: int, index: str, rows: str
+) -> None:
+    """Found by probing: a CREATE INDEX CONCURRENTLY of the migration's index, by hand, that
+    failed or was cancelled leaves an invalid index of its name; the migration's `IF NOT EXISTS`
+    kept it, recorded itself applied, and purge went on reading the whole table."""
+    conn = await asyncpg.connect(await new_database())
+    try:
+        await migrate(conn)
+        await conn.execute(f"DROP INDEX {index}")
+        await conn.execute("DELETE FROM idem_schema_migrations WHERE version = $1", version)
+        await conn.execute(rows)
+        table = index.removesuffix("_sent_idx").removesuffix("_received_idx")
+        column = "topic" if version == 9 else "consumer"
+        with pytest.raises(asyncpg.UniqueViolationError):  # (the build fails: left invalid)
+            await conn.execute(f"CREATE UNIQUE INDEX CONCURRENTLY {index} ON {table} ({column})")
+        valid = f"SELECT indisvalid FROM pg_index WHERE indexrelid = '{index}'::regclass"
+        assert await conn.fetchval(valid) is False
+        assert await migrate(conn) == [version]
+        assert await conn.fetchval(valid) is True
+        definition = f"SELECT indexdef FROM pg_indexes WHERE indexname = '{index}'"
+        assert "UNIQUE" not in await conn.fetchval(definition)
+    finally:
+        await conn.close()
+
+
 async def test_a_database_a_newer_version_migrated_is_served_by_this_one(
     new_database: NewDatabase,
 ) -> None:

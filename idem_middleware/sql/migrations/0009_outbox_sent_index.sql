@@ -8,5 +8,17 @@
 -- against writes while it runs (a second or so per million events): migrate outside the busiest
 -- hour, or create the index by hand first with `CREATE INDEX CONCURRENTLY` under this name, and
 -- this migration leaves it as it is.
+-- A build by hand that did not finish (`CREATE INDEX CONCURRENTLY` cancelled, or timed out)
+-- leaves an invalid index of this name, which no query uses and `IF NOT EXISTS` would keep for
+-- good: it is dropped, and built again below.
+DO $idem$
+BEGIN
+    IF EXISTS (
+        SELECT FROM pg_index WHERE indexrelid = to_regclass('idem_outbox_sent_idx') AND NOT indisvalid
+    ) THEN
+        DROP INDEX idem_outbox_sent_idx;
+    END IF;
+END
+$idem$;
 CREATE INDEX IF NOT EXISTS idem_outbox_sent_idx ON idem_outbox (sent_at)
     WHERE sent_at IS NOT NULL;

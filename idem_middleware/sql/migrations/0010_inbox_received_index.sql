@@ -7,4 +7,16 @@
 -- Building it locks `idem_inbox` against writes while it runs (a second or so per million rows):
 -- migrate outside the busiest hour, or create the index by hand first with `CREATE INDEX
 -- CONCURRENTLY` under this name, and this migration leaves it as it is.
+-- A build by hand that did not finish (`CREATE INDEX CONCURRENTLY` cancelled, or timed out)
+-- leaves an invalid index of this name, which no query uses and `IF NOT EXISTS` would keep for
+-- good: it is dropped, and built again below.
+DO $idem$
+BEGIN
+    IF EXISTS (
+        SELECT FROM pg_index WHERE indexrelid = to_regclass('idem_inbox_received_idx') AND NOT indisvalid
+    ) THEN
+        DROP INDEX idem_inbox_received_idx;
+    END IF;
+END
+$idem$;
 CREATE INDEX IF NOT EXISTS idem_inbox_received_idx ON idem_inbox (received_at);
