@@ -161,7 +161,8 @@ async def _apply(conn: asyncpg.Connection[Any], migration: str, text: str) -> No
         raise ConfigurationError(
             f"migration {migration} was refused: {exc}; run `idem-middleware "
             "migrate` as the role that owns the idempotency schema's objects (the one "
-            "that ran the earlier migrations) or one that may create in its schema"
+            "that ran the earlier migrations; on a new schema, one that may create in it): "
+            "only their owner may alter or index them"
         ) from exc
     except _ALREADY_THERE as exc:
         raise ConfigurationError(

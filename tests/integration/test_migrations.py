@@ -613,3 +613,34 @@ async def test_inbox_rows_recorded_before_0010_are_purged_and_its_index_built_be
         assert await conn.fetchval("SELECT array_agg(event_id) FROM idem_inbox") == ["new"]
     finally:
         await conn.close()
+
+
+async def test_a_migration_refused_to_a_role_that_does_not_own_the_tables_says_the_owner(
+    new_database: NewDatabase,
+) -> None:
+    """Found by probing: the refusal advised a role "that may create in its schema" as well as
+    the owner, and such a role is refused again: 0011 alters a table, which only its owner may."""
+    dsn = await new_database()
+    conn = await asyncpg.connect(dsn)
+    role = f"idem_mig_creator_{uuid.uuid4().hex[:8]}"
+    try:
+        await migrate(conn)
+        await conn.execute("ALTER TABLE idem_requests DROP COLUMN reopened_generation")
+        await conn.execute("DELETE FROM idem_schema_migrations WHERE version = 11")
+        await conn.execute(f"CREATE ROLE {role} LOGIN")
+        await conn.execute(f"GRANT CREATE, USAGE ON SCHEMA public TO {role}")
+        await conn.execute(f"GRANT ALL ON ALL TABLES IN SCHEMA public TO {role}")
+        await conn.execute(f"GRANT ALL ON ALL SEQUENCES IN SCHEMA public TO {role}")
+        await conn.execute(f"GRANT EXECUTE ON ALL FUNCTIONS IN SCHEMA public TO {role}")
+        creator = await asyncpg.connect(dsn, user=role)
+        try:
+            with pytest.raises(ConfigurationError, match="migration 0011") as refused:
+                await migrate(creator)
+        finally:
+            await creator.close()
+        assert "only their owner may alter or index them" in str(refused.value)
+        assert "one that may create in its schema" not in str(refused.value)
+    finally:
+        await conn.execute(f"DROP OWNED BY {role}")
+        await conn.execute(f"DROP ROLE IF EXISTS {role}")
+        await conn.close()
