@@ -260,6 +260,33 @@ def _layers(app: Any) -> Iterator[type]:
         app = getattr(app, "app", None)
 
 
+def wrapped_root_path(mw: IdempotencyMiddleware) -> str | None:
+    """The error for a middleware wrapping, by hand, an app that sets its own root path as it is
+    called (`FastAPI(root_path="/api")`): the route is found before, by the server's root path,
+    and a request the router serves as `/pay` was looked for at `/api/pay`, found nowhere, and
+    run unguarded. (Added inside the app, the middleware sees the root path set.)"""
+    app: Any = mw.app
+    for _ in range(_MAX_WRAPPERS):
+        if app is None or isinstance(app, Router):
+            return None
+        root_path = getattr(app, "root_path", None)
+        if (
+            isinstance(root_path, str)
+            and root_path
+            and isinstance(getattr(app, "router", None), Router)
+        ):
+            return (
+                f"IdempotencyMiddleware wraps an app made with root_path={root_path!r}, which it "
+                "applies as it is called, after the middleware has found the request's route: "
+                "the route found is not the one it serves. Add the middleware inside the app "
+                "(idem_middleware.fastapi.install(app, ...), or app.add_middleware("
+                "IdempotencyMiddleware, ...)), or give the root path to the server instead "
+                "(uvicorn --root-path)"
+            )
+        app = getattr(app, "app", None)
+    return None
+
+
 def _www_redirect(entry: Any) -> bool:
     """Whether a middleware list entry is a TrustedHostMiddleware that redirects to `www.`."""
     if not _named(entry.cls, "TrustedHostMiddleware"):

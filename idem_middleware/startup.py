@@ -23,7 +23,12 @@ from .library_routes import (
     shared_names,
     tell_library_routes,
 )
-from .middleware_order import check_authentication, check_outer_middleware, middleware_inside
+from .middleware_order import (
+    check_authentication,
+    check_outer_middleware,
+    middleware_inside,
+    wrapped_root_path,
+)
 from .mounted import ignored_settings, methods_of, nested_policy_errors, stacked_policy_errors
 from .observe import shown
 from .policy import Mode, Policy, operation_name, pinned_method_error
@@ -152,6 +157,7 @@ def check_app(mw: IdempotencyMiddleware, app: Any, scope: Scope | None = None) -
     for warning in ignored_settings(mw, app, routes):
         logger.warning("idempotency: %s", warning)
     errors.extend(websocket_errors(routes))
+    errors.extend(error for error in [wrapped_root_path(mw)] if error is not None)
     if errors:
         raise ConfigurationError("; ".join(errors))
 

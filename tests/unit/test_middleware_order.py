@@ -9,6 +9,7 @@ middleware's own answers and a replay carries the first request's.
 from __future__ import annotations
 
 import logging
+import warnings
 
 import httpx
 import pytest
@@ -208,7 +209,9 @@ async def test_authentication_added_before_install_fails_a_fastapi_startup() -> 
     assert "AuthenticationMiddleware runs after Idempo" in await _startup_failure(app)
 
 
-async def _startup_failure(app: ASGIApp) -> str:
+async def _startup_failure(
+    app: ASGIApp, match: str = r"runs after|two IdempotencyMiddlewares"
+) -> str:
     """The message of the app's `lifespan.startup.failed`."""
     sent: list[Message] = []
     incoming = iter([{"type": "lifespan.startup"}])
@@ -219,7 +222,7 @@ async def _startup_failure(app: ASGIApp) -> str:
     async def send(message: Message) -> None:
         sent.append(message)
 
-    with pytest.raises(Exception, match=r"runs after|two IdempotencyMiddlewares"):
+    with pytest.raises(Exception, match=match):
         await app({"type": "lifespan", "asgi": {"version": "3.0"}}, receive, send)
     assert [m["type"] for m in sent] == ["lifespan.startup.failed"]
     message: str = sent[0]["message"]
@@ -455,3 +458,34 @@ async def test_authentication_wrapped_inside_the_middleware_fails_the_startup() 
     async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
         headers = {"authorization": f"Bearer {next(iter(TOKENS))}", "idempotency-key": "k"}
         assert (await client.post("/pay", content=b"{}", headers=headers)).status_code == 201
+
+
+async def test_wrapping_a_fastapi_app_with_a_root_path_of_its_own_fails_the_startup() -> None:
+    """Found by probing: `IdempotencyMiddleware(FastAPI(root_path="/api"), ...)`. FastAPI sets
+    the scope's root path as it is called, after the middleware found the route by the server's:
+    `POST /api/pay`, which the router serves as `/pay`, was looked for at `/api/pay`, found
+    nowhere, and ran with no key, and again for each repeat of one. Added inside, it is right."""
+    from fastapi import FastAPI
+
+    def api() -> FastAPI:
+        with warnings.catch_warnings():  # (deprecated in newer FastAPI, and applied all the same)
+            warnings.simplefilter("ignore")
+            made = FastAPI(root_path="/api")
+        made.add_api_route("/pay", pay, methods=["POST"])
+        return made
+
+    wrapped = IdempotencyMiddleware(api(), store=MemoryStore())
+    failure = await _startup_failure(wrapped, "root_path")  # type: ignore[arg-type]
+    assert "wraps an app made with root_path='/api'" in failure
+    inside = api()
+    inside.add_middleware(IdempotencyMiddleware, store=MemoryStore())
+    inside.add_middleware(AuthenticationMiddleware, backend=BearerBackend())
+    transport = httpx.ASGITransport(app=inside)
+    async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+        bearer = {"authorization": "Bearer demo-a"}
+        assert (await client.post("/api/pay", headers=bearer, content=b"{}")).status_code == 400
+        keyed = {**bearer, "idempotency-key": "k"}
+        first = await client.post("/api/pay", headers=keyed, content=b"{}")
+        again = await client.post("/api/pay", headers=keyed, content=b"{}")
+    assert first.status_code == again.status_code == 201
+    assert again.headers.get("idempotent-replayed") == "true"
