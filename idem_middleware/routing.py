@@ -269,7 +269,21 @@ def match_route(
             found = _within(_limit(route, memo), limit)
             return RouteMatch(prefix + path, child.get("path_params", {}), endpoint, *found)
         return Unresolved(f"a {type(route).__name__} under {prefix or '/'}", endpoint)
+    fallback = default_app(router)
+    if fallback is not None and (inner := routes_of(fallback)) is not None and inner is not routes:
+        # No route matched: the router hands the request to its `default` app as it is.
+        below = None if isinstance(fallback, BaseRoute) else router_of(fallback)
+        limit = _within(mounted_limit(fallback, memo=memo), limit)
+        return match_route(inner, scope, prefix, trace, limit, below)
     return None
+
+
+def default_app(router: Any) -> Any:
+    """A Router's `default` app, where a request no route matches goes; None for its own 404."""
+    default = getattr(router, "default", None)
+    if default is None or getattr(default, "__func__", None) is Router.not_found:
+        return None
+    return default
 
 
 def routed_above(scope: Scope, found: RouteMatch, trace: Trace | None = None) -> RouteMatch:

@@ -10,7 +10,7 @@ import logging
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from starlette.routing import BaseRoute, Host, Match, Mount, Router
+from starlette.routing import BaseRoute, Host, Match, Mount
 from starlette.types import Scope
 
 from .body_limits import declared_limit, limit_warning
@@ -35,6 +35,7 @@ from .policy import Mode, Policy, operation_name, pinned_method_error
 from .routing import (
     Found,
     Hidden,
+    default_app,
     match_route,
     mounted_app,
     mounted_limit,
@@ -87,9 +88,11 @@ def check_app(mw: IdempotencyMiddleware, app: Any, scope: Scope | None = None) -
     reachable: set[str] = set()
     router = mounted_limit(app if app is not None else mw.app, own=False)  # (FastAPI's app's)
     items = _named_above(routes, scope)
-    # A router's own `default` app (where a request no route matches goes) is seen no further.
-    default = getattr(router_of(app if app is not None else mw.app), "default", None)
-    if default is not None and getattr(default, "__func__", None) is not Router.not_found:
+    # A router's own `default` app (where a request no route matches goes), as requests reach it.
+    default = default_app(router_of(app if app is not None else mw.app))
+    if default is not None and (fallback := routes_of(default)) is not None:
+        items = [*items, *walk(fallback)]
+    elif default is not None:
         _report_hidden(mw, Hidden("the router's default app", default, False))
     endpoints = {id(item.endpoint) for item in items if isinstance(item, Found)}
     for item in items:
@@ -156,8 +159,7 @@ def check_app(mw: IdempotencyMiddleware, app: Any, scope: Scope | None = None) -
     errors += nested_policy_errors(mw.policy_for, routes) + stacked_policy_errors(mw, app, found)
     for warning in ignored_settings(mw, app, routes):
         logger.warning("idempotency: %s", warning)
-    errors.extend(websocket_errors(routes))
-    errors.extend(error for error in [wrapped_root_path(mw)] if error is not None)
+    errors += websocket_errors(routes) + [e for e in [wrapped_root_path(mw)] if e is not None]
     if errors:
         raise ConfigurationError("; ".join(errors))
 

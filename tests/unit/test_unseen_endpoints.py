@@ -169,7 +169,7 @@ async def test_a_decorated_endpoint_the_middleware_cannot_see_refuses_to_run(
         path = "/v2/refund"
     else:
         app = _guarded([Route("/new", lambda request: JSONResponse({}), methods=["POST"])])
-        app.router.default = sub
+        app.router.default = _Wrapper(sub)
         path = "/refund"
     async with client(app) as c:
         refused = [await c.post(path, json={"a": 1}, headers=key("k1")) for _ in range(2)]
@@ -183,6 +183,35 @@ async def test_a_decorated_endpoint_the_middleware_cannot_see_refuses_to_run(
         with pytest.raises(ConfigurationError, match="passed this request on did not find it"):
             await c.post(path, json={"a": 1}, headers=key("k1"))
     assert runs == []
+
+
+@pytest.mark.parametrize("decorated", [True, False])
+async def test_the_routes_of_a_routers_default_app_are_guarded_as_requests_reach_them(
+    decorated: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Found by probing: `Router(routes, default=legacy_app)`, where a request no route matches
+    goes. The middleware looked in the router's routes only: the legacy app's `POST /refund` ran
+    with no key, and again for each repeat of one (a decorated one was refused its every
+    request). Its routes are found as the router's own now, and listed at startup."""
+    caplog.set_level(logging.INFO, logger="idem_middleware")
+    legacy, runs = _refund_app()
+    if not decorated:  # (guarded by the middleware's default policy for POST)
+
+        async def refund(request: Request) -> JSONResponse:
+            runs.append(1)
+            return JSONResponse({"runs": len(runs)}, status_code=201)
+
+        legacy = Starlette(routes=[Route("/refund", refund, methods=["POST"])])
+    app = _guarded([Route("/new", lambda request: JSONResponse({}), methods=["POST"])])
+    app.router.default = legacy
+    async with client(app) as c:
+        unkeyed = await c.post("/refund", json={"a": 1})
+        placed = await c.post("/refund", json={"a": 1}, headers=key("k1"))
+        again = await c.post("/refund", json={"a": 1}, headers=key("k1"))
+    assert_problem(unkeyed, 400, "missing-key")
+    assert_replay_of(again, placed)
+    assert runs == [1]
+    assert "guarding POST /refund" in caplog.text
 
 
 async def test_a_decorated_endpoint_still_runs_for_a_safe_method_the_middleware_passes_on() -> None:
