@@ -237,7 +237,8 @@ def encode_headers(headers: Sequence[tuple[bytes, bytes]]) -> bytes:
     except (AttributeError, TypeError, ValueError):
         # A header that is not two bytes (a handler's `str`): no server sends it and no replay
         # would (sendable.py); the outcome is recorded without it, as the twin's replay has it.
-        kept = filter(_two_bytes, headers)
+        # (A `memoryview`, which servers send, is made `bytes` first: see responses._as_bytes.)
+        kept = [(bytes(n), bytes(v)) for n, v in filter(_two_bytes, headers)]
         return orjson.dumps([(n.decode("latin-1"), v.decode("latin-1")) for n, v in kept])
 
 
@@ -245,8 +246,8 @@ def _two_bytes(pair: Any) -> bool:
     return (
         type(pair) in (tuple, list)
         and len(pair) == 2
-        and isinstance(pair[0], (bytes, bytearray))
-        and isinstance(pair[1], (bytes, bytearray))
+        and isinstance(pair[0], (bytes, bytearray, memoryview))
+        and isinstance(pair[1], (bytes, bytearray, memoryview))
     )
 
 
