@@ -37,6 +37,13 @@ try:
 except ImportError:  # pragma: no cover - a Starlette without it: every candidate is asked
     _route_path = None  # type: ignore[assignment]
 
+
+def route_path(scope: Scope) -> str:
+    """The request's path within its root path, as Starlette's routes match it."""
+    path: str = scope.get("path", "")
+    return path if _route_path is None else _route_path(scope)
+
+
 #: The `matches` of classes whose path regex `_prefix` may read (Starlette's `Route` and
 #: `Mount`, FastAPI's `APIRoute`): each matches the path, relative to the root path, with it.
 _SEGMENTED = _PLAIN_MATCHES | {Mount.matches}

@@ -26,6 +26,7 @@ from .route_candidates import (
     candidates_and_filed,
     included_candidates,
     own_matches,
+    route_path,
 )
 
 _CONVERTER = re.compile(r":\w+}")
@@ -270,12 +271,35 @@ def match_route(
             return RouteMatch(prefix + path, child.get("path_params", {}), endpoint, *found)
         return Unresolved(f"a {type(route).__name__} under {prefix or '/'}", endpoint)
     fallback = default_app(router)
-    if fallback is not None and (inner := routes_of(fallback)) is not None and inner is not routes:
+    if (
+        fallback is not None
+        and (inner := routes_of(fallback)) is not None
+        and inner is not routes
+        and _handed_on(router, routes, scope, trace)
+    ):
         # No route matched: the router hands the request to its `default` app as it is.
         below = None if isinstance(fallback, BaseRoute) else router_of(fallback)
         limit = _within(mounted_limit(fallback, memo=memo), limit)
         return match_route(inner, scope, prefix, trace, limit, below)
     return None
+
+
+def _handed_on(router: Any, routes: Sequence[Any], scope: Scope, trace: Trace | None) -> bool:
+    """Whether a router none of whose routes matched the request FULL hands it to its default
+    app, as Starlette's does: not when a route takes it in part (its 405), nor when the path
+    with its trailing slash added or taken away matches (`redirect_slashes`: a redirect)."""
+    other = None
+    path, within = scope.get("path", ""), route_path(scope)
+    if getattr(router, "redirect_slashes", False) and within != "/":
+        other = {**scope, "path": path.rstrip("/") if within.endswith("/") else path + "/"}
+    for route in routes:
+        if trace is not None and type(route) not in PLAIN_ROUTES:
+            trace.asked(route)
+        if route.matches(scope)[0] is not Match.NONE:
+            return False
+        if other is not None and route.matches(other)[0] is not Match.NONE:
+            return False
+    return True
 
 
 def default_app(router: Any) -> Any:

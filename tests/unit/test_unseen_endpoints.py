@@ -214,6 +214,23 @@ async def test_the_routes_of_a_routers_default_app_are_guarded_as_requests_reach
     assert "guarding POST /refund" in caplog.text
 
 
+@pytest.mark.parametrize("own", ["GET /refund", "POST /refund/"])
+async def test_a_request_the_router_answers_itself_is_not_taken_for_its_default_apps(
+    own: str,
+) -> None:
+    """The router hands a request to its default app only when no route takes it in part (a
+    405 for another method) and its path with a slash added or taken away matches none (a
+    redirect): the default's `POST /refund` guards neither."""
+    legacy, runs = _refund_app()
+    method, path = own.split(" ")
+    app = _guarded([Route(path, lambda request: JSONResponse({}), methods=[method])])
+    app.router.default = legacy
+    async with client(app) as c:
+        answer = await c.post("/refund", json={"a": 1})  # (no key: guarded, it was a 400)
+    assert answer.status_code == (405 if method == "GET" else 307), answer.text
+    assert runs == []
+
+
 async def test_a_decorated_endpoint_still_runs_for_a_safe_method_the_middleware_passes_on() -> None:
     runs: list[str] = []
 
