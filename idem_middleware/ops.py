@@ -22,7 +22,7 @@ from .reconcile import Reconciler
 from .reconcile_batch import Held, unless_held
 from .reconcile_batch import ReconcileReport as ReconcileReport
 from .reconcile_batch import reconcile_unknown as reconcile_unknown
-from .routing import Found, routes_of
+from .routing import Found, default_routes, routes_of, walk
 from .startup import guarded_routes
 from .store.base import (
     FINAL_STATES,
@@ -265,8 +265,9 @@ def guarded_operations(app: Any) -> list[GuardedOperation]:
     if routes is None:
         return []
     middleware = find_middleware(app)
-    if middleware is not None:
-        found = guarded_routes(routes, middleware.policy_for)
+    if middleware is not None:  # (with its router's default app's routes, as startup lists them)
+        listed = [*walk(routes), *walk(default_routes(app) or ())]
+        found = guarded_routes(routes, middleware.policy_for, listed)
         return [GuardedOperation(m, i.template, i.path_format, p) for i, m, p in found]
     # Without a middleware of the app's own: endpoints with policies of their own, and what
     # the middleware of a Mount or of a mounted app guards below it.

@@ -302,6 +302,12 @@ def _handed_on(router: Any, routes: Sequence[Any], scope: Scope, trace: Trace | 
     return True
 
 
+def default_routes(app: Any) -> Sequence[BaseRoute] | None:
+    """The routes of the default app of `app`'s router (see `default_app`), if it can be seen."""
+    default = default_app(router_of(app))
+    return None if default is None else routes_of(default)
+
+
 def default_app(router: Any) -> Any:
     """A Router's `default` app, where a request no route matches goes; None for its own 404."""
     default = getattr(router, "default", None)

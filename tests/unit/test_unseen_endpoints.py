@@ -27,6 +27,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from idem_middleware import ConfigurationError, IdempotencyMiddleware, MemoryStore, Policy
 from idem_middleware.endpoints import endpoint_policy, idempotent, not_idempotent
+from idem_middleware.ops import collect_policies
 from idem_middleware.store import RecordKey
 from tests.apps import assert_problem, assert_replay_of, client, key
 from tests.apps.clients import BearerBackend
@@ -212,6 +213,7 @@ async def test_the_routes_of_a_routers_default_app_are_guarded_as_requests_reach
     assert_replay_of(again, placed)
     assert runs == [1]
     assert "guarding POST /refund" in caplog.text
+    assert "POST /refund" in collect_policies(app)  # (what the CLI and OpenAPI read)
 
 
 @pytest.mark.parametrize("own", ["GET /refund", "POST /refund/"])
