@@ -558,6 +558,49 @@ async def test_an_index_built_beforehand_that_did_not_finish_is_built_again(
         await conn.close()
 
 
+async def test_an_unfinished_index_of_another_schemas_installation_is_left_alone(
+    new_database: NewDatabase,
+) -> None:
+    """Found in review: the invalid index was looked up and dropped by its bare name, through
+    the search path: migrating a schema first on the path dropped another installation's."""
+    dsn = await new_database()
+    mine = {"search_path": '"Idem X", public'}
+    conn = await asyncpg.connect(dsn, server_settings={"search_path": '"Idem X"'})
+    try:
+        await conn.execute('CREATE SCHEMA "Idem X"')
+        assert await migrate(conn) == ALL_VERSIONS
+        await conn.execute("DROP INDEX idem_outbox_sent_idx")
+        await conn.execute("DELETE FROM idem_schema_migrations WHERE version = 9")
+    finally:
+        await conn.close()
+    conn = await asyncpg.connect(dsn)
+    try:
+        await migrate(conn)  # (another installation, in public)
+        await conn.execute("DROP INDEX idem_outbox_sent_idx")
+        await conn.execute(
+            "INSERT INTO idem_outbox (event_id, topic, payload, sent_at)"
+            " VALUES ('a', 't', '{}', now()), ('b', 't', '{}', now())"
+        )
+        with pytest.raises(asyncpg.UniqueViolationError):
+            await conn.execute(
+                "CREATE UNIQUE INDEX CONCURRENTLY idem_outbox_sent_idx ON idem_outbox (topic)"
+            )
+    finally:
+        await conn.close()
+    conn = await asyncpg.connect(dsn, server_settings=mine)
+    try:
+        assert await migrate(conn) == [9]
+        valid = await conn.fetch(
+            "SELECT n.nspname, i.indisvalid FROM pg_index i"
+            " JOIN pg_class c ON c.oid = i.indexrelid"
+            " JOIN pg_namespace n ON n.oid = c.relnamespace"
+            " WHERE c.relname = 'idem_outbox_sent_idx' ORDER BY 1"
+        )
+        assert [tuple(row) for row in valid] == [("Idem X", True), ("public", False)]
+    finally:
+        await conn.close()
+
+
 async def test_a_database_a_newer_version_migrated_is_served_by_this_one(
     new_database: NewDatabase,
 ) -> None:

@@ -12,11 +12,14 @@
 -- leaves an invalid index of this name, which no query uses and `IF NOT EXISTS` would keep for
 -- good: it is dropped, and built again below.
 DO $idem$
+DECLARE
+    invalid regclass;  -- (found by the table this migration indexes, whatever schema holds it)
 BEGIN
-    IF EXISTS (
-        SELECT FROM pg_index WHERE indexrelid = to_regclass('idem_outbox_sent_idx') AND NOT indisvalid
-    ) THEN
-        DROP INDEX idem_outbox_sent_idx;
+    SELECT i.indexrelid::regclass INTO invalid
+    FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid
+    WHERE i.indrelid = 'idem_outbox'::regclass AND c.relname = 'idem_outbox_sent_idx' AND NOT i.indisvalid;
+    IF invalid IS NOT NULL THEN
+        EXECUTE format('DROP INDEX %s', invalid);
     END IF;
 END
 $idem$;
