@@ -298,7 +298,7 @@ class Exchange(ClientWatch):
         query = urlencode(fields)
         # Under the app's root path as the client addressed it, percent-encoded again (the scope
         # holds it decoded: a `%0D%0A` in a mount's parameter is no line break in the header).
-        root_path = quote(self.scope.get("root_path", ""), safe="/")
+        root_path = quote(self.mw.root_path_below or self.scope.get("root_path", ""), safe="/")
         location = f"{root_path}{self.mw.status_path}?{query}"
         self.started = True
         self.emit(Event.IN_FLIGHT)

@@ -25,6 +25,7 @@ from .fingerprint import Fingerprinter
 from .keys import header_map, host_header
 from .middleware_arguments import KILL_SWITCH_ENV as KILL_SWITCH_ENV
 from .middleware_arguments import METHOD, check_arguments, kill_switch_on, named_route
+from .middleware_order import root_path_below
 from .observe import Event, Observer, combine, shown
 from .policy import (
     MAX_OPERATION_BYTES,
@@ -122,6 +123,8 @@ class IdempotencyMiddleware:
             observers,
         )
         self.app = app
+        #: The root path a FastAPI app wrapped by hand sets as it is called (middleware_order).
+        self.root_path_below = root_path_below(app)
         self.store = store
         # The store's own checkouts (lease mode's) wait no longer for the pool than claims do.
         bound_checkouts = getattr(store, "bound_checkouts", None)
@@ -260,6 +263,8 @@ class IdempotencyMiddleware:
         """`_resolve`, kept in the route cache with the route lists it depended on, unless it
         depended on more than the cache's key (a custom route class: see route_cache.Trace)."""
         trace = Trace(self._route_memo)
+        if self.root_path_below:  # (the route found as the app will find it: see __init__)
+            scope = {**scope, "root_path": self.root_path_below}
         guarded = self._resolve(app, method, scope, trace)
         length = len(cache_key[2]) + len(cache_key[3]) + len(cache_key[4] or b"")
         if guarded is not None and not trace.volatile and length <= CACHED_KEY_LENGTH:

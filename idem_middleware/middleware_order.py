@@ -260,31 +260,19 @@ def _layers(app: Any) -> Iterator[type]:
         app = getattr(app, "app", None)
 
 
-def wrapped_root_path(mw: IdempotencyMiddleware) -> str | None:
-    """The error for a middleware wrapping, by hand, an app that sets its own root path as it is
-    called (`FastAPI(root_path="/api")`): the route is found before, by the server's root path,
-    and a request the router serves as `/pay` was looked for at `/api/pay`, found nowhere, and
-    run unguarded. (Added inside the app, the middleware sees the root path set.)"""
-    app: Any = mw.app
+def root_path_below(app: Any) -> str:
+    """The root path an app the middleware wraps by hand sets as it is called, after the
+    middleware has found the request's route (`FastAPI(root_path="/api")`); "" for none. The
+    route is found with it (`POST /api/pay` is the router's `/pay`): found with the server's,
+    it was found nowhere, and ran with no key."""
     for _ in range(_MAX_WRAPPERS):
         if app is None or isinstance(app, Router):
-            return None
+            return ""
         root_path = getattr(app, "root_path", None)
-        if (
-            isinstance(root_path, str)
-            and root_path
-            and isinstance(getattr(app, "router", None), Router)
-        ):
-            return (
-                f"IdempotencyMiddleware wraps an app made with root_path={root_path!r}, which it "
-                "applies as it is called, after the middleware has found the request's route: "
-                "the route found is not the one it serves. Add the middleware inside the app "
-                "(idem_middleware.fastapi.install(app, ...), or app.add_middleware("
-                "IdempotencyMiddleware, ...)), or give the root path to the server instead "
-                "(uvicorn --root-path)"
-            )
+        if isinstance(root_path, str) and isinstance(getattr(app, "router", None), Router):
+            return root_path
         app = getattr(app, "app", None)
-    return None
+    return ""
 
 
 def _www_redirect(entry: Any) -> bool:

@@ -27,7 +27,6 @@ from .middleware_order import (
     check_authentication,
     check_outer_middleware,
     middleware_inside,
-    wrapped_root_path,
 )
 from .mounted import ignored_settings, methods_of, nested_policy_errors, stacked_policy_errors
 from .observe import shown
@@ -159,7 +158,7 @@ def check_app(mw: IdempotencyMiddleware, app: Any, scope: Scope | None = None) -
     errors += nested_policy_errors(mw.policy_for, routes) + stacked_policy_errors(mw, app, found)
     for warning in ignored_settings(mw, app, routes):
         logger.warning("idempotency: %s", warning)
-    errors += websocket_errors(routes) + [e for e in [wrapped_root_path(mw)] if e is not None]
+    errors.extend(websocket_errors(routes))
     if errors:
         raise ConfigurationError("; ".join(errors))
 
