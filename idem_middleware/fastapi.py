@@ -23,7 +23,7 @@ from .errors import NO_CLAIM_HINT, ConfigurationError
 from .middleware import IdempotencyMiddleware
 from .openapi import document_openapi
 from .ops import GuardedOperation, find_middleware, guarded_operations
-from .routing import Found, mounted_app, routes_of, walk
+from .routing import Found, listed_routes, mounted_app, walk
 from .store.base import Store
 
 if TYPE_CHECKING:
@@ -139,7 +139,7 @@ def _document(schema: dict[str, Any], app: FastAPI, of: FastAPI) -> dict[str, An
 def _document_mounted(app: FastAPI) -> None:
     """Wrap the `openapi` of each FastAPI app mounted (at any depth) in `app` and served by its
     middleware; one with an IdempotencyMiddleware of its own is documented by its own."""
-    for sub, _ in _mounted(routes_of(app) or (), "", 0):
+    for sub, _ in _mounted(listed_routes(app) or (), "", 0):
         if getattr(sub.openapi, "__idem_documented__", False) or find_middleware(sub):
             continue
 
@@ -158,7 +158,7 @@ def _mounted(routes: Sequence[Any], prefix: str, depth: int) -> Iterator[tuple[F
         at = prefix + route.path if isinstance(route, Mount) else route.host + prefix
         if isinstance(mounted := mounted_app(route), FastAPI):
             yield mounted, at
-        yield from _mounted(routes_of(mounted) or (), at, depth + 1)
+        yield from _mounted(listed_routes(mounted) or (), at, depth + 1)
 
 
 def _operations(app: FastAPI, of: FastAPI) -> list[tuple[GuardedOperation, str]]:

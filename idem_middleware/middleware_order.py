@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from starlette.routing import BaseRoute, Host, Mount, Route, Router
 
 from .policy import Policy
-from .routing import _MAX_WRAPPERS, Found, _included, mounted_app, routes_of
+from .routing import _MAX_WRAPPERS, Found, _included, listed_routes, mounted_app
 from .tenant import AUTH_FIX, authenticated_user_tenant
 
 if TYPE_CHECKING:
@@ -222,7 +222,7 @@ def middleware_inside(
             yield from middleware_inside(mounted, guarded, prefix, depth)
         elif isinstance(route, Mount | Host) and depth < _MAX_WRAPPERS:
             where = prefix + route.path if isinstance(route, Mount) else route.host + prefix
-            inner = routes_of(mounted_app(route))
+            inner = listed_routes(mounted_app(route))
             below = (
                 [] if inner is None else list(middleware_inside(inner, guarded, where, depth + 1))
             )

@@ -14,7 +14,7 @@ from starlette.endpoints import HTTPEndpoint
 from starlette.routing import BaseRoute, Host, Mount
 
 from .library_routes import same_records
-from .routing import Found, _no_converters, mounted_app, routes_of, walk
+from .routing import Found, _no_converters, listed_routes, mounted_app, walk
 
 if TYPE_CHECKING:
     from .middleware import IdempotencyMiddleware
@@ -64,7 +64,7 @@ def mounted_middlewares(
         if not isinstance(route, Mount | Host):
             continue
         below = mounted_app(route)
-        inner = routes_of(below)
+        inner = listed_routes(below)
         if inner is None:
             continue
         found = find_middleware(route.app) or find_middleware(below)

@@ -18,7 +18,7 @@ from .ops import GuardedOperation, find_middleware, guarded_operations
 from .outcomes import RELEASE_STATUSES
 from .policy import Policy
 from .responses import DEFAULT_PROBLEM_BASE, problem_status, problem_title
-from .routing import Found, routes_of, walk
+from .routing import Found, listed_routes, walk
 
 PROBLEM_SCHEMA = "IdempotencyProblem"
 _PROBLEM_REF = {"$ref": f"#/components/schemas/{PROBLEM_SCHEMA}"}
@@ -159,7 +159,7 @@ def header_parameter(
 def _token_path(app: Any) -> str | None:
     """Where the app serves its token route (the first, as the router tries them), if it has
     one that can be seen."""
-    for item in walk(routes_of(app) or ()):
+    for item in walk(listed_routes(app) or ()):
         if not isinstance(item, Found):
             continue
         operations = getattr(item.endpoint, ROUTE_OPERATIONS_ATTRIBUTE, None)

@@ -22,7 +22,7 @@ from .reconcile import Reconciler
 from .reconcile_batch import Held, unless_held
 from .reconcile_batch import ReconcileReport as ReconcileReport
 from .reconcile_batch import reconcile_unknown as reconcile_unknown
-from .routing import Found, default_routes, routes_of, walk
+from .routing import Found, listed_routes
 from .startup import guarded_routes
 from .store.base import (
     FINAL_STATES,
@@ -261,13 +261,12 @@ def guarded_operations(app: Any) -> list[GuardedOperation]:
     own IdempotencyMiddleware exactly as at startup (`startup.guarded_routes`): through Host,
     Mount and included routers. Without a middleware, endpoints with their own policy, and the
     routes the middleware of a Mount or of a mounted app guards (`mounted.mounted_middlewares`)."""
-    routes = routes_of(app)
+    routes = listed_routes(app)  # (its router's default app's too)
     if routes is None:
         return []
     middleware = find_middleware(app)
-    if middleware is not None:  # (with its router's default app's routes, as startup lists them)
-        listed = [*walk(routes), *walk(default_routes(app) or ())]
-        found = guarded_routes(routes, middleware.policy_for, listed)
+    if middleware is not None:
+        found = guarded_routes(routes, middleware.policy_for)
         return [GuardedOperation(m, i.template, i.path_format, p) for i, m, p in found]
     # Without a middleware of the app's own: endpoints with policies of their own, and what
     # the middleware of a Mount or of a mounted app guards below it.

@@ -285,9 +285,9 @@ def match_route(
 
 
 def _handed_on(router: Any, routes: Sequence[Any], scope: Scope, trace: Trace | None) -> bool:
-    """Whether a router none of whose routes matched the request FULL hands it to its default
-    app, as Starlette's does: not when a route takes it in part (its 405), nor when the path
-    with its trailing slash added or taken away matches (`redirect_slashes`: a redirect)."""
+    """Whether a router with no FULL match hands the request to its default app, as Starlette's
+    does: not if a route takes it in part (a 405), or its path with a slash added or taken away
+    matches (`redirect_slashes`: a redirect)."""
     other = None
     path, within = scope.get("path", ""), route_path(scope)
     if getattr(router, "redirect_slashes", False) and within != "/":
@@ -302,18 +302,24 @@ def _handed_on(router: Any, routes: Sequence[Any], scope: Scope, trace: Trace | 
     return True
 
 
-def default_routes(app: Any) -> Sequence[BaseRoute] | None:
-    """The routes of the default app of `app`'s router (see `default_app`), if it can be seen."""
-    default = default_app(router_of(app))
-    return None if default is None else routes_of(default)
+class DefaultMount(Mount):
+    """A router's default app, listed as a Mount in the router's place, after its routes."""
+
+
+def listed_routes(app: Any) -> Sequence[BaseRoute] | None:
+    """`routes_of(app)`, and its router's default app after them (`match_route` finds requests
+    there as the router hands them on): what startup, the CLI and OpenAPI list."""
+    routes = routes_of(app)
+    default = None if routes is None else default_app(router_of(app))
+    if routes is None or default is None:
+        return routes
+    return [*routes, DefaultMount("", app=default)]
 
 
 def default_app(router: Any) -> Any:
     """A Router's `default` app, where a request no route matches goes; None for its own 404."""
     default = getattr(router, "default", None)
-    if default is None or getattr(default, "__func__", None) is Router.not_found:
-        return None
-    return default
+    return None if getattr(default, "__func__", None) is Router.not_found else default
 
 
 def routed_above(scope: Scope, found: RouteMatch, trace: Trace | None = None) -> RouteMatch:
@@ -373,9 +379,12 @@ def walk(
                 path, inner_shown = prefix + route.path, shown + _no_converters(route.path)
             else:
                 path, inner_shown = route.host + prefix, shown
-            inner = routes_of(mounted := mounted_app(route))
+            inner = listed_routes(mounted := mounted_app(route))
             if inner is None:
-                yield Hidden(f"{path or '/'} (a mounted {type(mounted).__name__})", None, False)
+                named = f"{path or '/'} (a mounted {type(mounted).__name__})"
+                if isinstance(route, DefaultMount):
+                    named = "the router's default app" + (f" under {path}" if path else "")
+                yield Hidden(named, None, False)
             else:
                 yield from walk(inner, path, inner_shown)
         else:

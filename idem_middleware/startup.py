@@ -34,12 +34,10 @@ from .policy import Mode, Policy, operation_name, pinned_method_error
 from .routing import (
     Found,
     Hidden,
-    default_app,
+    listed_routes,
     match_route,
     mounted_app,
     mounted_limit,
-    router_of,
-    routes_of,
     tighter,
     walk,
 )
@@ -67,9 +65,9 @@ def check_app(mw: IdempotencyMiddleware, app: Any, scope: Scope | None = None) -
         asyncio.get_running_loop()  # (its waits, timers and tasks, and asyncpg's, are asyncio's)
     except RuntimeError:
         raise ConfigurationError(ON_ANOTHER_LOOP) from None
-    routes = routes_of(app) if app is not None else None
+    routes = listed_routes(app) if app is not None else None
     if routes is None:
-        routes = routes_of(mw.app)
+        routes = listed_routes(mw.app)
     if routes is None:
         logger.warning("idempotency: no router found behind the middleware; nothing is guarded")
         return
@@ -87,12 +85,6 @@ def check_app(mw: IdempotencyMiddleware, app: Any, scope: Scope | None = None) -
     reachable: set[str] = set()
     router = mounted_limit(app if app is not None else mw.app, own=False)  # (FastAPI's app's)
     items = _named_above(routes, scope)
-    # A router's own `default` app (where a request no route matches goes), as requests reach it.
-    default = default_app(router_of(app if app is not None else mw.app))
-    if default is not None and (fallback := routes_of(default)) is not None:
-        items = [*items, *walk(fallback)]
-    elif default is not None:
-        _report_hidden(mw, Hidden("the router's default app", default, False))
     endpoints = {id(item.endpoint) for item in items if isinstance(item, Found)}
     for item in items:
         if isinstance(item, Hidden):
@@ -345,13 +337,13 @@ def _serves(routes: Sequence[BaseRoute], scope: dict[str, Any]) -> object:
     for route in routes:
         found: object
         if isinstance(route, Host):
-            inner = routes_of(mounted_app(route))
+            inner = listed_routes(mounted_app(route))
             found = None if inner is None else _serves(inner, scope)
         elif isinstance(route, Mount):
             match, child = route.matches(scope)
             if match is not Match.FULL:
                 continue
-            inner = routes_of(mounted_app(route))
+            inner = listed_routes(mounted_app(route))
             # The router hands the request to the first mount that matches, found or not.
             return None if inner is None else _serves(inner, {**scope, **child})
         else:

@@ -11,7 +11,7 @@ from starlette.routing import BaseRoute, Host, Mount, WebSocketRoute
 
 from .endpoints import endpoint_policy
 from .policy import Mode, Policy, operation_name
-from .routing import _MAX_WRAPPERS, Found, _included, mounted_app, routes_of
+from .routing import _MAX_WRAPPERS, Found, _included, listed_routes, mounted_app
 
 
 def _dependency_calls(dependant: Any, overrides: Any = None) -> Iterator[Callable[..., Any]]:
@@ -149,4 +149,4 @@ def _websocket_claims(
             yield from _websocket_claims(inner, prefix, depth)
         elif isinstance(route, Mount | Host) and depth < _MAX_WRAPPERS:
             where = prefix + route.path if isinstance(route, Mount) else route.host + prefix
-            yield from _websocket_claims(routes_of(mounted_app(route)) or (), where, depth + 1)
+            yield from _websocket_claims(listed_routes(mounted_app(route)) or (), where, depth + 1)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import re
 from typing import Any, ClassVar
 
 import httpx
@@ -22,7 +23,7 @@ from starlette.middleware import Middleware
 from starlette.middleware.authentication import AuthenticationMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse
-from starlette.routing import Host, Mount, Route
+from starlette.routing import Host, Mount, Route, Router
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from idem_middleware import ConfigurationError, IdempotencyMiddleware, MemoryStore, Policy
@@ -231,6 +232,32 @@ async def test_a_request_the_router_answers_itself_is_not_taken_for_its_default_
         answer = await c.post("/refund", json={"a": 1})  # (no key: guarded, it was a 400)
     assert answer.status_code == (405 if method == "GET" else 307), answer.text
     assert runs == []
+
+
+async def test_a_default_app_is_checked_and_listed_as_a_mounted_app_is() -> None:
+    """Found in review: a default app's own authentication (inside the middleware: every guarded
+    request a 500) and its own middleware's policies passed the startup check, which a Mount of
+    the same app fails; and a default below a Mount, or a default's own default, was guarded
+    but not listed (the CLI's reconcilers and `policies` keys could not name it)."""
+    legacy, _ = _refund_app()
+    legacy.user_middleware.insert(0, Middleware(AuthenticationMiddleware, backend=BearerBackend()))
+    app = Starlette(  # (no authentication outside: the default app's own comes too late)
+        routes=[Route("/new", lambda request: JSONResponse({}), methods=["GET"])],
+        middleware=[Middleware(IdempotencyMiddleware, store=MemoryStore())],
+    )
+    app.router.default = legacy
+    async with _raising_client(app) as c:
+        with pytest.raises(ConfigurationError, match="AuthenticationMiddleware is declared on /"):
+            await c.post("/refund", json={"a": 1}, headers=key("k1"))
+    below, _ = _refund_app()
+    chained, _ = _refund_app()
+    chained.router.routes[0].path = "/old"  # type: ignore[attr-defined]
+    chained.router.routes[0].path_regex = re.compile("^/old$")  # type: ignore[attr-defined]
+    below.router.default = chained
+    nested = Router([Route("/new", lambda request: JSONResponse({}), methods=["POST"])])
+    nested.default = below
+    app = _guarded([Mount("/api", app=nested)])
+    assert {"POST /api/refund", "POST /api/old"} <= set(collect_policies(app))
 
 
 async def test_a_decorated_endpoint_still_runs_for_a_safe_method_the_middleware_passes_on() -> None:
