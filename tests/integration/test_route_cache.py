@@ -11,7 +11,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from idem_middleware import IdempotencyMiddleware, MemoryStore, get_context
-from idem_middleware.middleware import _ROUTE_CACHE_SIZE
+from idem_middleware.route_cache import ROUTE_CACHE_SIZE as _ROUTE_CACHE_SIZE
 from tests.apps import BearerBackend, client, idempotency_middleware, key
 
 
