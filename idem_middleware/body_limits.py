@@ -25,12 +25,15 @@ reads, and the innermost limit is in force, as in the bare app (`in_force`).
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any, TypeGuard
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 from starlette.routing import Router
 from starlette.types import Scope
 
 from .policy import DEFAULT_MAX_BODY_BYTES, Policy
+
+if TYPE_CHECKING:
+    from .route_candidates import Memo
 
 #: The limiter Starlette's `RequestBodyLimitMiddleware` leaves in the scope while it counts the
 #: body (a private key: when a Starlette renames it, an app-level limit stays in force while the
@@ -125,7 +128,7 @@ def limit_warning(
 ) -> str | None:
     """The startup warning for a guarded route that accepts larger bodies (`declared`, its own
     `max_body_size`) than a guarded request to it can send (`enforced`: the least limit on the
-    way, see `routing.tighter`; the policy's `max_body_bytes`)."""
+    way, see `tighter`; the policy's `max_body_bytes`)."""
     if declared is None:
         return None
     cap = capped(policy, enforced).max_body_bytes
@@ -146,3 +149,32 @@ def limit_warning(
         f"{operation} accepts request bodies up to {declared} bytes (its max_body_size), but "
         f"guarded requests over {cap} get 413: {fix}"
     )
+
+
+def mounted_limit(app: Any, own: bool = True, memo: Memo | None = None) -> int | None:
+    """The limits of what a Mount or Host dispatches to: a Router's, or a mounted Starlette or
+    FastAPI app's (`own`: its app-level `max_body_size`, besides its router's), behind any
+    middleware. (`memo`: see route_candidates.Memo.)"""
+    for _ in range(_MAX_WRAPPERS):
+        if app is None:
+            return None
+        if isinstance(app, Router):
+            return _limit_of(app, memo)
+        router = getattr(app, "router", None)
+        if isinstance(router, Router):
+            return tighter(_limit_of(router, memo), _limit_of(app, memo) if own else None)
+        app = getattr(app, "app", None)
+    return None
+
+
+def _limit_of(obj: Any, memo: Memo | None) -> int | None:
+    return declared_limit(obj, None if memo is None else memo.limits)
+
+
+def tighter(limit: int | None, outer: int | None) -> int | None:
+    """The body limit a request the middleware has read meets on its way to the route: each
+    limiter it passes refuses a body already read past its own, so the least of them (a bare
+    app's innermost limit replaces the enclosing ones, but they check before any byte is read)."""
+    if limit is None:
+        return outer
+    return limit if outer is None else min(limit, outer)

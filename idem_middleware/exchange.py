@@ -297,9 +297,9 @@ class Exchange(ClientWatch):
         fields += [] if fingerprint is None else [("request", request_digest(fingerprint))]
         query = urlencode(fields)
         # Under the app's root path as the client addressed it, percent-encoded again (the scope
-        # holds it decoded: a `%0D%0A` in a mount's parameter is no line break in the header).
+        # holds it decoded: `%0D%0A` is no line break), and one leading slash (`//x.example`...).
         root_path = quote(self.mw.root_path_below or self.scope.get("root_path", ""), safe="/")
-        location = f"{root_path}{self.mw.status_path}?{query}"
+        location = "/" + f"{root_path}{self.mw.status_path}?{query}".lstrip("/")
         self.started = True
         self.emit(Event.IN_FLIGHT)
         await send_accepted(self.send, location, self.policy.retry_after_seconds)

@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from .body_limits import capped, follow_route_limit, in_force
+from .body_limits import capped, follow_route_limit, in_force, mounted_limit
 from .capture import hide_sent_by_server
 from .context import SCOPE_KEY
 from .endpoints import HANDLED, Handled, endpoint_policy
@@ -53,7 +53,6 @@ from .routing import (
     Unresolved,
     app_below,
     match_route,
-    mounted_limit,
     routed_above,
     router_of,
 )

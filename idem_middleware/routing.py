@@ -16,7 +16,7 @@ from typing import Any
 from starlette.routing import BaseRoute, Host, Match, Mount, Route, Router, WebSocketRoute
 from starlette.types import Scope
 
-from .body_limits import declared_limit
+from .body_limits import declared_limit, mounted_limit, tighter
 from .policy import RouteMatch
 from .route_cache import Trace
 from .route_candidates import (
@@ -109,22 +109,6 @@ def mounted_app(route: Mount | Host) -> Any:
     return getattr(route, "_base_app", route.app)
 
 
-def mounted_limit(app: Any, own: bool = True, memo: Memo | None = None) -> int | None:
-    """The limits of what a Mount or Host dispatches to: a Router's, or a mounted Starlette or
-    FastAPI app's (`own`: its app-level `max_body_size`, besides its router's), behind any
-    middleware. (`memo`: see route_candidates.Memo.)"""
-    for _ in range(_MAX_WRAPPERS):
-        if app is None:
-            return None
-        if isinstance(app, Router):
-            return _limit(app, memo)
-        router = getattr(app, "router", None)
-        if isinstance(router, Router):
-            return tighter(_limit(router, memo), _limit(app, memo) if own else None)
-        app = getattr(app, "app", None)
-    return None
-
-
 def app_below(middleware: Any, app: Any) -> Any:
     """The app whose routes `middleware` guards: the request's app (`scope["app"]`) when the
     middleware is in that app's own stack, else the app it wraps (`middleware.app`). Never an
@@ -190,15 +174,6 @@ def _within(declared: int | None, limits: Limits) -> Limits:
     if declared is None:
         return limits
     return declared, tighter(declared, limits[1])
-
-
-def tighter(limit: int | None, outer: int | None) -> int | None:
-    """The body limit a request the middleware has read meets on its way to the route: each
-    limiter it passes refuses a body already read past its own, so the least of them (a bare
-    app's innermost limit replaces the enclosing ones, but they check before any byte is read)."""
-    if limit is None:
-        return outer
-    return limit if outer is None else min(limit, outer)
 
 
 def match_route(
@@ -340,12 +315,22 @@ def routed_above(scope: Scope, found: RouteMatch, trace: Trace | None = None) ->
         if isinstance(top, RouteMatch) and top.endpoint is found.endpoint:
             return top
     mounted = root_path[len(app_root_path) :] if root_path.startswith(app_root_path) else ""
-    if "\x00" in mounted or "\\" in mounted:
-        # A client's `%00` would reach PostgreSQL's `text`, which refuses NUL: escaped, with the
-        # backslash the escape starts with, so that no two paths share a name.
-        mounted = mounted.replace("\\", "\\\\").replace("\x00", "\\0")
+    if _UNNAMED.search(mounted):
+        # A client's `%00` would reach PostgreSQL's `text`, which refuses NUL, and no record's
+        # name takes a control character (the status resource refused its own Location): each
+        # escaped, with the backslash the escapes start with, so that no two paths share a name.
+        mounted = _UNNAMED.sub(_escaped, mounted)
     limits = found.body_limit, found.least_limit
     return RouteMatch(mounted + found.template, found.path_params, found.endpoint, *limits)
+
+
+#: What a concrete mounted path may not hold in an operation's name as it is (see routed_above).
+_UNNAMED = re.compile(r"[\x00-\x1f\x7f\\]")
+
+
+def _escaped(found: re.Match[str]) -> str:
+    char = found.group()
+    return "\\\\" if char == "\\" else "\\0" if char == "\x00" else f"\\x{ord(char):02x}"
 
 
 def walk(

@@ -10,16 +10,14 @@ import logging
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from starlette.routing import BaseRoute, Host, Match, Mount
+from starlette.routing import BaseRoute
 from starlette.types import Scope
 
-from .body_limits import declared_limit, limit_warning
+from .body_limits import declared_limit, limit_warning, mounted_limit, tighter
 from .endpoints import SAFE_METHODS as SAFE_METHODS
 from .endpoints import WRAPPER_ATTRIBUTE, endpoint_policy
 from .errors import NOT_OPEN, ConfigurationError
 from .library_routes import (
-    ROUTE_OPERATIONS_ATTRIBUTE,
-    GuardedOperations,
     shared_names,
     tell_library_routes,
 )
@@ -35,13 +33,10 @@ from .routing import (
     Found,
     Hidden,
     listed_routes,
-    match_route,
-    mounted_app,
-    mounted_limit,
-    tighter,
     walk,
 )
 from .startup_dependencies import dependency_errors, websocket_errors
+from .startup_status import status_route_errors
 from .tenant import ROUTE_RESOLVER_ATTRIBUTE, ROUTE_TENANTS_ATTRIBUTE, Tenants
 
 if TYPE_CHECKING:
@@ -145,7 +140,7 @@ def check_app(mw: IdempotencyMiddleware, app: Any, scope: Scope | None = None) -
         if (auth_error := check_authentication(mw, app, policies, inside)) is not None:
             errors.append(auth_error)
         check_outer_middleware(mw, app, inside)
-    errors.extend(_status_route_errors(mw, routes, guarded, items))
+    errors.extend(status_route_errors(mw, routes, found, items))
     errors.extend(_unserved_methods(mw, items))
     errors += nested_policy_errors(mw.policy_for, routes) + stacked_policy_errors(mw, app, found)
     for warning in ignored_settings(mw, app, routes):
@@ -265,94 +260,6 @@ def _report_hidden(mw: IdempotencyMiddleware, item: Hidden) -> None:
             shown(item.where),
             "non-safe" if policy is not None else "/".join(sorted(mw.methods)),
         )
-
-
-def _status_route_errors(
-    mw: IdempotencyMiddleware,
-    routes: Sequence[BaseRoute],
-    guarded: list[tuple[str, Policy]],
-    items: Sequence[Found | Hidden],
-) -> list[str]:
-    """A policy with `accept_while_in_flight` answers a duplicate with 202 + Location of the
-    status resource: some route of the app must serve it, or the client polls a 404 (and may
-    take it for "unknown request" and send it again under a new key). A route of the app's own
-    served there first shadows a status resource the app has: the client gets that route's
-    answer (an error); alone there, it may be the app's own status resource (a warning)."""
-    accepting = [name for name, policy in guarded if policy.accept_while_in_flight]
-    if not accepting:
-        return []
-    path = mw.status_path
-    served = _serves(routes, {"type": "http", "method": "GET", "path": path, "headers": []})
-    which = ", ".join(accepting)
-    if served is not None and served is not False:
-        if served is True or _is_status(served):
-            return []
-        name = getattr(served, "__qualname__", None) or type(served).__name__
-        shadowed = f"GET {path} goes to the app's own {name!r}, not to the status resource"
-        if not any(_is_status(getattr(item, "endpoint", None)) for item in items):
-            logger.warning(
-                "idempotency: accept_while_in_flight on %s answers a duplicate in flight with "
-                "202 + Location %s?operation=...&key=...: %s; it must answer as "
-                "idem_middleware.status.status_route(store) does",
-                which,
-                path,
-                shadowed,
-            )
-            return []
-        return [
-            f"accept_while_in_flight=True on {which} answers a duplicate in flight with 202 + "
-            f"Location {path}?..., but {shadowed}, which the app also has: a client following "
-            f"the Location would get that route's answer. Put status_route(store) before it, or "
-            f"serve one of them at another path (and set the middleware's status_path to the "
-            f"status resource's)"
-        ]
-    if served is None:
-        logger.warning(
-            "idempotency: accept_while_in_flight on %s answers a duplicate in flight with 202 + "
-            "Location %s, a path that goes to a mounted application whose routes cannot be "
-            "seen: make sure it serves idem_middleware.status.status_route(store)",
-            which,
-            path,
-        )
-        return []
-    return [
-        f"accept_while_in_flight=True on {which} answers a duplicate in flight with 202 + "
-        f"Location {path}?..., but no route of the app serves GET {path}: add "
-        f"idem_middleware.status.status_route(store) to the app's routes (its path must be the "
-        f"middleware's status_path, {path!r}), or set status_path to where it is served"
-    ]
-
-
-def _is_status(endpoint: object) -> bool:
-    operations = getattr(endpoint, ROUTE_OPERATIONS_ATTRIBUTE, None)
-    return isinstance(operations, GuardedOperations) and operations.kind == "status"
-
-
-def _serves(routes: Sequence[BaseRoute], scope: dict[str, Any]) -> object:
-    """The endpoint a GET of `scope["path"]` reaches, as the router would find it (True when
-    it has none to name); False when none; None when it may reach a mounted application whose
-    routes cannot be seen. A `Host`'s routes count whatever the host: the Location keeps the
-    one the client used."""
-    unknown = False
-    for route in routes:
-        found: object
-        if isinstance(route, Host):
-            inner = listed_routes(mounted_app(route))
-            found = None if inner is None else _serves(inner, scope)
-        elif isinstance(route, Mount):
-            match, child = route.matches(scope)
-            if match is not Match.FULL:
-                continue
-            inner = listed_routes(mounted_app(route))
-            # The router hands the request to the first mount that matches, found or not.
-            return None if inner is None else _serves(inner, {**scope, **child})
-        else:
-            reached = match_route([route], scope)
-            found = reached is not None and (getattr(reached, "endpoint", None) or True)
-        if found:
-            return found
-        unknown = unknown or found is None
-    return None if unknown else False
 
 
 def _check_route_tenant(mw: IdempotencyMiddleware, item: Found) -> None:

@@ -348,6 +348,34 @@ async def test_accept_while_in_flight_with_the_status_route_starts(where: str) -
     assert started(await startup(app))
 
 
+async def test_a_status_route_the_host_of_the_operation_never_reaches_fails_startup() -> None:
+    """Found by probing: the operation under `Host("api.example")`, the status resource at the
+    top level after it. The Host takes every path on its host, so the Location (on the host the
+    client used) was a 404; a Host's routes counted whatever the host, and startup passed."""
+    store = MemoryStore()
+    hosted = Host("api.example", app=Router([Route("/pay", ACCEPTING, methods=["POST"])]))
+    app = starlette_app([hosted, status_route(store)], store=store)
+    message = failure(await startup(app))
+    assert "no route of the app serves GET /idempotency/status on api.example" in message
+    served = Host(
+        "api.example", app=Router([Route("/pay", ACCEPTING, methods=["POST"]), status_route(store)])
+    )
+    assert started(await startup(starlette_app([served], store=store)))
+
+
+async def test_a_status_route_served_on_one_host_only_is_warned_of(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The operation answers on any host, the status resource only on `admin.example`: a client
+    on another host follows the Location to a 404."""
+    store = MemoryStore()
+    routes, _ = status_routes(store, "host")
+    app = starlette_app([Route("/pay", ACCEPTING, methods=["POST"]), *routes], store=store)
+    with caplog.at_level(logging.WARNING, logger="idem_middleware"):
+        assert started(await startup(app))
+    assert "which only api.example serves: a client on another host gets a 404" in caplog.text
+
+
 @pytest.mark.parametrize(
     ("routes", "options"),
     [

@@ -13,7 +13,7 @@ from starlette.middleware import Middleware
 from starlette.middleware.authentication import AuthenticationMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Host, Route, Router
+from starlette.routing import Host, Mount, Route, Router
 
 from idem_middleware import (
     IdempotencyMiddleware,
@@ -697,3 +697,89 @@ async def test_a_202_for_another_request_under_a_running_key_never_reads_as_its_
     assert after_same.json()["state"] == "succeeded"
     assert_problem(mangled, 400, "invalid-key")  # (a repeated parameter)
     assert_problem(bad, 400, "invalid-key")
+
+
+class _Hider:
+    """Keeps the app it wraps to itself: routes below it cannot be seen from above."""
+
+    def __init__(self, app: Any) -> None:
+        self._app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        await self._app(scope, receive, send)
+
+
+async def _in_flight(app: Any, entered: asyncio.Event, gate: asyncio.Event, path: str) -> Any:
+    """The 202 of a duplicate sent while the first request under its key runs, and the status
+    resource's answer at its Location, followed at once."""
+    async with client(app) as c:
+        first = asyncio.create_task(c.post(path, json={}, headers=key("k")))
+        await asyncio.wait_for(entered.wait(), BOUND)
+        duplicate = await c.post(path, json={}, headers=key("k"))
+        assert duplicate.status_code == 202, duplicate.text
+        status = await c.get(duplicate.headers["location"])
+        gate.set()
+        assert (await asyncio.wait_for(first, BOUND)).status_code == 201
+    return duplicate.headers["location"], status
+
+
+def _held() -> tuple[Any, asyncio.Event, asyncio.Event]:
+    gate, entered = asyncio.Event(), asyncio.Event()
+
+    async def slow(request: Request) -> Response:
+        entered.set()
+        await gate.wait()
+        return JSONResponse({}, 201)
+
+    return slow, entered, gate
+
+
+_ACCEPTING = Policy(accept_while_in_flight=True, wait_seconds=0.05)
+
+
+@pytest.mark.parametrize("name", ["a%09b", "a%0D%0Ab"])
+async def test_the_location_of_an_operation_named_by_a_path_with_a_control_character_works(
+    name: str,
+) -> None:
+    """Found by probing: a sub-app with its own middleware behind a wrapper that hides it, under
+    `Mount("/shop/{name}", ...)`, names its operations by the concrete path the mounts took; one
+    with a control character (`%09`, `%0D%0A`) was stored and named in the 202's Location, which
+    the status resource refused (400 invalid-key). Each is escaped in the name (`\\x09`), as a
+    backslash and NUL were."""
+    store = MemoryStore()
+    slow, entered, gate = _held()
+    sub = Starlette(
+        routes=[Route("/pay", slow, methods=["POST"]), status_route(store)],
+        middleware=[Middleware(IdempotencyMiddleware, store=store, default_policy=_ACCEPTING)],
+    )
+    app = Starlette(
+        routes=[Mount("/shop/{name}", app=_Hider(sub))],
+        middleware=[Middleware(AuthenticationMiddleware, backend=BearerBackend())],
+    )
+    _, status = await _in_flight(app, entered, gate, f"/shop/{name}/pay")
+    assert status.status_code == 200, status.text
+    assert status.json()["state"] == "pending"
+    assert "\\x0" in status.json()["operation"]
+
+
+async def test_the_location_of_a_root_path_starting_with_two_slashes_stays_on_this_host() -> None:
+    """Found by probing: a root path that starts with `//` (a mount's `path` parameter, or a
+    proxy's prefix copied into it) made the 202's Location `//evil.example/idempotency/status?
+    ...&key=...`, a reference to another host carrying the key. It starts with one slash."""
+    store = MemoryStore()
+    slow, entered, gate = _held()
+    routes = [Route("/pay", slow, methods=["POST"]), status_route(store)]
+    app = Starlette(
+        routes=[
+            Mount(
+                "/{where:path}",
+                routes=routes,
+                middleware=[
+                    Middleware(IdempotencyMiddleware, store=store, default_policy=_ACCEPTING)
+                ],
+            )
+        ],
+        middleware=[Middleware(AuthenticationMiddleware, backend=BearerBackend())],
+    )
+    location, _ = await _in_flight(app, entered, gate, "http://test//evil.example/pay")
+    assert location.startswith("/evil.example/"), location
