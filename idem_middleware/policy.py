@@ -48,6 +48,11 @@ class LeaseExpiry(StrEnum):
 OPERATION_SHAPE = re.compile(
     r"[!#$%&'*+.^_`|~0-9A-Z-]{1,255} [^/\x00-\x20\x7f]{0,255}/[^\x00-\x1f\x7f]{0,2000}"
 )
+#: The names the status resource looks up: a path the mounts took may hold a control character
+#: (a client's decoded `%09`, under a mount the router above cannot see into: routed_above).
+LOOKED_UP_SHAPE = re.compile(
+    OPERATION_SHAPE.pattern.replace(r"[^\x00-\x1f\x7f]{0,2000}", r"[^\x00]{0,2000}")
+)
 
 #: The most bytes of UTF-8 an operation's name may have (a job's, or one a policy pins): with
 #: a tenant (up to MAX_TENANT_BYTES) and a key (up to 255) it is the record's primary key, a

@@ -30,6 +30,7 @@ from .route_candidates import (
 )
 
 _CONVERTER = re.compile(r":\w+}")
+_NONE: frozenset[int] = frozenset()
 
 #: How many wrapping middlewares (`.app`, as Starlette's own keep it) are looked through.
 _MAX_WRAPPERS = 32
@@ -315,29 +316,20 @@ def routed_above(scope: Scope, found: RouteMatch, trace: Trace | None = None) ->
         if isinstance(top, RouteMatch) and top.endpoint is found.endpoint:
             return top
     mounted = root_path[len(app_root_path) :] if root_path.startswith(app_root_path) else ""
-    if _UNNAMED.search(mounted):
-        # A client's `%00` would reach PostgreSQL's `text`, which refuses NUL, and no record's
-        # name takes a control character (the status resource refused its own Location): each
-        # escaped, with the backslash the escapes start with, so that no two paths share a name.
-        mounted = _UNNAMED.sub(_escaped, mounted)
+    if "\x00" in mounted or "\\" in mounted:
+        # A client's `%00` would reach PostgreSQL's `text`, which refuses NUL: escaped, with the
+        # backslash the escape starts with, so that no two paths share a name.
+        mounted = mounted.replace("\\", "\\\\").replace("\x00", "\\0")
     limits = found.body_limit, found.least_limit
     return RouteMatch(mounted + found.template, found.path_params, found.endpoint, *limits)
 
 
-#: What a concrete mounted path may not hold in an operation's name as it is (see routed_above).
-_UNNAMED = re.compile(r"[\x00-\x1f\x7f\\]")
-
-
-def _escaped(found: re.Match[str]) -> str:
-    char = found.group()
-    return "\\\\" if char == "\\" else "\\0" if char == "\x00" else f"\\x{ord(char):02x}"
-
-
 def walk(
-    routes: Sequence[BaseRoute], prefix: str = "", shown: str = ""
+    routes: Sequence[BaseRoute], prefix: str = "", shown: str = "", above: frozenset[int] = _NONE
 ) -> Iterator[Found | Hidden]:
     """Every route of the app with its template, in the order the router tries them. `shown`
-    is the enclosing mounts' prefix as OpenAPI writes it (see Found.path_format)."""
+    is the enclosing mounts' prefix as OpenAPI writes it (see Found.path_format); `above`, the
+    mounted apps on the way down (a default app that leads back up is not walked again)."""
     for route in routes:
         if isinstance(route, WebSocketRoute):
             continue  # never guarded
@@ -364,14 +356,16 @@ def walk(
                 path, inner_shown = prefix + route.path, shown + _no_converters(route.path)
             else:
                 path, inner_shown = route.host + prefix, shown
-            inner = listed_routes(mounted := mounted_app(route))
+            if id(mounted := mounted_app(route)) in above:
+                continue
+            inner = listed_routes(mounted)
             if inner is None:
                 named = f"{path or '/'} (a mounted {type(mounted).__name__})"
                 if isinstance(route, DefaultMount):
                     named = "the router's default app" + (f" under {path}" if path else "")
                 yield Hidden(named, None, False)
             else:
-                yield from walk(inner, path, inner_shown)
+                yield from walk(inner, path, inner_shown, above | {id(mounted)})
         else:
             endpoint = getattr(route, "endpoint", None)
             custom_path = getattr(route, "path", None)

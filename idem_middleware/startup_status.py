@@ -22,8 +22,12 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("idem_middleware")
 
-#: A host pattern's parameters (`{tenant}.example.com`), each asked as one concrete label.
-_HOST_PARAMETER = re.compile(r"\{[^}]*\}")
+#: How deep `_serves` follows mounts (a default app may lead back up: then "cannot be seen").
+_MAX_DEPTH = 32
+#: A host pattern's parameters (`{tenant}.example.com`, `{n:int}.example.com`), each asked as
+#: one concrete label its converter takes, unlike any literal host's (`x.example.com`).
+_HOST_PARAMETER = re.compile(r"\{[^}:]*(?::(\w+))?\}")
+_SAMPLES = {"int": "0", "float": "0", "uuid": "00000000-0000-0000-0000-000000000000"}
 
 
 def status_route_errors(
@@ -54,7 +58,8 @@ def _host_of(template: str) -> str:
     a pattern's parameters each made one label."""
     if template.startswith("/"):
         return ""
-    return _HOST_PARAMETER.sub("x", template.partition("/")[0])
+    pattern = template.partition("/")[0]
+    return _HOST_PARAMETER.sub(lambda found: _SAMPLES.get(found[1], "idem-probe"), pattern)
 
 
 def _status_error(
@@ -140,7 +145,7 @@ def _is_status(endpoint: object) -> bool:
     return isinstance(operations, GuardedOperations) and operations.kind == "status"
 
 
-def _serves(routes: Sequence[BaseRoute], scope: dict[str, Any]) -> object:
+def _serves(routes: Sequence[BaseRoute], scope: dict[str, Any], depth: int = 0) -> object:
     """The endpoint a GET of `scope["path"]` on the scope's host reaches, as the router would
     find it (True when it has none to name); False when none; None when it may reach a mounted
     application whose routes cannot be seen. The router hands the request to the first `Host`
@@ -150,8 +155,8 @@ def _serves(routes: Sequence[BaseRoute], scope: dict[str, Any]) -> object:
             match, child = route.matches(scope)
             if match is not Match.FULL:
                 continue
-            inner = listed_routes(mounted_app(route))
-            return None if inner is None else _serves(inner, {**scope, **child})
+            inner = listed_routes(mounted_app(route)) if depth < _MAX_DEPTH else None
+            return None if inner is None else _serves(inner, {**scope, **child}, depth + 1)
         reached = match_route([route], scope)
         if reached is not None:
             return getattr(reached, "endpoint", None) or True

@@ -21,7 +21,7 @@ from .answers import request_digest
 from .errors import ConfigurationError, ProblemKind, RequestRejected, StoreError
 from .keys import check_key, parse_idempotency_key
 from .library_routes import ROUTE_OPERATIONS_ATTRIBUTE, GuardedOperations, LibraryRoute
-from .policy import OPERATION_SHAPE, LeaseExpiry, Mode, Policy
+from .policy import LOOKED_UP_SHAPE, LeaseExpiry, Mode, Policy
 from .responses import problem_response
 from .store.base import Record, RecordKey, State, Store
 from .tenant import (
@@ -214,7 +214,7 @@ def status_route(
             check_key(key)  # exactly the header's rule: a 400, never a query with a bad value
         except RequestRejected as exc:
             return _problem(exc.kind, exc.detail)
-        if OPERATION_SHAPE.fullmatch(operation) is None:
+        if LOOKED_UP_SHAPE.fullmatch(operation) is None:
             return _problem(ProblemKind.INVALID_KEY, _BAD_OPERATION)
         request_seen = query.get("request")
         if request_seen is not None and _REQUEST.fullmatch(request_seen) is None:

@@ -363,6 +363,21 @@ async def test_a_status_route_the_host_of_the_operation_never_reaches_fails_star
     assert started(await startup(starlette_app([served], store=store)))
 
 
+@pytest.mark.parametrize(
+    "pattern", ["{n:int}.example.com", "{u:uuid}.example.com", "{sub}.example.com"]
+)
+async def test_a_status_route_under_a_host_pattern_with_parameters_starts(pattern: str) -> None:
+    """Found in review: the host was asked as `x.example.com`, which an `int` or `uuid`
+    parameter does not take (and a literal Host of that name would): working apps failed their
+    startup check."""
+    store = MemoryStore()
+    admin = Host("x.example.com", app=Router([Route("/other", pay, methods=["GET"])]))
+    hosted = Host(
+        pattern, app=Router([Route("/pay", ACCEPTING, methods=["POST"]), status_route(store)])
+    )
+    assert started(await startup(starlette_app([admin, hosted], store=store)))
+
+
 async def test_a_status_route_served_on_one_host_only_is_warned_of(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from typing import Any, cast
+from urllib.parse import unquote
 
 import pytest
 from starlette.applications import Starlette
@@ -744,8 +745,8 @@ async def test_the_location_of_an_operation_named_by_a_path_with_a_control_chara
     """Found by probing: a sub-app with its own middleware behind a wrapper that hides it, under
     `Mount("/shop/{name}", ...)`, names its operations by the concrete path the mounts took; one
     with a control character (`%09`, `%0D%0A`) was stored and named in the 202's Location, which
-    the status resource refused (400 invalid-key). Each is escaped in the name (`\\x09`), as a
-    backslash and NUL were."""
+    the status resource refused (400 invalid-key). It looks up any name a record may hold (the
+    name kept as it was: renamed, a retry across an upgrade would run again)."""
     store = MemoryStore()
     slow, entered, gate = _held()
     sub = Starlette(
@@ -759,7 +760,7 @@ async def test_the_location_of_an_operation_named_by_a_path_with_a_control_chara
     _, status = await _in_flight(app, entered, gate, f"/shop/{name}/pay")
     assert status.status_code == 200, status.text
     assert status.json()["state"] == "pending"
-    assert "\\x0" in status.json()["operation"]
+    assert status.json()["operation"] == "POST /shop/" + unquote(name) + "/pay"
 
 
 async def test_the_location_of_a_root_path_starting_with_two_slashes_stays_on_this_host() -> None:

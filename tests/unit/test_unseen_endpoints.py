@@ -217,6 +217,27 @@ async def test_the_routes_of_a_routers_default_app_are_guarded_as_requests_reach
     assert "POST /refund" in collect_policies(app)  # (what the CLI and OpenAPI read)
 
 
+async def test_a_default_app_that_leads_back_up_is_listed_once_and_served() -> None:
+    """Found in review: `sub.default = app.router` under `Mount("/api", app=sub)` (an unmatched
+    `/api/...` goes back to the app's own routes) sent the startup check and the CLI's listing
+    round the loop until Python's recursion limit: every request a 500."""
+    runs: list[str] = []
+
+    async def paid(request: Request) -> JSONResponse:
+        runs.append(request.url.path)
+        return JSONResponse({}, status_code=201)
+
+    sub = Router([Route("/refund", paid, methods=["POST"])])
+    app = _guarded([Mount("/api", app=sub), Route("/pay", paid, methods=["POST"])])
+    sub.default = app.router
+    async with client(app) as c:
+        placed = await c.post("/api/pay", json={}, headers=key("k"))
+        again = await c.post("/api/pay", json={}, headers=key("k"))
+    assert_replay_of(again, placed)
+    assert runs == ["/api/pay"]
+    assert {"POST /api/pay", "POST /pay", "POST /api/refund"} <= set(collect_policies(app))
+
+
 @pytest.mark.parametrize("own", ["GET /refund", "POST /refund/"])
 async def test_a_request_the_router_answers_itself_is_not_taken_for_its_default_apps(
     own: str,
