@@ -167,7 +167,11 @@ def _operations(app: FastAPI, of: FastAPI) -> list[tuple[GuardedOperation, str]]
     apps serve their own), at paths without the prefix of where `of` is mounted: an operation
     is `of`'s when its template is that of one of `of`'s own routes as mounted there (picked
     by path prefix, another `Host`'s route with the same path was taken for one of `of`'s)."""
-    places = [""] if of is app else [at for sub, at in _mounted(app.routes, "", 0) if sub is of]
+    places = (
+        [""]
+        if of is app
+        else [at for sub, at in _mounted(listed_routes(app) or (), "", 0) if sub is of]
+    )
     own = [route for route in of.routes if not isinstance(route, Mount | Host)]
     paths: dict[tuple[str, str], str] = {}
     for item in walk(own):

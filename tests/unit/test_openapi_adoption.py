@@ -284,3 +284,19 @@ def test_documenting_a_mounted_sub_app_without_a_middleware_of_its_own_keeps_the
     assert _keys(sub.openapi()["paths"]["/orders"]["post"])
     document(app)
     assert _keys(sub.openapi()["paths"]["/orders"]["post"])
+
+
+def test_a_fastapi_default_app_documents_the_key_its_routes_are_guarded_by() -> None:
+    """Found in review: a router's default app (`app.router.default = legacy`) is guarded and
+    listed, but its own `openapi()` was found under no place in the app, and documented no key."""
+    legacy = FastAPI()
+
+    @legacy.post("/refund")
+    async def refund() -> dict[str, int]:
+        return {"x": 1}
+
+    app = FastAPI()
+    app.router.default = legacy
+    install(app, store=MemoryStore())
+    parameters = legacy.openapi()["paths"]["/refund"]["post"].get("parameters", [])
+    assert any(p.get("name", "").lower() == "idempotency-key" for p in parameters), parameters
