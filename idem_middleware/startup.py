@@ -33,10 +33,11 @@ from .routing import (
     Found,
     Hidden,
     listed_routes,
+    router_of,
     walk,
 )
 from .startup_dependencies import dependency_errors, websocket_errors
-from .startup_status import status_route_errors
+from .startup_status import routes_above, status_route_errors
 from .tenant import ROUTE_RESOLVER_ATTRIBUTE, ROUTE_TENANTS_ATTRIBUTE, Tenants
 
 if TYPE_CHECKING:
@@ -79,7 +80,7 @@ def check_app(mw: IdempotencyMiddleware, app: Any, scope: Scope | None = None) -
     errors: list[str] = []
     reachable: set[str] = set()
     router = mounted_limit(app if app is not None else mw.app, own=False)  # (FastAPI's app's)
-    items = _named_above(routes, scope)
+    items = _named_above(routes, scope, router_of(app if app is not None else mw.app))
     endpoints = {id(item.endpoint) for item in items if isinstance(item, Found)}
     for item in items:
         if isinstance(item, Hidden):
@@ -140,7 +141,8 @@ def check_app(mw: IdempotencyMiddleware, app: Any, scope: Scope | None = None) -
         if (auth_error := check_authentication(mw, app, policies, inside)) is not None:
             errors.append(auth_error)
         check_outer_middleware(mw, app, inside)
-    errors.extend(status_route_errors(mw, routes, found, items))
+    own_router = router_of(app if app is not None else mw.app)
+    errors.extend(status_route_errors(mw, routes, found, items, routes_above(scope, own_router)))
     errors.extend(_unserved_methods(mw, items))
     errors += nested_policy_errors(mw.policy_for, routes) + stacked_policy_errors(mw, app, found)
     for warning in ignored_settings(mw, app, routes):
@@ -167,15 +169,32 @@ def guarded_routes(
                     yield item, method, policy
 
 
-def _named_above(routes: Sequence[BaseRoute], scope: Scope | None) -> list[Found | Hidden]:
+def _seen_as(above: str, mine: str) -> bool:
+    """Whether a route listed from the router above as `above` is the app's own `mine`: the
+    path at its end, and the host of a `Host` of the app's own (`api.example/pay`, listed from
+    above under a mount as `api.example/v1/pay`)."""
+    host, path = _split_host(mine)
+    above_host, above_path = _split_host(above)
+    return above_path.endswith(path) and (not host or host == above_host)
+
+
+def _split_host(template: str) -> tuple[str, str]:
+    slash = template.find("/")
+    return ("", template) if slash <= 0 else (template[:slash], template[slash:])
+
+
+def _named_above(
+    routes: Sequence[BaseRoute], scope: Scope | None, own_router: Any = None
+) -> list[Found | Hidden]:
     """The app's routes named as its requests are (`routing.routed_above`): a sub-app with its
     own middleware, mounted at `/api` by an app without one, sees its own `/pay`, and its
     requests are `POST /api/pay`; its check runs at its first request, whose scope holds the
     router above. Named as that router lists them (each mount of the sub-app), or, where it
     cannot see into the sub-app, with the path the mounts took."""
     items = list(walk(routes))
-    above = getattr((scope or {}).get("router"), "routes", None)
-    if above is None or above is routes:
+    router = (scope or {}).get("router")
+    above = None if router is None or router is own_router else listed_routes(router)
+    if above is None:
         return items
     own = [item for item in items if isinstance(item, Found)]
     named: list[Found | Hidden] = [
@@ -183,7 +202,8 @@ def _named_above(routes: Sequence[BaseRoute], scope: Scope | None) -> list[Found
         for item in walk(above)
         if isinstance(item, Found)
         and any(
-            item.endpoint is mine.endpoint and item.template.endswith(mine.template) for mine in own
+            item.endpoint is mine.endpoint and _seen_as(item.template, mine.template)
+            for mine in own
         )
     ]
     if named or not own:

@@ -237,3 +237,71 @@ async def test_a_fastapi_app_mounted_with_a_hiding_middleware_documents_the_key(
     assert refused.status_code == 400
     parameters = spec["paths"]["/orders"]["post"].get("parameters", [])
     assert any(p["name"].lower() == "idempotency-key" for p in parameters), parameters
+
+
+async def _first_request(app: ASGIApp, path: str, host: str = "api.example.com") -> Any:
+    """The first request's answer, or the exception it raised (its check's)."""
+    transport = httpx.ASGITransport(app=app)
+    headers = {"idempotency-key": "k", "authorization": "Bearer demo-a"}
+    async with httpx.AsyncClient(transport=transport, base_url=f"http://{host}") as client:
+        try:
+            return await client.post(path, headers=headers, content=b"{}")
+        except Exception as exc:  # (the failed check, raised for the server to log)
+            return exc
+
+
+def _ok() -> Any:
+    """A fresh endpoint (one `@idempotent` wrapped is marked: see endpoints.WRAPPER_ATTRIBUTE)."""
+
+    async def ok(request: Request) -> Response:
+        return JSONResponse({}, status_code=201)
+
+    return ok
+
+
+async def test_a_host_route_of_a_mounted_sub_app_with_its_own_middleware_is_checked() -> None:
+    """Found by fuzzing: a sub-app with its own middleware, mounted at `/v1`, with a route
+    under `Host("api.example.com")` beside one outside it. Its first request's check names the
+    routes as the router above lists them; `api.example.com/v1/money` was not taken for the
+    app's own `api.example.com/money`, so the Host route was left out of every check: two
+    routes of one name in different modes (refused alone) passed, and the one's key replayed
+    the other's response."""
+    from idem_middleware import ConfigurationError, idempotent
+
+    charge = idempotent(operation="POST /money")(_ok())
+    refund = idempotent(operation="POST /money", mode="lease")(_ok())
+    hosted = Host("api.example.com", app=Router([Route("/refund", refund, methods=["POST"])]))
+    sub = Starlette(
+        routes=[Route("/charge", charge, methods=["POST"]), hosted],
+        middleware=[Middleware(IdempotencyMiddleware, store=MemoryStore())],
+    )
+    app = Starlette(
+        routes=[Mount("/v1", app=sub)],
+        middleware=[Middleware(AuthenticationMiddleware, backend=BearerBackend())],
+    )
+    failed = await _first_request(app, "/v1/charge")
+    assert isinstance(failed, ConfigurationError), failed
+    assert "guarded routes named POST /money differ in mode" in str(failed)
+
+
+async def test_a_default_apps_status_location_served_by_the_router_above_passes() -> None:
+    """Found by fuzzing: a router's default app with its own middleware and an
+    `accept_while_in_flight` route, the status resource in the router above. The Location
+    (the request's own root path) is served there, but the default app's check, at its first
+    request, looked in its own routes only: every request to it was a 500."""
+    from idem_middleware.status import status_route
+
+    store = MemoryStore()
+    accepting = Policy(accept_while_in_flight=True)
+    legacy = Starlette(
+        routes=[Route("/pay", _ok(), methods=["POST"])],
+        middleware=[Middleware(IdempotencyMiddleware, store=store, default_policy=accepting)],
+    )
+    app = Starlette(
+        routes=[status_route(store)],
+        middleware=[Middleware(AuthenticationMiddleware, backend=BearerBackend())],
+    )
+    app.router.default = legacy
+    answer = await _first_request(app, "/pay")
+    assert not isinstance(answer, Exception), answer
+    assert answer.status_code == 201, answer.text
