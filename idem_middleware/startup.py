@@ -37,7 +37,7 @@ from .routing import (
     walk,
 )
 from .startup_dependencies import dependency_errors, websocket_errors
-from .startup_status import routes_above, status_route_errors
+from .startup_status import status_route_errors
 from .tenant import ROUTE_RESOLVER_ATTRIBUTE, ROUTE_TENANTS_ATTRIBUTE, Tenants
 
 if TYPE_CHECKING:
@@ -141,8 +141,8 @@ def check_app(mw: IdempotencyMiddleware, app: Any, scope: Scope | None = None) -
         if (auth_error := check_authentication(mw, app, policies, inside)) is not None:
             errors.append(auth_error)
         check_outer_middleware(mw, app, inside)
-    own_router = router_of(app if app is not None else mw.app)
-    errors.extend(status_route_errors(mw, routes, found, items, routes_above(scope, own_router)))
+    above = status_above(scope, router_of(app if app is not None else mw.app), routes)
+    errors.extend(status_route_errors(mw, routes, found, items, above))
     errors.extend(_unserved_methods(mw, items))
     errors += nested_policy_errors(mw.policy_for, routes) + stacked_policy_errors(mw, app, found)
     for warning in ignored_settings(mw, app, routes):
@@ -181,6 +181,30 @@ def _seen_as(above: str, mine: str) -> bool:
 def _split_host(template: str) -> tuple[str, str]:
     slash = template.find("/")
     return ("", template) if slash <= 0 else (template[:slash], template[slash:])
+
+
+def status_above(
+    scope: Scope | None, own_router: Any, routes: Sequence[BaseRoute]
+) -> Sequence[BaseRoute] | None:
+    """The routes of the router above an app checked at its first request, if that router
+    lists the app's routes nowhere but at their own paths (a router's default app): the 202's
+    Location (the request's root path + status_path) is then resolved there from the top.
+    None if the app is mounted under a prefix anywhere: each mount's Location is its own."""
+    router = (scope or {}).get("router")
+    above = None if router is None or router is own_router else listed_routes(router)
+    if above is None:
+        return None
+    own = [item for item in walk(routes) if isinstance(item, Found)]
+    for item in walk(above):
+        for mine in own:
+            if (
+                isinstance(item, Found)
+                and item.endpoint is mine.endpoint
+                and _seen_as(item.template, mine.template)
+                and _split_host(item.template)[1] != _split_host(mine.template)[1]
+            ):
+                return None
+    return above
 
 
 def _named_above(

@@ -35,7 +35,7 @@ def status_route_errors(
     routes: Sequence[BaseRoute],
     found: Sequence[tuple[Found, str, Policy]],
     items: Sequence[Found | Hidden],
-    above: tuple[Sequence[BaseRoute], str] | None = None,
+    above: Sequence[BaseRoute] | None = None,
 ) -> list[str]:
     """Per host the accepting operations are served on (a `Host`'s, or none), whether the status
     resource is what a GET of the status path reaches there. A route of the app's own served
@@ -48,25 +48,12 @@ def status_route_errors(
             by_host.setdefault(_host_of(item.template), []).append(name)
     errors: list[str] = []
     for host, accepting in by_host.items():
-        if above is not None and _status_served(above[0], above[1] + mw.status_path, host):
-            continue  # (the router above serves the Location: a default app's, say)
+        if above is not None and _status_served(above, mw.status_path, host):
+            continue  # (the router above serves the Location: see startup.status_above)
         error = _status_error(mw, routes, host, ", ".join(accepting), items)
         if error is not None:
             errors.append(error)
     return errors
-
-
-def routes_above(scope: Any, own_router: Any) -> tuple[Sequence[BaseRoute], str] | None:
-    """The routes of the router above an app checked at its first request (`scope["router"]`,
-    Starlette's first), and the path the mounts took to the app: the Location is
-    `root_path + status_path`, which that router resolves (a default app's is its own)."""
-    router = (scope or {}).get("router")
-    routes = None if router is None or router is own_router else listed_routes(router)
-    if routes is None:
-        return None
-    root_path = scope.get("root_path", "")
-    app_root_path = scope.get("app_root_path", root_path)
-    return routes, root_path[len(app_root_path) :] if root_path.startswith(app_root_path) else ""
 
 
 def _status_served(routes: Sequence[BaseRoute], path: str, host: str) -> bool:

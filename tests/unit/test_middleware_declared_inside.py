@@ -284,6 +284,15 @@ async def test_a_host_route_of_a_mounted_sub_app_with_its_own_middleware_is_chec
     assert "guarded routes named POST /money differ in mode" in str(failed)
 
 
+def _accepting_app(store: MemoryStore) -> Starlette:
+    """`POST /pay` answered 202 + Location while in flight, by a middleware of its own."""
+    accepting = Policy(accept_while_in_flight=True)
+    return Starlette(
+        routes=[Route("/pay", _ok(), methods=["POST"])],
+        middleware=[Middleware(IdempotencyMiddleware, store=store, default_policy=accepting)],
+    )
+
+
 async def test_a_default_apps_status_location_served_by_the_router_above_passes() -> None:
     """Found by fuzzing: a router's default app with its own middleware and an
     `accept_while_in_flight` route, the status resource in the router above. The Location
@@ -292,11 +301,7 @@ async def test_a_default_apps_status_location_served_by_the_router_above_passes(
     from idem_middleware.status import status_route
 
     store = MemoryStore()
-    accepting = Policy(accept_while_in_flight=True)
-    legacy = Starlette(
-        routes=[Route("/pay", _ok(), methods=["POST"])],
-        middleware=[Middleware(IdempotencyMiddleware, store=store, default_policy=accepting)],
-    )
+    legacy = _accepting_app(store)
     app = Starlette(
         routes=[status_route(store)],
         middleware=[Middleware(AuthenticationMiddleware, backend=BearerBackend())],
@@ -305,3 +310,26 @@ async def test_a_default_apps_status_location_served_by_the_router_above_passes(
     answer = await _first_request(app, "/pay")
     assert not isinstance(answer, Exception), answer
     assert answer.status_code == 201, answer.text
+
+
+async def test_a_sub_app_mounted_twice_is_checked_for_every_mounts_location() -> None:
+    """Found in review: with the status resource served above at `/a/idempotency/status` only,
+    a sub-app mounted at `/a` and `/b` passed its check when its first request came through
+    `/a`, and a duplicate through `/b` got a Location that was a 404. The router above resolves
+    the Location for the app only where it lists the app at its own paths (a default app)."""
+    from idem_middleware import ConfigurationError
+    from idem_middleware.status import status_route
+
+    store = MemoryStore()
+    sub = _accepting_app(store)
+    app = Starlette(
+        routes=[
+            status_route(store, path="/a/idempotency/status"),
+            Mount("/a", app=sub),
+            Mount("/b", app=sub),
+        ],
+        middleware=[Middleware(AuthenticationMiddleware, backend=BearerBackend())],
+    )
+    failed = await _first_request(app, "/a/pay")
+    assert isinstance(failed, ConfigurationError), failed
+    assert "no route of the app serves GET /idempotency/status" in str(failed)
