@@ -7,6 +7,8 @@ with its own policies."""
 
 from __future__ import annotations
 
+import contextlib
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -54,10 +56,15 @@ def _layers(layer: Any) -> Iterator[Any]:
 
 
 def mounted_middlewares(
-    routes: Sequence[BaseRoute], prefix: str = "", shown: str = "", depth: int = 0
+    routes: Sequence[BaseRoute],
+    prefix: str = "",
+    shown: str = "",
+    depth: int = 0,
+    apps: list[Any] | None = None,
 ) -> Iterator[tuple[IdempotencyMiddleware, list[Found]]]:
     """Each IdempotencyMiddleware of a Mount or Host below `routes` (the first on each way down),
-    with the routes it would guard, named from the top as `routing.walk` names them."""
+    with the routes it would guard, named from the top as `routing.walk` names them; the apps
+    it serves go to `apps`."""
     if depth >= _MAX_DEPTH:
         return
     for route in routes:
@@ -70,14 +77,30 @@ def mounted_middlewares(
         found = find_middleware(route.app) or find_middleware(below)
         if found is not None:
             items = walk([route], prefix, shown)
+            if apps is not None:
+                apps.append(below)
             yield found, [item for item in items if isinstance(item, Found)]
         elif isinstance(route, Mount):
             path = prefix + route.path
             yield from mounted_middlewares(
-                inner, path, shown + _no_converters(route.path), depth + 1
+                inner, path, shown + _no_converters(route.path), depth + 1, apps
             )
         else:
-            yield from mounted_middlewares(inner, route.host + prefix, shown, depth + 1)
+            yield from mounted_middlewares(inner, route.host + prefix, shown, depth + 1, apps)
+
+
+#: The apps below an IdempotencyMiddleware that have one of their own (`ignored_settings` finds
+#: them at the outer one's startup check): the outer one guards their requests and answers their
+#: duplicates with its own Location, so the inner one's status path is never asked.
+_GUARDED_BELOW: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def guarded_below(app: Any) -> bool:
+    """Whether an outer IdempotencyMiddleware found `app`'s own below it (see `_GUARDED_BELOW`)."""
+    try:
+        return app in _GUARDED_BELOW
+    except TypeError:  # (an app that cannot be weakly referenced was never recorded)
+        return False
 
 
 def methods_of(item: Found) -> list[str]:
@@ -166,7 +189,11 @@ def ignored_settings(mw: IdempotencyMiddleware, app: Any, routes: Sequence[BaseR
     ]
     below = ours[ours.index(mw) + 1 :] if mw in ours else []  # (one outside `mw` warns of it)
     inner = [(m, "in the app's middleware list") for m in below]
-    inner += [(m, "in an app mounted below") for m, _ in mounted_middlewares(routes)]
+    apps: list[Any] = []
+    inner += [(m, "in an app mounted below") for m, _ in mounted_middlewares(routes, apps=apps)]
+    for app_below in apps:
+        with contextlib.suppress(TypeError):
+            _GUARDED_BELOW.add(app_below)
     warnings = []
     for other, where in inner:
         differ = [name for name, read in _SETTINGS if read(other) != read(mw)]

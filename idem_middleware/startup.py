@@ -26,7 +26,13 @@ from .middleware_order import (
     check_outer_middleware,
     middleware_inside,
 )
-from .mounted import ignored_settings, methods_of, nested_policy_errors, stacked_policy_errors
+from .mounted import (
+    guarded_below,
+    ignored_settings,
+    methods_of,
+    nested_policy_errors,
+    stacked_policy_errors,
+)
 from .observe import shown
 from .policy import Mode, Policy, operation_name, pinned_method_error
 from .routing import (
@@ -141,8 +147,9 @@ def check_app(mw: IdempotencyMiddleware, app: Any, scope: Scope | None = None) -
         if (auth_error := check_authentication(mw, app, policies, inside)) is not None:
             errors.append(auth_error)
         check_outer_middleware(mw, app, inside)
-    above = status_above(scope, router_of(app if app is not None else mw.app), routes)
-    errors.extend(status_route_errors(mw, routes, found, items, above))
+    if not guarded_below(app if app is not None else mw.app):  # (else the outer one answers)
+        above = status_above(scope, router_of(app if app is not None else mw.app), routes)
+        errors.extend(status_route_errors(mw, routes, found, items, above))
     errors.extend(_unserved_methods(mw, items))
     errors += nested_policy_errors(mw.policy_for, routes) + stacked_policy_errors(mw, app, found)
     for warning in ignored_settings(mw, app, routes):

@@ -333,3 +333,34 @@ async def test_a_sub_app_mounted_twice_is_checked_for_every_mounts_location() ->
     failed = await _first_request(app, "/a/pay")
     assert isinstance(failed, ConfigurationError), failed
     assert "no route of the app serves GET /idempotency/status" in str(failed)
+
+
+@pytest.mark.parametrize("as_default", [False, True])
+async def test_an_inner_middlewares_status_path_is_not_asked_when_an_outer_one_guards(
+    as_default: bool,
+) -> None:
+    """Found by fuzzing: a sub-app with its own middleware and an `accept_while_in_flight`
+    route, under an app whose middleware serves its own status resource. The outer one guards
+    the sub-app's requests and answers their duplicates with its own Location, but the inner
+    one's check, at the first request reaching it, asked for its own status path and failed:
+    every request to the sub-app was a 500."""
+    from idem_middleware import idempotent
+    from idem_middleware.status import status_route
+
+    store = MemoryStore()
+    accepting = idempotent(accept_while_in_flight=True)(_ok())  # (its own: both read it)
+    inner = Starlette(
+        routes=[Route("/pay", accepting, methods=["POST"])],
+        middleware=[Middleware(IdempotencyMiddleware, store=store)],
+    )
+    mounted = Mount("/items", app=Router(routes=[], default=inner) if as_default else inner)
+    app = Starlette(
+        routes=[status_route(store, path="/v1/status"), mounted],
+        middleware=[
+            Middleware(AuthenticationMiddleware, backend=BearerBackend()),
+            Middleware(IdempotencyMiddleware, store=store, status_path="/v1/status"),
+        ],
+    )
+    answer = await _first_request(app, "/items/pay")
+    assert not isinstance(answer, Exception), answer
+    assert answer.status_code == 201, answer.text
