@@ -45,6 +45,7 @@ from .route_cache import (
     Entry,
     Guarded,
     Trace,
+    defaults_unchanged,
     entry,
     unchanged,
 )
@@ -217,6 +218,7 @@ class IdempotencyMiddleware:
             and cached[1].routes is cached[2]
             and len(cached[2]) == cached[3]
             and (cached[4] is None or unchanged(cached[4]))
+            and (cached[5] is None or defaults_unchanged(cached[5]))
         ):
             guarded: Guarded | None = cached[0]
         else:

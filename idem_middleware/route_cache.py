@@ -59,9 +59,12 @@ class Trace:
     under it again), and whether it asked a route whose answer may change with more than the
     cache's key (`volatile`: the match is not cached)."""
 
-    __slots__ = ("_walked", "memo", "volatile")
+    __slots__ = ("_walked", "defaults", "memo", "volatile")
 
     def __init__(self, memo: Memo | None = None) -> None:
+        #: Per router none of whose routes matched: the router and its `default` then (one set
+        #: or replaced later may take the request: `defaults_unchanged`).
+        self.defaults: dict[int, tuple[Any, Any]] = {}
         #: The lists walked, by identity (each is alive while the trace is: ids stay unique),
         #: each with what holds it (see `walked`).
         self._walked: dict[int, tuple[Any, Sequence[Any]]] = {}
@@ -85,6 +88,10 @@ class Trace:
         included router's lists: seen by their lengths alone)."""
         if id(routes) not in self._walked:
             self._walked[id(routes)] = (Listed(routes) if router is None else router, routes)
+
+    def fell_through(self, router: Any) -> None:
+        """No route of `router` matched: the request goes to its `default` (see `defaults`)."""
+        self.defaults.setdefault(id(router), (router, getattr(router, "default", None)))
 
     def asked(self, route: Any) -> None:
         if type(route).matches not in _PURE_MATCHES:
@@ -111,14 +118,17 @@ class Listed:
         self.routes = routes
 
 
+#: The routers a resolution fell through (no route matched), each with its `default` then.
+_Defaults = tuple[tuple[Any, Any], ...]
 #: The holders of the route lists a resolution walked besides the first, the lists, and their
 #: lengths then.
 _Others = tuple[tuple[Any, ...], tuple[Any, ...], tuple[int, ...]]
 #: A route cache entry: the resolution; the first route list walked, what holds it (its Router,
 #: see `Trace.walked`) and its length then; the others', or None (no other: one list is checked
-#: at a fraction of the cost). A list replaced by another, or of another length, resolves the
-#: path again (the middleware checks the first list inline: `unchanged` checks the others).
-Entry = tuple[Guarded, Any, Sequence[Any], int, _Others | None]
+#: at a fraction of the cost); the defaults of the routers it fell through, or None. A list
+#: replaced by another, or of another length, or a default set, resolves the path again (the
+#: middleware checks the first list inline: `unchanged` and `defaults_unchanged` the rest).
+Entry = tuple[Guarded, Any, Sequence[Any], int, _Others | None, _Defaults | None]
 _ROUTES = operator.attrgetter("routes")
 #: The holder of the empty route list of an app whose routes cannot be seen.
 _NO_ROUTES = Listed(())
@@ -129,7 +139,13 @@ def entry(guarded: Guarded, trace: Trace) -> Entry:
     holder, *holders = trace.holders or (_NO_ROUTES,)
     first, *others = trace.lists or (_NO_ROUTES.routes,)
     rest = (tuple(holders), tuple(others), tuple(map(len, others))) if others else None
-    return guarded, holder, first, len(first), rest
+    return guarded, holder, first, len(first), rest, tuple(trace.defaults.values()) or None
+
+
+def defaults_unchanged(defaults: _Defaults) -> bool:
+    """The routers a cached resolution fell through have the `default` they had (a default app
+    set or replaced since may serve the path: found again)."""
+    return all(getattr(router, "default", None) is default for router, default in defaults)
 
 
 def unchanged(others: _Others) -> bool:

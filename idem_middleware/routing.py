@@ -8,6 +8,7 @@ with the host pattern (`api.example/pay`), so two hosts' `/pay` are two operatio
 
 from __future__ import annotations
 
+import contextlib
 import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -246,6 +247,8 @@ def match_route(
             found = _within(_limit(route, memo), limit)
             return RouteMatch(prefix + path, child.get("path_params", {}), endpoint, *found)
         return Unresolved(f"a {type(route).__name__} under {prefix or '/'}", endpoint)
+    if trace is not None and router is not None:
+        trace.fell_through(router)
     fallback = default_app(router)
     if (
         fallback is not None
@@ -264,6 +267,11 @@ def _handed_on(router: Any, routes: Sequence[Any], scope: Scope, trace: Trace | 
     """Whether a router with no FULL match hands the request to its default app, as Starlette's
     does: not if a route takes it in part (a 405), or its path with a slash added or taken away
     matches (`redirect_slashes`: a redirect)."""
+    low_priority = getattr(router, "_match_low_priority", None)  # (FastAPI's, before its default)
+    if callable(low_priority):
+        with contextlib.suppress(Exception):
+            if low_priority(scope)[0] is not Match.NONE:
+                return False
     other = None
     path, within = scope.get("path", ""), route_path(scope)
     if getattr(router, "redirect_slashes", False) and within != "/":

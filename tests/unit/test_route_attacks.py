@@ -400,3 +400,51 @@ async def test_a_mounted_route_list_replaced_by_an_equal_one_is_seen() -> None:
     assert answer.status_code == 413, answer.text
     assert answer.headers["content-type"] == "application/problem+json"
     assert ran == ["pay"]
+
+
+@pytest.mark.parametrize("where", ["app", "mount"])
+async def test_a_default_app_set_after_requests_is_seen_by_paths_asked_before(where: str) -> None:
+    """Found in review: `app.router.default = legacy` after `POST /refund` was a 404. The
+    cached resolution ("no route: unguarded") held while the route lists kept their lengths:
+    the default app's route ran with no key, and again for each repeat of one. A resolution
+    that fell through a router keeps the router's default then."""
+    ran: list[str] = []
+    legacy = Starlette(routes=[Route("/refund", endpoint_named("refund", ran), methods=["POST"])])
+    inner = Router(routes=[Route("/other", endpoint_named("other", []), methods=["POST"])])
+    routes: list[BaseRoute] = [Mount("/v1", app=inner)] if where == "mount" else []
+    app = Starlette(
+        routes=[*routes, Route("/other", endpoint_named("other", []), methods=["POST"])],
+        middleware=[
+            Middleware(AuthenticationMiddleware, backend=BearerBackend()),
+            Middleware(IdempotencyMiddleware, store=MemoryStore()),
+        ],
+    )
+    path = "/v1/refund" if where == "mount" else "/refund"
+    async with client(app) as c:
+        assert (await c.post(path, json={})).status_code == 404
+        (inner if where == "mount" else app.router).default = legacy
+        unkeyed = await c.post(path, json={})
+        assert unkeyed.status_code == 400, unkeyed.text  # guarded: no key, refused
+        for _ in range(2):
+            assert (await c.post(path, json={}, headers=key("k"))).status_code == 200
+    assert ran == ["refund"]
+
+
+def test_fastapis_low_priority_routes_come_before_a_default_app(tmp_path: Any) -> None:
+    """Found in review: FastAPI's router tries its low-priority routes (`frontend`) before its
+    default app; the middleware took a request they answer (404) for the default app's, and
+    refused it without a key, where FastAPI never runs the default app."""
+    fastapi = pytest.importorskip("fastapi")
+    router = fastapi.APIRouter()
+    if not hasattr(router, "frontend"):
+        pytest.skip("this FastAPI has no low-priority routes")
+    (tmp_path / "index.html").write_text("<p>app</p>")
+    router.frontend("/", directory=str(tmp_path))
+    app = fastapi.FastAPI()
+    app.include_router(router)
+    ran: list[str] = []
+    app.router.default = Starlette(
+        routes=[Route("/refund", endpoint_named("refund", ran), methods=["POST"])]
+    )
+    # (As FastAPI serves it: its frontend's 404, never the default app's route.)
+    assert match_route(app.router.routes, http("/refund"), router=app.router) is None
