@@ -212,7 +212,8 @@ class IdempotencyMiddleware:
         host = host_header(scope) if by_name is None else by_name.get(b"host")
         cache_key = (app, method, scope.get("root_path", ""), scope["path"], host)
         cached = self._routes.get(cache_key)
-        # (A cached match holds while the route lists it walked keep their lengths.)
+        # (A cached match holds while the route lists it walked are their routers' and keep their
+        # lengths, and the routers it fell through keep their defaults: route_cache.)
         if (
             cached is not None
             and cached[1].routes is cached[2]

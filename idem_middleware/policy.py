@@ -45,14 +45,11 @@ class LeaseExpiry(StrEnum):
 # (`operation_name`), or a name pinned in that shape; its method any upper-case token the
 # middleware may guard (HTTP's tchar: `methods=("VERSION-CONTROL",)`, say); the bounds keep a
 # probe of the status route cheap.
-OPERATION_SHAPE = re.compile(
-    r"[!#$%&'*+.^_`|~0-9A-Z-]{1,255} [^/\x00-\x20\x7f]{0,255}/[^\x00-\x1f\x7f]{0,2000}"
-)
+_METHOD_AND_HOST = r"[!#$%&'*+.^_`|~0-9A-Z-]{1,255} [^/\x00-\x20\x7f]{0,255}/"
+OPERATION_SHAPE = re.compile(_METHOD_AND_HOST + r"[^\x00-\x1f\x7f]{0,2000}")
 #: The names the status resource looks up: a path the mounts took may hold a control character
 #: (a client's decoded `%09`, under a mount the router above cannot see into: routed_above).
-LOOKED_UP_SHAPE = re.compile(
-    OPERATION_SHAPE.pattern.replace(r"[^\x00-\x1f\x7f]{0,2000}", r"[^\x00]{0,2000}")
-)
+LOOKED_UP_SHAPE = re.compile(_METHOD_AND_HOST + r"[^\x00]{0,2000}")
 
 #: The most bytes of UTF-8 an operation's name may have (a job's, or one a policy pins): with
 #: a tenant (up to MAX_TENANT_BYTES) and a key (up to 255) it is the record's primary key, a

@@ -7,7 +7,7 @@ import asyncio
 import inspect
 import logging
 from collections.abc import Awaitable, Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import orjson
 from starlette.responses import Response
@@ -15,7 +15,7 @@ from starlette.types import Scope, Send
 
 from .errors import ProblemKind
 from .observe import Event, shown
-from .sendable import head_problem, header_problem, sendable_headers
+from .sendable import bytes_pairs, head_problem, header_problem, sendable_headers
 from .store.base import StoredResponse
 
 if TYPE_CHECKING:
@@ -220,31 +220,12 @@ def storable_headers(headers: Sequence[tuple[bytes, bytes]]) -> list[tuple[bytes
                 kept.append(pair if type(pair) is tuple else (pair[0], pair[1]))
             elif len(pair[0]) == 10 and pair[0].lower() == b"connection" and type(pair[1]) is bytes:
                 listed = {*(listed or ()), *(part.strip().lower() for part in pair[1].split(b","))}
-    except (TypeError, AttributeError, IndexError):  # (a name that is no `bytes`: see below)
-        return storable_headers(_as_bytes(headers))
+    except (TypeError, AttributeError, IndexError):  # (a name that is no `bytes`: a bytearray
+        # failed the recording, every attempt a 500, a lease-mode record `unknown` for good)
+        return storable_headers(bytes_pairs(headers))
     if listed:  # the headers `Connection` names are hop-by-hop too (RFC 9110, 7.6.1)
         kept = [pair for pair in kept if pair[0].lower() not in listed]
     return kept
-
-
-_BYTES_LIKE = (bytes, bytearray, memoryview)
-
-
-def _as_bytes(headers: Sequence[Any]) -> list[tuple[bytes, bytes]]:
-    """Headers as pairs of `bytes`: a `bytearray` or `memoryview` name or value, which servers
-    send as they are, made `bytes` (a `bytearray` name failed the recording, every attempt a 500,
-    a lease-mode record `unknown` for good; a `memoryview` value was recorded by one store and
-    not by the other); a pair of anything else, which no server sends, left out."""
-    pairs = []
-    for pair in headers:
-        if (
-            isinstance(pair, tuple | list)
-            and len(pair) == 2
-            and isinstance(pair[0], _BYTES_LIKE)
-            and isinstance(pair[1], _BYTES_LIKE)
-        ):
-            pairs.append((bytes(pair[0]), bytes(pair[1])))
-    return pairs
 
 
 async def hooked_response(

@@ -54,10 +54,11 @@ _PURE_MATCHES = _pure_matches()
 
 
 class Trace:
-    """What a match depended on, for the route cache: the route lists it walked (the match
-    holds while their lengths do: a route added or removed at run time resolves the paths
-    under it again), and whether it asked a route whose answer may change with more than the
-    cache's key (`volatile`: the match is not cached)."""
+    """What a match depended on, for the route cache: the route lists it walked and what holds
+    them (the match holds while each is its holder's and keeps its length: a route added or
+    removed, or a list replaced, at run time resolves the paths under it again), the defaults of
+    the routers it fell through, and whether it asked a route whose answer may change with more
+    than the cache's key (`volatile`: the match is not cached)."""
 
     __slots__ = ("_walked", "defaults", "memo", "volatile")
 

@@ -120,3 +120,21 @@ def _trimmed(pair: Any) -> tuple[bytes, bytes] | None:
     if stripped == value or _ONE_FIELD(name + b"\x00" + stripped) is None:
         return None
     return name, stripped
+
+
+_BYTES_LIKE = (bytes, bytearray, memoryview)
+
+
+def bytes_pairs(headers: Any) -> list[tuple[bytes, bytes]]:
+    """Headers as pairs of `bytes`: a `bytearray` or `memoryview` name or value, which servers
+    send as they are, made `bytes`; a pair of anything else, which no server sends, left out."""
+    pairs = []
+    for pair in headers:
+        if (
+            isinstance(pair, tuple | list)
+            and len(pair) == 2
+            and isinstance(pair[0], _BYTES_LIKE)
+            and isinstance(pair[1], _BYTES_LIKE)
+        ):
+            pairs.append((bytes(pair[0]), bytes(pair[1])))
+    return pairs

@@ -21,11 +21,7 @@ from .library_routes import (
     shared_names,
     tell_library_routes,
 )
-from .middleware_order import (
-    check_authentication,
-    check_outer_middleware,
-    middleware_inside,
-)
+from .middleware_order import check_authentication, check_outer_middleware, middleware_inside
 from .mounted import (
     guarded_below,
     ignored_settings,
@@ -85,8 +81,10 @@ def check_app(mw: IdempotencyMiddleware, app: Any, scope: Scope | None = None) -
         )
     errors: list[str] = []
     reachable: set[str] = set()
-    router = mounted_limit(app if app is not None else mw.app, own=False)  # (FastAPI's app's)
-    items = _named_above(routes, scope, router_of(app if app is not None else mw.app))
+    served = app if app is not None else mw.app
+    router = mounted_limit(served, own=False)  # (FastAPI's app's)
+    own_router = router_of(served)
+    items = _named_above(routes, scope, own_router)
     endpoints = {id(item.endpoint) for item in items if isinstance(item, Found)}
     for item in items:
         if isinstance(item, Hidden):
@@ -147,8 +145,8 @@ def check_app(mw: IdempotencyMiddleware, app: Any, scope: Scope | None = None) -
         if (auth_error := check_authentication(mw, app, policies, inside)) is not None:
             errors.append(auth_error)
         check_outer_middleware(mw, app, inside)
-    if not guarded_below(app if app is not None else mw.app):  # (else the outer one answers)
-        above = status_above(scope, router_of(app if app is not None else mw.app), routes)
+    if not guarded_below(served):  # (else the outer one answers)
+        above = status_above(scope, own_router, routes)
         errors.extend(status_route_errors(mw, routes, found, items, above))
     errors.extend(_unserved_methods(mw, items))
     errors += nested_policy_errors(mw.policy_for, routes) + stacked_policy_errors(mw, app, found)
@@ -190,6 +188,22 @@ def _split_host(template: str) -> tuple[str, str]:
     return ("", template) if slash <= 0 else (template[:slash], template[slash:])
 
 
+def _routes_above(scope: Scope | None, own_router: Any) -> Sequence[BaseRoute] | None:
+    """The routes of the router above an app checked at its first request (Starlette's first
+    leaves itself in the scope); None when there is none, or it is the app's own."""
+    router = (scope or {}).get("router")
+    return None if router is None or router is own_router else listed_routes(router)
+
+
+def _seen_above(above: Sequence[BaseRoute], own: list[Found]) -> Iterator[tuple[Found, Found]]:
+    """Each route the router above lists that is one of the app's own, with it."""
+    for item in walk(above):
+        if isinstance(item, Found):
+            for mine in own:
+                if item.endpoint is mine.endpoint and _seen_as(item.template, mine.template):
+                    yield item, mine
+
+
 def status_above(
     scope: Scope | None, own_router: Any, routes: Sequence[BaseRoute]
 ) -> Sequence[BaseRoute] | None:
@@ -197,20 +211,13 @@ def status_above(
     lists the app's routes nowhere but at their own paths (a router's default app): the 202's
     Location (the request's root path + status_path) is then resolved there from the top.
     None if the app is mounted under a prefix anywhere: each mount's Location is its own."""
-    router = (scope or {}).get("router")
-    above = None if router is None or router is own_router else listed_routes(router)
+    above = _routes_above(scope, own_router)
     if above is None:
         return None
     own = [item for item in walk(routes) if isinstance(item, Found)]
-    for item in walk(above):
-        for mine in own:
-            if (
-                isinstance(item, Found)
-                and item.endpoint is mine.endpoint
-                and _seen_as(item.template, mine.template)
-                and _split_host(item.template)[1] != _split_host(mine.template)[1]
-            ):
-                return None
+    for item, mine in _seen_above(above, own):
+        if _split_host(item.template)[1] != _split_host(mine.template)[1]:
+            return None
     return above
 
 
@@ -223,20 +230,12 @@ def _named_above(
     router above. Named as that router lists them (each mount of the sub-app), or, where it
     cannot see into the sub-app, with the path the mounts took."""
     items = list(walk(routes))
-    router = (scope or {}).get("router")
-    above = None if router is None or router is own_router else listed_routes(router)
+    above = _routes_above(scope, own_router)
     if above is None:
         return items
     own = [item for item in items if isinstance(item, Found)]
-    named: list[Found | Hidden] = [
-        item
-        for item in walk(above)
-        if isinstance(item, Found)
-        and any(
-            item.endpoint is mine.endpoint and _seen_as(item.template, mine.template)
-            for mine in own
-        )
-    ]
+    # (each listed once, however many of the app's own routes it is seen as)
+    named: list[Found | Hidden] = list({id(i): i for i, _ in _seen_above(above, own)}.values())
     if named or not own:
         return named + [item for item in items if isinstance(item, Hidden)]
     assert scope is not None

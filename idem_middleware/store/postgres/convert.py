@@ -21,6 +21,7 @@ from ...errors import (
     TextRefused,
 )
 from ...observe import shown
+from ...sendable import bytes_pairs
 from ..base import Record, RecordKey, Settlement, State, StoredResponse
 
 _Q = sql.queries()
@@ -237,18 +238,9 @@ def encode_headers(headers: Sequence[tuple[bytes, bytes]]) -> bytes:
     except (AttributeError, TypeError, ValueError):
         # A header that is not two bytes (a handler's `str`): no server sends it and no replay
         # would (sendable.py); the outcome is recorded without it, as the twin's replay has it.
-        # (A `memoryview`, which servers send, is made `bytes` first: see responses._as_bytes.)
-        kept = [(bytes(n), bytes(v)) for n, v in filter(_two_bytes, headers)]
+        # (A `memoryview`, which servers send, is made `bytes`, as the in-memory store keeps it.)
+        kept = bytes_pairs(headers)
         return orjson.dumps([(n.decode("latin-1"), v.decode("latin-1")) for n, v in kept])
-
-
-def _two_bytes(pair: Any) -> bool:
-    return (
-        type(pair) in (tuple, list)
-        and len(pair) == 2
-        and isinstance(pair[0], (bytes, bytearray, memoryview))
-        and isinstance(pair[1], (bytes, bytearray, memoryview))
-    )
 
 
 def decode_headers(blob: bytes | None) -> list[tuple[bytes, bytes]]:
