@@ -9,7 +9,7 @@ from starlette.types import Message, Scope, Send
 
 from .answers import Answer
 from .responses import storable_headers
-from .sendable import refuse_status
+from .sendable import final_status
 from .store.base import StoredResponse
 
 #: Messages that go straight through, the response held or not: early hints (103), HTTP/2
@@ -112,7 +112,9 @@ class ResponseCapture(Answer):
                 message = {**message, "headers": headers}
             status = message["status"]
             if type(status) is not int or status not in _FINAL_STATUSES:
-                refuse_status(status)  # as the server would, before any outcome is recorded
+                # (`HTTPStatus.CREATED`, say: recorded and sent as the int it is; anything else
+                # refused as the server would, before any outcome is recorded)
+                message = {**message, "status": final_status(status)}
             self.start = message
             content_type = b""
             for name, value in headers:

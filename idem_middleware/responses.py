@@ -262,7 +262,7 @@ async def hooked_response(
         )
         return response
     headers = [(n.lower(), v) for n, v in result.headers if n.lower() not in _HOOK_DROPPED]
-    return StoredResponse(result.status, headers, result.body, result.body_omitted)
+    return StoredResponse(int(result.status), headers, result.body, result.body_omitted)
 
 
 #: The header a replay of a response whose body was not kept carries, saying why.
@@ -272,7 +272,7 @@ BODY_OMITTED_HEADER = b"idempotency-body-omitted"
 def _malformed(result: object) -> str | None:
     if not isinstance(result, StoredResponse):
         return f"{type(result).__name__}, not a StoredResponse or None"
-    if type(result.status) is not int or not 200 <= result.status <= 599:
+    if head_problem(result.status, ()) is not None:
         return f"the status {result.status!r}"
     if not isinstance(result.body, bytes):
         return "a body that is not bytes"

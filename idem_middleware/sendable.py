@@ -43,16 +43,20 @@ class UnsendableResponse(RuntimeError):
     """A handler's response head that servers refuse to send (see the module's docstring)."""
 
 
-def refuse_status(status: Any) -> None:
-    """Raise UnsendableResponse for a status that is no final HTTP status (the caller tests
-    `type(status) is int and 199 < status < 600` inline: a call costs more than the test)."""
+def final_status(status: Any) -> int:
+    """`status` as the plain int it is (an `HTTPStatus` member, or any int's subclass but a
+    bool: servers send it as its number), a final HTTP status; UnsendableResponse otherwise
+    (the caller tests `type(status) is int and 199 < status < 600` inline: a call costs more
+    than the test)."""
+    if isinstance(status, int) and not isinstance(status, bool) and 199 < status < 600:
+        return int(status)
     raise UnsendableResponse(f"the response cannot be sent: {head_problem(status, ())}")
 
 
 def head_problem(status: Any, headers: Any) -> str | None:
     """Why a server would refuse a response with this status and these headers (a list or
     tuple of pairs), or None. Never quotes a value (it may carry what the response does)."""
-    if type(status) is not int or not 199 < status < 600:
+    if isinstance(status, bool) or not isinstance(status, int) or not 199 < status < 600:
         return f"the status {status!r:.40} is not a final HTTP status (an int from 200 to 599)"
     if not headers or _all_sendable(headers):
         return None
