@@ -162,7 +162,15 @@ async def answer_cancelled(ex: Exchange) -> None:
     given back). Behind a `BaseHTTPMiddleware` nothing gets through: its cancel scope cancels
     this send too, and the server answers as before. Not when a middleware before this one may
     answer it itself (`middleware_order.check_outer_middleware`): a timeout's own 504 would
-    come second, refused by the server."""
+    come second, refused by the server.
+
+    Not a CancelledError the handler raised itself (it awaited a task cancelled elsewhere) while
+    nobody cancels the request: that is an error of the handler's, answered as any other (the
+    server's 500), not "shutting down, retry in a second", which had its clients retry it at
+    once, for ever."""
+    task = asyncio.current_task()
+    if task is None or not task.cancelling():
+        return
     if getattr(ex, "counted", None) is None:  # (nothing decided: a duplicate that waited, say)
         ex.emit(Event.CANCELLED)
     if ex.started or not ex.mw.answers_cancelled:
