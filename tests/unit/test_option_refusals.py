@@ -116,6 +116,33 @@ def test_store_options_read_as_what_they_do_not_say_are_refused(
         PostgresStore(**options)
 
 
+@pytest.mark.parametrize(
+    ("sizes", "named"),
+    [
+        ({"max_size": 2.5}, "max_size"),
+        ({"max_size": 0, "min_size": 0}, "max_size"),
+        ({"min_size": -1}, "min_size"),
+        ({"min_size": True}, "min_size"),
+        ({"min_size": 5, "max_size": 3}, "more than max_size"),
+        ({"max_size": 1}, "more than max_size"),  # (min_size's default is 2)
+        ({"statement_cache_size": -1}, "statement_cache_size"),
+        ({"statement_cache_size": "0"}, "statement_cache_size"),
+    ],
+)
+def test_pool_sizes_asyncpg_would_refuse_at_open_are_refused_when_made(
+    sizes: dict[str, Any], named: str
+) -> None:
+    """They failed only at `open()`, and a float as asyncpg's bare TypeError."""
+    with pytest.raises(ConfigurationError, match=named):
+        PostgresStore(dsn="postgresql://db.example/app", **sizes)
+
+
+def test_the_pool_sizes_asyncpg_takes_are_taken() -> None:
+    PostgresStore(dsn="postgresql://db.example/app", min_size=0, max_size=1)
+    PostgresStore(dsn="postgresql://db.example/app", min_size=3, max_size=3)
+    PostgresStore(dsn="postgresql://db.example/app", statement_cache_size=0)
+
+
 @pytest.mark.parametrize("dsn", ["", "  ", 5])
 def test_a_dsn_that_names_no_server_is_refused(dsn: Any) -> None:
     """`""` connected to libpq's defaults without a word; a number failed only at `open()`."""

@@ -34,6 +34,7 @@ def check_store_options(pool: Any, listen: Any, fast_path: Any, made: tuple[Any,
         if not isinstance(value, bool):
             raise ConfigurationError(f"PostgresStore({name}=...) is True or False, not {value!r}")
     if pool is None:
+        _check_sizes(*made[:3])
         return
     given = [
         name for (name, default), value in zip(_POOL_OPTIONS, made, strict=True) if value != default
@@ -42,4 +43,23 @@ def check_store_options(pool: Any, listen: Any, fast_path: Any, made: tuple[Any,
         raise ConfigurationError(
             f"PostgresStore(pool=...) takes no {', '.join(given)}: they make a pool, and this "
             "one is made already (pass them to asyncpg.create_pool, or give the store a dsn)"
+        )
+
+
+def _check_sizes(min_size: Any, max_size: Any, statement_cache_size: Any) -> None:
+    """The pool's sizes are whole numbers asyncpg takes (`max_size=2.5` was a bare TypeError,
+    `min_size > max_size` or `max_size=0` a ValueError, each only at `open()`)."""
+    for name, value, least in (
+        ("min_size", min_size, 0),
+        ("max_size", max_size, 1),
+        ("statement_cache_size", statement_cache_size, 0),
+    ):
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ConfigurationError(
+                f"PostgresStore({name}=...) is a whole number of at least {least}, not {value!r}"
+            )
+    if min_size > max_size:
+        raise ConfigurationError(
+            f"PostgresStore(min_size={min_size}) is more than max_size={max_size}: the pool "
+            "opens min_size connections and never holds more than max_size"
         )
