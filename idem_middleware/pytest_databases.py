@@ -54,6 +54,15 @@ _RUNS = 100
 _LOCK_CLASS = 0x1DE4
 
 
+def _refuse_own(name: str) -> None:
+    pytest.fail(
+        f"idem_postgres_dsn: {DSN_ENV} names the database {name}, which the plugin creates and "
+        f"drops for its tests ({_DATABASE}, {_DATABASE}_1, {_DATABASE}_gw0 ...): point it at "
+        "another database, e.g. postgres",
+        pytrace=False,
+    )
+
+
 class Reservation:
     """The name of this run's database on a server given by `IDEM_TEST_DSN`, held for the run
     by an advisory lock on a connection of its own (in an event loop of its own thread, as the
@@ -82,17 +91,20 @@ class Reservation:
     async def _reserve(self, server_dsn: str) -> str:
         import asyncpg  # (here, not at the top: the plugin loads in every pytest run)
 
-        self._conn = await asyncpg.connect(server_dsn)
+        try:
+            self._conn = await asyncpg.connect(server_dsn)
+        except asyncpg.InvalidCatalogNameError as exc:
+            # (One of the plugin's names, absent: said as when it exists, not as asyncpg's
+            # "does not exist", which sends one to create it.)
+            named = re.search(rf'"({_DATABASE}(?:_[A-Za-z0-9_]*)?)"', str(exc))
+            if named is not None:
+                _refuse_own(named[1])
+            raise
         given = await self._conn.fetchval("SELECT current_database()")
         if given == _DATABASE or given.startswith(f"{_DATABASE}_"):
             # It was dropped (WITH (FORCE)) as the run's own, or failed to be (ObjectInUseError)
             # while this very connection held it: never the database of IDEM_TEST_DSN.
-            pytest.fail(
-                f"idem_postgres_dsn: {DSN_ENV} names the database {given}, which the plugin "
-                f"creates and drops for its tests ({_DATABASE}, {_DATABASE}_1, {_DATABASE}_gw0 "
-                "...): point it at another database, e.g. postgres",
-                pytrace=False,
-            )
+            _refuse_own(given)
         base = database_name()
         for n in range(_RUNS):
             name = base if n == 0 else f"{base}_{n}"

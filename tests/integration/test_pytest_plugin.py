@@ -743,6 +743,24 @@ def test_a_dsn_naming_the_plugins_own_database_is_refused_and_left_alone(
     assert "ObjectInUseError" not in result.stdout.str()
 
 
+def test_a_dsn_naming_the_plugins_own_database_is_refused_when_it_does_not_exist(
+    pytester: pytest.Pytester, inner_env: Path, pg_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same name, absent: it failed with asyncpg's "database does not exist", which sends
+    one to create the very database the plugin drops."""
+    name = database_name() + "_absent"
+    _admin(pg_dsn, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    monkeypatch.setenv("IDEM_TEST_DSN", urlunsplit(urlsplit(pg_dsn)._replace(path=f"/{name}")))
+    pytester.makepyfile(test_db="def test_db(idem_postgres_dsn):\n    pass\n")
+    result = run(pytester)
+    result.assert_outcomes(errors=1)
+    result.stdout.fnmatch_lines(
+        [f"idem_postgres_dsn: IDEM_TEST_DSN names the database {name}, which the plugin *"]
+    )
+    assert "InvalidCatalogNameError" not in result.stdout.str()
+    assert name not in asyncio.run(_databases(pg_dsn))
+
+
 SYNC_TESTS_WITH_EMPTIED_TABLES = """
 import asyncio
 import asyncpg
