@@ -132,7 +132,7 @@ async def _call(job: JobSpec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
     if type(tenant) is int:  # (an account number: its digits, as a tenant resolver's is)
         tenant = str(tenant)
     if not isinstance(tenant, str):  # (as `str`, an object's repr: another tenant each call)
-        raise ValueError(f"{job.operation}: the job's tenant is a str, not {type(tenant)!r}")
+        raise ValueError(f"{job.operation}: the job's tenant must be a str, not {type(tenant)!r}")
     # (PostgreSQL text holds neither, and the driver refuses them with an error of its own:
     # refused here, on either store.)
     if not (storable_text(key) and storable_tenant(tenant)):

@@ -28,7 +28,7 @@ async def test_a_tenant_function_returning_no_string_is_refused(store: Store) ->
         runs.append(ctx.tenant)
         return len(runs)
 
-    with pytest.raises(ValueError, match="tenant is a str"):
+    with pytest.raises(ValueError, match="tenant must be a str"):
         await send(k="k1", account=Account(7))
     assert runs == []
     assert await send(k="k1", account=7) == 1  # an int is its digits
