@@ -36,6 +36,16 @@ def hide_sent_by_server(scope: Scope) -> None:
         }
 
 
+def _as_bytes(value: object) -> bytes:
+    """A header value servers take, as bytes: a bytearray's or memoryview's, a str's (h11 takes
+    one) as Latin-1; b"" for anything else (the server refuses it, not the capture)."""
+    if isinstance(value, bytearray | memoryview):
+        return bytes(value)
+    if isinstance(value, str):
+        return value.encode("latin-1", "replace")
+    return b""
+
+
 class SettlesEarly(Protocol):
     """What a capture's owner does before the first byte of a response it cannot hold."""
 
@@ -118,8 +128,12 @@ class ResponseCapture(Answer):
             self.start = message
             content_type = b""
             for name, value in headers:
-                if name == b"content-type":
+                # (A name in capitals, `Content-Type`, which servers send as well: the second
+                # test, for a name of its length only.)
+                if name == b"content-type" or (len(name) == 12 and name.lower() == b"content-type"):
                     content_type = value  # the last one
+            if type(content_type) is not bytes:  # (a memoryview, a str under h11: sent too)
+                content_type = _as_bytes(content_type)
             # (A media type's case means nothing: `Text/Event-Stream` streams as well. The first
             # byte first: most responses are `application/...`, and are done with in one test.)
             if content_type[:1] in b"Tt \t" and (

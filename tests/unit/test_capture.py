@@ -122,6 +122,33 @@ async def test_the_last_content_type_decides_whether_a_response_streams(as_list:
         assert r.settled == (["streaming"] if streams else [])
 
 
+
+@pytest.mark.parametrize(
+    ("name", "value", "streams"),
+    [
+        # A name in capitals, which servers send as well (Django's own handler keeps them): an
+        # event stream held was a stream's first byte held to its end, its connection with it.
+        (b"Content-Type", b"text/event-stream", True),
+        (bytearray(b"CONTENT-TYPE"), b"text/event-stream", True),
+        (b"Content-Typo", b"text/event-stream", False),
+        # A value that is no bytes object but sent all the same (a memoryview under uvicorn's
+        # httptools, a str under h11): the capture raised, a 500 for a response servers send.
+        (b"content-type", memoryview(b"text/event-stream"), True),
+        (b"content-type", bytearray(b"text/plain"), False),
+        (b"content-type", "text/event-stream", True),
+        (b"content-type", "text/plain", False),
+        (b"content-type", 5, False),
+    ],
+)
+async def test_a_content_type_servers_send_is_read_whatever_its_names_case_or_its_values_type(
+    name: Any, value: Any, streams: bool
+) -> None:
+    r = Recorder()
+    capture = ResponseCapture(r.send, 100, r)
+    await capture({**START, "headers": [(name, value)]})
+    assert capture.passthrough is streams
+    assert r.settled == (["streaming"] if streams else [])
+
 async def test_a_capture_without_an_owner_settles_early_by_its_own_method() -> None:
     """A subclass that is its own owner (the transactional attempt) overrides `settle_early`;
     a plain capture made without an owner cannot settle, and says so before any byte leaves."""
