@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable
 
 from starlette.authentication import SimpleUser
 from starlette.exceptions import HTTPException
+from starlette.requests import HTTPConnection
 from starlette.responses import Response
 from starlette.types import Scope
 
@@ -86,11 +87,20 @@ def authenticated_user_tenant(scope: Scope) -> str | None:
     (an integer identity as its decimal digits). Raises `Unidentified` for a user it cannot
     name."""
     user = scope.get("user")
-    if user is None or not getattr(user, "is_authenticated", False):
+    if user is None:
         return None
+    authenticated = getattr(user, "is_authenticated", None)
+    if authenticated is not True:
+        if authenticated is False:
+            return None
+        # A user the app's own middleware set (a dict, a model), or one whose is_authenticated
+        # is a method (always true): taken for anonymous, callers who are someone shared "";
+        # taken for authenticated, callers who are no one shared a name.
+        why = f"its is_authenticated is {type(authenticated).__name__}, not True or False"
+        raise Unidentified(f"the user object {type(user).__name__} cannot be read: {why}")
     try:
         identity = user.identity
-    except NotImplementedError:
+    except (NotImplementedError, AttributeError):  # (a class of its own, not a BaseUser)
         if type(user) is not SimpleUser:
             why = f"the user class {type(user).__name__} implements no identity"
             raise Unidentified(why) from None
@@ -112,12 +122,28 @@ def _fastapi_marker(parameter: inspect.Parameter) -> object:
     return None
 
 
+def _is_connection(annotation: object) -> bool:
+    """Whether a parameter's annotation is Starlette's (or FastAPI's) Request, WebSocket or
+    HTTPConnection, or a class of theirs."""
+    return isinstance(annotation, type) and issubclass(annotation, HTTPConnection)
+
+
 def _check_resolver(resolver: object) -> None:
     """A resolver is called with the ASGI scope, one positional argument: a FastAPI dependency
     given as one (its parameters `Header()`, `Depends(...)`) passed the startup and failed every
     guarded request with an error from inside the app's own code, naming neither."""
     if not callable(resolver):
         raise ConfigurationError(f"tenant_resolver must be a function, not {resolver!r}")
+    fix = (
+        "it is called with the request's ASGI scope (one argument), not as a FastAPI "
+        "dependency: read the credential from the scope, as `bearer_tenant(scope)` does in "
+        "docs/fastapi.md, and keep the dependency for your routes"
+    )
+    # A FastAPI security scheme (HTTPBearer(), OAuth2PasswordBearer(...), APIKeyHeader(...)) is
+    # called with a Request: given the scope, it failed every guarded request.
+    if any(kind.__module__.startswith("fastapi.security") for kind in type(resolver).__mro__):
+        what = type(resolver).__name__
+        raise ConfigurationError(f"tenant_resolver is a FastAPI security scheme ({what}): {fix}")
     # (What is called: a `functools.wraps` wrapper's own signature, not the function it wraps.)
     try:
         signature = inspect.signature(resolver, follow_wrapped=False, eval_str=True)
@@ -126,16 +152,17 @@ def _check_resolver(resolver: object) -> None:
             signature = inspect.signature(resolver, follow_wrapped=False)
         except (TypeError, ValueError):
             return
-    fix = (
-        "it is called with the request's ASGI scope (one argument), not as a FastAPI "
-        "dependency: read the credential from the scope, as `bearer_tenant(scope)` does in "
-        "docs/fastapi.md, and keep the dependency for your routes"
-    )
     for name, parameter in signature.parameters.items():
         marker = _fastapi_marker(parameter)
         if marker is not None:
             what = type(marker).__name__
             raise ConfigurationError(f"tenant_resolver's parameter {name!r} is a {what}(): {fix}")
+        if _is_connection(parameter.annotation):  # (`request: Request`: given the scope)
+            raise ConfigurationError(
+                f"tenant_resolver's parameter {name!r} is annotated as a request, but the "
+                f"resolver is given the ASGI scope (a dict: scope['headers'], not "
+                f"request.headers): {fix}"
+            )
     try:
         signature.bind(object())
     except TypeError as exc:

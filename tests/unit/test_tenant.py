@@ -108,20 +108,58 @@ class WithIdentity(SimpleUser):
         return self._identity
 
 
+class OwnUser:
+    """A user class of the app's own, not a BaseUser: no `identity` at all."""
+
+    is_authenticated = True
+
+
+class MethodUser(BaseUser):
+    """`is_authenticated` written as a method: a bound method is true, for everyone."""
+
+    def is_authenticated(self) -> bool:  # type: ignore[override]
+        return False
+
+    @property
+    def identity(self) -> str:
+        return "nobody"
+
+
 @pytest.mark.parametrize(
     "user",
-    [NamedOnly("Alice"), WithIdentity(None), WithIdentity(True), WithIdentity(b"tenant")],
-    ids=["no-identity", "identity-none", "identity-bool", "identity-bytes"],
+    [
+        NamedOnly("Alice"),
+        WithIdentity(None),
+        WithIdentity(True),
+        WithIdentity(b"tenant"),
+        OwnUser(),
+        {"id": "alice"},
+        MethodUser(),
+    ],
+    ids=[
+        "no-identity",
+        "identity-none",
+        "identity-bool",
+        "identity-bytes",
+        "not-a-base-user",
+        "a-dict",
+        "is-authenticated-a-method",
+    ],
 )
+@pytest.mark.parametrize("allow_anonymous", [False, True])
 async def test_a_user_the_default_cannot_name_is_refused_not_shared(
-    user: BaseUser, caplog: pytest.LogCaptureFixture
+    user: Any, allow_anonymous: bool, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Found by probing: a user class without `identity` fell back to its display name (two
-    users called Alice shared records and replays), and an identity of None became "None"."""
+    users called Alice shared records and replays), and an identity of None became "None".
+    Later: a user the app's own middleware set (a dict, a class with no `identity`: an
+    AttributeError, a bare 500) was taken for anonymous, so on a route open to anonymous
+    callers two users shared the key space ""; and an `is_authenticated` written as a method
+    (true, bound) named every caller who was no one."""
     tenants = Tenants()
     for _ in range(2):
         with pytest.raises(RequestRejected) as refused:
-            await resolve(tenants, {"user": user})
+            await resolve(tenants, {"user": user}, allow_anonymous=allow_anonymous)
         assert refused.value.kind is ProblemKind.MISCONFIGURED
     assert len([r for r in caplog.records if r.levelno == logging.ERROR]) == 1
 

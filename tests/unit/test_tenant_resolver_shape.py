@@ -8,7 +8,9 @@ import functools
 from typing import Annotated, Any
 
 import pytest
-from fastapi import Depends, FastAPI, Header
+from fastapi import Depends, FastAPI, Header, Request
+from fastapi.security import APIKeyHeader, HTTPBearer, OAuth2PasswordBearer
+from starlette.requests import HTTPConnection
 
 from idem_middleware import IdempotencyMiddleware, MemoryStore
 from idem_middleware.errors import ConfigurationError
@@ -49,6 +51,34 @@ def test_a_resolver_that_cannot_take_the_scope_is_refused_when_made(
     assert said in str(refused.value)
     with pytest.raises(ConfigurationError, match="ASGI scope"):  # (at once, not at the
         install(FastAPI(), store=MemoryStore(), tenant_resolver=resolver)  # lifespan's call)
+    with pytest.raises(ConfigurationError, match="ASGI scope"):
+        status_route(MemoryStore(), tenant_resolver=resolver)
+
+
+async def reads_a_request(request: Request) -> str:
+    return request.headers.get("x-tenant", "")
+
+
+async def reads_a_connection(conn: HTTPConnection) -> str:
+    return "t"
+
+
+@pytest.mark.parametrize(
+    ("resolver", "said"),
+    [
+        (HTTPBearer(), "FastAPI security scheme (HTTPBearer)"),
+        (OAuth2PasswordBearer(tokenUrl="token"), "(OAuth2PasswordBearer)"),
+        (APIKeyHeader(name="x-api-key"), "(APIKeyHeader)"),
+        (reads_a_request, "parameter 'request' is annotated as a request"),
+        (reads_a_connection, "parameter 'conn' is annotated as a request"),
+    ],
+)
+def test_a_resolver_that_reads_a_request_is_refused_when_made(resolver: Any, said: str) -> None:
+    """Found by probing: each was taken, and given the scope (a dict) failed every guarded
+    request with an AttributeError from inside FastAPI or the app: a bare 500."""
+    with pytest.raises(ConfigurationError, match="ASGI scope") as refused:
+        IdempotencyMiddleware(FastAPI(), store=MemoryStore(), tenant_resolver=resolver)
+    assert said in str(refused.value)
     with pytest.raises(ConfigurationError, match="ASGI scope"):
         status_route(MemoryStore(), tenant_resolver=resolver)
 
