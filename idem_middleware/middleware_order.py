@@ -49,7 +49,19 @@ def check_authentication(
         return None  # (its order cannot be read here; wrapping the app, what is outside it)
     anonymous = sum(p.allow_anonymous for p in policies)
     declared = _declared(inside, "AuthenticationMiddleware")
-    if declared and not any(i < ours for i in auth):
+    before = any(i < ours for i in auth)
+    if before and policies and (declared or any(i > ours for i in auth)):
+        # The inner one names the caller again once the tenant was resolved: the handler serves
+        # whom it names, the record is kept under whom the outer one named.
+        where = f"on {', '.join(declared)}" if declared else "after it in the app's list"
+        return (
+            "AuthenticationMiddleware runs both before IdempotencyMiddleware and inside it "
+            f"({where}): the inner one may name another caller than the tenant the request "
+            "is recorded under, whose retries would then be replayed that caller's response. "
+            "Authenticate once, before IdempotencyMiddleware (one backend may try several "
+            "credentials), or pass tenant_resolver= naming the caller the handler serves"
+        )
+    if declared and not before:
         # The same as one after ours in the app's list: it names the caller only once the
         # tenant was resolved (no request of those routes can be named).
         return (
