@@ -187,6 +187,11 @@ class Policy:
                 "require_token=True with key_required=False: a request without a key would run "
                 "unguarded, so any caller could skip the token. A token route needs its key"
             )
+        if self.require_token and self.allow_anonymous:
+            raise ConfigurationError(  # (each anonymous request was told 400 token-invalid)
+                "require_token=True with allow_anonymous=True: tokens are issued to "
+                "authenticated callers only, so no anonymous request could ever run"
+            )
         object.__setattr__(self, "exclude_fields", fields(self.exclude_fields, "exclude_fields"))
         object.__setattr__(self, "include_fields", fields(self.include_fields, "include_fields"))
         object.__setattr__(self, "key_source", as_key_source(self.key_source))

@@ -322,6 +322,13 @@ def test_a_token_route_whose_key_is_optional_is_refused() -> None:
     assert Policy(require_token=True).key_required
 
 
+def test_a_token_route_open_to_anonymous_callers_is_refused() -> None:
+    """Found by probing: tokens are issued to authenticated callers only, so each anonymous
+    request was told `400 token-invalid`, a problem the client could never fix."""
+    with pytest.raises(ConfigurationError, match="require_token=True with allow_anonymous=True"):
+        Policy(require_token=True, allow_anonymous=True)
+
+
 @pytest.mark.parametrize("name", ["X-Api-Version ", "x-api-version:", "x api version", "", "ä"])
 def test_an_include_headers_name_no_header_can_have_is_refused(name: str) -> None:
     # It matched no header: two requests that differ in the header were one request.
