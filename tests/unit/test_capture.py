@@ -122,7 +122,6 @@ async def test_the_last_content_type_decides_whether_a_response_streams(as_list:
         assert r.settled == (["streaming"] if streams else [])
 
 
-
 @pytest.mark.parametrize(
     ("name", "value", "streams"),
     [
@@ -148,6 +147,7 @@ async def test_a_content_type_servers_send_is_read_whatever_its_names_case_or_it
     await capture({**START, "headers": [(name, value)]})
     assert capture.passthrough is streams
     assert r.settled == (["streaming"] if streams else [])
+
 
 async def test_a_capture_without_an_owner_settles_early_by_its_own_method() -> None:
     """A subclass that is its own owner (the transactional attempt) overrides `settle_early`;
