@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import pytest
 
@@ -82,3 +83,43 @@ async def test_a_renewal_that_finds_the_store_closed_ends_the_lease_at_once(
     messages = [r.getMessage() for r in caplog.records]
     assert len(messages) == 1
     assert messages[0].startswith("lease lost: the store is closed")
+
+
+class Renews:
+    """A store whose renewals succeed, each one's time on the loop's clock kept."""
+
+    def __init__(self) -> None:
+        self.at: list[float] = []
+
+    async def heartbeat(self, key: RecordKey, generation: int, lease_seconds: float) -> bool:
+        self.at.append(asyncio.get_running_loop().time())
+        return True
+
+
+async def test_a_jobs_first_renewal_is_due_a_third_of_a_lease_after_the_grant_not_its_start() -> (
+    None
+):
+    """Found by probing: a lease-mode job's heartbeat (a task of its own) waited a third of the
+    lease from when it first ran, which is after the job's first await. A job that blocked the
+    loop for most of its lease before that renewed only after the lease had lapsed, and a
+    redelivery took the record over and ran the job again."""
+    lease = 0.6
+    context = claimed_context("t", "POST /x", "k", 7, Mode.LEASE, None, None)
+    store = Renews()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    granted = loop.time()
+    task = loop.create_task(
+        keep_lease(store, context, lease, stop, held_until=granted + lease, renew_now=False)
+    )
+    time.sleep(lease * 0.5)  # noqa: ASYNC251 - the job blocks the loop before its first await
+    blocked_until = loop.time()
+    for _ in range(200):  # (bounded: until the first renewal, or the lease's end)
+        if store.at or loop.time() > granted + lease:
+            break
+        await asyncio.sleep(0.005)
+    stop.set()
+    await asyncio.wait_for(task, 5)
+    assert store.at, "no renewal within the lease"
+    # Due at granted + lease/3, passed while the loop was blocked: at once after the block.
+    assert store.at[0] < blocked_until + lease / 6
