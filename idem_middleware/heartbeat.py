@@ -47,9 +47,10 @@ async def keep_lease(
     """Renew `context`'s lease every third of `lease_seconds` until `stop` is set (first at once
     when `renew_now`, else a third of the lease after it was granted: a task that starts late,
     its loop blocked by the code it guards, renews at once). `held_until`: when, on the event
-    loop's clock, the lease last granted ends at the earliest. A renewal that fails (the store unreachable) is tried again at the
-    next one, or when the lease ends if that is sooner; then the lease is lost. `settling`:
-    whether the execution's settlement has begun (the lease then ends without being lost)."""
+    loop's clock, the lease last granted ends at the earliest. A renewal that fails (the store
+    unreachable) is tried again at the next one, or when the lease ends if that is sooner; then
+    the lease is lost. `settling`: whether the execution's settlement has begun (the lease then
+    ends without being lost)."""
     loop = asyncio.get_running_loop()
     interval = lease_seconds / 3
     key = RecordKey(context.tenant, context.operation, context.key)

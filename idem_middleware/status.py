@@ -75,17 +75,22 @@ _NEW_KEY = " Never send it under a new key: it may have happened."
 def _lapsed(policy: Policy | None) -> str:
     """A pending request whose lease lapsed: what its retry does under the route's policy now
     (a route may have changed its mode since the request was claimed)."""
+    # ("May have": a lease lapses under a handler that still runs, too: its renewals renew
+    # nothing while its own fenced transaction holds the record. A retry then waits for it.)
     if policy is None:  # (no middleware's startup check has told this route about it)
-        return _NOTHING_RUNS
+        return _LAPSED + ": send it again with the same key."
     if policy.mode is Mode.LEASE and policy.on_lease_expiry is LeaseExpiry.TAKEOVER:
-        return "Nothing runs this request any more: send it again with the same key to run it."
+        return _LAPSED + ": send it again with the same key to run it."
     if policy.mode is Mode.LEASE and policy.reconciler is not None:
-        return "Nothing runs this request any more, and its outcome was lost." + _ASKS
+        return _LAPSED + ", its outcome lost." + _ASKS
     # Transactional now, or no reconciler: the retry marks it unknown (409 outcome-unknown).
     return (
-        "Nothing runs this request any more, and its outcome was lost: sending it again with"
-        " the same key answers 409 outcome-unknown, and an operator resolves it." + _NEW_KEY
+        _LAPSED + ", its outcome lost: sending it again with the same key answers 409"
+        " outcome-unknown, and an operator resolves it." + _NEW_KEY
     )
+
+
+_LAPSED = "Its lease lapsed, and it may have stopped"
 
 
 def _unknown(retry: bool, policy: Policy | None) -> str:
