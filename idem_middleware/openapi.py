@@ -71,12 +71,12 @@ def _problems(policy: Policy, mw: IdempotencyMiddleware | None) -> dict[str, lis
 
 
 def _retention(seconds: float) -> str:
-    if seconds % 86400 == 0:
-        days = int(seconds // 86400)
-        return f"{days} day{'s' if days != 1 else ''}"
-    if seconds % 3600 == 0:
-        return f"{int(seconds // 3600)} hours"
-    return f"{seconds:g} seconds"
+    """Exactly (`1234567 seconds`, never `1.23457e+06`), in days or hours when whole."""
+    for unit, size in (("day", 86400), ("hour", 3600), ("second", 1)):
+        if seconds % size == 0:
+            count = int(seconds // size)
+            return f"{count:,} {unit}{'s' if count != 1 else ''}"
+    return f"{seconds!r} seconds"  # (a fraction: its shortest exact digits)
 
 
 # The header's value as keys.parse_key_value accepts it: an sf-string of 1-255 characters (each

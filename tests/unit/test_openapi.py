@@ -20,7 +20,7 @@ from starlette.schemas import SchemaGenerator
 
 from example_app.app import create_app
 from idem_middleware import IdempotencyMiddleware, MemoryStore, Policy, idempotent
-from idem_middleware.openapi import PROBLEM_SCHEMA, document_openapi
+from idem_middleware.openapi import PROBLEM_SCHEMA, _retention, document_openapi
 
 GUARDED = [("/accounts/{account_id}/credits", "post"), ("/payouts", "post")]
 
@@ -436,3 +436,20 @@ def test_the_examples_validation_422_is_documented_as_the_problem_it_sends(
         assert "$defs" not in json.dumps(shape), path  # (written in place: no dangling refs)
         guarded = method == "post"
         assert ({"$ref": f"#/components/schemas/{PROBLEM_SCHEMA}"} in shapes) == guarded, path
+
+
+@pytest.mark.parametrize(
+    ("seconds", "said"),
+    [
+        (1_234_567, "1,234,567 seconds"),  # (was "1.23457e+06 seconds": 3 s off, in a float's form)
+        (30 * 86400 + 1, "2,592,001 seconds"),
+        (3600, "1 hour"),  # (was "1 hours")
+        (7200, "2 hours"),
+        (172_800, "2 days"),
+        (1.5, "1.5 seconds"),
+    ],
+)
+def test_the_retention_is_said_exactly_in_the_largest_whole_unit(seconds: float, said: str) -> None:
+    """Found by probing: a retention that is no whole number of hours was shown rounded to six
+    digits, in scientific notation."""
+    assert _retention(seconds) == said
