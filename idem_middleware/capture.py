@@ -36,10 +36,16 @@ def hide_sent_by_server(scope: Scope) -> None:
         }
 
 
+def _is_content_type(name: object) -> bool:
+    """Whether a header name servers send (bytes, a bytearray, a memoryview; a str under h11)
+    is Content-Type, in any case."""
+    return _as_bytes(name).lower() == b"content-type"
+
+
 def _as_bytes(value: object) -> bytes:
-    """A header value servers take, as bytes: a bytearray's or memoryview's, a str's (h11 takes
-    one) as Latin-1; b"" for anything else (the server refuses it, not the capture)."""
-    if isinstance(value, bytearray | memoryview):
+    """A header name or value servers take, as bytes: a bytearray's or memoryview's, a str's (h11
+    takes one) as Latin-1; b"" for anything else (the server refuses it, not the capture)."""
+    if isinstance(value, bytes | bytearray | memoryview):
         return bytes(value)
     if isinstance(value, str):
         return value.encode("latin-1", "replace")
@@ -128,9 +134,11 @@ class ResponseCapture(Answer):
             self.start = message
             content_type = b""
             for name, value in headers:
-                # (A name in capitals, `Content-Type`, which servers send as well: the second
-                # test, for a name of its length only.)
-                if name == b"content-type" or (len(name) == 12 and name.lower() == b"content-type"):
+                # (A name in capitals, `Content-Type`, or not a bytes object, which servers send
+                # as well: the second test, for a bytes name of its length only.)
+                if name == b"content-type" or (
+                    (type(name) is not bytes or len(name) == 12) and _is_content_type(name)
+                ):
                     content_type = value  # the last one
             if type(content_type) is not bytes:  # (a memoryview, a str under h11: sent too)
                 content_type = _as_bytes(content_type)

@@ -130,6 +130,12 @@ async def test_the_last_content_type_decides_whether_a_response_streams(as_list:
         (b"Content-Type", b"text/event-stream", True),
         (bytearray(b"CONTENT-TYPE"), b"text/event-stream", True),
         (b"Content-Typo", b"text/event-stream", False),
+        (memoryview(b"Content-Type"), b"text/event-stream", True),
+        ("Content-Type", b"text/event-stream", True),  # (h11 takes a str name)
+        # Not Content-Type, of its length or not a bytes object: passed by, never raised on.
+        (memoryview(b"x-request-id"), b"text/event-stream", False),
+        (b"x-request-id", b"text/event-stream", False),
+        (5, b"text/event-stream", False),
         # A value that is no bytes object but sent all the same (a memoryview under uvicorn's
         # httptools, a str under h11): the capture raised, a 500 for a response servers send.
         (b"content-type", memoryview(b"text/event-stream"), True),
