@@ -304,7 +304,8 @@ async def run_reconciler(
     assert isinstance(result, Happened)  # (_settles_to checked it)
     # Kept as a handler's headers are: a reconciler that hands over the downstream's own
     # (Content-Length, Transfer-Encoding, Date ...) would otherwise break every replay.
-    stored = StoredResponse(result.status, storable_headers(result.headers), result.body)
+    # (`int`: an `HTTPStatus` member is recorded as the number it is, as a handler's is.)
+    stored = StoredResponse(int(result.status), storable_headers(result.headers), result.body)
     try:
         settled = await fence.settle(Settlement(state, stored, note="reconciled"))
     except StatementRefused as exc:

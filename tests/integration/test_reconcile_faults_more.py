@@ -151,6 +151,28 @@ async def test_a_refusal_at_the_settlement_fails_but_a_blip_is_still_raised(
     assert type(raised.value) is StoreError
 
 
+async def test_a_reconcilers_http_status_member_is_recorded_as_its_number() -> None:
+    """As a handler's: `Happened(HTTPStatus.CREATED)` was kept as the enum member it is."""
+    from http import HTTPStatus
+
+    from idem_middleware.store import MemoryStore
+
+    store = MemoryStore()
+    generation = (await _unknown(store, "k"))["k"]
+    key = RecordKey("t", OPERATION, "k")
+
+    async def happened(ctx: ReconcileContext) -> Reconciliation:
+        return Happened(HTTPStatus.CREATED)
+
+    result = await run_reconciler(store, key, generation, happened, seconds=5)
+    assert result.verdict is Verdict.SETTLED
+    record = await store.get(key)
+    assert record is not None
+    assert record.response is not None
+    assert type(record.response.status) is int
+    assert record.response.status == 201
+
+
 # -- a CancelledError of the reconciler's own ------------------------------------------------------
 
 
