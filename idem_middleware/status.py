@@ -82,11 +82,12 @@ def _lapsed(policy: Policy | None) -> str:
     if policy.mode is Mode.LEASE and policy.on_lease_expiry is LeaseExpiry.TAKEOVER:
         return _LAPSED + ": send it again with the same key to run it."
     if policy.mode is Mode.LEASE and policy.reconciler is not None:
-        return _LAPSED + ", its outcome lost." + _ASKS
+        return _LAPSED + " with its outcome lost." + _ASKS
     # Transactional now, or no reconciler: the retry marks it unknown (409 outcome-unknown).
     return (
-        _LAPSED + ", its outcome lost: sending it again with the same key answers 409"
-        " outcome-unknown, and an operator resolves it." + _NEW_KEY
+        _LAPSED + " with its outcome lost: sending it again with the same key waits for it if it"
+        " still runs, and otherwise answers 409 outcome-unknown until an operator resolves it."
+        + _NEW_KEY
     )
 
 
@@ -170,9 +171,10 @@ def status_route(
     record, or its own uncommitted claim (see the module's docstring). The key may come in the
     Idempotency-Key header instead (a token route's 202 leaves its token out of the URL).
     `"retry": true` marks a request only the client's retry with the same key moves: a pending
-    one nothing runs any more, an unknown one whose route has a reconciler (as the middleware's
-    startup check told this route); `detail` says what to do. Pass the middleware's
-    `tenant_resolver` and `www_authenticate` (its 401's challenge) if it has its own.
+    one whose lease lapsed or that was released, an unknown one whose route has a reconciler
+    (as the middleware's startup check told this route); `detail` says what to do. Pass the
+    middleware's `tenant_resolver` and `www_authenticate` (its 401's challenge) if it has its
+    own.
     `problem_base`: leave it out to answer under the base of the middleware whose startup check
     sees the route (`DEFAULT_PROBLEM_BASE` until one has); one of the route's own must be that
     middleware's, or its check fails.

@@ -466,7 +466,7 @@ async def test_every_answer_is_true_of_the_routes_policy_as_it_is_now(
     assert all("may have stopped" in said for _, said in lapsed.values())
     assert "asks the system it called" in lapsed["/reconciler"][1]
     for path in ("/transactional", "/no-reconciler"):
-        assert "409 outcome-unknown, and an operator resolves it" in lapsed[path][1]
+        assert "409 outcome-unknown until an operator resolves it" in lapsed[path][1]
         assert "Never send it under a new key" in lapsed[path][1]
     unknown = {path: told[path, "unknown"] for path in routes}
     assert unknown["/reconciler"][0] is True
