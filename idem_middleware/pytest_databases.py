@@ -10,7 +10,7 @@ import re
 import threading
 from collections.abc import Coroutine
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 import pytest
 
@@ -96,9 +96,13 @@ class Reservation:
         except asyncpg.InvalidCatalogNameError as exc:
             # (One of the plugin's names, absent: said as when it exists, not as asyncpg's
             # "does not exist", which sends one to create it.)
+            # (Named in the DSN's path, or in the server's message when the DSN gives it
+            # otherwise: `dbname=...`, PGDATABASE.)
+            path = urlsplit(server_dsn).path.lstrip("/") if "://" in server_dsn else ""
             named = re.search(rf'"({_DATABASE}(?:_[A-Za-z0-9_]*)?)"', str(exc))
-            if named is not None:
-                _refuse_own(named[1])
+            for name in (unquote(path), named[1] if named else ""):
+                if name == _DATABASE or name.startswith(f"{_DATABASE}_"):
+                    _refuse_own(name)
             raise
         given = await self._conn.fetchval("SELECT current_database()")
         if given == _DATABASE or given.startswith(f"{_DATABASE}_"):

@@ -89,7 +89,10 @@ def authenticated_user_tenant(scope: Scope) -> str | None:
     user = scope.get("user")
     if user is None:
         return None
-    authenticated = getattr(user, "is_authenticated", None)
+    try:
+        authenticated = getattr(user, "is_authenticated", None)
+    except NotImplementedError:  # (a BaseUser that leaves it to its subclasses)
+        authenticated = None
     if authenticated is not True:
         if authenticated is False:
             return None

@@ -114,6 +114,14 @@ class OwnUser:
     is_authenticated = True
 
 
+class Abstract(BaseUser):
+    """A BaseUser that leaves is_authenticated to subclasses (NotImplementedError)."""
+
+    @property
+    def identity(self) -> str:
+        return "someone"
+
+
 class MethodUser(BaseUser):
     """`is_authenticated` written as a method: a bound method is true, for everyone."""
 
@@ -135,6 +143,7 @@ class MethodUser(BaseUser):
         OwnUser(),
         {"id": "alice"},
         MethodUser(),
+        Abstract(),
     ],
     ids=[
         "no-identity",
@@ -144,6 +153,7 @@ class MethodUser(BaseUser):
         "not-a-base-user",
         "a-dict",
         "is-authenticated-a-method",
+        "is-authenticated-not-implemented",
     ],
 )
 @pytest.mark.parametrize("allow_anonymous", [False, True])
