@@ -40,6 +40,9 @@ class Fence:
     #: A reconciler's fence that found the record held by another session, or waited its
     #: `held_wait` for a connection (see `run_reconciler`).
     held = False
+    #: This fence's own transaction was refused: the record changed under its generation (a
+    #: StaleGeneration from elsewhere, a job the reconciler called, is not this fence's).
+    refused = False
     #: The settlement began (set on the instance then): no fenced transaction opens after it.
     #: A handler's task of its own (FastAPI's event-stream generator) may ask for one while a
     #: response's start settles: opened then, it held the row the settlement waited for.
@@ -71,6 +74,7 @@ class Fence:
 
     async def _open(self) -> None:
         if self.settling:
+            self.refused = True
             raise StaleGeneration("this execution's outcome is settled or being settled")
         fenced = self.store.fenced(self.key, self.generation, self.expected)
         try:
@@ -80,9 +84,13 @@ class Fence:
             # fence never waits for it inside the database (see `run_reconciler`).
             self.held = True
             raise
+        except StaleGeneration:
+            self.refused = True
+            raise
         self._fenced = fenced  # (only once entered: `close` leaves what was entered)
         if self.settling:  # settled while it opened: its writes would never commit
             await self.close()
+            self.refused = True
             raise StaleGeneration("this execution's outcome is settled or being settled")
 
     def lost(self, error: BaseException) -> StoreError | None:
@@ -259,7 +267,13 @@ async def run_reconciler(
             result = await reconciler(context)
     except StaleGeneration:
         await fence.seal()
-        return ReconcileResult(Verdict.CHANGED)
+        if fence.refused:  # (its own fence: the record changed under this generation)
+            return ReconcileResult(Verdict.CHANGED)
+        # Another's (a lease-mode job the reconciler called lost its claim): the reconciler's
+        # failure. Read as "changed", a client's retry read the record again and asked again,
+        # thousands of times, and a batch counted it changed, run after run.
+        logger.warning("reconciler failed", extra=log, exc_info=True)
+        return ReconcileResult(Verdict.FAILED, _FAILED)
     except StoreError:
         # The store failed (no connection for the fence: the server is down), not the
         # reconciler: raised, as every other store failure is (a batch stops and says so, a
@@ -372,8 +386,9 @@ def _settles_to(result: object) -> State | str:
     ):
         return f"Happened({status}): its headers are not (bytes, bytes) pairs"
     # Stored, a header a server refuses to send (sendable.py's rule) would be left out of every
-    # replay: refused now, the record stays unknown. Named, never quoted (see above).
-    for pair in headers:
+    # replay: refused now, the record stays unknown. Named, never quoted (see above). Only what
+    # is stored: a hop-by-hop header (Proxy-Connection, say) is dropped first, as a handler's.
+    for pair in storable_headers(headers):
         if header_problem(pair) is not None:
             return f"Happened({status}): the header {pair[0][:64]!r} is not valid in HTTP"
     return state

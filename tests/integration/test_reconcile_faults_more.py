@@ -24,7 +24,7 @@ from idem_middleware.fence import Verdict, run_reconciler
 from idem_middleware.ops import ReconcileReport, reconcile_unknown
 from idem_middleware.reconcile import Happened, ReconcileContext, Reconciliation
 from idem_middleware.store import Claimed
-from idem_middleware.store.base import RecordKey, Settlement, State, Store
+from idem_middleware.store.base import RecordKey, Settlement, State, Store, StoredResponse
 from tests.apps import LEDGER_INSERT, assert_problem, client, count, one_route_app
 from tests.integration.test_cli import cli, insert
 
@@ -171,6 +171,64 @@ async def test_a_reconcilers_http_status_member_is_recorded_as_its_number() -> N
     assert record.response is not None
     assert type(record.response.status) is int
     assert record.response.status == 201
+
+
+async def test_a_stale_generation_that_is_not_its_own_fence_is_the_reconcilers_failure(
+    store: Store, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Found by probing: a StaleGeneration the reconciler raised (a lease-mode job it called had
+    lost its claim) was read as "the record changed": a client's retry read the record again
+    and asked again, thousands of times, then answered a bare 500, and a batch counted it
+    `changed` run after run, logging nothing. Only its own fence's refusal is a change."""
+    from idem_middleware.errors import StaleGeneration
+
+    generation = (await _unknown(store, "k"))["k"]
+    key = RecordKey("t", OPERATION, "k")
+    asked = 0
+
+    async def calls_a_job_that_lost_its_claim(ctx: ReconcileContext) -> Reconciliation:
+        nonlocal asked
+        asked += 1
+        raise StaleGeneration("the job's claim was lost")
+
+    with caplog.at_level(logging.WARNING, logger="idem_middleware"):
+        result = await run_reconciler(
+            store, key, generation, calls_a_job_that_lost_its_claim, seconds=5
+        )
+    assert result.verdict is Verdict.FAILED
+    assert asked == 1
+    assert [r.getMessage() for r in caplog.records] == ["reconciler failed"]
+    assert await _states(store, "k") == [State.UNKNOWN]
+
+    async def its_own_fence_refused(ctx: ReconcileContext) -> Reconciliation:
+        done = Settlement(State.SUCCEEDED, StoredResponse(201, [], b"{}"))
+        assert await store.settle(key, generation, State.UNKNOWN, done)  # (an operator, say)
+        await ctx.fenced_connection()  # (refused: the record changed under this generation)
+        return Happened(201)
+
+    changed = await run_reconciler(store, key, generation, its_own_fence_refused, seconds=5)
+    assert changed.verdict is Verdict.CHANGED
+
+
+async def test_a_hop_by_hop_header_in_a_happened_answer_is_dropped_not_refused(
+    store: Store,
+) -> None:
+    """Found by probing: `Proxy-Connection`, which a replay never carries, was checked before
+    it was dropped, and failed the whole reconciliation: the key stayed unknown for good."""
+    generation = (await _unknown(store, "k"))["k"]
+    key = RecordKey("t", OPERATION, "k")
+
+    async def happened(ctx: ReconcileContext) -> Reconciliation:
+        return Happened(
+            201, body=b"{}", headers=[(b"proxy-connection", b"keep-alive"), (b"x-bank", b"1")]
+        )
+
+    result = await run_reconciler(store, key, generation, happened, seconds=5)
+    assert result.verdict is Verdict.SETTLED
+    record = await store.get(key)
+    assert record is not None
+    assert record.response is not None
+    assert list(record.response.headers) == [(b"x-bank", b"1")]
 
 
 # -- a CancelledError of the reconciler's own ------------------------------------------------------
