@@ -806,7 +806,7 @@ WHERE t.tenant = doomed.tenant AND t.token_hash = doomed.token_hash;
 -- name: outbox_add
 -- $1 event id, $2 tenant, $3 topic, $4 payload (JSON text). One row (true) when written, none
 -- when an event of this id is there already (see outbox_same).
-INSERT INTO idem_outbox (event_id, tenant, topic, payload) VALUES ($1, $2, $3, $4::jsonb)
+INSERT INTO idem_outbox (event_id, tenant, topic, payload) VALUES ($1, $2, $3, $4::text::jsonb)
 ON CONFLICT (event_id) DO NOTHING
 RETURNING true;
 
@@ -814,7 +814,7 @@ RETURNING true;
 -- $1 event id, $2 tenant, $3 topic, $4 payload (JSON text): whether the event of this id holds
 -- the same tenant, topic and payload (NULL: there is none). A statement of its own, so that it
 -- sees an event another transaction committed while outbox_add waited for it.
-SELECT tenant IS NOT DISTINCT FROM $2 AND topic = $3 AND payload = $4::jsonb
+SELECT tenant IS NOT DISTINCT FROM $2 AND topic = $3 AND payload = $4::text::jsonb
 FROM idem_outbox WHERE event_id = $1;
 
 -- name: outbox_claim

@@ -104,6 +104,33 @@ async def test_an_event_added_again_under_its_id_is_kept_once(pool: Any) -> None
     assert orjson.loads(rows[0]["payload"]) == {"amount": 5, "to": "acc-1"}
 
 
+async def test_a_connection_with_a_jsonb_codec_stores_the_payload_as_its_json(
+    pool: Any,
+) -> None:
+    """Found by probing: with asyncpg's usual jsonb codec on the connection
+    (`set_type_codec("jsonb", encoder=json.dumps, ...)`), the payload's JSON text was encoded
+    again, stored as a JSON string (`"{\"amount\":5}"`) and published so; and the same event
+    added from a connection without it was an EventConflict. The text goes as text now."""
+    import json
+
+    async with pool.acquire() as conn:
+        await conn.set_type_codec(
+            "jsonb", encoder=json.dumps, decoder=json.loads, schema="pg_catalog"
+        )
+        try:
+            async with conn.transaction():
+                await add(conn, "credit", {"amount": 5}, event_id="e1", tenant="t")
+        finally:
+            await conn.reset_type_codec("jsonb", schema="pg_catalog")
+    async with pool.acquire() as plain, plain.transaction():
+        assert await add(plain, "credit", {"amount": 5}, event_id="e1", tenant="t") == "e1"
+    row = await pool.fetchrow(
+        "SELECT jsonb_typeof(payload) AS kind, payload::text AS text FROM idem_outbox"
+    )
+    assert row["kind"] == "object"
+    assert orjson.loads(row["text"]) == {"amount": 5}
+
+
 async def test_an_event_purged_while_it_is_added_again_is_added_afresh(pool: Any) -> None:
     """`add` of a sent event's id finds it (nothing written), then compares it: a purge in
     between left nothing to compare, and `add` raised EventConflict for the very same event.
