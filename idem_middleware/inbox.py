@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from .outbox import _seconds
+from .outbox_values import seconds as _seconds
 from .pool_arguments import checked_store as _store
 
 

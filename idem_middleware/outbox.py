@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import re
 import uuid
@@ -25,11 +26,14 @@ from typing import Any
 
 import orjson
 
-from .errors import ConfigurationError, RetryableConflict, StatementRefused
 from .errors import EventConflict as EventConflict
+from .errors import RetryableConflict, StatementRefused
 from .jsonvalues import json_text
 from .keys import MAX_KEY_LENGTH
-from .policy import seconds_option
+from .outbox_values import check_text as _check_text
+from .outbox_values import checked_sender, event_ids_of, whole_count
+from .outbox_values import error_text as _error_text
+from .outbox_values import seconds as _seconds
 from .pool_arguments import checked_store as _store  # (a ValueError first: see there)
 from .store.postgres.events import add_event, record_consumed
 from .waiting import wait_at_most
@@ -88,21 +92,11 @@ async def add(
     _check_text(topic, "topic")
     if tenant is not None:
         _check_text(tenant, "tenant")
+    if not callable(getattr(conn, "fetchval", None)):  # (an AttributeError from inside, else)
+        raise TypeError(f"add: conn is the handler's asyncpg connection, not {type(conn).__name__}")
     data = json_text(payload, "the event's payload")
     await add_event(conn, event_id, tenant, topic, data.decode())
     return event_id
-
-
-def _check_text(value: Any, name: str) -> None:
-    """A str PostgreSQL's `text` stores as it is: no NUL, no unpaired surrogate."""
-    if not isinstance(value, str):
-        raise TypeError(f"an event's {name} is a str, not {type(value).__name__}")
-    if "\x00" in value:
-        raise ValueError(f"an event's {name} holds a NUL character, which PostgreSQL cannot store")
-    try:
-        value.encode()
-    except UnicodeEncodeError:
-        raise ValueError(f"an event's {name} holds an unpaired surrogate") from None
 
 
 async def consume_once(conn: Any, consumer: str, event_id: str) -> bool:
@@ -120,30 +114,8 @@ async def consume_once(conn: Any, consumer: str, event_id: str) -> bool:
     return await record_consumed(conn, consumer, event_id)
 
 
-def _error_text(exc: BaseException) -> str:
-    """A failed send's error as `last_error` can hold it: 500 characters of text PostgreSQL
-    stores (no NUL, no unpaired surrogate). Anything else and the failure went unrecorded: no
-    backoff, and the event parked in the end as one no publisher finished sending."""
-    try:
-        text = f"{type(exc).__name__}: {exc}"
-    except Exception:  # an exception whose str() fails
-        text = type(exc).__name__
-    text = text[:500].replace("\x00", "\\x00")
-    return text.encode("utf-8", "backslashreplace").decode("utf-8")
-
-
 #: An event id `webhook_sender` can send as the Idempotency-Key header as it is (a bare token).
 _HEADER_KEY = re.compile(rf"[\x21\x23-\x7e]{{1,{MAX_KEY_LENGTH}}}")
-
-_MAX_INT = 2**31 - 1  # (an attempt count is a PostgreSQL integer)
-
-
-def _seconds(value: float, name: str, positive: bool) -> float:
-    """A finite duration (positive, or not negative): ValueError otherwise."""
-    try:
-        return seconds_option(value, name, positive=positive)
-    except ConfigurationError as exc:
-        raise ValueError(str(exc)) from None
 
 
 @dataclass
@@ -169,11 +141,10 @@ class Publisher:
         # Checked here: a duration the database cannot add to now() (NaN, an infinity) failed
         # every batch, and `run` retried it for ever without publishing anything.
         for name, count in (("batch_size", batch_size), ("max_attempts", max_attempts)):
-            if isinstance(count, bool) or not isinstance(count, int) or not 0 < count <= _MAX_INT:
-                raise ValueError(f"{name} must be an integer from 1 to {_MAX_INT}, not {count!r}")
+            whole_count(count, name)
         self.pool = pool
         self._store = _store(pool)
-        self.sender = sender
+        self.sender = checked_sender(sender)
         self.batch_size = batch_size
         self.max_attempts = max_attempts
         self.base_backoff_seconds = _seconds(base_backoff_seconds, "base_backoff_seconds", False)
@@ -284,7 +255,11 @@ class Publisher:
     async def _send(self, event: OutboxEvent) -> str | None:
         try:
             async with asyncio.timeout(self.send_timeout_seconds):
-                accepted = await self.sender(event)
+                accepted = self.sender(event)
+                if inspect.isawaitable(accepted):
+                    accepted = await accepted
+                # (Else a plain function's answer, the event sent already: awaited, it failed
+                # after every delivery, and the event was sent again, its attempts long.)
         except Exception as exc:  # the receiver's failure is data here, not our crash
             return _error_text(exc)
         except asyncio.CancelledError as exc:
@@ -308,6 +283,8 @@ class Publisher:
         A failed batch is logged and retried, backing off; the last of `batches` raises its error
         at once instead. `report`, if given, is added to as it goes, as `publish_batch`'s."""
         _seconds(idle_seconds, "idle_seconds", True)  # (0 would poll the database in a loop)
+        if batches is not None:  # (0 or -1 did nothing; "2" and 1.5 failed, or swallowed errors)
+            whole_count(batches, "batches")
         total = PublishReport() if report is None else report
         stop = stop or asyncio.Event()
         done = fails = 0  # (fails: batches failed in a row)
@@ -340,6 +317,9 @@ async def outbox_stats(pool: Any) -> dict[str, Any]:
 async def list_events(
     pool: Any, *, parked_only: bool = False, limit: int = 100
 ) -> list[dict[str, Any]]:
+    if type(limit) is not int or not 0 <= limit < 2**63:  # (not the server's raw error, nor
+        # every event: a LIMIT is a bigint)
+        raise ValueError(f"list_events: limit must be a whole number from 0, not {limit!r}")
     return await _store(pool).outbox_events(parked_only=parked_only, limit=limit)
 
 
@@ -351,7 +331,7 @@ async def requeue(pool: Any, event_ids: Sequence[str]) -> int:
 async def requeue_each(pool: Any, event_ids: Sequence[str]) -> dict[str, str]:
     """Send the parked events `event_ids` again: each id's outcome, `requeued`, or why not:
     `unknown` (no such event), `unsent` (not parked: still being tried) or `sent`."""
-    return await _store(pool).outbox_requeue(event_ids)
+    return await _store(pool).outbox_requeue(event_ids_of(event_ids))
 
 
 async def purge_sent(
@@ -378,6 +358,11 @@ def webhook_sender(client: Any, url: str) -> Sender:
     travel as that header as it is (1 to 255 printable ASCII characters, no space or `"`) fails
     its sends with a ValueError saying so (the event is parked after its attempts).
     """
+
+    if not inspect.iscoroutinefunction(getattr(client, "post", None)):
+        raise TypeError(  # (a sync httpx.Client's post delivered, then failed as awaited)
+            f"webhook_sender takes an async client (httpx.AsyncClient), not {client!r:.80}"
+        )
 
     async def send(event: OutboxEvent) -> bool:
         if _HEADER_KEY.fullmatch(event.event_id) is None:

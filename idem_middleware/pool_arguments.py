@@ -5,19 +5,17 @@ from __future__ import annotations
 from typing import Any
 
 from .store.postgres import PostgresStore
+from .store.purge_limits import check_progress
 
 
 def checked_store(pool: Any, caller: str = "outbox", progress: object = None) -> PostgresStore:
     """The store whose statements run on `pool` (an asyncpg pool; a PostgresStore is taken as it
     is). Anything else is a ValueError naming what it is, not the value (a DSN may hold a
     password): a DSN's str was an AttributeError from the store, and None "pass exactly one of
-    pool= or dsn=", arguments the caller never used. So is a `progress` that is not callable:
-    called after each batch, it failed after the first was deleted and committed."""
-    if progress is not None and not callable(progress):
-        raise ValueError(
-            f"{caller}: progress is called with the count so far after each batch (a callable, "
-            f"or None), not the {type(progress).__name__} {progress!r:.60}"
-        )
+    pool= or dsn=", arguments the caller never used. So is a `progress` that is not a plain
+    function: called after each batch, it failed after the first was deleted and committed (an
+    async one was never run)."""
+    check_progress(progress, caller)
     if isinstance(pool, PostgresStore):
         return pool
     if not callable(getattr(pool, "acquire", None)):

@@ -2,9 +2,21 @@
 
 from __future__ import annotations
 
+import inspect
+
 #: The most rows a purge batch, or batches a purge, may be given (`LIMIT` takes more, but the
 #: command line's counts stop here too).
 MAX_PURGE_COUNT = 2**31 - 1
+
+
+def check_progress(progress: object, caller: str = "purge") -> None:
+    """A purge's `progress` is a plain function of the count so far, called after each batch:
+    an async one was taken, called, and its coroutine never run (nothing reported)."""
+    if progress is not None and (not callable(progress) or inspect.iscoroutinefunction(progress)):
+        raise ValueError(
+            f"{caller}: progress is called with the count so far after each batch (a plain "
+            f"function, not an async one, or None), not {progress!r:.60}"
+        )
 
 
 def check_purge_limits(batch_size: object, max_batches: object) -> None:

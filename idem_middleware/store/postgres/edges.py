@@ -26,7 +26,7 @@ from ..base import (
     StoreStats,
     TokenRow,
 )
-from ..purge_limits import check_purge_limits
+from ..purge_limits import check_progress, check_purge_limits
 from .claim_lock import ClaimLocks
 from .convert import (
     _Q,
@@ -324,6 +324,7 @@ class OffPathStatements(PoolStatements):
         caller that the database fails partway (StoreError) still knows what was done;
         `on_limit` with "tokens" or "waiters" when their batches stopped at `max_batches`."""
         check_purge_limits(batch_size, max_batches)
+        check_progress(progress)
         deleted = await self._purge_batches(_Q["purge_batch"], batch_size, max_batches, progress)
         for what, query in (("tokens", _Q["purge_tokens"]), ("waiters", _Q["purge_waiters"])):
             others = await self._purge_batches(query, batch_size, max_batches)

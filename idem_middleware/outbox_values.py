@@ -1,0 +1,74 @@
+"""The outbox's values, checked before any statement: event texts, durations, counts, the
+sender and a list of ids; and a failed send's error as the outbox records it."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from .errors import ConfigurationError
+from .policy import seconds_option
+
+#: The most a count may be (an attempt count is a PostgreSQL integer).
+MAX_INT = 2**31 - 1
+
+
+def check_text(value: Any, name: str) -> None:
+    """A str PostgreSQL's `text` stores as it is: no NUL, no unpaired surrogate."""
+    if not isinstance(value, str):
+        raise TypeError(f"an event's {name} is a str, not {type(value).__name__}")
+    if "\x00" in value:
+        raise ValueError(f"an event's {name} holds a NUL character, which PostgreSQL cannot store")
+    try:
+        value.encode()
+    except UnicodeEncodeError:
+        raise ValueError(f"an event's {name} holds an unpaired surrogate") from None
+
+
+def error_text(exc: BaseException) -> str:
+    """A failed send's error as `last_error` can hold it: 500 characters of text PostgreSQL
+    stores (no NUL, no unpaired surrogate). Anything else and the failure went unrecorded: no
+    backoff, and the event parked in the end as one no publisher finished sending."""
+    try:
+        text = f"{type(exc).__name__}: {exc}"
+    except Exception:  # an exception whose str() fails
+        text = type(exc).__name__
+    text = text[:500].replace("\x00", "\\x00")
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def seconds(value: float, name: str, positive: bool) -> float:
+    """A finite duration (positive, or not negative): ValueError otherwise."""
+    try:
+        return seconds_option(value, name, positive=positive)
+    except ConfigurationError as exc:
+        raise ValueError(str(exc)) from None
+
+
+def whole_count(count: Any, name: str) -> int:
+    """A whole number from 1 to MAX_INT: ValueError otherwise."""
+    if isinstance(count, bool) or not isinstance(count, int) or not 0 < count <= MAX_INT:
+        raise ValueError(f"{name} must be an integer from 1 to {MAX_INT}, not {count!r}")
+    return count
+
+
+def checked_sender(sender: Any) -> Any:
+    """A Publisher's sender: callable (None or a URL's str failed every send, each attempt
+    counted, until the event was parked)."""
+    if not callable(sender):
+        raise TypeError(
+            f"a Publisher's sender is an async function of an OutboxEvent (webhook_sender(client, "
+            f"url), say), not {type(sender).__name__}"
+        )
+    return sender
+
+
+def event_ids_of(event_ids: Any) -> list[str]:
+    """A list of event ids, each a str: one id given alone (a str) was read as its characters,
+    each an id, and an unrelated event named by one letter was requeued."""
+    if isinstance(event_ids, str | bytes) or not isinstance(event_ids, Sequence | set | frozenset):
+        raise TypeError(f"event_ids is a list of event ids, not {type(event_ids).__name__}")
+    ids = list(event_ids)
+    if not all(isinstance(event_id, str) for event_id in ids):
+        raise TypeError("event_ids is a list of event ids, each a str")
+    return ids
