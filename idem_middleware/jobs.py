@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import inspect
+import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -108,7 +109,15 @@ def _key_function(key: str | KeyOf) -> KeyOf:
         value = kwargs[name]
         if value is None:  # (as str, "None": every call without a key would share one)
             raise ValueError(f"the idempotency key argument {name!r} is None")
-        return str(value)
+        # A str, an int's digits, a UUID's text: what says the same on every delivery. An
+        # object's str() may hold its address, a dict's its order: each delivery another key,
+        # each run again.
+        if isinstance(value, str | uuid.UUID) or (type(value) is int):
+            return str(value)
+        raise ValueError(
+            f"the idempotency key argument {name!r} is a str, an int or a UUID, not "
+            f"{type(value).__name__}: pass key= a function that makes one of its fields"
+        )
 
     return by_name
 

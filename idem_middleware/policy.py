@@ -298,7 +298,7 @@ _COUNTS: tuple[tuple[str, int, int | None], ...] = (
     ("max_fields", 1, None),
     ("max_json_values", 1, None),
     ("retry_after_seconds", 0, MAX_SECONDS),
-    ("max_serialization_retries", 0, None),
+    ("max_serialization_retries", 0, 1000),  # (sharing the attempt loop's 10,000+ rounds)
 )
 #: The durations, in seconds: name, and whether zero is refused.
 _DURATIONS = (

@@ -36,6 +36,35 @@ async def test_a_tenant_function_returning_no_string_is_refused(store: Store) ->
     assert runs == ["7"]
 
 
+class MessageId:
+    """An id object whose str() is object's own: its address, another at each delivery."""
+
+    def __init__(self, value: str) -> None:
+        self.value = value
+
+
+async def test_a_key_argument_that_is_no_str_int_or_uuid_is_refused(store: Store) -> None:
+    """Found by probing: the key was `str(value)` of anything: an object's str() held its
+    address and a dict's its order, so each delivery of one message was another key, and the
+    job ran again on each. A str, an int (its digits) and a UUID (its text) are kept."""
+    import uuid
+
+    runs: list[str] = []
+
+    @idempotent_job(store, operation="send", key="k")
+    async def send(ctx: IdempotencyContext, *, k: Any) -> int:
+        runs.append(ctx.key)
+        return len(runs)
+
+    for value in (MessageId("m-1"), {"queue": "q", "id": 7}, 7.0, b"m-1", True):
+        with pytest.raises(ValueError, match="is a str, an int or a UUID"):
+            await send(k=value)
+    assert runs == []
+    message = uuid.UUID(int=7)
+    assert [await send(k=v) for v in ("m-1", 7, message, "m-1", 7, message)] == [1, 2, 3, 1, 2, 3]
+    assert runs == ["m-1", "7", str(message)]
+
+
 @pytest.mark.parametrize("signature", ["misspelt", "positional only"])
 def test_a_key_name_no_keyword_can_pass_is_refused_when_decorated(signature: str) -> None:
     """Accepted, every call then failed with "pass the idempotency key argument 'invoice' by

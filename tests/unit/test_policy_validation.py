@@ -120,6 +120,16 @@ def test_retry_after_is_at_most_the_longest_duration() -> None:
     assert "retry_after_seconds" in refused(retry_after_seconds=10**12)
 
 
+def test_serialization_retries_are_at_most_a_thousand() -> None:
+    """Found by probing: 20,000 ran past the attempt loop's 10,000 rounds, which the retries
+    share with a duplicate's waits: a job ended in `AssertionError("unreachable")` instead of
+    its last serialization failure, a request in a 500."""
+    assert Policy(max_serialization_retries=1000).max_serialization_retries == 1000
+    assert refused(max_serialization_retries=1001) == (
+        "max_serialization_retries must be from 0 to 1000, not 1001"
+    )
+
+
 def test_an_integral_number_that_is_not_an_int_is_kept_as_an_int() -> None:
     class Count(int):
         pass
