@@ -74,7 +74,6 @@ class Fence:
 
     async def _open(self) -> None:
         if self.settling:
-            self.refused = True
             raise StaleGeneration("this execution's outcome is settled or being settled")
         fenced = self.store.fenced(self.key, self.generation, self.expected)
         try:
@@ -90,7 +89,6 @@ class Fence:
         self._fenced = fenced  # (only once entered: `close` leaves what was entered)
         if self.settling:  # settled while it opened: its writes would never commit
             await self.close()
-            self.refused = True
             raise StaleGeneration("this execution's outcome is settled or being settled")
 
     def lost(self, error: BaseException) -> StoreError | None:
@@ -266,8 +264,11 @@ async def run_reconciler(
                 await context.fenced_connection()
             result = await reconciler(context)
     except StaleGeneration:
+        own = fence.refused  # (read first: a helper may ask for the fence while it is sealed)
         await fence.seal()
-        if fence.refused:  # (its own fence: the record changed under this generation)
+        if fence.held:  # (whatever the reconciler made of the record another session held)
+            return ReconcileResult(Verdict.HELD)
+        if own:  # (its own fence: the record changed under this generation)
             return ReconcileResult(Verdict.CHANGED)
         # Another's (a lease-mode job the reconciler called lost its claim): the reconciler's
         # failure. Read as "changed", a client's retry read the record again and asked again,
