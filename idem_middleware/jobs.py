@@ -112,7 +112,11 @@ def _key_function(key: str | KeyOf) -> KeyOf:
         # A str, an int's digits, a UUID's text: what says the same on every delivery. An
         # object's str() may hold its address, a dict's its order: each delivery another key,
         # each run again.
-        if isinstance(value, str | uuid.UUID) or (type(value) is int):
+        if isinstance(value, str):  # (its text: a str enum's str() may be `Kind.A`)
+            return str.__str__(value)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return int.__repr__(value)  # (an IntEnum's too: its digits)
+        if isinstance(value, uuid.UUID):
             return str(value)
         raise ValueError(
             f"the idempotency key argument {name!r} is a str, an int or a UUID, not "

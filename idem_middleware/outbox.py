@@ -5,7 +5,7 @@
   connection; lease mode: `await idem.fenced_connection()`). A rolled-back request leaves no event.
 - `Publisher` reserves due events one at a time (`FOR UPDATE SKIP LOCKED`, then a reservation
   committed with the attempt counted, so several publishers never send one event at the same
-  time and no transaction stays open while sending), sends each through your async sender, marks
+  time and no transaction stays open while sending), sends each through your sender (async), marks
   it sent, retries with exponential backoff, and parks an event after `max_attempts` attempts.
 - Delivery is at least once: a publisher that dies after sending and before marking leaves the
   event reserved; it is sent again once the reservation lapses (`send_timeout_seconds +
@@ -54,8 +54,9 @@ class OutboxEvent:
     attempts: int
 
 
-#: Sends one event; raises (or returns False) when the receiver did not take it.
-Sender = Callable[[OutboxEvent], Awaitable[bool | None]]
+#: Sends one event; raises (or returns False) when the receiver did not take it. Async best: a
+#: plain function's answer is taken, but it blocks the event loop, and no timeout stops it.
+Sender = Callable[[OutboxEvent], Awaitable[bool | None] | bool | None]
 
 
 async def add(
@@ -359,7 +360,7 @@ def webhook_sender(client: Any, url: str) -> Sender:
     its sends with a ValueError saying so (the event is parked after its attempts).
     """
 
-    if not inspect.iscoroutinefunction(getattr(client, "post", None)):
+    if not callable(getattr(client, "post", None)) or _sync_httpx(client):
         raise TypeError(  # (a sync httpx.Client's post delivered, then failed as awaited)
             f"webhook_sender takes an async client (httpx.AsyncClient), not {client!r:.80}"
         )
@@ -380,3 +381,11 @@ def webhook_sender(client: Any, url: str) -> Sender:
         return True
 
     return send
+
+
+def _sync_httpx(client: Any) -> bool:
+    try:
+        import httpx
+    except ImportError:  # pragma: no cover - httpx is optional
+        return False
+    return isinstance(client, httpx.Client)

@@ -3,7 +3,7 @@ sender and a list of ids; and a failed send's error as the outbox records it."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable
 from typing import Any
 
 from .errors import ConfigurationError
@@ -57,16 +57,17 @@ def checked_sender(sender: Any) -> Any:
     counted, until the event was parked)."""
     if not callable(sender):
         raise TypeError(
-            f"a Publisher's sender is an async function of an OutboxEvent (webhook_sender(client, "
-            f"url), say), not {type(sender).__name__}"
+            f"a Publisher's sender is a function of an OutboxEvent, async best "
+            f"(webhook_sender(client, url), say), not {type(sender).__name__}"
         )
     return sender
 
 
 def event_ids_of(event_ids: Any) -> list[str]:
-    """A list of event ids, each a str: one id given alone (a str) was read as its characters,
-    each an id, and an unrelated event named by one letter was requeued."""
-    if isinstance(event_ids, str | bytes) or not isinstance(event_ids, Sequence | set | frozenset):
+    """A list of event ids (any iterable of them), each a str: one id given alone (a str) was
+    read as its characters, each an id, and an unrelated event named by one letter was
+    requeued."""
+    if isinstance(event_ids, str | bytes | bytearray) or not isinstance(event_ids, Iterable):
         raise TypeError(f"event_ids is a list of event ids, not {type(event_ids).__name__}")
     ids = list(event_ids)
     if not all(isinstance(event_id, str) for event_id in ids):

@@ -12,10 +12,17 @@ MAX_PURGE_COUNT = 2**31 - 1
 def check_progress(progress: object, caller: str = "purge") -> None:
     """A purge's `progress` is a plain function of the count so far, called after each batch:
     an async one was taken, called, and its coroutine never run (nothing reported)."""
-    if progress is not None and (not callable(progress) or inspect.iscoroutinefunction(progress)):
+    if progress is None:
+        return
+    if not callable(progress):
         raise ValueError(
-            f"{caller}: progress is called with the count so far after each batch (a plain "
-            f"function, not an async one, or None), not {progress!r:.60}"
+            f"{caller}: progress is called with the count so far after each batch (a callable, "
+            f"or None), not the {type(progress).__name__} {progress!r:.60}"
+        )
+    if inspect.iscoroutinefunction(progress):
+        raise ValueError(
+            f"{caller}: progress is called with the count so far after each batch, a plain "
+            f"function: an async one, {progress!r:.60}, would never run"
         )
 
 

@@ -63,6 +63,17 @@ async def test_a_key_argument_that_is_no_str_int_or_uuid_is_refused(store: Store
     message = uuid.UUID(int=7)
     assert [await send(k=v) for v in ("m-1", 7, message, "m-1", 7, message)] == [1, 2, 3, 1, 2, 3]
     assert runs == ["m-1", "7", str(message)]
+    # An enum's member is its value's key (a str enum's str() may be `Kind.M1`).
+    import enum
+
+    class Kind(str, enum.Enum):  # noqa: UP042 - its str() is `Kind.M1`, not its value
+        M1 = "m-1"
+
+    class Number(enum.IntEnum):
+        SEVEN = 7
+
+    assert [await send(k=Kind.M1), await send(k=Number.SEVEN)] == [1, 2]
+    assert len(runs) == 3
 
 
 @pytest.mark.parametrize("signature", ["misspelt", "positional only"])

@@ -7,12 +7,13 @@ connection an AttributeError from inside; an async `progress` was taken and neve
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import httpx
 import pytest
 
-from idem_middleware import MemoryStore
+from idem_middleware import MemoryStore, PostgresStore
 from idem_middleware.outbox import (
     OutboxEvent,
     Publisher,
@@ -28,7 +29,7 @@ from idem_middleware.outbox import (
 def test_a_sender_that_is_not_callable_is_refused_when_the_publisher_is_made(
     pool: Any, sender: Any
 ) -> None:
-    with pytest.raises(TypeError, match="a Publisher's sender is an async function"):
+    with pytest.raises(TypeError, match="a Publisher's sender is a function of an OutboxEvent"):
         Publisher(pool, sender)
 
 
@@ -56,7 +57,7 @@ def test_webhook_sender_refuses_a_sync_client() -> None:
         webhook_sender(client, "https://receiver.example/events")
 
 
-@pytest.mark.parametrize("ids", ["evt-1", b"evt-1", [1], 7])
+@pytest.mark.parametrize("ids", ["evt-1", b"evt-1", bytearray(b"evt-1"), [1], 7])
 async def test_requeue_refuses_what_is_no_list_of_ids(pool: Any, ids: Any) -> None:
     async with pool.acquire() as conn, conn.transaction():
         await add(conn, "credit", {}, event_id="e")  # (what "evt-1" read as letters named)
@@ -93,7 +94,31 @@ async def test_add_on_no_connection_is_a_type_error_naming_what_it_takes() -> No
 async def test_an_async_progress_is_refused_before_anything_is_deleted(pool: Any) -> None:
     async def progress(count: int) -> None: ...
 
-    with pytest.raises(ValueError, match="not an async one"):
-        await purge_sent(pool, progress=progress)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="not an async one"):
+    async with pool.acquire() as conn, conn.transaction():
+        await add(conn, "credit", {}, event_id="old")
+    await pool.execute("UPDATE idem_outbox SET sent_at = now() - interval '30 days'")
+    refused = r"an async one, .* would never run"
+    with pytest.raises(ValueError, match=refused):
+        await purge_sent(pool, older_than_seconds=0, progress=progress)  # type: ignore[arg-type]
+    assert await pool.fetchval("SELECT count(*) FROM idem_outbox") == 1
+    async with PostgresStore(pool=pool) as store:
+        with pytest.raises(ValueError, match=refused):
+            await store.purge(progress=progress)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=refused):
         await MemoryStore().purge(progress=progress)  # type: ignore[arg-type]
+
+
+async def test_a_sender_answering_with_an_awaitable_of_its_own_is_awaited(pool: Any) -> None:
+    """Not only a coroutine: a future (a callback-style client's) is awaited too."""
+    delivered: list[str] = []
+
+    def future_sender(event: OutboxEvent) -> Any:
+        delivered.append(event.event_id)
+        answered = asyncio.get_running_loop().create_future()
+        answered.set_result(True)
+        return answered
+
+    async with pool.acquire() as conn, conn.transaction():
+        await add(conn, "credit", {}, event_id="e1")
+    report = await Publisher(pool, future_sender).publish_batch()
+    assert (report.sent, report.failed, delivered) == (1, 0, ["e1"])
