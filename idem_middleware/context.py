@@ -139,7 +139,15 @@ class IdempotencyContext:
         return self.generation
 
     def declare(self, outcome: Outcome) -> None:
-        """Decide the outcome explicitly, whatever the response status turns out to be."""
+        """Decide the outcome explicitly, whatever the response status turns out to be (an
+        `Outcome`, or its value: `"release"`)."""
+        try:
+            outcome = Outcome(outcome)  # (the plain string was compared by identity: "release"
+        except ValueError:  # left a lease-mode key unknown, and "bogus" was taken)
+            valid = ", ".join(repr(o.value) for o in Outcome)
+            raise ConfigurationError(
+                f"declare takes an Outcome ({valid}), not {outcome!r}"
+            ) from None
         if outcome is Outcome.UNKNOWN and self.mode is Mode.TRANSACTIONAL:
             raise ConfigurationError(
                 "a transactional route cannot end unknown: its effects roll back with it"

@@ -151,7 +151,7 @@ class IdempotencyMiddleware:
         self.tenant_resolver = tenant_resolver
         self.problem_base = problem_base
         self.acquire_timeout = acquire_timeout
-        self.status_path = status_path
+        self.status_path = str.__str__(status_path)  # (its text: an enum member writes its name)
         self.observer = combine(observers)
         #: Duplicates waiting (with no connection) for a key held elsewhere, in this process.
         self.waiters = Waiters(max_waiters)

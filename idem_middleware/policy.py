@@ -8,7 +8,7 @@ import inspect
 import math
 import numbers
 import re
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from enum import StrEnum
@@ -146,10 +146,8 @@ class Policy:
         if self.lease_seconds < MIN_LEASE_SECONDS:
             raise ConfigurationError(
                 f"lease_seconds must be at least {MIN_LEASE_SECONDS} seconds, not "
-                f"{self.lease_seconds!r}: a lease is renewed every third of it, each renewal a "
-                "round trip to the database, so a shorter one lapses under a running handler "
-                "(another request then takes it over or marks it unknown). Use seconds (the "
-                "default is 30)"
+                f"{self.lease_seconds!r}: a lease is renewed every third of it (a round trip "
+                "each), so a shorter one lapses under a running handler. The default is 30"
             )
         if self.reconciler is not None:
             if not callable(self.reconciler):
@@ -189,8 +187,7 @@ class Policy:
             )
         if self.require_token and self.allow_anonymous:
             raise ConfigurationError(  # (each anonymous request was told 400 token-invalid)
-                "require_token=True with allow_anonymous=True: tokens are issued to "
-                "authenticated callers only, so no anonymous request could ever run"
+                "require_token=True with allow_anonymous=True: tokens go to authenticated callers"
             )
         object.__setattr__(self, "exclude_fields", fields(self.exclude_fields, "exclude_fields"))
         object.__setattr__(self, "include_fields", fields(self.include_fields, "include_fields"))
@@ -208,6 +205,8 @@ class Policy:
             # (a name no header has, "X-Api-Version " or "x-api-version:", covered nothing)
             raise ConfigurationError(f"include_headers: {bad[0]!r} is not a header's name")
         object.__setattr__(self, "include_headers", tuple(h.lower() for h in headers))
+        if isinstance(self.operation, str):  # (its text: a str enum's member writes `Op.PAY`)
+            object.__setattr__(self, "operation", str.__str__(self.operation))
         if self.operation is not None and (
             not storable_operation(self.operation)
             or OPERATION_SHAPE.fullmatch(self.operation) is None
@@ -262,11 +261,13 @@ def names(value: Any, option: str) -> tuple[str, ...]:
         )
     if not isinstance(value, Collection):
         raise ConfigurationError(f"{option} must be a collection of strings, not {value!r}")
-    items = tuple(value)
-    for item in items:
+    for item in value:
         if not isinstance(item, str):
             raise ConfigurationError(f"{option} must hold strings; {item!r} is not one")
-    return items
+    # Each its text (an enum's `Kind.A` is not); a set's sorted (its order differs by process:
+    # `include_headers` in it made another fingerprint in each, and a retry a mismatch).
+    items = tuple(str.__str__(item) for item in value)
+    return items if isinstance(value, Sequence) else tuple(sorted(items))
 
 
 def fields(value: Any, option: str) -> tuple[str, ...]:

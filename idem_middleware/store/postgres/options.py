@@ -18,11 +18,34 @@ _POOL_OPTIONS = (
 )
 
 
-def check_dsn(dsn: Any) -> None:
+def check_dsn(dsn: Any, option: str = "dsn") -> None:
     """A DSN is a non-blank string: `""` connected to libpq's defaults (localhost, the PG*
-    variables) without a word, and a number failed only at `open()`, naming no option."""
-    if dsn is not None and not (isinstance(dsn, str) and dsn.strip()):
-        raise ConfigurationError(f"PostgresStore(dsn=...) is a PostgreSQL URL, not {dsn!r}")
+    variables) without a word, and a number failed only at `open()`, naming no option. What
+    it is instead is named by its type alone: a URL object's repr holds its password."""
+    if dsn is None or (isinstance(dsn, str) and dsn.strip()):
+        return
+    what = repr(dsn) if isinstance(dsn, str) else f"a {type(dsn).__name__}"
+    hint = "" if isinstance(dsn, str) else " (a settings library's URL: pass str(url))"
+    raise ConfigurationError(f"PostgresStore({option}=...) is a PostgreSQL URL, not {what}{hint}")
+
+
+def check_pool(pool: Any, opening: bool = False) -> None:
+    """A pool is an asyncpg pool (a connection or a DSN given as one failed at `open()` with an
+    AttributeError), and by the store's `open()` an awaited one: one never awaited
+    (`asyncpg.create_pool(...)` without `await`) passed the startup, and every guarded request
+    was a 503 ("pool is not initialized")."""
+    if pool is None:
+        return
+    if not callable(getattr(pool, "acquire", None)):
+        raise ConfigurationError(
+            f"PostgresStore(pool=...) is an asyncpg pool, not a {type(pool).__name__} (for a "
+            "DSN, pass dsn=...)"
+        )
+    if opening and getattr(pool, "_initialized", True) is False:
+        raise ConfigurationError(
+            "PostgresStore(pool=...) was given a pool never awaited, and opened: "
+            "pool = await asyncpg.create_pool(...)"
+        )
 
 
 def check_store_options(pool: Any, listen: Any, fast_path: Any, made: tuple[Any, ...]) -> None:

@@ -36,7 +36,7 @@ from .fenced import Fencing
 from .fused import FastPath
 from .lifecycle import Turns, refuse_other_loop
 from .listener import Listener
-from .options import check_dsn, check_store_options
+from .options import check_dsn, check_pool, check_store_options
 from .poolers import PREPARED_MISMATCH, refusal, require_sessions_to_listen, require_transactions
 from .poolers import check as check_pooler
 from .privileges import require_privileges, require_writable
@@ -75,8 +75,10 @@ class PostgresStore(OffPathStatements):
         if (pool is None) == (dsn is None):
             raise ValueError("pass exactly one of pool= or dsn=")
         check_dsn(dsn)
+        check_dsn(listen_dsn, "listen_dsn")
         made = (min_size, max_size, statement_cache_size, application_name, connect_kwargs)
         check_store_options(pool, listen, fast_path, made)
+        check_pool(pool)
         if (
             isinstance(acquire_timeout, bool)
             or not isinstance(acquire_timeout, int | float)
@@ -157,6 +159,7 @@ class PostgresStore(OffPathStatements):
         lifecycle.py). An open and a close wait for the one under way."""
         async with self._turns():
             if self._pool is not None:
+                check_pool(self._pool, opening=True)
                 refuse_other_loop(self._pool, "open the store")
             if self._opens:
                 self._opens += 1

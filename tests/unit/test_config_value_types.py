@@ -1,0 +1,105 @@
+"""Configuration values as real apps pass them (read from settings libraries and enums): each is
+taken and behaves as the plain value would, or is refused when it is made, naming the option.
+Found by probing: a set of `include_headers` fingerprinted in each process's own order (a
+retry landing on another worker was refused as a mismatch); a str enum's member given as an
+operation or a status path was written `Op.PAY` (a 202's Location the status route refused);
+`declare("release")` was compared by identity and left a lease-mode key unknown; a settings
+library's URL given as a DSN had its password quoted in the error; a pool never awaited passed
+the startup and every guarded request was a 503."""
+
+from __future__ import annotations
+
+import enum
+import subprocess
+import sys
+from typing import Any
+
+import asyncpg
+import pytest
+
+from idem_middleware import IdempotencyMiddleware, MemoryStore, Mode, Policy
+from idem_middleware.context import claimed_context
+from idem_middleware.errors import ConfigurationError
+from idem_middleware.fingerprint import Fingerprinter
+from idem_middleware.outcomes import Outcome
+from idem_middleware.store.postgres import PostgresStore
+
+
+class Op(str, enum.Enum):  # noqa: UP042 - its str() is `Op.PAY`, not its value: the case
+    PAY = "POST /payments"
+    STATUS = "/idempotency/status"
+    HEADER = "X-Api-Version"
+
+
+def test_a_set_of_header_names_is_kept_sorted_and_each_as_its_text() -> None:
+    headers = {"x-b", "X-A", Op.HEADER}
+    assert Policy(include_headers=headers).include_headers == ("x-a", "x-api-version", "x-b")
+    assert Policy(include_headers=["x-b", "x-a"]).include_headers == ("x-b", "x-a")  # (as given)
+
+
+def _fingerprint_in_a_process_of_its_own(seed: str) -> str:
+    code = (
+        "from idem_middleware import Policy\n"
+        "from idem_middleware.fingerprint import Fingerprinter\n"
+        "p = Policy(include_headers={'x-a', 'x-b', 'x-c', 'x-d', 'x-e', 'x-f'})\n"
+        "headers = [(f'x-{c}'.encode(), c.encode()) for c in 'abcdef']\n"
+        "print(Fingerprinter('POST /pay', {}, p)(b'', headers, None, b'').hex())\n"
+    )
+    env = {"PYTHONHASHSEED": seed, "PATH": "/usr/bin:/bin"}
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    return run.stdout.strip()
+
+
+def test_a_set_of_header_names_fingerprints_alike_in_every_process() -> None:
+    assert len({_fingerprint_in_a_process_of_its_own(seed) for seed in ("1", "2", "3")}) == 1
+
+
+def test_a_str_enum_member_is_taken_as_its_text() -> None:
+    policy = Policy(operation=Op.PAY)
+    assert type(policy.operation) is str
+    assert policy.operation == "POST /payments"
+    mw = IdempotencyMiddleware(lambda *a: None, store=MemoryStore(), status_path=Op.STATUS)
+    assert f"{mw.status_path}" == "/idempotency/status"
+    assert Fingerprinter("POST /payments", {}, policy)  # (made as for the plain name)
+
+
+@pytest.mark.parametrize("mode", [Mode.TRANSACTIONAL, Mode.LEASE])
+def test_declare_takes_an_outcomes_value_and_refuses_anything_else(mode: Mode) -> None:
+    context = claimed_context("t", "POST /x", "k", 1, mode, None, 1)
+    context.declare("release")  # type: ignore[arg-type]
+    assert context.declared is Outcome.RELEASE
+    with pytest.raises(ConfigurationError, match="declare takes an Outcome"):
+        context.declare("bogus")  # type: ignore[arg-type]
+    if mode is Mode.TRANSACTIONAL:
+        with pytest.raises(ConfigurationError, match="cannot end unknown"):
+            context.declare("unknown")  # type: ignore[arg-type]
+
+
+class Url:
+    """A settings library's URL object: its repr holds the password."""
+
+    def __repr__(self) -> str:
+        return "Url('postgresql://app:hunter2@db.example/app')"
+
+
+@pytest.mark.parametrize("option", ["dsn", "listen_dsn"])
+def test_a_dsn_that_is_no_str_is_refused_by_its_type_never_its_text(option: str) -> None:
+    options: dict[str, Any] = {"dsn": "postgresql://db.example/app", option: Url()}
+    with pytest.raises(ConfigurationError, match=rf"{option}=...\) is a PostgreSQL URL") as e:
+        PostgresStore(**options)
+    assert "hunter2" not in str(e.value)
+    assert "str(url)" in str(e.value)
+
+
+@pytest.mark.parametrize("pool", ["postgresql://db.example/app", object()])
+def test_what_is_no_pool_is_refused_when_the_store_is_made(pool: Any) -> None:
+    with pytest.raises(ConfigurationError, match="is an asyncpg pool, not a"):
+        PostgresStore(pool=pool)
+
+
+async def test_a_pool_never_awaited_is_refused_when_the_store_opens() -> None:
+    pool = asyncpg.create_pool("postgresql://nobody@127.0.0.1:1/none")  # (never awaited)
+    store = PostgresStore(pool=pool)  # (awaited later, in a lifespan, is fine)
+    with pytest.raises(ConfigurationError, match="never awaited"):
+        await store.open()
