@@ -164,6 +164,16 @@ async def _unless_busy(amend: Awaitable[bool]) -> bool:
         ) from None
 
 
+def _resolution(to: Any) -> Resolution:
+    """`to` as the Resolution it names (its value, `"succeeded"`, too: compared by identity,
+    it was an AttributeError from inside)."""
+    try:
+        return Resolution(to)
+    except ValueError:
+        valid = ", ".join(repr(r.value) for r in Resolution)
+        raise ValueError(f"resolve: to is a Resolution ({valid}), not {to!r:.60}") from None
+
+
 async def resolve(
     store: Store,
     key: RecordKey,
@@ -180,6 +190,7 @@ async def resolve(
     get: no handler runs and no business write is made.
     """
     text = _note(note)
+    to = _resolution(to)
     if to is not Resolution.RETRY:
         if response is None:
             raise ValueError(f"resolving to {to.value} needs the status to replay")

@@ -360,10 +360,12 @@ def webhook_sender(client: Any, url: str) -> Sender:
     its sends with a ValueError saying so (the event is parked after its attempts).
     """
 
-    if not callable(getattr(client, "post", None)) or _sync_httpx(client):
+    if not callable(getattr(client, "post", None)) or _httpx(client, "Client"):
         raise TypeError(  # (a sync httpx.Client's post delivered, then failed as awaited)
             f"webhook_sender takes an async client (httpx.AsyncClient), not {client!r:.80}"
         )
+    if not isinstance(url, str) and not _httpx(url, "URL"):  # (each send failed, then parked)
+        raise TypeError(f"webhook_sender's url is a str (str(url)), not a {type(url).__name__}")
 
     async def send(event: OutboxEvent) -> bool:
         if _HEADER_KEY.fullmatch(event.event_id) is None:
@@ -383,9 +385,10 @@ def webhook_sender(client: Any, url: str) -> Sender:
     return send
 
 
-def _sync_httpx(client: Any) -> bool:
+def _httpx(value: Any, name: str) -> bool:
+    """Whether `value` is an instance of httpx's class `name` (False without httpx)."""
     try:
         import httpx
     except ImportError:  # pragma: no cover - httpx is optional
         return False
-    return isinstance(client, httpx.Client)
+    return isinstance(value, getattr(httpx, name))

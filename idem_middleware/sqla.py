@@ -63,6 +63,16 @@ class ClaimSessions:
         expire_on_commit: bool = False,
         **session_options: Any,
     ) -> None:
+        if engine is not None and not isinstance(engine, AsyncEngine):  # (a sync Engine, a URL)
+            raise ConfigurationError(
+                "ClaimSessions(engine=...) is an AsyncEngine made by create_claim_engine(), "
+                f"not {type(engine).__name__}"
+            )
+        if not (isinstance(session_class, type) and issubclass(session_class, AsyncSession)):
+            raise ConfigurationError(  # (SQLModel's sync Session: every request a 500)
+                "ClaimSessions(session_class=...) is an AsyncSession class (sqlmodel.ext."
+                f"asyncio.session.AsyncSession for SQLModel), not {session_class!r:.80}"
+            )
         if engine is not None and not isinstance(engine.sync_engine.pool, ClaimPool):
             # Its sessions would write outside the claim: committed even when the claim is
             # released, and again by the retry.

@@ -134,6 +134,8 @@ class TokenIssuer:
     ) -> None:
         if isinstance(previous_secrets, (bytes, str)):
             raise TypeError("previous_secrets is a sequence of secrets, not one secret")
+        # (Read once: an iterator, map(...) say, was used up by the check, no old secret kept.)
+        previous_secrets = tuple(previous_secrets)
         for given in (secret, *previous_secrets):
             if not isinstance(given, (bytes, bytearray)):
                 raise TypeError(f"a token secret is bytes (encode it), not {type(given).__name__}")

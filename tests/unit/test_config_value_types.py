@@ -103,3 +103,53 @@ async def test_a_pool_never_awaited_is_refused_when_the_store_opens() -> None:
     store = PostgresStore(pool=pool)  # (awaited later, in a lifespan, is fine)
     with pytest.raises(ConfigurationError, match="never awaited"):
         await store.open()
+
+
+def test_previous_secrets_given_as_an_iterator_are_all_kept() -> None:
+    from idem_middleware.tokens import TokenIssuer
+
+    old = [b"o" * 32, b"p" * 32]
+    issuer = TokenIssuer(MemoryStore(), secret=b"s" * 32, previous_secrets=iter(old))
+    assert issuer._previous == tuple(old)
+
+
+def test_a_memory_store_clock_that_is_no_function_is_refused() -> None:
+    import time
+
+    with pytest.raises(TypeError, match=r"MemoryStore\(clock=...\) is a function"):
+        MemoryStore(clock=time.time())  # type: ignore[arg-type]
+
+
+async def test_resolve_takes_a_resolutions_value_and_refuses_anything_else() -> None:
+    from idem_middleware.errors import ResolveError
+    from idem_middleware.ops import resolve
+    from idem_middleware.store.base import RecordKey
+
+    store = MemoryStore()
+    with pytest.raises(ValueError, match="to is a Resolution"):
+        await resolve(store, RecordKey("t", "POST /x", "k"), "bogus", note="n")  # type: ignore[arg-type]
+    with pytest.raises(ResolveError, match="no record holds"):  # ("retry" taken as RETRY)
+        await resolve(store, RecordKey("t", "POST /x", "k"), "retry", note="n")  # type: ignore[arg-type]
+
+
+def test_claim_sessions_refuse_a_sync_engine_or_session_class() -> None:
+    from sqlalchemy import create_engine
+    from sqlalchemy.orm import Session
+
+    from idem_middleware.sqla import ClaimSessions
+
+    with pytest.raises(ConfigurationError, match="is an AsyncEngine"):
+        ClaimSessions(engine=create_engine("sqlite://"))  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError, match="is an AsyncSession class"):
+        ClaimSessions(session_class=Session)  # type: ignore[arg-type]
+
+
+def test_webhook_sender_refuses_a_url_that_is_no_str() -> None:
+    import httpx
+
+    from idem_middleware.outbox import webhook_sender
+
+    client = httpx.AsyncClient()
+    with pytest.raises(TypeError, match=r"url is a str \(str\(url\)\), not a Url"):
+        webhook_sender(client, Url())
+    assert webhook_sender(client, httpx.URL("https://receiver.example/e"))

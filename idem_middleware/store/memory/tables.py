@@ -107,8 +107,7 @@ class _Rows:
     flat tuple of strings, bytes and numbers (the state by its value, the headers as one tuple
     of names and values; the key as a plain tuple), a record is untracked by the second
     collection it lives through (the first untracks its headers), before it could reach the
-    oldest generation. Rows are rebuilt on each read: a `_Row` read from here is a copy, so
-    changes are stored back, as before (rows were treated as immutable once committed).
+    oldest generation. Rows are rebuilt on each read: a `_Row` read from here is a copy.
     """
 
     __slots__ = ("_packed",)
@@ -298,8 +297,7 @@ def appended(note: str | None, line: str) -> str:
 
 
 def _wall_clock() -> float:
-    """`time.time()`, looked up at each call: a clock a test patches (freezegun's) is followed.
-    A default of `time.time` itself kept the function found at import, and ignored it."""
+    """`time.time()`, looked up at each call: a clock a test patches (freezegun's) is followed."""
     return time.time()
 
 
@@ -307,6 +305,8 @@ class MemoryTables:
     """The state of one in-memory store. `clock` is the store's notion of the database's `now()`."""
 
     def __init__(self, *, clock: Callable[[], float] = _wall_clock) -> None:
+        if not callable(clock):  # (`clock=time.time()`: every guarded request an empty 500)
+            raise TypeError(f"MemoryStore(clock=...) is a function, not {clock!r:.60}")
         self.clock = clock
         self._rows = _Rows()
         #: Keys a transaction is claiming (nobody waits for one: a claim of it is ClaimBusy).
