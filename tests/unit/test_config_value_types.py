@@ -153,3 +153,9 @@ def test_webhook_sender_refuses_a_url_that_is_no_str() -> None:
     with pytest.raises(TypeError, match=r"url is a str \(str\(url\)\), not a Url"):
         webhook_sender(client, Url())
     assert webhook_sender(client, httpx.URL("https://receiver.example/e"))
+
+
+@pytest.mark.parametrize("given", [["timeout", 5], "timeout=5"])
+def test_connect_kwargs_that_are_no_mapping_are_refused(given: Any) -> None:
+    with pytest.raises(ConfigurationError, match=r"connect_kwargs=...\) is a dict"):
+        PostgresStore(dsn="postgresql://db.example/app", connect_kwargs=given)

@@ -3,6 +3,7 @@ as what it does not say, is refused."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from ...errors import ConfigurationError
@@ -58,6 +59,11 @@ def check_store_options(pool: Any, listen: Any, fast_path: Any, made: tuple[Any,
             raise ConfigurationError(f"PostgresStore({name}=...) is True or False, not {value!r}")
     if pool is None:
         _check_sizes(*made[:3])
+        if made[4] is not None and not isinstance(made[4], Mapping):  # (a bare TypeError, else)
+            raise ConfigurationError(
+                f"PostgresStore(connect_kwargs=...) is a dict of asyncpg's options, not a "
+                f"{type(made[4]).__name__}"
+            )
         return
     given = [
         name for (name, default), value in zip(_POOL_OPTIONS, made, strict=True) if value != default
