@@ -138,7 +138,7 @@ class IdempotencyContext:
         """The generation, for downstream systems that can reject a stale writer."""
         return self.generation
 
-    def declare(self, outcome: Outcome) -> None:
+    def declare(self, outcome: Outcome | str) -> None:
         """Decide the outcome explicitly, whatever the response status turns out to be (an
         `Outcome`, or its value: `"release"`)."""
         try:

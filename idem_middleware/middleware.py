@@ -140,7 +140,8 @@ class IdempotencyMiddleware:
             raise ConfigurationError('policies must map "METHOD /template" to a Policy')
         self.policies: dict[str, Policy] = {}
         for name, policy in (policies or {}).items():
-            method, _, template = str(name).partition(" ")
+            text = str.__str__(name) if isinstance(name, str) else str(name)  # (an enum's text)
+            method, _, template = text.partition(" ")
             if not named_route(template) or method.upper() != method or not method:
                 raise ConfigurationError(f"policy key {name!r} is not 'METHOD /template'")
             if method in SAFE_METHODS:

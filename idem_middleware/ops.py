@@ -177,7 +177,7 @@ def _resolution(to: Any) -> Resolution:
 async def resolve(
     store: Store,
     key: RecordKey,
-    to: Resolution,
+    to: Resolution | str,
     *,
     note: str,
     response: StoredResponse | None = None,

@@ -20,7 +20,7 @@ import inspect
 import logging
 import re
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -324,12 +324,12 @@ async def list_events(
     return await _store(pool).outbox_events(parked_only=parked_only, limit=limit)
 
 
-async def requeue(pool: Any, event_ids: Sequence[str]) -> int:
+async def requeue(pool: Any, event_ids: Iterable[str]) -> int:
     """How many of the parked events `event_ids` are sent again (`requeue_each`: which)."""
     return sum(outcome == "requeued" for outcome in (await requeue_each(pool, event_ids)).values())
 
 
-async def requeue_each(pool: Any, event_ids: Sequence[str]) -> dict[str, str]:
+async def requeue_each(pool: Any, event_ids: Iterable[str]) -> dict[str, str]:
     """Send the parked events `event_ids` again: each id's outcome, `requeued`, or why not:
     `unknown` (no such event), `unsent` (not parked: still being tried) or `sent`."""
     return await _store(pool).outbox_requeue(event_ids_of(event_ids))
@@ -351,7 +351,7 @@ async def purge_sent(
     )
 
 
-def webhook_sender(client: Any, url: str) -> Sender:
+def webhook_sender(client: Any, url: str) -> Callable[[OutboxEvent], Awaitable[bool]]:
     """A Sender that POSTs `{"event_id", "topic", "payload"}` to `url` with an httpx AsyncClient.
 
     The event id travels as the body's `event_id` and as the `Idempotency-Key` header, so the
@@ -373,11 +373,13 @@ def webhook_sender(client: Any, url: str) -> Sender:
                 "this event's id cannot be sent as an Idempotency-Key header (1 to "
                 f"{MAX_KEY_LENGTH} printable ASCII characters, no space or '\"')"
             )
-        response = await client.post(
+        response = client.post(
             url,
             json={"event_id": event.event_id, "topic": event.topic, "payload": event.payload},
             headers={"Idempotency-Key": event.event_id},
         )
+        if inspect.isawaitable(response):  # (a sync client's answer as it is: awaited, it failed
+            response = await response  # after each delivery, and the event was sent again)
         if not 200 <= response.status_code < 300:
             raise RuntimeError(f"the receiver answered {response.status_code}")
         return True

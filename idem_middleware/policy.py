@@ -8,7 +8,7 @@ import inspect
 import math
 import numbers
 import re
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, KeysView, Mapping, Set
 from dataclasses import dataclass
 from datetime import timedelta
 from enum import StrEnum
@@ -176,14 +176,13 @@ class Policy:
             )
         if self.on_lease_expiry is LeaseExpiry.TAKEOVER and self.mode is not Mode.LEASE:
             raise ConfigurationError(
-                "on_lease_expiry is a lease-mode option, and this policy is transactional: a "
-                "transactional claim holds no lease, so nothing is ever taken over. Set "
-                "mode=Mode.LEASE, or drop on_lease_expiry"
+                "on_lease_expiry is a lease-mode option, and this policy is transactional (no "
+                "lease, nothing taken over): set mode=Mode.LEASE, or drop on_lease_expiry"
             )
         if self.require_token and not self.key_required:
             raise ConfigurationError(
                 "require_token=True with key_required=False: a request without a key would run "
-                "unguarded, so any caller could skip the token. A token route needs its key"
+                "unguarded, skipping the token"
             )
         if self.require_token and self.allow_anonymous:
             raise ConfigurationError(  # (each anonymous request was told 400 token-invalid)
@@ -264,10 +263,11 @@ def names(value: Any, option: str) -> tuple[str, ...]:
     for item in value:
         if not isinstance(item, str):
             raise ConfigurationError(f"{option} must hold strings; {item!r} is not one")
-    # Each its text (an enum's `Kind.A` is not); a set's sorted (its order differs by process:
-    # `include_headers` in it made another fingerprint in each, and a retry a mismatch).
-    items = tuple(str.__str__(item) for item in value)
-    return items if isinstance(value, Sequence) else tuple(sorted(items))
+    items = tuple(str.__str__(item) for item in value)  # (its text: an enum's `Kind.A` is not)
+    # A set's sorted (its order differs by process: another fingerprint in each, a retry a 422).
+    if isinstance(value, Set) and not isinstance(value, KeysView):  # (a dict's: ordered)
+        return tuple(sorted(items, key=lambda name: (name.lower(), name)))
+    return items
 
 
 def fields(value: Any, option: str) -> tuple[str, ...]:

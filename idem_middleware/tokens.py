@@ -15,7 +15,7 @@ import hmac
 import math
 import numbers
 import secrets
-from collections.abc import Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -130,7 +130,7 @@ class TokenIssuer:
         *,
         secret: bytes,
         ttl_seconds: float = 3600.0,
-        previous_secrets: Sequence[bytes] = (),
+        previous_secrets: Iterable[bytes] = (),
     ) -> None:
         if isinstance(previous_secrets, (bytes, str)):
             raise TypeError("previous_secrets is a sequence of secrets, not one secret")

@@ -122,3 +122,12 @@ async def test_a_sender_answering_with_an_awaitable_of_its_own_is_awaited(pool: 
         await add(conn, "credit", {}, event_id="e1")
     report = await Publisher(pool, future_sender).publish_batch()
     assert (report.sent, report.failed, delivered) == (1, 0, ["e1"])
+
+
+async def test_requeue_takes_any_iterable_of_ids(pool: Any) -> None:
+    async with pool.acquire() as conn, conn.transaction():
+        await add(conn, "credit", {}, event_id="evt-1")
+        await add(conn, "credit", {}, event_id="evt-2")
+    await pool.execute("UPDATE idem_outbox SET parked_at = now()")
+    assert await requeue(pool, (event_id for event_id in ["evt-1"])) == 1
+    assert await requeue(pool, {"evt-2": None}.keys()) == 1

@@ -20,7 +20,6 @@ import pytest
 from idem_middleware import IdempotencyMiddleware, MemoryStore, Mode, Policy
 from idem_middleware.context import claimed_context
 from idem_middleware.errors import ConfigurationError
-from idem_middleware.fingerprint import Fingerprinter
 from idem_middleware.outcomes import Outcome
 from idem_middleware.store.postgres import PostgresStore
 
@@ -61,7 +60,14 @@ def test_a_str_enum_member_is_taken_as_its_text() -> None:
     assert policy.operation == "POST /payments"
     mw = IdempotencyMiddleware(lambda *a: None, store=MemoryStore(), status_path=Op.STATUS)
     assert f"{mw.status_path}" == "/idempotency/status"
-    assert Fingerprinter("POST /payments", {}, policy)  # (made as for the plain name)
+    keyed = IdempotencyMiddleware(lambda *a: None, store=MemoryStore(), policies={Op.PAY: policy})
+    assert list(keyed.policies) == ["POST /payments"]
+
+
+def test_only_an_unordered_collection_is_sorted_and_without_regard_to_case() -> None:
+    ordered = {"x-b": 1, "x-a": 2}.keys()  # (a dict's keys keep their order: kept as given)
+    assert Policy(include_headers=ordered).include_headers == ("x-b", "x-a")
+    assert Policy(include_headers={"X-b", "x-A", "x-C"}).include_headers == ("x-a", "x-b", "x-c")
 
 
 @pytest.mark.parametrize("mode", [Mode.TRANSACTIONAL, Mode.LEASE])
@@ -159,3 +165,49 @@ def test_webhook_sender_refuses_a_url_that_is_no_str() -> None:
 def test_connect_kwargs_that_are_no_mapping_are_refused(given: Any) -> None:
     with pytest.raises(ConfigurationError, match=r"connect_kwargs=...\) is a dict"):
         PostgresStore(dsn="postgresql://db.example/app", connect_kwargs=given)
+
+
+async def test_a_given_pool_never_awaited_fails_the_startup_check_too() -> None:
+    """The store the app's own pool makes counts as open without `open()`: the middleware's
+    startup checks it (`check_given_pool`), which logged the uninitialised pool and went on."""
+    store = PostgresStore(pool=asyncpg.create_pool("postgresql://nobody@127.0.0.1:1/none"))
+    with pytest.raises(ConfigurationError, match="never awaited"):
+        await store.check_given_pool()
+
+
+class SyncPoster:
+    """A sync client that is no httpx.Client (a requests-like session): its post answers."""
+
+    def __init__(self) -> None:
+        self.posted = 0
+
+    def post(self, url: Any, **options: Any) -> Any:
+        self.posted += 1
+        return type("Answer", (), {"status_code": 200})()
+
+
+class WrappedAsync:
+    """A wrapper whose post is a plain method returning the async client's coroutine."""
+
+    def __init__(self) -> None:
+        self.posted = 0
+
+    def post(self, url: Any, **options: Any) -> Any:
+        self.posted += 1
+
+        async def answer() -> Any:
+            return type("Answer", (), {"status_code": 201})()
+
+        return answer()
+
+
+@pytest.mark.parametrize("client_class", [SyncPoster, WrappedAsync])
+async def test_webhook_sender_takes_a_post_that_answers_or_one_that_is_awaited(
+    client_class: type,
+) -> None:
+    from idem_middleware.outbox import OutboxEvent, webhook_sender
+
+    client = client_class()
+    send = webhook_sender(client, "https://receiver.example/e")
+    assert await send(OutboxEvent("e1", None, "credit", {}, 0)) is True
+    assert client.posted == 1  # (awaited, a sync answer failed after its delivery: sent again)

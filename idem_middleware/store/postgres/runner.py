@@ -27,6 +27,7 @@ from .convert import (
     translate,
 )
 from .lifecycle import Turns, check_loop, other_loop
+from .options import check_pool
 
 logger = logging.getLogger("idem_middleware.store")
 _running_loop = asyncio._get_running_loop
@@ -226,6 +227,7 @@ class PoolStatements:
                 return
             if self._pool is None or other_loop(self._pool):
                 return  # (the middleware's startup names another loop's pool itself)
+            check_pool(self._pool, opening=True)  # (one never awaited: every request a 503)
             await self._open()
             self._given_checked = True
 

@@ -75,7 +75,7 @@ class PostgresStore(OffPathStatements):
         if (pool is None) == (dsn is None):
             raise ValueError("pass exactly one of pool= or dsn=")
         check_dsn(dsn)
-        check_dsn(listen_dsn, "listen_dsn")
+        check_dsn(listen_dsn or None, "listen_dsn")  # ("": the dsn's, as before)
         made = (min_size, max_size, statement_cache_size, application_name, connect_kwargs)
         check_store_options(pool, listen, fast_path, made)
         check_pool(pool)
