@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Awaitable
-from typing import Protocol
+from typing import Any, Protocol
 
 from starlette.types import Message, Scope, Send
 
@@ -36,10 +36,15 @@ def hide_sent_by_server(scope: Scope) -> None:
         }
 
 
-def _is_content_type(name: object) -> bool:
-    """Whether a header name servers send (bytes, a bytearray, a memoryview; a str under h11)
-    is Content-Type, in any case."""
-    return _as_bytes(name).lower() == b"content-type"
+def _content_type(headers: Any) -> Any:
+    """The last Content-Type of `headers` named as servers take it (in capitals, as a
+    bytearray or a memoryview; a str under h11), or b"" (the capture's test for the lower-case
+    bytes name found none)."""
+    found: Any = b""
+    for name, value in headers:
+        if _as_bytes(name).lower() == b"content-type":
+            found = value
+    return found
 
 
 def _as_bytes(value: object) -> bytes:
@@ -134,19 +139,21 @@ class ResponseCapture(Answer):
             self.start = message
             content_type = b""
             for name, value in headers:
-                # (A name in capitals, `Content-Type`, or not a bytes object, which servers send
-                # as well: the second test, for a bytes name of its length only.)
-                if name == b"content-type" or (
-                    (type(name) is not bytes or len(name) == 12) and _is_content_type(name)
-                ):
+                if name == b"content-type":
                     content_type = value  # the last one
-            if type(content_type) is not bytes:  # (a memoryview, a str under h11: sent too)
-                content_type = _as_bytes(content_type)
+            if not content_type:  # (one named in capitals, `Content-Type`, or not as bytes)
+                content_type = _content_type(headers)
             # (A media type's case means nothing: `Text/Event-Stream` streams as well. The first
             # byte first: most responses are `application/...`, and are done with in one test.)
-            if content_type[:1] in b"Tt \t" and (
-                content_type.lstrip(b" \t")[:17].lower() == b"text/event-stream"
-            ):
+            try:
+                streams = content_type[:1] in b"Tt \t" and (
+                    content_type.lstrip(b" \t")[:17].lower() == b"text/event-stream"
+                )
+            except (TypeError, AttributeError):  # (a str under h11, a memoryview: sent too)
+                streams = _as_bytes(content_type).lstrip(b" \t")[:17].lower() == (
+                    b"text/event-stream"
+                )
+            if streams:
                 await self._go_passthrough("streaming", more_body=True)
             return
         if kind != "http.response.body":
