@@ -114,6 +114,10 @@ async def checked_lifespan(
                 )
                 raise error
             mw._store_check = True
+        elif message["type"].startswith("lifespan.shutdown"):  # (the app's own shutdown is over)
+            release = getattr(mw.store, "release_given_pool", None)
+            if release is not None:
+                await release()
         # After our startup.failed, the app's own report of the same failure is not sent.
         if not (failed and message["type"].startswith("lifespan.startup")):
             await send(message)

@@ -215,6 +215,9 @@ class PoolStatements:
     async def _open(self) -> None:
         raise NotImplementedError  # (PostgresStore's)
 
+    async def _close_own_connections(self) -> Any:
+        raise NotImplementedError  # (PostgresStore's)
+
     async def check_given_pool(self) -> None:
         """open()'s checks (the schema's migrations, the role's privileges, sessions that take
         writes, a pooler), once, on a pool the store was given and that was never opened: such
@@ -230,6 +233,16 @@ class PoolStatements:
             check_pool(self._pool, opening=True)  # (one never awaited: every request a 503)
             await self._open()
             self._given_checked = True
+
+    async def release_given_pool(self) -> None:
+        """At the app's lifespan shutdown, for a store `check_given_pool` opened: its own two
+        connections (the LISTEN and the lease renewals', outside the pool) closed, the pool
+        left the app's. They stayed open for as long as the event loop lived, two more at each
+        lifespan of a test's. The next startup checks and opens them again."""
+        async with self._turns():
+            if self._given_checked and not (self._owns_pool or self._opens or self._closed):
+                await self._close_own_connections()
+                self._given_checked = False
 
     #: `_clean` when the pool's reset is the store's (it skips theirs), else None.
     _clean_releases: weakref.WeakSet[Any] | None = None

@@ -108,8 +108,7 @@ class PostgresStore(OffPathStatements):
         #: Whether `open` refuses a server that takes no writes (the command line's reports run
         #: on a standby or as a read-only role as well).
         self._needs_writes = True
-        #: The sessions' idle_in_transaction_session_timeout as `open` found it (seconds; 0:
-        #: none), named when a claim's connection is lost.
+        #: idle_in_transaction_session_timeout as `open` found it (s; 0: none), for lost claims.
         self.idle_in_transaction = 0.0
         #: The deadlines of transaction sessions' waits for the pool, one per acquire timeout.
         self._deadlines: dict[float, Delayed] = {}
@@ -148,10 +147,9 @@ class PostgresStore(OffPathStatements):
     async def open(self) -> PostgresStore:
         """Create the pool (unless one was given), and check that the database has every
         migration this version needs and takes writes (not a standby, sessions not read-only):
-        ConfigurationError, naming the fix, if not (a pooler in statement mode, which refuses
-        transactions, too). A server that cannot be reached yet is no
-        reason to refuse (requests answer 503 until it is): the check is then skipped, with a
-        warning.
+        ConfigurationError, naming the fix, if not (a pooler in statement mode, too). A server
+        that cannot be reached yet is no reason to refuse (requests answer 503 until it is):
+        the check is then skipped, with a warning.
 
         Opens nest: an open store opened again (a test's fixture, then the app's lifespan) is
         only counted, and each open needs its close; the last closes it. An open store is
@@ -215,11 +213,9 @@ class PostgresStore(OffPathStatements):
             raise
 
     async def close(self) -> None:
-        """Close the listener, the renewals' connection and the pool (if the store created it).
-        Lease-mode executions that a shutdown cancelled settle first; all of it within
-        `closing.CLOSE_SECONDS`. The close of a nested open only counts it (see `open`). A close
-        waits for the open or the close under way (a second close returns once the pool is
-        closed)."""
+        """Close the listener, the renewals' connection and the pool (if the store created it),
+        lease-mode executions a shutdown cancelled settled first, within CLOSE_SECONDS. A
+        nested open's close only counts it (see `open`); a close waits for the one under way."""
         async with self._turns():
             if self._opens > 1:
                 self._opens -= 1
@@ -229,13 +225,17 @@ class PostgresStore(OffPathStatements):
 
     async def _close(self) -> None:
         self._closed = True
+        budget = await self._close_own_connections()
+        if self._owns_pool and self._pool is not None:
+            pool, self._pool = self._pool, None
+            await closing.close_pool(pool, budget.left())
+
+    async def _close_own_connections(self) -> closing.Budget:  # (the pool's stay)
         budget = closing.Budget()
         await self._executions.unwound(budget.left())
         await self._listener.close(budget.left())
         await self._renewals.close(budget.left())
-        if self._owns_pool and self._pool is not None:
-            pool, self._pool = self._pool, None
-            await closing.close_pool(pool, budget.left())
+        return budget
 
     async def __aenter__(self) -> PostgresStore:
         return await self.open()
