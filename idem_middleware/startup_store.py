@@ -41,10 +41,12 @@ def unopened_store(mw: IdempotencyMiddleware) -> ConfigurationError | None:
 async def store_startup_error(mw: IdempotencyMiddleware) -> ConfigurationError | None:
     """What the app's lifespan startup fails with, once the app's own startup completed:
     `unopened_store`, then `given_pool_error`."""
-    return unopened_store(mw) or await given_pool_error(mw)
+    return unopened_store(mw) or await given_pool_error(mw, lifespan=True)
 
 
-async def given_pool_error(mw: IdempotencyMiddleware) -> ConfigurationError | None:
+async def given_pool_error(
+    mw: IdempotencyMiddleware, lifespan: bool = False
+) -> ConfigurationError | None:
     """For a store given a pool and never opened (`PostgresStore(pool=...)`, which counts as
     open), the checks its `open()` runs, once: a database never migrated, a role that may not
     write, a pooler that breaks prepared statements, each failed every guarded request (a 500)
@@ -55,7 +57,7 @@ async def given_pool_error(mw: IdempotencyMiddleware) -> ConfigurationError | No
     if not mw.enabled or check is None:
         return None
     try:
-        await check()
+        await check(lifespan=lifespan)
     except ConfigurationError as exc:
         logger.error("idempotency: %s", exc)
         return exc
@@ -115,14 +117,26 @@ async def checked_lifespan(
                 raise error
             mw._store_check = True
         elif message["type"].startswith("lifespan.shutdown"):  # (the app's own shutdown is over)
-            release = getattr(mw.store, "release_given_pool", None)
-            if release is not None:
-                await release()
+            await _released(mw)
         # After our startup.failed, the app's own report of the same failure is not sent.
         if not (failed and message["type"].startswith("lifespan.startup")):
             await send(message)
 
     await mw.app(scope, checked_receive, quiet_send)
+
+
+async def _released(mw: IdempotencyMiddleware) -> None:
+    """At the app's lifespan shutdown: a given pool's store lets its own connections go (see
+    `release_given_pool`), and a request served without a lifespan after it checks it again.
+    Never raised: the server gets the shutdown's own message whatever happens here."""
+    release = getattr(mw.store, "release_given_pool", None)
+    if release is None or not mw.enabled:
+        return
+    try:
+        await release()
+    except Exception:
+        logger.warning("idempotency: the store's own connections did not close", exc_info=True)
+    mw._store_check = None
 
 
 async def store_checked(

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
 import asyncpg
 import httpx
+import pytest
 from fastapi import FastAPI
 from starlette.types import Message
 
@@ -77,3 +79,65 @@ async def test_the_lifespan_shutdown_closes_a_given_pool_stores_own_connections(
         assert await _own_connections(db_dsn) == []
     finally:
         await pool.close()
+
+
+Lifespan = tuple[asyncio.Queue[Message], list[Message], asyncio.Task[Any]]
+
+
+async def _lifespan_of(app: Any) -> Lifespan:
+    """An app's lifespan, started as a server starts it; its messages in, and what it sent."""
+    incoming: asyncio.Queue[Message] = asyncio.Queue()
+    sent: list[Message] = []
+
+    async def send(message: Message) -> None:
+        sent.append(message)
+
+    scope = {"type": "lifespan", "asgi": {"version": "3.0"}, "state": {}}
+    task = asyncio.create_task(app(scope, incoming.get, send))
+    await incoming.put({"type": "lifespan.startup"})
+    for _ in range(1000):  # (bounded: until its startup completed)
+        if sent:
+            break
+        await asyncio.sleep(0.005)
+    assert [m["type"] for m in sent] == ["lifespan.startup.complete"]
+    return incoming, sent, task
+
+
+async def _shut_down(
+    lifespan: tuple[asyncio.Queue[Message], list[Message], asyncio.Task[Any]],
+) -> list[str]:
+    incoming, sent, task = lifespan
+    await incoming.put({"type": "lifespan.shutdown"})
+    await asyncio.wait_for(task, 15)
+    return [m["type"] for m in sent]
+
+
+async def test_two_lifespans_on_one_given_pool_store_and_a_failed_release(
+    pool: asyncpg.Pool[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A review found that one app's shutdown let go of connections another app on the same
+    store still served with, and that a release that raised kept the shutdown's message from
+    the server and the connections from ever opening again."""
+    store = PostgresStore(pool=pool)
+    apps = [FastAPI(), FastAPI()]
+    for app in apps:
+        install(app, store=store, tenant_resolver=lambda scope: "t")
+    first, second = [await _lifespan_of(app) for app in apps]
+    assert not store._listener._stopped  # (resumed by the first startup's check)
+    assert await _shut_down(first) == ["lifespan.startup.complete", "lifespan.shutdown.complete"]
+    assert store._given_checked  # the second app still serves with them: kept
+    failed: list[int] = []
+
+    async def refused(self: Any) -> None:
+        failed.append(1)
+        raise ConnectionResetError("the server went away")
+
+    monkeypatch.setattr(PostgresStore, "_close_own_connections", refused)
+    assert await _shut_down(second) == ["lifespan.startup.complete", "lifespan.shutdown.complete"]
+    assert failed == [1]
+    assert not store._given_checked  # (the next startup opens them again)
+    monkeypatch.undo()
+    third = await _lifespan_of(apps[0])
+    assert store._given_checked
+    assert await _shut_down(third) == ["lifespan.startup.complete", "lifespan.shutdown.complete"]
+    assert not store._given_checked

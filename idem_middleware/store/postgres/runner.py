@@ -209,8 +209,9 @@ class PoolStatements:
     _owns_pool: bool
     _opens: int
     _turns: Turns
-    #: Whether `check_given_pool` ran its checks.
+    #: Whether `check_given_pool` ran its checks; the lifespans it serves (`release_given_pool`).
     _given_checked = False
+    _given_lifespans = 0
 
     async def _open(self) -> None:
         raise NotImplementedError  # (PostgresStore's)
@@ -218,7 +219,7 @@ class PoolStatements:
     async def _close_own_connections(self) -> Any:
         raise NotImplementedError  # (PostgresStore's)
 
-    async def check_given_pool(self) -> None:
+    async def check_given_pool(self, lifespan: bool = False) -> None:
         """open()'s checks (the schema's migrations, the role's privileges, sessions that take
         writes, a pooler), once, on a pool the store was given and that was never opened: such
         a store counts as open, and nothing checked it (a database never migrated answered
@@ -226,13 +227,15 @@ class PoolStatements:
         open() raises; the pool is the caller's, and stays open. Nothing for a store of its own
         pool, or one opened (or closed) since it was made: open() checks those."""
         async with self._turns():
-            if self._owns_pool or self._opens or self._closed or self._given_checked:
+            if self._owns_pool or self._opens or self._closed:
                 return
             if self._pool is None or other_loop(self._pool):
                 return  # (the middleware's startup names another loop's pool itself)
-            check_pool(self._pool, opening=True)  # (one never awaited: every request a 503)
-            await self._open()
-            self._given_checked = True
+            if not self._given_checked:
+                check_pool(self._pool, opening=True)  # (never awaited: every request a 503)
+                await self._open()
+                self._given_checked = True
+            self._given_lifespans += lifespan  # (`lifespan`: a lifespan's startup asks)
 
     async def release_given_pool(self) -> None:
         """At the app's lifespan shutdown, for a store `check_given_pool` opened: its own two
@@ -240,9 +243,14 @@ class PoolStatements:
         left the app's. They stayed open for as long as the event loop lived, two more at each
         lifespan of a test's. The next startup checks and opens them again."""
         async with self._turns():
-            if self._given_checked and not (self._owns_pool or self._opens or self._closed):
-                await self._close_own_connections()
-                self._given_checked = False
+            self._given_lifespans = max(self._given_lifespans - 1, 0)
+            if self._given_lifespans or not self._given_checked:
+                return  # (another lifespan still serves it)
+            if not (self._owns_pool or self._opens or self._closed):
+                try:
+                    await self._close_own_connections()
+                finally:  # (failed or cancelled: the next startup opens them again all the same)
+                    self._given_checked = False
 
     #: `_clean` when the pool's reset is the store's (it skips theirs), else None.
     _clean_releases: weakref.WeakSet[Any] | None = None
