@@ -172,6 +172,9 @@ class OffPathStatements(PoolStatements):
         return dict(await self._run_any("fetchrow", _Q["outbox_stats"]))
 
     async def outbox_events(self, *, parked_only: bool, limit: int) -> list[dict[str, Any]]:
+        if type(limit) is not int or not 0 <= limit < 2**63:  # (as list_records': not the
+            # server's raw error, nor every event for None; a LIMIT is a bigint)
+            raise ValueError(f"list_events: limit must be a whole number from 0, not {limit!r}")
         rows = await self._run_any("fetch", _Q["outbox_list"], parked_only, limit)
         return [dict(r) for r in rows]
 
