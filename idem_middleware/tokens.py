@@ -12,8 +12,6 @@ import asyncio
 import base64
 import hashlib
 import hmac
-import math
-import numbers
 import secrets
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -37,7 +35,6 @@ from .errors import (
 from .errors import TokenConflict as TokenConflict
 from .fingerprint_json import parse_json_strict
 from .library_routes import ROUTE_OPERATIONS_ATTRIBUTE, GuardedOperations, LibraryRoute
-from .policy import MAX_SECONDS, OPERATION_SHAPE  # (the operations the status resource accepts)
 from .responses import problem_response
 from .store.base import RecordKey, State, TokenRow
 from .tenant import (
@@ -48,6 +45,13 @@ from .tenant import (
     authenticated_user_tenant,
     route_tenant,
 )
+from .token_values import (
+    MAX_INTENT_ID,
+    checked_request,
+    good_intent,
+    good_operation,
+    time_to_live,
+)
 
 _PREFIX = "it_"
 #: How many times `issue` reads again after a concurrent issue of the same intent won the race
@@ -57,7 +61,6 @@ _ISSUE_ATTEMPTS = 4
 #: expired token to end (about 5 s; then StoreError: the token route's 503, to ask again).
 _BUSY_PAUSES = (0.01, 0.02, 0.04, 0.08, 0.16, 0.32) + (0.5,) * 9
 #: The longest `intent_id` the token route accepts (characters).
-MAX_INTENT_ID = 255
 #: The largest body the token route reads (bytes): the longest operation and intent, every
 #: character escaped, fit many times over, so a value too long is still told apart (400). The
 #: middleware never guards the route, so its `max_body_bytes` does not apply.
@@ -70,30 +73,6 @@ _BAD_BODY = (
 
 def _unique_violation(exc: StatementRefused) -> bool:
     return getattr(exc.__cause__, "sqlstate", None) == "23505" or "UniqueViolation" in str(exc)
-
-
-def _clean_text(value: str) -> bool:
-    """No NUL (PostgreSQL text refuses it) and no lone surrogate (not encodable as UTF-8)."""
-    if "\x00" in value:
-        return False
-    try:
-        value.encode()
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
-def _time_to_live(value: Any) -> float:
-    """A token's time to live: seconds, positive, finite and at most MAX_SECONDS (past it,
-    `now() + ttl` leaves PostgreSQL's range and every issue would be refused)."""
-    real = isinstance(value, numbers.Real) and not isinstance(value, bool)
-    number = float(value) if real else None
-    if number is None or not (math.isfinite(number) and 0 < number <= MAX_SECONDS):
-        raise ValueError(
-            f"ttl_seconds must be positive, finite and at most {MAX_SECONDS} seconds (100 years),"
-            f" not {value!r}"
-        )
-    return number
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,7 +120,7 @@ class TokenIssuer:
                 raise TypeError(f"a token secret is bytes (encode it), not {type(given).__name__}")
             if len(given) < 32:
                 raise ValueError("the token secret must be at least 32 bytes")
-        ttl_seconds = _time_to_live(ttl_seconds)
+        ttl_seconds = time_to_live(ttl_seconds)
         if not callable(getattr(store, "issue_token", None)):
             raise TypeError(
                 f"TokenIssuer issues through a store's issue_token (PostgresStore's, or the"
@@ -190,7 +169,10 @@ class TokenIssuer:
         all return the same token. `ttl_seconds`, if given, must be positive and finite (at most
         100 years, as a Policy's durations).
         """
-        ttl_seconds = self.ttl_seconds if ttl_seconds is None else _time_to_live(ttl_seconds)
+        tenant, operation, intent_id, request_digest = checked_request(
+            tenant, operation, intent_id, request_digest
+        )
+        ttl_seconds = self.ttl_seconds if ttl_seconds is None else time_to_live(ttl_seconds)
         token = self._token_for(tenant, operation, intent_id)
         hashed = token_hash(token)
         asked = (tenant, hashed, operation, request_digest, intent_id, ttl_seconds)
@@ -338,14 +320,7 @@ def token_route(
             return bad_body(exc.detail)
         except (KeyError, TypeError, AttributeError):
             return bad_body()
-        if (
-            not _clean_text(operation)
-            or OPERATION_SHAPE.fullmatch(operation) is None
-            or (
-                intent_id is not None
-                and (len(intent_id) > MAX_INTENT_ID or not _clean_text(intent_id))
-            )
-        ):
+        if not good_operation(operation) or not good_intent(intent_id):
             return bad_body()
         # A token for an operation that takes none would never be asked for (or, for a typo,
         # be refused as another operation's at its first use): say so now, nothing issued.
