@@ -27,6 +27,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from .errors import ProblemKind
+from .middleware_arguments import check_problem_base
 from .observe import shown
 from .policy import Policy
 from .responses import DEFAULT_PROBLEM_BASE, problem_response
@@ -45,6 +46,8 @@ class GuardedOperations:
     __slots__ = ("_learned", "given_base", "kind", "policies", "store")
 
     def __init__(self, kind: str, problem_base: str | None = None, store: Any = None) -> None:
+        if problem_base is not None:  # (checked as the middleware's: answered under it)
+            check_problem_base(problem_base)
         self.kind = kind  # "status" or "tokens", for the startup log
         self.store = store  # what the route reads (or issues tokens through)
         self.policies: Mapping[str, Policy] | None = None

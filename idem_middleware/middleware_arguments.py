@@ -35,6 +35,18 @@ def kill_switch_on() -> bool:
 _PROBLEM_BASE = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*:[!-~]*[!-/:-@\[-`{-~]")
 
 
+def check_problem_base(problem_base: object) -> None:
+    """The middleware's `problem_base`, and a library route's own (`status_route`'s,
+    `token_route`'s)."""
+    if not isinstance(problem_base, str) or not _PROBLEM_BASE.fullmatch(problem_base):
+        # "" gave types such as `key-missing`, relative references a client resolves against
+        # the request's URL; a base ending in a letter glued the name onto its last word.
+        raise ConfigurationError(
+            "problem_base must be an absolute URI prefix ending in a separator, such as "
+            f"'https://example.com/problems/' or 'urn:example:problem:', not {problem_base!r}"
+        )
+
+
 #: A URI path (RFC 3986's characters of a path; no query or fragment).
 _PATH = re.compile(r"/[A-Za-z0-9\-._~%!$&'()*+,;=:@/]*")
 #: An HTTP method: a token (RFC 9110). Anything else, `" post "` or `""`, was kept and never
@@ -82,13 +94,7 @@ def check_arguments(
         raise ConfigurationError(
             f"status_path must be a path ('/...', URI characters, no query), not {status_path!r}"
         )
-    if not isinstance(problem_base, str) or not _PROBLEM_BASE.fullmatch(problem_base):
-        # "" gave types such as `key-missing`, relative references a client resolves against
-        # the request's URL; a base ending in a letter glued the name onto its last word.
-        raise ConfigurationError(
-            "problem_base must be an absolute URI prefix ending in a separator, such as "
-            f"'https://example.com/problems/' or 'urn:example:problem:', not {problem_base!r}"
-        )
+    check_problem_base(problem_base)
     if observers is None:
         return
     for observer in observers if isinstance(observers, Sequence) else (observers,):

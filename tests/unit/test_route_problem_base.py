@@ -4,6 +4,7 @@ that middleware's, or seen by two middlewares with different bases, fails the ch
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any
 
@@ -17,7 +18,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from idem_middleware import IdempotencyMiddleware, MemoryStore, Policy
-from idem_middleware.errors import StoreError
+from idem_middleware.errors import ConfigurationError, StoreError
 from idem_middleware.responses import DEFAULT_PROBLEM_BASE
 from idem_middleware.status import status_route
 from idem_middleware.store.base import RecordKey
@@ -221,3 +222,19 @@ async def test_two_middlewares_with_one_base_over_one_route_are_fine(kind: str) 
     assert await startup(served) is None
     for response, status, name in await requests(served, kind):
         assert problem_type(response, status) == BASE + name
+
+
+@pytest.mark.parametrize("base", [5, "", "https://errors.example/idempotency", "problems/"])
+@pytest.mark.parametrize("kind", ["status", "tokens"])
+def test_a_routes_own_base_is_checked_as_the_middlewares_when_the_route_is_made(
+    kind: str, base: Any
+) -> None:
+    # (A route no middleware sees answers under its own base: nothing later would refuse it.)
+    store = MemoryStore()
+    make: Any = (
+        functools.partial(status_route, store)
+        if kind == "status"
+        else functools.partial(token_route, TokenIssuer(store, secret=b"s" * 32))
+    )
+    with pytest.raises(ConfigurationError, match="problem_base must be an absolute URI prefix"):
+        make(problem_base=base)
