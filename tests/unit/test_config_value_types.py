@@ -16,6 +16,7 @@ from typing import Any
 
 import asyncpg
 import pytest
+from starlette.applications import Starlette
 
 from idem_middleware import IdempotencyMiddleware, MemoryStore, Mode, Policy
 from idem_middleware.context import claimed_context
@@ -211,3 +212,30 @@ async def test_webhook_sender_takes_a_post_that_answers_or_one_that_is_awaited(
     send = webhook_sender(client, "https://receiver.example/e")
     assert await send(OutboxEvent("e1", None, "credit", {}, 0)) is True
     assert client.posted == 1  # (awaited, a sync answer failed after its delivery: sent again)
+
+
+@pytest.mark.parametrize(
+    ("given", "error", "words"),
+    [
+        ((), TypeError, "takes the stores to open"),
+        (([MemoryStore()],), TypeError, "not a list"),
+        (("postgresql://localhost/db",), TypeError, "not a str"),
+        ((Starlette(),), TypeError, "not a Starlette"),  # `lifespan=store_lifespan`, not called
+    ],
+)
+def test_store_lifespan_refuses_what_is_no_store_when_called(
+    given: tuple[Any, ...], error: type[Exception], words: str
+) -> None:
+    from idem_middleware.store import store_lifespan
+
+    with pytest.raises(error, match=words):
+        store_lifespan(*given)
+
+
+def test_store_lifespan_refuses_one_store_twice_and_takes_each_kind_of_store() -> None:
+    from idem_middleware.store import store_lifespan
+
+    memory = MemoryStore()
+    with pytest.raises(ValueError, match="given one store twice"):
+        store_lifespan(memory, memory)
+    assert callable(store_lifespan(memory, PostgresStore(dsn="postgresql://127.0.0.1/db")))
