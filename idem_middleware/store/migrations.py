@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from typing import Any
 
 import asyncpg
@@ -99,9 +100,10 @@ async def migrate(
     table queues behind it. It waits at most `lock_timeout` seconds (None: for ever): then
     nothing is applied, the queued requests go on, and StoreError names the sessions that held
     the table."""
-    if lock_timeout is not None and not 0 < lock_timeout <= MAX_LOCK_TIMEOUT_SECONDS:
+    real = isinstance(lock_timeout, numbers.Real) and not isinstance(lock_timeout, bool)
+    if lock_timeout is not None and not (real and 0 < lock_timeout <= MAX_LOCK_TIMEOUT_SECONDS):
         # (Refused before anything is done: the server refuses more, after the lock was waited
-        # for; `lock_timeout = 0` would wait for ever.)
+        # for; `lock_timeout = 0` would wait for ever; True was one second.)
         raise ValueError(
             f"lock_timeout must be more than 0 and at most {MAX_LOCK_TIMEOUT_SECONDS:g} s "
             f"(None: no bound), not {lock_timeout!r}"

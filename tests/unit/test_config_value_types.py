@@ -239,3 +239,14 @@ def test_store_lifespan_refuses_one_store_twice_and_takes_each_kind_of_store() -
     with pytest.raises(ValueError, match="given one store twice"):
         store_lifespan(memory, memory)
     assert callable(store_lifespan(memory, PostgresStore(dsn="postgresql://127.0.0.1/db")))
+
+
+@pytest.mark.parametrize("given", [True, False, "5", 0, -1.0, float("nan"), float("inf"), 1e10])
+async def test_migrate_refuses_a_lock_timeout_that_is_no_number_of_seconds_before_any_work(
+    given: Any,
+) -> None:
+    from idem_middleware.store.migrations import migrate
+
+    # (Refused before the connection is used at all: an object() has none of its methods.)
+    with pytest.raises(ValueError, match="lock_timeout must be more than 0"):
+        await migrate(object(), lock_timeout=given)  # type: ignore[arg-type]
