@@ -98,7 +98,25 @@ def _takes_keyword(signature: inspect.Signature | None, name: str) -> bool:
     return any(p.kind is p.VAR_KEYWORD for p in signature.parameters.values())
 
 
-def _key_function(key: str | KeyOf) -> KeyOf:
+def _key_text(value: Any, what: str) -> str:
+    """A job's key as text: a str, an int's digits, a UUID's text: what says the same on every
+    delivery. An object's str() may hold its address, a dict's its order: each delivery another
+    key, each run again. `what`: the key argument or function, for the error."""
+    if value is None:  # (as str, "None": every call without a key would share one)
+        raise ValueError(f"{what} is None")
+    if isinstance(value, str):  # (its text: a str enum's str() may be `Kind.A`)
+        return str.__str__(value)
+    if isinstance(value, int) and not isinstance(value, bool):
+        return int.__repr__(value)  # (an IntEnum's too: its digits)
+    if isinstance(value, uuid.UUID):
+        return str(value)
+    raise ValueError(
+        f"{what} is a str, an int or a UUID, not {type(value).__name__}: pass key= a function"
+        " that makes one of its fields"
+    )
+
+
+def _key_function(key: str | Callable[..., Any]) -> Callable[..., Any]:
     if callable(key):
         return key
     name = key
@@ -106,39 +124,20 @@ def _key_function(key: str | KeyOf) -> KeyOf:
     def by_name(*args: Any, **kwargs: Any) -> str:
         if name not in kwargs:
             raise TypeError(f"pass the idempotency key argument {name!r} by keyword")
-        value = kwargs[name]
-        if value is None:  # (as str, "None": every call without a key would share one)
-            raise ValueError(f"the idempotency key argument {name!r} is None")
-        # A str, an int's digits, a UUID's text: what says the same on every delivery. An
-        # object's str() may hold its address, a dict's its order: each delivery another key,
-        # each run again.
-        if isinstance(value, str):  # (its text: a str enum's str() may be `Kind.A`)
-            return str.__str__(value)
-        if isinstance(value, int) and not isinstance(value, bool):
-            return int.__repr__(value)  # (an IntEnum's too: its digits)
-        if isinstance(value, uuid.UUID):
-            return str(value)
-        raise ValueError(
-            f"the idempotency key argument {name!r} is a str, an int or a UUID, not "
-            f"{type(value).__name__}: pass key= a function that makes one of its fields"
-        )
+        return _key_text(kwargs[name], f"the idempotency key argument {name!r}")
 
     return by_name
 
 
 async def _call(job: JobSpec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     job.check_arguments(args, kwargs)
-    key = job.key_of(*args, **kwargs)
+    # (A key function's answer taken as a key argument's is: an int or a UUID as its text.)
+    key = _key_text(job.key_of(*args, **kwargs), "the key function's answer")
     # (Counted in UTF-8 bytes, as the database counts them: 128 "é" are 256.)
-    if not isinstance(key, str) or not 0 < len(key.encode("utf-8", "surrogatepass")) <= (
-        MAX_KEY_LENGTH
-    ):
-        got = (
-            f"{len(key.encode('utf-8', 'surrogatepass'))} bytes"
-            if isinstance(key, str)
-            else type(key).__name__
+    if not 0 < (size := len(key.encode("utf-8", "surrogatepass"))) <= MAX_KEY_LENGTH:
+        raise ValueError(
+            f"an idempotency key is 1 to {MAX_KEY_LENGTH} bytes of UTF-8, not {size} bytes"
         )
-        raise ValueError(f"an idempotency key is 1 to {MAX_KEY_LENGTH} bytes of UTF-8, not {got}")
     tenant: Any = job.tenant_of(*args, **kwargs)
     if tenant is None:
         raise ValueError(f"{job.operation}: the job's tenant is None")
@@ -165,7 +164,7 @@ def idempotent_job(
     store: Store,
     *,
     operation: str,
-    key: str | KeyOf,
+    key: str | Callable[..., str | int | uuid.UUID],
     tenant: str | KeyOf = "",
     mode: Mode = Mode.TRANSACTIONAL,
     retention_seconds: float = 24 * 3600.0,
@@ -177,7 +176,8 @@ def idempotent_job(
 ) -> Callable[[Callable[..., Awaitable[R]]], Callable[..., Awaitable[Any]]]:
     """Make an async function idempotent by key (see the module's docstring).
 
-    `key`: the name of a keyword argument holding the key, or a function of the call's arguments.
+    `key`: the name of a keyword argument holding the key, or a function of the call's arguments;
+    either a str, an int (its digits) or a UUID (its text).
     `tenant`: a fixed tenant or a function of the arguments (a queue message's account, say).
     The arguments (as JSON) are the fingerprint: the same key with other arguments raises
     JobKeyReused. The result must be JSON-serialisable; every call, first or repeat, returns it as

@@ -122,3 +122,36 @@ async def test_a_key_too_long_is_told_in_bytes() -> None:
 
     with pytest.raises(ValueError, match="not 256 bytes"):  # (it said "not 128 characters")
         await send(k="\u00e9" * 128)
+
+
+async def test_a_key_function_answering_an_int_or_a_uuid_keys_as_a_key_argument_does(
+    store: Store,
+) -> None:
+    """Found by probing: `key="id"` took an int (its digits) or a UUID (its text), but a key
+    function answering the same value was refused ("not int"). Both ways now make one key of
+    one value: the job by name replays what the job by function stored."""
+    import enum
+    import uuid
+
+    class Kind(str, enum.Enum):  # noqa: UP042 - its str() is `Kind.M1`, not its value
+        M1 = "m-1"
+
+    runs: list[str] = []
+
+    @idempotent_job(store, operation="send", key=lambda **kw: kw["id"])
+    async def send(ctx: IdempotencyContext, *, id: Any) -> int:
+        runs.append(ctx.key)
+        return len(runs)
+
+    @idempotent_job(store, operation="send", key="id")
+    async def by_name(ctx: IdempotencyContext, *, id: Any) -> int:
+        raise AssertionError("the same key and arguments as `send`'s: replayed, never run")
+
+    ident = uuid.UUID(int=9)
+    assert [await send(id=v) for v in (7, ident, Kind.M1)] == [1, 2, 3]
+    assert runs == ["7", str(ident), "m-1"]
+    assert [await by_name(id=v) for v in (7, ident, Kind.M1)] == [1, 2, 3]
+    for bad in (MessageId("m-1"), 7.0, None, True):
+        with pytest.raises(ValueError, match="the key function's answer is"):
+            await send(id=bad)
+    assert len(runs) == 3
