@@ -227,7 +227,12 @@ def webhook_httpx(url: str) -> Any:
             "pip install 'idem-middleware[httpx]'"
         ) from None
     if not sendable_url(url, httpx):
-        raise UsageError(f"--url {url!r} is not an http:// or https:// URL with a host")
+        # (Not shown: a webhook URL may hold a credential, in its user part, path or query.)
+        where = f" (from {url.env})" if isinstance(url, _FromEnv) else ""
+        raise UsageError(
+            f"--url{where} is not an http:// or https:// URL with a host and a port in 1-65535"
+            " (the URL is not shown: it may hold a credential)"
+        )
     return httpx
 
 

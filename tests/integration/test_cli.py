@@ -290,6 +290,9 @@ def test_bad_arguments_exit_2_with_a_message(args: tuple[str, ...], db_dsn: str)
         "http://example.com:0x/",
         "http://example.com:0/",
         "http://exa mple.com/",
+        # (The message never shows the URL: its user part, path or query may be a credential.)
+        "ftp://hook:s3cret-pw@example.com/s3cret-path?token=s3cret-tok",
+        "http://hook:s3cret-pw@example.com:99999/s3cret-path",
     ],
 )
 async def test_a_webhook_url_that_cannot_be_sent_to_is_refused_before_any_send(
@@ -304,6 +307,7 @@ async def test_a_webhook_url_that_cannot_be_sent_to_is_refused_before_any_send(
     result = cli("outbox", "publish", "--url", url, "--once", dsn=db_dsn)
     assert result.returncode == 2, (result.stdout, result.stderr)
     assert "is not an http:// or https:// URL" in result.stderr
+    assert "s3cret" not in result.stderr
     assert await pool.fetchval("SELECT attempts FROM idem_outbox WHERE event_id = 'due-1'") == 0
 
 
