@@ -27,7 +27,7 @@ from typing import Any
 import orjson
 
 from .errors import EventConflict as EventConflict
-from .errors import RetryableConflict, StatementRefused
+from .errors import RetryableConflict, StatementRefused, StoreClosed
 from .jsonvalues import json_text
 from .keys import MAX_KEY_LENGTH
 from .outbox_values import check_text as _check_text
@@ -282,7 +282,8 @@ class Publisher:
     ) -> PublishReport:
         """Publish until `stop` is set or `batches` batches ran; idle: sleep `idle_seconds`.
         A failed batch is logged and retried, backing off; the last of `batches` raises its error
-        at once instead. `report`, if given, is added to as it goes, as `publish_batch`'s."""
+        at once instead, as does a closed store or pool (StoreClosed: no batch could succeed).
+        `report`, if given, is added to as it goes, as `publish_batch`'s."""
         _seconds(idle_seconds, "idle_seconds", True)  # (0 would poll the database in a loop)
         if batches is not None:  # (0 or -1 did nothing; "2" and 1.5 failed, or swallowed errors)
             whole_count(batches, "batches")
@@ -294,6 +295,8 @@ class Publisher:
             before = total.sent + total.failed
             try:
                 await self.publish_batch(stop=stop, report=total)
+            except StoreClosed:
+                raise  # (it was retried for ever, a warning a minute)
             except Exception:
                 if done == batches:
                     raise

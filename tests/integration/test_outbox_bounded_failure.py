@@ -158,3 +158,28 @@ async def test_outbox_publish_once_exits_1_when_the_database_fails_its_batch(
     ), result.stderr
     assert "outbox batch failed" not in result.stderr
     assert await _rows(own_server, own_dsn) == {"e0": (1, True), "e1": (1, False), "e2": (0, False)}
+
+
+@pytest.mark.parametrize("closed", ["the app's pool", "the store"])
+async def test_an_unbounded_run_on_a_closed_store_or_pool_ends_at_once(
+    closed: str, db_dsn: str
+) -> None:
+    """Found by probing: a publisher whose store, or the asyncpg pool it was given, was closed
+    (an app's shutdown closing its pool before it stopped the publisher) retried every batch
+    for ever, a warning each time. No batch can succeed: `run` raises StoreClosed at once."""
+    from idem_middleware.errors import StoreClosed
+
+    async def sender(event: OutboxEvent) -> bool:
+        raise AssertionError("nothing is sent")
+
+    if closed == "the store":
+        store = PostgresStore(dsn=db_dsn, min_size=1, max_size=2, listen=False)
+        await store.open()
+        publisher = Publisher(store, sender)
+        await store.close()
+    else:
+        pool = await asyncpg.create_pool(db_dsn, min_size=1, max_size=2)
+        publisher = Publisher(pool, sender)
+        await pool.close()
+    with pytest.raises(StoreClosed, match="closed"):
+        await asyncio.wait_for(publisher.run(idle_seconds=0.01), BOUND)

@@ -17,6 +17,7 @@ from ...errors import (
     RetryableConflict,
     SettlementRefused,
     StatementRefused,
+    StoreClosed,
     StoreError,
     TextRefused,
 )
@@ -155,10 +156,17 @@ def scrub(exc: BaseException) -> BaseException:
     return exc
 
 
+#: What asyncpg's pool says, closed (`Pool._check_init`).
+_POOL_CLOSED = ("pool is closed", "pool is closing")
+
+
 def translate(exc: BaseException) -> BaseException:
     scrub(exc)
     if isinstance(exc, RETRYABLE):
         return RetryableConflict(str(exc))
+    if isinstance(exc, asyncpg.exceptions.InterfaceError) and str(exc).startswith(_POOL_CLOSED):
+        # (A pool given to the store and closed by its app: asking again cannot help.)
+        return StoreClosed(f"the store's pool is closed: {exc}")
     if isinstance(exc, CONNECTION_ERRORS):
         return StoreError(f"{type(exc).__name__}: {exc}")
     if isinstance(exc, asyncpg.exceptions.ReadOnlySQLTransactionError):
