@@ -98,10 +98,10 @@ def _takes_keyword(signature: inspect.Signature | None, name: str) -> bool:
     return any(p.kind is p.VAR_KEYWORD for p in signature.parameters.values())
 
 
-def _key_text(value: Any, what: str) -> str:
-    """A job's key as text: a str, an int's digits, a UUID's text: what says the same on every
-    delivery. An object's str() may hold its address, a dict's its order: each delivery another
-    key, each run again. `what`: the key argument or function, for the error."""
+def _key_text(value: Any, what: str, option: str = "key") -> str:
+    """A job's key (or tenant) as text: a str, an int's digits, a UUID's text: what says the
+    same on every delivery. An object's str() may hold its address, a dict's its order: each
+    delivery another key, each run again. `what`: where the value came from, for the error."""
     if value is None:  # (as str, "None": every call without a key would share one)
         raise ValueError(f"{what} is None")
     if isinstance(value, str):  # (its text: a str enum's str() may be `Kind.A`)
@@ -111,8 +111,8 @@ def _key_text(value: Any, what: str) -> str:
     if isinstance(value, uuid.UUID):
         return str(value)
     raise ValueError(
-        f"{what} is a str, an int or a UUID, not {type(value).__name__}: pass key= a function"
-        " that makes one of its fields"
+        f"{what} is a str, an int or a UUID, not {type(value).__name__}: pass {option}= a"
+        " function that makes one of its fields"
     )
 
 
@@ -138,13 +138,11 @@ async def _call(job: JobSpec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
         raise ValueError(
             f"an idempotency key is 1 to {MAX_KEY_LENGTH} bytes of UTF-8, not {size} bytes"
         )
-    tenant: Any = job.tenant_of(*args, **kwargs)
-    if tenant is None:
-        raise ValueError(f"{job.operation}: the job's tenant is None")
-    if type(tenant) is int:  # (an account number: its digits, as a tenant resolver's is)
-        tenant = str(tenant)
-    if not isinstance(tenant, str):  # (as `str`, an object's repr: another tenant each call)
-        raise ValueError(f"{job.operation}: the job's tenant must be a str, not {type(tenant)!r}")
+    # (An account number: its digits; an account's UUID: its text. As `str`, an object's repr
+    # made another tenant each call.)
+    tenant = _key_text(
+        job.tenant_of(*args, **kwargs), f"{job.operation}: the job's tenant", "tenant"
+    )
     # (PostgreSQL text holds neither, and the driver refuses them with an error of its own:
     # refused here, on either store.)
     if not (storable_text(key) and storable_tenant(tenant)):

@@ -28,12 +28,44 @@ async def test_a_tenant_function_returning_no_string_is_refused(store: Store) ->
         runs.append(ctx.tenant)
         return len(runs)
 
-    with pytest.raises(ValueError, match="tenant must be a str"):
-        await send(k="k1", account=Account(7))
+    for bad in (Account(7), 7.0, True, b"acct-7"):
+        with pytest.raises(ValueError, match="the job's tenant is a str, an int or a UUID"):
+            await send(k="k1", account=bad)
     assert runs == []
     assert await send(k="k1", account=7) == 1  # an int is its digits
     assert await send(k="k1", account=7) == 1  # the stored result
     assert runs == ["7"]
+
+
+async def test_a_tenant_function_may_name_an_account_by_uuid_or_enum(store: Store) -> None:
+    """Found by probing: a tenant function answering an account's UUID was refused ("must be
+    a str"), an IntEnum too, though an int was its digits; a str enum's member was kept as the
+    member. Each is now its text, as a job's key is: one tenant for one account."""
+    import enum
+    import uuid
+
+    class Region(str, enum.Enum):  # noqa: UP042 - its str() is `Region.EU`, not its value
+        EU = "eu"
+
+    class Number(enum.IntEnum):
+        SEVEN = 7
+
+    tenants: list[Any] = []
+
+    @idempotent_job(store, operation="send", key="k", tenant=lambda **kw: kw["account"])
+    async def send(ctx: IdempotencyContext, *, k: str, account: Any) -> int:
+        tenants.append(ctx.tenant)
+        return len(tenants)
+
+    account = uuid.UUID(int=42)
+    assert await send(k="k1", account=account) == 1
+    assert await send(k="k1", account=account) == 1  # the same tenant: replayed
+    assert await send(k="k1", account=Region.EU) == 2
+    assert await send(k="k1", account=Number.SEVEN) == 3
+    assert await send(k="k1", account=7) == 3  # the IntEnum's tenant is its digits
+    assert await send(k="k1", account="eu") == 2  # the str enum's is its value
+    assert tenants == [str(account), "eu", "7"]
+    assert all(type(tenant) is str for tenant in tenants)
 
 
 class MessageId:
