@@ -156,6 +156,23 @@ class TextRefused(StatementRefused):
     log_message = "idempotency: the database cannot store the request's names"
 
 
+class ClaimRefused(StatementRefused):
+    """The database refused the claim's own statements with an error no retry clears (a
+    privilege revoked since the store opened, a row-level security policy, a trigger on the
+    table): nothing was claimed and the handler did not run. The client gets `500
+    server-misconfigured` as a problem document (it was the server's bare 500), and the log
+    names the error (without its DETAIL, which quotes the row)."""
+
+    problem = ProblemKind.MISCONFIGURED
+    detail = (
+        "The request was not processed: the database refused its claim. The server is "
+        "misconfigured."
+    )
+    retry_after = None
+    log_level = logging.ERROR
+    log_message = "idempotency: the database refused the claim"
+
+
 class SettlementRefused(StatementRefused):
     """Transactional mode: the database refused to record the handler's outcome because of what
     the handler did in the claim's transaction (it went on after one of its statements failed,

@@ -175,13 +175,15 @@ SELECT pg_is_in_recovery() AS standby,
 -- Whether the session's role holds each privilege its requests need (checked when a store
 -- opens): $1 the kinds ('table', 'sequence' or 'function'), $2 the objects' names as the
 -- store's statements name them (found on the search_path), $3 the privileges, one per row.
--- `object` is the schema-qualified name, NULL (and `held` too) for an object that is not there.
+-- `object` is the schema-qualified name, NULL (and `held` too) for an object that is not there;
+-- `row_security` whether a row-level security policy filters what this role sees of a table.
 SELECT t.kind, t.name, t.privilege, o.object,
        CASE t.kind
            WHEN 'table' THEN has_table_privilege(o.oid, t.privilege)
            WHEN 'sequence' THEN has_sequence_privilege(o.oid, t.privilege)
            ELSE has_function_privilege(o.oid, t.privilege)
        END AS held,
+       CASE WHEN t.kind = 'table' THEN pg_catalog.row_security_active(o.oid) END AS row_security,
        quote_ident(current_user) AS role
 FROM unnest($1::text[], $2::text[], $3::text[]) AS t(kind, name, privilege)
 LEFT JOIN LATERAL (

@@ -24,6 +24,7 @@ from idem_middleware import Mode, Policy, PostgresStore, get_context
 from idem_middleware.store.postgres import _literal
 from tests.apps import (
     QueryLog,
+    assert_problem,
     build_app,
     client,
     count,
@@ -286,20 +287,30 @@ async def test_a_latin1_client_encoding_keeps_non_ascii_tenants_apart(
     assert [r["tenant"] for r in ledger] == sorted(tenants)
 
 
+@pytest.mark.parametrize("mode", [Mode.TRANSACTIONAL, Mode.LEASE])
 async def test_a_tenant_the_client_encoding_cannot_carry_is_refused_before_the_handler(
-    db_dsn: str,
+    db_dsn: str, mode: Mode, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Under LATIN1, `東京` cannot be sent as a parameter: the claim fails before anything runs
-    (the fast path is not used on such a pool, so no claim is made that a lookup cannot find)."""
+    (the fast path is not used on such a pool, so no claim is made that a lookup cannot find).
+    Found by probing: asyncpg's DataError escaped the middleware, the server's bare 500 with the
+    tenant in its text; it is `500 server-misconfigured`, as a tenant the database's encoding
+    cannot store, and its log line does not quote the value."""
     log = QueryLog()
     latin1 = {"server_settings": {"client_encoding": "LATIN1"}}
     async with logged_pool(db_dsn, log, **latin1) as pool:
-        app = build_app(PostgresStore(pool=pool), tenant_resolver=header_tenant)
+        policy = Policy(mode=mode)
+        app = build_app(
+            PostgresStore(pool=pool), tenant_resolver=header_tenant, default_policy=policy
+        )
         async with client(app) as c:
-            headers = {**key("k"), "x-tenant": "東京".encode()}
+            headers = {**key("raw-key-1"), "x-tenant": "東京".encode()}
             r = await c.post("/accounts/a1/credits", json={"amount": 5}, headers=headers)
-        assert r.status_code == 500  # an error, as for a tenant with a NUL; never a confusion
+        assert_problem(r, 500, "server-misconfigured")  # as for a tenant with a NUL
         assert app.state.probe.calls == 0
+        assert "client_encoding" in caplog.text
+        assert "東京" not in caplog.text
+        assert "raw-key-1" not in caplog.text
         assert not any("EXECUTE idem_" in q for q in log.queries)
         assert await count(pool, "idem_requests") == 0
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...errors import ClaimBusy, ClaimTimeout
+from ...errors import ClaimBusy, ClaimRefused, ClaimTimeout, StoreError, TextRefused
 from ..base import Claim, Claimed, Existing, Record, RecordKey, TokenRefused
 from .convert import (
     _Q,
@@ -46,6 +46,16 @@ async def claim(
     except SERVER_ERROR as exc:
         scrub(exc)
         raise
+
+
+def claim_refused(exc: BaseException) -> StoreError:
+    """A server error the claim's callers have no answer of their own for (a privilege revoked
+    since the store opened, a row-level security policy, a trigger; a text the client encoding
+    cannot carry: TextRefused): no retry clears it. (It escaped as it was: the server's bare
+    500, its DETAIL, or the value, in the log.)"""
+    if isinstance(refused := translate(exc), TextRefused):
+        return refused
+    return ClaimRefused(f"{type(exc).__name__}: {exc}")
 
 
 async def _claim(

@@ -156,6 +156,20 @@ def scrub(exc: BaseException) -> BaseException:
     return exc
 
 
+def unsendable_text(exc: BaseException) -> bool:
+    """asyncpg's own refusal to send a parameter (before the statement is sent: its DataError
+    from a UnicodeEncodeError), a text the connection's `client_encoding` cannot carry (`東京`
+    under LATIN1), the only kind of value of a store's statements that can fail so. Its text,
+    which quotes the value (a tenant, a raw key) and is logged with the traceback of whatever
+    it is raised into, is replaced. (It escaped the claim as it was: the server's bare 500.)"""
+    if type(exc) is not asyncpg.exceptions.DataError:
+        return False
+    if not isinstance(exc.__cause__, UnicodeEncodeError):
+        return False
+    exc.args = ("a query argument cannot be sent in the client_encoding (the value not shown)",)
+    return True
+
+
 #: What asyncpg's pool says, closed (`Pool._check_init`).
 _POOL_CLOSED = ("pool is closed", "pool is closing")
 
@@ -175,6 +189,11 @@ def translate(exc: BaseException) -> BaseException:
         return StoreError(f"the server cancelled the statement (statement_timeout?): {exc}")
     if isinstance(exc, UNAVAILABLE):
         return StoreError(f"the database is out of resources: {type(exc).__name__}: {exc}")
+    if unsendable_text(exc):
+        return TextRefused(
+            "a tenant, operation or key cannot be sent in the connection's client_encoding"
+            " (asyncpg's DataError from a UnicodeEncodeError; the value not shown)"
+        )
     if isinstance(exc, UNSTORABLE_TEXT):
         return TextRefused(f"{type(exc).__name__}: {exc}")
     if isinstance(exc, SERVER_ERROR):

@@ -70,6 +70,19 @@ async def require_privileges(conn: Any, locks: ClaimLocks) -> None:
             f"the role {role} lacks privileges every guarded request needs: run, as the "
             f"objects' owner, {fix}"
         )
+    # A policy (a DBA's blanket `USING (tenant = current_setting('app.tenant'))`, say) hides
+    # records from the claims that must find them: a key committed under one setting was never
+    # replayed (409 for ever, its handler run and rolled back at each retry), or the lock's
+    # secret looked missing. The store must see every row of its tables.
+    if filtered := sorted({r["object"] for r in rows if r["row_security"]}):
+        tables = ", ".join(filtered)
+        raise ConfigurationError(
+            f"row-level security is active on {tables} for the role {role}: the idempotency "
+            "store must see every tenant's records (it scopes them by tenant itself), or keys "
+            f"are claimed again and never replayed. Exempt the role (ALTER ROLE {role} "
+            "BYPASSRLS), or turn it off on those tables (ALTER TABLE ... DISABLE ROW LEVEL "
+            "SECURITY)"
+        )
 
 
 #: Server encodings into which PostgreSQL converts two Unicode characters alike (found by

@@ -13,12 +13,13 @@ from ...delayed import Delayed
 from ...errors import ClaimBusy, ClaimTimeout, RetryableConflict, StoreError
 from ..base import Claim, Claimed, Existing, RecordKey, State, StoredResponse, lapsed
 from . import compat, convert
-from .claim import claim, expire_lapsed, lock_key
+from .claim import claim, claim_refused, expire_lapsed, lock_key
 from .claim_lock import ClaimLocks
 from .convert import (
     _Q,
     ACQUIRE_ERRORS,
     CONNECTION_ERRORS,
+    SERVER_ERROR,
     STALE_STATEMENT,
     TRANSLATED,
     UNIQUE_VIOLATION,
@@ -326,6 +327,8 @@ class PgTransaction:
             raise StoreError("the database did not answer the claim in time") from exc
         except TRANSLATED as exc:
             raise translate(exc) from exc
+        except SERVER_ERROR as exc:
+            raise claim_refused(exc) from exc
 
     async def finish(self, state: State, response: StoredResponse) -> None:
         if self._claimed is None:

@@ -17,13 +17,14 @@ from ...errors import ConfigurationError, StoreError
 from ..base import Claim, Record, RecordKey, Settlement, State, Store
 from ..migrations import require_migrated
 from . import closing, compat
-from .claim import claim
+from .claim import claim, claim_refused
 from .claim_lock import ClaimLocks
 from .convert import (
     _Q,
     ACQUIRE_ERRORS,
     CANCELLED,
     LOCK_NOT_AVAILABLE,
+    SERVER_ERROR,
     TRANSLATED,
     lock_waited,
     notify_token,
@@ -300,6 +301,8 @@ class PostgresStore(OffPathStatements):
             raise translate(exc) from exc
         except LOCK_NOT_AVAILABLE as exc:  # (`claim` answers its NOWAIT locks busy itself)
             raise lock_waited(exc) from exc
+        except SERVER_ERROR as exc:
+            raise claim_refused(exc) from exc
 
     async def heartbeat(self, key: RecordKey, generation: int, lease_seconds: float) -> bool:
         self.pool  # noqa: B018 - StoreClosed once closed, or in another loop than the pool's
@@ -340,28 +343,12 @@ class PostgresStore(OffPathStatements):
         return bool(row["settled"])
 
     async def release(self, key: RecordKey, generation: int) -> bool:
-        row = await self._run(
-            "fetchrow",
-            _Q["release"],
-            key.tenant,
-            key.operation,
-            key.key,
-            generation,
-            notify_token(key),
-        )
+        row = await self._run("fetchrow", _Q["release"], *key, generation, notify_token(key))
         return bool(row["released"])
 
     async def allow_retry(self, key: RecordKey, generation: int, note: str) -> bool:
-        row = await self._run(
-            "fetchrow",
-            _Q["allow_retry"],
-            key.tenant,
-            key.operation,
-            key.key,
-            generation,
-            note,
-            notify_token(key),
-        )
+        args = (*key, generation, note, notify_token(key))
+        row = await self._run("fetchrow", _Q["allow_retry"], *args)
         return bool(row["moved"])
 
     def fenced(self, key: RecordKey, generation: int, expected: State = State.PENDING) -> Fencing:
