@@ -13,6 +13,7 @@ from .errors import ProblemKind, RequestRejected
 from .fingerprint_fast import canonical_json_fast, canonical_json_sorted
 from .fingerprint_fields import is_json_pointer, json_fields, json_member
 from .fingerprint_forms import (
+    MAX_CACHED_TYPE,
     canonical_multipart,
     canonical_pairs,
     excluded_names,
@@ -149,7 +150,6 @@ _NO_QUERY_NO_HEADERS = _NO_QUERY + _framed_count(0)
 _VERSION = _framed(FINGERPRINT_VERSION)
 
 
-@lru_cache(maxsize=256)  # (as read_media_type's: few content types per process)
 def _json_tag(content_type: bytes) -> bytes | None:
     """canonical_body's media tag for a JSON content type it accepts (no charset but UTF-8);
     None for any other (canonical_body then decides, and refuses what it refuses)."""
@@ -158,6 +158,10 @@ def _json_tag(content_type: bytes) -> bytes | None:
     if not is_json or (charset is not None and charset.lower() not in _UTF8):
         return None
     return b"json:" + media_type
+
+
+#: `_json_tag`, kept for short content types (as read_media_type's: fingerprint_forms).
+_cached_json_tag = lru_cache(maxsize=256)(_json_tag)
 
 
 class FingerprintSettings(Protocol):
@@ -253,7 +257,8 @@ class Fingerprinter:
         # First, so an invalid body is refused before any hashing work.
         json_tag = None
         if self._whole_body and body and content_type is not None:
-            json_tag = _json_tag(content_type)
+            short = len(content_type) <= MAX_CACHED_TYPE
+            json_tag = _cached_json_tag(content_type) if short else _json_tag(content_type)
         if json_tag is not None:
             # canonical_body's JSON branch for a whole body, without its other checks.
             media_tag = json_tag

@@ -1000,6 +1000,7 @@ def test_a_path_fingerprinter_answers_as_canonical_body_does(
 
     shortcut = answers()
     monkeypatch.setattr(fp, "_json_tag", lambda content_type: None)
+    monkeypatch.setattr(fp, "_cached_json_tag", lambda content_type: None)
     assert shortcut == answers()
 
 
@@ -1086,3 +1087,26 @@ def test_a_configured_index_of_thousands_of_digits_matches_no_element() -> None:
     plain = fingerprint(body=body)
     assert fingerprint(body=body, exclude_fields=[huge]) == plain
     assert fingerprint(body=body, include_fields=[huge]) != plain
+
+
+def test_a_long_content_type_is_parsed_every_time_never_kept() -> None:
+    """Found by probing: the parses of the Content-Type were kept by its bytes, 256 of them
+    twice over, whatever their length: 200 requests with 1 MB content types of their own (a
+    server that takes such headers) held 382 MB for good, refused requests' included. A long
+    one is parsed, and fingerprinted, as a short one is, and never kept."""
+    from idem_middleware import fingerprint as fp
+    from idem_middleware import fingerprint_forms as forms
+
+    fp._cached_json_tag.cache_clear()
+    forms._cached_media_type.cache_clear()
+    fingerprinter = fp.Fingerprinter("POST /p", {}, Policy())
+    body = b'{"a": 1}'
+    short = fingerprinter(b"", [], b"application/json; x=1", body)
+    for n in range(300):
+        padding = b"; p=" + str(n).encode() + b"x" * 2000
+        assert fingerprinter(b"", [], b"application/json; x=1" + padding, body) == short
+        with pytest.raises(RequestRejected):  # (refused, as JSON that is none: unkept too)
+            fingerprinter(b"", [], b"application/problem+json" + padding, b"{")
+        fingerprinter(b"", [], b"text/plain" + padding, body)
+    cached = (fp._cached_json_tag.cache_info(), forms._cached_media_type.cache_info())
+    assert [info.currsize for info in cached] == [1, 1]  # the short one's alone
