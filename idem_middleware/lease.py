@@ -277,7 +277,8 @@ class LeaseRun:
     async def _slot_by(self, deadline: float) -> Held | None:
         """A duplicate's slot, to claim or run: waited for (with no connection held) until the
         duplicate's own deadline, since the request that held it is often just ending (its
-        settlement woke this one before it gave its slot back); None at the deadline."""
+        settlement woke this one before it gave its slot back); None at the deadline, ClientGone
+        when its client leaves first."""
         loop = asyncio.get_running_loop()
         pause = _FIRST_SLOT_PAUSE
         for _ in range(_MAX_ROUNDS):
@@ -285,7 +286,9 @@ class LeaseRun:
             remaining = deadline - loop.time()
             if slot is not None or remaining <= 0:
                 return slot
-            await asyncio.sleep(min(pause, remaining))
+            # (Watched as the duplicate's wait is: a client that leaves ends it, its waiting
+            # place given back, and no handler runs for it after.)
+            await self.ex.wait_present(asyncio.sleep(min(pause, remaining)))
             pause = min(pause * 2, _MAX_POLL)
         return None  # pragma: no cover
 
