@@ -39,9 +39,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("idem_middleware")
 
-#: Every loop is bounded: a body in more messages than this is refused (a server sends a body in
-#: pieces of 64 KiB or so: a capped body is far fewer).
-_MAX_BODY_MESSAGES = 1_000_000
+#: Every loop is bounded: a body's pieces at most its cap's bytes, those that bring none this many.
+_MAX_EMPTY_MESSAGES = 1_000_000
 
 
 async def _nothing() -> None: ...
@@ -359,24 +358,25 @@ class Exchange(ClientWatch):
         """The whole body from its first message (received already); None if the client left."""
         cap = self.policy.max_body_bytes
         chunks: list[bytes] = []
-        size = 0
-        for _ in range(_MAX_BODY_MESSAGES):
+        size = empty = 0
+        # (Bytes are bounded by the cap, a byte a message or not; a type no server sends is passed
+        # by, as Starlette's reader does: taken for an empty body, the handler ran on nothing.)
+        for _ in range(cap + _MAX_EMPTY_MESSAGES + 2):
             kind = message["type"]
-            if kind == "http.request":
-                chunk = message.get("body", b"")
-                size += len(chunk)
-                if size > cap:
-                    raise self._too_large()
-                if chunk:
-                    chunks.append(chunk)
-                if not message.get("more_body", False):
-                    return b"".join(chunks)  # (one chunk: that very object)
-            elif kind == "http.disconnect":
+            if kind == "http.disconnect":
                 return None
-            # (Any other type, which no server sends, is passed by, as Starlette's reader does:
-            # taken for an empty body, it ran the handler on nothing, the real body unread.)
+            chunk = message.get("body", b"") if kind == "http.request" else b""
+            size += len(chunk)
+            if size > cap:
+                raise self._too_large()
+            if chunk:
+                chunks.append(chunk)
+            elif (empty := empty + 1) > _MAX_EMPTY_MESSAGES:
+                break
+            if kind == "http.request" and not message.get("more_body", False):
+                return b"".join(chunks)  # (one chunk: that very object)
             message = await self.receive()
-        raise RequestRejected(ProblemKind.BODY_INVALID, "The body came in too many pieces.")
+        raise RequestRejected(ProblemKind.BODY_INVALID, "The body came in too many empty pieces.")
 
     def _too_large(self) -> RequestRejected:
         cap = self.policy.max_body_bytes

@@ -14,7 +14,7 @@ from starlette.middleware.authentication import AuthenticationMiddleware
 from starlette.routing import Route
 from starlette.types import Message, Receive, Scope, Send
 
-from idem_middleware import IdempotencyMiddleware, MemoryStore
+from idem_middleware import IdempotencyMiddleware, MemoryStore, Policy
 from idem_middleware.store.memory.sessions import _MemoryTransaction
 from tests.apps import asgi_request
 from tests.apps.clients import BearerBackend
@@ -56,19 +56,23 @@ class Handler:
         await send({"type": "http.response.body", "body": b"{}"})
 
 
-def _app(handler: Handler, store: MemoryStore) -> Starlette:
+def _app(handler: Handler, store: MemoryStore, policy: Policy | None = None) -> Starlette:
     return Starlette(
         routes=[Route("/things", handler, methods=["POST"])],
         middleware=[
             Middleware(AuthenticationMiddleware, backend=BearerBackend()),
-            Middleware(IdempotencyMiddleware, store=store),
+            Middleware(IdempotencyMiddleware, store=store, default_policy=policy),
         ],
     )
 
 
-async def _serve(app: Starlette, messages: list[Message], key: str) -> list[Message]:
+async def _serve(
+    app: Starlette, messages: list[Message], key: str, declared: bool = True
+) -> list[Message]:
     size = sum(len(m.get("body", b"")) for m in messages)
     scope = asgi_request("/things", key, size)
+    if not declared:  # (chunked: no Content-Length to refuse it by)
+        scope["headers"] = [h for h in scope["headers"] if h[0] != b"content-length"]
     todo = list(messages)
     sent: list[Message] = []
 
@@ -116,26 +120,49 @@ async def test_a_handler_run_again_gets_the_body_anew_whatever_its_first_run_did
     assert second == {"type": "http.request", "body": BODY, "more_body": False}
 
 
-async def test_a_body_in_more_pieces_than_the_bound_is_refused_before_any_claim(
+async def test_a_body_in_more_empty_pieces_than_the_bound_is_refused_before_any_claim(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Every loop is bounded: past the bound on a body's messages the request is refused (400),
-    nothing is claimed and the handler never runs."""
-    monkeypatch.setattr("idem_middleware.exchange._MAX_BODY_MESSAGES", 3)
+    """Every loop is bounded: past the bound on a body's empty messages the request is refused
+    (400), nothing is claimed and the handler never runs."""
+    monkeypatch.setattr("idem_middleware.exchange._MAX_EMPTY_MESSAGES", 2)
     handler = Handler()
     store = MemoryStore()
     pieces = [{"type": "http.request", "body": b"", "more_body": True}] * 3
     pieces.append({"type": "http.request", "body": BODY, "more_body": False})
     sent = await _serve(_app(handler, store), pieces, "k1")
     assert sent[0]["status"] == 400
-    assert b"too many pieces" in sent[1]["body"]
+    assert b"too many empty pieces" in sent[1]["body"]
     assert handler.received == []
     assert len(store._rows) == 0
     # Within the bound, the same pieces make one body.
-    monkeypatch.setattr("idem_middleware.exchange._MAX_BODY_MESSAGES", 4)
+    monkeypatch.setattr("idem_middleware.exchange._MAX_EMPTY_MESSAGES", 3)
     sent = await _serve(_app(handler, store), pieces, "k2")
     assert sent[0]["status"] == 201
     assert handler.received == [{"type": "http.request", "body": BODY, "more_body": False}]
+
+
+async def test_a_body_trickled_a_byte_a_message_is_read_whole_and_over_its_cap_is_a_413(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found by probing: the bound counted every message, so a body a client trickled in more
+    pieces than the bound (a byte per TCP segment) was refused `400` whatever its size, and one
+    over its cap was that `400` instead of `413 body-too-large`. Pieces that bring bytes are
+    bounded by the cap itself."""
+    monkeypatch.setattr("idem_middleware.exchange._MAX_EMPTY_MESSAGES", 2)
+    # (The bound on every message it had, were it back: it must not apply to bytes.)
+    monkeypatch.setattr("idem_middleware.exchange._MAX_BODY_MESSAGES", 2, raising=False)
+    handler = Handler()
+    store = MemoryStore()
+    trickled = [{"type": "http.request", "body": bytes([b]), "more_body": True} for b in BODY]
+    trickled.append({"type": "http.request", "body": b"", "more_body": False})
+    sent = await _serve(_app(handler, store), trickled, "k1")
+    assert sent[0]["status"] == 201
+    assert handler.received == [{"type": "http.request", "body": BODY, "more_body": False}]
+    capped = _app(handler, store, Policy(max_body_bytes=len(BODY) - 1))
+    sent = await _serve(capped, trickled, "k2", declared=False)
+    assert sent[0]["status"] == 413
+    assert len(handler.received) == 1
 
 
 async def test_a_record_key_built_in_c_is_the_named_tuple() -> None:
