@@ -269,7 +269,7 @@ class IdempotencyMiddleware:
         if self.root_path_below:  # (the route found as the app will find it: see __init__)
             scope = {**scope, "root_path": self.root_path_below}
         guarded = self._resolve(app, method, scope, trace)
-        length = len(cache_key[2]) + len(cache_key[3]) + len(cache_key[4] or b"")
+        length = len(method) + len(cache_key[2]) + len(cache_key[3]) + len(cache_key[4] or b"")
         if guarded is not None and not trace.volatile and length <= CACHED_KEY_LENGTH:
             if len(self._routes) >= ROUTE_CACHE_SIZE:
                 self._routes.clear()  # many distinct paths (ids in them): start over

@@ -20,9 +20,10 @@ from .route_candidates import Memo, router_lists
 #: before skips the route walk. Cleared when full (paths with ids in them are all distinct).
 ROUTE_CACHE_SIZE = 1024
 
-#: The longest root path, path and Host header, together, whose resolution is kept: ids in paths
-#: are short, and a server takes paths of 64 KB (uvicorn with httptools): cached, 1,024 of them,
-#: each kept twice (the key, the fingerprinter's parameters), held 130 MB of a worker for good.
+#: The longest method, root path, path and Host header, together, whose resolution is kept: ids
+#: in paths are short, and a server takes paths of 64 KB (uvicorn with httptools): cached, 1,024
+#: of them, each kept twice (the key, the fingerprinter's parameters), held 130 MB of a worker for
+#: good. (Any token is a method to a server: long ones were kept too.)
 CACHED_KEY_LENGTH = 1024
 
 #: A guarded path as the cache keeps it: its requests' fingerprinter (the path's parameters in
