@@ -26,8 +26,8 @@ from typing import Any
 
 import orjson
 
+from .errors import ConfigurationError, RetryableConflict, StatementRefused, StoreClosed
 from .errors import EventConflict as EventConflict
-from .errors import RetryableConflict, StatementRefused, StoreClosed
 from .jsonvalues import json_text
 from .keys import MAX_KEY_LENGTH
 from .outbox_values import check_text as _check_text
@@ -282,7 +282,8 @@ class Publisher:
     ) -> PublishReport:
         """Publish until `stop` is set or `batches` batches ran; idle: sleep `idle_seconds`.
         A failed batch is logged and retried, backing off; the last of `batches` raises its error
-        at once instead, as does a closed store or pool (StoreClosed: no batch could succeed).
+        at once instead, as does a closed store or pool (StoreClosed) or an outbox its role
+        cannot see whole (ConfigurationError): no batch could succeed.
         `report`, if given, is added to as it goes, as `publish_batch`'s."""
         _seconds(idle_seconds, "idle_seconds", True)  # (0 would poll the database in a loop)
         if batches is not None:  # (0 or -1 did nothing; "2" and 1.5 failed, or swallowed errors)
@@ -295,8 +296,8 @@ class Publisher:
             before = total.sent + total.failed
             try:
                 await self.publish_batch(stop=stop, report=total)
-            except StoreClosed:
-                raise  # (it was retried for ever, a warning a minute)
+            except (StoreClosed, ConfigurationError):
+                raise  # (no batch could succeed: each was retried for ever, a warning a minute)
             except Exception:
                 if done == batches:
                     raise

@@ -881,6 +881,12 @@ LEFT JOIN requeued ON requeued.event_id = asked.event_id
 LEFT JOIN idem_outbox AS event ON event.event_id = asked.event_id
 ORDER BY asked.n;
 
+-- name: outbox_row_security
+-- Whether a row-level security policy filters what this role sees of the outbox (a publisher
+-- that sees none of the events is refused, not left idle: `privileges.require_outbox_visible`).
+SELECT pg_catalog.row_security_active(to_regclass('idem_outbox')) AS filtered,
+       quote_ident(current_user) AS role;
+
 -- name: outbox_stats
 SELECT count(*) FILTER (WHERE sent_at IS NULL AND parked_at IS NULL) AS unsent,
        count(*) FILTER (WHERE parked_at IS NOT NULL) AS parked,

@@ -13,13 +13,14 @@ mode, instead of the server's bare 500.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import pytest
 
 from idem_middleware import Mode, Policy, PostgresStore
 from idem_middleware.errors import ConfigurationError
-from tests.apps import assert_problem, build_app, client, key
+from tests.apps import BOUND, assert_problem, build_app, client, key
 from tests.integration.test_store_access import (
     APP_GRANTS,
     Setup,
@@ -111,3 +112,39 @@ async def test_a_claim_the_database_refuses_for_good_is_a_problem_document(
     assert "InsufficientPrivilegeError" in caplog.text
     assert ran.status_code == 201, ran.text
     assert app.state.probe.calls == 1
+
+
+async def test_a_publisher_whose_role_cannot_see_the_whole_outbox_is_refused_not_idle(
+    role_database: Setup,  # noqa: F811 - the fixture
+) -> None:
+    """Found by probing: with a tenant policy on `idem_outbox`, handlers added their events (in
+    their tenant's setting) and every publisher saw none: nothing sent, nothing logged. Its
+    first batch now says so (ConfigurationError), and `run` ends with it rather than retrying."""
+    import asyncpg
+
+    from idem_middleware.outbox import OutboxEvent, Publisher, add
+
+    dsn, role = await role_database(APP_GRANTS, TENANT_POLICY.format(table="idem_outbox"))
+    conn = await asyncpg.connect(dsn)
+    try:
+        async with conn.transaction():
+            await conn.execute("SELECT set_config('app.tenant', 'tenant-a', true)")
+            await add(conn, "t", {"n": 1}, event_id="e1", tenant="tenant-a")
+    finally:
+        await conn.close()
+    sent: list[str] = []
+
+    async def sender(event: OutboxEvent) -> bool:
+        sent.append(event.event_id)
+        return True
+
+    async with PostgresStore(dsn=dsn, listen=False) as store:
+        publisher = Publisher(store, sender)
+        with pytest.raises(ConfigurationError, match="row-level security is active on idem_outbox"):
+            await publisher.publish_batch()
+        with pytest.raises(ConfigurationError, match=f"ALTER ROLE {role} BYPASSRLS"):
+            await asyncio.wait_for(publisher.run(idle_seconds=0.01), BOUND)
+    await _owner_runs(dsn, f"ALTER ROLE {role} BYPASSRLS")
+    async with PostgresStore(dsn=dsn, listen=False) as store:
+        report = await Publisher(store, sender).publish_batch()
+    assert (report.sent, sent) == (1, ["e1"])

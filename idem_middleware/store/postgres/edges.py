@@ -39,6 +39,7 @@ from .convert import (
     to_record,
     translate,
 )
+from .privileges import require_outbox_visible
 from .runner import PoolStatements, alone, checkout
 
 
@@ -124,6 +125,8 @@ class OffPathStatements(PoolStatements):
     resource's read."""
 
     _locks: ClaimLocks  # (the store's: computes each key's claim lock)
+    #: Whether this store's role was found to see the whole outbox (its first publisher batch).
+    _outbox_visible: bool = False
 
     async def issue_token(
         self,
@@ -164,6 +167,9 @@ class OffPathStatements(PoolStatements):
         except ACQUIRE_ERRORS as exc:
             raise translate(exc) from exc
         try:
+            if not self._outbox_visible:  # (once per store: see require_outbox_visible)
+                await require_outbox_visible(conn)
+                self._outbox_visible = True
             yield OutboxConnection(conn)
         finally:
             await self.pool.release(conn)

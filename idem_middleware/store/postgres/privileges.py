@@ -133,3 +133,17 @@ async def require_writable(conn: Any) -> float:
             idle,
         )
     return idle
+
+
+async def require_outbox_visible(conn: Any) -> None:
+    """ConfigurationError when a row-level security policy filters the outbox for this role: a
+    blanket tenant policy (`USING (tenant = current_setting('app.tenant'))`) let handlers add
+    their events and left every publisher seeing none, idle, the webhooks never sent."""
+    row = await conn.fetchrow(_Q["outbox_row_security"])
+    if row["filtered"]:
+        raise ConfigurationError(
+            f"row-level security is active on idem_outbox for the role {row['role']}: a "
+            "publisher must see every tenant's events, or it sends none of those it cannot see. "
+            f"Exempt the role (ALTER ROLE {row['role']} BYPASSRLS), or turn it off on the table "
+            "(ALTER TABLE idem_outbox DISABLE ROW LEVEL SECURITY)"
+        )
