@@ -243,12 +243,13 @@ class PgTransaction:
         wait_seconds: float,
         token_hash: bytes | None = None,
     ) -> Claim:
+        args = (key, fingerprint, retention_seconds, wait_seconds, token_hash)
         try:
-            result = await self._claim(
-                key, fingerprint, retention_seconds, wait_seconds, token_hash
-            )
+            result = await self._claim(*args)
         except StoreError as exc:
-            if self._claimed is not None or not isinstance(exc.__cause__, CONNECTION_ERRORS):
+            # (A TimeoutError is an OSError: the wait ran out, and no connection was lost.)
+            lost = isinstance(exc.__cause__, CONNECTION_ERRORS)
+            if self._claimed is not None or not lost or isinstance(exc.__cause__, TimeoutError):
                 raise
             # The server ended the connection while it sat in the pool (`idle_session_timeout`,
             # a restart) and the claim's statement found out: nothing of this transaction was
@@ -257,9 +258,7 @@ class PgTransaction:
             self._tx, self._fused, self._deferred = None, False, None
             await self.release()  # (a connection found gone goes back: the pool drops it)
             await self.__aenter__()
-            result = await self._claim(
-                key, fingerprint, retention_seconds, wait_seconds, token_hash
-            )
+            result = await self._claim(*args)
         if isinstance(result, Claimed):
             self._claimed = (key, result.generation)
         elif self._claimed is None:
