@@ -287,3 +287,57 @@ async def test_close_is_bounded_when_the_database_stops_answering(
         freezer.freeze()
         await asyncio.wait_for(store.close(), BOUND)
         assert not store.is_open
+
+
+@pytest.mark.parametrize(
+    ("mode", "fast_path"),
+    [(Mode.TRANSACTIONAL, True), (Mode.TRANSACTIONAL, False), (Mode.LEASE, True)],
+    ids=["transactional-fast", "transactional-ordinary", "lease"],
+)
+async def test_a_claim_is_a_503_when_the_database_stops_answering(
+    db_dsn: str, monkeypatch: pytest.MonkeyPatch, mode: Mode, fast_path: bool
+) -> None:
+    """Found by probing (the server's processes stopped with SIGSTOP): a fresh request's claim
+    waited for the server as long as it was stopped. Its BEGIN and its draw of generations (the
+    fast path's first claim after an idle second; every ordinary claim's BEGIN) had no bound,
+    nor had a lease-mode claim. Each is bounded now: the claim's wait (transactional), twice
+    the store's checkout bound (lease); a 503, nothing run."""
+    from idem_middleware.store.postgres.generations import Generations
+
+    monkeypatch.setattr(closing, "CLOSE_SECONDS", 1.0)
+    monkeypatch.setattr(Generations, "take_ready", lambda self: None)  # (a draw, every claim)
+    ran: list[int] = []
+
+    async def pay(request: Request) -> Response:
+        ran.append(1)
+        return JSONResponse({}, status_code=201)
+
+    freezer = Freezer(db_dsn)
+    async with freezer.relaying() as dsn:
+        store = PostgresStore(dsn=dsn, min_size=1, max_size=1, listen=False, fast_path=fast_path)
+        await store.open()
+        app = Starlette(
+            routes=[Route("/pay", pay, methods=["POST"])],
+            middleware=[
+                Middleware(
+                    IdempotencyMiddleware,
+                    store=store,
+                    tenant_resolver=lambda scope: "tenant-a",
+                    default_policy=Policy(mode=mode, wait_seconds=0.5),
+                    acquire_timeout=0.5,
+                )
+            ],
+        )
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+            keys = [f"{name}-{mode}-{fast_path}" for name in ("warm", "frozen")]
+            warm = await c.post("/pay", json={}, headers={"idempotency-key": keys[0]})
+            assert warm.status_code == 201, warm.text
+            freezer.freeze()
+            frozen = await asyncio.wait_for(
+                c.post("/pay", json={}, headers={"idempotency-key": keys[1]}), BOUND
+            )
+        await asyncio.wait_for(store.close(), BOUND)
+    assert frozen.status_code == 503, frozen.text
+    assert frozen.headers["content-type"] == "application/problem+json"
+    assert ran == [1]  # the warm request's alone

@@ -78,27 +78,31 @@ class Executions:
         #: cancelled meanwhile.
         self._unrun: set[asyncio.Future[Any]] = set()
 
-    async def claim(self, claiming: Coroutine[Any, Any, Claim], key: RecordKey) -> Claim:
+    async def claim(
+        self, claiming: Coroutine[Any, Any, Claim], key: RecordKey, seconds: float
+    ) -> Claim:
         """A lease-mode claim (a statement that commits on its own), run to its end whatever
         becomes of the request that asked for it, which counts as an execution once it claimed.
         A request cancelled with the statement in flight (a shutdown, a timeout around the app)
         unwinds at once; its claim may commit all the same, and the record stayed `pending`
         under a live lease (retries 409), then `unknown` for good, for a handler that never ran.
-        A claim that lands for a request gone is released: its retry runs it."""
-        claimed = await self._to_the_end(claiming, key, _generation_claimed, self._release)
+        A claim that lands for a request gone is released: its retry runs it. One the server
+        has not answered in `seconds` (it stopped answering: the request was held as long) is a
+        StoreError, and released if it lands after."""
+        claimed = await self._to_the_end(claiming, key, _generation_claimed, self._release, seconds)
         if isinstance(claimed, Claimed):
             self.add()  # its settlement comes before the store's close
         return claimed
 
     async def take_over(
-        self, taking: Coroutine[Any, Any, int | None], key: RecordKey
+        self, taking: Coroutine[Any, Any, int | None], key: RecordKey, seconds: float
     ) -> int | None:
         """A takeover (the new generation, or None), as `claim`. One that lands for a request
         gone leaves the record to the next retry as one released for it (`unclaim`), its epoch
         (the downstream key) and fingerprint kept: it was taken over because the request could
         run again (a lapsed lease under TAKEOVER, a retry allowed, a reconciler's "not
         happened"), and left under the taker's live lease, nobody ran it, then `unknown`."""
-        new = await self._to_the_end(taking, key, _generation_taken, self._unclaim)
+        new = await self._to_the_end(taking, key, _generation_taken, self._unclaim, seconds)
         if new is not None:
             self.add()
         return new
@@ -113,6 +117,7 @@ class Executions:
         key: RecordKey,
         generation_of: Callable[[_T], int | None],
         undo: Undo,
+        seconds: float,
     ) -> _T:
         task = asyncio.ensure_future(coro)
         # (In flight until done: a close waits for it, however many tasks away, and turns of
@@ -120,9 +125,12 @@ class Executions:
         self._unrun.add(task)
         task.add_done_callback(self._unrun.discard)
         try:
-            return await asyncio.shield(task)
-        except asyncio.CancelledError:
+            async with asyncio.timeout(seconds):
+                return await asyncio.shield(task)
+        except (asyncio.CancelledError, TimeoutError) as exc:
             task.add_done_callback(lambda done: self._landed(done, key, generation_of, undo))
+            if isinstance(exc, TimeoutError) and not task.done():
+                raise StoreError(f"the database did not answer in {seconds:g} s") from None
             raise
 
     def _landed(

@@ -135,8 +135,8 @@ class FusingSession(Protocol):
     def driver(self) -> Any:
         """The session's connection, for the store's own statements."""
 
-    async def begin(self) -> None:
-        """BEGIN the ordinary way."""
+    async def begin(self, timeout: float | None = None) -> None:  # noqa: ASYNC109 - a bound
+        """BEGIN the ordinary way (within `timeout` seconds)."""
 
     async def rollback(self) -> None: ...
 
@@ -229,15 +229,16 @@ class FastPath:
         for _ in range(2):
             in_message = generation is not None  # BEGIN travels with the claim
             if generation is None:
-                # 1 claim in 32: BEGIN first and draw a batch inside the transaction.
-                await session.begin()
-                generation = await self.generations.draw(conn)
+                # 1 claim in 32: BEGIN first and draw a batch inside the transaction (each
+                # bounded as the claim is: a server that stops answering held the request).
+                await session.begin(timeout)
+                generation = await self.generations.draw(conn, timeout)
             args = (key.tenant, key.operation, key.key, lock)
             try:
                 query = self.message(conn, "claim_key", args, begin=in_message)
             except NotFusable:
                 if in_message:
-                    await session.begin()
+                    await session.begin(timeout)
                 return None
             session.fusing(conn, begins=in_message)
             try:

@@ -30,10 +30,11 @@ class Generations:
             return self._values.popleft()
         return None
 
-    async def draw(self, conn: Any) -> int:
+    async def draw(self, conn: Any, timeout: float | None = None) -> int:  # noqa: ASYNC109
         """Draw a batch (in the caller's transaction, so it costs no commit of its own) and
-        take one. A concurrent draw may replace the batch; each value is still taken once."""
-        rows = await conn.fetch(_Q["draw_generations"], self._batch)
+        take one, within `timeout` seconds. A concurrent draw may replace the batch; each value
+        is still taken once."""
+        rows = await conn.fetch(_Q["draw_generations"], self._batch, timeout=timeout)
         values = self._values = deque(map(itemgetter(0), rows))
         self._drawn_at = time.monotonic()
         return values.popleft()

@@ -178,16 +178,18 @@ class PgTransaction:
             self._tx = compat.adopt(conn)
         self._fused = True
 
-    async def begin(self) -> None:
-        """BEGIN the ordinary way (the claim does this; tests may begin before the claim)."""
+    async def begin(self, timeout: float | None = None) -> None:  # noqa: ASYNC109 - the claim's
+        """BEGIN the ordinary way; the claim does, within its wait (a server that stopped
+        answering held the request as long), and says a TimeoutError (tests may begin first)."""
         tx = self.driver.transaction()
         try:
-            await tx.start()
+            async with asyncio.timeout(timeout):
+                await tx.start()
         except CONNECTION_ERRORS as exc:
+            if isinstance(exc, TimeoutError):
+                raise
             raise StoreError(str(exc)) from exc
-        self._tx = tx
-        self._fused = False
-        self._deferred = None
+        self._tx, self._fused, self._deferred = tx, False, None
 
     async def release(self) -> None:
         """End the session, early (a response that streams) or at the block's end: the
@@ -288,7 +290,7 @@ class PgTransaction:
                         self._deferred = (fingerprint, retention_seconds)
                         return claimed
                 if self._tx is None:
-                    await self.begin()
+                    await self.begin(timeout)
                 else:
                     # The key is taken (a replay, most likely): read the record. `claim`
                     # decides the rarer cases (it expired, or vanished since).

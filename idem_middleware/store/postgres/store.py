@@ -287,7 +287,10 @@ class PostgresStore(OffPathStatements):
             lease_seconds,
         )
         # (Run to its end, a cancelled request's too: see `closing.Executions.claim`.)
-        return await self._executions.claim(self._claim(key, args, token_hash), key)
+        # (A server that stops answering: a 503, not a hang. Its checkout waits the bound once:
+        # the statement gets as long again.)
+        bound = 2 * self._checkouts.delay
+        return await self._executions.claim(self._claim(key, args, token_hash), key, bound)
 
     async def _claim(self, key: RecordKey, args: tuple[Any, ...], token: bytes | None) -> Claim:
         locks = self._locks
@@ -336,7 +339,8 @@ class PostgresStore(OffPathStatements):
             raise ValueError(f"only a pending or unknown record can be taken over, not {expected}")
         args = (key.tenant, key.operation, key.key, generation, expected.value, lease_seconds)
         taking = self._run_nowait("fetchval", _Q["takeover"], *args)
-        return await self._executions.take_over(taking, key)  # (to its end: see there)
+        # (To its end, and bounded: see there.)
+        return await self._executions.take_over(taking, key, 2 * self._checkouts.delay)
 
     async def settle(self, key: RecordKey, generation: int, expected: State, s: Settlement) -> bool:
         row = await self._run("fetchrow", _Q["settle"], *settle_args(key, generation, expected, s))
