@@ -238,7 +238,9 @@ def status_route(
                 # too) is not reconciled, whatever the route's policy now.
                 summary = await store.describe(record.key)
                 by_hand = summary is not None and summary.by_hand
-        except StoreError:
+        except StoreError as exc:
+            if exc.problem is ProblemKind.MISCONFIGURED:  # (a tenant the database cannot take)
+                return problem_response(exc.problem, exc.detail, base=operations.base)
             # As the guarded routes answer it: a 503 to retry, not a bare 500.
             return problem_response(
                 ProblemKind.STORE_UNAVAILABLE,

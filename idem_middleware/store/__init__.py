@@ -31,7 +31,7 @@ def store_lifespan(*stores: Any) -> Callable[[Any], AbstractAsyncContextManager[
     if not stores:
         raise TypeError("store_lifespan takes the stores to open: store_lifespan(store, ...)")
     for store in stores:
-        if not (
+        if isinstance(store, type) or not (  # (the class itself: `store_lifespan(MemoryStore)`)
             callable(getattr(store, "transaction", None))
             and hasattr(store, "__aenter__")
             and hasattr(store, "__aexit__")

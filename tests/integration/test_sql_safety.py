@@ -21,6 +21,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from idem_middleware import Mode, Policy, PostgresStore, get_context
+from idem_middleware.status import status_route
 from idem_middleware.store.postgres import _literal
 from tests.apps import (
     QueryLog,
@@ -313,6 +314,28 @@ async def test_a_tenant_the_client_encoding_cannot_carry_is_refused_before_the_h
         assert "raw-key-1" not in caplog.text
         assert not any("EXECUTE idem_" in q for q in log.queries)
         assert await count(pool, "idem_requests") == 0
+
+
+async def test_the_status_of_a_tenant_the_client_encoding_cannot_carry_is_a_problem(
+    db_dsn: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Found by review: the status resource's read met asyncpg's DataError as it was: the
+    server's bare 500, the tenant in its text and in the log. It is `500
+    server-misconfigured`, as the guarded route's answer, the value kept out of the log."""
+    latin1 = {"server_settings": {"client_encoding": "LATIN1"}}
+    async with logged_pool(db_dsn, QueryLog(), **latin1) as pool:
+        app = Starlette(
+            routes=[status_route(PostgresStore(pool=pool), tenant_resolver=header_tenant)]
+        )
+        async with client(app) as c:
+            r = await c.get(
+                "/idempotency/status",
+                params={"operation": "POST /accounts/{account_id}/credits", "key": "raw-key-2"},
+                headers={"x-tenant": "東京".encode()},
+            )
+    assert_problem(r, 500, "server-misconfigured")
+    assert "東京" not in caplog.text
+    assert "raw-key-2" not in caplog.text
 
 
 # -- the claim lock (the report: a 32-bit unkeyed hash, a shared lock found in 50 s) -------------

@@ -99,3 +99,53 @@ async def test_lease_requests_in_flight_when_the_store_closes_end_at_once(
     # (Pending until its lease lapses, as any lost settlement: a retry then reconciles it.)
     state = await pool.fetchval("SELECT state FROM idem_requests WHERE idem_key = 'closing-1'")
     assert state == "pending"
+
+
+async def test_every_caller_of_a_store_whose_given_pool_was_closed_meets_store_closed(
+    db_dsn: str,
+) -> None:
+    """Found by review: with the pool an app gave its store closed by that app, lease mode's
+    calls met StoreClosed (asking again cannot help), but a transactional session, the status
+    resource's read, a transactional job and the heartbeat met a StoreError counted as a blip
+    (asked again), or renewed on their own connection as if nothing had happened."""
+    import asyncpg
+
+    from idem_middleware.errors import blip
+    from idem_middleware.jobs import idempotent_job
+
+    key = RecordKey("t", "POST /x", "closed-pool")
+    pool = await asyncpg.create_pool(db_dsn, min_size=1, max_size=2)
+    store = PostgresStore(pool=pool, listen=False)
+    await store.open()
+    await pool.close()
+
+    async def session() -> None:
+        async with store.transaction(acquire_timeout=1.0) as tx:
+            await tx.claim(key, b"f" * 32, retention_seconds=60, wait_seconds=1)
+
+    @idempotent_job(store, operation="job", key="k")
+    async def job(ctx: Any, k: str) -> int:
+        raise AssertionError("never run")
+
+    calls = {
+        "transaction": session,
+        "get": lambda: store.get(key),
+        "peek": lambda: store.peek(key),
+        "claim_lease": lambda: store.claim_lease(
+            key, b"f" * 32, retention_seconds=60, lease_seconds=5
+        ),
+        "heartbeat": lambda: store.heartbeat(key, 1, 5),
+        "stats": lambda: store.stats(),
+        "job": lambda: job(k="a"),
+    }
+    met: dict[str, str] = {}
+    for name, call in calls.items():
+        try:
+            await asyncio.wait_for(call(), BOUND)
+            met[name] = "nothing"
+        except StoreClosed as exc:
+            met[name] = "StoreClosed" if not blip(exc) else "a blip"
+        except Exception as exc:  # (what each met, compared below)
+            met[name] = type(exc).__name__
+    await store.close()
+    assert met == dict.fromkeys(calls, "StoreClosed")

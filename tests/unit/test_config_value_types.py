@@ -221,6 +221,7 @@ async def test_webhook_sender_takes_a_post_that_answers_or_one_that_is_awaited(
         (([MemoryStore()],), TypeError, "not a list"),
         (("postgresql://localhost/db",), TypeError, "not a str"),
         ((Starlette(),), TypeError, "not a Starlette"),  # `lifespan=store_lifespan`, not called
+        ((MemoryStore,), TypeError, "not a type"),  # the class, not a store
     ],
 )
 def test_store_lifespan_refuses_what_is_no_store_when_called(

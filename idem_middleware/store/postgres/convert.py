@@ -81,6 +81,9 @@ TRANSLATED: tuple[type[BaseException], ...] = (
     *RETRYABLE,
     CANCELLED,
     *UNSTORABLE_TEXT,
+    # (asyncpg's own refusal to send a value is one: see `unsendable_text`; any other a data
+    # exception of the store's own statement, StatementRefused.)
+    asyncpg.exceptions.DataError,
 )
 WAIT_EXCEEDED: tuple[type[BaseException], ...] = (
     TimeoutError,
@@ -168,6 +171,15 @@ def unsendable_text(exc: BaseException) -> bool:
         return False
     exc.args = ("a query argument cannot be sent in the client_encoding (the value not shown)",)
     return True
+
+
+def no_connection(exc: BaseException) -> StoreError:
+    """A checkout that failed with `exc`: StoreClosed for a pool closed (its app's, given to the
+    store: asking again cannot help), else a StoreError naming the error by its type (one that
+    timed out carries no message)."""
+    if isinstance(closed := translate(exc), StoreClosed):
+        return closed
+    return StoreError(f"no database connection: {type(exc).__name__}")
 
 
 #: What asyncpg's pool says, closed (`Pool._check_init`).

@@ -15,7 +15,6 @@ from typing import Any
 
 import asyncpg
 
-from ...errors import StoreError
 from ..base import (
     UNRESOLVED_STATES,
     Record,
@@ -35,6 +34,7 @@ from .convert import (
     SERVER_ERROR,
     TRANSLATED,
     lock_waited,
+    no_connection,
     settle_args,
     to_record,
     translate,
@@ -305,7 +305,7 @@ class OffPathStatements(PoolStatements):
                         return record, bool(row["claiming"])
                 got = await alone(conn.fetchrow, _Q["get"], *names, on=conn)
         except ACQUIRE_ERRORS as exc:
-            raise StoreError(str(exc)) from exc
+            raise no_connection(exc) from exc
         except TRANSLATED as exc:
             raise translate(exc) from exc
         except LOCK_NOT_AVAILABLE as exc:  # (the role's lock_timeout, behind a migration's lock)
@@ -370,7 +370,7 @@ class OffPathStatements(PoolStatements):
         try:
             rows = await self.pool.fetch(query)
         except ACQUIRE_ERRORS as exc:
-            raise StoreError(str(exc)) from exc
+            raise no_connection(exc) from exc
         states = UNRESOLVED_STATES if unresolved_only else tuple(State)
         counts = {state.value: 0 for state in states}
         oldest: dict[str, float | None] = {state.value: None for state in states}

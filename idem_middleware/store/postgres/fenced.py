@@ -22,6 +22,7 @@ from .convert import (
     STALE_STATEMENT,
     TRANSLATED,
     lock_waited,
+    no_connection,
     refused,
     settle_args,
     translate,
@@ -98,7 +99,7 @@ class Fencing(Bounded):
                 raise StoreError("no database connection: TimeoutError") from None
             raise
         except ACQUIRE_ERRORS as exc:
-            raise StoreError(f"no database connection: {type(exc).__name__}") from exc
+            raise no_connection(exc) from exc
         finally:
             deadline.discard(self)
             self.task = None

@@ -27,6 +27,7 @@ from .convert import (
     claim_connection_gone,
     completion_args,
     is_conflict,
+    no_connection,
     refused,
     to_record,
     translate,
@@ -102,9 +103,8 @@ class PgTransaction:
 
     async def __aenter__(self) -> PgTransaction:
         """A connection from the pool, waited for at most the deadline's delay. One timer
-        (`Delayed`) serves every session of the store: a timer per checkout, armed and
-        cancelled per request as asyncpg's `acquire(timeout=)` does, costs more than the rest
-        of the checkout."""
+        (`Delayed`) serves every session of the store: a timer per checkout, armed and cancelled
+        per request (asyncpg's `acquire(timeout=)`), costs more than the rest of the checkout."""
         pool = self._lender.pool
         task = self._task = asyncio.current_task()
         deadline = self._deadline
@@ -117,7 +117,7 @@ class PgTransaction:
                 raise StoreError("no database connection: TimeoutError") from None
             raise  # cancelled by someone else (a shutdown): that goes on
         except ACQUIRE_ERRORS as exc:
-            raise StoreError(f"no database connection: {type(exc).__name__}") from exc
+            raise no_connection(exc) from exc
         finally:
             deadline.discard(self)
             self._task = None

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import asyncpg
 
 from ...delayed import Delayed
-from ...errors import ConfigurationError, StoreError
+from ...errors import ConfigurationError, StoreClosed, StoreError
 from ..base import Claim, Record, RecordKey, Settlement, State, Store
 from ..migrations import require_migrated
 from . import closing, compat
@@ -27,6 +27,7 @@ from .convert import (
     SERVER_ERROR,
     TRANSLATED,
     lock_waited,
+    no_connection,
     notify_token,
     settle_args,
     to_record,
@@ -263,7 +264,7 @@ class PostgresStore(OffPathStatements):
             # behind a migration's lock, say.)
             row = await self._run("fetchrow", _Q["get"], key.tenant, key.operation, key.key)
         except ACQUIRE_ERRORS as exc:  # (a new connection's own timeout)
-            raise StoreError(str(exc)) from exc
+            raise no_connection(exc) from exc
         return None if row is None else to_record(key, row)
 
     # -- lease mode ------------------------------------------------------------------------------
@@ -308,7 +309,10 @@ class PostgresStore(OffPathStatements):
             raise claim_refused(exc) from exc
 
     async def heartbeat(self, key: RecordKey, generation: int, lease_seconds: float) -> bool:
-        self.pool  # noqa: B018 - StoreClosed once closed, or in another loop than the pool's
+        # StoreClosed once closed, or in another loop than the pool's, or its pool (an app's,
+        # given to the store) closed: renewals run on a connection of their own, and went on.
+        if getattr(self.pool, "is_closing", bool)():  # (an asyncpg pool's; a wrapper's maybe)
+            raise StoreClosed("the store's pool is closed")
         alive = await self._renewals.renew(
             bound(lease_seconds),
             key.tenant,
