@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ...context import current_context
 from ...errors import EventConflict, StoreError
 from .convert import _Q
 
@@ -32,7 +33,12 @@ async def add_event(
     """Write an outbox event (`payload` is JSON text) on the caller's connection. An event of
     the same id added before (by this transaction or a committed one) is left as it is when it
     says the same; EventConflict when it says something else. (One purged between the two
-    statements is added again: bounded, as every loop.)"""
+    statements is added again: bounded, as every loop.) Outside a transaction (a pool, a
+    connection in autocommit) an event commits at once, a standalone event: TypeError if that
+    is during an idempotent operation (a guarded request's handler, a job), where it was sent
+    whatever became of the writes it announces (rolled back, or run again)."""
+    if current_context() is not None:
+        _in_transaction(executor, "add during an idempotent operation")
     for _ in range(_ADD_ATTEMPTS):
         if await executor.fetchval(_Q["outbox_add"], event_id, tenant, topic, payload):
             return
