@@ -67,6 +67,8 @@ def operator_response(
     to: Resolution, status: int, body: bytes = b"", content_type: str = "application/json"
 ) -> StoredResponse:
     """The response an operator's resolution stores, validated as `check_response` does."""
+    if not isinstance(content_type, str):
+        raise TypeError(f"content_type is a str, not {type(content_type).__name__}")
     headers = [(b"content-type", content_type.strip().encode("latin-1"))] if body else []
     response = StoredResponse(status, headers, body)
     check_response(to, response)
@@ -76,8 +78,20 @@ def operator_response(
 def check_response(to: Resolution, response: StoredResponse) -> None:
     """Refuse (ValueError) a response that would break the key: every retry replays it until
     the record expires, so a status the server cannot send or a body its content type denies
-    would be served for the whole retention."""
-    status = response.status
+    would be served for the whole retention. Its types too, as a reconciler's `Happened`'s: a
+    str body was stored, and every retry's replay failed (a 500 for the whole retention)."""
+    status, body, headers = response.status, response.body, response.headers
+    if isinstance(status, bool) or not isinstance(status, int):
+        raise ValueError(f"the status is an int (an HTTP status), not {type(status).__name__}")
+    if not isinstance(body, bytes):
+        raise ValueError(f"the body is bytes (encode it), not {type(body).__name__}")
+    if isinstance(headers, str | bytes) or not all(
+        isinstance(pair, tuple | list)
+        and len(pair) == 2
+        and all(isinstance(p, bytes) for p in pair)
+        for pair in headers
+    ):
+        raise ValueError("the headers are (bytes, bytes) pairs")
     if not 100 <= status <= 599:
         raise ValueError(f"status {status} is not an HTTP status (100-599)")
     if to is Resolution.SUCCEEDED and not 200 <= status <= 399:
@@ -129,6 +143,8 @@ def _audit_line(
 
 
 def _note(note: str) -> str:
+    if not isinstance(note, str):
+        raise TypeError(f"an audit note is a str, not {type(note).__name__}")
     text = " ".join(note.split())  # one line per move in the audit trail
     if not text:
         raise ValueError("an audit note is required")
@@ -191,6 +207,8 @@ async def resolve(
     """
     text = _note(note)
     to = _resolution(to)
+    if not isinstance(again, bool):  # ("false" was true, and replaced a final outcome)
+        raise TypeError(f"again is True or False, not {type(again).__name__}")
     if to is not Resolution.RETRY:
         if response is None:
             raise ValueError(f"resolving to {to.value} needs the status to replay")

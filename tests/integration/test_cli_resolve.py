@@ -80,6 +80,49 @@ async def test_resolve_validates_a_response_given_directly(harness: Harness) -> 
     assert record.state is State.UNKNOWN
 
 
+@pytest.mark.parametrize(
+    ("response", "arguments", "error", "message"),
+    [
+        (StoredResponse(200, (), "{}"), {}, ValueError, "the body is bytes"),  # type: ignore[arg-type]
+        (StoredResponse(200.5, (), b""), {}, ValueError, "the status is an int"),  # type: ignore[arg-type]
+        (StoredResponse(True, (), b""), {}, ValueError, "the status is an int"),
+        (StoredResponse(200, [("a", "b")], b""), {}, ValueError, "(bytes, bytes) pairs"),
+        (StoredResponse(200, (), b""), {"again": "false"}, TypeError, "again is True or False"),
+        (StoredResponse(200, (), b""), {"note": None}, TypeError, "an audit note is a str"),
+        (StoredResponse(200, (), b""), {"note": b"n"}, TypeError, "an audit note is a str"),
+    ],
+)
+async def test_resolve_checks_the_types_of_what_it_is_given(
+    harness: Harness,
+    response: StoredResponse,
+    arguments: dict[str, Any],
+    error: type[Exception],
+    message: str,
+) -> None:
+    """Found by probing: a str body was stored (every replay then failed, a 500 for the whole
+    retention; PostgreSQL refused it with asyncpg's own error), a status of 200.5 was stored as
+    200 or replayed as 200.5, `again="false"` counted as true, and a note that was no str
+    failed inside. Each is refused before the record is touched."""
+    await _unknown_lease_record(harness)
+    with pytest.raises(error, match=re.escape(message)):
+        await resolve(
+            harness.store,
+            KEY,
+            Resolution.SUCCEEDED,
+            **{"note": "n", "response": response, **arguments},
+        )
+    record = await harness.store.get(KEY)
+    assert record is not None
+    assert record.state is State.UNKNOWN
+
+
+def test_an_operator_response_refuses_a_str_body_and_a_content_type_that_is_no_str() -> None:
+    with pytest.raises(ValueError, match="the body is bytes"):
+        operator_response(Resolution.SUCCEEDED, 200, "{}")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="content_type is a str"):
+        operator_response(Resolution.SUCCEEDED, 200, b"{}", None)  # type: ignore[arg-type]
+
+
 async def test_re_resolve_and_reopen_keep_an_audit_trail(harness: Harness) -> None:
     store = harness.store
     await _unknown_lease_record(harness)
