@@ -9,21 +9,32 @@ import inspect
 MAX_PURGE_COUNT = 2**31 - 1
 
 
-def check_progress(progress: object, caller: str = "purge") -> None:
-    """A purge's `progress` is a plain function of the count so far, called after each batch:
-    an async one was taken, called, and its coroutine never run (nothing reported)."""
+def check_progress(
+    progress: object,
+    caller: str = "purge",
+    name: str = "progress",
+    called: str = "with the count so far after each batch",
+) -> None:
+    """A purge's `progress` (and `on_limit`) is a plain function, called as it goes: an async
+    one was taken, called, and its coroutine never run (nothing reported); a value that is
+    none failed only once its batches had committed."""
     if progress is None:
         return
     if not callable(progress):
         raise ValueError(
-            f"{caller}: progress is called with the count so far after each batch (a callable, "
-            f"or None), not the {type(progress).__name__} {progress!r:.60}"
+            f"{caller}: {name} is called {called} (a callable, or None), not the "
+            f"{type(progress).__name__} {progress!r:.60}"
         )
     if inspect.iscoroutinefunction(progress):
         raise ValueError(
-            f"{caller}: progress is called with the count so far after each batch, a plain "
-            f"function: an async one, {progress!r:.60}, would never run"
+            f"{caller}: {name} is called {called}, a plain function: an async one, "
+            f"{progress!r:.60}, would never run"
         )
+
+
+def check_on_limit(on_limit: object) -> None:
+    """`purge(on_limit=...)`, as `progress`."""
+    check_progress(on_limit, "purge", "on_limit", 'with "tokens" or "waiters" at their limit')
 
 
 def check_purge_limits(batch_size: object, max_batches: object) -> None:

@@ -19,6 +19,7 @@ import pytest
 
 from idem_middleware import MemoryStore
 from idem_middleware.sql import queries
+from idem_middleware.store.base import Store
 from tests.conftest import migrated_database
 from tests.integration.test_cli import cli
 
@@ -121,3 +122,20 @@ async def test_the_twin_names_its_tokens_stopped_at_max_batches() -> None:
     limited.clear()
     assert await store.purge(batch_size=2, max_batches=2, on_limit=limited.append) == 0
     assert limited == []  # the one left: a batch not full
+
+
+@pytest.mark.parametrize("on_limit", [42, "print"], ids=["a number", "a str"])
+async def test_purge_refuses_an_on_limit_it_cannot_call_before_any_row_is_deleted(
+    store: Store, on_limit: Any
+) -> None:
+    """Found by probing: an `on_limit` that was no function failed only after the batches had
+    committed (on PostgreSQL the waiters' purge was then skipped, and the count lost); an async
+    one was called and its coroutine never run, the report lost."""
+    with pytest.raises(ValueError, match="purge: on_limit is called"):
+        await store.purge(on_limit=on_limit)
+
+    async def reported(what: str) -> None:  # pragma: no cover - never run
+        raise AssertionError(what)
+
+    with pytest.raises(ValueError, match="an async one"):
+        await store.purge(on_limit=reported)

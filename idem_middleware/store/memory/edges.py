@@ -21,7 +21,7 @@ from ..base import (
     StoreStats,
     TokenRow,
 )
-from ..purge_limits import check_progress, check_purge_limits
+from ..purge_limits import check_on_limit, check_progress, check_purge_limits
 from .tables import MemoryTables, _Row, _summary, _Token
 
 #: How long an operator's move waits for a transaction claiming the key (PostgreSQL's `amend`
@@ -197,6 +197,7 @@ class OffPathOperations(MemoryTables):
     ) -> int:
         check_purge_limits(batch_size, max_batches)
         check_progress(progress)
+        check_on_limit(on_limit)
         now = self.clock()
         most = batch_size * max_batches  # (each pass as many as PostgreSQL's batches delete)
         expired = [

@@ -25,7 +25,7 @@ from ..base import (
     StoreStats,
     TokenRow,
 )
-from ..purge_limits import check_progress, check_purge_limits
+from ..purge_limits import check_on_limit, check_progress, check_purge_limits
 from .claim_lock import ClaimLocks
 from .convert import (
     _Q,
@@ -334,6 +334,7 @@ class OffPathStatements(PoolStatements):
         `on_limit` with "tokens" or "waiters" when their batches stopped at `max_batches`."""
         check_purge_limits(batch_size, max_batches)
         check_progress(progress)
+        check_on_limit(on_limit)
         deleted = await self._purge_batches(_Q["purge_batch"], batch_size, max_batches, progress)
         for what, query in (("tokens", _Q["purge_tokens"]), ("waiters", _Q["purge_waiters"])):
             others = await self._purge_batches(query, batch_size, max_batches)
