@@ -12,6 +12,7 @@ from __future__ import annotations
 import enum
 import subprocess
 import sys
+import time
 from typing import Any
 
 import asyncpg
@@ -123,8 +124,26 @@ def test_previous_secrets_given_as_an_iterator_are_all_kept() -> None:
 def test_a_memory_store_clock_that_is_no_function_is_refused() -> None:
     import time
 
-    with pytest.raises(TypeError, match=r"MemoryStore\(clock=...\) is a function"):
+    with pytest.raises(TypeError, match=r"MemoryStore\(clock=...\) is a plain function"):
         MemoryStore(clock=time.time())  # type: ignore[arg-type]
+
+
+async def _async_clock() -> float:  # pragma: no cover - never awaited
+    return 0.0
+
+
+@pytest.mark.parametrize(
+    "clock",
+    [_async_clock, time.time_ns, lambda: time.time() * 1000, lambda: float("nan"), lambda: True],
+    ids=["async", "nanoseconds", "milliseconds", "nan", "a bool"],
+)
+def test_a_memory_store_clock_that_does_not_answer_seconds_is_refused(clock: Any) -> None:
+    """Found by probing: an async clock (or `datetime.now`) failed every guarded request after
+    its handler ran; `time.time_ns` made a day's retention last 86 µs, and a retry ran the
+    handler again."""
+    with pytest.raises(TypeError, match=r"MemoryStore\(clock=...\)"):
+        MemoryStore(clock=clock)
+    assert MemoryStore(clock=lambda: 0.0).clock() == 0.0  # (a test's clock from zero is fine)
 
 
 async def test_resolve_takes_a_resolutions_value_and_refuses_anything_else() -> None:

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any
 
 from ..base import Record, RecordKey, RecordSummary, Settlement, State, StoredResponse
+from .clock import checked_clock, wall_clock
 
 
 @dataclass(frozen=True, slots=True)
@@ -296,18 +296,11 @@ def appended(note: str | None, line: str) -> str:
     return stamped if note is None else f"{note}\n{stamped}"
 
 
-def _wall_clock() -> float:
-    """`time.time()`, looked up at each call: a clock a test patches (freezegun's) is followed."""
-    return time.time()
-
-
 class MemoryTables:
     """The state of one in-memory store. `clock` is the store's notion of the database's `now()`."""
 
-    def __init__(self, *, clock: Callable[[], float] = _wall_clock) -> None:
-        if not callable(clock):  # (`clock=time.time()`: every guarded request an empty 500)
-            raise TypeError(f"MemoryStore(clock=...) is a function, not {clock!r:.60}")
-        self.clock = clock
+    def __init__(self, *, clock: Callable[[], float] = wall_clock) -> None:
+        self.clock = checked_clock(clock)
         self._rows = _Rows()
         #: Keys a transaction is claiming (nobody waits for one: a claim of it is ClaimBusy).
         self._owners: set[RecordKey] = set()
