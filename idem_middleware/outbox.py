@@ -31,7 +31,7 @@ from .errors import EventConflict as EventConflict
 from .jsonvalues import json_text
 from .keys import MAX_KEY_LENGTH
 from .outbox_values import check_text as _check_text
-from .outbox_values import checked_sender, event_ids_of, whole_count
+from .outbox_values import checked_sender, checked_stop, event_ids_of, whole_count
 from .outbox_values import error_text as _error_text
 from .outbox_values import seconds as _seconds
 from .pool_arguments import checked_store as _store  # (a ValueError first: see there)
@@ -289,7 +289,7 @@ class Publisher:
         if batches is not None:  # (0 or -1 did nothing; "2" and 1.5 failed, or swallowed errors)
             whole_count(batches, "batches")
         total = PublishReport() if report is None else report
-        stop = stop or asyncio.Event()
+        stop = checked_stop(stop)
         done = fails = 0  # (fails: batches failed in a row)
         while not stop.is_set() and (batches is None or done < batches):
             done += 1

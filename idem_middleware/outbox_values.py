@@ -3,6 +3,7 @@ sender and a list of ids; and a failed send's error as the outbox records it."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterable
 from typing import Any
 
@@ -73,3 +74,13 @@ def event_ids_of(event_ids: Any) -> list[str]:
     if not all(isinstance(event_id, str) for event_id in ids):
         raise TypeError("event_ids is a list of event ids, each a str")
     return ids
+
+
+def checked_stop(stop: object) -> asyncio.Event:
+    """`Publisher.run(stop=...)`: an asyncio.Event, or None (never set). A threading.Event was
+    taken, and its blocking `wait` froze the event loop for each idle pause."""
+    if stop is None:
+        return asyncio.Event()
+    if not isinstance(stop, asyncio.Event):
+        raise TypeError(f"stop is an asyncio.Event (or None), not a {type(stop).__name__}")
+    return stop

@@ -8,6 +8,7 @@ connection an AttributeError from inside; an async `progress` was taken and neve
 from __future__ import annotations
 
 import asyncio
+import threading
 from typing import Any
 
 import httpx
@@ -131,3 +132,15 @@ async def test_requeue_takes_any_iterable_of_ids(pool: Any) -> None:
     await pool.execute("UPDATE idem_outbox SET parked_at = now()")
     assert await requeue(pool, (event_id for event_id in ["evt-1"])) == 1
     assert await requeue(pool, {"evt-2": None}.keys()) == 1
+
+
+@pytest.mark.parametrize("stop", [threading.Event(), True], ids=["threading.Event", "True"])
+async def test_run_refuses_a_stop_that_is_no_asyncio_event(pool: Any, stop: Any) -> None:
+    """Found by probing: a threading.Event was taken, and each idle pause waited on it with its
+    blocking `wait`, the whole event loop frozen meanwhile."""
+
+    async def sender(event: Any) -> bool:  # pragma: no cover - nothing is due
+        return True
+
+    with pytest.raises(TypeError, match=r"stop is an asyncio\.Event"):
+        await Publisher(pool, sender).run(stop=stop)
