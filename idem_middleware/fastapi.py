@@ -189,6 +189,11 @@ def _operations(app: FastAPI, of: FastAPI) -> list[tuple[GuardedOperation, str]]
 def install(app: FastAPI, *, store: Store, **options: Any) -> None:
     """Add IdempotencyMiddleware to `app` (inside any authentication middleware added after it)
     and document it in OpenAPI. `options` are the middleware's keyword arguments."""
+    if not isinstance(app, FastAPI):  # (a Starlette app failed on `openapi`, half installed)
+        raise ConfigurationError(
+            f"install() is for a FastAPI app, not a {type(app).__name__}: add the middleware "
+            "with app.add_middleware(IdempotencyMiddleware, store=store, ...)"
+        )
     # The app builds its middleware at its first call, the lifespan's: an option refused then
     # was taken by uvicorn for a lifespan the app does not support, and every request failed.
     IdempotencyMiddleware(_never_called, store=store, **options)  # checked now, as made

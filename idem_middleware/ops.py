@@ -291,8 +291,11 @@ def guarded_operations(app: Any) -> list[GuardedOperation]:
     Mount and included routers. Without a middleware, endpoints with their own policy, and the
     routes the middleware of a Mount or of a mounted app guards (`mounted.mounted_middlewares`)."""
     routes = listed_routes(app)  # (its router's default app's too)
-    if routes is None:
-        return []
+    if routes is None:  # (nothing was a silent no-op: a reconcile run built on it did nothing)
+        raise TypeError(
+            f"guarded_operations takes a Starlette or FastAPI app (or its router), not a "
+            f"{type(app).__name__}: pass the app itself, not a factory or a wrapper of it"
+        )
     middleware = find_middleware(app)
     if middleware is not None:
         found = guarded_routes(routes, middleware.policy_for)

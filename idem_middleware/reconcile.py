@@ -8,6 +8,8 @@ from typing import Any
 
 import orjson
 
+from .jsonvalues import non_finite
+
 
 @dataclass(frozen=True, slots=True)
 class Happened:
@@ -24,7 +26,12 @@ class Happened:
 
     @classmethod
     def json(cls, status: int, content: Any) -> Happened:
-        return cls(status, orjson.dumps(content), ((b"content-type", b"application/json"),))
+        """`content` as a JSON body (ValueError for NaN or an infinity, which JSON would carry
+        as null: replayed so for the record's whole retention)."""
+        body = orjson.dumps(content)
+        if b"null" in body and non_finite(content):
+            raise ValueError("the content holds NaN or an infinity: pass it as a string")
+        return cls(status, body, ((b"content-type", b"application/json"),))
 
 
 @dataclass(frozen=True, slots=True)

@@ -45,6 +45,15 @@ def test_install_twice_on_one_app_is_refused() -> None:
     install(_app(), store=MemoryStore(), tenant_resolver=_resolver)  # (another app: its own)
 
 
+def test_install_on_a_starlette_app_is_refused_before_anything_is_added() -> None:
+    """Found by probing: it added the middleware, marked the app installed, then failed on
+    `app.openapi` (a Starlette app has none); a second call then said it had been called."""
+    app = Starlette()
+    with pytest.raises(ConfigurationError, match="install\\(\\) is for a FastAPI app"):
+        install(app, store=MemoryStore(), tenant_resolver=_resolver)  # type: ignore[arg-type]
+    assert app.user_middleware == []
+
+
 async def _started(app: object, caplog: pytest.LogCaptureFixture) -> list[str]:
     """The warnings of the app's lifespan startup, which must complete."""
     with caplog.at_level(logging.WARNING, logger="idem_middleware"):
