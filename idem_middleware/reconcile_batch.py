@@ -9,8 +9,9 @@ from collections.abc import Awaitable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from .errors import ClaimBusy
+from .errors import ClaimBusy, ConfigurationError
 from .fence import Verdict, run_reconciler
+from .policy import plainly_sync, seconds_option
 from .reconcile import Reconciler
 from .store.base import RecordKey, RecordSummary, State, Store
 
@@ -56,6 +57,27 @@ class ReconcileReport:
     left_pending: dict[str, int] = field(default_factory=dict)
 
 
+def _checked(reconcilers: object, limit: object, seconds: object) -> float:
+    """`reconcile_unknown`'s arguments (ValueError, TypeError), before any statement: `seconds`
+    of 0 or less made every reconciler that awaits anything fail, NaN gave them no bound; a
+    negative `limit` did nothing; a plain function among the reconcilers was run, then failed,
+    at every pass (`Policy(reconciler=...)` refuses one)."""
+    try:
+        bound = seconds_option(seconds, "seconds", positive=True)
+    except ConfigurationError as exc:
+        raise ValueError(str(exc)) from None
+    if isinstance(limit, bool) or not isinstance(limit, int) or not 0 <= limit < 2**63:
+        raise ValueError(f"limit must be a whole number from 0, not {limit!r:.40}")
+    if not isinstance(reconcilers, Mapping):
+        raise TypeError(
+            f"reconcilers maps operation names to reconcilers, not a {type(reconcilers).__name__}"
+        )
+    for name, reconciler in reconcilers.items():
+        if not callable(reconciler) or plainly_sync(reconciler):
+            raise TypeError(f"the reconciler of {name!r:.120} is not an async function")
+    return bound
+
+
 async def reconcile_unknown(
     store: Store,
     reconcilers: Mapping[str, Reconciler],
@@ -83,6 +105,7 @@ async def reconcile_unknown(
     `report`, if given, is filled in as the run goes: a caller that the database fails partway
     (StoreError) still knows what was done.
     """
+    seconds = _checked(reconcilers, limit, seconds)
     if report is None:
         report = ReconcileReport()
     # A record another session holds is passed over, not waited for: an executor holding its

@@ -36,3 +36,41 @@ def test_the_listings_refuse_what_is_no_app(app: Any) -> None:
             listing(app)
     assert guarded_operations(Starlette()) == []  # an app without guarded routes: nothing
     assert guarded_operations(GZipMiddleware(Starlette())) == []  # (found behind a wrapper)
+
+
+def _plain(context: Any) -> Any:  # pragma: no cover - refused before it could run
+    raise AssertionError("never run")
+
+
+async def _reconciler(context: Any) -> Any:  # pragma: no cover - nothing to reconcile
+    raise AssertionError("never run")
+
+
+@pytest.mark.parametrize(
+    ("arguments", "error", "message"),
+    [
+        ({"seconds": 0}, ValueError, "seconds must be positive"),
+        ({"seconds": -1}, ValueError, "seconds must be positive"),
+        ({"seconds": float("nan")}, ValueError, "seconds must be a finite number"),
+        ({"limit": -1}, ValueError, "limit must be a whole number from 0"),
+        ({"limit": "5"}, ValueError, "limit must be a whole number from 0"),
+        ({"limit": True}, ValueError, "limit must be a whole number from 0"),
+        ({"reconcilers": [_reconciler]}, TypeError, "reconcilers maps operation names"),
+        ({"reconcilers": {"POST /x": _plain}}, TypeError, "is not an async function"),
+        ({"reconcilers": {"POST /x": 5}}, TypeError, "is not an async function"),
+    ],
+)
+async def test_reconcile_unknown_refuses_what_would_do_nothing_or_fail_every_pass(
+    arguments: dict[str, Any], error: type[Exception], message: str
+) -> None:
+    """Found by probing: `seconds` of 0 or less failed every reconciler that awaits anything,
+    NaN bounded none (a hanging one ran on); `limit=-1` did nothing, `"5"` failed inside; a
+    plain function among the reconcilers ran, then failed, at every pass."""
+    from idem_middleware import MemoryStore
+    from idem_middleware.reconcile_batch import reconcile_unknown
+
+    given = {"reconcilers": {"POST /x": _reconciler}, **arguments}
+    with pytest.raises(error, match=message):
+        await reconcile_unknown(MemoryStore(), **given)
+    report = await reconcile_unknown(MemoryStore(), {"POST /x": _reconciler}, limit=0)
+    assert report.verdicts == {}
