@@ -21,6 +21,7 @@ from ..base import (
     StoreStats,
     TokenRow,
 )
+from ..listing import checked_listing
 from ..purge_limits import check_on_limit, check_progress, check_purge_limits
 from .tables import MemoryTables, _Row, _summary, _Token
 
@@ -152,8 +153,7 @@ class OffPathOperations(MemoryTables):
         limit: int = 100,
         stale_only: bool = False,
     ) -> list[RecordSummary]:
-        if type(limit) is not int or limit < 0:  # (a negative slice kept all but the last ones)
-            raise ValueError(f"list_records: limit must be a whole number from 0, not {limit!r}")
+        states = checked_listing(states, tenant, operation, limit)  # (as PostgreSQL's)
         now = self.clock()
         found = []
         for key, row in self._rows.items():

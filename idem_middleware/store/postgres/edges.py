@@ -25,6 +25,7 @@ from ..base import (
     StoreStats,
     TokenRow,
 )
+from ..listing import checked_listing
 from ..purge_limits import check_on_limit, check_progress, check_purge_limits
 from .claim_lock import ClaimLocks
 from .convert import (
@@ -245,8 +246,7 @@ class OffPathStatements(PoolStatements):
         limit: int = 100,
         stale_only: bool = False,
     ) -> list[RecordSummary]:
-        if type(limit) is not int or limit < 0:  # (as the twin's: not the server's raw error)
-            raise ValueError(f"list_records: limit must be a whole number from 0, not {limit!r}")
+        states = checked_listing(states, tenant, operation, limit)
         args = ([s.value for s in states], tenant, operation, limit, stale_only)
         rows = await self._run("fetch", _Q["list_records"], *args)
         return [_summary(r) for r in rows]
