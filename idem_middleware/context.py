@@ -74,6 +74,9 @@ class IdempotencyContext:
     #: Set when the operation's run ends (`leave_context`): from then on `current_context()` no
     #: longer answers with it, in any task (see there).
     _ended: bool = field(default=False, repr=False)
+    #: Set when the outcome is recorded before the response ends (a stream's, at its first
+    #: byte): `declare` can no longer change it.
+    _settled: bool = field(default=False, repr=False)
 
     def __repr__(self) -> str:
         # The raw key may carry personal data (an order or an e-mail): a context logged or shown
@@ -151,6 +154,11 @@ class IdempotencyContext:
         if outcome is Outcome.UNKNOWN and self.mode is Mode.TRANSACTIONAL:
             raise ConfigurationError(
                 "a transactional route cannot end unknown: its effects roll back with it"
+            )
+        if self._settled or self._ended:  # (it was taken, and changed nothing)
+            raise RuntimeError(
+                "declare came after this operation's outcome was recorded (at the first byte "
+                "of a response that streams, or when its run ended): declare before those"
             )
         self.declared = outcome
 

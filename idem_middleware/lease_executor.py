@@ -288,6 +288,7 @@ class LeaseExecution:
         assert self.fence is not None
         assert self.capture is not None
         await self.context.flush_held_writes()  # (claim sessions' writes: see sqla.py)
+        self.context._settled = True  # (a declare from here on is refused: context.declare)
         # Shielded: the server's disconnect cancels a streaming response's task (Starlette's,
         # under a server of ASGI spec 2.3), and the outcome, cut off in flight, was marked
         # `unknown` for a handler that had run. It is recorded; the stream then ends.

@@ -281,6 +281,7 @@ class Attempt(ResponseCapture):
             raise RuntimeError("the response was sent after the request ended")
         assert self.context is not None
         await self.context.flush_held_writes()  # (claim sessions' writes: see sqla.py)
+        self.context._settled = True  # (a declare from here on is refused: context.declare)
         try:
             await self._settle(omitted=reason)
         except SettlementRefused:
