@@ -39,6 +39,11 @@ def derive_downstream_key(tenant: str, operation: str, key: str, epoch: int | No
     409) leaves no record, so its retry claims under another epoch and sends another key (calls
     to third parties, whose effects no rollback undoes, belong in lease mode).
     """
+    if not all(isinstance(part, str) for part in (tenant, operation, key)):
+        raise TypeError("derive_downstream_key takes the tenant, operation and key as str")
+    if epoch is not None and (isinstance(epoch, bool) or not isinstance(epoch, int)):
+        # (True derived another key than 1, and "1" the same: one epoch, one key)
+        raise TypeError(f"derive_downstream_key: epoch is an int or None, not {epoch!r:.40}")
     if epoch is None:
         digest = hashlib.sha256(b"idem-downstream-1" + _length_prefixed(tenant, operation, key))
     else:
@@ -236,6 +241,8 @@ def get_context(scope_or_request: Mapping[str, Any] | Any) -> IdempotencyContext
     route whose key is optional and was not sent).
     """
     scope = getattr(scope_or_request, "scope", scope_or_request)
+    if not isinstance(scope, Mapping):  # (None, or a str: an AttributeError from inside)
+        raise TypeError(f"get_context takes a request or its scope, not {scope!r:.60}")
     context = scope.get(SCOPE_KEY)
     if context is None:
         raise LookupError("this request is not running under an idempotency claim")

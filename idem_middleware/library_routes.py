@@ -26,7 +26,7 @@ from typing import Any
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from .errors import ProblemKind
+from .errors import ConfigurationError, ProblemKind
 from .middleware_arguments import check_problem_base
 from .observe import shown
 from .policy import Policy
@@ -213,6 +213,8 @@ class LibraryRoute(Route):
     whatever the app's handler of HTTPException makes of it), under the route's base."""
 
     def __init__(self, path: str, endpoint: Any, *, method: str, name: str) -> None:
+        if not isinstance(path, str) or not path.startswith("/"):  # (Starlette's bare assert)
+            raise ConfigurationError(f"the {name} route's path starts with '/', not {path!r:.60}")
         super().__init__(path, endpoint, methods=[method], name=name)
         operations = getattr(endpoint, ROUTE_OPERATIONS_ATTRIBUTE, None)
         if not isinstance(operations, GuardedOperations):

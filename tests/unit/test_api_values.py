@@ -1,10 +1,12 @@
-"""What a reconciler's answers and the operators' listings take, checked where they are made.
+"""What the library's smaller public functions take, checked where they are called (each found
+by probing a sweep of the public API with values an application could pass by mistake).
 
-Found by probing: `Happened.json` turned NaN and the infinities into `null`, the body then
-replayed so for the record's whole retention (an outbox event and a job's result refuse them);
-`guarded_operations` (and `collect_policies`, `collect_reconcilers`) answered nothing at all for
-what is no app (None, a factory, a module's name), so a reconcile run built on them
-reconciled nothing without a word."""
+`Happened.json` turned NaN and the infinities into `null`, the body then replayed so for the
+record's whole retention (an outbox event and a job's result refuse them); `guarded_operations`
+(and `collect_policies`, `collect_reconcilers`) answered nothing at all for what is no app (None,
+a factory, a module's name), so a reconcile run built on them reconciled nothing without a word;
+`reconcile_unknown`, `get_context`, `derive_downstream_key` and `status_route` took values they
+then failed on, or answered wrongly for."""
 
 from __future__ import annotations
 
@@ -74,3 +76,30 @@ async def test_reconcile_unknown_refuses_what_would_do_nothing_or_fail_every_pas
         await reconcile_unknown(MemoryStore(), **given)
     report = await reconcile_unknown(MemoryStore(), {"POST /x": _reconciler}, limit=0)
     assert report.verdicts == {}
+
+
+def test_the_small_helpers_refuse_what_they_cannot_take() -> None:
+    """Found by probing: `get_context(None)` was an AttributeError from inside;
+    `derive_downstream_key` derived another key for `epoch=True` than for 1 and the same for
+    "1", and an int key failed inside; `status_route(path="")` was Starlette's bare assert."""
+    from idem_middleware import MemoryStore, get_context
+    from idem_middleware.context import derive_downstream_key
+    from idem_middleware.errors import ConfigurationError
+    from idem_middleware.status import status_route
+
+    for given in (None, "scope"):
+        with pytest.raises(TypeError, match="get_context takes a request or its scope"):
+            get_context(given)
+    with pytest.raises(LookupError):
+        get_context({"type": "http"})  # (a scope no claim runs under: as before)
+    for epoch in (True, "1", 1.0):
+        with pytest.raises(TypeError, match="epoch is an int or None"):
+            derive_downstream_key("t", "POST /x", "k", epoch)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="as str"):
+        derive_downstream_key("t", "POST /x", 7)  # type: ignore[arg-type]
+    assert derive_downstream_key("t", "POST /x", "k", 1) != derive_downstream_key(
+        "t", "POST /x", "k"
+    )
+    for path in ("", "status"):
+        with pytest.raises(ConfigurationError, match="path starts with '/'"):
+            status_route(MemoryStore(), path=path)
