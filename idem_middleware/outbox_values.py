@@ -4,6 +4,7 @@ sender and a list of ids; and a failed send's error as the outbox records it."""
 from __future__ import annotations
 
 import asyncio
+import inspect
 from collections.abc import Iterable
 from typing import Any
 
@@ -76,11 +77,15 @@ def event_ids_of(event_ids: Any) -> list[str]:
     return ids
 
 
-def checked_stop(stop: object) -> asyncio.Event:
-    """`Publisher.run(stop=...)`: an asyncio.Event, or None (never set). A threading.Event was
-    taken, and its blocking `wait` froze the event loop for each idle pause."""
+def checked_stop(stop: Any) -> asyncio.Event:
+    """`Publisher.run(stop=...)`: an event whose `wait` is awaited (asyncio's, anyio's), or None
+    (never set). A threading.Event was taken, and its blocking `wait` froze the event loop for
+    each idle pause."""
     if stop is None:
         return asyncio.Event()
-    if not isinstance(stop, asyncio.Event):
-        raise TypeError(f"stop is an asyncio.Event (or None), not a {type(stop).__name__}")
-    return stop
+    awaited = inspect.iscoroutinefunction(getattr(type(stop), "wait", None))
+    if not awaited or not callable(getattr(stop, "is_set", None)):
+        raise TypeError(
+            f"stop is an asyncio.Event (or an anyio one, or None), not a {type(stop).__name__}"
+        )
+    return stop  # type: ignore[no-any-return]

@@ -144,3 +144,17 @@ async def test_run_refuses_a_stop_that_is_no_asyncio_event(pool: Any, stop: Any)
 
     with pytest.raises(TypeError, match=r"stop is an asyncio\.Event"):
         await Publisher(pool, sender).run(stop=stop)
+
+
+async def test_run_takes_an_anyio_event_as_stop(pool: Any) -> None:
+    """An anyio Event (what Starlette's and FastAPI's task groups hand out) has an awaited
+    `wait`, as asyncio's has: it is taken (found by review of the check above)."""
+    import anyio
+
+    async def sender(event: Any) -> bool:  # pragma: no cover - nothing is due
+        return True
+
+    stop = anyio.Event()
+    stop.set()
+    report = await Publisher(pool, sender).run(stop=stop)
+    assert report.sent == 0

@@ -205,7 +205,7 @@ PER_BATCH = {"purge_batch", "outbox_purge", "inbox_purge", "list_records", "list
 ELSEWHERE = {
     "stats", "stats_unresolved", "outbox_stats", "outbox_list", "purge_tokens", "purge_waiters",
     "watch_begin", "watch_end", "draw_generations", "lock_secret", "writable", "privileges",
-    "write_deferred", "unclaim",
+    "write_deferred", "unclaim", "outbox_row_security",
 }  # fmt: skip
 
 

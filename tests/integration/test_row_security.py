@@ -81,6 +81,36 @@ async def test_a_policy_that_does_not_apply_to_the_stores_role_is_no_refusal(
         assert store.is_open
 
 
+#: An audit trigger on the store's table that fails with a data exception (22003).
+FAILING_TRIGGER = (
+    "CREATE FUNCTION audit_overflow() RETURNS trigger LANGUAGE plpgsql AS"
+    " $f$ BEGIN RAISE EXCEPTION 'audit overflow' USING ERRCODE = '22003'; END $f$;"
+    "CREATE TRIGGER audit BEFORE INSERT ON idem_requests"
+    " FOR EACH ROW EXECUTE FUNCTION audit_overflow()"
+)
+
+
+@pytest.mark.parametrize(
+    ("mode", "fast_path"),
+    [(Mode.TRANSACTIONAL, True), (Mode.TRANSACTIONAL, False), (Mode.LEASE, True)],
+    ids=["transactional-fast", "transactional-ordinary", "lease"],
+)
+async def test_a_trigger_failing_with_a_data_exception_is_no_503_to_retry(
+    role_database: Setup,  # noqa: F811 - the fixture
+    mode: Mode,
+    fast_path: bool,
+) -> None:
+    """A data exception (SQLSTATE class 22) from a trigger on the store's table fails every
+    request alike: `500 server-misconfigured`, never a 503 asking the client to retry (found by
+    review: translated with the connection errors, it was one)."""
+    dsn, _ = await role_database(APP_GRANTS, FAILING_TRIGGER)
+    async with PostgresStore(dsn=dsn, listen=False, fast_path=fast_path) as store:
+        app = build_app(store, default_policy=Policy(mode=mode))
+        async with client(app) as c:
+            refused = await c.post(CREDIT, json={"amount": 1}, headers=key("k"))
+    assert_problem(refused, 500, "server-misconfigured")
+
+
 @pytest.mark.parametrize(
     ("mode", "fast_path"),
     [(Mode.TRANSACTIONAL, True), (Mode.TRANSACTIONAL, False), (Mode.LEASE, True)],

@@ -124,13 +124,17 @@ class Executions:
         # the loop, the cancellation of the request that asked for it is.)
         self._unrun.add(task)
         task.add_done_callback(self._unrun.discard)
+        landed = lambda done: self._landed(done, key, generation_of, undo)  # noqa: E731
         try:
             async with asyncio.timeout(seconds):
                 return await asyncio.shield(task)
-        except (asyncio.CancelledError, TimeoutError) as exc:
-            task.add_done_callback(lambda done: self._landed(done, key, generation_of, undo))
-            if isinstance(exc, TimeoutError) and not task.done():
-                raise StoreError(f"the database did not answer in {seconds:g} s") from None
+        except TimeoutError:
+            if task.done():  # (it ended in the turn the bound ran out: its own answer)
+                return task.result()
+            task.add_done_callback(landed)  # (one that lands after is given back)
+            raise StoreError(f"the database did not answer in {seconds:g} s") from None
+        except asyncio.CancelledError:
+            task.add_done_callback(landed)
             raise
 
     def _landed(

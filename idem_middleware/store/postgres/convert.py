@@ -81,10 +81,11 @@ TRANSLATED: tuple[type[BaseException], ...] = (
     *RETRYABLE,
     CANCELLED,
     *UNSTORABLE_TEXT,
-    # (asyncpg's own refusal to send a value is one: see `unsendable_text`; any other a data
-    # exception of the store's own statement, StatementRefused.)
-    asyncpg.exceptions.DataError,
 )
+#: `TRANSLATED` for the status resource's read, the first statement of its request: with the
+#: DataError of a tenant the client encoding cannot carry (`unsendable_text`). (Elsewhere a
+#: DataError, a trigger's or a constraint's, is the caller's to refuse: ClaimRefused, ...)
+READ_TRANSLATED: tuple[type[BaseException], ...] = (*TRANSLATED, asyncpg.exceptions.DataError)
 WAIT_EXCEEDED: tuple[type[BaseException], ...] = (
     TimeoutError,
     asyncpg.exceptions.LockNotAvailableError,

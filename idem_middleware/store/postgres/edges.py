@@ -32,6 +32,7 @@ from .convert import (
     _Q,
     ACQUIRE_ERRORS,
     LOCK_NOT_AVAILABLE,
+    READ_TRANSLATED,
     SERVER_ERROR,
     TRANSLATED,
     lock_waited,
@@ -306,7 +307,7 @@ class OffPathStatements(PoolStatements):
                 got = await alone(conn.fetchrow, _Q["get"], *names, on=conn)
         except ACQUIRE_ERRORS as exc:
             raise no_connection(exc) from exc
-        except TRANSLATED as exc:
+        except READ_TRANSLATED as exc:  # (a tenant the client encoding cannot carry too)
             raise translate(exc) from exc
         except LOCK_NOT_AVAILABLE as exc:  # (the role's lock_timeout, behind a migration's lock)
             raise lock_waited(exc) from exc
