@@ -66,3 +66,19 @@ async def test_an_event_added_on_the_pool_in_a_job_is_refused_and_outside_one_is
         await notify(k="a")
     await add(pool, "standalone", {"n": 1}, event_id="standalone")  # (no operation: as before)
     assert await _events(pool) == ["standalone"]
+
+
+async def test_a_payload_the_client_encoding_cannot_carry_is_not_quoted_in_the_error(
+    db_dsn: str,
+) -> None:
+    """asyncpg's error for a payload a LATIN1 connection cannot send quoted the payload (personal
+    data, in the app's log with the traceback). It is asyncpg's error still, without the value."""
+    conn = await asyncpg.connect(db_dsn, server_settings={"client_encoding": "LATIN1"})
+    try:
+        async with conn.transaction():
+            with pytest.raises(asyncpg.exceptions.DataError) as raised:
+                await add(conn, "signup", {"name": "東京 customer"}, event_id="latin1-1")
+    finally:
+        await conn.close()
+    assert "東京" not in str(raised.value)
+    assert "client_encoding" in str(raised.value)

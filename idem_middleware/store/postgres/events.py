@@ -6,9 +6,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import asyncpg
+
 from ...context import current_context
 from ...errors import EventConflict, StoreError
-from .convert import _Q
+from .convert import _Q, unsendable_text
 
 #: How many times an event is added when the one it met is purged before it is compared.
 _ADD_ATTEMPTS = 3
@@ -40,8 +42,14 @@ async def add_event(
     if current_context() is not None:
         _in_transaction(executor, "add during an idempotent operation")
     for _ in range(_ADD_ATTEMPTS):
-        if await executor.fetchval(_Q["outbox_add"], event_id, tenant, topic, payload):
-            return
+        try:
+            if await executor.fetchval(_Q["outbox_add"], event_id, tenant, topic, payload):
+                return
+        except asyncpg.exceptions.DataError as exc:
+            # (A payload the client encoding cannot carry: its text, which quoted the payload
+            # (personal data, logged by the app), is replaced; the error is asyncpg's as before.)
+            unsendable_text(exc)
+            raise
         same = await executor.fetchval(_Q["outbox_same"], event_id, tenant, topic, payload)
         if same is not None:
             if not same:
