@@ -81,6 +81,12 @@ async def test_a_policy_that_does_not_apply_to_the_stores_role_is_no_refusal(
         assert store.is_open
 
 
+#: Each way a claim is made: transactional on the fast path and the ordinary one, and lease mode.
+EVERY_CLAIM_PATH = pytest.mark.parametrize(
+    ("mode", "fast_path"),
+    [(Mode.TRANSACTIONAL, True), (Mode.TRANSACTIONAL, False), (Mode.LEASE, True)],
+    ids=["transactional-fast", "transactional-ordinary", "lease"],
+)
 #: An audit trigger on the store's table that fails with a data exception (22003).
 FAILING_TRIGGER = (
     "CREATE FUNCTION audit_overflow() RETURNS trigger LANGUAGE plpgsql AS"
@@ -90,11 +96,7 @@ FAILING_TRIGGER = (
 )
 
 
-@pytest.mark.parametrize(
-    ("mode", "fast_path"),
-    [(Mode.TRANSACTIONAL, True), (Mode.TRANSACTIONAL, False), (Mode.LEASE, True)],
-    ids=["transactional-fast", "transactional-ordinary", "lease"],
-)
+@EVERY_CLAIM_PATH
 async def test_a_trigger_failing_with_a_data_exception_is_no_503_to_retry(
     role_database: Setup,  # noqa: F811 - the fixture
     mode: Mode,
@@ -111,11 +113,7 @@ async def test_a_trigger_failing_with_a_data_exception_is_no_503_to_retry(
     assert_problem(refused, 500, "server-misconfigured")
 
 
-@pytest.mark.parametrize(
-    ("mode", "fast_path"),
-    [(Mode.TRANSACTIONAL, True), (Mode.TRANSACTIONAL, False), (Mode.LEASE, True)],
-    ids=["transactional-fast", "transactional-ordinary", "lease"],
-)
+@EVERY_CLAIM_PATH
 async def test_a_claim_the_database_refuses_for_good_is_a_problem_document(
     role_database: Setup,  # noqa: F811 - the fixture
     mode: Mode,

@@ -20,25 +20,9 @@ from starlette.routing import Route
 
 from idem_middleware import IdempotencyMiddleware, MemoryStore, Mode, Policy
 from tests.apps import BOUND, until
+from tests.apps.clients import post_scope
 
 pytestmark = pytest.mark.asyncio
-
-
-def _scope(key: bytes) -> dict[str, Any]:
-    return {
-        "type": "http",
-        "asgi": {"version": "3.0"},
-        "http_version": "1.1",
-        "method": "POST",
-        "scheme": "http",
-        "path": "/pay",
-        "raw_path": b"/pay",
-        "root_path": "",
-        "query_string": b"",
-        "headers": [(b"host", b"x"), (b"idempotency-key", key), (b"content-type", b"text/plain")],
-        "client": ("127.0.0.1", 1),
-        "server": ("127.0.0.1", 80),
-    }
 
 
 async def _post(app: Any, key: bytes, gone: asyncio.Event | None = None) -> list[Any]:
@@ -58,7 +42,8 @@ async def _post(app: Any, key: bytes, gone: asyncio.Event | None = None) -> list
     async def send(message: Any) -> None:
         sent.append(message)
 
-    await app(_scope(key), receive, send)
+    headers = [(b"host", b"x"), (b"idempotency-key", key), (b"content-type", b"text/plain")]
+    await app(post_scope("/pay", headers), receive, send)
     return sent
 
 
