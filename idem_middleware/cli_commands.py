@@ -19,7 +19,7 @@ from typing import Any, NoReturn
 import asyncpg
 
 from . import outbox as outbox_ops
-from .cli_connect import NO_STATEMENT_CACHE, connecting
+from .cli_connect import NO_STATEMENT_CACHE, connecting, run_again
 from .cli_connect import UsageError as UsageError
 from .cli_connect import with_store as with_store
 from .cli_list import printable
@@ -145,7 +145,7 @@ async def _batches(
     except (IdempotencyError, *DATABASE_ERRORS) as exc:
         # Each batch committed on its own: what was deleted stays deleted, the rest is for the
         # next run.
-        done = f"deleting {progress[0]} {what} (each batch is committed; run it again)"
+        done = f"deleting {progress[0]} {what} (each batch is committed; {run_again(exc)})"
         stopped(args, {"purged": progress[0], "stopped_at_limit": False}, done, exc, name)
     # Every batch was full: it stopped at its limit, and rows may be left. Said aloud, since a
     # purge that deletes less each run than expires meanwhile never catches up.
@@ -375,7 +375,8 @@ async def outbox(store: PostgresStore, args: argparse.Namespace) -> int:
             # failed stays reserved and is sent again once that lapses.
             print(json.dumps({**_counts(report), "error": str(exc)}))
             done = f"sending {report.sent} events (failed {report.failed}, parked {report.parked})"
-            raise Interrupted(f"outbox publish stopped after {done}; run it again: {exc}") from exc
+            again = run_again(exc)
+            raise Interrupted(f"outbox publish stopped after {done}; {again}: {exc}") from exc
         except asyncio.CancelledError:
             if not forced:
                 raise

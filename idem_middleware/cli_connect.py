@@ -10,9 +10,9 @@ from urllib.parse import unquote, urlsplit, urlunsplit
 
 import asyncpg
 
-from .errors import ConfigurationError, StoreError
+from .errors import ConfigurationError, StatementRefused, StoreClosed, StoreError
 from .store.postgres import PostgresStore
-from .store.postgres.convert import ACQUIRE_ERRORS
+from .store.postgres.convert import ACQUIRE_ERRORS, CANCELLED, LOCK_NOT_AVAILABLE, RETRYABLE
 
 Handler = Callable[[PostgresStore, argparse.Namespace], Awaitable[int]]
 
@@ -82,6 +82,20 @@ def connecting(dsn: str) -> Iterator[None]:
         raise UsageError(f"{named}: {exc}") from None
     except (*ACQUIRE_ERRORS, *_REFUSED) as exc:
         raise _cannot_connect(dsn, exc) from None
+
+
+#: What a command that stopped partway may meet again and get past by running once more.
+_PASSING = (*ACQUIRE_ERRORS, *RETRYABLE, CANCELLED, LOCK_NOT_AVAILABLE)
+
+
+def run_again(exc: BaseException) -> str:
+    """What to do about a command the database stopped partway: run it again (a connection
+    lost, a lock or statement timeout, a conflict), or first fix what the error names (a
+    privilege the role lacks, a table missing: the same run fails the same way)."""
+    passing = isinstance(exc, _PASSING) or (
+        isinstance(exc, StoreError) and not isinstance(exc, StatementRefused | StoreClosed)
+    )
+    return "run it again" if passing else "fix what failed (below), then run it again"
 
 
 def _cannot_connect(dsn: str, exc: BaseException) -> StoreError:

@@ -263,6 +263,8 @@ async def test_a_purge_refused_partway_says_what_it_deleted(
     message = str(stopped.value)
     assert message.startswith("purge stopped after deleting 5 expired records"), message
     assert message.endswith("permission denied for table idem_tokens")
+    # (Running it again as it is would fail alike: the operator is told to fix it first.)
+    assert "fix what failed (below), then run it again" in message
     if as_json:
         report = json.loads(capsys.readouterr().out)
         assert report == {
@@ -300,6 +302,7 @@ async def test_a_purge_refused_partway_by_the_server_exits_1_saying_so(
     assert report["purged"] == 3
     assert "idem_tokens" in report["error"]
     assert "purge stopped after deleting 3 expired records" in result.stderr
+    assert "fix what failed (below), then run it again" in result.stderr
     assert await pool.fetchval("SELECT count(*) FROM idem_requests") == 0
 
 
