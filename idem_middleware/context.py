@@ -7,7 +7,7 @@ import hashlib
 from collections.abc import Awaitable, Callable, Mapping, MutableMapping
 from contextvars import ContextVar, Token
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .errors import ConfigurationError, StaleGeneration
 from .keys import token_hash as token_hash
@@ -15,6 +15,9 @@ from .outcomes import RELEASE_STATUSES as RELEASE_STATUSES
 from .outcomes import Outcome as Outcome
 from .outcomes import outcome_for_status as outcome_for_status
 from .policy import Mode
+
+if TYPE_CHECKING:
+    from starlette.requests import HTTPConnection
 
 #: The ASGI scope entry holding the IdempotencyContext of a claimed request.
 SCOPE_KEY = "idem_middleware.context"
@@ -234,7 +237,7 @@ def leave_context(
     context._ended = True  # (tasks it started keep it in their copies: see current_context)
 
 
-def get_context(scope_or_request: Mapping[str, Any] | Any) -> IdempotencyContext:
+def get_context(scope_or_request: HTTPConnection | Mapping[str, Any]) -> IdempotencyContext:
     """The context of the current request (pass the ASGI scope or a Starlette Request).
 
     Raises LookupError when the request is not running under a claim (an unguarded route, or a

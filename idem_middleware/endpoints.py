@@ -9,7 +9,7 @@ import inspect
 from collections.abc import Callable
 from contextvars import ContextVar
 from enum import IntEnum
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from starlette.endpoints import HTTPEndpoint
 from starlette.requests import Request
@@ -17,6 +17,11 @@ from starlette.types import Scope
 
 from .errors import ConfigurationError
 from .policy import Policy
+
+if TYPE_CHECKING:
+    from typing import Unpack
+
+    from .options import PolicyOptions
 
 POLICY_ATTRIBUTE = "__idempotency_policy__"
 #: On a function `@idempotent` wrapped: the wrapper that carries its policy. A route registered
@@ -74,7 +79,9 @@ def _endpoint_class(endpoint: Any) -> bool:
     return isinstance(endpoint, type) and issubclass(endpoint, HTTPEndpoint)
 
 
-def idempotent(policy: Policy | None = None, /, **options: Any) -> Callable[[F], F]:
+def idempotent(
+    policy: Policy | None = None, /, **options: Unpack[PolicyOptions]
+) -> Callable[[F], F]:
     """Attach a policy to an endpoint: `@idempotent(mode=Mode.LEASE)` or `@idempotent(policy)`.
 
     A guarded function endpoint is wrapped (signature, name and `__wrapped__` kept, as FastAPI

@@ -27,6 +27,10 @@ from .routing import Found, listed_routes, mounted_app, walk
 from .store.base import Store
 
 if TYPE_CHECKING:
+    from typing import Unpack
+
+    from .options import MiddlewareOptions
+
     Connection: TypeAlias = asyncpg.Connection[Any]
 else:  # asyncpg's Connection is generic only in its type stubs
     Connection = asyncpg.Connection
@@ -186,7 +190,7 @@ def _operations(app: FastAPI, of: FastAPI) -> list[tuple[GuardedOperation, str]]
     return list(found.values())
 
 
-def install(app: FastAPI, *, store: Store, **options: Any) -> None:
+def install(app: FastAPI, *, store: Store, **options: Unpack[MiddlewareOptions]) -> None:
     """Add IdempotencyMiddleware to `app` (inside any authentication middleware added after it)
     and document it in OpenAPI. `options` are the middleware's keyword arguments."""
     if not isinstance(app, FastAPI):  # (a Starlette app failed on `openapi`, half installed)

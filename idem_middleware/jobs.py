@@ -23,10 +23,11 @@ import hashlib
 import inspect
 import uuid
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any, Concatenate, Literal, ParamSpec, TypeVar
 
 import orjson
 
+from .context import IdempotencyContext
 from .errors import ConfigurationError
 from .errors import JobInProgress as JobInProgress
 from .errors import JobKeyReused as JobKeyReused
@@ -60,6 +61,7 @@ __all__ = [
 ]
 
 R = TypeVar("R")
+P = ParamSpec("P")
 
 
 def _fingerprint(operation: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bytes:
@@ -162,16 +164,18 @@ def idempotent_job(
     store: Store,
     *,
     operation: str,
-    key: str | Callable[..., str | int | uuid.UUID],
+    key: str | KeyOf,
     tenant: str | KeyOf = "",
-    mode: Mode = Mode.TRANSACTIONAL,
+    mode: Mode | Literal["transactional", "lease"] = Mode.TRANSACTIONAL,
     retention_seconds: float = 24 * 3600.0,
     wait_seconds: float = 5.0,
     lease_seconds: float = 30.0,
-    on_lease_expiry: LeaseExpiry = LeaseExpiry.UNKNOWN,
+    on_lease_expiry: LeaseExpiry | Literal["unknown", "takeover"] = LeaseExpiry.UNKNOWN,
     acquire_timeout: float = 10.0,
     max_serialization_retries: int = 3,
-) -> Callable[[Callable[..., Awaitable[R]]], Callable[..., Awaitable[Any]]]:
+) -> Callable[
+    [Callable[Concatenate[IdempotencyContext, P], Awaitable[R]]], Callable[P, Awaitable[Any]]
+]:
     """Make an async function idempotent by key (see the module's docstring).
 
     `key`: the name of a keyword argument holding the key, or a function of the call's arguments;
@@ -206,7 +210,9 @@ def idempotent_job(
     )
     acquire_timeout = seconds_option(acquire_timeout, "acquire_timeout", positive=True)
 
-    def decorate(fn: Callable[..., Awaitable[R]]) -> Callable[..., Awaitable[Any]]:
+    def decorate(
+        fn: Callable[Concatenate[IdempotencyContext, P], Awaitable[R]],
+    ) -> Callable[P, Awaitable[Any]]:
         if plainly_sync(fn):  # (its body would run, effects and all, before the await failed)
             raise ConfigurationError(
                 f"{operation}: a job is an async function (`async def`), not {fn!r}: a plain "
@@ -247,7 +253,7 @@ def idempotent_job(
         )
 
         @functools.wraps(fn)
-        async def run(*args: Any, **kwargs: Any) -> Any:
+        async def run(*args: P.args, **kwargs: P.kwargs) -> Any:
             return await _call(job, args, kwargs)
 
         return run

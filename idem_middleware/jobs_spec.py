@@ -4,6 +4,7 @@ run the function inside it, and judge a record the run could not claim."""
 from __future__ import annotations
 
 import inspect
+import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -24,7 +25,8 @@ JSON_HEADERS = ((b"content-type", b"application/json"),)
 #: `null`, and a repeat's answer is that None.)
 UNSETTLED: Any = object()
 
-KeyOf = Callable[..., str]
+#: A function of a job's arguments naming its key or tenant: a str, an int (its digits) or a UUID.
+KeyOf = Callable[..., str | int | uuid.UUID]
 
 
 class JobResultUnreadable(JobOutcomeUnknown):

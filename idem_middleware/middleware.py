@@ -31,11 +31,11 @@ from .policy import (
     MAX_OPERATION_BYTES,
     Policy,
     RouteMatch,
-    names,
     operation_name,
     pinned_method_error,
     storable_operation,
 )
+from .policy_values import names
 from .responses import DEFAULT_PROBLEM_BASE, send_problem
 from .route_cache import (
     CACHED_KEY_LENGTH,

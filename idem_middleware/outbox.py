@@ -22,7 +22,7 @@ import re
 import uuid
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
@@ -37,6 +37,9 @@ from .outbox_values import seconds as _seconds
 from .pool_arguments import checked_store as _store  # (a ValueError first: see there)
 from .store.postgres.events import add_event, record_consumed
 from .waiting import wait_at_most
+
+if TYPE_CHECKING:
+    import httpx
 
 logger = logging.getLogger("idem_middleware.outbox")
 
@@ -352,7 +355,7 @@ async def purge_sent(
     )
 
 
-def webhook_sender(client: Any, url: str) -> Callable[[OutboxEvent], Awaitable[bool]]:
+def webhook_sender(client: Any, url: str | httpx.URL) -> Callable[[OutboxEvent], Awaitable[bool]]:
     """A Sender that POSTs `{"event_id", "topic", "payload"}` to `url` with an httpx AsyncClient.
 
     The event id travels as the body's `event_id` and as the `Idempotency-Key` header, so the

@@ -5,23 +5,35 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
-import math
-import numbers
 import re
-from collections.abc import Collection, KeysView, Mapping, Set
+from collections.abc import Mapping
 from dataclasses import dataclass
-from datetime import timedelta
 from enum import StrEnum
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 from .errors import ConfigurationError
-from .fingerprint import is_json_pointer
 from .frozen import quick_init
 from .keysource import FIELD_NAME, KeyFunction, KeySource, as_key_source
+from .policy_values import (
+    COUNTS,
+    DURATIONS,
+    FLAGS,
+    MIN_LEASE_SECONDS,
+    count,
+    fields,
+    flag,
+    member,
+    names,
+)
+from .policy_values import MAX_SECONDS as MAX_SECONDS
+from .policy_values import seconds_option as seconds_option
 from .reconcile import Reconciler
 from .storable import storable_text
 
 if TYPE_CHECKING:
+    from typing import Unpack
+
+    from .options import PolicyOptions
     from .responses import ReplayHook
 
 
@@ -128,18 +140,22 @@ class Policy:
     #: a retry that reaches the renamed route replays the outcome instead of running again.
     operation: str | None = None
 
+    if TYPE_CHECKING:  # (the generated one's, as a type checker reads it: see options.py)
+
+        def __init__(self, **options: Unpack[PolicyOptions]) -> None: ...
+
     def __post_init__(self) -> None:
         # Values from a config file arrive as strings and floats: each option is checked (and an
         # enum's value turned into its member) here, so a mistake fails now, not on a request.
-        for option in _FLAGS:
-            _flag(self, option)
-        object.__setattr__(self, "mode", _member(Mode, self.mode, "mode"))
+        for option in FLAGS:
+            flag(self, option)
+        object.__setattr__(self, "mode", member(Mode, self.mode, "mode"))
         object.__setattr__(
-            self, "on_lease_expiry", _member(LeaseExpiry, self.on_lease_expiry, "on_lease_expiry")
+            self, "on_lease_expiry", member(LeaseExpiry, self.on_lease_expiry, "on_lease_expiry")
         )
-        for option, low, high in _COUNTS:
-            object.__setattr__(self, option, _count(getattr(self, option), option, low, high))
-        for option, positive in _DURATIONS:
+        for option, low, high in COUNTS:
+            object.__setattr__(self, option, count(getattr(self, option), option, low, high))
+        for option, positive in DURATIONS:
             object.__setattr__(
                 self, option, seconds_option(getattr(self, option), option, positive=positive)
             )
@@ -219,8 +235,9 @@ class Policy:
                 f"{repr(self.operation)[:120]}"
             )
 
-    def replace(self, **changes: Any) -> Policy:
-        return dataclasses.replace(self, **changes)
+    def replace(self, **changes: Unpack[PolicyOptions]) -> Policy:
+        checked_anew: Any = changes  # (`__post_init__` takes them as the constructor does)
+        return dataclasses.replace(self, **checked_anew)
 
 
 def _takes(function: Any, count: int) -> bool:
@@ -248,120 +265,6 @@ def plainly_sync(function: Any) -> bool:
             return False
     flags = function.__code__.co_flags
     return not flags & (inspect.CO_COROUTINE | inspect.CO_ITERABLE_COROUTINE)
-
-
-def names(value: Any, option: str) -> tuple[str, ...]:
-    """A configured collection of strings as a tuple; a lone string is a mistake, not a
-    collection of its characters (`include_headers="x-api-version"` means one header)."""
-    if isinstance(value, str | bytes):
-        raise ConfigurationError(
-            f"{option} must be a collection of strings, not the string {value!r}: "
-            f"write {option}=({value!r},)"
-        )
-    if not isinstance(value, Collection):
-        raise ConfigurationError(f"{option} must be a collection of strings, not {value!r}")
-    for item in value:
-        if not isinstance(item, str):
-            raise ConfigurationError(f"{option} must hold strings; {item!r} is not one")
-    items = tuple(str.__str__(item) for item in value)  # (its text: an enum's `Kind.A` is not)
-    # A set's sorted (its order differs by process: another fingerprint in each, a retry a 422).
-    if isinstance(value, Set) and not isinstance(value, KeysView):  # (a dict's: ordered)
-        return tuple(sorted(items, key=lambda name: (name.lower(), name)))
-    return items
-
-
-def fields(value: Any, option: str) -> tuple[str, ...]:
-    """`include_fields` or `exclude_fields`: names, or JSON Pointers that must be well formed."""
-    items = names(value, option)
-    for item in items:
-        if item.startswith("/") and not is_json_pointer(item):
-            raise ConfigurationError(
-                f"{option}: {item!r} is not a JSON Pointer (~ must be ~0 or ~1): write ~0 for "
-                f"a ~ and ~1 for a / inside a member's name"
-            )
-    return items
-
-
-#: The longest duration a policy takes, in seconds: 100 years (365-day years). Far past any
-#: sensible setting, and well inside what PostgreSQL's interval and timestamp arithmetic holds
-#: (`now() + retention`; its timestamps end in the year 294276).
-MAX_SECONDS = 100 * 365 * 24 * 3600
-
-#: The shortest lease a policy takes: its heartbeat renews it every third of it, so a lease of
-#: microseconds lapsed at once (PostgreSQL's timestamps end there) and renewed without a pause.
-MIN_LEASE_SECONDS = 0.1
-
-_FLAGS = ("guard", "key_required", "allow_anonymous", "accept_while_in_flight", "require_token")
-#: The integer options: name, least value, greatest value (None: no bound).
-_COUNTS: tuple[tuple[str, int, int | None], ...] = (
-    ("max_body_bytes", 0, None),
-    ("max_response_bytes", 0, None),
-    ("max_fields", 1, None),
-    ("max_json_values", 1, None),
-    ("retry_after_seconds", 0, MAX_SECONDS),
-    ("max_serialization_retries", 0, 1000),  # (sharing the attempt loop's 10,000+ rounds)
-)
-#: The durations, in seconds: name, and whether zero is refused.
-_DURATIONS = (
-    ("wait_seconds", False),
-    ("retention_seconds", True),
-    ("lease_seconds", True),
-    ("reconcile_timeout_seconds", True),
-)
-
-E = TypeVar("E", Mode, LeaseExpiry)
-
-
-def _flag(policy: Policy, option: str) -> None:
-    value = getattr(policy, option)
-    if not isinstance(value, bool):
-        raise ConfigurationError(f"{option} must be True or False, not {value!r}")
-
-
-def _member(enum: type[E], value: Any, option: str) -> E:
-    """An enum option: its member, or its value as a string (from a config file)."""
-    if isinstance(value, enum):
-        return value
-    if isinstance(value, str):
-        try:
-            return enum(value)
-        except ValueError:
-            pass
-    choices = ", ".join(f"{m.value!r} ({enum.__name__}.{m.name})" for m in enum)
-    raise ConfigurationError(f"{option} must be one of {choices}; not {value!r}")
-
-
-def _count(value: Any, option: str, low: int, high: int | None) -> int:
-    """An integer option (a bool or a float is a mistake, not a number of bytes or fields)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise ConfigurationError(f"{option} must be an integer (int), not {value!r}")
-    number = int(value)
-    if number < low or (high is not None and number > high):
-        bound = f"at least {low}" if high is None else f"from {low} to {high}"
-        raise ConfigurationError(f"{option} must be {bound}, not {number}")
-    return number
-
-
-def seconds_option(value: Any, option: str, *, positive: bool) -> float:
-    """A duration: a finite number of seconds, positive or not negative, at most MAX_SECONDS."""
-    if isinstance(value, timedelta):
-        raise ConfigurationError(
-            f"{option} must be a number of seconds, not {value!r}: pass {value.total_seconds()!r}"
-        )
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ConfigurationError(f"{option} must be a number of seconds, not {value!r}")
-    number = value if isinstance(value, int | float) else float(value)
-    if not math.isfinite(number):
-        raise ConfigurationError(f"{option} must be a finite number of seconds, not {value!r}")
-    if positive and number <= 0:
-        raise ConfigurationError(f"{option} must be positive, not {value!r}")
-    if number < 0:
-        raise ConfigurationError(f"{option} must not be negative, not {value!r}")
-    if number > MAX_SECONDS:
-        raise ConfigurationError(
-            f"{option} must be at most {MAX_SECONDS} seconds (100 years), not {value!r}"
-        )
-    return number
 
 
 @quick_init  # (built at each miss of the route cache: see frozen.py)

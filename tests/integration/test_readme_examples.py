@@ -61,6 +61,9 @@ def example_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     files["test"].write_text(example(README_TEST))
     files["testing"] = folder / "test_testing_page.py"
     files["testing"].write_text(example(TESTING_EXAMPLE[1], TESTING_EXAMPLE[0]))
+    # An adopter's typed code: the options as the docs give them (type-checked, never run).
+    files["typed"] = folder / "typed_usage.py"
+    files["typed"].write_text((ROOT / "tests" / "typed_usage.py").read_text())
     return files
 
 

@@ -1,0 +1,21 @@
+"""The typed dictionaries of options (idem_middleware.options) name exactly the options the
+policy and the middleware take: a new option missing from them would be refused by a type
+checker in `@idempotent(...)` or `install(...)` although it works."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+
+from idem_middleware import IdempotencyMiddleware, Policy
+from idem_middleware.options import MiddlewareOptions, PolicyOptions
+
+
+def test_policy_options_name_every_field_of_a_policy() -> None:
+    assert set(PolicyOptions.__annotations__) == {f.name for f in dataclasses.fields(Policy)}
+
+
+def test_middleware_options_name_every_keyword_of_the_middleware_but_its_store() -> None:
+    parameters = inspect.signature(IdempotencyMiddleware.__init__).parameters
+    keywords = {n for n, p in parameters.items() if p.kind is inspect.Parameter.KEYWORD_ONLY}
+    assert set(MiddlewareOptions.__annotations__) == keywords - {"store"}
