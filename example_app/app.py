@@ -58,6 +58,11 @@ DATABASE_DOWN = (
     asyncpg.InterfaceError,
     asyncpg.CannotConnectNowError,
     asyncpg.AdminShutdownError,
+    # A new connection refused: the database closed for maintenance (`ALLOW_CONNECTIONS false`,
+    # 55000; its lock timeouts too, 55P03), dropped or renamed (3D000), too many connections.
+    asyncpg.ObjectNotInPrerequisiteStateError,
+    asyncpg.InvalidCatalogNameError,
+    asyncpg.InsufficientResourcesError,
 )
 #: How long shutdown waits for the publisher's batch in flight before cancelling it.
 PUBLISHER_STOP_SECONDS = 5.0

@@ -18,7 +18,7 @@ import psutil
 import pytest
 
 from example_app.launcher import ServerProcess, stop_embedded_postgres
-from tests.conftest import _fresh_database
+from tests.conftest import _fresh_database, dsn_for
 
 A = {"authorization": "Bearer demo-a"}
 B = {"authorization": "Bearer demo-b"}
@@ -266,23 +266,43 @@ async def test_values_the_database_cannot_keep_are_422_and_release_the_key(
     assert fixed.status_code == 201, fixed.text
 
 
-async def test_reading_an_account_while_the_database_is_unreachable_is_a_503() -> None:
+@pytest.mark.parametrize("database", ["unreachable", "closed for maintenance"])
+async def test_reading_an_account_while_the_database_is_unreachable_is_a_503(
+    database: str, pg_dsn: str
+) -> None:
     """Found by probing: GET /accounts/{id} answered a bare text/plain 500 while PostgreSQL was
-    restarting; the guarded routes answer 503 problem+json with Retry-After, and so does it."""
+    restarting, or while its database took no connections (`ALLOW_CONNECTIONS false`, 55000);
+    the guarded routes answer 503 problem+json with Retry-After, and so does it."""
     from example_app.app import create_app
     from idem_middleware.ops import find_middleware
 
     free = ServerProcess("example_app").port  # a port nothing listens on
+    dsn = f"postgresql://postgres@127.0.0.1:{free}/none"
+    if database != "unreachable":
+        name = f"idem_closed_{uuid.uuid4().hex[:8]}"
+        admin = await asyncpg.connect(pg_dsn)
+        try:
+            await admin.execute(f'CREATE DATABASE "{name}" ALLOW_CONNECTIONS false')
+        finally:
+            await admin.close()
+        dsn = dsn_for(pg_dsn, name)
     app = create_app(f"postgresql://postgres@127.0.0.1:{free}/none")
     middleware = find_middleware(app)
     assert middleware is not None
     # The store's pool, as if the server went away after startup (min_size 0: opened lazily).
-    middleware.store._pool = await asyncpg.create_pool(  # type: ignore[attr-defined]
-        f"postgresql://postgres@127.0.0.1:{free}/none", min_size=0
-    )
+    middleware.store._pool = await asyncpg.create_pool(dsn, min_size=0)  # type: ignore[attr-defined]
     transport = httpx.ASGITransport(app=app)
-    async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
-        r = await c.get("/accounts/acc-1", headers=A)
+    try:
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+            r = await c.get("/accounts/acc-1", headers=A)
+    finally:
+        await middleware.store._pool.close()  # type: ignore[attr-defined]
+        if database != "unreachable":
+            admin = await asyncpg.connect(pg_dsn)
+            try:
+                await admin.execute(f'DROP DATABASE "{name}"')
+            finally:
+                await admin.close()
     assert r.status_code == 503, r.text
     assert r.headers["content-type"] == "application/problem+json"
     assert r.headers["retry-after"] == "1"

@@ -125,21 +125,40 @@ async def test_sessions_that_take_no_writes_answer_503_and_recover(own: Own, mod
         assert refused == 0  # (its claim is the store's first write)
 
 
+#: How a server refuses the pool's new connections, and how it takes them again: the role's
+#: connection limit (53300 too_many_connections, as `max_connections`), and the database closed
+#: for maintenance (55000 object_not_in_prerequisite_state: "not currently accepting
+#: connections"; a 500, or lease mode's `server-misconfigured`, before it was a 503).
+REFUSALS = {
+    "connection limit": (
+        "ALTER ROLE {role} CONNECTION LIMIT 0",
+        "ALTER ROLE {role} CONNECTION LIMIT -1",
+    ),
+    "database closed": (
+        'ALTER DATABASE "{name}" ALLOW_CONNECTIONS false',
+        'ALTER DATABASE "{name}" ALLOW_CONNECTIONS true',
+    ),
+}
+
+
+@pytest.mark.parametrize("refusal", list(REFUSALS))
 @pytest.mark.parametrize("mode", list(POLICIES))
-async def test_a_server_refusing_connections_answers_503_and_recovers(own: Own, mode: str) -> None:
-    """The pool must open a connection and the server refuses it (53300 too_many_connections:
-    `max_connections`, or here the role's connection limit): a 500 with asyncpg's error, now a
-    503; once the server takes connections again, the retry runs once."""
+async def test_a_server_refusing_connections_answers_503_and_recovers(
+    own: Own, mode: str, refusal: str
+) -> None:
+    """The pool must open a connection and the server refuses it: a 500 with asyncpg's error,
+    now a 503; once the server takes connections again, the retry runs once."""
+    refuse, take = REFUSALS[refusal]
     async with PostgresStore(dsn=own.dsn, min_size=1, max_size=2, listen=False) as store:
         app, runs = counting_app(store, mode)
-        await own.run("ALTER ROLE {role} CONNECTION LIMIT 0")
+        await own.run(refuse)
         await store.pool.expire_connections()  # (the next checkout opens a new one)
         headers = {"Idempotency-Key": "no-connections"}
         async with client(app) as c:
             for _ in range(2):
                 assert_unavailable(await c.post("/charges", json={}, headers=headers))
             assert runs == []
-            await own.run("ALTER ROLE {role} CONNECTION LIMIT -1")
+            await own.run(take)
             first = await c.post("/charges", json={}, headers=headers)
             assert first.status_code == 201, first.text
             assert_replay_of(await c.post("/charges", json={}, headers=headers), first)

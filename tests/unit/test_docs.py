@@ -29,6 +29,16 @@ def test_the_readme_is_short() -> None:
     assert len(README.read_text().splitlines()) < 300
 
 
+def test_the_readme_says_how_it_scales_and_what_was_tested() -> None:
+    """Several processes, PgBouncer, a table by tenant and conflicts, each with what was tested
+    (the section had moved to docs/scaling.md alone)."""
+    scaling = section("Scaling")
+    for fact in ("Processes", "PgBouncer", "statement_cache_size=0", "tenant", "40001", "40P01"):
+        assert fact in scaling, fact
+    assert scaling.count("tested") >= 3
+    assert "(docs/scaling.md)" in scaling
+
+
 def test_the_readme_opens_with_the_command_ci_runs() -> None:
     text = README.read_text()
     blocks = re.findall(r"```sh\n(.*?)```", text, re.DOTALL)

@@ -106,6 +106,11 @@ CLAIM_CONNECTION_GONE = (
 )
 #: Any error the server reports for one statement.
 SERVER_ERROR: type[BaseException] = asyncpg.PostgresError
+#: What a checkout from the pool fails with: `ACQUIRE_ERRORS`, and any error the server reports
+#: while it starts a new connection (no statement of the request has run): 55000, a database
+#: closed to connections for maintenance (`ALLOW_CONNECTIONS false`), 3D000 one dropped or
+#: renamed, or the pool's own `init` or `setup` refused. A 503 (it was a 500).
+CHECKOUT_ERRORS: tuple[type[BaseException], ...] = (*ACQUIRE_ERRORS, SERVER_ERROR)
 
 
 def is_conflict(exc: BaseException) -> bool:

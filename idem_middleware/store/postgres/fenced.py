@@ -14,7 +14,7 @@ from ..base import RecordKey, Settlement, State
 from . import compat
 from .convert import (
     _Q,
-    ACQUIRE_ERRORS,
+    CHECKOUT_ERRORS,
     CONNECTION_ERRORS,
     LOCK_NOT_AVAILABLE,
     RETRYABLE,
@@ -98,7 +98,7 @@ class Fencing(Bounded):
             if self.timed_out():
                 raise StoreError("no database connection: TimeoutError") from None
             raise
-        except ACQUIRE_ERRORS as exc:
+        except CHECKOUT_ERRORS as exc:
             raise no_connection(exc) from exc
         finally:
             deadline.discard(self)

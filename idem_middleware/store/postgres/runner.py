@@ -23,6 +23,7 @@ from .convert import (
     STALE_STATEMENT,
     TRANSLATED,
     lock_waited,
+    no_connection,
     scrub,
     translate,
 )
@@ -167,6 +168,8 @@ async def checkout(pool: Any, deadline: Delayed) -> Any:
         if waiting.timed_out():
             raise StoreError("no database connection: TimeoutError") from None
         raise
+    except SERVER_ERROR as exc:  # (the server refusing a new connection: see CHECKOUT_ERRORS)
+        raise no_connection(exc) from exc
     finally:
         deadline.discard(waiting)
 
@@ -329,6 +332,8 @@ class _Internal(Bounded):
             if self.timed_out():
                 raise StoreError("no database connection: TimeoutError") from None
             raise
+        except SERVER_ERROR as exc:  # (as `checkout`'s)
+            raise no_connection(exc) from exc
         finally:
             deadline.discard(self)
             self.task = None

@@ -17,7 +17,7 @@ from .claim import claim, claim_refused, expire_lapsed, lock_key
 from .claim_lock import ClaimLocks
 from .convert import (
     _Q,
-    ACQUIRE_ERRORS,
+    CHECKOUT_ERRORS,
     CONNECTION_ERRORS,
     SERVER_ERROR,
     STALE_STATEMENT,
@@ -116,7 +116,7 @@ class PgTransaction:
             if self._expired and task is not None and task.uncancel() == 0:
                 raise StoreError("no database connection: TimeoutError") from None
             raise  # cancelled by someone else (a shutdown): that goes on
-        except ACQUIRE_ERRORS as exc:
+        except CHECKOUT_ERRORS as exc:
             raise no_connection(exc) from exc
         finally:
             deadline.discard(self)
