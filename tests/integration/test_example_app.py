@@ -18,7 +18,7 @@ import psutil
 import pytest
 
 from example_app.launcher import ServerProcess, stop_embedded_postgres
-from tests.conftest import _fresh_database, dsn_for
+from tests.conftest import _fresh_database
 
 A = {"authorization": "Bearer demo-a"}
 B = {"authorization": "Bearer demo-b"}
@@ -280,12 +280,7 @@ async def test_reading_an_account_while_the_database_is_unreachable_is_a_503(
     dsn = f"postgresql://postgres@127.0.0.1:{free}/none"
     if database != "unreachable":
         name = f"idem_closed_{uuid.uuid4().hex[:8]}"
-        admin = await asyncpg.connect(pg_dsn)
-        try:
-            await admin.execute(f'CREATE DATABASE "{name}" ALLOW_CONNECTIONS false')
-        finally:
-            await admin.close()
-        dsn = dsn_for(pg_dsn, name)
+        dsn = await _fresh_database(pg_dsn, name, "ALLOW_CONNECTIONS false")
     app = create_app(f"postgresql://postgres@127.0.0.1:{free}/none")
     middleware = find_middleware(app)
     assert middleware is not None
