@@ -269,7 +269,8 @@ class Attempt(ResponseCapture):
             self.watcher.add_done_callback(self._client_left)
 
     def _client_left(self, watched: asyncio.Task[None]) -> None:
-        if self.running and not watched.cancelled() and watched.exception() is None:
+        # (`ex.watched`: unset once a stream's outcome is committed, see `settle_early`)
+        if self.running and self.ex.watched and not watched.cancelled() and not watched.exception():
             self.gone = True
             self.ex.disconnect_event().set()  # the app's own receive() reports it too
             assert self.task is not None
@@ -292,6 +293,14 @@ class Attempt(ResponseCapture):
         # The outcome is committed and the first byte follows: from here on nothing may run the
         # attempt again (a serialization failure while streaming ends the response instead).
         self.ex.started = True
+        # Nor may the client watch cancel the handler: a client leaving ends the stream (the
+        # app's receive() reports it, as the server's), never the work the app does after it
+        # (a background task, a dependency's teardown). Servers report a disconnect once the
+        # response is complete: watched, such work was cancelled, its record `succeeded`.
+        self.ex.watched = False
+        _WATCH.discard(self)
+        if self.watcher is not None:
+            self.watcher.cancel()
         # The stream may take as long as its client likes: it holds no connection. Writes the
         # handler makes from here on are outside the claim, on a connection of its own.
         await self.tx.release()

@@ -17,6 +17,7 @@ from tests.apps.checks import (
 )
 from tests.apps.clients import (
     TOKENS,
+    AsServer,
     BearerBackend,
     asgi_request,
     client,
@@ -84,6 +85,7 @@ __all__ = [
     "PAYOUTS",
     "PROBLEM_BASE",
     "TOKENS",
+    "AsServer",
     "BearerBackend",
     "CountingStore",
     "DownstreamError",

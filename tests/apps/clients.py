@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -82,3 +83,30 @@ def asgi_request(
         (b"content-length", str(content_length).encode()),
     ]
     return post_scope(path, headers, query)
+
+
+class AsServer:
+    """`receive` and `send` for driving an app directly as uvicorn or hypercorn would: the body
+    in one message, then nothing until the response is complete, then `http.disconnect` (what
+    those servers answer once it is). `sent` holds what the app sent."""
+
+    def __init__(self, body: bytes) -> None:
+        self.body = body
+        self.delivered = False
+        self.complete = asyncio.Event()
+        self.sent: list[dict[str, Any]] = []
+
+    async def receive(self) -> dict[str, Any]:
+        if not self.delivered:
+            self.delivered = True
+            return {"type": "http.request", "body": self.body, "more_body": False}
+        await self.complete.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(self, message: dict[str, Any]) -> None:
+        self.sent.append(message)
+        if message["type"] == "http.response.body" and not message.get("more_body", False):
+            self.complete.set()
+
+    def sent_body(self) -> bytes:
+        return b"".join(m.get("body", b"") for m in self.sent if m["type"] == "http.response.body")
