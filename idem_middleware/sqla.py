@@ -242,7 +242,9 @@ def claim_engine() -> AsyncEngine:
     return _sessions().engine
 
 
-def open_claim_session(request: Request | None = None) -> Any:
+def open_claim_session(
+    request: Request | None = None,
+) -> contextlib.AbstractAsyncContextManager[AsyncSession]:
     """`async with open_claim_session(request) as session:` (Starlette, jobs)."""
     return _sessions().session(request)
 

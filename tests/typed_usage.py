@@ -10,12 +10,14 @@ from typing import Any
 
 import httpx
 from fastapi import FastAPI
+from sqlalchemy import text
 from starlette.requests import Request
 
 from idem_middleware import IdempotencyContext, MemoryStore, Mode, Policy, get_context, idempotent
 from idem_middleware.fastapi import install
 from idem_middleware.jobs import idempotent_job
 from idem_middleware.outbox import webhook_sender
+from idem_middleware.sqla import open_claim_session
 
 store = MemoryStore()
 
@@ -64,3 +66,9 @@ async def jobs_called() -> None:
 
 SENDER = webhook_sender(httpx.AsyncClient(), httpx.URL("http://127.0.0.1:9/hook"))
 NO_CONTEXT = get_context(42)  # type: ignore[arg-type]
+
+
+async def with_a_session(request: Request) -> None:
+    async with open_claim_session(request) as session:  # (a SQLAlchemy AsyncSession)
+        await session.execute(text("SELECT 1"))
+        await session.no_such_method()  # type: ignore[attr-defined]
