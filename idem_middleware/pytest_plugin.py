@@ -29,9 +29,9 @@ import shutil
 import tempfile
 import uuid
 import warnings
-from collections.abc import Callable, Coroutine, Generator, Iterator
+from collections.abc import Coroutine, Generator, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol, cast, overload
 
 import pytest
 
@@ -46,6 +46,9 @@ from .pytest_databases import (
     run_sync,
     tuned_throwaway,
 )
+
+if TYPE_CHECKING:
+    import httpx
 
 __all__ = [
     "DSN_ENV",
@@ -138,8 +141,20 @@ def pytest_configure(config: pytest.Config) -> None:
         config.pluginmanager.register(pytest_store, "idem_middleware.pytest_store")
 
 
-#: `idem_replay`'s type: returns `(first, second)`, or an awaitable of it for an async client.
-Replay = Callable[..., Any]
+class Replay(Protocol):
+    """`idem_replay`'s type: `(first, second)`, awaited for an async client (a type checker then
+    reports a call left without its `await`)."""
+
+    @overload
+    def __call__(
+        self, client: httpx.AsyncClient, method: str, url: str, **options: Any
+    ) -> Coroutine[Any, Any, tuple[httpx.Response, httpx.Response]]: ...
+    @overload
+    def __call__(
+        self, client: httpx.Client, method: str, url: str, **options: Any
+    ) -> tuple[httpx.Response, httpx.Response]: ...
+    @overload
+    def __call__(self, client: Any, method: str, url: str, **options: Any) -> Any: ...
 
 
 def _checked(first: Any, second: Any) -> tuple[Any, Any]:
@@ -169,9 +184,10 @@ def _is_key(name: str | bytes) -> bool:
     return name.lower() == "idempotency-key"
 
 
-class _Pending:
+class _Pending(Coroutine[Any, Any, tuple[Any, Any]]):
     """An async client's replay: runs when awaited. Never awaited, it checked nothing, and the
-    fixture's end says so instead of letting the test pass."""
+    fixture's end says so instead of letting the test pass. (A coroutine: a type checker reports
+    one left without its `await`.)"""
 
     __slots__ = ("awaited", "coroutine")
 
@@ -182,6 +198,16 @@ class _Pending:
     def __await__(self) -> Generator[Any, None, tuple[Any, Any]]:
         self.awaited = True
         return self.coroutine.__await__()
+
+    def send(self, value: Any) -> Any:
+        self.awaited = True
+        return self.coroutine.send(value)
+
+    def throw(self, *error: Any) -> Any:
+        return self.coroutine.throw(*error)
+
+    def close(self) -> None:
+        self.coroutine.close()
 
 
 @pytest.fixture
@@ -224,7 +250,7 @@ def idem_replay() -> Iterator[Replay]:
             )
         return _checked(first, client.request(method, url, **options))
 
-    yield replay
+    yield cast(Replay, replay)
     forgotten = [call for call in pending if not call.awaited]
     for call in forgotten:
         call.coroutine.close()  # no "never awaited" warning on top of the failure

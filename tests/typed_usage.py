@@ -17,6 +17,7 @@ from idem_middleware import IdempotencyContext, MemoryStore, Mode, Policy, get_c
 from idem_middleware.fastapi import install
 from idem_middleware.jobs import idempotent_job
 from idem_middleware.outbox import webhook_sender
+from idem_middleware.pytest_plugin import Replay
 from idem_middleware.sqla import open_claim_session
 
 store = MemoryStore()
@@ -72,3 +73,10 @@ async def with_a_session(request: Request) -> None:
     async with open_claim_session(request) as session:  # (a SQLAlchemy AsyncSession)
         await session.execute(text("SELECT 1"))
         await session.no_such_method()  # type: ignore[attr-defined]
+
+
+async def a_test(idem_replay: Replay, client: httpx.AsyncClient, sync: httpx.Client) -> None:
+    first, second = await idem_replay(client, "POST", "/pay", json={})
+    assert first.status_code == second.status_code  # (httpx responses)
+    first, _ = idem_replay(sync, "POST", "/pay", json={})  # (a sync client: no await)
+    idem_replay(client, "POST", "/pay")  # type: ignore[unused-coroutine]
