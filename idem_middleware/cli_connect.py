@@ -10,7 +10,7 @@ from urllib.parse import unquote, urlsplit, urlunsplit
 
 import asyncpg
 
-from .errors import ConfigurationError, StatementRefused, StoreClosed, StoreError
+from .errors import ConfigurationError, RetryableConflict, StatementRefused, StoreClosed, StoreError
 from .store.postgres import PostgresStore
 from .store.postgres.convert import ACQUIRE_ERRORS, CANCELLED, LOCK_NOT_AVAILABLE, RETRYABLE
 
@@ -85,7 +85,7 @@ def connecting(dsn: str) -> Iterator[None]:
 
 
 #: What a command that stopped partway may meet again and get past by running once more.
-_PASSING = (*ACQUIRE_ERRORS, *RETRYABLE, CANCELLED, LOCK_NOT_AVAILABLE)
+_PASSING = (*ACQUIRE_ERRORS, *RETRYABLE, RetryableConflict, CANCELLED, LOCK_NOT_AVAILABLE)
 
 
 def run_again(exc: BaseException) -> str:

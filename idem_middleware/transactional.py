@@ -269,12 +269,19 @@ class Attempt(ResponseCapture):
             self.watcher.add_done_callback(self._client_left)
 
     def _client_left(self, watched: asyncio.Task[None]) -> None:
-        # (`ex.watched`: unset once a stream's outcome is committed, see `settle_early`)
-        if self.running and self.ex.watched and not watched.cancelled() and not watched.exception():
-            self.gone = True
-            self.ex.disconnect_event().set()  # the app's own receive() reports it too
-            assert self.task is not None
-            self.task.cancel()
+        if not self.running or watched.cancelled() or watched.exception() is not None:
+            return
+        self.ex.disconnect_event().set()  # the app's own receive() reports it too
+        if self.ex.started:
+            # A stream's outcome is committed (`settle_early`): the client leaving ends the
+            # stream (through the app's receive()), never the work the app does after it (a
+            # background task, a dependency's teardown). Servers report a disconnect once the
+            # response is complete too: cancelled, that work was cut short, its record
+            # `succeeded` and replayed to every retry.
+            return
+        self.gone = True
+        assert self.task is not None
+        self.task.cancel()
 
     async def settle_early(self, reason: str) -> None:
         """Before the first byte of a response that cannot be held (see ResponseCapture)."""
@@ -292,15 +299,7 @@ class Attempt(ResponseCapture):
             raise
         # The outcome is committed and the first byte follows: from here on nothing may run the
         # attempt again (a serialization failure while streaming ends the response instead).
-        self.ex.started = True
-        # Nor may the client watch cancel the handler: a client leaving ends the stream (the
-        # app's receive() reports it, as the server's), never the work the app does after it
-        # (a background task, a dependency's teardown). Servers report a disconnect once the
-        # response is complete: watched, such work was cancelled, its record `succeeded`.
-        self.ex.watched = False
-        _WATCH.discard(self)
-        if self.watcher is not None:
-            self.watcher.cancel()
+        self.ex.started = True  # (nor is the handler cancelled for its client: `_client_left`)
         # The stream may take as long as its client likes: it holds no connection. Writes the
         # handler makes from here on are outside the claim, on a connection of its own.
         await self.tx.release()

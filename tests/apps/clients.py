@@ -88,25 +88,34 @@ def asgi_request(
 class AsServer:
     """`receive` and `send` for driving an app directly as uvicorn or hypercorn would: the body
     in one message, then nothing until the response is complete, then `http.disconnect` (what
-    those servers answer once it is). `sent` holds what the app sent."""
+    those servers answer once it is); or, with `leaves_after`, once that many body messages were
+    sent (a client that leaves mid-stream). `sent` holds what the app sent."""
 
-    def __init__(self, body: bytes) -> None:
+    def __init__(self, body: bytes, leaves_after: int | None = None) -> None:
         self.body = body
+        self.leaves_after = leaves_after
         self.delivered = False
         self.complete = asyncio.Event()
+        self.gone = asyncio.Event()
         self.sent: list[dict[str, Any]] = []
 
     async def receive(self) -> dict[str, Any]:
         if not self.delivered:
             self.delivered = True
             return {"type": "http.request", "body": self.body, "more_body": False}
-        await self.complete.wait()
+        await self.gone.wait()
         return {"type": "http.disconnect"}
 
     async def send(self, message: dict[str, Any]) -> None:
-        self.sent.append(message)
-        if message["type"] == "http.response.body" and not message.get("more_body", False):
+        self.sent.append(message)  # (after the client left too: uvicorn drops them silently)
+        if message["type"] != "http.response.body":
+            return
+        if not message.get("more_body", False):
             self.complete.set()
+            self.gone.set()
+        bodies = sum(m["type"] == "http.response.body" for m in self.sent)
+        if self.leaves_after is not None and bodies >= self.leaves_after:
+            self.gone.set()
 
     def sent_body(self) -> bytes:
         return b"".join(m.get("body", b"") for m in self.sent if m["type"] == "http.response.body")

@@ -61,3 +61,32 @@ async def test_work_after_a_settled_stream_runs_to_its_end(
     assert record.response.body_omitted is not None
     if response == "over max_response_bytes":
         assert json.loads(server.sent_body()) == {"padding": "x" * 200}
+
+
+async def test_a_settled_stream_stops_once_its_client_leaves(pg_store: PostgresStore) -> None:
+    """The other side: a client leaving mid-stream still ends an endless stream, through the
+    app's receive() (Starlette's streaming response waits on it from before its first byte),
+    once the watch starts; the outcome stays committed. (Out of the watch altogether, the app's
+    receive() waited for a verdict nothing gave, and the stream ran on for good.)"""
+    produced: list[int] = []
+
+    async def endless() -> AsyncIterator[bytes]:
+        for n in range(int(BOUND / 0.01)):  # (bounded: the test's own bound)
+            produced.append(n)
+            yield b"data: %d\n\n" % n
+            await asyncio.sleep(0.01)
+
+    async def handler(request: Request) -> Response:
+        get_context(request)
+        return StreamingResponse(endless(), media_type="text/event-stream")
+
+    app = one_route_app("/work", handler, store=pg_store)
+    server = AsServer(b"{}", leaves_after=3)
+    request = app(asgi_request("/work", "leaves", len(server.body)), server.receive, server.send)
+    await asyncio.wait_for(request, BOUND)
+    # It stopped once the watch read the disconnect (after DISCONNECT_WATCH_AFTER), far short of
+    # the generator's end.
+    assert len(produced) < (DISCONNECT_WATCH_AFTER + 1.0) / 0.01
+    record = await pg_store.get(RecordKey("tenant-a", "POST /work", "leaves"))
+    assert record is not None
+    assert record.state is State.SUCCEEDED

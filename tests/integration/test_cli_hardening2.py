@@ -25,7 +25,7 @@ import asyncpg
 import pytest
 
 from idem_middleware import cli_commands
-from idem_middleware.errors import StoreError
+from idem_middleware.errors import RetryableConflict, StatementRefused, StoreError
 from idem_middleware.ops import Resolution, ResolveError, resolve
 from idem_middleware.store.base import RecordKey, Settlement, State, StoredResponse
 from idem_middleware.store.postgres import PostgresStore
@@ -272,6 +272,34 @@ async def test_a_purge_refused_partway_says_what_it_deleted(
             "stopped_at_limit": False,
             "error": "permission denied for table idem_tokens",
         }
+
+
+@pytest.mark.parametrize(
+    ("error", "advice"),
+    [
+        (StoreError("connection lost"), "run it again"),
+        (RetryableConflict("deadlock detected"), "run it again"),
+        (asyncpg.DeadlockDetectedError("deadlock detected"), "run it again"),
+        (asyncpg.QueryCanceledError("statement timeout"), "run it again"),
+        (asyncpg.InsufficientPrivilegeError("permission denied"), "fix what failed (below)"),
+        (StatementRefused("UndefinedTableError: no idem_tokens"), "fix what failed (below)"),
+    ],
+)
+async def test_a_purge_stopped_partway_says_whether_running_it_again_can_pass(
+    error: Exception, advice: str
+) -> None:
+    """A lost connection, a conflict or a timeout may pass on the next run; a refusal fails the
+    same way until it is fixed (it said "run it again" for every error)."""
+
+    class Stops:
+        async def purge(self, *, progress: Any, **limits: Any) -> int:
+            progress(2)
+            raise error
+
+    args = argparse.Namespace(command="purge", json=False, batch_size=1000, max_batches=1000)
+    with pytest.raises(cli_commands.Interrupted) as stopped:
+        await cli_commands.purge(Stops(), args)  # type: ignore[arg-type]
+    assert f"(each batch is committed; {advice}" in str(stopped.value)
 
 
 async def test_a_purge_refused_partway_by_the_server_exits_1_saying_so(
