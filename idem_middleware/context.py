@@ -7,7 +7,9 @@ import hashlib
 from collections.abc import Awaitable, Callable, Mapping, MutableMapping
 from contextvars import ContextVar, Token
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+from starlette.requests import HTTPConnection
 
 from .errors import ConfigurationError, StaleGeneration
 from .keys import token_hash as token_hash
@@ -15,9 +17,6 @@ from .outcomes import RELEASE_STATUSES as RELEASE_STATUSES
 from .outcomes import Outcome as Outcome
 from .outcomes import outcome_for_status as outcome_for_status
 from .policy import Mode
-
-if TYPE_CHECKING:
-    from starlette.requests import HTTPConnection
 
 #: The ASGI scope entry holding the IdempotencyContext of a claimed request.
 SCOPE_KEY = "idem_middleware.context"

@@ -9,19 +9,15 @@ import inspect
 from collections.abc import Callable
 from contextvars import ContextVar
 from enum import IntEnum
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar, Unpack
 
 from starlette.endpoints import HTTPEndpoint
 from starlette.requests import Request
 from starlette.types import Scope
 
 from .errors import ConfigurationError
+from .options import PolicyOptions  # (at run time too: typing.get_type_hints reads it)
 from .policy import Policy
-
-if TYPE_CHECKING:
-    from typing import Unpack
-
-    from .options import PolicyOptions
 
 POLICY_ATTRIBUTE = "__idempotency_policy__"
 #: On a function `@idempotent` wrapped: the wrapper that carries its policy. A route registered

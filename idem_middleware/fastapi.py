@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Annotated, Any, TypeAlias
+from typing import TYPE_CHECKING, Annotated, Any, TypeAlias, Unpack
 
 import asyncpg
 
@@ -23,14 +23,11 @@ from .errors import NO_CLAIM_HINT, ConfigurationError
 from .middleware import IdempotencyMiddleware
 from .openapi import document_openapi
 from .ops import GuardedOperation, find_middleware, guarded_operations
+from .options import MiddlewareOptions  # (at run time too: typing.get_type_hints reads it)
 from .routing import Found, listed_routes, mounted_app, walk
 from .store.base import Store
 
 if TYPE_CHECKING:
-    from typing import Unpack
-
-    from .options import MiddlewareOptions
-
     Connection: TypeAlias = asyncpg.Connection[Any]
 else:  # asyncpg's Connection is generic only in its type stubs
     Connection = asyncpg.Connection

@@ -9,11 +9,12 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Unpack
 
 from .errors import ConfigurationError
 from .frozen import quick_init
 from .keysource import FIELD_NAME, KeyFunction, KeySource, as_key_source
+from .options import PolicyOptions  # (at run time too: typing.get_type_hints reads it)
 from .policy_values import (
     COUNTS,
     DURATIONS,
@@ -31,9 +32,6 @@ from .reconcile import Reconciler
 from .storable import storable_text
 
 if TYPE_CHECKING:
-    from typing import Unpack
-
-    from .options import PolicyOptions
     from .responses import ReplayHook
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import typing
 
 from idem_middleware import IdempotencyMiddleware, Policy
 from idem_middleware.options import MiddlewareOptions, PolicyOptions
@@ -19,3 +20,13 @@ def test_middleware_options_name_every_keyword_of_the_middleware_but_its_store()
     parameters = inspect.signature(IdempotencyMiddleware.__init__).parameters
     keywords = {n for n, p in parameters.items() if p.kind is inspect.Parameter.KEYWORD_ONLY}
     assert set(MiddlewareOptions.__annotations__) == keywords - {"store"}
+
+
+def test_the_public_functions_hints_resolve_at_run_time() -> None:
+    """Tools that read hints at run time (FastAPI, documentation) resolve them: names imported
+    for type checkers alone raised NameError in `typing.get_type_hints`."""
+    from idem_middleware import get_context, idempotent
+    from idem_middleware.fastapi import install
+
+    for function in (get_context, idempotent, install, Policy.replace):
+        assert "return" in typing.get_type_hints(function), function
