@@ -9,7 +9,7 @@ added here too.)
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, KeysView, Mapping, Sequence
 from fractions import Fraction
 from typing import TYPE_CHECKING, Literal, TypedDict
 
@@ -21,8 +21,9 @@ if TYPE_CHECKING:
     from .responses import ReplayHook
     from .tenant import TenantResolver
 
-#: Names (of JSON members, pointers or headers): a tuple, a list or a set (sorted); not a str.
-Names = tuple[str, ...] | list[str] | set[str] | frozenset[str]
+#: Names (of JSON members, pointers or headers): a tuple, a list, a set (sorted) or a dict's
+#: keys; not a str.
+Names = tuple[str, ...] | list[str] | set[str] | frozenset[str] | KeysView[str]
 #: A number of seconds (another real number is kept as a float).
 Seconds = float | Fraction
 

@@ -30,7 +30,7 @@ LEASED = Policy(
     exclude_fields=["/meta/trace"],
     wait_seconds=Fraction(1, 2),
 )
-SHORTER = LEASED.replace(lease_seconds=10, mode=Mode.LEASE)
+SHORTER = LEASED.replace(lease_seconds=10, mode=Mode.LEASE, include_fields={"a": 1}.keys())
 # One string is not a collection of names: the checker says so, as the policy does at run time.
 ONE_NAME = Policy(include_headers="x-api-version")  # type: ignore[arg-type]
 BAD_MODE = Policy(mode="leased")  # type: ignore[arg-type]
