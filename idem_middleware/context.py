@@ -240,7 +240,8 @@ def get_context(scope_or_request: HTTPConnection | Mapping[str, Any]) -> Idempot
     """The context of the current request (pass the ASGI scope or a Starlette Request).
 
     Raises LookupError when the request is not running under a claim (an unguarded route, or a
-    route whose key is optional and was not sent).
+    route whose key is optional and was not sent), or when called from a task an earlier attempt
+    of the request started (the request runs again after a conflict: see `IdempotencyContext`).
     """
     scope = getattr(scope_or_request, "scope", scope_or_request)
     if not isinstance(scope, Mapping):  # (None, or a str: an AttributeError from inside)
@@ -249,4 +250,14 @@ def get_context(scope_or_request: HTTPConnection | Mapping[str, Any]) -> Idempot
     if context is None:
         raise LookupError("this request is not running under an idempotency claim")
     assert isinstance(context, IdempotencyContext)
+    own = CURRENT.get()
+    if own is not None and own is not context and own._ended:
+        # A task an earlier attempt of this request started, still running after that attempt
+        # was rolled back and run again (a serialization failure): the scope holds the new
+        # attempt's claim, which is not its own. Its writes there committed with the new
+        # attempt's outcome, beside the new attempt's own: the effect twice.
+        raise LookupError(
+            "the attempt this task was started in is over (the request runs again under a new "
+            "claim): a task of an earlier attempt cannot use the new one's"
+        )
     return context

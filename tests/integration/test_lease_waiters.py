@@ -14,7 +14,7 @@ import pytest
 
 from idem_middleware import PostgresStore
 from idem_middleware.store.base import Claimed, RecordKey, Settlement, State, StoredResponse
-from idem_middleware.store.postgres.convert import NOTIFY_CHANNEL, notify_token
+from idem_middleware.store.postgres.rows import NOTIFY_CHANNEL, notify_token
 
 pytestmark = pytest.mark.needs_listen
 

@@ -117,7 +117,10 @@ def test_header_names_and_values_a_server_sends_other_than_bytes_are_stored_as_b
     transactional attempt was a 500 and a lease-mode record stayed `unknown`; a `memoryview`
     value was replayed by the in-memory store and left out by PostgreSQL's. Both are `bytes` in
     the record, in both stores; a pair of anything else, which no server sends, is left out."""
-    from idem_middleware.store.postgres.convert import decode_headers, encode_headers
+    from idem_middleware.store.postgres.rows import (
+        decode_headers,
+        encode_headers,
+    )
 
     headers: list[Any] = [
         (bytearray(b"x-trace"), b"abc"),

@@ -13,11 +13,17 @@
 
 from ...errors import NotFusable as _NotFusable
 from .claim import claim as _claim
-from .convert import _Q, NOTIFY_CHANNEL, decode_headers, encode_headers, notify_token
+from .convert import _Q
 from .fused import FUSE_MAX_BODY
 from .fused import NAMES as _NAMES
 from .fused import fusable as _fusable
 from .literals import _inline, _literal
+from .rows import (
+    NOTIFY_CHANNEL,
+    decode_headers,
+    encode_headers,
+    notify_token,
+)
 from .store import PostgresStore
 
 __all__ = [

@@ -12,12 +12,10 @@ from .convert import (
     SERVER_ERROR,
     TRANSLATED,
     lock_waited,
-    notify_token,
     scrub,
-    to_record,
-    token_problem,
     translate,
 )
+from .rows import notify_token, to_record, token_problem
 
 # How often a claim re-reads a record that vanished between the INSERT and the SELECT (a
 # concurrent claim rolled back, or a purge ran). Each pass makes progress, so a few suffice.

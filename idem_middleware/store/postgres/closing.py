@@ -11,7 +11,8 @@ from typing import Any, TypeVar
 
 from ...errors import StoreError, blip
 from ..base import Claim, Claimed, RecordKey
-from .convert import _Q, notify_token
+from .convert import _Q
+from .rows import notify_token
 
 logger = logging.getLogger("idem_middleware.store")
 

@@ -37,11 +37,10 @@ from .convert import (
     TRANSLATED,
     lock_waited,
     no_connection,
-    settle_args,
-    to_record,
     translate,
 )
 from .privileges import require_outbox_visible
+from .rows import settle_args, to_record
 from .runner import PoolStatements, alone, checkout
 
 

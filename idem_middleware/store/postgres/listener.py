@@ -15,7 +15,8 @@ import asyncpg
 
 from ...errors import RetryableConflict, StoreError
 from ..base import EventWatch, RecordKey
-from .convert import _Q, CONNECTION_ERRORS, NOTIFY_CHANNEL, notify_token
+from .convert import _Q, CONNECTION_ERRORS
+from .rows import NOTIFY_CHANNEL, notify_token
 
 logger = logging.getLogger("idem_middleware.store")
 

@@ -25,14 +25,13 @@ from .convert import (
     UNIQUE_VIOLATION,
     WAIT_EXCEEDED,
     claim_connection_gone,
-    completion_args,
     is_conflict,
     no_connection,
     refused,
-    to_record,
     translate,
 )
 from .fused import FastPath
+from .rows import completion_args, to_record
 from .runner import give_back, warn_ended
 
 logger = logging.getLogger("idem_middleware.store")

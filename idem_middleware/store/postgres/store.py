@@ -28,9 +28,6 @@ from .convert import (
     TRANSLATED,
     lock_waited,
     no_connection,
-    notify_token,
-    settle_args,
-    to_record,
     translate,
 )
 from .edges import OffPathStatements
@@ -43,6 +40,7 @@ from .poolers import PREPARED_MISMATCH, refusal, require_sessions_to_listen, req
 from .poolers import check as check_pooler
 from .privileges import require_privileges, require_writable
 from .renewals import Renewals, bound
+from .rows import notify_token, settle_args, to_record
 from .runner import alone
 from .sessions import PgTransaction
 

@@ -1,0 +1,137 @@
+"""The driver's edge for values: rows into records, records and settlements into a statement's
+arguments, and the NOTIFY payload that names a record (errors: convert.py)."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from typing import Any
+
+import orjson
+
+from ...sendable import bytes_pairs
+from ..base import Record, RecordKey, Settlement, State, StoredResponse
+
+
+def encode_headers(headers: Sequence[tuple[bytes, bytes]]) -> bytes:
+    # latin-1 maps every byte to one code point, so any header value survives the round trip.
+    try:
+        return orjson.dumps([(n.decode("latin-1"), v.decode("latin-1")) for n, v in headers])
+    except (AttributeError, TypeError, ValueError):
+        # A header that is not two bytes (a handler's `str`): no server sends it and no replay
+        # would (sendable.py); the outcome is recorded without it, as the twin's replay has it.
+        # (A `memoryview`, which servers send, is made `bytes`, as the in-memory store keeps it.)
+        kept = bytes_pairs(headers)
+        return orjson.dumps([(n.decode("latin-1"), v.decode("latin-1")) for n, v in kept])
+
+
+def decode_headers(blob: bytes | None) -> list[tuple[bytes, bytes]]:
+    if not blob:
+        return []
+    return [(n.encode("latin-1"), v.encode("latin-1")) for n, v in orjson.loads(blob)]
+
+
+def to_record(key: RecordKey, row: Any) -> Record:
+    status = row["response_status"]
+    response = None
+    if status is not None:
+        response = StoredResponse(
+            status=status,
+            headers=decode_headers(row["response_headers"]),
+            body=row["response_body"] or b"",
+            body_omitted=row["body_omitted"],
+        )
+    return Record(
+        key=key,
+        fingerprint=row["fingerprint"],
+        state=State(row["state"]),
+        generation=row["generation"],
+        response=response,
+        expired=bool(row["expired"]),
+        lease_expired=bool(row["lease_expired"]),
+        retry_allowed=bool(row["retry_allowed"]),
+        epoch=row["epoch"],
+    )
+
+
+#: The one channel lease-mode settlements notify on; the payload says which record.
+NOTIFY_CHANNEL = "idem_middleware"
+
+
+def notify_token(key: RecordKey) -> str:
+    """The NOTIFY payload for a record: short, fixed-length, and no raw key on the wire."""
+    raw = "\x00".join((key.tenant, key.operation, key.key)).encode()
+    return hashlib.sha256(raw).hexdigest()[:32]
+
+
+def completion_args(
+    key: RecordKey,
+    generation: int,
+    state: State,
+    response: StoredResponse,
+    deferred: tuple[bytes, float] | None,
+) -> tuple[str, tuple[Any, ...]]:
+    """A transactional claim's completing statement and its parameters: the pending record's
+    UPDATE (`complete`), or for a claim that wrote nothing yet (`deferred`: the fingerprint and
+    retention its record is inserted with) the record's one INSERT (`insert_final`)."""
+    headers = encode_headers(response.headers)
+    if deferred is None:
+        return "complete", (
+            key.tenant,
+            key.operation,
+            key.key,
+            generation,
+            str(state),  # (its text: `.value` is a Python property of Enum's)
+            response.status,
+            headers,
+            response.body,
+            response.body_omitted,
+        )
+    fingerprint, retention_seconds = deferred
+    return "insert_final", (
+        key.tenant,
+        key.operation,
+        key.key,
+        fingerprint,
+        generation,
+        retention_seconds,
+        str(state),
+        response.status,
+        headers,
+        response.body,
+        response.body_omitted,
+    )
+
+
+def settle_args(key: RecordKey, generation: int, expected: State, s: Settlement) -> tuple[Any, ...]:
+    """The parameters of `settle` (and of the fused `settle_checked`)."""
+    r = s.response
+    return (
+        key.tenant,
+        key.operation,
+        key.key,
+        generation,
+        str(expected),  # (a StrEnum's text; `.value` is a Python property of Enum's)
+        str(s.state),
+        None if r is None else r.status,
+        None if r is None else encode_headers(r.headers),
+        None if r is None else r.body,
+        None if r is None else r.body_omitted,
+        s.note,
+        notify_token(key),
+    )
+
+
+def token_problem(row: Any) -> str:
+    """Why a token cannot be claimed (from a `token_status` row), or "" if it can."""
+    if row is None:
+        return "This key is not a token issued to you for this operation."
+    if not row["same_operation"]:
+        return "This token was issued for another operation."
+    if not row["unused"]:
+        return "This token was already used; ask for a new one."
+    if not row["live"]:
+        return "This token has expired; ask for a new one."
+    if not row["same_request"]:
+        return "This token was issued for a different request."
+    return ""
