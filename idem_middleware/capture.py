@@ -17,6 +17,8 @@ from .store.base import StoredResponse
 #: The final HTTP statuses (an int's membership is tested in C, quicker than `199 < s < 600`).
 _FINAL_STATUSES = range(200, 600)
 _ASIDE = frozenset({"http.response.early_hint", "http.response.push", "http.response.debug"})
+#: The first bytes a `text/event-stream` Content-Type may start with (OWS before it).
+_STREAM_FIRST = b"Tt \t"
 
 
 #: Ways of sending a body that the server reads itself (a file by path, by descriptor). Hidden
@@ -145,8 +147,10 @@ class ResponseCapture(Answer):
                 content_type = _content_type(headers)
             # (A media type's case means nothing: `Text/Event-Stream` streams as well. The first
             # byte first: most responses are `application/...`, and are done with in one test.)
+            # (`find`, not `in`: bytes' `in` tries its operand as an integer first, and formats
+            # the TypeError it then discards; `find` refuses a str as `in` does.)
             try:
-                streams = content_type[:1] in b"Tt \t" and (
+                streams = _STREAM_FIRST.find(content_type[:1]) >= 0 and (
                     content_type.lstrip(b" \t")[:17].lower() == b"text/event-stream"
                 )
             except (TypeError, AttributeError):  # (a str under h11, a memoryview: sent too)

@@ -202,25 +202,28 @@ def claimed_context(
     fence: Callable[[], Awaitable[Any]] | None = None,
 ) -> IdempotencyContext:
     """`IdempotencyContext(tenant=..., ...)` for a claim the middleware made (once per request).
-    A class called with keywords first packs them into a dict for its `__init__`; its
-    `__init__` called as a function takes them as they are (about half the cost here)."""
+    A class called with keywords first packs them into a dict for its `__init__`, and its
+    `__init__` is a call of its own: every field is set here as that `__init__` sets it (the
+    context is not frozen; a test compares the two, field by field)."""
     context = _new(IdempotencyContext)
-    _init(
-        context,
-        tenant=tenant,
-        operation=operation,
-        key=key,
-        generation=generation,
-        mode=mode,
-        connection=connection,
-        epoch=epoch,
-        _fence=fence,
-    )
+    context.tenant = tenant
+    context.operation = operation
+    context.key = key
+    context.generation = generation
+    context.mode = mode
+    context.connection = connection
+    context.epoch = epoch
+    context.declared = None
+    context._fence = fence
+    context._lease_lost = None
+    context._downstream_key = None
+    context._held_writes = None
+    context._ended = False
+    context._settled = False
     return context
 
 
 _new = object.__new__
-_init = IdempotencyContext.__init__
 
 
 def enter_context(scope: MutableMapping[str, Any], context: IdempotencyContext) -> Token[Any]:

@@ -286,20 +286,26 @@ class Fingerprinter:
                 self._used = True
             elif self._tail_room >= 0:  # the path's second request
                 head_state = self._head_state = sha256(self._head)
-        stream = [] if head_state is not None else [self._head]
-        if query_string:
-            query = canonical_pairs(
-                query_string, what="The query string", max_fields=settings.max_fields
-            )
-            stream += (_framed(query), _framed_count(len(include_headers)))
-        elif include_headers:
-            stream += (_NO_QUERY, _framed_count(len(include_headers)))
+        if not query_string and not include_headers:  # (most requests: no list to build)
+            tag_size, size = _U64(len(media_tag)), _U64(len(canonical))
+            if head_state is not None:
+                data = b"".join((_NO_QUERY_NO_HEADERS, tag_size, media_tag, size, canonical))
+            else:
+                head = self._head
+                data = b"".join((head, _NO_QUERY_NO_HEADERS, tag_size, media_tag, size, canonical))
         else:
-            stream.append(_NO_QUERY_NO_HEADERS)
-        if include_headers:
-            stream += _header_parts(headers, include_headers)
-        stream += (_U64(len(media_tag)), media_tag, _U64(len(canonical)), canonical)
-        data = b"".join(stream)
+            stream = [] if head_state is not None else [self._head]
+            if query_string:
+                query = canonical_pairs(
+                    query_string, what="The query string", max_fields=settings.max_fields
+                )
+                stream += (_framed(query), _framed_count(len(include_headers)))
+            else:
+                stream += (_NO_QUERY, _framed_count(len(include_headers)))
+            if include_headers:
+                stream += _header_parts(headers, include_headers)
+            stream += (_U64(len(media_tag)), media_tag, _U64(len(canonical)), canonical)
+            data = b"".join(stream)
         if head_state is not None:
             if len(data) <= self._tail_room:
                 hashed = head_state.copy()

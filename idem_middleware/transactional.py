@@ -34,7 +34,7 @@ from .errors import (
 from .observe import SETTLED_EVENTS, Event
 from .outcomes import FINAL_STATE, Outcome, duplicate_answer, outcome_for_status
 from .policy import Mode
-from .store.base import Existing, RecordKey, TokenRefused
+from .store.base import Claimed, Existing, RecordKey, TokenRefused
 
 if TYPE_CHECKING:
     from .exchange import Exchange
@@ -123,7 +123,8 @@ class Attempt(ResponseCapture):
         ex = self.ex
         policy = ex.policy
         record_key = self.record_key
-        slots = ex.mw.tenant_slots
+        mw = ex.mw
+        slots = mw.tenant_slots
         slot = None
         if slots.limit is not None:
             # (Given back at the end, or when a stream starts: see `settle_early`.)
@@ -133,7 +134,7 @@ class Attempt(ResponseCapture):
                     raise ClaimBusy("no tenant slot")  # (its wait lasts: then a 409, as lease's)
                 return Problem(ProblemKind.TENANT_BUSY, TENANT_BUSY, policy.retry_after_seconds)
         try:
-            async with ex.mw.store.transaction(acquire_timeout=ex.mw.acquire_timeout) as tx:
+            async with mw.store.transaction(acquire_timeout=mw.acquire_timeout) as tx:
                 self.tx = tx
                 claiming = tx.claim(
                     record_key,
@@ -143,22 +144,23 @@ class Attempt(ResponseCapture):
                     token_hash=ex.token_hash,
                 )
                 # With nothing observing, no timer and no event calls at all (each is a call).
-                observed = ex.mw.observer is not None
+                observed = mw.observer is not None
                 if observed and self.waited is None:
                     with ex.timed("claim"):
                         claim = await claiming
                 else:
                     claim = await claiming
-                if isinstance(claim, Existing):
-                    answer = duplicate_answer(claim.record, self.fingerprint)
-                    if type(answer) is InFlight:
-                        # A lease-mode execution's live claim (its route is in lease mode in
-                        # another process, in a deploy): waited for as a busy key is, with no
-                        # connection held, then claimed again (replayed, or `unknown`).
-                        raise ClaimBusy("a lease-mode execution holds this key")
-                    return answer
-                if isinstance(claim, TokenRefused):
-                    return Problem(ProblemKind.TOKEN_INVALID, claim.reason)
+                if type(claim) is not Claimed:  # (the common answer: no isinstance call)
+                    if isinstance(claim, Existing):
+                        answer = duplicate_answer(claim.record, self.fingerprint)
+                        if type(answer) is InFlight:
+                            # A lease-mode execution's live claim (its route is in lease mode in
+                            # another process, in a deploy): waited for as a busy key is, with no
+                            # connection held, then claimed again (replayed, or `unknown`).
+                            raise ClaimBusy("a lease-mode execution holds this key")
+                        return answer
+                    if isinstance(claim, TokenRefused):
+                        return Problem(ProblemKind.TOKEN_INVALID, claim.reason)
                 if self.waited is not None:
                     self.waited.close()  # the wait is over: the handler's run is no wait
                 self.claimed = True
@@ -192,7 +194,7 @@ class Attempt(ResponseCapture):
                     ex.watched = self.running = True
                     _WATCH.add(self)
                     try:
-                        await ex.mw.app(ex.scope, ex, self)  # ex: receive; self: send
+                        await mw.app(scope, ex, self)  # ex: receive; self: send
                     except asyncio.CancelledError:
                         if not self._cancelled_by_watch():
                             raise
@@ -243,7 +245,7 @@ class Attempt(ResponseCapture):
             if slot is not None:
                 slot.give_back()
             if self.claimed:
-                ex.mw.waiters.wake(record_key)
+                mw.waiters.wake(record_key)
 
     def _cancelled_by_watch(self) -> bool:
         """The handler was cancelled: whether only by the client watch (then `_client_gone`
