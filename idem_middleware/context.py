@@ -84,6 +84,9 @@ class IdempotencyContext:
     #: Set when the outcome is recorded before the response ends (a stream's, at its first
     #: byte): `declare` can no longer change it.
     _settled: bool = field(default=False, repr=False)
+    #: The ASGI scope of the request it was claimed for (set as it enters it): a task of an
+    #: earlier attempt of that request is refused the next attempt's claim (`get_context`).
+    _scope: Any = field(default=None, repr=False)
 
     def __repr__(self) -> str:
         # The raw key may carry personal data (an order or an e-mail): a context logged or shown
@@ -220,6 +223,7 @@ def claimed_context(
     context._held_writes = None
     context._ended = False
     context._settled = False
+    context._scope = None
     return context
 
 
@@ -228,6 +232,7 @@ _new = object.__new__
 
 def enter_context(scope: MutableMapping[str, Any], context: IdempotencyContext) -> Token[Any]:
     scope[SCOPE_KEY] = context
+    context._scope = scope
     return CURRENT.set(context)
 
 
@@ -254,11 +259,12 @@ def get_context(scope_or_request: HTTPConnection | Mapping[str, Any]) -> Idempot
         raise LookupError("this request is not running under an idempotency claim")
     assert isinstance(context, IdempotencyContext)
     own = CURRENT.get()
-    if own is not None and own is not context and own._ended:
-        # A task an earlier attempt of this request started, still running after that attempt
-        # was rolled back and run again (a serialization failure): the scope holds the new
-        # attempt's claim, which is not its own. Its writes there committed with the new
-        # attempt's outcome, beside the new attempt's own: the effect twice.
+    if own is not None and own._scope is scope and own is not context and own._ended:
+        # A task an earlier attempt of this very request started, still running after that
+        # attempt was rolled back and run again (a serialization failure): the scope holds the
+        # new attempt's claim, which is not its own. Its writes there committed with the new
+        # attempt's outcome, beside the new attempt's own: the effect twice. (A task another
+        # request started, a worker serving later requests, is not refused.)
         raise LookupError(
             "the attempt this task was started in is over (the request runs again under a new "
             "claim): a task of an earlier attempt cannot use the new one's"

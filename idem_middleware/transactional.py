@@ -183,6 +183,7 @@ class Attempt(ResponseCapture):
                 # (enter_context and leave_context, inline: two calls fewer per request)
                 scope = ex.scope
                 scope[SCOPE_KEY] = self.context
+                self.context._scope = scope
                 token = CURRENT.set(self.context)
                 try:
                     # The handler runs in this task, not in a coroutine of its own: every await

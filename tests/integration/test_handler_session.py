@@ -6,10 +6,12 @@ the next request (the pools here have one connection: whatever a request leaves,
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
 import pytest
+from sqlalchemy import text
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.middleware.authentication import AuthenticationMiddleware
@@ -18,6 +20,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from idem_middleware import IdempotencyMiddleware, Mode, Policy, PostgresStore, get_context
+from idem_middleware.sqla import open_claim_session
 from tests.apps import LEDGER_INSERT, BearerBackend, QueryLog, client, count, key, logged_store
 
 
@@ -27,14 +30,24 @@ async def _connection(request: Request) -> Any:
 
 
 _THEN = {"deallocate": "DEALLOCATE ALL", "commit": "COMMIT", "rollback": "ROLLBACK"}
+_SQLA_INSERT = "INSERT INTO test_ledger (tenant, account_id, amount) VALUES (:tenant, 'handler', 1)"
 
 
 async def write(request: Request) -> Response:
-    """One ledger row (a statement asyncpg prepares and caches on the connection), then the
+    """One ledger row (a statement asyncpg prepares and caches on the connection; `?by=group`:
+    in a task of a TaskGroup, `?by=sqla`: through a SQLAlchemy claim session), then the
     statements the query string names (`?then=deallocate`)."""
     ctx = get_context(request)
     conn = await _connection(request)
-    await conn.execute(LEDGER_INSERT, ctx.tenant, "handler", 1)
+    by = request.query_params.get("by")
+    if by == "sqla":
+        async with open_claim_session(request) as session:
+            await session.execute(text(_SQLA_INSERT), {"tenant": ctx.tenant})
+    elif by == "group":
+        async with asyncio.TaskGroup() as group:
+            group.create_task(conn.execute(LEDGER_INSERT, ctx.tenant, "handler", 1))
+    else:
+        await conn.execute(LEDGER_INSERT, ctx.tenant, "handler", 1)
     then = request.query_params.get("then")
     if then is not None:
         await conn.execute(_THEN[then])
@@ -89,6 +102,22 @@ async def test_a_handler_dropping_the_sessions_prepared_statements_harms_no_late
         assert first.status_code >= 500
         assert await _state(pool, f"drop-{mode}") in ("pending", "unknown")
     assert await count(pool, "test_ledger") == (4 if mode is Mode.TRANSACTIONAL else 3)
+
+
+@pytest.mark.parametrize("by", ["group", "sqla"])
+async def test_statements_dropped_under_a_task_group_or_a_claim_session_harm_no_later_request(
+    db_dsn: str, pool: Any, by: str
+) -> None:
+    """The same, when the refused statement comes back wrapped: in an ExceptionGroup (a task
+    group's) or in SQLAlchemy's DBAPIError. The cache was emptied only for asyncpg's own error
+    raised plainly: every later request the pool gave that connection was a 500, for good."""
+    store = logged_store(db_dsn, QueryLog())
+    async with store, client(_app(store, Mode.TRANSACTIONAL)) as c:
+        first = await c.post(f"/write?by={by}&then=deallocate", json={}, headers=key("drop"))
+        later = [await c.post(f"/write?by={by}", json={}, headers=key(f"l{i}")) for i in range(3)]
+    assert first.status_code == 201, first.text
+    assert [r.status_code for r in later] == [201, 201, 201], [r.text for r in later]
+    assert await count(pool, "test_ledger") == 4
 
 
 @pytest.mark.parametrize("mode", [Mode.TRANSACTIONAL, Mode.LEASE])

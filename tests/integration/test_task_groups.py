@@ -14,7 +14,14 @@ import asyncpg
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from idem_middleware import IdempotencyContext, Mode, Policy, PostgresStore, get_context
+from idem_middleware import (
+    IdempotencyContext,
+    MemoryStore,
+    Mode,
+    Policy,
+    PostgresStore,
+    get_context,
+)
 from idem_middleware.jobs import idempotent_job
 from tests.apps import BOUND, LEDGER_INSERT, client, count, one_route_app
 from tests.apps.checks import assert_problem
@@ -108,6 +115,40 @@ async def test_a_task_of_an_earlier_attempt_cannot_use_the_new_claim(
     assert len(attempts) == 2
     assert isinstance(helper_saw[0], LookupError), helper_saw
     assert await count(pool, "test_ledger") == 1  # (2 before: the effect twice)
+
+
+async def test_a_worker_another_request_started_serves_later_requests() -> None:
+    """The refusal above is for the same request's earlier attempt only: a worker task the first
+    request started (it inherited that request's context, which has ended) acting for later,
+    live requests gets their claims, as before."""
+    queue: asyncio.Queue[tuple[Request, asyncio.Future[None]]] = asyncio.Queue()
+    workers: list[asyncio.Task[None]] = []
+
+    async def work() -> None:
+        for _ in range(3):
+            request, done = await queue.get()
+            try:
+                get_context(request)
+            except LookupError as error:
+                done.set_exception(error)
+            else:
+                done.set_result(None)
+
+    async def handler(request: Request) -> Response:
+        if not workers:  # (started by the first request, lazily)
+            workers.append(asyncio.create_task(work()))
+        done = asyncio.get_running_loop().create_future()
+        await queue.put((request, done))
+        await asyncio.wait_for(done, BOUND)
+        return JSONResponse({}, status_code=201)
+
+    app = one_route_app("/pay", handler, store=MemoryStore())
+    async with client(app) as c:
+        answers = [
+            await c.post("/pay", json={}, headers={"Idempotency-Key": f"k{n}"}) for n in range(3)
+        ]
+    await asyncio.wait_for(workers[0], BOUND)
+    assert [answer.status_code for answer in answers] == [201, 201, 201]
 
 
 async def test_a_job_whose_task_group_meets_a_conflict_runs_again(pg_store: PostgresStore) -> None:

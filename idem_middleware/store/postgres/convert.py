@@ -111,16 +111,23 @@ def is_conflict(exc: BaseException) -> bool:
     error itself, or one it was raised from (SQLAlchemy raises its own errors from asyncpg's,
     through its adapter's: a conflict met in a claim session is one too); a group's (a task
     group in the handler) when every error in it is one."""
-    errors = leaf_errors(exc)
-    return all(_conflict(error) for error in errors)
+    return all(_caused_by(error, _CONFLICTS) for error in leaf_errors(exc))
 
 
-def _conflict(exc: BaseException) -> bool:
+def stale_statement(exc: BaseException) -> bool:
+    """Whether a statement prepared on the session was dropped under it (STALE_STATEMENT): the
+    error, one it was raised from (SQLAlchemy's), or one in its group."""
+    return any(_caused_by(error, STALE_STATEMENT) for error in leaf_errors(exc))
+
+
+def _caused_by(
+    exc: BaseException, kinds: type[BaseException] | tuple[type[BaseException], ...]
+) -> bool:
     cause: BaseException | None = exc
     for _ in range(_CAUSES):
         if cause is None:
             return False
-        if isinstance(cause, _CONFLICTS):
+        if isinstance(cause, kinds):
             return True
         cause = cause.__cause__
     return False
@@ -148,6 +155,9 @@ def leaf_errors(exc: BaseException) -> list[BaseException]:
 _CONFLICTS: tuple[type[BaseException], ...] = (
     RetryableConflict,
     *RETRYABLE,
+    # A statement of the session's dropped under it (a handler's DEALLOCATE ALL): the attempt
+    # runs again once asyncpg's cache of them is emptied (`stale_statement`, sessions.py).
+    STALE_STATEMENT,
     # A statement plan a migration invalidated (ALTER TABLE under a cached `SELECT *`): asyncpg
     # re-prepares it by itself only outside a transaction, and has dropped it from its cache.
     asyncpg.exceptions.InvalidCachedStatementError,

@@ -28,6 +28,7 @@ from .convert import (
     is_conflict,
     no_connection,
     refused,
+    stale_statement,
     translate,
 )
 from .fused import FastPath
@@ -153,12 +154,11 @@ class PgTransaction:
         return compat.raw_connection(self._conn)
 
     def conflict(self, exc: BaseException) -> bool:
-        if isinstance(exc, STALE_STATEMENT):
+        if stale_statement(exc):  # (through SQLAlchemy's errors, or a task group, too)
             # One of asyncpg's statements had been dropped from the session (a handler before
             # this one ran DEALLOCATE ALL): the handler's writes rolled back with the claim, and
             # the attempt runs again with the connection's cache emptied.
             compat.forget_statements(self._conn)
-            return True
         return is_conflict(exc)
 
     def lost(self) -> StoreError | None:
