@@ -257,3 +257,26 @@ async def test_a_replay_has_one_idempotent_replayed_header() -> None:
         await c.post("/op", json={}, headers={"idempotency-key": "k-r"})
         replay = await c.post("/op", json={}, headers={"idempotency-key": "k-r"})
     assert replay.headers.get_list("idempotent-replayed") == ["true"]
+
+
+@pytest.mark.parametrize("mode", [Mode.TRANSACTIONAL, Mode.LEASE])
+async def test_a_duplicate_needs_a_slot_for_its_first_look(mode: Mode) -> None:
+    """docs/concurrency.md: with the tenant's slots all taken, a duplicate of a request in flight
+    is answered 429 + Retry-After (its claim needs a connection to find the key busy), in either
+    mode; the original is not disturbed."""
+    calls = Calls()
+    calls.gate = asyncio.Event()
+    policy = Policy(mode=mode, wait_seconds=2)
+    app = app_with(calls, store=MemoryStore(), default_policy=policy, max_tenant_connections=1)
+    async with client(app) as c:
+        first = asyncio.ensure_future(c.post("/op", json={}, headers={"idempotency-key": "k"}))
+        await asyncio.wait_for(calls.entered.wait(), BOUND)
+        duplicate = await asyncio.wait_for(
+            c.post("/op", json={}, headers={"idempotency-key": "k"}), BOUND
+        )
+        calls.gate.set()
+        original = await asyncio.wait_for(first, BOUND)
+    assert original.status_code == 201
+    assert duplicate.status_code == 429, duplicate.text
+    assert duplicate.headers.get("retry-after") == "1"
+    assert calls.n == 1
