@@ -164,27 +164,6 @@ async def test_lease_mode_waiters_full_409_has_retry_after() -> None:
     assert third.headers.get("retry-after") == "1"
 
 
-async def test_lease_mode_tenant_busy_429_has_retry_after() -> None:
-    calls = Calls()
-    calls.gate = asyncio.Event()
-    app = app_with(
-        calls,
-        store=MemoryStore(),
-        default_policy=Policy(mode=Mode.LEASE),
-        max_tenant_connections=1,
-    )
-    async with client(app) as c:
-        first = asyncio.ensure_future(c.post("/op", json={}, headers={"idempotency-key": "k1"}))
-        await asyncio.wait_for(calls.entered.wait(), BOUND)
-        refused = await asyncio.wait_for(
-            c.post("/op", json={}, headers={"idempotency-key": "k2"}), BOUND
-        )
-        calls.gate.set()
-        await asyncio.wait_for(first, BOUND)
-    assert refused.status_code == 429, refused.text
-    assert refused.headers.get("retry-after") == "1"
-
-
 # -- store/memory/tables.py:380-386 (tb-token-*): the memory twin checks tokens as PG does ------
 
 SECRET = b"s" * 32
@@ -260,23 +239,25 @@ async def test_a_replay_has_one_idempotent_replayed_header() -> None:
 
 
 @pytest.mark.parametrize("mode", [Mode.TRANSACTIONAL, Mode.LEASE])
-async def test_a_duplicate_needs_a_slot_for_its_first_look(mode: Mode) -> None:
-    """docs/concurrency.md: with the tenant's slots all taken, a duplicate of a request in flight
-    is answered 429 + Retry-After (its claim needs a connection to find the key busy), in either
-    mode; the original is not disturbed."""
+@pytest.mark.parametrize("second", ["another key", "a duplicate"])
+async def test_with_the_tenants_slots_taken_a_request_is_told_429(mode: Mode, second: str) -> None:
+    """With the tenant's slots all taken, another request is answered 429 + Retry-After, in
+    either mode; so is a duplicate of the request in flight (docs/concurrency.md: its claim
+    needs a connection to find the key busy). The original is not disturbed."""
     calls = Calls()
     calls.gate = asyncio.Event()
     policy = Policy(mode=mode, wait_seconds=2)
     app = app_with(calls, store=MemoryStore(), default_policy=policy, max_tenant_connections=1)
+    key = "k1" if second == "a duplicate" else "k2"
     async with client(app) as c:
-        first = asyncio.ensure_future(c.post("/op", json={}, headers={"idempotency-key": "k"}))
+        first = asyncio.ensure_future(c.post("/op", json={}, headers={"idempotency-key": "k1"}))
         await asyncio.wait_for(calls.entered.wait(), BOUND)
-        duplicate = await asyncio.wait_for(
-            c.post("/op", json={}, headers={"idempotency-key": "k"}), BOUND
+        refused = await asyncio.wait_for(
+            c.post("/op", json={}, headers={"idempotency-key": key}), BOUND
         )
         calls.gate.set()
         original = await asyncio.wait_for(first, BOUND)
     assert original.status_code == 201
-    assert duplicate.status_code == 429, duplicate.text
-    assert duplicate.headers.get("retry-after") == "1"
+    assert refused.status_code == 429, refused.text
+    assert refused.headers.get("retry-after") == "1"
     assert calls.n == 1
