@@ -120,16 +120,26 @@ def stale_statement(exc: BaseException) -> bool:
     return any(_caused_by(error, STALE_STATEMENT) for error in leaf_errors(exc))
 
 
+def reports_lost(exc: BaseException) -> bool:
+    """Whether `exc`, one it was raised from or during (a handler's own error wrapping it), or
+    one in its group is the driver's report of a connection gone."""
+    return any(_caused_by(error, CONNECTION_ERRORS, implicit=True) for error in leaf_errors(exc))
+
+
 def _caused_by(
-    exc: BaseException, kinds: type[BaseException] | tuple[type[BaseException], ...]
+    exc: BaseException,
+    kinds: type[BaseException] | tuple[type[BaseException], ...],
+    implicit: bool = False,
 ) -> bool:
+    """Whether `exc`, or an error it was raised from (`implicit`: or during), is one of `kinds`;
+    a chain of at most `_CAUSES`."""
     cause: BaseException | None = exc
     for _ in range(_CAUSES):
         if cause is None:
             return False
         if isinstance(cause, kinds):
             return True
-        cause = cause.__cause__
+        cause = cause.__cause__ or (cause.__context__ if implicit else None)
     return False
 
 

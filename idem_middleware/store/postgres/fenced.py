@@ -21,10 +21,10 @@ from .convert import (
     SERVER_ERROR,
     STALE_STATEMENT,
     TRANSLATED,
-    leaf_errors,
     lock_waited,
     no_connection,
     refused,
+    reports_lost,
     translate,
 )
 from .fused import FastPath
@@ -158,7 +158,7 @@ class Fencing(Bounded):
         raw = compat.raw_connection(self.connection)
         if raw is not None and not raw.is_closed():
             return False
-        return any(_reports_lost(leaf) for leaf in leaf_errors(error))  # (a task group's too)
+        return reports_lost(error)  # (through a task group's errors too)
 
     async def settle(self, s: Settlement) -> bool:
         args = settle_args(self._key, self._generation, self._expected, s)
@@ -243,15 +243,3 @@ async def _roll_back(tx: Any, conn: Any) -> None:
     except CONNECTION_ERRORS:
         logger.debug("rollback on a lost connection", exc_info=True)
         discard(conn)
-
-
-def _reports_lost(error: BaseException) -> bool:
-    """Whether `error`, or one it came from, is the driver's report of a connection gone."""
-    seen: BaseException | None = error
-    for _ in range(8):  # (a chain of causes, bounded)
-        if seen is None:
-            return False
-        if isinstance(seen, CONNECTION_ERRORS):
-            return True
-        seen = seen.__cause__ or seen.__context__
-    return False
