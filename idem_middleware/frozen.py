@@ -12,6 +12,7 @@ signature, the defaults, the refusal to be changed afterwards, equality, hashing
 from __future__ import annotations
 
 import dataclasses
+import sys
 from typing import Any, TypeVar, cast
 
 _T = TypeVar("_T")
@@ -26,22 +27,31 @@ def quick_init(cls: type[_T]) -> type[_T]:
         raise TypeError(f"quick_init: {cls.__name__} is not a frozen slots dataclass")
     if hasattr(cls, "__post_init__"):
         raise TypeError(f"quick_init: {cls.__name__} has a __post_init__")
-    namespace: dict[str, Any] = {}
+    helpers: dict[str, Any] = {}
     arguments, lines = [], []
     for field in dataclasses.fields(cast(Any, cls)):
         if not field.init or field.kw_only or field.default_factory is not dataclasses.MISSING:
             raise TypeError(f"quick_init: {cls.__name__}.{field.name} is not a plain field")
         name = field.name
-        namespace[f"_set_{name}"] = cls.__dict__[name].__set__  # the slot's own setter
+        helpers[f"_set_{name}"] = cls.__dict__[name].__set__  # the slot's own setter
         if field.default is dataclasses.MISSING:
             arguments.append(name)
         else:
-            namespace[f"_default_{name}"] = field.default
+            helpers[f"_default_{name}"] = field.default
             arguments.append(f"{name}=_default_{name}")
-        lines.append(f"    _set_{name}(self, {name})\n")
-    source = f"def __init__(self, {', '.join(arguments)}):\n" + "".join(lines or ["    pass\n"])
-    exec(source, namespace)  # (as dataclasses itself writes the __init__ it generates)
-    init = namespace["__init__"]
+        lines.append(f"        _set_{name}(self, {name})\n")
+    # As dataclasses writes the `__init__` it generates: made inside a function whose parameters
+    # are the helpers (closure cells, not globals), with the class's module as its globals, so
+    # that `typing.get_type_hints` resolves the fields' types as it does the class's.
+    source = (
+        f"def __make_init__({', '.join(helpers)}):\n"
+        f"    def __init__(self, {', '.join(arguments)}):\n"
+        + "".join(lines or ["        pass\n"])
+        + "    return __init__\n"
+    )
+    namespace: dict[str, Any] = {}
+    exec(source, sys.modules[cls.__module__].__dict__, namespace)
+    init = namespace["__make_init__"](**helpers)
     init.__qualname__ = f"{cls.__qualname__}.__init__"
     init.__module__ = cls.__module__
     init.__annotations__ = {f.name: f.type for f in dataclasses.fields(cast(Any, cls))}

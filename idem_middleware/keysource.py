@@ -30,12 +30,11 @@ __all__ = [
     "KeyFunction",
     "KeySource",
     "as_key_source",
-    "take_key",
 ]
 
 #: `(scope, body) -> key or None`, sync or async: the body is the whole request body, read (and
 #: capped by `max_body_bytes`) before the function is called.
-KeyFunction = Callable[[Scope, bytes], "str | Awaitable[str | None] | None"]
+KeyFunction = Callable[[Scope, bytes], str | Awaitable[str | None] | None]
 
 # RFC 9110 field names (tokens).
 FIELD_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")

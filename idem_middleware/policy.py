@@ -20,6 +20,7 @@ from .policy_values import (
     DURATIONS,
     FLAGS,
     MIN_LEASE_SECONDS,
+    ReplayHook,
     count,
     fields,
     flag,
@@ -30,9 +31,6 @@ from .policy_values import MAX_SECONDS as MAX_SECONDS
 from .policy_values import seconds_option as seconds_option
 from .reconcile import Reconciler
 from .storable import storable_text
-
-if TYPE_CHECKING:
-    from .responses import ReplayHook
 
 
 class Mode(StrEnum):

@@ -5,13 +5,23 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Collection, KeysView, Set
+from collections.abc import Awaitable, Callable, Collection, KeysView, Set
 from datetime import timedelta
 from enum import StrEnum
 from typing import Any, TypeVar
 
+from starlette.types import Scope
+
 from .errors import ConfigurationError
 from .fingerprint import is_json_pointer
+from .store.base import StoredResponse
+
+#: `Policy.replay_hook`: `(stored response, scope) -> response to send, or None for unchanged`,
+#: sync or async. See `responses.hooked_response`. (Here, not there, so that the policy's hints
+#: resolve at run time without an import cycle.)
+ReplayHook = Callable[
+    [StoredResponse, Scope], StoredResponse | Awaitable[StoredResponse | None] | None
+]
 
 
 def names(value: Any, option: str) -> tuple[str, ...]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import orjson
@@ -15,6 +15,7 @@ from starlette.types import Scope, Send
 
 from .errors import ProblemKind
 from .observe import Event, shown
+from .policy_values import ReplayHook as ReplayHook
 from .sendable import bytes_pairs, head_problem, header_problem, sendable_headers
 from .store.base import StoredResponse
 
@@ -73,11 +74,6 @@ _DROPPED_HEADERS = frozenset(
 
 REPLAYED_HEADER = (b"idempotent-replayed", b"true")
 
-#: `Policy.replay_hook`: `(stored response, scope) -> response to send, or None for unchanged`,
-#: sync or async. See `hooked_response`.
-ReplayHook = Callable[
-    [StoredResponse, Scope], "StoredResponse | Awaitable[StoredResponse | None] | None"
-]
 
 # Framing and the replay marker are the middleware's: a hook's copies of them are dropped.
 _HOOK_DROPPED = frozenset({b"content-length", b"transfer-encoding", b"idempotent-replayed"})

@@ -11,9 +11,15 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Coroutine
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import asyncpg
 from asyncpg.transaction import TransactionState
+
+if TYPE_CHECKING:
+    AnyPool = asyncpg.Pool[Any]
+else:  # (asyncpg's Pool is generic to type checkers alone: hints resolved at run time read this)
+    AnyPool = asyncpg.Pool
 
 
 def supported(conn: Any) -> bool:

@@ -10,8 +10,6 @@ import weakref
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
-import asyncpg
-
 from ...delayed import Delayed
 from ...errors import NOT_OPEN, ClaimBusy, StoreClosed, StoreError
 from . import compat
@@ -177,7 +175,7 @@ async def checkout(pool: Any, deadline: Delayed) -> Any:
 class PoolStatements:
     """Runs the store's statements on the pool, translating driver errors."""
 
-    _pool: asyncpg.Pool[Any] | None
+    _pool: compat.AnyPool | None
     #: Whether close() ran since the last open() (a store never opened says how to open it).
     _closed: bool = False
     #: Bounds the wait for a connection of each checkout the store makes itself (lease mode's
@@ -189,7 +187,7 @@ class PoolStatements:
     _clean: weakref.WeakSet[Any]
 
     @property
-    def pool(self) -> asyncpg.Pool[Any]:
+    def pool(self) -> compat.AnyPool:
         pool = self._pool
         if pool is None:
             raise StoreClosed("the store is closed" if self._closed else NOT_OPEN)

@@ -60,7 +60,7 @@ class PostgresStore(OffPathStatements):
     def __init__(
         self,
         *,
-        pool: asyncpg.Pool[Any] | None = None,
+        pool: compat.AnyPool | None = None,
         dsn: str | None = None,
         min_size: int = 2,
         max_size: int = 10,
