@@ -8,6 +8,7 @@ status, the body omitted, as a stream's. A retry gets the replay."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -16,7 +17,8 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from idem_middleware import Mode, Policy, PostgresStore
-from idem_middleware.store.base import RecordKey, State
+from idem_middleware.errors import StatementRefused, StoreError
+from idem_middleware.store.base import RecordKey, Settlement, State
 from tests.apps import BOUND, asgi_request, client, one_route_app
 
 KEY = RecordKey("tenant-a", "POST /charges", "k1")
@@ -123,3 +125,41 @@ async def test_a_held_response_its_client_cut_short_is_recorded_by_its_status(
         assert replay.headers["idempotent-replayed"] == "true"
         assert replay.headers["idempotency-body-omitted"] == "streaming"
     assert runs == [1]
+
+
+async def test_a_cut_short_response_whose_settlement_is_refused_leaves_the_record_unknown(
+    pg_store: PostgresStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """When the database refuses a cut-short response's settlement (a trigger, a constraint:
+    sending it again cannot help), the record is marked `unknown`, not left `pending` until its
+    lease lapses (then taken over and the handler run again on a takeover route)."""
+    server = Gone()
+    real_settle = pg_store.settle
+    refused: list[State] = []
+
+    async def settle(key: RecordKey, generation: int, expected: State, s: Settlement) -> bool:
+        if s.state is State.SUCCEEDED:
+            refused.append(s.state)
+            raise StatementRefused("CheckViolationError: refused by a trigger")
+        return await real_settle(key, generation, expected, s)
+
+    monkeypatch.setattr(pg_store, "settle", settle)
+
+    async def charge(request: Request) -> Response:
+        await request.body()
+
+        async def chunks() -> AsyncIterator[bytes]:
+            yield b"x" * 100  # (under the cap: held)
+            server.leave.set()  # the client leaves before the rest
+            await asyncio.sleep(BOUND)
+            yield b"never"
+
+        return StreamingResponse(chunks(), status_code=201, media_type="application/octet-stream")
+
+    app = one_route_app("/charges", charge, store=pg_store, policies={"POST /charges": POLICY})
+    with contextlib.suppress(StoreError):  # (the refusal reaches the server, or a 5xx does)
+        await _run(app, server)
+    assert refused == [State.SUCCEEDED]
+    record = await pg_store.get(KEY)
+    assert record is not None
+    assert record.state is State.UNKNOWN
