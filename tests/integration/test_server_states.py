@@ -205,6 +205,7 @@ async def test_a_claim_the_server_ends_for_idling_answers_503_and_runs_once_on_r
             )
             headers = {"Idempotency-Key": "idle"}
             async with client(app) as c:
+                caplog.clear()  # (the open's INFO line names the setting too)
                 with caplog.at_level(logging.WARNING, logger="idem_middleware"):
                     assert_unavailable(await c.post("/charges", json={}, headers=headers))
                 assert "idle_in_transaction_session_timeout" in caplog.text
