@@ -38,3 +38,15 @@ def test_a_long_wait_is_bounded_by_its_polls_not_a_fixed_count() -> None:
     `MAX_ROUNDS` ended it with "the record kept changing" long before its wait ran out."""
     hours = 4 * 3600.0
     assert wait_rounds(hours, 1.0) >= MAX_ROUNDS + hours
+
+
+def test_a_wait_with_nothing_left_still_allows_the_least_lock_wait() -> None:
+    """A duplicate with nothing left of its wait (`wait_seconds=0`) that finds the record
+    `unknown` still gives the route's reconciler a moment to open its fenced transaction:
+    `lock_wait` never hands out a spent or negative bound (with none, the fence timed out
+    before it was asked for, and every retry was told 409 while the reconciler could have
+    settled it)."""
+    from idem_middleware.waiting import lock_wait
+
+    assert lock_wait(-1.0) == lock_wait(0.0) > 0
+    assert lock_wait(3.0) == 3.0
