@@ -232,12 +232,14 @@ async def test_a_renewal_that_meets_the_executions_own_settlement_is_no_lost_lea
     assert not contexts[0].lease_lost.is_set()  # type: ignore[attr-defined]
 
 
-class BlipThenRefused(MemoryStore):
-    """The outcome's settlement fails on a blip, then the database refuses it (a trigger, a
-    constraint): sending it again cannot help. Marking the record `unknown` works."""
+class Blip(MemoryStore):
+    """The outcome's first settlement fails on a blip; the next one is recorded or, with
+    `then_refused`, refused by the database (a trigger, a constraint: sending it again cannot
+    help; marking the record `unknown` works)."""
 
-    def __init__(self) -> None:
+    def __init__(self, then_refused: bool) -> None:
         super().__init__()
+        self.then_refused = then_refused
         self.tries = 0
 
     async def settle(self, key: RecordKey, generation: int, expected: State, s: object) -> bool:
@@ -247,7 +249,8 @@ class BlipThenRefused(MemoryStore):
             self.tries += 1
             if self.tries == 1:
                 raise StoreError("ConnectionDoesNotExistError: connection was closed")
-            raise StatementRefused("CheckViolationError: refused by a trigger")
+            if self.then_refused:
+                raise StatementRefused("CheckViolationError: refused by a trigger")
         return await super().settle(key, generation, expected, s)  # type: ignore[arg-type]
 
 
@@ -256,7 +259,7 @@ async def test_a_settlement_sent_again_and_refused_leaves_the_record_unknown() -
     The handler ran and its outcome could not be recorded: the record is marked `unknown` (a
     reconciler or an operator decides), not left `pending`, every retry told "in flight" until
     the lease lapses and then (a takeover route) the handler run again."""
-    store = BlipThenRefused()
+    store = Blip(then_refused=True)
 
     async def pay(request: Request) -> Response:
         return JSONResponse({}, status_code=201)
@@ -280,23 +283,6 @@ async def test_a_settlement_sent_again_and_refused_leaves_the_record_unknown() -
     assert record.state is State.UNKNOWN
 
 
-class BlipOnce(MemoryStore):
-    """The outcome's first settlement fails on a blip; the next one is recorded."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.tries = 0
-
-    async def settle(self, key: RecordKey, generation: int, expected: State, s: object) -> bool:
-        from idem_middleware.errors import StoreError
-
-        if getattr(s, "state", None) is State.SUCCEEDED:
-            self.tries += 1
-            if self.tries == 1:
-                raise StoreError("ConnectionDoesNotExistError: connection was closed")
-        return await super().settle(key, generation, expected, s)  # type: ignore[arg-type]
-
-
 async def test_a_settlement_recorded_on_a_later_try_is_counted_once() -> None:
     """resettle.py `_resend`: `execution.ex.emit(SETTLED_EVENTS[outcome], generation)`.
     A settlement recorded after a blip is counted by its outcome (`succeeded`), as one recorded
@@ -315,7 +301,7 @@ async def test_a_settlement_recorded_on_a_later_try_is_counted_once() -> None:
         def timed(self, name: str, attributes: object) -> nullcontext[None]:
             return nullcontext()
 
-    store = BlipOnce()
+    store = Blip(then_refused=False)
     recorder = Recorder()
 
     async def pay(request: Request) -> Response:
