@@ -8,8 +8,6 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-import asyncpg
-
 from idem_middleware.ops import reconcile_unknown
 from idem_middleware.store.base import Claimed, RecordKey, State
 from idem_middleware.store.postgres import PostgresStore
@@ -24,18 +22,17 @@ async def _lapsed(store: PostgresStore, key: RecordKey) -> int:
     return claim.generation
 
 
-async def _hold(pool: asyncpg.Pool[Any], key: RecordKey) -> Any:
-    conn = await pool.acquire()
-    tx = conn.transaction()
-    await tx.start()
-    await conn.execute(
-        "SELECT 1 FROM idem_requests WHERE tenant = $1 AND operation = $2 AND idem_key = $3"
-        " FOR UPDATE",
-        key.tenant,
-        key.operation,
-        key.key,
-    )
-    return conn, tx
+async def _reconciled_while_held(store: PostgresStore, key: RecordKey) -> Any:
+    """`reconcile_unknown`'s report, run while another session holds `key`'s row."""
+    async with store.pool.acquire() as conn, conn.transaction():
+        await conn.execute(
+            "SELECT 1 FROM idem_requests WHERE tenant = $1 AND operation = $2 AND idem_key = $3"
+            " FOR UPDATE",
+            key.tenant,
+            key.operation,
+            key.key,
+        )
+        return await asyncio.wait_for(reconcile_unknown(store, {OP: _fencing}, seconds=0.5), 10)
 
 
 _passed: list[str] = []
@@ -55,14 +52,7 @@ async def test_a_held_unknown_record_is_counted_as_held(pg_store: PostgresStore)
     record = await pg_store.get(key)
     assert record is not None
     assert record.state is State.UNKNOWN
-    conn, tx = await _hold(pg_store.pool, key)
-    try:
-        report = await asyncio.wait_for(
-            reconcile_unknown(pg_store, {OP: _fencing}, seconds=0.5), 10
-        )
-    finally:
-        await tx.rollback()
-        await pg_store.pool.release(conn)
+    report = await _reconciled_while_held(pg_store, key)
     assert _passed == []
     assert report.held == 1
     assert report.verdicts == {}
@@ -71,14 +61,7 @@ async def test_a_held_unknown_record_is_counted_as_held(pg_store: PostgresStore)
 async def test_a_held_lapsed_lease_is_counted_as_held(pg_store: PostgresStore) -> None:
     key = RecordKey("tenant-a", OP, "held-lapsed")
     await _lapsed(pg_store, key)
-    conn, tx = await _hold(pg_store.pool, key)
-    try:
-        report = await asyncio.wait_for(
-            reconcile_unknown(pg_store, {OP: _fencing}, seconds=0.5), 10
-        )
-    finally:
-        await tx.rollback()
-        await pg_store.pool.release(conn)
+    report = await _reconciled_while_held(pg_store, key)
     assert report.held == 1
     assert report.expired_leases == 0
     record = await pg_store.get(key)

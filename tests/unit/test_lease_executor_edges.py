@@ -7,6 +7,7 @@ is the executor's, not a statement's.)"""
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import httpx
 import pytest
@@ -44,6 +45,20 @@ class PausedRenewals(MemoryStore):
         return True
 
 
+def _lease_app(
+    store: MemoryStore, pay: Any, lease_seconds: float, observers: list[Any] | None = None
+) -> IdempotencyMiddleware:
+    """`pay` at POST /pay, in lease mode, for tenant "t"."""
+    app = Starlette(routes=[Route("/pay", pay, methods=["POST"])])
+    return IdempotencyMiddleware(
+        app,
+        store=store,
+        default_policy=Policy(mode=Mode.LEASE, lease_seconds=lease_seconds),
+        tenant_resolver=lambda scope: "t",
+        observers=observers or [],
+    )
+
+
 def _app(store: MemoryStore, lease_seconds: float, entered: asyncio.Event) -> IdempotencyMiddleware:
     gate = asyncio.Event()  # never set: the handler runs until cancelled (or the test ends)
 
@@ -52,13 +67,7 @@ def _app(store: MemoryStore, lease_seconds: float, entered: asyncio.Event) -> Id
         await asyncio.wait_for(gate.wait(), BOUND)
         return JSONResponse({}, status_code=201)
 
-    app = Starlette(routes=[Route("/pay", pay, methods=["POST"])])
-    return IdempotencyMiddleware(
-        app,
-        store=store,
-        default_policy=Policy(mode=Mode.LEASE, lease_seconds=lease_seconds),
-        tenant_resolver=lambda scope: "t",
-    )
+    return _lease_app(store, pay, lease_seconds)
 
 
 def _post(mw: IdempotencyMiddleware) -> asyncio.Task[httpx.Response]:
@@ -152,13 +161,7 @@ async def test_an_execution_whose_renewals_fail_stops_holding_the_record_as_its_
         lost_after.append(loop.time() - started)
         return JSONResponse({}, status_code=201)
 
-    app = Starlette(routes=[Route("/pay", pay, methods=["POST"])])
-    mw = IdempotencyMiddleware(
-        app,
-        store=Unreachable(),
-        default_policy=Policy(mode=Mode.LEASE, lease_seconds=lease),
-        tenant_resolver=lambda scope: "t",
-    )
+    mw = _lease_app(Unreachable(), pay, lease)
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=mw), base_url="http://t") as c:
         await asyncio.wait_for(c.post("/pay", json={}, headers={"idempotency-key": "k1"}), BOUND)
     assert len(lost_after) == 1
@@ -212,13 +215,7 @@ async def test_a_renewal_that_meets_the_executions_own_settlement_is_no_lost_lea
         await asyncio.wait_for(store.renewed.wait(), BOUND)  # the renewals have started
         return JSONResponse({}, status_code=201)
 
-    app = Starlette(routes=[Route("/pay", pay, methods=["POST"])])
-    mw = IdempotencyMiddleware(
-        app,
-        store=store,
-        default_policy=Policy(mode=Mode.LEASE, lease_seconds=0.3),
-        tenant_resolver=lambda scope: "t",
-    )
+    mw = _lease_app(store, pay, 0.3)
     with caplog.at_level(logging.WARNING, logger="idem_middleware"):
         async with httpx.AsyncClient(
             transport=httpx.ASGITransport(app=mw), base_url="http://t"
@@ -264,13 +261,7 @@ async def test_a_settlement_sent_again_and_refused_leaves_the_record_unknown() -
     async def pay(request: Request) -> Response:
         return JSONResponse({}, status_code=201)
 
-    app = Starlette(routes=[Route("/pay", pay, methods=["POST"])])
-    mw = IdempotencyMiddleware(
-        app,
-        store=store,
-        default_policy=Policy(mode=Mode.LEASE, lease_seconds=30),
-        tenant_resolver=lambda scope: "t",
-    )
+    mw = _lease_app(store, pay, 30)
     transport = httpx.ASGITransport(app=mw, raise_app_exceptions=False)
     async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
         answer = await asyncio.wait_for(
@@ -307,14 +298,7 @@ async def test_a_settlement_recorded_on_a_later_try_is_counted_once() -> None:
     async def pay(request: Request) -> Response:
         return JSONResponse({}, status_code=201)
 
-    app = Starlette(routes=[Route("/pay", pay, methods=["POST"])])
-    mw = IdempotencyMiddleware(
-        app,
-        store=store,
-        default_policy=Policy(mode=Mode.LEASE, lease_seconds=30),
-        tenant_resolver=lambda scope: "t",
-        observers=[recorder],
-    )
+    mw = _lease_app(store, pay, 30, observers=[recorder])
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=mw), base_url="http://t") as c:
         answer = await asyncio.wait_for(
             c.post("/pay", json={}, headers={"idempotency-key": "k1"}), BOUND
