@@ -1,6 +1,7 @@
 """The direct-ASGI loop counted in CPU instructions instead of seconds.
 
-`python -m bench.instructions [--requests 1000] [--variants bare,ours-memory,ours-tx,ours-lease]`
+`python -m bench.instructions [--requests 1000] [--variants bare,ours-memory,ours-tx,ours-lease]
+[--new-paths]` (`--new-paths`: each request to a path of its own, as `bench.asgi`'s second table)
 
 The same apps and requests as `bench.asgi` (FastAPI, a pydantic body, a JSON response, bearer
 authentication; fresh keys), each variant run twice under valgrind's callgrind: once with no
@@ -37,7 +38,7 @@ _COLLECTED = re.compile(r"Collected : (\d+)")
 _WARMUP = 200
 
 
-async def _serve(variant: str, requests: int, counted: bool, run: str) -> None:
+async def _serve(variant: str, requests: int, counted: bool, run: str, new_paths: bool) -> None:
     import uvloop  # noqa: F401 - the loop bench.asgi runs on
 
     from idem_middleware import MemoryStore, PostgresStore
@@ -55,9 +56,9 @@ async def _serve(variant: str, requests: int, counted: bool, run: str) -> None:
     v = Variant(variant, app, requests, 1)
     send = v.send()
     # Keys of the same length in every run, and fresh in every run of one database.
-    for scope, receive in make_requests(f"{run}-warm", _WARMUP):
+    for scope, receive in make_requests(f"{run}-warm", _WARMUP, new_paths):
         await app(scope, receive, send)
-    todo = make_requests(f"{run}-counted", requests)  # built whether counted or not
+    todo = make_requests(f"{run}-counted", requests, new_paths)  # built whether counted or not
     gc.collect()
     gc.freeze()
     for scope, receive in todo[: requests if counted else 0]:
@@ -68,7 +69,7 @@ async def _serve(variant: str, requests: int, counted: bool, run: str) -> None:
         raise SystemExit(f"{variant}: unexpected statuses {dict(v.statuses)}")
 
 
-def count(variant: str, requests: int, counted: bool) -> int:
+def count(variant: str, requests: int, counted: bool, new_paths: bool = False) -> int:
     """Instructions of one child process serving `requests` (counted or only built)."""
     with tempfile.TemporaryDirectory() as tmp:
         argv = [
@@ -85,6 +86,8 @@ def count(variant: str, requests: int, counted: bool) -> int:
         ]
         if counted:
             argv.append("--counted")
+        if new_paths:
+            argv.append("--new-paths")
         # A fixed hash seed: dictionaries probe the same way in every run.
         env = {**os.environ, "PYTHONHASHSEED": "0"}
         done = subprocess.run(argv, capture_output=True, text=True, check=False, env=env)
@@ -94,14 +97,16 @@ def count(variant: str, requests: int, counted: bool) -> int:
     return int(found.group(1))
 
 
-def per_request(variant: str, requests: int) -> float:
-    return (count(variant, requests, True) - count(variant, requests, False)) / requests
+def per_request(variant: str, requests: int, new_paths: bool = False) -> float:
+    counted = count(variant, requests, True, new_paths)
+    return (counted - count(variant, requests, False, new_paths)) / requests
 
 
-def markdown(results: dict[str, float], requests: int) -> str:
+def markdown(results: dict[str, float], requests: int, new_paths: bool = False) -> str:
     bare = results.get("bare")
     lines = [
-        f"- command: python -m bench.instructions --requests {requests}",
+        f"- command: python -m bench.instructions --requests {requests}"
+        + (" --new-paths" if new_paths else ""),
         f"- python: {sys.version.split()[0]}",
         "",
         "| variant | instructions per request | + vs bare | + as a share of bare |",
@@ -124,12 +129,14 @@ def main(argv: list[str] | None = None) -> int:
             runner = uvloop.run
         except ImportError:  # pragma: no cover - the bench extra installs it
             runner = asyncio.run
-        runner(_serve(argv[1], int(argv[2]), argv[4:] == ["--counted"], argv[3]))
+        flags = argv[4:]
+        runner(_serve(argv[1], int(argv[2]), "--counted" in flags, argv[3], "--new-paths" in flags))
         return 0
     p = argparse.ArgumentParser(prog="python -m bench.instructions", description=__doc__)
     p.add_argument("--requests", type=int, default=1000, help="counted requests per variant")
     p.add_argument("--variants", default="bare,ours-memory", help="comma-separated")
     p.add_argument("--dsn", help="an admin URL of a PostgreSQL server (default: embedded)")
+    p.add_argument("--new-paths", action="store_true", help="each request to a path of its own")
     args = p.parse_args(argv)
     variants = [v for v in args.variants.split(",") if v]
     if args.requests < 1 or not variants or not set(variants) <= set(VARIANTS):
@@ -144,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
         server = _postgres(args)  # migrates a database; starts an embedded server if no --dsn
         os.environ[_DSN] = asyncio.run(server.__aenter__()) or ""
     try:
-        print(markdown({v: per_request(v, args.requests) for v in variants}, args.requests))
+        results = {v: per_request(v, args.requests, args.new_paths) for v in variants}
+        print(markdown(results, args.requests, args.new_paths))
     finally:
         if server is not None:
             asyncio.run(server.__aexit__(None, None, None))

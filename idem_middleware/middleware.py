@@ -44,6 +44,7 @@ from .route_cache import (
     UNNAMEABLE,
     Entry,
     Guarded,
+    Seen,
     Trace,
     defaults_unchanged,
     entry,
@@ -176,6 +177,7 @@ class IdempotencyMiddleware:
         self._routes: dict[tuple[Any, ...], Entry] = {}
         #: What the misses of the route cache work out once (the routes each path can reach).
         self._route_memo = Memo()
+        self._seen = Seen()  # (the paths resolved once: the cache keeps their second)
         #: Per app served (by id): its app, router, route list then, body limit (`_router_below`).
         self._routers: dict[int, tuple[Any, Any, Any, int | None]] = {}
         if sys.version_info < (3, 12):
@@ -254,8 +256,7 @@ class IdempotencyMiddleware:
     async def _pass_on(
         self, scope: Scope, receive: Receive, send: Send, how: Handled | Scope
     ) -> None:
-        # Decorated endpoints run only with Handled.YES, a safe method's scope or a claim (see
-        # endpoints.HANDLED).
+        # (Decorated endpoints run only with Handled.YES, a safe method's scope or a claim.)
         handled = HANDLED.set(how)
         try:
             await self.app(scope, receive, send)
@@ -263,14 +264,16 @@ class IdempotencyMiddleware:
             HANDLED.reset(handled)
 
     def _route(self, app: Any, method: str, scope: Scope, cache_key: tuple[Any, ...]) -> Any:
-        """`_resolve`, kept in the route cache with the route lists it depended on, unless it
-        depended on more than the cache's key (a custom route class: see route_cache.Trace)."""
+        """`_resolve`, kept in the route cache with the route lists it depended on (from the
+        path's second request: Seen), unless it depended on more than the cache's key (Trace)."""
         trace = Trace(self._route_memo)
         if self.root_path_below:  # (the route found as the app will find it: see __init__)
             scope = {**scope, "root_path": self.root_path_below}
         guarded = self._resolve(app, method, scope, trace)
         length = len(method) + len(cache_key[2]) + len(cache_key[3]) + len(cache_key[4] or b"")
         if guarded is not None and not trace.volatile and length <= CACHED_KEY_LENGTH:
+            if not self._seen.again(cache_key):  # (kept from the path's second request on)
+                return guarded
             if len(self._routes) >= ROUTE_CACHE_SIZE:
                 self._routes.clear()  # many distinct paths (ids in them): start over
             self._routes[cache_key] = entry(guarded, trace)

@@ -7,7 +7,7 @@ route class: a version header, say) is not kept at all."""
 from __future__ import annotations
 
 import operator
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from typing import Any, cast
 
 from starlette.routing import Host, Mount, Route, WebSocketRoute
@@ -25,6 +25,9 @@ ROUTE_CACHE_SIZE = 1024
 #: of them, each kept twice (the key, the fingerprinter's parameters), held 130 MB of a worker for
 #: good. (Any token is a method to a server: long ones were kept too.)
 CACHED_KEY_LENGTH = 1024
+
+#: The most paths met once that `Seen` remembers (a number each) before it starts over.
+SEEN_SIZE = 4 * ROUTE_CACHE_SIZE
 
 #: A guarded path as the cache keeps it: its requests' fingerprinter (the path's parameters in
 #: it), its policy, its operation's name and its body limit (body_limits).
@@ -109,6 +112,30 @@ class Trace:
             return
         for routes in lists:
             self.walked(routes)
+
+
+class Seen:
+    """The cache keys resolved once, by their hashes: the route cache keeps a path from its
+    second request on. Most paths with an id in them are met once, and an entry for each cost
+    more than finding its route again (the entry made, and the collector's passes over the
+    entries held: docs/performance.md). A set of numbers, which the collector does not pass
+    over, cleared when it holds `SEEN_SIZE`."""
+
+    __slots__ = ("_hashes",)
+
+    def __init__(self) -> None:
+        self._hashes: set[int] = set()
+
+    def again(self, key: Hashable) -> bool:
+        """Whether `key` was met before (or another with its hash: kept at once, as before);
+        remembered if not."""
+        hashes, mark = self._hashes, hash(key)
+        if mark in hashes:
+            return True
+        if len(hashes) >= SEEN_SIZE:
+            hashes.clear()
+        hashes.add(mark)
+        return False
 
 
 class Listed:
