@@ -281,9 +281,14 @@ def claim_connection_gone(idle: float) -> str:
     )
 
 
+#: What the names of the store's tables start with (its migrations', and their partitions').
+STORE_TABLES = "idem_"
+
+
 def refused(exc: BaseException, fenced: bool = False) -> SettlementRefused:
     """The completion (or its COMMIT) refused by the server for what the handler did in the
-    transaction: nothing committed, and the reason in words an operator can act on. (The
+    transaction, or by a constraint added to the store's own table: nothing committed, and the
+    reason in words an operator can act on. (The
     DETAIL, which may quote a row, is dropped: see `convert.scrub`.) `fenced`: a lease-mode
     execution's settlement (its record is then marked `unknown`, not freed)."""
     scrub(exc)
@@ -300,6 +305,14 @@ def refused(exc: BaseException, fenced: bool = False) -> SettlementRefused:
             f"({then}). Put a statement that may fail in a savepoint (`async with "
             "conn.transaction():`, SQLAlchemy's `session.begin_nested()`), or raise, or answer "
             "with a status that releases the key (409, 422)"
+        )
+    table = getattr(exc, "table_name", None)
+    if isinstance(table, str) and table.startswith(STORE_TABLES):
+        return kind(
+            f"a constraint of the store's own table {table} refused the record of the handler's "
+            f"outcome ({type(exc).__name__}: {exc}): nothing of {transaction} was committed "
+            f"({then}). The store's tables keep the constraints its migrations made: a "
+            "constraint or trigger added to them refuses the store's own writes"
         )
     if isinstance(exc, asyncpg.exceptions.IntegrityConstraintViolationError):
         return kind(
