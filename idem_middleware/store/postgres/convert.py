@@ -288,9 +288,9 @@ STORE_TABLES = "idem_"
 def refused(exc: BaseException, fenced: bool = False) -> SettlementRefused:
     """The completion (or its COMMIT) refused by the server for what the handler did in the
     transaction, or by a constraint added to the store's own table: nothing committed, and the
-    reason in words an operator can act on. (The
-    DETAIL, which may quote a row, is dropped: see `convert.scrub`.) `fenced`: a lease-mode
-    execution's settlement (its record is then marked `unknown`, not freed)."""
+    reason in words an operator can act on. (The DETAIL, which may quote a row, is dropped: see
+    `convert.scrub`.) `fenced`: a lease-mode execution's settlement (its record is then marked
+    `unknown`, not freed)."""
     scrub(exc)
     if fenced:
         kind: type[SettlementRefused] = FencedSettlementRefused
