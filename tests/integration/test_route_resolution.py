@@ -141,7 +141,8 @@ async def test_a_route_added_on_a_path_seen_before_is_guarded() -> None:
         middleware=guarded(MemoryStore()),
     )
     async with client(app) as http:
-        assert (await http.post("/pay", json={}, headers=key("k"))).status_code == 404
+        for _ in range(2):  # (twice: the route cache keeps a path from its second request)
+            assert (await http.post("/pay", json={}, headers=key("k"))).status_code == 404
         app.router.add_route("/pay", named("pay", calls), methods=["POST"])
         first = await http.post("/pay", json={"a": 1}, headers=key("k"))
         again = await http.post("/pay", json={"a": 1}, headers=key("k"))
@@ -164,7 +165,10 @@ async def test_a_route_added_to_an_included_router_later_is_guarded() -> None:
     install(app, store=MemoryStore())
     app.add_middleware(AuthenticationMiddleware, backend=BearerBackend())
     async with client(app) as http:
-        assert (await http.post("/api/orders/late", json={}, headers=key("k"))).status_code == 404
+        for _ in range(2):  # (twice: the route cache keeps a path from its second request)
+            assert (
+                await http.post("/api/orders/late", json={}, headers=key("k"))
+            ).status_code == 404
 
         @router.post("/late", status_code=201)
         async def late() -> dict[str, int]:
@@ -207,7 +211,8 @@ async def test_a_route_that_matches_on_a_header_is_matched_for_every_request() -
         middleware=guarded(MemoryStore()),
     )
     async with client(app) as http:
-        v1 = await http.post("/pay", json={}, headers={**key("k"), "x-version": "1"})
+        for _ in range(2):  # (twice: the route cache keeps a path from its second request)
+            v1 = await http.post("/pay", json={}, headers={**key("k"), "x-version": "1"})
         v2: list[httpx.Response] = [
             await http.post("/pay", json={}, headers={**key("k"), "x-version": "2"})
             for _ in range(2)
@@ -215,7 +220,7 @@ async def test_a_route_that_matches_on_a_header_is_matched_for_every_request() -
     assert v1.status_code == 201
     assert v2[0].status_code == 201
     assert v2[1].headers.get("idempotent-replayed") == "true"
-    assert calls == Counter({"v1": 1, "v2": 1})
+    assert calls == Counter({"v1": 2, "v2": 1})
 
 
 async def test_a_nul_in_the_concrete_path_of_a_hidden_mount_is_named_not_refused_by_the_store(

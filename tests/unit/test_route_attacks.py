@@ -230,21 +230,22 @@ async def test_an_included_route_of_its_own_matches_is_asked_as_fastapi_asks_it(
 
 async def test_a_path_resolved_past_a_route_of_its_own_matches_is_not_kept() -> None:
     """The route cache keys on the method, path and Host, not on the header the route's class
-    reads: the path resolved once with the header, then without it, must be guarded the second
-    time (a key is required) as FastAPI runs version 1."""
+    reads: the path resolved with the header (twice: kept, were it kept), then without it, must
+    be guarded (a key is required) as FastAPI runs version 1."""
     app, ran = versioned_app()
     async with client(app) as c:
-        two = await c.post("/api/pay/1", json={}, headers={"x-version": "2"})
-        assert two.status_code == 200, two.text
-        assert ran == ["two"]
+        for _ in range(2):  # (twice: the route cache keeps a path from its second request)
+            two = await c.post("/api/pay/1", json={}, headers={"x-version": "2"})
+            assert two.status_code == 200, two.text
+        assert ran == ["two", "two"]
         unkeyed = await c.post("/api/pay/1", json={})
         assert unkeyed.status_code == 400, unkeyed.text  # guarded: no key, refused
         keyed = await c.post("/api/pay/1", json={}, headers=key("k1"))
         assert keyed.status_code == 200, keyed.text
-        assert ran == ["two", "one"]
+        assert ran == ["two", "two", "one"]
         again = await c.post("/api/pay/1", json={}, headers=key("k1"))
         assert again.headers.get("idempotent-replayed") == "true"
-        assert ran == ["two", "one"]
+        assert ran == ["two", "two", "one"]
 
 
 # -- routes changed at run time, each change a length the route lists show ----------------------
@@ -359,7 +360,8 @@ async def test_a_route_list_replaced_by_another_is_seen_by_paths_asked_before(wh
     )
     router = app.router if holder is None else holder
     async with client(app) as c:
-        assert (await c.post(path, json={})).status_code == 404
+        for _ in range(2):  # (twice: the route cache keeps a path from its second request)
+            assert (await c.post(path, json={})).status_code == 404
         router.routes = [*router.routes, Route("/pay", counted, methods=["POST"])]
         unkeyed = await c.post(path, json={})
         assert unkeyed.status_code == 400, unkeyed.text  # guarded: no key, refused
@@ -391,8 +393,9 @@ async def test_a_mounted_route_list_replaced_by_an_equal_one_is_seen() -> None:
     )
     body = {"content": b"y" * 100, "headers": {"content-type": "application/octet-stream"}}
     async with client(app) as c:
-        first = await c.post("/sub/pay", content=b"x", headers=key("a"))
-        assert first.status_code == 200, first.text
+        for _ in range(2):  # (twice: the route cache keeps a path from its second request)
+            first = await c.post("/sub/pay", content=b"x", headers=key("a"))
+            assert first.status_code == 200, first.text
         sub.router.routes = [built(10)]
         answer = await c.post(
             "/sub/pay", content=body["content"], headers={**body["headers"], **key("b")}
@@ -421,7 +424,8 @@ async def test_a_default_app_set_after_requests_is_seen_by_paths_asked_before(wh
     )
     path = "/v1/refund" if where == "mount" else "/refund"
     async with client(app) as c:
-        assert (await c.post(path, json={})).status_code == 404
+        for _ in range(2):  # (twice: the route cache keeps a path from its second request)
+            assert (await c.post(path, json={})).status_code == 404
         (inner if where == "mount" else app.router).default = legacy
         unkeyed = await c.post(path, json={})
         assert unkeyed.status_code == 400, unkeyed.text  # guarded: no key, refused

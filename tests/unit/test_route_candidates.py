@@ -497,7 +497,8 @@ async def test_a_route_added_to_a_router_the_path_did_not_visit_is_found() -> No
     app.add_middleware(AuthenticationMiddleware, backend=BearerBackend())
     async with client(app) as c:
         for account in ("1", "2"):
-            assert (await c.post(f"/accounts/{account}/credits")).status_code == 200
+            for _ in range(2):  # (twice: the route cache keeps a path from its second request)
+                assert (await c.post(f"/accounts/{account}/credits")).status_code == 200
 
         @idempotent()
         async def guarded(account_id: str) -> dict[str, str]:

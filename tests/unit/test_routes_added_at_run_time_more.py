@@ -42,7 +42,8 @@ async def test_a_route_added_to_a_list_of_several_is_guarded() -> None:
         ],
     )
     async with client(app) as http:
-        assert (await http.post("/pay", json={}, headers=key("k"))).status_code == 404
+        for _ in range(2):  # (twice: the route cache keeps a path from its second request)
+            assert (await http.post("/pay", json={}, headers=key("k"))).status_code == 404
         app.router.add_route("/pay", counted("pay", calls), methods=["POST"])
         unkeyed = await http.post("/pay", json={})
         assert unkeyed.status_code == 400, unkeyed.text  # guarded: no key, refused
@@ -67,7 +68,10 @@ async def test_a_route_added_to_an_apps_only_included_router_is_guarded() -> Non
     install(app, store=MemoryStore())
     app.add_middleware(AuthenticationMiddleware, backend=BearerBackend())
     async with client(app) as http:
-        assert (await http.post("/api/orders/late", json={}, headers=key("k"))).status_code == 404
+        for _ in range(2):  # (twice: the route cache keeps a path from its second request)
+            assert (
+                await http.post("/api/orders/late", json={}, headers=key("k"))
+            ).status_code == 404
 
         @router.post("/late", status_code=201)
         async def late() -> dict[str, int]:
@@ -98,7 +102,8 @@ async def test_a_route_added_to_a_router_included_in_an_included_router_is_guard
     app.add_middleware(AuthenticationMiddleware, backend=BearerBackend())
     path = "/api/orders/inner/late"
     async with client(app) as http:
-        assert (await http.post(path, json={}, headers=key("k"))).status_code == 404
+        for _ in range(2):  # (twice: the route cache keeps a path from its second request)
+            assert (await http.post(path, json={}, headers=key("k"))).status_code == 404
 
         @inner.post("/late", status_code=201)
         async def late() -> dict[str, int]:
