@@ -361,12 +361,14 @@ def silent_webhook() -> Iterator[int]:
             conn.close()
 
 
+@pytest.mark.parametrize(("stop", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 async def test_a_second_ctrl_c_stops_a_publisher_stuck_in_a_send(
-    db_dsn: str, pool: Any, silent_webhook: int
+    db_dsn: str, pool: Any, silent_webhook: int, stop: signal.Signals, code: int
 ) -> None:
     """The first SIGINT waits for the batch under way; the second was ignored too, and the
     publisher went on waiting for --send-timeout (up to 100 years) on a webhook that never
-    answers. Now the second stops it at once, exit 130."""
+    answers. Now the second stops it at once, exit 130; two SIGTERMs (a supervisor's stop,
+    then its kill timeout sent as SIGTERM again) exit 143, as any command SIGTERM stops."""
     from idem_middleware import outbox
 
     async with pool.acquire() as conn:
@@ -383,17 +385,17 @@ async def test_a_second_ctrl_c_stops_a_publisher_stuck_in_a_send(
                 break
             await asyncio.sleep(0.1)
         await asyncio.sleep(0.5)
-        publishing.send_signal(signal.SIGINT)
+        publishing.send_signal(stop)
         await asyncio.sleep(0.5)
         assert publishing.poll() is None  # the first waits for the send
         started = time.monotonic()
-        publishing.send_signal(signal.SIGINT)
+        publishing.send_signal(stop)
         _, err = await asyncio.to_thread(publishing.communicate, timeout=20)
     finally:
         if publishing.poll() is None:
             publishing.kill()
             publishing.communicate()
-    assert publishing.returncode == 130, err
+    assert publishing.returncode == code, err
     assert time.monotonic() - started < 10
     assert "stopped at once" in err
     assert "Traceback" not in err
