@@ -92,25 +92,6 @@ def test_a_bystander_naming_the_directory_is_not_signalled(tmp_path: Path) -> No
 
 
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads /proc")
-def test_a_server_whose_command_line_names_the_symlinked_path_is_stopped(tmp_path: Path) -> None:
-    """Its command line names the directory as the reaper reads it (through the symlink), not
-    resolved: matched under either spelling."""
-    real = tmp_path / "real"
-    real.mkdir()
-    link = tmp_path / "link"
-    link.symlink_to(real)
-    server = _fake_server(link / f"{PREFIX}s" / "data")  # the path as given
-    try:
-        parent = _parent(link, f"{PREFIX}s", _dead_pid(), server.pid)
-        assert reap_orphans(link, PREFIX) == [server.pid]
-        assert server.wait(10) != 0
-        assert not parent.exists()
-    finally:
-        if server.poll() is None:
-            server.kill()
-            server.wait(10)
-
-
 def test_half_written_files_neither_stop_the_run_nor_lose_a_directory(tmp_path: Path) -> None:
     """An owner file still being written (empty, or cut mid-number) is skipped, its directory
     kept; an empty postmaster.pid (a server still starting) names no server: its dead run's
