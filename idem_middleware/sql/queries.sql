@@ -56,7 +56,7 @@ WITH free AS (
            clock_timestamp() + make_interval(secs => $7::float8), g.v, g.v
     FROM (SELECT nextval('idem_generation_seq') AS v) g
     WHERE (SELECT ok FROM free) AND ($8::bytea IS NULL OR EXISTS (SELECT FROM token))
-    ON CONFLICT DO NOTHING
+    ON CONFLICT (tenant, operation, idem_key) DO NOTHING
     RETURNING r.generation, r.epoch
 ), consumed AS (
     UPDATE idem_tokens t SET consumed_at = now()
@@ -117,7 +117,7 @@ WITH free AS (
            clock_timestamp() + make_interval(secs => $7::float8), g.v, g.v
     FROM (SELECT nextval('idem_generation_seq') AS v) g
     WHERE (SELECT ok FROM free)
-    ON CONFLICT DO NOTHING
+    ON CONFLICT (tenant, operation, idem_key) DO NOTHING
     RETURNING r.generation, r.epoch
 )
 SELECT true AS claimed, ins.generation, ins.epoch, NULL::bytea AS fingerprint, NULL::text AS state,
@@ -923,7 +923,7 @@ WHERE o.event_id = doomed.event_id;
 -- A consumer notes an event in its own transaction; no row back means it was applied before.
 -- $1 consumer, $2 event id
 INSERT INTO idem_inbox (consumer, event_id) VALUES ($1, $2)
-ON CONFLICT DO NOTHING
+ON CONFLICT (consumer, event_id) DO NOTHING
 RETURNING 1;
 
 -- name: inbox_purge

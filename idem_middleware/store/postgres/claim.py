@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from ...errors import ClaimBusy, ClaimRefused, ClaimTimeout, StoreError, TextRefused
@@ -16,6 +17,8 @@ from .convert import (
     translate,
 )
 from .rows import notify_token, to_record, token_problem
+
+logger = logging.getLogger("idem_middleware.store")
 
 # How often a claim re-reads a record that vanished between the INSERT and the SELECT (a
 # concurrent claim rolled back, or a purge ran). Each pass makes progress, so a few suffice.
@@ -177,3 +180,17 @@ async def lock_key(conn: Any, key: RecordKey, lock: int, timeout: float) -> None
     )
     if found == 2:
         raise ClaimBusy("another transaction is claiming this key")
+
+
+async def taken_by_another(driver: Any, key: RecordKey) -> bool:
+    """After a unique violation as a transaction wrote `key`'s record (or committed), and its
+    rollback: whether the key has a record now, so a claim that took no advisory lock (the
+    ordinary path, a token claim, or a lease-mode claim of the same operation) committed it
+    first; if not, another unique constraint refused the transaction (a handler's deferred one,
+    or one an operator added to the store's table), which no attempt run again can clear. True
+    when it cannot tell (the connection gone, say): the attempt runs again, as it would have."""
+    try:
+        return driver is None or await driver.fetchrow(_Q["get"], *key) is not None
+    except (*TRANSLATED, SERVER_ERROR):
+        logger.debug("the key's record could not be read again", exc_info=True)
+        return True

@@ -281,8 +281,20 @@ def claim_connection_gone(idle: float) -> str:
     )
 
 
-#: What the names of the store's tables start with (its migrations', and their partitions').
-STORE_TABLES = "idem_"
+#: The store's tables (its migrations'): an app's own may share their prefix (`idem_orders`).
+STORE_TABLES = frozenset(
+    [
+        "idem_inbox",
+        "idem_lock_secret",
+        "idem_outbox",
+        "idem_requests",
+        "idem_schema_migrations",
+        "idem_tokens",
+        "idem_waiters",
+    ]
+)
+#: What the names of the records' partitions start with (`idem_requests_h0`: docs/scaling.md).
+RECORD_PARTITIONS = "idem_requests_"
 
 
 def refused(exc: BaseException, fenced: bool = False) -> SettlementRefused:
@@ -307,7 +319,7 @@ def refused(exc: BaseException, fenced: bool = False) -> SettlementRefused:
             "with a status that releases the key (409, 422)"
         )
     table = getattr(exc, "table_name", None)
-    if isinstance(table, str) and table.startswith(STORE_TABLES):
+    if isinstance(table, str) and (table in STORE_TABLES or table.startswith(RECORD_PARTITIONS)):
         return kind(
             f"a constraint of the store's own table {table} refused the record of the handler's "
             f"outcome ({type(exc).__name__}: {exc}): nothing of {transaction} was committed "

@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any, Protocol
 
 from ...delayed import Delayed
 from ...errors import ClaimBusy, ClaimTimeout, RetryableConflict, StoreError
 from ..base import Claim, Claimed, Existing, RecordKey, State, StoredResponse, lapsed
 from . import compat, convert
-from .claim import claim, claim_refused, expire_lapsed, lock_key
+from .claim import claim, claim_refused, expire_lapsed, lock_key, taken_by_another
 from .claim_lock import ClaimLocks
 from .convert import (
     _Q,
@@ -39,6 +39,7 @@ logger = logging.getLogger("idem_middleware.store")
 
 # A claim told not to wait still needs time to run; asyncpg's timeout covers the whole statement.
 _MIN_STATEMENT_TIMEOUT = 0.05
+_Refusal = Callable[[BaseException], StoreError]
 
 
 class Lender(Protocol):
@@ -60,10 +61,8 @@ class PgTransaction:
     TransactionSession). On the fast path BEGIN and the claim travel in one message, as do the
     outcome and COMMIT (fused.py).
 
-    A fast claim writes nothing: it takes the key's advisory lock and checks that no record
-    holds the key, and the record is written once, with its outcome, at commit (`insert_final`).
-    A pending transactional record is never visible to anyone else anyway, so writing it early
-    only cost an UPDATE, a dead row version and its index entries."""
+    A fast claim writes nothing: it takes the key's advisory lock and finds no record; the
+    record is written once, with its outcome, at commit (`insert_final`)."""
 
     __slots__ = (
         "_claimed",
@@ -91,8 +90,7 @@ class PgTransaction:
         self._locks = lender._locks  # the store's: computes each key's claim lock
         self._fast = lender._fast  # None: the fast path is off
         self._tx: Any = None
-        # Whether the claim went the fast way (the connection passed `fusable`), so the
-        # completion may travel with the COMMIT too.
+        # The claim went the fast way (`fusable`): the completion may travel with the COMMIT.
         self._fused = False
         # The key and generation this transaction claimed: what `finish` records.
         self._claimed: tuple[RecordKey, int] | None = None
@@ -318,8 +316,8 @@ class PgTransaction:
             raise
         except STALE_STATEMENT as exc:
             raise await self._stale(exc) from exc
-        except UNIQUE_VIOLATION as exc:  # (`write_deferred`'s record: see `_lost_the_key`)
-            raise await self._lost_the_key(exc) from exc
+        except UNIQUE_VIOLATION as exc:  # (`write_deferred`'s record, or another constraint's)
+            raise await self._lost_the_key(exc, claim_refused) from exc
         except WAIT_EXCEEDED as exc:
             # Only `claim` waits for a lock (a concurrent claim's row); everything before it
             # tries the key's lock without waiting. Out of time there, the claim waited for the
@@ -345,8 +343,8 @@ class PgTransaction:
         if self._fused and fast is not None and raw is not None:
             try:
                 done = await fast.complete_and_commit(raw, self._tx, name, args, len(response.body))
-            except UNIQUE_VIOLATION as exc:
-                raise await self._lost_the_key(exc) from exc
+            except UNIQUE_VIOLATION as exc:  # (the record's, a handler's deferred one, ...)
+                raise await self._lost_the_key(exc, refused) from exc
             except STALE_STATEMENT as exc:
                 raise await self._stale(exc) from exc
             except TRANSLATED as exc:
@@ -360,7 +358,7 @@ class PgTransaction:
         try:
             status = await self._conn.execute(query, *args)  # (the proxy: see above)
         except UNIQUE_VIOLATION as exc:
-            raise await self._lost_the_key(exc) from exc
+            raise await self._lost_the_key(exc, refused) from exc
         except STALE_STATEMENT as exc:
             raise await self._stale(exc) from exc
         except TRANSLATED as exc:
@@ -380,13 +378,16 @@ class PgTransaction:
         self._deferred = None
         self._claimed = None
 
-    async def _lost_the_key(self, exc: BaseException) -> RetryableConflict:
-        """A record for the key appeared while the handler ran: a claim that took no advisory
-        lock (the ordinary path, a token claim, or a lease-mode claim of the same operation)
-        committed it first. Nothing of ours is committed; the attempt runs again, and its
-        claim finds that record."""
-        logger.debug("the key was recorded by another claim first", exc_info=convert.scrub(exc))
+    async def _lost_the_key(self, exc: BaseException, refusal: _Refusal) -> Exception:
+        """A unique violation as the record this transaction claimed was written, or at its
+        COMMIT: the attempt runs again when another claim took the key (`taken_by_another`),
+        else `refusal` names the constraint. Nothing of ours is committed."""
+        convert.scrub(exc)
+        claimed = self._claimed[0] if self._claimed is not None else None
         await self.rollback()
+        if claimed is None or not await taken_by_another(self.driver, claimed):
+            return refusal(exc)
+        logger.debug("the key was recorded by another claim first", exc_info=exc)
         return RetryableConflict("the key was recorded by a concurrent claim")
 
     async def _stale(self, exc: BaseException) -> RetryableConflict:
