@@ -39,7 +39,7 @@ async def running(app: Any, seconds: float = LIFESPAN_SECONDS) -> AsyncIterator[
     async def send(message: dict[str, Any]) -> None:
         await outbox.put(message)
 
-    task = asyncio.ensure_future(app(scope, receive, send))
+    task = asyncio.ensure_future(_contained(app(scope, receive, send)))
     try:
         await inbox.put({"type": "lifespan.startup"})
         answer = await _answer(task, outbox, seconds, "startup")
@@ -61,6 +61,17 @@ async def running(app: Any, seconds: float = LIFESPAN_SECONDS) -> AsyncIterator[
             task.cancel()
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await task
+
+
+async def _contained(lifespan: Any) -> None:
+    """The app's lifespan, whose `sys.exit("...")` (a startup's way to stop on missing
+    configuration) or KeyboardInterrupt is an error of its task: asyncio lets those out of the
+    event loop, past the command's own message (a traceback, exit status 1). Its framework has
+    answered the startup as failed by then (Starlette does), and the command says so."""
+    try:
+        await lifespan
+    except (SystemExit, KeyboardInterrupt) as exc:
+        raise LifespanFailed(f"it raised {type(exc).__name__}: {exc}") from exc
 
 
 async def _answer(

@@ -342,15 +342,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stdout.reconfigure(errors="backslashreplace")
     parser = _parser()
     args, unknown = parser.parse_known_args(argv)
-    if unknown:  # (named by the command's usage, not the top-level one's)
-        _usage(args, parser).error(f"unrecognized arguments: {' '.join(unknown)}")
-    args.json = checked_flag(parser, args.json)
+    usage = _usage(args, parser)  # (errors name the command's usage, not the top-level one's)
+    if unknown:
+        usage.error(f"unrecognized arguments: {' '.join(unknown)}")
+    args.json = checked_flag(usage, args.json)
     if args.command == "stats":
-        args.json = checked_flag(parser, env_flag("IDEM_STATS_JSON")) or args.json
+        args.json = checked_flag(usage, env_flag("IDEM_STATS_JSON")) or args.json
     if args.dsn == "":
-        parser.error("--dsn is empty: pass a PostgreSQL URL, or leave --dsn out")
+        usage.error("--dsn is empty: pass a PostgreSQL URL, or leave --dsn out")
     if not args.dsn:
-        parser.error(
+        usage.error(
             "no database: pass --dsn URL or set " + " or ".join(DSN_ENVS) + " (in that order)"
         )
     if sys.stdout is None:
@@ -382,7 +383,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except run.UsageError as exc:
         # Exits 2, like any other bad argument, with the usage of the command that was given
         # (before: the top-level one, which names none of the command's options).
-        _usage(args, parser).error(str(exc))
+        usage.error(str(exc))
     except (IdempotencyError, OSError, asyncpg.PostgresError, ImportError, run.Interrupted) as exc:
         print(f"idem-middleware: {exc}", file=sys.stderr)
         return 1

@@ -269,6 +269,9 @@ async def resolve(store: PostgresStore, args: argparse.Namespace) -> int:
     if to is not Resolution.RETRY:
         if args.status is None:
             raise UsageError("--status is required to resolve to succeeded or failed_final")
+        if args.content_type is not None and args.body is None:
+            # (Else dropped without a word, unchecked: an empty body is stored with no type.)
+            raise UsageError("--content-type names the type of --body: give the body too")
         body = b"" if args.body is None else args.body.encode()
         content_type = "application/json" if args.content_type is None else args.content_type
         try:  # what retries would be served is checked before the record is read

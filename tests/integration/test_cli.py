@@ -789,14 +789,27 @@ async def test_reconcile_runs_the_apps_lifespan_around_its_reconcilers(
     assert (tmp_path / "marks.txt").read_text() == "shut down"
 
 
-def test_an_app_whose_lifespan_fails_is_a_message_and_status_2(db_dsn: str, tmp_path: Path) -> None:
-    failing = LIFESPAN_APP.replace('BANK["client"] = "open"', 'raise RuntimeError("no bank")')
+@pytest.mark.parametrize(
+    "failure",
+    [
+        'raise RuntimeError("no bank")',
+        # (asyncio lets these two out of the event loop: a traceback, exit status 1)
+        'sys.exit("no bank")',
+        'raise KeyboardInterrupt("no bank")',
+    ],
+)
+def test_an_app_whose_lifespan_fails_is_a_message_and_status_2(
+    db_dsn: str, tmp_path: Path, failure: str
+) -> None:
+    failing = LIFESPAN_APP.replace('BANK["client"] = "open"', failure)
     (tmp_path / "failing_app.py").write_text(failing)
     env = {"PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}"}
     result = cli("reconcile", "--app", "failing_app:app", dsn=db_dsn, env=env)
     assert result.returncode == 2, result.stderr
     assert "lifespan's startup failed" in result.stderr
+    assert "no bank" in result.stderr
     assert "--no-lifespan" in result.stderr
+    assert "never retrieved" not in result.stderr  # (asyncio's, of a task the loop let out)
 
 
 async def test_purge_says_when_it_stopped_at_its_limit_with_records_left(

@@ -117,6 +117,37 @@ def test_a_missing_argument_shows_its_commands_usage(
     assert result.stderr.startswith(usage), result.stderr
 
 
+@pytest.mark.parametrize(
+    ("dsn", "env", "says"),
+    [
+        (None, {}, "no database"),
+        ("", {}, "--dsn is empty"),
+        ("postgresql://127.0.0.1:1/x", {"IDEM_JSON": "maybe"}, "IDEM_JSON='maybe'"),
+    ],
+)
+def test_a_missing_database_or_bad_flag_shows_its_commands_usage(
+    dsn: str | None, env: dict[str, str], says: str
+) -> None:
+    """Refused before any connection, with the command's usage (it was the top-level one)."""
+    result = cli("list", "--limit", "1", dsn=dsn, env=env)
+    assert result.returncode == 2
+    assert result.stderr.startswith("usage: idem-middleware list "), result.stderr
+    assert says in result.stderr
+
+
+def test_resolve_refuses_a_content_type_without_a_body(db_dsn: str) -> None:
+    """It was dropped without a word, and never checked (a content type that is no media type
+    was taken, where with --body it is refused)."""
+    record = ("--tenant", "t", "--operation", "POST /x", "--key", "k", "--note", "n")
+    result = cli(
+        "resolve", *record, "--to", "succeeded", "--status", "201", "--content-type", "text/x",
+        dsn=db_dsn,
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert result.stderr.startswith("usage: idem-middleware resolve "), result.stderr
+    assert "--content-type names the type of --body" in result.stderr
+
+
 async def test_outbox_purge_deletes_the_events_sent_long_enough_ago(db_dsn: str, pool: Any) -> None:
     """Found by probing: no command deleted sent events (`purge` deletes records, tokens and
     waits), so the outbox grew for ever unless an operator found `purge_sent` in the code."""
