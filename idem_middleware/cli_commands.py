@@ -25,6 +25,7 @@ from .cli_connect import with_store as with_store
 from .cli_list import printable
 from .cli_list import row as record_row
 from .cli_values import operation_hint, webhook_httpx
+from .context import derive_downstream_key
 from .errors import IdempotencyError, ResolveError
 from .inbox import purge_inbox
 from .keys import parse_idempotency_key
@@ -215,6 +216,8 @@ async def show(store: PostgresStore, args: argparse.Namespace) -> int:
         created_at=str(rec.created_at),
         expires_at=None if rec.expires_at is None else str(rec.expires_at),
         lease_expires_at=None if rec.lease_expires_at is None else str(rec.lease_expires_at),
+        epoch=rec.epoch,  # (and the key a reconciler, or an operator, asks downstream about)
+        downstream_key=derive_downstream_key(*rec.key, rec.epoch),
     )
     trail = [] if rec.note is None else rec.note.splitlines()
     if args.json:
@@ -269,8 +272,7 @@ async def resolve(store: PostgresStore, args: argparse.Namespace) -> int:
     if to is not Resolution.RETRY:
         if args.status is None:
             raise UsageError("--status is required to resolve to succeeded or failed_final")
-        if args.content_type is not None and args.body is None:
-            # (Else dropped without a word, unchecked: an empty body is stored with no type.)
+        if args.content_type is not None and args.body is None:  # (else dropped, unchecked)
             raise UsageError("--content-type names the type of --body: give the body too")
         body = b"" if args.body is None else args.body.encode()
         content_type = "application/json" if args.content_type is None else args.content_type

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from idem_middleware.context import derive_downstream_key
 from idem_middleware.ops import Resolution, ResolveError, operator_response, reopen, resolve
 from idem_middleware.store import Claimed
 from idem_middleware.store.base import RecordKey, Settlement, State, StoredResponse
@@ -277,3 +278,21 @@ async def test_cli_refuses_a_response_with_to_retry(db_dsn: str, pool: Any) -> N
     )
     assert empty.returncode == 2
     assert "is not a media type" in empty.stderr
+
+
+async def test_show_names_the_records_epoch_and_its_downstream_key(
+    db_dsn: str, pg_store: Any
+) -> None:
+    """An operator told to ask the downstream system about an unknown record could not: the
+    key the execution sent there (its context's `downstream_key`) comes of the record's epoch,
+    which no command showed."""
+    key = RecordKey("t", "POST /payouts", "shown-epoch")
+    claim = await pg_store.claim_lease(key, b"f", retention_seconds=60, lease_seconds=30)
+    assert isinstance(claim, Claimed)
+    shown = cli("show", *RECORD, "--key", key.key, "--json", dsn=db_dsn)
+    assert shown.returncode == 0, shown.stderr
+    record = json.loads(shown.stdout)
+    assert record["epoch"] == claim.epoch
+    assert record["downstream_key"] == derive_downstream_key(*key, claim.epoch)
+    text = cli("show", *RECORD, "--key", key.key, dsn=db_dsn).stdout
+    assert f"downstream_key  {record['downstream_key']}" in text
