@@ -64,12 +64,26 @@ R = TypeVar("R")
 P = ParamSpec("P")
 
 
+def _json_ok(value: Any) -> bool:
+    try:
+        orjson.dumps(value, option=orjson.OPT_SORT_KEYS)
+    except TypeError:
+        return False
+    return True
+
+
 def _fingerprint(operation: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bytes:
     try:
         payload = orjson.dumps([args, kwargs], option=orjson.OPT_SORT_KEYS)
     except TypeError as exc:
+        named = [*(f"argument {n}" for n in range(1, len(args) + 1)), *kwargs]
+        values = [*args, *kwargs.values()]
+        which = next(
+            (n for n, v in zip(named, values, strict=True) if not _json_ok(v)), "an argument"
+        )
         raise ConfigurationError(
-            f"{operation}: the job's arguments must be JSON-serialisable to be fingerprinted"
+            f"{operation}: the job's arguments must be JSON-serialisable to be fingerprinted; "
+            f"{which} is not ({exc}: pass it as a str, say)"
         ) from exc
     # orjson writes NaN and the infinities as null: refused, or `v=inf` and `v=-inf` would be
     # the same call. (Looked for only where a null was written.)

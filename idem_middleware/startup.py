@@ -136,8 +136,8 @@ def check_app(mw: IdempotencyMiddleware, app: Any, scope: Scope | None = None) -
     # The status and token routes' view of the app, and its problem_base.
     errors.extend(tell_library_routes(items, guarded, mw.problem_base, mw.store))
     for name in sorted(set(mw.policies) - reachable):  # a typo, or a prefix left out
-        close = difflib.get_close_matches(name, sorted(reachable), n=1, cutoff=0.5)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        close = _meant(name, reachable)
+        hint = f" (did you mean {close!r}?)" if close else ""
         errors.append(f"policies[{name!r}] matches no route, so it can never apply{hint}")
     if guarded and app is not None:
         inside = list(middleware_inside(routes, [item for item, _, _ in found]))
@@ -155,6 +155,17 @@ def check_app(mw: IdempotencyMiddleware, app: Any, scope: Scope | None = None) -
     errors.extend(websocket_errors(routes))
     if errors:
         raise ConfigurationError("; ".join(errors))
+
+
+def _meant(name: str, reachable: set[str]) -> str | None:
+    """The operation a `policies` key most likely meant: the shortest of the method's that end
+    with its path (a mount's or a router's prefix left out), else the closest spelling."""
+    method, _, path = name.partition(" ")
+    ends = [op for op in reachable if op.startswith(f"{method} /") and op.endswith(path)]
+    if len(path) > 1 and ends:
+        return min(ends, key=lambda op: (len(op), op))
+    close = difflib.get_close_matches(name, sorted(reachable), n=1, cutoff=0.5)
+    return close[0] if close else None
 
 
 def guarded_routes(

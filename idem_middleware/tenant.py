@@ -259,10 +259,16 @@ class Tenants:
         run unscoped."""
         if not self._refusal_logged:
             self._refusal_logged = True
+            fix = (
+                "give the user class a unique str identity, or pass tenant_resolver="
+                if self._default
+                else "make the tenant_resolver answer a str (or None for no caller)"
+            )
             logger.error(
                 "idempotency: no tenant: %s. Guarded requests are refused with 500 until it is "
-                "fixed: give the user class a unique str identity, or pass tenant_resolver=",
+                "fixed: %s",
                 why,
+                fix,
             )
         return RequestRejected(ProblemKind.MISCONFIGURED, _CANNOT_IDENTIFY)
 

@@ -3,6 +3,7 @@ where it was taken silently (on both stores)."""
 
 from __future__ import annotations
 
+from decimal import Decimal
 from typing import Any
 
 import pytest
@@ -187,3 +188,21 @@ async def test_a_key_function_answering_an_int_or_a_uuid_keys_as_a_key_argument_
         with pytest.raises(ValueError, match="the key function's answer is"):
             await send(id=bad)
     assert len(runs) == 3
+
+
+async def test_an_argument_json_cannot_write_is_named_in_the_refusal() -> None:
+    """The refusal named neither the argument nor its type (orjson's words were in the cause
+    alone): an amount given as a Decimal, say."""
+    runs: list[str] = []
+
+    @idempotent_job(MemoryStore(), operation="payouts.send", key="payout_id")
+    async def send(ctx: IdempotencyContext, note: str, *, payout_id: str, amount: Any) -> None:
+        runs.append(payout_id)
+
+    with pytest.raises(
+        ConfigurationError, match=r"amount is not \(Type is not JSON serializable: decimal\.Decimal"
+    ):
+        await send("n", payout_id="p1", amount=Decimal("10.50"))
+    with pytest.raises(ConfigurationError, match=r"argument 1 is not \(.*bytes"):
+        await send(b"n", payout_id="p1", amount="10.50")
+    assert runs == []
