@@ -209,6 +209,24 @@ INSERT INTO idem_requests
 VALUES ($1, $2, $3, $4, $7, 'transactional', $5, $5, make_interval(secs => $6::float8),
         clock_timestamp() + make_interval(secs => $6::float8), $8, $9, $10, $11);
 
+-- name: insert_final_checked
+-- `insert_final` for the simple-query message that also carries the COMMIT: an INSERT that wrote
+-- no row (a BEFORE trigger on the table returned NULL) divides by zero, which aborts the
+-- transaction before the COMMIT runs, as `complete_checked` does (in a WITH, a rule that would
+-- do instead nothing is refused by the server). Else the handler's writes committed with no
+-- record: every retry ran it again.
+-- $1 tenant, $2 operation, $3 key, $4 fingerprint, $5 generation, $6 retention (seconds),
+-- $7 state, $8 status, $9 headers, $10 body, $11 body_omitted
+WITH inserted AS (
+    INSERT INTO idem_requests
+        (tenant, operation, idem_key, fingerprint, state, mode, generation, epoch, retention,
+         expires_at, response_status, response_headers, response_body, body_omitted)
+    VALUES ($1, $2, $3, $4, $7, 'transactional', $5, $5, make_interval(secs => $6::float8),
+            clock_timestamp() + make_interval(secs => $6::float8), $8, $9, $10, $11)
+    RETURNING 1
+)
+SELECT 1 / count(*) FROM inserted;
+
 -- name: write_deferred
 -- A fast claim's record, deferred to its completion, written now because its transaction claims
 -- another key: as the ordinary claim's pending record, so that later claims see it and the

@@ -202,7 +202,7 @@ async def test_prepared_statements_lost_by_the_pool_fall_back_to_inlined_text(
 
     async def reset(conn: asyncpg.Connection[Any]) -> None:
         await conn.reset()
-        for name in (_NAMES["claim_key"], _NAMES["insert_final"]):
+        for name in (_NAMES["claim_key"], _NAMES["insert_final_checked"]):
             with contextlib.suppress(asyncpg.exceptions.InvalidSQLStatementNameError):
                 await conn.execute(f"DEALLOCATE {name}")
 

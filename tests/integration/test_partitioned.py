@@ -108,7 +108,7 @@ NOT_REQUEST_PATH = {"purge_batch", "stats", "stats_unresolved", "list_records", 
 REQUEST_PATH = {
     "claim_plain",  # lease mode and the ordinary transactional path (a token's: `claim`)
     "claim_key",  # transactional fast path: BEGIN + claim in one message
-    "insert_final",  # ... and its record, written with the COMMIT
+    "insert_final_checked",  # ... and its record, written with the COMMIT
     "get",  # replays
     "complete",  # the ordinary transactional completion
     "reclaim_expired",

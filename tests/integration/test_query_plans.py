@@ -138,6 +138,7 @@ async def _cases(conn: Any) -> dict[str, list[tuple[Any, ...]]]:
         "claim_key": [(*fresh, 1)],
         "claim_key_count": [(*fresh, 1)],
         "insert_final": [(*fresh, fp, 10**9, 86400.0, "succeeded", *answer)],
+        "insert_final_checked": [(*fresh, fp, 10**9, 86400.0, "succeeded", *answer)],
         "reclaim_expired": [(*expired, fp, *lease, None)],
         "reclaim_released": [(*leased, fp, g_leased, 86400.0)],
         "expire_lapsed": [(*lapsed, g_lapsed, "n")],
@@ -189,7 +190,8 @@ async def _cases(conn: Any) -> dict[str, list[tuple[Any, ...]]]:
 #: Statements a request sends: their generic plans (asyncpg's prepared statements switch to one
 #: after five runs when it costs no more than the custom ones) must use indexes as well.
 PER_REQUEST = {
-    "claim", "claim_plain", "claim_key", "claim_key_count", "insert_final", "reclaim_expired",
+    "claim", "claim_plain", "claim_key", "claim_key_count", "insert_final",
+    "insert_final_checked", "reclaim_expired",
     "get", "peek", "reclaim_released", "expire_lapsed",
     "describe", "complete", "complete_checked", "heartbeat", "heartbeat_batch", "expire_lease",
     "takeover", "fence",

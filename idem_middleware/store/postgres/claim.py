@@ -75,6 +75,7 @@ async def _claim(
     may be claimed. With `lock` (lease mode), a key whose claim lock another transaction holds
     is ClaimBusy, as a row another transaction holds is; nothing here waits for either.
     """
+    nowhere = 0  # passes whose INSERT wrote nothing and found no record either
     for _ in range(_CLAIM_ATTEMPTS):
         if token_hash is None:  # (most keys: the claim without the token's statements)
             rows = await executor.fetch(_Q["claim_plain"], *args, lock, timeout=timeout)
@@ -98,6 +99,7 @@ async def _claim(
             if row is None:
                 # Gone again (released, or purged): claim again (a token claim finds out then
                 # whether the token itself was refused).
+                nowhere += 1
                 continue
         record = to_record(key, row)
         if record.retry_allowed and args[4] == "transactional":
@@ -129,6 +131,13 @@ async def _claim(
             raise ClaimBusy("another transaction is claiming this key") from exc
         if reclaimed is not None:
             return _claimed(reclaimed)
+    if nowhere == _CLAIM_ATTEMPTS:
+        # Every time: no claim raced this one. The INSERT itself wrote nowhere (a BEFORE
+        # trigger that returns NULL, a rule, rows sent to another table): a 409 for ever.
+        raise ClaimRefused(
+            "the claim's INSERT wrote no record, and no record holds the key: a trigger or rule "
+            "on idem_requests skipped or moved it (the store's tables take none that do)"
+        )
     raise ClaimTimeout("the record kept changing under the claim")
 
 

@@ -297,6 +297,20 @@ STORE_TABLES = frozenset(
 RECORD_PARTITIONS = "idem_requests_"
 
 
+def skipped(what: str, fenced: bool = False) -> SettlementRefused:
+    """The record of an outcome wrote nothing where the transaction holds the record (its own
+    uncommitted row, or one it has locked): a trigger on the store's table skipped or changed
+    the row (a BEFORE trigger that returns NULL), a rule, or the handler's own statement on it.
+    Nothing committed; no retry clears it (it answered 503, and the fast path's record was
+    never checked: the handler's writes committed without it, and every retry ran again)."""
+    kind = FencedSettlementRefused if fenced else SettlementRefused
+    return kind(
+        f"{what}: a trigger or rule on idem_requests (or the handler) skipped or changed the "
+        "store's own write; nothing of the transaction was committed. The store's tables take "
+        "no triggers or rules that change its rows"
+    )
+
+
 def refused(exc: BaseException, fenced: bool = False) -> SettlementRefused:
     """The completion (or its COMMIT) refused by the server for what the handler did in the
     transaction, or by a constraint added to the store's own table: nothing committed, and the

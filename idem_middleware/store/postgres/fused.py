@@ -35,6 +35,7 @@ from .convert import (
     SERVER_ERROR,
     STALE_STATEMENT,
     scrub,
+    skipped,
 )
 from .generations import Generations
 from .literals import _inline, _literals
@@ -85,8 +86,8 @@ def _prepared_name(base: str, query: str) -> str:
 #: The statements the fast path prepares on a connection (all at once): SQL and parameter types.
 _FAST: dict[str, tuple[str, str]] = {
     "claim_key": (_Q["claim_key"], "text, text, text, bigint"),
-    "insert_final": (
-        _Q["insert_final"],
+    "insert_final_checked": (
+        _Q["insert_final_checked"],
         "text, text, text, bytea, bigint, float8, text, integer, bytea, bytea, text",
     ),
     "complete_checked": (
@@ -104,7 +105,7 @@ _PREPARE = "".join(
     f"PREPARE {NAMES[name]} ({types}) AS {sql};\n" for name, (sql, types) in _FAST.items()
 )
 #: The fused completion of each ordinary completing statement.
-_CHECKED = {"complete": "complete_checked", "insert_final": "insert_final"}
+_CHECKED = {"complete": "complete_checked", "insert_final": "insert_final_checked"}
 #: `claim_key`'s answer when another transaction is claiming the key (it returns two rows).
 _KEY_BUSY = "SELECT 2"
 _PREPARED_MISMATCH: tuple[type[BaseException], ...] = (
@@ -116,7 +117,7 @@ _MISSED = asyncpg.exceptions.DivisionByZeroError
 #: What each completing statement wrote, by its arguments' positions: (generation, state, the
 #: state it replaced or None). `_recorded` reads the record back to see whether it holds them.
 _WRITES: dict[str, tuple[int, int, int | None]] = {
-    "insert_final": (4, 6, None),
+    "insert_final_checked": (4, 6, None),
     "complete_checked": (3, 4, None),
     "settle_checked": (3, 5, 4),
 }
@@ -319,7 +320,7 @@ class FastPath:
                 compat.committed(tx)
                 return True
             if isinstance(exc, _MISSED):
-                raise StoreError(missed) from exc
+                raise skipped(missed, fenced=query == "settle_checked") from exc
             if isinstance(exc, STALE_STATEMENT):
                 # Gone since the claim used them: the handler dropped them (DEALLOCATE ALL),
                 # and asyncpg's with them. Nothing committed; inlined from now on, as when a

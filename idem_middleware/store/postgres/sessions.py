@@ -367,9 +367,8 @@ class PgTransaction:
             raise translate(exc) from exc
         except convert.SERVER_ERROR as exc:
             raise refused(exc) from exc
-        if status not in ("UPDATE 1", "INSERT 0 1"):
-            # Our own uncommitted row: only a bug (or a hand edit) makes this miss.
-            raise StoreError(f"completion matched no pending record ({status})")
+        if status not in ("UPDATE 1", "INSERT 0 1"):  # (our own uncommitted row, or none)
+            raise convert.skipped(f"the completion matched no pending record ({status})")
         await self._commit()
         self._done()
 

@@ -1,0 +1,97 @@
+"""A trigger or rule on the store's table that makes its write land nowhere (a BEFORE trigger
+that returns NULL, a rule that does instead nothing): refused, 500 server-misconfigured, and
+nothing of the request committed. On the fast path the record's INSERT went unchecked: the
+handler's writes committed with no record, a 201 each time, and every retry ran again; on the
+ordinary path and in lease mode the claim found neither its row nor another's and answered
+"409, retry" for ever; a completion whose UPDATE matched nothing answered "503, retry" for ever."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import asyncpg
+import pytest
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from idem_middleware import Mode, Policy, PostgresStore, get_context
+from tests.apps import client, key, one_route_app
+
+_SETUPS = [(Mode.TRANSACTIONAL, True), (Mode.TRANSACTIONAL, False), (Mode.LEASE, True)]
+_SWALLOWERS = {
+    "insert-trigger": (
+        "CREATE FUNCTION swallow() RETURNS trigger LANGUAGE plpgsql AS 'BEGIN RETURN NULL; END';"
+        "CREATE TRIGGER swallow BEFORE INSERT ON idem_requests FOR EACH ROW EXECUTE FUNCTION "
+        "swallow()"
+    ),
+    "insert-rule": "CREATE RULE swallow AS ON INSERT TO idem_requests DO INSTEAD NOTHING",
+    "update-trigger": (
+        "CREATE FUNCTION swallow() RETURNS trigger LANGUAGE plpgsql AS 'BEGIN RETURN NULL; END';"
+        "CREATE TRIGGER swallow BEFORE UPDATE ON idem_requests FOR EACH ROW EXECUTE FUNCTION "
+        "swallow()"
+    ),
+}
+_UNDO = (
+    "DROP RULE IF EXISTS swallow ON idem_requests; DROP TRIGGER IF EXISTS swallow ON "
+    "idem_requests; DROP FUNCTION IF EXISTS swallow(); DROP TABLE IF EXISTS swallow_ledger"
+)
+
+
+async def pay(request: Request) -> Response:
+    ctx = get_context(request)
+    conn = ctx.connection if ctx.mode is Mode.TRANSACTIONAL else await ctx.fenced_connection()
+    await conn.execute("INSERT INTO swallow_ledger VALUES ($1)", ctx.key)
+    return JSONResponse({"paid": True}, status_code=201)
+
+
+@pytest.fixture
+async def admin(db_dsn: str) -> AsyncIterator[asyncpg.Connection]:
+    conn = await asyncpg.connect(db_dsn)
+    try:
+        await conn.execute(_UNDO + "; CREATE TABLE swallow_ledger (k text)")
+        yield conn
+    finally:
+        await conn.execute(_UNDO)
+        await conn.close()
+
+
+async def _run_twice(
+    db_dsn: str, admin: asyncpg.Connection, swallower: str, mode: Mode, fast_path: bool
+) -> tuple[list[Response], int, int]:
+    await admin.execute(_SWALLOWERS[swallower])
+    store = PostgresStore(dsn=db_dsn, min_size=1, max_size=2, listen=False, fast_path=fast_path)
+    name = f"swallowed-{swallower}-{mode.value}-{fast_path}"
+    async with (
+        store,
+        client(one_route_app("/pay", pay, store=store, default_policy=Policy(mode=mode))) as c,
+    ):
+        answers = [await c.post("/pay", json={}, headers=key(name)) for _ in range(2)]
+    effects = await admin.fetchval("SELECT count(*) FROM swallow_ledger WHERE k = $1", name)
+    records = await admin.fetchval("SELECT count(*) FROM idem_requests WHERE idem_key = $1", name)
+    return answers, effects, records
+
+
+@pytest.mark.parametrize("swallower", ["insert-trigger", "insert-rule"])
+@pytest.mark.parametrize(("mode", "fast_path"), _SETUPS)
+async def test_a_record_insert_that_lands_nowhere_is_refused(
+    db_dsn: str, admin: asyncpg.Connection, swallower: str, mode: Mode, fast_path: bool
+) -> None:
+    answers, effects, records = await _run_twice(db_dsn, admin, swallower, mode, fast_path)
+    for r in answers:
+        assert r.status_code == 500, r.text
+        assert r.json()["type"].endswith("server-misconfigured"), r.text
+    assert (effects, records) == (0, 0)  # nothing committed, by any attempt
+
+
+async def test_a_completion_update_that_lands_nowhere_is_refused_not_unavailable(
+    db_dsn: str, admin: asyncpg.Connection, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The ordinary path writes the pending record at its claim and completes it by an UPDATE."""
+    answers, effects, records = await _run_twice(
+        db_dsn, admin, "update-trigger", Mode.TRANSACTIONAL, False
+    )
+    for r in answers:
+        assert r.status_code == 500, r.text
+        assert "retry-after" not in r.headers
+    assert (effects, records) == (0, 0)
+    assert "a trigger or rule on idem_requests" in caplog.text
