@@ -158,6 +158,21 @@ SELECT count(*) FROM idem_claim_key($1, $2, $3, $4);
 -- that computes the claim lock itself (store/postgres/claim_lock.py).
 SELECT inner_key, outer_key FROM idem_lock_secret;
 
+-- name: generations_ahead
+-- Checked when a store opens: the last value `idem_generation_seq` gave (NULL: none since it was
+-- made or restarted) and the largest generation among the records a fence or a downstream key
+-- may still compare with (pending and unknown ones, and the $1 newest by expiry, through their
+-- indexes). A sequence behind them (restarted by hand, a failover to a logical replica, which
+-- copies no sequence, a restore without its setval) would hand out generations again.
+-- $1 how many of the newest records to read
+SELECT pg_sequence_last_value('idem_generation_seq'::regclass) AS drawn,
+       (SELECT max(generation) FROM (
+            (SELECT generation FROM idem_requests WHERE state IN ('pending', 'unknown'))
+            UNION ALL
+            (SELECT generation FROM idem_requests WHERE expires_at IS NOT NULL
+             ORDER BY expires_at DESC LIMIT $1)
+        ) AS recent) AS held;
+
 -- name: writable
 -- Whether the server takes the store's writes (checked when a store opens): a standby does not,
 -- nor do sessions that default to read-only; after how many milliseconds idle in a transaction,

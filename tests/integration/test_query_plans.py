@@ -169,6 +169,7 @@ async def _cases(conn: Any) -> dict[str, list[tuple[Any, ...]]]:
         "inbox_record": [("consumer", "event-7")],
         # Batches: one purge batch, the reconciler's and the operator's listings.
         "purge_batch": [(1000,)],
+        "generations_ahead": [(1000,)],
         "outbox_purge": [(1000, 19 * 86400.0)],  # the older events: a purge run's backlog
         "inbox_purge": [(1000, 19 * 86400.0)],  # (the same: the older rows)
         "list_records": [
@@ -203,6 +204,7 @@ PER_REQUEST = {
 #: Batches: a parameter in a partial index's predicate or in a LIMIT makes their generic plans
 #: read the table whole, so their cost keeps asyncpg's plan cache on custom plans (checked below).
 PER_BATCH = {"purge_batch", "outbox_purge", "inbox_purge", "list_records", "list_page"}
+PER_BATCH.add("generations_ahead")  # (when a store opens, over a table of any size)
 #: Off every path but an operator's or a metrics scrape: counted in docs/operating.md.
 ELSEWHERE = {
     "stats", "stats_unresolved", "outbox_stats", "outbox_list", "purge_tokens", "purge_waiters",

@@ -85,6 +85,28 @@ async def require_privileges(conn: Any, locks: ClaimLocks) -> None:
         )
 
 
+#: How many of the newest finished records `require_generations_ahead` reads.
+_NEWEST = 1000
+
+
+async def require_generations_ahead(conn: Any) -> None:
+    """ConfigurationError when `idem_generation_seq` is behind the generations its records hold
+    (`generations_ahead`): it would hand them out again, a takeover's generation equal to a
+    late executor's (fencing, which compares them for equality, let both commit) and a key
+    reused after its retention given an old epoch (the same downstream key: the other system
+    took the new request for the old one)."""
+    row = await conn.fetchrow(_Q["generations_ahead"], _NEWEST)
+    held = row["held"]
+    if held is not None and (row["drawn"] is None or row["drawn"] < held):
+        raise ConfigurationError(
+            f"idem_generation_seq is behind the records' generations (it would draw "
+            f"{1 if row['drawn'] is None else row['drawn'] + 1} next; a record holds {held}), "
+            "restarted by hand, or not carried over by a failover or a restore: generations "
+            "would be handed out again, and fencing fails with them. Run, as its owner, "
+            "SELECT setval('idem_generation_seq', (SELECT max(generation) FROM idem_requests))"
+        )
+
+
 #: Server encodings into which PostgreSQL converts two Unicode characters alike (found by
 #: converting every code point to each encoding the server offers), and which.
 _MERGING_ENCODINGS = {"EUC_JP": "U+00A6 and U+FFE4"}

@@ -38,7 +38,7 @@ from .listener import Listener
 from .options import check_dsn, check_pool, check_store_options
 from .poolers import PREPARED_MISMATCH, refusal, require_sessions_to_listen, require_transactions
 from .poolers import check as check_pooler
-from .privileges import require_privileges, require_writable
+from .privileges import require_generations_ahead, require_privileges, require_writable
 from .renewals import Renewals, bound
 from .rows import notify_token, settle_args, to_record
 from .runner import alone
@@ -194,6 +194,7 @@ class PostgresStore(OffPathStatements):
                     if self._needs_writes:
                         await require_privileges(conn, self._locks)
                         self.idle_in_transaction = await require_writable(conn)
+                        await require_generations_ahead(conn)
                     await self._locks.load(conn)
                 except PREPARED_MISMATCH as exc:  # what the pooler check may not have seen
                     raise refusal(compat.statement_cache_size(conn), exc) from exc
