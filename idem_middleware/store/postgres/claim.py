@@ -193,13 +193,19 @@ async def lock_key(conn: Any, key: RecordKey, lock: int, timeout: float) -> None
 
 async def taken_by_another(driver: Any, key: RecordKey) -> bool:
     """After a unique violation as a transaction wrote `key`'s record (or committed), and its
-    rollback: whether the key has a record now, so a claim that took no advisory lock (the
+    rollback: whether the key has a live record now, so a claim that took no advisory lock (the
     ordinary path, a token claim, or a lease-mode claim of the same operation) committed it
     first; if not, another unique constraint refused the transaction (a handler's deferred one,
-    or one an operator added to the store's table), which no attempt run again can clear. True
-    when it cannot tell (the connection gone, say): the attempt runs again, as it would have."""
+    or one an operator added to the store's table), which no attempt run again can clear. An
+    expired record, or one released for a retry, is the one this transaction had taken over
+    (back as it was): no one else's. True when it cannot tell (the connection gone, say): the
+    attempt runs again, as it would have."""
     try:
-        return driver is None or await driver.fetchrow(_Q["get"], *key) is not None
+        row = None if driver is None else await driver.fetchrow(_Q["get"], *key)
     except (*TRANSLATED, SERVER_ERROR):
         logger.debug("the key's record could not be read again", exc_info=True)
         return True
+    if driver is None:
+        return True
+    record = None if row is None else to_record(key, row)
+    return record is not None and not (record.expired or record.retry_allowed)

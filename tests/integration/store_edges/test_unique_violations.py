@@ -44,6 +44,13 @@ async def _twice(request: Request) -> Response:
     return JSONResponse({"ok": True}, status_code=201)
 
 
+async def _once(request: Request) -> Response:
+    """Writes order 1 into the app's table whose unique key is deferred: a second run breaks it."""
+    _RUNS.append(request.url.path)
+    await get_context(request).connection.execute("INSERT INTO orders_deferred VALUES (1)")
+    return JSONResponse({"ok": True}, status_code=201)
+
+
 async def _plain(request: Request) -> Response:
     _RUNS.append(request.url.path)
     ctx = get_context(request)
@@ -56,6 +63,7 @@ def _app(store: PostgresStore, mode: Mode = Mode.TRANSACTIONAL) -> Starlette:
     return Starlette(
         routes=[
             Route("/twice/{table}", _twice, methods=["POST"]),
+            Route("/once", _once, methods=["POST"]),
             Route("/pay", _plain, methods=["POST"]),
             Route("/refund", _plain, methods=["POST"]),
         ],
@@ -129,6 +137,33 @@ async def test_a_handlers_deferred_unique_constraint_is_refused_after_one_run(
     assert state is None  # the key is free
     assert "broke a deferred constraint" in caplog.text
     assert "orders_deferred_u" in caplog.text
+
+
+@pytest.mark.usefixtures("app_tables")
+@pytest.mark.parametrize("fast_path", [True, False])
+async def test_a_key_reused_after_its_retention_is_refused_after_one_run(
+    db_dsn: str, fast_path: bool
+) -> None:
+    """Its expired record, taken over by the claim, is back after the rollback: not another
+    claim's record (read so, the handler ran four times and the answer was "409, retry")."""
+    store = PostgresStore(dsn=db_dsn, min_size=1, max_size=2, listen=False, fast_path=fast_path)
+    name = f"reused-after-retention-{fast_path}"
+    async with store, client(_app(store)) as c:
+        first = await c.post("/once", json={}, headers=key(name))
+        async with store.pool.acquire() as conn:
+            await conn.execute(
+                "UPDATE idem_requests SET expires_at = now() - interval '1 second'"
+                " WHERE idem_key = $1",
+                name,
+            )
+        _RUNS.clear()
+        again = await c.post("/once", json={}, headers=key(name))
+        state = await _state(store, name, "POST /once")
+    assert first.status_code == 201, first.text
+    assert again.status_code == 500, again.text
+    assert again.json()["type"].endswith("server-misconfigured"), again.text
+    assert len(_RUNS) == 1
+    assert state == "succeeded"  # the expired record, as it was
 
 
 @pytest.mark.usefixtures("app_tables")
