@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import asyncpg
 
@@ -85,6 +86,9 @@ WAIT_EXCEEDED: tuple[type[BaseException], ...] = (
     asyncpg.exceptions.QueryCanceledError,
 )
 UNIQUE_VIOLATION: type[BaseException] = asyncpg.exceptions.UniqueViolationError
+#: A write refused in a read-only transaction (25006): the server's (a standby, sessions that
+#: default to read-only: UNAVAILABLE), or the handler's own `SET TRANSACTION READ ONLY`.
+READ_ONLY: type[BaseException] = asyncpg.exceptions.ReadOnlySQLTransactionError
 #: A row locked `FOR UPDATE NOWAIT` that another session holds (a claim that never waits), or a
 #: lock wait the server gave up on (the role's or database's `lock_timeout`: see `lock_waited`).
 LOCK_NOT_AVAILABLE: type[BaseException] = asyncpg.exceptions.LockNotAvailableError
@@ -295,6 +299,20 @@ STORE_TABLES = frozenset(
 )
 #: What the names of the records' partitions start with (`idem_requests_h0`: docs/scaling.md).
 RECORD_PARTITIONS = "idem_requests_"
+
+
+async def read_only_cause(driver: Any, exc: BaseException, fenced: bool = False) -> BaseException:
+    """After a completion refused as read-only (READ_ONLY) and its rollback: the server's doing
+    (a standby, sessions that default to read-only: `translate`'s 503, for a retry later), or
+    the handler's (`SET TRANSACTION READ ONLY`, which no retry clears: `refused`'s 500; taken
+    for the server's, every retry ran the handler again and got the 503 again)."""
+    try:
+        row = await driver.fetchrow(_Q["writable"])
+    except (*TRANSLATED, SERVER_ERROR):
+        return translate(exc)
+    if row["standby"] or row["read_only"]:
+        return translate(exc)
+    return refused(exc, fenced)
 
 
 def skipped(what: str, fenced: bool = False) -> SettlementRefused:

@@ -17,6 +17,7 @@ from .convert import (
     CHECKOUT_ERRORS,
     CONNECTION_ERRORS,
     LOCK_NOT_AVAILABLE,
+    READ_ONLY,
     RETRYABLE,
     SERVER_ERROR,
     STALE_STATEMENT,
@@ -173,6 +174,8 @@ class Fencing(Bounded):
                 done = await self._adopted.settle_and_commit(raw, self._tx, args, len(body))
             except RETRYABLE as exc:
                 raise _refused(exc) from exc
+            except READ_ONLY as exc:  # (the fence locked a row: the handler made it read-only)
+                raise refused(exc, fenced=True) from exc
             except TRANSLATED as exc:
                 raise translate(exc) from exc
             except STALE_STATEMENT:
@@ -194,6 +197,8 @@ class Fencing(Bounded):
                 self.connection
             )  # (the handler dropped them): for whoever is next
             raise
+        except READ_ONLY as exc:
+            raise refused(exc, fenced=True) from exc
         except TRANSLATED as exc:
             raise translate(exc) from exc
         except SERVER_ERROR as exc:

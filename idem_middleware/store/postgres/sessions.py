@@ -19,6 +19,7 @@ from .convert import (
     _Q,
     CHECKOUT_ERRORS,
     CONNECTION_ERRORS,
+    READ_ONLY,
     SERVER_ERROR,
     STALE_STATEMENT,
     TRANSLATED,
@@ -153,9 +154,8 @@ class PgTransaction:
 
     def conflict(self, exc: BaseException) -> bool:
         if stale_statement(exc):  # (through SQLAlchemy's errors, or a task group, too)
-            # One of asyncpg's statements had been dropped from the session (a handler before
-            # this one ran DEALLOCATE ALL): the handler's writes rolled back with the claim, and
-            # the attempt runs again with the connection's cache emptied.
+            # One of asyncpg's statements was dropped (a handler ran DEALLOCATE ALL): the
+            # attempt runs again with the connection's cache emptied.
             compat.forget_statements(self._conn)
         return is_conflict(exc)
 
@@ -319,9 +319,8 @@ class PgTransaction:
         except UNIQUE_VIOLATION as exc:  # (`write_deferred`'s record, or another constraint's)
             raise await self._lost_the_key(exc, claim_refused) from exc
         except WAIT_EXCEEDED as exc:
-            # Only `claim` waits for a lock (a concurrent claim's row); everything before it
-            # tries the key's lock without waiting. Out of time there, the claim waited for the
-            # server (a pooler with none free, a table locked by DDL): the store's trouble.
+            # Only `claim` waits for a lock (a concurrent claim's row). Out of time elsewhere,
+            # it waited for the server (a pooler, a table locked by DDL): the store's trouble.
             raise StoreError("the database did not answer the claim in time") from exc
         except TRANSLATED as exc:
             raise translate(exc) from exc
@@ -343,7 +342,7 @@ class PgTransaction:
         if self._fused and fast is not None and raw is not None:
             try:
                 done = await fast.complete_and_commit(raw, self._tx, name, args, len(response.body))
-            except UNIQUE_VIOLATION as exc:  # (the record's, a handler's deferred one, ...)
+            except (UNIQUE_VIOLATION, READ_ONLY) as exc:  # (the record's, the handler's, ...)
                 raise await self._lost_the_key(exc, refused) from exc
             except STALE_STATEMENT as exc:
                 raise await self._stale(exc) from exc
@@ -357,7 +356,7 @@ class PgTransaction:
         query = _Q["insert_final"] if name == "insert_final" else _Q["complete"]
         try:
             status = await self._conn.execute(query, *args)  # (the proxy: see above)
-        except UNIQUE_VIOLATION as exc:
+        except (UNIQUE_VIOLATION, READ_ONLY) as exc:
             raise await self._lost_the_key(exc, refused) from exc
         except STALE_STATEMENT as exc:
             raise await self._stale(exc) from exc
@@ -377,13 +376,15 @@ class PgTransaction:
         self._deferred = None
         self._claimed = None
 
-    async def _lost_the_key(self, exc: BaseException, refusal: _Refusal) -> Exception:
+    async def _lost_the_key(self, exc: BaseException, refusal: _Refusal) -> BaseException:
         """A unique violation as the record this transaction claimed was written, or at its
         COMMIT: the attempt runs again when another claim took the key (`taken_by_another`),
-        else `refusal` names the constraint. Nothing of ours is committed."""
+        else `refusal` names the constraint (read-only: `read_only_cause`). Nothing committed."""
         convert.scrub(exc)
         claimed = self._claimed[0] if self._claimed is not None else None
         await self.rollback()
+        if isinstance(exc, READ_ONLY):
+            return await convert.read_only_cause(self.driver, exc)
         if claimed is None or not await taken_by_another(self.driver, claimed):
             return refusal(exc)
         logger.debug("the key was recorded by another claim first", exc_info=exc)
