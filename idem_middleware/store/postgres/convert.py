@@ -124,6 +124,14 @@ def stale_statement(exc: BaseException) -> bool:
     return any(_caused_by(error, STALE_STATEMENT) for error in leaf_errors(exc))
 
 
+def _dropped_by_name(exc: BaseException) -> bool:
+    """A STALE_STATEMENT that names a statement asyncpg or the store prepared (`__asyncpg_...`,
+    `idem_...`): one a handler named itself (`EXECUTE my_plan` of a plan it never prepared) is
+    its own error, the same at every run (taken for a dropped cache, it ran four times)."""
+    text = str(exc)
+    return '"__asyncpg_' in text or '"idem_' in text
+
+
 def reports_lost(exc: BaseException) -> bool:
     """Whether `exc`, one it was raised from or during (a handler's own error wrapping it), or
     one in its group is the driver's report of a connection gone."""
@@ -142,7 +150,7 @@ def _caused_by(
         if cause is None:
             return False
         if isinstance(cause, kinds):
-            return True
+            return not isinstance(cause, STALE_STATEMENT) or _dropped_by_name(cause)
         cause = cause.__cause__ or (cause.__context__ if implicit else None)
     return False
 

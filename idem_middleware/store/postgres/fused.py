@@ -319,7 +319,8 @@ class FastPath:
                 )
                 compat.committed(tx)
                 return True
-            if isinstance(exc, _MISSED):
+            if isinstance(exc, _MISSED) and conn.is_in_transaction():  # (else at the COMMIT:
+                # a deferred trigger of the handler's that divided by zero, say)
                 raise skipped(missed, fenced=query == "settle_checked") from exc
             if isinstance(exc, STALE_STATEMENT):
                 # Gone since the claim used them: the handler dropped them (DEALLOCATE ALL),

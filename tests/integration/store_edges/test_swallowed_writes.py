@@ -33,7 +33,7 @@ _SWALLOWERS = {
 }
 _UNDO = (
     "DROP RULE IF EXISTS swallow ON idem_requests; DROP TRIGGER IF EXISTS swallow ON "
-    "idem_requests; DROP FUNCTION IF EXISTS swallow(); DROP TABLE IF EXISTS swallow_ledger"
+    "idem_requests; DROP TABLE IF EXISTS swallow_ledger; DROP FUNCTION IF EXISTS swallow()"
 )
 
 
@@ -95,3 +95,23 @@ async def test_a_completion_update_that_lands_nowhere_is_refused_not_unavailable
         assert "retry-after" not in r.headers
     assert (effects, records) == (0, 0)
     assert "a trigger or rule on idem_requests" in caplog.text
+
+
+async def test_a_handlers_deferred_division_by_zero_is_not_taken_for_a_skipped_write(
+    db_dsn: str, admin: asyncpg.Connection, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The fast path's checked record divides by zero when it wrote nothing; a deferred trigger
+    of the handler's table that divides by zero fails at the COMMIT instead, the transaction
+    over: the handler's, refused as its own (not blamed on a trigger on idem_requests)."""
+    await admin.execute(
+        "CREATE FUNCTION swallow() RETURNS trigger LANGUAGE plpgsql AS"
+        " 'BEGIN PERFORM 1 / 0; RETURN NULL; END';"
+        "CREATE CONSTRAINT TRIGGER divide AFTER INSERT ON swallow_ledger"
+        " DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION swallow()"
+    )
+    store = PostgresStore(dsn=db_dsn, min_size=1, max_size=2, listen=False)
+    async with store, client(one_route_app("/pay", pay, store=store)) as c:
+        r = await c.post("/pay", json={}, headers=key("deferred-division"))
+    assert r.status_code == 500, r.text
+    assert "division by zero" in caplog.text
+    assert "a trigger or rule on idem_requests" not in caplog.text
