@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 from ...delayed import Delayed
 from ...errors import NOT_OPEN, ClaimBusy, StoreClosed, StoreError
 from . import compat
+from .claim import claim_refused
 from .convert import (
     CONNECTION_ERRORS,
     LOCK_NOT_AVAILABLE,
@@ -291,6 +292,8 @@ class PoolStatements:
             raise ClaimBusy("another session holds the record") from exc
         except TRANSLATED as exc:
             raise translate(exc) from exc
+        except SERVER_ERROR as exc:  # (a constraint or trigger refusing `unknown`, say)
+            raise claim_refused(exc) from exc
 
     async def _run_any(self, method: str, query: str, *args: Any) -> Any:
         """`_run`, with every other error the server reports translated too (StatementRefused):
