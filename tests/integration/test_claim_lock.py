@@ -5,6 +5,7 @@ exclude each other."""
 
 from __future__ import annotations
 
+from importlib.resources import files
 from typing import Any
 
 import asyncpg
@@ -86,6 +87,19 @@ async def test_a_database_without_its_lock_secret_is_refused_at_startup(pg_dsn: 
     finally:
         await conn.close()
     store = PostgresStore(dsn=dsn, min_size=1, max_size=1, listen=False)
-    with pytest.raises(StoreError, match=r"idem_lock_secret has no row: run `idem-middleware"):
+    with pytest.raises(StoreError, match=r"idem_lock_secret has no row") as refused:
         await store.open()
     await store.close()
+    # The fix it names works (`migrate` made the row once, with its table, and would not again).
+    assert "0004_keyed_claim_lock.sql" in str(refused.value)
+    conn = await asyncpg.connect(dsn)
+    try:
+        await migrate(conn)
+        assert await conn.fetchval("SELECT count(*) FROM idem_lock_secret") == 0
+        migration = files("idem_middleware.sql").joinpath("migrations/0004_keyed_claim_lock.sql")
+        insert = migration.read_text().split("INSERT INTO idem_lock_secret", 1)[1].split(";")[0]
+        await conn.execute("INSERT INTO idem_lock_secret" + insert)
+    finally:
+        await conn.close()
+    async with PostgresStore(dsn=dsn, min_size=1, max_size=1, listen=False) as store:
+        assert store.pool is not None

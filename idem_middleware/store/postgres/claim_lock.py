@@ -61,7 +61,12 @@ class ClaimLocks:
         """Read the secret (once per store: it never changes after the migration made it)."""
         row = await conn.fetchrow(_Q["lock_secret"])
         if row is None:
-            raise StoreError("idem_lock_secret has no row: run `idem-middleware migrate`")
+            raise StoreError(  # (migrate makes it once, with the table: it would not again)
+                "idem_lock_secret has no row (deleted by hand, or left out of a restore?): "
+                "insert one as the migration that made the table does (the INSERT INTO "
+                "idem_lock_secret in idem_middleware/sql/migrations/0004_keyed_claim_lock.sql), "
+                "then restart every process that uses the store (each keeps the secret it read)"
+            )
         self._inner = sha256(row["inner_key"])
         self._outer = sha256(row["outer_key"])
 
