@@ -159,13 +159,14 @@ SELECT count(*) FROM idem_claim_key($1, $2, $3, $4);
 SELECT inner_key, outer_key FROM idem_lock_secret;
 
 -- name: generations_ahead
--- Checked when a store opens: the last value `idem_generation_seq` gave (NULL: none since it was
--- made or restarted) and the largest generation among the records a fence or a downstream key
--- may still compare with (pending and unknown ones, and the $1 newest by expiry, through their
--- indexes). A sequence behind them (restarted by hand, a failover to a logical replica, which
+-- Checked when a store opens: a generation drawn from `idem_generation_seq` (one value lost, as
+-- any rolled-back claim loses one: generations need only be new; its last value cannot tell "set
+-- ahead with is_called false" from "never drawn") and the largest generation among the records a
+-- fence may still compare with (the pending and unknown ones) and the $1 that expire last (their
+-- indexes). A sequence behind them (set back by hand, a failover to a logical replica, which
 -- copies no sequence, a restore without its setval) would hand out generations again.
--- $1 how many of the newest records to read
-SELECT pg_sequence_last_value('idem_generation_seq'::regclass) AS drawn,
+-- $1 how many of the records that expire last to read
+SELECT nextval('idem_generation_seq') AS drawn,
        (SELECT max(generation) FROM (
             (SELECT generation FROM idem_requests WHERE state IN ('pending', 'unknown'))
             UNION ALL

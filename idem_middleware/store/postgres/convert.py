@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any
 
 import asyncpg
@@ -126,10 +127,14 @@ def stale_statement(exc: BaseException) -> bool:
 
 def _dropped_by_name(exc: BaseException) -> bool:
     """A STALE_STATEMENT that names a statement asyncpg or the store prepared (`__asyncpg_...`,
-    `idem_...`): one a handler named itself (`EXECUTE my_plan` of a plan it never prepared) is
-    its own error, the same at every run (taken for a dropped cache, it ran four times)."""
-    text = str(exc)
-    return '"__asyncpg_' in text or '"idem_' in text
+    `idem_..._<digest>`): one a handler named itself (`EXECUTE my_plan` of a plan it never
+    prepared) is its own error, the same at every run (taken for a dropped cache, it ran four
+    times). By the name alone: the server translates the message, its quotes too (»...«)."""
+    return _PREPARED_NAME.search(str(exc)) is not None
+
+
+#: The names asyncpg (`__asyncpg_stmt_1f__`) and the fast path (`fused._prepared_name`) prepare.
+_PREPARED_NAME = re.compile(r"__asyncpg_[a-z]+_[0-9a-f]+__|\bidem_[a-z_]+_[0-9a-f]{12}\b")
 
 
 def reports_lost(exc: BaseException) -> bool:

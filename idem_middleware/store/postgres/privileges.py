@@ -85,7 +85,7 @@ async def require_privileges(conn: Any, locks: ClaimLocks) -> None:
         )
 
 
-#: How many of the newest finished records `require_generations_ahead` reads.
+#: How many of the records that expire last `require_generations_ahead` reads.
 _NEWEST = 1000
 
 
@@ -94,16 +94,18 @@ async def require_generations_ahead(conn: Any) -> None:
     (`generations_ahead`): it would hand them out again, a takeover's generation equal to a
     late executor's (fencing, which compares them for equality, let both commit) and a key
     reused after its retention given an old epoch (the same downstream key: the other system
-    took the new request for the old one)."""
+    took the new request for the old one). The records read are those fencing compares with
+    (pending and unknown) and the 1,000 that expire last: a bounded read, which may miss newer
+    records of a shorter retention than those (docs/failure-windows.md)."""
     row = await conn.fetchrow(_Q["generations_ahead"], _NEWEST)
     held = row["held"]
-    if held is not None and (row["drawn"] is None or row["drawn"] < held):
+    if held is not None and row["drawn"] <= held:
         raise ConfigurationError(
-            f"idem_generation_seq is behind the records' generations (it would draw "
-            f"{1 if row['drawn'] is None else row['drawn'] + 1} next; a record holds {held}), "
-            "restarted by hand, or not carried over by a failover or a restore: generations "
-            "would be handed out again, and fencing fails with them. Run, as its owner, "
-            "SELECT setval('idem_generation_seq', (SELECT max(generation) FROM idem_requests))"
+            f"idem_generation_seq is behind the records' generations (it drew {row['drawn']}; a "
+            f"record holds {held}): set back by hand, or not carried over by a failover or a "
+            "restore, it would hand generations out again, and fencing fails with them. Run, "
+            "as its owner, SELECT setval('idem_generation_seq', (SELECT max(generation) FROM "
+            "idem_requests))"
         )
 
 

@@ -54,3 +54,33 @@ async def test_a_sequence_ahead_of_an_empty_table_opens(db_dsn: str) -> None:
             assert store.pool is not None
     finally:
         await admin.close()
+
+
+@pytest.mark.parametrize(
+    "ahead",
+    ["ALTER SEQUENCE idem_generation_seq RESTART WITH 1000000",
+     "SELECT setval('idem_generation_seq', 1000000, false)"],
+)  # fmt: skip
+async def test_a_sequence_set_ahead_opens(db_dsn: str, ahead: str) -> None:
+    """Set ahead with nothing drawn since (`is_called` false), its last value reads NULL, as a
+    sequence never drawn from does: the check draws one instead (one generation lost)."""
+    admin = await asyncpg.connect(db_dsn)
+    try:
+        await admin.execute("TRUNCATE idem_requests; SELECT setval('idem_generation_seq', 100)")
+        async with PostgresStore(dsn=db_dsn, min_size=1, max_size=1, listen=False) as store:
+            key = RecordKey("t", "POST /payouts", "ahead")
+            assert isinstance(
+                await store.claim_lease(key, b"f", retention_seconds=60, lease_seconds=30),
+                Claimed,
+            )
+        await admin.execute(ahead)
+        async with PostgresStore(dsn=db_dsn, min_size=1, max_size=1, listen=False) as store:
+            claim = await store.claim_lease(
+                RecordKey("t", "POST /payouts", "after-ahead"), b"f", retention_seconds=60,
+                lease_seconds=30,
+            )  # fmt: skip
+            assert isinstance(claim, Claimed)
+            assert claim.generation > 1000000  # (one drawn by the check)
+    finally:
+        await admin.execute("TRUNCATE idem_requests")
+        await admin.close()
