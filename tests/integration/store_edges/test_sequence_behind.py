@@ -17,16 +17,22 @@ from idem_middleware.store.base import RecordKey
 _FIX = "SELECT setval('idem_generation_seq', (SELECT max(generation) FROM idem_requests))"
 
 
+async def _claim(db_dsn: str, name: str) -> Claimed:
+    """A lease-mode claim of `name` on a store opened for it (the open's checks run first)."""
+    async with PostgresStore(dsn=db_dsn, min_size=1, max_size=1, listen=False) as store:
+        key = RecordKey("t", "POST /payouts", name)
+        claim = await store.claim_lease(key, b"f", retention_seconds=60, lease_seconds=30)
+    assert isinstance(claim, Claimed)
+    return claim
+
+
 @pytest.mark.parametrize("restart", ["RESTART", "RESTART WITH 2"])
 async def test_a_sequence_behind_the_records_refuses_the_open(db_dsn: str, restart: str) -> None:
     admin = await asyncpg.connect(db_dsn)
     try:
         await admin.execute("TRUNCATE idem_requests; SELECT setval('idem_generation_seq', 100)")
-        async with PostgresStore(dsn=db_dsn, min_size=1, max_size=1, listen=False) as store:
-            key = RecordKey("t", "POST /payouts", f"behind-{restart}")
-            claim = await store.claim_lease(key, b"f", retention_seconds=60, lease_seconds=30)
-            assert isinstance(claim, Claimed)
-            assert claim.generation > 2
+        claim = await _claim(db_dsn, f"behind-{restart}")
+        assert claim.generation > 2
         await admin.execute(f"ALTER SEQUENCE idem_generation_seq {restart}")
         with pytest.raises(ConfigurationError, match="idem_generation_seq is behind") as refused:
             async with PostgresStore(dsn=db_dsn, min_size=1, max_size=1, listen=False):
@@ -34,13 +40,7 @@ async def test_a_sequence_behind_the_records_refuses_the_open(db_dsn: str, resta
         assert _FIX in str(refused.value)
         assert f"a record holds {claim.generation}" in str(refused.value)
         await admin.execute(_FIX)
-        async with PostgresStore(dsn=db_dsn, min_size=1, max_size=1, listen=False) as store:
-            again = await store.claim_lease(
-                RecordKey("t", "POST /payouts", "after-setval"), b"f", retention_seconds=60,
-                lease_seconds=30,
-            )  # fmt: skip
-            assert isinstance(again, Claimed)
-            assert again.generation > claim.generation
+        assert (await _claim(db_dsn, "after-setval")).generation > claim.generation
     finally:
         await admin.execute("TRUNCATE idem_requests")
         await admin.close()
@@ -67,20 +67,11 @@ async def test_a_sequence_set_ahead_opens(db_dsn: str, ahead: str) -> None:
     admin = await asyncpg.connect(db_dsn)
     try:
         await admin.execute("TRUNCATE idem_requests; SELECT setval('idem_generation_seq', 100)")
-        async with PostgresStore(dsn=db_dsn, min_size=1, max_size=1, listen=False) as store:
-            key = RecordKey("t", "POST /payouts", "ahead")
-            assert isinstance(
-                await store.claim_lease(key, b"f", retention_seconds=60, lease_seconds=30),
-                Claimed,
-            )
+        await _claim(db_dsn, "ahead")
         await admin.execute(ahead)
-        async with PostgresStore(dsn=db_dsn, min_size=1, max_size=1, listen=False) as store:
-            claim = await store.claim_lease(
-                RecordKey("t", "POST /payouts", "after-ahead"), b"f", retention_seconds=60,
-                lease_seconds=30,
-            )  # fmt: skip
-            assert isinstance(claim, Claimed)
-            assert claim.generation > 1000000  # (one drawn by the check)
+        assert (
+            await _claim(db_dsn, "after-ahead")
+        ).generation > 1000000  # (one drawn by the check)
     finally:
         await admin.execute("TRUNCATE idem_requests")
         await admin.close()
