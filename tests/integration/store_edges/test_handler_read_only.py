@@ -53,7 +53,9 @@ async def test_a_handlers_read_only_transaction_is_refused_after_one_run(
     assert state == (None if mode is Mode.TRANSACTIONAL else "unknown")
 
 
-async def test_sessions_that_default_to_read_only_are_still_unavailable(db_dsn: str) -> None:
+async def test_sessions_that_default_to_read_only_are_still_unavailable(
+    db_dsn: str, caplog: pytest.LogCaptureFixture
+) -> None:
     """The server's doing (a role or database set read-only after the store opened): 503."""
     read_only_sessions = False
 
@@ -67,12 +69,17 @@ async def test_sessions_that_default_to_read_only_are_still_unavailable(db_dsn: 
     pool = await asyncpg.create_pool(db_dsn, min_size=1, max_size=1, init=init)
     try:
         async with PostgresStore(pool=pool, listen=False) as store:
-            read_only_sessions = True
-            await pool.expire_connections()
             app = one_route_app("/nothing", nothing, store=store)
             async with client(app) as c:
+                # (The first draws generations ahead, so the next claim writes nothing and its
+                # record's INSERT is the first write refused.)
+                first = await c.post("/nothing", json={}, headers=key("writable-sessions"))
+                read_only_sessions = True
+                await pool.expire_connections()
                 r = await c.post("/nothing", json={}, headers=key("read-only-sessions"))
+        assert first.status_code == 200, first.text
         assert r.status_code == 503, r.text
         assert "retry-after" in r.headers
+        assert "takes no writes" in caplog.text
     finally:
         await pool.close()
