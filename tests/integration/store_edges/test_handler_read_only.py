@@ -34,7 +34,8 @@ def _app(store: PostgresStore, mode: Mode) -> Any:
 
 @pytest.mark.parametrize(
     ("mode", "fast_path"),
-    [(Mode.TRANSACTIONAL, True), (Mode.TRANSACTIONAL, False), (Mode.LEASE, True)],
+    [(Mode.TRANSACTIONAL, True), (Mode.TRANSACTIONAL, False)]
+    + [(Mode.LEASE, True), (Mode.LEASE, False)],
 )
 async def test_a_handlers_read_only_transaction_is_refused_after_one_run(
     db_dsn: str, mode: Mode, fast_path: bool
