@@ -342,7 +342,7 @@ def skipped(what: str, fenced: bool = False) -> SettlementRefused:
     )
 
 
-def refused(exc: BaseException, fenced: bool = False) -> SettlementRefused:
+def refused(exc: BaseException, fenced: bool = False, at_commit: bool = False) -> SettlementRefused:
     """The completion (or its COMMIT) refused by the server for what the handler did in the
     transaction, or by a constraint added to the store's own table: nothing committed, and the
     reason in words an operator can act on. (The DETAIL, which may quote a row, is dropped: see
@@ -377,6 +377,13 @@ def refused(exc: BaseException, fenced: bool = False) -> SettlementRefused:
             f"committed ({type(exc).__name__}: {exc}): nothing it wrote there was committed and "
             f"no outcome was recorded ({then}). Check it in the handler (`SET CONSTRAINTS ALL "
             "IMMEDIATE`) to answer the client yourself"
+        )
+    if at_commit:  # (the outcome's record was written: its COMMIT ran the deferred checks)
+        return kind(
+            f"a deferred trigger or constraint of the handler's writes refused {transaction} "
+            f"at its COMMIT ({type(exc).__name__}: {exc}): nothing it wrote there was committed "
+            f"and no outcome was recorded ({then}). Check it in the handler (`SET CONSTRAINTS "
+            "ALL IMMEDIATE`) to answer the client yourself"
         )
     return kind(
         f"the database refused to record the handler's outcome ({type(exc).__name__}: {exc}): "

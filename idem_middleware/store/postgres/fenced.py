@@ -181,7 +181,7 @@ class Fencing(Bounded):
             except STALE_STATEMENT:
                 raise
             except SERVER_ERROR as exc:  # what the handler did: an aborted transaction, say
-                raise refused(exc, fenced=True) from exc
+                raise refused(exc, True, at_commit=not raw.is_in_transaction()) from exc
             if done:
                 self.committed = True
                 return True
@@ -202,7 +202,8 @@ class Fencing(Bounded):
         except TRANSLATED as exc:
             raise translate(exc) from exc
         except SERVER_ERROR as exc:
-            raise refused(exc, fenced=True) from exc
+            at_commit = not self.connection.is_in_transaction()
+            raise refused(exc, True, at_commit=at_commit) from exc
         self.committed = True
         return True
 

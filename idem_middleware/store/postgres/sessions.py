@@ -217,7 +217,7 @@ class PgTransaction:
         except TRANSLATED as exc:
             raise translate(exc) from exc
         except convert.SERVER_ERROR as exc:  # a deferred constraint of the handler's writes
-            raise refused(exc) from exc
+            raise refused(exc, at_commit=True) from exc
 
     async def abandon(self) -> None:
         await self.rollback()
@@ -349,7 +349,7 @@ class PgTransaction:
             except TRANSLATED as exc:
                 raise translate(exc) from exc
             except convert.SERVER_ERROR as exc:
-                raise refused(exc) from exc
+                raise refused(exc, at_commit=not raw.is_in_transaction()) from exc
             if done:
                 self._done()
                 return

@@ -34,8 +34,7 @@ def _app(store: PostgresStore, mode: Mode) -> Any:
 
 @pytest.mark.parametrize(
     ("mode", "fast_path"),
-    [(Mode.TRANSACTIONAL, True), (Mode.TRANSACTIONAL, False)]
-    + [(Mode.LEASE, True), (Mode.LEASE, False)],
+    [(mode, fast_path) for mode in (Mode.TRANSACTIONAL, Mode.LEASE) for fast_path in (True, False)],
 )
 async def test_a_handlers_read_only_transaction_is_refused_after_one_run(
     db_dsn: str, mode: Mode, fast_path: bool

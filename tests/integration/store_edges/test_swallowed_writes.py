@@ -97,21 +97,31 @@ async def test_a_completion_update_that_lands_nowhere_is_refused_not_unavailable
     assert "a trigger or rule on idem_requests" in caplog.text
 
 
-async def test_a_handlers_deferred_division_by_zero_is_not_taken_for_a_skipped_write(
-    db_dsn: str, admin: asyncpg.Connection, caplog: pytest.LogCaptureFixture
+@pytest.mark.parametrize(("mode", "fast_path"), [*_SETUPS, (Mode.LEASE, False)])
+async def test_a_handlers_deferred_trigger_at_the_commit_is_named_as_the_handlers(
+    db_dsn: str,
+    admin: asyncpg.Connection,
+    caplog: pytest.LogCaptureFixture,
+    mode: Mode,
+    fast_path: bool,
 ) -> None:
-    """The fast path's checked record divides by zero when it wrote nothing; a deferred trigger
-    of the handler's table that divides by zero fails at the COMMIT instead, the transaction
-    over: the handler's, refused as its own (not blamed on a trigger on idem_requests)."""
+    """A deferred trigger of the handler's table that fails at the COMMIT (it divides by zero:
+    the fast path's checked record divides by zero too, when it wrote nothing, but leaves the
+    transaction open): refused as the handler's, one run, not blamed on a trigger on
+    idem_requests nor on a SET ROLE or search_path of the handler's."""
     await admin.execute(
         "CREATE FUNCTION swallow() RETURNS trigger LANGUAGE plpgsql AS"
         " 'BEGIN PERFORM 1 / 0; RETURN NULL; END';"
         "CREATE CONSTRAINT TRIGGER divide AFTER INSERT ON swallow_ledger"
         " DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION swallow()"
     )
-    store = PostgresStore(dsn=db_dsn, min_size=1, max_size=2, listen=False)
-    async with store, client(one_route_app("/pay", pay, store=store)) as c:
-        r = await c.post("/pay", json={}, headers=key("deferred-division"))
+    store = PostgresStore(dsn=db_dsn, min_size=1, max_size=2, listen=False, fast_path=fast_path)
+    app = one_route_app("/pay", pay, store=store, default_policy=Policy(mode=mode))
+    async with store, client(app) as c:
+        r = await c.post("/pay", json={}, headers=key(f"deferred-{mode.value}-{fast_path}"))
     assert r.status_code == 500, r.text
     assert "division by zero" in caplog.text
+    assert "a deferred trigger or constraint of the handler's writes refused" in caplog.text
+    assert "at its COMMIT" in caplog.text
     assert "a trigger or rule on idem_requests" not in caplog.text
+    assert "no SET ROLE" not in caplog.text
