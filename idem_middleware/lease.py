@@ -14,7 +14,7 @@ from collections.abc import Awaitable
 from typing import TYPE_CHECKING
 
 from .answers import TENANT_BUSY, WAITERS_FULL, Answer, InFlight, Problem
-from .errors import ClaimBusy, ClaimTimeout, ProblemKind, StoreClosed, StoreError
+from .errors import ClaimBusy, ClaimRefused, ClaimTimeout, ProblemKind, StoreClosed, StoreError
 from .fence import Verdict, run_reconciler
 from .lease_executor import LeaseExecution, log_extra
 from .outcomes import duplicate_answer, settled_answer
@@ -33,6 +33,8 @@ _MAX_POLL = 1.0
 # Every loop is bounded: the waits by `waiting.wait_rounds`, the wait for a tenant's slot by this
 # many pauses (a slot this slow to free is a bug, not load).
 _MAX_ROUNDS = 10_000
+#: How many moves of one lapsed record may change nothing before it is refused.
+_UNMOVED_TIMES = 3
 #: The first pause of a duplicate waiting for its tenant's slot (doubling, up to _MAX_POLL).
 _FIRST_SLOT_PAUSE = 0.005
 
@@ -57,6 +59,8 @@ class LeaseRun:
         self._wait_timer: contextlib.ExitStack | None = None
         #: One of the process's waiting places (`max_waiters`), while this duplicate waits.
         self._place: Held | None = None
+        #: (generation, times): a lapsed record's moves that changed nothing (`_moved_nothing`).
+        self._unmoved = (0, 0)
 
     def claim(self) -> Awaitable[Claim]:
         # The store's own coroutine, returned: no coroutine of this method's wraps it.
@@ -191,14 +195,30 @@ class LeaseRun:
                     return await self.execute(generation, record.epoch)  # the same life
             finally:
                 slot.give_back()
-            return False
+            return self._moved_nothing(record)
         if record.lease_expired:
             try:
-                await store.expire_lease(self.key, record.generation)
+                moved = await store.expire_lease(self.key, record.generation)
             except ClaimBusy:
                 return True  # its executor is still in its fenced transaction, past its lease
-            return False
+            return False if moved else self._moved_nothing(record)
         return True  # in flight: wait for its outcome
+
+    def _moved_nothing(self, record: Record) -> bool:
+        """False (read the record again, at once) after a lapsed record's move that changed
+        nothing. The same generation moved in vain a third time is no race (whoever else moved
+        it would have changed it): a trigger or rule on the store's table skips the write, and
+        the reads and moves went on to the end of the wait, then a bare 500. ClaimRefused."""
+        generation, times = self._unmoved
+        times = times + 1 if generation == record.generation else 1
+        if times >= _UNMOVED_TIMES:
+            raise ClaimRefused(
+                "a lapsed lease's record could not be moved (marked unknown or taken over): the "
+                "write changed nothing three times, so a trigger or rule on idem_requests skips "
+                "it (the store's tables take none that do)"
+            )
+        self._unmoved = (record.generation, times)
+        return False
 
     async def reconcile(self, record: Record, deadline: float) -> Answer | bool:
         """Ask the route's reconciler about an unknown record: the answer, or as `_act`: True

@@ -23,7 +23,7 @@ except ModuleNotFoundError as exc:  # installed without the extra
 
     raise missing_extra(__name__, "otel", exc) from exc
 
-from .errors import ClaimBusy, ClaimTimeout, ConfigurationError
+from .errors import ClaimBusy, ClaimTimeout, ConfigurationError, IdempotencyError
 from .observe import Event, shown
 
 #: What leaves a step as the protocol's own course, not as a failure: a key held by another
@@ -77,6 +77,11 @@ class OpenTelemetryObserver:
                 raise
             except BaseException as exc:  # as OpenTelemetry's default would record it
                 if span.is_recording():
-                    span.record_exception(exc)
-                    span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
+                    if isinstance(exc, IdempotencyError):
+                        span.record_exception(exc)
+                        span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
+                    else:  # (a driver's error can quote the row, the key and body in it)
+                        kind = f"{type(exc).__module__}.{type(exc).__qualname__}"
+                        span.add_event("exception", {"exception.type": kind})
+                        span.set_status(Status(StatusCode.ERROR, type(exc).__name__))
                 raise

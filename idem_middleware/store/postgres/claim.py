@@ -131,12 +131,15 @@ async def _claim(
             raise ClaimBusy("another transaction is claiming this key") from exc
         if reclaimed is not None:
             return _claimed(reclaimed)
+        nowhere += 1  # (the expired record as it was: taken over by another, or skipped)
     if nowhere == _CLAIM_ATTEMPTS:
-        # Every time: no claim raced this one. The INSERT itself wrote nowhere (a BEFORE
-        # trigger that returns NULL, a rule, rows sent to another table): a 409 for ever.
+        # Every time: no claim raced this one. Its write (the INSERT, or an expired record's
+        # UPDATE) landed nowhere: a BEFORE trigger that returns NULL, a rule, rows sent to
+        # another table. It answered 409 "retry" for ever.
         raise ClaimRefused(
-            "the claim's INSERT wrote no record, and no record holds the key: a trigger or rule "
-            "on idem_requests skipped or moved it (the store's tables take none that do)"
+            "the claim's write (an INSERT, or an expired record's UPDATE) changed nothing, and "
+            "no other claim took the key: a trigger or rule on idem_requests skipped or moved "
+            "it (the store's tables take none that do)"
         )
     raise ClaimTimeout("the record kept changing under the claim")
 
@@ -177,6 +180,8 @@ async def expire_lapsed(
         raise translate(exc) from exc
     except LOCK_NOT_AVAILABLE as exc:  # (the role's lock_timeout, behind a migration's lock)
         raise lock_waited(exc) from exc
+    except SERVER_ERROR as exc:  # (a constraint or trigger refusing `unknown`: as lease mode's)
+        raise claim_refused(exc) from exc
     return Existing(record if row is None else to_record(key, row))
 
 

@@ -26,6 +26,7 @@ from .convert import (
     no_connection,
     refused,
     reports_lost,
+    skipped,
     translate,
 )
 from .fused import FastPath
@@ -187,8 +188,8 @@ class Fencing(Bounded):
                 return True
         try:
             row = await self.connection.fetchrow(_Q["settle"], *args)
-            if not row["settled"]:
-                return False  # the session's end rolls back
+            if not row["settled"]:  # (under its own lock: a trigger or rule skipped it)
+                raise skipped("the fenced settlement matched nothing under its own lock", True)
             await self._tx.commit()
         except RETRYABLE as exc:
             raise _refused(exc) from exc

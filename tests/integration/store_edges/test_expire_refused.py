@@ -12,43 +12,41 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from idem_middleware import LeaseExpiry, Mode, Policy, PostgresStore, get_context
-from idem_middleware.store.base import RecordKey
 from tests.apps import client, key, one_route_app
+from tests.integration.store_edges.lapsed import lapsed_record
 
 _CHECK = "operator_no_unknown_nor_takeover"
 
 
 async def pay(request: Request) -> Response:
-    await get_context(request).fenced_connection()
+    ctx = get_context(request)
+    if ctx.mode is Mode.LEASE:
+        await ctx.fenced_connection()
     return JSONResponse({}, status_code=201)
 
 
-@pytest.mark.parametrize("expiry", [LeaseExpiry.UNKNOWN, LeaseExpiry.TAKEOVER])
+@pytest.mark.parametrize(
+    ("mode", "expiry"),
+    [
+        (Mode.LEASE, LeaseExpiry.UNKNOWN),
+        (Mode.LEASE, LeaseExpiry.TAKEOVER),
+        # (a route turned transactional meets a lease-mode record whose lease lapsed)
+        (Mode.TRANSACTIONAL, LeaseExpiry.UNKNOWN),
+    ],
+)
 async def test_a_lapsed_lease_the_server_will_not_move_is_refused_in_words(
-    db_dsn: str, caplog: pytest.LogCaptureFixture, expiry: LeaseExpiry
+    db_dsn: str, caplog: pytest.LogCaptureFixture, mode: Mode, expiry: LeaseExpiry
 ) -> None:
-    name = f"lapsed-refused-{expiry.value}"
+    name = f"lapsed-refused-{mode.value}-{expiry.value}"
     admin = await asyncpg.connect(db_dsn)
     store = PostgresStore(dsn=db_dsn, min_size=1, max_size=2, listen=False)
-    policy = Policy(mode=Mode.LEASE, on_lease_expiry=expiry)
+    lease = Policy(mode=Mode.LEASE, on_lease_expiry=expiry)
+    policy = lease if mode is Mode.LEASE else Policy()
     try:
         async with store:
             app = one_route_app("/pay", pay, store=store, default_policy=policy)
             async with client(app) as c:
-                # (The same request's fingerprint: a key is not part of it.)
-                assert (await c.post("/pay", json={}, headers=key(f"{name}-0"))).status_code == 201
-                fingerprint = await admin.fetchval(
-                    "SELECT fingerprint FROM idem_requests WHERE idem_key = $1", f"{name}-0"
-                )
-                await store.claim_lease(  # a pending record whose executor stopped
-                    RecordKey("tenant-a", "POST /pay", name), fingerprint,
-                    retention_seconds=60, lease_seconds=30,
-                )  # fmt: skip
-                await admin.execute(
-                    "UPDATE idem_requests SET lease_expires_at = now() - interval '1 second'"
-                    " WHERE idem_key = $1",
-                    name,
-                )
+                await lapsed_record(c, store, admin, name)
                 await admin.execute(
                     f"ALTER TABLE idem_requests ADD CONSTRAINT {_CHECK} CHECK (state <> 'unknown'"
                     f" AND (idem_key <> '{name}' OR generation = epoch)) NOT VALID"
@@ -58,6 +56,7 @@ async def test_a_lapsed_lease_the_server_will_not_move_is_refused_in_words(
         assert r.headers["content-type"] == "application/problem+json"
         assert r.json()["type"].endswith("server-misconfigured")
         assert _CHECK in caplog.text
+        assert name not in caplog.text  # (the DETAIL, "Failing row contains (..., key, ...)")
     finally:
         await admin.execute(f"ALTER TABLE idem_requests DROP CONSTRAINT IF EXISTS {_CHECK}")
         await admin.close()
