@@ -59,6 +59,7 @@ _KINDS = (
     ("SELECT true AS found", "get"),
     ("UPDATE idem_requests SET state = $5", "complete"),
     ("WITH completed AS", "complete"),
+    ("WITH inserted AS", "insert-record"),
     ("SELECT 1 FROM idem_requests", "fence"),
     ("WITH settled AS", "settle"),
     ("WITH released AS", "release"),
