@@ -57,7 +57,8 @@ class Messages:
 
     def insert(self, key: str) -> str:
         args = (TENANT, OPERATION, key, FINGERPRINT, 10**9 + self.seq, 86400.0, "succeeded")
-        return fused._execute(fused.NAMES["insert_final_checked"], (*args, 201, HEADERS, BODY, None))
+        name = fused.NAMES["insert_final_checked"]
+        return fused._execute(name, (*args, 201, HEADERS, BODY, None))
 
     async def handler(self, key: str) -> None:
         await self.conn.fetchval(LEDGER_INSERT, TENANT, "acc-7", 5, None, key)
