@@ -205,15 +205,16 @@ class LeaseRun:
         return True  # in flight: wait for its outcome
 
     def _moved_nothing(self, record: Record) -> bool:
-        """False (read the record again, at once) after a lapsed record's move that changed
-        nothing. The same generation moved in vain a third time is no race (whoever else moved
-        it would have changed it): a trigger or rule on the store's table skips the write, and
-        the reads and moves went on to the end of the wait, then a bare 500. ClaimRefused."""
+        """False (read the record again, at once) after a move of the record that changed
+        nothing (a lapsed lease marked unknown, a takeover, a reconciler's settlement). The same
+        generation moved in vain a third time is no race (whoever else moved it would have
+        changed it): a trigger or rule on the store's table skips the write, and the reads and
+        moves (a reconciler's call each) went on to the end of the wait, then a bare 500."""
         generation, times = self._unmoved
         times = times + 1 if generation == record.generation else 1
         if times >= _UNMOVED_TIMES:
             raise ClaimRefused(
-                "a lapsed lease's record could not be moved (marked unknown or taken over): the "
+                "the record could not be moved (marked unknown, taken over or settled): the "
                 "write changed nothing three times, so a trigger or rule on idem_requests skips "
                 "it (the store's tables take none that do)"
             )
@@ -258,7 +259,7 @@ class LeaseRun:
             return True
         if result.verdict in (Verdict.STILL_UNKNOWN, Verdict.FAILED, Verdict.BY_HAND):
             return duplicate_answer(record, self.fingerprint, result.reason)
-        return False  # settled (by us or by someone else): read it again and replay
+        return self._moved_nothing(record)  # settled (by us or someone else): read, replay
 
     async def _run_again(self, record: Record) -> Answer | bool:
         """Take over an unknown record reconciled as not happened, and run it (or False when
@@ -276,7 +277,7 @@ class LeaseRun:
             return True
         self._retake = None
         if generation is None:
-            return False
+            return self._moved_nothing(record)
         logger.info(
             "reconciled as not happened; running again",
             extra=log_extra(self.key, generation, "reconciled-retry"),

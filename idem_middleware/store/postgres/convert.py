@@ -328,6 +328,18 @@ async def read_only_cause(driver: Any, exc: BaseException, fenced: bool = False)
     return refused(exc, fenced)
 
 
+def write_refused(exc: BaseException) -> SettlementRefused:
+    """A lease-mode outcome the store writes without a fence (settled, released, a retry
+    allowed), refused by the server: no handler's statement ran in its transaction, so a
+    constraint or trigger on the store's table refused the store's own write."""
+    scrub(exc)
+    return FencedSettlementRefused(
+        f"the database refused the store's own write of the outcome ({type(exc).__name__}: "
+        f"{exc}): a constraint or trigger on idem_requests refuses it (the store's tables take "
+        "none that do); what the handler did outside the database may have happened"
+    )
+
+
 def skipped(what: str, fenced: bool = False) -> SettlementRefused:
     """The record of an outcome wrote nothing where the transaction holds the record (its own
     uncommitted row, or one it has locked): a trigger on the store's table skipped or changed

@@ -25,6 +25,7 @@ from .convert import (
     no_connection,
     scrub,
     translate,
+    write_refused,
 )
 from .lifecycle import Turns, check_loop, other_loop
 from .options import check_pool
@@ -302,6 +303,17 @@ class PoolStatements:
             return await self._run(method, query, *args)
         except SERVER_ERROR as exc:
             raise translate(exc) from exc
+
+    async def _run_settling(self, method: str, query: str, *args: Any) -> Any:
+        """`_run` for a lease-mode outcome written without a fence (settled, released, allowed
+        a retry): an error no retry clears (a constraint or trigger on the store's table) is
+        `write_refused`'s, a StoreError as the fenced settlement's refusals are. The driver's
+        error escaped: the app's bare 500, and a lease job's record left pending (a TAKEOVER
+        ran the job again)."""
+        try:
+            return await self._run(method, query, *args)
+        except SERVER_ERROR as exc:
+            raise write_refused(exc) from exc
 
 
 class _Internal(Bounded):

@@ -346,16 +346,20 @@ class PostgresStore(OffPathStatements):
         return await self._executions.take_over(taking, key, 2 * self._checkouts.delay)
 
     async def settle(self, key: RecordKey, generation: int, expected: State, s: Settlement) -> bool:
-        row = await self._run("fetchrow", _Q["settle"], *settle_args(key, generation, expected, s))
+        row = await self._run_settling(
+            "fetchrow", _Q["settle"], *settle_args(key, generation, expected, s)
+        )
         return bool(row["settled"])
 
     async def release(self, key: RecordKey, generation: int) -> bool:
-        row = await self._run("fetchrow", _Q["release"], *key, generation, notify_token(key))
+        row = await self._run_settling(
+            "fetchrow", _Q["release"], *key, generation, notify_token(key)
+        )
         return bool(row["released"])
 
     async def allow_retry(self, key: RecordKey, generation: int, note: str) -> bool:
         args = (*key, generation, note, notify_token(key))
-        row = await self._run("fetchrow", _Q["allow_retry"], *args)
+        row = await self._run_settling("fetchrow", _Q["allow_retry"], *args)
         return bool(row["moved"])
 
     def fenced(self, key: RecordKey, generation: int, expected: State = State.PENDING) -> Fencing:
