@@ -5,15 +5,19 @@ record another session holds can stop."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Awaitable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from .errors import ClaimBusy, ConfigurationError
+from .context import key_digest
+from .errors import ClaimBusy, ConfigurationError, StatementRefused
 from .fence import Verdict, run_reconciler
 from .policy import plainly_sync, seconds_option
 from .reconcile import Reconciler
 from .store.base import RecordKey, RecordSummary, State, Store
+
+logger = logging.getLogger("idem_middleware")
 
 #: The most unknown records one `reconcile_unknown` looks at (every loop is bounded).
 _MAX_SCANNED = 1_000_000
@@ -55,6 +59,10 @@ class ReconcileReport:
     #: Lapsed leases left pending because their operation is not among the caller's `known`
     #: ones: what its route does with a lapsed lease is not known here (see `reconcile_unknown`).
     left_pending: dict[str, int] = field(default_factory=dict)
+    #: Records whose move the database refused (a constraint or trigger on idem_requests: the
+    #: lapsed lease's `unknown` mark, a not-happened verdict's release): logged at ERROR, left
+    #: as they are. The run goes on to the others (it stopped at the first, every run).
+    refused: int = 0
 
 
 def _checked(reconcilers: object, limit: object, seconds: object) -> float:
@@ -145,6 +153,9 @@ async def reconcile_unknown(
             except Held:
                 report.held += 1
                 continue
+            except StatementRefused as exc:
+                _refused(report, exc, summary)
+                continue
             report.verdicts[verdict.value] = report.verdicts.get(verdict.value, 0) + 1
         if not fresh or len(unknown) < window:
             break  # every unknown record has been looked at
@@ -208,11 +219,27 @@ async def _expire_leases(
             except (Held, ClaimBusy):
                 # (ClaimBusy: its executor's fenced transaction holds it, past its lease.)
                 report.held += 1
+            except StatementRefused as exc:
+                _refused(report, exc, summary)
         if not fresh or len(stale) < window:
             break  # every lapsed lease has been looked at
         if window == _MAX_SCANNED:
             break  # the most one run looks at
         window = min(len(seen) + limit, _MAX_SCANNED)
+
+
+def _refused(report: ReconcileReport, exc: StatementRefused, summary: RecordSummary) -> None:
+    report.refused += 1
+    logger.error(
+        "idempotency: reconcile: the database refused a record's move: %s",
+        exc,
+        extra={
+            "tenant": summary.key.tenant,
+            "operation": summary.key.operation,
+            "key_digest": key_digest(summary.key.key),
+            "generation": summary.generation,
+        },
+    )
 
 
 async def _reconcile_one(
