@@ -24,12 +24,11 @@ from .convert import (
     TRANSLATED,
     lock_waited,
     no_connection,
-    refused,
     reports_lost,
-    skipped,
     translate,
 )
 from .fused import FastPath
+from .refusing import refused, skipped
 from .rows import settle_args
 from .runner import Bounded, alone, discard, give_back, warn_ended
 

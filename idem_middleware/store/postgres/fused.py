@@ -35,10 +35,10 @@ from .convert import (
     SERVER_ERROR,
     STALE_STATEMENT,
     scrub,
-    skipped,
 )
 from .generations import Generations
 from .literals import _inline, _literals
+from .refusing import skipped
 
 logger = logging.getLogger("idem_middleware.store")
 

@@ -25,10 +25,10 @@ from .convert import (
     no_connection,
     scrub,
     translate,
-    write_refused,
 )
 from .lifecycle import Turns, check_loop, other_loop
 from .options import check_pool
+from .refusing import write_refused
 
 logger = logging.getLogger("idem_middleware.store")
 _running_loop = asyncio._get_running_loop

@@ -28,11 +28,11 @@ from .convert import (
     claim_connection_gone,
     is_conflict,
     no_connection,
-    refused,
     stale_statement,
     translate,
 )
 from .fused import FastPath
+from .refusing import read_only_cause, refused, skipped
 from .rows import completion_args, to_record
 from .runner import give_back, warn_ended
 
@@ -367,7 +367,7 @@ class PgTransaction:
         except convert.SERVER_ERROR as exc:
             raise refused(exc) from exc
         if status not in ("UPDATE 1", "INSERT 0 1"):  # (our own uncommitted row, or none)
-            raise convert.skipped(f"the completion matched no pending record ({status})")
+            raise skipped(f"the completion matched no pending record ({status})")
         await self._commit()
         self._done()
 
@@ -384,7 +384,7 @@ class PgTransaction:
         claimed = self._claimed[0] if self._claimed is not None else None
         await self.rollback()
         if isinstance(exc, READ_ONLY):
-            return await convert.read_only_cause(self.driver, exc)
+            return await read_only_cause(self.driver, exc)
         if claimed is None or not await taken_by_another(self.driver, claimed):
             return refusal(exc)
         logger.debug("the key was recorded by another claim first", exc_info=exc)
