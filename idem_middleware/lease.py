@@ -33,7 +33,8 @@ _MAX_POLL = 1.0
 # Every loop is bounded: the waits by `waiting.wait_rounds`, the wait for a tenant's slot by this
 # many pauses (a slot this slow to free is a bug, not load).
 _MAX_ROUNDS = 10_000
-#: How many moves of one lapsed record may change nothing before it is refused.
+#: How many moves of one record (its lapsed lease's, a takeover, a reconciler's settlement) may
+#: change nothing before it is refused (`LeaseRun._moved_nothing`).
 _UNMOVED_TIMES = 3
 #: The first pause of a duplicate waiting for its tenant's slot (doubling, up to _MAX_POLL).
 _FIRST_SLOT_PAUSE = 0.005

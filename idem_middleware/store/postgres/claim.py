@@ -75,7 +75,7 @@ async def _claim(
     may be claimed. With `lock` (lease mode), a key whose claim lock another transaction holds
     is ClaimBusy, as a row another transaction holds is; nothing here waits for either.
     """
-    nowhere = 0  # passes whose INSERT wrote nothing and found no record either
+    nowhere = 0  # passes whose write (the INSERT, an expired record's UPDATE) changed nothing
     for _ in range(_CLAIM_ATTEMPTS):
         if token_hash is None:  # (most keys: the claim without the token's statements)
             rows = await executor.fetch(_Q["claim_plain"], *args, lock, timeout=timeout)
@@ -205,12 +205,14 @@ async def taken_by_another(driver: Any, key: RecordKey) -> bool:
     expired record, or one released for a retry, is the one this transaction had taken over
     (back as it was): no one else's. True when it cannot tell (the connection gone, say): the
     attempt runs again, as it would have."""
+    if driver is None:
+        return True
     try:
-        row = None if driver is None else await driver.fetchrow(_Q["get"], *key)
+        row = await driver.fetchrow(_Q["get"], *key)
     except (*TRANSLATED, SERVER_ERROR):
         logger.debug("the key's record could not be read again", exc_info=True)
         return True
-    if driver is None:
-        return True
-    record = None if row is None else to_record(key, row)
-    return record is not None and not (record.expired or record.retry_allowed)
+    if row is None:
+        return False
+    record = to_record(key, row)
+    return not (record.expired or record.retry_allowed)

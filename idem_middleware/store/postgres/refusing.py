@@ -27,18 +27,22 @@ STORE_TABLES = frozenset(
 RECORD_PARTITIONS = "idem_requests_"
 
 
-async def read_only_cause(driver: Any, exc: BaseException, fenced: bool = False) -> BaseException:
-    """After a completion refused as read-only (READ_ONLY) and its rollback: the server's doing
-    (a standby, sessions that default to read-only: `translate`'s 503, for a retry later), or
-    the handler's (`SET TRANSACTION READ ONLY`, which no retry clears: `refused`'s 500; taken
-    for the server's, every retry ran the handler again and got the 503 again)."""
+async def read_only_cause(driver: Any, exc: BaseException) -> BaseException:
+    """After a transactional completion refused as read-only (READ_ONLY) and its rollback: the
+    server's doing (a standby, sessions that default to read-only: `translate`'s 503, for a
+    retry later), or the handler's (`SET TRANSACTION READ ONLY`, which no retry clears:
+    `refused`'s 500; taken for the server's, every retry ran the handler again and got the 503
+    again). The server's, when it cannot tell (no connection to ask). (Lease mode needs no
+    asking: its fence locked a row, which a read-only transaction cannot.)"""
+    if driver is None:
+        return translate(exc)
     try:
         row = await driver.fetchrow(_Q["writable"])
     except (*TRANSLATED, SERVER_ERROR):
         return translate(exc)
     if row["standby"] or row["read_only"]:
         return translate(exc)
-    return refused(exc, fenced)
+    return refused(exc)
 
 
 def write_refused(exc: BaseException) -> SettlementRefused:

@@ -317,7 +317,7 @@ class PgTransaction:
         except STALE_STATEMENT as exc:
             raise await self._stale(exc) from exc
         except UNIQUE_VIOLATION as exc:  # (`write_deferred`'s record, or another constraint's)
-            raise await self._lost_the_key(exc, claim_refused) from exc
+            raise await self._lost_or_refused(exc, claim_refused) from exc
         except WAIT_EXCEEDED as exc:
             # Only `claim` waits for a lock (a concurrent claim's row). Out of time elsewhere,
             # it waited for the server (a pooler, a table locked by DDL): the store's trouble.
@@ -343,7 +343,7 @@ class PgTransaction:
             try:
                 done = await fast.complete_and_commit(raw, self._tx, name, args, len(response.body))
             except (UNIQUE_VIOLATION, READ_ONLY) as exc:  # (the record's, the handler's, ...)
-                raise await self._lost_the_key(exc, refused) from exc
+                raise await self._lost_or_refused(exc, refused) from exc
             except STALE_STATEMENT as exc:
                 raise await self._stale(exc) from exc
             except TRANSLATED as exc:
@@ -357,7 +357,7 @@ class PgTransaction:
         try:
             status = await self._conn.execute(query, *args)  # (the proxy: see above)
         except (UNIQUE_VIOLATION, READ_ONLY) as exc:
-            raise await self._lost_the_key(exc, refused) from exc
+            raise await self._lost_or_refused(exc, refused) from exc
         except STALE_STATEMENT as exc:
             raise await self._stale(exc) from exc
         except TRANSLATED as exc:
@@ -376,10 +376,10 @@ class PgTransaction:
         self._deferred = None
         self._claimed = None
 
-    async def _lost_the_key(self, exc: BaseException, refusal: _Refusal) -> BaseException:
-        """A unique violation as the record this transaction claimed was written, or at its
-        COMMIT: the attempt runs again when another claim took the key (`taken_by_another`),
-        else `refusal` names the constraint (read-only: `read_only_cause`). Nothing committed."""
+    async def _lost_or_refused(self, exc: BaseException, refusal: _Refusal) -> BaseException:
+        """The completion (or its COMMIT) refused for a unique violation or as read-only, and
+        rolled back: the attempt runs again when another claim took the key (`taken_by_another`),
+        else `refusal` names the constraint; read-only, `read_only_cause` says whose doing."""
         convert.scrub(exc)
         claimed = self._claimed[0] if self._claimed is not None else None
         await self.rollback()
