@@ -48,7 +48,7 @@ class FloorMiddleware:
         body = b"".join(chunks)
         canonical = orjson.dumps(orjson.loads(body), option=orjson.OPT_SORT_KEYS)
         fingerprint = hashlib.sha256(scope["path"].encode() + b"\0" + canonical).digest()
-        record_key = (user.display_name, scope["path"], key)
+        record_key = (user.identity, scope["path"], key)
         record = self.records.get(record_key)
         if record is not None:
             if record is ... or record[0] != fingerprint:

@@ -294,11 +294,11 @@ class Exchange(ClientWatch):
         fields = [("operation", record_key.operation)]  # (a token stays out of URLs: logged)
         fields += [] if self.policy.require_token else [("key", record_key.key)]
         fields += [] if fingerprint is None else [("request", request_digest(fingerprint))]
-        query = urlencode(fields)
-        # Under the app's root path as the client addressed it, percent-encoded again (the scope
-        # holds it decoded: `%0D%0A` is no line break), and one leading slash (`//x.example`...).
-        root_path = quote(self.mw.root_path_below or self.scope.get("root_path", ""), safe="/")
-        location = "/" + f"{root_path}{self.mw.status_path}?{query}".lstrip("/")
+        # Under the app's root path as the client sent it, percent-encoded again (the scope holds
+        # it decoded: `%0D%0A` is no line break; a lone surrogate, a byte), one leading slash.
+        root = self.mw.root_path_below or self.scope.get("root_path", "")
+        root = quote(root, "/", errors="surrogateescape")
+        location = "/" + f"{root}{self.mw.status_path}?{urlencode(fields)}".lstrip("/")
         self.started = True
         self.emit(Event.IN_FLIGHT)
         await send_accepted(self.send, location, self.policy.retry_after_seconds)

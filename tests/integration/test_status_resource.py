@@ -787,3 +787,33 @@ async def test_the_location_of_a_root_path_starting_with_two_slashes_stays_on_th
     )
     location, _ = await _in_flight(app, entered, gate, "http://test//evil.example/pay")
     assert location.startswith("/evil.example/"), location
+
+
+async def test_the_location_of_a_root_path_with_an_undecodable_byte_is_percent_encoded() -> None:
+    """Found by probing: a root path holding a lone surrogate (a server or a proxy's middleware
+    that decodes the path with `surrogateescape`) failed the 202's Location with a
+    UnicodeEncodeError, a 500 for the duplicate. The byte is percent-encoded as it came."""
+    store = MemoryStore()
+    slow, entered, gate = _held()
+    inner = Starlette(
+        routes=[Route("/pay", slow, methods=["POST"]), status_route(store)],
+        middleware=[
+            Middleware(AuthenticationMiddleware, backend=BearerBackend()),
+            Middleware(IdempotencyMiddleware, store=store, default_policy=_ACCEPTING),
+        ],
+    )
+    root = "/caf\udce9"
+
+    async def prefixed(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            scope = {**scope, "root_path": root, "path": root + scope["path"]}
+        await inner(scope, receive, send)
+
+    async with client(prefixed) as c:
+        first = asyncio.create_task(c.post("/pay", json={}, headers=key("k")))
+        await asyncio.wait_for(entered.wait(), BOUND)
+        duplicate = await c.post("/pay", json={}, headers=key("k"))
+        gate.set()
+        assert (await asyncio.wait_for(first, BOUND)).status_code == 201
+    assert duplicate.status_code == 202, duplicate.text
+    assert duplicate.headers["location"].startswith("/caf%E9/idempotency/status?")
