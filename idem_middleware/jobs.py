@@ -34,7 +34,7 @@ from .errors import JobKeyReused as JobKeyReused
 from .errors import JobOutcomeUnknown as JobOutcomeUnknown
 from .jobs_lease import run_leased
 from .jobs_spec import JobResultUnreadable as JobResultUnreadable
-from .jobs_spec import JobSpec
+from .jobs_spec import JobSpec, check_settings, not_plain
 from .jobs_spec import KeyOf as KeyOf
 from .jobs_transactional import run_transactional
 from .jsonvalues import non_finite
@@ -145,10 +145,19 @@ def _key_function(key: str | Callable[..., Any]) -> Callable[..., Any]:
     return by_name
 
 
+def _answer(job: JobSpec, name: str, args: Any, kwargs: Any) -> Any:
+    """The key or tenant function's answer; an awaitable one is refused (a lambda answering a
+    coroutine: `check_settings` cannot tell it from a plain function)."""
+    answer = (job.key_of if name == "key" else job.tenant_of)(*args, **kwargs)
+    if inspect.isawaitable(answer):
+        raise not_plain(job.operation, name, answer)
+    return answer
+
+
 async def _call(job: JobSpec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     job.check_arguments(args, kwargs)
     # (A key function's answer taken as a key argument's is: an int or a UUID as its text.)
-    key = _key_text(job.key_of(*args, **kwargs), "the key function's answer")
+    key = _key_text(_answer(job, "key", args, kwargs), "the key function's answer")
     # (Counted in UTF-8 bytes, as the database counts them: 128 "é" are 256.)
     if not 0 < (size := len(key.encode("utf-8", "surrogatepass"))) <= MAX_KEY_LENGTH:
         raise ValueError(
@@ -157,7 +166,7 @@ async def _call(job: JobSpec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
     # (An account number: its digits; an account's UUID: its text. As `str`, an object's repr
     # made another tenant each call.)
     tenant = _key_text(
-        job.tenant_of(*args, **kwargs), f"{job.operation}: the job's tenant", "tenant"
+        _answer(job, "tenant", args, kwargs), f"{job.operation}: the job's tenant", "tenant"
     )
     # (PostgreSQL text holds neither, and the driver refuses them with an error of its own:
     # refused here, on either store.)
@@ -201,8 +210,6 @@ def idempotent_job(
     """
     if not operation:
         raise ConfigurationError("a job needs an operation name")
-    if not callable(getattr(store, "transaction", None)):
-        raise ConfigurationError(f"a job's store is a PostgresStore or MemoryStore, not {store!r}")
     if not storable_operation(operation):
         raise ConfigurationError(
             f"a job's operation is a str of at most {MAX_OPERATION_BYTES} bytes of UTF-8 without"
@@ -212,6 +219,7 @@ def idempotent_job(
         raise ConfigurationError(f"{operation}: key= is an argument's name or a function")
     if not callable(tenant) and not isinstance(tenant, str):
         raise ConfigurationError(f"{operation}: tenant= is a str or a function, not {tenant!r}")
+    check_settings(store, operation, key, tenant)
     # The options a Policy shares with a job are checked (and a mode given as a string turned
     # into its member) as a Policy checks them.
     checked = Policy(

@@ -3,6 +3,7 @@ run the function inside it, and judge a record the run could not claim."""
 
 from __future__ import annotations
 
+import functools
 import inspect
 import uuid
 from collections.abc import Awaitable, Callable
@@ -18,6 +19,7 @@ from .jsonvalues import non_finite
 from .outcomes import settled_answer
 from .policy import LeaseExpiry, Mode
 from .store.base import Record, RecordKey, State, Store
+from .tenant import MAX_TENANT_BYTES, storable_tenant
 
 JSON_HEADERS = ((b"content-type", b"application/json"),)
 
@@ -27,6 +29,52 @@ UNSETTLED: Any = object()
 
 #: A function of a job's arguments naming its key or tenant: a str, an int (its digits) or a UUID.
 KeyOf = Callable[..., str | int | uuid.UUID]
+
+
+#: What a run calls on its store, in either mode (a PostgresStore's and a MemoryStore's methods).
+_STORE_METHODS = ("transaction", "claim_lease", "watch", "get", "takeover", "expire_lease")
+
+
+def check_settings(store: Any, operation: str, key: Any, tenant: Any) -> None:
+    """What the decorator can tell would fail every call, told when decorated
+    (ConfigurationError): an asyncpg connection (it has a `transaction` method) or a store's
+    class, taken as a store, failed each call with a TypeError or an AttributeError naming
+    neither; an async key or tenant function each call with "not coroutine" (and a "never
+    awaited" warning); a fixed tenant no store can key each call with a ValueError."""
+    if isinstance(store, type) or not all(
+        callable(getattr(store, name, None)) for name in _STORE_METHODS
+    ):
+        raise ConfigurationError(
+            f"a job's store is a PostgresStore or MemoryStore instance, not {store!r:.100}"
+        )
+    for name, value in (("key", key), ("tenant", tenant)):
+        if callable(value) and _async(value):
+            raise not_plain(operation, name)
+    if isinstance(tenant, str) and not storable_tenant(tenant):
+        raise ConfigurationError(
+            f"{operation}: tenant= holds a NUL character or an unpaired surrogate, or is over "
+            f"{MAX_TENANT_BYTES} bytes of UTF-8 (the record's primary key holds it)"
+        )
+
+
+def _async(function: Any) -> bool:
+    """An `async def` function (through partials, or as an object's `__call__`)."""
+    while isinstance(function, functools.partial):
+        function = function.func
+    if not (inspect.isfunction(function) or inspect.ismethod(function)):
+        function = inspect.getattr_static(type(function), "__call__", None)
+    return inspect.iscoroutinefunction(function) or inspect.isasyncgenfunction(function)
+
+
+def not_plain(operation: str, name: str, answer: Any = None) -> ConfigurationError:
+    """The error for a key or tenant function that answers an awaitable (`answer`, closed if it
+    is a coroutine: it is never awaited)."""
+    if inspect.iscoroutine(answer):
+        answer.close()
+    return ConfigurationError(
+        f"{operation}: {name}= is a plain function of the call's arguments (`def`, not "
+        "`async def`): its answer is the key or tenant itself, never awaited"
+    )
 
 
 class JobResultUnreadable(JobOutcomeUnknown):

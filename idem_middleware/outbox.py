@@ -30,9 +30,12 @@ from .errors import ConfigurationError, RetryableConflict, StatementRefused, Sto
 from .errors import EventConflict as EventConflict
 from .jsonvalues import json_text
 from .keys import MAX_KEY_LENGTH
+from .outbox_values import cancelled_since as _cancelled_since
+from .outbox_values import cancelling as _cancelling
 from .outbox_values import check_text as _check_text
 from .outbox_values import checked_sender, checked_stop, event_ids_of, whole_count
 from .outbox_values import error_text as _error_text
+from .outbox_values import is_httpx as _httpx
 from .outbox_values import seconds as _seconds
 from .pool_arguments import checked_store as _store  # (a ValueError first: see there)
 from .store.postgres.events import add_event, record_consumed
@@ -209,25 +212,25 @@ class Publisher:
                 # (1e400): a failed send, backed off and parked with this error. Raised, it
                 # ended every batch that reserved it, the events after it unsent.
                 payload, error = None, f"the payload cannot be decoded: {exc}"
-            # (attempts: those before this one)
-            event = OutboxEvent(
+            event = OutboxEvent(  # (attempts: those before this one)
                 reserved.event_id, reserved.tenant, reserved.topic, payload, attempt - 1
             )
+            cancels = _cancelling()
             if error is None:
                 error = await self._send(event)
             if error is None:
-                if await self._mark(event, None, attempt):
-                    report.sent += 1
-                continue
-            report.failed += 1
-            if attempt >= self.max_attempts:
-                report.parked += 1
-                logger.warning(
-                    "outbox event parked after %d attempts",
-                    attempt,
-                    extra={"event_id": event.event_id, "topic": event.topic},
-                )
-            await self._mark(event, error, attempt)
+                report.sent += await self._mark(event, None, attempt)
+            else:
+                report.failed += 1
+                if attempt >= self.max_attempts:
+                    report.parked += 1
+                    logger.warning(
+                        "outbox event parked after %d attempts",
+                        attempt,
+                        extra={"event_id": event.event_id, "topic": event.topic},
+                    )
+                await self._mark(event, error, attempt)
+            _cancelled_since(cancels)  # (a sender caught this task's cancellation: see there)
         return report
 
     async def _mark(self, event: OutboxEvent, error: str | None, attempt: int) -> bool:
@@ -389,12 +392,3 @@ def webhook_sender(client: Any, url: str | httpx.URL) -> Callable[[OutboxEvent],
         return True
 
     return send
-
-
-def _httpx(value: Any, name: str) -> bool:
-    """Whether `value` is an instance of httpx's class `name` (False without httpx)."""
-    try:
-        import httpx
-    except ImportError:  # pragma: no cover - httpx is optional
-        return False
-    return isinstance(value, getattr(httpx, name))

@@ -89,3 +89,27 @@ def checked_stop(stop: Any) -> asyncio.Event:
             f"stop is an asyncio.Event (or an anyio one, or None), not a {type(stop).__name__}"
         )
     return stop  # type: ignore[no-any-return]
+
+
+def cancelling() -> int:
+    """How many cancellations of this task are under way (`Task.cancelling`; 0 outside one)."""
+    task = asyncio.current_task()
+    return 0 if task is None else task.cancelling()
+
+
+def cancelled_since(before: int) -> None:
+    """CancelledError if this task was cancelled since `cancelling()` was `before` and the
+    cancellation was caught (a sender that retries on any error, CancelledError too, then
+    delivers): a publisher went on reserving and sending, idled for ever, and a shutdown that
+    awaited it hung. Raised once the send is marked, so that it is not sent again."""
+    if cancelling() > before:
+        raise asyncio.CancelledError
+
+
+def is_httpx(value: Any, name: str) -> bool:
+    """Whether `value` is an instance of httpx's class `name` (False without httpx)."""
+    try:
+        import httpx
+    except ImportError:  # pragma: no cover - httpx is optional
+        return False
+    return isinstance(value, getattr(httpx, name))
