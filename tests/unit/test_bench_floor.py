@@ -10,7 +10,7 @@ from typing import Any
 
 from bench.floor import FloorMiddleware
 
-USER = SimpleNamespace(is_authenticated=True, display_name="tenant-a")
+USER = SimpleNamespace(is_authenticated=True, identity="tenant-a")
 
 
 def _call(mw: FloorMiddleware, body: bytes, key: bytes | None, path: str = "/pay") -> list[Any]:
