@@ -124,6 +124,9 @@ class Attempt(ResponseCapture):
         policy = ex.policy
         record_key = self.record_key
         mw = ex.mw
+        held = mw.waiters.held
+        if held and record_key in held:  # (a duplicate of a request running in this process)
+            raise ClaimBusy("a request of this process holds this key")
         slots = mw.tenant_slots
         slot = None
         if slots.limit is not None:
@@ -164,6 +167,7 @@ class Attempt(ResponseCapture):
                 if self.waited is not None:
                     self.waited.close()  # the wait is over: the handler's run is no wait
                 self.claimed = True
+                held[record_key] = self  # (until `wake`: the transaction is over)
                 self.context = claimed_context(
                     record_key.tenant,
                     record_key.operation,
@@ -246,7 +250,7 @@ class Attempt(ResponseCapture):
             if slot is not None:
                 slot.give_back()
             if self.claimed:
-                mw.waiters.wake(record_key)
+                mw.waiters.wake(record_key, self)
 
     def _cancelled_by_watch(self) -> bool:
         """The handler was cancelled: whether only by the client watch (then `_client_gone`
@@ -306,7 +310,7 @@ class Attempt(ResponseCapture):
         # The stream may take as long as its client likes: it holds no connection. Writes the
         # handler makes from here on are outside the claim, on a connection of its own.
         await self.tx.release()
-        self.ex.mw.waiters.wake(self.record_key)
+        self.ex.mw.waiters.wake(self.record_key, self)
         if self.ex.slot is not None:
             self.ex.slot.give_back()  # nor the tenant's slot: the stream holds no connection
 

@@ -52,7 +52,7 @@ class Waiters:
     once; past that a duplicate is answered at once (409 + Retry-After).
     """
 
-    __slots__ = ("_events", "count", "limit")
+    __slots__ = ("_events", "count", "held", "limit")
 
     def __init__(self, limit: int) -> None:
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
@@ -62,6 +62,9 @@ class Waiters:
         #: Per key someone here waits on: its event and how many wait on it. The last waiter
         #: to leave removes it, woken or not (a holder in another process never wakes it).
         self._events: dict[Hashable, _Waiting] = {}
+        #: Keys a transactional attempt of this process has claimed, by that attempt, while its
+        #: transaction is open: a duplicate of one waits at once, asking the pool for nothing.
+        self.held: dict[Hashable, object] = {}
 
     def enter(self) -> bool:
         """Take a waiting place; False when all `limit` are taken."""
@@ -95,8 +98,11 @@ class Waiters:
             if not waiting.count and events.get(key) is waiting:
                 del events[key]
 
-    def wake(self, key: Hashable) -> None:
-        """The holder of `key` ended (committed or rolled back): its waiters here claim again."""
+    def wake(self, key: Hashable, holder: object = None) -> None:
+        """`holder` of `key` ended (committed or rolled back): its waiters here claim again."""
+        held = self.held
+        if holder is not None and held.get(key) is holder:  # (a later holder's is its own)
+            del held[key]
         if self._events:
             waiting = self._events.pop(key, None)
             if waiting is not None:

@@ -127,12 +127,16 @@ async def test_a_waiting_duplicate_leaves_no_error_span_and_a_failing_claim_does
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     gate, slow = gated()
-    app = app_with([Route("/slow", slow, methods=["POST"])], OpenTelemetryObserver(provider))
-    async with client(app) as c:
+    # Two apps on one store, as two processes: the duplicate's claim finds the key busy in the
+    # store (a duplicate of a request of its own process waits without asking the store).
+    store, observer = MemoryStore(), OpenTelemetryObserver(provider)
+    app = app_with([Route("/slow", slow, methods=["POST"])], observer, store=store)
+    other = app_with([Route("/slow", slow, methods=["POST"])], observer, store=store)
+    async with client(app) as c, client(other) as c2:
         headers = {"idempotency-key": "k"}
         original = asyncio.ensure_future(c.post("/slow", json={}, headers=headers))
         await asyncio.sleep(0.05)
-        duplicate = asyncio.ensure_future(c.post("/slow", json={}, headers=headers))
+        duplicate = asyncio.ensure_future(c2.post("/slow", json={}, headers=headers))
         await asyncio.sleep(0.1)
         gate.set()
         assert (await original).status_code == 201

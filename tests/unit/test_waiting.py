@@ -95,3 +95,20 @@ def test_no_tenant_cap() -> None:
 def test_tenant_slots_refuse_a_bad_limit(limit: object) -> None:
     with pytest.raises(ConfigurationError):
         TenantSlots(limit)  # type: ignore[arg-type]
+
+
+def test_a_holder_ending_lets_go_of_its_own_hold_only() -> None:
+    """A stream's attempt wakes its waiters as its stream starts and again as it ends; a request
+    that claimed the key between the two (the stream's outcome was a release) keeps its hold."""
+    waiters = Waiters(10)
+    first, second = object(), object()
+    waiters.held["k"] = first
+    waiters.wake("k", first)
+    assert waiters.held == {}
+    waiters.held["k"] = second
+    waiters.wake("k", first)  # the first attempt's end, late
+    assert waiters.held == {"k": second}
+    waiters.wake("k")  # (no holder named: nobody's hold is let go of)
+    assert waiters.held == {"k": second}
+    waiters.wake("k", second)
+    assert waiters.held == {}
