@@ -9,7 +9,7 @@ import os
 import re
 import threading
 from collections.abc import Coroutine
-from typing import Any
+from typing import Any, NoReturn
 from urllib.parse import unquote, urlsplit, urlunsplit
 
 import pytest
@@ -63,6 +63,18 @@ def _refuse_own(name: str) -> None:
     )
 
 
+def _unreachable(server_dsn: str, exc: BaseException) -> NoReturn:
+    from .cli_connect import shown_dsn  # (the DSN without its password)
+
+    cause = f"no answer in {_WAIT:g} s" if isinstance(exc, TimeoutError) else str(exc)
+    pytest.fail(
+        f"idem_postgres_dsn: cannot connect to the server {DSN_ENV} names "
+        f"({shown_dsn(server_dsn)}): {cause or type(exc).__name__}; start it or correct "
+        f"{DSN_ENV}, or unset {DSN_ENV} for a throwaway embedded PostgreSQL",
+        pytrace=False,
+    )
+
+
 class Reservation:
     """The name of this run's database on a server given by `IDEM_TEST_DSN`, held for the run
     by an advisory lock on a connection of its own (in an event loop of its own thread, as the
@@ -91,8 +103,10 @@ class Reservation:
     async def _reserve(self, server_dsn: str) -> str:
         import asyncpg  # (here, not at the top: the plugin loads in every pytest run)
 
-        try:
-            self._conn = await asyncpg.connect(server_dsn)
+        failure: Exception | None = None
+        try:  # (bounded: a server that accepts and never answers hung the run 60 s, then a bare
+            # TimeoutError, naming neither the server nor IDEM_TEST_DSN)
+            self._conn = await asyncpg.connect(server_dsn, timeout=_WAIT)
         except asyncpg.InvalidCatalogNameError as exc:
             # (One of the plugin's names, absent: said as when it exists, not as asyncpg's
             # "does not exist", which sends one to create it.)
@@ -103,7 +117,11 @@ class Reservation:
             for name in (unquote(path), named[1] if named else ""):
                 if name == _DATABASE or name.startswith(f"{_DATABASE}_"):
                     _refuse_own(name)
-            raise
+            failure = exc
+        except Exception as exc:
+            failure = exc
+        if failure is not None:  # (out of the except: the report shows no chained traceback)
+            _unreachable(server_dsn, failure)
         given = await self._conn.fetchval("SELECT current_database()")
         if given == _DATABASE or given.startswith(f"{_DATABASE}_"):
             # It was dropped (WITH (FORCE)) as the run's own, or failed to be (ObjectInUseError)
