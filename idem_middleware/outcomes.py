@@ -28,8 +28,13 @@ class Outcome(StrEnum):
     UNKNOWN = "unknown"
 
 
-#: Responses meaning "nothing happened, fix the request and retry" (see docs/protocol.md).
-RELEASE_STATUSES = frozenset({400, 401, 403, 404, 405, 408, 409, 413, 415, 422, 425, 429})
+#: Responses meaning "nothing happened, fix the request and retry" (see docs/protocol.md). With
+#: those whose fix the fingerprint cannot see (RFC 9110: nothing was performed): a Content-Length
+#: (411), a precondition (412, 428), the very request again without its `Expect` (417) or over
+#: another connection (421), smaller headers (431). Stored, each was replayed to the fixed retry.
+RELEASE_STATUSES = frozenset(
+    {400, 401, 403, 404, 405, 408, 409, 411, 412, 413, 415, 417, 421, 422, 425, 428, 429, 431}
+)
 
 #: The state an outcome is stored as; RELEASE and UNKNOWN are not final (no stored response).
 FINAL_STATE = {Outcome.SUCCEEDED: State.SUCCEEDED, Outcome.FAILED_FINAL: State.FAILED_FINAL}
