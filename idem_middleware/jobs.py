@@ -37,7 +37,7 @@ from .jobs_spec import JobResultUnreadable as JobResultUnreadable
 from .jobs_spec import JobSpec, check_settings, not_plain
 from .jobs_spec import KeyOf as KeyOf
 from .jobs_transactional import run_transactional
-from .jsonvalues import non_finite
+from .jsonvalues import dropped_attribute, non_finite
 from .keys import MAX_KEY_LENGTH
 from .policy import (
     MAX_OPERATION_BYTES,
@@ -91,6 +91,13 @@ def _fingerprint(operation: str, args: tuple[Any, ...], kwargs: dict[str, Any]) 
         raise ConfigurationError(
             f"{operation}: the job's arguments hold NaN or an infinity, which JSON cannot tell "
             "apart from null: pass them as strings"
+        )
+    # Nor does JSON hold a dataclass's "_" attributes: refused, or calls differing only there
+    # would be one call, the second answered with the first one's result.
+    if (hidden := dropped_attribute([args, kwargs])) is not None:
+        raise ConfigurationError(
+            f"{operation}: the job's arguments hold {hidden}, an attribute JSON leaves out, so "
+            "calls that differ in it could not be told apart: give it a public name, or pass a dict"
         )
     return hashlib.sha256(operation.encode() + b"\x00" + payload).digest()
 

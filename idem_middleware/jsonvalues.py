@@ -45,6 +45,33 @@ def non_finite(value: Any, depth: int = 0) -> bool:
     return False
 
 
+def dropped_attribute(value: Any, depth: int = 0) -> str | None:
+    """The name of an attribute orjson leaves out of `value` (a dataclass's whose name starts
+    with "_", in lists, tuples, dicts, dataclasses and enums, as orjson walks them); None if none.
+    Written as JSON, two values that differ only there are the same."""
+    if depth > _DEEPEST or isinstance(value, str | int | float | type):
+        return None
+    items: Any = ()
+    if isinstance(value, list | tuple):
+        items = value
+    elif isinstance(value, dict):
+        items = value.values()
+    elif isinstance(value, Enum):
+        items = (value.value,)
+    elif is_dataclass(value):
+        attributes = getattr(value, "__dict__", None)
+        if attributes is None:
+            attributes = {f.name: getattr(value, f.name, None) for f in fields(value)}
+        hidden = next((name for name in attributes if name.startswith("_")), None)
+        if hidden is not None:
+            return f"{type(value).__name__}.{hidden}"
+        items = attributes.values()
+    for item in items:
+        if (found := dropped_attribute(item, depth + 1)) is not None:
+            return found
+    return None
+
+
 def holds_nul(decoded: Any, depth: int = 0) -> bool:
     """Whether a string or a key in `decoded` (a value as orjson.loads returns it) holds NUL."""
     if isinstance(decoded, str):
