@@ -10,7 +10,6 @@ import asyncio
 import logging
 from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any
-from urllib.parse import quote, urlencode
 
 from starlette.exceptions import HTTPException
 from starlette.types import Message, Receive, Scope, Send
@@ -28,7 +27,7 @@ from .lease import LeaseRun
 from .observe import PROBLEM_EVENTS, UNTIMED, Event, store_error_event
 from .policy import Mode, Policy
 from .refusals import is_refusal, send_refusal
-from .responses import answer_cancelled, send_accepted, send_replay
+from .responses import answer_cancelled, send_accepted, send_replay, status_location
 from .store.base import RecordKey, Store, StoredResponse, new_record_key
 from .transactional import RETRIED, Attempt
 from .transactional_wait import run_transactional
@@ -294,11 +293,8 @@ class Exchange(ClientWatch):
         fields = [("operation", record_key.operation)]  # (a token stays out of URLs: logged)
         fields += [] if self.policy.require_token else [("key", record_key.key)]
         fields += [] if fingerprint is None else [("request", request_digest(fingerprint))]
-        # Under the app's root path as the client sent it, percent-encoded again (the scope holds
-        # it decoded: `%0D%0A` is no line break; a lone surrogate, a byte), one leading slash.
         root = self.mw.root_path_below or self.scope.get("root_path", "")
-        root = quote(root, "/", errors="surrogateescape")
-        location = "/" + f"{root}{self.mw.status_path}?{urlencode(fields)}".lstrip("/")
+        location = status_location(root, self.mw.status_path, fields)
         self.started = True
         self.emit(Event.IN_FLIGHT)
         await send_accepted(self.send, location, self.policy.retry_after_seconds)

@@ -8,6 +8,7 @@ import inspect
 import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
+from urllib.parse import quote, urlencode
 
 import orjson
 from starlette.responses import Response
@@ -196,6 +197,17 @@ def problem_response(
     # Given every header (content type and length included), Starlette adds none of its own.
     fields = {name.decode("latin-1"): value.decode("latin-1") for name, value in headers}
     return Response(body, status, headers=fields)
+
+
+def status_location(root_path: str, status_path: str, fields: list[tuple[str, str]]) -> str:
+    """The status resource's URL for a 202: under the app's root path as the client sent it,
+    percent-encoded again (the scope holds it decoded: `%0D%0A` is no line break), with one
+    leading slash (`//x.example` would be another host)."""
+    try:  # (a lone surrogate: the byte a server decoded with surrogateescape, as that byte)
+        root = quote(root_path, "/", errors="surrogateescape")
+    except UnicodeEncodeError:  # (one no byte decodes to: written as UTF-8 would, all the same)
+        root = quote(root_path, "/", errors="surrogatepass")
+    return "/" + f"{root}{status_path}?{urlencode(fields)}".lstrip("/")
 
 
 async def send_accepted(send: Send, location: str, retry_after: int) -> None:

@@ -789,10 +789,16 @@ async def test_the_location_of_a_root_path_starting_with_two_slashes_stays_on_th
     assert location.startswith("/evil.example/"), location
 
 
-async def test_the_location_of_a_root_path_with_an_undecodable_byte_is_percent_encoded() -> None:
+@pytest.mark.parametrize(
+    ("root", "encoded"), [("/caf\udce9", "/caf%E9"), ("/caf\ud800", "/caf%ED%A0%80")]
+)
+async def test_the_location_of_a_root_path_with_an_undecodable_byte_is_percent_encoded(
+    root: str, encoded: str
+) -> None:
     """Found by probing: a root path holding a lone surrogate (a server or a proxy's middleware
     that decodes the path with `surrogateescape`) failed the 202's Location with a
-    UnicodeEncodeError, a 500 for the duplicate. The byte is percent-encoded as it came."""
+    UnicodeEncodeError, a 500 for the duplicate. The byte is percent-encoded as it came (and a
+    surrogate no byte decodes to, as UTF-8 would write it)."""
     store = MemoryStore()
     slow, entered, gate = _held()
     inner = Starlette(
@@ -802,7 +808,6 @@ async def test_the_location_of_a_root_path_with_an_undecodable_byte_is_percent_e
             Middleware(IdempotencyMiddleware, store=store, default_policy=_ACCEPTING),
         ],
     )
-    root = "/caf\udce9"
 
     async def prefixed(scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "http":
@@ -816,4 +821,4 @@ async def test_the_location_of_a_root_path_with_an_undecodable_byte_is_percent_e
         gate.set()
         assert (await asyncio.wait_for(first, BOUND)).status_code == 201
     assert duplicate.status_code == 202, duplicate.text
-    assert duplicate.headers["location"].startswith("/caf%E9/idempotency/status?")
+    assert duplicate.headers["location"].startswith(f"{encoded}/idempotency/status?")
