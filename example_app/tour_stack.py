@@ -1,14 +1,18 @@
 """The tour's own servers: the bank simulator and the app (embedded PostgreSQL), each its own
-process under a temporary working directory, stopped by PID when the tour ends."""
+process under a temporary working directory, stopped by PID when the tour ends; or, with
+`--url`, the check that the ones it is given are an example app and its bank."""
 
 from __future__ import annotations
 
 import contextlib
+import signal
 import tempfile
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+import httpx
 
 from .launcher import ServerProcess, stop_embedded_postgres
 
@@ -52,9 +56,27 @@ def local_stack() -> Iterator[Servers]:
             app.start(timeout=90)  # the first start runs initdb
             yield app, bank
         finally:
-            app.stop()
-            bank.stop()
-            stop_embedded_postgres(workdir / ".example_app" / "pgdata")
+            with signals_held():
+                app.stop()
+                bank.stop()
+                stop_embedded_postgres(workdir / ".example_app" / "pgdata")
+
+
+@contextlib.contextmanager
+def signals_held() -> Iterator[None]:
+    """Ctrl-C (or SIGTERM) while the tour stops what it started is acted on once all of it is
+    stopped (each stop is bounded): before, a second Ctrl-C cut the stops short, and the bank
+    was left running. (The main thread only, as `signal.signal`.)"""
+    held: list[int] = []
+    names = (signal.SIGINT, signal.SIGTERM)
+    previous = {signum: signal.signal(signum, lambda n, _: held.append(n)) for signum in names}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, signal.SIG_DFL if handler is None else handler)
+        if held:
+            signal.raise_signal(held[0])
 
 
 def embedded_database_url(workdir: Path) -> str:
@@ -67,3 +89,36 @@ def embedded_database_url(workdir: Path) -> str:
     if info is None or not info.is_running():
         raise TourError("the app's embedded PostgreSQL is not running")
     return info.get_uri()
+
+
+async def check_given(
+    app: httpx.AsyncClient, bank: httpx.AsyncClient, auth: dict[str, str]
+) -> None:
+    """Before the first step against `--url`: an example app that takes the tour's token, and
+    a bank simulator where the tour looks for one. Before, the tour stopped on the first
+    surprise, with a message that did not say why: "All connection attempts failed", "the
+    second request was not a replay of the first" (a 401: EXAMPLE_TOKENS without demo-a), "the
+    bank refused the faults ...: 404" (the bank of `--workers 2`, or BANK_URL's, elsewhere)."""
+    try:
+        r = await app.get("/accounts/-", headers=auth)
+    except httpx.TransportError as exc:
+        raise TourError(f"no app answers at {app.base_url} ({exc}): is it running?") from None
+    if r.status_code == 401:
+        raise TourError(
+            f"the app at {app.base_url} refuses the tour's token (Bearer demo-a, tenant-a):"
+            " its EXAMPLE_TOKENS leaves demo-a out"
+        )
+    if r.status_code not in (200, 404):
+        raise TourError(
+            f"{app.base_url} is no example app: GET /accounts/- answered {r.status_code}"
+        )
+    try:
+        listed = (await bank.get("/transfers")).json()
+    except (httpx.TransportError, ValueError):
+        listed = None
+    if not isinstance(listed, list):
+        raise TourError(
+            f"no bank simulator answers at {bank.base_url}: an app started with --workers > 1"
+            " or BANK_URL has its bank elsewhere; pass its address with --bank-url (the app"
+            " prints it at startup)"
+        )
