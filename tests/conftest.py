@@ -262,3 +262,16 @@ async def own_dsn(own_server: OwnServer) -> str:
     finally:
         await conn.close()
     return dsn
+
+
+@pytest.fixture(scope="module")
+def bank() -> Iterator[Any]:
+    """The example app's bank simulator, a process of its own on loopback (one per module),
+    stopped by PID at the module's end."""
+    from example_app.launcher import ServerProcess  # (the example app: its tests only)
+
+    proc = ServerProcess("example_app.bank", ready_path="/transfers").start()
+    try:
+        yield proc
+    finally:
+        proc.cleanup()

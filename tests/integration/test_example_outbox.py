@@ -60,15 +60,6 @@ async def app_db(admin_dsn: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def bank() -> Iterator[ServerProcess]:
-    proc = ServerProcess("example_app.bank", ready_path="/webhooks").start()
-    try:
-        yield proc
-    finally:
-        proc.cleanup()
-
-
-@pytest.fixture(scope="module")
 def server(app_db: str, bank: ServerProcess) -> Iterator[ServerProcess]:
     """The app with its in-app publisher (EXAMPLE_PUBLISH defaults to on)."""
     proc = ServerProcess("example_app", env=app_env(app_db, bank), ready_path=READY).start()

@@ -43,15 +43,6 @@ async def app_db(admin_dsn: str) -> str:
     return await _fresh_database(admin_dsn, "idem_example_payouts")
 
 
-@pytest.fixture(scope="module")
-def bank() -> Iterator[ServerProcess]:
-    proc = ServerProcess("example_app.bank", ready_path="/transfers").start()
-    try:
-        yield proc
-    finally:
-        proc.cleanup()
-
-
 def app_env(app_db: str, bank: ServerProcess, **extra: str) -> dict[str, str]:
     return {
         "DATABASE_URL": app_db,

@@ -98,15 +98,6 @@ async def faults_db(admin_dsn: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def bank() -> Iterator[ServerProcess]:
-    proc = ServerProcess("example_app.bank", ready_path="/transfers").start()
-    try:
-        yield proc
-    finally:
-        proc.cleanup()
-
-
-@pytest.fixture(scope="module")
 def workers4(faults_db: str, bank: ServerProcess) -> Iterator[ServerProcess]:
     """The example app with four worker processes on one database, the bank its own process."""
     env = {"DATABASE_URL": faults_db, "BANK_URL": bank.url, "EXAMPLE_WAIT_SECONDS": "10"}

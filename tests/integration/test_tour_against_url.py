@@ -7,7 +7,6 @@ import os
 import subprocess
 import sys
 import textwrap
-from collections.abc import Iterator
 
 import psutil
 import pytest
@@ -31,15 +30,6 @@ def _tour(*args: str) -> subprocess.CompletedProcess[str]:
 @pytest.fixture(scope="module")
 async def tour_db(admin_dsn: str) -> str:
     return await _fresh_database(admin_dsn, "idem_example_tour_url")
-
-
-@pytest.fixture(scope="module")
-def bank() -> Iterator[ServerProcess]:
-    proc = ServerProcess("example_app.bank", ready_path="/transfers").start()
-    try:
-        yield proc
-    finally:
-        proc.cleanup()
 
 
 def _app(database: str, **env: str) -> ServerProcess:
