@@ -21,6 +21,7 @@ from . import cli_commands as run
 from . import cli_list, cli_reconcile
 from .cli_values import (
     DSN_ENVS,
+    StoreOnce,
     audit_note,
     checked_flag,
     common_options,
@@ -135,6 +136,7 @@ def _parser() -> argparse.ArgumentParser:
     )
 
     def record_options(cmd: argparse.ArgumentParser) -> None:
+        cmd.register("action", None, StoreOnce)  # (its options given twice: exit 2)
         cmd.add_argument("--tenant", required=True, type=utf8_text, help="the record's tenant")
         cmd.add_argument(
             "--operation", required=True, type=utf8_text, help='for example "POST /payouts"'

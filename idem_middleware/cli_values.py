@@ -70,6 +70,26 @@ def common_options(top: bool) -> argparse.ArgumentParser:
     return common
 
 
+class StoreOnce(argparse._StoreAction):
+    """An option of `show`, `resolve` and `reopen` given twice is refused (exit 2): argparse's
+    last one won, silently, and `resolve --key a ... --key b` moved another record (`--to
+    succeeded ... --to retry` to another state) than the one the operator also named."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        given = getattr(namespace, self.dest, self.default)
+        if option_string is not None and given is not self.default:
+            raise argparse.ArgumentError(
+                self, f"given more than once ({given!r:.60} and {values!r:.60}): give it once"
+            )
+        super().__call__(parser, namespace, values, option_string)
+
+
 def env_typed(name: str, fallback: object) -> object:
     """The default of an option with a `type`: the variable's text if it is set (not empty),
     converted and checked by argparse when the option is not given; else `fallback`."""

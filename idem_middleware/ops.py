@@ -151,12 +151,31 @@ def _note(note: str) -> str:
     return text
 
 
+#: What `show`, `resolve` and `reopen` say of a key a transactional request is running: its
+#: claim holds the key's lock, and its record is written only when it commits.
+RUNNING = (
+    "a request is running this key now (a transactional claim holds it; its record is written "
+    "when it commits): look at it again (show) once it is done"
+)
+
+
+async def absent(store: Store, key: RecordKey) -> tuple[str, bool]:
+    """Why `describe` found no record of `key`, and whether a request is running it: a
+    transactional claim has no record until it commits ("no record holds this key" sent the
+    operator looking for a typo or a purge while the request ran)."""
+    _, claiming = await store.peek(key)
+    return (RUNNING, True) if claiming else ("no record holds this key", False)
+
+
 async def _record(store: Store, key: RecordKey) -> RecordSummary:
     summary = await store.describe(key)
     if summary is None:
+        text, running = await absent(store, key)
         raise ResolveError(
-            "no record holds this key (check the tenant, the operation and the key; a finished "
-            "record is purged after its retention)"
+            text
+            if running
+            else f"{text} (check the tenant, the operation and the key; a finished record is "
+            "purged after its retention)"
         )
     return summary
 
