@@ -33,16 +33,21 @@ def non_finite(value: Any, depth: int = 0) -> bool:
     if isinstance(value, Enum):  # (orjson writes a member as its value)
         return non_finite(value.value, depth + 1)
     if is_dataclass(value) and not isinstance(value, type):
-        # The attributes orjson writes: the instance's `__dict__`, or its fields when it has
-        # none (`__slots__`), either without the names that start with "_".
-        attributes = getattr(value, "__dict__", None)
-        if attributes is None:
-            attributes = {f.name: getattr(value, f.name, None) for f in fields(value)}
+        # (orjson writes them without the names that start with "_")
         return any(
             not name.startswith("_") and non_finite(item, depth + 1)
-            for name, item in attributes.items()
+            for name, item in _attributes(value).items()
         )
     return False
+
+
+def _attributes(value: Any) -> dict[str, Any]:
+    """A dataclass instance's attributes as orjson walks them: its `__dict__`, or its fields
+    when it has none (`__slots__`)."""
+    attributes: dict[str, Any] | None = getattr(value, "__dict__", None)
+    if attributes is None:
+        attributes = {f.name: getattr(value, f.name, None) for f in fields(value)}
+    return attributes
 
 
 def dropped_attribute(value: Any, depth: int = 0) -> str | None:
@@ -59,9 +64,7 @@ def dropped_attribute(value: Any, depth: int = 0) -> str | None:
     elif isinstance(value, Enum):
         items = (value.value,)
     elif is_dataclass(value):
-        attributes = getattr(value, "__dict__", None)
-        if attributes is None:
-            attributes = {f.name: getattr(value, f.name, None) for f in fields(value)}
+        attributes = _attributes(value)
         hidden = next((name for name in attributes if name.startswith("_")), None)
         if hidden is not None:
             return f"{type(value).__name__}.{hidden}"
