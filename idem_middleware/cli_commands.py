@@ -29,7 +29,7 @@ from .context import derive_downstream_key
 from .errors import IdempotencyError, ResolveError
 from .inbox import purge_inbox
 from .keys import parse_idempotency_key
-from .ops import Move, Resolution, absent, operator_response
+from .ops import NOT_FOUND, RUNNING, Move, Resolution, operator_response, running
 from .ops import reopen as reopen_record
 from .ops import resolve as resolve_record
 from .store.base import RecordKey, State
@@ -205,8 +205,9 @@ def _key(args: argparse.Namespace) -> RecordKey:
 async def show(store: PostgresStore, args: argparse.Namespace) -> int:
     rec = await store.describe(key := _key(args))
     if rec is None:  # (or not yet: a transactional request running it has none until it commits)
-        text, running = await absent(store, key)
-        emit(args, {"found": False, "running": running}, text + operation_hint(args.operation))
+        busy = await running(store, key)
+        text = (RUNNING if busy else NOT_FOUND) + operation_hint(args.operation)
+        emit(args, {"found": False, "running": busy}, text)
         return 1
     row = record_row(rec)
     row.update(

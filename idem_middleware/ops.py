@@ -159,23 +159,26 @@ RUNNING = (
 )
 
 
-async def absent(store: Store, key: RecordKey) -> tuple[str, bool]:
-    """Why `describe` found no record of `key`, and whether a request is running it: a
-    transactional claim has no record until it commits ("no record holds this key" sent the
-    operator looking for a typo or a purge while the request ran)."""
+#: What they say of a key no record holds, and no request runs.
+NOT_FOUND = "no record holds this key"
+
+
+async def running(store: Store, key: RecordKey) -> bool:
+    """Whether a request is running `key`, of which `describe` found no record: a transactional
+    claim has none until it commits ("no record holds this key" sent the operator looking for a
+    typo or a purge while the request ran)."""
     _, claiming = await store.peek(key)
-    return (RUNNING, True) if claiming else ("no record holds this key", False)
+    return bool(claiming)
 
 
 async def _record(store: Store, key: RecordKey) -> RecordSummary:
     summary = await store.describe(key)
     if summary is None:
-        text, running = await absent(store, key)
         raise ResolveError(
-            text
-            if running
-            else f"{text} (check the tenant, the operation and the key; a finished record is "
-            "purged after its retention)"
+            RUNNING
+            if await running(store, key)
+            else f"{NOT_FOUND} (check the tenant, the operation and the key; a finished record "
+            "is purged after its retention)"
         )
     return summary
 
