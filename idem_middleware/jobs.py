@@ -37,7 +37,7 @@ from .jobs_spec import JobResultUnreadable as JobResultUnreadable
 from .jobs_spec import JobSpec, check_settings, not_plain
 from .jobs_spec import KeyOf as KeyOf
 from .jobs_transactional import run_transactional
-from .jsonvalues import dropped_attribute, non_finite
+from .jsonvalues import changed_part, non_finite
 from .keys import MAX_KEY_LENGTH
 from .policy import (
     MAX_OPERATION_BYTES,
@@ -92,12 +92,14 @@ def _fingerprint(operation: str, args: tuple[Any, ...], kwargs: dict[str, Any]) 
             f"{operation}: the job's arguments hold NaN or an infinity, which JSON cannot tell "
             "apart from null: pass them as strings"
         )
-    # Nor does JSON hold a dataclass's "_" attributes: refused, or calls differing only there
-    # would be one call, the second answered with the first one's result.
-    if (hidden := dropped_attribute([args, kwargs])) is not None:
+    # Nor does JSON hold a dataclass's "_" attributes, or a datetime's offset to the second:
+    # refused, or calls differing only there would be one call, the second answered with the
+    # first one's result.
+    if (changed := changed_part([args, kwargs])) is not None:
+        what, fix = changed
         raise ConfigurationError(
-            f"{operation}: the job's arguments hold {hidden}, an attribute JSON leaves out, so "
-            "calls that differ in it could not be told apart: give it a public name, or pass a dict"
+            f"{operation}: the job's arguments hold {what}, so calls that differ in it could "
+            f"not be told apart: {fix}"
         )
     return hashlib.sha256(operation.encode() + b"\x00" + payload).digest()
 

@@ -3,6 +3,7 @@ is written, so the caller gets a clear error instead of a changed value or a ref
 
 - NaN and the infinities: orjson writes them as null, so `inf` and `-inf` would be one value
   (in a dataclass's attribute or an enum's value too: orjson writes those natively).
+- A datetime whose UTC offset has seconds: orjson writes it rounded to the minute.
 - NUL in a string or a key: valid JSON (`\\u0000`), but neither `text` nor `jsonb` stores it, and
   the refused statement aborts the caller's transaction.
 """
@@ -10,13 +11,18 @@ is written, so the caller gets a clear error instead of a changed value or a ref
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import fields, is_dataclass
+from datetime import datetime, timedelta
 from enum import Enum
 from typing import Any
 
 import orjson
 
 _DEEPEST = 256  # (orjson refuses deeper nesting anyway)
+_MINUTE = timedelta(minutes=1)
+#: A datetime with a UTC offset as orjson writes one (`...T12:00:00+00:20"`).
+_WRITTEN_OFFSET = re.compile(rb'[0-9]:[0-9]{2}(?:\.[0-9]{1,6})?[+-][0-9]{2}:[0-9]{2}"')
 
 
 def non_finite(value: Any, depth: int = 0) -> bool:
@@ -50,13 +56,26 @@ def _attributes(value: Any) -> dict[str, Any]:
     return attributes
 
 
-def dropped_attribute(value: Any, depth: int = 0) -> str | None:
-    """The name of an attribute orjson leaves out of `value` (a dataclass's whose name starts
-    with "_", in lists, tuples, dicts, dataclasses and enums, as orjson walks them); None if none.
+def changed_part(value: Any, *, attributes: bool = True, depth: int = 0) -> tuple[str, str] | None:
+    """What orjson writes of `value` other than as given, named, and the fix to suggest; None if
+    nothing. Walked as orjson walks values (lists, tuples, dicts, dataclasses and enums):
+    - with `attributes`, a dataclass's attribute whose name starts with "_" (left out);
+    - a datetime whose UTC offset is not whole minutes (a zone's local mean time before the
+      1900s, as `Europe/Amsterdam`'s +00:19:32; a `timezone` of seconds), which orjson writes
+      rounded to the minute: another instant's text.
     Written as JSON, two values that differ only there are the same."""
     if depth > _DEEPEST or isinstance(value, str | int | float | type):
         return None
     items: Any = ()
+    if isinstance(value, datetime):
+        offset = value.utcoffset()
+        if offset is not None and offset % _MINUTE:
+            return (
+                f"a datetime whose UTC offset ({offset}) has seconds, which JSON writes rounded "
+                "to the minute",
+                "pass it in UTC, or as a string",
+            )
+        return None
     if isinstance(value, list | tuple):
         items = value
     elif isinstance(value, dict):
@@ -64,14 +83,19 @@ def dropped_attribute(value: Any, depth: int = 0) -> str | None:
     elif isinstance(value, Enum):
         items = (value.value,)
     elif is_dataclass(value):
-        attributes = _attributes(value)
-        hidden = next((name for name in attributes if name.startswith("_")), None)
+        found = _attributes(value)
+        hidden = (
+            next((name for name in found if name.startswith("_")), None) if attributes else None
+        )
         if hidden is not None:
-            return f"{type(value).__name__}.{hidden}"
-        items = attributes.values()
+            return (
+                f"{type(value).__name__}.{hidden}, an attribute JSON leaves out",
+                "give it a public name, or pass a dict",
+            )
+        items = found.values()
     for item in items:
-        if (found := dropped_attribute(item, depth + 1)) is not None:
-            return found
+        if (changed := changed_part(item, attributes=attributes, depth=depth + 1)) is not None:
+            return changed
     return None
 
 
@@ -99,4 +123,6 @@ def json_text(value: Any, what: str) -> bytes:
         )
     if b"\\u0000" in data and holds_nul(orjson.loads(data)):
         raise ValueError(f"{what} holds a NUL character, which PostgreSQL cannot store")
+    if _WRITTEN_OFFSET.search(data) and (changed := changed_part(value, attributes=False)):
+        raise ValueError(f"{what} holds {changed[0]}: {changed[1]}")
     return data

@@ -84,7 +84,8 @@ async def add(
     refused, or, with the same payload and no `tenant`, silently never sent).
 
     What the database would refuse, or JSON would change, is refused before any statement, the
-    caller's transaction untouched: a payload with NaN, an infinity or a NUL, an empty
+    caller's transaction untouched: a payload with NaN, an infinity, a NUL or a datetime whose
+    UTC offset has seconds (JSON would write another instant), an empty
     `event_id` or one over MAX_EVENT_ID_BYTES, a NUL in the id, topic or tenant (ValueError);
     a value that is not a str, or a payload JSON cannot hold (TypeError).
     """

@@ -11,7 +11,7 @@ import pytest
 
 from idem_middleware import ConfigurationError
 from idem_middleware.jobs import _fingerprint
-from idem_middleware.jsonvalues import dropped_attribute
+from idem_middleware.jsonvalues import changed_part
 
 
 @dataclass
@@ -38,8 +38,11 @@ class SlottedOrder:
 def test_one_inside_a_dataclass_is_refused_named_with_its_class(argument: object) -> None:
     with pytest.raises(ConfigurationError, match=r"hold Transfer\._account, an attribute JSON"):
         _fingerprint("send", (argument,), {})
-    assert dropped_attribute([(argument,), {}]) == "Transfer._account"
+    assert changed_part([(argument,), {}]) == (
+        "Transfer._account, an attribute JSON leaves out",
+        "give it a public name, or pass a dict",
+    )
 
 
 def test_a_dataclass_class_is_no_value_holding_one() -> None:
-    assert dropped_attribute([Transfer, {"kind": Order}]) is None
+    assert changed_part([Transfer, {"kind": Order}]) is None
