@@ -12,7 +12,13 @@ import asyncpg
 
 from .errors import ConfigurationError, RetryableConflict, StatementRefused, StoreClosed, StoreError
 from .store.postgres import PostgresStore
-from .store.postgres.convert import ACQUIRE_ERRORS, CANCELLED, LOCK_NOT_AVAILABLE, RETRYABLE
+from .store.postgres.convert import (
+    ACQUIRE_ERRORS,
+    CANCELLED,
+    LOCK_NOT_AVAILABLE,
+    READ_ONLY,
+    RETRYABLE,
+)
 
 Handler = Callable[[PostgresStore, argparse.Namespace], Awaitable[int]]
 
@@ -91,7 +97,10 @@ _PASSING = (*ACQUIRE_ERRORS, *RETRYABLE, RetryableConflict, CANCELLED, LOCK_NOT_
 def run_again(exc: BaseException) -> str:
     """What to do about a command the database stopped partway: run it again (a connection
     lost, a lock or statement timeout, a conflict), or first fix what the error names (a
-    privilege the role lacks, a table missing: the same run fails the same way)."""
+    privilege the role lacks, a table missing: the same run fails the same way), or run it where
+    the database takes writes (a standby, or a role whose sessions are read-only, fails alike)."""
+    if isinstance(exc, READ_ONLY) or isinstance(exc.__cause__, READ_ONLY):
+        return "run it again where the database takes writes (the primary, a role that may write)"
     passing = isinstance(exc, _PASSING) or (
         isinstance(exc, StoreError) and not isinstance(exc, StatementRefused | StoreClosed)
     )
