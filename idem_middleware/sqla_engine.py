@@ -51,9 +51,9 @@ ENDED_BY_HANDLER = (
 # `await_only` is the name SQLAlchemy 2.0 exports; 2.1 calls it `await_` (the old name goes in 2.2).
 _await: Any = getattr(_sa_util, "await_", None) or _sa_util.await_only
 
-# The driver connection a checkout is creating a DBAPI wrapper for, and the acquisition (the
-# pool's proxy) it is lent under (read by `_creator`).
-_connecting: ContextVar[tuple[Any, Any] | None] = ContextVar(
+# The driver connection a checkout is creating a DBAPI wrapper for, the acquisition (the pool's
+# proxy) it is lent under, and the claim it is lent to (read by `_creator`).
+_connecting: ContextVar[tuple[Any, Any, Any] | None] = ContextVar(
     "idem_middleware_sqla_connecting", default=None
 )
 
@@ -188,14 +188,14 @@ class ClaimPool(Pool):
             # checkout: it opens none of its own): forget the closed ones first.
             for old in [c for c in self._records if c.is_closed()]:
                 del self._records[old]
-            token = _connecting.set((driver, connection))
+            token = _connecting.set((driver, connection, context))
             try:
                 record = self._create_connection()
             finally:
                 _connecting.reset(token)
             self._records[driver] = record
         else:
-            statements.proxy = connection  # this claim's acquisition from now on
+            statements.proxy, statements.context = connection, context  # this claim's, now
         self._out[driver] = record
         return record
 
@@ -258,19 +258,23 @@ class _Statements:
 
     Every use goes through `_live`: once the proxy was released (the claim ended, or its stream
     started), the connection may already serve another request, and a statement raises
-    InterfaceError instead of running in that request's transaction.
+    InterfaceError instead of running in that request's transaction; so does one from the task of
+    another claim or none (a session shared by requests), which would commit with this claim.
     """
 
-    __slots__ = ("driver", "proxy", "retired")
+    __slots__ = ("context", "driver", "proxy", "retired")
 
-    def __init__(self, driver: Any, proxy: Any) -> None:
+    def __init__(self, driver: Any, proxy: Any, context: Any) -> None:
         self.driver = driver  # the real connection (the pool's entry is kept per one)
         self.proxy = proxy  # the acquisition lent to the current checkout
+        self.context = context  # the claim it is lent to
         self.retired = False  # left to a claim that ended: never lent to another one
 
     def _live(self) -> Any:
         if raw_connection(self.proxy) is not self.driver:
             raise _released()
+        if current_context() is not self.context:  # (another claim's task: see above)
+            raise InterfaceError("another request's claim holds this session: one per request")
         return self.driver
 
     def __getattr__(self, name: str) -> Any:
