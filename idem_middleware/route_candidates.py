@@ -54,6 +54,8 @@ _SIZE = 1024
 #: without bound).
 _METHODS = 32
 _MAX_DEPTH = 32
+#: The longest method outside HTTP's own whose candidates are kept (see `_made_up_kept`).
+_KEPT_METHOD_LENGTH = 32
 
 
 class Memo:
@@ -62,7 +64,7 @@ class Memo:
     and tries. Kept by the middleware, so that it goes with its app (kept here, for every app,
     it kept every app made at run time alive)."""
 
-    __slots__ = ("candidates", "included", "limits")
+    __slots__ = ("candidates", "included", "limits", "made_up")
 
     def __init__(self) -> None:
         #: `body_limits.declared_limit` per route, mount, router and app asked.
@@ -77,6 +79,8 @@ class Memo:
         self.included: dict[
             int, tuple[Any, tuple[Any, ...], tuple[int, ...], dict[str, _Trie]]
         ] = {}
+        #: How many of `candidates` are for methods outside HTTP's own (at most `_METHODS`).
+        self.made_up = 0
 
 
 def _prefix(route: BaseRoute) -> tuple[str, ...]:
@@ -171,8 +175,6 @@ def _entry(routes: Sequence[BaseRoute], method: str, memo: Memo) -> _Candidates:
         or cached[1] != len(routes)
         or (cached[3] and tuple(map(len, cached[3])) != cached[4])
     ):
-        if len(memo.candidates) >= _SIZE:
-            memo.candidates.clear()  # lists made and dropped at run time: start over
         lists: list[Any] = []
         filed: dict[int, tuple[str, ...]] = {}
         for route in routes:
@@ -184,8 +186,24 @@ def _entry(routes: Sequence[BaseRoute], method: str, memo: Memo) -> _Candidates:
         trie = _trie(kept, lambda route: filed[id(route)])
         filed_by = tuple(lists)
         cached = (routes, len(routes), trie, filed_by, tuple(map(len, filed_by)))
-        memo.candidates[cache_key] = cached
+        if method in HTTP_METHODS or _made_up_kept(memo, cache_key):
+            if len(memo.candidates) >= _SIZE:
+                memo.candidates.clear()  # lists made and dropped at run time: start over
+                memo.made_up = 0
+            memo.made_up += method not in HTTP_METHODS and cache_key not in memo.candidates
+            memo.candidates[cache_key] = cached
     return cached
+
+
+def _made_up_kept(memo: Memo, cache_key: tuple[int, str]) -> bool:
+    """Whether the candidates for a method outside HTTP's own are kept: a short one, among the
+    first `_METHODS` (any token is a method to a server: uvicorn's h11 takes one of 60 KB, and
+    1,024 of them, kept, held 60 MB for good; many short ones started the memo over, and every
+    request after worked its candidates out again)."""
+    method = cache_key[1]
+    if len(method) > _KEPT_METHOD_LENGTH:
+        return False
+    return memo.made_up < _METHODS or cache_key in memo.candidates
 
 
 def _filed_prefix(route: Any, memo: Memo, lists: list[Any]) -> tuple[str, ...] | None:
@@ -326,7 +344,9 @@ def included_candidates(route: Any, scope: Scope, memo: Memo | None = None) -> S
     if trie is None:
         plain = tuple(c for c in contexts_of() if not _other_method_context(c, method))
         trie = _trie(plain, _context_prefix)
-        if method in HTTP_METHODS or len(by_method) < _METHODS:  # (any token is a method)
+        if method in HTTP_METHODS or (  # (any token is a method: few and short ones kept)
+            len(method) <= _KEPT_METHOD_LENGTH and len(by_method) < _METHODS
+        ):
             by_method[method] = trie
     return _walk(trie, scope)
 
