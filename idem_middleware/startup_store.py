@@ -103,6 +103,8 @@ async def checked_lifespan(
                     }
                 )
                 raise mw._failed_check()
+        elif message["type"] == "lifespan.shutdown":
+            await _unwound(mw)
         return message
 
     async def quiet_send(message: Message) -> None:
@@ -123,6 +125,18 @@ async def checked_lifespan(
             await send(message)
 
     await mw.app(scope, checked_receive, quiet_send)
+
+
+async def _unwound(mw: IdempotencyMiddleware) -> None:
+    """At the app's lifespan shutdown, before the app's own (which may close the pool a store
+    was given): the store's cancelled lease-mode executions settle first. Never raised."""
+    unwind = getattr(mw.store, "let_cancelled_unwind", None)
+    if unwind is None or not mw.enabled:
+        return
+    try:
+        await unwind()
+    except Exception:
+        logger.warning("idempotency: cancelled executions did not settle", exc_info=True)
 
 
 async def _released(mw: IdempotencyMiddleware) -> None:

@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 
 from ...delayed import Delayed
 from ...errors import NOT_OPEN, ClaimBusy, StoreClosed, StoreError
-from . import compat
+from . import closing, compat
 from .claim import claim_refused
 from .convert import (
     CONNECTION_ERRORS,
@@ -208,7 +208,8 @@ class PoolStatements:
         it then cannot serve (see lifecycle.py): the app's startup checks this."""
         return self._pool is not None and other_loop(self._pool)
 
-    # (The store's, for `check_given_pool`: see store.py.)
+    # (The store's, for `check_given_pool` and `let_cancelled_unwind`: see store.py.)
+    _executions: closing.Executions
     _owns_pool: bool
     _opens: int
     _turns: Turns
@@ -254,6 +255,14 @@ class PoolStatements:
                     await self._close_own_connections()
                 finally:  # (failed or cancelled: the next startup opens them again all the same)
                     self._given_checked = False
+
+    async def let_cancelled_unwind(self) -> None:
+        """At the app's lifespan shutdown, before the app's own: the lease-mode executions a
+        shutdown cancelled mark their records first (within `closing.CLOSE_SECONDS`). The
+        store's `close` waits for them too, but a pool the store was given is the app's, and
+        its lifespan closed it first: their marks failed, and the records stayed `pending`
+        under a live lease (a `TAKEOVER` retry past it ran the handler again)."""
+        await self._executions.unwound(closing.CLOSE_SECONDS)
 
     #: `_clean` when the pool's reset is the store's (it skips theirs), else None.
     _clean_releases: weakref.WeakSet[Any] | None = None
