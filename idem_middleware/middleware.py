@@ -24,7 +24,7 @@ from .exchange import Exchange
 from .fingerprint import Fingerprinter
 from .keys import header_map, host_header
 from .middleware_arguments import KILL_SWITCH_ENV as KILL_SWITCH_ENV
-from .middleware_arguments import METHOD, check_arguments, kill_switch_on, named_route
+from .middleware_arguments import METHOD, check_arguments, named_route, switched
 from .middleware_order import root_path_below
 from .observe import Event, Observer, combine, shown
 from .policy import (
@@ -159,7 +159,7 @@ class IdempotencyMiddleware:
         self.waiters = Waiters(max_waiters)
         #: Guarded requests of one tenant holding a store connection at once, in this process.
         self.tenant_slots = TenantSlots(max_tenant_connections)
-        self.enabled = (not kill_switch_on()) if enabled is None else enabled
+        self.enabled = switched(enabled)  # (the kill switch wins over enabled=True)
         self.tenants = Tenants(tenant_resolver, challenge=www_authenticate)
         #: `send_problem` under this middleware's problem base, a 401 with its challenge.
         self.send_problem = functools.partial(

@@ -4,6 +4,7 @@ first request, told at construction (each of these failed every request, or guar
 from __future__ import annotations
 
 import inspect
+import logging
 import os
 import re
 from collections.abc import Sequence
@@ -11,11 +12,29 @@ from collections.abc import Sequence
 from .errors import ConfigurationError
 from .policy import Policy, seconds_option
 
+logger = logging.getLogger("idem_middleware")
+
 #: Setting this environment variable to 1/true/yes turns the middleware into a pass-through.
 KILL_SWITCH_ENV = "IDEM_MIDDLEWARE_DISABLED"
 
 _SWITCH_ON = frozenset({"1", "true", "yes", "on"})
 _SWITCH_OFF = frozenset({"", "0", "false", "no", "off"})
+
+
+def switched(enabled: bool | None) -> bool:
+    """Whether the middleware guards: `enabled` (None: on), unless the kill switch is on, which
+    always wins. An app's `enabled=True` (read from its own settings, say) kept the middleware
+    guarding through an operator's IDEM_MIDDLEWARE_DISABLED=1 without a word, and a switch that
+    was neither on nor off was ignored; it is refused whatever `enabled` says."""
+    if not kill_switch_on():
+        return True if enabled is None else enabled
+    if enabled is True:
+        logger.warning(
+            "idempotency: %s is on, so the middleware is disabled (a pass-through), although "
+            "the app passed enabled=True: the kill switch wins. Unset it to guard again",
+            KILL_SWITCH_ENV,
+        )
+    return False
 
 
 def kill_switch_on() -> bool:

@@ -116,10 +116,10 @@ def check_app(mw: IdempotencyMiddleware, app: Any, scope: Scope | None = None) -
                     errors.append(pinned)
                 if warning := _limit_warning(name, policy, item, router):
                     logger.warning("idempotency: %s", warning)
-            if explicit is not None and name in mw.policies:
-                logger.warning(
-                    "idempotency: policies[%r] never applies: the endpoint's own policy does", name
-                )
+            if name in mw.policies and (
+                error := _overridden(name, mw.policies[name], item, method)
+            ):
+                errors.append(error)
         # (switched off, no claim is made, on any store: the dependency's error names the switch)
         errors.extend(dependency_errors(item, per_method, mw.store if mw.enabled else None))
     found = list(guarded_routes(routes, mw.policy_for, items))
@@ -155,6 +155,23 @@ def check_app(mw: IdempotencyMiddleware, app: Any, scope: Scope | None = None) -
     errors.extend(websocket_errors(routes))
     if errors:
         raise ConfigurationError("; ".join(errors))
+
+
+def _overridden(name: str, entry: Policy, item: Found, method: str) -> str | None:
+    """The error when the endpoint's own policy, which wins, leaves `name` unguarded while its
+    `policies` entry guards it (the route ran unguarded, a warning its only trace); a warning
+    for any other entry the endpoint's policy overrides."""
+    own = endpoint_policy(item.endpoint, method)  # (an HTTPEndpoint's method's too)
+    if own is None:
+        return None
+    if entry.guard and not own.guard:
+        return (
+            f"policies[{name!r}] guards it, but its endpoint is exempt (@not_idempotent, or "
+            "@idempotent(guard=False)), which wins: it would run unguarded. Drop the entry, or "
+            "the exemption"
+        )
+    logger.warning("idempotency: policies[%r] never applies: the endpoint's own policy does", name)
+    return None
 
 
 def _meant(name: str, reachable: set[str]) -> str | None:

@@ -41,7 +41,31 @@ def unopened_store(mw: IdempotencyMiddleware) -> ConfigurationError | None:
 async def store_startup_error(mw: IdempotencyMiddleware) -> ConfigurationError | None:
     """What the app's lifespan startup fails with, once the app's own startup completed:
     `unopened_store`, then `given_pool_error`."""
-    return unopened_store(mw) or await given_pool_error(mw, lifespan=True)
+    error = unopened_store(mw) or await given_pool_error(mw, lifespan=True)
+    if error is None:
+        _warn_tenant_cap(mw)
+    return error
+
+
+def _warn_tenant_cap(mw: IdempotencyMiddleware) -> None:
+    """A `max_tenant_connections` not below the store's pool size bounds nothing: one tenant
+    can still hold every connection, which the option exists to prevent (said nowhere)."""
+    limit = mw.tenant_slots.limit
+    if limit is None or not mw.enabled:
+        return
+    try:
+        size = mw.store.pool.get_max_size()  # type: ignore[attr-defined]
+    except Exception:  # (no pool: a MemoryStore, a store of the app's own)
+        return
+    if isinstance(size, int) and limit >= size:
+        logger.warning(
+            "idempotency: max_tenant_connections=%d is not below the store's pool size "
+            "(max_size=%d): one tenant can still hold every connection. Set it below %d, or "
+            "give the pool more connections",
+            limit,
+            size,
+            size,
+        )
 
 
 async def given_pool_error(
