@@ -174,6 +174,14 @@ SELECT nextval('idem_generation_seq') AS drawn,
              ORDER BY expires_at DESC LIMIT $1)
         ) AS recent) AS held;
 
+-- name: key_arbiter
+-- Checked when a store opens, planned and never run (EXPLAIN: nothing is written): whether the
+-- claims' `ON CONFLICT (tenant, operation, idem_key)` finds the unique index it names, which a
+-- primary key dropped by hand, or left out of a restore (pg_restore's post-data section), took
+-- away with the key's only index. No parameters.
+EXPLAIN INSERT INTO idem_requests (tenant, operation, idem_key) VALUES ('', '', '')
+ON CONFLICT (tenant, operation, idem_key) DO NOTHING;
+
 -- name: writable
 -- Whether the server takes the store's writes (checked when a store opens): a standby does not,
 -- nor do sessions that default to read-only; after how many milliseconds idle in a transaction,

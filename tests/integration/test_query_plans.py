@@ -211,6 +211,7 @@ ELSEWHERE = {
     "watch_begin", "watch_end", "draw_generations", "lock_secret", "writable", "privileges",
     "write_deferred", "unclaim", "outbox_row_security",
 }  # fmt: skip
+ELSEWHERE.add("key_arbiter")  # (when a store opens: EXPLAIN, planned only)
 
 
 def _nodes(plan: dict[str, Any]) -> Iterator[dict[str, Any]]:

@@ -12,6 +12,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import asyncpg
+
 from ...errors import ConfigurationError
 from .claim_lock import ClaimLocks
 from .convert import _Q
@@ -83,6 +85,29 @@ async def require_privileges(conn: Any, locks: ClaimLocks) -> None:
             "BYPASSRLS), or turn it off on those tables (ALTER TABLE ... DISABLE ROW LEVEL "
             "SECURITY)"
         )
+    await require_key_arbiter(conn)
+
+
+async def require_key_arbiter(conn: Any) -> None:
+    """ConfigurationError when the claims' `ON CONFLICT (tenant, operation, idem_key)` cannot
+    run on `idem_requests`: its primary key is gone (dropped by hand, left out of a restore),
+    or a rule on the table refuses ON CONFLICT. The store opened, then every lease-mode claim
+    failed (a 500), and every claim read the whole table for its key."""
+    try:
+        await conn.fetch(_Q["key_arbiter"])
+    except asyncpg.InvalidColumnReferenceError as exc:
+        raise ConfigurationError(
+            "idem_requests has no primary key (or unique index) on (tenant, operation, "
+            f"idem_key) although its migrations are recorded as applied ({exc}; dropped by "
+            "hand, or left out of a restore?): every lease-mode claim would fail. Restore it, "
+            "as the table's owner: ALTER TABLE idem_requests ADD CONSTRAINT idem_requests_pkey "
+            "PRIMARY KEY (tenant, operation, idem_key)"
+        ) from exc
+    except asyncpg.FeatureNotSupportedError as exc:
+        raise ConfigurationError(
+            f"the store's claims cannot insert into idem_requests ({exc}): drop the rule on "
+            "the table (DROP RULE ... ON idem_requests); a trigger does what a rule would"
+        ) from exc
 
 
 #: How many of the records that expire last `require_generations_ahead` reads.
