@@ -173,7 +173,7 @@ async def _apply(conn: asyncpg.Connection[Any], migration: str, text: str) -> No
             "other way (schema.sql applied by hand, a copy of the tables?). Keep its "
             "records: if the schema is complete up to a version (schema.sql is the "
             "latest), record the versions it holds in idem_schema_migrations (INSERT INTO "
-            "idem_schema_migrations (version, name) VALUES (1, '0001_initial'), ...) and "
+            "idem_schema_migrations (version, name) VALUES (1, 'initial'), ...) and "
             "run migrate again. Drop the idem_ tables, sequence and functions only if they "
             "hold no record you need: every key they hold would run its effect again"
         ) from exc
