@@ -225,6 +225,8 @@ async def take_key(ex: Exchange, source: KeySource | KeyFunction) -> str | None:
     key = source.find(ex.scope, body, max_json_values=policy.max_json_values)
     if inspect.isawaitable(key):
         key = await key
+    if key is not None and type(source) not in _CHECKING:
+        key = _held_to_the_rules(key, source)  # (an app's own source: its answer unchecked)
     if key is None and policy.key_required:
         raise RequestRejected(
             ProblemKind.MISSING_KEY,
@@ -232,6 +234,29 @@ async def take_key(ex: Exchange, source: KeySource | KeyFunction) -> str | None:
             f"{source.describe()}.",
         )
     return key
+
+
+#: The sources whose `find` holds its key to the header's rules itself.
+_CHECKING = (KeyFromHeader, KeyFromBody, KeyFromFunction)
+
+
+def _held_to_the_rules(key: object, source: KeySource) -> str:
+    """The key a source of the app's own (a KeySource subclass) found, held to the header's
+    rules as the library's own sources' are: sent to the store as it came, an empty or
+    oversized key was a 500 from the database after the handler ran, an int or bytes the
+    driver's error, and the in-memory store took either."""
+    if not isinstance(key, str):
+        raise ConfigurationError(
+            f"key_source {type(source).__qualname__} found a {type(key).__name__}, not a str "
+            "or None"
+        )
+    try:
+        return check_key(key)
+    except RequestRejected:
+        raise RequestRejected(
+            ProblemKind.INVALID_KEY,
+            f"The idempotency key taken from {source.describe()} must be {_KEY_RULE}.",
+        ) from None
 
 
 def _replaying(body: bytes, receive: Receive) -> Receive:

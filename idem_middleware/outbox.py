@@ -30,6 +30,7 @@ from .errors import ConfigurationError, RetryableConflict, StatementRefused, Sto
 from .errors import EventConflict as EventConflict
 from .jsonvalues import json_text
 from .keys import MAX_KEY_LENGTH
+from .outbox_values import answer_error as _answer_error
 from .outbox_values import cancelled_since as _cancelled_since
 from .outbox_values import cancelling as _cancelling
 from .outbox_values import check_text as _check_text
@@ -277,7 +278,7 @@ class Publisher:
             if task is None or task.cancelling():
                 raise
             return _error_text(exc) + " (raised by the sender)"
-        return None if accepted is not False else "the sender reported failure"
+        return _answer_error(accepted)  # (True or None: delivered; anything else is not)
 
     async def run(
         self,

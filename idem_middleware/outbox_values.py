@@ -39,6 +39,24 @@ def error_text(exc: BaseException) -> str:
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
+def answer_error(accepted: object) -> str | None:
+    """A sender's answer as a send's error: None (delivered) for True or None, the reason for
+    False or anything else. Anything but a bool or None is no delivery: what the sender got
+    back (`return await client.post(...)`: a 503's Response as well as a 200's) or a coroutine
+    it did not await (`return client.post(...)`: nothing was sent). Taken for a delivery, the
+    event was marked sent and never sent again."""
+    if accepted is None or accepted is True:
+        return None
+    if accepted is False:
+        return "the sender reported failure"
+    if inspect.iscoroutine(accepted):
+        accepted.close()  # (never awaited: closed, not left to warn when collected)
+    return (
+        f"the sender returned a {type(accepted).__name__}, not True, False or None: a send "
+        "counts as delivered only when the sender returns True or None"
+    )
+
+
 def seconds(value: float, name: str, positive: bool) -> float:
     """A finite duration (positive, or not negative): ValueError otherwise."""
     try:

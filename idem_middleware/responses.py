@@ -253,11 +253,14 @@ async def hooked_response(
     something that is not a well-formed StoredResponse, is logged with its traceback and the
     stored response is sent unchanged: the replay is the record of an effect that happened, and
     a client that cannot read it may conclude the effect failed and try again under a new key.
-    Cancellation is not caught.
+    The request's cancellation is not caught; the hook's own CancelledError (it awaited a task
+    cancelled elsewhere) is its failure, as in `fence.run_reconciler`.
     """
     view = StoredResponse(
         response.status, tuple(response.headers), response.body, response.body_omitted
     )
+    task = asyncio.current_task()
+    cancelling = 0 if task is None else task.cancelling()
     try:
         result = hook(view, scope)
         if inspect.isawaitable(result):
@@ -267,7 +270,11 @@ async def hooked_response(
         problem = _malformed(result)
         if problem is not None:
             raise TypeError(f"replay_hook returned {problem}")
-    except Exception:
+    except (Exception, asyncio.CancelledError) as exc:
+        if isinstance(exc, asyncio.CancelledError) and (
+            task is None or task.cancelling() > cancelling
+        ):
+            raise  # the request's own cancellation (the server's shutdown, its client gone)
         # Named by the operation (its route template), not the path: the path is the client's,
         # and a `%0D%0A` in it is a line break once the server has decoded it (and an operation
         # named by a concrete path is shown escaped).
