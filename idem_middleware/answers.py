@@ -59,9 +59,10 @@ class InFlight(Answer):
     so (the exchange knows the policy and the status resource's path)."""
 
     detail: str = "The original request is still being processed; retry later."
-    #: This request's fingerprint, when the original's cannot be compared with it yet (an
-    #: uncommitted transactional claim): the 202's Location carries a digest of it, and the
-    #: status resource answers `422 key-reused` once the original's record shows it differs.
+    #: This request's fingerprint (both modes give it): the 202's Location carries a
+    #: digest of it, and the status resource answers `422 key-reused` once the record it reads
+    #: shows another request (an uncommitted original's, once committed; a corrected request
+    #: claimed after a lease-mode original was released).
     fingerprint: bytes | None = None
 
 

@@ -111,7 +111,7 @@ class LeaseRun:
                 if acted:
                     remaining = deadline - loop.time()
                     if remaining <= 0:
-                        return InFlight()
+                        return self._in_flight(record)
                     if self._place is None:  # (given back when it stops waiting: `_waited`)
                         if (place := waiters.place()) is None:
                             return Problem(
@@ -119,9 +119,11 @@ class LeaseRun:
                             )
                         self._place = place
                     if poll == _FIRST_POLL:
+                        # (Registered first: a timer that fails to start, an observer's
+                        # BaseException, leaves the place above given back all the same.)
+                        waiting.callback(self._waited)
                         timer = self._wait_timer = contextlib.ExitStack()
                         timer.enter_context(self.ex.timed("wait"))
-                        waiting.callback(self._waited)
                     await self.ex.wait_present(watch.wait(min(remaining, poll)))
                     poll = min(poll * 2, _MAX_POLL)
                 try:
@@ -130,13 +132,22 @@ class LeaseRun:
                     async with asyncio.timeout(lock_wait(deadline - loop.time())):
                         record = await store.get(self.key)
                 except TimeoutError:
-                    return InFlight()
+                    return self._in_flight(record)
                 except StoreError as exc:
                     # The server went away while this duplicate waited (a restart): it holds
                     # nothing, so it polls on, for what is left of its wait (not a closed store).
                     if poll == _FIRST_POLL or loop.time() >= deadline or type(exc) is StoreClosed:
                         raise
         raise RuntimeError("the record kept changing; giving up")  # pragma: no cover
+
+    def _in_flight(self, record: Record | None) -> InFlight:
+        """The original still runs. This request's fingerprint goes in a 202's Location, as a
+        transactional duplicate's does, whether or not the record (`record`) could be compared
+        with it yet (a transactional claim of another version or middleware holds the key
+        uncommitted): the record the status resource reads later may be another request's (the
+        original released, a corrected request claimed the key since), and it then tells this
+        one `422 key-reused`, never that request's outcome as its own."""
+        return InFlight(fingerprint=self.fingerprint)
 
     async def _act(self, record: Record | None, deadline: float) -> Answer | bool:
         """One look at the record: the answer; or True to wait (it is in flight, or another

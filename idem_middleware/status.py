@@ -18,7 +18,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from .answers import request_digest
-from .errors import ConfigurationError, ProblemKind, RequestRejected, StoreError
+from .errors import ConfigurationError, ProblemKind, RequestRejected, StoreError, TextRefused
 from .keys import check_key, parse_idempotency_key
 from .library_routes import ROUTE_OPERATIONS_ATTRIBUTE, GuardedOperations, LibraryRoute
 from .policy import LOOKED_UP_SHAPE, LeaseExpiry, Mode, Policy
@@ -155,6 +155,20 @@ def _answered(
     return response
 
 
+async def _operation_refused(store: Store, key: RecordKey) -> bool:
+    """Whether the database refused the text of `key`'s operation (the client's, from the query:
+    an emoji in a LATIN1 database), not its tenant (the server's). No record can have such an
+    operation: a 404, never the server's `500 server-misconfigured` for a client's query. Told
+    apart by looking the tenant up under an operation of ASCII, which every encoding carries."""
+    if key.operation.isascii():
+        return False
+    try:
+        await store.peek(key._replace(operation="GET /"))
+    except StoreError:
+        return False
+    return True
+
+
 def status_route(
     store: Store,
     *,
@@ -238,8 +252,13 @@ def status_route(
                 # too) is not reconciled, whatever the route's policy now.
                 summary = await store.describe(record.key)
                 by_hand = summary is not None and summary.by_hand
+        except TextRefused as exc:
+            if await _operation_refused(store, RecordKey(tenant, operation, key)):
+                return _problem(ProblemKind.RECORD_NOT_FOUND, _NOT_FOUND)
+            # (a tenant the database cannot take: the server's)
+            return problem_response(exc.problem, exc.detail, base=operations.base)
         except StoreError as exc:
-            if exc.problem is ProblemKind.MISCONFIGURED:  # (a tenant the database cannot take)
+            if exc.problem is ProblemKind.MISCONFIGURED:
                 return problem_response(exc.problem, exc.detail, base=operations.base)
             # As the guarded routes answer it: a 503 to retry, not a bare 500.
             return problem_response(

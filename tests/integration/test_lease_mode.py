@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
@@ -855,8 +856,11 @@ async def test_accept_while_in_flight_answers_202_with_location(
         await asyncio.wait_for(probe.entered.wait(), BOUND)
         accepted = await asyncio.wait_for(post(c), BOUND)
         assert accepted.status_code == 202, accepted.text
-        location = "/idempotency/status?operation=POST+%2Fpayouts&key=k1"
-        assert accepted.headers["location"] == location
+        location = accepted.headers["location"]
+        # (`request`: a digest of this request, so the status resource never reads another's.)
+        assert re.fullmatch(
+            r"/idempotency/status\?operation=POST\+%2Fpayouts&key=k1&request=[0-9a-f]{24}", location
+        )
         assert accepted.headers["retry-after"] == "1"
         assert accepted.json() == {"status": "processing", "location": location}
         assert "idempotent-replayed" not in accepted.headers
