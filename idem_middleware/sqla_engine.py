@@ -1,12 +1,10 @@
 """The engine behind claim sessions (`idem_middleware.sqla`): a dialect, a pool that lends the
 running claim's connection, and the wrapper SQLAlchemy's asyncpg adapter sees of it.
 
-Every checkout hands out the connection of the claim running in the current task (see
-`current_context`), wrapped once per connection so SQLAlchemy's prepared-statement cache survives
-between requests. The wrapper is bound to the claim's acquisition (the pool's proxy): once the
-claim gives the connection back (a stream's first byte, the end of the request), every statement
-the session sends raises asyncpg's InterfaceError, as the released proxy would, and never reaches
-the request that holds the connection next.
+Every checkout hands out the connection of the claim running in the current task, wrapped once
+per connection (SQLAlchemy's prepared-statement cache survives between requests) and bound to the
+claim: once the claim gives it back, or from another claim's task, a statement raises asyncpg's
+InterfaceError, and never reaches the request that holds the connection next.
 """
 
 from __future__ import annotations
@@ -77,12 +75,9 @@ def _soft_invalidated(record: ConnectionPoolEntry) -> bool:
 
 
 class ClaimDialect(PGDialect_asyncpg):
-    """asyncpg, without installing SQLAlchemy's JSON codecs on the store's connections.
-
-    The stock dialect registers json/jsonb codecs on every connection it opens; here the
-    connections belong to the store's pool, where the outbox and raw-asyncpg handlers expect
-    asyncpg's own (text) decoding. SQLAlchemy parses JSON itself instead.
-    """
+    """asyncpg, without SQLAlchemy's JSON codecs on the store's connections (the stock dialect
+    registers them on each; the outbox and raw-asyncpg handlers expect asyncpg's own text
+    decoding there). SQLAlchemy parses JSON itself instead."""
 
     supports_statement_cache = True
     supports_native_json_deserialization = False  # SQLAlchemy 2.1: parse results in Python
@@ -146,9 +141,8 @@ class ClaimPool(Pool):
     def __init__(self, creator: Any, **kw: Any) -> None:
         super().__init__(creator, **kw)
         self._records: dict[Any, ConnectionPoolEntry] = {}  # driver connection -> its entry
-        # ... -> the entry holding it, of any claim engine: two engines' sessions (two
-        # ClaimSessions) would otherwise nest savepoints on one connection and release each
-        # other's.
+        # ... -> the entry holding it, of any claim engine: two engines' sessions would otherwise
+        # nest savepoints on one connection and release each other's.
         self._out = _OUT
 
     def _do_get(self) -> ConnectionPoolEntry:
@@ -220,8 +214,7 @@ class ClaimPool(Pool):
             connection.invalidate(exception)
 
     def _close_connection(self, connection: Any, *, terminate: bool = False) -> None:
-        # The store owns the connection: SQLAlchemy only forgets its wrapper (if it is still
-        # the one kept for that connection).
+        # The store owns the connection: SQLAlchemy only forgets its wrapper (if still kept).
         statements = self._dialect.get_driver_connection(connection)
         driver = getattr(statements, "driver", statements)
         for entries in (self._records, self._out):
@@ -273,8 +266,7 @@ class _Statements:
     def _live(self) -> Any:
         if raw_connection(self.proxy) is not self.driver:
             raise _released()
-        if current_context() is not self.context:  # (another claim's task: see above)
-            raise InterfaceError("another request's claim holds this session: one per request")
+        _same_claim(self.context)
         return self.driver
 
     def __getattr__(self, name: str) -> Any:
@@ -298,20 +290,29 @@ class _Statements:
         return await prepare_cached(self._live(), query, timeout)
 
 
+def _same_claim(context: Any) -> bool:
+    """True in a task of `context`'s claim; InterfaceError in another's, or in none's."""
+    if current_context() is not context:  # (a session shared by requests: see _Statements)
+        raise InterfaceError("another request's claim holds this session: one per request")
+    return True
+
+
 class _Savepoint:
     """The session's transaction (a savepoint in the claim's). Once the claim's connection was
     given back, the claim's transaction has ended with everything the session wrote in it:
     committing or rolling back the savepoint then has nothing left to do (a write still pending
     in the session fails at its flush)."""
 
-    __slots__ = ("_driver", "_proxy", "_tx")
+    __slots__ = ("_context", "_driver", "_proxy", "_tx")
 
     def __init__(self, statements: _Statements, tx: Any) -> None:
         self._proxy, self._tx = statements.proxy, tx
-        self._driver = statements.driver
+        self._driver, self._context = statements.driver, statements.context
 
     def _held(self) -> bool:
-        return raw_connection(self._proxy) is self._driver
+        # (Ended from another claim's task, a shared session's `rollback()` in its error path,
+        # it rolled this claim's writes back while its outcome was recorded as succeeded.)
+        return raw_connection(self._proxy) is self._driver and _same_claim(self._context)
 
     async def start(self) -> None:
         await self._tx.start()

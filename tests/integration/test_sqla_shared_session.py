@@ -59,6 +59,10 @@ def app_of(store: PostgresStore, a_fails: bool) -> FastAPI:
         await a_wrote.wait()
         try:
             await shared["session"].execute(ROW, {"who": "b"})
+        except Exception:
+            if how == "rolls-back":  # as a session dependency's teardown does on an error
+                await shared["session"].rollback()
+            raise
         finally:
             b_done.set()
         if how == "fails":
@@ -137,3 +141,20 @@ async def test_an_unguarded_routes_statement_never_runs_in_a_claim(
     assert first_a.status_code == 500
     assert unguarded.status_code == 500  # refused, not rolled back silently with A's claim
     assert await rows(pool) == []
+
+
+async def test_another_requests_rollback_does_not_undo_a_claims_writes(
+    store: PostgresStore, pool: asyncpg.Pool[Any]
+) -> None:
+    """B's statement is refused, and B rolls the shared session back in its error path: that
+    must not roll A's savepoint back (A's write lost, A's record `succeeded` all the same)."""
+    transport = httpx.ASGITransport(app=app_of(store, a_fails=False), raise_app_exceptions=False)
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
+        first_a, first_b = await asyncio.gather(
+            http.post("/a", headers={"Idempotency-Key": "ka"}),
+            http.post("/b/rolls-back", headers={"Idempotency-Key": "kb"}),
+        )
+    assert first_b.status_code == 500
+    assert first_a.status_code == 201, first_a.text
+    assert await rows(pool) == ["a"]  # A's effect, as its record says
+    assert await states(pool) == {"ka": "succeeded"}
