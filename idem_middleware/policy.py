@@ -203,6 +203,10 @@ class Policy:
         object.__setattr__(self, "exclude_fields", fields(self.exclude_fields, "exclude_fields"))
         object.__setattr__(self, "include_fields", fields(self.include_fields, "include_fields"))
         object.__setattr__(self, "key_source", as_key_source(self.key_source))
+        if getattr(self.key_source, "reads_body", False) and self.max_body_bytes == 0:
+            raise ConfigurationError(  # (no key ever found: 400s, or unguarded runs without one)
+                f"key_source={self.key_source!r} reads the body, and max_body_bytes=0 refuses any"
+            )
         if self.replay_hook is not None and not (
             callable(self.replay_hook) and _takes(self.replay_hook, 2)
         ):
