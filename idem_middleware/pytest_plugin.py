@@ -77,8 +77,10 @@ def _quiet_platformdirs() -> Iterator[None]:
 @pytest.fixture(scope="session")
 def idem_postgres_dsn() -> Iterator[str]:
     """A DSN of a database with idem_middleware's schema, for the whole test run."""
-    given = os.environ.get(DSN_ENV)
-    if given:
+    given = os.environ.get(DSN_ENV, "")
+    if given and not given.strip():  # (asyncpg took it for libpq's defaults: a local server)
+        pytest.fail(f"{DSN_ENV} is set but blank: unset it for a throwaway server, or name one")
+    if given := given.strip():
         reservation = Reservation(given)
         try:
             yield run_sync(migrated_database(given, reservation.database))

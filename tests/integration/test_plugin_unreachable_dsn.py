@@ -73,3 +73,16 @@ def test_a_refused_connection_names_the_server_without_its_password(
     )
     assert "s3cret" not in result.stdout.str()
     assert "During handling" not in result.stdout.str()
+
+
+def test_a_blank_dsn_fails_the_run_instead_of_reaching_a_local_server(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, pg_dsn: str
+) -> None:
+    """IDEM_TEST_DSN set to spaces: asyncpg took it for libpq's defaults, and the plugin made
+    and dropped its database on whatever local server those reached."""
+    use_this_server(pytester, monkeypatch, pg_dsn)
+    monkeypatch.setenv("IDEM_TEST_DSN", "   ")
+    pytester.makepyfile(test_db=USES_THE_DATABASE)
+    result = run(pytester)
+    result.assert_outcomes(errors=1)
+    result.stdout.fnmatch_lines(["*IDEM_TEST_DSN is set but blank: unset it*"])
