@@ -144,7 +144,7 @@ class JobSpec:
     def answer(self, record: Record, fingerprint: bytes) -> Any:
         """What a repeat gets from a record it cannot claim (UNSETTLED: wait and look again):
         the same rules as an HTTP duplicate's (outcomes.settled_answer), as values or errors."""
-        settled = settled_answer(record, fingerprint)
+        settled = settled_answer(record, fingerprint, http=False)  # (a job reads the body)
         if isinstance(settled, Replay):
             body = settled.response.body
             if not body:

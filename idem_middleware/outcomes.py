@@ -6,6 +6,7 @@ Both modes and the jobs API use these; nothing here talks to a client or a store
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from enum import StrEnum
 
@@ -13,6 +14,8 @@ from .answers import Answer, InFlight, Problem, Replay
 from .errors import ProblemKind
 from .policy import Mode
 from .store.base import Record, Settlement, State, StoredResponse
+
+logger = logging.getLogger("idem_middleware")
 
 
 class Outcome(StrEnum):
@@ -71,15 +74,45 @@ def outcome_for_status(status: int, mode: Mode) -> Outcome:
     return Outcome.RELEASE if mode is Mode.TRANSACTIONAL else Outcome.UNKNOWN
 
 
-def settled_answer(record: Record, fingerprint: bytes) -> Answer | None:
+def settled_answer(record: Record, fingerprint: bytes, *, http: bool = True) -> Answer | None:
     """What a duplicate is told by a record that answers it by itself: another request's
-    (422, in any state), or a final outcome (the replay). None: the record is pending or
-    unknown, and the mode decides (wait, take over, reconcile)."""
+    (422, in any state), or a final outcome (the replay; for `http`, a 500 if its status is
+    none a server sends). None: the record is pending or unknown, and the mode decides (wait,
+    take over, reconcile)."""
     if record.fingerprint != fingerprint:
         return _KEY_REUSED
-    if record.state in (State.SUCCEEDED, State.FAILED_FINAL) and record.response is not None:
-        return Replay(record.response)
+    response = record.response
+    if record.state in (State.SUCCEEDED, State.FAILED_FINAL) and response is not None:
+        if http and not 199 < response.status < 600:
+            return _unsendable(record, response.status)
+        return Replay(response)
     return None
+
+
+def _unsendable(record: Record, status: int) -> Problem:
+    """A record whose stored status the library never writes (a final status: sendable.py),
+    set by hand or by an older version: replayed, it was a head servers refuse (uvicorn dropped
+    the connection) for every retry, for the whole retention."""
+    from .context import key_digest  # (context imports this module)
+    from .observe import shown
+
+    logger.error(
+        "idempotency: the record (tenant %s, operation %s, key digest %s, generation %s) holds "
+        "the status %d, which no server sends: its retries are answered 500 until an operator "
+        "resolves it again (idem-middleware resolve --again)",
+        shown(record.key.tenant),
+        shown(record.key.operation),
+        key_digest(record.key.key),
+        record.generation,
+        status,
+    )
+    return Problem(ProblemKind.MISCONFIGURED, _UNSENDABLE)
+
+
+_UNSENDABLE = (
+    "This request was processed and its outcome recorded, but the recorded response cannot be "
+    "sent. Do not send it again under a new key: the server's operators must correct its record."
+)
 
 
 def duplicate_answer(record: Record, fingerprint: bytes, detail: str = "") -> Answer:

@@ -4,13 +4,18 @@ arguments, and the NOTIFY payload that names a record (errors: convert.py)."""
 from __future__ import annotations
 
 import hashlib
+import logging
 from collections.abc import Sequence
 from typing import Any
 
 import orjson
 
+from ...context import key_digest
+from ...observe import shown
 from ...sendable import bytes_pairs
 from ..base import Record, RecordKey, Settlement, State, StoredResponse
+
+logger = logging.getLogger("idem_middleware.store")
 
 
 def encode_headers(headers: Sequence[tuple[bytes, bytes]]) -> bytes:
@@ -28,16 +33,52 @@ def encode_headers(headers: Sequence[tuple[bytes, bytes]]) -> bytes:
 def decode_headers(blob: bytes | None) -> list[tuple[bytes, bytes]]:
     if not blob:
         return []
-    return [(n.encode("latin-1"), v.encode("latin-1")) for n, v in orjson.loads(blob)]
+    pairs = orjson.loads(blob)
+    if type(pairs) is not list:  # (a JSON object's keys would be taken for pairs of letters)
+        raise TypeError(f"stored headers are a JSON list, not {type(pairs).__name__}")
+    return [(n.encode("latin-1"), v.encode("latin-1")) for n, v in pairs]
+
+
+def _readable_headers(key: RecordKey, row: Any) -> list[tuple[bytes, bytes]]:
+    """The headers of a record whose `response_headers` the library never wrote (edited by hand,
+    damaged): those that decode, the rest left out of its replays with a warning naming the
+    record. (Raised, the error was the server's bare 500 to every retry for the retention, and
+    to the status resource.)"""
+    try:
+        pairs = orjson.loads(row["response_headers"])
+    except ValueError:
+        pairs = None
+    kept = []
+    for pair in pairs if type(pairs) is list else ():
+        if type(pair) is list and len(pair) == 2:
+            try:
+                kept.append((pair[0].encode("latin-1"), pair[1].encode("latin-1")))
+            except (AttributeError, ValueError):
+                continue
+    logger.warning(
+        "idempotency: the stored headers of the record (tenant %s, operation %s, key digest %s, "
+        "generation %s) are not what the library writes (a JSON list of pairs of Latin-1 text): "
+        "%d of them are replayed",
+        shown(key.tenant),
+        shown(key.operation),
+        key_digest(key.key),
+        row["generation"],
+        len(kept),
+    )
+    return kept
 
 
 def to_record(key: RecordKey, row: Any) -> Record:
     status = row["response_status"]
     response = None
     if status is not None:
+        try:
+            headers = decode_headers(row["response_headers"])
+        except (AttributeError, TypeError, ValueError):  # (UnicodeEncodeError is a ValueError)
+            headers = _readable_headers(key, row)
         response = StoredResponse(
             status=status,
-            headers=decode_headers(row["response_headers"]),
+            headers=headers,
             body=row["response_body"] or b"",
             body_omitted=row["body_omitted"],
         )
