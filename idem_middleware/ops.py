@@ -22,6 +22,7 @@ from .reconcile import Reconciler
 from .reconcile_batch import Held, unless_held
 from .reconcile_batch import ReconcileReport as ReconcileReport
 from .reconcile_batch import reconcile_unknown as reconcile_unknown
+from .responses import storable_headers
 from .routing import Found, listed_routes
 from .startup import guarded_routes
 from .store.base import (
@@ -92,6 +93,11 @@ def check_response(to: Resolution, response: StoredResponse) -> None:
         for pair in headers
     ):
         raise ValueError("the headers are (bytes, bytes) pairs")
+    if len(storable_headers(headers)) != len(headers):  # (replays leave them out: said now)
+        raise ValueError(
+            "the headers hold one a replay never repeats (framing or hop-by-hop: Content-Length,"
+            " Transfer-Encoding, Connection and those it names, ...): leave it out"
+        )
     if not 100 <= status <= 599:
         raise ValueError(f"status {status} is not an HTTP status (100-599)")
     if to is Resolution.SUCCEEDED and not 200 <= status <= 399:
