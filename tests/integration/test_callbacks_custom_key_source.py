@@ -9,6 +9,7 @@ the app's bug (`ConfigurationError`, as a key function's), and nothing runs."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -18,7 +19,7 @@ from starlette.responses import JSONResponse, Response
 
 from idem_middleware import Mode, Policy
 from idem_middleware.errors import ConfigurationError
-from idem_middleware.keysource import KeySource
+from idem_middleware.keysource import KeyFromHeader, KeySource
 from idem_middleware.store.base import RecordKey
 from tests.apps import client, one_route_app
 
@@ -104,3 +105,55 @@ async def test_a_valid_key_still_guards_the_request(store: Any, mode: str) -> No
     assert again.headers["idempotent-replayed"] == "true"
     assert runs == [1]
     assert await store.get(RecordKey("tenant-a", "POST /pay", "k-custom")) is not None
+
+
+@dataclass(frozen=True)
+class HeaderOrDefault(KeyFromHeader):
+    """An app's subclass of a built-in source, with a `find` of its own: held to the rules too
+    (the built-in sources' own `find` checks its key; this one's does not)."""
+
+    default: Any = ""
+
+    async def find(self, scope: Any, body: bytes, *, max_json_values: int) -> Any:
+        return self.default
+
+
+@pytest.mark.parametrize("value", ["", "a\x00b", "x" * 5000], ids=["empty", "NUL", "too long"])
+async def test_a_built_in_sources_subclass_with_its_own_find_is_held_to_the_rules(
+    store: Any, value: str
+) -> None:
+    runs: list[int] = []
+
+    async def pay(request: Request) -> Response:
+        runs.append(1)
+        return JSONResponse({"run": len(runs)}, status_code=201)
+
+    policy = Policy(key_source=HeaderOrDefault(default=value))
+    app = one_route_app("/pay", pay, store=store, default_policy=policy)
+    async with client(app) as c:
+        answer = await c.post("/pay", json={})
+    assert answer.status_code == 400, answer.text
+    assert answer.json()["type"].endswith("invalid-key")
+    assert runs == []
+
+
+@pytest.mark.parametrize("required", [True, False])
+async def test_no_key_found_is_no_key_as_before(store: Any, required: bool) -> None:
+    """(None is the source's "no key here": `missing-key`, or unguarded when not required.)"""
+    runs: list[int] = []
+
+    async def pay(request: Request) -> Response:
+        runs.append(1)
+        return JSONResponse({"run": len(runs)}, status_code=201)
+
+    policy = Policy(key_source=Custom(None), key_required=required)
+    app = one_route_app("/pay", pay, store=store, default_policy=policy)
+    async with client(app) as c:
+        answer = await c.post("/pay", json={})
+    if required:
+        assert answer.status_code == 400, answer.text
+        assert answer.json()["type"].endswith("missing-key")
+        assert runs == []
+    else:
+        assert answer.status_code == 201, answer.text
+        assert runs == [1]

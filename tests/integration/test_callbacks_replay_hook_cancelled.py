@@ -8,6 +8,7 @@ effect). A cancellation of the request itself still goes through."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from typing import Any
 
@@ -16,6 +17,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from idem_middleware import Mode, Policy
+from idem_middleware.responses import hooked_response
 from idem_middleware.store.base import StoredResponse
 from tests.apps import client, one_route_app
 
@@ -74,3 +76,28 @@ async def test_the_requests_own_cancellation_goes_through_the_hook(store: Any) -
         replay.cancel()
         with pytest.raises(asyncio.CancelledError):
             await replay
+
+
+async def test_a_hooks_own_cancelled_error_in_a_task_cancelled_before_is_its_failure() -> None:
+    """Counted from the hook's start: a cancellation the task took (and swallowed) before it is
+    not the hook's, nor makes the hook's own CancelledError the request's."""
+    shared: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    shared.cancel()
+
+    async def hook(response: StoredResponse, scope: Any) -> StoredResponse:
+        await shared
+        return response
+
+    stored = StoredResponse(201, [(b"x-receipt", b"r-1")], b"{}", None)
+
+    async def replay() -> StoredResponse:
+        task = asyncio.current_task()
+        assert task is not None
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):  # (its count stays 1)
+            await asyncio.sleep(0)
+        assert task.cancelling() == 1
+        return await hooked_response(hook, stored, {}, "POST /pay")
+
+    replayed = await asyncio.wait_for(asyncio.create_task(replay()), 5)
+    assert (replayed.status, replayed.body) == (201, b"{}")

@@ -8,6 +8,7 @@ from urllib.parse import urlsplit
 
 import asyncpg
 
+from idem_middleware.cli_connect import run_again
 from tests.conftest import _fresh_database
 from tests.integration.test_cli import cli
 
@@ -28,3 +29,12 @@ async def test_a_purge_on_a_read_only_database_says_where_to_run_it(admin_dsn: s
     assert "read-only transaction" in refused.stderr
     writable = cli("purge", dsn=dsn)  # (the same command where the database takes writes)
     assert writable.returncode == 0, writable.stderr
+
+
+def test_the_drivers_read_only_refusal_itself_gets_the_same_advice() -> None:
+    """As asyncpg raises it (not wrapped in the store's error, as a command's own statement's
+    is): where the database takes writes, not "run it again"."""
+    refused = asyncpg.ReadOnlySQLTransactionError(
+        "cannot execute DELETE in a read-only transaction"
+    )
+    assert run_again(refused).startswith("run it again where the database takes writes")

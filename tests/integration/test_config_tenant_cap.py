@@ -61,3 +61,15 @@ async def test_a_tenant_cap_not_below_the_pool_size_is_warned_of(
         ]
     else:
         assert found == []
+
+
+async def test_a_middleware_switched_off_is_not_warned_of(
+    db_dsn: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """(The kill switch on: it guards nothing, so its cap bounds nothing either way.)"""
+    monkeypatch.setenv("IDEM_MIDDLEWARE_DISABLED", "1")
+    caplog.set_level(logging.WARNING, "idem_middleware")
+    store = PostgresStore(dsn=db_dsn, min_size=1, max_size=3, listen=False)
+    sent = await startup(_app(store, 3))
+    assert sent[0]["type"] == "lifespan.startup.complete", sent
+    assert [m for m in messages(caplog, logging.WARNING) if "max_tenant_connections" in m] == []

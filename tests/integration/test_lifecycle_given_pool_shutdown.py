@@ -31,6 +31,7 @@ from idem_middleware import IdempotencyMiddleware, Mode, Policy, PostgresStore, 
 from idem_middleware.policy import LeaseExpiry
 from tests.apps import PROBLEM_BASE
 from tests.apps.servers import port_of, uvicorn_in_loop
+from tests.integration.test_startup_checks import startup
 
 BOUND = 20.0
 POLICY = Policy(
@@ -111,3 +112,36 @@ async def test_a_lease_request_cut_short_is_unknown_before_the_app_closes_its_po
     assert (retry.status_code, retry.json()["type"]) == (409, PROBLEM_BASE + "outcome-unknown")
     assert runs == [key]
     assert not [r for r in caplog.records if "could not mark" in r.getMessage()]
+
+
+async def test_a_failed_settling_is_logged_and_the_apps_own_shutdown_still_runs(
+    db_dsn: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The settling before the app's shutdown never raises: raised into the app's lifespan, it
+    skipped the app's own shutdown (its pool, its clients) and failed the server's."""
+    store = PostgresStore(dsn=db_dsn, min_size=1, max_size=2, listen=False)
+
+    async def broken() -> None:
+        raise RuntimeError("the pool went first")
+
+    monkeypatch.setattr(store, "let_cancelled_unwind", broken)
+    shut: list[int] = []
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        async with store:
+            yield
+        shut.append(1)
+
+    app = Starlette(
+        routes=[],
+        middleware=[
+            Middleware(IdempotencyMiddleware, store=store, tenant_resolver=lambda scope: "t")
+        ],
+        lifespan=lifespan,
+    )
+    caplog.set_level(logging.WARNING, "idem_middleware")
+    sent = await startup(app)
+    assert [m["type"] for m in sent] == ["lifespan.startup.complete", "lifespan.shutdown.complete"]
+    assert shut == [1]
+    assert any("did not settle" in r.getMessage() for r in caplog.records)

@@ -86,6 +86,9 @@ def _names_the_record(caplog: pytest.LogCaptureFixture, level: int) -> None:
         '[["x-a", "\u6771\u4eac"]]',  # (no Latin-1: a UnicodeEncodeError)
         "null",  # (a TypeError)
         '{"ab": "c"}',  # (its keys were taken for pairs of letters: `a: c`... `a: b`)
+        '["ab"]',  # (a pair's letters were taken for a name and a value: `a: b`)
+        '[{"a": "1", "b": "2"}]',  # (an object's keys were taken for a pair: `a: b`)
+        '[["x-a", "b", "c"], "ab"]',  # (and among those left out after another error)
     ],
 )
 async def test_headers_the_library_never_wrote_are_left_out_and_the_outcome_replayed(
@@ -112,7 +115,7 @@ async def test_headers_the_library_never_wrote_are_left_out_and_the_outcome_repl
 
 
 async def test_framing_and_hop_by_hop_headers_stored_by_hand_are_not_replayed(
-    pg_store: Any, pool: Any
+    pg_store: Any, pool: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Before, they were replayed beside the replay's own Content-Length: two that disagree
     (h11 refused the head, the connection dropped; httptools sent both), Transfer-Encoding with
@@ -125,6 +128,7 @@ async def test_framing_and_hop_by_hop_headers_stored_by_hand_are_not_replayed(
         '["connection", "close, x-listed"], ["x-listed", "2"], ["upgrade", "h2c"], '
         '["idempotent-replayed", "false"]]',
     )
+    caplog.set_level(logging.WARNING)
     retry = await _retry(app)
     status, headers = _head(retry)
     assert status == 201
@@ -134,6 +138,8 @@ async def test_framing_and_hop_by_hop_headers_stored_by_hand_are_not_replayed(
         (b"content-length", b"10"),
         (b"idempotent-replayed", b"true"),
     ]
+    said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any(OPERATION in m and "a replay never repeats" in m for m in said), said
 
 
 @pytest.mark.parametrize("mode", [Mode.TRANSACTIONAL, Mode.LEASE])
@@ -160,6 +166,21 @@ async def test_a_stored_status_no_server_sends_is_a_500_problem_naming_the_recor
     await pool.execute("UPDATE idem_requests SET response_status = 201")
     retry = await _retry(app)
     assert _head(retry)[0] == 201
+
+
+@pytest.mark.parametrize("mode", [Mode.TRANSACTIONAL, Mode.LEASE])
+@pytest.mark.parametrize("stored", [200, 599])
+async def test_a_stored_status_at_either_end_of_what_servers_send_is_replayed(
+    pg_store: Any, pool: Any, stored: int, mode: Mode
+) -> None:
+    app = _app(pg_store, mode)
+    await _first(app)
+    await pool.execute("UPDATE idem_requests SET response_status = $1", stored)
+    retry = await _retry(app)
+    status, headers = _head(retry)
+    assert status == stored
+    assert (b"idempotent-replayed", b"true") in headers
+    assert app.state.calls == [1]
 
 
 async def test_a_job_reads_the_body_of_a_record_whatever_its_status(

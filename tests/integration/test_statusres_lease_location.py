@@ -69,3 +69,45 @@ async def test_a_lease_duplicates_location_never_reads_a_corrected_requests_outc
     assert running.json()["state"] == "pending"
     # (Was: 200 `succeeded`, `response_status` 201: the corrected request's outcome.)
     assert_problem(status, 422, "key-reused")
+
+
+async def test_a_lease_duplicate_whose_look_at_the_record_times_out_names_its_request(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The other way a waiting lease-mode duplicate ends in a 202: its read of the record held
+    up past its wait (a lock on the table). Its Location names its request all the same."""
+    store = MemoryStore()
+    gate, entered = asyncio.Event(), asyncio.Event()
+
+    async def pay(request: Request) -> Response:
+        entered.set()
+        await gate.wait()
+        return JSONResponse({"paid": 5}, 201)
+
+    looks: list[Any] = []
+
+    async def held_up(record_key: Any) -> Any:
+        looks.append(record_key)
+        await asyncio.sleep(BOUND)  # (cut short by the duplicate's own bound)
+
+    policy = Policy(mode=Mode.LEASE, accept_while_in_flight=True, wait_seconds=0.05)
+    app = Starlette(
+        routes=[Route("/pay", pay, methods=["POST"]), status_route(store)],
+        middleware=[
+            Middleware(AuthenticationMiddleware, backend=BearerBackend()),
+            Middleware(IdempotencyMiddleware, store=store, default_policy=policy),
+        ],
+    )
+    async with store, client(app) as c:
+        first = asyncio.create_task(c.post("/pay", json={"amount": 5}, headers=key("k")))
+        await asyncio.wait_for(entered.wait(), BOUND)
+        with monkeypatch.context() as patched:
+            patched.setattr(store, "get", held_up)
+            accepted = await asyncio.wait_for(
+                c.post("/pay", json={"amount": 5}, headers=key("k")), BOUND
+            )
+        gate.set()
+        assert (await asyncio.wait_for(first, BOUND)).status_code == 201
+    assert looks, "the duplicate never looked at the record again"
+    assert accepted.status_code == 202, accepted.text
+    assert "request" in parse_qs(urlsplit(accepted.headers["location"]).query)

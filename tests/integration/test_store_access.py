@@ -250,6 +250,9 @@ async def test_migrate_over_objects_made_some_other_way_says_so(pg_dsn: str) -> 
     message = str(refused.value)
     assert message.index("record the versions") < message.index("Drop the idem_ tables")
     assert "only if they hold no record you need" in message
+    # The INSERT it suggests names the first migration as migrate records it (not its file's).
+    [(version, recorded, _), *_] = sql.migrations()
+    assert f"VALUES ({version}, '{recorded}')" in message
 
 
 STATUS = "/idempotency/status"

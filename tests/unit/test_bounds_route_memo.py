@@ -123,3 +123,29 @@ def test_long_made_up_methods_are_not_kept_per_included_router() -> None:
     assert len(included) == 3
     held = sum(len(method) for entry in included for method in entry[3])
     assert held < 3 * 2_000, f"{held} characters of methods kept"
+
+
+def test_made_up_methods_are_kept_up_to_32_characters() -> None:
+    """The bound itself (`_KEPT_METHOD_LENGTH`): a method of 32 characters is kept, of 33 not."""
+    fastapi = pytest.importorskip("fastapi")
+    app = fastapi.FastAPI()
+
+    async def thing() -> dict[str, bool]:
+        return {"ok": True}
+
+    router = fastapi.APIRouter()
+    router.post("/things/{id}")(thing)
+    app.include_router(router, prefix="/api")
+    mw = IdempotencyMiddleware(app, store=MemoryStore(), tenant_resolver=lambda scope: "t")
+    at, over = "M" * 32, "N" * 33
+
+    async def drive() -> None:
+        for method in (at, over):
+            assert await status_of(mw, method, "/api/things/1") == 405
+
+    asyncio.run(drive())
+    assert at in {method for _, method in mw._route_memo.candidates}
+    assert over not in {method for _, method in mw._route_memo.candidates}
+    [entry] = mw._route_memo.included.values()
+    assert at in entry[3]
+    assert over not in entry[3]

@@ -52,8 +52,17 @@ def test_two_instants_orjson_writes_alike_are_the_case() -> None:
         datetime(1900, 1, 1, 12, tzinfo=AMSTERDAM),
         [{"at": datetime(2020, 1, 1, tzinfo=SECONDS)}],
         Payment(datetime(2020, 1, 1, tzinfo=SECONDS)),
+        datetime(2020, 1, 1, 12, 0, 0, 123456, tzinfo=SECONDS),  # (written `...00.123456+05:30`)
     ],
-    ids=["seconds", "negative", "microseconds", "local-mean-time", "nested", "in-a-dataclass"],
+    ids=[
+        "seconds",
+        "negative",
+        "microseconds",
+        "local-mean-time",
+        "nested",
+        "in-a-dataclass",
+        "with-fractional-seconds",
+    ],
 )
 def test_a_job_argument_with_an_offset_of_seconds_is_refused(argument: Any) -> None:
     with pytest.raises(ConfigurationError, match=r"UTC offset .* has seconds.*pass it in UTC"):
@@ -90,4 +99,6 @@ def test_an_outbox_payload_keeps_its_private_attributes_as_before() -> None:
 
     event = Event(datetime(2020, 1, 1, tzinfo=UTC))
     assert json_text(event, "the payload") == orjson.dumps(event)
+    # Nested too: the walk json_text asks for (offsets only) stays so below the top.
+    assert json_text({"events": [event]}, "the payload") == orjson.dumps({"events": [event]})
     assert changed_part(event) is not None  # (a job's argument: refused)

@@ -34,8 +34,10 @@ def decode_headers(blob: bytes | None) -> list[tuple[bytes, bytes]]:
     if not blob:
         return []
     pairs = orjson.loads(blob)
-    if type(pairs) is not list:  # (a JSON object's keys would be taken for pairs of letters)
-        raise TypeError(f"stored headers are a JSON list, not {type(pairs).__name__}")
+    # (A JSON object's keys would be taken for pairs of letters; so would a pair that is a
+    # string of two letters, or an object of two keys: its keys, `name: value`.)
+    if type(pairs) is not list or any(type(pair) is not list for pair in pairs):
+        raise TypeError("stored headers are not a JSON list of [name, value] lists")
     return [(n.encode("latin-1"), v.encode("latin-1")) for n, v in pairs]
 
 
