@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 )
 def test_bench_opcodes_counts_every_variant_and_names_the_middlewares_functions() -> None:
     command = [sys.executable, "-m", "bench.opcodes", "--requests", "20", "--concurrency", "4"]
-    command += ["--variants", "bare,ours-memory,ours-tx", "--top", "5"]
+    command += ["--variants", "bare,ours-memory,ours-tx", "--top", "5", "--gc-requests", "200"]
     out = subprocess.run(
         command, cwd=ROOT, capture_output=True, text=True, timeout=300, env=dict(os.environ)
     )
