@@ -293,7 +293,7 @@ class _Statements:
 def _same_claim(context: Any) -> bool:
     """True in a task of `context`'s claim; InterfaceError in another's, or in none's."""
     if current_context() is not context:  # (a session shared by requests: see _Statements)
-        raise InterfaceError("another request's claim holds this session: one per request")
+        raise InterfaceError("the session is another request's: use one session per request")
     return True
 
 
