@@ -21,6 +21,7 @@ from tests.apps.clients import (
     BearerBackend,
     asgi_request,
     client,
+    counting_pay_app,
     one_route_app,
     post_scope,
 )
@@ -108,6 +109,7 @@ __all__ = [
     "cancel_while_held",
     "client",
     "count",
+    "counting_pay_app",
     "credit",
     "downstream_reconciler",
     "downstream_rows",

@@ -12,10 +12,10 @@ from starlette.authentication import AuthCredentials, AuthenticationBackend, Sim
 from starlette.middleware import Middleware
 from starlette.middleware.authentication import AuthenticationMiddleware
 from starlette.requests import HTTPConnection, Request
-from starlette.responses import Response
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from idem_middleware import IdempotencyMiddleware
+from idem_middleware import IdempotencyMiddleware, Mode, Policy
 
 TOKENS = {"demo-a": "tenant-a", "demo-b": "tenant-b"}
 
@@ -42,6 +42,22 @@ def one_route_app(
             Middleware(IdempotencyMiddleware, **middleware_options),
         ],
     )
+
+
+def counting_pay_app(store: Any, mode: str, **policy_options: Any) -> tuple[Starlette, list[int]]:
+    """`POST /pay` (its body read; answers 201 with its run's number) under a default policy of
+    `policy_options` in `mode` ("transactional", or "lease" with a 30 s lease); the list counts
+    its handler's runs."""
+    runs: list[int] = []
+
+    async def pay(request: Request) -> Response:
+        await request.body()
+        runs.append(1)
+        return JSONResponse({"run": len(runs)}, status_code=201)
+
+    lease = {"mode": Mode.LEASE, "lease_seconds": 30} if mode == "lease" else {}
+    policy = Policy(**policy_options, **lease)
+    return one_route_app("/pay", pay, store=store, default_policy=policy), runs
 
 
 def client(app: Starlette, token: str | None = "demo-a") -> httpx.AsyncClient:

@@ -17,11 +17,11 @@ import pytest
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from idem_middleware import Mode, Policy
+from idem_middleware import Policy
 from idem_middleware.errors import ConfigurationError
 from idem_middleware.keysource import KeyFromHeader, KeySource
 from idem_middleware.store.base import RecordKey
-from tests.apps import client, one_route_app
+from tests.apps import client, counting_pay_app, one_route_app
 
 
 class Custom(KeySource):
@@ -42,16 +42,7 @@ class Text(str):
 
 
 def _app(store: Any, value: Any, mode: str) -> tuple[Any, list[int]]:
-    runs: list[int] = []
-
-    async def pay(request: Request) -> Response:
-        await request.body()
-        runs.append(1)
-        return JSONResponse({"run": len(runs)}, status_code=201)
-
-    lease = {"mode": Mode.LEASE, "lease_seconds": 30} if mode == "lease" else {}
-    policy = Policy(key_source=Custom(value), **lease)  # type: ignore[arg-type]
-    return one_route_app("/pay", pay, store=store, default_policy=policy), runs
+    return counting_pay_app(store, mode, key_source=Custom(value))
 
 
 BAD_TEXT = {

@@ -13,26 +13,14 @@ import logging
 from typing import Any
 
 import pytest
-from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
 
-from idem_middleware import Mode, Policy
 from idem_middleware.responses import hooked_response
 from idem_middleware.store.base import StoredResponse
-from tests.apps import client, one_route_app
+from tests.apps import client, counting_pay_app
 
 
 def _app(store: Any, hook: Any, mode: str) -> tuple[Any, list[int]]:
-    runs: list[int] = []
-
-    async def pay(request: Request) -> Response:
-        await request.body()
-        runs.append(1)
-        return JSONResponse({"run": len(runs)}, status_code=201)
-
-    lease = {"mode": Mode.LEASE, "lease_seconds": 30} if mode == "lease" else {}
-    policy = Policy(replay_hook=hook, **lease)  # type: ignore[arg-type]
-    return one_route_app("/pay", pay, store=store, default_policy=policy), runs
+    return counting_pay_app(store, mode, replay_hook=hook)
 
 
 @pytest.mark.parametrize("mode", ["transactional", "lease"])
