@@ -68,7 +68,10 @@ def _parser() -> argparse.ArgumentParser:
 
     m = command("migrate", "apply the numbered schema migrations")
     m.add_argument(
-        "--check", action="store_true", help="apply nothing; exit 1 if migrations are pending"
+        "--check",
+        action="store_true",
+        help="apply nothing; exit 0 if the schema is up to date, 1 if migrations are pending, "
+        "2 if the check failed (cannot connect, a privilege missing ...)",
     )
     m.add_argument(
         "--lock-timeout",
@@ -360,7 +363,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Run as `idem-middleware stats >&-`: whatever the command did, its report would be
         # lost, and the flush below failed with a traceback after the command had acted.
         print("idem-middleware: standard output is closed; nothing was done", file=sys.stderr)
-        return 1
+        return 2 if getattr(args, "check", False) else 1  # (`migrate --check`: not "pending")
     terminate_as_interrupt()
     try:
         try:

@@ -18,13 +18,14 @@ from typing import Any, NoReturn
 
 import asyncpg
 
+from . import cli_migrate
 from . import outbox as outbox_ops
 from .cli_connect import NO_STATEMENT_CACHE, connecting, run_again
 from .cli_connect import UsageError as UsageError
 from .cli_connect import with_store as with_store
 from .cli_list import printable
 from .cli_list import row as record_row
-from .cli_values import operation_hint, webhook_httpx
+from .cli_values import json_line, operation_hint, shown_age, webhook_httpx
 from .context import derive_downstream_key
 from .errors import IdempotencyError, ResolveError
 from .inbox import purge_inbox
@@ -34,12 +35,11 @@ from .ops import reopen as reopen_record
 from .ops import resolve as resolve_record
 from .store.base import RecordKey, State
 from .store.migrations import migrate as apply_migrations
-from .store.migrations import pending_versions
 from .store.postgres import PostgresStore
 
 
 def emit(args: argparse.Namespace, data: Mapping[str, Any], text: str) -> None:
-    print(json.dumps(data, default=str, sort_keys=True) if args.json else text)
+    print(json_line(data) if args.json else text)
 
 
 class Interrupted(Exception):
@@ -53,14 +53,11 @@ DATABASE_ERRORS = (asyncpg.PostgresError, OSError)
 
 
 async def migrate(args: argparse.Namespace) -> int:
+    if args.check:  # (exit 0 up to date, 1 pending, 2 when it cannot tell)
+        return await cli_migrate.check(args)
     with connecting(args.dsn):
         conn = await asyncpg.connect(args.dsn, statement_cache_size=NO_STATEMENT_CACHE)
     try:
-        if args.check:
-            pending = await pending_versions(conn)
-            text = f"pending migrations: {pending}" if pending else "schema is up to date"
-            emit(args, {"pending": pending}, text)
-            return 1 if pending else 0
         applied = await apply_migrations(conn, lock_timeout=args.lock_timeout)
         text = f"applied migrations: {applied}" if applied else "schema is up to date"
         emit(args, {"applied": applied}, text)
@@ -76,7 +73,7 @@ def stopped(
     (stdout, with --json), and one line saying what was done and what failed (stderr, through
     main). Exit 1."""
     if args.json:
-        print(json.dumps({**data, "error": str(exc)}, default=str, sort_keys=True))
+        print(json_line({**data, "error": str(exc)}))
     raise Interrupted(f"{name or args.command} stopped after {done}: {exc}") from exc
 
 
@@ -172,12 +169,10 @@ async def stats(store: PostgresStore, args: argparse.Namespace) -> int:
             "oldest_unresolved_age_seconds": counts.oldest_unresolved_age_seconds,
             "lapsed_leases": counts.lapsed_leases,
         }
-        print(json.dumps(data if events is None else {**data, "outbox": events}, sort_keys=True))
+        print(json_line(data if events is None else {**data, "outbox": events}))
         return 0
     for state, count in counts.counts.items():
-        age = counts.oldest_age_seconds[state]
-        shown = "-" if age is None else f"{age:.0f}s"
-        print(f"{state:<14}{count:>10}   oldest {shown}")
+        print(f"{state:<14}{count:>10}   oldest {shown_age(counts.oldest_age_seconds[state])}")
     print(f"{'lapsed leases':<14}{counts.lapsed_leases:>10}")
     if events is not None:
         print(
@@ -219,7 +214,7 @@ async def show(store: PostgresStore, args: argparse.Namespace) -> int:
     )
     trail = [] if rec.note is None else rec.note.splitlines()
     if args.json:
-        print(json.dumps({**row, "audit": trail}, sort_keys=True))
+        print(json_line({**row, "audit": trail}))
         return 0
     del row["note"]
     for name, value in row.items():
@@ -329,7 +324,7 @@ async def outbox(store: PostgresStore, args: argparse.Namespace) -> int:
     if args.outbox_command == "list":
         events = await outbox_ops.list_events(store.pool, parked_only=args.parked, limit=args.limit)
         for event in events:
-            print(json.dumps(event, default=str, sort_keys=True))
+            print(json_line(event))
         if not events and not args.json:
             print("no parked events" if args.parked else "no unsent events")
         return 0

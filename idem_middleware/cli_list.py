@@ -12,7 +12,7 @@ import heapq
 import json
 from collections import deque
 from collections.abc import AsyncIterator, Sequence
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 from .cli_connect import UsageError
@@ -94,7 +94,7 @@ async def records(
     for i, stream in enumerate(streams):
         first = await stream.next()
         if first is not None:
-            heads.append((first.updated_at, i, first))
+            heads.append((_age(first), i, first))
     heapq.heapify(heads)
     for listed in range(1, limit + 1):
         if not heads:
@@ -102,7 +102,14 @@ async def records(
         _, i, record = heapq.heappop(heads)
         yield record
         if listed < limit and (following := await streams[i].next()) is not None:
-            heapq.heappush(heads, (following.updated_at, i, following))
+            heapq.heappush(heads, (_age(following), i, following))
+
+
+def _age(rec: RecordSummary) -> datetime:
+    """Where `rec` is merged: its updated_at, 'infinity' and '-infinity' too (which asyncpg
+    gives as naive datetime.max and min: compared with another state's, a TypeError)."""
+    at: datetime = rec.updated_at
+    return at if at.tzinfo is not None else at.replace(tzinfo=UTC)
 
 
 def row(rec: RecordSummary) -> dict[str, Any]:

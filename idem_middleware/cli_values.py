@@ -5,6 +5,8 @@ environment."""
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import os
 import signal
 from types import FrameType
@@ -273,3 +275,27 @@ def sendable_url(text: str, httpx: Any) -> bool:
         and parsed.host != ""
         and not any(c.isspace() or not c.isprintable() for c in url.netloc)
     )
+
+
+def finite(value: Any) -> Any:
+    """`value` with every float that is not finite (an age from a timestamp set to 'infinity'
+    or '-infinity' by hand) written as the string JavaScript and Python's float() read back,
+    "Infinity", "-Infinity" or "NaN", in the dicts and lists it holds too: JSON has no such
+    number, and json.dumps wrote a bare `Infinity` that strict parsers refuse."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+    if isinstance(value, dict):
+        return {k: finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [finite(v) for v in value]
+    return value
+
+
+def json_line(data: Any) -> str:
+    """`data` as one line of JSON that any parser reads (`finite`)."""
+    return json.dumps(finite(data), default=str, sort_keys=True, allow_nan=False)
+
+
+def shown_age(age: float | None) -> str:
+    """An age in seconds as `stats` prints it for a person: `-` for none."""
+    return "-" if age is None else f"{age:.0f}s" if math.isfinite(age) else str(finite(age))

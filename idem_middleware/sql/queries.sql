@@ -182,6 +182,23 @@ SELECT nextval('idem_generation_seq') AS drawn,
 EXPLAIN INSERT INTO idem_requests (tenant, operation, idem_key) VALUES ('', '', '')
 ON CONFLICT (tenant, operation, idem_key) DO NOTHING;
 
+-- name: key_deferrable
+-- Checked when a store opens, after `key_arbiter`: the DEFERRABLE constraints (primary key or
+-- unique, INITIALLY IMMEDIATE or DEFERRED) whose index the claims' `ON CONFLICT (tenant,
+-- operation, idem_key)` takes as an arbiter (its key columns are those three). EXPLAIN plans
+-- the claim all the same; run, every claim fails ("ON CONFLICT does not support deferrable
+-- unique constraints"). `definition` is the constraint's, made NOT DEFERRABLE: the fix.
+-- No parameters.
+SELECT quote_ident(c.conname) AS name,
+       regexp_replace(pg_catalog.pg_get_constraintdef(c.oid), ' DEFERRABLE.*$', '') AS definition
+FROM pg_catalog.pg_constraint c
+JOIN pg_catalog.pg_index i ON i.indexrelid = c.conindid
+WHERE c.conrelid = to_regclass('idem_requests') AND c.contype IN ('p', 'u') AND c.condeferrable
+  AND i.indnkeyatts = 3
+  AND (SELECT array_agg(a.attname::text ORDER BY a.attname) FROM pg_catalog.pg_attribute a
+       WHERE a.attrelid = c.conrelid AND a.attnum IN (i.indkey[0], i.indkey[1], i.indkey[2]))
+      = ARRAY['idem_key', 'operation', 'tenant'];
+
 -- name: writable
 -- Whether the server takes the store's writes (checked when a store opens): a standby does not,
 -- nor do sessions that default to read-only; after how many milliseconds idle in a transaction,
@@ -733,7 +750,10 @@ LIMIT $4;
 -- starts exactly after the one before, whatever was inserted or deleted meanwhile. Records
 -- changed after the first page ($6) are left out: a record listed and then moved (a takeover, a
 -- lapsed lease turned unknown) is not listed twice, unless the transaction that moved it began
--- before the first page (updated_at is its now()). `listed_at` is the first page's bound.
+-- before the first page (updated_at is its now()). `listed_at` is the first page's bound. A
+-- record changed "later" than the clock reads as its page is read (its updated_at ahead of the
+-- server's clock: a clock stepped back since, an edit by hand) was never moved meanwhile, and
+-- is listed, last (it was left out: `stats` counted it, and `list` said there was none).
 -- For pending and unknown each page reads idem_requests_unresolved_idx from the cursor on; the
 -- finished states have no such index, so each of their pages reads the table.
 -- $1 state, $2 tenant or NULL, $3 operation or NULL, $4 page size, $5 stale pending only,

@@ -70,6 +70,14 @@ async def applied_versions(conn: asyncpg.Connection[Any]) -> set[int]:
             f"SELECT ON {schema}.idem_schema_migrations TO {found['role']}; the store "
             "names the rest when it opens)"
         ) from exc
+    if damaged := [r["version"] for r in rows if type(r["version"]) is not int]:
+        # (A version column retyped by hand: no version matched, so every migration looked
+        # pending, and `migrate` then said the schema was "made some other way".)
+        raise ConfigurationError(
+            f"idem_schema_migrations is damaged: its versions must be whole numbers, not "
+            f"{damaged[0]!r:.40}; restore it (ALTER TABLE idem_schema_migrations ALTER "
+            "version TYPE integer USING version::integer, if what it holds are numbers)"
+        )
     return {r["version"] for r in rows}
 
 

@@ -212,6 +212,7 @@ ELSEWHERE = {
     "write_deferred", "unclaim", "outbox_row_security",
 }  # fmt: skip
 ELSEWHERE.add("key_arbiter")  # (when a store opens: EXPLAIN, planned only)
+ELSEWHERE.add("key_deferrable")  # (when a store opens: the catalog alone)
 
 
 def _nodes(plan: dict[str, Any]) -> Iterator[dict[str, Any]]:

@@ -91,8 +91,9 @@ async def require_privileges(conn: Any, locks: ClaimLocks) -> None:
 async def require_key_arbiter(conn: Any) -> None:
     """ConfigurationError when the claims' `ON CONFLICT (tenant, operation, idem_key)` cannot
     run on `idem_requests`: its primary key is gone (dropped by hand, left out of a restore),
-    or a rule on the table refuses ON CONFLICT. The store opened, then every lease-mode claim
-    failed (a 500), and every claim read the whole table for its key."""
+    or a rule on the table refuses ON CONFLICT, or the key was made DEFERRABLE (by hand). The
+    store opened, then every lease-mode claim failed (a 500), and every claim read the whole
+    table for its key (deferrable: every claim but the transactional fast path's failed)."""
     try:
         await conn.fetch(_Q["key_arbiter"])
     except asyncpg.InvalidColumnReferenceError as exc:
@@ -108,6 +109,19 @@ async def require_key_arbiter(conn: Any) -> None:
             f"the store's claims cannot insert into idem_requests ({exc}): drop the rule on "
             "the table (DROP RULE ... ON idem_requests); a trigger does what a rule would"
         ) from exc
+    # EXPLAIN infers a DEFERRABLE key as the arbiter; only running the claim refuses it.
+    if deferrable := await conn.fetch(_Q["key_deferrable"]):
+        fix = "; ".join(
+            f"ALTER TABLE idem_requests DROP CONSTRAINT {c['name']}, ADD CONSTRAINT "
+            f"{c['name']} {c['definition']}"
+            for c in deferrable
+        )
+        raise ConfigurationError(
+            f"idem_requests' key on (tenant, operation, idem_key) is DEFERRABLE "
+            f"({', '.join(c['name'] for c in deferrable)}): the store's claims use it with ON "
+            "CONFLICT, which refuses a deferrable constraint, so every claim would fail with "
+            f"a 500. Make it NOT DEFERRABLE, as the table's owner: {fix}"
+        )
 
 
 #: How many of the records that expire last `require_generations_ahead` reads.
