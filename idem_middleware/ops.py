@@ -154,6 +154,14 @@ def _note(note: str) -> str:
     text = " ".join(note.split())  # one line per move in the audit trail
     if not text:
         raise ValueError("an audit note is required")
+    # (Refused before any statement, as the CLI's `audit_note` does: the database's refusal was
+    # a StoreError, or the driver's own DataError for a lone surrogate, after the record's read.)
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        raise ValueError("an audit note is UTF-8 text (it holds a lone surrogate)") from None
+    if "\0" in text:
+        raise ValueError("an audit note holds a NUL character, which the database refuses")
     return text
 
 

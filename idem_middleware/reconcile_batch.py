@@ -65,11 +65,23 @@ class ReconcileReport:
     refused: int = 0
 
 
-def _checked(reconcilers: object, limit: object, seconds: object) -> float:
+def _checked(
+    reconcilers: object, limit: object, seconds: object, names: Mapping[str, object]
+) -> float:
     """`reconcile_unknown`'s arguments (ValueError, TypeError), before any statement: `seconds`
     of 0 or less made every reconciler that awaits anything fail, NaN gave them no bound; a
     negative `limit` did nothing; a plain function among the reconcilers was run, then failed,
-    at every pass (`Policy(reconciler=...)` refuses one)."""
+    at every pass (`Policy(reconciler=...)` refuses one). `names` (`takeover`, `known`) are
+    collections of operation names: one name as a str was read as its substrings (`"POST /pay"`
+    in `"POST /payouts"`), a lapsed lease left pending and counted nowhere; a number failed at
+    the first lapsed lease."""
+    for name, value in names.items():
+        if value is not None and (
+            isinstance(value, str | bytes) or not isinstance(value, Collection)
+        ):
+            raise TypeError(
+                f"{name} is a collection of operation names, not a {type(value).__name__}"
+            )
     try:
         bound = seconds_option(seconds, "seconds", positive=True)
     except ConfigurationError as exc:
@@ -113,9 +125,11 @@ async def reconcile_unknown(
     `report`, if given, is filled in as the run goes: a caller that the database fails partway
     (StoreError) still knows what was done.
     """
-    seconds = _checked(reconcilers, limit, seconds)
+    seconds = _checked(reconcilers, limit, seconds, {"takeover": takeover, "known": known})
     if report is None:
         report = ReconcileReport()
+    elif not isinstance(report, ReconcileReport):  # (else it failed after the first move)
+        raise TypeError(f"report is a ReconcileReport, not a {type(report).__name__}")
     # A record another session holds is passed over, not waited for: an executor holding its
     # fenced transaction past its lease, or paused with it, would stop the whole batch.
     held_wait = min(seconds, _HELD_WAIT)

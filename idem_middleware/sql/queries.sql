@@ -595,6 +595,7 @@ SELECT count(*) AS moved, pg_notify('idem_middleware', $5) AS notified FROM move
 -- tries again. (The lock is taken in the CTE, before the new values are computed.)
 -- An unknown transactional record (an operator reopened it) is never taken over: its writes
 -- committed with its outcome. A record taken over is a lease-mode record from then on.
+-- An unknown one's audit trail says so, as a batch's release for a retry (`allow_retry`) does.
 -- $1 tenant, $2 operation, $3 key, $4 expected generation, $5 expected state, $6 lease (seconds)
 WITH locked AS (
     SELECT FROM idem_requests
@@ -605,7 +606,12 @@ WITH locked AS (
 )
 UPDATE idem_requests r
 SET generation = nextval('idem_generation_seq'), state = 'pending', mode = 'lease',
-    updated_at = now(), lease_expires_at = clock_timestamp() + make_interval(secs => $6::float8)
+    updated_at = now(), lease_expires_at = clock_timestamp() + make_interval(secs => $6::float8),
+    note = CASE WHEN r.state = 'unknown'
+                THEN concat_ws(E'\n', r.note,
+                               to_char(now() AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS"Z "')
+                               || 'reconciled: not happened')
+                ELSE r.note END
 FROM locked
 WHERE r.tenant = $1 AND r.operation = $2 AND r.idem_key = $3
 RETURNING r.generation;
@@ -769,7 +775,7 @@ WHERE state = $1::text
   AND ($2::text IS NULL OR tenant = $2)
   AND ($3::text IS NULL OR operation = $3)
   AND (NOT $5 OR state <> 'pending' OR lease_expires_at IS NULL OR lease_expires_at <= now())
-  AND updated_at <= coalesce($6::timestamptz, now())
+  AND (updated_at <= coalesce($6::timestamptz, now()) OR updated_at > clock_timestamp())
   AND ($7::timestamptz IS NULL
        OR updated_at >= $7 AND (updated_at, tenant, operation, idem_key) > ($7, $8, $9, $10))
 ORDER BY updated_at, tenant, operation, idem_key

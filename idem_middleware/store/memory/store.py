@@ -157,6 +157,11 @@ class MemoryStore(OffPathOperations):
                 generation=new,
                 lease_expires_at=now + lease_seconds,
                 updated_at=now,
+                note=(
+                    appended(row.note, "reconciled: not happened")
+                    if row.state is State.UNKNOWN
+                    else row.note
+                ),
             )
             return new
 
