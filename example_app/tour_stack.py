@@ -73,10 +73,20 @@ def signals_held() -> Iterator[None]:
     try:
         yield
     finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, signal.SIG_DFL if handler is None else handler)
-        if held:
-            signal.raise_signal(held[0])
+        # Blocked while the handlers are put back: a signal landing now is delivered as the
+        # block ends, to the handler put back. Before, a Ctrl-C landing after SIGINT's was back
+        # raised KeyboardInterrupt before SIGTERM's was, which left the process deaf to SIGTERM.
+        # (Blocking runs the handlers of the signals already in: the hold's, still.)
+        unblocked = signal.pthread_sigmask(signal.SIG_BLOCK, names)
+        try:
+            for signum, handler in previous.items():
+                signal.signal(signum, signal.SIG_DFL if handler is None else handler)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, unblocked)
+        # Each signal, once: a SIGTERM after a SIGINT the process ignores (as a job a shell
+        # started with `&` does) ends it; before, only the first was raised again, and lost.
+        for landed in dict.fromkeys(held):
+            signal.raise_signal(landed)
 
 
 def embedded_database_url(workdir: Path) -> str:

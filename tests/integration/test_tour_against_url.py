@@ -84,6 +84,10 @@ def test_ctrl_c_while_the_tour_stops_its_servers_stops_all_of_them() -> None:
         import os, signal
         from example_app import launcher, tour_stack
 
+        # Ctrl-C at a terminal, whatever this child inherited: a pytest started as a shell's
+        # background job (`&`, no job control) passes SIGINT on ignored, and the tour with it
+        # (rightly) ignores the Ctrl-C: that was this test's flake ("interrupted" missing).
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         real_stop = launcher.ServerProcess.stop
 
         def stop(self):
@@ -108,6 +112,7 @@ def test_ctrl_c_while_the_tour_stops_its_servers_stops_all_of_them() -> None:
         text=True,
         timeout=120,
     )
+    assert "pids" in done.stdout, done.stdout + done.stderr
     app_pid, bank_pid, workdir = done.stdout.split("pids", 1)[1].split()[:3]
     alive = [
         p
