@@ -10,7 +10,6 @@ middleware does; so the request path breaks them, or makes none.
 from __future__ import annotations
 
 import asyncio
-import gc
 from typing import Any
 
 import pytest
@@ -24,6 +23,7 @@ from starlette.types import Message, Receive, Scope, Send
 from idem_middleware import IdempotencyMiddleware, MemoryStore, Policy
 from idem_middleware.policy import Mode
 from tests.apps import asgi_request, build_app, one_route_app
+from tests.cycles import collector_off
 
 pytestmark = pytest.mark.asyncio
 
@@ -58,18 +58,13 @@ async def test_a_guarded_request_leaves_no_reference_cycle(mode: Mode, path: str
         scope, receive, send, _ = _request(path, f"warm-{i}")
         await app(scope, receive, send)
     statuses = []
-    gc.collect()
-    gc.disable()
-    try:
+    with collector_off() as garbage:
         for i in range(5):
             for _ in range(2):  # the claim, then its replay
                 scope, receive, send, sent = _request(path, f"k{i}")
                 await app(scope, receive, send)
                 statuses.append(sent[0]["status"])
-        left = gc.collect()
-    finally:
-        gc.enable()
-    assert left == 0
+    assert garbage.ours == []
     assert set(statuses) == {201 if path in ("/accounts/a1/credits", "/items") else 200}
 
 
@@ -134,12 +129,7 @@ async def test_a_cancelled_request_leaves_no_reference_cycle() -> None:
 
     for i in range(3):
         await cancelled(f"warm-{i}")
-    gc.collect()
-    gc.disable()
-    try:
+    with collector_off() as garbage:
         for i in range(5):
             await cancelled(f"k{i}")
-        left = gc.collect()
-    finally:
-        gc.enable()
-    assert left == 0
+    assert garbage.ours == []
