@@ -16,6 +16,7 @@ from idem_middleware import RecordKey, StaleGeneration, State
 from idem_middleware.store import ClaimBusy, Claimed, Existing
 from idem_middleware.store.base import Settlement
 from tests.apps import BOUND, PAYOUTS, trail
+from tests.apps.concurrency import until
 from tests.contract import FP, RESPONSE, Harness, PgHarness
 
 pytestmark = pytest.mark.db_routes("pgbouncer", "partitioned")
@@ -438,6 +439,9 @@ async def test_contract_watch_is_woken_by_settle_release_and_allow_retry(
     async def woken_by(action: Callable[[], Awaitable[bool]]) -> None:
         async with store.watch(k) as watch, store.watch(other) as bystander:
             assert not await watch.wait(0.01)
+            # (The LISTEN connection is made in the background: on a loaded machine it may not
+            # be up yet, and a waiter polls until it is. Woken is what is tested here.)
+            await until(lambda: watch.listening)
             assert await action()
             assert await watch.wait(BOUND)
             assert not await bystander.wait(0.05)
