@@ -123,6 +123,7 @@ def create_app(database_url: str | None = None) -> FastAPI:
     settings = read_settings()  # (ValueError, naming the variable, for one it cannot use)
     wait_seconds, lease_seconds = settings.wait_seconds, settings.lease_seconds
     bank_timeout, bank_url = settings.bank_timeout, settings.bank_url
+    hold_seconds = settings.hold_seconds
     run_publisher, tokens = settings.publish, settings.tokens
     store = PostgresStore(dsn=dsn, min_size=2, max_size=20)
 
@@ -273,7 +274,7 @@ def create_app(database_url: str | None = None) -> FastAPI:
         "/payouts",
         status_code=201,
         response_model=PayoutOut,
-        responses=problems(402, 404, 422, 502),
+        responses=problems(402, 404, 422, 502, 503),
     )
     @idempotent(
         mode=Mode.LEASE,
@@ -284,9 +285,15 @@ def create_app(database_url: str | None = None) -> FastAPI:
     async def payout(body: PayoutIn, tenant: Tenant, idem: Idempotency) -> Any:
         # The money is held first, in a transaction of its own (see ledger.py): while the
         # outcome is unknown it stays held, and no other payout can spend it.
-        held = await hold_funds(
-            store.pool, tenant, body.account_id, body.amount, idem.downstream_key
-        )
+        try:
+            held = await hold_funds(
+                store.pool, tenant, body.account_id, body.amount, idem.downstream_key, hold_seconds
+            )
+        except DATABASE_DOWN:
+            # As the middleware answers when the database is away (not a plain-text 500). A
+            # 5xx leaves the outcome unknown: the retry asks the bank first, which was never
+            # called, and runs again, finding its hold if this one committed after all.
+            raise HTTPException(503, "the database is unavailable", {"Retry-After": "1"}) from None
         if held is Hold.MISSING:
             raise HTTPException(404, "no such account")
         if held is Hold.SHORT:

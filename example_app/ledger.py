@@ -12,6 +12,7 @@ lock is held while the bank is called.
 
 from __future__ import annotations
 
+import asyncio
 import enum
 from typing import Any
 
@@ -33,11 +34,15 @@ class _NotHeld(Exception):
         self.why = why
 
 
-async def hold_funds(pool: Any, tenant: str, account_id: str, amount: int, hold_key: str) -> Hold:
+async def hold_funds(
+    pool: Any, tenant: str, account_id: str, amount: int, hold_key: str, seconds: float
+) -> Hold:
     """The hold's row first: a run of this payout that holds it already (or is taking it at this
-    moment: the insert waits for that one's end) leaves the balance alone. Then the money."""
+    moment: the insert waits for that one's end) leaves the balance alone. Then the money.
+    Within `seconds` in all (a connection, a row another transaction holds), or TimeoutError and
+    nothing held: a wait without end kept the payout's key pending, its lease renewed."""
     try:
-        async with pool.acquire() as conn, conn.transaction():
+        async with asyncio.timeout(seconds), pool.acquire() as conn, conn.transaction():
             taken = await conn.fetchval(
                 "INSERT INTO ex_holds (hold_key, tenant, account_id, amount) "
                 "VALUES ($1, $2, $3, $4) ON CONFLICT (hold_key) DO NOTHING RETURNING true",

@@ -20,6 +20,8 @@ class Settings(NamedTuple):
     wait_seconds: float
     lease_seconds: float
     bank_timeout: float
+    #: A payout's hold of its amount, at most (a connection, a row another transaction holds)
+    hold_seconds: float
     #: None: the simulator, in-process under /bank
     bank_url: str | None
     publish: bool
@@ -31,6 +33,7 @@ def read_settings() -> Settings:
         wait_seconds=env_seconds("EXAMPLE_WAIT_SECONDS", 5, zero=True, option="wait_seconds"),
         lease_seconds=env_seconds("EXAMPLE_LEASE_SECONDS", 30, option="lease_seconds"),
         bank_timeout=env_seconds("EXAMPLE_BANK_TIMEOUT", 2),
+        hold_seconds=env_seconds("EXAMPLE_HOLD_SECONDS", 5),
         bank_url=env_bank_url(),
         publish=env_publish(),
         tokens=parse_tokens(os.environ.get("EXAMPLE_TOKENS", DEFAULT_TOKENS)),  # "": refused

@@ -55,14 +55,19 @@ def app_env(app_db: str, bank: ServerProcess, **extra: str) -> dict[str, str]:
     }
 
 
-@pytest.fixture(scope="module")
-def server(app_db: str, bank: ServerProcess) -> Iterator[ServerProcess]:
-    proc = ServerProcess("example_app", env=app_env(app_db, bank), ready_path="/accounts/x")
+def serving(env: dict[str, str]) -> Iterator[ServerProcess]:
+    """The example app, one process, with `env`; stopped after."""
+    proc = ServerProcess("example_app", env=env, ready_path="/accounts/x")
     proc.start()
     try:
         yield proc
     finally:
         proc.cleanup()
+
+
+@pytest.fixture(scope="module")
+def server(app_db: str, bank: ServerProcess) -> Iterator[ServerProcess]:
+    yield from serving(app_env(app_db, bank))
 
 
 @pytest.fixture
