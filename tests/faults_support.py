@@ -11,11 +11,13 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import time
 import uuid
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import asyncpg
@@ -65,6 +67,17 @@ class Case:
     answers: list[Answer] = field(default_factory=list)
     #: What the non-definitive attempts got: "status 503", "ReadError", ...
     trouble: Counter[str] = field(default_factory=Counter)
+    #: The last non-definitive attempt's outcome, with its problem type: "409 request-in-flight"
+    #: (what a key that never settles keeps getting, for the failure message).
+    last: str = ""
+    #: Being retried by `send_until_definitive` (left set when a deadline cancels the retries).
+    retrying: bool = False
+    #: Still retrying when the scenario's deadline passed: the audit counts it as stuck.
+    overdue: bool = False
+    #: When its attempt in flight was sent (time.monotonic()), and, once overdue, how long that
+    #: attempt had waited for its answer.
+    sent_at: float | None = None
+    unanswered: float | None = None
 
     @property
     def operation(self) -> str:
@@ -110,17 +123,31 @@ def definitive(status: int) -> bool:
 async def send_once(client: httpx.AsyncClient, case: Case) -> Answer | None:
     """One attempt; None when the connection failed (refused, reset, timed out)."""
     case.attempts += 1
+    sent = case.sent_at = time.monotonic()
     try:
         r = await client.post(case.path, json=case.body, headers=case.headers)
+        case.sent_at = None  # (left set if a deadline cancels it: `mark_overdue`)
     except httpx.TransportError as exc:
+        case.sent_at = None
         case.trouble[type(exc).__name__] += 1
+        case.last = f"{type(exc).__name__} after {time.monotonic() - sent:.1f} s"
         return None
     answer = Answer(r.status_code, r.content, r.headers.get("idempotent-replayed") == "true")
     if definitive(r.status_code):
         case.answers.append(answer)
     else:
         case.trouble[f"status {r.status_code}"] += 1
+        case.last = f"{r.status_code} {_problem_type(r)} after {time.monotonic() - sent:.1f} s"
     return answer
+
+
+def _problem_type(r: httpx.Response) -> str:
+    """The last segment of a problem's `type` ("request-in-flight"), else the reason phrase."""
+    try:
+        kind = r.json().get("type")
+    except (ValueError, AttributeError):
+        kind = None
+    return str(kind).rsplit(":", 1)[-1].rsplit("/", 1)[-1] if kind else r.reason_phrase
 
 
 async def send_until_definitive(
@@ -133,13 +160,69 @@ async def send_until_definitive(
     """Retry with the same key on connection errors, 409 and 5xx; bounded attempts and backoff."""
     rng = rng or random.Random()
     pause = 0.05
+    case.retrying = True  # (left set if a deadline cancels this: the key was still undecided)
     for _ in range(max_attempts):
         answer = await send_once(client, case)
         if answer is not None and definitive(answer.status):
+            case.retrying = False
             return answer
         await asyncio.sleep(pause * rng.uniform(0.5, 1.5))
         pause = min(pause * 1.5, 0.5)
+    case.retrying = False
     return None
+
+
+async def before(
+    deadline: float, awaitable: Awaitable[Any], *, gone: Callable[[], str | None] | None = None
+) -> str | None:
+    """Await `awaitable` until `deadline` (the event loop's clock), or until `gone()` says why
+    the server went away (checked every 0.2 s). None once it finished; else why it was cancelled
+    (the keys it was retrying keep `retrying` set: see `mark_overdue`)."""
+    loop = asyncio.get_running_loop()
+    task = asyncio.ensure_future(awaitable)
+    why: str | None = None
+    try:
+        while why is None:
+            left = deadline - loop.time()
+            if left <= 0:
+                why = "the deadline passed"
+                break
+            done, _ = await asyncio.wait({task}, timeout=min(left, 0.2))
+            if done:
+                task.result()  # (its error, if any)
+                return None
+            why = gone() if gone is not None else None
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.wait({task})
+    return why
+
+
+def workers_started(log: Path, count: int, timeout: float) -> None:
+    """Wait until `count` workers of a `--workers` app logged their startup in `log` (its
+    `ServerProcess` is ready once one of them answers): a worker still starting while PostgreSQL
+    restarts cannot open its store, and uvicorn then stops the whole app."""
+    deadline = time.monotonic() + timeout
+    while (started := log.read_text(errors="replace").count("Application startup complete.")) < (
+        count
+    ):
+        if time.monotonic() > deadline:
+            tail = log.read_text(errors="replace")[-3000:]
+            raise AssertionError(f"{started} of {count} workers started in {timeout:g} s:\n{tail}")
+        time.sleep(0.1)
+
+
+def mark_overdue(cases: Iterable[Case]) -> int:
+    """After a missed deadline: the keys still being retried are stuck (the audit says so, with
+    what they kept getting and their records). Returns how many."""
+    late = [case for case in cases if case.retrying]
+    now = time.monotonic()
+    for case in late:
+        case.overdue = True
+        if case.sent_at is not None:
+            case.unanswered = now - case.sent_at
+    return len(late)
 
 
 async def run_load(
@@ -285,7 +368,8 @@ async def _audit_case(
     result.observed += case.trouble
     result.observed["replayed 2xx"] += sum(a.replayed for a in case.ok_answers)
     rec = await conn.fetchrow(
-        "SELECT state, response_status, response_body, note, epoch FROM idem_requests "
+        "SELECT state, response_status, response_body, note, epoch, generation, "
+        "extract(epoch FROM lease_expires_at - now())::float8 AS lease_left FROM idem_requests "
         "WHERE tenant = $1 AND operation = $2 AND idem_key = $3",
         TENANT,
         case.operation,
@@ -325,7 +409,17 @@ async def _audit_case(
         ids = {r["id"] for r in rows}
         transfers = transfers_by_account.get(f"{TENANT}:{case.account}", [])
         effects = max(len(rows), len(transfers))
-        consistent = account is not None and account["balance"] == FUND - case.amount * len(rows)
+        held = 0
+        if state in ("pending", "unknown"):
+            # (Its money stays held while its outcome is open: example_app/ledger.py. A settled
+            # key's hold was released with its outcome, so one left over is a disagreement.)
+            held = await conn.fetchval(
+                "SELECT coalesce(sum(amount), 0) FROM ex_holds WHERE hold_key = $1",
+                case.downstream_key(rec["epoch"]),
+            )
+        consistent = account is not None and account["balance"] == (
+            FUND - case.amount * len(rows) - held
+        )
         if len(transfers) > 1:
             result.findings.append(f"{where}: {len(transfers)} bank transfers")
         for t in transfers:
@@ -339,16 +433,61 @@ async def _audit_case(
         result.findings.append(f"{where}: account {dict(account or {})} disagrees with its rows")
     if state in ("pending", "unknown"):
         result.stuck_keys += 1
-        result.findings.append(f"{where}: left {state}")
+        result.findings.append(f"{where}: left {state}{_clues(case, rec)}")
     elif expect_settled and not case.ok_answers:
         result.stuck_keys += 1
         statuses = [a.status for a in case.answers]
-        result.findings.append(f"{where}: no 2xx after {case.attempts} attempts {statuses}")
+        result.findings.append(
+            f"{where}: no 2xx after {case.attempts} attempts {statuses}{_clues(case, rec)}"
+        )
+    elif case.overdue:
+        result.stuck_keys += 1
+        result.findings.append(f"{where}: still retried at the deadline{_clues(case, rec)}")
     for answer in case.ok_answers:
         problem = _lost(case, answer, rec, ids, transfers)
         if problem:
             result.lost_outcomes += 1
             result.findings.append(f"{where}: a {answer.status} the client got: {problem}")
+
+
+def _clues(case: Case, rec: Any) -> str:
+    """What a stuck key's client kept getting, and its record's generation and lease."""
+    row = ""
+    if rec is not None:
+        left = rec["lease_left"]
+        lease = (
+            "none" if left is None else f"{'ends in' if left >= 0 else 'lapsed'} {abs(left):.1f} s"
+        )
+        last_note = (rec["note"] or "").strip().splitlines()[-1:]
+        row = f"; generation {rec['generation']}, lease {lease}, note {last_note}"
+    overdue = " (still retried at the deadline)" if case.overdue else ""
+    waiting = (
+        "" if case.unanswered is None else f", an attempt unanswered for {case.unanswered:.1f} s"
+    )
+    return f"{overdue}{row}; the client got {dict(case.trouble)}, last {case.last!r}{waiting}"
+
+
+async def activity(dsn: str) -> list[str]:
+    """The database's other sessions that are not idle: what each waits for, and its statement's
+    first words (the app's statements take parameters: no values are shown)."""
+    try:
+        conn = await asyncpg.connect(dsn, timeout=10)
+    except (OSError, asyncpg.PostgresError, TimeoutError) as exc:
+        return [f"(no session to read pg_stat_activity: {exc!r})"]
+    try:
+        rows = await conn.fetch(
+            "SELECT pid, state, wait_event_type, wait_event, "
+            "extract(epoch FROM now() - state_change)::float8 AS age, left(query, 80) AS query "
+            "FROM pg_stat_activity WHERE datname = current_database() "
+            "AND pid <> pg_backend_pid() AND state IS DISTINCT FROM 'idle'"
+        )
+    finally:
+        await conn.close()
+    return [
+        f"session {r['pid']} {r['state']} {r['age']:.1f} s, waiting for "
+        f"{r['wait_event_type']}/{r['wait_event']}: {' '.join(str(r['query']).split())}"
+        for r in rows
+    ]
 
 
 def _lost(

@@ -28,6 +28,7 @@ import struct
 import sys
 import tempfile
 from collections.abc import AsyncIterator, Iterator
+from functools import partial
 from typing import Any
 
 import asyncpg
@@ -45,16 +46,20 @@ from tests.faults_support import (
     Answer,
     Audit,
     Case,
+    activity,
     audit,
     await_points,
     bank_transfers,
+    before,
     definitive,
     final_pass,
     fund,
     make_cases,
+    mark_overdue,
     run_load,
     send_once,
     send_until_definitive,
+    workers_started,
 )
 
 SEED = int(os.environ.get("IDEM_FAULT_SEED") or random.randrange(2**31))
@@ -64,9 +69,29 @@ CHAOS_ENV = {
     "EXAMPLE_WAIT_SECONDS": "2",
     "EXAMPLE_BANK_TIMEOUT": "2",
 }
+#: How long a scenario's clients may take, the load and the final pass together (5 to 35 s, on a
+#: loaded 2-core machine too): past it the keys still being retried are stuck, and the failure
+#: says what each kept getting and what its record holds, instead of pytest-timeout's bare 300 s.
+CLIENTS_DEADLINE = 150.0
 READY = "/accounts/x"  # 401 without a token: any answer means the server is up
 #: The pytest command line, for the evidence table's caption.
 COMMAND = " ".join(["python -m pytest", *sys.argv[1:]])
+
+
+def exited(app: ServerProcess) -> str | None:
+    """Why `app` is no longer serving (its process exited): its log's errors and last lines
+    (uvicorn stops every worker when one fails to start: "Child process [...] failed to
+    start")."""
+    code = None if app.proc is None else app.proc.poll()
+    if code is None:
+        return None
+    try:
+        lines = app.log_path.read_text(errors="replace").splitlines()
+    except OSError:
+        lines = []
+    errors = [line for line in lines if line.startswith("ERROR:")][-5:]
+    tail = "\n".join([*errors, "...", *lines[-6:]])
+    return f"the app exited (code {code}); its log ends:\n{tail}"
 
 
 def rng_for(name: str) -> random.Random:
@@ -184,28 +209,52 @@ async def under_load(
     times: int,
     rng: random.Random,
     concurrency: int = 6,
+    watch: ServerProcess | None = None,
 ) -> Audit:
-    """Unique keys, each retried until definitive, while `inject` strikes `times` times."""
+    """Unique keys, each retried until definitive, while `inject` strikes `times` times.
+
+    The clients have `CLIENTS_DEADLINE` for the load and the final pass; with `watch`, they stop
+    as soon as that app's process exits (nothing restarts it). Either way the keys still being
+    retried are stuck keys, each reported with what it kept getting and its record."""
     cases = make_cases(mode, 3000, prefix)
     await fund(dsn, cases)
     settled = asyncio.Event()
     if mode == "payouts":
         # A slower bank widens the window "the money moved, the app has not recorded it yet".
         await bank_faults(bank, {"delay_ms": 30})
+    deadline = asyncio.get_running_loop().time() + CLIENTS_DEADLINE
+    late: list[str] = []
+    gone = None if watch is None else partial(exited, watch)
     try:
         async with httpx.AsyncClient(base_url=app.url, timeout=15) as c:
             chaos = asyncio.create_task(chaos_then_settle(inject, rng, times, settled))
             try:
-                started = await run_load(
-                    c, cases, concurrency=concurrency, keep_going=settled, minimum=30, rng=rng
+                why = await before(
+                    deadline,
+                    run_load(
+                        c, cases, concurrency=concurrency, keep_going=settled, minimum=30, rng=rng
+                    ),
+                    gone=gone,
                 )
             finally:
                 await chaos
-            cases = cases[:started]
-            await final_pass(c, cases, concurrency)
+            cases = [case for case in cases if case.attempts]  # the ones started
+            if why is None:
+                why = await before(deadline, final_pass(c, cases, concurrency), gone=gone)
+            if why is not None:
+                if why == "the deadline passed":
+                    why = f"the clients' deadline ({CLIENTS_DEADLINE:g} s) passed"
+                late = [
+                    f"{why}: {mark_overdue(cases)} keys were still being retried",
+                    *await activity(dsn),
+                ]
     finally:
         await bank_faults(bank, {})
-    return await audit(dsn, cases, await bank_transfers(bank.url))
+    result = await audit(dsn, cases, await bank_transfers(bank.url))
+    if late:
+        result.stuck_keys = max(result.stuck_keys, 1)
+        result.findings[:0] = late
+    return result
 
 
 async def sigkill_scenario(
@@ -311,6 +360,9 @@ async def pg_restart_scenario(
         await asyncio.to_thread(restart_postgres, own_postgres)
 
     try:
+        # Ready once one worker answers; a worker still starting when PostgreSQL goes down
+        # cannot open its store, and uvicorn then stops the whole app (every key stuck).
+        await asyncio.to_thread(workers_started, app.log_path, 2, 90)
         result = await under_load(
             app,
             bank,
@@ -320,6 +372,7 @@ async def pg_restart_scenario(
             inject=restart,
             times=rng.randint(*restarts),
             rng=rng,
+            watch=app,
         )
     finally:
         app.cleanup()
