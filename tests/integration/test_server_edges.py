@@ -1,6 +1,8 @@
 """HTTP/1.1 edges of guarded requests behind uvicorn (h11, httptools), hypercorn and granian,
 each a process of its own on 127.0.0.1 (tests/edges_app.py: a pool of one connection), spoken to
-over raw sockets, counted in the database. Each server is skipped where it is not installed.
+over raw sockets, counted in the database. One process per server for the module: each test gets
+it with the tables emptied and nothing of the last test's requests still running, or a new one.
+Each server is skipped where it is not installed.
 
 - Clients that never read a large response (one streamed past `max_response_bytes`, replays of
   a held one): nothing holds the pool's only connection or a transaction while they do not read.
@@ -17,7 +19,7 @@ import asyncio
 import contextlib
 import os
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -83,42 +85,80 @@ class Edges:
         return n
 
 
-@pytest.fixture(params=list(SERVERS))
-async def edges(
-    request: pytest.FixtureRequest, db_dsn: str, tmp_path: Path
-) -> AsyncIterator[Edges]:
+#: The server's sessions, once a test's clients are gone, are idle again within this long; if
+#: not, the next test gets a server of its own.
+QUIET = 5.0
+_BUSY = (
+    "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+    " AND pid <> pg_backend_pid() AND backend_type = 'client backend' AND state <> 'idle'"
+)
+
+
+async def serving(server: Server) -> bool:
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+    except OSError:
+        assert server.proc is not None
+        assert server.proc.poll() is None, server.tail()
+        return False
+    writer.write(b"GET /ping HTTP/1.1\r\nhost: t\r\n\r\n")
+    await asyncio.wait_for(read_response(reader), BOUND)
+    writer.close()
+    await writer.wait_closed()
+    return True
+
+
+async def quiet(db: asyncpg.Pool[Any]) -> bool:
+    """No session of the database but ours is running a statement or inside a transaction."""
+    for _ in range(int(QUIET / 0.02)):
+        if await db.fetchval(_BUSY) == 0:
+            return True
+        await asyncio.sleep(0.02)
+    return False
+
+
+@pytest.fixture(scope="module", params=list(SERVERS))
+def edges_server(
+    request: pytest.FixtureRequest, db_dsn: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Server]:
+    """One server process per kind for the module (starting one is most of a test's time):
+    `edges` hands it to each test with the tables emptied and nothing of the last test's still
+    running, and starts it again if it is not."""
     modules, command = SERVERS[request.param]
     if not _available(*modules):
         pytest.skip(f"{request.param}: {', '.join(modules)} not installed")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "SERVERS_APP_DSN": db_dsn}
+    server = Server(command, env, tmp_path_factory.mktemp("edges") / "server.log")
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+async def edges(edges_server: Server, db_dsn: str) -> AsyncIterator[Edges]:
+    server = edges_server
     db = await asyncpg.create_pool(db_dsn, min_size=1, max_size=2)
-    server = Server(command, env, tmp_path / "server.log")
     try:
         await db.execute(EFFECTS)
-        await db.execute("TRUNCATE idem_requests, edges_effects")
-        server.start()
-
-        async def serving() -> bool:
-            try:
-                reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
-            except OSError:
-                assert server.proc is not None
-                assert server.proc.poll() is None, server.tail()
-                return False
-            writer.write(b"GET /ping HTTP/1.1\r\nhost: t\r\n\r\n")
-            await asyncio.wait_for(read_response(reader), BOUND)
-            writer.close()
-            await writer.wait_closed()
-            return True
-
-        await until(serving, "the server")
+        if server.proc is not None and (server.proc.poll() is not None or not await quiet(db)):
+            server.stop()  # (the last test's requests never settled: a server of its own)
+            server.proc = None
+        async with db.acquire() as conn, conn.transaction():
+            await conn.execute(f"SET LOCAL lock_timeout = '{int(BOUND * 1000)}ms'")
+            await conn.execute("TRUNCATE idem_requests, edges_effects")
+        if server.proc is None:
+            server.start()
+        await until(lambda: serving(server), "the server")
         edges = Edges(server, db)
         try:
             yield edges
         finally:
             await edges.close()
+            if not await quiet(db):
+                server.stop()
+                server.proc = None
     finally:
-        server.stop()
         await db.close()
 
 
