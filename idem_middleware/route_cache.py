@@ -10,11 +10,10 @@ import operator
 from collections.abc import Hashable, Sequence
 from typing import Any, cast
 
-from starlette.routing import Host, Mount, Route, WebSocketRoute
-
 from .fingerprint import Fingerprinter
 from .policy import Policy
 from .route_candidates import Memo, router_lists
+from .route_classes import PURE_MATCHES, learn_fastapi
 
 #: Resolved routes kept per (app, method, root path, path, host): a request to a path seen
 #: before skips the route walk. Cleared when full (paths with ids in them are all distinct).
@@ -36,25 +35,6 @@ Guarded = tuple[Fingerprinter, Policy, str, int | None]
 UNGUARDED = cast(Guarded, ())
 #: The entry for a request whose own method or path names an operation no record can hold.
 UNNAMEABLE = cast(Guarded, (None,))
-
-
-def _pure_matches() -> frozenset[Any]:
-    """The `matches` whose answer depends only on what the middleware's route cache keys on (the
-    method, the path and root path, the Host header). A custom route class's may read anything
-    in the scope (a version header, say): a request matched past one is resolved every time."""
-    found: set[Any] = {Route.matches, Mount.matches, Host.matches, WebSocketRoute.matches}
-    try:
-        from fastapi import routing
-    except ImportError:  # pragma: no cover - FastAPI is optional
-        return frozenset(found)
-    for name in ("APIRoute", "APIWebSocketRoute", "_IncludedRouter"):
-        matches = getattr(getattr(routing, name, None), "matches", None)
-        if matches is not None:
-            found.add(matches)
-    return frozenset(found)
-
-
-_PURE_MATCHES = _pure_matches()
 
 
 class Trace:
@@ -99,7 +79,8 @@ class Trace:
         self.defaults.setdefault(id(router), (router, getattr(router, "default", None)))
 
     def asked(self, route: Any) -> None:
-        if type(route).matches not in _PURE_MATCHES:
+        learn_fastapi()
+        if type(route).matches not in PURE_MATCHES:
             self.volatile = True
         elif hasattr(route, "original_router"):
             self.included(route)  # matched or not: a route added to it may match next time

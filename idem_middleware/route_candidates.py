@@ -8,29 +8,12 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from starlette.routing import BaseRoute, Match, Mount, Route, compile_path
+from starlette.routing import BaseRoute, Match, compile_path
 from starlette.types import Scope
 
 from .body_limits import LimitMemo
 from .middleware_arguments import HTTP_METHODS
-
-try:
-    from fastapi.routing import APIRoute as _API_ROUTE
-except ImportError:  # pragma: no cover - FastAPI is optional
-    _API_ROUTE = None  # type: ignore[assignment,misc]
-
-#: FastAPI's `APIRoute.matches`, whose routes' contexts match by their own regex and methods.
-_API_MATCHES: frozenset[Any] = (
-    frozenset() if _API_ROUTE is None else frozenset({_API_ROUTE.matches})
-)
-#: The `matches` of Starlette's `Route` and FastAPI's `APIRoute`: a route of a class that keeps
-#: one of them (not a subclass with its own, which may take other methods) answers a method
-#: outside its `methods` with PARTIAL at best, so `match_route` need not ask it.
-_PLAIN_MATCHES = _API_MATCHES | {Route.matches}
-#: Starlette's `Route` and FastAPI's `APIRoute`, exactly: a route of either class matches by its
-#: path and methods alone (a pure `matches`), and includes no router.
-PLAIN_ROUTES: frozenset[type[Any]] = frozenset({Route, _API_ROUTE} - {None})
-
+from .route_classes import API_MATCHES, API_ROUTE, PLAIN_MATCHES, SEGMENTED, learn_fastapi
 
 try:
     from starlette._utils import get_route_path as _route_path
@@ -44,9 +27,6 @@ def route_path(scope: Scope) -> str:
     return path if _route_path is None else _route_path(scope)
 
 
-#: The `matches` of classes whose path regex `_prefix` may read (Starlette's `Route` and
-#: `Mount`, FastAPI's `APIRoute`): each matches the path, relative to the root path, with it.
-_SEGMENTED = _PLAIN_MATCHES | {Mount.matches}
 #: Entries kept in each memo (lists made and dropped at run time: then it starts over).
 _SIZE = 1024
 #: Methods an included router's routes are kept filed by: HTTP's own, and the first others up
@@ -87,7 +67,7 @@ def _prefix(route: BaseRoute) -> tuple[str, ...]:
     """The literal segments every path `route` can match starts with (`/accounts/{id}/pay` and
     the mount `/accounts`: ("accounts",)); () when its regex cannot be seen to require any (a
     parameter in the first segment, a custom route class, a regex of another shape)."""
-    if type(route).matches not in _SEGMENTED:
+    if type(route).matches not in SEGMENTED:
         return ()
     return _literal_prefix(getattr(route, "path", None), getattr(route, "path_regex", None))
 
@@ -142,7 +122,7 @@ def candidates(
     routes: Sequence[BaseRoute], scope: Scope, memo: Memo | None = None
 ) -> Sequence[BaseRoute]:
     """`routes` less those that cannot match the request FULL: routes of a class that matches
-    as Starlette's `Route` does (`_PLAIN_MATCHES`) whose `methods` exclude its method, and
+    as Starlette's `Route` does (`PLAIN_MATCHES`) whose `methods` exclude its method, and
     routes whose paths start with other literal segments than the request's (`_prefix`: a large
     app's routes are not all asked, once for every new path; a FastAPI included router by what
     all of its routes' paths start with). Worked out once per list and method (again if the
@@ -159,6 +139,7 @@ def candidates_and_filed(
     filed by their routes' paths (some of them may not be among the candidates): a route added
     to one may match the request next time, so a match made without asking them holds only
     while their lengths do (`route_cache.Trace`)."""
+    learn_fastapi()
     method = scope.get("method")
     if len(routes) < 2 or not isinstance(method, str) or "fastapi" in scope:
         return routes, ()
@@ -260,7 +241,7 @@ def _other_method(route: Any, method: str) -> bool:
     methods = getattr(route, "methods", None)
     if not methods:
         return False
-    return method not in methods and type(route).matches in _PLAIN_MATCHES
+    return method not in methods and type(route).matches in PLAIN_MATCHES
 
 
 def _trie(kept: tuple[Any, ...], prefix: Any) -> _Trie:
@@ -333,6 +314,7 @@ def included_candidates(route: Any, scope: Scope, memo: Memo | None = None) -> S
     those of the routers it includes too, each as it matches under the router, in the order
     FastAPI asks them, less those that cannot match the request FULL (as `candidates`). None
     for any other route."""
+    learn_fastapi()
     contexts_of = getattr(route, "effective_route_contexts", None)
     if not callable(contexts_of) or (entry := _included(route, memo or Memo())) is None:
         return None
@@ -356,7 +338,7 @@ def _api_context(context: Any) -> bool:
     if type(context).__name__ != "_EffectiveRouteContext":
         return False
     original = getattr(context, "original_route", None)
-    return original is not None and type(original).matches in _API_MATCHES
+    return original is not None and type(original).matches in API_MATCHES
 
 
 def _other_method_context(context: Any, method: str) -> bool:
@@ -377,11 +359,12 @@ def _context_prefix(context: Any) -> tuple[str, ...]:
 def own_matches(context: Any) -> bool:
     """An included `APIRoute` of a class with its own `matches` (a version header, say): FastAPI
     asks that, not the context's path regex alone."""
+    learn_fastapi()
     original: Any = getattr(context, "original_route", None)
     return (
-        _API_ROUTE is not None
-        and isinstance(original, _API_ROUTE)
-        and type(original).matches not in _API_MATCHES
+        bool(API_ROUTE)
+        and isinstance(original, API_ROUTE[0])
+        and type(original).matches not in API_MATCHES
         and getattr(context, "starlette_route", None) is None
     )
 

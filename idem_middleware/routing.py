@@ -21,7 +21,6 @@ from .body_limits import declared_limit, mounted_limit, tighter
 from .policy import RouteMatch
 from .route_cache import Trace
 from .route_candidates import (
-    PLAIN_ROUTES,
     Memo,
     ask_as_fastapi,
     candidates_and_filed,
@@ -29,6 +28,7 @@ from .route_candidates import (
     own_matches,
     route_path,
 )
+from .route_classes import PLAIN_ROUTES
 
 _CONVERTER = re.compile(r":\w+}")
 _NONE: frozenset[int] = frozenset()
