@@ -1,11 +1,20 @@
-"""The store's opens and closes: one at a time, nested, and in the event loop of its pool."""
+"""The store's opens and closes: one at a time, nested, and in the event loop of its pool; the
+pool made once the server accepts connections."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
+import asyncpg
+
 from ...errors import OTHER_LOOP, ConfigurationError, StoreClosed
+
+logger = logging.getLogger("idem_middleware")
+
+#: How often a server that cannot accept connections yet is asked again (`pool_when_ready`).
+READY_POLL = 0.25
 
 
 class Turns:
@@ -48,3 +57,28 @@ def check_loop(pool: Any) -> None:
     """StoreClosed (a 503 whose log says why) when `pool` belongs to another loop."""
     if other_loop(pool):
         raise StoreClosed(OTHER_LOOP)
+
+
+async def pool_when_ready(dsn: str | None, options: dict[str, Any], seconds: float) -> Any:
+    """asyncpg's pool, made once the server accepts connections. A server that says it cannot
+    yet (57P03: starting up, in crash recovery after a restart) is asked again for up to
+    `seconds` (the store's `acquire_timeout`), with a warning: before, a worker that started
+    while its database restarted failed its startup, and uvicorn stopped every worker with it.
+    Any other refusal is raised at once, as is this one past `seconds`."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + seconds
+    for attempt in range(int(seconds / READY_POLL) + 2):  # (and the deadline)
+        try:
+            return await asyncpg.create_pool(dsn, **options)
+        except asyncpg.CannotConnectNowError as exc:
+            if loop.time() + READY_POLL > deadline:
+                raise
+            if attempt == 0:
+                logger.warning(
+                    "PostgreSQL cannot accept connections yet (%s): the store asks again for up "
+                    "to %g s",
+                    exc,
+                    seconds,
+                )
+        await asyncio.sleep(READY_POLL)
+    raise TimeoutError(f"PostgreSQL did not accept connections within {seconds:g} s")

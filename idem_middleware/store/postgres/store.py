@@ -33,7 +33,7 @@ from .convert import (
 from .edges import OffPathStatements
 from .fenced import Fencing
 from .fused import FastPath
-from .lifecycle import Turns, refuse_other_loop
+from .lifecycle import Turns, pool_when_ready, refuse_other_loop
 from .listener import Listener
 from .options import check_dsn, check_pool, check_store_options
 from .poolers import PREPARED_MISMATCH, refusal, require_sessions_to_listen, require_transactions
@@ -173,7 +173,9 @@ class PostgresStore(OffPathStatements):
         self._renewals.resume()
         if self._pool is None:
             try:
-                self._pool = await asyncpg.create_pool(self._dsn, **self._pool_kwargs)
+                self._pool = await pool_when_ready(
+                    self._dsn, self._pool_kwargs, self._checkouts.delay
+                )
             except (ValueError, OverflowError) as exc:  # (a port "abc", `sslmode=bogus`: asyncpg's
                 # parse, which its ClientConfigurationError is part of; a port out of range)
                 raise ConfigurationError(
