@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -346,16 +347,23 @@ def silent_webhook() -> Iterator[int]:
     held: list[Any] = []
 
     def accept() -> None:
-        while True:
+        for _ in range(1_000):  # (the tests make a few connections)
             try:
                 held.append(server.accept())
             except OSError:
                 return
 
-    threading.Thread(target=accept, daemon=True).start()
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
     try:
         yield server.getsockname()[1]
     finally:
+        # (A close alone leaves accept() blocked, and the thread with it, for the rest of the
+        # run: shutting the socket down wakes it.)
+        with contextlib.suppress(OSError):
+            server.shutdown(socket.SHUT_RDWR)
+        thread.join(5)
+        assert not thread.is_alive(), "the listener's thread is still in accept()"
         server.close()
         for conn, _ in held:
             conn.close()
