@@ -42,7 +42,7 @@ from idem_middleware import PostgresStore, RecordKey
 from idem_middleware.ops import Resolution, resolve
 from idem_middleware.store import StoredResponse
 from tests.apps.clients import TOKENS
-from tests.apps.servers import connection, read_response
+from tests.apps.servers import connection
 from tests.apps.soak import APPLICATION, LEDGER
 from tests.integration.test_soak import (
     COMMAND,
@@ -166,22 +166,8 @@ async def _until(
 
 
 async def _serving(chaos: Chaos, server: Server) -> None:
-    async def up() -> bool:
-        try:
-            reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
-        except OSError:
-            assert server.proc is not None
-            assert server.proc.poll() is None, server.tail()
-            return False
-        try:
-            writer.write(get("/ping"))
-            await asyncio.wait_for(read_response(reader), BOUND)
-        finally:
-            writer.close()
-        return True
-
     for _ in range(int(BOUND / 0.05)):
-        if await up():
+        if await server.answers(get("/ping")):
             return
         await asyncio.sleep(0.05)
     pytest.fail(f"the server never served:\n{server.tail()}")

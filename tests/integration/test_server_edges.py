@@ -94,20 +94,6 @@ _BUSY = (
 )
 
 
-async def serving(server: Server) -> bool:
-    try:
-        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
-    except OSError:
-        assert server.proc is not None
-        assert server.proc.poll() is None, server.tail()
-        return False
-    writer.write(b"GET /ping HTTP/1.1\r\nhost: t\r\n\r\n")
-    await asyncio.wait_for(read_response(reader), BOUND)
-    writer.close()
-    await writer.wait_closed()
-    return True
-
-
 async def quiet(db: asyncpg.Pool[Any]) -> bool:
     """No session of the database but ours is running a statement or inside a transaction."""
     for _ in range(int(QUIET / 0.02)):
@@ -149,7 +135,7 @@ async def edges(edges_server: Server, db_dsn: str) -> AsyncIterator[Edges]:
             await conn.execute("TRUNCATE idem_requests, edges_effects")
         if server.proc is None:
             server.start()
-        await until(lambda: serving(server), "the server")
+        await until(server.answers, "the server")
         edges = Edges(server, db)
         try:
             yield edges

@@ -112,6 +112,22 @@ class Server:
     def tail(self) -> str:
         return self.log.read_text(errors="replace")[-4000:]
 
+    async def answers(self, request: bytes = b"GET /ping HTTP/1.1\r\nhost: t\r\n\r\n") -> bool:
+        """Whether the server answers `request` now: False while nothing listens on its port
+        (fails if its process exited)."""
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", self.port)
+        except OSError:
+            assert self.proc is not None
+            assert self.proc.poll() is None, self.tail()
+            return False
+        try:
+            writer.write(request)
+            await asyncio.wait_for(read_response(reader), BOUND)
+        finally:
+            writer.close()
+        return True
+
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
