@@ -37,7 +37,14 @@ async def hang_db(admin_dsn: str) -> str:
 
 @pytest.fixture
 def app(hang_db: str, bank: ServerProcess) -> Iterator[ServerProcess]:
-    env = {"DATABASE_URL": hang_db, "BANK_URL": bank.url, **faults.CHAOS_ENV}
+    # (A payout's hold waits this long for its account's row: past the deadline, so that the
+    # locked rows below wedge every payout in flight, as a hang the app does not bound would.)
+    env = {
+        "DATABASE_URL": hang_db,
+        "BANK_URL": bank.url,
+        **faults.CHAOS_ENV,
+        "EXAMPLE_HOLD_SECONDS": str(DEADLINE * 5),
+    }
     proc = ServerProcess("example_app", env=env, ready_path=faults.READY)
     proc.start(timeout=90)
     try:
