@@ -50,7 +50,7 @@ from .models import (
 from .settings import read_settings
 from .supervisor import stop_when_orphaned
 
-#: A read of the accounts that meets these is a 503: the database is unreachable or restarting.
+#: What the app's own database work meets when the database is unreachable or restarting: a 503.
 DATABASE_DOWN = (
     OSError,
     TimeoutError,
@@ -64,6 +64,14 @@ DATABASE_DOWN = (
     asyncpg.InvalidCatalogNameError,
     asyncpg.InsufficientResourcesError,
 )
+
+
+def database_unavailable() -> HTTPException:
+    """What the app's own routes answer while the database is away, as the middleware answers
+    the guarded ones: a 503 problem with `Retry-After`."""
+    return HTTPException(503, "the database is unavailable", {"Retry-After": "1"})
+
+
 #: How long shutdown waits for the publisher's batch in flight before cancelling it.
 PUBLISHER_STOP_SECONDS = 5.0
 
@@ -293,7 +301,7 @@ def create_app(database_url: str | None = None) -> FastAPI:
             # As the middleware answers when the database is away (not a plain-text 500). A
             # 5xx leaves the outcome unknown: the retry asks the bank first, which was never
             # called, and runs again, finding its hold if this one committed after all.
-            raise HTTPException(503, "the database is unavailable", {"Retry-After": "1"}) from None
+            raise database_unavailable() from None
         if held is Hold.MISSING:
             raise HTTPException(404, "no such account")
         if held is Hold.SHORT:
@@ -325,7 +333,7 @@ def create_app(database_url: str | None = None) -> FastAPI:
             )
         except DATABASE_DOWN:
             # As the middleware answers its own routes when the database is away.
-            raise HTTPException(503, "the database is unavailable", {"Retry-After": "1"}) from None
+            raise database_unavailable() from None
         if row is None:
             raise HTTPException(404, "no such account")
         return AccountOut(account_id=account_id, balance=row["balance"], credits=row["credits"])
