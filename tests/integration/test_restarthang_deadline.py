@@ -56,10 +56,12 @@ def app(hang_db: str, bank: ServerProcess) -> Iterator[ServerProcess]:
 async def test_keys_wedged_in_flight_are_reported_at_the_deadline(
     app: ServerProcess, bank: ServerProcess, hang_db: str, monkeypatch: Any
 ) -> None:
-    """Every payout waits for its account's row lock (so its lease is renewed for good, and each
-    retry gets 409 in flight): the scenario ends at its deadline, naming the keys, what they kept
-    getting, their records and the session waiting for the lock. (Before: 80 attempts of about
-    2.5 s for each key, then the final pass again: pytest-timeout, and no word on why.)"""
+    """Every payout waits for its account's row lock (in its hold, its lease renewed for good; in
+    its debit, inside its fenced transaction, its lease lapses, renewals renewing nothing, but the
+    fence's row lock keeps every takeover out; either way each retry gets 409 in flight): the
+    scenario ends at its deadline, naming the keys, what they kept getting, their records and the
+    session waiting for the lock. (Before: 80 attempts of about 2.5 s for each key, then the final
+    pass again: pytest-timeout, and no word on why.)"""
     monkeypatch.setattr(faults, "CLIENTS_DEADLINE", DEADLINE)
     locker: list[Any] = []
 
