@@ -86,3 +86,21 @@ async def test_a_record_at_minus_infinity_merges_with_another_states(
         "first",
         "second",
     ]
+
+
+async def test_a_record_at_infinity_after_another_merges_with_another_states(
+    db_dsn: str, pool: Any
+) -> None:
+    """'infinity' (a naive datetime.max) as the record that follows another of its state:
+    pushed on the merge beside another state's head (aware), a TypeError."""
+    await insert(pool, "first", "pending", age=60)
+    await insert(pool, "last", "pending")
+    await insert(pool, "middle", "unknown", age=30)
+    await pool.execute("UPDATE idem_requests SET updated_at = 'infinity' WHERE idem_key = 'last'")
+    listed = cli("list", dsn=db_dsn)
+    assert listed.returncode == 0, listed.stderr
+    assert [line.split("key=")[1].split()[0] for line in listed.stdout.splitlines()] == [
+        "first",
+        "middle",
+        "last",
+    ]

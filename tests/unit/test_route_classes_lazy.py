@@ -78,8 +78,14 @@ def test_an_app_importing_fastapi_after_the_middleware_has_its_routes_known() ->
             await app(scope, receive, send)
 
         asyncio.run(main())
+        import fastapi.routing as fr
+        others = {getattr(fr, n).matches for n in ("APIWebSocketRoute", "_IncludedRouter")
+                  if hasattr(fr, n)}
         print(sent[0]["status"], APIRoute in route_classes.PLAIN_ROUTES,
-              APIRoute.matches in route_classes.PURE_MATCHES, route_classes.API_ROUTE == [APIRoute])
+              APIRoute.matches in route_classes.PURE_MATCHES, route_classes.API_ROUTE == [APIRoute],
+              all(APIRoute.matches in s for s in (route_classes.API_MATCHES,
+                  route_classes.PLAIN_MATCHES, route_classes.SEGMENTED)),
+              others <= route_classes.PURE_MATCHES)
         """
     )
-    assert out == "200 True True True"
+    assert out == "200 True True True True True"
