@@ -234,6 +234,7 @@ class LibraryRoute(Route):
                 ProblemKind.METHOD_NOT_ALLOWED, detail, base=self.problem_base
             )
             response.headers["allow"] = allow
+            response.headers["cache-control"] = "no-store"  # (as every answer of theirs)
             await response(scope, receive, send)
             return
         await super().handle(scope, receive, send)

@@ -97,14 +97,14 @@ def _unsendable(record: Record, status: int) -> Problem:
     from .observe import shown
 
     logger.error(
-        "idempotency: the record (tenant %s, operation %s, key digest %s, generation %s) holds "
-        "the status %d, which no server sends: its retries are answered 500 until an operator "
-        "resolves it again (idem-middleware resolve --again)",
-        shown(record.key.tenant),
+        "idempotency: the record (operation %s, key digest %s, generation %s; its tenant in "
+        "`extra`) holds the status %d, which no server sends: its retries are answered 500 "
+        "until an operator resolves it again (idem-middleware resolve --again)",
         shown(record.key.operation),
         key_digest(record.key.key),
         record.generation,
         status,
+        extra={"tenant": record.key.tenant, "operation": record.key.operation},
     )
     return Problem(ProblemKind.MISCONFIGURED, _UNSENDABLE)
 

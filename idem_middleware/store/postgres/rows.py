@@ -58,14 +58,14 @@ def _readable_headers(key: RecordKey, row: Any) -> list[tuple[bytes, bytes]]:
             except (AttributeError, ValueError):
                 continue
     logger.warning(
-        "idempotency: the stored headers of the record (tenant %s, operation %s, key digest %s, "
-        "generation %s) are not what the library writes (a JSON list of pairs of Latin-1 text): "
-        "%d of them are replayed",
-        shown(key.tenant),
+        "idempotency: the stored headers of the record (operation %s, key digest %s, generation "
+        "%s; its tenant in `extra`) are not what the library writes (a JSON list of pairs of "
+        "Latin-1 text): %d of them are replayed",
         shown(key.operation),
         key_digest(key.key),
         row["generation"],
         len(kept),
+        extra={"tenant": key.tenant, "operation": key.operation},
     )
     return kept
 
