@@ -75,10 +75,11 @@ def store_error_event(kind: ProblemKind, counted: Event | None) -> Event | None:
 
 
 class Observer(Protocol):
-    def event(self, event: Event, attributes: Mapping[str, Any]) -> None:
+    # (Positional-only: the middleware passes both so, and an observer names them as it likes.)
+    def event(self, event: Event, attributes: Mapping[str, Any], /) -> None:
         """One decision about a request (`operation` and, where known, `generation`)."""
 
-    def timed(self, name: str, attributes: Mapping[str, Any]) -> AbstractContextManager[None]:
+    def timed(self, name: str, attributes: Mapping[str, Any], /) -> AbstractContextManager[None]:
         """Around a step: `claim`, `wait`, `replay`, `complete`, `store.<query>`."""
 
 

@@ -49,6 +49,7 @@ from .pytest_databases import (
 
 if TYPE_CHECKING:
     import httpx
+    from starlette.testclient import TestClient
 
 __all__ = [
     "DSN_ENV",
@@ -147,6 +148,12 @@ class Replay(Protocol):
     """`idem_replay`'s type: `(first, second)`, awaited for an async client (a type checker then
     reports a call left without its `await`)."""
 
+    # First: Starlette's TestClient subclasses `httpx2.Client` for a type checker (its responses
+    # are httpx2's), or, without httpx2 installed, an unknown class that matched any overload.
+    @overload
+    def __call__(
+        self, client: TestClient, method: str, url: str, **options: Any
+    ) -> tuple[Any, Any]: ...
     @overload
     def __call__(
         self, client: httpx.AsyncClient, method: str, url: str, **options: Any

@@ -20,7 +20,7 @@ import contextlib
 import functools
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import asyncpg
 
@@ -258,16 +258,17 @@ async def claim_session(request: Request) -> AsyncIterator[AsyncSession]:
 try:
     from fastapi import Depends
 except ImportError:  # Starlette without FastAPI: `open_claim_session` serves
+    if not TYPE_CHECKING:  # (seen by a type checker, it made every name the module lacks `Any`)
 
-    def __getattr__(name: str) -> Any:
-        if name == "ClaimSession":  # `from idem_middleware.sqla import ClaimSession`
-            raise ImportError(
-                "idem_middleware.sqla.ClaimSession is a FastAPI dependency and FastAPI is not "
-                "installed: pip install 'idem-middleware[fastapi,sqlalchemy]' (Starlette alone: "
-                "`async with open_claim_session(request) as session`)",
-                name="fastapi",
-            )
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        def __getattr__(name: str) -> Any:
+            if name == "ClaimSession":  # `from idem_middleware.sqla import ClaimSession`
+                raise ImportError(
+                    "idem_middleware.sqla.ClaimSession is a FastAPI dependency and FastAPI is not"
+                    " installed: pip install 'idem-middleware[fastapi,sqlalchemy]' (Starlette "
+                    "alone: `async with open_claim_session(request) as session`)",
+                    name="fastapi",
+                )
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 else:
     #: `session: ClaimSession` in a FastAPI endpoint.
     ClaimSession = Annotated[AsyncSession, Depends(claim_session)]

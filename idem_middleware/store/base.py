@@ -302,6 +302,8 @@ class TokenRow:
 class Store(Protocol):
     """What the middleware needs of a store. The PostgreSQL store is the real one."""
 
+    # (pyright reads the context manager's `async def __aexit__` as returning a
+    # `types.CoroutineType`: a plain `def` one must be annotated so, as PgTransaction's is.)
     def transaction(
         self, *, acquire_timeout: float
     ) -> AbstractAsyncContextManager[TransactionSession]:

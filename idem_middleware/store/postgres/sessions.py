@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
+from types import CoroutineType
 from typing import Any, Protocol
 
 from ...delayed import Delayed
@@ -91,8 +92,7 @@ class PgTransaction:
         self._locks = lender._locks  # the store's: computes each key's claim lock
         self._fast = lender._fast  # None: the fast path is off
         self._tx: Any = None
-        # The claim went the fast way (`fusable`): the completion may travel with the COMMIT.
-        self._fused = False
+        self._fused = False  # the claim went the fast way (`fusable`): completion with COMMIT
         # The key and generation this transaction claimed: what `finish` records.
         self._claimed: tuple[RecordKey, int] | None = None
         # (fingerprint, retention seconds) of a claim whose record is written at completion.
@@ -122,8 +122,8 @@ class PgTransaction:
             self._task = None
         return self
 
-    def __aexit__(self, *exc: object) -> Coroutine[Any, Any, None]:
-        return self.release()  # (its coroutine: no second one wraps it)
+    def __aexit__(self, *exc: object) -> CoroutineType[Any, Any, None]:  # (pyright: see Store)
+        return self.release()  # type: ignore[return-value]  # (its coroutine: none wraps it)
 
     def due(self) -> None:
         """The deadline passed: a checkout still waiting is cancelled (and reports a timeout);
