@@ -63,6 +63,10 @@ DATABASE_DOWN = (
     asyncpg.ObjectNotInPrerequisiteStateError,
     asyncpg.InvalidCatalogNameError,
     asyncpg.InsufficientResourcesError,
+    # A pooled connection the server ended while it sat idle (a restart's "terminating
+    # connection due to administrator command"), taken before asyncpg saw the socket close:
+    # "cannot switch to state 12; another operation (2) is in progress" (as the store's own).
+    asyncpg.InternalClientError,
 )
 
 
