@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from enum import StrEnum
 from typing import TypeGuard
 
@@ -62,6 +63,30 @@ class StoreError(IdempotencyError):
     retry_after: int | None = 1
     log_level = logging.WARNING
     log_message = "idempotency store unavailable"
+
+
+#: How often one kind of store failure (its class and its cause's) logs its traceback: every
+#: request meeting one logs its line, but an outage fails every request, and a traceback each
+#: was thousands a minute. (Lease renewals log one per outage: heartbeat.)
+TRACEBACK_EVERY_SECONDS = 60.0
+#: When each kind last logged its traceback (a few kinds: cleared past `_KINDS_KEPT`).
+_traced: dict[tuple[type[BaseException], type[BaseException] | None], float] = {}
+_KINDS_KEPT = 64
+
+
+def traceback_due(exc: StoreError) -> bool:
+    """Whether a request's store failure logs its traceback: the first of its kind in each
+    `TRACEBACK_EVERY_SECONDS`, in this process."""
+    cause = exc.__cause__ or exc.__context__
+    kind = (type(exc), None if cause is None else type(cause))
+    now = time.monotonic()
+    last = _traced.get(kind)
+    if last is not None and now - last < TRACEBACK_EVERY_SECONDS:
+        return False
+    if len(_traced) >= _KINDS_KEPT:
+        _traced.clear()
+    _traced[kind] = now
+    return True
 
 
 class StoreClosed(StoreError):

@@ -19,7 +19,7 @@ from .capture import ResponseCapture
 from .client_watch import ClientWatch
 from .context import key_digest, token_hash
 from .endpoints import HANDLED, Handled
-from .errors import ClientGone, ProblemKind, RequestRejected, StoreError
+from .errors import ClientGone, ProblemKind, RequestRejected, StoreError, traceback_due
 from .fingerprint import Fingerprinter, compressed_body_hint
 from .keys import KEY_HEADER, parse_idempotency_key, parse_key_value
 from .keysource import take_key
@@ -220,7 +220,7 @@ class Exchange(ClientWatch):
                     "operation": self.operation,
                     "key_digest": key_digest(key),
                 },
-                exc_info=True,
+                exc_info=traceback_due(exc),  # (once a minute per kind: an outage's are many)
             )
             if not self.started:
                 await self.store_failed(exc)

@@ -21,6 +21,7 @@ from typing import Any
 import asyncpg
 import pytest
 
+from idem_middleware import errors
 from idem_middleware.store import MemoryStore
 from idem_middleware.store.migrations import migrate
 from idem_middleware.store.postgres import PostgresStore
@@ -39,6 +40,13 @@ CREATE TABLE IF NOT EXISTS test_ledger (
     id bigserial PRIMARY KEY, tenant text NOT NULL, account_id text NOT NULL, amount bigint NOT NULL
 );
 """
+
+
+@pytest.fixture(autouse=True)
+def _store_failure_tracebacks() -> None:
+    """Each test's first store failure of a kind logs its traceback, whatever tests before it in
+    this process logged (`errors.traceback_due` logs one per kind a minute)."""
+    errors._traced.clear()
 
 
 @pytest.fixture(scope="session")
