@@ -138,6 +138,9 @@ async def reconcile_unknown(
     # `limit` bounds the reconcilers run, not the records looked at: records no reconciler can
     # settle (transactional ones, operations without one) are passed over, oldest first, so that
     # however many of them wait for an operator they never keep the others from their turn.
+    # Those asked and left unknown are stamped (`mark_asked`): the store lists them after the
+    # ones not asked yet, so that however many of them a reconciler cannot tell about, they
+    # never keep the others from theirs either (run after run, the batch takes them in turn).
     seen: set[RecordKey] = set()
     runs = 0
     # (A limit past `_MAX_SCANNED` looks at that many: the window never started past it, and the
@@ -166,11 +169,14 @@ async def reconcile_unknown(
                 verdict = await _reconcile_one(store, summary, reconciler, seconds, held_wait)
             except Held:
                 report.held += 1
-                continue
+                verdict = Verdict.HELD
             except StatementRefused as exc:
                 _refused(report, exc, summary)
-                continue
-            report.verdicts[verdict.value] = report.verdicts.get(verdict.value, 0) + 1
+                verdict = Verdict.FAILED
+            else:
+                report.verdicts[verdict.value] = report.verdicts.get(verdict.value, 0) + 1
+            if verdict in _LEFT_UNKNOWN:
+                await _asked(store, summary)
         if not fresh or len(unknown) < window:
             break  # every unknown record has been looked at
         if window == _MAX_SCANNED:
@@ -240,6 +246,28 @@ async def _expire_leases(
         if window == _MAX_SCANNED:
             break  # the most one run looks at
         window = min(len(seen) + limit, _MAX_SCANNED)
+
+
+#: The verdicts that leave the record unknown under the generation asked about.
+_LEFT_UNKNOWN = frozenset({Verdict.STILL_UNKNOWN, Verdict.FAILED, Verdict.HELD})
+
+
+async def _asked(store: Store, summary: RecordSummary) -> None:
+    """Stamp the record asked about (see `Store.mark_asked`): a refusal of the database is
+    logged, and the record is asked first again at the next run, as before the stamp."""
+    try:
+        await store.mark_asked(summary.key, summary.generation)
+    except StatementRefused as exc:
+        logger.warning(
+            "idempotency: reconcile: the database refused to stamp a record asked about: %s",
+            exc,
+            extra={
+                "tenant": summary.key.tenant,
+                "operation": summary.key.operation,
+                "key_digest": key_digest(summary.key.key),
+                "generation": summary.generation,
+            },
+        )
 
 
 def _refused(report: ReconcileReport, exc: StatementRefused, summary: RecordSummary) -> None:

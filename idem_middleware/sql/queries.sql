@@ -734,7 +734,9 @@ WITH moved AS (
 SELECT count(*) AS moved, pg_notify('idem_middleware', $6) AS notified FROM moved;
 
 -- name: list_records
--- Operators: records by state, optionally one tenant and/or operation, oldest first.
+-- Operators (and `reconcile`): records by state, optionally one tenant and/or operation, oldest
+-- first; but an unknown record `reconcile` asked about under its generation (`mark_asked`) after
+-- every one it has not, those asked longest ago first (the batch's rotation: migration 0012).
 -- $1 states (text[]), $2 tenant or NULL, $3 operation or NULL, $4 limit, $5 stale pending
 -- only: lease lapsed (bool)
 SELECT tenant, operation, idem_key, state, generation, mode, created_at, updated_at,
@@ -746,8 +748,32 @@ WHERE state = ANY($1::text[])
   AND ($2::text IS NULL OR tenant = $2)
   AND ($3::text IS NULL OR operation = $3)
   AND (NOT $5 OR state <> 'pending' OR lease_expires_at IS NULL OR lease_expires_at <= now())
-ORDER BY updated_at
+ORDER BY CASE WHEN state = 'unknown' AND reconcile_asked_generation = generation
+              THEN reconcile_asked_at END NULLS FIRST,
+         updated_at, tenant, operation, idem_key
 LIMIT $4;
+
+-- name: mark_asked
+-- `reconcile` asked the reconciler of an unknown record and left it unknown (it could not tell
+-- yet, it failed, the record was held, its release was refused): stamped with the database's
+-- time and the generation, so that the next runs ask the others first (see `list_records`).
+-- `updated_at` is left as it is (the oldest unresolved record's age is read from it), and
+-- nobody is woken (nothing changed for a waiter). It never waits: a row another session holds
+-- (a reconciler's or an executor's fenced transaction) is left unstamped.
+-- $1 tenant, $2 operation, $3 key, $4 generation
+WITH locked AS (
+    SELECT FROM idem_requests
+    WHERE tenant = $1 AND operation = $2 AND idem_key = $3
+      AND generation = $4 AND state = 'unknown'
+    FOR UPDATE SKIP LOCKED
+), stamped AS (
+    UPDATE idem_requests r
+    SET reconcile_asked_at = now(), reconcile_asked_generation = $4
+    FROM locked
+    WHERE r.tenant = $1 AND r.operation = $2 AND r.idem_key = $3
+    RETURNING 1
+)
+SELECT count(*) AS stamped FROM stamped;
 
 -- name: list_page
 -- Operators (`idem-middleware list`): one page of one state's records, oldest first, after the

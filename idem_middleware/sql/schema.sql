@@ -37,6 +37,10 @@ CREATE TABLE idem_requests (
     -- The generation an operator's `reopen` drew: while the record keeps it, it was reopened from
     -- an outcome, and only an operator settles it (see migration 0011).
     reopened_generation bigint,
+    -- When `reconcile` last asked the record's reconciler and left it unknown, and under which
+    -- generation: counted only while the record keeps it (see migration 0012).
+    reconcile_asked_at timestamptz,
+    reconcile_asked_generation bigint,
     -- The tenant leads, so the table can be distributed (Citus) and co-located by tenant.
     CONSTRAINT idem_requests_pkey PRIMARY KEY (tenant, operation, idem_key),
     CONSTRAINT idem_requests_state_check

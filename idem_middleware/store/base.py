@@ -389,3 +389,8 @@ class Store(Protocol):
         limit: int = 100,
         stale_only: bool = False,
     ) -> list[RecordSummary]: ...
+
+    async def mark_asked(self, key: RecordKey, generation: int) -> bool:
+        """`reconcile` asked about the record, unknown under `generation`, and left it so: it
+        is listed after the unknown records not asked since they went unknown (see queries.sql
+        `list_records`). False if not stamped (moved, or held by another session)."""

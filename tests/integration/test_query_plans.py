@@ -157,6 +157,7 @@ async def _cases(conn: Any) -> dict[str, list[tuple[Any, ...]]]:
         "settle_checked": [(*leased, g_leased, "pending", "succeeded", *answer, None, "n")],
         "release": [(*leased, g_leased, "n")],
         "allow_retry": [(*unknown, g_unknown, "note", "n")],
+        "mark_asked": [(*unknown, g_unknown)],
         "amend": [(*unknown, g_unknown, "unknown", "succeeded", *answer, "line", "n")],
         "token_status": [(token["tenant"], token["token_hash"], token["operation"], fp)],
         "issue_token": [(live[0], b"\x02" * 32, "POST /op-0", None, "intent-2", 600.0)],
@@ -204,6 +205,7 @@ PER_REQUEST = {
 #: Batches: a parameter in a partial index's predicate or in a LIMIT makes their generic plans
 #: read the table whole, so their cost keeps asyncpg's plan cache on custom plans (checked below).
 PER_BATCH = {"purge_batch", "outbox_purge", "inbox_purge", "list_records", "list_page"}
+PER_REQUEST.add("mark_asked")  # (`reconcile`'s, one per record asked: by the key, as those)
 PER_BATCH.add("generations_ahead")  # (when a store opens, over a table of any size)
 #: Off every path but an operator's or a metrics scrape: counted in docs/operating.md.
 ELSEWHERE = {

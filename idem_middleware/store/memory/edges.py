@@ -165,8 +165,25 @@ class OffPathOperations(MemoryTables):
             if stale_only and row.state is State.PENDING and not lapsed:
                 continue
             found.append(_summary(key, row, now))
-        found.sort(key=lambda r: r.updated_at)
+        # As queries.sql orders them: an unknown record `reconcile` asked about under its
+        # generation after those it has not, those asked longest ago first.
+        asked = self._asked
+        for stale in [k for k, (g, _) in asked.items() if not self._current(k, g, State.UNKNOWN)]:
+            del asked[stale]  # (moved since: the stamp no longer counts)
+
+        def order(r: RecordSummary) -> tuple[bool, float, float, RecordKey]:
+            at = asked[r.key][1] if r.key in asked else None
+            return (at is not None, at or 0.0, r.updated_at, r.key)
+
+        found.sort(key=order)
         return found[:limit]
+
+    async def mark_asked(self, key: RecordKey, generation: int) -> bool:
+        """As queries.sql `mark_asked`: a row a session holds is left unstamped."""
+        if self._current(key, generation, State.UNKNOWN) is None or key in self._fence_locks:
+            return False
+        self._asked[key] = (generation, self.clock())
+        return True
 
     async def stats(self, *, unresolved_only: bool = False) -> StoreStats:
         """As the PostgreSQL store counts: every row (expired ones not yet purged too), or the

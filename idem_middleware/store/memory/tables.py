@@ -313,6 +313,8 @@ class MemoryTables:
         self._held_tokens: set[tuple[str, bytes]] = set()
         #: The token each (tenant, operation, intent) was issued (the table's unique key).
         self._intents: dict[tuple[str, str, str], bytes] = {}
+        #: `mark_asked`'s stamps, (generation, time) by key: the columns of migration 0012.
+        self._asked: dict[RecordKey, tuple[int, float]] = {}
 
     def _current(self, key: RecordKey, generation: int, state: State) -> _Row | None:
         """The committed row, if it is in `state` under `generation`."""

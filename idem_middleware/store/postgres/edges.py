@@ -251,6 +251,10 @@ class OffPathStatements(PoolStatements):
         rows = await self._run("fetch", _Q["list_records"], *args)
         return [_summary(r) for r in rows]
 
+    async def mark_asked(self, key: RecordKey, generation: int) -> bool:
+        """See queries.sql `mark_asked` (never waits for the record's row lock)."""
+        return bool(await self._run("fetchval", _Q["mark_asked"], *key, generation))
+
     async def list_page(
         self,
         state: State,
