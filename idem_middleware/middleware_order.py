@@ -223,21 +223,50 @@ def middleware_inside(
     All of it runs inside IdempotencyMiddleware. None for each guarded route reached.
     (`guarded`: as `walk` lists them, named maybe with a prefix from a router above: see
     `startup._named_above`.)"""
+    # (Asked per route, a scan of them all each was quadratic: 20,000 routes took seven seconds.)
+    by_ending: dict[tuple[int, str], list[str]] = {}
+    for found in guarded:
+        for ending in endings(found.template):
+            by_ending.setdefault((id(found.endpoint), ending), []).append(found.template)
+        by_ending.setdefault((id(found.endpoint), ""), []).append(found.template)
+    return _inside(routes, by_ending, prefix, depth)
+
+
+def endings(template: str) -> Iterator[str]:
+    """Each ending of `template` that starts with a slash: a template ends with a path that
+    starts with one (a route's, with a prefix before it) exactly when that is one of them."""
+    slash = template.find("/")
+    while slash >= 0:
+        yield template[slash:]
+        slash = template.find("/", slash + 1)
+
+
+def _inside(
+    routes: Sequence[BaseRoute],
+    guarded: dict[tuple[int, str], list[str]],
+    prefix: str,
+    depth: int,
+) -> Iterator[tuple[type, str] | None]:
+    """`middleware_inside`, its guarded routes' templates kept by endpoint and each of their
+    `endings` (by endpoint alone under "")."""
     for route in routes:
         if isinstance(route, Route):
             template = prefix + route.path
-            if any(g.endpoint is route.endpoint and g.template.endswith(template) for g in guarded):
+            if template.startswith("/"):
+                reached = (id(route.endpoint), template) in guarded
+            else:  # (under a Host: its pattern first)
+                of_endpoint = guarded.get((id(route.endpoint), ""), ())
+                reached = any(t.endswith(template) for t in of_endpoint)
+            if reached:
                 yield None
                 yield from ((cls, template) for cls in _layers(route.app))
         elif (contexts := _included(route)) is not None:
             mounted = [c.starlette_route for c in contexts if c.starlette_route is not None]
-            yield from middleware_inside(mounted, guarded, prefix, depth)
+            yield from _inside(mounted, guarded, prefix, depth)
         elif isinstance(route, Mount | Host) and depth < _MAX_WRAPPERS:
             where = prefix + route.path if isinstance(route, Mount) else route.host + prefix
             inner = listed_routes(mounted_app(route))
-            below = (
-                [] if inner is None else list(middleware_inside(inner, guarded, where, depth + 1))
-            )
+            below = [] if inner is None else list(_inside(inner, guarded, where, depth + 1))
             if below:  # (a guarded route under it)
                 # (the app below the Mount's own list too: a wrapper there may hide it)
                 for app in (route.app, mounted_app(route)):

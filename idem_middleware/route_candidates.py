@@ -4,6 +4,7 @@ does not have the request's path."""
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -36,6 +37,8 @@ _METHODS = 32
 _MAX_DEPTH = 32
 #: The longest method outside HTTP's own whose candidates are kept (see `_made_up_kept`).
 _KEPT_METHOD_LENGTH = 32
+#: The route paths whose compiled regexes `_compiles_to` remembers (the app's own: not a client's).
+_COMPILED_SIZE = 16384
 
 
 class Memo:
@@ -98,12 +101,21 @@ def _literal_prefix(path: Any, regex: Any) -> tuple[str, ...]:
 
 
 def _compiled_from(path: str, regex: re.Pattern[str]) -> bool:
+    return _compiles_to(path, regex.pattern, regex.flags)
+
+
+@functools.lru_cache(maxsize=_COMPILED_SIZE)
+def _compiles_to(path: str, pattern: str, flags: int) -> bool:
+    """Whether Starlette compiles `path` (a route's, or a mount's) to `pattern`: asked once per
+    path. (Compiled again for each list and method, a large app's routes missed `re`'s cache of
+    512: filing 5,000 routes took 0.4 s, at every request of a method whose candidates are not
+    kept, any token a client makes up.)"""
     for source in (path, path + "/{path:path}"):
         try:
             compiled = compile_path(source)[0]
         except Exception:  # (a path Starlette would not compile: not one of its regexes)
             return False
-        if compiled.pattern == regex.pattern and compiled.flags == regex.flags:
+        if compiled.pattern == pattern and compiled.flags == flags:
             return True
     return False
 
@@ -156,6 +168,11 @@ def _entry(routes: Sequence[BaseRoute], method: str, memo: Memo) -> _Candidates:
         or cached[1] != len(routes)
         or (cached[3] and tuple(map(len, cached[3])) != cached[4])
     ):
+        if method not in HTTP_METHODS and not _made_up_kept(memo, cache_key):
+            # Not kept: worked out again at every request, by the method alone (filing the
+            # routes by their paths cost a large app's worker 20 times its router's own work).
+            plain = tuple(route for route in routes if not _other_method(route, method))
+            return routes, len(routes), ({}, plain), (), ()
         lists: list[Any] = []
         filed: dict[int, tuple[str, ...]] = {}
         for route in routes:
@@ -167,12 +184,11 @@ def _entry(routes: Sequence[BaseRoute], method: str, memo: Memo) -> _Candidates:
         trie = _trie(kept, lambda route: filed[id(route)])
         filed_by = tuple(lists)
         cached = (routes, len(routes), trie, filed_by, tuple(map(len, filed_by)))
-        if method in HTTP_METHODS or _made_up_kept(memo, cache_key):
-            if len(memo.candidates) >= _SIZE:
-                memo.candidates.clear()  # lists made and dropped at run time: start over
-                memo.made_up = 0
-            memo.made_up += method not in HTTP_METHODS and cache_key not in memo.candidates
-            memo.candidates[cache_key] = cached
+        if len(memo.candidates) >= _SIZE:
+            memo.candidates.clear()  # lists made and dropped at run time: start over
+            memo.made_up = 0
+        memo.made_up += method not in HTTP_METHODS and cache_key not in memo.candidates
+        memo.candidates[cache_key] = cached
     return cached
 
 
@@ -325,11 +341,11 @@ def included_candidates(route: Any, scope: Scope, memo: Memo | None = None) -> S
     trie = by_method.get(method)
     if trie is None:
         plain = tuple(c for c in contexts_of() if not _other_method_context(c, method))
-        trie = _trie(plain, _context_prefix)
-        if method in HTTP_METHODS or (  # (any token is a method: few and short ones kept)
-            len(method) <= _KEPT_METHOD_LENGTH and len(by_method) < _METHODS
+        if method not in HTTP_METHODS and (  # (any token is a method: few and short ones kept)
+            len(method) > _KEPT_METHOD_LENGTH or len(by_method) >= _METHODS
         ):
-            by_method[method] = trie
+            return plain  # (not kept: not filed by path either, see `_entry`)
+        trie = by_method[method] = _trie(plain, _context_prefix)
     return _walk(trie, scope)
 
 
