@@ -261,12 +261,7 @@ async def _asked(store: Store, summary: RecordSummary) -> None:
         logger.warning(
             "idempotency: reconcile: the database refused to stamp a record asked about: %s",
             exc,
-            extra={
-                "tenant": summary.key.tenant,
-                "operation": summary.key.operation,
-                "key_digest": key_digest(summary.key.key),
-                "generation": summary.generation,
-            },
+            extra=_fields(summary),
         )
 
 
@@ -275,13 +270,18 @@ def _refused(report: ReconcileReport, exc: StatementRefused, summary: RecordSumm
     logger.error(
         "idempotency: reconcile: the database refused a record's move: %s",
         exc,
-        extra={
-            "tenant": summary.key.tenant,
-            "operation": summary.key.operation,
-            "key_digest": key_digest(summary.key.key),
-            "generation": summary.generation,
-        },
+        extra=_fields(summary),
     )
+
+
+def _fields(summary: RecordSummary) -> dict[str, object]:
+    """A record's log fields: never the raw key."""
+    return {
+        "tenant": summary.key.tenant,
+        "operation": summary.key.operation,
+        "key_digest": key_digest(summary.key.key),
+        "generation": summary.generation,
+    }
 
 
 async def _reconcile_one(

@@ -1,5 +1,6 @@
-"""A user's typed code, never run: tests/unit/test_usertypes_mypy.py type-checks it under
-`mypy --strict` (each `type: ignore` below must be needed: `--strict` reports one that is not)."""
+"""A user's typed code, never run: tests/integration/test_readme_examples.py type-checks it
+under `mypy --strict` with the README's examples (each `type: ignore` below must be needed:
+`--strict` reports one that is not)."""
 
 from __future__ import annotations
 

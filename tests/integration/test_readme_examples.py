@@ -64,6 +64,9 @@ def example_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     # An adopter's typed code: the options as the docs give them (type-checked, never run).
     files["typed"] = folder / "typed_usage.py"
     files["typed"].write_text((ROOT / "tests" / "typed_usage.py").read_text())
+    # And a user's code as their checkers read the public API (test_usertypes_mypy.py).
+    files["usertypes"] = folder / "typed_usertypes.py"
+    files["usertypes"].write_text((ROOT / "tests" / "typed_usertypes.py").read_text())
     return files
 
 

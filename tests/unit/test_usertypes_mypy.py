@@ -1,41 +1,17 @@
-"""The public API as a user's type checker sees it (mypy --strict, and what pyright reads
-differently from mypy, checked here on the annotations themselves)."""
+"""The public API as a user's type checker sees it: what pyright reads differently from mypy,
+checked here on the annotations themselves (`mypy --strict` on a user's code,
+tests/typed_usertypes.py, runs with the README's examples: test_readme_examples.py)."""
 
 from __future__ import annotations
 
 import ast
 import inspect
-import subprocess
-import sys
 from pathlib import Path
-
-import pytest
 
 import idem_middleware
 from idem_middleware.observe import Observer
 
 ROOT = Path(idem_middleware.__file__).resolve().parent.parent
-SNIPPET = ROOT / "tests" / "typed_usertypes.py"
-
-
-def test_a_users_typed_code_passes_mypy_strict(tmp_path: Path) -> None:
-    pytest.importorskip("mypy")
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "mypy",
-            "--strict",
-            "--cache-dir",
-            str(tmp_path / "cache"),
-            str(SNIPPET),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT,
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
 
 
 def test_async_context_managers_return_what_pyright_reads_an_async_def_as() -> None:
