@@ -446,10 +446,19 @@ SELECT 1 / count(*) FROM completed;
 -- The batch is chosen once (a CTE that locks rows is materialized; said so here): as a subquery
 -- in `USING`, a nested loop ran it again for each row, each run skipping the rows the statement
 -- had deleted and locking the next, and one batch deleted every row it could reach.
--- $1 batch size
+-- Each batch starts where the one before ended ($2, the latest expires_at it deleted), not at
+-- the index's first entry: the entries of the rows deleted before stay in the index until a
+-- vacuum, and while any snapshot older than the deletes is open (a long transaction, a backup,
+-- a standby's feedback) no scan may mark them dead, so a batch started from the first entry
+-- walked every row the run had deleted so far, each one's heap row too: measured on 2 million
+-- records, batch 300 took 230 ms instead of 14 (a run of 1,000 batches, minutes instead of 15 s).
+-- A row left behind (locked by a retry reclaiming it as the batch passed) waits for the next run.
+-- (`coalesce`, not `$2 IS NULL OR`: the bound stays an index condition in a generic plan.)
+-- $1 batch size, $2 the latest expires_at the run's previous batch deleted (NULL: the first)
 WITH doomed AS MATERIALIZED (
     SELECT tenant, operation, idem_key FROM idem_requests
     WHERE expires_at <= now() AND state IN ('succeeded', 'failed_final')
+      AND expires_at >= coalesce($2::timestamptz, '-infinity')
     ORDER BY expires_at
     LIMIT $1
     FOR UPDATE SKIP LOCKED
@@ -457,7 +466,8 @@ WITH doomed AS MATERIALIZED (
 DELETE FROM idem_requests r
 USING doomed
 WHERE r.tenant = doomed.tenant AND r.operation = doomed.operation
-  AND r.idem_key = doomed.idem_key;
+  AND r.idem_key = doomed.idem_key
+RETURNING r.expires_at;
 
 -- name: stats
 -- Counts per state, the age of the oldest record in each (what an alert watches for pending

@@ -48,7 +48,7 @@ _ROWS = {
 
 #: (statement, its table, its arguments: a batch of 2)
 _BATCHES = [
-    ("purge_batch", "idem_requests", (2,)),
+    ("purge_batch", "idem_requests", (2, None)),
     ("purge_tokens", "idem_tokens", (2,)),
     ("outbox_purge", "idem_outbox", (2, 60.0)),
     ("inbox_purge", "idem_inbox", (2, 60.0)),

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator, Iterator
+from datetime import UTC, datetime
 from typing import Any
 
 import asyncpg
@@ -169,7 +170,7 @@ async def _cases(conn: Any) -> dict[str, list[tuple[Any, ...]]]:
         "outbox_requeue": [(["event-7"],)],
         "inbox_record": [("consumer", "event-7")],
         # Batches: one purge batch, the reconciler's and the operator's listings.
-        "purge_batch": [(1000,)],
+        "purge_batch": [(1000, None), (1000, datetime(2000, 1, 1, tzinfo=UTC))],  # (after a batch)
         "generations_ahead": [(1000,)],
         "outbox_purge": [(1000, 19 * 86400.0)],  # the older events: a purge run's backlog
         "inbox_purge": [(1000, 19 * 86400.0)],  # (the same: the older rows)
@@ -338,16 +339,17 @@ async def test_the_unresolved_count_reads_only_the_unresolved_index(plans_conn: 
 
 #: The batches over `idem_requests`. (The outbox's purge may get its generic plan: on an outbox
 #: as small as this one it costs no more; on 760,000 events its custom plan stayed.)
-RECORD_BATCHES = ("list_records", "list_page", "purge_batch")
+#: (`purge_batch` may get its generic plan: its bound, `coalesce($2, ...)`, is an index condition
+#: there too, checked below.)
+RECORD_BATCHES = ("list_records", "list_page")
 
 
 async def test_record_batches_keep_their_custom_plans_through_asyncpgs_statement_cache(
     plans_conn: Any, plans_dsn: str
 ) -> None:
-    """A generic plan of `purge_batch` or `list_records` reads `idem_requests` whole (1.1 s per
-    purge batch on 2 million records, against 15 ms; `state = ANY($1)` cannot use the partial
-    index of unresolved records): run through prepared statements as the store runs them, the
-    plan cache must keep to custom plans."""
+    """A generic plan of `list_records` or `list_page` reads `idem_requests` whole (`state =
+    ANY($1)` cannot use the partial index of unresolved records): run through prepared
+    statements as the store runs them, the plan cache must keep to custom plans."""
     cases = await _cases(plans_conn)
     cached = await asyncpg.connect(plans_dsn)  # asyncpg's statement cache, as the store's pool
     try:
@@ -369,6 +371,24 @@ async def test_record_batches_keep_their_custom_plans_through_asyncpgs_statement
     for name in RECORD_BATCHES:
         generic, custom = plans[_Q[name]]
         assert (generic, custom >= 10) == (0, True), name
+
+
+@pytest.mark.parametrize("generic", [False, True], ids=["custom", "generic"])
+async def test_a_purge_batch_starts_where_the_batch_before_it_ended(
+    plans_conn: Any, generic: bool
+) -> None:
+    """`purge_batch` walks `idem_requests_expires_idx` from the bound its run's previous batch
+    ended at, not from the index's first entry (those of the rows deleted before it, left until
+    a vacuum, each cost a heap visit: tests/integration/test_bigdata_purge.py), in its custom
+    plan and in the generic one asyncpg's prepared statement gets after five runs."""
+    bound = datetime(2000, 1, 1, tzinfo=UTC)
+    plan = await _plan(plans_conn, "purge_batch", (1000, bound), generic)
+    assert _whole_reads(plan) == []
+    walks = [n for n in _nodes(plan) if n.get("Index Name") == "idem_requests_expires_idx"]
+    assert len(walks) == 1, plan
+    condition = walks[0]["Index Cond"]
+    assert "expires_at >=" in condition, condition
+    assert "expires_at <=" in condition, condition
 
 
 async def test_a_heartbeat_changes_no_indexed_column_so_its_update_is_hot(plans_conn: Any) -> None:

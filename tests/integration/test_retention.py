@@ -115,7 +115,7 @@ async def test_a_retry_of_a_key_being_purged_waits_for_the_purge_and_runs_once_a
         assert (await c.post("/things", json={}, headers=headers)).json() == {"run": 1}
         await pool.execute("UPDATE idem_requests SET expires_at = now() - interval '1 second'")
         async with pool.acquire() as sweeper, sweeper.transaction():
-            assert await sweeper.execute(_Q["purge_batch"], 100) == "DELETE 1"
+            assert await sweeper.execute(_Q["purge_batch"], 100, None) == "DELETE 1"
             retry = asyncio.create_task(c.post("/things", json={}, headers=headers))
             await wait_for_waiters(app)  # the retry's claim found the deleted row held
             assert await lock_waiters(pool) == 0

@@ -339,7 +339,9 @@ class OffPathStatements(PoolStatements):
         check_purge_limits(batch_size, max_batches)
         check_progress(progress)
         check_on_limit(on_limit)
-        deleted = await self._purge_batches(_Q["purge_batch"], batch_size, max_batches, progress)
+        deleted = await self._purge_batches(
+            _Q["purge_batch"], batch_size, max_batches, progress, keyset=True
+        )
         for what, query in (("tokens", _Q["purge_tokens"]), ("waiters", _Q["purge_waiters"])):
             others = await self._purge_batches(query, batch_size, max_batches)
             if on_limit is not None and others == batch_size * max_batches:
@@ -353,13 +355,19 @@ class OffPathStatements(PoolStatements):
         max_batches: int,
         progress: Callable[[int], None] | None = None,
         args: tuple[Any, ...] = (),
+        keyset: bool = False,
     ) -> int:
         """`query` (its $1 the batch size, then `args`) run until a batch deletes fewer than
-        `batch_size` rows, `max_batches` times at most: how many it deleted."""
-        deleted = 0
+        `batch_size` rows, `max_batches` times at most: how many it deleted. `keyset`: its $2 is
+        where the batch before ended, the largest of the values it returned (`purge_batch`)."""
+        deleted, after = 0, None
         for _ in range(max_batches):
-            status = await self._run("execute", query, batch_size, *args)
-            count = int(status.rsplit(" ", 1)[-1])
+            if keyset:
+                ended = [row[0] for row in await self._run("fetch", query, batch_size, after)]
+                count, after = len(ended), max(ended, default=after)
+            else:
+                status = await self._run("execute", query, batch_size, *args)
+                count = int(status.rsplit(" ", 1)[-1])
             deleted += count
             if progress is not None:
                 progress(deleted)
