@@ -896,18 +896,21 @@ WHERE w.token = old.token AND w.waiter = old.waiter;
 -- name: purge_tokens
 -- Delete one batch of expired tokens, except the consumed tokens of an intent: those stay as
 -- tombstones (an intent's token is the same every time it is issued, so without its tombstone
--- issuing for that intent again would bring a used token back to life). $1 batch size
--- (The batch chosen once: see purge_batch.)
+-- issuing for that intent again would bring a used token back to life). $1 batch size, $2 the
+-- latest expires_at the run's previous batch deleted (NULL: the first)
+-- (The batch chosen once, and started where the batch before it ended: see purge_batch.)
 WITH doomed AS MATERIALIZED (
     SELECT tenant, token_hash FROM idem_tokens
     WHERE expires_at <= now() AND (consumed_at IS NULL OR intent_id IS NULL)
+      AND expires_at >= coalesce($2::timestamptz, '-infinity')
     ORDER BY expires_at
     LIMIT $1
     FOR UPDATE SKIP LOCKED
 )
 DELETE FROM idem_tokens t
 USING doomed
-WHERE t.tenant = doomed.tenant AND t.token_hash = doomed.token_hash;
+WHERE t.tenant = doomed.tenant AND t.token_hash = doomed.token_hash
+RETURNING t.expires_at;
 
 -- name: outbox_add
 -- $1 event id, $2 tenant, $3 topic, $4 payload (JSON text). One row (true) when written, none
@@ -1010,18 +1013,21 @@ LIMIT $2;
 
 -- name: outbox_purge
 -- Delete one batch of events sent more than $2 seconds ago, oldest first (a run stopped at its
--- limit leaves the youngest). $1 batch size, $2 age (seconds)
--- (The batch chosen once: see purge_batch.)
+-- limit leaves the youngest). $1 batch size, $2 age (seconds), $3 the latest sent_at the run's
+-- previous batch deleted (NULL: the first)
+-- (The batch chosen once, and started where the batch before it ended: see purge_batch.)
 WITH doomed AS MATERIALIZED (
     SELECT event_id FROM idem_outbox
     WHERE sent_at <= now() - make_interval(secs => $2::float8)
+      AND sent_at >= coalesce($3::timestamptz, '-infinity')
     ORDER BY sent_at
     LIMIT $1
     FOR UPDATE SKIP LOCKED
 )
 DELETE FROM idem_outbox o
 USING doomed
-WHERE o.event_id = doomed.event_id;
+WHERE o.event_id = doomed.event_id
+RETURNING o.sent_at;
 
 -- name: inbox_record
 -- A consumer notes an event in its own transaction; no row back means it was applied before.
@@ -1032,18 +1038,21 @@ RETURNING 1;
 
 -- name: inbox_purge
 -- Delete one batch of consumers' inbox rows recorded more than $2 seconds ago, oldest first.
--- $1 batch size, $2 age (seconds)
--- (The batch chosen once: see purge_batch.)
+-- $1 batch size, $2 age (seconds), $3 the latest received_at the run's previous batch deleted
+-- (NULL: the first)
+-- (The batch chosen once, and started where the batch before it ended: see purge_batch.)
 WITH doomed AS MATERIALIZED (
     SELECT consumer, event_id FROM idem_inbox
     WHERE received_at <= now() - make_interval(secs => $2::float8)
+      AND received_at >= coalesce($3::timestamptz, '-infinity')
     ORDER BY received_at
     LIMIT $1
     FOR UPDATE SKIP LOCKED
 )
 DELETE FROM idem_inbox i
 USING doomed
-WHERE i.consumer = doomed.consumer AND i.event_id = doomed.event_id;
+WHERE i.consumer = doomed.consumer AND i.event_id = doomed.event_id
+RETURNING i.received_at;
 
 -- name: amend
 -- An operator's move (resolve, re-resolve, reopen, release for a retry): like `settle`, but the

@@ -49,9 +49,9 @@ _ROWS = {
 #: (statement, its table, its arguments: a batch of 2)
 _BATCHES = [
     ("purge_batch", "idem_requests", (2, None)),
-    ("purge_tokens", "idem_tokens", (2,)),
-    ("outbox_purge", "idem_outbox", (2, 60.0)),
-    ("inbox_purge", "idem_inbox", (2, 60.0)),
+    ("purge_tokens", "idem_tokens", (2, None)),
+    ("outbox_purge", "idem_outbox", (2, 60.0, None)),
+    ("inbox_purge", "idem_inbox", (2, 60.0, None)),
 ]
 
 

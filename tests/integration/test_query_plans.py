@@ -172,8 +172,9 @@ async def _cases(conn: Any) -> dict[str, list[tuple[Any, ...]]]:
         # Batches: one purge batch, the reconciler's and the operator's listings.
         "purge_batch": [(1000, None), (1000, datetime(2000, 1, 1, tzinfo=UTC))],  # (after a batch)
         "generations_ahead": [(1000,)],
-        "outbox_purge": [(1000, 19 * 86400.0)],  # the older events: a purge run's backlog
-        "inbox_purge": [(1000, 19 * 86400.0)],  # (the same: the older rows)
+        "outbox_purge": [(1000, 19 * 86400.0, None)],  # the older events: a run's backlog
+        "inbox_purge": [(1000, 19 * 86400.0, None)],  # (the same: the older rows)
+        "purge_tokens": [(1000, None)],
         "list_records": [
             (["pending", "unknown"], None, None, 100, False),
             (["unknown"], None, None, 100, False),
@@ -208,9 +209,10 @@ PER_REQUEST = {
 PER_BATCH = {"purge_batch", "outbox_purge", "inbox_purge", "list_records", "list_page"}
 PER_REQUEST.add("mark_asked")  # (`reconcile`'s, one per record asked: by the key, as those)
 PER_BATCH.add("generations_ahead")  # (when a store opens, over a table of any size)
+PER_BATCH.add("purge_tokens")  # (`purge`'s, after the records')
 #: Off every path but an operator's or a metrics scrape: counted in docs/operating.md.
 ELSEWHERE = {
-    "stats", "stats_unresolved", "outbox_stats", "outbox_list", "purge_tokens", "purge_waiters",
+    "stats", "stats_unresolved", "outbox_stats", "outbox_list", "purge_waiters",
     "watch_begin", "watch_end", "draw_generations", "lock_secret", "writable", "privileges",
     "write_deferred", "unclaim", "outbox_row_security",
 }  # fmt: skip
@@ -373,22 +375,32 @@ async def test_record_batches_keep_their_custom_plans_through_asyncpgs_statement
         assert (generic, custom >= 10) == (0, True), name
 
 
+_BOUND = datetime(2000, 1, 1, tzinfo=UTC)
+#: (statement, its arguments after a batch, the index it walks, the column that index orders)
+_PURGES = [
+    ("purge_batch", (1000, _BOUND), "idem_requests_expires_idx", "expires_at"),
+    ("purge_tokens", (1000, _BOUND), "idem_tokens_expires_idx", "expires_at"),
+    ("outbox_purge", (1000, 60.0, _BOUND), "idem_outbox_sent_idx", "sent_at"),
+    ("inbox_purge", (1000, 60.0, _BOUND), "idem_inbox_received_idx", "received_at"),
+]
+
+
 @pytest.mark.parametrize("generic", [False, True], ids=["custom", "generic"])
+@pytest.mark.parametrize(("name", "args", "index", "column"), _PURGES, ids=[p[0] for p in _PURGES])
 async def test_a_purge_batch_starts_where_the_batch_before_it_ended(
-    plans_conn: Any, generic: bool
+    plans_conn: Any, generic: bool, name: str, args: tuple[Any, ...], index: str, column: str
 ) -> None:
-    """`purge_batch` walks `idem_requests_expires_idx` from the bound its run's previous batch
-    ended at, not from the index's first entry (those of the rows deleted before it, left until
-    a vacuum, each cost a heap visit: tests/integration/test_bigdata_purge.py), in its custom
-    plan and in the generic one asyncpg's prepared statement gets after five runs."""
-    bound = datetime(2000, 1, 1, tzinfo=UTC)
-    plan = await _plan(plans_conn, "purge_batch", (1000, bound), generic)
+    """A purge's batch walks its index from the bound its run's previous batch ended at, not
+    from the index's first entry (those of the rows deleted before it, left until a vacuum,
+    each cost a heap visit: tests/integration/test_bigdata_purge.py and test_purges_keyset.py),
+    in its custom plan and in the generic one asyncpg's prepared statement gets after five."""
+    plan = await _plan(plans_conn, name, args, generic)
     assert _whole_reads(plan) == []
-    walks = [n for n in _nodes(plan) if n.get("Index Name") == "idem_requests_expires_idx"]
+    walks = [n for n in _nodes(plan) if n.get("Index Name") == index]
     assert len(walks) == 1, plan
     condition = walks[0]["Index Cond"]
-    assert "expires_at >=" in condition, condition
-    assert "expires_at <=" in condition, condition
+    assert f"{column} >=" in condition, condition
+    assert f"{column} <=" in condition, condition
 
 
 async def test_a_heartbeat_changes_no_indexed_column_so_its_update_is_hot(plans_conn: Any) -> None:

@@ -57,7 +57,7 @@ async def test_a_token_purged_while_its_claim_began_is_refused_not_run(
         async with pool.acquire() as sweeper:
             purging = sweeper.transaction()
             await purging.start()
-            assert await sweeper.execute(queries()["purge_tokens"], 100) == "DELETE 1"
+            assert await sweeper.execute(queries()["purge_tokens"], 100, None) == "DELETE 1"
             claiming = asyncio.create_task(
                 tx.claim(
                     key,
@@ -98,7 +98,7 @@ async def test_a_consumed_tokens_intent_is_not_issued_again(
         assert isinstance(claim, Claimed)
         await tx.finish(State.SUCCEEDED, DONE)
     await asyncio.sleep(0.4)
-    await pool.execute(queries()["purge_tokens"], 100)
+    await pool.execute(queries()["purge_tokens"], 100, None)
     assert await pool.fetchval("SELECT count(*) FROM idem_tokens") == 1  # the tombstone
     with pytest.raises(TokenConflict):
         await issuer.issue("tenant-a", OP, intent_id="pay-43", ttl_seconds=60)

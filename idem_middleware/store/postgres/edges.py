@@ -232,7 +232,7 @@ class OffPathStatements(PoolStatements):
         check_purge_limits(batch_size, max_batches)
         try:
             return await self._purge_batches(
-                query, batch_size, max_batches, progress, (older_than_seconds,)
+                query, batch_size, max_batches, progress, (older_than_seconds,), keyset=True
             )
         except SERVER_ERROR as exc:
             raise translate(exc) from exc
@@ -343,7 +343,8 @@ class OffPathStatements(PoolStatements):
             _Q["purge_batch"], batch_size, max_batches, progress, keyset=True
         )
         for what, query in (("tokens", _Q["purge_tokens"]), ("waiters", _Q["purge_waiters"])):
-            others = await self._purge_batches(query, batch_size, max_batches)
+            keyset = what == "tokens"  # (the waiters': a few rows a dead process left, unordered)
+            others = await self._purge_batches(query, batch_size, max_batches, keyset=keyset)
             if on_limit is not None and others == batch_size * max_batches:
                 on_limit(what)
         return deleted
@@ -358,12 +359,13 @@ class OffPathStatements(PoolStatements):
         keyset: bool = False,
     ) -> int:
         """`query` (its $1 the batch size, then `args`) run until a batch deletes fewer than
-        `batch_size` rows, `max_batches` times at most: how many it deleted. `keyset`: its $2 is
-        where the batch before ended, the largest of the values it returned (`purge_batch`)."""
+        `batch_size` rows, `max_batches` times at most: how many it deleted. `keyset`: its last
+        argument is where the batch before ended, the largest of the values it returned."""
         deleted, after = 0, None
         for _ in range(max_batches):
             if keyset:
-                ended = [row[0] for row in await self._run("fetch", query, batch_size, after)]
+                rows = await self._run("fetch", query, batch_size, *args, after)
+                ended = [row[0] for row in rows]
                 count, after = len(ended), max(ended, default=after)
             else:
                 status = await self._run("execute", query, batch_size, *args)
