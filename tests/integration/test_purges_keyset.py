@@ -1,11 +1,12 @@
-"""The token, outbox and inbox purges' batches cost the same from the first to the last while a
-snapshot is held open, as `purge_batch`'s do (tests/integration/test_bigdata_purge.py).
+"""The purges' batches (of records, tokens, outbox events, inbox rows) cost the same from the
+first to the last while a snapshot is held open.
 
 Each of their batches started at the first entry of its index (expiry, sent, received). The
 entries of the rows the run had deleted stay in the index until a vacuum, and while a snapshot
 older than the deletes is open (a long transaction, a backup, a standby's feedback) no scan may
-mark them dead: every batch walked every row deleted before it, and visited its heap row. Each
-batch now starts at the latest value the batch before it deleted.
+mark them dead: every batch walked every row deleted before it, and visited its heap row (on 2
+million records batch 300 of a run took 230 ms instead of 14). Each batch now starts at the
+latest value the batch before it deleted.
 
 The plans are read through auto_explain on the store's own connections: the buffers each batch's
 index scan touched, the later batches' against the first's.
@@ -29,6 +30,13 @@ _AGO = "now() - interval '1 day' + make_interval(secs => i)"
 
 #: (the index each batch walks, its rows: past their expiry or age, oldest first, the purge)
 _PURGES: dict[str, tuple[str, str, Callable[[PostgresStore], Awaitable[int]]]] = {
+    "records": (
+        "idem_requests_expires_idx",
+        "INSERT INTO idem_requests (tenant, operation, idem_key, fingerprint, state, mode,"
+        " retention, expires_at, response_status) SELECT 't', 'POST /x', i::text, '\\x00',"
+        f" 'succeeded', 'transactional', interval '1 second', {_AGO}, 201 FROM {_ROWS}",
+        lambda store: store.purge(batch_size=BATCH, max_batches=BATCHES + 1),
+    ),
     "tokens": (
         "idem_tokens_expires_idx",
         "INSERT INTO idem_tokens (tenant, token_hash, operation, expires_at)"
@@ -87,7 +95,8 @@ async def test_a_purges_batch_does_not_walk_the_rows_its_run_deleted_before_it(
     try:
         await setup.execute(
             "DELETE FROM idem_requests; DELETE FROM idem_tokens; DELETE FROM idem_outbox;"
-            f" DELETE FROM idem_inbox; {fill}; ANALYZE idem_tokens, idem_outbox, idem_inbox"
+            f" DELETE FROM idem_inbox; {fill};"
+            " ANALYZE idem_requests, idem_tokens, idem_outbox, idem_inbox"
         )
         await holder.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
         await holder.fetchval("SELECT count(*) FROM idem_lock_secret")  # (its snapshot, held)

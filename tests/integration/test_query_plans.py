@@ -392,7 +392,7 @@ async def test_a_purge_batch_starts_where_the_batch_before_it_ended(
 ) -> None:
     """A purge's batch walks its index from the bound its run's previous batch ended at, not
     from the index's first entry (those of the rows deleted before it, left until a vacuum,
-    each cost a heap visit: tests/integration/test_bigdata_purge.py and test_purges_keyset.py),
+    each cost a heap visit: tests/integration/test_purges_keyset.py),
     in its custom plan and in the generic one asyncpg's prepared statement gets after five."""
     plan = await _plan(plans_conn, name, args, generic)
     assert _whole_reads(plan) == []
