@@ -342,8 +342,11 @@ class OffPathStatements(PoolStatements):
         deleted = await self._purge_batches(
             _Q["purge_batch"], batch_size, max_batches, progress, keyset=True
         )
-        for what, query in (("tokens", _Q["purge_tokens"]), ("waiters", _Q["purge_waiters"])):
-            keyset = what == "tokens"  # (the waiters': a few rows a dead process left, unordered)
+        # (The waiters' purge is no keyset: a few rows a dead process left, unordered.)
+        for what, query, keyset in (
+            ("tokens", _Q["purge_tokens"], True),
+            ("waiters", _Q["purge_waiters"], False),
+        ):
             others = await self._purge_batches(query, batch_size, max_batches, keyset=keyset)
             if on_limit is not None and others == batch_size * max_batches:
                 on_limit(what)
