@@ -67,6 +67,18 @@ DATABASE_DOWN = (
     # connection due to administrator command"), taken before asyncpg saw the socket close:
     # "cannot switch to state 12; another operation (2) is in progress" (as the store's own).
     asyncpg.InternalClientError,
+    # The server ending the session itself (FATAL): its crash recovery, the database dropped,
+    # the role's or database's `idle_session_timeout` or `idle_in_transaction_session_timeout`;
+    # and a login the server refuses (a role disabled, a password rotated). The store's own
+    # list has each (tests/unit/test_example_database_down.py keeps the two in step).
+    asyncpg.exceptions.CrashShutdownError,
+    asyncpg.exceptions.DatabaseDroppedError,
+    asyncpg.exceptions.IdleSessionTimeoutError,
+    asyncpg.exceptions.IdleInTransactionSessionTimeoutError,
+    asyncpg.exceptions.InvalidAuthorizationSpecificationError,
+    # A server that takes no writes for now (a hot standby after a failover, or
+    # `default_transaction_read_only` set for maintenance).
+    asyncpg.exceptions.ReadOnlySQLTransactionError,
 )
 
 
