@@ -12,7 +12,7 @@ requests keep alive) and the middleware are all in it. Under valgrind the app ru
 times slower, so a run answers a few hundred requests, and how they interleave moves the count
 (two runs of bare: 1,334,726 and 1,401,249 per response): compare the variants of one
 invocation. What the app's throughput becomes against bare's follows as bare's count over the
-variant's, when the app is what saturates (see docs/performance.md for how well it does).
+variant's, when the app is what saturates (see docs/performance-history.md for how well it does).
 
 Needs valgrind and wrk; about three minutes per variant.
 """

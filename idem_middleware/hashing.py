@@ -7,8 +7,8 @@ allocated, the digest looked up, the context copied for `digest()`), a dozen sma
 spread over libcrypto, and in place, between a FastAPI handler's own work, they run cache-cold:
 timed request by request, a guarded request whose fingerprint hashed 183 bytes cost 1.1-1.7 µs
 more with OpenSSL's digest than with CPython's builtin module, a single small function
-(docs/performance.md). Per byte, though, OpenSSL is several times quicker (it uses the CPU's SHA
-instructions where there are some): 0.75 ms against 5.3 ms for 1 MiB. So inputs up to
+(docs/performance-history.md). Per byte, though, OpenSSL is several times quicker (it uses the
+CPU's SHA instructions where there are some): 0.75 ms against 5.3 ms for 1 MiB. So inputs up to
 `SHORT_INPUT` bytes go to CPython's, longer ones to OpenSSL's. The digests are the same bytes.
 
 Where the interpreter has no builtin SHA-256 (a build without it), `hashlib.sha256` does all.

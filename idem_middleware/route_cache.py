@@ -99,7 +99,7 @@ class Seen:
     """The cache keys resolved once, by their hashes: the route cache keeps a path from its
     second request on. Most paths with an id in them are met once, and an entry for each cost
     more than finding its route again (the entry made, and the collector's passes over the
-    entries held: docs/performance.md). A set of numbers, which the collector does not pass
+    entries held: docs/performance-history.md). A set of numbers, which the collector does not pass
     over, cleared when it holds `SEEN_SIZE`."""
 
     __slots__ = ("_hashes",)

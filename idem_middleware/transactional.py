@@ -45,7 +45,8 @@ logger = logging.getLogger("idem_middleware")
 #: Watching only saves work (a departed client's outcome is committed or rolled back whole
 #: either way), and it costs a task per watched request. A handler's time includes its waits for
 #: a busy event loop: at 50 ms, 40-76% of the requests of a loaded server were watched, and the
-#: watches cost it 13% of its throughput (docs/performance.md). So only really long handlers are.
+#: watches cost it 13% of its throughput (docs/performance-history.md). So only really long
+#: handlers are.
 DISCONNECT_WATCH_AFTER = 1.0
 #: Starts the client watch of handlers still running after DISCONNECT_WATCH_AFTER.
 _WATCH = Delayed(DISCONNECT_WATCH_AFTER)

@@ -1,5 +1,6 @@
-"""Lease mode's own per-request work, pinned where a cut made it smaller (docs/performance.md,
-"Lease mode's own work"): each would come back unnoticed, since nothing else fails with it."""
+"""Lease mode's own per-request work, pinned where a cut made it smaller
+(docs/performance-history.md, "Lease mode's own work"): each would come back unnoticed, since
+nothing else fails with it."""
 
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ decoded one costs two function calls per value (about a third of the completion'
 `_literals` writes values one by one, each checked on its own. (A format string made once per
 sequence of types, with all of the text checked at once, executed a third of the bytecodes and
 took as long: the time is in C, in `str.format` and the type checks, not in the loop. See
-docs/performance.md.)
+docs/performance-history.md.)
 """
 
 from __future__ import annotations
