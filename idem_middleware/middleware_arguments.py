@@ -134,7 +134,9 @@ def _check_observer(observer: object) -> None:
             f"observers: {observer!r} is not an Observer (it needs event() and timed())"
         )
     name = type(observer).__name__
-    if inspect.iscoroutinefunction(inspect.unwrap(event)):
+    # (an object given as `event`, its `async def __call__`: as never awaited)
+    call = event if inspect.isroutine(event) else type(event).__call__
+    if inspect.iscoroutinefunction(inspect.unwrap(event)) or inspect.iscoroutinefunction(call):
         raise ConfigurationError(
             f"observers: {name}.event is async; the middleware calls it without awaiting it, "
             "so it must be a plain function (hand the work to a task or a queue of your own)"

@@ -9,6 +9,7 @@ class with these two methods. With no observer configured the middleware pays no
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
@@ -94,12 +95,11 @@ class LoggingObserver:
 
     def event(self, event: Event, attributes: Mapping[str, Any]) -> None:
         if logger.isEnabledFor(self.level):
-            logger.log(
-                self.level,
-                "idempotency %s",
-                event.value,
-                extra={"outcome": event.value, **attributes},
-            )
+            fields = {"outcome": event.value, **attributes}
+            operation = fields.get("operation")
+            if isinstance(operation, str):  # (a concrete path's: escaped and cut, see `shown`)
+                fields["operation"] = shown(operation)
+            logger.log(self.level, "idempotency %s", event.value, extra=fields)
 
     @contextlib.contextmanager
     def timed(self, name: str, attributes: Mapping[str, Any]) -> Iterator[None]:
@@ -138,7 +138,9 @@ class Observers:
     def event(self, event: Event, attributes: Mapping[str, Any]) -> None:
         for observer in self.observers:
             try:
-                observer.event(event, attributes)
+                answer: object = observer.event(event, attributes)  # type: ignore[func-returns-value]
+                if answer is not None:
+                    _never_awaited(answer)
             except Exception:
                 self.failed(observer, f"event {event.value}")
 
@@ -158,6 +160,20 @@ class Observers:
                 "" if first else " (logged at WARNING the first time only)",
                 exc_info=True,
             )
+
+
+def _never_awaited(answer: object) -> None:
+    """What an `event` returned, when it returned something: an awaitable (an object with an
+    `async def __call__` given as `event`, a function handing back a coroutine) is never
+    awaited, its event lost with no observer named: closed, and the observer's failure."""
+    if inspect.isawaitable(answer):
+        close = getattr(answer, "close", None)
+        if callable(close):
+            close()
+        raise TypeError(
+            f"event returned {type(answer).__name__}, an awaitable the middleware does not "
+            "await: it must do its work (or hand it to a task of its own) and return None"
+        )
 
 
 def _observer_name(observer: object) -> str:
