@@ -84,6 +84,7 @@ async def reconcile(store: PostgresStore, args: argparse.Namespace) -> int:
                 ],
                 report=report,
                 known=set(policies),
+                max_response_bytes={n: p.max_response_bytes for n, p in policies.items()},
             )
     except app_lifespan.LifespanFailed as exc:
         raise UsageError(f"--app {args.app}: {exc}") from None

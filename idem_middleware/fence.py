@@ -209,6 +209,7 @@ async def run_reconciler(
     held_wait: float | None = None,
     by_hand: bool | None = None,
     fence_first: bool = False,
+    max_body_bytes: int | None = None,  # (a `Happened` body over it: an error, left unknown)
 ) -> ReconcileResult:
     """Run one reconciler, bounded by `seconds`, on an unknown record under `generation`.
 
@@ -309,20 +310,22 @@ async def run_reconciler(
     if isinstance(result, NotHappened):
         await fence.seal()
         return ReconcileResult(Verdict.NOT_HAPPENED)
-    state = _settles_to(result)
+    state = _settles_to(result, max_body_bytes)
     if not isinstance(state, State):  # (State is a StrEnum: test for it, not for str)
         # A reconciler's bug, handled as if it had raised: its writes roll back, the record
         # stays unknown, and the batch (or the client's retry) goes on.
         await fence.seal()
-        logger.warning("reconciler gave no usable answer: %s", state, extra=log)
+        level = logging.ERROR if "max_response_bytes" in state else logging.WARNING
+        logger.log(level, "reconciler gave no usable answer: %s", state, extra=log)
         return ReconcileResult(Verdict.FAILED, _FAILED)
     assert isinstance(result, Happened)  # (_settles_to checked it)
     # Kept as a handler's headers are: a reconciler that hands over the downstream's own
     # (Content-Length, Transfer-Encoding, Date ...) would otherwise break every replay.
     # (`int`: an `HTTPStatus` member is recorded as the number it is, as a handler's is.)
     stored = StoredResponse(int(result.status), storable_headers(result.headers), result.body)
+    line = f"reconciled unknown -> {state.value} {stored.status}"  # (as an operator's move)
     try:
-        settled = await fence.settle(Settlement(state, stored, note="reconciled"))
+        settled = await fence.settle(Settlement(state, stored, note=line))
     except StatementRefused as exc:
         # The database refused to commit the answer with the reconciler's fenced writes (it
         # went on after one of its statements failed, or broke a deferred constraint): the
@@ -361,7 +364,7 @@ def _bounded(fence: Fence, held_wait: float) -> Callable[[], Awaitable[Any]]:
     return connection
 
 
-def _settles_to(result: object) -> State | str:
+def _settles_to(result: object, cap: int | None) -> State | str:
     """The state a `Happened` answer settles the record to, or why the answer cannot be used.
 
     The reason is logged: it names the type or the status a reconciler returned, never a body.
@@ -377,6 +380,8 @@ def _settles_to(result: object) -> State | str:
         return f"Happened({status}): not a final outcome (a 2xx, a 3xx or a final 4xx)"
     if not isinstance(result.body, bytes):
         return f"Happened({status}): its body is a {type(result.body).__qualname__}, not bytes"
+    if cap is not None and (size := len(result.body)) > cap:
+        return f"Happened({status}): a body of {size} bytes, over max_response_bytes ({cap})"
     headers = result.headers
     if not isinstance(headers, Sequence) or not all(
         isinstance(pair, tuple | list)

@@ -258,6 +258,7 @@ class LeaseRun:
                 # waited for no longer than this request's wait, as a takeover's lock is.
                 held_wait=lock_wait(deadline - asyncio.get_running_loop().time()),
                 fence_first=record.generation == self._held,
+                max_body_bytes=policy.max_response_bytes,  # (as a handler's response's)
             )
             if result.verdict is Verdict.NOT_HAPPENED:
                 return await self._run_again(record)

@@ -148,12 +148,22 @@ def _audit_line(
     return f"{action} {before.state.value}{old} -> {after.value}{new}: {note}"
 
 
+#: The longest audit note (characters, its whitespace runs as one space): a line of the record's
+#: audit trail, which every `show` and `list` prints (a 2 MB note was kept whole).
+MAX_NOTE_CHARS = 1000
+
+
 def _note(note: str) -> str:
     if not isinstance(note, str):
         raise TypeError(f"an audit note is a str, not {type(note).__name__}")
     text = " ".join(note.split())  # one line per move in the audit trail
     if not text:
         raise ValueError("an audit note is required")
+    if len(text) > MAX_NOTE_CHARS:
+        raise ValueError(
+            f"an audit note is at most {MAX_NOTE_CHARS} characters, not {len(text)}: keep the"
+            " details elsewhere and name them"
+        )
     # (Refused before any statement, as the CLI's `audit_note` does: the database's refusal was
     # a StoreError, or the driver's own DataError for a lone surrogate, after the record's read.)
     try:

@@ -13,7 +13,7 @@ from typing import TypeVar
 from .context import key_digest
 from .errors import ClaimBusy, ConfigurationError, StatementRefused
 from .fence import Verdict, run_reconciler
-from .policy import plainly_sync, seconds_option
+from .policy import Policy, plainly_sync, seconds_option
 from .reconcile import Reconciler
 from .store.base import RecordKey, RecordSummary, State, Store
 
@@ -21,6 +21,8 @@ logger = logging.getLogger("idem_middleware")
 
 #: The most unknown records one `reconcile_unknown` looks at (every loop is bounded).
 _MAX_SCANNED = 1_000_000
+#: The largest `Happened` body stored for an operation `max_response_bytes` does not name.
+_DEFAULT_CAP = Policy().max_response_bytes
 #: The longest `reconcile_unknown` waits for a record another session holds (an executor's or a
 #: reconciler's fenced transaction, or a process paused holding one) before passing it over.
 _HELD_WAIT = 1.0
@@ -109,6 +111,7 @@ async def reconcile_unknown(
     takeover: Collection[str] = (),
     report: ReconcileReport | None = None,
     known: Collection[str] | None = None,
+    max_response_bytes: Mapping[str, int] | None = None,
 ) -> ReconcileReport:
     """Settle unknown records (and pending ones whose lease lapsed) by asking their reconcilers.
 
@@ -124,8 +127,13 @@ async def reconcile_unknown(
 
     `report`, if given, is filled in as the run goes: a caller that the database fails partway
     (StoreError) still knows what was done.
+
+    `max_response_bytes` maps operations to their policy's: a `Happened` body over it is refused
+    (logged as an error, the record left unknown: `failed`), as is one over a `Policy`'s default
+    for an operation it does not name.
     """
     seconds = _checked(reconcilers, limit, seconds, {"takeover": takeover, "known": known})
+    caps = _caps(max_response_bytes)
     if report is None:
         report = ReconcileReport()
     elif not isinstance(report, ReconcileReport):  # (else it failed after the first move)
@@ -166,7 +174,8 @@ async def reconcile_unknown(
                 continue
             runs += 1
             try:
-                verdict = await _reconcile_one(store, summary, reconciler, seconds, held_wait)
+                cap = caps.get(op, _DEFAULT_CAP)
+                verdict = await _reconcile_one(store, summary, reconciler, seconds, held_wait, cap)
             except Held:
                 report.held += 1
                 verdict = Verdict.HELD
@@ -284,8 +293,27 @@ def _fields(summary: RecordSummary) -> dict[str, object]:
     }
 
 
+def _caps(caps: object) -> Mapping[str, int]:
+    """`reconcile_unknown`'s `max_response_bytes` (TypeError, ValueError), before any statement."""
+    if caps is None:
+        return {}
+    if not isinstance(caps, Mapping):
+        raise TypeError(
+            f"max_response_bytes maps operation names to sizes, not a {type(caps).__name__}"
+        )
+    for name, cap in caps.items():
+        if isinstance(cap, bool) or not isinstance(cap, int) or cap < 0:
+            raise ValueError(f"the max_response_bytes of {name!r:.120} is a whole number from 0")
+    return caps
+
+
 async def _reconcile_one(
-    store: Store, summary: RecordSummary, reconciler: Reconciler, seconds: float, held_wait: float
+    store: Store,
+    summary: RecordSummary,
+    reconciler: Reconciler,
+    seconds: float,
+    held_wait: float,
+    cap: int,
 ) -> Verdict:
     result = await run_reconciler(
         store,
@@ -296,11 +324,14 @@ async def _reconcile_one(
         epoch=summary.epoch,
         held_wait=held_wait,
         by_hand=False,  # (read with the record: no second read)
+        max_body_bytes=cap,
     )
     if result.verdict is Verdict.HELD:
         raise Held  # (another session held the record: its fenced connection was refused)
     if result.verdict is Verdict.NOT_HAPPENED:
-        retry = store.allow_retry(summary.key, summary.generation, "reconciled: not happened")
+        # (The line a retry's takeover writes, in an operator's move's format.)
+        line = "reconciled unknown -> pending: not happened"
+        retry = store.allow_retry(summary.key, summary.generation, line)
         if not await unless_held(retry, held_wait):
             return Verdict.CHANGED  # someone else moved it meanwhile
     return result.verdict

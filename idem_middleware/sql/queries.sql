@@ -620,7 +620,7 @@ SET generation = nextval('idem_generation_seq'), state = 'pending', mode = 'leas
     note = CASE WHEN r.state = 'unknown'
                 THEN concat_ws(E'\n', r.note,
                                to_char(now() AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS"Z "')
-                               || 'reconciled: not happened')
+                               || 'reconciled unknown -> pending: not happened')
                 ELSE r.note END
 FROM locked
 WHERE r.tenant = $1 AND r.operation = $2 AND r.idem_key = $3
@@ -711,17 +711,21 @@ FROM settled;
 
 -- name: release
 -- Forget a claim whose request did nothing (a 4xx meaning "fix and retry"), and wake waiters.
--- If the key is a one-time token, the claim consumed it: nothing happened, so it is unused again.
+-- If the key is a one-time token this record's life consumed, nothing happened: it is unused
+-- again. That life's claim (`claim`, `reclaim_expired`) stamped the token's `consumed_at` and the
+-- record's `created_at` with its transaction's now(), kept across takeovers; a life begun with
+-- the token as a plain key (`require_token` turned off meanwhile) never gives it back.
 -- $1 tenant, $2 operation, $3 key, $4 generation, $5 notification payload
 WITH released AS (
     DELETE FROM idem_requests
     WHERE tenant = $1 AND operation = $2 AND idem_key = $3
       AND generation = $4 AND state = 'pending'
-    RETURNING 1
+    RETURNING created_at
 ), restored AS (
     UPDATE idem_tokens t SET consumed_at = NULL
     FROM released
     WHERE t.tenant = $1 AND t.token_hash = sha256(convert_to($3, 'UTF8')) AND t.operation = $2
+      AND t.consumed_at = released.created_at
 )
 SELECT count(*) AS released, pg_notify('idem_middleware', $5) AS notified FROM released;
 

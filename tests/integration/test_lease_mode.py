@@ -576,7 +576,7 @@ async def test_seed_unknown_downstream_result_is_reconciled_as_happened(
         done = await row(bank)
         assert done is not None
         assert done["state"] == "succeeded"
-        assert trail(done["note"])[-1] == "reconciled"
+        assert trail(done["note"])[-1] == "reconciled unknown -> succeeded 201"
         assert done["generation"] == unknown["generation"]
 
         again = await post(c)

@@ -234,7 +234,7 @@ async def test_two_reconciles_at_once_settle_each_record_once(
         notes = await conn.fetch("SELECT note FROM idem_requests")
     finally:
         await conn.close()
-    assert all(trail(r["note"])[-1] == "reconciled" for r in notes)
+    assert all(trail(r["note"])[-1] == "reconciled unknown -> succeeded 201" for r in notes)
 
 
 async def _fenced_reconciler(ctx: ReconcileContext) -> Reconciliation:

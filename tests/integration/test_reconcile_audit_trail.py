@@ -53,7 +53,7 @@ async def test_a_retrys_not_happened_is_in_the_audit_trail(store: Store) -> None
     summary = await store.describe(KEY)
     assert summary is not None
     assert summary.state is State.SUCCEEDED
-    assert _trail(summary.note) == ["reconciled: not happened"]
+    assert _trail(summary.note) == ["reconciled unknown -> pending: not happened"]
 
 
 async def test_the_batchs_not_happened_leaves_the_same_single_line(store: Store) -> None:
@@ -69,7 +69,7 @@ async def test_the_batchs_not_happened_leaves_the_same_single_line(store: Store)
     summary = await store.describe(KEY)
     assert summary is not None
     assert summary.state is State.SUCCEEDED
-    assert _trail(summary.note) == ["reconciled: not happened"]
+    assert _trail(summary.note) == ["reconciled unknown -> pending: not happened"]
 
 
 async def test_a_lapsed_lease_taken_over_adds_no_line(store: Store) -> None:

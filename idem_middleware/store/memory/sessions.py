@@ -37,7 +37,8 @@ class _MemoryTransaction:
         #: Keys held before the last claim: their staged records (None: held, nothing staged).
         self._earlier: dict[RecordKey, _Pending | None] | None = None
         #: Tokens this transaction's claims consume, marked at commit (made when there is one).
-        self._consumed: set[tuple[str, bytes]] | None = None
+        #: The tokens this transaction's claims consume, each with its claim's epoch.
+        self._consumed: dict[tuple[str, bytes], int] | None = None
         self.active = False
 
     async def __aenter__(self) -> _MemoryTransaction:
@@ -141,11 +142,12 @@ class _MemoryTransaction:
                     # As PostgreSQL's transaction keeps the key's claim lock it took to judge it.
                     self.hold(key)
                 return TokenRefused(reason)
-            if self._consumed is None:
-                self._consumed = set()
-            self._consumed.add((key.tenant, token_hash))
             store._held_tokens.add((key.tenant, token_hash))
         generation = next(store._generations)
+        if token_hash is not None and not released:
+            if self._consumed is None:
+                self._consumed = {}
+            self._consumed[(key.tenant, token_hash)] = generation  # (a fresh record: its epoch)
         if self._claimed is not None and key != self._claimed:
             # A second key in one transaction: the first claim moves among the earlier ones.
             self._earlier_keys()[self._claimed] = self._pending
@@ -185,8 +187,8 @@ class _MemoryTransaction:
                     rows.put(other, pending_row(claimed))
         rows.put_completed(key, pending, state, now, response)
         if self._consumed is not None:
-            for token in self._consumed:
-                self._store._consume(token, True)
+            for token, epoch in self._consumed.items():
+                self._store._consume(token, epoch)
         self._end()
 
 

@@ -74,8 +74,9 @@ class MemoryStore(OffPathOperations):
                 # An expired record a transaction is reclaiming: its token is judged first, as
                 # PostgreSQL's claim judges it before it tries the record's row.
                 raise ClaimBusy("a transaction is claiming this key")
-            self._consume((key.tenant, token_hash), True)
         generation = next(self._generations)
+        if token_hash is not None:
+            self._consume((key.tenant, token_hash), generation)
         fresh = _Row(
             fingerprint,
             State.PENDING,
@@ -158,7 +159,7 @@ class MemoryStore(OffPathOperations):
                 lease_expires_at=now + lease_seconds,
                 updated_at=now,
                 note=(
-                    appended(row.note, "reconciled: not happened")
+                    appended(row.note, "reconciled unknown -> pending: not happened")
                     if row.state is State.UNKNOWN
                     else row.note
                 ),
@@ -175,14 +176,21 @@ class MemoryStore(OffPathOperations):
         if key in self._fence_locks and self._current(key, generation, State.PENDING) is None:
             return False  # (as `settle`)
         async with self._row_lock(key):
-            if self._current(key, generation, State.PENDING) is None:
+            row = self._current(key, generation, State.PENDING)
+            if row is None:
                 return False
             del self._rows[key]
-            # A token the claim consumed is unused again: nothing happened.
+            # A token this life's claim consumed is unused again: nothing happened. (Not one a
+            # life begun with it as a plain key holds: queries.sql `release`.)
             token = (key.tenant, token_hash(key.key))
             found = self._tokens.get(token)
-            if found is not None and found.operation == key.operation:
-                self._consume(token, False)
+            if (
+                found is not None
+                and found.operation == key.operation
+                and found.consumed_by is not None
+                and found.consumed_by == row.epoch
+            ):
+                self._consume(token, None)
             self._changed(key)
             return True
 

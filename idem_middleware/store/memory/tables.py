@@ -25,6 +25,8 @@ class _Token:
     expires_at: float
     consumed: bool = False
     intent_id: str | None = None
+    #: The epoch of the record life whose claim consumed it: only its release gives it back.
+    consumed_by: int | None = None
 
 
 @dataclass(slots=True)
@@ -389,7 +391,8 @@ class MemoryTables:
             return "This token was issued for a different request."
         return ""
 
-    def _consume(self, token: tuple[str, bytes], consumed: bool) -> None:
+    def _consume(self, token: tuple[str, bytes], by: int | None) -> None:
+        """Consumed by the life of epoch `by` (None: unused again)."""
         found = self._tokens.get(token)
         if found is not None:
-            self._tokens[token] = replace(found, consumed=consumed)
+            self._tokens[token] = replace(found, consumed=by is not None, consumed_by=by)
