@@ -9,7 +9,7 @@ import importlib
 import inspect
 import os
 import sys
-from typing import Any
+from typing import Any, NoReturn
 
 from . import app_lifespan
 from .cli_commands import DATABASE_ERRORS, emit, stopped
@@ -18,6 +18,7 @@ from .cli_list import printable
 from .errors import IdempotencyError
 from .ops import ReconcileReport, collect_policies, reconcile_unknown
 from .policy import LeaseExpiry, Mode
+from .reconcile_bound import abandoned
 from .routing import routes_of
 from .store.postgres import PostgresStore
 
@@ -62,6 +63,37 @@ def load_app(spec: str) -> Any:
 
 
 async def reconcile(store: PostgresStore, args: argparse.Namespace) -> int:
+    try:
+        code = await _reconciled(store, args)
+    except BaseException as exc:
+        if abandoned():
+            _leave(exc)
+        raise
+    if abandoned():
+        _leave(None)
+    return code
+
+
+def _leave(exc: BaseException | None) -> NoReturn:
+    """Exit now, leaving the reconciler runs that ignored their cancellation (`reconcile_bound`,
+    each logged at ERROR): closing the store waited for their connections, then asyncio.run for
+    their tasks, for good. The process's end drops their connections: the server rolls their
+    fenced transactions back, and their records stay unknown. Exit 1 (130 if interrupted)."""
+    interrupted = exc is not None and not isinstance(exc, Exception)
+    if exc is not None:
+        print(f"idem-middleware: {'interrupted' if interrupted else exc}", file=sys.stderr)
+    print(
+        f"idem-middleware: {abandoned()} reconciler runs ignored their cancellation and still "
+        "run: exiting without waiting for them (their fenced transactions roll back)",
+        file=sys.stderr,
+    )
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
+        sys.stderr.flush()
+    os._exit(130 if interrupted else 1)
+
+
+async def _reconciled(store: PostgresStore, args: argparse.Namespace) -> int:
     if not args.app:
         raise UsageError("reconcile needs --app (or IDEM_APP) to find the reconcilers")
     app = load_app(args.app)

@@ -15,10 +15,11 @@ from typing import TYPE_CHECKING
 
 from .answers import TENANT_BUSY, WAITERS_FULL, Answer, InFlight, Problem
 from .errors import ClaimBusy, ClaimRefused, ClaimTimeout, ProblemKind, StoreClosed, StoreError
-from .fence import Verdict, run_reconciler
+from .fence import Verdict
 from .lease_executor import LeaseExecution, log_extra
 from .outcomes import duplicate_answer, settled_answer
 from .policy import LeaseExpiry
+from .reconcile_bound import bounded_reconciler
 from .store.base import Claim, Claimed, Record, RecordKey, State, TokenRefused
 from .waiting import FREE_SLOT, Held, lock_wait, wait_rounds
 
@@ -76,7 +77,12 @@ class LeaseRun:
     def run(self) -> Awaitable[Answer]:
         """The request's coroutine: the execution's, which claims the key first in its own frame
         (`LeaseExecution.run`), so that each await of the handler passes one frame fewer; a key
-        it could not claim is answered by `unclaimed`."""
+        it could not claim is answered by `unclaimed`. A duplicate of a request this process runs
+        (`Waiters.held`: an execution's, or a transactional attempt's) waits at once, as one whose
+        claim found the key busy: with no slot (a tenant at its cap is not refused its replay)."""
+        held = self.ex.mw.waiters.held
+        if held and self.key in held:
+            return self.duplicate(None, busy=True)
         return LeaseExecution(self.ex, self.key, 0, None).run(self)
 
     async def unclaimed(self, claim: Claim | None) -> Answer:
@@ -247,7 +253,8 @@ class LeaseRun:
         if slot is None:
             return self.busy()
         try:
-            result = await run_reconciler(
+            # (Bounded even if the reconciler swallows its cancellation: see reconcile_bound.)
+            result = await bounded_reconciler(
                 self.store,
                 self.key,
                 record.generation,

@@ -12,9 +12,10 @@ from typing import TypeVar
 
 from .context import key_digest
 from .errors import ClaimBusy, ConfigurationError, StatementRefused
-from .fence import Verdict, run_reconciler
+from .fence import Verdict
 from .policy import Policy, plainly_sync, seconds_option
 from .reconcile import Reconciler
+from .reconcile_bound import bounded_reconciler
 from .store.base import RecordKey, RecordSummary, State, Store
 
 logger = logging.getLogger("idem_middleware")
@@ -315,12 +316,13 @@ async def _reconcile_one(
     held_wait: float,
     cap: int,
 ) -> Verdict:
-    result = await run_reconciler(
+    result = await bounded_reconciler(
         store,
         summary.key,
         summary.generation,
         reconciler,
         seconds=seconds,
+        stuck_raises=True,  # (ReconcilersStuck: the batch stops, and says why)
         epoch=summary.epoch,
         held_wait=held_wait,
         by_hand=False,  # (read with the record: no second read)
