@@ -144,6 +144,7 @@ class LeaseRun:
                     # nothing, so it polls on, for what is left of its wait (not a closed store).
                     if poll == _FIRST_POLL or loop.time() >= deadline or type(exc) is StoreClosed:
                         raise
+                    busy = True  # (not read: waited for again, never acted on unread)
         raise RuntimeError("the record kept changing; giving up")  # pragma: no cover
 
     def _in_flight(self, record: Record | None) -> InFlight:
