@@ -30,6 +30,11 @@ def test_bench_runs_and_writes_its_table(tmp_path: Path) -> None:
         "1",
         "--repeats",
         "1",
+        # (No warm-up, a short drain: the harness end to end, not figures; 12 s of the suite.)
+        "--warmup",
+        "0",
+        "--drain",
+        "1",
         "--variants",
         ",".join(VARIANTS),
         "--scenarios",
