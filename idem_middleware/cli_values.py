@@ -15,7 +15,7 @@ from urllib.parse import urlsplit
 
 from .cli_connect import UsageError
 from .errors import ConfigurationError
-from .ops import MAX_NOTE_CHARS
+from .ops import checked_note
 from .policy import seconds_option
 from .store.migrations import MAX_LOCK_TIMEOUT_SECONDS
 
@@ -191,10 +191,10 @@ def audit_note(text: str) -> str:
     text = utf8_text(text)
     if not text.strip():
         raise argparse.ArgumentTypeError("an audit note is required (it goes into the audit trail)")
-    if (length := len(" ".join(text.split()))) > MAX_NOTE_CHARS:
-        raise argparse.ArgumentTypeError(
-            f"an audit note is at most {MAX_NOTE_CHARS} characters, not {length}"
-        )
+    try:
+        checked_note(text)  # (the library's own rule: its length)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
     return text
 
 

@@ -153,7 +153,8 @@ def _audit_line(
 MAX_NOTE_CHARS = 1000
 
 
-def _note(note: str) -> str:
+def checked_note(note: str) -> str:
+    """The audit note as the trail keeps it (one line); ValueError for one it cannot keep."""
     if not isinstance(note, str):
         raise TypeError(f"an audit note is a str, not {type(note).__name__}")
     text = " ".join(note.split())  # one line per move in the audit trail
@@ -251,7 +252,7 @@ async def resolve(
     stays in the audit trail). `succeeded` and `failed_final` only store the response retries
     get: no handler runs and no business write is made.
     """
-    text = _note(note)
+    text = checked_note(note)
     to = _resolution(to)
     if not isinstance(again, bool):  # ("false" was true, and replaced a final outcome)
         raise TypeError(f"again is True or False, not {type(again).__name__}")
@@ -303,7 +304,7 @@ async def reopen(store: Store, key: RecordKey, *, note: str) -> Move:
     """Turn a succeeded or failed_final record back to `unknown`: retries get 409
     outcome-unknown until it is resolved again, by hand (no reconciler runs on it, in either
     mode: writes may have committed with its outcome, see `RecordSummary.by_hand`)."""
-    text = _note(note)
+    text = checked_note(note)
     record = await _record(store, key)
     if record.state not in FINAL_STATES:
         raise ResolveError(

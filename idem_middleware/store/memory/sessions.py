@@ -36,8 +36,8 @@ class _MemoryTransaction:
         self._pending: _Pending | None = None
         #: Keys held before the last claim: their staged records (None: held, nothing staged).
         self._earlier: dict[RecordKey, _Pending | None] | None = None
-        #: Tokens this transaction's claims consume, marked at commit (made when there is one).
-        #: The tokens this transaction's claims consume, each with its claim's epoch.
+        #: Tokens this transaction's claims consume, each with its claim's epoch, marked at commit
+        #: (made when there is one).
         self._consumed: dict[tuple[str, bytes], int] | None = None
         self.active = False
 

@@ -23,10 +23,13 @@ class _Token:
     operation: str
     request_digest: bytes | None
     expires_at: float
-    consumed: bool = False
     intent_id: str | None = None
-    #: The epoch of the record life whose claim consumed it: only its release gives it back.
+    #: The epoch of the life that consumed it (None: unused): only that life's release frees it.
     consumed_by: int | None = None
+
+    @property
+    def consumed(self) -> bool:
+        return self.consumed_by is not None
 
 
 @dataclass(slots=True)
@@ -391,8 +394,7 @@ class MemoryTables:
             return "This token was issued for a different request."
         return ""
 
-    def _consume(self, token: tuple[str, bytes], by: int | None) -> None:
-        """Consumed by the life of epoch `by` (None: unused again)."""
+    def _consume(self, token: tuple[str, bytes], by: int | None) -> None:  # (`consumed_by`)
         found = self._tokens.get(token)
         if found is not None:
-            self._tokens[token] = replace(found, consumed=by is not None, consumed_by=by)
+            self._tokens[token] = replace(found, consumed_by=by)
