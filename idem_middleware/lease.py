@@ -77,7 +77,12 @@ class LeaseRun:
     def run(self) -> Awaitable[Answer]:
         """The request's coroutine: the execution's, which claims the key first in its own frame
         (`LeaseExecution.run`), so that each await of the handler passes one frame fewer; a key
-        it could not claim is answered by `unclaimed`."""
+        it could not claim is answered by `unclaimed`. A duplicate of a request this process runs
+        (`Waiters.held`: an execution's, or a transactional attempt's) waits at once, as one whose
+        claim found the key busy: with no slot (a tenant at its cap is not refused its replay)."""
+        held = self.ex.mw.waiters.held
+        if held and self.key in held:
+            return self.duplicate(None, busy=True)
         return LeaseExecution(self.ex, self.key, 0, None).run(self)
 
     async def unclaimed(self, claim: Claim | None) -> Answer:

@@ -155,7 +155,9 @@ class LeaseExecution:
         capture = self.capture = ResponseCapture(ex.send, policy.max_response_bytes, self)
         try:
             # (The execution itself, in this frame: each await of the handler passes through
-            # every frame between it and the task.)
+            # every frame between it and the task.) Its key is held here until it ends (or
+            # settles early): a duplicate of this process's waits for it with no slot.
+            ex.mw.waiters.held[key] = self
             ex.emit(Event.CLAIMED, generation)
             # The heartbeat task starts only when the first renewal is due (a third of the
             # lease): most handlers are done sooner, and a task (or a timer) per request is not
@@ -278,6 +280,7 @@ class LeaseExecution:
             capture.close()  # this execution and its capture refer to each other
             if slot is not None:
                 slot.give_back()
+            ex.mw.waiters.wake(key, self)
 
     async def settle_early(self, reason: str) -> None:
         """Before the first byte of a response that cannot be held: a refused settlement (a
@@ -306,6 +309,7 @@ class LeaseExecution:
         self.ex.started = True
         if self.ex.slot is not None:
             self.ex.slot.give_back()  # the stream holds no connection, nor the tenant's slot
+        self.ex.mw.waiters.wake(self.key, self)
 
     async def _settle(
         self,

@@ -63,7 +63,9 @@ class Waiters:
         #: to leave removes it, woken or not (a holder in another process never wakes it).
         self._events: dict[Hashable, _Waiting] = {}
         #: Keys a transactional attempt of this process has claimed, by that attempt, while its
-        #: transaction is open: a duplicate of one waits at once, asking the pool for nothing.
+        #: transaction is open, and keys a lease execution runs, by that execution, until it
+        #: ends or settles early: a duplicate of one waits at once, asking the pool for nothing
+        #: (nor for a tenant slot).
         self.held: dict[Hashable, object] = {}
 
     def enter(self) -> bool:

@@ -243,14 +243,13 @@ async def test_a_replay_has_one_idempotent_replayed_header() -> None:
     [
         (Mode.TRANSACTIONAL, "another key"),
         (Mode.LEASE, "another key"),
-        (Mode.LEASE, "a duplicate"),
     ],
 )
 async def test_with_the_tenants_slots_taken_a_request_is_told_429(mode: Mode, second: str) -> None:
     """With the tenant's slots all taken, another request is answered 429 + Retry-After, in
-    either mode; so is a lease-mode duplicate of the request in flight (docs/concurrency.md: its
-    claim needs a connection to find the key busy; a transactional one of a request of this
-    process waits without one: test_duplicates_held_here.py). The original is not disturbed."""
+    either mode. (A duplicate of the request in flight in this process waits without a slot, in
+    either mode: test_duplicates_held_here.py, test_slotdup_held_here.py.) The original is not
+    disturbed."""
     calls = Calls()
     calls.gate = asyncio.Event()
     policy = Policy(mode=mode, wait_seconds=2)

@@ -67,6 +67,10 @@ class Listener:
         #: before) made one that nothing closed: a connection of the pool (a pool of the app's
         #: own) never given back, or one of its own left open.
         self._stopped = False
+        #: Once a connection was up and was lost, it is made again by itself (not only when a
+        #: wait begins): after a failed attempt, again every RETRY_SECONDS (`_retry`).
+        self._keep_up = False
+        self._retrying: asyncio.TimerHandle | None = None
 
     def resume(self) -> None:
         self._stopped = False
@@ -97,10 +101,17 @@ class Listener:
         except Exception as exc:  # (the pool's `connect=`, `init` or `setup` may raise anything)
             logger.warning("LISTEN unavailable, polling instead: %r", exc)
             self._retry_at = loop.time() + RETRY_SECONDS
+            if self._keep_up and not self._stopped and self._retrying is None:
+                self._retrying = loop.call_later(RETRY_SECONDS, self._retry)
         finally:
             self._connecting = None
             if conn is not None:  # it never became the listener (a timeout, or closing)
                 conn.terminate()
+
+    def _retry(self) -> None:
+        self._retrying = None
+        self._retry_at = 0.0  # (a timer may fire a little early: its time has come)
+        self.ensure()
 
     def _notified(self, conn: object, pid: int, channel: str, payload: object) -> None:
         for event in self._waiters.get(str(payload), ()):
@@ -108,6 +119,11 @@ class Listener:
 
     def _lost(self, conn: Any) -> None:
         self._conn = None
+        # Made again at once, and while the server is away every RETRY_SECONDS: the waits of
+        # this process may all be in-process ones for a while (`Waiters.held`), which never
+        # start an attempt, and a wait of another process's key would find none.
+        self._keep_up = True
+        self._retry()
         # Wake everyone: they re-read the record, then poll until a new listener is up.
         for events in self._waiters.values():
             for event in events:
@@ -183,6 +199,9 @@ class Listener:
         goodbye) takes at most `seconds` (and `CONNECT_SECONDS`)."""
         seconds = min(seconds, CONNECT_SECONDS)
         self._stopped = True
+        if self._retrying is not None:
+            self._retrying.cancel()
+            self._retrying = None
         if self._pending:  # registrations still ending (their waiters were cancelled)
             await asyncio.wait(tuple(self._pending), timeout=seconds)
             for task in tuple(self._pending):  # (a server that does not answer: `purge`'s)
@@ -226,6 +245,7 @@ class _Registered(EventWatch):
             self._registering = listener._spawn(listener._register(self._token))
             await asyncio.shield(self._registering)
             seconds -= loop.time() - started
+        listener.ensure()  # (at each poll: a wait that began while the server was away)
         return await super().wait(seconds)
 
     def end(self) -> asyncio.Task[None] | None:
