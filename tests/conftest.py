@@ -114,7 +114,21 @@ async def admin_dsn(pg_dsn: str) -> str:
     return pg_dsn
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int | None:
+    """`-n auto` runs the suite in this one process with IDEM_TEST_DSN: the tests name their
+    databases and roles on that one server alike (each worker has a server of its own else)."""
+    return 0 if os.environ.get("IDEM_TEST_DSN") else None
+
+
 def pytest_configure(config: pytest.Config) -> None:
+    workers = getattr(config.option, "numprocesses", None)
+    if os.environ.get("IDEM_TEST_DSN") and isinstance(workers, int) and workers > 1:
+        raise pytest.UsageError(
+            f"IDEM_TEST_DSN with -n {workers}: the tests name their databases and roles on that"
+            " one server alike, so its workers would drop each other's; run one process (-n 0,"
+            " or -n auto, which runs one with IDEM_TEST_DSN), or unset IDEM_TEST_DSN"
+        )
     config.addinivalue_line(
         "markers", "db_routes(*routes): also run the module's database tests by these routes"
     )

@@ -46,7 +46,11 @@ def inner_env(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, pg_dsn
 def use_this_server(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, pg_dsn: str
 ) -> Path:
-    """The inner run uses this run's server (no second one) and its own temporary directory."""
+    """The inner run uses this run's server (no second one) and its own temporary directory,
+    and is a run of its own, not one of this run's pytest-xdist workers (whose names the plugin
+    gives its databases)."""
+    for name in ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "PYTEST_XDIST_TESTRUNUID"):
+        monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")
     monkeypatch.setenv("IDEM_TEST_DSN", pg_dsn)
     monkeypatch.setenv("PYTHONPATH", str(ROOT))
