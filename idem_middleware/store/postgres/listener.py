@@ -28,6 +28,10 @@ _ERRORS: tuple[type[BaseException], ...] = (*CONNECTION_ERRORS, asyncpg.Postgres
 _CONNECT_ERRORS: tuple[type[BaseException], ...] = (*_ERRORS, TimeoutError)
 _REGISTER_ERRORS: tuple[type[BaseException], ...] = (*_CONNECT_ERRORS, RetryableConflict)
 _T = TypeVar("_T")
+_NEVER_IDLE_OUT = (
+    "SELECT set_config(name, '0', false) FROM pg_catalog.pg_settings"
+    " WHERE name = 'idle_session_timeout'"
+)
 
 
 class Listener:
@@ -95,6 +99,9 @@ class Listener:
         try:
             async with asyncio.timeout(CONNECT_SECONDS):
                 conn = await self._open_connection()
+                # Idle by design: a role's or database's idle_session_timeout would end it again
+                # and again (each time made again by `_lost`). (The setting: PostgreSQL 14 on.)
+                await conn.execute(_NEVER_IDLE_OUT)
                 await conn.add_listener(NOTIFY_CHANNEL, self._notified)
             conn.add_termination_listener(self._lost)
             self._conn, conn = conn, None

@@ -142,3 +142,16 @@ async def test_a_wait_begun_while_the_server_was_away_connects_at_a_later_poll(
                 await watch.wait(0.05)
             assert listener.connected()
         assert failing.calls == 2
+
+
+async def test_an_idle_session_timeout_does_not_end_the_listener(db_dsn: str) -> None:
+    """A role's or database's `idle_session_timeout` (here the pool's server_settings, which the
+    listener's connection is made with too) would end the idle LISTEN session again and again."""
+    settings = {"server_settings": {"idle_session_timeout": "200"}}
+    async with PostgresStore(dsn=db_dsn, min_size=1, max_size=2, connect_kwargs=settings) as store:
+        listener = await _listening(store)
+        first = listener._conn
+        await asyncio.sleep(0.8)  # (four timeouts' worth)
+        assert listener._conn is first
+        assert not first.is_closed()
+        assert await first.fetchval("SHOW idle_session_timeout") == "0"
