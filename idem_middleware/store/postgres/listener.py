@@ -104,6 +104,8 @@ class Listener:
                 await conn.execute(_NEVER_IDLE_OUT)
                 await conn.add_listener(NOTIFY_CHANNEL, self._notified)
             conn.add_termination_listener(self._lost)
+            if conn.is_closed():  # (ended as its LISTEN was answered: its end was heard by no one)
+                raise ConnectionResetError("the LISTEN connection ended as it was made")
             self._conn, conn = conn, None
         except Exception as exc:  # (the pool's `connect=`, `init` or `setup` may raise anything)
             logger.warning("LISTEN unavailable, polling instead: %r", exc)

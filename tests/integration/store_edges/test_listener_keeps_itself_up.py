@@ -155,3 +155,48 @@ async def test_an_idle_session_timeout_does_not_end_the_listener(db_dsn: str) ->
         assert listener._conn is first
         assert not first.is_closed()
         assert await first.fetchval("SHOW idle_session_timeout") == "0"
+
+
+class EndingAfterListen:
+    """A connection the server ends just as its LISTEN is answered (both in one read: the
+    connection is cleaned up before the listener's code runs on)."""
+
+    def __init__(self, conn: Any) -> None:
+        self._conn = conn
+
+    async def add_listener(self, *args: Any) -> None:
+        await self._conn.add_listener(*args)
+        self._conn.terminate()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._conn, name)
+
+
+async def test_a_listener_ended_as_it_was_made_is_made_again(
+    db_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its termination listener, added to a connection already cleaned up, would never be
+    called: the listener stayed down, with nothing to retry it until a wait began."""
+    monkeypatch.setattr(listener_module, "RETRY_SECONDS", 0.1)
+    admin = await asyncpg.connect(db_dsn)
+    try:
+        async with PostgresStore(dsn=db_dsn, min_size=1, max_size=2) as store:
+            listener = await _listening(store)
+            first = listener._conn
+            connect, calls = listener._open_connection, []
+
+            async def ending_once() -> Any:
+                calls.append(1)
+                conn = await connect()
+                return EndingAfterListen(conn) if len(calls) == 1 else conn
+
+            listener._open_connection = ending_once
+            await _end_listen_backends(admin)
+            await _until(
+                lambda: listener._conn not in (None, first) and listener.connected(),
+                "the listener made again, after the one that ended as it was made",
+            )
+            assert len(calls) == 2
+            assert await admin.fetchval(_LISTEN_BACKENDS) == 1
+    finally:
+        await admin.close()
