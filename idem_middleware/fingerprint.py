@@ -148,6 +148,7 @@ def _framed_count(count: int) -> bytes:
 _NO_QUERY = _framed(canonical_pairs(b"", what="The query string", max_fields=1))
 _NO_QUERY_NO_HEADERS = _NO_QUERY + _framed_count(0)
 _VERSION = _framed(FINGERPRINT_VERSION)
+_ONE_PARAM = _framed_count(1)
 
 
 def _json_tag(content_type: bytes) -> bytes | None:
@@ -226,14 +227,18 @@ class Fingerprinter:
         # (Built once per path: most paths hold an id, and a new one is met at each request.
         # Framed inline, as `_framed_count` and `_framed_text` frame: a call per part costs more.)
         count = len(path_params)
-        head = [
-            _STARTS.get(operation) or _framed_cached(operation, _STARTS, _VERSION),
-            _U64_PAIR(8, count),
-        ]
-        for name in sorted(path_params) if count > 1 else path_params:
+        start = _STARTS.get(operation) or _framed_cached(operation, _STARTS, _VERSION)
+        if count == 1:  # (most such paths: one id; as below, without the list)
+            [name] = path_params
             value = str(path_params[name]).encode("utf-8", "surrogatepass")
-            head += (_NAMES.get(name) or _framed_cached(name, _NAMES), _U64(len(value)), value)
-        self._head = b"".join(head)
+            framed = _NAMES.get(name) or _framed_cached(name, _NAMES)
+            self._head = b"".join((start, _ONE_PARAM, framed, _U64(len(value)), value))
+        else:
+            head = [start, _U64_PAIR(8, count)]
+            for name in sorted(path_params) if count > 1 else path_params:
+                value = str(path_params[name]).encode("utf-8", "surrogatepass")
+                head += (_NAMES.get(name) or _framed_cached(name, _NAMES), _U64(len(value)), value)
+            self._head = b"".join(head)
         # The head is the same in every request of the path: a head of a whole SHA-256 block or
         # more is hashed once, at the path's second request (most paths with an id in them see
         # one), and each request after hashes only what follows it, in a copy of that state (the

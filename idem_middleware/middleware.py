@@ -10,12 +10,13 @@ import functools
 import inspect
 import logging
 import sys
+import types
 from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from typing import Any, TypeVar
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from .body_limits import capped, follow_route_limit, in_force, mounted_limit
+from .body_limits import follow_route_limit, in_force, mounted_limit
 from .capture import hide_sent_by_server
 from .context import SCOPE_KEY
 from .endpoints import HANDLED, Handled, endpoint_policy
@@ -26,15 +27,8 @@ from .keys import header_map, host_header
 from .middleware_arguments import KILL_SWITCH_ENV as KILL_SWITCH_ENV
 from .middleware_arguments import METHOD, check_arguments, named_route, switched
 from .middleware_order import root_path_below
-from .observe import Event, Observer, combine, shown
-from .policy import (
-    MAX_OPERATION_BYTES,
-    Policy,
-    RouteMatch,
-    operation_name,
-    pinned_method_error,
-    storable_operation,
-)
+from .observe import Event, Observer, combine
+from .policy import MAX_OPERATION_BYTES, Policy, RouteMatch, operation_name
 from .policy_values import names
 from .responses import DEFAULT_PROBLEM_BASE, send_problem
 from .route_cache import (
@@ -46,12 +40,15 @@ from .route_cache import (
     Guarded,
     Seen,
     Trace,
+    Untraced,
     defaults_unchanged,
     entry,
     unchanged,
 )
 from .route_candidates import Memo
+from .route_guard import RouteGuards, route_guard, unresolved_guard
 from .routing import (
+    Limits,
     Unresolved,
     app_below,
     match_route,
@@ -74,6 +71,7 @@ _UNNAMEABLE_DETAIL = (
     "with a character no record can hold (NUL). The request was not processed."
 )
 _F = TypeVar("_F", bound=Callable[..., Any])
+_NO_ROUTER = types.SimpleNamespace(routes=None)  # (an app whose routes cannot be seen)
 
 
 def _marked_coroutine_function(func: _F) -> _F:
@@ -177,9 +175,13 @@ class IdempotencyMiddleware:
         self._routes: dict[tuple[Any, ...], Entry] = {}
         #: What the misses of the route cache work out once (the routes each path can reach).
         self._route_memo = Memo()
+        self._untraced = Untraced(self._route_memo)  # (a first-seen path's: see _route)
         self._seen = Seen()  # (the paths resolved once: the cache keeps their second)
-        #: Per app served (by id): its app, router, route list then, body limit (`_router_below`).
-        self._routers: dict[int, tuple[Any, Any, Any, int | None]] = {}
+        #: Per route (method, template, endpoint, body limit): what guards it (route_guard).
+        self._route_guards: RouteGuards = {}
+        #: Per app served (by id): see `_router_below`; the last one's read first (`_resolve`).
+        self._routers: dict[int, tuple[Any, Any, Any, Any]] = {}
+        self._last_below: tuple[Any, Any, Any, Any] = (object(), _NO_ROUTER, None, None)
         if sys.version_info < (3, 12):
             # hypercorn tells an ASGI 3 app by `inspect.iscoroutinefunction(app.__call__)`, which
             # before 3.12 reads the code's flags alone (not asyncio's mark): it served the
@@ -266,14 +268,16 @@ class IdempotencyMiddleware:
     def _route(self, app: Any, method: str, scope: Scope, cache_key: tuple[Any, ...]) -> Any:
         """`_resolve`, kept in the route cache with the route lists it depended on (from the
         path's second request: Seen), unless it depended on more than the cache's key (Trace)."""
-        trace = Trace(self._route_memo)
+        # (A path met for the first time is not kept: resolved without noting what for.)
+        kept = self._seen.again(cache_key) and (
+            len(method) + len(cache_key[2]) + len(cache_key[3]) + len(cache_key[4] or b"")
+            <= CACHED_KEY_LENGTH
+        )
+        trace = Trace(self._route_memo) if kept else self._untraced
         if self.root_path_below:  # (the route found as the app will find it: see __init__)
             scope = {**scope, "root_path": self.root_path_below}
         guarded = self._resolve(app, method, scope, trace)
-        length = len(method) + len(cache_key[2]) + len(cache_key[3]) + len(cache_key[4] or b"")
-        if guarded is not None and not trace.volatile and length <= CACHED_KEY_LENGTH:
-            if not self._seen.again(cache_key):  # (kept from the path's second request on)
-                return guarded
+        if kept and guarded is not None and not trace.volatile:
             if len(self._routes) >= ROUTE_CACHE_SIZE:
                 self._routes.clear()  # many distinct paths (ids in them): start over
             self._routes[cache_key] = entry(guarded, trace)
@@ -286,53 +290,44 @@ class IdempotencyMiddleware:
         way the router will find it; `UNGUARDED` for a request the middleware passes on,
         `UNNAMEABLE` for one whose operation no record can hold (its own method or path), None
         for a route that would be guarded but cannot be named (refused)."""
-        routes, limit, router = self._router_below(app)
-        limits = (limit, limit)
+        last = self._last_below  # (the app served last, most requests': see _router_below)
+        if last[0] is app and last[1].routes is last[2]:
+            routes, limits, router = last[3]
+        else:
+            routes, limits, router = self._router_below(app)
         match = (
             match_route(routes, scope, "", trace, limits, router) if routes is not None else None
         )
-        if isinstance(match, RouteMatch) and "router" in scope:
-            match = routed_above(scope, match, trace)  # this app is mounted in another's router
-        if isinstance(match, Unresolved):
-            policy = endpoint_policy(match.endpoint, method)
-            if policy is None and method in self.methods:
-                policy = self.default_policy
-            if policy is not None and policy.guard:
-                logger.error(
-                    "idempotency: refused %s to %s: the middleware cannot name its route",
-                    shown(method),  # (any token a client sends, of any length)
-                    shown(match.where),
-                )
-                return None
-            return UNGUARDED
         if match is None:
             return UNGUARDED
-        operation = operation_name(method, match.template)
-        policy = self.policy_for(method, match, operation)
-        if policy is None:
-            return UNGUARDED
-        if policy.operation is not None:  # pinned (the startup check refused another method's)
-            if error := pinned_method_error(method, match.template, policy):
-                logger.error("idempotency: refused a request: %s", shown(error))
-                return None
-            operation = policy.operation
-        elif not storable_operation(operation):  # (the client's method, a hidden mount's path)
-            return UNNAMEABLE
+        if "router" in scope and isinstance(match, RouteMatch):
+            match = routed_above(scope, match, trace)  # this app is mounted in another's router
+        if isinstance(match, Unresolved):
+            return unresolved_guard(self, method, match)
         body_limit = in_force(scope, match.body_limit, match.least_limit)
-        policy = capped(policy, body_limit)
+        key = (method, match.template, id(match.endpoint), body_limit)
+        known = self._route_guards.get(key)  # (what guards the route: see route_guard)
+        if known is not None:  # (its endpoint kept alive with it: the id is that endpoint's)
+            named: Any = known[0]  # (a Named, or the sentinel UNGUARDED or UNNAMEABLE)
+        elif (named := route_guard(self, method, match, body_limit, key)) is None:
+            return None
+        if named is UNGUARDED or named is UNNAMEABLE:
+            return named
+        policy, operation = named
         fingerprinter = Fingerprinter(operation, match.path_params, policy)
         return fingerprinter, policy, operation, body_limit
 
-    def _router_below(self, app: Any) -> tuple[Sequence[Any] | None, int | None, Any]:
+    def _router_below(self, app: Any) -> tuple[Sequence[Any] | None, Limits, Any]:
         """The routes of the app this middleware guards (`app`: the request's, see
-        `routing.app_below`), and its router's own body limit (the app's, under FastAPI; see
-        body_limits). Found once per app; again when its router's route list is another list
-        (an app's middleware stack is built once, and its router is its router for good)."""
+        `routing.app_below`), its router's own body limit (the app's, under FastAPI; see
+        body_limits) as match_route takes it, and its router. Found once per app; again when
+        its router's route list is another list (an app's middleware stack is built once, and
+        its router is its router for good). Each entry: the app, its router (`_NO_ROUTER`:
+        none), its route list then, and the answer; the last one served, `_last_below`."""
         entry = self._routers.get(id(app))
-        if entry is not None and entry[0] is app:
-            router = entry[1]
-            if router is None or router.routes is entry[2]:
-                return entry[2], entry[3], router
+        if entry is not None and entry[0] is app and entry[1].routes is entry[2]:
+            self._last_below = entry
+            return entry[3]  # type: ignore[no-any-return]
         below = app_below(self, app)
         router = router_of(below)
         routes = None if router is None else router.routes
@@ -340,8 +335,10 @@ class IdempotencyMiddleware:
         limit = mounted_limit(below, own=False, memo=memo) if routes is not None else None
         if len(self._routers) >= ROUTE_CACHE_SIZE:
             self._routers.clear()  # (apps made at run time, each serving requests: start over)
-        self._routers[id(app)] = (app, router, routes, limit)
-        return routes, limit, router
+        holder = _NO_ROUTER if router is None else router
+        found = routes, (limit, limit), router
+        self._routers[id(app)] = self._last_below = (app, holder, routes, found)
+        return found
 
     def policy_for(
         self, method: str, route: RouteMatch | Any, operation: str | None = None

@@ -95,6 +95,28 @@ class Trace:
             self.walked(routes)
 
 
+class Untraced(Trace):
+    """A Trace that keeps nothing but the memo: a path met for the first time is resolved and
+    not kept (`Seen`), so what its match depended on is not worth noting. One per middleware,
+    shared by its requests (a resolution runs to its end without awaiting): nothing is read of
+    it but `memo`."""
+
+    __slots__ = ()
+
+    def __init__(self, memo: Memo) -> None:
+        self.memo = memo
+        self.volatile = False
+
+    def walked(self, routes: Sequence[Any], router: Any = None) -> None:
+        pass
+
+    def fell_through(self, router: Any) -> None:
+        pass
+
+    def asked(self, route: Any) -> None:
+        pass
+
+
 class Seen:
     """The cache keys resolved once, by their hashes: the route cache keeps a path from its
     second request on. Most paths with an id in them are met once, and an entry for each cost

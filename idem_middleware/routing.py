@@ -195,7 +195,7 @@ def match_route(
     (see Trace); `limit`, the body limit the enclosing mounts declare (see body_limits);
     `router`, the Router whose `routes` they are, if known (see Trace.walked).
     """
-    memo = _memo(trace)
+    memo = None if trace is None else trace.memo
     reachable, filed = candidates_and_filed(routes, scope, memo)
     if trace is not None:
         trace.walked(routes, router)
@@ -220,12 +220,11 @@ def match_route(
         if match is not Match.FULL:
             continue
         if isinstance(route, Route):
-            return RouteMatch(
-                prefix + route.path,
-                child["path_params"],
-                child["endpoint"],
-                *_within(_limit(route, memo), limit),
-            )
+            # (`_limit`, its memo read inline: a route is matched at each miss of the cache)
+            known = None if memo is None else memo.limits.get(id(route))
+            declared = known[1] if known is not None and known[0] is route else _limit(route, memo)
+            found = limit if declared is None else (declared, tighter(declared, limit[1]))
+            return RouteMatch(prefix + route.path, child["path_params"], child["endpoint"], *found)
         if (contexts := _included(route)) is not None:  # (a FastAPI that keeps them otherwise)
             named = _match_included(contexts, scope, prefix, trace, limit)
             return None if named is _NONE_FULL else named
