@@ -58,6 +58,8 @@ STAGES: dict[str, tuple[tuple[str, str], ...]] = {
         ("idem_middleware.middleware", "IdempotencyMiddleware._router_below"),
         ("idem_middleware.middleware", "match_route"),
         ("idem_middleware.middleware", "IdempotencyMiddleware.policy_for"),
+        ("idem_middleware.middleware", "route_guard"),
+        ("idem_middleware.middleware", "unresolved_guard"),
     ),
     "body read": (
         ("idem_middleware.exchange", "Exchange.body_headers"),
