@@ -130,7 +130,12 @@ class LeaseRun:
                         waiting.callback(self._waited)
                         timer = self._wait_timer = contextlib.ExitStack()
                         timer.enter_context(self.ex.timed("wait"))
-                    await self.ex.wait_present(watch.wait(min(remaining, poll)))
+                    seconds = min(remaining, poll)
+                    if self.key in waiters.held:  # (woken as this process's holder ends, with
+                        # or without LISTEN: its end is not another process's NOTIFY)
+                        await self.ex.wait_present(waiters.wait(self.key, seconds))
+                    else:
+                        await self.ex.wait_present(watch.wait(seconds))
                     poll = min(poll * 2, _MAX_POLL)
                 try:
                     # (Bounded by the wait: a read held up by a lock on the table, a migration's

@@ -809,13 +809,16 @@ async def test_waiter_is_woken_by_notify_well_before_its_poll(
     store = WatchRecorder(pool=pool, listen=listen)
     async with store:
         app = lease_app(store, bank, wait_seconds=10.0)
+        # The waiter's: another process's middleware on the same database (a duplicate of a
+        # request of its own process is woken in-process: test_lease_held_wake.py).
+        other = lease_app(store, bank, wait_seconds=10.0)
         probe = probe_of(app)
         gate = asyncio.Event()
         probe.steps = [Step(gate=gate)]
-        async with client(app) as c:
+        async with client(app) as c, client(other) as elsewhere:
             original = spawn(post(c))
             await asyncio.wait_for(probe.entered.wait(), BOUND)
-            waiter = spawn(post(c))
+            waiter = spawn(post(elsewhere))
 
             # Hold the original until the waiter's poll backoff has grown to its 1 s cap.
             async def capped() -> bool:
