@@ -235,7 +235,7 @@ class Fingerprinter:
             self._head = b"".join((start, _ONE_PARAM, framed, _U64(len(value)), value))
         else:
             head = [start, _U64_PAIR(8, count)]
-            for name in sorted(path_params) if count > 1 else path_params:
+            for name in sorted(path_params):  # (none, or two and more)
                 value = str(path_params[name]).encode("utf-8", "surrogatepass")
                 head += (_NAMES.get(name) or _framed_cached(name, _NAMES), _U64(len(value)), value)
             self._head = b"".join(head)

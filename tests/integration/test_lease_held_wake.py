@@ -37,6 +37,8 @@ class Gated:
 
 @pytest.fixture(params=["memory", "postgres, no LISTEN"])
 async def store(request: pytest.FixtureRequest, pool: Any) -> Any:
+    """PostgreSQL without LISTEN is the case the wake-up closes; MemoryStore, whose own watch
+    wakes its waiters in-process either way, checks the held path answers alike there."""
     if request.param == "memory":
         yield MemoryStore()
         return

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from collections.abc import AsyncIterator
 from typing import Any
 
 import asyncpg
@@ -24,6 +25,16 @@ _LISTEN_BACKENDS = (
     "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
     " AND query ILIKE 'LISTEN%'"
 )
+
+
+@pytest.fixture
+async def admin(db_dsn: str) -> AsyncIterator[asyncpg.Connection]:
+    """A connection of the test's own, which ends the listener's session."""
+    conn = await asyncpg.connect(db_dsn)
+    try:
+        yield conn
+    finally:
+        await conn.close()
 
 
 def _key() -> RecordKey:
@@ -70,60 +81,50 @@ class Failing:
         return await self.connect()
 
 
-async def test_a_lost_listener_is_made_again_with_no_wait_begun(db_dsn: str) -> None:
-    admin = await asyncpg.connect(db_dsn)
-    try:
-        async with PostgresStore(dsn=db_dsn, min_size=1, max_size=2) as store:
-            listener = await _listening(store)
-            first = listener._conn
-            await _end_listen_backends(admin)
-            await _until(
-                lambda: listener._conn is not first and listener.connected(),
-                "the listener made again",
-            )
-            assert first.is_closed()
-            assert await admin.fetchval(_LISTEN_BACKENDS) == 1
-    finally:
-        await admin.close()
+async def test_a_lost_listener_is_made_again_with_no_wait_begun(
+    db_dsn: str, admin: asyncpg.Connection
+) -> None:
+    async with PostgresStore(dsn=db_dsn, min_size=1, max_size=2) as store:
+        listener = await _listening(store)
+        first = listener._conn
+        await _end_listen_backends(admin)
+        await _until(
+            lambda: listener._conn is not first and listener.connected(),
+            "the listener made again",
+        )
+        assert first.is_closed()
+        assert await admin.fetchval(_LISTEN_BACKENDS) == 1
 
 
 async def test_after_a_loss_failed_attempts_are_retried_every_retry_seconds(
-    db_dsn: str, monkeypatch: pytest.MonkeyPatch
+    db_dsn: str, admin: asyncpg.Connection, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(listener_module, "RETRY_SECONDS", 0.1)
-    admin = await asyncpg.connect(db_dsn)
-    try:
-        async with PostgresStore(dsn=db_dsn, min_size=1, max_size=2) as store:
-            listener = await _listening(store)
-            failing = listener._open_connection = Failing(listener._open_connection, 3)
-            await _end_listen_backends(admin)
-            await _until(
-                lambda: failing.calls == 4 and listener.connected(),
-                "the listener made again, after three failures",
-            )
-            assert listener._retrying is None  # (connected: no retry is due)
-    finally:
-        await admin.close()
+    async with PostgresStore(dsn=db_dsn, min_size=1, max_size=2) as store:
+        listener = await _listening(store)
+        failing = listener._open_connection = Failing(listener._open_connection, 3)
+        await _end_listen_backends(admin)
+        await _until(
+            lambda: failing.calls == 4 and listener.connected(),
+            "the listener made again, after three failures",
+        )
+        assert listener._retrying is None  # (connected: no retry is due)
 
 
 async def test_closing_the_store_stops_the_retries(
-    db_dsn: str, monkeypatch: pytest.MonkeyPatch
+    db_dsn: str, admin: asyncpg.Connection, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(listener_module, "RETRY_SECONDS", 0.05)
-    admin = await asyncpg.connect(db_dsn)
-    try:
-        store = PostgresStore(dsn=db_dsn, min_size=1, max_size=2)
-        async with store:
-            listener = await _listening(store)
-            failing = listener._open_connection = Failing(listener._open_connection, 10**6)
-            await _end_listen_backends(admin)
-            await _until(lambda: failing.calls >= 2, "a retry after the first failure")
-        assert listener._retrying is None
-        calls = failing.calls
-        await asyncio.sleep(0.3)  # (six retries' worth)
-        assert failing.calls == calls
-    finally:
-        await admin.close()
+    store = PostgresStore(dsn=db_dsn, min_size=1, max_size=2)
+    async with store:
+        listener = await _listening(store)
+        failing = listener._open_connection = Failing(listener._open_connection, 10**6)
+        await _end_listen_backends(admin)
+        await _until(lambda: failing.calls >= 2, "a retry after the first failure")
+    assert listener._retrying is None
+    calls = failing.calls
+    await asyncio.sleep(0.3)  # (six retries' worth)
+    assert failing.calls == calls
 
 
 async def test_a_wait_begun_while_the_server_was_away_connects_at_a_later_poll(
@@ -173,30 +174,26 @@ class EndingAfterListen:
 
 
 async def test_a_listener_ended_as_it_was_made_is_made_again(
-    db_dsn: str, monkeypatch: pytest.MonkeyPatch
+    db_dsn: str, admin: asyncpg.Connection, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Its termination listener, added to a connection already cleaned up, would never be
     called: the listener stayed down, with nothing to retry it until a wait began."""
     monkeypatch.setattr(listener_module, "RETRY_SECONDS", 0.1)
-    admin = await asyncpg.connect(db_dsn)
-    try:
-        async with PostgresStore(dsn=db_dsn, min_size=1, max_size=2) as store:
-            listener = await _listening(store)
-            first = listener._conn
-            connect, calls = listener._open_connection, []
+    async with PostgresStore(dsn=db_dsn, min_size=1, max_size=2) as store:
+        listener = await _listening(store)
+        first = listener._conn
+        connect, calls = listener._open_connection, []
 
-            async def ending_once() -> Any:
-                calls.append(1)
-                conn = await connect()
-                return EndingAfterListen(conn) if len(calls) == 1 else conn
+        async def ending_once() -> Any:
+            calls.append(1)
+            conn = await connect()
+            return EndingAfterListen(conn) if len(calls) == 1 else conn
 
-            listener._open_connection = ending_once
-            await _end_listen_backends(admin)
-            await _until(
-                lambda: listener._conn not in (None, first) and listener.connected(),
-                "the listener made again, after the one that ended as it was made",
-            )
-            assert len(calls) == 2
-            assert await admin.fetchval(_LISTEN_BACKENDS) == 1
-    finally:
-        await admin.close()
+        listener._open_connection = ending_once
+        await _end_listen_backends(admin)
+        await _until(
+            lambda: listener._conn not in (None, first) and listener.connected(),
+            "the listener made again, after the one that ended as it was made",
+        )
+        assert len(calls) == 2
+        assert await admin.fetchval(_LISTEN_BACKENDS) == 1
